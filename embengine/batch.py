@@ -60,6 +60,9 @@ class FeatureLayout:
 class PreparedBatch:
     tables: tuple[TableBatch, ...]
     features: dict[str, FeatureLayout]
+    # False for a lookup-only batch (``preprocess(..., training=False)``): its "unique" rows are
+    # the occurrences themselves, so it can be looked up but not used to update tables.
+    deduplicated: bool = True
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -160,8 +163,12 @@ def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return offsets, order
 
 
-def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
-    """The reference construction of every table's batch (NumPy)."""
+def build_tables_numpy(
+    parts_per_table: list[list[FeaturePart]], deduplicate: bool = True
+) -> list[TableBatch]:
+    """The reference construction of every table's batch (NumPy). With ``deduplicate=False`` (lookups
+    that update nothing) every occurrence is its own "unique" row and the update views are
+    empty."""
     tables = []
     for parts in parts_per_table:
         ids, gains, segs = [], [], []
@@ -175,14 +182,17 @@ def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
         num_outputs = sum(p.num_outputs for p in parts)
         all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
         segments = np.concatenate(segs).astype(np.int64, copy=False) if segs else all_ids
-        unique, inverse = dedup(all_ids)
-        output_offsets, _ = csr(segments, num_outputs)
-        unique_offsets, by_unique = csr(inverse, len(unique))
         gains_all = (
             np.concatenate(gains).astype(np.float32, copy=False)
             if gains
             else np.zeros(0, np.float32)
         )
+        output_offsets, _ = csr(segments, num_outputs)
+        if not deduplicate:
+            tables.append(_lookup_only_batch(all_ids, gains_all, segments, output_offsets))
+            continue
+        unique, inverse = dedup(all_ids)
+        unique_offsets, by_unique = csr(inverse, len(unique))
         tables.append(
             TableBatch(
                 unique_ids=unique,
@@ -199,14 +209,34 @@ def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
     return tables
 
 
+def _lookup_only_batch(ids, gains, segments, output_offsets, identity=None) -> TableBatch:
+    """A TableBatch without deduplication: occurrence k reads row ids[k]."""
+    none_i, none_f = np.zeros(0, np.int64), np.zeros(0, np.float32)
+    return TableBatch(
+        unique_ids=ids,
+        inverse=np.arange(len(ids), dtype=np.int64) if identity is None else identity,
+        gains=gains,
+        segments=segments,
+        num_outputs=len(output_offsets) - 1,
+        output_offsets=output_offsets,
+        unique_offsets=np.zeros(1, np.int64),
+        unique_gains=none_f,
+        unique_segments=none_i,
+    )
+
+
 def prepare(
     resolved: ResolvedFeatures,
     features,
     weights=None,
     build_tables=build_tables_numpy,
     storage_layout: list[list[tuple[str, int]]] | None = None,
+    deduplicate: bool = True,
 ) -> PreparedBatch:
     """Validate features and build the per-table deduplication data (pure).
+
+    ``deduplicate=False`` builds a lookup-only batch (no deduplication, no update views): cheaper when
+    nothing will be updated (evaluation, inference).
 
     ``build_tables`` turns each table's feature parts into its TableBatch; backends pass a faster
     construction with identical results. ``storage_layout`` lists, per storage table, its
@@ -230,5 +260,7 @@ def prepare(
                                      offset))  # fmt: skip
             rows += n_out
         parts_per_table.append(parts)
-    tables = build_tables(parts_per_table)
-    return PreparedBatch(tuple(tables), {name: layouts[name] for name in resolved.features})
+    tables = build_tables(parts_per_table, deduplicate)
+    return PreparedBatch(
+        tuple(tables), {name: layouts[name] for name in resolved.features}, deduplicated=deduplicate
+    )

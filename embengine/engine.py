@@ -279,30 +279,43 @@ class EmbeddingEngine:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def preprocess(self, features: Mapping, weights: Mapping | None = None) -> PreparedBatch:
-        """Validate features and deduplicate ids per table. Pure: reads no table state."""
+    def preprocess(
+        self, features: Mapping, weights: Mapping | None = None, *, training: bool = True
+    ) -> PreparedBatch:
+        """Validate features and deduplicate ids per table. Pure: reads no table state.
+
+        ``training=False`` skips the deduplication, which only the update needs: the batch can
+        be looked up (evaluation, inference) but not passed to ``apply_gradients``."""
         return prepare(self._resolved, features, weights, self._backend.build_tables,
-                       self._storage_layout)  # fmt: skip
+                       self._storage_layout, deduplicate=training)  # fmt: skip
 
     def lookup(
-        self, features: Mapping | PreparedBatch, weights: Mapping | None = None
+        self,
+        features: Mapping | PreparedBatch,
+        weights: Mapping | None = None,
+        *,
+        training: bool = True,
     ) -> dict[str, np.ndarray]:
-        """Activations per feature, float32 ``[*shape, dim]``; remembers the batch so that the
-        next ``apply_gradients`` updates its rows."""
+        """Activations per feature, float32 ``[*shape, dim]``.
+
+        With ``training=True`` the batch is remembered so that the next ``apply_gradients``
+        updates its rows. ``training=False`` (evaluation, inference) skips the deduplication the
+        update needs and forgets any earlier batch, so a following ``apply_gradients`` without
+        ``batch=`` is an error rather than an update of the wrong rows."""
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
             batch = features
             self._check_batch(batch)
         else:
-            batch = self.preprocess(features, weights)
+            batch = self.preprocess(features, weights, training=training)
         per_table = [
             self._backend.lookup(table, tb, self._resolved.tables[members[0]].quantization_config)
             for table, tb, members in zip(
                 self._physical, batch.tables, self._physical_members, strict=True
             )
         ]
-        self._last_batch = batch
+        self._last_batch = batch if training and batch.deduplicated else None
         return {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
@@ -329,11 +342,16 @@ class EmbeddingEngine:
             batch = self._last_batch
             if batch is None:
                 raise ValueError(
-                    "apply_gradients needs a lookup first (or batch=): there is no batch whose "
-                    "rows to update"
+                    "apply_gradients needs a lookup(..., training=True) first (or batch=): "
+                    "there is no batch whose rows to update"
                 )
         else:
             self._check_batch(batch)
+        if not batch.deduplicated:
+            raise ValueError(
+                "this PreparedBatch was built with training=False (no deduplication) and can "
+                "only be looked up; build it with preprocess(features) to apply gradients"
+            )
         grads = self._check_gradients(gradients, batch)
         lrs = self._learning_rates.resolve(self._step, learning_rates)
         # Everything is validated; from here on tables change.

@@ -147,12 +147,27 @@ def test_bad_gradients_change_nothing(backend, mutate, exc, message):
 
 def test_apply_gradients_without_lookup():
     eng = _engine("reference")
-    with pytest.raises(ValueError, match="apply_gradients needs a lookup first"):
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
         eng.apply_gradients({})
     grads = _good_grads(eng)
     eng.apply_gradients(grads)
-    with pytest.raises(ValueError, match="apply_gradients needs a lookup first"):
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
         eng.apply_gradients(grads)  # one update per lookup
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_only_batches_cannot_update(backend):
+    eng = _engine(backend)
+    grads = _good_grads(eng)
+    before = _snapshot(eng)
+    eng.lookup(GOOD, training=False)  # forgets the pending training batch
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
+        eng.apply_gradients(grads)
+    batch = eng.preprocess(GOOD, training=False)
+    assert not batch.deduplicated
+    with pytest.raises(ValueError, match="built with training=False"):
+        eng.apply_gradients(grads, batch=batch)
+    assert _snapshot(eng) == before and eng.step == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -133,6 +133,13 @@ def test_eval_and_no_grad_do_not_update():
     assert not out["a"].requires_grad
     np.testing.assert_array_equal(engine.embedding_tables["t"], before)
     assert engine.step == 0
+    # A lookup-only batch evaluates, but training on it is refused.
+    batch = layer.preprocess({"a": [[3]], "b": [[5]]}, training=False)
+    layer.eval()
+    np.testing.assert_array_equal(layer(batch)["a"].numpy(), before[3:4])
+    layer.train()
+    with pytest.raises(ValueError, match="training=False"):
+        layer(batch)
 
 
 def test_tables_are_not_parameters_and_inputs_can_be_prepared():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import FeaturePart, TableBatch
+from ..batch import FeaturePart, TableBatch, _lookup_only_batch
 from ..kernels import pipeline, row_math
 from ..kernels import prepare as kp
 from ..kernels.fused import KERNELS
@@ -25,7 +25,9 @@ _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
 
 
-def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
+def build_tables_numba(
+    parts_per_table: list[list[FeaturePart]], deduplicate: bool = True
+) -> list[TableBatch]:
     """Same result as batch.build_tables_numpy, in one parallel kernel call."""
     start_pool()
     parts = [p for ps in parts_per_table for p in ps]
@@ -73,11 +75,18 @@ def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
     kp.prepare_tables(
         fmeta, all_ids, all_offsets, all_weights, occ_base, out_base, occ_ids, gains, segments,
         unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments, output_offsets,
+        deduplicate,
     )  # fmt: skip
     tables = []
     for t in range(n_tables):
         lo, hi, u = int(occ_base[t]), int(occ_base[t + 1]), int(n_unique[t])
         o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
+        if not deduplicate:
+            tables.append(
+                _lookup_only_batch(occ_ids[lo:hi], gains[lo:hi], segments[lo:hi],
+                                   output_offsets[o_lo + t : o_hi + t + 1], inverse[lo:hi])
+            )  # fmt: skip
+            continue
         tables.append(
             TableBatch(
                 unique_ids=unique[lo : lo + u],

@@ -56,7 +56,8 @@ class EngineRunner:
         }
 
     def step(self, features) -> None:
-        acts = self.engine.lookup(features)
+        # A forward-only lookup updates nothing, so it skips the deduplication.
+        acts = self.engine.lookup(features, training=not self.lookup_only)
         if self.lookup_only:
             return
         self.engine.apply_gradients({k: np.ones_like(a) for k, a in acts.items()})

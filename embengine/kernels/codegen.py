@@ -144,6 +144,29 @@ if wclip:
     for j in range(dim):
         w[j] = min(max(np.float64(w[j]), wlo), whi)"""
 
+# Row-wise preconditioning (row-wise Adagrad): a scalar function turns the row's first slot
+# value and its sum of squared gradients into the new slot value and a step size; every
+# coordinate then moves by -step * g. Scalars only, so the loops vectorise and hold no array
+# references (an array-taking row function cost ~25% of the W1 update).
+SCALED_BODY = """sum_g2 = 0.0
+for j in range(dim):
+    gj = g[j]
+    if gclip:
+        gj = min(max(gj, glo), ghi)
+    if mode == WD_L2:
+        gj += wd * np.float64(w[j])
+    elif mode == WD_DECOUPLED:
+        w[j] = np.float64(w[j]) - wd * np.float64(w[j])
+    g[j] = gj
+    sum_g2 += gj * gj
+slot, scale = {scale}(np.float64(s0[0]), sum_g2, lr, h0, dim)
+s0[0] = slot
+for j in range(dim):
+    wj = np.float64(w[j]) - scale * g[j]
+    if wclip:
+        wj = min(max(wj, wlo), whi)
+    w[j] = wj"""
+
 GRADIENT = """for j in range(dim):
     g[j] = 0.0
 for p in range(lo, hi):
@@ -219,6 +242,8 @@ def inputs_digest() -> str:
 
 
 def _body(spec: tuple) -> str:
+    if spec[0] == "scaled":
+        return SCALED_BODY.format(scale=spec[1])
     if spec[0] == "element":
         _, element, prologue = spec
         call = (f"{prologue}(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5)"

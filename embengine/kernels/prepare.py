@@ -144,9 +144,13 @@ def prepare_tables(
     unique_gains,
     unique_segments,
     output_offsets,
+    deduplicate,
 ):
     """All tables at once. Table t owns occurrence slots ``occ_base[t]:occ_base[t + 1]``,
-    CSR-offset slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``."""
+    CSR-offset slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``.
+
+    Without ``deduplicate`` (lookup-only batches) only the occurrences and ``output_offsets``
+    are built, and ``inverse`` is the identity: the lookup then reads ``occ_ids`` directly."""
     n_tables = occ_base.shape[0] - 1
     for t in nb.prange(n_tables):
         lo = occ_base[t]
@@ -157,6 +161,14 @@ def prepare_tables(
                 cursor = _fill_occurrences(
                     fmeta, f, ids, offsets, weights, occ_ids, gains, segments, cursor
                 )
+        n_out = out_base[t + 1] - out_base[t]
+        # Segments are non-decreasing, so occurrences are already grouped by activation row.
+        _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
+        if not deduplicate:
+            for k in range(hi - lo):
+                inverse[lo + k] = k
+            n_unique[t] = hi - lo
+            continue
         u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi])
         n_unique[t] = u
         by_unique = np.empty(hi - lo, dtype=np.int64)
@@ -164,6 +176,3 @@ def prepare_tables(
         for p in range(hi - lo):  # copied in row order, so the update streams through them
             unique_gains[lo + p] = gains[lo + by_unique[p]]
             unique_segments[lo + p] = segments[lo + by_unique[p]]
-        n_out = out_base[t + 1] - out_base[t]
-        # Segments are non-decreasing, so occurrences are already grouped by activation row.
-        _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])

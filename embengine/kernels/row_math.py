@@ -13,8 +13,11 @@ decay, weight clipping); an optimizer contributes only its math, in one of two f
   ``h0..h5`` and two per-row values ``pa, pb`` computed once per row by an optional *prologue*
   ``pa, pb = p(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5)`` (which may update the row's
   int32 slots, such as Adam's per-row step count);
+- a *scaled* function ``slot, step = f(slot, sum_g2, lr, h0, dim)`` for row-wise
+  preconditioning: from the row's first slot value and its sum of squared gradients, the new
+  slot value and one step size for the row (``w -= step * g``), e.g. row-wise Adagrad;
 - a *row* function ``f(w, s0, g, lr, h0, dim)`` on the row's weights and first float slot, for
-  updates that mix coordinates (row-wise Adagrad).
+  other updates that mix coordinates (Adagrad with one accumulator per group of k dims).
 
 Scalar functions without array arguments inline into the kernel's loop over coordinates, which
 LLVM then vectorises; array arguments to a branching inlined function cost atomic reference
@@ -70,16 +73,10 @@ def adagrad_rows(w, s0, g, lr, k, dim):
 
 
 @nb.njit(**_OPTS)
-def adagrad_rowwise(w, s0, g, lr, k, dim):
-    """Adagrad with one accumulator per row (k = dim)."""
-    s = 0.0
-    for j in range(dim):
-        s += g[j] * g[j]
-    acc = np.float64(s0[0]) + s / dim
-    s0[0] = acc
-    scale = lr / np.sqrt(acc)
-    for j in range(dim):
-        w[j] = w[j] - scale * g[j]
+def adagrad_rowwise(acc, sum_g2, lr, k, dim):
+    """Adagrad with one accumulator per row (k = dim): acc += mean(g^2); step = lr / sqrt(acc)."""
+    acc = acc + sum_g2 / dim
+    return acc, lr / np.sqrt(acc)
 
 
 @nb.njit(**_OPTS)
@@ -255,12 +252,13 @@ def batch_softmax(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return (1.0 - lr) * w + lr * pa, a, b, c
 
 
-# Kernel variants: name -> ("element", element function, prologue or None) or ("row", row
-# function). codegen.py writes one kernel pair per variant; VARIANT picks it for an optimizer.
+# Kernel variants: name -> ("element", element function, prologue or None), ("scaled", step
+# function) or ("row", row function). codegen.py writes one kernel pair per variant; variant()
+# picks it for an optimizer.
 VARIANTS = {
     "sgd": ("element", "sgd", None),
     "adagrad": ("element", "adagrad", None),
-    "adagrad_rowwise": ("row", "adagrad_rowwise"),
+    "adagrad_rowwise": ("scaled", "adagrad_rowwise"),
     "adagrad_grouped": ("row", "adagrad_rows"),
     "adagrad_momentum": ("element", "adagrad_momentum", None),
     "adagrad_momentum_square": ("element", "adagrad_momentum_square", None),

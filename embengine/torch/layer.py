@@ -78,9 +78,12 @@ class EmbeddingLayer(torch.nn.Module):
             raise TypeError(f"EmbeddingLayer needs an EmbeddingEngine, got {type(engine)}")
         self.engine = engine
 
-    def preprocess(self, features, weights: Mapping | None = None) -> PreparedBatch:
-        """Validate and deduplicate a batch without touching the tables (DataLoader-safe)."""
-        return self.engine.preprocess(self._feature_dict(features), weights)
+    def preprocess(
+        self, features, weights: Mapping | None = None, *, training: bool = True
+    ) -> PreparedBatch:
+        """Validate and deduplicate a batch without touching the tables (DataLoader-safe);
+        ``training=False`` builds a cheaper lookup-only batch (see EmbeddingEngine.preprocess)."""
+        return self.engine.preprocess(self._feature_dict(features), weights, training=training)
 
     @staticmethod
     def _feature_dict(features):
@@ -94,16 +97,22 @@ class EmbeddingLayer(torch.nn.Module):
         weights: Mapping | None = None,
         learning_rates: Sequence[float] | None = None,
     ) -> dict[str, torch.Tensor]:
+        training = self.training and torch.is_grad_enabled()
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
+            if training and not features.deduplicated:
+                raise ValueError(
+                    "this PreparedBatch was built with training=False and cannot be trained on; "
+                    "build it with layer.preprocess(features)"
+                )
             batch = features
         else:
-            batch = self.preprocess(features, weights)
-        acts = self.engine.lookup(batch)
+            batch = self.preprocess(features, weights, training=training)
+        acts = self.engine.lookup(batch, training=training)
         names = list(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
-        if not (self.training and torch.is_grad_enabled()):
+        if not training:
             return dict(zip(names, tensors, strict=True))
         anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
         pending = _Pending(self.engine, batch, names, learning_rates)

@@ -182,7 +182,7 @@ class _EmbeddingBase:
             r = _sequence_bags(r, seq)
         return r, shape
 
-    def _lookup(self, features, weights, serving: bool):
+    def _lookup(self, features, weights, serving: bool, training: bool = False):
         engine = self._maybe_build()
         flat_in = flatten_like(self._feature_config, features, _is_feature, "features")
         if weights is not None:
@@ -194,7 +194,7 @@ class _EmbeddingBase:
             r, shape = self._convert(path, feature, flat_in[i], flat_w[i], serving)
             engine_features[path] = r
             shapes.append(shape)
-        acts = engine.lookup(engine_features)
+        acts = engine.lookup(engine_features, training=training)
         return acts, shapes
 
 
@@ -258,7 +258,7 @@ class TPUEmbedding(_EmbeddingBase):
 
     def enqueue(self, features, weights=None, training: bool = True, name=None, device=None):
         """Look the features up now; ``dequeue`` returns the activations."""
-        acts, shapes = self._lookup(features, weights, serving=False)
+        acts, shapes = self._lookup(features, weights, serving=False, training=training)
         for i, (path, shape) in enumerate(zip(self._paths, shapes, strict=True)):
             old = self._output_shapes[i]
             if old is not None and tuple(old) != tuple(shape):
