@@ -166,9 +166,9 @@ def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 def build_tables_numpy(
     parts_per_table: list[list[FeaturePart]], deduplicate: bool = True
 ) -> list[TableBatch]:
-    """The reference construction of every table's batch (NumPy). With ``deduplicate=False`` (lookups
-    that update nothing) every occurrence is its own "unique" row and the update views are
-    empty."""
+    """The reference construction of every table's batch (NumPy). With ``deduplicate=False``
+    (lookups that update nothing) every occurrence is its own "unique" row and the update views
+    are empty."""
     tables = []
     for parts in parts_per_table:
         ids, gains, segs = [], [], []
@@ -235,8 +235,8 @@ def prepare(
 ) -> PreparedBatch:
     """Validate features and build the per-table deduplication data (pure).
 
-    ``deduplicate=False`` builds a lookup-only batch (no deduplication, no update views): cheaper when
-    nothing will be updated (evaluation, inference).
+    ``deduplicate=False`` builds a lookup-only batch (no deduplication, no update views):
+    cheaper when nothing will be updated (evaluation, inference).
 
     ``build_tables`` turns each table's feature parts into its TableBatch; backends pass a faster
     construction with identical results. ``storage_layout`` lists, per storage table, its

@@ -40,15 +40,17 @@ def main() -> None:
     bag = 20
     offsets = np.arange(0, args.batch_size * bag + 1, bag)
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for _ in range(args.steps):
         # Zipf-like ids over the whole table (a discretised Pareto, scattered by a bijection)
         u = rng.random(args.batch_size * bag)
         ranks = np.minimum(np.floor(u ** (-1 / 0.1)), args.rows).astype(np.int64) - 1
         ids = (ranks * 2654435761) % args.rows
         acts = engine.lookup({"ids": ee.Ragged(ids, offsets=offsets)})
         engine.apply_gradients({"ids": np.full_like(acts["ids"], 0.01)})
-    print(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s; "
-          f"weights moved: {float(np.abs(engine.embedding_tables['big'][:1000]).max()):.4f}")
+    print(
+        f"{args.steps} steps in {time.perf_counter() - t0:.1f} s; "
+        f"weights moved: {float(np.abs(engine.embedding_tables['big'][:1000]).max()):.4f}"
+    )
 
 
 if __name__ == "__main__":
