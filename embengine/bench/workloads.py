@@ -54,6 +54,11 @@ WORKLOADS = {
     "W3": Workload("W3", "1 table x 20M rows x dim 64, batch 4096, 20 ids/bag, Zipf 1.05",
                    ((20_000_000, 64),), 4096, 20, optimizers=("SGD", "rowwise Adagrad"),
                    peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD")),
+    # W3's control: the same batches' shape on a 1M-row table. W1 has 8 tables to spread over
+    # the threads and 8x the ids per step, so W3 / W3-small isolates the vocabulary's share.
+    "W3-small": Workload("W3-small", "W3 with 1M rows", ((1_000_000, 64),), 4096, 20,
+                         optimizers=("SGD", "rowwise Adagrad"),
+                         peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD")),
 }  # fmt: skip
 
 
