@@ -244,7 +244,8 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
     for table, entry in zip(engine._tables, spec["tables"], strict=True):
         tensors = {table.name: table.weights}
         tensors.update({f"{table.name}/{n}": a for n, a in table.slots.items()})
-        digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name})
+        with table.sequential_access():
+            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name})
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -418,10 +419,11 @@ def restore(engine: EmbeddingEngine, path: str | Path, verify: bool = True) -> C
     for table in engine._tables:
         file = ckpt / by_name[table.name]["file"]
         header = read_header(file)
-        read_tensor(file, table.name, out=table.weights, header=header)
-        for slot, array in table.slots.items():
-            read_tensor(file, f"{table.name}/{slot}", out=array, header=header)
-        table.flush()
+        with table.sequential_access():
+            read_tensor(file, table.name, out=table.weights, header=header)
+            for slot, array in table.slots.items():
+                read_tensor(file, f"{table.name}/{slot}", out=array, header=header)
+            table.flush()
     engine._step = int(manifest["step"])
     engine._last_batch = None
     extra = manifest.get("extra") or {}

@@ -5,12 +5,15 @@ so an update that touches a row's weights and slots reads and writes one contigu
 memory instead of one per array. ``weights`` and ``slot(name)`` are strided views into it; int32
 slots (step counters) are views of the same bytes through ``data.view(np.int32)``.
 
-The array lives in RAM, or (``path=``) in a file mapped with ``np.memmap``: a table plus slots
-bigger than RAM then trains with the OS page cache as its cache.
+The array lives in RAM, or (``path=``) in a memory-mapped file: a table plus slots bigger than
+RAM then trains with the OS page cache as its cache (advised for random access, see
+``_advise``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,15 @@ def _aligned_empty(shape: tuple[int, int], dtype=np.float32) -> np.ndarray:
     buf = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
     skip = -buf.ctypes.data % _ALIGNMENT
     return buf[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+def _advise(mapping: mmap.mmap, advice: str) -> None:
+    """madvise a table file's mapping. Random access matters: with the default read-ahead a
+    random row read pulls in ~128 KiB, which thrashes the page cache once the file is bigger
+    than memory (measured: 600 MB/s of reads for a few MB of rows)."""
+    flag = getattr(mmap, advice, None)
+    if flag is not None:  # not on every platform
+        mapping.madvise(flag)
 
 
 @dataclass(frozen=True)
@@ -82,12 +94,18 @@ class DenseTable:
             self.data = _aligned_empty(shape)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            mapped = np.memmap(self.path, dtype=np.float32, mode="w+", shape=shape)
-            self.data = mapped.view(np.ndarray)  # a plain ndarray on the mapping, for numba
+            nbytes = shape[0] * shape[1] * 4
+            with open(self.path, "w+b") as f:
+                f.truncate(max(nbytes, 1))  # mmap of 0 bytes is an error
+                self._mapping = mmap.mmap(f.fileno(), max(nbytes, 1))  # outlives the file object
+            _advise(self._mapping, "MADV_RANDOM")
+            self.data = np.frombuffer(self._mapping, dtype=np.float32, count=shape[0] * shape[1])
+            self.data = self.data.reshape(shape)
         if segments is None:
             segments = [(name, 0, self.vocabulary_size, initializer)]
-        for seg_name, first, rows, init in segments:
-            self._initialise(init, seed, seg_name, first, rows)
+        with self.sequential_access():  # initialisation writes the rows in order
+            for seg_name, first, rows, init in segments:
+                self._initialise(init, seed, seg_name, first, rows)
 
     def _initialise(self, initializer: Initializer, seed: int, name: str, first: int,
                     count: int) -> None:  # fmt: skip
@@ -132,9 +150,20 @@ class DenseTable:
     def flush(self) -> None:
         """Write a file-backed table's dirty pages to its file (no-op in RAM)."""
         if self.path is not None:
-            base = self.data.base
-            if isinstance(base, np.memmap):
-                base.flush()
+            self._mapping.flush()
+
+    @contextlib.contextmanager
+    def sequential_access(self):
+        """While reading or writing the whole table in order (checkpoints), let the kernel read
+        ahead; training's random row accesses otherwise read only the pages they touch."""
+        if self.path is None:
+            yield
+            return
+        _advise(self._mapping, "MADV_SEQUENTIAL")
+        try:
+            yield
+        finally:
+            _advise(self._mapping, "MADV_RANDOM")
 
 
 class TableView:
@@ -176,3 +205,6 @@ class TableView:
 
     def flush(self) -> None:
         self.table.flush()
+
+    def sequential_access(self):
+        return self.table.sequential_access()
