@@ -122,6 +122,14 @@ class ExportReport:
                 f"{r['table']:20s} {r['compression']:12s} {before / 2**20:10.2f} "
                 f"{after / 2**20:10.2f} {before / max(1, after):6.2f} {r['max_abs_error']:14.3g}"
             )
+        if self.rows:
+            before = sum(r["bytes_before"] for r in self.rows)
+            after = sum(r["bytes_after"] for r in self.rows)
+            worst = max(r["max_abs_error"] for r in self.rows)
+            lines.append(
+                f"{'all tables':20s} {'':12s} {before / 2**20:10.2f} {after / 2**20:10.2f} "
+                f"{before / max(1, after):6.2f} {worst:14.3g}"
+            )
         return "\n".join(lines)
 
 
