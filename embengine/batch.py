@@ -10,6 +10,10 @@ order, then position): occurrence ``k`` reads row ``unique_ids[inverse[k]]``, is
 ``gains[k]`` and lands in row ``segments[k]`` of the table's activation matrix, whose rows are
 the features' outputs stacked in the same order. Unique rows are in order of first appearance.
 
+A lookup-only batch (``deduplicated=False``, from ``prepare(..., deduplicate=False)``) skips
+the deduplication: its ``unique_ids`` are the occurrences' rows themselves (with repeats),
+``inverse`` is the identity, and the update views (``unique_offsets`` ...) are empty.
+
 Combiner gains for sample ids ``i_k`` with weights ``w_k`` (1 when not given):
 sum ``w_k``; mean ``w_k / sum(w)``; sqrtn ``w_k / sqrt(sum(w^2))``; 0 when the denominator is 0.
 A sequence feature has gain 1 and one output row per (sample, position < max_sequence_length).
@@ -238,10 +242,11 @@ def prepare(
     ``deduplicate=False`` builds a lookup-only batch (no deduplication, no update views):
     cheaper when nothing will be updated (evaluation, inference).
 
-    ``build_tables`` turns each table's feature parts into its TableBatch; backends pass a faster
-    construction with identical results. ``storage_layout`` lists, per storage table, its
-    features with the row offset of their table in it (low-dimensional packing puts several
-    tables in one); by default each table is its own storage.
+    ``build_tables(parts_per_table, deduplicate)`` turns each table's feature parts into its
+    TableBatch; backends pass a faster construction with identical results. ``storage_layout``
+    lists, per storage table, its features with the row offset of their table in it
+    (low-dimensional packing puts several tables in one); by default each table is its own
+    storage.
     """
     ragged = normalise_features(resolved, features, weights)
     if storage_layout is None:

@@ -12,6 +12,7 @@ changes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -307,6 +308,12 @@ class EmbeddingEngine:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
             batch = features
             self._check_batch(batch)
+            if training and not batch.deduplicated:
+                raise ValueError(
+                    "this PreparedBatch was built with training=False (no deduplication): look it "
+                    "up with lookup(batch, training=False), or build it with preprocess(features) "
+                    "to train on it"
+                )
         else:
             batch = self.preprocess(features, weights, training=training)
         per_table = [
@@ -315,7 +322,7 @@ class EmbeddingEngine:
                 self._physical, batch.tables, self._physical_members, strict=True
             )
         ]
-        self._last_batch = batch if training and batch.deduplicated else None
+        self._last_batch = batch if training else None
         return {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
@@ -367,10 +374,14 @@ class EmbeddingEngine:
                 g = np.concatenate([grads[n] for n in names], axis=0)
             else:
                 g = np.zeros((0, table.dim), dtype=np.float32)
-            self._backend.apply(table, tb, g, self._optimizers[first], lrs[first], self._step,
-                                skip)  # fmt: skip
+            opt = self._optimizers[first]
+            # An optimizer that updates every row sweeps the table in order: let a memory-mapped
+            # table read ahead for it (training's random accesses otherwise read only their pages).
+            sweep = table.sequential_access() if opt.updates_every_row else contextlib.nullcontext()
+            with sweep:
+                self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
         self._step += 1
-        if implicit:
+        if implicit or batch is self._last_batch:  # one update per lookup
             self._last_batch = None
 
     def _check_batch(self, batch: PreparedBatch) -> None:

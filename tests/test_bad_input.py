@@ -167,7 +167,24 @@ def test_lookup_only_batches_cannot_update(backend):
     assert not batch.deduplicated
     with pytest.raises(ValueError, match="built with training=False"):
         eng.apply_gradients(grads, batch=batch)
+    with pytest.raises(ValueError, match="lookup\\(batch, training=False\\)"):
+        eng.lookup(batch)  # a training lookup of a batch that cannot be trained on
+    out = eng.lookup(batch, training=False)
+    assert all(np.array_equal(out[k], v) for k, v in eng.lookup(GOOD, training=False).items())
     assert _snapshot(eng) == before and eng.step == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_batch_update_consumes_the_pending_lookup(backend):
+    # EmbeddingLayer looks up, then applies with batch=: the same batch must not update twice.
+    eng = _engine(backend)
+    batch = eng.preprocess(GOOD)
+    acts = eng.lookup(batch)
+    grads = {k: np.full_like(v, 0.5) for k, v in acts.items()}
+    eng.apply_gradients(grads, batch=batch)
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
+        eng.apply_gradients(grads)
+    assert eng.step == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

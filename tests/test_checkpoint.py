@@ -1038,6 +1038,39 @@ def test_mmap_storage_matches_ram_and_saves_like_ram(tmp_path, backend, storage)
     _assert_same_state(ram, restored)
 
 
+def test_ram_tables_start_on_a_cache_line():
+    for vocab in (3, 100_000):  # small (NumPy allocation) and large
+        t = ee.TableConfig(vocab, 64, name="t", optimizer=O.Adagrad(0.1))
+        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)})
+        assert eng._physical[0].data.ctypes.data % 64 == 0
+
+
+def test_mmap_tables_are_advised_random_except_for_sequential_work(tmp_path, monkeypatch):
+    from embengine.storage import dense
+
+    advice = []
+    real = dense._advise
+    monkeypatch.setattr(dense, "_advise", lambda m, a: (advice.append(a), real(m, a))[1])
+    t = ee.TableConfig(50, 4, name="t", optimizer=O.Adam(0.1, lazy_adam=False))
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, storage="mmap", storage_dir=tmp_path)
+    # random for training, sequential while initialising
+    assert advice == ["MADV_RANDOM", "MADV_SEQUENTIAL", "MADV_RANDOM"]
+    advice.clear()
+    eng.lookup({"f": [[1, 2]]})
+    eng.apply_gradients({"f": np.ones((1, 4), np.float32)})  # non-lazy Adam sweeps every row
+    assert advice == ["MADV_SEQUENTIAL", "MADV_RANDOM"]
+    advice.clear()
+    path = eng.save(tmp_path / "ck")
+    eng.restore(path)
+    assert advice == ["MADV_SEQUENTIAL", "MADV_RANDOM"] * 2
+    # an error while reading still puts random access back
+    advice.clear()
+    table = eng._physical[0]
+    with pytest.raises(RuntimeError), table.sequential_access():
+        raise RuntimeError("boom")
+    assert advice == ["MADV_SEQUENTIAL", "MADV_RANDOM"]
+
+
 def test_mmap_storage_errors(tmp_path):
     with pytest.raises(ValueError, match="storage_dir"):
         ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), storage="mmap")

@@ -28,7 +28,10 @@ def _run(engines, steps=3, seed=0):
                  for i in range(len(DIMS))}  # fmt: skip
         feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(6)]
         for e in engines:
+            inference = e.lookup(feats, training=False)  # packed lookup-only path too
             acts = e.lookup(feats)
+            for k, a in acts.items():
+                np.testing.assert_array_equal(inference[k], a)
             grads = {k: np.sin(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
                      for k, v in acts.items()}  # fmt: skip
             e.apply_gradients(grads)

@@ -229,6 +229,12 @@ def test_export_report_sizes(trained, tmp_path):
             assert r["bytes_after"] == expected[comp](v, d), (comp, r)
         text = report.format()
         assert all(name in text for name in vocab_dim) and comp in text
+        total = text.splitlines()[-1].split()
+        assert total[:2] == ["all", "tables"]
+        before = sum(r["bytes_before"] for r in report.rows)
+        after = sum(r["bytes_after"] for r in report.rows)
+        assert float(total[2]) == pytest.approx(before / 2**20, abs=0.006)
+        assert float(total[3]) == pytest.approx(after / 2**20, abs=0.006)
         disk[comp] = sum(f.stat().st_size for f in (tmp_path / comp).glob("*.safetensors"))
     # fp16 about half of fp32 on disk too (plus small headers)
     assert 0.45 < disk["fp16"] / disk["fp32"] < 0.6

@@ -190,6 +190,10 @@ def test_quantization_is_forward_only():
     t = embedding.TableConfig(4, 3, initializer=ee.initializers.Constant(0.3),
                               quantization_config=q, combiner="sum")  # fmt: skip
     emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t)}, embedding.SGD(0.1))
+    emb.enqueue({"a": [[1, 1, 2]]}, training=False)  # lookup-only path, quantized as well
+    np.testing.assert_allclose(emb.dequeue()["a"], [[1.5, 1.5, 1.5]])
+    with pytest.raises(RuntimeError, match="training=False"):
+        emb.apply_gradients({"a": np.ones((1, 3))})
     emb.enqueue({"a": [[1, 1, 2]]})
     np.testing.assert_allclose(emb.dequeue()["a"], [[1.5, 1.5, 1.5]])  # 0.3 -> 0.5, three times
     emb.apply_gradients({"a": np.ones((1, 3))})

@@ -1,7 +1,7 @@
 """Each optimizer's per-row math, for the fused update kernels that ``codegen.py`` writes.
 
 The kernels own the loop over touched rows and the common pipeline (gradient clipping, weight
-decay, weight clipping); an optimizer contributes only its math, in one of two forms:
+decay, weight clipping); an optimizer contributes only its math, in one of three forms:
 
 - an *element* function, for optimizers whose update is elementwise::
 

@@ -44,8 +44,12 @@ def _advise(mapping: mmap.mmap, advice: str) -> None:
     random row read pulls in ~128 KiB, which thrashes the page cache once the file is bigger
     than memory (measured: 600 MB/s of reads for a few MB of rows)."""
     flag = getattr(mmap, advice, None)
-    if flag is not None:  # not on every platform
+    if flag is None:  # not on every platform (Windows)
+        return
+    try:
         mapping.madvise(flag)
+    except OSError:  # advice is optional; some file systems refuse it
+        pass
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ class EmbeddingLayer(torch.nn.Module):
     enabled they require grad; their backward updates every touched row once, whatever the
     number of branches they feed; calling backward again on the same graph does nothing.
     ``learning_rates`` (one per dynamic learning-rate tag) is used by that update. In eval mode
-    or under ``torch.no_grad()`` the lookup never updates anything.
+    or under ``torch.no_grad()`` the lookup never updates anything and skips the deduplication
+    (a lookup-only batch); a batch from ``preprocess(..., training=False)`` is refused in
+    training mode.
     """
 
     def __init__(self, engine: EmbeddingEngine):

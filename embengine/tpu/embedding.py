@@ -182,7 +182,7 @@ class _EmbeddingBase:
             r = _sequence_bags(r, seq)
         return r, shape
 
-    def _lookup(self, features, weights, serving: bool, training: bool = False):
+    def _lookup(self, features, weights, serving: bool, *, training: bool):
         engine = self._maybe_build()
         flat_in = flatten_like(self._feature_config, features, _is_feature, "features")
         if weights is not None:
@@ -323,7 +323,7 @@ class TPUEmbeddingForServing(_EmbeddingBase):
         return SGD(0.0)
 
     def __call__(self, features, weights=None):
-        acts, shapes = self._lookup(features, weights, serving=True)
+        acts, shapes = self._lookup(features, weights, serving=True, training=False)
         flat = [
             acts[path].reshape(*shape, f.table.dim)
             for path, shape, f in zip(self._paths, shapes, self._features, strict=True)
