@@ -193,7 +193,7 @@ def build_tables_numpy(
         )
         output_offsets, _ = csr(segments, num_outputs)
         if not deduplicate:
-            tables.append(_lookup_only_batch(all_ids, gains_all, segments, output_offsets))
+            tables.append(lookup_only_batch(all_ids, gains_all, segments, output_offsets))
             continue
         unique, inverse = dedup(all_ids)
         unique_offsets, by_unique = csr(inverse, len(unique))
@@ -213,7 +213,7 @@ def build_tables_numpy(
     return tables
 
 
-def _lookup_only_batch(ids, gains, segments, output_offsets, identity=None) -> TableBatch:
+def lookup_only_batch(ids, gains, segments, output_offsets, identity=None) -> TableBatch:
     """A TableBatch without deduplication: occurrence k reads row ids[k]."""
     none_i, none_f = np.zeros(0, np.int64), np.zeros(0, np.float32)
     return TableBatch(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import FeaturePart, TableBatch, _lookup_only_batch
+from ..batch import FeaturePart, TableBatch, lookup_only_batch
 from ..kernels import pipeline, row_math
 from ..kernels import prepare as kp
 from ..kernels.fused import KERNELS
@@ -83,7 +83,7 @@ def build_tables_numba(
         o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
         if not deduplicate:
             tables.append(
-                _lookup_only_batch(occ_ids[lo:hi], gains[lo:hi], segments[lo:hi],
+                lookup_only_batch(occ_ids[lo:hi], gains[lo:hi], segments[lo:hi],
                                    output_offsets[o_lo + t : o_hi + t + 1], inverse[lo:hi])
             )  # fmt: skip
             continue
