@@ -56,6 +56,20 @@ def test_packed_equals_unpacked(backend, optimizer):
             np.testing.assert_array_equal(arr, packed.slots(name)[slot])
 
 
+def test_packed_prepared_batches_are_canonical():
+    # Packed deduplication hashes each packed table on its own (t0's features are not
+    # consecutive: f0, then "seq" last); the batch must still equal the reference's.
+    fast, slow = _engine(True, "numba"), _engine(True, "reference")
+    rng = np.random.default_rng(3)
+    feats = {f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
+             for i in range(len(DIMS))}  # fmt: skip
+    feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(7)]
+    for a, b in zip(fast.preprocess(feats).tables, slow.preprocess(feats).tables, strict=True):
+        for field in ("unique_ids", "inverse", "gains", "segments", "output_offsets",
+                      "unique_offsets", "unique_gains", "unique_segments"):  # fmt: skip
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+
 def test_packing_respects_optimizer_equality_and_initial_values():
     a = opt.SGD(0.1, low_dimensional_packing_status=True)
     b = opt.SGD(0.2, low_dimensional_packing_status=True)
