@@ -31,7 +31,7 @@ import numpy as np
 from .batch import PreparedBatch, build_tables_numpy, prepare
 from .checkpoint import CheckpointError, read_manifest
 from .config import FeatureConfig, QuantizationConfig, TableConfig, resolve_features
-from .kernels.lookup import PREFETCH_DISTANCE, pool
+from .kernels.lookup import PREFETCH_DISTANCE, pool_kernel
 from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
 
 __all__ = ["COMPRESSIONS", "export", "ServingEngine", "ExportReport", "SERVING_FORMAT"]
@@ -303,6 +303,7 @@ class ServingEngine:
                  np.array([quant.num_buckets, quant.lower, quant.upper], np.float64))  # fmt: skip
             out = np.empty((tb.num_outputs, dim), dtype=np.float32)
             rows = np.arange(len(tb.unique_ids), dtype=np.int64)
+            pool = pool_kernel(dim)
             pool(compact.reshape(len(rows), dim), dim, rows, tb.inverse, tb.gains,
                  tb.output_offsets, out, q, PREFETCH_DISTANCE)  # fmt: skip
             per_table.append(out)

@@ -156,3 +156,34 @@ def test_prepared_batch_is_deduplicated_in_order_of_first_appearance():
     np.testing.assert_array_equal(tb.inverse, [0, 1, 0, 1, 2, 0])
     np.testing.assert_array_equal(tb.segments, [0, 0, 1, 2, 2, 2])
     assert tb.num_outputs == 3
+
+
+@pytest.mark.parametrize("dim", [8, 16])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fixed_dim_pooling_kernels_equal_the_generic_one(dim, quantized):
+    from embengine.kernels.lookup import pool, pool_kernel
+
+    assert pool_kernel(dim) is not pool and pool_kernel(dim + 1) is pool
+    rng = np.random.default_rng(dim)
+    data = rng.normal(size=(50, dim + 3)).astype(np.float32)  # rows wider than dim (slots)
+    lengths = rng.integers(0, 5, 70)  # more than one parallel task, empty bags included
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(offsets[-1])
+    unique = rng.integers(0, 50, n).astype(np.int64)
+    inverse = rng.permutation(n).astype(np.int64)
+    gains = rng.normal(size=n).astype(np.float32)
+    quant = np.array([9.0, -1.0, 1.0]) if quantized else np.zeros(3)
+    outs = []
+    for kernel in (pool, pool_kernel(dim)):
+        out = np.full((70, dim), np.nan, dtype=np.float32)
+        kernel(data, dim, unique, inverse, gains, offsets, out, quant, 4)
+        outs.append(out)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    expected = np.zeros((70, dim))
+    for o in range(70):
+        for k in range(offsets[o], offsets[o + 1]):
+            row = data[unique[inverse[k]], :dim].astype(np.float64)
+            if quantized:
+                row = np.floor((np.clip(row, -1, 1) + 1) / 0.25 + 0.5) * 0.25 - 1
+            expected[o] += gains[k] * row
+    np.testing.assert_allclose(outs[0], expected, rtol=1e-5, atol=1e-5)

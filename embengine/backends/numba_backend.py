@@ -13,7 +13,7 @@ from ..kernels import pipeline, row_math
 from ..kernels import prepare as kp
 from ..kernels.fused import KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool
+from ..kernels.lookup import pool_kernel
 from ..kernels.pool import start_pool
 from ..optimizers import Optimizer
 from ..storage import DenseTable
@@ -170,6 +170,7 @@ class NumbaBackend:
             quant = np.array(
                 [quantization.num_buckets, quantization.lower, quantization.upper], np.float64
             )
+        pool = pool_kernel(table.dim)
         pool(table.data, table.dim, tb.unique_ids, tb.inverse, tb.gains, tb.output_offsets,
              out, quant, self.lookup_prefetch)  # fmt: skip
         return out
