@@ -130,7 +130,9 @@ for j in range(dim):
     s1[j] = b
     s2[j] = c"""
 
-ROW_BODY = """for j in range(dim):
+# Clip the row's gradient and apply weight decay, in place: the first steps of the row-level
+# bodies (ELEMENT_BODY does the same per coordinate, inside its loop).
+ROW_PRELUDE = """for j in range(dim):
     gj = g[j]
     if gclip:
         gj = min(max(gj, glo), ghi)
@@ -138,27 +140,27 @@ ROW_BODY = """for j in range(dim):
         gj += wd * np.float64(w[j])
     elif mode == WD_DECOUPLED:
         w[j] = np.float64(w[j]) - wd * np.float64(w[j])
-    g[j] = gj
+    g[j] = gj"""
+
+ROW_BODY = (
+    ROW_PRELUDE
+    + """
 {row}(w, s0, g, lr, h0, dim)
 if wclip:
     for j in range(dim):
         w[j] = min(max(np.float64(w[j]), wlo), whi)"""
+)
 
 # Row-wise preconditioning (row-wise Adagrad): a scalar function turns the row's first slot
 # value and its sum of squared gradients into the new slot value and a step size; every
 # coordinate then moves by -step * g. Scalars only, so the loops vectorise and hold no array
 # references (an array-taking row function cost ~25% of the W1 update).
-SCALED_BODY = """sum_g2 = 0.0
+SCALED_BODY = (
+    ROW_PRELUDE
+    + """
+sum_g2 = 0.0
 for j in range(dim):
-    gj = g[j]
-    if gclip:
-        gj = min(max(gj, glo), ghi)
-    if mode == WD_L2:
-        gj += wd * np.float64(w[j])
-    elif mode == WD_DECOUPLED:
-        w[j] = np.float64(w[j]) - wd * np.float64(w[j])
-    g[j] = gj
-    sum_g2 += gj * gj
+    sum_g2 += g[j] * g[j]
 slot, scale = {scale}(np.float64(s0[0]), sum_g2, lr, h0, dim)
 s0[0] = slot
 for j in range(dim):
@@ -166,6 +168,7 @@ for j in range(dim):
     if wclip:
         wj = min(max(wj, wlo), whi)
     w[j] = wj"""
+)
 
 GRADIENT = """for j in range(dim):
     g[j] = 0.0
