@@ -213,12 +213,12 @@ def build_tables_numpy(
     return tables
 
 
-def lookup_only_batch(ids, gains, segments, output_offsets, identity=None) -> TableBatch:
+def lookup_only_batch(ids, gains, segments, output_offsets) -> TableBatch:
     """A TableBatch without deduplication: occurrence k reads row ids[k]."""
     none_i, none_f = np.zeros(0, np.int64), np.zeros(0, np.float32)
     return TableBatch(
         unique_ids=ids,
-        inverse=np.arange(len(ids), dtype=np.int64) if identity is None else identity,
+        inverse=np.arange(len(ids), dtype=np.int64),
         gains=gains,
         segments=segments,
         num_outputs=len(output_offsets) - 1,

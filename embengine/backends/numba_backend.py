@@ -84,7 +84,7 @@ def build_tables_numba(
         if not deduplicate:
             tables.append(
                 lookup_only_batch(occ_ids[lo:hi], gains[lo:hi], segments[lo:hi],
-                                   output_offsets[o_lo + t : o_hi + t + 1], inverse[lo:hi])
+                                  output_offsets[o_lo + t : o_hi + t + 1])
             )  # fmt: skip
             continue
         tables.append(

@@ -187,7 +187,7 @@ def prepare_tables(
     CSR-offset slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``.
 
     Without ``deduplicate`` (lookup-only batches) only the occurrences and ``output_offsets``
-    are built, and ``inverse`` is the identity: the lookup then reads ``occ_ids`` directly."""
+    are built: the lookup then reads ``occ_ids`` directly (``batch.lookup_only_batch``)."""
     n_tables = occ_base.shape[0] - 1
     for t in nb.prange(n_tables):
         lo = occ_base[t]
@@ -223,9 +223,6 @@ def prepare_tables(
         # Segments are non-decreasing, so occurrences are already grouped by activation row.
         _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
         if not deduplicate:
-            for k in range(hi - lo):
-                inverse[lo + k] = k
-            n_unique[t] = hi - lo
             continue
         u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions)
         n_unique[t] = u
