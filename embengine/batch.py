@@ -11,8 +11,10 @@ order, then position): occurrence ``k`` reads row ``unique_ids[inverse[k]]``, is
 the features' outputs stacked in the same order. Unique rows are in order of first appearance.
 
 A lookup-only batch (``deduplicated=False``, from ``prepare(..., deduplicate=False)``) skips
-the deduplication: its ``unique_ids`` are the occurrences' rows themselves (with repeats),
-``inverse`` is the identity, and the update views (``unique_offsets`` ...) are empty.
+the deduplication and the occurrence arrays: per table it keeps the validated features' own
+arrays (``LookupOnlyTableBatch``, no copy), which the numba backend pools straight from; its
+``occurrences`` (a TableBatch whose every occurrence is its own "unique" row) are built only
+when asked for (the reference backend).
 
 Combiner gains for sample ids ``i_k`` with weights ``w_k`` (1 when not given):
 sum ``w_k``; mean ``w_k / sum(w)``; sqrtn ``w_k / sqrt(sum(w^2))``; 0 when the denominator is 0.
@@ -23,13 +25,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from .config import ResolvedFeatures
 from .inputs import Ragged, check_values, to_ragged
 
-__all__ = ["TableBatch", "FeatureLayout", "PreparedBatch", "prepare", "dedup"]
+__all__ = [
+    "TableBatch",
+    "LookupOnlyTableBatch",
+    "FeatureLayout",
+    "PreparedBatch",
+    "prepare",
+    "dedup",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,10 +72,10 @@ class FeatureLayout:
 
 @dataclass(frozen=True, eq=False)
 class PreparedBatch:
-    tables: tuple[TableBatch, ...]
+    tables: tuple[TableBatch, ...] | tuple[LookupOnlyTableBatch, ...]
     features: dict[str, FeatureLayout]
-    # False for a lookup-only batch (``preprocess(..., training=False)``): its "unique" rows are
-    # the occurrences themselves, so it can be looked up but not used to update tables.
+    # False for a lookup-only batch (``preprocess(..., training=False)``): its tables are
+    # LookupOnlyTableBatch, which can be looked up but not used to update tables.
     deduplicated: bool = True
 
 
@@ -167,34 +177,29 @@ def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return offsets, order
 
 
-def build_tables_numpy(
-    parts_per_table: list[list[FeaturePart]], deduplicate: bool = True
-) -> list[TableBatch]:
-    """The reference construction of every table's batch (NumPy). With ``deduplicate=False``
-    (lookups that update nothing) every occurrence is its own "unique" row and the update views
-    are empty."""
+def _table_occurrences(parts):
+    """(ids, gains, segments, output_offsets, num_outputs) of one table's features, NumPy."""
+    ids, gains, segs = [], [], []
+    for part in parts:
+        f_ids, f_gains, f_segs, _ = _feature_occurrences(part.ragged, part.seq_len, part.combiner)
+        ids.append(f_ids + part.id_offset if part.id_offset else f_ids)
+        gains.append(f_gains)
+        segs.append(f_segs + part.out_start)
+    num_outputs = sum(p.num_outputs for p in parts)
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    segments = np.concatenate(segs).astype(np.int64, copy=False) if segs else all_ids
+    gains_all = (
+        np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
+    )
+    output_offsets, _ = csr(segments, num_outputs)
+    return all_ids, gains_all, segments, output_offsets, num_outputs
+
+
+def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
+    """The reference construction of every table's batch (NumPy)."""
     tables = []
     for parts in parts_per_table:
-        ids, gains, segs = [], [], []
-        for part in parts:
-            f_ids, f_gains, f_segs, _ = _feature_occurrences(
-                part.ragged, part.seq_len, part.combiner
-            )
-            ids.append(f_ids + part.id_offset if part.id_offset else f_ids)
-            gains.append(f_gains)
-            segs.append(f_segs + part.out_start)
-        num_outputs = sum(p.num_outputs for p in parts)
-        all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        segments = np.concatenate(segs).astype(np.int64, copy=False) if segs else all_ids
-        gains_all = (
-            np.concatenate(gains).astype(np.float32, copy=False)
-            if gains
-            else np.zeros(0, np.float32)
-        )
-        output_offsets, _ = csr(segments, num_outputs)
-        if not deduplicate:
-            tables.append(lookup_only_batch(all_ids, gains_all, segments, output_offsets))
-            continue
+        all_ids, gains_all, segments, output_offsets, num_outputs = _table_occurrences(parts)
         unique, inverse = dedup(all_ids)
         unique_offsets, by_unique = csr(inverse, len(unique))
         tables.append(
@@ -213,20 +218,32 @@ def build_tables_numpy(
     return tables
 
 
-def lookup_only_batch(ids, gains, segments, output_offsets) -> TableBatch:
-    """A TableBatch without deduplication: occurrence k reads row ids[k]."""
-    none_i, none_f = np.zeros(0, np.int64), np.zeros(0, np.float32)
-    return TableBatch(
-        unique_ids=ids,
-        inverse=np.arange(len(ids), dtype=np.int64),
-        gains=gains,
-        segments=segments,
-        num_outputs=len(output_offsets) - 1,
-        output_offsets=output_offsets,
-        unique_offsets=np.zeros(1, np.int64),
-        unique_gains=none_f,
-        unique_segments=none_i,
-    )
+@dataclass(frozen=True, eq=False)
+class LookupOnlyTableBatch:
+    """One table's share of a lookup-only batch: its features' validated arrays, as given.
+
+    Nothing is copied or deduplicated: a forward-only lookup pools straight from each feature's
+    ids and offsets (the numba backend). ``occurrences`` is the same batch as a TableBatch in
+    which every occurrence is its own "unique" row (``inverse`` the identity, no update views),
+    built on first use."""
+
+    parts: tuple[FeaturePart, ...]
+    num_outputs: int
+
+    @cached_property
+    def occurrences(self) -> TableBatch:
+        ids, gains, segments, output_offsets, num_outputs = _table_occurrences(self.parts)
+        return TableBatch(
+            unique_ids=ids,
+            inverse=np.arange(len(ids), dtype=np.int64),
+            gains=gains,
+            segments=segments,
+            num_outputs=num_outputs,
+            output_offsets=output_offsets,
+            unique_offsets=np.zeros(1, np.int64),
+            unique_gains=np.zeros(0, np.float32),
+            unique_segments=np.zeros(0, np.int64),
+        )
 
 
 def prepare(
@@ -239,10 +256,11 @@ def prepare(
 ) -> PreparedBatch:
     """Validate features and build the per-table deduplication data (pure).
 
-    ``deduplicate=False`` builds a lookup-only batch (no deduplication, no update views):
-    cheaper when nothing will be updated (evaluation, inference).
+    ``deduplicate=False`` builds a lookup-only batch (``LookupOnlyTableBatch`` per table: the
+    validated features, no deduplication, no update views): cheaper when nothing will be
+    updated (evaluation, inference).
 
-    ``build_tables(parts_per_table, deduplicate)`` turns each table's feature parts into its
+    ``build_tables(parts_per_table)`` turns each table's feature parts into its
     TableBatch; backends pass a faster construction with identical results. ``storage_layout``
     lists, per storage table, its features with the row offset of their table in it
     (low-dimensional packing puts several tables in one); by default each table is its own
@@ -265,7 +283,13 @@ def prepare(
                                      offset))  # fmt: skip
             rows += n_out
         parts_per_table.append(parts)
-    tables = build_tables(parts_per_table, deduplicate)
+    if deduplicate:
+        tables = build_tables(parts_per_table)
+    else:
+        tables = [
+            LookupOnlyTableBatch(tuple(parts), sum(p.num_outputs for p in parts))
+            for parts in parts_per_table
+        ]
     return PreparedBatch(
         tuple(tables), {name: layouts[name] for name in resolved.features}, deduplicated=deduplicate
     )

@@ -187,3 +187,31 @@ def test_fixed_dim_pooling_kernels_equal_the_generic_one(dim, quantized):
                 row = np.floor((np.clip(row, -1, 1) + 1) / 0.25 + 0.5) * 0.25 - 1
             expected[o] += gains[k] * row
     np.testing.assert_allclose(outs[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [3, 8])  # the generic kernel and a fixed-dim one
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lookup_only_batches_pool_straight_from_the_ids(dim, quantized):
+    # A lookup-only batch keeps each feature's own arrays (no occurrence arrays): its lookup must
+    # give the bits of the training lookup on the deduplicated batch, and the reference's values.
+    q = ee.QuantizationConfig(num_buckets=9, lower=-0.5, upper=0.5) if quantized else None
+    tables = {c: ee.TableConfig(40, dim, combiner=c, name=c, quantization_config=q,
+                                initializer=init.RandomUniform(-1.0, 1.0))
+              for c in ("sum", "mean", "sqrtn")}  # fmt: skip
+    feats = {f"f_{c}": ee.FeatureConfig(t) for c, t in tables.items()}
+    feats["g_mean"] = ee.FeatureConfig(tables["mean"])  # two features share a table
+    feats["seq"] = ee.FeatureConfig(tables["sum"], max_sequence_length=3)
+    rng = np.random.default_rng(dim)
+    lengths = {f: rng.integers(0, 5, 150) for f in feats}  # empty bags; > 1 parallel task
+    values = {f: ee.Ragged(rng.integers(0, 40, int(n.sum())), lengths=n,
+                           weights=None if f == "seq" else rng.normal(size=int(n.sum())))
+              for f, n in lengths.items()}  # fmt: skip
+    engines = [_engine(feats, b, seed=3) for b in ("numba", "reference")]
+    batch = engines[0].preprocess(values, training=False)
+    assert all(isinstance(tb, ee.batch.LookupOnlyTableBatch) for tb in batch.tables)
+    only = engines[0].lookup(batch, training=False)
+    trained = engines[0].lookup(values)
+    reference = engines[1].lookup(values, training=False)
+    for f in feats:
+        np.testing.assert_array_equal(only[f], trained[f])
+        np.testing.assert_allclose(only[f], reference[f], rtol=1e-5, atol=1e-6)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import FeaturePart, TableBatch, lookup_only_batch
+from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
 from ..kernels import pipeline, row_math
 from ..kernels import prepare as kp
 from ..kernels.fused import KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool_kernel
+from ..kernels.lookup import pool_bags_kernel, pool_kernel
 from ..kernels.pool import start_pool
 from ..optimizers import Optimizer
 from ..storage import DenseTable
@@ -25,9 +25,7 @@ _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
 
 
-def build_tables_numba(
-    parts_per_table: list[list[FeaturePart]], deduplicate: bool = True
-) -> list[TableBatch]:
+def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
     """Same result as batch.build_tables_numpy, in one parallel kernel call."""
     start_pool()
     parts = [p for ps in parts_per_table for p in ps]
@@ -75,18 +73,11 @@ def build_tables_numba(
     kp.prepare_tables(
         fmeta, all_ids, all_offsets, all_weights, occ_base, out_base, occ_ids, gains, segments,
         unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments, output_offsets,
-        deduplicate,
     )  # fmt: skip
     tables = []
     for t in range(n_tables):
         lo, hi, u = int(occ_base[t]), int(occ_base[t + 1]), int(n_unique[t])
         o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
-        if not deduplicate:
-            tables.append(
-                lookup_only_batch(occ_ids[lo:hi], gains[lo:hi], segments[lo:hi],
-                                  output_offsets[o_lo + t : o_hi + t + 1])
-            )  # fmt: skip
-            continue
         tables.append(
             TableBatch(
                 unique_ids=unique[lo : lo + u],
@@ -162,7 +153,9 @@ class NumbaBackend:
         self.lookup_prefetch = PREFETCH_LOOKUP
         self.update_prefetch = pipeline.PREFETCH_DISTANCE
 
-    def lookup(self, table: DenseTable, tb: TableBatch, quantization=None) -> np.ndarray:
+    def lookup(
+        self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+    ) -> np.ndarray:
         start_pool()
         out = np.empty((tb.num_outputs, table.dim), dtype=np.float32)
         quant = _NO_QUANT
@@ -170,6 +163,17 @@ class NumbaBackend:
             quant = np.array(
                 [quantization.num_buckets, quantization.lower, quantization.upper], np.float64
             )
+        if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
+            pool_bags = pool_bags_kernel(table.dim)
+            for p in tb.parts:
+                r = p.ragged
+                weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
+                # Contiguous arrays (copies only of strided views): one compiled kernel per dim.
+                c = np.ascontiguousarray
+                pool_bags(table.data, table.dim, c(r.ids), c(r.offsets), c(weights),
+                          kp.COMBINER_CODES[p.combiner], p.seq_len, p.id_offset, out,
+                          p.out_start, quant, self.lookup_prefetch)  # fmt: skip
+            return out
         pool = pool_kernel(table.dim)
         pool(table.data, table.dim, tb.unique_ids, tb.inverse, tb.gains, tb.output_offsets,
              out, quant, self.lookup_prefetch)  # fmt: skip

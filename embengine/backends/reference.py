@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import TableBatch, build_tables_numpy
+from ..batch import LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
 from ..storage import DenseTable
 
@@ -67,7 +67,11 @@ class ReferenceBackend:
     name = "reference"
     build_tables = staticmethod(build_tables_numpy)
 
-    def lookup(self, table: DenseTable, tb: TableBatch, quantization=None) -> np.ndarray:
+    def lookup(
+        self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+    ) -> np.ndarray:
+        if isinstance(tb, LookupOnlyTableBatch):
+            tb = tb.occurrences
         rows = table.weights[tb.unique_ids].astype(np.float64)
         if quantization is not None:
             rows = quantization.quantize(rows)

@@ -1,4 +1,5 @@
-"""Low-level helpers numba does not expose: software prefetch of a table row.
+"""Low-level helpers numba does not expose: software prefetch of a table row, and scratch rows
+on the stack.
 
 Random rows of a large table come from DRAM; the loops over touched rows are short enough that
 the CPU does not run ahead to the next row's loads on its own, so the kernels prefetch the row
@@ -12,6 +13,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 from . import NUMBA_OPTIONS
 
@@ -66,3 +68,27 @@ def prefetch_row_for_write(arr, row, width):
     for col in range(0, width, LINE):
         _prefetch_write(arr, row, col)
     _prefetch_write(arr, row, width - 1)
+
+
+@intrinsic(prefer_literal=True)
+def stack_row(typingctx, n):
+    """A float32 array of ``n`` elements (a compile-time constant) on the stack, uninitialised.
+
+    A heap array's stores cannot be moved out of a loop that also loads table rows (LLVM cannot
+    rule out that the two alias), so a sum built in one is stored after every row; a fixed-size
+    stack array is promoted to registers. Only for use inside the function that creates it."""
+    if not isinstance(n, types.IntegerLiteral) or n.literal_value < 1:
+        return None
+    size = n.literal_value
+    aryty = types.Array(types.float32, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)  # in the entry block
+        ary = context.make_array(aryty)(context, builder)
+        intp = context.get_value_type(types.intp)
+        populate_array(ary, data=ptr, shape=[ir.Constant(intp, size)],
+                       strides=[ir.Constant(intp, 4)], itemsize=ir.Constant(intp, 4),
+                       meminfo=None)  # fmt: skip
+        return ary._getvalue()
+
+    return aryty(n), codegen

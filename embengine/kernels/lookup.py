@@ -4,6 +4,10 @@ Each activation row is owned by one thread, so there are no atomics: row ``o`` s
 ``gains[k] * table[unique[inverse[k]]]`` over its occurrences ``k`` (the CSR ``output_offsets``).
 Optional simulated quantization (TPU QuantizationConfig) rounds every gathered value to one of
 ``num_buckets`` levels in ``[lower, upper]`` before it is combined.
+
+Lookup-only batches (no update follows) have no occurrence arrays: ``pool_bags`` pools one
+feature straight from its ids and offsets, computing each id's combiner gain on the way, with
+the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import numba as nb
 import numpy as np
 
 from . import NUMBA_OPTIONS
-from ._intrinsics import prefetch_row
+from ._intrinsics import prefetch_row, stack_row
 
 # Output rows per parallel task: enough work to amortise scheduling, small enough to balance.
 ROWS_PER_TASK = 64
@@ -23,8 +27,8 @@ PREFETCH_DISTANCE = 16
 
 @nb.njit(inline="always", **NUMBA_OPTIONS)
 def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch, first,
-               stop):  # fmt: skip
-    """Activation rows ``first:stop`` (one task); see ``pool``."""
+               stop, acc):  # fmt: skip
+    """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
     buckets = quant[0]
     lower = quant[1]
     upper = quant[2]
@@ -32,22 +36,29 @@ def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, pr
     last_k = output_offsets[stop]
     # The sum builds in a scratch row, not in ``out``: LLVM cannot rule out that ``out``
     # aliases ``data``, so it would store and reload it after every occurrence (-20% on W1).
-    acc = np.empty(dim, dtype=np.float32)
+    # For fixed dims the scratch row is on the stack and lives in registers (stack_row).
     # Indexed accesses, not row views: a view per occurrence costs atomic reference counts.
+    # The quantization test sits outside the loops over occurrences: a branch inside them
+    # costs registers (the sum spills to the stack) and the fused multiply-add.
     for o in range(first, stop):
         for j in range(dim):
             acc[j] = 0.0
-        for k in range(output_offsets[o], output_offsets[o + 1]):
-            if k + prefetch < last_k:
-                prefetch_row(data, unique[inverse[k + prefetch]], dim)
-            r = unique[inverse[k]]
-            gk = gains[k]
-            if buckets > 0:
+        if buckets > 0:
+            for k in range(output_offsets[o], output_offsets[o + 1]):
+                if k + prefetch < last_k:
+                    prefetch_row(data, unique[inverse[k + prefetch]], dim)
+                r = unique[inverse[k]]
+                gk = gains[k]
                 for j in range(dim):
                     x = min(max(np.float64(data[r, j]), lower), upper)
                     x = np.floor((x - lower) / quantum + 0.5) * quantum + lower
                     acc[j] += np.float32(gk * x)
-            else:
+        else:
+            for k in range(output_offsets[o], output_offsets[o + 1]):
+                if k + prefetch < last_k:
+                    prefetch_row(data, unique[inverse[k + prefetch]], dim)
+                r = unique[inverse[k]]
+                gk = gains[k]
                 for j in range(dim):
                     acc[j] += gk * data[r, j]
         for j in range(dim):
@@ -65,12 +76,13 @@ def pool(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch
     for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
         _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch, first,
-                   min(n_out, first + ROWS_PER_TASK))  # fmt: skip
+                   min(n_out, first + ROWS_PER_TASK), np.empty(dim, dtype=np.float32))  # fmt: skip
 
 
 def _fixed_dim_pool(fixed_dim: int):
     """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
-    the row and keeps the sum in registers (W1-lookup: pooling ~1.35x faster at dim 64).
+    the row and keeps the sum in registers, in a stack scratch row (W1-lookup: pooling ~1.35x
+    faster at dim 64, and again ~1.5x on cached rows from the stack row).
     numba caches each closure under its own constant."""
 
     @nb.njit(parallel=True, **NUMBA_OPTIONS)
@@ -79,7 +91,8 @@ def _fixed_dim_pool(fixed_dim: int):
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             first = task * ROWS_PER_TASK
             _pool_rows(data, fixed_dim, unique, inverse, gains, output_offsets, out, quant,
-                       prefetch, first, min(n_out, first + ROWS_PER_TASK))  # fmt: skip
+                       prefetch, first, min(n_out, first + ROWS_PER_TASK),
+                       stack_row(fixed_dim))  # fmt: skip
 
     return pool_fixed
 
@@ -91,3 +104,119 @@ _FIXED_DIMS = {d: _fixed_dim_pool(d) for d in (8, 16, 32, 64, 128)}
 def pool_kernel(dim: int):
     """The pooling kernel for rows of ``dim`` floats (same arguments and results as ``pool``)."""
     return _FIXED_DIMS.get(int(dim), pool)
+
+
+# Combiner codes of pool_bags (as kernels.prepare.COMBINER_CODES).
+SUM, MEAN, SQRTN = 0, 1, 2
+
+
+@nb.njit(inline="always", **NUMBA_OPTIONS)
+def _gain(w, combiner, seq_len, denom):
+    """An id's factor (float32, as batch.combiner_gains): weight w of a SUM bag or of a sequence
+    position (1), w / denom for MEAN and SQRTN (0 if denom is 0)."""
+    if combiner == SUM or seq_len > 0:
+        return np.float32(w)
+    if denom != 0.0:
+        return np.float32(w / denom)
+    return np.float32(0.0)
+
+
+@nb.njit(inline="always", **NUMBA_OPTIONS)
+def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
+                    out_start, quant, prefetch, first, stop, acc):  # fmt: skip
+    """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
+    row (see _pool_rows)."""
+    buckets = quant[0]
+    lower = quant[1]
+    upper = quant[2]
+    quantum = (upper - lower) / (buckets - 1.0) if buckets > 0 else 1.0
+    weighted = weights.shape[0] > 0
+    last_k = offsets[stop]
+    for b in range(first, stop):
+        start = offsets[b]
+        end = offsets[b + 1]
+        n_rows = 1
+        if seq_len > 0:
+            n_rows = seq_len
+            end = min(end, start + seq_len)
+        # The combiner's denominator, in float64 like kernels.prepare (gains are float32).
+        denom = 1.0
+        if seq_len == 0 and combiner != SUM:
+            total = 0.0
+            for k in range(start, end):
+                wk = np.float64(weights[k]) if weighted else 1.0
+                total += wk if combiner == MEAN else wk * wk
+            denom = total if combiner == MEAN else np.sqrt(total)
+        for pos in range(n_rows):
+            for j in range(dim):
+                acc[j] = 0.0
+            # A bag sums all its ids; a sequence feature's row ``pos`` holds only id ``pos``.
+            k_lo = start if seq_len == 0 else start + pos
+            k_hi = end if seq_len == 0 else min(end, start + pos + 1)
+            # Quantization is tested outside the loops over ids (see _pool_rows).
+            if buckets > 0:
+                for k in range(k_lo, k_hi):
+                    if k + prefetch < last_k:
+                        prefetch_row(data, ids[k + prefetch] + id_offset, dim)
+                    r = ids[k] + id_offset
+                    gk = _gain(np.float64(weights[k]) if weighted else 1.0, combiner, seq_len,
+                               denom)  # fmt: skip
+                    for j in range(dim):
+                        x = min(max(np.float64(data[r, j]), lower), upper)
+                        x = np.floor((x - lower) / quantum + 0.5) * quantum + lower
+                        acc[j] += np.float32(gk * x)
+            else:
+                for k in range(k_lo, k_hi):
+                    if k + prefetch < last_k:
+                        prefetch_row(data, ids[k + prefetch] + id_offset, dim)
+                    r = ids[k] + id_offset
+                    gk = _gain(np.float64(weights[k]) if weighted else 1.0, combiner, seq_len,
+                               denom)  # fmt: skip
+                    for j in range(dim):
+                        acc[j] += gk * data[r, j]
+            o = out_start + (b * seq_len + pos if seq_len > 0 else b)
+            for j in range(dim):
+                out[o, j] = acc[j]
+
+
+@nb.njit(parallel=True, **NUMBA_OPTIONS)
+def pool_bags(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out, out_start,
+              quant, prefetch):  # fmt: skip
+    """One feature's activations, straight from its ids (a lookup-only batch).
+
+    A bag feature (``seq_len == 0``): ``out[out_start + b] = sum over k in
+    offsets[b]:offsets[b + 1] of gain_k * q(data[ids[k] + id_offset])``, gains as in
+    ``batch.combiner_gains`` (``weights`` float32, empty for all ones; ``combiner`` SUM, MEAN or
+    SQRTN). A sequence feature: ``out[out_start + b * seq_len + p]`` is the row of the sample's
+    ``p``-th id, zeros past its end. ``pool_bags_kernel(dim)`` gives a faster kernel for
+    common dims."""
+    n = offsets.shape[0] - 1
+    for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        first = task * ROWS_PER_TASK
+        _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
+                        out_start, quant, prefetch, first, min(n, first + ROWS_PER_TASK),
+                        np.empty(dim, dtype=np.float32))  # fmt: skip
+
+
+def _fixed_dim_pool_bags(fixed_dim: int):
+    """``pool_bags`` with the row width a compile-time constant (see _fixed_dim_pool)."""
+
+    @nb.njit(parallel=True, **NUMBA_OPTIONS)
+    def pool_bags_fixed(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
+                        out_start, quant, prefetch):  # fmt: skip
+        n = offsets.shape[0] - 1
+        for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            first = task * ROWS_PER_TASK
+            _pool_bag_range(data, fixed_dim, ids, offsets, weights, combiner, seq_len,
+                            id_offset, out, out_start, quant, prefetch, first,
+                            min(n, first + ROWS_PER_TASK), stack_row(fixed_dim))  # fmt: skip
+
+    return pool_bags_fixed
+
+
+_FIXED_DIMS_BAGS = {d: _fixed_dim_pool_bags(d) for d in _FIXED_DIMS}
+
+
+def pool_bags_kernel(dim: int):
+    """The ``pool_bags`` kernel for rows of ``dim`` floats."""
+    return _FIXED_DIMS_BAGS.get(int(dim), pool_bags)

@@ -181,13 +181,9 @@ def prepare_tables(
     unique_gains,
     unique_segments,
     output_offsets,
-    deduplicate,
 ):
     """All tables at once. Table t owns occurrence slots ``occ_base[t]:occ_base[t + 1]``,
-    CSR-offset slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``.
-
-    Without ``deduplicate`` (lookup-only batches) only the occurrences and ``output_offsets``
-    are built: the lookup then reads ``occ_ids`` directly (``batch.lookup_only_batch``)."""
+    CSR-offset slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``."""
     n_tables = occ_base.shape[0] - 1
     for t in nb.prange(n_tables):
         lo = occ_base[t]
@@ -222,8 +218,6 @@ def prepare_tables(
         n_out = out_base[t + 1] - out_base[t]
         # Segments are non-decreasing, so occurrences are already grouped by activation row.
         _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
-        if not deduplicate:
-            continue
         u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions)
         n_unique[t] = u
         by_unique = np.empty(hi - lo, dtype=np.int64)
