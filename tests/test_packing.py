@@ -93,3 +93,44 @@ def test_packed_checkpoint_loads_unpacked(tmp_path):
     _run([plain, packed], steps=2, seed=1)
     for name in plain.table_names:
         np.testing.assert_array_equal(plain.embedding_tables[name], packed.embedding_tables[name])
+
+
+def test_tables_are_dealt_to_threads_by_size():
+    # Packed tables are few and big: prepare deals tables largest first to the least loaded
+    # thread, so no thread gets more than its share plus one table.
+    from embengine.kernels.prepare import deal_tables
+
+    rng = np.random.default_rng(0)
+    for n_workers in (1, 2, 3):
+        sizes = np.concatenate([[327_680] * 3, rng.integers(0, 20_000, 40)])
+        order, bounds = deal_tables(sizes, n_workers)
+        assert sorted(order) == list(range(len(sizes)))
+        loads = [sizes[order[bounds[w] : bounds[w + 1]]].sum() for w in range(n_workers)]
+        assert max(loads) - min(loads) <= sizes.max()
+        assert max(loads) <= sizes.sum() / n_workers + sizes.max()
+    # W2 packed: 3 packed tables and 40 small ones over 2 threads, within 5% of even.
+    sizes = np.array([327_680] * 3 + [16_384] * 40)
+    order, bounds = deal_tables(sizes, 2)
+    loads = [sizes[order[bounds[w] : bounds[w + 1]]].sum() for w in range(2)]
+    assert max(loads) <= 1.05 * sizes.sum() / 2
+
+
+def test_results_do_not_depend_on_how_tables_are_dealt(monkeypatch):
+    from embengine.kernels import prepare as kp
+
+    rng = np.random.default_rng(5)
+    feats = {f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
+             for i in range(len(DIMS))}  # fmt: skip
+    feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(7)]
+    expected = _engine(True, "numba").preprocess(feats)
+    dealings = [
+        lambda sizes, n: (np.arange(len(sizes))[::-1].copy(), np.array([0, len(sizes)])),
+        lambda sizes, n: (np.arange(len(sizes))[::-1].copy(), np.arange(len(sizes) + 1)),
+    ]  # all tables on one worker in reverse order; one worker per table
+    for deal in dealings:
+        monkeypatch.setattr(kp, "deal_tables", deal)
+        got = _engine(True, "numba").preprocess(feats)
+        for a, b in zip(got.tables, expected.tables, strict=True):
+            for field in ("unique_ids", "inverse", "gains", "segments", "output_offsets",
+                          "unique_offsets", "unique_gains", "unique_segments"):  # fmt: skip
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)

@@ -6,6 +6,7 @@ reference sums in float64); the kernels live in ``embengine.kernels``.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
@@ -70,9 +71,11 @@ def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
     unique_gains = np.empty(n, np.float32)
     unique_segments = np.empty(n, np.int64)
     output_offsets = np.empty(int(out_base[-1]) + n_tables, np.int64)
+    order, bounds = kp.deal_tables(np.diff(occ_base), nb.get_num_threads())
     kp.prepare_tables(
-        fmeta, all_ids, all_offsets, all_weights, occ_base, out_base, occ_ids, gains, segments,
-        unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments, output_offsets,
+        order, bounds, fmeta, all_ids, all_offsets, all_weights, occ_base, out_base, occ_ids,
+        gains, segments, unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
+        output_offsets,
     )  # fmt: skip
     tables = []
     for t in range(n_tables):
