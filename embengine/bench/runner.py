@@ -5,6 +5,12 @@ included), run warm-up steps, then time ``steps`` steps, each on a fresh batch. 
 the median ms/step, millions of ids per second, the first step, the peak resident memory while
 the configuration ran, and for embengine the ratio peer_ms / embengine_ms against its peers
 (> 1 means embengine is faster).
+
+Packing's pairs (the same optimizer with low-dimensional packing off and on, W2) are timed
+interleaved, step by step, with both engines alive: the difference between them (~10%) is
+smaller than this machine's drift over the seconds between two configurations run one after the
+other (+-25%), and alternating steps puts both under the same load. Their peak RSS is that of
+the pair together.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Result:
     peak_rss_gb: float
     ids_per_step: int
     peers: tuple[str, ...] = ()
+    interleaved: bool = False  # timed step by step with others; peak RSS is theirs together
 
     @property
     def m_ids_per_s(self) -> float:
@@ -67,28 +74,42 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _time_config(make: Callable, batches, w: Workload, warmup: int, steps: int, log) -> Result:
+def _time_configs(makes: list[Callable], batches, w: Workload, warmup: int, steps: int,
+                  log) -> list[Result]:  # fmt: skip
+    """Time one configuration, or several interleaved (step i of each in turn, the order
+    alternating from step to step, so that none always runs first)."""
     gc.collect()
     _reset_peak_rss()
-    runner = make()
-    inputs = [runner.prepare(b) for b in batches[: 1 + warmup + steps]]
-    t0 = time.perf_counter()
-    runner.step(inputs[0])
-    first = (time.perf_counter() - t0) * 1e3
-    for x in inputs[1 : 1 + warmup]:
-        runner.step(x)
-    times = []
-    for x in inputs[1 + warmup :]:
+    runners = [make() for make in makes]
+    inputs = [[r.prepare(b) for b in batches[: 1 + warmup + steps]] for r in runners]
+    firsts = []
+    for runner, xs in zip(runners, inputs, strict=True):
         t0 = time.perf_counter()
-        runner.step(x)
-        times.append((time.perf_counter() - t0) * 1e3)
+        runner.step(xs[0])
+        firsts.append((time.perf_counter() - t0) * 1e3)
+    for i in range(1, 1 + warmup):
+        for runner, xs in zip(runners, inputs, strict=True):
+            runner.step(xs[i])
+    times: list[list[float]] = [[] for _ in runners]
+    for i in range(1 + warmup, 1 + warmup + steps):
+        turn = list(range(len(runners)))
+        for c in turn if i % 2 == 0 else turn[::-1]:
+            t0 = time.perf_counter()
+            runners[c].step(inputs[c][i])
+            times[c].append((time.perf_counter() - t0) * 1e3)
     peak = peak_rss_gb()
-    result = Result(runner.name, statistics.median(times), times, first, peak, w.ids_per_step)
-    runner.close()
-    del runner, inputs
+    results = [
+        Result(runner.name, statistics.median(ts), ts, first, peak, w.ids_per_step,
+               interleaved=len(runners) > 1)
+        for runner, ts, first in zip(runners, times, firsts, strict=True)
+    ]  # fmt: skip
+    for runner in runners:
+        runner.close()
+    del runners, inputs
     gc.collect()
-    log(f"  {result.name:34s} {result.ms_per_step:9.1f} ms/step")
-    return result
+    for result in results:
+        log(f"  {result.name:34s} {result.ms_per_step:9.1f} ms/step")
+    return results
 
 
 def run_workload(
@@ -104,24 +125,27 @@ def run_workload(
     w = WORKLOADS[name]
     log(f"{w.name}: {w.description} ({w.ids_per_step:,} ids/step); generating batches")
     batches = make_batches(w, 1 + warmup + steps)
-    configs: list[tuple[Callable, tuple[str, ...]]] = []
+    # Groups of configurations timed together (see _time_configs): (factory, peers) each.
+    groups: list[list[tuple[Callable, tuple[str, ...]]]] = []
     if w.lookup_only:
-        configs.append((lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",)))
+        groups.append([(lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",))])
         if "torch" in peers:
-            configs.append((lambda: TorchRunner(w, "SGD"), ()))
+            groups.append([(lambda: TorchRunner(w, "SGD"), ())])
     else:
         for opt in engine_optimizers:
             if w.optimizers is not None and opt not in w.optimizers:
                 continue
-            for packing in w.packing:
-                # Packed tables are compared with the same optimizer unpacked.
-                cmp = (f"embengine {opt}",) if packing else PEERS.get(opt, ())
-                configs.append((lambda o=opt, p=packing: EngineRunner(w, o, packing=p), cmp))
+            # Packed tables are compared with the same optimizer unpacked, interleaved.
+            groups.append([
+                (lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
+                 (f"embengine {opt}",) if packing else PEERS.get(opt, ()))
+                for packing in w.packing
+            ])  # fmt: skip
         wanted = lambda name: w.peers is None or name in w.peers  # noqa: E731
         if "torch" in peers and len(w.tables) <= 8:
             for opt in ("SGD", "Adagrad", "SparseAdam"):
                 if wanted(f"torch {opt}"):
-                    configs.append((lambda o=opt: TorchRunner(w, o), ()))
+                    groups.append([(lambda o=opt: TorchRunner(w, o), ())])
         if "fbgemm" in peers:
             reason = fbgemm_available()
             if reason is not None:
@@ -129,12 +153,13 @@ def run_workload(
             elif all(dim % 4 == 0 for _, dim in w.tables):
                 for opt in ("EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"):
                     if wanted(f"fbgemm {opt}"):
-                        configs.append((lambda o=opt: FbgemmRunner(w, o), ()))
+                        groups.append([(lambda o=opt: FbgemmRunner(w, o), ())])
     results = []
-    for make, cmp in configs:
-        r = _time_config(make, batches, w, warmup, steps, log)
-        r.peers = cmp
-        results.append(r)
+    for group in groups:
+        timed = _time_configs([make for make, _ in group], batches, w, warmup, steps, log)
+        for r, (_, cmp) in zip(timed, group, strict=True):
+            r.peers = cmp
+            results.append(r)
     return results
 
 
@@ -152,8 +177,11 @@ def format_results(workload: str, results: list[Result]) -> str:
         ratios = ", ".join(
             f"{p}: {by_name[p].ms_per_step / r.ms_per_step:.2f}x" for p in r.peers if p in by_name
         )
+        rss = f"{r.peak_rss_gb:.2f}" + ("*" if r.interleaved else " ")
         lines.append(
             f"{r.name:34s} {r.ms_per_step:9.1f} {r.m_ids_per_s:8.1f} {r.first_step_ms:9.0f} "
-            f"{r.peak_rss_gb:12.2f}  {ratios}"
+            f"{rss:>13s} {ratios}"
         )
+    if any(r.interleaved for r in results):
+        lines.append("* timed interleaved with its pair, step by step; peak RSS of the pair")
     return "\n".join(lines)
