@@ -6,11 +6,12 @@ the median ms/step, millions of ids per second, the first step, the peak residen
 the configuration ran, and for embengine the ratio peer_ms / embengine_ms against its peers
 (> 1 means embengine is faster).
 
-Packing's pairs (the same optimizer with low-dimensional packing off and on, W2) are timed
-interleaved, step by step, with both engines alive: the difference between them (~10%) is
-smaller than this machine's drift over the seconds between two configurations run one after the
-other (+-25%), and alternating steps puts both under the same load. Their peak RSS is that of
-the pair together.
+Packing's pairs (the same optimizer with low-dimensional packing off and on, W2) and the
+lookup-only pair (embengine and torch's ``F.embedding_bag``, W1-lookup) are timed interleaved,
+step by step, with both alive: the differences within them (~10%) are smaller than this
+machine's drift over the seconds between two configurations run one after the other (+-25%),
+and alternating steps puts both under the same load. Their peak RSS is that of the pair
+together (the training workloads, one configuration at a time, show each one's own).
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def run_workload(
     batches = make_batches(w, 1 + warmup + steps)
     # Groups of configurations timed together (see _time_configs): (factory, peers) each.
     groups: list[list[tuple[Callable, tuple[str, ...]]]] = []
-    if w.lookup_only:
-        groups.append([(lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",))])
+    if w.lookup_only:  # embengine and torch's lookup, interleaved (tables 2 x 1.9 GiB on W1)
+        group = [(lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",))]
         if "torch" in peers:
-            groups.append([(lambda: TorchRunner(w, "SGD"), ())])
+            group.append((lambda: TorchRunner(w, "SGD"), ()))
+        groups.append(group)
     else:
         for opt in engine_optimizers:
             if w.optimizers is not None and opt not in w.optimizers:
