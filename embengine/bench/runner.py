@@ -6,12 +6,15 @@ the median ms/step, millions of ids per second, the first step, the peak residen
 the configuration ran, and for embengine the ratio peer_ms / embengine_ms against its peers
 (> 1 means embengine is faster).
 
-Packing's pairs (the same optimizer with low-dimensional packing off and on, W2) and the
-lookup-only pair (embengine and torch's ``F.embedding_bag``, W1-lookup) are timed interleaved,
-step by step, with both alive: the differences within them (~10%) are smaller than this
-machine's drift over the seconds between two configurations run one after the other (+-25%),
-and alternating steps puts both under the same load. Their peak RSS is that of the pair
-together (the training workloads, one configuration at a time, show each one's own).
+Each embengine configuration is timed in a group with its peers (and, on W2, with the same
+optimizer packed), interleaved step by step with all of them alive: the ratios we report
+(~1-3x, packing ~1.1x) would otherwise be at the mercy of this machine's drift over the seconds
+between two configurations run one after the other (+-25%, and 1.3x to 2.5x for the same
+SGD-vs-FBGEMM ratio in two runs). Alternating steps puts every member under the same load; the
+order of the members alternates too, so none always runs first. A peer shared by several
+configurations (torch Adagrad) is timed once in each group. Peak RSS is still each
+configuration's own: the process's RSS before the group, plus the memory the configuration
+added while being built and stepped, plus the transient peak of its own steps.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Result:
     peak_rss_gb: float
     ids_per_step: int
     peers: tuple[str, ...] = ()
-    interleaved: bool = False  # timed step by step with others; peak RSS is theirs together
+    group: int = 0  # the group it was timed in (see the module docstring)
 
     @property
     def m_ids_per_s(self) -> float:
@@ -62,47 +65,84 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def peak_rss_gb() -> float:
+def _status_gb(field: str) -> float | None:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), or None."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 2**20
     except OSError:
         pass
+    return None
+
+
+def peak_rss_gb() -> float:
+    peak = _status_gb("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+class _Memory:
+    """Each member's own peak RSS while several share the process: the RSS before the group
+    plus what the member added (build and steps) plus its own steps' transient peak. Call
+    ``start()`` before each build or step and ``stop(member)`` after it."""
+
+    def __init__(self, n: int):
+        gc.collect()
+        self.base = _status_gb("VmRSS")
+        self.own = [0.0] * n
+        self.peak = [0.0] * n
+        self._before = 0.0
+
+    def start(self) -> None:
+        if self.base is not None:
+            _reset_peak_rss()
+            self._before = _status_gb("VmRSS")
+
+    def stop(self, member: int) -> None:
+        if self.base is None:  # no /proc: the process's peak for everyone
+            self.peak[member] = peak_rss_gb()
+            return
+        high, after = _status_gb("VmHWM"), _status_gb("VmRSS")
+        transient = high - self._before
+        self.peak[member] = max(self.peak[member], self.base + self.own[member] + transient)
+        self.own[member] += after - self._before
+
+
 def _time_configs(makes: list[Callable], batches, w: Workload, warmup: int, steps: int,
                   log) -> list[Result]:  # fmt: skip
-    """Time one configuration, or several interleaved (step i of each in turn, the order
-    alternating from step to step, so that none always runs first)."""
-    gc.collect()
-    _reset_peak_rss()
-    runners = [make() for make in makes]
+    """Time one configuration, or several interleaved: step i of each in turn, the order
+    reversed every other step, so that none always runs first."""
+    memory = _Memory(len(makes))
+    runners = []
+    for c, make in enumerate(makes):
+        memory.start()
+        runners.append(make())
+        memory.stop(c)
     inputs = [[r.prepare(b) for b in batches[: 1 + warmup + steps]] for r in runners]
+    members = range(len(runners))
+    times: list[list[float]] = [[] for _ in members]
     firsts = []
-    for runner, xs in zip(runners, inputs, strict=True):
-        t0 = time.perf_counter()
-        runner.step(xs[0])
-        firsts.append((time.perf_counter() - t0) * 1e3)
-    for i in range(1, 1 + warmup):
-        for runner, xs in zip(runners, inputs, strict=True):
-            runner.step(xs[i])
-    times: list[list[float]] = [[] for _ in runners]
-    for i in range(1 + warmup, 1 + warmup + steps):
-        turn = list(range(len(runners)))
-        for c in turn if i % 2 == 0 else turn[::-1]:
+    for i in range(1 + warmup + steps):
+        for c in members if i % 2 == 0 else reversed(members):
+            memory.start()  # the bookkeeping stays outside the timed region
             t0 = time.perf_counter()
             runners[c].step(inputs[c][i])
-            times[c].append((time.perf_counter() - t0) * 1e3)
-    peak = peak_rss_gb()
+            elapsed = (time.perf_counter() - t0) * 1e3
+            memory.stop(c)
+            if i == 0:
+                firsts.append((c, elapsed))  # compile or cache load included
+            elif i > warmup:
+                times[c].append(elapsed)
+    first = dict(firsts)
     results = [
-        Result(runner.name, statistics.median(ts), ts, first, peak, w.ids_per_step,
-               interleaved=len(runners) > 1)
-        for runner, ts, first in zip(runners, times, firsts, strict=True)
+        Result(runners[c].name, statistics.median(times[c]), times[c], first[c],
+               memory.peak[c], w.ids_per_step)
+        for c in members
     ]  # fmt: skip
     for runner in runners:
         runner.close()
@@ -126,64 +166,74 @@ def run_workload(
     w = WORKLOADS[name]
     log(f"{w.name}: {w.description} ({w.ids_per_step:,} ids/step); generating batches")
     batches = make_batches(w, 1 + warmup + steps)
-    # Groups of configurations timed together (see _time_configs): (factory, peers) each.
+    # Groups of configurations timed together (see the module docstring): (factory, peers).
     groups: list[list[tuple[Callable, tuple[str, ...]]]] = []
-    if w.lookup_only:  # embengine and torch's lookup, interleaved (tables 2 x 1.9 GiB on W1)
+    if w.lookup_only:
         group = [(lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",))]
         if "torch" in peers:
             group.append((lambda: TorchRunner(w, "SGD"), ()))
         groups.append(group)
-    else:
-        for opt in engine_optimizers:
-            if w.optimizers is not None and opt not in w.optimizers:
+        return _run_groups(groups, batches, w, warmup, steps, log)
+    wanted = lambda name: w.peers is None or name in w.peers  # noqa: E731
+    use_torch = "torch" in peers and len(w.tables) <= 8
+    use_fbgemm = False
+    if "fbgemm" in peers and all(dim % 4 == 0 for _, dim in w.tables):
+        reason = fbgemm_available()
+        if reason is not None:
+            log(f"  (FBGEMM not measured: {reason}; `make bench` installs fbgemm-gpu-cpu)")
+        use_fbgemm = reason is None
+    for opt in engine_optimizers:
+        if w.optimizers is not None and opt not in w.optimizers:
+            continue
+        # Packed tables are compared with the same optimizer unpacked.
+        group = [
+            (lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
+             (f"embengine {opt}",) if packing else PEERS.get(opt, ()))
+            for packing in w.packing
+        ]  # fmt: skip
+        for peer in PEERS.get(opt, ()):
+            kind, peer_opt = peer.split(" ", 1)
+            if not wanted(peer):
                 continue
-            # Packed tables are compared with the same optimizer unpacked, interleaved.
-            groups.append([
-                (lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
-                 (f"embengine {opt}",) if packing else PEERS.get(opt, ()))
-                for packing in w.packing
-            ])  # fmt: skip
-        wanted = lambda name: w.peers is None or name in w.peers  # noqa: E731
-        if "torch" in peers and len(w.tables) <= 8:
-            for opt in ("SGD", "Adagrad", "SparseAdam"):
-                if wanted(f"torch {opt}"):
-                    groups.append([(lambda o=opt: TorchRunner(w, o), ())])
-        if "fbgemm" in peers:
-            reason = fbgemm_available()
-            if reason is not None:
-                log(f"  (FBGEMM not measured: {reason}; `make bench` installs fbgemm-gpu-cpu)")
-            elif all(dim % 4 == 0 for _, dim in w.tables):
-                for opt in ("EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"):
-                    if wanted(f"fbgemm {opt}"):
-                        groups.append([(lambda o=opt: FbgemmRunner(w, o), ())])
+            if kind == "torch" and use_torch:
+                group.append((lambda o=peer_opt: TorchRunner(w, o), ()))
+            elif kind == "fbgemm" and use_fbgemm:
+                group.append((lambda o=peer_opt: FbgemmRunner(w, o), ()))
+        groups.append(group)
+    return _run_groups(groups, batches, w, warmup, steps, log)
+
+
+def _run_groups(groups, batches, w: Workload, warmup: int, steps: int, log) -> list[Result]:
     results = []
-    for group in groups:
+    for g, group in enumerate(groups):
         timed = _time_configs([make for make, _ in group], batches, w, warmup, steps, log)
         for r, (_, cmp) in zip(timed, group, strict=True):
-            r.peers = cmp
+            r.peers, r.group = cmp, g
             results.append(r)
     return results
 
 
 def format_results(workload: str, results: list[Result]) -> str:
-    """A fixed-width table: one row per configuration, ratios against its peers."""
+    """A fixed-width table: one row per configuration, groups (timed together) one after the
+    other, each embengine configuration's ratios against the peers of its own group."""
     w = WORKLOADS[workload]
-    by_name = {r.name: r for r in results}
+    by_name = {(r.group, r.name): r for r in results}
     lines = [
         f"{w.name}: {w.description}; {w.ids_per_step:,} ids/step; tables "
         f"{w.table_bytes / 2**30:.2f} GiB fp32",
         f"{'configuration':34s} {'ms/step':>9s} {'M ids/s':>8s} {'first ms':>9s} "
         f"{'peak RSS GiB':>12s}  speed-up vs peers (peer ms / embengine ms)",
     ]
-    for r in results:
+    for i, r in enumerate(results):
+        if i and r.group != results[i - 1].group:
+            lines.append("")
         ratios = ", ".join(
-            f"{p}: {by_name[p].ms_per_step / r.ms_per_step:.2f}x" for p in r.peers if p in by_name
+            f"{p}: {by_name[(r.group, p)].ms_per_step / r.ms_per_step:.2f}x"
+            for p in r.peers
+            if (r.group, p) in by_name
         )
-        rss = f"{r.peak_rss_gb:.2f}" + ("*" if r.interleaved else " ")
         lines.append(
             f"{r.name:34s} {r.ms_per_step:9.1f} {r.m_ids_per_s:8.1f} {r.first_step_ms:9.0f} "
-            f"{rss:>13s} {ratios}"
+            f"{r.peak_rss_gb:12.2f}  {ratios}"
         )
-    if any(r.interleaved for r in results):
-        lines.append("* timed interleaved with its pair, step by step; peak RSS of the pair")
     return "\n".join(lines)
