@@ -82,7 +82,6 @@ def tiny(monkeypatch):
     return "tiny"
 
 
-@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch Adagrad's own warning
 def test_each_configuration_is_timed_with_its_peers_and_compared_in_the_table(tiny):
     results = runner.run_workload(tiny, steps=3, warmup=1, engine_optimizers=("SGD", "Adam"),
                                   peers=("torch",), log=lambda s: None)  # fmt: skip

@@ -8,6 +8,8 @@ embedding (``fbgemm-gpu-cpu``), whose optimizer runs fused inside backward.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .workloads import Batch, Workload
@@ -75,6 +77,8 @@ class TorchRunner:
         self.torch = torch
         self.name = f"torch {optimizer}" if not w.lookup_only else "torch F.embedding_bag"
         self.lookup_only = w.lookup_only
+        # torch's sparse Adagrad warns on every run that it skips its invariant checks.
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
         self.bags = torch.nn.ModuleList(
             torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for rows, dim in w.tables
         )
