@@ -17,6 +17,7 @@ import numpy as np
 
 from . import NUMBA_OPTIONS
 from ._intrinsics import prefetch_row, stack_row
+from .prepare import COMBINER_CODES
 
 # Output rows per parallel task: enough work to amortise scheduling, small enough to balance.
 ROWS_PER_TASK = 64
@@ -106,8 +107,7 @@ def pool_kernel(dim: int):
     return _FIXED_DIMS.get(int(dim), pool)
 
 
-# Combiner codes of pool_bags (as kernels.prepare.COMBINER_CODES).
-SUM, MEAN, SQRTN = 0, 1, 2
+SUM, MEAN, SQRTN = (COMBINER_CODES[c] for c in ("sum", "mean", "sqrtn"))
 
 
 @nb.njit(inline="always", **NUMBA_OPTIONS)
