@@ -92,6 +92,17 @@ def test_bad_lookup_input_changes_nothing(backend, features, exc, message):
     assert eng.step == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("features, exc, message", LOOKUP_CASES)
+def test_bad_input_is_refused_by_lookup_only_batches_too(backend, features, exc, message):
+    # A lookup-only batch pools straight from the given ids: they must be checked first.
+    eng = _engine(backend)
+    with pytest.raises(exc, match=message):
+        eng.preprocess(features, training=False)
+    with pytest.raises(exc, match=message):
+        eng.lookup(features, training=False)
+
+
 def test_ragged_structure_errors_name_the_feature():
     eng = _engine("reference")
     with pytest.raises(ValueError, match=r"feature 'u': weights of sample 0 has 1 entries"):
