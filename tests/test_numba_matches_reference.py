@@ -60,7 +60,8 @@ COUNTING = [
 @st.composite
 def scenarios(draw):
     n_tables = draw(st.integers(1, 2))
-    dims = [draw(st.sampled_from([2, 4])) for _ in range(n_tables)]  # k=2 must divide
+    # k=2 must divide; dim 8 runs the fixed-layout update kernels, 2 and 4 the any-layout ones
+    dims = [draw(st.sampled_from([2, 4, 8])) for _ in range(n_tables)]
     vocab = [draw(st.integers(1, 12)) for _ in range(n_tables)]
     combiners = [draw(st.sampled_from(["sum", "mean", "sqrtn"])) for _ in range(n_tables)]
     n_features = draw(st.integers(1, 3))
@@ -216,3 +217,73 @@ def test_results_do_not_depend_on_thread_count():
     np.testing.assert_array_equal(w1, w2)
     for k in s1:
         np.testing.assert_array_equal(s1[k], s2[k])
+
+
+# One optimizer per fixed-layout kernel variant (row-wise Adagrad: hessian_compression_times=dim).
+FIXED_LAYOUT_OPTIMIZERS = OPTIMIZERS + [
+    opt.Adagrad(0.2, hessian_compression_times=8, clipvalue=0.4),
+    opt.AMSGrad(0.05, weight_decay_factor=0.1),
+]
+
+
+def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
+    """Each variant's fixed-layout update (rows of 8, slots at constant offsets, updated in place)
+    gives the any-layout kernel's results: the same arithmetic in the same order, up to float
+    rounding."""
+    from embengine.backends import numba_backend as nbk
+    from embengine.kernels.fused import FIXED_KERNELS
+
+    rng = np.random.default_rng(3)
+    vocab, batch = 40, 12
+    steps = []
+    for _ in range(3):
+        lengths = rng.integers(0, 5, batch)
+        ids = rng.zipf(1.5, lengths.sum()) % vocab  # duplicates, empty bags
+        weights = rng.choice([0.5, 1.0, 2.0, -1.0], lengths.sum()).astype(np.float32)
+        steps.append((ids, lengths, weights))
+    covered = set()
+    fixed_dims = nbk.FIXED_DIMS
+    for optimizer in FIXED_LAYOUT_OPTIMIZERS:
+        states = []
+        for fixed in (True, False):
+            monkeypatch.setattr(nbk, "FIXED_DIMS", fixed_dims if fixed else ())
+            t = ee.TableConfig(vocab, 8, combiner="sqrtn", name="t",
+                               initializer=init.RandomUniform(-1.0, 1.0))  # fmt: skip
+            eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
+                                     optimizer=optimizer, seed=1)  # fmt: skip
+            table = eng._physical[0]
+            fused = nbk.kernels_for(optimizer, table)[0]
+            variant = nbk._variant(optimizer, 8)
+            assert (fused is not nbk.KERNELS[variant][0]) == (fixed and variant in FIXED_KERNELS)
+            for step, (ids, lengths, weights) in enumerate(steps):
+                acts = eng.lookup({"f": ee.Ragged(ids, lengths=lengths, weights=weights),
+                                   "g": ids[:batch]})  # fmt: skip
+                eng.apply_gradients({k: np.cos(np.arange(a.size) * 0.7 + step)
+                                     .reshape(a.shape).astype(np.float32)
+                                     for k, a in acts.items()})  # fmt: skip
+            states.append((eng.embedding_tables["t"].copy(), eng.slots("t")))
+        if variant in FIXED_KERNELS:
+            covered.add(variant)
+        (w1, s1), (w2, s2) = states
+        # Not always bit-identical: with a constant width the compiler may vectorise a row sum
+        # in another order, or fuse other multiply-adds (fastmath "contract").
+        np.testing.assert_allclose(w1, w2, rtol=1e-6, atol=1e-7, err_msg=variant)
+        for k in s1:
+            np.testing.assert_allclose(s1[k], s2[k], rtol=1e-6, atol=1e-7, err_msg=f"{variant}/{k}")
+    assert covered == set(FIXED_KERNELS)
+
+
+def test_fixed_layout_only_where_the_rows_fit():
+    from embengine.backends import numba_backend as nbk
+
+    def layout(optimizer, dim):
+        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, dim, name="t"))},
+                                 optimizer=optimizer)  # fmt: skip
+        return nbk.fixed_layout(nbk._variant(optimizer, dim), eng._physical[0])
+
+    assert layout(opt.Adam(0.1), 16) == (16, 2)
+    assert layout(opt.AMSGrad(0.1, bias_correction="per_row"), 8) == (8, 3)  # int32 steps after
+    assert layout(opt.Adagrad(0.1, hessian_compression_times=32), 32) == (32, 1)  # row-wise
+    assert layout(opt.SGD(0.1), 64) == (64, 0)
+    assert layout(opt.Adam(0.1), 12) is None  # not a fixed dim
+    assert layout(opt.Adagrad(0.1, hessian_compression_times=4), 16) is None  # grouped: scratch

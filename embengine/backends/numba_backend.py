@@ -6,13 +6,15 @@ reference sums in float64); the kernels live in ``embengine.kernels``.
 
 from __future__ import annotations
 
+import functools
+
 import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
 from ..kernels import pipeline, row_math
 from ..kernels import prepare as kp
-from ..kernels.fused import KERNELS
+from ..kernels.fused import FIXED_KERNELS, KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags_kernel, pool_kernel
 from ..kernels.pool import start_pool
@@ -97,18 +99,58 @@ def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
     return tables
 
 
-def kernels_for(optimizer: Optimizer, dim: int):
-    """The (fused_update, update_every_row) kernels serving an optimizer on a table of this dim:
-    its own class's row math, else its nearest embengine base class's (embengine.tpu.Adam...)."""
+# Row widths whose fused updates are also compiled for a fixed row layout (each on first use).
+FIXED_DIMS = (8, 16, 32, 64, 128)
+
+
+def _variant(optimizer: Optimizer, dim: int) -> str:
+    """The kernel variant of an optimizer: its own class's row math, else its nearest embengine
+    base class's (embengine.tpu.Adam...)."""
     for cls in type(optimizer).__mro__:
         if cls.__name__ in row_math.OPTIMIZER_CLASSES and cls.__module__.startswith(
             "embengine.optimizers"
         ):
-            return KERNELS[row_math.variant(cls.__name__, optimizer.kernel_params(), dim)]
+            return row_math.variant(cls.__name__, optimizer.kernel_params(), dim)
     raise TypeError(
         f"the numba backend has no row math for {type(optimizer).__name__}; use "
         "backend='reference' or add it to embengine/kernels/row_math.py"
     )
+
+
+def fixed_layout(variant: str, table: DenseTable) -> tuple[int, int] | None:
+    """(DIM, NS) if the variant has a fixed-layout kernel that fits this table's rows, else None.
+
+    It fits rows of DIM (one of FIXED_DIMS) weights, then the NS float slots from column DIM on,
+    each DIM wide (row-wise variants read only the first slot's first column). With the row
+    width and the slots' offsets compile-time constants, LLVM knows that the weights and slots
+    of a row do not overlap and vectorises the update in place, where the any-layout kernel
+    copies them to scratch arrays (W1 update: Adam 1.6x, SGD 1.25x faster)."""
+    dim = table.dim
+    if variant not in FIXED_KERNELS or dim not in FIXED_DIMS:
+        return None
+    float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
+    element = row_math.VARIANTS[variant][0] == "element"
+    for i, spec in enumerate(float_slots):
+        column = table.columns[spec.name]
+        if column.start != (i + 1) * dim or (element and column.width != dim):
+            return None
+    return dim, len(float_slots)
+
+
+@functools.cache  # one dispatcher per layout: numba compiles (or loads) it on its first call
+def _fixed_kernel(variant: str, dim: int, n_slots: int):
+    return FIXED_KERNELS[variant](dim, n_slots)
+
+
+def kernels_for(optimizer: Optimizer, table: DenseTable):
+    """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
+    fixed-layout fused update where it fits (fixed_layout), else the any-layout one."""
+    variant = _variant(optimizer, table.dim)
+    fused, every_row = KERNELS[variant]
+    layout = fixed_layout(variant, table)
+    if layout is not None:
+        fused = _fixed_kernel(variant, *layout)
+    return fused, every_row
 
 
 def _table_constants(opt: Optimizer, table: DenseTable):
@@ -186,7 +228,7 @@ class NumbaBackend:
         start_pool()
         consts = self._constants.get(id(table))
         if consts is None or consts[0] is not opt:
-            consts = (opt, kernels_for(opt, table.dim), *_table_constants(opt, table))
+            consts = (opt, kernels_for(opt, table), *_table_constants(opt, table))
             self._constants[id(table)] = consts
         _, (fused, every_row), meta, hp, cols = consts
         grad = np.ascontiguousarray(grad, dtype=np.float32)
