@@ -42,8 +42,8 @@ class _Recorder:
 def test_groups_are_timed_step_by_step_in_alternating_order():
     log = []
     batches = make_batches(TINY, 1 + 2 + 4)
-    makes = [lambda: _Recorder("a", log), lambda: _Recorder("b", log)]
-    results = runner._time_configs(makes, batches, TINY, warmup=2, steps=4, log=lambda s: None)
+    members = [(lambda n=n: _Recorder(n, log), batches, TINY) for n in "ab"]
+    results = runner._time_configs(members, warmup=2, steps=4, log=lambda s: None)
     assert [r.name for r in results] == ["a", "b"]
     assert all(len(r.ms_all) == 4 and r.first_step_ms >= 0 for r in results)
     timed = [name for name, _ in log[-10:-2]]  # the 4 timed steps of each, then the closes
@@ -69,8 +69,10 @@ class _Holder(_Recorder):
 @pytest.mark.skipif(runner._status_gb("VmRSS") is None, reason="needs /proc/self/status")
 def test_each_member_of_a_group_gets_its_own_peak_rss():
     log = []
-    makes = [lambda: _Holder("big", log, 400, 0), lambda: _Holder("small", log, 50, 100)]
-    big, small = runner._time_configs(makes, make_batches(TINY, 4), TINY, 1, 2, lambda s: None)
+    batches = make_batches(TINY, 4)
+    members = [(lambda: _Holder("big", log, 400, 0), batches, TINY),
+               (lambda: _Holder("small", log, 50, 100), batches, TINY)]  # fmt: skip
+    big, small = runner._time_configs(members, 1, 2, lambda s: None)
     # big: base + 400 MiB; small: base + 50 MiB + its 100 MiB spikes. Not the pair's total.
     assert abs((big.peak_rss_gb - small.peak_rss_gb) * 1024 - 250) < 40
     assert small.peak_rss_gb * 1024 < runner.peak_rss_gb() * 1024 - 300
@@ -102,3 +104,41 @@ def test_each_configuration_is_timed_with_its_peers_and_compared_in_the_table(ti
     ratio = by_name["torch SGD"].ms_per_step / by_name["embengine SGD"].ms_per_step
     assert unpacked.endswith(f"torch SGD: {ratio:.2f}x")  # no FBGEMM run, no ratio to it
     assert "" in lines  # a blank line between the two groups
+
+
+def test_w3_is_timed_beside_w1_and_w3_small_and_compared_per_id(monkeypatch):
+    # Stand-ins for W1, W3 and W3-small: the same shape of comparison on tiny tables.
+    small = {
+        "W1": Workload("W1", "", ((300, 4),) * 2, 8, 3),
+        "W3": Workload("W3", "", ((3000, 4),), 8, 3, optimizers=("SGD",)),
+        "W3-small": Workload("W3-small", "", ((300, 4),), 8, 3),
+    }
+    for name, w in small.items():
+        monkeypatch.setitem(runner.WORKLOADS, name, w)
+    results = runner.run_vocabulary(steps=3, warmup=1, engine_optimizers=("SGD", "Adam"),
+                                    peers=(), log=lambda s: None)  # fmt: skip
+    # One group (W3 runs SGD only), the same system on the three workloads.
+    assert [(r.group, r.name, r.workload) for r in results] == [
+        (0, "embengine SGD", "W1"), (0, "embengine SGD", "W3"), (0, "embengine SGD", "W3-small"),
+    ]  # fmt: skip
+    assert [r.ids_per_step for r in results] == [48, 24, 24]
+    ms = {r.workload: r.ms_per_step for r in results}
+    line = runner.format_vocabulary(results).splitlines()[-1]
+    w3_w1 = (ms["W3"] / 24) / (ms["W1"] / 48)
+    w3_small = ms["W3"] / ms["W3-small"]
+    assert line.split() == ["embengine", "SGD", f"{ms['W1']:.1f}", f"{ms['W3']:.1f}",
+                            f"{ms['W3-small']:.1f}", f"{w3_w1:.2f}", f"{w3_small:.2f}"]  # fmt: skip
+
+
+@pytest.mark.skipif(runner._status_gb("VmRSS") is None, reason="needs /proc/self/status")
+def test_a_finished_group_hands_its_freed_memory_back():
+    # Many small arrays come from the heap; freed, glibc keeps them resident (the next group's
+    # RSS would count them) until the runner trims the heap after each group.
+    rss_mb = lambda: runner._status_gb("VmRSS") * 1024  # noqa: E731
+    before = rss_mb()
+    arrays = [np.ones(16_000, dtype=np.float32) for _ in range(4000)]  # 64 KB each, ~250 MB
+    last = arrays[-1]  # keeps the top of the heap in use
+    del arrays
+    runner._release_memory()
+    assert rss_mb() - before < 60
+    assert last.sum() == 16_000

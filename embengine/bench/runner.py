@@ -14,11 +14,16 @@ SGD-vs-FBGEMM ratio in two runs). Alternating steps puts every member under the 
 order of the members alternates too, so none always runs first. A peer shared by several
 configurations (torch Adagrad) is timed once in each group. Peak RSS is still each
 configuration's own: the process's RSS before the group, plus the memory the configuration
-added while being built and stepped, plus the transient peak of its own steps.
+added while being built and stepped, plus the transient peak of its own steps; after each
+group the freed heap goes back to the OS, so a group's RSS does not include its predecessors'.
+
+W3's target compares workloads (W3's cost per id against W1's), so ``run_vocabulary`` times
+the same system on W1, W3 and W3-small interleaved in one group too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import statistics
 import time
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 from .peers import EngineRunner, FbgemmRunner, TorchRunner, fbgemm_available
 from .workloads import WORKLOADS, Workload, make_batches
 
-__all__ = ["Result", "run_workload", "format_results", "PEERS"]
+__all__ = ["Result", "run_workload", "format_results", "run_vocabulary", "format_vocabulary",
+           "PEERS"]  # fmt: skip
 
 # Which peers each embengine configuration is compared with (torch has no FTRL: its Adagrad
 # keeps the same per-row state size).
@@ -51,10 +57,22 @@ class Result:
     ids_per_step: int
     peers: tuple[str, ...] = ()
     group: int = 0  # the group it was timed in (see the module docstring)
+    workload: str = ""
 
     @property
     def m_ids_per_s(self) -> float:
         return self.ids_per_step / self.ms_per_step / 1e3
+
+
+def _release_memory() -> None:
+    """Free a finished group's memory and hand it back to the OS: glibc keeps freed heap
+    chunks (W2's hundreds of small tables left ~1.3 GiB resident), which the next group's
+    peak RSS, measured from the process's RSS, would otherwise count as its own."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _reset_peak_rss() -> None:
@@ -113,22 +131,28 @@ class _Memory:
         self.own[member] += after - self._before
 
 
-def _time_configs(makes: list[Callable], batches, w: Workload, warmup: int, steps: int,
-                  log) -> list[Result]:  # fmt: skip
+# A member of a timed group: its runner's factory, the batches it steps on, their workload.
+Member = tuple[Callable, list, Workload]
+
+
+def _time_configs(members: list[Member], warmup: int, steps: int, log) -> list[Result]:
     """Time one configuration, or several interleaved: step i of each in turn, the order
     reversed every other step, so that none always runs first."""
-    memory = _Memory(len(makes))
+    memory = _Memory(len(members))
     runners = []
-    for c, make in enumerate(makes):
+    for c, (make, _, _) in enumerate(members):
         memory.start()
         runners.append(make())
         memory.stop(c)
-    inputs = [[r.prepare(b) for b in batches[: 1 + warmup + steps]] for r in runners]
-    members = range(len(runners))
-    times: list[list[float]] = [[] for _ in members]
+    inputs = [
+        [r.prepare(b) for b in batches[: 1 + warmup + steps]]
+        for r, (_, batches, _) in zip(runners, members, strict=True)
+    ]
+    order = range(len(runners))
+    times: list[list[float]] = [[] for _ in order]
     firsts = []
     for i in range(1 + warmup + steps):
-        for c in members if i % 2 == 0 else reversed(members):
+        for c in order if i % 2 == 0 else reversed(order):
             memory.start()  # the bookkeeping stays outside the timed region
             t0 = time.perf_counter()
             runners[c].step(inputs[c][i])
@@ -141,13 +165,13 @@ def _time_configs(makes: list[Callable], batches, w: Workload, warmup: int, step
     first = dict(firsts)
     results = [
         Result(runners[c].name, statistics.median(times[c]), times[c], first[c],
-               memory.peak[c], w.ids_per_step)
-        for c in members
+               memory.peak[c], members[c][2].ids_per_step, workload=members[c][2].name)
+        for c in range(len(members))
     ]  # fmt: skip
     for runner in runners:
         runner.close()
     del runners, inputs
-    gc.collect()
+    _release_memory()
     for result in results:
         log(f"  {result.name:34s} {result.ms_per_step:9.1f} ms/step")
     return results
@@ -206,7 +230,7 @@ def run_workload(
 def _run_groups(groups, batches, w: Workload, warmup: int, steps: int, log) -> list[Result]:
     results = []
     for g, group in enumerate(groups):
-        timed = _time_configs([make for make, _ in group], batches, w, warmup, steps, log)
+        timed = _time_configs([(make, batches, w) for make, _ in group], warmup, steps, log)
         for r, (_, cmp) in zip(timed, group, strict=True):
             r.peers, r.group = cmp, g
             results.append(r)
@@ -235,5 +259,69 @@ def format_results(workload: str, results: list[Result]) -> str:
         lines.append(
             f"{r.name:34s} {r.ms_per_step:9.1f} {r.m_ids_per_s:8.1f} {r.first_step_ms:9.0f} "
             f"{r.peak_rss_gb:12.2f}  {ratios}"
+        )
+    return "\n".join(lines)
+
+
+# W3's target compares its cost per id with W1's; W3-small isolates the vocabulary's share.
+VOCABULARY = ("W1", "W3", "W3-small")
+
+
+def run_vocabulary(
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    engine_optimizers: tuple[str, ...] = ("SGD", "rowwise Adagrad"),
+    peers: tuple[str, ...] = ("fbgemm",),
+    log=print,
+) -> list[Result]:
+    """W3 against W1 and W3-small, per id: for each of W3's optimizers, one group holding the
+    same system on the three workloads (embengine, and FBGEMM if available), interleaved.
+
+    The ratios compare workloads, so they are timed together like any other ratio: taken from
+    the workloads' own groups, a minute apart, two runs of the same code gave W3 / W1 1.10x
+    and 2.31x. A group holds ~7 GiB of tables per system."""
+    ws = [WORKLOADS[name] for name in VOCABULARY]
+    w3 = WORKLOADS["W3"]
+    log(f"W3 vs {', '.join(VOCABULARY[::2])}: per id, interleaved; generating batches")
+    batches = {w.name: make_batches(w, 1 + warmup + steps) for w in ws}
+    use_fbgemm = "fbgemm" in peers and fbgemm_available() is None
+    results = []
+    for g, opt in enumerate(o for o in engine_optimizers if o in (w3.optimizers or ())):
+        members: list[Member] = [
+            (lambda w=w, o=opt: EngineRunner(w, o), batches[w.name], w) for w in ws
+        ]
+        for peer in PEERS.get(opt, ()):
+            kind, peer_opt = peer.split(" ", 1)
+            if kind == "fbgemm" and use_fbgemm and peer in (w3.peers or (peer,)):
+                members += [(lambda w=w, o=peer_opt: FbgemmRunner(w, o), batches[w.name], w)
+                            for w in ws]  # fmt: skip
+        for r in _time_configs(members, warmup, steps, lambda s: None):
+            r.group = g
+            results.append(r)
+    return results
+
+
+def format_vocabulary(results: list[Result]) -> str:
+    """Per system: ms/step on W1, W3, W3-small and the per-id ratios W3 / W1 (target <= 1.3)
+    and W3 / W3-small."""
+    per_id = {(r.group, r.name, r.workload): r.ms_per_step / r.ids_per_step for r in results}
+    ms = {(r.group, r.name, r.workload): r.ms_per_step for r in results}
+    lines = [
+        "W3 vs W1 and W3-small, timed interleaved (time per id; W3 / W1 must stay <= 1.3, "
+        "W3 / W3-small is the vocabulary's share)",
+        f"{'configuration':34s} {'W1 ms':>8s} {'W3 ms':>8s} {'W3-small ms':>12s} "
+        f"{'W3 / W1':>8s} {'W3 / W3-small':>14s}",
+    ]
+    seen = []
+    for r in results:
+        key = (r.group, r.name)
+        if key in seen:
+            continue
+        seen.append(key)
+        w1, w3, small = ((*key, name) for name in VOCABULARY)
+        lines.append(
+            f"{r.name:34s} {ms[w1]:8.1f} {ms[w3]:8.1f} {ms[small]:12.1f} "
+            f"{per_id[w3] / per_id[w1]:8.2f} {per_id[w3] / per_id[small]:14.2f}"
         )
     return "\n".join(lines)
