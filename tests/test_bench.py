@@ -39,18 +39,21 @@ class _Recorder:
         self.log.append((self.name, "closed"))
 
 
-def test_groups_are_timed_step_by_step_in_alternating_order():
+def test_groups_take_turns_in_blocks_in_alternating_order():
     log = []
-    batches = make_batches(TINY, 1 + 2 + 4)
+    batches = make_batches(TINY, runner.batches_needed(warmup=2, steps=4))  # 1 + 2 + 2 blocks of 3
     members = [(lambda n=n: _Recorder(n, log), batches, TINY) for n in "ab"]
     results = runner._time_configs(members, warmup=2, steps=4, log=lambda s: None)
     assert [r.name for r in results] == ["a", "b"]
     assert all(len(r.ms_all) == 4 and r.first_step_ms >= 0 for r in results)
-    timed = [name for name, _ in log[-10:-2]]  # the 4 timed steps of each, then the closes
-    assert timed == ["b", "a", "a", "b", "b", "a", "a", "b"]  # neither always goes first
+    order = [name for name, x in log if x != "closed"]
+    # First step and warm-up each, then blocks of 3 (first untimed), neither always first.
+    assert order == list("aaabbb" + "aaabbb" + "bbbaaa")
     for name in "ab":  # each runner steps on every batch once, in order
         steps = [x for n, x in log if n == name and x != "closed"]
         assert steps == [id(b) for b in batches]
+    with pytest.raises(ValueError, match="block must be >= 2"):
+        runner._time_configs(members, warmup=0, steps=1, log=print, block=1)
 
 
 class _Holder(_Recorder):
@@ -69,7 +72,7 @@ class _Holder(_Recorder):
 @pytest.mark.skipif(runner._status_gb("VmRSS") is None, reason="needs /proc/self/status")
 def test_each_member_of_a_group_gets_its_own_peak_rss():
     log = []
-    batches = make_batches(TINY, 4)
+    batches = make_batches(TINY, runner.batches_needed(warmup=1, steps=2))
     members = [(lambda: _Holder("big", log, 400, 0), batches, TINY),
                (lambda: _Holder("small", log, 50, 100), batches, TINY)]  # fmt: skip
     big, small = runner._time_configs(members, 1, 2, lambda s: None)

@@ -10,8 +10,10 @@ Each embengine configuration is timed in a group with its peers (and, on W2, wit
 optimizer packed), interleaved step by step with all of them alive: the ratios we report
 (~1-3x, packing ~1.1x) would otherwise be at the mercy of this machine's drift over the seconds
 between two configurations run one after the other (+-25%, and 1.3x to 2.5x for the same
-SGD-vs-FBGEMM ratio in two runs). Alternating steps puts every member under the same load; the
-order of the members alternates too, so none always runs first. A peer shared by several
+SGD-vs-FBGEMM ratio in two runs). Members take turns in blocks of a few steps (the first of
+each block untimed, see _time_configs), which puts every member under the same load while each
+timed step follows a step of its own; the order of the members alternates too, so none always
+runs first. A peer shared by several
 configurations (torch Adagrad) is timed once in each group. Peak RSS is still each
 configuration's own: the process's RSS before the group, plus the memory the configuration
 added while being built and stepped, plus the transient peak of its own steps; after each
@@ -135,33 +137,63 @@ class _Memory:
 Member = tuple[Callable, list, Workload]
 
 
-def _time_configs(members: list[Member], warmup: int, steps: int, log) -> list[Result]:
-    """Time one configuration, or several interleaved: step i of each in turn, the order
-    reversed every other step, so that none always runs first."""
+# Members take turns in blocks of this many consecutive steps; the first step of a block runs
+# untimed, after another member's steps have evicted this one's rows from the caches.
+BLOCK = 3
+
+
+def batches_needed(warmup: int, steps: int, block: int = BLOCK) -> int:
+    """Batches each member steps on: the first step, the warm-up, and ``steps`` timed steps
+    in blocks (each block's first step untimed)."""
+    rounds = -(-steps // (block - 1))
+    return 1 + warmup + rounds * block
+
+
+def _time_configs(members: list[Member], warmup: int, steps: int, log,
+                  block: int = BLOCK) -> list[Result]:  # fmt: skip
+    """Time one configuration, or several interleaved. Each member runs its first step and
+    its warm-up, then the members take turns in blocks of ``block`` consecutive steps, in an
+    order reversed every round so that none always goes first; the first step of each block
+    is untimed. Alternating cancels the machine's drift; blocks keep each member's steps those
+    of steady training (its hot rows cached), not of a member that follows another's step
+    (the effect grows as a step shrinks: W3 against W1 per id, 1.68x step by step)."""
+    if block < 2:
+        raise ValueError(f"block must be >= 2 (one untimed step, then timed ones), got {block}")
     memory = _Memory(len(members))
     runners = []
     for c, (make, _, _) in enumerate(members):
         memory.start()
         runners.append(make())
         memory.stop(c)
+    n = batches_needed(warmup, steps, block)
     inputs = [
-        [r.prepare(b) for b in batches[: 1 + warmup + steps]]
+        [r.prepare(b) for b in batches[:n]]
         for r, (_, batches, _) in zip(runners, members, strict=True)
     ]
     order = range(len(runners))
     times: list[list[float]] = [[] for _ in order]
     firsts = []
-    for i in range(1 + warmup + steps):
-        for c in order if i % 2 == 0 else reversed(order):
-            memory.start()  # the bookkeeping stays outside the timed region
-            t0 = time.perf_counter()
-            runners[c].step(inputs[c][i])
-            elapsed = (time.perf_counter() - t0) * 1e3
-            memory.stop(c)
-            if i == 0:
-                firsts.append((c, elapsed))  # compile or cache load included
-            elif i > warmup:
-                times[c].append(elapsed)
+
+    def run(c: int, i: int) -> float:
+        memory.start()  # the bookkeeping stays outside the timed region
+        t0 = time.perf_counter()
+        runners[c].step(inputs[c][i])
+        elapsed = (time.perf_counter() - t0) * 1e3
+        memory.stop(c)
+        return elapsed
+
+    for c in order:
+        firsts.append((c, run(c, 0)))  # compile or cache load included
+        for i in range(1, 1 + warmup):
+            run(c, i)
+    i = 1 + warmup
+    while i < n:
+        for c in order if (i - 1 - warmup) // block % 2 == 0 else reversed(order):
+            for k in range(block):
+                elapsed = run(c, i + k)
+                if k and len(times[c]) < steps:
+                    times[c].append(elapsed)
+        i += block
     first = dict(firsts)
     results = [
         Result(runners[c].name, statistics.median(times[c]), times[c], first[c],
@@ -170,7 +202,8 @@ def _time_configs(members: list[Member], warmup: int, steps: int, log) -> list[R
     ]  # fmt: skip
     for runner in runners:
         runner.close()
-    del runners, inputs
+    runners.clear()  # the tables go before the heap is trimmed
+    inputs.clear()
     _release_memory()
     for result in results:
         log(f"  {result.name:34s} {result.ms_per_step:9.1f} ms/step")
@@ -189,7 +222,7 @@ def run_workload(
     """Time embengine and its peers on workload ``name`` (see workloads.WORKLOADS)."""
     w = WORKLOADS[name]
     log(f"{w.name}: {w.description} ({w.ids_per_step:,} ids/step); generating batches")
-    batches = make_batches(w, 1 + warmup + steps)
+    batches = make_batches(w, batches_needed(warmup, steps))
     # Groups of configurations timed together (see the module docstring): (factory, peers).
     groups: list[list[tuple[Callable, tuple[str, ...]]]] = []
     if w.lookup_only:
@@ -284,7 +317,7 @@ def run_vocabulary(
     ws = [WORKLOADS[name] for name in VOCABULARY]
     w3 = WORKLOADS["W3"]
     log(f"W3 vs {', '.join(VOCABULARY[::2])}: per id, interleaved; generating batches")
-    batches = {w.name: make_batches(w, 1 + warmup + steps) for w in ws}
+    batches = {w.name: make_batches(w, batches_needed(warmup, steps)) for w in ws}
     use_fbgemm = "fbgemm" in peers and fbgemm_available() is None
     results = []
     for g, opt in enumerate(o for o in engine_optimizers if o in (w3.optimizers or ())):
