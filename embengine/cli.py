@@ -14,7 +14,6 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.threads import describe_threads
 
     print(describe_threads())
-    tables = {}
     for name in args.workloads:
         results = run_workload(
             name,
@@ -23,7 +22,6 @@ def _bench(args: argparse.Namespace) -> int:
             engine_optimizers=tuple(args.optimizers),
             peers=tuple(p for p in ("torch", "fbgemm") if p not in args.skip),
         )
-        tables[name] = results
         print()
         print(format_results(name, results))
         print(flush=True)

@@ -12,7 +12,7 @@ import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
-from ..kernels import pipeline, row_math
+from ..kernels import FIXED_DIMS, pipeline, row_math
 from ..kernels import prepare as kp
 from ..kernels.fused import FIXED_KERNELS, KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
@@ -97,10 +97,6 @@ def build_tables_numba(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
             )
         )
     return tables
-
-
-# Row widths whose fused updates are also compiled for a fixed row layout (each on first use).
-FIXED_DIMS = (8, 16, 32, 64, 128)
 
 
 def _variant(optimizer: Optimizer, dim: int) -> str:

@@ -7,17 +7,17 @@ the configuration ran, and for embengine the ratio peer_ms / embengine_ms agains
 (> 1 means embengine is faster).
 
 Each embengine configuration is timed in a group with its peers (and, on W2, with the same
-optimizer packed), interleaved step by step with all of them alive: the ratios we report
-(~1-3x, packing ~1.1x) would otherwise be at the mercy of this machine's drift over the seconds
-between two configurations run one after the other (+-25%, and 1.3x to 2.5x for the same
-SGD-vs-FBGEMM ratio in two runs). Members take turns in blocks of a few steps (the first of
-each block untimed, see _time_configs), which puts every member under the same load while each
-timed step follows a step of its own; the order of the members alternates too, so none always
-runs first. A peer shared by several
-configurations (torch Adagrad) is timed once in each group. Peak RSS is still each
-configuration's own: the process's RSS before the group, plus the memory the configuration
-added while being built and stepped, plus the transient peak of its own steps; after each
-group the freed heap goes back to the OS, so a group's RSS does not include its predecessors'.
+optimizer packed), interleaved with all of them alive: the ratios we report (~1-3x, packing
+~1.1x) would otherwise be at the mercy of this machine's drift over the seconds between two
+configurations run one after the other (+-25%, and 1.3x to 2.5x for the same SGD-vs-FBGEMM
+ratio in two runs). Members take turns in blocks of a few steps (the first of each block
+untimed, see _time_configs), which puts every member under the same load while each timed
+step follows a step of its own; the order of the members alternates too, so none always runs
+first. A peer shared by several configurations (torch Adagrad) is timed once in each group.
+Peak RSS is still each configuration's own: the process's RSS before the group, plus the
+memory the configuration added while being built and stepped, plus the transient peak of its
+own steps; after each group the freed heap goes back to the OS, so a group's RSS does not
+include its predecessors'.
 
 W3's target compares workloads (W3's cost per id against W1's), so ``run_vocabulary`` times
 the same system on W1, W3 and W3-small interleaved in one group too.

@@ -2,8 +2,13 @@
 
 Every kernel is compiled once per process type signature and cached on disk (``cache=True``);
 the arrays they take have fixed dtypes (int64 indices, float32 tables), so each kernel has one
-specialisation whatever the optimizer, combiner or table shape.
+specialisation whatever the optimizer, combiner or table shape. The exceptions are the kernels
+for common row widths (FIXED_DIMS): pooling, and the fused updates of rows laid out as weights
+then full-width slots, compiled with the width a constant (each on first use).
 """
+
+# Row widths with kernels of their own (lookup.pool_kernel, numba_backend.fixed_layout).
+FIXED_DIMS = (8, 16, 32, 64, 128)
 
 # error_model="numpy": division by zero gives inf/nan like NumPy instead of a checked branch.
 # fastmath: only the flags that let LLVM vectorise sums and fuse multiply-adds; none that assumes

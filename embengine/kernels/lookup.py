@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import FIXED_DIMS, NUMBA_OPTIONS
 from ._intrinsics import prefetch_row, stack_row
 from .prepare import COMBINER_CODES
 
@@ -99,7 +99,7 @@ def _fixed_dim_pool(fixed_dim: int):
 
 
 # Common dims get their own kernel, each compiled on first use; other dims use ``pool``.
-_FIXED_DIMS = {d: _fixed_dim_pool(d) for d in (8, 16, 32, 64, 128)}
+_FIXED_DIMS = {d: _fixed_dim_pool(d) for d in FIXED_DIMS}
 
 
 def pool_kernel(dim: int):
