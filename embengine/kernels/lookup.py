@@ -17,7 +17,7 @@ import numpy as np
 
 from . import FIXED_DIMS, NUMBA_OPTIONS
 from ._intrinsics import prefetch_row, stack_row
-from .prepare import COMBINER_CODES
+from .prepare import SUM, bag_denominator, bag_gain
 
 # Output rows per parallel task: enough work to amortise scheduling, small enough to balance.
 ROWS_PER_TASK = 64
@@ -107,20 +107,6 @@ def pool_kernel(dim: int):
     return _FIXED_DIMS.get(int(dim), pool)
 
 
-SUM, MEAN, SQRTN = (COMBINER_CODES[c] for c in ("sum", "mean", "sqrtn"))
-
-
-@nb.njit(inline="always", **NUMBA_OPTIONS)
-def _gain(w, combiner, seq_len, denom):
-    """An id's factor (float32, as batch.combiner_gains): weight w of a SUM bag or of a sequence
-    position (1), w / denom for MEAN and SQRTN (0 if denom is 0)."""
-    if combiner == SUM or seq_len > 0:
-        return np.float32(w)
-    if denom != 0.0:
-        return np.float32(w / denom)
-    return np.float32(0.0)
-
-
 @nb.njit(inline="always", **NUMBA_OPTIONS)
 def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
                     out_start, quant, prefetch, first, stop, acc):  # fmt: skip
@@ -130,7 +116,9 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
     lower = quant[1]
     upper = quant[2]
     quantum = (upper - lower) / (buckets - 1.0) if buckets > 0 else 1.0
-    weighted = weights.shape[0] > 0
+    w_base = 0 if weights.shape[0] > 0 else -1  # no weights: all ones
+    # A sequence position holds one id with gain 1 (its weight is not used): as a SUM bag.
+    comb = combiner if seq_len == 0 else SUM
     last_k = offsets[stop]
     for b in range(first, stop):
         start = offsets[b]
@@ -139,14 +127,8 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
         if seq_len > 0:
             n_rows = seq_len
             end = min(end, start + seq_len)
-        # The combiner's denominator, in float64 like kernels.prepare (gains are float32).
-        denom = 1.0
-        if seq_len == 0 and combiner != SUM:
-            total = 0.0
-            for k in range(start, end):
-                wk = np.float64(weights[k]) if weighted else 1.0
-                total += wk if combiner == MEAN else wk * wk
-            denom = total if combiner == MEAN else np.sqrt(total)
+        # Gains as kernels.prepare computes them (the same helpers), so the same bits.
+        denom = bag_denominator(weights, w_base, start, end, comb)
         for pos in range(n_rows):
             for j in range(dim):
                 acc[j] = 0.0
@@ -159,8 +141,8 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
                     if k + prefetch < last_k:
                         prefetch_row(data, ids[k + prefetch] + id_offset, dim)
                     r = ids[k] + id_offset
-                    gk = _gain(np.float64(weights[k]) if weighted else 1.0, combiner, seq_len,
-                               denom)  # fmt: skip
+                    wk = 1.0 if w_base < 0 else np.float64(weights[k])
+                    gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
                         x = min(max(np.float64(data[r, j]), lower), upper)
                         x = np.floor((x - lower) / quantum + 0.5) * quantum + lower
@@ -170,8 +152,8 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
                     if k + prefetch < last_k:
                         prefetch_row(data, ids[k + prefetch] + id_offset, dim)
                     r = ids[k] + id_offset
-                    gk = _gain(np.float64(weights[k]) if weighted else 1.0, combiner, seq_len,
-                               denom)  # fmt: skip
+                    wk = 1.0 if w_base < 0 else np.float64(weights[k])
+                    gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
                         acc[j] += gk * data[r, j]
             o = out_start + (b * seq_len + pos if seq_len > 0 else b)

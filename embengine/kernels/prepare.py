@@ -16,6 +16,7 @@ from . import NUMBA_OPTIONS
 from ._intrinsics import prefetch_line
 
 COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}
+SUM, MEAN, SQRTN = COMBINER_CODES["sum"], COMBINER_CODES["mean"], COMBINER_CODES["sqrtn"]
 
 # Columns of the per-feature metadata array.
 F_TABLE, F_ID_BASE, F_OFF_BASE, F_SAMPLES, F_W_BASE, F_COMBINER, F_SEQ, F_OUT_START = range(8)
@@ -25,6 +26,31 @@ F_COLS = 9
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 # Occurrences ahead whose hash slot is prefetched during dedup.
 HASH_PREFETCH = 8
+
+
+@nb.njit(inline="always", **NUMBA_OPTIONS)
+def bag_denominator(weights, w_base, start, stop, combiner):
+    """A bag's combiner denominator, in float64: 1 (SUM), sum of w (MEAN), sqrt of the sum of
+    w^2 (SQRTN), with w = ``weights[w_base + k]`` for k in ``start:stop`` (1 if w_base < 0).
+    Shared by the preparation and lookup-only pooling, so both give the same gains."""
+    if combiner == SUM:
+        return 1.0
+    total = 0.0
+    for k in range(start, stop):
+        w = 1.0 if w_base < 0 else np.float64(weights[w_base + k])
+        total += w if combiner == MEAN else w * w
+    return total if combiner == MEAN else np.sqrt(total)
+
+
+@nb.njit(inline="always", **NUMBA_OPTIONS)
+def bag_gain(w, combiner, denom):
+    """An id's gain in float64 (stored as float32, as batch.combiner_gains): its weight w for
+    SUM, w / denom for MEAN and SQRTN, 0 if denom is 0."""
+    if combiner == SUM:
+        return w
+    if denom != 0.0:
+        return w / denom
+    return 0.0
 
 
 @nb.njit(**NUMBA_OPTIONS)
@@ -47,22 +73,11 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
                 segments[cursor] = out_start + b * seq + (k - start)
                 cursor += 1
             continue
-        denom = 1.0
-        if combiner != 0:
-            total = 0.0
-            for k in range(start, stop):
-                w = 1.0 if w_base < 0 else np.float64(weights[w_base + k])
-                total += w if combiner == 1 else w * w
-            denom = total if combiner == 1 else np.sqrt(total)
+        denom = bag_denominator(weights, w_base, start, stop, combiner)
         for k in range(start, stop):
             w = 1.0 if w_base < 0 else np.float64(weights[w_base + k])
             occ_ids[cursor] = ids[id_base + k] + id_offset
-            if combiner == 0:
-                gains[cursor] = w
-            elif denom != 0.0:
-                gains[cursor] = w / denom
-            else:
-                gains[cursor] = 0.0
+            gains[cursor] = bag_gain(w, combiner, denom)
             segments[cursor] = out_start + b
             cursor += 1
     return cursor
