@@ -1,7 +1,10 @@
 """Recycled memory for prepared batches (backends/block_pool.py): a block is reused only when
 nothing made from it is alive, and batches built on recycled memory are the same batches."""
 
+import copy
+import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -68,6 +71,43 @@ def test_free_blocks_beyond_max_free_are_released():
     assert pool.nbytes == sum(len(b) for b in pool._blocks)
 
 
+def test_releasing_blocks_in_front_of_the_chosen_one_returns_the_chosen_one():
+    pool = BlockPool(max_free=1, max_slack=1.5)
+    small = [pool.take(1000 + i) for i in range(3)]  # oldest: released when the big is reused
+    big = pool.take(50_000)
+    big_addr, kept = _addr(big), _addr(small[2])
+    busy = pool.take(60_000)  # in use throughout: must never be handed out
+    del small, big
+    again = pool.take(45_000)
+    assert _addr(again) == big_addr
+    # The two oldest small ones went; the newest stays as the one free block kept.
+    assert [_addr(b) for b in pool._blocks] == [kept, big_addr, _addr(busy)]
+    assert _addr(pool.take(59_000)) not in {_addr(busy), big_addr}
+
+
+def test_trim_releases_the_surplus_without_a_request():
+    pool = BlockPool(max_free=1)
+    held = [pool.take(1000) for _ in range(4)]
+    last = _addr(held[-1])
+    del held
+    pool.trim()
+    assert [_addr(b) for b in pool._blocks] == [last]
+    BlockPool().trim()  # an empty pool: nothing to do
+
+
+def test_a_copied_or_unpickled_pool_starts_empty():
+    pool = BlockPool(max_free=3, max_slack=2.0)
+    in_use = pool.take(1000)
+    for clone in (copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        assert (clone.max_free, clone.max_slack, clone.nbytes) == (3, 2.0, 0)
+        assert _addr(clone.take(1000)) != _addr(in_use)
+    # ... so an engine can be pickled for a DataLoader worker and deep-copied.
+    e = _engine("numba")
+    for clone in (copy.deepcopy(e), pickle.loads(pickle.dumps(e))):
+        batch = clone.preprocess(_features(np.random.default_rng(3)))
+        assert len(batch.tables) == 2
+
+
 def test_carved_arrays_are_aligned_disjoint_and_bounded():
     specs = [(7, np.int64), (3, np.float32), (0, np.int64), (1000, np.float32), (5, np.int64)]
     block = BlockPool().take(Carver.size(*specs))
@@ -100,15 +140,21 @@ def test_threads_never_share_a_block():
     pool = BlockPool(max_free=1)
     errors = []
     start = threading.Barrier(4)
+    hold = threading.Barrier(4)
+    addresses = [0] * 4
 
     def work(k: int) -> None:
         start.wait()
-        for i in range(200):
+        for i in range(100):
             a = Carver(pool.take(512)).empty(64, np.int64)
             a[:] = k * 1000 + i
+            time.sleep(0)  # let the others run between the write and the check
             if not (a == k * 1000 + i).all():
                 errors.append((k, i))
             del a
+        b = pool.take(512)  # all four at once: four different blocks
+        addresses[k] = _addr(b)
+        hold.wait()
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
@@ -116,6 +162,18 @@ def test_threads_never_share_a_block():
     for t in threads:
         t.join()
     assert not errors
+    assert len(set(addresses)) == 4
+
+
+def test_carving_from_a_block_that_starts_off_a_cache_line():
+    specs = [(3, np.int64), (5, np.float32), (17, np.int64)]
+    size = Carver.size(*specs)
+    raw = np.empty(size + 64, np.uint8)
+    for k in range(64):
+        carve = Carver(raw[k : k + size])
+        arrays = [carve.empty(n, dt) for n, dt in specs]
+        assert all(_addr(a) % 64 == 0 for a in arrays)
+        assert _addr(arrays[-1]) + arrays[-1].nbytes <= _addr(raw) + k + size
 
 
 def _engine(backend: str) -> ee.EmbeddingEngine:

@@ -16,23 +16,35 @@ never reused while visible.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
 __all__ = ["BlockPool", "Carver"]
 
 _ALIGN = 64  # each carved array starts on a cache line
-# ... and a few lines after the previous one ends. Arrays of a power-of-two-multiple length
-# (W3: 81,920 ids x 8 bytes) laid end to end start at the same offset within a 4 KiB page, so a
-# kernel streaming through several at one index hits the same cache sets and trips the CPU's
-# 4 KiB store-to-load aliasing check; the skew staggers them.
-_SKEW = 5 * _ALIGN
+
+# Every live pool, so that a forked child can reset their locks (a fork while another thread
+# held one would leave it locked for good in the child).
+_POOLS: weakref.WeakSet[BlockPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class BlockPool:
     """Blocks of bytes handed out by ``take`` and taken back when unused.
+
+    Liveness is read from CPython reference counts, which a free-threaded build does not keep
+    exactly; embengine targets the default (GIL) build.
 
     Args:
       max_free: unused blocks kept for reuse; more are released to the allocator (a caller
@@ -51,12 +63,31 @@ class BlockPool:
         self._blocks: list[np.ndarray] = []
         self._idle_refs: list[int] = []  # each block's reference count when nothing uses it
         self._lock = threading.Lock()  # preparation releases the GIL: threads may share a pool
+        _POOLS.add(self)
+
+    # A copy or an unpickled pool (an engine sent to a DataLoader worker) starts empty: blocks
+    # are a cache, and a lock cannot be pickled.
+    def __getstate__(self) -> dict:
+        return {"max_free": self.max_free, "max_slack": self.max_slack}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
 
     def _refs(self, i: int) -> int:
         return sys.getrefcount(self._blocks[i])
 
     def _free(self) -> list[int]:
         return [i for i in range(len(self._blocks)) if self._refs(i) == self._idle_refs[i]]
+
+    def _release_surplus(self, free: list[int], keep: int | None = None) -> int | None:
+        """Drop the oldest free blocks beyond ``max_free`` (``free`` minus ``keep``); returns
+        ``keep``'s index after the deletions."""
+        others = [i for i in free if i != keep]
+        for i in sorted(others[: max(0, len(others) - self.max_free)], reverse=True):
+            del self._blocks[i], self._idle_refs[i]
+            if keep is not None and i < keep:
+                keep -= 1
+        return keep
 
     def take(self, nbytes: int) -> np.ndarray:
         """A uint8 block of at least ``nbytes`` bytes that nothing else uses: the smallest free
@@ -71,17 +102,19 @@ class BlockPool:
                 if nbytes <= len(self._blocks[i]) <= self.max_slack * max(nbytes, _ALIGN)
             ]  # fmt: skip
             chosen = min(fits, key=lambda i: len(self._blocks[i])) if fits else None
-            # Keep at most max_free of the other free blocks (the newest): release the oldest.
-            others = [i for i in free if i != chosen]
-            for i in sorted(others[: max(0, len(others) - self.max_free)], reverse=True):
-                del self._blocks[i], self._idle_refs[i]
-                if chosen is not None and i < chosen:
-                    chosen -= 1
+            chosen = self._release_surplus(free, keep=chosen)
             if chosen is not None:
                 return self._blocks[chosen]
             self._blocks.append(np.empty(nbytes + nbytes // 8 + _ALIGN, dtype=np.uint8))
             self._idle_refs.append(self._refs(len(self._blocks) - 1))
             return self._blocks[-1]
+
+    def trim(self) -> None:
+        """Release free blocks beyond ``max_free`` now (``take`` does it too; a caller whose
+        batches stopped needing the pool calls this so the last big ones do not stay pinned)."""
+        with self._lock:
+            if self._blocks:
+                self._release_surplus(self._free())
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +136,7 @@ class Carver:
     def size(*arrays: tuple[int, type]) -> int:
         """Bytes for arrays of (length, dtype), with alignment padding."""
         lines = sum(-(-n * np.dtype(dt).itemsize // _ALIGN) for n, dt in arrays)
-        return (lines + 1) * _ALIGN + len(arrays) * _SKEW
+        return (lines + 1) * _ALIGN  # + 1: the block's own start may be off a line
 
     def empty(self, n: int, dtype) -> np.ndarray:
         """An uninitialised array of ``n`` elements of ``dtype`` from the block."""
@@ -113,5 +146,5 @@ class Carver:
             raise ValueError(
                 f"block of {len(self._block)} bytes is full: {nbytes} more needed at {start}"
             )
-        self._offset = start + -(-nbytes // _ALIGN) * _ALIGN + _SKEW
+        self._offset = start + -(-nbytes // _ALIGN) * _ALIGN
         return self._block[start : start + nbytes].view(dtype)

@@ -29,11 +29,11 @@ _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
 
 
-# Batches whose arrays take at least this many bytes come from the backend's BlockPool. Below
-# it, malloc serves them from chunks the last step just freed, still in cache (W3, 81,920 ids
-# and 5 MB of arrays: the preparation kernel ~10% faster than on a pooled block); above it,
-# glibc had handed the freed memory back to the OS and every step faulted it in again (W2, 1.6M
-# ids and 105 MB: ~1,000-2,700 faults and 11-30 ms of system time a step).
+# Batches whose arrays take at least this many bytes come from the backend's BlockPool. Above
+# it glibc had handed the freed memory back to the OS and every step faulted it in again (W2,
+# 1.6M ids and 105 MB: ~1,000-2,700 faults and 11-30 ms of system time a step). Below it malloc
+# did not fault, and serves chunks the last step just freed, still in cache (W3, 5 MB: the
+# pooled block measured 5-15% slower in the preparation kernel, within this machine's noise).
 POOLED_BATCH_BYTES = 16 << 20
 
 
@@ -78,6 +78,8 @@ def build_tables_numba(
     outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
                (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64))  # fmt: skip
     if memory is None or Carver.size(*outputs) < POOLED_BATCH_BYTES:
+        if memory is not None:
+            memory.trim()  # big batches have stopped coming: do not keep their blocks
         inp = [np.empty(k, dt) for k, dt in inputs]
         out = [np.empty(k, dt) for k, dt in outputs]
     else:
