@@ -77,7 +77,8 @@ def build_tables_numba(
     inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
     outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
                (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64))  # fmt: skip
-    if memory is None or Carver.size(*outputs) < POOLED_BATCH_BYTES:
+    out_bytes = Carver.size(*outputs)
+    if memory is None or out_bytes < POOLED_BATCH_BYTES:
         if memory is not None:
             memory.trim()  # big batches have stopped coming: do not keep their blocks
         inp = [np.empty(k, dt) for k, dt in inputs]
@@ -85,7 +86,7 @@ def build_tables_numba(
     else:
         carve = Carver(memory.take(Carver.size(*inputs)))
         inp = [carve.empty(k, dt) for k, dt in inputs]
-        carve = Carver(memory.take(Carver.size(*outputs)))
+        carve = Carver(memory.take(out_bytes))
         out = [carve.empty(k, dt) for k, dt in outputs]
         del carve  # the arrays keep their block in use; nothing else may
     all_ids, all_offsets, all_weights = inp
