@@ -229,3 +229,15 @@ def test_big_batches_take_pooled_memory_and_small_ones_do_not(monkeypatch):
     assert pool.nbytes > 0
     owner = batch.tables[0].unique_ids.base
     assert any(owner is b for b in pool._blocks)
+
+
+def test_small_batches_release_the_blocks_big_ones_left(monkeypatch):
+    e = _engine("numba")
+    pool = e._backend.batch_memory
+    monkeypatch.setattr(numba_backend, "POOLED_BATCH_BYTES", 1)
+    held = [e.preprocess(_features(np.random.default_rng(i))) for i in range(4)]
+    assert len(pool._blocks) >= 4  # one output block per batch held
+    del held
+    monkeypatch.setattr(numba_backend, "POOLED_BATCH_BYTES", 1 << 40)
+    e.preprocess(_features(np.random.default_rng(9)))  # small: fresh arrays, and a trim
+    assert len(pool._blocks) == pool.max_free
