@@ -88,7 +88,6 @@ def build_tables_numba(
         inp = [carve.empty(k, dt) for k, dt in inputs]
         carve = Carver(memory.take(out_bytes))
         out = [carve.empty(k, dt) for k, dt in outputs]
-        del carve  # the arrays keep their block in use; nothing else may
     all_ids, all_offsets, all_weights = inp
     for parts_list, dest in ((ids, all_ids), (offsets, all_offsets), (weights, all_weights)):
         if parts_list:
