@@ -38,6 +38,7 @@ __all__ = [
     "FeatureLayout",
     "PreparedBatch",
     "prepare",
+    "plan_tables",
     "dedup",
 ]
 
@@ -246,26 +247,16 @@ class LookupOnlyTableBatch:
         )
 
 
-def prepare(
+def plan_tables(
     resolved: ResolvedFeatures,
     features,
     weights=None,
-    build_tables=build_tables_numpy,
     storage_layout: list[list[tuple[str, int]]] | None = None,
-    deduplicate: bool = True,
-) -> PreparedBatch:
-    """Validate features and build the per-table deduplication data (pure).
-
-    ``deduplicate=False`` builds a lookup-only batch (``LookupOnlyTableBatch`` per table: the
-    validated features, no deduplication, no update views): cheaper when nothing will be
-    updated (evaluation, inference).
-
-    ``build_tables(parts_per_table)`` turns each table's feature parts into its
-    TableBatch; backends pass a faster construction with identical results. ``storage_layout``
-    lists, per storage table, its features with the row offset of their table in it
-    (low-dimensional packing puts several tables in one); by default each table is its own
-    storage.
-    """
+) -> tuple[list[list[FeaturePart]], dict[str, FeatureLayout]]:
+    """Validate features and split them by storage table: (each table's feature parts, each
+    feature's place in its table's activation matrix). ``storage_layout`` lists, per storage
+    table, its features with the row offset of their table in it (low-dimensional packing puts
+    several tables in one); by default each table is its own storage."""
     ragged = normalise_features(resolved, features, weights)
     if storage_layout is None:
         storage_layout = [[(n, 0) for n in names] for names in resolved.table_features]
@@ -283,6 +274,28 @@ def prepare(
                                      offset))  # fmt: skip
             rows += n_out
         parts_per_table.append(parts)
+    return parts_per_table, {name: layouts[name] for name in resolved.features}
+
+
+def prepare(
+    resolved: ResolvedFeatures,
+    features,
+    weights=None,
+    build_tables=build_tables_numpy,
+    storage_layout: list[list[tuple[str, int]]] | None = None,
+    deduplicate: bool = True,
+) -> PreparedBatch:
+    """Validate features and build the per-table deduplication data (pure).
+
+    ``deduplicate=False`` builds a lookup-only batch (``LookupOnlyTableBatch`` per table: the
+    validated features, no deduplication, no update views): cheaper when nothing will be
+    updated (evaluation, inference).
+
+    ``build_tables(parts_per_table)`` turns each table's feature parts into its
+    TableBatch; backends pass a faster construction with identical results. ``storage_layout``:
+    see ``plan_tables``.
+    """
+    parts_per_table, layouts = plan_tables(resolved, features, weights, storage_layout)
     if deduplicate:
         tables = build_tables(parts_per_table)
     else:
@@ -290,6 +303,4 @@ def prepare(
             LookupOnlyTableBatch(tuple(parts), sum(p.num_outputs for p in parts))
             for parts in parts_per_table
         ]
-    return PreparedBatch(
-        tuple(tables), {name: layouts[name] for name in resolved.features}, deduplicated=deduplicate
-    )
+    return PreparedBatch(tuple(tables), layouts, deduplicated=deduplicate)

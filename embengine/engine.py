@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import PreparedBatch, prepare
+from .batch import PreparedBatch, plan_tables, prepare
 from .config import FeatureConfig, TableConfig, resolve_features
 from .inputs import as_numpy
 from .learning_rates import LearningRates
@@ -302,7 +302,13 @@ class EmbeddingEngine:
         With ``training=True`` the batch is remembered so that the next ``apply_gradients``
         updates its rows. ``training=False`` (evaluation, inference) skips the deduplication the
         update needs and forgets any earlier batch, so a following ``apply_gradients`` without
-        ``batch=`` is an error rather than an update of the wrong rows."""
+        ``batch=`` is an error rather than an update of the wrong rows.
+
+        Given features (not a PreparedBatch), a training lookup on the numba backend builds the
+        deduplication data and pools the activations in one parallel region: the pooling reads
+        rows straight from the ids meanwhile (the same bits as pooling the prepared batch), so
+        a single big table is not deduplicated by one thread while the others wait."""
+        per_table = None  # each table's activation matrix
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -314,19 +320,38 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
+        elif training and hasattr(self._backend, "build_tables_and_lookup"):
+            # Deduplication and pooling in one parallel region (numba: kernels/train_lookup.py).
+            parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
+            tables, per_table = self._backend.build_tables_and_lookup(
+                parts, self._physical, self._quantizations()
+            )
+            batch = PreparedBatch(tuple(tables), layouts)
         else:
             batch = self.preprocess(features, weights, training=training)
-        per_table = [
-            self._backend.lookup(table, tb, self._resolved.tables[members[0]].quantization_config)
-            for table, tb, members in zip(
-                self._physical, batch.tables, self._physical_members, strict=True
-            )
-        ]
+        if per_table is None:
+            per_table = [
+                self._backend.lookup(table, tb, quantization)
+                for table, tb, quantization in zip(
+                    self._physical, batch.tables, self._quantizations(), strict=True
+                )
+            ]
         self._last_batch = batch if training else None
         return {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
+
+    @property
+    def pending_batch(self) -> PreparedBatch | None:
+        """The batch of the last training lookup, whose rows ``apply_gradients()`` without
+        ``batch=`` updates (None once applied, or after a lookup with ``training=False``)."""
+        return self._last_batch
+
+    def _quantizations(self) -> list:
+        """Each storage table's QuantizationConfig (None: none); packed tables share one."""
+        return [self._resolved.tables[members[0]].quantization_config
+                for members in self._physical_members]  # fmt: skip
 
     def apply_gradients(
         self,

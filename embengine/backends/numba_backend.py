@@ -12,17 +12,17 @@ import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
-from ..kernels import FIXED_DIMS, pipeline, row_math
+from ..kernels import FIXED_DIMS, pipeline, row_math, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.fused import FIXED_KERNELS, KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool_bags_kernel, pool_kernel
+from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import start_pool
 from ..optimizers import Optimizer
 from ..storage import DenseTable
 from .block_pool import BlockPool, Carver
 
-__all__ = ["NumbaBackend", "build_tables_numba"]
+__all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
 
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _NO_QUANT = np.zeros(3, dtype=np.float64)
@@ -37,87 +37,144 @@ _NO_SKIP = np.zeros(0, dtype=np.uint8)
 POOLED_BATCH_BYTES = 16 << 20
 
 
+class _BatchPlan:
+    """One batch's kernel inputs (the features' arrays concatenated, per-feature metadata) and
+    its output arrays, shared by ``prepare_tables`` and ``train_lookup.prepare_and_pool``."""
+
+    def __init__(self, parts_per_table: list[list[FeaturePart]], memory: BlockPool | None):
+        parts = [p for ps in parts_per_table for p in ps]
+        n_tables = len(parts_per_table)
+        fmeta = np.empty((len(parts), kp.F_COLS), dtype=np.int64)
+        occ_base = np.zeros(n_tables + 1, dtype=np.int64)
+        out_base = np.zeros(n_tables + 1, dtype=np.int64)
+        id_base = off_base = w_base = 0
+        ids, offsets, weights = [], [], []
+        f = 0
+        for t, ps in enumerate(parts_per_table):
+            n_occ = 0
+            for p in ps:
+                r = p.ragged
+                has_w = r.weights is not None and not p.seq_len
+                fmeta[f] = (t, id_base, off_base, r.num_samples, w_base if has_w else -1,
+                            kp.COMBINER_CODES[p.combiner], p.seq_len, p.out_start,
+                            p.id_offset)  # fmt: skip
+                ids.append(r.ids)
+                offsets.append(r.offsets)
+                id_base += len(r.ids)
+                off_base += len(r.offsets)
+                if has_w:
+                    weights.append(r.weights)
+                    w_base += len(r.weights)
+                n_occ += int(np.minimum(r.lengths, p.seq_len).sum()) if p.seq_len else len(r.ids)
+                f += 1
+            occ_base[t + 1] = occ_base[t] + n_occ
+            out_base[t + 1] = out_base[t] + sum(p.num_outputs for p in ps)
+        n = int(occ_base[-1])
+        n_out = int(out_base[-1])
+        i64, f32 = np.int64, np.float32
+        # The inputs, concatenated, live for the kernel call; the outputs as long as the batch.
+        inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
+        outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
+                   (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64))  # fmt: skip
+        out_bytes = Carver.size(*outputs)
+        if memory is None or out_bytes < POOLED_BATCH_BYTES:
+            if memory is not None:
+                memory.trim()  # big batches have stopped coming: do not keep their blocks
+            inp = [np.empty(k, dt) for k, dt in inputs]
+            out = [np.empty(k, dt) for k, dt in outputs]
+        else:
+            carve = Carver(memory.take(Carver.size(*inputs)))
+            inp = [carve.empty(k, dt) for k, dt in inputs]
+            carve = Carver(memory.take(out_bytes))
+            out = [carve.empty(k, dt) for k, dt in outputs]
+        for parts_list, dest in zip((ids, offsets, weights), inp, strict=True):
+            if parts_list:
+                np.concatenate(parts_list, out=dest)
+        self.n_tables = n_tables
+        self.fmeta, self.occ_base, self.out_base = fmeta, occ_base, out_base
+        self.inputs = inp
+        self.outputs = out
+
+    def prepare_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tables dealt to the threads, largest first (see prepare.deal_tables)."""
+        return kp.deal_tables(np.diff(self.occ_base), nb.get_num_threads())
+
+    def table_batches(self) -> list[TableBatch]:
+        occ_ids, gains, segments, unique, inverse, n_unique = self.outputs[:6]
+        unique_offsets, unique_gains, unique_segments, output_offsets = self.outputs[6:]
+        occ_base, out_base = self.occ_base, self.out_base
+        tables = []
+        for t in range(self.n_tables):
+            lo, hi, u = int(occ_base[t]), int(occ_base[t + 1]), int(n_unique[t])
+            o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
+            tables.append(
+                TableBatch(
+                    unique_ids=unique[lo : lo + u],
+                    inverse=inverse[lo:hi],
+                    gains=gains[lo:hi],
+                    segments=segments[lo:hi],
+                    num_outputs=o_hi - o_lo,
+                    output_offsets=output_offsets[o_lo + t : o_hi + t + 1],
+                    unique_offsets=unique_offsets[lo + t : lo + t + u + 1],
+                    unique_gains=unique_gains[lo:hi],
+                    unique_segments=unique_segments[lo:hi],
+                )
+            )
+        return tables
+
+
 def build_tables_numba(
     parts_per_table: list[list[FeaturePart]], memory: BlockPool | None = None
 ) -> list[TableBatch]:
     """Same result as batch.build_tables_numpy, in one parallel kernel call. With ``memory``
     the arrays come from its blocks (see block_pool: fresh pages cost more than the work)."""
     start_pool()
-    parts = [p for ps in parts_per_table for p in ps]
-    n_tables = len(parts_per_table)
-    fmeta = np.empty((len(parts), kp.F_COLS), dtype=np.int64)
-    occ_base = np.zeros(n_tables + 1, dtype=np.int64)
-    out_base = np.zeros(n_tables + 1, dtype=np.int64)
-    id_base = off_base = w_base = 0
-    ids, offsets, weights = [], [], []
-    f = 0
-    for t, ps in enumerate(parts_per_table):
-        n_occ = 0
-        for p in ps:
-            r = p.ragged
-            has_w = r.weights is not None and not p.seq_len
-            fmeta[f] = (t, id_base, off_base, r.num_samples, w_base if has_w else -1,
-                        kp.COMBINER_CODES[p.combiner], p.seq_len, p.out_start,
-                        p.id_offset)  # fmt: skip
-            ids.append(r.ids)
-            offsets.append(r.offsets)
-            id_base += len(r.ids)
-            off_base += len(r.offsets)
-            if has_w:
-                weights.append(r.weights)
-                w_base += len(r.weights)
-            n_occ += int(np.minimum(r.lengths, p.seq_len).sum()) if p.seq_len else len(r.ids)
-            f += 1
-        occ_base[t + 1] = occ_base[t] + n_occ
-        out_base[t + 1] = out_base[t] + sum(p.num_outputs for p in ps)
-    n = int(occ_base[-1])
-    n_out = int(out_base[-1])
-    i64, f32 = np.int64, np.float32
-    # The inputs, concatenated, live for this call; the outputs as long as the batch.
-    inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
-    outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
-               (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64))  # fmt: skip
-    out_bytes = Carver.size(*outputs)
-    if memory is None or out_bytes < POOLED_BATCH_BYTES:
-        if memory is not None:
-            memory.trim()  # big batches have stopped coming: do not keep their blocks
-        inp = [np.empty(k, dt) for k, dt in inputs]
-        out = [np.empty(k, dt) for k, dt in outputs]
-    else:
-        carve = Carver(memory.take(Carver.size(*inputs)))
-        inp = [carve.empty(k, dt) for k, dt in inputs]
-        carve = Carver(memory.take(out_bytes))
-        out = [carve.empty(k, dt) for k, dt in outputs]
-    all_ids, all_offsets, all_weights = inp
-    for parts_list, dest in ((ids, all_ids), (offsets, all_offsets), (weights, all_weights)):
-        if parts_list:
-            np.concatenate(parts_list, out=dest)
-    occ_ids, gains, segments, unique, inverse, n_unique = out[:6]
-    unique_offsets, unique_gains, unique_segments, output_offsets = out[6:]
-    order, bounds = kp.deal_tables(np.diff(occ_base), nb.get_num_threads())
-    kp.prepare_tables(
-        order, bounds, fmeta, all_ids, all_offsets, all_weights, occ_base, out_base, occ_ids,
-        gains, segments, unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
-        output_offsets,
-    )  # fmt: skip
-    tables = []
-    for t in range(n_tables):
-        lo, hi, u = int(occ_base[t]), int(occ_base[t + 1]), int(n_unique[t])
-        o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
-        tables.append(
-            TableBatch(
-                unique_ids=unique[lo : lo + u],
-                inverse=inverse[lo:hi],
-                gains=gains[lo:hi],
-                segments=segments[lo:hi],
-                num_outputs=o_hi - o_lo,
-                output_offsets=output_offsets[o_lo + t : o_hi + t + 1],
-                unique_offsets=unique_offsets[lo + t : lo + t + u + 1],
-                unique_gains=unique_gains[lo:hi],
-                unique_segments=unique_segments[lo:hi],
-            )
-        )
-    return tables
+    plan = _BatchPlan(parts_per_table, memory)
+    order, bounds = plan.prepare_order()
+    kp.prepare_tables(order, bounds, plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base,
+                      *plan.outputs)  # fmt: skip
+    return plan.table_batches()
+
+
+def _quantization_row(quantization) -> np.ndarray:
+    """(num_buckets, lower, upper) as the pooling kernels take it; zeros: none."""
+    if quantization is None:
+        return _NO_QUANT
+    return np.array([quantization.num_buckets, quantization.lower, quantization.upper], np.float64)
+
+
+def build_tables_and_pool_numba(
+    parts_per_table: list[list[FeaturePart]],
+    tables: list[DenseTable],
+    quantizations: list,
+    memory: BlockPool | None = None,
+    prefetch: int = PREFETCH_LOOKUP,
+) -> tuple[list[TableBatch], list[np.ndarray]]:
+    """``build_tables_numba`` and every table's activation matrix (as ``NumbaBackend.lookup``
+    of each table batch gives, bit for bit), in one parallel region whose threads claim the
+    preparation and pooling tasks as they go (``kernels.train_lookup``)."""
+    start_pool()
+    plan = _BatchPlan(parts_per_table, memory)
+    # Largest first; the threads claim the tables as they go, so no dealing (deal_tables).
+    order = np.argsort(-np.diff(plan.occ_base), kind="stable")
+    tmeta = np.empty((plan.n_tables, train_lookup.T_COLS), dtype=np.int64)
+    quant = np.empty((plan.n_tables, 3), dtype=np.float64)
+    outs = []
+    for t, (table, q) in enumerate(zip(tables, quantizations, strict=True)):
+        data = table.data
+        if data.dtype != np.float32 or not data.flags.c_contiguous:
+            raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32")
+        n_out = int(plan.out_base[t + 1] - plan.out_base[t])
+        out = np.empty((n_out, table.dim), dtype=np.float32)
+        outs.append(out)
+        tmeta[t] = (data.ctypes.data, data.shape[0], data.shape[1], table.dim, out.ctypes.data,
+                    n_out)  # fmt: skip
+        quant[t] = _quantization_row(q)
+    # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
+    train_lookup.prepare_and_pool(order, nb.get_num_threads(), plan.fmeta, *plan.inputs,
+                                  plan.occ_base, plan.out_base, *plan.outputs, tmeta, quant,
+                                  prefetch)  # fmt: skip
+    return plan.table_batches(), outs
 
 
 def _variant(optimizer: Optimizer, dim: int) -> str:
@@ -219,18 +276,21 @@ class NumbaBackend:
     def build_tables(self, parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
         return build_tables_numba(parts_per_table, self.batch_memory)
 
+    def build_tables_and_lookup(
+        self, parts_per_table: list[list[FeaturePart]], tables: list[DenseTable], quantizations
+    ) -> tuple[list[TableBatch], list[np.ndarray]]:
+        """``build_tables`` and ``lookup`` of every table, in one parallel region (a training
+        lookup of features: see kernels/train_lookup.py)."""
+        return build_tables_and_pool_numba(parts_per_table, tables, quantizations,
+                                           self.batch_memory, self.lookup_prefetch)  # fmt: skip
+
     def lookup(
         self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
         start_pool()
         out = np.empty((tb.num_outputs, table.dim), dtype=np.float32)
-        quant = _NO_QUANT
-        if quantization is not None:
-            quant = np.array(
-                [quantization.num_buckets, quantization.lower, quantization.upper], np.float64
-            )
+        quant = _quantization_row(quantization)
         if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
-            pool_bags = pool_bags_kernel(table.dim)
             for p in tb.parts:
                 r = p.ragged
                 weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32

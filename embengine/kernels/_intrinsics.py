@@ -92,3 +92,47 @@ def stack_row(typingctx, n):
         return ary._getvalue()
 
     return aryty(n), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, arr, i, value):
+    """Atomically ``old = arr[i]; arr[i] += value; return old`` on a 1-D int64 array.
+
+    A shared task counter: numba's prange hands each thread a fixed share of the iterations
+    (``parallel_chunksize`` does not change that under the omp layer, measured), so kernels
+    whose tasks differ widely in cost claim them one at a time from a counter instead."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer2(
+            context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+            strides=cgutils.unpack_tuple(builder, ary.strides), layout=sig.args[0].layout,
+            inds=[args[1]], wraparound=False, boundscheck=False,
+        )  # fmt: skip
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+
+    return types.int64(arr, types.intp, types.int64), codegen
+
+
+@intrinsic
+def float32_rows_at(typingctx, address, rows, cols):
+    """A float32 ``[rows, cols]`` C-contiguous view of the memory at ``address`` (an int64).
+
+    Lets one kernel reach several tables of different widths, whose arrays a numba list would
+    hand over only with a reference count per access. No ownership: the caller keeps the memory
+    alive for the call (the engine holds its tables; outputs are allocated before the call)."""
+    aryty = types.Array(types.float32, 2, "C")
+
+    def codegen(context, builder, sig, args):
+        intp = context.get_value_type(types.intp)
+        ptr = builder.inttoptr(args[0], ir.FloatType().as_pointer())
+        ary = context.make_array(aryty)(context, builder)
+        stride = builder.mul(args[2], ir.Constant(intp, 4))
+        populate_array(ary, data=ptr, shape=[args[1], args[2]],
+                       strides=[stride, ir.Constant(intp, 4)], itemsize=ir.Constant(intp, 4),
+                       meminfo=None)  # fmt: skip
+        return ary._getvalue()
+
+    return aryty(types.int64, types.intp, types.intp), codegen

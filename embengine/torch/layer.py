@@ -109,9 +109,12 @@ class EmbeddingLayer(torch.nn.Module):
                     "build it with layer.preprocess(features)"
                 )
             batch = features
+            acts = self.engine.lookup(batch, training=training)
         else:
-            batch = self.preprocess(features, weights, training=training)
-        acts = self.engine.lookup(batch, training=training)
+            # Features straight to the engine: a training lookup then deduplicates and pools in
+            # one parallel region (see EmbeddingEngine.lookup).
+            acts = self.engine.lookup(self._feature_dict(features), weights, training=training)
+            batch = self.engine.pending_batch
         names = list(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
         if not training:

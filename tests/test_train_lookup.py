@@ -1,0 +1,160 @@
+"""A training lookup of features runs the deduplication and the pooling in one parallel region
+(kernels/train_lookup.py): it must give what preprocess() then lookup(batch) give, bit for bit."""
+
+import numba
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine.kernels import train_lookup
+from embengine.kernels._intrinsics import fetch_add, float32_rows_at
+
+opt = ee.optimizers
+FIELDS = ("unique_ids", "inverse", "gains", "segments", "output_offsets", "unique_offsets",
+          "unique_gains", "unique_segments")  # fmt: skip
+
+
+def _features(packing: bool, quantized: bool):
+    q = ee.QuantizationConfig(num_buckets=7, lower=-0.5, upper=0.5) if quantized else None
+    sgd = opt.SGD(0.1, low_dimensional_packing_status=packing)
+    u = ee.initializers.RandomUniform(-1.0, 1.0)
+    tables = [
+        ee.TableConfig(60, 8, name="w8", combiner="sum", optimizer=opt.Adagrad(0.1), initializer=u),
+        ee.TableConfig(
+            50,
+            3,
+            name="w3",
+            combiner="mean",
+            quantization_config=q,  # any width
+            initializer=u,
+        ),
+        ee.TableConfig(40, 2, name="p2", combiner="sqrtn", optimizer=sgd, initializer=u),
+        ee.TableConfig(
+            30,
+            2,
+            name="q2",
+            combiner="sum",
+            optimizer=sgd,  # packed with p2
+            initializer=u,
+        ),
+        ee.TableConfig(20, 1, name="p1", combiner="mean", optimizer=sgd, initializer=u),
+    ]
+    feats = {
+        "a": ee.FeatureConfig(tables[0]),
+        "a_seq": ee.FeatureConfig(tables[0], max_sequence_length=3),  # shares w8
+        "b": ee.FeatureConfig(tables[1]),
+        "c": ee.FeatureConfig(tables[2]),
+        "d": ee.FeatureConfig(tables[3]),
+        "e": ee.FeatureConfig(tables[4]),
+    }
+    return feats
+
+
+def _batch(feats, rng, samples: int):
+    values = {}
+    for name, fc in feats.items():
+        lengths = rng.integers(0, 6, samples)  # empty bags included
+        ids = rng.zipf(1.3, int(lengths.sum())) % fc.table.vocabulary_size  # duplicates
+        weights = None if fc.is_sequence else rng.uniform(-1, 2, len(ids)).astype(np.float32)
+        values[name] = ee.Ragged(ids, lengths=lengths, weights=weights)
+    return values
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_training_lookup_equals_preprocess_then_lookup(packing, quantized):
+    feats = _features(packing, quantized)
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1))
+    assert (len(eng._physical) < 5) == packing
+    rng = np.random.default_rng(packing + 2 * quantized)
+    # 150 samples: several pooling tasks (train_lookup.POOL_TASK) per feature.
+    assert 150 > 2 * train_lookup.POOL_TASK
+    for _ in range(2):
+        values = _batch(feats, rng, 150)
+        fused = eng.lookup(values)
+        fused_batch = eng._last_batch
+        batch = eng.preprocess(values)
+        apart = eng.lookup(batch)
+        for name in feats:
+            assert fused[name].shape == apart[name].shape
+            np.testing.assert_array_equal(fused[name], apart[name])
+        for t_fused, t_apart in zip(fused_batch.tables, batch.tables, strict=True):
+            for field in FIELDS:
+                np.testing.assert_array_equal(getattr(t_fused, field), getattr(t_apart, field))
+        # The fused lookup's batch is the one the update uses.
+        eng.apply_gradients({k: np.ones_like(a) for k, a in fused.items()})
+
+
+def test_training_lookup_equals_the_reference_backend():
+    feats = _features(packing=True, quantized=True)
+    engines = [ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), backend=b, seed=5)
+               for b in ("numba", "reference")]  # fmt: skip
+    values = _batch(feats, np.random.default_rng(9), 140)
+    fast, slow = (e.lookup(values) for e in engines)
+    for name in feats:
+        np.testing.assert_allclose(fast[name], slow[name], rtol=1e-5, atol=1e-6)
+
+
+@numba.njit(parallel=True)
+def _claim_all(n_workers, n_tasks, claims, owner):
+    counter = np.zeros(1, dtype=np.int64)
+    for w in numba.prange(n_workers):
+        while True:
+            i = fetch_add(counter, 0, 1)
+            if i >= n_tasks:
+                break
+            claims[i] += 1
+            owner[i] = w
+            s = 0.0  # some work, so the workers interleave
+            for k in range(200):
+                s += np.sqrt(k + i)
+            claims[i] += s < 0
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 7])  # 7: more workers than threads
+def test_every_task_is_claimed_exactly_once(n_workers):
+    n_tasks = 5000
+    claims = np.zeros(n_tasks, dtype=np.int64)
+    owner = np.full(n_tasks, -1, dtype=np.int64)
+    _claim_all(n_workers, n_tasks, claims, owner)
+    np.testing.assert_array_equal(claims, 1)
+    assert set(owner) <= set(range(n_workers))
+
+
+def test_training_lookup_on_one_thread_and_more_workers_than_threads(monkeypatch):
+    feats = _features(packing=False, quantized=False)
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1))
+    values = _batch(feats, np.random.default_rng(3), 200)
+    expected = eng.lookup(eng.preprocess(values))
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            got = eng.lookup(values)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        for name in feats:
+            np.testing.assert_array_equal(got[name], expected[name])
+    monkeypatch.setattr(numba, "get_num_threads", lambda: 5)  # five workers claim the tasks
+    got = eng.lookup(values)
+    for name in feats:
+        np.testing.assert_array_equal(got[name], expected[name])
+
+
+@numba.njit
+def _write_through_view(address, rows, cols):
+    view = float32_rows_at(address, rows, cols)
+    for r in range(rows):
+        for c in range(cols):
+            view[r, c] = r * 10 + c
+    return view.shape[0], view.shape[1]
+
+
+def test_float32_rows_at_views_the_given_memory():
+    a = np.zeros((4, 6), dtype=np.float32)
+    # A view of rows 1-2 of ``a``, three columns wide (rows of a C array of width 6 read as 3).
+    shape = _write_through_view(a[1:].ctypes.data, 2, 3)
+    assert shape == (2, 3)
+    expected = np.zeros((4, 6), dtype=np.float32)
+    expected[1, :3] = [0, 1, 2]
+    expected[1, 3:] = [10, 11, 12]
+    np.testing.assert_array_equal(a, expected)
