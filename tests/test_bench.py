@@ -54,6 +54,45 @@ def test_groups_take_turns_in_blocks_in_alternating_order():
         assert steps == [id(b) for b in batches]
     with pytest.raises(ValueError, match="block must be >= 2"):
         runner._time_configs(members, warmup=0, steps=1, log=print, block=1)
+    with pytest.raises(ValueError, match="block=3, untimed=3"):
+        runner._time_configs(members, warmup=0, steps=1, log=print, block=3, untimed=3)
+
+
+def test_longer_blocks_time_only_their_last_steps(monkeypatch):
+    log = []
+    n = runner.batches_needed(warmup=0, steps=4, block=5, untimed=3)  # 1 + 2 blocks of 5
+    assert n == 11
+    batches = make_batches(TINY, n)
+    members = [(lambda n=n: _Recorder(n, log), batches, TINY) for n in "ab"]
+    ticks = iter(range(1000))
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(ticks))
+    results = runner._time_configs(members, warmup=0, steps=4, log=lambda s: None, block=5,
+                                   untimed=3)  # fmt: skip
+    order = [name for name, x in log if x != "closed"]
+    assert order == list("a" + "b" + "aaaaabbbbb" + "bbbbbaaaaa")
+    # Each timed step is one tick of the fake clock; 4 per member: the last 2 of each block.
+    assert all(len(r.ms_all) == 4 for r in results)
+
+
+def test_the_vocabulary_group_runs_long_blocks(monkeypatch):
+    rows = {"W1": 400, "W3": 4000, "W3-small": 400}
+    tiny = {name: Workload(name, "", ((rows[name], 4),), 8, 2, optimizers=("SGD",), peers=())
+            for name in runner.VOCABULARY}  # fmt: skip
+    for name, w in tiny.items():
+        monkeypatch.setitem(runner.WORKLOADS, name, w)
+    seen = []
+    timed = runner._time_configs
+
+    def spy(members, warmup, steps, log, *args):
+        seen.append(args)
+        return timed(members, warmup, steps, log, *args)
+
+    monkeypatch.setattr(runner, "_time_configs", spy)
+    results = runner.run_vocabulary(steps=2, warmup=0, engine_optimizers=("SGD",), peers=())
+    assert seen == [(runner.VOCABULARY_BLOCK, runner.VOCABULARY_UNTIMED)]
+    assert runner.VOCABULARY_UNTIMED >= 2
+    assert sorted(r.workload for r in results) == sorted(runner.VOCABULARY)
+    assert all(len(r.ms_all) == 2 for r in results)
 
 
 class _Holder(_Recorder):

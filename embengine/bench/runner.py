@@ -140,32 +140,41 @@ Member = tuple[Callable, list, Workload]
 # Members take turns in blocks of this many consecutive steps; the first step of a block runs
 # untimed, after another member's steps have evicted this one's rows from the caches.
 BLOCK = 3
+# The vocabulary group (W3 beside W1 and W3-small) runs longer blocks, their first half
+# untimed: members of very different footprints evict each other's rows, and the smallest
+# takes several steps to re-warm. Measured on a host with a 480 MiB L3, W3 SGD after a block
+# of W1 steps: 5.04, 4.80, 4.48, 4.32, 4.19, 4.07, 4.00, 3.93 ms for its next 8 steps
+# (alone, steadily ~3.7 ms); with blocks of 3 the ratio timed that recovery (1.48, not 1.2).
+VOCABULARY_BLOCK = 10
+VOCABULARY_UNTIMED = 5
 
 
-def batches_needed(warmup: int, steps: int, block: int = BLOCK) -> int:
+def batches_needed(warmup: int, steps: int, block: int = BLOCK, untimed: int = 1) -> int:
     """Batches each member steps on: the first step, the warm-up, and ``steps`` timed steps
-    in blocks (each block's first step untimed)."""
-    rounds = -(-steps // (block - 1))
+    in blocks (each block's first ``untimed`` steps untimed)."""
+    rounds = -(-steps // (block - untimed))
     return 1 + warmup + rounds * block
 
 
 def _time_configs(members: list[Member], warmup: int, steps: int, log,
-                  block: int = BLOCK) -> list[Result]:  # fmt: skip
+                  block: int = BLOCK, untimed: int = 1) -> list[Result]:  # fmt: skip
     """Time one configuration, or several interleaved. Each member runs its first step and
     its warm-up, then the members take turns in blocks of ``block`` consecutive steps, in an
-    order reversed every round so that none always goes first; the first step of each block
-    is untimed. Alternating cancels the machine's drift; blocks keep each member's steps those
-    of steady training (its hot rows cached), not of a member that follows another's step
-    (the effect grows as a step shrinks: W3 against W1 per id, 1.68x step by step)."""
-    if block < 2:
-        raise ValueError(f"block must be >= 2 (one untimed step, then timed ones), got {block}")
+    order reversed every round so that none always goes first; the first ``untimed`` steps of
+    each block are untimed. Alternating cancels the machine's drift; blocks keep each member's
+    steps those of steady training (its hot rows cached), not of a member that follows
+    another's step (the effect grows as a step shrinks: W3 against W1 per id, 1.68x step by
+    step; see VOCABULARY_BLOCK for members that need several steps to re-warm)."""
+    if untimed < 1 or block <= untimed:
+        raise ValueError(f"block must be >= 2 and exceed untimed >= 1 (untimed steps, then timed "
+                         f"ones), got block={block}, untimed={untimed}")  # fmt: skip
     memory = _Memory(len(members))
     runners = []
     for c, (make, _, _) in enumerate(members):
         memory.start()
         runners.append(make())
         memory.stop(c)
-    n = batches_needed(warmup, steps, block)
+    n = batches_needed(warmup, steps, block, untimed)
     inputs = [
         [r.prepare(b) for b in batches[:n]]
         for r, (_, batches, _) in zip(runners, members, strict=True)
@@ -191,7 +200,7 @@ def _time_configs(members: list[Member], warmup: int, steps: int, log,
         for c in order if (i - 1 - warmup) // block % 2 == 0 else reversed(order):
             for k in range(block):
                 elapsed = run(c, i + k)
-                if k and len(times[c]) < steps:
+                if k >= untimed and len(times[c]) < steps:
                     times[c].append(elapsed)
         i += block
     first = dict(firsts)
@@ -317,7 +326,8 @@ def run_vocabulary(
     ws = [WORKLOADS[name] for name in VOCABULARY]
     w3 = WORKLOADS["W3"]
     log(f"W3 vs {', '.join(VOCABULARY[::2])}: per id, interleaved; generating batches")
-    batches = {w.name: make_batches(w, batches_needed(warmup, steps)) for w in ws}
+    batches = {w.name: make_batches(w, batches_needed(warmup, steps, VOCABULARY_BLOCK,
+                                                      VOCABULARY_UNTIMED)) for w in ws}  # fmt: skip
     use_fbgemm = "fbgemm" in peers and fbgemm_available() is None
     results = []
     for g, opt in enumerate(o for o in engine_optimizers if o in (w3.optimizers or ())):
@@ -329,7 +339,8 @@ def run_vocabulary(
             if kind == "fbgemm" and use_fbgemm and peer in (w3.peers or (peer,)):
                 members += [(lambda w=w, o=peer_opt: FbgemmRunner(w, o), batches[w.name], w)
                             for w in ws]  # fmt: skip
-        for r in _time_configs(members, warmup, steps, lambda s: None):
+        for r in _time_configs(members, warmup, steps, lambda s: None, VOCABULARY_BLOCK,
+                               VOCABULARY_UNTIMED):  # fmt: skip
             r.group = g
             results.append(r)
     return results
