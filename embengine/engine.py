@@ -308,6 +308,13 @@ class EmbeddingEngine:
         deduplication data and pools the activations in one parallel region: the pooling reads
         rows straight from the ids meanwhile (the same bits as pooling the prepared batch), so
         a single big table is not deduplicated by one thread while the others wait."""
+        return self._lookup(features, weights, training)[0]
+
+    def _lookup(
+        self, features: Mapping | PreparedBatch, weights: Mapping | None, training: bool
+    ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
+        """``lookup``, and the batch it looked up (EmbeddingLayer keeps it for its backward:
+        reading the engine's pending batch afterwards could see another thread's)."""
         per_table = None  # each table's activation matrix
         if isinstance(features, PreparedBatch):
             if weights is not None:
@@ -337,16 +344,11 @@ class EmbeddingEngine:
                 )
             ]
         self._last_batch = batch if training else None
-        return {
+        acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
-
-    @property
-    def pending_batch(self) -> PreparedBatch | None:
-        """The batch of the last training lookup, whose rows ``apply_gradients()`` without
-        ``batch=`` updates (None once applied, or after a lookup with ``training=False``)."""
-        return self._last_batch
+        return acts, batch
 
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""

@@ -58,20 +58,35 @@ def test_groups_take_turns_in_blocks_in_alternating_order():
         runner._time_configs(members, warmup=0, steps=1, log=print, block=3, untimed=3)
 
 
+class _Clocked(_Recorder):
+    """A runner whose step k (k-th batch) takes k + 1 seconds of a fake clock."""
+
+    def __init__(self, name, log, clock, index):
+        super().__init__(name, log)
+        self.clock, self.index = clock, index
+
+    def step(self, x):
+        super().step(x)
+        self.clock[0] += self.index[x] + 1
+
+
 def test_longer_blocks_time_only_their_last_steps(monkeypatch):
-    log = []
+    log, clock = [], [0.0]
     n = runner.batches_needed(warmup=0, steps=4, block=5, untimed=3)  # 1 + 2 blocks of 5
     assert n == 11
     batches = make_batches(TINY, n)
-    members = [(lambda n=n: _Recorder(n, log), batches, TINY) for n in "ab"]
-    ticks = iter(range(1000))
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(ticks))
+    index = {id(b): k for k, b in enumerate(batches)}
+    members = [(lambda n=n: _Clocked(n, log, clock, index), batches, TINY) for n in "ab"]
+    monkeypatch.setattr(runner, "time", type("FakeTime", (), {"perf_counter": lambda: clock[0]}))
     results = runner._time_configs(members, warmup=0, steps=4, log=lambda s: None, block=5,
                                    untimed=3)  # fmt: skip
     order = [name for name, x in log if x != "closed"]
     assert order == list("a" + "b" + "aaaaabbbbb" + "bbbbbaaaaa")
-    # Each timed step is one tick of the fake clock; 4 per member: the last 2 of each block.
-    assert all(len(r.ms_all) == 4 for r in results)
+    # Batch 0 is the first step; blocks hold batches 1-5 and 6-10, of which 4, 5, 9, 10 are
+    # timed (their durations, k + 1 s, name them).
+    for r in results:
+        assert r.ms_all == [5000.0, 6000.0, 10000.0, 11000.0]
+        assert r.first_step_ms == 1000.0
 
 
 def test_the_vocabulary_group_runs_long_blocks(monkeypatch):

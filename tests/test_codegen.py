@@ -18,3 +18,20 @@ def test_every_optimizer_has_kernels():
     assert variant("Adagrad", (8,), 8) == "adagrad_rowwise"
     assert variant("Adagrad", (2,), 8) == "adagrad_grouped"
     assert variant("FTRL", (0.3,), 8) == "ftrl"
+
+
+def test_a_change_in_a_callee_file_changes_the_hash_line_of_every_kernel_above_it():
+    # numba's cache watches only a kernel's own file: the training lookup's kernel holds code
+    # from prepare.py and lookup.py, and kept running the old code after only they changed.
+    base = codegen.callee_lines()
+    assert base == {name: (codegen.HERE / name).read_text() for name in codegen.CALLEES}
+
+    def changed(name):
+        text = (codegen.HERE / name).read_text() + "# changed\n"
+        new = codegen.callee_lines({name: text})
+        return {n for n in codegen.CALLEES if n != name and new[n] != base[n]}
+
+    assert changed("_intrinsics.py") == {"prepare.py", "lookup.py", "train_lookup.py"}
+    assert changed("prepare.py") == {"lookup.py", "train_lookup.py"}
+    assert changed("lookup.py") == {"train_lookup.py"}
+    assert changed("train_lookup.py") == set()

@@ -180,3 +180,23 @@ def test_dynamic_learning_rates_pass_through():
     layer = EmbeddingLayer(engine)
     layer({"a": [[2]]}, learning_rates=[0.25])["a"].sum().backward()
     np.testing.assert_allclose(engine.embedding_tables["t"][2], -0.25)
+
+
+def test_backward_updates_the_rows_of_its_own_forward_when_another_lookup_follows(monkeypatch):
+    # A second thread's lookup can finish right after this forward's: the backward must still
+    # update this forward's rows (the batch travels with the activations, not via the engine).
+    eng = _engine(opt.SGD(1.0))
+    layer = EmbeddingLayer(eng)
+    before = eng.embedding_tables["t"].copy()
+    real = eng._lookup
+
+    def then_another_lookup(features, weights, training):
+        out = real(features, weights, training)
+        real({"a": [[9], [10]], "b": [[11], [9]]}, None, True)  # the "other thread"
+        return out
+
+    monkeypatch.setattr(eng, "_lookup", then_another_lookup)
+    out = layer({"a": [[1], [2]], "b": [[3], [1]]})
+    (out["a"].sum() + out["b"].sum()).backward()
+    changed = np.flatnonzero(np.any(eng.embedding_tables["t"] != before, axis=1))
+    np.testing.assert_array_equal(changed, [1, 2, 3])

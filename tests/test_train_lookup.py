@@ -158,3 +158,78 @@ def test_float32_rows_at_views_the_given_memory():
     expected[1, :3] = [0, 1, 2]
     expected[1, 3:] = [10, 11, 12]
     np.testing.assert_array_equal(a, expected)
+
+
+def _assert_fused_equals_apart(eng, values):
+    fused = eng.lookup(values)
+    fused_batch = eng._last_batch
+    batch = eng.preprocess(values)
+    apart = eng.lookup(batch)
+    for name in apart:
+        assert fused[name].shape == apart[name].shape
+        np.testing.assert_array_equal(fused[name], apart[name])
+    for t_fused, t_apart in zip(fused_batch.tables, batch.tables, strict=True):
+        assert t_fused.num_outputs == t_apart.num_outputs
+        for field in FIELDS:
+            np.testing.assert_array_equal(getattr(t_fused, field), getattr(t_apart, field))
+    eng.apply_gradients({k: np.ones_like(a) for k, a in fused.items()}, batch=fused_batch)
+
+
+def _wide_engine(**kwargs):
+    tables = [ee.TableConfig(90, d, name=f"d{d}", combiner=c,
+                             initializer=ee.initializers.RandomUniform(-1.0, 1.0))
+              for d, c in ((64, "sum"), (16, "mean"), (5, "sqrtn"))]  # fmt: skip
+    feats = {t.name: ee.FeatureConfig(t) for t in tables}
+    return ee.EmbeddingEngine(feats, optimizer=opt.Adagrad(0.1), **kwargs), feats
+
+
+@pytest.mark.parametrize("case", ["no samples", "a table without ids", "mmap", "big batch"])
+def test_training_lookup_edge_cases_equal_preprocess_then_lookup(case, tmp_path):
+    kwargs = dict(storage="mmap", storage_dir=tmp_path) if case == "mmap" else {}
+    eng, feats = _wide_engine(**kwargs)
+    rng = np.random.default_rng(1)
+    samples = {"no samples": 0, "a table without ids": 100, "mmap": 150, "big batch": 4096}[case]
+    bag = 60 if case == "big batch" else 4  # big: > POOLED_BATCH_BYTES of batch arrays
+    values = {}
+    for name, fc in feats.items():
+        lengths = rng.integers(0, bag, samples)
+        if case == "a table without ids" and name == "d16":
+            lengths[:] = 0
+        ids = rng.integers(0, fc.table.vocabulary_size, int(lengths.sum()))
+        values[name] = ee.Ragged(ids, lengths=lengths)
+    if case == "big batch":
+        assert eng._backend.batch_memory.nbytes == 0
+    for _ in range(2):  # the second big batch reuses the pooled block
+        _assert_fused_equals_apart(eng, values)
+    if case == "big batch":  # its arrays came from the backend's BlockPool
+        assert eng._backend.batch_memory.nbytes > 0
+
+
+def test_training_lookups_of_features_take_the_fused_path(monkeypatch):
+    from embengine.kernels import prepare
+    from embengine.torch import EmbeddingLayer
+
+    calls = {"fused": 0, "apart": 0}
+    fused_kernel, apart_kernel = train_lookup.prepare_and_pool, prepare.prepare_tables
+
+    def fused(*args):
+        calls["fused"] += 1
+        return fused_kernel(*args)
+
+    def apart(*args):
+        calls["apart"] += 1
+        return apart_kernel(*args)
+
+    monkeypatch.setattr(train_lookup, "prepare_and_pool", fused)
+    monkeypatch.setattr(prepare, "prepare_tables", apart)
+    eng, feats = _wide_engine()
+    values = {name: [[1, 2], [3]] for name in feats}
+    eng.lookup(values)
+    assert calls == {"fused": 1, "apart": 0}
+    layer = EmbeddingLayer(eng)
+    out = layer(values)  # training mode, grad enabled
+    sum(o.sum() for o in out.values()).backward()
+    assert calls == {"fused": 2, "apart": 0}
+    eng.lookup(values, training=False)  # lookup-only: neither
+    eng.lookup(eng.preprocess(values))  # a PreparedBatch: deduplicated apart
+    assert calls == {"fused": 2, "apart": 1}

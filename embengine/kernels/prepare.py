@@ -7,6 +7,8 @@ kernels use. Results are identical to ``batch.build_tables_numpy``: unique rows 
 appearance, stable occurrence order, gains computed in float64 and rounded to float32.
 """
 
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): b0f85eb80aa894aa
+
 from __future__ import annotations
 
 import numba as nb

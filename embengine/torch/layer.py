@@ -108,13 +108,13 @@ class EmbeddingLayer(torch.nn.Module):
                     "this PreparedBatch was built with training=False and cannot be trained on; "
                     "build it with layer.preprocess(features)"
                 )
-            batch = features
-            acts = self.engine.lookup(batch, training=training)
         else:
             # Features straight to the engine: a training lookup then deduplicates and pools in
             # one parallel region (see EmbeddingEngine.lookup).
-            acts = self.engine.lookup(self._feature_dict(features), weights, training=training)
-            batch = self.engine.pending_batch
+            features = self._feature_dict(features)
+        # The batch comes back with the activations: the engine's pending batch, read
+        # afterwards, could be another thread's.
+        acts, batch = self.engine._lookup(features, weights, training)
         names = list(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
         if not training:
