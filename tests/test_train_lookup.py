@@ -60,6 +60,21 @@ def _batch(feats, rng, samples: int):
     return values
 
 
+def _assert_fused_equals_apart(eng, values):
+    fused = eng.lookup(values)
+    fused_batch = eng._last_batch
+    batch = eng.preprocess(values)
+    apart = eng.lookup(batch)
+    for name in apart:
+        assert fused[name].shape == apart[name].shape
+        np.testing.assert_array_equal(fused[name], apart[name])
+    for t_fused, t_apart in zip(fused_batch.tables, batch.tables, strict=True):
+        assert t_fused.num_outputs == t_apart.num_outputs
+        for field in FIELDS:
+            np.testing.assert_array_equal(getattr(t_fused, field), getattr(t_apart, field))
+    eng.apply_gradients({k: np.ones_like(a) for k, a in fused.items()}, batch=fused_batch)
+
+
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_training_lookup_equals_preprocess_then_lookup(packing, quantized):
@@ -70,19 +85,7 @@ def test_training_lookup_equals_preprocess_then_lookup(packing, quantized):
     # 150 samples: several pooling tasks (train_lookup.POOL_TASK) per feature.
     assert 150 > 2 * train_lookup.POOL_TASK
     for _ in range(2):
-        values = _batch(feats, rng, 150)
-        fused = eng.lookup(values)
-        fused_batch = eng._last_batch
-        batch = eng.preprocess(values)
-        apart = eng.lookup(batch)
-        for name in feats:
-            assert fused[name].shape == apart[name].shape
-            np.testing.assert_array_equal(fused[name], apart[name])
-        for t_fused, t_apart in zip(fused_batch.tables, batch.tables, strict=True):
-            for field in FIELDS:
-                np.testing.assert_array_equal(getattr(t_fused, field), getattr(t_apart, field))
-        # The fused lookup's batch is the one the update uses.
-        eng.apply_gradients({k: np.ones_like(a) for k, a in fused.items()})
+        _assert_fused_equals_apart(eng, _batch(feats, rng, 150))
 
 
 def test_training_lookup_equals_the_reference_backend():
@@ -158,21 +161,6 @@ def test_float32_rows_at_views_the_given_memory():
     expected[1, :3] = [0, 1, 2]
     expected[1, 3:] = [10, 11, 12]
     np.testing.assert_array_equal(a, expected)
-
-
-def _assert_fused_equals_apart(eng, values):
-    fused = eng.lookup(values)
-    fused_batch = eng._last_batch
-    batch = eng.preprocess(values)
-    apart = eng.lookup(batch)
-    for name in apart:
-        assert fused[name].shape == apart[name].shape
-        np.testing.assert_array_equal(fused[name], apart[name])
-    for t_fused, t_apart in zip(fused_batch.tables, batch.tables, strict=True):
-        assert t_fused.num_outputs == t_apart.num_outputs
-        for field in FIELDS:
-            np.testing.assert_array_equal(getattr(t_fused, field), getattr(t_apart, field))
-    eng.apply_gradients({k: np.ones_like(a) for k, a in fused.items()}, batch=fused_batch)
 
 
 def _wide_engine(**kwargs):
