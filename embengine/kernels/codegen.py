@@ -392,7 +392,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The callees' hash lines first: _intrinsics.py and __init__.py feed both.
+    # Every file codegen keeps current: the CALLEES modules (hash lines) and fused.py.
     outputs = {HERE / name: text for name, text in callee_lines().items()}
     outputs[OUTPUT] = render()
     if "--check" in argv:
