@@ -221,3 +221,22 @@ def test_training_lookups_of_features_take_the_fused_path(monkeypatch):
     eng.lookup(values, training=False)  # lookup-only: neither
     eng.lookup(eng.preprocess(values))  # a PreparedBatch: deduplicated apart
     assert calls == {"fused": 2, "apart": 1}
+
+
+def test_tables_are_read_by_address_only_when_c_contiguous_float32():
+    # The region reads tables by address: a strided or wrong-dtype array must be refused.
+    from embengine.backends.numba_backend import build_tables_and_pool_numba
+
+    eng, feats = _wide_engine()
+    parts, _ = ee.batch.plan_tables(eng._resolved, {name: [[1, 2], [3]] for name in feats},
+                                    storage_layout=eng._storage_layout)  # fmt: skip
+    table = eng._physical[0]
+    good = table.data
+    try:
+        for bad in (np.asfortranarray(good), good.astype(np.float64)):
+            table.data = bad
+            with pytest.raises(AssertionError, match="C-contiguous float32"):
+                build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
+    finally:
+        table.data = good
+    build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
