@@ -1,5 +1,5 @@
 """Where tables and their optimizer slots live."""
 
-from .dense import Column, DenseTable, TableView
+from .dense import Column, DenseTable, StorageError, TableView
 
-__all__ = ["Column", "DenseTable", "TableView"]
+__all__ = ["Column", "DenseTable", "StorageError", "TableView"]

@@ -7,13 +7,15 @@ slots (step counters) are views of the same bytes through ``data.view(np.int32)`
 
 The array lives in RAM, or (``path=``) in a memory-mapped file: a table plus slots bigger than
 RAM then trains with the OS page cache as its cache (advised for random access, see
-``_advise``).
+``_advise``). A memory-mapped table owns its file: it holds an exclusive lock on it for as long
+as the mapping lives (see ``DenseTable``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,12 @@ import numpy as np
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
 
-__all__ = ["DenseTable", "Column", "TableView"]
+try:  # POSIX; Windows has no flock, so no lock is taken there
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux
+    fcntl = None
+
+__all__ = ["DenseTable", "Column", "TableView", "StorageError"]
 
 # Rows initialised per chunk: bounds the temporary memory of initialisation (~32 MB of float64).
 _INIT_VALUES_PER_CHUNK = 1 << 22
@@ -52,6 +59,50 @@ def _advise(mapping: mmap.mmap, advice: str) -> None:
         pass
 
 
+class StorageError(ValueError):
+    """A memory-mapped table's file cannot be used: another engine holds it."""
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The pid that took the flock on ``fd``'s file, from /proc/locks (Linux), else None.
+
+    Only for the error message: the holder may have forked since, or live in another pid
+    namespace (shown as 0 there)."""
+    try:
+        st = os.fstat(fd)
+        want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        with open("/proc/locks") as f:
+            for line in f:
+                # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF" (waiters have "->" first)
+                parts = line.split()
+                if len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                major, minor, inode = parts[5].split(":")
+                if (int(major, 16), int(minor, 16), int(inode)) == want and int(parts[4]) > 0:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _lock(fd: int, path: Path, table: str) -> None:
+    """Take an exclusive, non-blocking flock on an open table file, or raise StorageError
+    naming the folder, the table and the holder's pid. flock belongs to the open file
+    description, so a second open of the file conflicts even within one process."""
+    if fcntl is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _lock_holder(fd)
+        who = "" if pid is None else f" (pid {pid}{', this process' if pid == os.getpid() else ''})"
+        raise StorageError(
+            f"storage_dir {str(path.parent)!r}: table {table!r} (file {path.name!r}) is in use by "
+            f"another engine{who}; two engines on one file would overwrite each other's table. "
+            "Use another storage_dir, or close the other engine first"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Column:
     """Where one named array lives inside a packed row."""
@@ -63,7 +114,16 @@ class Column:
 
 
 class DenseTable:
-    """Weights ``[vocabulary_size, dim]`` plus slots, stored packed (see module docstring)."""
+    """Weights ``[vocabulary_size, dim]`` plus slots, stored packed (see module docstring).
+
+    A memory-mapped table (``path=``):
+
+    - locks its file (exclusive, non-blocking ``flock``) before truncating or writing it; a
+      second table on the same file, in this process or another, raises StorageError and leaves
+      the first one untouched. The lock belongs to the mapping's own file descriptor, so it is
+      released when the mapping goes: when the table and every array viewing it are
+      garbage-collected (a forked child that inherited the mapping holds it too).
+    """
 
     def __init__(
         self,
@@ -94,16 +154,27 @@ class DenseTable:
         self.row_width = start
         shape = (self.vocabulary_size, self.row_width)
         self.path = None if path is None else Path(path)
+        self._nbytes = shape[0] * shape[1] * 4
+        self._mapping: mmap.mmap | None = None
         if self.path is None:
             self.data = _aligned_empty(shape)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            nbytes = shape[0] * shape[1] * 4
-            with open(self.path, "w+b") as f:
-                f.truncate(max(nbytes, 1))  # mmap of 0 bytes is an error
-                self._mapping = mmap.mmap(f.fileno(), max(nbytes, 1))  # outlives the file object
+            size = max(self._nbytes, 1)  # mmap of 0 bytes is an error
+            # No O_TRUNC: the file may be another engine's live table until the lock is ours.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                _lock(fd, self.path, name)
+                os.ftruncate(fd, 0)  # the old contents are re-initialised below
+                os.ftruncate(fd, size)
+                # mmap keeps a dup of fd (same open file description): the lock lives as long
+                # as the mapping, i.e. until the last view of the table is freed.
+                self._mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
             _advise(self._mapping, "MADV_RANDOM")
-            self.data = np.frombuffer(self._mapping, dtype=np.float32, count=shape[0] * shape[1])
+            count = self.vocabulary_size * self.row_width
+            self.data = np.frombuffer(self._mapping, dtype=np.float32, count=count)
             self.data = self.data.reshape(shape)
         if segments is None:
             segments = [(name, 0, self.vocabulary_size, initializer)]
