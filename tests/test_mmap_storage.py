@@ -1,12 +1,15 @@
 """Memory-mapped tables own their files: an exclusive lock per table file (a second engine on one
-storage_dir fails and leaves the first untouched).
+storage_dir fails and leaves the first untouched), blocks reserved at creation (a full disk is an
+OSError, not SIGBUS).
 
 Anything that could kill the interpreter runs in a subprocess with a hard timeout."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -109,3 +112,79 @@ def test_the_lock_goes_with_a_garbage_collected_engine(tmp_path):
     gc.collect()
     second = _engine(tmp_path)  # a fresh table, initialised again
     _step(second)
+
+
+# -- 2. a full disk fails at creation -------------------------------------------------------------
+
+_CREATE_ON_SMALL_DISK = """
+    import errno, os
+    import embengine as ee
+    d = {dir!r}
+    with open(os.path.join(d, "fill"), "wb") as f:  # leave ~424 KiB of the 1 MiB free
+        f.write(b"x" * 600 * 1024)
+    t = ee.TableConfig(2000, 32, name="t", optimizer=ee.optimizers.Adagrad(0.1))  # 512,000 B
+    make = lambda: ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, storage="mmap",
+                                      storage_dir=d, backend="reference")
+    try:
+        make()
+        print("created")
+    except OSError as e:
+        print("errno", e.errno, "|", e)
+    print("size after", os.path.getsize(os.path.join(d, "t.f32")))
+    os.remove(os.path.join(d, "fill"))
+    eng = make()  # room again; the failed attempt left no lock behind
+    eng.lookup({{"f": [[1, 2]]}})
+    print("then created")
+"""
+
+
+def test_full_disk_is_an_oserror_at_creation_not_sigbus(tmp_path):
+    """A real full file system: a 1 MiB tmpfs mounted in a private user + mount namespace
+    (``unshare -Urm``; invisible to other processes, gone with the namespace). Without the
+    reservation the file was sparse and initialisation died of SIGBUS once the tmpfs filled."""
+    small = tmp_path / "small"
+    small.mkdir()
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) to mount a small tmpfs")
+    mount = f"mount -t tmpfs -o size=1m none '{small}'"
+    probe = subprocess.run([unshare, "-Urm", "sh", "-c", mount], capture_output=True, text=True,
+                           timeout=30)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    code = textwrap.dedent(_CREATE_ON_SMALL_DISK.format(dir=str(small)))
+    # sh mounts, then execs Python with the code as its argument (no quoting of the code)
+    out = subprocess.run([unshare, "-Urm", "sh", "-c", f'{mount} && exec "$0" -c "$1"',
+                          sys.executable, code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, f"returncode {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"errno {errno.ENOSPC} |"), out.stdout
+    assert str(small / "t.f32") in lines[0] and "512,000 bytes" in lines[0], lines[0]
+    assert "'t'" in lines[0] and "bytes are free there" in lines[0], lines[0]
+    assert lines[1:] == ["size after 0", "then created"], out.stdout  # the space went back
+
+
+def test_file_size_limit_is_an_oserror_naming_the_file_and_bytes(tmp_path):
+    """Portable variant (no namespaces): RLIMIT_FSIZE below the table's size; SIGXFSZ ignored
+    so that the write fails with EFBIG instead of killing the process."""
+    out = _python(
+        f"""
+        import resource, signal
+        import embengine as ee
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        t = ee.TableConfig(2000, 32, name="t", optimizer=ee.optimizers.Adagrad(0.1))
+        try:
+            ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, storage="mmap",
+                               storage_dir={str(tmp_path)!r}, backend="reference")
+            print("created")
+        except OSError as e:
+            print("errno", e.errno, "|", e)
+        """,
+        timeout=120,
+    )
+    assert out.returncode == 0, f"returncode {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    assert out.stdout.startswith(f"errno {errno.EFBIG} |"), out.stdout
+    assert str(tmp_path / "t.f32") in out.stdout and "512,000 bytes" in out.stdout, out.stdout
+    assert (tmp_path / "t.f32").stat().st_size == 0

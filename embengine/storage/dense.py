@@ -8,12 +8,13 @@ slots (step counters) are views of the same bytes through ``data.view(np.int32)`
 The array lives in RAM, or (``path=``) in a memory-mapped file: a table plus slots bigger than
 RAM then trains with the OS page cache as its cache (advised for random access, see
 ``_advise``). A memory-mapped table owns its file: it holds an exclusive lock on it for as long
-as the mapping lives (see ``DenseTable``).
+as the mapping lives and reserves the file's blocks before writing (see ``DenseTable``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from dataclasses import dataclass
@@ -103,6 +104,38 @@ def _lock(fd: int, path: Path, table: str) -> None:
         ) from None
 
 
+def _reserve(fd: int, nbytes: int, path: Path, table: str) -> None:
+    """Give an empty, locked table file its size, its blocks reserved with posix_fallocate so
+    that a full disk fails here, with an OSError (ENOSPC) naming the file and the bytes, rather
+    than as SIGBUS on a later write into the mapping.
+
+    Where posix_fallocate does not exist (macOS, Windows) or the file system refuses it
+    (EOPNOTSUPP / EINVAL; glibc otherwise emulates it by writing), the file is only truncated
+    to its size: it is then sparse, its blocks allocated as initialisation writes the rows, and
+    a full disk kills the process with SIGBUS during initialisation. Copy-on-write file systems
+    (btrfs, ZFS) may also need new blocks when a reserved block is rewritten."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, nbytes)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)  # give back whatever was reserved
+                try:
+                    vfs = os.fstatvfs(fd)
+                    free = f"; {vfs.f_bavail * vfs.f_frsize:,} bytes are free there"
+                except OSError:
+                    free = ""
+                raise OSError(
+                    e.errno,
+                    f"table {table!r}: cannot reserve {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB) "
+                    f"for its file {str(path)!r}: {e.strerror}{free}",
+                ) from e
+    os.ftruncate(fd, nbytes)
+
+
 @dataclass(frozen=True)
 class Column:
     """Where one named array lives inside a packed row."""
@@ -122,7 +155,8 @@ class DenseTable:
       second table on the same file, in this process or another, raises StorageError and leaves
       the first one untouched. The lock belongs to the mapping's own file descriptor, so it is
       released when the mapping goes: when the table and every array viewing it are
-      garbage-collected (a forked child that inherited the mapping holds it too).
+      garbage-collected (a forked child that inherited the mapping holds it too);
+    - reserves the file's blocks at creation (see ``_reserve``): a full disk is an OSError here.
     """
 
     def __init__(
@@ -166,7 +200,7 @@ class DenseTable:
             try:
                 _lock(fd, self.path, name)
                 os.ftruncate(fd, 0)  # the old contents are re-initialised below
-                os.ftruncate(fd, size)
+                _reserve(fd, size, self.path, name)
                 # mmap keeps a dup of fd (same open file description): the lock lives as long
                 # as the mapping, i.e. until the last view of the table is freed.
                 self._mapping = mmap.mmap(fd, size)
