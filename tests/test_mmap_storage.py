@@ -1,6 +1,6 @@
 """Memory-mapped tables own their files: an exclusive lock per table file (a second engine on one
 storage_dir fails and leaves the first untouched), blocks reserved at creation (a full disk is an
-OSError, not SIGBUS).
+OSError, not SIGBUS), and a file truncated under a live table is an error, not SIGBUS.
 
 Anything that could kill the interpreter runs in a subprocess with a hard timeout."""
 
@@ -10,6 +10,7 @@ import errno
 import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,8 @@ import pytest
 
 import embengine as ee
 from embengine import optimizers as O
-from embengine.storage import StorageError
+from embengine.engine import BACKENDS
+from embengine.storage import DenseTable, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,6 +116,34 @@ def test_the_lock_goes_with_a_garbage_collected_engine(tmp_path):
     _step(second)
 
 
+def test_close_releases_the_lock_unless_views_are_alive(tmp_path):
+    eng = _engine(tmp_path)
+    _step(eng)
+    before = _state(eng)
+    table = eng._physical[0]
+    slots = eng.slots("t")
+    with pytest.raises(StorageError, match="arrays viewing its memory are alive"):
+        table.close()
+    # a refused close changes nothing: the table still trains, the file is still locked
+    _assert_same(before, _state(eng))
+    with pytest.raises(StorageError, match="in use"):
+        _engine(tmp_path)
+    del slots
+    table.close()
+    table.close()  # twice is fine
+    with pytest.raises(StorageError, match="'t' is closed"):
+        eng.lookup({"f": [[1]]})
+    with pytest.raises(StorageError, match="'t' is closed"):
+        table.flush()
+    on_disk = np.fromfile(tmp_path / "t.f32", dtype=np.float32).reshape(100, -1)
+    np.testing.assert_array_equal(on_disk[:, :4], before["weights"])  # closing kept the data
+    other = _engine(tmp_path)  # the lock is free
+    _step(other)
+    ram = DenseTable("r", 3, 2, (), ee.initializers.Zeros(), 0)
+    ram.close()  # RAM: nothing to release, still usable
+    assert ram.data.shape == (3, 2)
+
+
 # -- 2. a full disk fails at creation -------------------------------------------------------------
 
 _CREATE_ON_SMALL_DISK = """
@@ -188,3 +218,53 @@ def test_file_size_limit_is_an_oserror_naming_the_file_and_bytes(tmp_path):
     assert out.stdout.startswith(f"errno {errno.EFBIG} |"), out.stdout
     assert str(tmp_path / "t.f32") in out.stdout and "512,000 bytes" in out.stdout, out.stdout
     assert (tmp_path / "t.f32").stat().st_size == 0
+
+
+# -- 3. a file truncated under a live table -------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("when", ["before lookup", "before apply_gradients"])
+def test_file_truncated_under_a_running_engine_raises_not_sigbus(tmp_path, backend, when):
+    out = _python(
+        f"""
+        import subprocess
+        import numpy as np
+        import embengine as ee
+        t = ee.TableConfig(5000, 16, name="t", optimizer=ee.optimizers.Adagrad(0.1))
+        eng = ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, storage="mmap",
+                                 storage_dir={str(tmp_path)!r}, backend={backend!r})
+        ids = [[1, 4999], [2500, 3]]  # row 4999 lies past the truncated end
+        eng.lookup({{"f": ids}})
+        eng.apply_gradients({{"f": np.ones((2, 16), np.float32)}})
+        truncate = lambda: subprocess.run(["truncate", "-s", "4096", {str(tmp_path / "t.f32")!r}],
+                                          check=True, timeout=30)  # another program
+        try:
+            if {when!r} == "before lookup":
+                truncate()
+            eng.lookup({{"f": ids}})
+            if {when!r} == "before apply_gradients":
+                truncate()
+            eng.apply_gradients({{"f": np.ones((2, 16), np.float32)}})
+            print("no error")
+        except ValueError as e:  # StorageError
+            print("refused:", type(e).__name__, e)
+        """,
+        timeout=900 if backend == "numba" else 120,  # a first numba compile takes minutes
+    )
+    assert out.returncode != -signal.SIGBUS, f"SIGBUS:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"returncode {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    assert out.stdout.startswith("refused: StorageError"), out.stdout
+    msg = out.stdout
+    assert str(tmp_path / "t.f32") in msg and "4,096 bytes" in msg, msg
+    assert f"needs {5000 * 32 * 4:,}" in msg, msg
+
+
+def test_check_file_is_silent_on_a_healthy_table(tmp_path):
+    eng = _engine(tmp_path)
+    table = eng._physical[0]
+    table.check_file()
+    DenseTable("r", 3, 2, (), ee.initializers.Zeros(), 0).check_file()  # RAM: nothing to check
+    os.truncate(tmp_path / "t.f32", table.nbytes - 4)  # one float short
+    with pytest.raises(StorageError, match=f"is {table.nbytes - 4:,} bytes"):
+        table.check_file()

@@ -8,7 +8,8 @@ slots (step counters) are views of the same bytes through ``data.view(np.int32)`
 The array lives in RAM, or (``path=``) in a memory-mapped file: a table plus slots bigger than
 RAM then trains with the OS page cache as its cache (advised for random access, see
 ``_advise``). A memory-mapped table owns its file: it holds an exclusive lock on it for as long
-as the mapping lives and reserves the file's blocks before writing (see ``DenseTable``).
+as the mapping lives, reserves the file's blocks before writing, and checks the file's size
+before each use (see ``DenseTable``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _advise(mapping: mmap.mmap, advice: str) -> None:
 
 
 class StorageError(ValueError):
-    """A memory-mapped table's file cannot be used: another engine holds it."""
+    """A memory-mapped table's file cannot be used: another engine holds it, it was truncated
+    under the table, or the table was closed."""
 
 
 def _lock_holder(fd: int) -> int | None:
@@ -154,9 +156,13 @@ class DenseTable:
     - locks its file (exclusive, non-blocking ``flock``) before truncating or writing it; a
       second table on the same file, in this process or another, raises StorageError and leaves
       the first one untouched. The lock belongs to the mapping's own file descriptor, so it is
-      released when the mapping goes: when the table and every array viewing it are
-      garbage-collected (a forked child that inherited the mapping holds it too);
-    - reserves the file's blocks at creation (see ``_reserve``): a full disk is an OSError here.
+      released when the mapping goes: by ``close()``, or when the table and every array viewing
+      it are garbage-collected (a forked child that inherited the mapping holds it too);
+    - reserves the file's blocks at creation (see ``_reserve``): a full disk is an OSError here;
+    - checks the file's size whenever ``data`` (and so ``weights`` or ``slot()``) is read, one
+      fstat (``check_file``): a file truncated under the mapping raises StorageError instead of
+      killing the process with SIGBUS on the next access. Arrays taken earlier (e.g. the
+      engine's ``embedding_tables``) are not checked.
     """
 
     def __init__(
@@ -191,7 +197,7 @@ class DenseTable:
         self._nbytes = shape[0] * shape[1] * 4
         self._mapping: mmap.mmap | None = None
         if self.path is None:
-            self.data = _aligned_empty(shape)
+            self._data = _aligned_empty(shape)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             size = max(self._nbytes, 1)  # mmap of 0 bytes is an error
@@ -202,14 +208,12 @@ class DenseTable:
                 os.ftruncate(fd, 0)  # the old contents are re-initialised below
                 _reserve(fd, size, self.path, name)
                 # mmap keeps a dup of fd (same open file description): the lock lives as long
-                # as the mapping, i.e. until the last view of the table is freed.
+                # as the mapping, i.e. until close() or the last view of the table is freed.
                 self._mapping = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
             _advise(self._mapping, "MADV_RANDOM")
-            count = self.vocabulary_size * self.row_width
-            self.data = np.frombuffer(self._mapping, dtype=np.float32, count=count)
-            self.data = self.data.reshape(shape)
+            self._data = self._view_mapping()
         if segments is None:
             segments = [(name, 0, self.vocabulary_size, initializer)]
         with self.sequential_access():  # initialisation writes the rows in order
@@ -226,6 +230,56 @@ class DenseTable:
             self.data[first + lo : first + hi, : self.dim] = values
             for spec in self.slot_specs:
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
+
+    def _view_mapping(self) -> np.ndarray:
+        count = self.vocabulary_size * self.row_width
+        data = np.frombuffer(self._mapping, dtype=np.float32, count=count)
+        return data.reshape(self.vocabulary_size, self.row_width)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The packed float32 ``[vocabulary_size, row_width]`` array. A memory-mapped table
+        checks its file first (``check_file``: one fstat, not per row)."""
+        if self._mapping is not None:
+            self.check_file()
+        return self._data
+
+    def check_file(self) -> None:
+        """Raise StorageError if a memory-mapped table was closed or its file is now shorter
+        than the table (truncated by another program while mapped: touching the rows past its
+        end would kill the process with SIGBUS). One fstat; nothing for a RAM table."""
+        if self.path is None:
+            return
+        if self._mapping is None or self._mapping.closed:
+            raise StorageError(f"table {self.name!r} is closed (its file {str(self.path)!r})")
+        size = self._mapping.size()  # fstat of the mapping's own descriptor
+        if size < self._nbytes:
+            raise StorageError(
+                f"table {self.name!r}: its file {str(self.path)!r} is {size:,} bytes, the table "
+                f"needs {self._nbytes:,}: it was truncated while in use (not by embengine, which "
+                "locks it). Its rows past the end are lost; restore the engine from a checkpoint"
+            )
+
+    def close(self) -> None:
+        """Flush and unmap a memory-mapped table, which releases its file's lock; a no-op for a
+        RAM table or a closed one. The table is unusable afterwards (StorageError).
+
+        Raises StorageError, and leaves the table open and locked, while arrays viewing its
+        memory are alive (e.g. ``embedding_tables`` or ``slots()`` results): unmapping under
+        them would crash their next access. Drop them and call close() again."""
+        if self._mapping is None or self._mapping.closed:
+            return
+        self._mapping.flush()
+        self._data = None  # the table's own view of the mapping
+        try:
+            self._mapping.close()
+        except BufferError:
+            self._data = self._view_mapping()
+            raise StorageError(
+                f"table {self.name!r}: cannot close its file {str(self.path)!r} while arrays "
+                "viewing its memory are alive (embedding_tables, slots(), weights); drop them "
+                "first. The table stays open"
+            ) from None
 
     @property
     def weights(self) -> np.ndarray:
@@ -250,7 +304,7 @@ class DenseTable:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self._nbytes
 
     @property
     def storage(self) -> str:
@@ -259,6 +313,7 @@ class DenseTable:
     def flush(self) -> None:
         """Write a file-backed table's dirty pages to its file (no-op in RAM)."""
         if self.path is not None:
+            self.check_file()
             self._mapping.flush()
 
     @contextlib.contextmanager
@@ -268,11 +323,13 @@ class DenseTable:
         if self.path is None:
             yield
             return
+        self.check_file()
         _advise(self._mapping, "MADV_SEQUENTIAL")
         try:
             yield
         finally:
-            _advise(self._mapping, "MADV_RANDOM")
+            if not self._mapping.closed:  # close() inside the block
+                _advise(self._mapping, "MADV_RANDOM")
 
 
 class TableView:
