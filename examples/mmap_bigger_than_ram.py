@@ -2,6 +2,9 @@
 
     python examples/mmap_bigger_than_ram.py --rows 12_000_000 --dim 32 --dir /tmp/big
 
+The table file is locked while it is mapped: a second run on the same ``--dir`` while this one
+trains is refused, and its disk space is reserved up front (a full disk fails at creation).
+
 To see it work in less memory than the table, run it in a memory-limited cgroup and measure
 the peak resident memory, e.g. (cgroup v1, as root)::
 
