@@ -11,18 +11,36 @@ Compressions and their error bounds on ``|served - trained|`` for a value ``x``:
   ``x = bias + scale * (k + 128)``; ``(max - min) / 255 / 2`` of the row.
 
 An export is a folder: ``manifest.json`` (format, features, tables, each table's compression and
-the SHA-256 of every file) and one safetensors file per table. ``ServingEngine.load`` memory-maps
-it and looks features up with the same combiners, sequence lengths and output shapes as the
-training engine; it is read-only and safe to call from many threads.
+the SHA-256 and size of every file), ``manifest.sha256`` (the SHA-256 of manifest.json, as in
+checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-maps it and looks
+features up with the same combiners, sequence lengths and output shapes as the training engine;
+it is read-only and safe to call from many threads.
+
+Loading (``ServingEngine.load(path, verify=True)``, ``read_serving_manifest``) checks, before it
+builds or maps anything: the format and version; with ``verify``, manifest.sha256 against
+manifest.json; every key and type of the manifest; that every file name is a plain
+``*.safetensors`` name inside the folder, listed with its SHA-256 and size and used by exactly one
+table; every file's size; with ``verify``, every file's SHA-256; and every tensor's header (names,
+dtype, shape, byte range) against the table's vocabulary_size, dim and compression. Any failure
+is a ``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
+files), never the other checks.
+
+Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
+error saying to re-export (``embengine export CKPT OUT --replace``) or to load with
+``verify=False``, which checks everything but the hashes. manifest.sha256 catches accidents (a
+truncated or damaged manifest), not tampering: whoever can write the folder can rewrite both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +48,14 @@ import numpy as np
 
 from .batch import PreparedBatch, build_tables_numpy, prepare
 from .checkpoint import CheckpointError, read_manifest
-from .config import FeatureConfig, QuantizationConfig, TableConfig, resolve_features
+from .config import (
+    COMBINERS,
+    FeatureConfig,
+    QuantizationConfig,
+    ResolvedFeatures,
+    TableConfig,
+    resolve_features,
+)
 from .kernels.lookup import PREFETCH_DISTANCE, pool_kernel
 from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
 
@@ -164,12 +189,35 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
     return out, worst
 
 
+def _plain_name(name: object) -> bool:
+    """A file name an export may list: ``*.safetensors`` directly inside the folder."""
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+        and not os.path.isabs(name)
+    )
+
+
+def _some(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
            per_table: Mapping[str, str] | None = None,
            fixed_range: float = 1.0) -> ExportReport:  # fmt: skip
     """Write the weights of a checkpoint (no slots) to ``out``, each table compressed with
     ``per_table.get(name, compress)``. The folder is written beside and renamed into place."""
     ckpt, manifest = read_manifest(checkpoint, verify=True)
+    for t in manifest["tables"]:
+        # Read only files the checkpoint lists (so read_manifest checksummed them), inside it.
+        if not _plain_name(t["file"]) or t["file"] not in manifest["files"]:
+            raise CheckpointError(
+                f"{ckpt}: table {t['name']!r} reads {t['file']!r}, which is not a safetensors "
+                "file the manifest lists inside the checkpoint folder"
+            )
     per_table = dict(per_table or {})
     names = [t["name"] for t in manifest["tables"]]
     unknown = [n for n in per_table if n not in names]
@@ -205,10 +253,13 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
     manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
                     "source_step": manifest["step"], "features": manifest["features"],
                     "tables": tables, "files": files}  # fmt: skip
-    with open(tmp / "manifest.json", "w") as f:
-        json.dump(manifest_out, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    text = json.dumps(manifest_out, indent=1).encode()
+    digest = hashlib.sha256(text).hexdigest().encode()
+    for name, data in (("manifest.json", text), ("manifest.sha256", digest)):
+        with open(tmp / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     if out.exists():
         old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
         os.rename(out, old)
@@ -219,29 +270,249 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
     return ExportReport(out, rows)
 
 
+# -- reading an export ----------------------------------------------------------------------------
+
+_KINDS = {
+    "name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "object?": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "shape?": (lambda v: v is None or isinstance(v, list), "a list of ints or null"),
+    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+               "a SHA-256 (64 lowercase hex digits)"),
+}  # fmt: skip
+
+
+def _take(obj: dict, key: str, kind: str, where: str, file: Path):
+    """``obj[key]``, or a CheckpointError naming the key if it is missing or of the wrong kind."""
+    if key not in obj:
+        raise CheckpointError(f"{file}: {where} has no {key!r}")
+    ok, what = _KINDS[kind]
+    if not ok(obj[key]):
+        raise CheckpointError(f"{file}: {where}[{key!r}] must be {what}, got {obj[key]!r:.80}")
+    return obj[key]
+
+
+def _check_schema(path: Path, manifest: dict) -> None:
+    """Every key the loaders use is present and of the right type (CheckpointError otherwise)."""
+    file = path / "manifest.json"
+    _take(manifest, "source_step", "count", "the manifest", file)
+    files = _take(manifest, "files", "object", "the manifest", file)
+    for name, info in files.items():
+        if not _plain_name(name):
+            raise CheckpointError(
+                f"{path}: manifest lists {name!r}; only safetensors files directly inside the "
+                "export folder are read (no paths, no hidden files, never pickle)"
+            )
+        where = f"files[{name!r}]"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {info!r:.80}")
+        _take(info, "sha256", "sha256", where, file)
+        _take(info, "bytes", "count", where, file)
+    tables = _take(manifest, "tables", "list", "the manifest", file)
+    if not tables:
+        raise CheckpointError(f"{file}: the manifest lists no tables")
+    used: dict[str, int] = {}
+    for i, t in enumerate(tables):
+        where = f"tables[{i}]"
+        if not isinstance(t, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {t!r:.80}")
+        name = _take(t, "name", "name", where, file)
+        if any(o.get("name") == name for o in tables[:i]):
+            raise CheckpointError(f"{file}: {where}: table name {name!r} appears twice")
+        for key in ("vocabulary_size", "dim"):
+            _take(t, key, "size", where, file)
+        if _take(t, "combiner", "name", where, file) not in COMBINERS:
+            raise CheckpointError(
+                f"{file}: {where}['combiner'] must be one of {COMBINERS}, got {t['combiner']!r:.80}"
+            )
+        comp = _take(t, "compression", "name", where, file)
+        if comp not in COMPRESSIONS:
+            raise CheckpointError(
+                f"{file}: {where}['compression'] must be one of {COMPRESSIONS}, got {comp!r:.80}"
+            )
+        params = _take(t, "params", "object", where, file)
+        if comp == "fixed_r8":
+            r = params.get("fixed_range")
+            if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r)
+                    and r > 0):  # fmt: skip
+                raise CheckpointError(
+                    f"{file}: {where}['params']['fixed_range'] must be a finite number > 0 for "
+                    f"fixed_r8, got {r!r:.80}"
+                )
+        if t.get("quantization_config") is not None:
+            q = _take(t, "quantization_config", "object?", where, file)
+            try:
+                if sorted(q) != ["lower", "num_buckets", "upper"]:
+                    raise ValueError(f"keys {sorted(q)}, expected lower, num_buckets, upper")
+                if not all(isinstance(q[k], int | float) and not isinstance(q[k], bool)
+                           for k in q):  # fmt: skip
+                    raise ValueError(f"values must be numbers, got {q}")
+                QuantizationConfig(**q)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{file}: {where}['quantization_config']: {e}") from None
+        f = _take(t, "file", "name", where, file)
+        if f not in files:
+            raise CheckpointError(
+                f"{path}: {where} ({name!r}) reads {f!r}, which the manifest's files do not list "
+                "(every file must be a listed, checksummed safetensors file inside the folder)"
+            )
+        if f in used:
+            raise CheckpointError(f"{file}: tables[{used[f]}] and {where} share the file {f!r}")
+        used[f] = i
+    unused = [n for n in files if n not in used]
+    if unused:
+        raise CheckpointError(f"{file}: files {_some(unused)} belong to no table")
+    features = _take(manifest, "features", "list", "the manifest", file)
+    if not features:
+        raise CheckpointError(f"{file}: the manifest lists no features")
+    names = {t["name"] for t in tables}
+    for j, feat in enumerate(features):
+        where = f"features[{j}]"
+        if not isinstance(feat, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {feat!r:.80}")
+        _take(feat, "name", "name", where, file)
+        if _take(feat, "table", "name", where, file) not in names:
+            raise CheckpointError(
+                f"{file}: {where} ({feat['name']!r}) looks up table {feat['table']!r}, which the "
+                f"manifest does not hold; tables are {sorted(names)}"
+            )
+        _take(feat, "max_sequence_length", "count", where, file)
+        _take(feat, "validate_weights_and_indices", "bool", where, file)
+        _take(feat, "output_shape", "shape?", where, file)
+
+
+# Per compression: tensor name -> (safetensors dtype, shape as a function of (vocabulary, dim)).
+_STORED = {
+    "fp32": {"weights": ("F32", lambda v, d: [v, d])},
+    "fp16": {"weights": ("F16", lambda v, d: [v, d])},
+    "bf16": {"weights": ("BF16", lambda v, d: [v, d])},
+    "fixed_r8": {"weights": ("I8", lambda v, d: [v, d])},
+    "int8_rowwise": {"weights": ("I8", lambda v, d: [v, d]), "scale": ("F32", lambda v, d: [v]),
+                     "bias": ("F32", lambda v, d: [v])},
+}  # fmt: skip
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+
+
+def _check_files(path: Path, manifest: dict, verify: bool) -> None:
+    """Every listed file exists with its size; with ``verify``, its SHA-256."""
+    for name, info in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{f} has {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"
+            )
+    if verify:
+        for name, info in manifest["files"].items():
+            if sha256_file(path / name) != info["sha256"]:
+                raise CheckpointError(f"checksum mismatch in {path / name}: the file was modified")
+
+
+def _check_tensors(path: Path, manifest: dict) -> None:
+    """Every table file holds exactly the tensors its compression stores, with the dtype, shape
+    and byte count the manifest's vocabulary_size and dim give (so nothing is mapped or
+    allocated from a header that disagrees with the manifest)."""
+    for t in manifest["tables"]:
+        file = path / t["file"]
+        v, d = t["vocabulary_size"], t["dim"]
+        expected = {n: (dt, shape(v, d)) for n, (dt, shape) in _STORED[t["compression"]].items()}
+        try:
+            header, _ = read_header(file)
+            stored = sorted(n for n in header if n != "__metadata__")
+            if stored != sorted(expected):
+                raise ValueError(f"holds tensors {stored}, expected {sorted(expected)}")
+            for name, (dtype, shape) in expected.items():
+                info = header[name]
+                if info.get("dtype") != dtype or info.get("shape") != shape:
+                    raise ValueError(
+                        f"tensor {name!r} has dtype {info.get('dtype')} and shape "
+                        f"{info.get('shape')}, expected {dtype} and shape {shape}"
+                    )
+                lo, hi = info["data_offsets"]
+                if hi - lo != math.prod(shape) * _ITEMSIZE[dtype]:
+                    raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {shape}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
+            ) from None
+
+
+def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], ResolvedFeatures]:
+    """(TableConfig per table name, resolved features) of a schema-checked manifest; a value
+    the configs refuse is a CheckpointError naming the table or feature."""
+    file = path / "manifest.json"
+    configs = {}
+    for i, t in enumerate(manifest["tables"]):
+        q = t.get("quantization_config")
+        try:
+            configs[t["name"]] = TableConfig(
+                t["vocabulary_size"], t["dim"], combiner=t["combiner"], name=t["name"],
+                quantization_config=None if q is None else QuantizationConfig(**q),
+            )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{file}: tables[{i}] ({t['name']!r}): {e}") from None
+    features = {}
+    for j, f in enumerate(manifest["features"]):
+        where = f"{file}: features[{j}] ({f['name']!r})"
+        if f["name"] in features:
+            raise CheckpointError(f"{where}: feature name {f['name']!r} appears twice")
+        try:
+            features[f["name"]] = FeatureConfig(
+                configs[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
+                None if f["output_shape"] is None else tuple(f["output_shape"]), name=f["name"],
+            )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{where}: {e}") from None
+    try:
+        return configs, resolve_features(features)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
 def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
+    """The manifest of the export at ``path`` after every check of the module docstring
+    (CheckpointError if one fails); ``verify=False`` skips only the hashing."""
     path = Path(path)
     file = path / "manifest.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no manifest.json (not an embengine export)")
-    manifest = json.loads(file.read_text())
-    fmt, version = manifest.get("format"), manifest.get("format_version")
+    raw = file.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt != SERVING_FORMAT:
-        raise CheckpointError(f"{path}: not an embengine export (format {fmt!r})")
+        raise CheckpointError(f"{path}: not an embengine export (format {fmt!r:.80})")
+    version = manifest.get("format_version")
     if version != SERVING_VERSION:
         raise CheckpointError(
-            f"{path}: export format version {version!r} is not supported (this embengine "
+            f"{path}: export format version {version!r:.80} is not supported (this embengine "
             f"reads {SERVING_VERSION})"
         )
-    for name, info in manifest["files"].items():
-        if not name.endswith(".safetensors") or "/" in name:
-            raise CheckpointError(f"{path}: manifest lists {name!r}; only safetensors are read")
-        if verify:
-            f = path / name
-            if not f.is_file() or f.stat().st_size != info["bytes"]:
-                raise CheckpointError(f"{f} is missing or truncated")
-            if sha256_file(f) != info["sha256"]:
-                raise CheckpointError(f"checksum mismatch in {f}: the file was modified")
+    if verify:
+        digest = path / "manifest.sha256"
+        if not digest.is_file():
+            raise CheckpointError(
+                f"{path}: no manifest.sha256, so manifest.json cannot be verified (exports "
+                "written before embengine checksummed their manifests have none); re-export it "
+                "with `embengine export CKPT OUT --replace`, or load it with verify=False "
+                "(`embengine inspect --no-verify`), which makes every check but the hashes"
+            )
+        if digest.read_text(errors="replace").strip() != hashlib.sha256(raw).hexdigest():
+            raise CheckpointError(
+                f"checksum mismatch in {file}: the manifest was modified (manifest.sha256 differs)"
+            )
+    _check_schema(path, manifest)
+    _configs(path, manifest)
+    _check_files(path, manifest, verify)
+    _check_tensors(path, manifest)
     return manifest
 
 
@@ -252,29 +523,16 @@ class ServingEngine:
     """Lookup-only engine over an export: memory-mapped, read-only, thread-safe."""
 
     def __init__(self, path: Path, manifest: dict):
+        """Map the tables of an export whose ``manifest`` read_serving_manifest checked."""
         self.path = path
+        self._configs, self._resolved = _configs(path, manifest)
         self._tables = {}
-        configs = {}
         for t in manifest["tables"]:
             file = path / t["file"]
             header = read_header(file)
             arrays = {name: read_tensor(file, name, header=header)
                       for name in header[0] if name != "__metadata__"}  # fmt: skip
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
-            q = t.get("quantization_config")
-            configs[t["name"]] = TableConfig(
-                t["vocabulary_size"], t["dim"], combiner=t["combiner"], name=t["name"],
-                quantization_config=None if q is None else QuantizationConfig(**q),
-            )  # fmt: skip
-        features = {
-            f["name"]: FeatureConfig(
-                configs[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
-                None if f["output_shape"] is None else tuple(f["output_shape"]),
-            )
-            for f in manifest["features"]
-        }  # fmt: skip
-        self._resolved = resolve_features(features)
-        self._configs = configs
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True) -> ServingEngine:

@@ -5,6 +5,7 @@ report sizes, tamper detection, thread safety, sequence features and output_shap
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -457,8 +458,10 @@ def test_cli_export_and_inspect(trained_ref, tmp_path):
         "inspect": ["inspect", str(path.parent)],
         "inspect-bad": ["inspect", str(bad_ckpt)],
     }  # fmt: skip
+    # PYTHONPATH: the command imports this checkout's embengine, not the one it was installed from
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = {k: subprocess.Popen([str(EMBENGINE), *args], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+                                 stderr=subprocess.PIPE, text=True, env=env)
              for k, args in commands.items()}  # fmt: skip
     res = {k: (p.wait(timeout=120), *p.communicate()) for k, p in procs.items()}
 
