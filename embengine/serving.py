@@ -16,6 +16,21 @@ checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-m
 features up with the same combiners, sequence lengths and output shapes as the training engine;
 it is read-only and safe to call from many threads.
 
+Where an export is written (``export(..., replace=False)``, ``embengine export ... --replace``):
+
+- OUT may be missing or an empty folder. A non-empty OUT is refused, unless ``replace=True`` and
+  OUT is a previous export: its manifest.json has the serving format and it holds nothing but
+  manifest.json, manifest.sha256 and the files that manifest lists. A folder holding a checkpoint,
+  checkpoints (``ckpt-*``), the checkpoint being exported (or OUT inside it), or any other file
+  is never replaced, even with ``replace``. These checks run before any work, and again just
+  before the new export is moved in.
+- The export is written to ``.tmp-<OUT name>-<pid>-<random>`` beside OUT, fsynced and renamed into
+  place; a replaced export is renamed aside (``.old-...``) first and deleted after. A failed
+  export removes its own temporary folder. Leftovers of killed exports (a pid that is no longer
+  running, or a folder older than the process that now has its pid; unnamed ``.tmp-<OUT
+  name>-<random>`` leftovers of older embengines: older than this process) are removed by the
+  next export to the same OUT; a running export's folder is left alone.
+
 Loading (``ServingEngine.load(path, verify=True)``, ``read_serving_manifest``) checks, before it
 builds or maps anything: the format and version; with ``verify``, manifest.sha256 against
 manifest.json; every key and type of the manifest; that every file name is a plain
@@ -47,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from .batch import PreparedBatch, build_tables_numpy, prepare
+from .checkpoint import FORMAT as CHECKPOINT_FORMAT
 from .checkpoint import CheckpointError, read_manifest
 from .config import (
     COMBINERS,
@@ -189,6 +205,12 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
     return out, worst
 
 
+# -- where an export may be written ---------------------------------------------------------------
+
+_EXPORT_OWN_FILES = ("manifest.json", "manifest.sha256")
+_CLOCK_SLACK = 2.0  # seconds: process start times from /proc are exact to ~1 s (boot time)
+
+
 def _plain_name(name: object) -> bool:
     """A file name an export may list: ``*.safetensors`` directly inside the folder."""
     return (
@@ -205,11 +227,169 @@ def _some(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _read_json_dict(file: Path) -> dict | None:
+    """The JSON object in ``file``, or None if it is missing or not a JSON object."""
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
+    """Refuse an export folder ``out`` that export must not write into or replace (see the
+    module docstring). ``out`` is absolute; ``sources`` are the checkpoint paths read."""
+    never = "never replaced, even with --replace (replace=True)"
+    if out.is_symlink():
+        raise ValueError(
+            f"export folder {out} is a symbolic link; pass the folder it points to instead"
+        )
+    real = out.resolve()
+    for src in sources:
+        s = src.resolve()
+        if real == s:
+            raise ValueError(
+                f"export folder {out} is the checkpoint being exported ({src}); it is {never}; "
+                "choose a folder outside it"
+            )
+        if real in s.parents:
+            raise ValueError(
+                f"export folder {out} holds the checkpoint being exported ({src}); it is "
+                f"{never}; choose a folder outside it"
+            )
+        if s in real.parents:
+            raise ValueError(
+                f"export folder {out} is inside the checkpoint being exported ({src}); choose a "
+                "folder outside it"
+            )
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"export folder {out} is a file, not a folder; it is {never}")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    manifest = _read_json_dict(out / "manifest.json")
+    fmt = None if manifest is None else manifest.get("format")
+    if fmt == CHECKPOINT_FORMAT:
+        raise ValueError(f"export folder {out} holds a checkpoint (manifest.json of format "
+                         f"{CHECKPOINT_FORMAT!r}); a checkpoint is {never}")  # fmt: skip
+    ckpts = [e for e in entries if e.startswith("ckpt-")]
+    if ckpts:
+        raise ValueError(f"export folder {out} holds checkpoints ({_some(ckpts)}); a folder of "
+                         f"checkpoints is {never}")  # fmt: skip
+    if not replace:
+        raise ValueError(
+            f"export folder {out} is not empty (it holds {_some(entries)}); pass --replace "
+            f"(replace=True) to replace a previous export (a folder whose manifest.json has the "
+            f"format {SERVING_FORMAT!r}); any other folder is never replaced"
+        )
+    if fmt != SERVING_FORMAT:
+        raise ValueError(
+            f"export folder {out} is not an embengine export (no manifest.json of format "
+            f"{SERVING_FORMAT!r}; it holds {_some(entries)}); --replace (replace=True) replaces "
+            "only a previous export, never other files"
+        )
+    files = manifest.get("files")
+    listed = {n for n in files if _plain_name(n)} if isinstance(files, dict) else set()
+    foreign = [
+        e for e in entries
+        if (e not in _EXPORT_OWN_FILES and e not in listed)
+        or (out / e).is_symlink() or not (out / e).is_file()
+    ]  # fmt: skip
+    if foreign:
+        raise ValueError(
+            f"export folder {out} holds {_some(foreign)}, which its export manifest does not "
+            f"list; a previous export with other files in it is {never}"
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # not a pid an export writes (os.kill(0, ...) would mean the group)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if unknown (no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _older_than_process(folder: Path, pid: int) -> bool:
+    """Whether ``folder`` was last changed before process ``pid`` started (so that process
+    did not make it); False when unknown."""
+    start = _process_start(pid)
+    try:
+        return start is not None and folder.stat().st_mtime < start - _CLOCK_SLACK
+    except OSError:
+        return False
+
+
+def _remove_leftovers(parent: Path, name: str, kind: str) -> None:
+    """Delete ``.{kind}-{name}-*`` folders that no running export owns (see the module
+    docstring): the pid in the name is not running, or runs a process younger than the folder;
+    unnamed ones (older embengines) must be older than this process."""
+    with_pid = re.compile(rf"^\.{kind}-{re.escape(name)}-(\d+)-[0-9a-f]{{8}}$")
+    unnamed = re.compile(rf"^\.{kind}-{re.escape(name)}-[0-9a-f]{{8}}$")
+    for p in parent.glob(f".{kind}-*"):
+        if (m := with_pid.match(p.name)) is not None:
+            pid = int(m[1])
+            stale = not _pid_alive(pid) or _older_than_process(p, pid)
+        elif unnamed.match(p.name):
+            stale = _older_than_process(p, os.getpid())
+        else:
+            continue
+        if stale and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
-           per_table: Mapping[str, str] | None = None,
-           fixed_range: float = 1.0) -> ExportReport:  # fmt: skip
+           per_table: Mapping[str, str] | None = None, fixed_range: float = 1.0,
+           replace: bool = False) -> ExportReport:  # fmt: skip
     """Write the weights of a checkpoint (no slots) to ``out``, each table compressed with
-    ``per_table.get(name, compress)``. The folder is written beside and renamed into place."""
+    ``per_table.get(name, compress)``.
+
+    ``out`` must be missing or empty, or, with ``replace=True``, a previous export; a folder
+    holding checkpoints or other files is never replaced (see the module docstring). The export
+    is written beside ``out`` and renamed into place; a failure midway leaves ``out`` as it was
+    and removes the temporary folder."""
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be True or False, got {replace!r}")
+    per_table = dict(per_table or {})
+    for name, c in [("default", compress), *per_table.items()]:
+        if c not in COMPRESSIONS:
+            raise ValueError(f"compression for {name} must be one of {COMPRESSIONS}, got {c!r}")
+    if not fixed_range > 0:
+        raise ValueError(f"fixed_range must be > 0, got {fixed_range}")
+    given = Path(out)
+    out = Path(os.path.abspath(given))
+    if not out.name:
+        raise ValueError(f"export folder {given} has no name (a filesystem root)")
+    _check_out(out, [Path(checkpoint)], replace)  # before reading (and hashing) the checkpoint
     ckpt, manifest = read_manifest(checkpoint, verify=True)
     for t in manifest["tables"]:
         # Read only files the checkpoint lists (so read_manifest checksummed them), inside it.
@@ -218,56 +398,67 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
                 f"{ckpt}: table {t['name']!r} reads {t['file']!r}, which is not a safetensors "
                 "file the manifest lists inside the checkpoint folder"
             )
-    per_table = dict(per_table or {})
     names = [t["name"] for t in manifest["tables"]]
     unknown = [n for n in per_table if n not in names]
     if unknown:
         raise ValueError(f"per-table compression for unknown tables {unknown}; tables are {names}")
-    for name, c in [("default", compress), *per_table.items()]:
-        if c not in COMPRESSIONS:
-            raise ValueError(f"compression for {name} must be one of {COMPRESSIONS}, got {c!r}")
-    if not fixed_range > 0:
-        raise ValueError(f"fixed_range must be > 0, got {fixed_range}")
-    out = Path(out)
+    _check_out(out, [Path(checkpoint), ckpt], replace)  # ckpt: the newest one of a root
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    _remove_leftovers(out.parent, out.name, "tmp")
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    tables, files, rows = [], {}, []
-    for i, t in enumerate(manifest["tables"]):
-        comp = per_table.get(t["name"], compress)
-        src = ckpt / t["file"]
-        header = read_header(src)
-        weights = read_tensor(src, t["name"], header=header)  # memory-mapped
-        params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
-        arrays, worst = _encode_table(weights, comp, params)
-        file = f"table-{i:03d}.safetensors"
-        files[file] = {"sha256": write_safetensors(tmp / file, arrays)}
-        files[file]["bytes"] = (tmp / file).stat().st_size
-        tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"], "dim": t["dim"],
-                       "combiner": t["combiner"], "compression": comp, "params": params,
-                       "quantization_config": t.get("quantization_config"),
-                       "file": file})  # fmt: skip
-        rows.append({"table": t["name"], "compression": comp, "bytes_before": weights.nbytes,
-                     "bytes_after": sum(a.nbytes for a in arrays.values()),
-                     "max_abs_error": worst})  # fmt: skip
-    manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
-                    "source_step": manifest["step"], "features": manifest["features"],
-                    "tables": tables, "files": files}  # fmt: skip
-    text = json.dumps(manifest_out, indent=1).encode()
-    digest = hashlib.sha256(text).hexdigest().encode()
-    for name, data in (("manifest.json", text), ("manifest.sha256", digest)):
-        with open(tmp / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    if out.exists():
-        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    return ExportReport(out, rows)
+    try:
+        tables, files, rows = [], {}, []
+        for i, t in enumerate(manifest["tables"]):
+            comp = per_table.get(t["name"], compress)
+            src = ckpt / t["file"]
+            header = read_header(src)
+            weights = read_tensor(src, t["name"], header=header)  # memory-mapped
+            params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
+            arrays, worst = _encode_table(weights, comp, params)
+            file = f"table-{i:03d}.safetensors"
+            files[file] = {"sha256": write_safetensors(tmp / file, arrays)}
+            files[file]["bytes"] = (tmp / file).stat().st_size
+            tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"],
+                           "dim": t["dim"], "combiner": t["combiner"], "compression": comp,
+                           "params": params, "quantization_config": t.get("quantization_config"),
+                           "file": file})  # fmt: skip
+            rows.append({"table": t["name"], "compression": comp,
+                         "bytes_before": weights.nbytes,
+                         "bytes_after": sum(a.nbytes for a in arrays.values()),
+                         "max_abs_error": worst})  # fmt: skip
+        manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
+                        "source_step": manifest["step"], "features": manifest["features"],
+                        "tables": tables, "files": files}  # fmt: skip
+        text = json.dumps(manifest_out, indent=1).encode()
+        digest = hashlib.sha256(text).hexdigest().encode()
+        for name, data in (("manifest.json", text), ("manifest.sha256", digest)):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        # OUT may have changed while the tables were written: check it again right before.
+        _check_out(out, [Path(checkpoint), ckpt], replace)
+        if out.is_dir() and any(out.iterdir()):  # a previous export (checked above)
+            old = out.parent / f".old-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # put the previous export back
+                raise
+            _fsync_dir(out.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)  # onto a missing or empty folder
+            _fsync_dir(out.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Previous exports renamed aside by killed replaces: only now that OUT holds a new one.
+    _remove_leftovers(out.parent, out.name, "old")
+    return ExportReport(given, rows)
 
 
 # -- reading an export ----------------------------------------------------------------------------

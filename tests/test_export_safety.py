@@ -1,12 +1,19 @@
-"""Export hardening: the export manifest's checksum and plain file names, and corrupt exports
-refused with CheckpointError before anything is mapped."""
+"""Export hardening: where ``export`` may write (never over a checkpoint or other files; --replace
+replaces only a previous export; no temporary folders left behind, even by killed exports), the
+export manifest's checksum and plain file names, and corrupt exports refused with
+CheckpointError before anything is mapped."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +21,7 @@ import numpy as np
 import pytest
 
 import embengine as ee
+from embengine import cli
 from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError, read_manifest
 from embengine.serving import SERVING_FORMAT, ServingEngine, export, read_serving_manifest
@@ -80,6 +88,226 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith((".tmp-", ".old-")))
+
+
+# -- item 7: what export may write over -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_refuses_the_checkpoint_folder(ckpt_root, ckpt, replace):
+    before = _snapshot(ckpt_root)
+    with pytest.raises(ValueError, match=r"is the checkpoint being exported"):
+        _export(ckpt, ckpt, replace=replace)
+    with pytest.raises(ValueError, match=r"is the checkpoint being exported"):
+        _export(ckpt_root, ckpt_root, replace=replace)  # a folder of checkpoints, newest taken
+    assert _snapshot(ckpt_root) == before
+    read_manifest(ckpt, verify=True)
+    assert not _leftovers(ckpt_root) and not _leftovers(ckpt_root.parent)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_refuses_a_parent_of_the_checkpoint(ckpt_root, ckpt, replace):
+    before = _snapshot(ckpt_root.parent)
+    for out in (ckpt_root, ckpt_root.parent):
+        with pytest.raises(ValueError, match=r"holds the checkpoint being exported.*never"):
+            _export(ckpt, out, replace=replace)
+    with pytest.raises(ValueError, match=r"holds the checkpoint being exported"):
+        _export(ckpt_root, ckpt_root.parent, replace=replace)
+    assert _snapshot(ckpt_root.parent) == before
+    assert not _leftovers(ckpt_root) and not _leftovers(ckpt_root.parent)
+
+
+def test_export_refuses_a_folder_inside_the_checkpoint(ckpt_root, ckpt):
+    before = _snapshot(ckpt_root)
+    for src, out in ((ckpt, ckpt / "serving"), (ckpt_root, ckpt_root / "serving")):
+        with pytest.raises(ValueError, match=r"is inside the checkpoint being exported"):
+            _export(src, out)
+    assert _snapshot(ckpt_root) == before
+    assert not (ckpt / "serving").exists() and not (ckpt_root / "serving").exists()
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_never_replaces_other_checkpoints(ckpt, tmp_path, replace):
+    other_root = tmp_path / "other"
+    _engine().save(other_root)
+    other, _ = read_manifest(other_root)
+    before = _snapshot(other_root)
+    with pytest.raises(ValueError, match=r"holds a checkpoint \(manifest.json of format "
+                       r"'embengine-checkpoint'\); a checkpoint is never replaced"):  # fmt: skip
+        _export(ckpt, other, replace=replace)
+    with pytest.raises(ValueError, match=r"holds checkpoints \('ckpt-000001-.*never replaced"):
+        _export(ckpt, other_root, replace=replace)
+    assert _snapshot(other_root) == before
+    assert not _leftovers(tmp_path)
+
+
+def test_export_refuses_a_folder_with_user_files(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"out is not empty \(it holds 'notes.txt'\); pass "
+                       r"--replace \(replace=True\) to replace a previous export"):  # fmt: skip
+        _export(ckpt, out)
+    with pytest.raises(ValueError, match=r"out is not an embengine export .*only a previous "
+                       r"export, never other files"):  # fmt: skip
+        _export(ckpt, out, replace=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert _leftovers(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"file is a file, not a folder"):
+        _export(ckpt, tmp_path / "file", replace=True)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_export_refuses_a_previous_export_with_user_files(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"holds 'notes.txt', 'sub', which its export manifest "
+                       r"does not list; .* never replaced"):  # fmt: skip
+        _export(ckpt, out, replace=True)
+    assert _snapshot(out) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_export_over_a_previous_export_needs_replace(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"out is not empty .* pass --replace \(replace=True\)"):
+        export(ckpt, out, compress="fp32")
+    assert _snapshot(out) == before
+    export(ckpt, out, compress="fp32", replace=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {t["compression"] for t in manifest["tables"]} == {"fp32"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing aside, nothing tmp
+    ServingEngine.load(out)
+
+
+def test_export_into_an_empty_folder(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    report = _export(ckpt, out)
+    assert report.path == out
+    ServingEngine.load(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_replace_accepts_an_export_written_before_manifest_sha256(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    (out / "manifest.sha256").unlink()  # what older embengines wrote
+    export(ckpt, out, compress="fp32", replace=True)
+    assert (out / "manifest.sha256").is_file()
+    ServingEngine.load(out)
+
+
+_FAILING_EXPORT = """
+import os, resource, signal, sys
+from embengine.serving import export
+ckpt, out, replace, ignore = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# Ignored (Python's default), a write past the limit fails with EFBIG, like a full disk; with
+# the signal's default action the kernel kills the process midway through the write.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN if ignore else signal.SIG_DFL)
+print(os.getpid(), flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, resource.RLIM_INFINITY))
+try:
+    export(ckpt, out, compress="fp32", replace=replace)  # table 0 alone is 1920 bytes
+except OSError as e:
+    print(f"OSError {e.errno}", flush=True)
+    sys.exit(3)
+"""
+
+
+def _failing_export(ckpt: Path, out: Path, replace: bool, ignore_sigxfsz: bool):
+    args = [str(ckpt), str(out), "1" if replace else "0", "1" if ignore_sigxfsz else "0"]
+    return subprocess.run([sys.executable, "-c", _FAILING_EXPORT, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["new", "replace"])
+def test_a_failed_export_removes_its_temporary_folder(ckpt, tmp_path, previous):
+    out = tmp_path / "out"
+    if previous:
+        _export(ckpt, out)
+    before = _snapshot(tmp_path)
+    res = _failing_export(ckpt, out, replace=previous, ignore_sigxfsz=True)
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    assert "OSError 27" in res.stdout  # EFBIG: the write failed midway
+    assert _leftovers(tmp_path) == []
+    assert _snapshot(tmp_path) == before  # the previous export (or nothing) is untouched
+    if previous:
+        ServingEngine.load(out)
+
+
+def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_path):
+    out = tmp_path / "out"
+    killed = _failing_export(ckpt, out, replace=False, ignore_sigxfsz=False)
+    assert killed.returncode == -signal.SIGXFSZ, (killed.stdout, killed.stderr)
+    dead_pid = int(killed.stdout.split()[0])
+    left = _leftovers(tmp_path)
+    assert len(left) == 1 and left[0].startswith(f".tmp-out-{dead_pid}-"), left
+    # A running export of another process (a live pid, a folder younger than it) is left alone,
+    # so is one of this process (another thread may be exporting) and any other OUT's.
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.1)
+        keep = [tmp_path / f".tmp-out-{live.pid}-0000abcd",
+                tmp_path / f".tmp-out-{os.getpid()}-0000abce",
+                tmp_path / f".tmp-other-{dead_pid}-0000abcf",
+                tmp_path / f".tmp-out-{dead_pid}-notours"]  # fmt: skip
+        # Older than the process that has its pid now (pid reused), or unnamed and older than
+        # this process (written by an embengine before pids were in the names): stale.
+        stale = [tmp_path / f".tmp-out-{os.getpid()}-0000abd0", tmp_path / ".tmp-out-0000abd1",
+                 tmp_path / f".old-out-{dead_pid}-0000abd2"]  # fmt: skip
+        for p in keep + stale:
+            p.mkdir()
+            (p / "table-000.safetensors").write_bytes(b"partial")
+        for p in stale[:2]:
+            os.utime(p, (1e9, 1e9))  # 2001
+        _export(ckpt, out)
+        assert sorted(_leftovers(tmp_path)) == sorted(p.name for p in keep)
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+    ServingEngine.load(out)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_export_refusals_and_replace(ckpt_root, ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() would set it for the process
+    before = _snapshot(ckpt_root)
+    assert cli.main(["export", str(ckpt), str(ckpt), "--replace"]) == 2
+    err = capsys.readouterr().err
+    assert f"embengine export: error: export folder {ckpt} is the checkpoint" in err
+    assert cli.main(["export", str(ckpt), str(ckpt_root)]) == 2
+    assert "holds the checkpoint being exported" in capsys.readouterr().err
+    assert _snapshot(ckpt_root) == before
+
+    out = tmp_path / "out"
+    assert cli.main(["export", str(ckpt), str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert cli.main(["export", str(ckpt), str(out), "--compress", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert f"export folder {out} is not empty" in err and "--replace" in err
+    assert cli.main(["export", str(ckpt), str(out), "--compress", "fp32", "--replace"]) == 0
+    capsys.readouterr()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {t["compression"] for t in manifest["tables"]} == {"fp32"}
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.csv").write_text("1,2")
+    assert cli.main(["export", str(ckpt), str(user), "--replace"]) == 2
+    assert "is not an embengine export" in capsys.readouterr().err
+    assert (user / "data.csv").read_text() == "1,2"
+    assert _leftovers(tmp_path) == []
 
 
 # -- items 4, 5/12: the export manifest -----------------------------------------------------------
