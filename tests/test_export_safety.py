@@ -196,6 +196,21 @@ def test_export_into_an_empty_folder(ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_export_refuses_a_symlink_and_a_replace_that_is_not_a_bool(ckpt, tmp_path):
+    """A symbolic link OUT (here to a previous export) is refused, not replaced by a folder:
+    the link would silently stop pointing where its owner chose."""
+    target = tmp_path / "v1"
+    _export(ckpt, target)
+    before = _snapshot(target)
+    (tmp_path / "current").symlink_to(target)
+    with pytest.raises(ValueError, match=r"current is a symbolic link; pass the folder"):
+        _export(ckpt, tmp_path / "current", replace=True)
+    assert (tmp_path / "current").is_symlink() and _snapshot(target) == before
+    with pytest.raises(TypeError, match=r"replace must be True or False, got 'yes'"):
+        _export(ckpt, tmp_path / "new", replace="yes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "v1"]
+
+
 def test_replace_accepts_an_export_written_before_manifest_sha256(ckpt, tmp_path):
     out = tmp_path / "out"
     _export(ckpt, out)
