@@ -72,8 +72,9 @@ def _export(args: argparse.Namespace) -> int:
             return 2
         per_table[name] = comp
     try:
-        report = export(args.checkpoint, args.out, args.compress, per_table, args.fixed_range)
-    except ValueError as e:
+        report = export(args.checkpoint, args.out, args.compress, per_table, args.fixed_range,
+                        replace=args.replace)  # fmt: skip
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; OSError: disk full...
         print(f"embengine export: error: {e}", file=sys.stderr)
         return 2
     print(report.format())
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .serving import COMPRESSIONS
 
     exp.add_argument("checkpoint", help="a checkpoint directory or a folder of them (newest)")
-    exp.add_argument("out", help="the export folder to write")
+    exp.add_argument("out", help="the export folder to write: missing or empty (see --replace)")
     exp.add_argument("--compress", default="fp16", choices=COMPRESSIONS)
     exp.add_argument(
         "--table",
@@ -195,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="r of fixed_r8: codes k * r / 128 in [-r, 127 r / 128]",
+    )
+    exp.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace OUT if it is a previous export (OUT must otherwise be missing or empty; "
+        "a folder holding checkpoints or other files is never replaced)",
     )
     exp.set_defaults(func=_export)
 

@@ -11,26 +11,67 @@ Compressions and their error bounds on ``|served - trained|`` for a value ``x``:
   ``x = bias + scale * (k + 128)``; ``(max - min) / 255 / 2`` of the row.
 
 An export is a folder: ``manifest.json`` (format, features, tables, each table's compression and
-the SHA-256 of every file) and one safetensors file per table. ``ServingEngine.load`` memory-maps
-it and looks features up with the same combiners, sequence lengths and output shapes as the
-training engine; it is read-only and safe to call from many threads.
+the SHA-256 and size of every file), ``manifest.sha256`` (the SHA-256 of manifest.json, as in
+checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-maps it and looks
+features up with the same combiners, sequence lengths and output shapes as the training engine;
+it is read-only and safe to call from many threads.
+
+Where an export is written (``export(..., replace=False)``, ``embengine export ... --replace``):
+
+- OUT may be missing or an empty folder. A non-empty OUT is refused, unless ``replace=True`` and
+  OUT is a previous export: its manifest.json has the serving format and it holds nothing but
+  manifest.json, manifest.sha256 and the files that manifest lists. A folder holding a checkpoint,
+  checkpoints (``ckpt-*``), the checkpoint being exported (or OUT inside it), or any other file
+  is never replaced, even with ``replace``. These checks run before any work, and again just
+  before the new export is moved in.
+- The export is written to ``.tmp-<OUT name>-<pid>-<random>`` beside OUT, fsynced and renamed into
+  place; a replaced export is renamed aside (``.old-...``) first and deleted after. A failed
+  export removes its own temporary folder. Leftovers of killed exports (a pid that is no longer
+  running, or a folder older than the process that now has its pid; unnamed ``.tmp-<OUT
+  name>-<random>`` leftovers of older embengines: older than this process) are removed by the
+  next export to the same OUT; a running export's folder is left alone.
+
+Loading (``ServingEngine.load(path, verify=True)``, ``read_serving_manifest``) checks, before it
+builds or maps anything: the format and version; with ``verify``, manifest.sha256 against
+manifest.json; every key and type of the manifest; that every file name is a plain
+``*.safetensors`` name inside the folder, listed with its SHA-256 and size and used by exactly one
+table; every file's size; with ``verify``, every file's SHA-256; and every tensor's header (names,
+dtype, shape, byte range) against the table's vocabulary_size, dim and compression. Any failure
+is a ``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
+files), never the other checks.
+
+Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
+error saying to re-export (``embengine export CKPT OUT --replace``) or to load with
+``verify=False``, which checks everything but the hashes. manifest.sha256 catches accidents (a
+truncated or damaged manifest), not tampering: whoever can write the folder can rewrite both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .batch import PreparedBatch, build_tables_numpy, prepare
+from .checkpoint import FORMAT as CHECKPOINT_FORMAT
 from .checkpoint import CheckpointError, read_manifest
-from .config import FeatureConfig, QuantizationConfig, TableConfig, resolve_features
+from .config import (
+    COMBINERS,
+    FeatureConfig,
+    QuantizationConfig,
+    ResolvedFeatures,
+    TableConfig,
+    resolve_features,
+)
 from .kernels.lookup import PREFETCH_DISTANCE, pool_kernel
 from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
 
@@ -164,84 +205,505 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
     return out, worst
 
 
+# -- where an export may be written ---------------------------------------------------------------
+
+_EXPORT_OWN_FILES = ("manifest.json", "manifest.sha256")
+_CLOCK_SLACK = 2.0  # seconds: process start times from /proc are exact to ~1 s (boot time)
+
+
+def _plain_name(name: object) -> bool:
+    """A file name an export may list: ``*.safetensors`` directly inside the folder."""
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+        and not os.path.isabs(name)
+    )
+
+
+def _some(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _read_json_dict(file: Path) -> dict | None:
+    """The JSON object in ``file``, or None if it is missing or not a JSON object."""
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
+    """Refuse an export folder ``out`` that export must not write into or replace (see the
+    module docstring). ``out`` is absolute; ``sources`` are the checkpoint paths read."""
+    never = "never replaced, even with --replace (replace=True)"
+    if out.is_symlink():
+        raise ValueError(
+            f"export folder {out} is a symbolic link; pass the folder it points to instead"
+        )
+    real = out.resolve()
+    for src in sources:
+        s = src.resolve()
+        if real == s:
+            raise ValueError(
+                f"export folder {out} is the checkpoint being exported ({src}); it is {never}; "
+                "choose a folder outside it"
+            )
+        if real in s.parents:
+            raise ValueError(
+                f"export folder {out} holds the checkpoint being exported ({src}); it is "
+                f"{never}; choose a folder outside it"
+            )
+        if s in real.parents:
+            raise ValueError(
+                f"export folder {out} is inside the checkpoint being exported ({src}); choose a "
+                "folder outside it"
+            )
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"export folder {out} is a file, not a folder; it is {never}")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    manifest = _read_json_dict(out / "manifest.json")
+    fmt = None if manifest is None else manifest.get("format")
+    if fmt == CHECKPOINT_FORMAT:
+        raise ValueError(f"export folder {out} holds a checkpoint (manifest.json of format "
+                         f"{CHECKPOINT_FORMAT!r}); a checkpoint is {never}")  # fmt: skip
+    ckpts = [e for e in entries if e.startswith("ckpt-")]
+    if ckpts:
+        raise ValueError(f"export folder {out} holds checkpoints ({_some(ckpts)}); a folder of "
+                         f"checkpoints is {never}")  # fmt: skip
+    if not replace:
+        raise ValueError(
+            f"export folder {out} is not empty (it holds {_some(entries)}); pass --replace "
+            f"(replace=True) to replace a previous export (a folder whose manifest.json has the "
+            f"format {SERVING_FORMAT!r}); any other folder is never replaced"
+        )
+    if fmt != SERVING_FORMAT:
+        raise ValueError(
+            f"export folder {out} is not an embengine export (no manifest.json of format "
+            f"{SERVING_FORMAT!r}; it holds {_some(entries)}); --replace (replace=True) replaces "
+            "only a previous export, never other files"
+        )
+    files = manifest.get("files")
+    listed = {n for n in files if _plain_name(n)} if isinstance(files, dict) else set()
+    foreign = [
+        e for e in entries
+        if (e not in _EXPORT_OWN_FILES and e not in listed)
+        or (out / e).is_symlink() or not (out / e).is_file()
+    ]  # fmt: skip
+    if foreign:
+        raise ValueError(
+            f"export folder {out} holds {_some(foreign)}, which its export manifest does not "
+            f"list; a previous export with other files in it is {never}"
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # not a pid an export writes (os.kill(0, ...) would mean the group)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if unknown (no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _older_than_process(folder: Path, pid: int) -> bool:
+    """Whether ``folder`` was last changed before process ``pid`` started (so that process
+    did not make it); False when unknown."""
+    start = _process_start(pid)
+    try:
+        return start is not None and folder.stat().st_mtime < start - _CLOCK_SLACK
+    except OSError:
+        return False
+
+
+def _remove_leftovers(parent: Path, name: str, kind: str) -> None:
+    """Delete ``.{kind}-{name}-*`` folders that no running export owns (see the module
+    docstring): the pid in the name is not running, or runs a process younger than the folder;
+    unnamed ones (older embengines) must be older than this process."""
+    with_pid = re.compile(rf"^\.{kind}-{re.escape(name)}-(\d+)-[0-9a-f]{{8}}$")
+    unnamed = re.compile(rf"^\.{kind}-{re.escape(name)}-[0-9a-f]{{8}}$")
+    for p in parent.glob(f".{kind}-*"):
+        if (m := with_pid.match(p.name)) is not None:
+            pid = int(m[1])
+            stale = not _pid_alive(pid) or _older_than_process(p, pid)
+        elif unnamed.match(p.name):
+            stale = _older_than_process(p, os.getpid())
+        else:
+            continue
+        if stale and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
-           per_table: Mapping[str, str] | None = None,
-           fixed_range: float = 1.0) -> ExportReport:  # fmt: skip
+           per_table: Mapping[str, str] | None = None, fixed_range: float = 1.0,
+           replace: bool = False) -> ExportReport:  # fmt: skip
     """Write the weights of a checkpoint (no slots) to ``out``, each table compressed with
-    ``per_table.get(name, compress)``. The folder is written beside and renamed into place."""
-    ckpt, manifest = read_manifest(checkpoint, verify=True)
+    ``per_table.get(name, compress)``.
+
+    ``out`` must be missing or empty, or, with ``replace=True``, a previous export; a folder
+    holding checkpoints or other files is never replaced (see the module docstring). The export
+    is written beside ``out`` and renamed into place; a failure midway leaves ``out`` as it was
+    and removes the temporary folder."""
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be True or False, got {replace!r}")
     per_table = dict(per_table or {})
-    names = [t["name"] for t in manifest["tables"]]
-    unknown = [n for n in per_table if n not in names]
-    if unknown:
-        raise ValueError(f"per-table compression for unknown tables {unknown}; tables are {names}")
     for name, c in [("default", compress), *per_table.items()]:
         if c not in COMPRESSIONS:
             raise ValueError(f"compression for {name} must be one of {COMPRESSIONS}, got {c!r}")
     if not fixed_range > 0:
         raise ValueError(f"fixed_range must be > 0, got {fixed_range}")
-    out = Path(out)
+    given = Path(out)
+    out = Path(os.path.abspath(given))
+    if not out.name:
+        raise ValueError(f"export folder {given} has no name (a filesystem root)")
+    _check_out(out, [Path(checkpoint)], replace)  # before reading (and hashing) the checkpoint
+    ckpt, manifest = read_manifest(checkpoint, verify=True)
+    for t in manifest["tables"]:
+        # Read only files the checkpoint lists (so read_manifest checksummed them), inside it.
+        if not _plain_name(t["file"]) or t["file"] not in manifest["files"]:
+            raise CheckpointError(
+                f"{ckpt}: table {t['name']!r} reads {t['file']!r}, which is not a safetensors "
+                "file the manifest lists inside the checkpoint folder"
+            )
+    names = [t["name"] for t in manifest["tables"]]
+    unknown = [n for n in per_table if n not in names]
+    if unknown:
+        raise ValueError(f"per-table compression for unknown tables {unknown}; tables are {names}")
+    _check_out(out, [Path(checkpoint), ckpt], replace)  # ckpt: the newest one of a root
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    _remove_leftovers(out.parent, out.name, "tmp")
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    tables, files, rows = [], {}, []
+    try:
+        tables, files, rows = [], {}, []
+        for i, t in enumerate(manifest["tables"]):
+            comp = per_table.get(t["name"], compress)
+            src = ckpt / t["file"]
+            header = read_header(src)
+            weights = read_tensor(src, t["name"], header=header)  # memory-mapped
+            params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
+            arrays, worst = _encode_table(weights, comp, params)
+            file = f"table-{i:03d}.safetensors"
+            files[file] = {"sha256": write_safetensors(tmp / file, arrays)}
+            files[file]["bytes"] = (tmp / file).stat().st_size
+            tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"],
+                           "dim": t["dim"], "combiner": t["combiner"], "compression": comp,
+                           "params": params, "quantization_config": t.get("quantization_config"),
+                           "file": file})  # fmt: skip
+            rows.append({"table": t["name"], "compression": comp,
+                         "bytes_before": weights.nbytes,
+                         "bytes_after": sum(a.nbytes for a in arrays.values()),
+                         "max_abs_error": worst})  # fmt: skip
+        manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
+                        "source_step": manifest["step"], "features": manifest["features"],
+                        "tables": tables, "files": files}  # fmt: skip
+        text = json.dumps(manifest_out, indent=1).encode()
+        digest = hashlib.sha256(text).hexdigest().encode()
+        for name, data in (("manifest.json", text), ("manifest.sha256", digest)):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        # OUT may have changed while the tables were written: check it again right before.
+        _check_out(out, [Path(checkpoint), ckpt], replace)
+        if out.is_dir() and any(out.iterdir()):  # a previous export (checked above)
+            old = out.parent / f".old-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # put the previous export back
+                raise
+            _fsync_dir(out.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)  # onto a missing or empty folder
+            _fsync_dir(out.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Previous exports renamed aside by killed replaces: only now that OUT holds a new one.
+    _remove_leftovers(out.parent, out.name, "old")
+    return ExportReport(given, rows)
+
+
+# -- reading an export ----------------------------------------------------------------------------
+
+_KINDS = {
+    "name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+    "size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "object?": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "shape?": (lambda v: v is None or isinstance(v, list), "a list of ints or null"),
+    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+               "a SHA-256 (64 lowercase hex digits)"),
+}  # fmt: skip
+
+
+def _take(obj: dict, key: str, kind: str, where: str, file: Path):
+    """``obj[key]``, or a CheckpointError naming the key if it is missing or of the wrong kind."""
+    if key not in obj:
+        raise CheckpointError(f"{file}: {where} has no {key!r}")
+    ok, what = _KINDS[kind]
+    if not ok(obj[key]):
+        raise CheckpointError(f"{file}: {where}[{key!r}] must be {what}, got {obj[key]!r:.80}")
+    return obj[key]
+
+
+def _check_schema(path: Path, manifest: dict) -> None:
+    """Every key the loaders use is present and of the right type (CheckpointError otherwise)."""
+    file = path / "manifest.json"
+    _take(manifest, "source_step", "count", "the manifest", file)
+    files = _take(manifest, "files", "object", "the manifest", file)
+    for name, info in files.items():
+        if not _plain_name(name):
+            raise CheckpointError(
+                f"{path}: manifest lists {name!r}; only safetensors files directly inside the "
+                "export folder are read (no paths, no hidden files, never pickle)"
+            )
+        where = f"files[{name!r}]"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {info!r:.80}")
+        _take(info, "sha256", "sha256", where, file)
+        _take(info, "bytes", "count", where, file)
+    tables = _take(manifest, "tables", "list", "the manifest", file)
+    if not tables:
+        raise CheckpointError(f"{file}: the manifest lists no tables")
+    used: dict[str, int] = {}
+    for i, t in enumerate(tables):
+        where = f"tables[{i}]"
+        if not isinstance(t, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {t!r:.80}")
+        name = _take(t, "name", "name", where, file)
+        if any(o.get("name") == name for o in tables[:i]):
+            raise CheckpointError(f"{file}: {where}: table name {name!r} appears twice")
+        for key in ("vocabulary_size", "dim"):
+            _take(t, key, "size", where, file)
+        if _take(t, "combiner", "name", where, file) not in COMBINERS:
+            raise CheckpointError(
+                f"{file}: {where}['combiner'] must be one of {COMBINERS}, got {t['combiner']!r:.80}"
+            )
+        comp = _take(t, "compression", "name", where, file)
+        if comp not in COMPRESSIONS:
+            raise CheckpointError(
+                f"{file}: {where}['compression'] must be one of {COMPRESSIONS}, got {comp!r:.80}"
+            )
+        params = _take(t, "params", "object", where, file)
+        if comp == "fixed_r8":
+            r = params.get("fixed_range")
+            if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r)
+                    and r > 0):  # fmt: skip
+                raise CheckpointError(
+                    f"{file}: {where}['params']['fixed_range'] must be a finite number > 0 for "
+                    f"fixed_r8, got {r!r:.80}"
+                )
+        if t.get("quantization_config") is not None:
+            q = _take(t, "quantization_config", "object?", where, file)
+            try:
+                if sorted(q) != ["lower", "num_buckets", "upper"]:
+                    raise ValueError(f"keys {sorted(q)}, expected lower, num_buckets, upper")
+                if not all(isinstance(q[k], int | float) and not isinstance(q[k], bool)
+                           for k in q):  # fmt: skip
+                    raise ValueError(f"values must be numbers, got {q}")
+                QuantizationConfig(**q)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{file}: {where}['quantization_config']: {e}") from None
+        f = _take(t, "file", "name", where, file)
+        if f not in files:
+            raise CheckpointError(
+                f"{path}: {where} ({name!r}) reads {f!r}, which the manifest's files do not list "
+                "(every file must be a listed, checksummed safetensors file inside the folder)"
+            )
+        if f in used:
+            raise CheckpointError(f"{file}: tables[{used[f]}] and {where} share the file {f!r}")
+        used[f] = i
+    unused = [n for n in files if n not in used]
+    if unused:
+        raise CheckpointError(f"{file}: files {_some(unused)} belong to no table")
+    features = _take(manifest, "features", "list", "the manifest", file)
+    if not features:
+        raise CheckpointError(f"{file}: the manifest lists no features")
+    names = {t["name"] for t in tables}
+    for j, feat in enumerate(features):
+        where = f"features[{j}]"
+        if not isinstance(feat, dict):
+            raise CheckpointError(f"{file}: {where} must be an object, got {feat!r:.80}")
+        _take(feat, "name", "name", where, file)
+        if _take(feat, "table", "name", where, file) not in names:
+            raise CheckpointError(
+                f"{file}: {where} ({feat['name']!r}) looks up table {feat['table']!r}, which the "
+                f"manifest does not hold; tables are {sorted(names)}"
+            )
+        _take(feat, "max_sequence_length", "count", where, file)
+        _take(feat, "validate_weights_and_indices", "bool", where, file)
+        _take(feat, "output_shape", "shape?", where, file)
+
+
+# Per compression: tensor name -> (safetensors dtype, shape as a function of (vocabulary, dim)).
+_STORED = {
+    "fp32": {"weights": ("F32", lambda v, d: [v, d])},
+    "fp16": {"weights": ("F16", lambda v, d: [v, d])},
+    "bf16": {"weights": ("BF16", lambda v, d: [v, d])},
+    "fixed_r8": {"weights": ("I8", lambda v, d: [v, d])},
+    "int8_rowwise": {"weights": ("I8", lambda v, d: [v, d]), "scale": ("F32", lambda v, d: [v]),
+                     "bias": ("F32", lambda v, d: [v])},
+}  # fmt: skip
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+
+
+def _check_files(path: Path, manifest: dict, verify: bool) -> None:
+    """Every listed file exists with its size; with ``verify``, its SHA-256."""
+    for name, info in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{f} has {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"
+            )
+    if verify:
+        for name, info in manifest["files"].items():
+            if sha256_file(path / name) != info["sha256"]:
+                raise CheckpointError(f"checksum mismatch in {path / name}: the file was modified")
+
+
+def _check_tensors(path: Path, manifest: dict) -> None:
+    """Every table file holds exactly the tensors its compression stores, with the dtype, shape
+    and byte count the manifest's vocabulary_size and dim give (so nothing is mapped or
+    allocated from a header that disagrees with the manifest)."""
+    for t in manifest["tables"]:
+        file = path / t["file"]
+        v, d = t["vocabulary_size"], t["dim"]
+        expected = {n: (dt, shape(v, d)) for n, (dt, shape) in _STORED[t["compression"]].items()}
+        try:
+            header, _ = read_header(file)
+            stored = sorted(n for n in header if n != "__metadata__")
+            if stored != sorted(expected):
+                raise ValueError(f"holds tensors {stored}, expected {sorted(expected)}")
+            for name, (dtype, shape) in expected.items():
+                info = header[name]
+                if info.get("dtype") != dtype or info.get("shape") != shape:
+                    raise ValueError(
+                        f"tensor {name!r} has dtype {info.get('dtype')} and shape "
+                        f"{info.get('shape')}, expected {dtype} and shape {shape}"
+                    )
+                lo, hi = info["data_offsets"]
+                if hi - lo != math.prod(shape) * _ITEMSIZE[dtype]:
+                    raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {shape}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
+            ) from None
+
+
+def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], ResolvedFeatures]:
+    """(TableConfig per table name, resolved features) of a schema-checked manifest; a value
+    the configs refuse is a CheckpointError naming the table or feature."""
+    file = path / "manifest.json"
+    configs = {}
     for i, t in enumerate(manifest["tables"]):
-        comp = per_table.get(t["name"], compress)
-        src = ckpt / t["file"]
-        header = read_header(src)
-        weights = read_tensor(src, t["name"], header=header)  # memory-mapped
-        params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
-        arrays, worst = _encode_table(weights, comp, params)
-        file = f"table-{i:03d}.safetensors"
-        files[file] = {"sha256": write_safetensors(tmp / file, arrays)}
-        files[file]["bytes"] = (tmp / file).stat().st_size
-        tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"], "dim": t["dim"],
-                       "combiner": t["combiner"], "compression": comp, "params": params,
-                       "quantization_config": t.get("quantization_config"),
-                       "file": file})  # fmt: skip
-        rows.append({"table": t["name"], "compression": comp, "bytes_before": weights.nbytes,
-                     "bytes_after": sum(a.nbytes for a in arrays.values()),
-                     "max_abs_error": worst})  # fmt: skip
-    manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
-                    "source_step": manifest["step"], "features": manifest["features"],
-                    "tables": tables, "files": files}  # fmt: skip
-    with open(tmp / "manifest.json", "w") as f:
-        json.dump(manifest_out, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if out.exists():
-        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    return ExportReport(out, rows)
+        q = t.get("quantization_config")
+        try:
+            configs[t["name"]] = TableConfig(
+                t["vocabulary_size"], t["dim"], combiner=t["combiner"], name=t["name"],
+                quantization_config=None if q is None else QuantizationConfig(**q),
+            )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{file}: tables[{i}] ({t['name']!r}): {e}") from None
+    features = {}
+    for j, f in enumerate(manifest["features"]):
+        where = f"{file}: features[{j}] ({f['name']!r})"
+        if f["name"] in features:
+            raise CheckpointError(f"{where}: feature name {f['name']!r} appears twice")
+        try:
+            features[f["name"]] = FeatureConfig(
+                configs[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
+                None if f["output_shape"] is None else tuple(f["output_shape"]), name=f["name"],
+            )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{where}: {e}") from None
+    try:
+        return configs, resolve_features(features)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
+    """The manifest of the export at ``path`` after every check of the module docstring
+    (CheckpointError if one fails); ``verify=False`` skips only the hashing."""
     path = Path(path)
     file = path / "manifest.json"
     if not file.is_file():
         raise CheckpointError(f"{path}: no manifest.json (not an embengine export)")
-    manifest = json.loads(file.read_text())
-    fmt, version = manifest.get("format"), manifest.get("format_version")
+    raw = file.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt != SERVING_FORMAT:
-        raise CheckpointError(f"{path}: not an embengine export (format {fmt!r})")
+        raise CheckpointError(f"{path}: not an embengine export (format {fmt!r:.80})")
+    version = manifest.get("format_version")
     if version != SERVING_VERSION:
         raise CheckpointError(
-            f"{path}: export format version {version!r} is not supported (this embengine "
+            f"{path}: export format version {version!r:.80} is not supported (this embengine "
             f"reads {SERVING_VERSION})"
         )
-    for name, info in manifest["files"].items():
-        if not name.endswith(".safetensors") or "/" in name:
-            raise CheckpointError(f"{path}: manifest lists {name!r}; only safetensors are read")
-        if verify:
-            f = path / name
-            if not f.is_file() or f.stat().st_size != info["bytes"]:
-                raise CheckpointError(f"{f} is missing or truncated")
-            if sha256_file(f) != info["sha256"]:
-                raise CheckpointError(f"checksum mismatch in {f}: the file was modified")
+    if verify:
+        digest = path / "manifest.sha256"
+        if not digest.is_file():
+            raise CheckpointError(
+                f"{path}: no manifest.sha256, so manifest.json cannot be verified (exports "
+                "written before embengine checksummed their manifests have none); re-export it "
+                "with `embengine export CKPT OUT --replace`, or load it with verify=False "
+                "(`embengine inspect --no-verify`), which makes every check but the hashes"
+            )
+        if digest.read_text(errors="replace").strip() != hashlib.sha256(raw).hexdigest():
+            raise CheckpointError(
+                f"checksum mismatch in {file}: the manifest was modified (manifest.sha256 differs)"
+            )
+    _check_schema(path, manifest)
+    _configs(path, manifest)
+    _check_files(path, manifest, verify)
+    _check_tensors(path, manifest)
     return manifest
 
 
@@ -252,29 +714,16 @@ class ServingEngine:
     """Lookup-only engine over an export: memory-mapped, read-only, thread-safe."""
 
     def __init__(self, path: Path, manifest: dict):
+        """Map the tables of an export whose ``manifest`` read_serving_manifest checked."""
         self.path = path
+        self._configs, self._resolved = _configs(path, manifest)
         self._tables = {}
-        configs = {}
         for t in manifest["tables"]:
             file = path / t["file"]
             header = read_header(file)
             arrays = {name: read_tensor(file, name, header=header)
                       for name in header[0] if name != "__metadata__"}  # fmt: skip
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
-            q = t.get("quantization_config")
-            configs[t["name"]] = TableConfig(
-                t["vocabulary_size"], t["dim"], combiner=t["combiner"], name=t["name"],
-                quantization_config=None if q is None else QuantizationConfig(**q),
-            )  # fmt: skip
-        features = {
-            f["name"]: FeatureConfig(
-                configs[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
-                None if f["output_shape"] is None else tuple(f["output_shape"]),
-            )
-            for f in manifest["features"]
-        }  # fmt: skip
-        self._resolved = resolve_features(features)
-        self._configs = configs
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True) -> ServingEngine:

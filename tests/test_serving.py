@@ -5,6 +5,7 @@ report sizes, tamper detection, thread safety, sequence features and output_shap
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -285,7 +286,7 @@ def test_export_argument_errors(trained, tmp_path, kwargs, words):
 def test_export_replaces_an_existing_export(trained, tmp_path):
     _, path = trained
     export(path, tmp_path / "out", compress="fp32")
-    export(path, tmp_path / "out", compress="int8_rowwise")
+    export(path, tmp_path / "out", compress="int8_rowwise", replace=True)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert {t["compression"] for t in manifest["tables"]} == {"int8_rowwise"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -457,8 +458,10 @@ def test_cli_export_and_inspect(trained_ref, tmp_path):
         "inspect": ["inspect", str(path.parent)],
         "inspect-bad": ["inspect", str(bad_ckpt)],
     }  # fmt: skip
+    # PYTHONPATH: the command imports this checkout's embengine, not the one it was installed from
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = {k: subprocess.Popen([str(EMBENGINE), *args], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+                                 stderr=subprocess.PIPE, text=True, env=env)
              for k, args in commands.items()}  # fmt: skip
     res = {k: (p.wait(timeout=120), *p.communicate()) for k, p in procs.items()}
 
@@ -503,7 +506,7 @@ def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     _, path = trained_ref
     out = tmp_path / "out"
     code, stdout, _ = _cli("_export", capsys, checkpoint=str(path), out=str(out),
-                           compress="bf16", table=None, fixed_range=1.0)  # fmt: skip
+                           compress="bf16", table=None, fixed_range=1.0, replace=False)  # fmt: skip
     assert code == 0 and "bf16" in stdout
     code, stdout, _ = _cli("_inspect", capsys, path=str(out), no_verify=False)
     assert code == 0
@@ -520,12 +523,14 @@ def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     shutil.copytree(path, bad_ckpt)
     _flip(bad_ckpt / "table-000.safetensors")
     code, _, stderr = _cli("_export", capsys, checkpoint=str(bad_ckpt), out=str(tmp_path / "n"),
-                           compress="fp16", table=None, fixed_range=1.0)  # fmt: skip
+                           compress="fp16", table=None, fixed_range=1.0, replace=False)  # fmt: skip
     assert code != 0 and "checksum mismatch" in stderr
     assert not (tmp_path / "n").exists()
     code, _, stderr = _cli("_export", capsys, checkpoint=str(path), out=str(tmp_path / "n"),
-                           compress="fp16", table=["bag"], fixed_range=1.0)  # fmt: skip
+                           compress="fp16", table=["bag"], fixed_range=1.0,
+                           replace=False)  # fmt: skip
     assert code == 2 and "NAME=COMPRESSION" in stderr
     code, _, stderr = _cli("_export", capsys, checkpoint=str(path), out=str(tmp_path / "n"),
-                           compress="fp16", table=["zzz=fp16"], fixed_range=1.0)  # fmt: skip
+                           compress="fp16", table=["zzz=fp16"], fixed_range=1.0,
+                           replace=False)  # fmt: skip
     assert code == 2 and "zzz" in stderr

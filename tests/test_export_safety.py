@@ -1,0 +1,637 @@
+"""Export hardening: where ``export`` may write (never over a checkpoint or other files; --replace
+replaces only a previous export; no temporary folders left behind, even by killed exports), the
+export manifest's checksum and plain file names, and corrupt exports refused with
+CheckpointError before anything is mapped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine import cli
+from embengine import optimizers as O
+from embengine.checkpoint import CheckpointError, read_manifest
+from embengine.serving import SERVING_FORMAT, ServingEngine, export, read_serving_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+B = 6
+
+
+def _engine() -> ee.EmbeddingEngine:
+    one = ee.TableConfig(60, 8, name="one", combiner="sum")
+    bag = ee.TableConfig(50, 4, name="bag", combiner="mean")
+    rows = ee.TableConfig(40, 4, name="rows", combiner="sum")
+    feats = {
+        "one": ee.FeatureConfig(one),
+        "bag": ee.FeatureConfig(bag),
+        "rows": ee.FeatureConfig(rows, max_sequence_length=2),
+    }
+    eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(learning_rate=0.5), seed=3,
+                             backend="reference")  # fmt: skip
+    acts = eng.lookup(_inputs())
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    return eng
+
+
+def _inputs() -> dict:
+    rng = np.random.default_rng(0)
+    lengths = np.array([0, 1, 2, 3, 1, 2])
+    return {
+        "one": rng.integers(0, 60, size=B),
+        "bag": ee.Ragged(rng.integers(0, 50, size=lengths.sum()), lengths=lengths),
+        "rows": ee.Ragged(rng.integers(0, 40, size=lengths.sum()), lengths=lengths),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory) -> Path:
+    """A folder of checkpoints (two, so it is a root, not a single checkpoint)."""
+    root = tmp_path_factory.mktemp("ck") / "root"
+    eng = _engine()
+    eng.save(root)
+    eng.save(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpt_root) -> Path:
+    path, _ = read_manifest(ckpt_root)
+    return path
+
+
+# Table 0 fp16, table 1 fixed_r8, table 2 int8_rowwise: every kind of stored tensors.
+PER_TABLE = {"bag": "fixed_r8", "rows": "int8_rowwise"}
+
+
+def _export(ckpt: Path, out: Path, **kwargs):
+    return export(ckpt, out, compress="fp16", per_table=PER_TABLE, **kwargs)
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file under ``folder``."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith((".tmp-", ".old-")))
+
+
+# -- item 7: what export may write over -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_refuses_the_checkpoint_folder(ckpt_root, ckpt, replace):
+    before = _snapshot(ckpt_root)
+    with pytest.raises(ValueError, match=r"is the checkpoint being exported"):
+        _export(ckpt, ckpt, replace=replace)
+    with pytest.raises(ValueError, match=r"is the checkpoint being exported"):
+        _export(ckpt_root, ckpt_root, replace=replace)  # a folder of checkpoints, newest taken
+    assert _snapshot(ckpt_root) == before
+    read_manifest(ckpt, verify=True)
+    assert not _leftovers(ckpt_root) and not _leftovers(ckpt_root.parent)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_refuses_a_parent_of_the_checkpoint(ckpt_root, ckpt, replace):
+    before = _snapshot(ckpt_root.parent)
+    for out in (ckpt_root, ckpt_root.parent):
+        with pytest.raises(ValueError, match=r"holds the checkpoint being exported.*never"):
+            _export(ckpt, out, replace=replace)
+    with pytest.raises(ValueError, match=r"holds the checkpoint being exported"):
+        _export(ckpt_root, ckpt_root.parent, replace=replace)
+    assert _snapshot(ckpt_root.parent) == before
+    assert not _leftovers(ckpt_root) and not _leftovers(ckpt_root.parent)
+
+
+def test_export_refuses_a_folder_inside_the_checkpoint(ckpt_root, ckpt):
+    before = _snapshot(ckpt_root)
+    for src, out in ((ckpt, ckpt / "serving"), (ckpt_root, ckpt_root / "serving")):
+        with pytest.raises(ValueError, match=r"is inside the checkpoint being exported"):
+            _export(src, out)
+    assert _snapshot(ckpt_root) == before
+    assert not (ckpt / "serving").exists() and not (ckpt_root / "serving").exists()
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_never_replaces_other_checkpoints(ckpt, tmp_path, replace):
+    other_root = tmp_path / "other"
+    _engine().save(other_root)
+    other, _ = read_manifest(other_root)
+    before = _snapshot(other_root)
+    with pytest.raises(ValueError, match=r"holds a checkpoint \(manifest.json of format "
+                       r"'embengine-checkpoint'\); a checkpoint is never replaced"):  # fmt: skip
+        _export(ckpt, other, replace=replace)
+    with pytest.raises(ValueError, match=r"holds checkpoints \('ckpt-000001-.*never replaced"):
+        _export(ckpt, other_root, replace=replace)
+    assert _snapshot(other_root) == before
+    assert not _leftovers(tmp_path)
+
+
+def test_export_refuses_a_folder_with_user_files(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"out is not empty \(it holds 'notes.txt'\); pass "
+                       r"--replace \(replace=True\) to replace a previous export"):  # fmt: skip
+        _export(ckpt, out)
+    with pytest.raises(ValueError, match=r"out is not an embengine export .*only a previous "
+                       r"export, never other files"):  # fmt: skip
+        _export(ckpt, out, replace=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert _leftovers(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"file is a file, not a folder"):
+        _export(ckpt, tmp_path / "file", replace=True)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_export_refuses_a_previous_export_with_user_files(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"holds 'notes.txt', 'sub', which its export manifest "
+                       r"does not list; .* never replaced"):  # fmt: skip
+        _export(ckpt, out, replace=True)
+    assert _snapshot(out) == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_export_over_a_previous_export_needs_replace(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"out is not empty .* pass --replace \(replace=True\)"):
+        export(ckpt, out, compress="fp32")
+    assert _snapshot(out) == before
+    export(ckpt, out, compress="fp32", replace=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {t["compression"] for t in manifest["tables"]} == {"fp32"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing aside, nothing tmp
+    ServingEngine.load(out)
+
+
+def test_export_into_an_empty_folder(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    report = _export(ckpt, out)
+    assert report.path == out
+    ServingEngine.load(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_export_refuses_a_symlink_and_a_replace_that_is_not_a_bool(ckpt, tmp_path):
+    """A symbolic link OUT (here to a previous export) is refused, not replaced by a folder:
+    the link would silently stop pointing where its owner chose."""
+    target = tmp_path / "v1"
+    _export(ckpt, target)
+    before = _snapshot(target)
+    (tmp_path / "current").symlink_to(target)
+    with pytest.raises(ValueError, match=r"current is a symbolic link; pass the folder"):
+        _export(ckpt, tmp_path / "current", replace=True)
+    assert (tmp_path / "current").is_symlink() and _snapshot(target) == before
+    with pytest.raises(TypeError, match=r"replace must be True or False, got 'yes'"):
+        _export(ckpt, tmp_path / "new", replace="yes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "v1"]
+
+
+def test_replace_accepts_an_export_written_before_manifest_sha256(ckpt, tmp_path):
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    (out / "manifest.sha256").unlink()  # what older embengines wrote
+    export(ckpt, out, compress="fp32", replace=True)
+    assert (out / "manifest.sha256").is_file()
+    ServingEngine.load(out)
+
+
+_FAILING_EXPORT = """
+import os, resource, signal, sys
+from embengine.serving import export
+ckpt, out, replace, ignore = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# Ignored (Python's default), a write past the limit fails with EFBIG, like a full disk; with
+# the signal's default action the kernel kills the process midway through the write.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN if ignore else signal.SIG_DFL)
+print(os.getpid(), flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, resource.RLIM_INFINITY))
+try:
+    export(ckpt, out, compress="fp32", replace=replace)  # table 0 alone is 1920 bytes
+except OSError as e:
+    print(f"OSError {e.errno}", flush=True)
+    sys.exit(3)
+"""
+
+
+def _failing_export(ckpt: Path, out: Path, replace: bool, ignore_sigxfsz: bool):
+    args = [str(ckpt), str(out), "1" if replace else "0", "1" if ignore_sigxfsz else "0"]
+    return subprocess.run([sys.executable, "-c", _FAILING_EXPORT, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["new", "replace"])
+def test_a_failed_export_removes_its_temporary_folder(ckpt, tmp_path, previous):
+    out = tmp_path / "out"
+    if previous:
+        _export(ckpt, out)
+    before = _snapshot(tmp_path)
+    res = _failing_export(ckpt, out, replace=previous, ignore_sigxfsz=True)
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    assert "OSError 27" in res.stdout  # EFBIG: the write failed midway
+    assert _leftovers(tmp_path) == []
+    assert _snapshot(tmp_path) == before  # the previous export (or nothing) is untouched
+    if previous:
+        ServingEngine.load(out)
+
+
+def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_path):
+    out = tmp_path / "out"
+    killed = _failing_export(ckpt, out, replace=False, ignore_sigxfsz=False)
+    assert killed.returncode == -signal.SIGXFSZ, (killed.stdout, killed.stderr)
+    dead_pid = int(killed.stdout.split()[0])
+    left = _leftovers(tmp_path)
+    assert len(left) == 1 and left[0].startswith(f".tmp-out-{dead_pid}-"), left
+    # A running export of another process (a live pid, a folder younger than it) is left alone,
+    # so is one of this process (another thread may be exporting) and any other OUT's.
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.1)
+        keep = [tmp_path / f".tmp-out-{live.pid}-0000abcd",
+                tmp_path / f".tmp-out-{os.getpid()}-0000abce",
+                tmp_path / f".tmp-other-{dead_pid}-0000abcf",
+                tmp_path / f".tmp-out-{dead_pid}-notours"]  # fmt: skip
+        # Older than the process that has its pid now (pid reused), or unnamed and older than
+        # this process (written by an embengine before pids were in the names): stale.
+        stale = [tmp_path / f".tmp-out-{os.getpid()}-0000abd0", tmp_path / ".tmp-out-0000abd1",
+                 tmp_path / f".old-out-{dead_pid}-0000abd2"]  # fmt: skip
+        for p in keep + stale:
+            p.mkdir()
+            (p / "table-000.safetensors").write_bytes(b"partial")
+        for p in stale[:2]:
+            os.utime(p, (1e9, 1e9))  # 2001
+        _export(ckpt, out)
+        assert sorted(_leftovers(tmp_path)) == sorted(p.name for p in keep)
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+    ServingEngine.load(out)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def test_cli_export_refusals_and_replace(ckpt_root, ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() would set it for the process
+    before = _snapshot(ckpt_root)
+    assert cli.main(["export", str(ckpt), str(ckpt), "--replace"]) == 2
+    err = capsys.readouterr().err
+    assert f"embengine export: error: export folder {ckpt} is the checkpoint" in err
+    assert cli.main(["export", str(ckpt), str(ckpt_root)]) == 2
+    assert "holds the checkpoint being exported" in capsys.readouterr().err
+    assert _snapshot(ckpt_root) == before
+
+    out = tmp_path / "out"
+    assert cli.main(["export", str(ckpt), str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert cli.main(["export", str(ckpt), str(out), "--compress", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert f"export folder {out} is not empty" in err and "--replace" in err
+    assert cli.main(["export", str(ckpt), str(out), "--compress", "fp32", "--replace"]) == 0
+    capsys.readouterr()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {t["compression"] for t in manifest["tables"]} == {"fp32"}
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.csv").write_text("1,2")
+    assert cli.main(["export", str(ckpt), str(user), "--replace"]) == 2
+    assert "is not an embengine export" in capsys.readouterr().err
+    assert (user / "data.csv").read_text() == "1,2"
+    assert _leftovers(tmp_path) == []
+
+
+# -- items 4, 5/12: the export manifest -----------------------------------------------------------
+
+
+@pytest.fixture
+def exported(ckpt, tmp_path) -> Path:
+    out = tmp_path / "out"
+    _export(ckpt, out)
+    return out
+
+
+def _write_manifest(path: Path, manifest: dict | bytes) -> None:
+    """Rewrite manifest.json with a matching manifest.sha256, so only the content checks can
+    refuse it."""
+    raw = manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode()
+    (path / "manifest.json").write_bytes(raw)
+    (path / "manifest.sha256").write_text(hashlib.sha256(raw).hexdigest())
+
+
+def test_export_writes_a_checksummed_manifest_of_plain_names(exported):
+    raw = (exported / "manifest.json").read_bytes()
+    assert (exported / "manifest.sha256").read_text() == hashlib.sha256(raw).hexdigest()
+    manifest = json.loads(raw)
+    assert manifest["format"] == SERVING_FORMAT
+    names = sorted(p.name for p in exported.iterdir())
+    assert names == ["manifest.json", "manifest.sha256", *sorted(manifest["files"])]
+    for name, info in manifest["files"].items():
+        assert "/" not in name and name.endswith(".safetensors")
+        data = (exported / name).read_bytes()
+        assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def test_manifest_checksum_is_verified(exported):
+    manifest = json.loads((exported / "manifest.json").read_text())
+    manifest["source_step"] = 7  # a valid manifest, but not the one manifest.sha256 was made of
+    (exported / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*manifest.json"):
+        ServingEngine.load(exported)
+    ServingEngine.load(exported, verify=False)  # skips only the hashing
+
+
+def test_export_without_manifest_sha256_needs_verify_false(ckpt, exported):
+    """The rule for exports written before manifest.sha256: verify=True refuses them and says
+    how to re-export; verify=False loads them with every other check."""
+    want = ServingEngine.load(exported).lookup(_inputs())
+    (exported / "manifest.sha256").unlink()
+    words = r"no manifest.sha256.*re-export it with `embengine export CKPT OUT --replace`, or "
+    with pytest.raises(CheckpointError, match=words + "load it with verify=False"):
+        ServingEngine.load(exported)
+    got = ServingEngine.load(exported, verify=False).lookup(_inputs())
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    f = exported / "table-001.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=r"table-001.safetensors has \d+ bytes, the manifest"):
+        ServingEngine.load(exported, verify=False)  # sizes are checked even without hashing
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "table-file-only"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_manifest_paths_outside_the_export_are_refused(ckpt, exported, tmp_path, how, verify):
+    """A manifest naming a real, correctly hashed safetensors file outside the folder (in
+    ``files`` and the table, or only in the table: that one was read unchecked)."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    target = outside / "table-000.safetensors"
+    target.write_bytes((exported / "table-000.safetensors").read_bytes())
+    manifest = json.loads((exported / "manifest.json").read_text())
+    info = manifest["files"].pop("table-000.safetensors")
+    name = {"absolute": str(target), "dotdot": "../elsewhere/table-000.safetensors",
+            "table-file-only": "../elsewhere/table-000.safetensors"}[how]  # fmt: skip
+    manifest["files"]["table-000.safetensors" if how == "table-file-only" else name] = info
+    manifest["tables"][0]["file"] = name
+    _write_manifest(exported, manifest)
+    with pytest.raises(CheckpointError, match=r"table-000.safetensors") as exc:
+        ServingEngine.load(exported, verify=verify)
+    assert "directly inside" in str(exc.value) or "do not list" in str(exc.value)
+    with pytest.raises(CheckpointError):
+        read_serving_manifest(exported, verify=verify)
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_export_reads_only_files_the_checkpoint_lists(ckpt, tmp_path, how):
+    """A checkpoint manifest whose table "file" points outside it, at a real table file (its
+    own listed files intact, manifest.sha256 recomputed): export refuses it before writing."""
+    copy = tmp_path / "ck" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes((copy / "table-000.safetensors").read_bytes())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tables"][0]["file"] = (
+        str(outside) if how == "absolute" else "../../elsewhere.safetensors"
+    )
+    _write_manifest(copy, manifest)
+    with pytest.raises(CheckpointError, match=r"elsewhere\.safetensors"):
+        _export(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def _t(i: int, key: str, value=None, delete: bool = False) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        if delete:
+            del m["tables"][i][key]
+        else:
+            m["tables"][i][key] = value
+
+    return edit
+
+
+def _f(i: int, key: str, value=None, delete: bool = False) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        if delete:
+            del m["features"][i][key]
+        else:
+            m["features"][i][key] = value
+
+    return edit
+
+
+def _file0(key: str, value=None, delete: bool = False) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        if delete:
+            del m["files"]["table-000.safetensors"][key]
+        else:
+            m["files"]["table-000.safetensors"][key] = value
+
+    return edit
+
+
+def _set(key: str, value=None, delete: bool = False) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        if delete:
+            del m[key]
+        else:
+            m[key] = value
+
+    return edit
+
+
+def _extra_file(m: dict) -> None:
+    m["files"]["extra.safetensors"] = {"sha256": "0" * 64, "bytes": 0}
+
+
+def _duplicate(part: str) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        m[part][1]["name"] = m[part][0]["name"]
+
+    return edit
+
+
+def _params(key: str, value=None, delete: bool = False) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:  # table 1 is fixed_r8
+        if delete:
+            del m["tables"][1]["params"][key]
+        else:
+            m["tables"][1]["params"][key] = value
+
+    return edit
+
+
+# (id, edit of the manifest dict or the raw bytes, what the error must say)
+CORRUPT = [
+    ("not-json", b"{not json", r"is not valid JSON"),
+    ("not-utf8", b"\xff\xfe{}", r"is not valid JSON"),
+    ("list", b"[1, 2]", r"not an embengine export"),
+    ("no-source-step", _set("source_step", delete=True), r"has no 'source_step'"),
+    ("source-step-negative", _set("source_step", -1), r"\['source_step'\] must be an int >= 0"),
+    ("no-tables", _set("tables", delete=True), r"has no 'tables'"),
+    ("tables-object", _set("tables", {}), r"\['tables'\] must be a list"),
+    ("tables-empty", _set("tables", []), r"lists no tables"),
+    ("table-not-object", lambda m: m["tables"].__setitem__(0, "one"), r"tables\[0\] must be an"),
+    ("no-table-name", _t(0, "name", delete=True), r"tables\[0\] has no 'name'"),
+    ("table-name-int", _t(0, "name", 5), r"tables\[0\]\['name'\] must be a non-empty string"),
+    ("duplicate-table", _duplicate("tables"), r"table name 'one' appears twice"),
+    ("no-vocabulary", _t(0, "vocabulary_size", delete=True), r"has no 'vocabulary_size'"),
+    ("vocabulary-str", _t(0, "vocabulary_size", "60"), r"\['vocabulary_size'\] must be an int"),
+    ("vocabulary-zero", _t(0, "vocabulary_size", 0), r"\['vocabulary_size'\] must be an int >= 1"),
+    ("dim-bool", _t(0, "dim", True), r"tables\[0\]\['dim'\] must be an int >= 1, got True"),
+    ("dim-float", _t(0, "dim", 8.0), r"tables\[0\]\['dim'\] must be an int >= 1, got 8.0"),
+    ("no-combiner", _t(0, "combiner", delete=True), r"has no 'combiner'"),
+    ("combiner-max", _t(0, "combiner", "max"), r"\['combiner'\] must be one of"),
+    ("no-compression", _t(0, "compression", delete=True), r"has no 'compression'"),
+    ("compression-int4", _t(0, "compression", "int4"), r"\['compression'\] must be one of"),
+    ("params-null", _t(0, "params", None), r"tables\[0\]\['params'\] must be an object"),
+    ("fixed-range-missing", _params("fixed_range", delete=True), r"fixed_range'\] must be a"),
+    ("fixed-range-negative", _params("fixed_range", -1.0), r"fixed_range'\] must be a finite"),
+    ("fixed-range-nan", _params("fixed_range", float("nan")), r"fixed_range'\] must be a finite"),
+    ("fixed-range-str", _params("fixed_range", "1"), r"fixed_range'\] must be a finite"),
+    ("quantization-list", _t(0, "quantization_config", [5, 0, 1]), r"must be an object or null"),
+    ("quantization-keys", _t(0, "quantization_config", {"num_buckets": 5}), r"keys \['num_b"),
+    (
+        "quantization-values",
+        _t(0, "quantization_config", {"num_buckets": 1, "lower": 0.0, "upper": 1.0}),
+        r"num_buckets must be an int >= 2",
+    ),
+    (
+        "quantization-str",
+        _t(0, "quantization_config", {"num_buckets": 5, "lower": "a", "upper": 1.0}),
+        r"values must be numbers",
+    ),
+    ("no-file", _t(0, "file", delete=True), r"tables\[0\] has no 'file'"),
+    ("file-int", _t(0, "file", 3), r"tables\[0\]\['file'\] must be a non-empty string"),
+    ("file-unlisted", _t(0, "file", "other.safetensors"), r"reads 'other.safetensors', which"),
+    ("file-shared", _t(1, "file", "table-000.safetensors"), r"tables\[0\] and tables\[1\] share"),
+    ("files-list", _set("files", []), r"\['files'\] must be an object"),
+    (
+        "files-entry-str",
+        lambda m: m["files"].__setitem__("table-000.safetensors", "abc"),
+        r"files\['table-000.safetensors'\] must be an object",
+    ),
+    ("files-no-sha", _file0("sha256", delete=True), r"has no 'sha256'"),
+    ("files-sha-int", _file0("sha256", 5), r"\['sha256'\] must be a SHA-256"),
+    ("files-sha-short", _file0("sha256", "abc"), r"\['sha256'\] must be a SHA-256"),
+    ("files-no-bytes", _file0("bytes", delete=True), r"has no 'bytes'"),
+    ("files-bytes-str", _file0("bytes", "1984"), r"\['bytes'\] must be an int >= 0"),
+    ("files-bytes-negative", _file0("bytes", -1), r"\['bytes'\] must be an int >= 0"),
+    (
+        "files-pickle",
+        lambda m: m["files"].__setitem__("model.pkl", {"sha256": "0" * 64, "bytes": 1}),
+        r"manifest lists 'model.pkl'",
+    ),
+    (
+        "files-hidden",
+        lambda m: m["files"].__setitem__(".x.safetensors", {"sha256": "0" * 64, "bytes": 1}),
+        r"manifest lists '.x.safetensors'",
+    ),
+    ("files-unused", _extra_file, r"files 'extra.safetensors' belong to no table"),
+    ("no-features", _set("features", delete=True), r"has no 'features'"),
+    ("features-object", _set("features", {}), r"\['features'\] must be a list"),
+    ("features-empty", _set("features", []), r"lists no features"),
+    ("feature-not-object", lambda m: m["features"].__setitem__(0, 1), r"features\[0\] must be"),
+    ("no-feature-name", _f(0, "name", delete=True), r"features\[0\] has no 'name'"),
+    ("duplicate-feature", _duplicate("features"), r"feature name 'one' appears twice"),
+    ("feature-table-unknown", _f(0, "table", "nope"), r"looks up table 'nope', which"),
+    ("no-feature-table", _f(0, "table", delete=True), r"features\[0\] has no 'table'"),
+    ("no-sequence-length", _f(0, "max_sequence_length", delete=True), r"'max_sequence_length'"),
+    ("sequence-length-negative", _f(2, "max_sequence_length", -2), r"must be an int >= 0"),
+    ("validate-str", _f(0, "validate_weights_and_indices", "yes"), r"must be true or false"),
+    ("no-output-shape", _f(0, "output_shape", delete=True), r"has no 'output_shape'"),
+    ("output-shape-str", _f(0, "output_shape", "3x2"), r"must be a list of ints or null"),
+    ("output-shape-items", _f(0, "output_shape", ["a"]), r"output_shape must be a non-empty"),
+    # Tensor headers that do not match the manifest (right checksums, wrong description).
+    (
+        "vocabulary-mismatch",
+        _t(0, "vocabulary_size", 61),
+        r"tensor 'weights' has dtype F16 and shape \[60, 8\], expected F16 and shape \[61, 8\]",
+    ),
+    ("dim-mismatch", _t(1, "dim", 5), r"shape \[50, 4\], expected I8 and shape \[50, 5\]"),
+    ("vocabulary-bomb", _t(0, "vocabulary_size", 200_000_000), r"expected F16 and shape \[2000"),
+    ("dtype-mismatch", _t(0, "compression", "fp32"), r"has dtype F16 .* expected F32"),
+    (
+        "fp16-as-rowwise",
+        _t(0, "compression", "int8_rowwise"),
+        r"holds tensors \['weights'\], expected \['bias', 'scale', 'weights'\]",
+    ),
+    (
+        "rowwise-as-fixed",
+        lambda m: m["tables"][2].update(compression="fixed_r8", params={"fixed_range": 1.0}),
+        r"holds tensors \['bias', 'scale', 'weights'\], expected \['weights'\]",
+    ),
+]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("edit, words", [c[1:] for c in CORRUPT], ids=[c[0] for c in CORRUPT])
+def test_corrupt_export_manifests_are_refused(exported, edit, words, verify):
+    if isinstance(edit, bytes):
+        raw = edit
+    else:
+        manifest = json.loads((exported / "manifest.json").read_text())
+        edit(manifest)
+        raw = json.dumps(manifest).encode()
+    _write_manifest(exported, raw)
+    with pytest.raises(CheckpointError, match=words):
+        ServingEngine.load(exported, verify=verify)
+    with pytest.raises(CheckpointError, match=words):
+        read_serving_manifest(exported, verify=verify)  # what `embengine inspect` reads
+
+
+def _safetensors(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize("case", ["short-range", "extra-tensor", "bad-offsets"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_table_files_whose_header_disagrees_are_refused(exported, case, verify):
+    """Rewritten table files with their checksums and sizes updated: only the header check can
+    refuse them."""
+    f = exported / "table-000.safetensors"  # fp16 weights [60, 8]
+    data = b"\0" * (60 * 8 * 2)
+    weights = {"dtype": "F16", "shape": [60, 8], "data_offsets": [0, len(data)]}
+    if case == "short-range":
+        weights["data_offsets"] = [0, 2]
+        header = {"weights": weights}
+    elif case == "extra-tensor":
+        header = {"weights": weights, "more": {"dtype": "I8", "shape": [0], "data_offsets": [0, 0]}}
+    else:
+        weights["data_offsets"] = "all"
+        header = {"weights": weights}
+    f.write_bytes(_safetensors(header, data))
+    manifest = json.loads((exported / "manifest.json").read_text())
+    manifest["files"]["table-000.safetensors"] = {
+        "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+        "bytes": f.stat().st_size,
+    }
+    _write_manifest(exported, manifest)
+    with pytest.raises(CheckpointError, match=r"table-000.safetensors.*table 'one'"):
+        ServingEngine.load(exported, verify=verify)
