@@ -13,10 +13,16 @@ __all__ = ["describe"]
 
 
 def _format_of(path: Path) -> str:
+    """The format a folder's manifest names; a folder of checkpoints, or a manifest that is not
+    a JSON object, goes to read_manifest, which picks the newest or says what is wrong."""
     manifest = path / "manifest.json"
     if manifest.is_file():
-        return json.loads(manifest.read_text()).get("format", "?")
-    return FORMAT  # a folder of checkpoints: read_manifest picks the newest
+        try:
+            data = json.loads(manifest.read_bytes())
+        except (ValueError, RecursionError):
+            return FORMAT
+        return data.get("format", FORMAT) if isinstance(data, dict) else FORMAT
+    return FORMAT
 
 
 def _tensors(file: Path) -> list[str]:
