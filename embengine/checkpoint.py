@@ -2,19 +2,28 @@
 
 Layout of ``engine.save(root)``::
 
-    root/ckpt-000007-step000000001000/  the 7th checkpoint written under root, at step 1000
+    root/ckpt-000007-step000000001000/  the 7th checkpoint committed under root, at step 1000
         manifest.json                   format, version, seed, step, every table / feature /
-                                        optimizer (hyperparameters), learning-rate tags, and the
-                                        SHA-256 and size of every file
+                                        optimizer (hyperparameters), learning-rate tags, whether
+                                        every table was finite, and the SHA-256 and size of every
+                                        file
         manifest.sha256                 the SHA-256 of manifest.json
         table-000.safetensors           "{table}" (weights) and "{table}/{slot}" per slot, under
         table-001.safetensors           TF's slot names
         extra.safetensors               optional caller tensors (e.g. the dense model)
 
-Saving. A save writes into ``root/.tmp-*``, fsyncs every file and the directory, then renames
-it into place (atomic), so the newest complete checkpoint is always readable, even if the
-process is killed mid-save; only then are the oldest checkpoints beyond ``keep`` (in the order
-they were written) renamed away and deleted.
+Saving. A save writes into ``root/.tmp-ckpt-*``, fsyncs every file and the directory, then
+renames it into place (atomic), so the newest complete checkpoint is always readable, even if
+the process is killed mid-save. Saves to one root from several threads or processes do not
+interfere: each holds an flock on its own temporary folder while it writes (a later save
+removes only temporary folders nobody holds, i.e. those of killed saves), and the short steps
+that must not interleave (cleaning up, numbering, renaming, pruning) run under an flock of the
+root folder, so every save gets its own sequence number, in commit order. These are advisory
+POSIX locks on a local file system. After the commit, ``keep=N`` deletes (rename away, then
+remove) the checkpoints older than the newest N, except the newest one whose tables (weights
+and float slots) were all finite when written: the manifest records that (``"finite"``,
+checked chunk by chunk while writing), so NaN reaching the tables never costs the last good
+checkpoint. Manifests written before the flag existed count as finite.
 
 Loading. ``restore``, ``load``, ``read_manifest`` (export, inspect) check, in this order and
 before any engine is built or any table byte changes:
@@ -54,7 +63,9 @@ RAM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -253,6 +264,104 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _lock(fd: int, path: Path, flags: int) -> None:
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot lock {path} ({e.strerror}): saving checkpoints needs a file "
+            "system with flock (a local one)"
+        ) from e  # fmt: skip
+
+
+def _unlock(fd: int) -> None:
+    """Unlock explicitly before closing: a child forked meanwhile (a data loader's worker)
+    shares the open file description, and would otherwise keep the lock until it exits."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive flock of the folder ``path`` for the block (blocks until free). flock locks
+    belong to an open file description, so two threads of one process exclude each other too;
+    the kernel releases the lock when its holder dies."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _lock(fd, path, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        _unlock(fd)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Under the root's lock: remove the temporary folders of killed saves (nobody holds their
+    lock; a running save, in this process or another, does), half-deleted checkpoints and
+    trash of killed prunes (pruning happens under the root's lock, so any trash seen here is
+    stale)."""
+    for tmp in root.glob(".tmp-ckpt-*"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:  # removed meanwhile
+            continue
+        try:
+            _lock(fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a save is writing into it
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(fd)
+    for trash in root.glob(".trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
+    for p in root.iterdir():
+        if _NAME.match(p.name) and not (p / "manifest.json").is_file():
+            _discard(p)
+
+
+def _written_finite(ckpt: Path) -> bool:
+    """Whether a checkpoint's manifest says every table was finite when written (manifests
+    without the flag predate it: finite). An unreadable manifest is not a good checkpoint."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("finite", True) is True
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Under the root's lock: discard all but the newest ``keep`` checkpoints and the newest
+    one whose tables were all finite."""
+    done = list_checkpoints(root)
+    good = next((p for p in reversed(done) if _written_finite(p)), None)
+    for old in done[:-keep]:
+        if old != good:
+            _discard(old)
+
+
+class _FiniteCheck:
+    """Sees every chunk of a table's float arrays as it is written (write_safetensors'
+    ``on_chunk``) and remembers whether all were finite; after the first NaN/Inf it stops
+    looking. One vectorised pass over data the writer reads anyway."""
+
+    def __init__(self) -> None:
+        self.finite = True
+
+    def __call__(self, name: str, chunk: np.ndarray) -> None:
+        if self.finite and chunk.dtype.kind == "f" and not np.isfinite(chunk).all():
+            self.finite = False
+
+
 def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
          extra_tensors: Mapping[str, np.ndarray] | None = None,
          extra_metadata: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
@@ -261,24 +370,42 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    # Leftovers of killed saves and deletions (a complete checkpoint always has its manifest).
-    for stale in [*root.glob(".tmp-*"), *root.glob(".trash-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    for p in root.iterdir():
-        if _NAME.match(p.name) and not (p / "manifest.json").is_file():
-            _discard(p)
     step = engine.step
-    seqs = [int(_NAME.match(p.name)[1]) for p in root.iterdir() if _NAME.match(p.name)]
-    final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with _locked(root):
+        _remove_leftovers(root)
+        # Created and locked under the root's lock, so no other save sees it unlocked.
+        tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        tmp_fd = os.open(tmp, os.O_RDONLY)
+        try:
+            _lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: never contended
+        except BaseException:
+            os.close(tmp_fd)
+            raise
+    try:
+        final = _write(engine, root, tmp, step, keep, extra_tensors, extra_metadata)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _unlock(tmp_fd)
+    return final
+
+
+def _write(engine: EmbeddingEngine, root: Path, tmp: Path, step: int, keep: int | None,
+           extra_tensors: Mapping[str, np.ndarray] | None,
+           extra_metadata: Mapping[str, Any] | None) -> Path:  # fmt: skip
+    """Fill ``tmp`` (held locked by the caller), then number it and rename it into place."""
     spec = engine_spec(engine)
     files = {}
     for table, entry in zip(engine._tables, spec["tables"], strict=True):
         tensors = {table.name: table.weights}
         tensors.update({f"{table.name}/{n}": a for n, a in table.slots.items()})
+        check = _FiniteCheck()
         with table.sequential_access():
-            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name})
+            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name},
+                                       on_chunk=check)  # fmt: skip
+        entry["finite"] = check.finite
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -291,7 +418,9 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "step": step, **spec, "extra": extra, "files": files}  # fmt: skip
+                "step": step, **spec,
+                "finite": all(t["finite"] for t in spec["tables"]),
+                "extra": extra, "files": files}  # fmt: skip
     text = json.dumps(manifest, indent=1, default=_json_default).encode()
     for name, data in (("manifest.json", text),
                        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
@@ -300,11 +429,15 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
             f.flush()
             os.fsync(f.fileno())
     _fsync_dir(tmp)
-    os.rename(tmp, final)  # the commit point
-    _fsync_dir(root)
-    if keep is not None:
-        for old in list_checkpoints(root)[:-keep]:
-            _discard(old)
+    with _locked(root):
+        # Numbered at the commit, under the lock: concurrent saves get distinct numbers, and
+        # the highest number is the last committed.
+        seqs = [int(m[1]) for p in root.iterdir() if (m := _NAME.match(p.name))]
+        final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
+        os.rename(tmp, final)  # the commit point
+        _fsync_dir(root)
+        if keep is not None:
+            _prune(root, keep)
     return final
 
 
@@ -405,6 +538,7 @@ def _check_schema(ckpt: Path, m: dict) -> None:
           optional=True)  # fmt: skip
     s.get(m, "nonfinite_gradients", "", lambda v: isinstance(v, str) and v in NONFINITE_POLICIES,
           f"one of {NONFINITE_POLICIES}", optional=True)  # fmt: skip
+    s.get(m, "finite", "", lambda v: isinstance(v, bool), "true or false", optional=True)
     names: set[str] = set()
     for at, t in s.items(m, "tables", ""):
         name = s.get(t, "name", at, lambda v: isinstance(v, str) and v != "", "a non-empty string")
@@ -415,6 +549,7 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             s.get(t, key, at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         for key in ("combiner", "storage", "file"):
             s.get(t, key, at, lambda v: isinstance(v, str), "a string")
+        s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
         s.get(t, "quantization_config", at, lambda v: v is None or isinstance(v, dict),
               "null or an object", optional=True)  # fmt: skip
         init = s.obj(t, "initializer", at)

@@ -43,6 +43,10 @@ def describe(path: str | Path, verify: bool = True) -> str:
         root, manifest = read_manifest(path, verify)
         lines.append(f"checkpoint {root}: step {manifest['step']}, seed {manifest['seed']}, "
                      f"written by embengine {manifest['embengine_version']}")  # fmt: skip
+        bad = [t["name"] for t in manifest["tables"] if t.get("finite") is False]
+        if bad:
+            lines.append(f"NaN or Inf in tables {bad} when written (keep=N keeps the newest "
+                         "finite checkpoint besides this one)")  # fmt: skip
     total = sum(f["bytes"] for f in manifest["files"].values())
     lines.append(f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "
                  + ("verified" if verify else "not checked"))  # fmt: skip

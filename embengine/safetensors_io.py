@@ -52,8 +52,12 @@ def write_safetensors(
     path: str | Path,
     tensors: Mapping[str, np.ndarray],
     metadata: Mapping[str, str] | None = None,
+    on_chunk: Callable[[str, np.ndarray], None] | None = None,
 ) -> str:
-    """Write ``tensors`` to ``path`` in chunks, fsync it, and return its SHA-256 (hex)."""
+    """Write ``tensors`` to ``path`` in chunks, fsync it, and return its SHA-256 (hex).
+
+    ``on_chunk(name, chunk)`` sees every C-contiguous chunk of rows as it is written, so a
+    caller can inspect a table (e.g. for NaN) without reading it a second time."""
     header: dict = {}
     offset = 0
     for name, array in tensors.items():
@@ -75,8 +79,10 @@ def write_safetensors(
         for piece in (struct.pack("<Q", len(raw)), raw):
             f.write(piece)
             digest.update(piece)
-        for array in tensors.values():
+        for name, array in tensors.items():
             for chunk in _chunks(array):
+                if on_chunk is not None:
+                    on_chunk(name, chunk)
                 data = chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tobytes()
                 f.write(data)
                 digest.update(data)

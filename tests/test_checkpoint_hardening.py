@@ -1,15 +1,20 @@
 """Checkpoints against bad inputs: malformed manifests, file names that leave the checkpoint
-folder, tiny files declaring huge tables, restores that would fail halfway."""
+folder, tiny files declaring huge tables, restores that would fail halfway, concurrent saves to
+one root, and keep=N after NaN reached the tables."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
 import shutil
 import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +23,7 @@ import pytest
 import embengine as ee
 from embengine import checkpoint as ckpt_mod
 from embengine import optimizers as O
-from embengine.checkpoint import CheckpointError, read_manifest
+from embengine.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from embengine.inspect import describe
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
 from embengine.serving import export
@@ -530,3 +535,152 @@ def test_read_tensor_into_out_matches_the_memory_map(tmp_path):
             np.testing.assert_array_equal(big[:, 2:12], tensors["a"])
         finally:
             safetensors_io.CHUNK_BYTES = old
+
+
+# -- item 9: concurrent saves to one root ---------------------------------------------------------
+
+
+def _check_root(root: Path, expected: int) -> None:
+    """``expected`` complete, verified checkpoints numbered 1..expected, nothing else left."""
+    done = list_checkpoints(root)
+    seqs = sorted(int(p.name[5:11]) for p in done)
+    assert seqs == list(range(1, expected + 1)), [p.name for p in done]
+    for p in done:
+        read_manifest(p, verify=True)
+    left = [p.name for p in root.iterdir() if p not in done]
+    assert not left, f"left behind: {left}"
+
+
+def test_two_threads_saving_to_one_root(tmp_path):
+    root = tmp_path / "ck"
+    engines = [_engine(seed=s, vocab=20_000, dim=16) for s in (1, 2)]
+    barrier = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+    saves = 8
+
+    def run(eng):
+        try:
+            barrier.wait()
+            for _ in range(saves):
+                eng.save(root)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(e,), daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a save hung"
+    assert not errors, errors
+    _check_root(root, 2 * saves)
+
+
+def _save_in_process(root: str, seed: int, saves: int, barrier) -> None:
+    eng = _engine(seed=seed, vocab=20_000, dim=16)
+    barrier.wait()
+    for _ in range(saves):
+        eng.save(root)
+
+
+def test_two_processes_saving_to_one_root(tmp_path):
+    root = tmp_path / "ck"
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2, timeout=120)
+    saves = 6
+    procs = [ctx.Process(target=_save_in_process, args=(str(root), s, saves, barrier))
+             for s in (1, 2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 300
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert [p.exitcode for p in procs] == [0, 0]
+    _check_root(root, 2 * saves)
+
+
+def test_a_save_does_not_remove_the_temporary_folder_of_a_running_save(tmp_path):
+    """A save cleaning up leftovers skips a .tmp-ckpt-* folder whose save is still running (it
+    holds the folder's lock), and removes one nobody holds (a killed save's)."""
+    import fcntl
+
+    eng = _engine()
+    root = tmp_path / "ck"
+    root.mkdir()
+    running, killed = root / ".tmp-ckpt-step000000000000-1-aaaa", root / ".tmp-ckpt-x-2-bbbb"
+    for d in (running, killed):
+        d.mkdir()
+        (d / "table-000.safetensors").write_bytes(b"partial")
+    fd = os.open(running, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        eng.save(root)
+        assert running.is_dir() and (running / "table-000.safetensors").is_file()
+        assert not killed.exists()
+    finally:
+        os.close(fd)
+    eng.save(root)
+    assert not running.exists()
+
+
+def test_a_failed_save_removes_its_temporary_folder(tmp_path):
+    eng = _engine()
+    with pytest.raises(TypeError, match="extra_metadata"):
+        eng.save(tmp_path, extra_metadata={"x": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- item 11: keep=N never deletes the newest checkpoint whose tables are all finite --------------
+
+
+def test_keep_never_deletes_the_newest_finite_checkpoint(tmp_path):
+    eng = _engine()
+    _train(eng, 1)
+    good = eng.save(tmp_path, keep=1)
+    eng.embedding_tables["t"][3, 1] = np.nan  # NaN reached a table
+    _train(eng, 1)
+    bad1 = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad1]
+    manifest = read_manifest(bad1)[1]
+    assert manifest["finite"] is False
+    assert [t["finite"] for t in manifest["tables"]] == [False, True]
+    bad2 = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad2]
+    assert "NaN or Inf in tables ['t']" in describe(bad2)
+    # Once the tables are finite again, the new checkpoint is the one kept.
+    restored = _engine()
+    restored.restore(good)
+    fixed = restored.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [fixed]
+    assert read_manifest(fixed)[1]["finite"] is True
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_float_slot_counts_as_not_finite(tmp_path, value):
+    eng = _engine()
+    good = eng.save(tmp_path)
+    eng.slots("u")["linears"][14, 1] = value  # the last value written of table "u"
+    bad = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad]
+    assert [t["finite"] for t in read_manifest(bad)[1]["tables"]] == [True, False]
+
+
+def test_checkpoints_without_the_finite_flag_count_as_finite(tmp_path):
+    """Checkpoints written before the flag existed are kept as the last good one."""
+    eng = _engine()
+    old = eng.save(tmp_path)
+
+    def strip(m):
+        del m["finite"]
+        for t in m["tables"]:
+            del t["finite"]
+
+    _edit_manifest(old, strip)
+    eng.embedding_tables["u"][0, 0] = np.inf
+    bad = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [old, bad]
+    assert ee.EmbeddingEngine.load(old).step == 0
