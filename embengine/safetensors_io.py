@@ -178,10 +178,11 @@ def read_tensor(path: str | Path, name: str, out: np.ndarray | None = None,
     rows = target.shape[0]
     row_bytes = (hi - lo) // rows
     step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    buffer = np.empty((min(step, rows), *target.shape[1:]), dtype=dtype)  # reused: no new pages
     with open(path, "rb") as f:
         f.seek(start + lo)
         for i in range(0, rows, step):
-            chunk = np.empty((min(step, rows - i), *target.shape[1:]), dtype=dtype)
+            chunk = buffer[: min(step, rows - i)]
             got = f.readinto(memoryview(chunk).cast("B"))
             if got != chunk.nbytes:
                 raise ValueError(
