@@ -2,33 +2,77 @@
 
 Layout of ``engine.save(root)``::
 
-    root/ckpt-000007-step000000001000/  the 7th checkpoint written under root, at step 1000
+    root/ckpt-000007-step000000001000/  the 7th checkpoint committed under root, at step 1000
         manifest.json                   format, version, seed, step, every table / feature /
-                                        optimizer (hyperparameters), learning-rate tags, and the
-                                        SHA-256 and size of every file
+                                        optimizer (hyperparameters), learning-rate tags, whether
+                                        every table was finite, and the SHA-256 and size of every
+                                        file
         manifest.sha256                 the SHA-256 of manifest.json
         table-000.safetensors           "{table}" (weights) and "{table}/{slot}" per slot, under
         table-001.safetensors           TF's slot names
         extra.safetensors               optional caller tensors (e.g. the dense model)
 
-A save writes into ``root/.tmp-*``, fsyncs every file and the directory, then renames it into
-place (atomic), so the newest complete checkpoint is always readable, even if the process is
-killed mid-save; only then are the oldest checkpoints beyond ``keep`` (in the order they were
-written) renamed away and deleted. Loading verifies the format, version, every checksum and
-every tensor's name, dtype and shape before touching an engine, and never unpickles anything.
+Saving. A save writes into ``root/.tmp-ckpt-*``, fsyncs every file and the directory, then
+renames it into place (atomic), so the newest complete checkpoint is always readable, even if
+the process is killed mid-save. Saves to one root from several threads or processes do not
+interfere: each holds an flock on its own temporary folder while it writes (a later save
+removes only temporary folders nobody holds, i.e. those of killed saves), and the short steps
+that must not interleave (cleaning up, numbering, renaming, pruning) run under an flock of the
+root folder, so every save gets its own sequence number, in commit order. These are advisory
+POSIX locks on a local file system. After the commit, ``keep=N`` deletes (rename away, then
+remove) the checkpoints older than the newest N, except the newest one whose tables (weights
+and float slots) were all finite when written: the manifest records that (``"finite"``,
+checked chunk by chunk while writing), so NaN reaching the tables never costs the last good
+checkpoint. Manifests written before the flag existed count as finite.
+
+Loading. ``restore``, ``load``, ``read_manifest`` (export, inspect) check, in this order and
+before any engine is built or any table byte changes:
+
+1. the manifest: format, version, then one schema check of every key the loaders use (types,
+   presence, ``step`` an int >= 0, ...), naming the key and the checkpoint;
+2. every file the manifest names (tables' ``file``, ``extra.file``, every key of ``files``) is
+   a plain ``*.safetensors`` name inside the checkpoint folder (no path, no ``..``, no leading
+   dot), listed in ``files`` with its SHA-256 and size, and a regular file (not a symlink) of
+   exactly that size;
+3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256;
+4. every file's safetensors header: each tensor's dtype and shape are those the manifest
+   describes, and its data range lies inside the file and holds exactly the bytes its shape
+   needs. A small file can therefore never make ``load`` allocate a large table.
+
+``verify=False`` skips only the hashing (3), never 1, 2 or 4. Nothing is ever unpickled.
+
+What the checksums protect: SHA-256 of the files and of manifest.json catch accidental
+corruption (truncation, bit flips, a file replaced by another one). They do not protect against
+tampering: ``manifest.sha256`` is a plain hash, not a signature, so anyone who can write the
+folder can rewrite a file and both hashes. Load checkpoints only from sources you trust with
+your model; the checks above only guarantee that such a checkpoint cannot make embengine read
+files outside its folder, allocate more than its files hold, or raise anything but
+CheckpointError for a malformed manifest.
+
+What a restore guarantees: every check above passes before the first table byte changes, so a
+checkpoint that is corrupt at rest leaves the engine bit-identical. It does not make the copy
+itself atomic (that would need a second copy of every table): if reading fails midway (an I/O
+error, or a file modified or truncated while it is being copied), the tables already copied and
+part of the current one hold the checkpoint's values, the engine's step is unchanged, and the
+CheckpointError says so; restore again before using the engine. Tables are read with ordinary
+reads, so a file truncated during the copy is an error, not a SIGBUS.
+
 Tables are written and read in chunks of rows, so memory stays bounded for tables larger than
 RAM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -41,7 +85,7 @@ import numpy as np
 from . import initializers as _init
 from . import optimizers as _opt
 from .config import FeatureConfig, QuantizationConfig, TableConfig
-from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
+from .safetensors_io import NUMPY, read_header, read_tensor, sha256_file, write_safetensors
 
 if TYPE_CHECKING:
     from .engine import EmbeddingEngine
@@ -220,6 +264,104 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _lock(fd: int, path: Path, flags: int) -> None:
+    try:
+        fcntl.flock(fd, flags)
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot lock {path} ({e.strerror}): saving checkpoints needs a file "
+            "system with flock (a local one)"
+        ) from e  # fmt: skip
+
+
+def _unlock(fd: int) -> None:
+    """Unlock explicitly before closing: a child forked meanwhile (a data loader's worker)
+    shares the open file description, and would otherwise keep the lock until it exits."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive flock of the folder ``path`` for the block (blocks until free). flock locks
+    belong to an open file description, so two threads of one process exclude each other too;
+    the kernel releases the lock when its holder dies."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _lock(fd, path, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        _unlock(fd)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Under the root's lock: remove the temporary folders of killed saves (nobody holds their
+    lock; a running save, in this process or another, does), half-deleted checkpoints and
+    trash of killed prunes (pruning happens under the root's lock, so any trash seen here is
+    stale)."""
+    for tmp in root.glob(".tmp-ckpt-*"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:  # removed meanwhile
+            continue
+        try:
+            _lock(fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a save is writing into it
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(fd)
+    for trash in root.glob(".trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
+    for p in root.iterdir():
+        if _NAME.match(p.name) and not (p / "manifest.json").is_file():
+            _discard(p)
+
+
+def _written_finite(ckpt: Path) -> bool:
+    """Whether a checkpoint's manifest says every table was finite when written (manifests
+    without the flag predate it: finite). An unreadable manifest is not a good checkpoint."""
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("finite", True) is True
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Under the root's lock: discard all but the newest ``keep`` checkpoints and the newest
+    one whose tables were all finite."""
+    done = list_checkpoints(root)
+    good = next((p for p in reversed(done) if _written_finite(p)), None)
+    for old in done[:-keep]:
+        if old != good:
+            _discard(old)
+
+
+class _FiniteCheck:
+    """Sees every chunk of a table's float arrays as it is written (write_safetensors'
+    ``on_chunk``) and remembers whether all were finite; after the first NaN/Inf it stops
+    looking. One vectorised pass over data the writer reads anyway."""
+
+    def __init__(self) -> None:
+        self.finite = True
+
+    def __call__(self, name: str, chunk: np.ndarray) -> None:
+        if self.finite and chunk.dtype.kind == "f" and not np.isfinite(chunk).all():
+            self.finite = False
+
+
 def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
          extra_tensors: Mapping[str, np.ndarray] | None = None,
          extra_metadata: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
@@ -228,24 +370,42 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    # Leftovers of killed saves and deletions (a complete checkpoint always has its manifest).
-    for stale in [*root.glob(".tmp-*"), *root.glob(".trash-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    for p in root.iterdir():
-        if _NAME.match(p.name) and not (p / "manifest.json").is_file():
-            _discard(p)
     step = engine.step
-    seqs = [int(_NAME.match(p.name)[1]) for p in root.iterdir() if _NAME.match(p.name)]
-    final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    with _locked(root):
+        _remove_leftovers(root)
+        # Created and locked under the root's lock, so no other save sees it unlocked.
+        tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        tmp_fd = os.open(tmp, os.O_RDONLY)
+        try:
+            _lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: never contended
+        except BaseException:
+            os.close(tmp_fd)
+            raise
+    try:
+        final = _write(engine, root, tmp, step, keep, extra_tensors, extra_metadata)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _unlock(tmp_fd)
+    return final
+
+
+def _write(engine: EmbeddingEngine, root: Path, tmp: Path, step: int, keep: int | None,
+           extra_tensors: Mapping[str, np.ndarray] | None,
+           extra_metadata: Mapping[str, Any] | None) -> Path:  # fmt: skip
+    """Fill ``tmp`` (held locked by the caller), then number it and rename it into place."""
     spec = engine_spec(engine)
     files = {}
     for table, entry in zip(engine._tables, spec["tables"], strict=True):
         tensors = {table.name: table.weights}
         tensors.update({f"{table.name}/{n}": a for n, a in table.slots.items()})
+        check = _FiniteCheck()
         with table.sequential_access():
-            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name})
+            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name},
+                                       on_chunk=check)  # fmt: skip
+        entry["finite"] = check.finite
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -258,7 +418,9 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "step": step, **spec, "extra": extra, "files": files}  # fmt: skip
+                "step": step, **spec,
+                "finite": all(t["finite"] for t in spec["tables"]),
+                "extra": extra, "files": files}  # fmt: skip
     text = json.dumps(manifest, indent=1, default=_json_default).encode()
     for name, data in (("manifest.json", text),
                        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
@@ -267,11 +429,15 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
             f.flush()
             os.fsync(f.fileno())
     _fsync_dir(tmp)
-    os.rename(tmp, final)  # the commit point
-    _fsync_dir(root)
-    if keep is not None:
-        for old in list_checkpoints(root)[:-keep]:
-            _discard(old)
+    with _locked(root):
+        # Numbered at the commit, under the lock: concurrent saves get distinct numbers, and
+        # the highest number is the last committed.
+        seqs = [int(m[1]) for p in root.iterdir() if (m := _NAME.match(p.name))]
+        final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
+        os.rename(tmp, final)  # the commit point
+        _fsync_dir(root)
+        if keep is not None:
+            _prune(root, keep)
     return final
 
 
@@ -285,7 +451,234 @@ def _json_default(value):
     raise TypeError(f"extra_metadata holds {type(value).__name__}, which is not JSON")
 
 
-# -- loading --------------------------------------------------------------------------------------
+# -- loading: the manifest's schema ---------------------------------------------------------------
+
+# A file a manifest names: a plain name inside the checkpoint folder (no path, no "..", no leading
+# dot), of a safetensors file; embengine writes table-000.safetensors and extra.safetensors.
+_PLAIN_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SLOT_DTYPES = {"float32": "F32", "int32": "I32"}
+_MISSING = object()
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _file_name_problem(name) -> str | None:
+    """Why ``name`` may not be read as a file of a checkpoint, or None."""
+    if not isinstance(name, str):
+        return f"is {type(name).__name__}, not a file name"
+    if not _PLAIN_FILE.fullmatch(name) or ".." in name:
+        return (f"{name!r} is not a plain *.safetensors name inside the checkpoint folder "
+                "(letters, digits, '_', '-', '.'; no path, no '..', no leading dot): embengine "
+                "reads only the checkpoint's own safetensors files, never pickle")  # fmt: skip
+    return None
+
+
+class _Schema:
+    """Type and presence checks of manifest keys, raising CheckpointError naming the key (as
+    ``tables[1].optimizer.params``) and the manifest."""
+
+    def __init__(self, ckpt: Path):
+        self.where = ckpt / "manifest.json"
+
+    def fail(self, key: str, problem: str) -> None:
+        raise CheckpointError(f"{self.where}: {key} {problem}")
+
+    def get(self, obj: dict, key: str, at: str, ok: Callable[[Any], bool], what: str,
+            optional: bool = False) -> Any:  # fmt: skip
+        """``obj[key]`` if ``ok`` accepts it (``what`` describes what it accepts); None if
+        ``optional`` and absent."""
+        name = f"{at}.{key}" if at else key
+        value = obj.get(key, _MISSING)
+        if value is _MISSING:
+            if optional:
+                return None
+            self.fail(name, "is missing")
+        if not ok(value):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            self.fail(name, f"must be {what}, got {shown}")
+        return value
+
+    def obj(self, obj: dict, key: str, at: str, optional: bool = False) -> dict | None:
+        return self.get(obj, key, at, lambda v: isinstance(v, dict), "an object", optional)
+
+    def items(self, obj: dict, key: str, at: str, empty: bool = False) -> list[tuple[str, dict]]:
+        """(path, entry) of each object in the list ``obj[key]`` (which may be empty only if
+        ``empty``)."""
+        entries = self.get(obj, key, at, lambda v: isinstance(v, list) and (empty or len(v) > 0),
+                           "a list" if empty else "a non-empty list")  # fmt: skip
+        out = []
+        for i, entry in enumerate(entries):
+            path = f"{at}.{key}[{i}]" if at else f"{key}[{i}]"
+            if not isinstance(entry, dict):
+                self.fail(path, f"must be an object, got {type(entry).__name__}")
+            out.append((path, entry))
+        return out
+
+
+def _check_schema(ckpt: Path, m: dict) -> None:
+    """Every key the loaders (restore, load, export, inspect) read, with its type; then the file
+    names; then the values, by building the table and feature configs load() builds. Runs
+    before anything else reads the manifest, so a malformed manifest is always a
+    CheckpointError naming the key, never a KeyError or TypeError from deep inside a loader."""
+    from .engine import BACKENDS, NONFINITE_POLICIES
+
+    s = _Schema(ckpt)
+    s.get(m, "step", "", lambda v: _is_int(v) and v >= 0, "an int >= 0")
+    s.get(m, "seed", "", _is_int, "an int")
+    s.get(m, "embengine_version", "", lambda v: isinstance(v, str), "a string")
+    s.get(m, "backend", "", lambda v: isinstance(v, str) and v in BACKENDS, f"one of {BACKENDS}",
+          optional=True)  # fmt: skip
+    s.get(m, "nonfinite_gradients", "", lambda v: isinstance(v, str) and v in NONFINITE_POLICIES,
+          f"one of {NONFINITE_POLICIES}", optional=True)  # fmt: skip
+    s.get(m, "finite", "", lambda v: isinstance(v, bool), "true or false", optional=True)
+    names: set[str] = set()
+    for at, t in s.items(m, "tables", ""):
+        name = s.get(t, "name", at, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+        if name in names:
+            s.fail(f"{at}.name", f"{name!r} names an earlier table too")
+        names.add(name)
+        for key in ("vocabulary_size", "dim"):
+            s.get(t, key, at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        for key in ("combiner", "storage", "file"):
+            s.get(t, key, at, lambda v: isinstance(v, str), "a string")
+        s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
+        s.get(t, "quantization_config", at, lambda v: v is None or isinstance(v, dict),
+              "null or an object", optional=True)  # fmt: skip
+        init = s.obj(t, "initializer", at)
+        s.get(init, "class", f"{at}.initializer", lambda v: isinstance(v, str), "a string")
+        s.obj(init, "params", f"{at}.initializer", optional=True)
+        opt = s.obj(t, "optimizer", at)
+        s.get(opt, "class", f"{at}.optimizer", lambda v: isinstance(v, str), "a string")
+        params = s.obj(opt, "params", f"{at}.optimizer")
+        lr_at = f"{at}.optimizer.params"
+        lr = s.obj(params, "learning_rate", lr_at)
+        lr_at += ".learning_rate"
+        if "constant" in lr:
+            s.get(lr, "constant", lr_at, _is_number, "a number")
+        else:
+            s.get(lr, "tag", lr_at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
+            s.get(lr, "callable", lr_at, lambda v: isinstance(v, str), "a string", optional=True)
+        for slot_at, slot in s.items(t, "slots", at, empty=True):
+            s.get(slot, "name", slot_at, lambda v: isinstance(v, str) and v != "",
+                  "a non-empty string")  # fmt: skip
+            s.get(slot, "width", slot_at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+            s.get(slot, "initial_value", slot_at, _is_number, "a number")
+            s.get(slot, "dtype", slot_at, lambda v: isinstance(v, str) and v in _SLOT_DTYPES,
+                  f"one of {sorted(_SLOT_DTYPES)}")  # fmt: skip
+    features: set[str] = set()
+    for at, f in s.items(m, "features", ""):
+        name = s.get(f, "name", at, lambda v: isinstance(v, str) and v != "", "a non-empty string")
+        if name in features:
+            s.fail(f"{at}.name", f"{name!r} names an earlier feature too")
+        features.add(name)
+        s.get(f, "table", at, lambda v: isinstance(v, str) and v in names,
+              f"one of the tables {sorted(names)}")  # fmt: skip
+        s.get(f, "max_sequence_length", at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
+        s.get(f, "validate_weights_and_indices", at, lambda v: isinstance(v, bool),
+              "true or false")  # fmt: skip
+        s.get(f, "output_shape", at,
+              lambda v: v is None or (isinstance(v, list) and all(_is_int(d) for d in v)),
+              "null or a list of ints")  # fmt: skip
+    files = s.obj(m, "files", "")
+    for name, info in files.items():
+        problem = _file_name_problem(name)
+        if problem is not None:
+            s.fail("files", f"key {problem}")
+        at = f"files[{name!r}]"
+        if not isinstance(info, dict):
+            s.fail(at, f"must be an object, got {type(info).__name__}")
+        s.get(info, "sha256", at, lambda v: isinstance(v, str) and _SHA256.fullmatch(v),
+              "64 lowercase hex digits")  # fmt: skip
+        s.get(info, "bytes", at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
+    extra = s.obj(m, "extra", "")
+    s.get(extra, "file", "extra", lambda v: v is None or isinstance(v, str), "null or a string")
+    s.obj(extra, "metadata", "extra")
+    named = [(f"{at}.file", t["file"]) for at, t in s.items(m, "tables", "")]
+    if extra["file"] is not None:
+        named.append(("extra.file", extra["file"]))
+    for key, name in named:
+        problem = _file_name_problem(name)
+        if problem is not None:
+            s.fail(key, problem)
+        if name not in files:
+            s.fail(key, f"{name!r} is not listed in files (every file needs its sha256 and size)")
+    _configs(ckpt, m, _AnyTag())  # the values: what the configs accept
+
+
+class _AnyTag(Mapping):
+    """Callables for the schema check: every tag has a stand-in function, so a manifest whose
+    learning rate was a callable is checked without the caller's function."""
+
+    def __getitem__(self, tag: int) -> Callable:
+        return _stand_in
+
+    def __contains__(self, tag) -> bool:
+        return True
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _stand_in(step: int) -> float:
+    return 0.01
+
+
+def _table_config(ckpt: Path, at: str, t: dict, callables: Mapping[int, Callable]) -> TableConfig:
+    """The TableConfig a checked manifest entry describes, whose optimizer's slots are the
+    stored ones; CheckpointError for values the configs refuse (the schema checks types)."""
+    try:
+        opt = optimizer_from_json(t["optimizer"], callables)
+        q = t.get("quantization_config")
+        cfg = TableConfig(
+            t["vocabulary_size"], t["dim"],
+            initializer=initializer_from_json(t["initializer"]), optimizer=opt,
+            combiner=t["combiner"], name=t["name"],
+            quantization_config=None if q is None else QuantizationConfig(**q),
+        )  # fmt: skip
+        slots = [dataclasses.asdict(s) for s in opt.slot_specs(cfg.dim)]
+    except (TypeError, ValueError) as e:  # CheckpointError too: add where it is
+        raise CheckpointError(f"{ckpt / 'manifest.json'}: {at} ({t['name']!r}): {e}") from None
+    # Before the engine allocates anything: its slots must be the ones the files hold.
+    if slots != t["slots"]:
+        raise CheckpointError(
+            f"{ckpt / 'manifest.json'}: {at}.slots {t['slots']} are not the slots of its "
+            f"optimizer {t['optimizer']['class']} ({slots})"
+        )
+    return cfg
+
+
+def _configs(ckpt: Path, manifest: dict,
+             callables: Mapping[int, Callable]) -> dict[str, FeatureConfig]:  # fmt: skip
+    """The feature configs (with their tables) a type-checked manifest describes; a
+    CheckpointError naming the entry for values the configs refuse."""
+    tables = {t["name"]: _table_config(ckpt, f"tables[{i}]", t, callables)
+              for i, t in enumerate(manifest["tables"])}  # fmt: skip
+    features = {}
+    for i, f in enumerate(manifest["features"]):
+        try:
+            features[f["name"]] = FeatureConfig(
+                tables[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
+                None if f["output_shape"] is None else tuple(f["output_shape"]),
+            )  # fmt: skip
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{ckpt / 'manifest.json'}: features[{i}] ({f['name']!r}): {e}"
+            ) from None
+    return features
+
+
+# -- loading: files -------------------------------------------------------------------------------
 
 
 def _resolve(path: str | Path) -> Path:
@@ -298,14 +691,17 @@ def _resolve(path: str | Path) -> Path:
     return latest
 
 
-def read_manifest(path: str | Path, verify: bool = True) -> tuple[Path, dict]:
-    """(checkpoint directory, manifest) after checking format, version and, with ``verify``,
-    every file's size and SHA-256."""
+Headers = dict[str, tuple[dict, int]]
+
+
+def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
+    """(checkpoint directory, manifest, every file's checked safetensors header by name) after
+    every check of the module docstring; ``verify=False`` skips only the hashing."""
     ckpt = _resolve(path)
     raw = (ckpt / "manifest.json").read_bytes()
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, too many digits, too deep
         raise CheckpointError(f"{ckpt / 'manifest.json'} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         fmt = manifest.get("format") if isinstance(manifest, dict) else None
@@ -313,73 +709,90 @@ def read_manifest(path: str | Path, verify: bool = True) -> tuple[Path, dict]:
             f"{ckpt}: not an embengine checkpoint (format {fmt!r}); embengine never loads "
             "pickled or foreign formats"
         )
-    if manifest.get("format_version") != FORMAT_VERSION:
+    version = manifest.get("format_version")
+    if not _is_int(version) or version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{ckpt}: format version {manifest.get('format_version')!r} is not supported "
+            f"{ckpt}: format version {version!r} is not supported "
             f"(this embengine reads version {FORMAT_VERSION})"
         )
-    files = manifest.get("files", {})
-    for name in files:
-        if not name.endswith(".safetensors") or "/" in name or name.startswith("."):
-            raise CheckpointError(
-                f"{ckpt}: manifest lists {name!r}; only safetensors files are loaded, never pickle"
-            )
+    _check_schema(ckpt, manifest)
     digest_file = ckpt / "manifest.sha256"
     if verify and (
         not digest_file.is_file()
-        or digest_file.read_text().strip() != hashlib.sha256(raw).hexdigest()
+        or digest_file.read_bytes().strip() != hashlib.sha256(raw).hexdigest().encode()
     ):
         raise CheckpointError(
             f"checksum mismatch in {ckpt / 'manifest.json'}: the manifest was modified (or "
             "manifest.sha256 is missing)"
         )
+    files = manifest["files"]
+    for name, info in files.items():
+        file = ckpt / name
+        try:
+            st = os.lstat(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{file} is not a regular file (a symbolic link, folder or device): checkpoint "
+                "files must be the folder's own files"
+            )
+        if st.st_size != info["bytes"]:
+            raise CheckpointError(
+                f"{file} has {st.st_size} bytes, the manifest says {info['bytes']} "
+                "(truncated or replaced)"
+            )
     if verify:
         for name, info in files.items():
-            file = ckpt / name
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing")
-            if file.stat().st_size != info["bytes"]:
-                raise CheckpointError(
-                    f"{file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
-                    "(truncated or replaced)"
-                )
-            if sha256_file(file) != info["sha256"]:
-                raise CheckpointError(f"checksum mismatch in {file}: the file was modified")
-        _check_tensors(ckpt, manifest)
+            if sha256_file(ckpt / name) != info["sha256"]:
+                raise CheckpointError(f"checksum mismatch in {ckpt / name}: the file was modified")
+    return ckpt, manifest, _check_tensors(ckpt, manifest)
+
+
+def read_manifest(path: str | Path, verify: bool = True) -> tuple[Path, dict]:
+    """(checkpoint directory, manifest) after every check of the module docstring: format,
+    version, schema, file names and sizes, safetensors headers against the manifest and, with
+    ``verify``, every SHA-256."""
+    ckpt, manifest, _ = _read(path, verify)
     return ckpt, manifest
 
 
-def _check_tensors(ckpt: Path, manifest: dict) -> None:
-    """Every table file holds the weights and slots the manifest describes (names, dtypes,
-    shapes), so a restore cannot fail halfway through."""
-    dtypes = {"float32": "F32", "int32": "I32"}
+def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
+    """Every file's header is valid safetensors whose data ranges lie inside the file and hold
+    exactly the bytes their shapes need (read_header), and every table file holds the weights
+    and slots the manifest describes (names, dtypes, shapes). So nothing is allocated for a
+    tensor the file does not hold, and a restore cannot fail halfway on a file at rest."""
+    headers: Headers = {}
+    for name in manifest["files"]:
+        try:
+            headers[name] = read_header(ckpt / name)
+        except ValueError as e:  # the message names the file and the tensor
+            raise CheckpointError(str(e)) from None
     for t in manifest["tables"]:
         file = ckpt / t["file"]
+        header, _ = headers[t["file"]]
         expected = {t["name"]: ("F32", [t["vocabulary_size"], t["dim"]])}
         for slot in t["slots"]:
             expected[f"{t['name']}/{slot['name']}"] = (
-                dtypes.get(slot["dtype"], "?"), [t["vocabulary_size"], slot["width"]]
+                _SLOT_DTYPES[slot["dtype"]], [t["vocabulary_size"], slot["width"]]
             )  # fmt: skip
-        try:
-            header, _ = read_header(file)
-            for name, (dtype, shape) in expected.items():
-                info = header.get(name)
-                if not isinstance(info, dict):
-                    raise ValueError(f"no tensor {name!r}")
-                if info.get("dtype") != dtype or list(info.get("shape", ())) != shape:
-                    raise ValueError(
-                        f"tensor {name!r} has dtype {info.get('dtype')} and shape "
-                        f"{info.get('shape')}, expected {dtype} and shape {shape}"
-                    )
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{file}: {e}") from None
+        for name, (dtype, shape) in expected.items():
+            info = header.get(name)
+            if info is None or name == "__metadata__":
+                raise CheckpointError(f"{file}: no tensor {name!r}")
+            if info["dtype"] != dtype or info["shape"] != shape:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has dtype {info['dtype']} and shape "
+                    f"{info['shape']}, expected {dtype} and shape {shape}"
+                )
+    return headers
 
 
 def _check_name(ckpt: Path, manifest: dict) -> None:
     match = _NAME.match(ckpt.name)
-    if match and int(match[2]) != manifest.get("step"):
+    if match and int(match[2]) != manifest["step"]:
         raise CheckpointError(
-            f"{ckpt}: the manifest says step {manifest.get('step')!r} but the checkpoint was "
+            f"{ckpt}: the manifest says step {manifest['step']!r} but the checkpoint was "
             f"written at step {int(match[2])}"
         )
 
@@ -410,59 +823,78 @@ def _check_compatible(engine: EmbeddingEngine, manifest: dict, ckpt: Path) -> No
             )
 
 
+# -- loading: into an engine ----------------------------------------------------------------------
+
+
+def _copy_into(engine: EmbeddingEngine, ckpt: Path, manifest: dict,
+               headers: Headers) -> CheckpointInfo:  # fmt: skip
+    """Copy a checked checkpoint's tables and step into a compatible engine (see the module
+    docstring for what a failure midway leaves)."""
+    extra = manifest["extra"]
+    tensors = {}
+    if extra["file"] is not None:  # read first: a failure here leaves the engine untouched
+        file = ckpt / extra["file"]
+        header = headers[extra["file"]]
+        try:
+            for name, info in header[0].items():
+                if name != "__metadata__":
+                    out = np.empty(info["shape"], dtype=NUMPY[info["dtype"]].newbyteorder("<"))
+                    tensors[name] = read_tensor(file, name, out=out, header=header)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{file}: cannot be read ({e}); the engine is unchanged") from e
+    by_name = {t["name"]: t for t in manifest["tables"]}
+    done: list[str] = []
+    for table in engine._tables:
+        name = by_name[table.name]["file"]
+        file = ckpt / name
+        try:
+            with table.sequential_access():
+                read_tensor(file, table.name, out=table.weights, header=headers[name])
+                for slot, array in table.slots.items():
+                    read_tensor(file, f"{table.name}/{slot}", out=array, header=headers[name])
+                table.flush()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{ckpt}: restore failed while copying table {table.name!r} from {file} ({e}) "
+                f"after every check had passed (the file changed or could not be read). Tables "
+                f"{done} and part of {table.name!r} now hold the checkpoint's values, the step "
+                f"is still {engine.step}: restore a checkpoint again before using the engine"
+            ) from e
+        done.append(table.name)
+    engine._step = manifest["step"]
+    engine._last_batch = None
+    return CheckpointInfo(ckpt, engine._step, tensors, extra["metadata"])
+
+
 def restore(engine: EmbeddingEngine, path: str | Path, verify: bool = True) -> CheckpointInfo:
-    """Load tables, slots and step into an engine built from the same configs."""
-    ckpt, manifest = read_manifest(path, verify)
+    """Load tables, slots and step into an engine built from the same configs. Every check
+    (module docstring) passes before the first table byte changes, whatever ``verify`` says."""
+    ckpt, manifest, headers = _read(path, verify)
     _check_name(ckpt, manifest)
     _check_compatible(engine, manifest, ckpt)
-    by_name = {t["name"]: t for t in manifest["tables"]}
-    for table in engine._tables:
-        file = ckpt / by_name[table.name]["file"]
-        header = read_header(file)
-        with table.sequential_access():
-            read_tensor(file, table.name, out=table.weights, header=header)
-            for slot, array in table.slots.items():
-                read_tensor(file, f"{table.name}/{slot}", out=array, header=header)
-            table.flush()
-    engine._step = int(manifest["step"])
-    engine._last_batch = None
-    extra = manifest.get("extra") or {}
-    tensors = {}
-    if extra.get("file"):
-        file = ckpt / extra["file"]
-        header = read_header(file)
-        tensors = {name: np.array(read_tensor(file, name, header=header))
-                   for name in header[0] if name != "__metadata__"}  # fmt: skip
-    return CheckpointInfo(ckpt, engine._step, tensors, extra.get("metadata", {}))
+    return _copy_into(engine, ckpt, manifest, headers)
 
 
 def load(path: str | Path, callables: Mapping[int, Callable] | None = None,
          verify: bool = True, **engine_kwargs) -> EmbeddingEngine:  # fmt: skip
-    """A new engine from a checkpoint alone (see EmbeddingEngine.load)."""
+    """A new engine from a checkpoint alone (see EmbeddingEngine.load). Every check (module
+    docstring) passes before the engine is built, so its tables are never larger than the files
+    that fill them."""
     from .engine import EmbeddingEngine
 
-    ckpt, manifest = read_manifest(path, verify)
-    callables = dict(callables or {})
-    tables = {}
-    for t in manifest["tables"]:
-        q = t.get("quantization_config")
-        tables[t["name"]] = TableConfig(
-            t["vocabulary_size"], t["dim"],
-            initializer=initializer_from_json(t["initializer"]),
-            optimizer=optimizer_from_json(t["optimizer"], callables),
-            combiner=t["combiner"], name=t["name"],
-            quantization_config=None if q is None else QuantizationConfig(**q),
-        )  # fmt: skip
-    features = {
-        f["name"]: FeatureConfig(
-            tables[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
-            None if f["output_shape"] is None else tuple(f["output_shape"]),
-        )
-        for f in manifest["features"]
-    }  # fmt: skip
+    ckpt, manifest, headers = _read(path, verify)
+    _check_name(ckpt, manifest)
+    features = _configs(ckpt, manifest, dict(callables or {}))
     kwargs = {"seed": manifest["seed"], "backend": manifest.get("backend", "numba"),
               "nonfinite_gradients": manifest.get("nonfinite_gradients", "error")}  # fmt: skip
     kwargs.update(engine_kwargs)
-    engine = EmbeddingEngine(features, **kwargs)
-    restore(engine, ckpt, verify=False)
+    try:
+        engine = EmbeddingEngine(features, **kwargs)
+    except (TypeError, ValueError) as e:
+        with_kwargs = f" with {engine_kwargs}" if engine_kwargs else ""
+        raise CheckpointError(
+            f"{ckpt}: cannot build an engine from the checkpoint's configuration{with_kwargs}: {e}"
+        ) from e
+    _check_compatible(engine, manifest, ckpt)
+    _copy_into(engine, ckpt, manifest, headers)
     return engine

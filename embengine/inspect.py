@@ -13,10 +13,16 @@ __all__ = ["describe"]
 
 
 def _format_of(path: Path) -> str:
+    """The format a folder's manifest names; a folder of checkpoints, or a manifest that is not
+    a JSON object, goes to read_manifest, which picks the newest or says what is wrong."""
     manifest = path / "manifest.json"
     if manifest.is_file():
-        return json.loads(manifest.read_text()).get("format", "?")
-    return FORMAT  # a folder of checkpoints: read_manifest picks the newest
+        try:
+            data = json.loads(manifest.read_bytes())
+        except (ValueError, RecursionError):
+            return FORMAT
+        return data.get("format", FORMAT) if isinstance(data, dict) else FORMAT
+    return FORMAT
 
 
 def _tensors(file: Path) -> list[str]:
@@ -37,6 +43,10 @@ def describe(path: str | Path, verify: bool = True) -> str:
         root, manifest = read_manifest(path, verify)
         lines.append(f"checkpoint {root}: step {manifest['step']}, seed {manifest['seed']}, "
                      f"written by embengine {manifest['embengine_version']}")  # fmt: skip
+        bad = [t["name"] for t in manifest["tables"] if t.get("finite") is False]
+        if bad:
+            lines.append(f"NaN or Inf in tables {bad} when written (keep=N keeps the newest "
+                         "finite checkpoint besides this one)")  # fmt: skip
     total = sum(f["bytes"] for f in manifest["files"].values())
     lines.append(f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "
                  + ("verified" if verify else "not checked"))  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -51,8 +52,12 @@ def write_safetensors(
     path: str | Path,
     tensors: Mapping[str, np.ndarray],
     metadata: Mapping[str, str] | None = None,
+    on_chunk: Callable[[str, np.ndarray], None] | None = None,
 ) -> str:
-    """Write ``tensors`` to ``path`` in chunks, fsync it, and return its SHA-256 (hex)."""
+    """Write ``tensors`` to ``path`` in chunks, fsync it, and return its SHA-256 (hex).
+
+    ``on_chunk(name, chunk)`` sees every C-contiguous chunk of rows as it is written, so a
+    caller can inspect a table (e.g. for NaN) without reading it a second time."""
     header: dict = {}
     offset = 0
     for name, array in tensors.items():
@@ -74,8 +79,10 @@ def write_safetensors(
         for piece in (struct.pack("<Q", len(raw)), raw):
             f.write(piece)
             digest.update(piece)
-        for array in tensors.values():
+        for name, array in tensors.items():
             for chunk in _chunks(array):
+                if on_chunk is not None:
+                    on_chunk(name, chunk)
                 data = chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tobytes()
                 f.write(data)
                 digest.update(data)
@@ -84,8 +91,37 @@ def write_safetensors(
     return digest.hexdigest()
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry_problem(info, data_bytes: int) -> str | None:
+    """Why a header entry is unusable, or None. ``data_bytes``: the bytes after the header."""
+    if not isinstance(info, dict):
+        return f"is {type(info).__name__}, not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in NUMPY:
+        return f"has dtype {dtype!r} (not one of {sorted(NUMPY)})"
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        return f"has shape {shape!r} (not a list of ints >= 0)"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        return f"has data_offsets {offsets!r} (not a list of two ints)"
+    lo, hi = offsets
+    if not 0 <= lo <= hi <= data_bytes:
+        return f"lies outside the file (data_offsets {offsets}, {data_bytes} data bytes)"
+    # Python ints: a forged shape cannot overflow into a small product.
+    need = math.prod(shape) * NUMPY[dtype].itemsize
+    if hi - lo != need:
+        return f"has {hi - lo} bytes of data, its {dtype} shape {shape} needs {need}"
+    return None
+
+
 def read_header(path: str | Path) -> tuple[dict, int]:
-    """(header without __metadata__ plus it under "__metadata__", data start offset)."""
+    """(header without __metadata__ plus it under "__metadata__", data start offset).
+
+    Every tensor entry is checked before it is returned: a known dtype, a shape of ints >= 0,
+    and a data range inside the file holding exactly the bytes its shape needs, so a small file
+    can never declare a tensor larger than itself (ValueError naming the file and tensor)."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -97,25 +133,30 @@ def read_header(path: str | Path) -> tuple[dict, int]:
             raise ValueError(f"{path}: not a safetensors file (header length {n})")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, too many digits, too deep
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header")
+        raise ValueError(f"{path}: corrupt safetensors header (not an object)")
     start = 8 + n
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict):
+                raise ValueError(f"{path}: corrupt safetensors header (__metadata__ is "
+                                 f"{type(info).__name__})")  # fmt: skip
             continue
-        lo, hi = info["data_offsets"]
-        if info["dtype"] not in NUMPY or not 0 <= lo <= hi <= size - start:
-            raise ValueError(f"{path}: tensor {name!r} lies outside the file or has dtype "
-                             f"{info['dtype']!r}")  # fmt: skip
+        problem = _entry_problem(info, size - start)
+        if problem is not None:
+            raise ValueError(f"{path}: tensor {name!r} {problem}")
     return header, start
 
 
 def read_tensor(path: str | Path, name: str, out: np.ndarray | None = None,
                 header: tuple[dict, int] | None = None) -> np.ndarray:  # fmt: skip
     """Tensor ``name`` of a file: copied chunk by chunk into ``out`` (any writable array or
-    strided view of the right shape), or returned as a read-only memory map."""
+    strided view of the right shape), or returned as a read-only memory map.
+
+    The copy into ``out`` uses ordinary reads, not a memory map: a file truncated after its
+    header was read is then a ValueError (short read), not a SIGBUS that kills the process."""
     meta, start = header if header is not None else read_header(path)
     if name not in meta or name == "__metadata__":
         raise KeyError(f"{path}: no tensor {name!r}")
@@ -123,21 +164,32 @@ def read_tensor(path: str | Path, name: str, out: np.ndarray | None = None,
     dtype = NUMPY[info["dtype"]].newbyteorder("<")
     shape = tuple(info["shape"])
     lo, hi = info["data_offsets"]
-    if hi - lo != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+    if hi - lo != math.prod(shape) * dtype.itemsize:  # a header not from read_header
         raise ValueError(f"{path}: tensor {name!r} has {hi - lo} bytes for shape {shape}")
-    src = (
-        np.memmap(path, dtype=dtype, mode="r", offset=start + lo, shape=shape)
-        if hi > lo
-        else np.zeros(shape, dtype=dtype)
-    )
     if out is None:
-        return src
+        if hi > lo:
+            return np.memmap(path, dtype=dtype, mode="r", offset=start + lo, shape=shape)
+        return np.zeros(shape, dtype=dtype)
     if out.shape != shape:
         raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {out.shape}")
-    if out.size:
-        step = max(1, CHUNK_BYTES // max(1, (hi - lo) // max(1, shape[0])))
-        for i in range(0, shape[0], step):
-            out[i : i + step] = src[i : i + step]
+    if out.size == 0:
+        return out
+    target = out.reshape(1) if out.ndim == 0 else out  # a 0-d array: one row of one value
+    rows = target.shape[0]
+    row_bytes = (hi - lo) // rows
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    buffer = np.empty((min(step, rows), *target.shape[1:]), dtype=dtype)  # reused: no new pages
+    with open(path, "rb") as f:
+        f.seek(start + lo)
+        for i in range(0, rows, step):
+            chunk = buffer[: min(step, rows - i)]
+            got = f.readinto(memoryview(chunk).cast("B"))
+            if got != chunk.nbytes:
+                raise ValueError(
+                    f"{path}: tensor {name!r} ends early: the file is shorter than its header "
+                    "says (truncated while being read?)"
+                )
+            target[i : i + len(chunk)] = chunk
     return out
 
 

@@ -1,0 +1,686 @@
+"""Checkpoints against bad inputs: malformed manifests, file names that leave the checkpoint
+folder, tiny files declaring huge tables, restores that would fail halfway, concurrent saves to
+one root, and keep=N after NaN reached the tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine import checkpoint as ckpt_mod
+from embengine import optimizers as O
+from embengine.checkpoint import CheckpointError, list_checkpoints, read_manifest
+from embengine.inspect import describe
+from embengine.safetensors_io import read_header, read_tensor, write_safetensors
+from embengine.serving import export
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _engine(seed: int = 3, vocab: int = 20, dim: int = 4) -> ee.EmbeddingEngine:
+    """Two tables: "t" (Adagrad: one float slot) and "u" (FTRL: two float slots)."""
+    t = ee.TableConfig(vocab, dim, name="t", combiner="sum")
+    u = ee.TableConfig(15, 2, name="u", optimizer=O.FTRL(learning_rate=0.2))
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(u)},
+        optimizer=O.Adagrad(learning_rate=0.1), seed=seed, backend="reference",
+    )  # fmt: skip
+
+
+def _train(eng: ee.EmbeddingEngine, steps: int = 2) -> None:
+    rng = np.random.default_rng(eng.step)
+    for _ in range(steps):
+        feats = {"f": ee.Ragged(rng.integers(0, 7, 6), lengths=[2, 2, 2]),
+                 "g": ee.Ragged(rng.integers(0, 7, 3), lengths=[1, 1, 1])}  # fmt: skip
+        acts = eng.lookup(feats)
+        eng.apply_gradients({k: rng.standard_normal(v.shape).astype(np.float32)
+                             for k, v in acts.items()})  # fmt: skip
+
+
+def _state(eng: ee.EmbeddingEngine) -> dict[str, bytes]:
+    out = {}
+    for name, w in eng.embedding_tables.items():
+        out[name] = np.array(w).tobytes()
+        for slot, a in eng.slots(name).items():
+            out[f"{name}/{slot}"] = np.array(a).tobytes()
+    return out
+
+
+def _assert_unchanged(eng: ee.EmbeddingEngine, before: dict[str, bytes], step: int) -> None:
+    after = _state(eng)
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, f"a refused restore changed {changed}"
+    assert eng.step == step
+
+
+def _edit_manifest(path: Path, fn) -> None:
+    """Edit manifest.json and rewrite manifest.sha256 to match, as a forger (or a buggy tool)
+    would, so the checks behind the manifest's checksum are the ones that must catch it."""
+    m = json.loads((path / "manifest.json").read_text())
+    fn(m)
+    text = json.dumps(m).encode()
+    (path / "manifest.json").write_bytes(text)
+    (path / "manifest.sha256").write_text(hashlib.sha256(text).hexdigest())
+
+
+def _file_entry(file: Path) -> dict:
+    data = file.read_bytes()
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _replace_file(path: Path, name: str, data: bytes) -> None:
+    """Put ``data`` in place of a checkpoint file, with a matching manifest entry and hash."""
+    (path / name).write_bytes(data)
+    _edit_manifest(path, lambda m: m["files"].__setitem__(name, _file_entry(path / name)))
+
+
+def _raw_safetensors(entries: list[tuple[str, str, list[int], int]], data_bytes: int) -> bytes:
+    """A safetensors file whose header declares ``(name, dtype, shape, nbytes)`` entries one
+    after another (whatever their shapes need), followed by ``data_bytes`` zero bytes."""
+    header, offset = {}, 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * data_bytes
+
+
+def _all_refusals(path: Path, tmp_path: Path, match: str | None = None) -> list[str]:
+    """Every way to read a checkpoint refuses ``path`` with a CheckpointError (never KeyError,
+    TypeError, AttributeError, ...), whatever ``verify`` says; a refused restore leaves the
+    engine bit-identical. Returns the messages."""
+    msgs = []
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match=match) as exc:
+            ee.EmbeddingEngine.load(path, verify=verify)
+        msgs.append(str(exc.value))
+        eng = _engine(seed=11)
+        _train(eng, 1)
+        before = _state(eng)
+        with pytest.raises(CheckpointError, match=match) as exc:
+            eng.restore(path, verify=verify)
+        msgs.append(str(exc.value))
+        _assert_unchanged(eng, before, 1)
+        with pytest.raises(CheckpointError, match=match):
+            read_manifest(path, verify=verify)
+        with pytest.raises(CheckpointError, match=match):
+            describe(path, verify=verify)
+    with pytest.raises(CheckpointError, match=match):
+        export(path, tmp_path / "served")
+    return msgs
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[ee.EmbeddingEngine, Path]:
+    eng = _engine()
+    _train(eng, 2)
+    return eng, eng.save(tmp_path / "ck", extra_tensors={"dense": np.ones(4, np.float32)})
+
+
+def test_the_fixture_checkpoint_reads_every_way(saved, tmp_path):
+    """The unedited checkpoint passes everything _all_refusals expects to fail."""
+    eng, path = saved
+    for verify in (True, False):
+        assert ee.EmbeddingEngine.load(path, verify=verify).step == 2
+        assert read_manifest(path, verify=verify)[0] == path
+        assert "table 't'" in describe(path, verify=verify)
+    export(path, tmp_path / "served")
+
+
+# -- item 12: a malformed manifest is a CheckpointError naming the key ----------------------------
+
+
+def _set(*keys_and_value):
+    """An edit that sets m[k1][k2]... = value."""
+    *keys, value = keys_and_value
+
+    def edit(m):
+        for k in keys[:-1]:
+            m = m[k]
+        m[keys[-1]] = value
+
+    return edit
+
+
+def _pop(*keys):
+    def edit(m):
+        for k in keys[:-1]:
+            m = m[k]
+        del m[keys[-1]]
+
+    return edit
+
+
+def _dup_table(m):
+    m["tables"].append(dict(m["tables"][0]))
+
+
+def _dup_feature(m):
+    m["features"].append(dict(m["features"][0]))
+
+
+T0 = r"tables\[0\]"
+CORRUPT_MANIFESTS = {
+    "step-missing": (_pop("step"), r"\bstep is missing"),
+    "step-negative": (_set("step", -1), r"\bstep must be an int >= 0"),
+    "step-string": (_set("step", "2"), r"\bstep must be an int >= 0"),
+    "step-bool": (_set("step", True), r"\bstep must be an int >= 0"),
+    "format-version-bool": (_set("format_version", True), r"format version True"),
+    "seed-missing": (_pop("seed"), r"\bseed is missing"),
+    "seed-float": (_set("seed", 1.5), r"\bseed must be an int"),
+    "version-missing": (_pop("embengine_version"), "embengine_version is missing"),
+    "backend-unknown": (_set("backend", "cuda"), "backend must be one of"),
+    "tables-object": (_set("tables", {"t": 1}), "tables must be a non-empty list"),
+    "tables-empty": (_set("tables", []), "tables must be a non-empty list"),
+    "table-string": (_set("tables", 0, "t"), rf"{T0} must be an object"),
+    "table-name-missing": (_pop("tables", 0, "name"), rf"{T0}\.name is missing"),
+    "table-name-duplicate": (_dup_table, r"tables\[2\]\.name 't' names an earlier table"),
+    "vocabulary-string": (_set("tables", 0, "vocabulary_size", "20"),
+                          rf"{T0}\.vocabulary_size must be an int >= 1"),
+    "vocabulary-zero": (_set("tables", 0, "vocabulary_size", 0),
+                        rf"{T0}\.vocabulary_size must be an int >= 1"),
+    "dim-missing": (_pop("tables", 0, "dim"), rf"{T0}\.dim is missing"),
+    "dim-float": (_set("tables", 0, "dim", 4.0), rf"{T0}\.dim must be an int >= 1"),
+    "combiner-int": (_set("tables", 0, "combiner", 3), rf"{T0}\.combiner must be a string"),
+    "combiner-unknown": (_set("tables", 0, "combiner", "max"), rf"{T0} \('t'\).*combiner"),
+    "storage-missing": (_pop("tables", 0, "storage"), rf"{T0}\.storage is missing"),
+    "file-missing": (_pop("tables", 0, "file"), rf"{T0}\.file is missing"),
+    "file-int": (_set("tables", 0, "file", 0), rf"{T0}\.file must be a string"),
+    "slots-int": (_set("tables", 0, "slots", 5), rf"{T0}\.slots must be a list"),
+    "slot-width-missing": (_pop("tables", 0, "slots", 0, "width"),
+                           rf"{T0}\.slots\[0\]\.width is missing"),
+    "slot-dtype-unknown": (_set("tables", 0, "slots", 0, "dtype", "float64"),
+                           rf"{T0}\.slots\[0\]\.dtype must be one of"),
+    "slots-not-the-optimizers": (_set("tables", 1, "slots", []),
+                                 r"tables\[1\]\.slots \[\] are not the slots of its optimizer"),
+    "optimizer-params-missing": (_pop("tables", 0, "optimizer", "params"),
+                                 rf"{T0}\.optimizer\.params is missing"),
+    "optimizer-class-list": (_set("tables", 0, "optimizer", "class", []),
+                             rf"{T0}\.optimizer\.class must be a string"),
+    "optimizer-class-unknown": (_set("tables", 0, "optimizer", "class", "Nope"),
+                                "unknown optimizer class 'Nope'"),
+    "optimizer-param-unknown": (_set("tables", 0, "optimizer", "params", "bogus", 1),
+                                rf"{T0} \('t'\).*bogus"),
+    "learning-rate-number": (_set("tables", 0, "optimizer", "params", "learning_rate", 0.1),
+                             rf"{T0}\.optimizer\.params\.learning_rate must be an object"),
+    "learning-rate-tag-string": (
+        _set("tables", 0, "optimizer", "params", "learning_rate", {"tag": "0"}),
+        rf"{T0}\.optimizer\.params\.learning_rate\.tag must be an int >= 0"),
+    "initializer-class-int": (_set("tables", 0, "initializer", "class", 5),
+                              rf"{T0}\.initializer\.class must be a string"),
+    "initializer-params-list": (_set("tables", 0, "initializer", "params", [1]),
+                                rf"{T0}\.initializer\.params must be an object"),
+    "quantization-unknown-key": (_set("tables", 0, "quantization_config", {"bits": 8}),
+                                 rf"{T0} \('t'\).*bits"),
+    "features-missing": (_pop("features"), "features is missing"),
+    "feature-table-unknown": (_set("features", 0, "table", "nope"),
+                              r"features\[0\]\.table must be one of the tables"),
+    "feature-table-list": (_set("features", 0, "table", ["t"]),
+                           r"features\[0\]\.table must be one of the tables"),
+    "feature-name-duplicate": (_dup_feature, r"features\[2\]\.name 'f' names an earlier"),
+    "feature-sequence-string": (_set("features", 0, "max_sequence_length", "0"),
+                                r"features\[0\]\.max_sequence_length must be an int >= 0"),
+    "feature-output-shape-string": (_set("features", 0, "output_shape", "ab"),
+                                    r"features\[0\]\.output_shape must be null or a list"),
+    "files-list": (_set("files", []), "files must be an object"),
+    "file-entry-no-bytes": (_pop("files", "table-000.safetensors", "bytes"),
+                            r"files\['table-000.safetensors'\]\.bytes is missing"),
+    "file-entry-bytes-string": (_set("files", "table-000.safetensors", "bytes", "1"),
+                                r"files\['table-000.safetensors'\]\.bytes must be an int"),
+    "file-entry-sha-short": (_set("files", "table-000.safetensors", "sha256", "abc"),
+                             r"files\['table-000.safetensors'\]\.sha256 must be 64"),
+    "extra-string": (_set("extra", "x"), "extra must be an object"),
+    "extra-metadata-list": (_set("extra", "metadata", []), r"extra\.metadata must be an object"),
+    "extra-file-int": (_set("extra", "file", 1), r"extra\.file must be null or a string"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_MANIFESTS))
+def test_corrupt_manifest_is_a_checkpoint_error_naming_the_key(saved, tmp_path, case):
+    """Each manifest is re-signed (manifest.sha256 matches), so the schema check, not the
+    checksum, must catch it: a CheckpointError naming the key and the manifest, for load,
+    restore (engine untouched), read_manifest, inspect and export, with and without verify."""
+    _, path = saved
+    edit, key = CORRUPT_MANIFESTS[case]
+    _edit_manifest(path, edit)
+    for msg in _all_refusals(path, tmp_path, match=key):
+        assert str(path) in msg
+
+
+def test_a_manifest_that_is_not_an_object_is_refused_by_inspect(saved, tmp_path):
+    _, path = saved
+    for text in ("[1, 2]", "{ nope", '"x"', "[" * 100_000):
+        (path / "manifest.json").write_text(text)
+        _all_refusals(path, tmp_path)
+
+
+# -- item 4: every file is a plain name inside the checkpoint, listed and checksummed -------------
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """A real, well-formed safetensors file outside the checkpoint, holding what table "t" of
+    the fixture needs (all 7.0)."""
+    file = tmp_path / "outside.safetensors"
+    write_safetensors(file, {"t": np.full((20, 4), 7.0, np.float32),
+                             "t/accumulators": np.full((20, 4), 7.0, np.float32)})  # fmt: skip
+    return file
+
+
+def _point_table_at(name: str, listed: bool, source: Path | None):
+    def edit(m):
+        m["tables"][0]["file"] = name
+        m["files"].pop("table-000.safetensors")
+        if listed:  # the forger lists the outside file with its correct hash and size
+            m["files"][name] = _file_entry(source)
+
+    return edit
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["unlisted", "listed"])
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "backslash", "subfolder", "hidden"])
+def test_table_file_outside_the_checkpoint_is_refused(saved, outside, tmp_path, kind, listed):
+    _, path = saved
+    name = {
+        "absolute": str(outside),
+        "dotdot": "../../outside.safetensors",  # path is tmp_path/ck/ckpt-...
+        "backslash": "..\\..\\outside.safetensors",
+        "subfolder": "sub/table-000.safetensors",
+        "hidden": ".table-000.safetensors",
+    }[kind]
+    assert kind != "dotdot" or (path / name).resolve() == outside.resolve()
+    if kind in ("subfolder", "hidden"):  # a real file there, to be sure it is not read
+        (path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(outside, path / name)
+    _edit_manifest(path, _point_table_at(name, listed, outside))
+    msgs = _all_refusals(path, tmp_path, match="plain")
+    assert all(repr(name) in m for m in msgs), msgs[0]
+
+
+def test_extra_file_outside_the_checkpoint_is_refused(saved, outside, tmp_path):
+    _, path = saved
+    for name in (str(outside), "../../outside.safetensors"):
+        _edit_manifest(path, _set("extra", "file", name))
+        _all_refusals(path, tmp_path, match=r"extra\.file .* is not a plain")
+
+
+def test_a_table_file_not_listed_in_files_is_refused(saved, tmp_path):
+    """A plain name inside the folder that the manifest does not list (so nothing would check its
+    hash or size): refused."""
+    _, path = saved
+    shutil.copy(path / "table-000.safetensors", path / "other.safetensors")
+    _edit_manifest(path, _set("tables", 0, "file", "other.safetensors"))
+    _all_refusals(path, tmp_path, match=r"tables\[0\]\.file 'other.safetensors' is not listed")
+
+
+def test_a_symlinked_table_file_is_refused(saved, tmp_path):
+    """A plain name that is a symbolic link (here to an identical copy, so every hash matches)
+    leaves the folder: refused."""
+    _, path = saved
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(path / "table-000.safetensors", copy)
+    (path / "table-000.safetensors").unlink()
+    (path / "table-000.safetensors").symlink_to(copy)
+    _all_refusals(path, tmp_path, match="not a regular file")
+
+
+def test_verify_false_skips_only_the_hashing(saved, tmp_path):
+    """verify=False still checks names, sizes and headers: a truncated file is refused before
+    anything changes (it used to fail halfway through the restore)."""
+    _, path = saved
+    f = path / "table-001.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-16])
+    _all_refusals(path, tmp_path, match="truncated")
+    # A changed byte of table data (same size, valid header) is caught only by the hashing.
+    f.write_bytes(data[:-3] + bytes([data[-3] ^ 0x5A]) + data[-2:])
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        ee.EmbeddingEngine.load(path)
+    assert ee.EmbeddingEngine.load(path, verify=False).step == 2
+
+
+# -- item 5: a tiny file declaring a huge table is refused before anything is allocated -----------
+
+BOMB_CHILD = textwrap.dedent(
+    """
+    import resource, sys, time
+    # A safety net: the old code allocated the declared table (47.7 GiB here) before checking.
+    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
+    import embengine as ee
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    try:
+        ee.EmbeddingEngine.load(sys.argv[1], verify=sys.argv[2] == "1")
+        result = "loaded"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - t0
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
+    print(f"{seconds:.3f} {grew}")
+    print(result)
+    """
+)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_tiny_checkpoint_declaring_a_huge_table_is_refused_before_allocation(tmp_path, verify):
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 64, name="big"))},
+                             optimizer=O.SGD(learning_rate=0.1), backend="reference")  # fmt: skip
+    path = eng.save(tmp_path / "ck")
+    vocab = 200_000_000
+    # The header declares the 200M x 64 table the manifest says, over a 16-byte data range.
+    _replace_file(path, "table-000.safetensors",
+                  _raw_safetensors([("big", "F32", [vocab, 64], 16)], 16))  # fmt: skip
+    _edit_manifest(path, _set("tables", 0, "vocabulary_size", vocab))
+    assert sum(f.stat().st_size for f in path.iterdir()) < 4096
+    proc = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(path), "1" if verify else "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    timing, result = proc.stdout.strip().split("\n", 1)
+    seconds, grew_kib = float(timing.split()[0]), int(timing.split()[1])
+    assert result.startswith("CheckpointError"), result
+    assert "table-000.safetensors" in result and "'big'" in result
+    assert "needs 51200000000" in result, result
+    assert seconds < 5, f"refusing took {seconds:.1f} s"
+    assert grew_kib < 100 << 10, f"peak memory grew by {grew_kib >> 10} MiB while refusing"
+
+
+def test_read_header_refuses_data_ranges_that_do_not_match_the_shape(tmp_path):
+    f = tmp_path / "x.safetensors"
+    cases = {
+        "short": ([("a", "F32", [4, 2], 16)], 16, "has 16 bytes of data, its F32 shape"),
+        "long": ([("a", "F32", [1, 2], 16)], 16, "has 16 bytes of data"),
+        "huge-shape": ([("a", "F32", [2**62, 2**62], 8)], 8, "needs"),
+        "negative-dim": ([("a", "F32", [-1, 2], 8)], 8, "not a list of ints >= 0"),
+        "float-dim": ([("a", "F32", [2.0, 1], 8)], 8, "not a list of ints >= 0"),
+        "outside": ([("a", "F32", [4, 2], 32)], 16, "lies outside the file"),
+        "dtype": ([("a", "F99", [2], 8)], 8, "dtype 'F99'"),
+    }
+    for entries, data, words in cases.values():
+        f.write_bytes(_raw_safetensors(entries, data))
+        with pytest.raises(ValueError, match=words):
+            read_header(f)
+    # Headers JSON cannot turn into objects: a ValueError too, never RecursionError/TypeError.
+    for raw, words in ((b"[" * 100_000, "corrupt"), (b'{"a": ' + b"9" * 5000 + b"}", "corrupt"),
+                       (b'{"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}',
+                        "dtype")):  # fmt: skip
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+        with pytest.raises(ValueError, match=words):
+            read_header(f)
+
+
+# -- item 6: a restore either fails before any table changes, or succeeds -------------------------
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_restore_of_a_tensor_with_a_short_data_range_leaves_the_engine_untouched(saved, verify):
+    """The second table's file has the right header shapes but one data range too short (the
+    file's hash matches): the restore used to overwrite table "t" and then fail on "u"."""
+    _, path = saved
+    short = _raw_safetensors([("u", "F32", [15, 2], 120), ("u/accumulators", "F32", [15, 2], 120),
+                              ("u/linears", "F32", [15, 2], 64)], 304)  # fmt: skip
+    _replace_file(path, "table-001.safetensors", short)
+    eng = _engine(seed=11)
+    _train(eng, 1)
+    before = _state(eng)
+    with pytest.raises(CheckpointError, match="u/linears.*has 64 bytes of data"):
+        eng.restore(path, verify=verify)
+    _assert_unchanged(eng, before, 1)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_restore_of_a_manifest_without_step_leaves_the_engine_untouched(saved, tmp_path, verify):
+    """A checkpoint copied to a folder of another name (so the step in the folder name is not
+    checked) whose manifest lacks ``step``: this used to raise KeyError after every table was
+    overwritten."""
+    _, path = saved
+    plain = tmp_path / "my-model"
+    shutil.copytree(path, plain)
+    _edit_manifest(plain, _pop("step"))
+    eng = _engine(seed=11)
+    _train(eng, 1)
+    before = _state(eng)
+    with pytest.raises(CheckpointError, match=r"manifest.json: step is missing"):
+        eng.restore(plain, verify=verify)
+    _assert_unchanged(eng, before, 1)
+
+
+def test_restore_that_fails_while_copying_says_the_engine_is_partially_restored(saved):
+    """What is not guaranteed: a file changing after every check passed. The error says which
+    tables were overwritten and that the step is unchanged."""
+    _, path = saved
+    ckpt, manifest, headers = ckpt_mod._read(path, verify=True)
+    f = path / "table-001.safetensors"
+    f.write_bytes(f.read_bytes()[:200])  # truncated between the checks and the copy
+    eng = _engine(seed=11)
+    with pytest.raises(CheckpointError, match=r"Tables \['t'\] and part of 'u'.*step is still 0"):
+        ckpt_mod._copy_into(eng, ckpt, manifest, headers)
+    assert eng.step == 0
+
+
+TRUNCATE_CHILD = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from embengine import safetensors_io as io
+
+    io.CHUNK_BYTES = 4096  # several chunks
+    path = sys.argv[1]
+    io.write_safetensors(path, {"a": np.ones((4096, 16), np.float32)})
+    header = io.read_header(path)
+
+    class TruncatesOnFirstWrite(np.ndarray):
+        def __setitem__(self, key, value):
+            if not getattr(self, "done", False):
+                open(path, "r+b").truncate(64)  # the file shrinks during the copy
+                TruncatesOnFirstWrite.done = True
+            super().__setitem__(key, value)
+
+    out = np.zeros((4096, 16), np.float32).view(TruncatesOnFirstWrite)
+    try:
+        io.read_tensor(path, "a", out=out, header=header)
+        print("read")
+    except ValueError as e:
+        print("ValueError", e)
+    """
+)
+
+
+def test_a_file_truncated_during_the_copy_is_an_error_not_a_crash(tmp_path):
+    """read_tensor(out=...) reads with read(), so a file shrinking under it is a ValueError; a
+    memory map would SIGBUS and kill the process (run in a subprocess)."""
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path / "a.safetensors")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, f"the reader crashed ({proc.returncode}): {proc.stderr[-500:]}"
+    assert proc.stdout.startswith("ValueError") and "ends early" in proc.stdout, proc.stdout
+
+
+def test_read_tensor_into_out_matches_the_memory_map(tmp_path):
+    """The read() path copies every dtype and shape (0-d, empty, strided views) exactly."""
+    from embengine import safetensors_io
+
+    tensors = {"a": np.arange(70, dtype=np.float32).reshape(7, 10),
+               "b": np.arange(5, dtype=np.int64), "s": np.array(3.5, np.float64),
+               "e": np.zeros((0, 3), np.float32), "h": np.arange(6, dtype=np.uint16)}  # fmt: skip
+    f = tmp_path / "x.safetensors"
+    write_safetensors(f, tensors)
+    header = read_header(f)
+    for chunk in (safetensors_io.CHUNK_BYTES, 16):
+        safetensors_io.CHUNK_BYTES, old = chunk, safetensors_io.CHUNK_BYTES
+        try:
+            for name, want in tensors.items():
+                out = np.full(want.shape, 9, want.dtype)
+                read_tensor(f, name, out=out, header=header)
+                np.testing.assert_array_equal(out, want)
+            big = np.zeros((7, 14), np.float32)
+            read_tensor(f, "a", out=big[:, 2:12], header=header)
+            np.testing.assert_array_equal(big[:, 2:12], tensors["a"])
+        finally:
+            safetensors_io.CHUNK_BYTES = old
+
+
+# -- item 9: concurrent saves to one root ---------------------------------------------------------
+
+
+def _check_root(root: Path, expected: int) -> None:
+    """``expected`` complete, verified checkpoints numbered 1..expected, nothing else left."""
+    done = list_checkpoints(root)
+    seqs = sorted(int(p.name[5:11]) for p in done)
+    assert seqs == list(range(1, expected + 1)), [p.name for p in done]
+    for p in done:
+        read_manifest(p, verify=True)
+    left = [p.name for p in root.iterdir() if p not in done]
+    assert not left, f"left behind: {left}"
+
+
+def test_two_threads_saving_to_one_root(tmp_path):
+    root = tmp_path / "ck"
+    engines = [_engine(seed=s, vocab=20_000, dim=16) for s in (1, 2)]
+    barrier = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+    saves = 8
+
+    def run(eng):
+        try:
+            barrier.wait()
+            for _ in range(saves):
+                eng.save(root)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(e,), daemon=True) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a save hung"
+    assert not errors, errors
+    _check_root(root, 2 * saves)
+
+
+def _save_in_process(root: str, seed: int, saves: int, barrier) -> None:
+    eng = _engine(seed=seed, vocab=20_000, dim=16)
+    barrier.wait()
+    for _ in range(saves):
+        eng.save(root)
+
+
+def test_two_processes_saving_to_one_root(tmp_path):
+    root = tmp_path / "ck"
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2, timeout=120)
+    saves = 6
+    procs = [ctx.Process(target=_save_in_process, args=(str(root), s, saves, barrier))
+             for s in (1, 2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 300
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert [p.exitcode for p in procs] == [0, 0]
+    _check_root(root, 2 * saves)
+
+
+def test_a_save_does_not_remove_the_temporary_folder_of_a_running_save(tmp_path):
+    """A save cleaning up leftovers skips a .tmp-ckpt-* folder whose save is still running (it
+    holds the folder's lock), and removes one nobody holds (a killed save's)."""
+    import fcntl
+
+    eng = _engine()
+    root = tmp_path / "ck"
+    root.mkdir()
+    running, killed = root / ".tmp-ckpt-step000000000000-1-aaaa", root / ".tmp-ckpt-x-2-bbbb"
+    for d in (running, killed):
+        d.mkdir()
+        (d / "table-000.safetensors").write_bytes(b"partial")
+    fd = os.open(running, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        eng.save(root)
+        assert running.is_dir() and (running / "table-000.safetensors").is_file()
+        assert not killed.exists()
+    finally:
+        os.close(fd)
+    eng.save(root)
+    assert not running.exists()
+
+
+def test_a_failed_save_removes_its_temporary_folder(tmp_path):
+    eng = _engine()
+    with pytest.raises(TypeError, match="extra_metadata"):
+        eng.save(tmp_path, extra_metadata={"x": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- item 11: keep=N never deletes the newest checkpoint whose tables are all finite --------------
+
+
+def test_keep_never_deletes_the_newest_finite_checkpoint(tmp_path):
+    eng = _engine()
+    _train(eng, 1)
+    good = eng.save(tmp_path, keep=1)
+    eng.embedding_tables["t"][3, 1] = np.nan  # NaN reached a table
+    _train(eng, 1)
+    bad1 = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad1]
+    manifest = read_manifest(bad1)[1]
+    assert manifest["finite"] is False
+    assert [t["finite"] for t in manifest["tables"]] == [False, True]
+    bad2 = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad2]
+    assert "NaN or Inf in tables ['t']" in describe(bad2)
+    # Once the tables are finite again, the new checkpoint is the one kept.
+    restored = _engine()
+    restored.restore(good)
+    fixed = restored.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [fixed]
+    assert read_manifest(fixed)[1]["finite"] is True
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_float_slot_counts_as_not_finite(tmp_path, value):
+    eng = _engine()
+    good = eng.save(tmp_path)
+    eng.slots("u")["linears"][14, 1] = value  # the last value written of table "u"
+    bad = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [good, bad]
+    assert [t["finite"] for t in read_manifest(bad)[1]["tables"]] == [True, False]
+
+
+def test_checkpoints_without_the_finite_flag_count_as_finite(tmp_path):
+    """Checkpoints written before the flag existed are kept as the last good one."""
+    eng = _engine()
+    old = eng.save(tmp_path)
+
+    def strip(m):
+        del m["finite"]
+        for t in m["tables"]:
+            del t["finite"]
+
+    _edit_manifest(old, strip)
+    eng.embedding_tables["u"][0, 0] = np.inf
+    bad = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [old, bad]
+    assert ee.EmbeddingEngine.load(old).step == 0
