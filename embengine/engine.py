@@ -458,3 +458,15 @@ class EmbeddingEngine:
                     )
             out[name] = g
         return out
+
+    def preprocessor(self):
+        """A ``Preprocessor``: ``preprocess`` without the engine, for DataLoader workers.
+
+        It holds the feature configs, the storage layout and the backend's name, no tables,
+        so it is small to pickle into spawned workers; in forked workers (Linux's default) it
+        prepares with the serial build of the kernel, as ``preprocess`` does there (GNU OpenMP
+        is not fork-safe). Its batches equal ``preprocess``'s bit for bit. See
+        embengine.preprocessing and examples/dataloader.py."""
+        from .preprocessing import Preprocessor
+
+        return Preprocessor.from_engine(self)

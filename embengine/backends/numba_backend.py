@@ -17,7 +17,7 @@ from ..kernels import prepare as kp
 from ..kernels.fused import FIXED_KERNELS, KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
-from ..kernels.pool import start_pool
+from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer
 from ..storage import DenseTable
 from .block_pool import BlockPool, Carver
@@ -124,15 +124,31 @@ class _BatchPlan:
 
 
 def build_tables_numba(
-    parts_per_table: list[list[FeaturePart]], memory: BlockPool | None = None
+    parts_per_table: list[list[FeaturePart]],
+    memory: BlockPool | None = None,
+    parallel: bool | None = None,
 ) -> list[TableBatch]:
-    """Same result as batch.build_tables_numpy, in one parallel kernel call. With ``memory``
-    the arrays come from its blocks (see block_pool: fresh pages cost more than the work)."""
-    start_pool()
+    """Same result as batch.build_tables_numpy, in one kernel call. With ``memory`` the arrays
+    come from its blocks (see block_pool: fresh pages cost more than the work).
+
+    ``parallel=None`` (default) runs the parallel kernel (``prepare.prepare_tables``), except in
+    a process forked from the one that imported the kernels (``pool.forked()``: a DataLoader
+    worker under Linux's default start method), which runs ``prepare.prepare_tables_serial``:
+    the same code per table in one thread, the same results bit for bit. A parallel region
+    there would be killed by numba's omp layer or hang in libgomp (see kernels/pool.py).
+    True or False choose."""
+    if parallel is None:
+        parallel = not forked()
     plan = _BatchPlan(parts_per_table, memory)
-    order, bounds = plan.prepare_order()
-    kp.prepare_tables(order, bounds, plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base,
-                      *plan.outputs)  # fmt: skip
+    if parallel:
+        start_pool()
+        order, bounds = plan.prepare_order()
+        kp.prepare_tables(order, bounds, plan.fmeta, *plan.inputs, plan.occ_base,
+                          plan.out_base, *plan.outputs)  # fmt: skip
+    else:
+        # No start_pool, no nb.get_num_threads(): either would start numba's pool here.
+        kp.prepare_tables_serial(plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base,
+                                 *plan.outputs)  # fmt: skip
     return plan.table_batches()
 
 

@@ -10,7 +10,7 @@ feature straight from its ids and offsets, computing each id's combiner gain on 
 the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): eaefc6dd4e44e2f5
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 238936b1ee69ac4f
 
 from __future__ import annotations
 

@@ -230,6 +230,35 @@ def prepare_tables(
 
 
 @nb.njit(**NUMBA_OPTIONS)
+def prepare_tables_serial(
+    fmeta,
+    ids,
+    offsets,
+    weights,
+    occ_base,
+    out_base,
+    occ_ids,
+    gains,
+    segments,
+    unique,
+    inverse,
+    n_unique,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+    output_offsets,
+):
+    """``prepare_tables`` in the calling thread, table by table: the same ``_prepare_table``
+    writes the same slots, so the results are the same bit for bit. It opens no parallel
+    region, so it can run where OpenMP cannot: in a process forked from one whose OpenMP pool
+    was running (a DataLoader worker; see numba_backend.build_tables_numba)."""
+    for t in range(occ_base.shape[0] - 1):
+        _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains,
+                       segments, unique, inverse, n_unique, unique_offsets, unique_gains,
+                       unique_segments, output_offsets)  # fmt: skip
+
+
+@nb.njit(**NUMBA_OPTIONS)
 def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains, segments,
                    unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
                    output_offsets):  # fmt: skip

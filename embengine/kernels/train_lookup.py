@@ -13,7 +13,7 @@ many tables the threads move from preparing to pooling without a join in between
 table is pooled by one kernel call instead of one call each.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 92d6cbfbf8f062b5
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): e40e955902ec59e6
 
 from __future__ import annotations
 

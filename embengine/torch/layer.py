@@ -87,6 +87,11 @@ class EmbeddingLayer(torch.nn.Module):
         ``training=False`` builds a cheaper lookup-only batch (see EmbeddingEngine.preprocess)."""
         return self.engine.preprocess(self._feature_dict(features), weights, training=training)
 
+    def preprocessor(self):
+        """The engine's ``Preprocessor`` (``engine.preprocessor()``): ``preprocess`` for
+        DataLoader workers, small to pickle (no tables), fork-safe; it takes KeyedJagged too."""
+        return self.engine.preprocessor()
+
     @staticmethod
     def _feature_dict(features):
         if _is_keyed_jagged(features):
