@@ -234,9 +234,9 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
     good = table.data
     try:
         for bad in (np.asfortranarray(good), good.astype(np.float64)):
-            table.data = bad
+            table._data = bad  # DenseTable.data is a read-only property over _data
             with pytest.raises(AssertionError, match="C-contiguous float32"):
                 build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
     finally:
-        table.data = good
+        table._data = good
     build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
