@@ -14,7 +14,7 @@ Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -210,7 +210,29 @@ def _is_nested(x) -> bool:
     )
 
 
+def _is_list_like(x) -> bool:
+    """A sequence or an array of at least one dimension, not a string."""
+    if isinstance(x, np.ndarray):
+        return x.ndim >= 1
+    return isinstance(x, Sequence) and not isinstance(x, str | bytes)
+
+
+def _is_number(x) -> bool:
+    """An int or float (Python or NumPy, or a 0-d array of one), not a bool."""
+    if isinstance(x, bool | np.bool_):
+        return False
+    if isinstance(x, int | float | np.integer | np.floating):
+        return True
+    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
+
+
 def _from_lists(value, weights) -> Ragged:
+    for b, s in enumerate(value):
+        if not _is_list_like(s):
+            raise TypeError(
+                f"sample {b} is {type(s).__name__} {s!r}: a list of lists holds one list of ids "
+                "per sample"
+            )
     lengths = [len(s) for s in value]
     flat = [v for s in value for v in s]
     for k, v in enumerate(flat):
@@ -221,9 +243,9 @@ def _from_lists(value, weights) -> Ragged:
     w = None
     if weights is not None:
         if (
-            not isinstance(weights, Sequence | np.ndarray)
+            not _is_list_like(weights)
             or len(weights) != len(value)
-            or not all(isinstance(ws, Sequence | np.ndarray) for ws in weights)
+            or not all(_is_list_like(ws) for ws in weights)
         ):
             raise ValueError(
                 f"weights must be a list of {len(value)} lists, one per sample, like the ids"
@@ -233,7 +255,13 @@ def _from_lists(value, weights) -> Ragged:
                 raise ValueError(
                     f"weights of sample {b} has {len(ws)} entries but the sample has {len(s)} ids"
                 )
-        w = np.asarray([x for ws in weights for x in ws], dtype=np.float32)
+        flat_w = [x for ws in weights for x in ws]
+        # Numbers only: np.asarray would read True as 1.0 and "0.5" as 0.5.
+        bad = next((k for k, x in enumerate(flat_w) if not _is_number(x)), None)
+        if bad is not None:
+            b = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
+            raise TypeError(f"weights must be numbers, got {flat_w[bad]!r} at sample {b}")
+        w = np.asarray(flat_w, dtype=np.float32)
     return Ragged(ids, lengths=np.asarray(lengths, dtype=np.int64), weights=w)
 
 
@@ -259,6 +287,11 @@ def _from_padded(ids: np.ndarray, weights) -> Ragged:
 
 def to_ragged(value, weights=None) -> Ragged:
     """Convert any accepted input form (see module docstring) to a structurally valid Ragged."""
+    if value is None or isinstance(value, str | bytes | Mapping):
+        raise TypeError(
+            "ids must be an integer array, a Ragged or a list of lists of ints, got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
     if isinstance(value, Ragged):
         if weights is not None:
             if value.weights is not None:
