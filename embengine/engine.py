@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import PreparedBatch, plan_tables, prepare
+from .batch import (
+    BatchFingerprint,
+    PreparedBatch,
+    batch_fingerprint,
+    check_prepared_for,
+    plan_tables,
+    prepare,
+)
 from .config import FeatureConfig, TableConfig, resolve_features
 from .inputs import as_numpy
 from .learning_rates import LearningRates
@@ -288,7 +295,8 @@ class EmbeddingEngine:
         ``training=False`` skips the deduplication, which only the update needs: the batch can
         be looked up (evaluation, inference) but not passed to ``apply_gradients``."""
         return prepare(self._resolved, features, weights, self._backend.build_tables,
-                       self._storage_layout, deduplicate=training)  # fmt: skip
+                       self._storage_layout, deduplicate=training,
+                       fingerprint=self._batch_fingerprint())  # fmt: skip
 
     def lookup(
         self,
@@ -333,7 +341,7 @@ class EmbeddingEngine:
             tables, per_table = self._backend.build_tables_and_lookup(
                 parts, self._physical, self._quantizations()
             )
-            batch = PreparedBatch(tuple(tables), layouts)
+            batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
         else:
             batch = self.preprocess(features, weights, training=training)
         if per_table is None:
@@ -411,16 +419,21 @@ class EmbeddingEngine:
         if implicit or batch is self._last_batch:  # one update per lookup
             self._last_batch = None
 
+    def _batch_fingerprint(self) -> BatchFingerprint:
+        """What this engine's batches are prepared for (computed once: configs and the storage
+        layout do not change)."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self._fingerprint = batch_fingerprint(self._resolved, self._storage_layout)
+        return fp
+
     def _check_batch(self, batch: PreparedBatch) -> None:
+        """Only a batch prepared for this engine's fingerprint (the same features, tables and
+        storage layout: this engine, or a copy of it in a DataLoader worker) may reach the
+        kernels, which index the tables with its ids unchecked (see batch.check_prepared_for)."""
         if not isinstance(batch, PreparedBatch):
             raise TypeError(f"batch must be a PreparedBatch, got {type(batch).__name__}")
-        if list(batch.features) != list(self._resolved.features) or len(batch.tables) != len(
-            self._physical
-        ):
-            raise ValueError(
-                "this PreparedBatch was made for other features: it has "
-                f"{list(batch.features)}, the engine has {list(self._resolved.features)}"
-            )
+        check_prepared_for(batch, self._batch_fingerprint(), self._resolved)
 
     def _check_gradients(self, gradients: Mapping, batch: PreparedBatch) -> dict[str, np.ndarray]:
         """Gradient per feature as float32 ``[rows, dim]``, after every check."""

@@ -14,11 +14,11 @@ Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Ragged", "to_ragged", "as_numpy"]
+__all__ = ["Ragged", "to_ragged", "as_numpy", "offsets_from_lengths", "read_only"]
 
 
 def as_numpy(x) -> np.ndarray:
@@ -50,14 +50,87 @@ def _float_array(x, what: str) -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy): whoever holds the view cannot write through it."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _check_offsets(offsets: np.ndarray, num_ids: int) -> None:
+    """Offsets must run from 0 to ``num_ids``, never decreasing."""
+    if offsets.ndim != 1 or len(offsets) < 1:
+        raise ValueError(f"Ragged offsets must be 1-D with >= 1 entry, got {offsets.shape}")
+    if offsets[0] != 0:
+        raise ValueError(f"offsets[0]={int(offsets[0])} must be 0")
+    # Neighbours are compared, not subtracted: np.diff wraps around for offsets near the int64
+    # limits, and [0, 2**63 - 1, -2**63, -2, 3] would pass as non-decreasing.
+    down = offsets[1:] < offsets[:-1]
+    if down.any():
+        k = int(np.argmax(down)) + 1
+        raise ValueError(
+            f"offsets[{k}]={int(offsets[k])} is less than offsets[{k - 1}]="
+            f"{int(offsets[k - 1])}: offsets must be non-decreasing"
+        )
+    if offsets[-1] != num_ids:
+        raise ValueError(f"offsets[-1]={int(offsets[-1])} must equal the number of ids ({num_ids})")
+
+
+def offsets_from_lengths(lengths: np.ndarray, num_ids: int) -> np.ndarray:
+    """Offsets ``[0, l0, l0 + l1, ...]`` of int64 ``lengths``, checked so that no sum wraps.
+
+    Each length must be in ``[0, num_ids]`` and they must add up to ``num_ids``. A sum of int64
+    lengths can wrap around (``[2**63 - 1, 2**63 - 1, 5]`` adds up to 3): every partial sum is
+    checked, not only the total (the first wrapped one is negative, below the sum before it)."""
+    if lengths.ndim != 1:
+        raise ValueError(f"Ragged lengths must be 1-D, got shape {lengths.shape}")
+    if lengths.size:
+        if lengths.min() < 0:
+            k = int(np.argmax(lengths < 0))
+            raise ValueError(f"lengths[{k}]={int(lengths[k])} is negative")
+        if lengths.max() > num_ids:
+            k = int(np.argmax(lengths > num_ids))
+            raise ValueError(
+                f"lengths[{k}]={int(lengths[k])} is more than the number of ids ({num_ids})"
+            )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    wrapped = offsets[1:] < offsets[:-1]  # lengths are >= 0: only a wrap can decrease a sum
+    if wrapped.any():
+        k = int(np.argmax(wrapped))
+        raise ValueError(
+            f"lengths sum to more than the number of ids ({num_ids}): the running sum "
+            f"overflows int64 at lengths[{k}] (sample {k})"
+        )
+    if offsets[-1] != num_ids:
+        raise ValueError(f"lengths sum to {int(offsets[-1])} but there are {num_ids} ids")
+    return offsets
+
+
 class Ragged:
     """A batch of variable-length samples: sample ``b`` is ``ids[offsets[b]:offsets[b+1]]``.
 
     Give either ``offsets`` (length B+1, starting at 0, non-decreasing, ending at ``len(ids)``) or
-    ``lengths`` (length B, each >= 0). ``weights``, if given, has one float per id.
+    ``lengths`` (length B, each in ``[0, len(ids)]``, adding up to ``len(ids)``). ``weights``, if
+    given, has one float per id.
+
+    A Ragged does not change after it is validated, so what the checks saw is what the kernels
+    read:
+
+    - ``offsets`` is the Ragged's own read-only copy (B + 1 ints), made before it is checked;
+    - ``ids`` and ``weights`` are read-only views of the arrays given, not copies (a batch holds
+      millions of ids): nothing can write to them through the Ragged, and their length cannot
+      change. Their values do not shape the Ragged; ids are range-checked when a batch is
+      prepared from it (``EmbeddingEngine.preprocess`` / ``lookup``), and a training batch
+      keeps copies of them (its deduplication data). A lookup-only batch
+      (``preprocess(..., training=False)``) keeps these views: its ids are checked again when
+      it is looked up, so an array the caller changed in between gives an error, never a read
+      outside a table. Do not write to an array after passing it in: the views see the change.
+
+    The attributes are read-only; build a new Ragged for other values.
     """
 
-    __slots__ = ("ids", "offsets", "weights")
+    __slots__ = ("_ids", "_offsets", "_weights")
 
     def __init__(self, ids, offsets=None, lengths=None, weights=None):
         ids = _int_array(ids, "ids")
@@ -66,33 +139,12 @@ class Ragged:
         if (offsets is None) == (lengths is None):
             raise ValueError("Ragged needs exactly one of offsets= or lengths=")
         if lengths is not None:
-            lengths = _int_array(lengths, "lengths")
-            if lengths.ndim != 1:
-                raise ValueError(f"Ragged lengths must be 1-D, got shape {lengths.shape}")
-            if lengths.size and lengths.min() < 0:
-                k = int(np.argmax(lengths < 0))
-                raise ValueError(f"lengths[{k}]={int(lengths[k])} is negative")
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            if offsets[-1] != len(ids):
-                raise ValueError(f"lengths sum to {int(offsets[-1])} but there are {len(ids)} ids")
+            offsets = offsets_from_lengths(_int_array(lengths, "lengths"), len(ids))
         else:
-            offsets = _int_array(offsets, "offsets")
-            if offsets.ndim != 1 or len(offsets) < 1:
-                raise ValueError(f"Ragged offsets must be 1-D with >= 1 entry, got {offsets.shape}")
-            if offsets[0] != 0:
-                raise ValueError(f"offsets[0]={int(offsets[0])} must be 0")
-            step = np.diff(offsets)
-            if step.size and step.min() < 0:
-                k = int(np.argmax(step < 0)) + 1
-                raise ValueError(
-                    f"offsets[{k}]={int(offsets[k])} is less than offsets[{k - 1}]="
-                    f"{int(offsets[k - 1])}: offsets must be non-decreasing"
-                )
-            if offsets[-1] != len(ids):
-                raise ValueError(
-                    f"offsets[-1]={int(offsets[-1])} must equal the number of ids ({len(ids)})"
-                )
+            # Our own copy, checked after copying: the caller's array may change later.
+            offsets = np.array(_int_array(offsets, "offsets"), dtype=np.int64, copy=True)
+            _check_offsets(offsets, len(ids))
+        offsets.flags.writeable = False
         if weights is not None:
             weights = _float_array(weights, "weights")
             if weights.shape != ids.shape:
@@ -100,29 +152,54 @@ class Ragged:
                     f"weights has shape {weights.shape} but ids has shape {ids.shape}; "
                     "give one weight per id"
                 )
-        self.ids = ids
-        self.offsets = offsets
-        self.weights = weights
+            weights = read_only(weights)
+        self._ids = read_only(ids)
+        self._offsets = offsets
+        self._weights = weights
+
+    @property
+    def ids(self) -> np.ndarray:
+        """int64 ``[N]``, read-only."""
+        return self._ids
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 ``[B + 1]``, read-only, the Ragged's own."""
+        return self._offsets
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        """float32 ``[N]`` (read-only) or None."""
+        return self._weights
+
+    # A copy or an unpickled Ragged (a lookup-only batch sent from a DataLoader worker) is built
+    # and checked again: unpickled arrays are writable, and a pickle may have been edited.
+    def __reduce__(self):
+        return (_rebuild_ragged, (self._ids, self._offsets, self._weights))
 
     @property
     def num_samples(self) -> int:
-        return len(self.offsets) - 1
+        return len(self._offsets) - 1
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        return np.diff(self._offsets)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __repr__(self) -> str:
-        w = "" if self.weights is None else ", weights=..."
-        return f"Ragged(num_samples={self.num_samples}, num_ids={len(self.ids)}{w})"
+        w = "" if self._weights is None else ", weights=..."
+        return f"Ragged(num_samples={self.num_samples}, num_ids={len(self._ids)}{w})"
 
     def where(self, k: int) -> str:
         """'sample b, position p' for the k-th id."""
-        b = int(np.searchsorted(self.offsets, k, side="right")) - 1
-        return f"sample {b}, position {k - int(self.offsets[b])}"
+        b = int(np.searchsorted(self._offsets, k, side="right")) - 1
+        return f"sample {b}, position {k - int(self._offsets[b])}"
+
+
+def _rebuild_ragged(ids, offsets, weights) -> Ragged:
+    return Ragged(ids, offsets=offsets, weights=weights)
 
 
 def _is_nested(x) -> bool:
@@ -133,7 +210,29 @@ def _is_nested(x) -> bool:
     )
 
 
+def _is_list_like(x) -> bool:
+    """A sequence or an array of at least one dimension, not a string."""
+    if isinstance(x, np.ndarray):
+        return x.ndim >= 1
+    return isinstance(x, Sequence) and not isinstance(x, str | bytes)
+
+
+def _is_number(x) -> bool:
+    """An int or float (Python or NumPy, or a 0-d array of one), not a bool."""
+    if isinstance(x, bool | np.bool_):
+        return False
+    if isinstance(x, int | float | np.integer | np.floating):
+        return True
+    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
+
+
 def _from_lists(value, weights) -> Ragged:
+    for b, s in enumerate(value):
+        if not _is_list_like(s):
+            raise TypeError(
+                f"sample {b} is {type(s).__name__} {s!r}: a list of lists holds one list of ids "
+                "per sample"
+            )
     lengths = [len(s) for s in value]
     flat = [v for s in value for v in s]
     for k, v in enumerate(flat):
@@ -144,9 +243,9 @@ def _from_lists(value, weights) -> Ragged:
     w = None
     if weights is not None:
         if (
-            not isinstance(weights, Sequence | np.ndarray)
+            not _is_list_like(weights)
             or len(weights) != len(value)
-            or not all(isinstance(ws, Sequence | np.ndarray) for ws in weights)
+            or not all(_is_list_like(ws) for ws in weights)
         ):
             raise ValueError(
                 f"weights must be a list of {len(value)} lists, one per sample, like the ids"
@@ -156,7 +255,13 @@ def _from_lists(value, weights) -> Ragged:
                 raise ValueError(
                     f"weights of sample {b} has {len(ws)} entries but the sample has {len(s)} ids"
                 )
-        w = np.asarray([x for ws in weights for x in ws], dtype=np.float32)
+        flat_w = [x for ws in weights for x in ws]
+        # Numbers only: np.asarray would read True as 1.0 and "0.5" as 0.5.
+        bad = next((k for k, x in enumerate(flat_w) if not _is_number(x)), None)
+        if bad is not None:
+            b = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
+            raise TypeError(f"weights must be numbers, got {flat_w[bad]!r} at sample {b}")
+        w = np.asarray(flat_w, dtype=np.float32)
     return Ragged(ids, lengths=np.asarray(lengths, dtype=np.int64), weights=w)
 
 
@@ -182,6 +287,11 @@ def _from_padded(ids: np.ndarray, weights) -> Ragged:
 
 def to_ragged(value, weights=None) -> Ragged:
     """Convert any accepted input form (see module docstring) to a structurally valid Ragged."""
+    if value is None or isinstance(value, str | bytes | Mapping):
+        raise TypeError(
+            "ids must be an integer array, a Ragged or a list of lists of ints, got "
+            f"{type(value).__name__} {value!r:.40}"
+        )
     if isinstance(value, Ragged):
         if weights is not None:
             if value.weights is not None:

@@ -1,8 +1,16 @@
 """Input normalisation: every accepted form becomes the same Ragged; structure errors are clear."""
 
+import copy
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from embengine import Ragged
 from embengine.inputs import to_ragged
@@ -107,3 +115,154 @@ def test_weights_layout_must_follow_ids():
 def test_three_d_ids_rejected():
     with pytest.raises(ValueError, match=r"got shape \(1, 1, 1\)"):
         to_ragged(np.zeros((1, 1, 1), dtype=np.int64))
+
+
+# -- lengths and offsets that would overflow, arrays that change after validation ----------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a crash or a hang must not take pytest with it)."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the subprocess did not finish in {timeout} s")
+
+
+WRAPPING_LENGTHS = [2**63 - 1, 2**63 - 1, 5]  # int64 sum: 3, the number of ids
+
+
+def test_lengths_whose_sum_wraps_are_refused():
+    with pytest.raises(ValueError, match=r"lengths\[0\]=9223372036854775807 is more than the "
+                                         r"number of ids \(3\)"):  # fmt: skip
+        Ragged([1, 2, 3], lengths=WRAPPING_LENGTHS)
+    with pytest.raises(ValueError, match=r"lengths\[1\]=4 is more than the number of ids \(3\)"):
+        Ragged(np.array([1, 2, 3], dtype=np.int32), lengths=np.array([0, 4], dtype=np.uint32))
+
+
+def test_a_running_sum_that_wraps_is_refused_even_if_each_length_fits():
+    from embengine.inputs import offsets_from_lengths
+
+    # Each length fits in num_ids, but a batch of 2**62 ids... is too big to build: the check
+    # is on the running sum, shown here with the number of ids given directly.
+    n = 2**62
+    with pytest.raises(ValueError, match=r"lengths sum to more than the number of ids "
+                                         r"\(4611686018427387904\): the running sum overflows "
+                                         r"int64 at lengths\[1\]"):  # fmt: skip
+        offsets_from_lengths(np.array([n, n, n, n], dtype=np.int64), n)
+    np.testing.assert_array_equal(offsets_from_lengths(np.array([n // 2, n // 2]), n),
+                                  [0, n // 2, n])  # fmt: skip
+
+
+def test_offsets_near_the_int64_limits_are_compared_not_subtracted():
+    # np.diff of these wraps to [2**63 - 1, 1, 2**63 - 2, 5]: all >= 0.
+    with pytest.raises(ValueError, match=r"offsets\[2\]=-9223372036854775808 is less than "
+                                         r"offsets\[1\]=9223372036854775807"):  # fmt: skip
+        Ragged([1, 2, 3], offsets=[0, 2**63 - 1, -(2**63), -2, 3])
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("training", [True, False])
+def test_wrapping_lengths_never_reach_the_kernels(backend, training):
+    # Before: the reference backend segfaulted, the numba kernels never returned.
+    code = f"""
+import embengine as ee
+t = ee.TableConfig(10, 2, name="t")
+eng = ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, optimizer=ee.optimizers.SGD(0.1),
+                         backend={backend!r})
+eng.lookup({{"f": ee.Ragged([1, 2, 3], lengths={WRAPPING_LENGTHS})}}, training={training})
+print("no error", flush=True)
+"""
+    out = _run(code, timeout=180)
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "ValueError: lengths[0]=9223372036854775807 is more than the number of ids (3)" in (
+        out.stderr
+    )
+
+
+def test_a_ragged_does_not_change_after_validation():
+    ids = np.array([1, 2, 3])
+    offsets = np.array([0, 2, 3])
+    weights = np.array([0.5, 1.0, 2.0], dtype=np.float32)
+    r = Ragged(ids, offsets=offsets, weights=weights)
+    offsets[1] = 10**12  # the caller's array: the Ragged has its own copy
+    np.testing.assert_array_equal(r.offsets, [0, 2, 3])
+    for a in (r.ids, r.offsets, r.weights, Ragged(ids, lengths=[1, 2]).offsets):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 7
+    with pytest.raises(AttributeError):
+        r.offsets = np.array([0, 3, 3])
+    # No copy of the ids (millions per batch): a view, range-checked when a batch is prepared.
+    assert np.shares_memory(r.ids, ids)
+    assert ids.flags.writeable  # the caller's array is left as it was
+
+
+def test_an_unpickled_ragged_is_read_only_and_checked_again():
+    r = Ragged([1, 2, 3], lengths=[2, 1], weights=[1.0, 2.0, 3.0])
+    back = pickle.loads(pickle.dumps(r))
+    _same(back, [1, 2, 3], [0, 2, 3], [1.0, 2.0, 3.0])
+    assert not (back.ids.flags.writeable or back.offsets.flags.writeable)
+    assert not back.weights.flags.writeable
+    assert not copy.deepcopy(r).offsets.flags.writeable
+    edited = pickle.dumps(r).replace(np.array([0, 2, 3]).tobytes(), np.array([0, 5, 3]).tobytes())
+    with pytest.raises(ValueError, match=r"offsets\[2\]=3 is less than offsets\[1\]=5"):
+        pickle.loads(edited)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("training", [True, False])
+def test_offsets_changed_after_the_ragged_was_built_never_reach_the_kernels(backend, training):
+    # Before: the Ragged kept the caller's offsets; changed afterwards, they reached the kernels
+    # unchecked (numba: SIGSEGV). Now the lookup uses the offsets as they were validated.
+    code = f"""
+import numpy as np
+import embengine as ee
+t = ee.TableConfig(10, 2, name="t", initializer=ee.initializers.RowId())
+eng = ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, optimizer=ee.optimizers.SGD(0.1),
+                         backend={backend!r})
+offsets = np.array([0, 2, 3])
+r = ee.Ragged(np.array([1, 2, 3]), offsets=offsets)
+offsets[1] = 10**12
+print(eng.lookup({{"f": r}}, training={training})["f"][:, 0].tolist(), flush=True)
+"""
+    out = _run(code, timeout=180)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.strip() == "[1.5, 3.0]"  # mean of rows 1, 2 and row 3
+
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_SMALL = st.integers(-1, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(_INT64 | _SMALL, max_size=5), num_ids=st.integers(0, 6))
+@example(lengths=WRAPPING_LENGTHS, num_ids=3)
+@example(lengths=[2**63 - 1, 1, 2**63 - 1, 2], num_ids=1)
+def test_any_int64_lengths_are_accepted_exactly_when_they_are_valid(lengths, num_ids):
+    valid = all(x >= 0 for x in lengths) and sum(lengths) == num_ids  # Python ints: exact
+    try:
+        r = Ragged(np.arange(num_ids), lengths=np.array(lengths, dtype=np.int64))
+    except ValueError:
+        assert not valid
+    else:
+        assert valid
+        assert r.offsets.tolist() == [sum(lengths[:b]) for b in range(len(lengths) + 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(offsets=st.lists(_INT64 | _SMALL, min_size=1, max_size=5), num_ids=st.integers(0, 6))
+@example(offsets=[0, 2**63 - 1, -(2**63), -2, 3], num_ids=3)
+def test_any_int64_offsets_are_accepted_exactly_when_they_are_valid(offsets, num_ids):
+    valid = (
+        offsets[0] == 0
+        and offsets[-1] == num_ids
+        and all(a <= b for a, b in zip(offsets, offsets[1:], strict=False))
+    )
+    try:
+        r = Ragged(np.arange(num_ids), offsets=np.array(offsets, dtype=np.int64))
+    except ValueError:
+        assert not valid
+    else:
+        assert valid and r.offsets.tolist() == offsets

@@ -1,8 +1,14 @@
 """embengine.torch.EmbeddingLayer against a hand-written torch model, and its autograd contract."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import embengine as ee
 from embengine import optimizers as opt
@@ -165,6 +171,125 @@ def test_keyed_jagged_inputs():
     assert layer(kj2)["a"].shape == (2, DIM)
     with pytest.raises(ValueError, match="lengths sum to 3 but there are 2 values"):
         KeyedJagged(["a"], [1, 2], lengths=[1, 2])
+
+
+class _TorchRecLike:
+    """A KJT duck type (TorchRec's KeyedJaggedTensor is accepted without importing torchrec):
+    nothing checked it when it was built."""
+
+    def __init__(self, keys, values, lengths, weights=None):
+        self._k, self._v, self._l, self._w = keys, values, lengths, weights
+
+    def keys(self):
+        return self._k
+
+    def values(self):
+        return self._v
+
+    def lengths(self):
+        return self._l
+
+    def weights_or_none(self):
+        return self._w
+
+
+# 2 keys x 2 samples; the int64 sum of the lengths wraps around to 3, the number of values.
+WRAPPING = [2**63 - 1, 2**63 - 1, 5, 0]
+
+
+def test_keyed_jagged_lengths_that_wrap_are_refused_naming_key_and_sample():
+    with pytest.raises(ValueError, match=r"KeyedJagged key 'a', sample 0: length "
+                                         r"9223372036854775807 \(lengths\[0\]\) is more than "
+                                         r"the number of values \(3\)"):  # fmt: skip
+        KeyedJagged(["a", "b"], [1, 2, 3], lengths=WRAPPING)
+    with pytest.raises(ValueError, match=r"KeyedJagged key 'b', sample 1: length -1 "
+                                         r"\(lengths\[3\]\) is negative"):  # fmt: skip
+        KeyedJagged(["a", "b"], [1, 2, 3], lengths=[1, 1, 2, -1])
+    # offsets whose np.diff wraps to lengths >= 0
+    with pytest.raises(
+        ValueError,
+        match=r"KeyedJagged key 'a', sample 1: offsets\[2\]="
+        r"-9223372036854775808 is less than offsets\[1\]",
+    ):
+        KeyedJagged(["a", "b"], [1, 2, 3], offsets=[0, 2**63 - 1, -(2**63), -2, 3])
+    with pytest.raises(TypeError, match="KeyedJagged values must be integers, got dtype float"):
+        KeyedJagged(["a"], np.array([1.5, 2.0]), lengths=[1, 1])
+    with pytest.raises(ValueError, match=r"KeyedJagged weights must have one entry per value"):
+        KeyedJagged(["a"], [1, 2], lengths=[1, 1], weights=[1.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-1, 3), max_size=6),
+    num_values=st.integers(0, 5),
+)
+@example(lengths=WRAPPING, num_values=3)
+def test_any_int64_keyed_jagged_lengths_are_accepted_exactly_when_valid(lengths, num_values):
+    from embengine.torch.keyed_jagged import to_feature_dict
+
+    valid = len(lengths) % 2 == 0 and all(x >= 0 for x in lengths) and sum(lengths) == num_values
+    values = torch.arange(num_values)
+    for make in (
+        lambda: KeyedJagged(["a", "b"], values, lengths=torch.tensor(lengths, dtype=torch.int64)),
+        lambda: _TorchRecLike(["a", "b"], values, torch.tensor(lengths, dtype=torch.int64)),
+    ):
+        try:
+            split = to_feature_dict(make())
+        except ValueError:
+            assert not valid
+        else:
+            assert valid
+            b = len(lengths) // 2
+            assert split["a"].lengths.tolist() == lengths[:b]
+            assert split["b"].lengths.tolist() == lengths[b:]
+
+
+def test_torchrec_like_inputs_are_checked_when_split():
+    layer = EmbeddingLayer(_engine(opt.SGD(0.1), backend="reference"))
+    bad = [
+        (_TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor(WRAPPING)),
+         ValueError, r"KeyedJagged key 'a', sample 0: length 9223372036854775807"),
+        (_TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])),
+         ValueError, r"KeyedJagged has 3 lengths for 2 keys"),
+        (_TorchRecLike(["a", "b"], torch.tensor([1.0, 2.0]), torch.tensor([1, 0, 1, 0])),
+         TypeError, r"KeyedJagged values must be integers, got dtype float32"),
+        (_TorchRecLike(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1])),
+         ValueError, r"KeyedJagged keys must be unique"),
+        (_TorchRecLike(["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 0, 1, 0]),
+                       torch.tensor([1.0])),
+         ValueError, r"KeyedJagged weights must have one entry per value"),
+        (_TorchRecLike(["a", "b"], torch.tensor([1, 99]), torch.tensor([1, 0, 1, 0])),
+         ValueError, r"feature 'b': id 99 at sample 0, position 0 \(ids\[0\]\) is out of range"),
+    ]  # fmt: skip
+    for kjt, exc, message in bad:
+        with pytest.raises(exc, match=message):
+            layer(kjt)
+        with pytest.raises(exc, match=message):
+            layer.preprocess(kjt)
+    good = _TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1, 0]))
+    out = layer(good)
+    expected = layer({"a": [[1, 2], []], "b": [[3], []]})
+    assert all(torch.equal(out[k], expected[k]) for k in expected)
+
+
+def test_wrapping_keyed_jagged_lengths_never_reach_the_kernels():
+    # Before: lengths whose sum wraps passed KeyedJagged's check; run in a subprocess because
+    # a Ragged with such lengths crashed or hung the kernels.
+    code = f"""
+import torch
+import embengine as ee
+from embengine.torch import EmbeddingLayer, KeyedJagged
+t = ee.TableConfig(10, 2, name="t")
+eng = ee.EmbeddingEngine({{"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(t)}},
+                         optimizer=ee.optimizers.SGD(0.1))
+kjt = KeyedJagged(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor({WRAPPING}))
+EmbeddingLayer(eng)(kjt)
+print("no error", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    assert "ValueError: KeyedJagged key 'a', sample 0: length 9223372036854775807" in out.stderr
 
 
 def test_missing_and_extra_features_are_named():

@@ -16,6 +16,7 @@ variable-length samples.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from .. import config as ee_config
 from ..engine import EmbeddingEngine
-from ..inputs import Ragged, as_numpy, to_ragged
+from ..inputs import Ragged, as_numpy, check_values, to_ragged
 from ..optimizers import SGD, Optimizer
 from .config import FeatureConfig, TableConfig
 from .nest import flatten_like, flatten_with_paths, pack_like
@@ -39,6 +40,27 @@ def _is_feature(x) -> bool:
 
 def _is_dense(x) -> bool:
     return not isinstance(x, Ragged | list | tuple) and as_numpy(x).dtype.kind in "iu"
+
+
+def _check_dense_ids(ids: np.ndarray, vocabulary_size: int) -> None:
+    """Range-check dense ids, naming the bad one by its index in the input's shape."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
+        bad = (ids < 0) | (ids >= vocabulary_size)
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"id {int(ids[where])} at {list(where)} is out of range [0, {vocabulary_size})"
+        )
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """Prefix a TypeError / ValueError from the engine's input helpers with the feature's path
+    (TF's own messages below name it already)."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        cls = TypeError if isinstance(e, TypeError) else ValueError
+        raise cls(f"feature {path!r}: {e}") from None
 
 
 def _sequence_bags(r: Ragged, seq: int) -> Ragged:
@@ -125,7 +147,9 @@ class _EmbeddingBase:
 
     def _convert(self, path: str, feature: FeatureConfig, value, weight, serving: bool):
         """One feature's input -> (engine Ragged, activation shape without dim)."""
-        if _is_dense(value):
+        with _naming(path):
+            dense = _is_dense(value)
+        if dense:
             ids = as_numpy(value)
             if weight is not None:
                 if serving:
@@ -152,12 +176,17 @@ class _EmbeddingBase:
                     raise ValueError(
                         "Rank 2 or above dense tensor should have last dimension as 1 as the last "
                         f"dimension will always be reduced. Instead got dense tensor as shape "
-                        f"{list(ids.shape)}"
+                        f"{list(ids.shape)} for input {path}"
                     )
                 shape = ids.shape[:-1]
             flat = ids.reshape(-1)
-            return Ragged(flat, offsets=np.arange(len(flat) + 1)), tuple(int(s) for s in shape)
-        r = to_ragged(value, weight)
+            with _naming(path):
+                r = Ragged(flat, offsets=np.arange(len(flat) + 1))
+                # Here, not in the engine: its message would give the flat index as the sample.
+                _check_dense_ids(ids, feature.table.vocabulary_size)
+            return r, tuple(int(s) for s in shape)
+        with _naming(path):
+            r = to_ragged(value, weight)
         n = r.num_samples
         seq = 0
         if feature.output_shape:
@@ -170,7 +199,7 @@ class _EmbeddingBase:
                 raise ValueError(
                     "Output shape set in the FeatureConfig should be the factor of the input data "
                     f"batch size. But instead got output shape {feature.output_shape}, input data "
-                    f"batch size {n}"
+                    f"batch size {n} for input {path}"
                 )
         elif feature.max_sequence_length > 0:
             seq, shape = feature.max_sequence_length, (n, feature.max_sequence_length)
@@ -179,6 +208,9 @@ class _EmbeddingBase:
         if seq:
             if r.weights is not None:
                 raise ValueError(f"Weight specified for {path}, but this is a sequence feature.")
+            # Checked before the positions become bags: the engine would name bag b * seq + p.
+            with _naming(path):
+                check_values(r, feature.table.vocabulary_size, check_weights=False)
             r = _sequence_bags(r, seq)
         return r, shape
 
