@@ -61,7 +61,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import PreparedBatch, build_tables_numpy, prepare
+from .batch import (
+    PreparedBatch,
+    batch_fingerprint,
+    build_tables_numpy,
+    check_prepared_for,
+    prepare,
+)
 from .checkpoint import FORMAT as CHECKPOINT_FORMAT
 from .checkpoint import CheckpointError, read_manifest
 from .config import (
@@ -740,9 +746,19 @@ class ServingEngine:
     def lookup(self, features, weights=None) -> dict[str, np.ndarray]:
         """Activations per feature, exactly as EmbeddingEngine.lookup computes them from the
         (decompressed) weights."""
-        batch = (
-            features if isinstance(features, PreparedBatch) else self.preprocess(features, weights)
-        )
+        if isinstance(features, PreparedBatch):
+            if weights is not None:
+                raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
+            # A batch prepared for other tables would read rows past the end of these.
+            check_prepared_for(features, batch_fingerprint(self._resolved), self._resolved)
+            if not features.deduplicated:
+                raise ValueError(
+                    "this PreparedBatch was built with training=False; build it with "
+                    "ServingEngine.preprocess(features)"
+                )
+            batch = features
+        else:
+            batch = self.preprocess(features, weights)
         per_table = []
         for name, tb in zip(self._resolved.table_names, batch.tables, strict=True):
             arrays, comp, params, dim = self._tables[name]

@@ -534,3 +534,30 @@ def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
                            compress="fp16", table=["zzz=fp16"], fixed_range=1.0,
                            replace=False)  # fmt: skip
     assert code == 2 and "zzz" in stderr
+
+
+def test_serving_refuses_a_batch_prepared_for_other_tables(trained_ref, tmp_path):
+    # A batch prepared by a serving engine of bigger tables would read rows past the end of
+    # these ones: it is refused naming the difference, like EmbeddingEngine does.
+    import dataclasses
+
+    _, ckpt = trained_ref
+    served = ServingEngine.load(export(ckpt, tmp_path / "out").path)
+    feats, weights = _inputs(7)
+    tables = {}
+    for fc in _features().values():
+        t = fc.table
+        tables.setdefault(t.name, ee.TableConfig(10_000, t.dim, name=t.name, combiner=t.combiner))
+    bigger = {name: ee.FeatureConfig(tables[fc.table.name], fc.max_sequence_length,
+                                     output_shape=fc.output_shape)
+              for name, fc in _features().items()}  # fmt: skip
+    other = ee.EmbeddingEngine(bigger, optimizer=O.SGD(learning_rate=0.1), backend="reference")
+    far = dict(feats, one=np.full(B, 9_999))
+    with pytest.raises(ValueError, match="feature 'one': prepared for a table of 10000 rows"):
+        served.lookup(other.preprocess(far, weights))
+    own = served.preprocess(feats, weights)
+    with pytest.raises(ValueError):  # not deduplicated: serving pools prepared batches only
+        served.lookup(dataclasses.replace(own, deduplicated=False))
+    # Its own batches are served as before.
+    for name, act in served.lookup(feats, weights).items():
+        np.testing.assert_array_equal(served.lookup(own)[name], act)

@@ -41,8 +41,9 @@ class TorchEmbeddings(torch.nn.Module):
     def forward(self, sparse: dict[str, Ragged]) -> dict[str, torch.Tensor]:
         out = {}
         for name, r in sparse.items():
-            ids = torch.from_numpy(r.ids)
-            offsets = torch.from_numpy(r.offsets[:-1])
+            # Copies: a Ragged's arrays are read-only, which torch.from_numpy warns about.
+            ids = torch.from_numpy(r.ids.copy())
+            offsets = torch.from_numpy(r.offsets[:-1].copy())
             weights = None
             if self.specs[name].combiner == "sqrtn":
                 lengths = np.maximum(r.lengths, 1).astype(np.float32)
