@@ -284,8 +284,9 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
-        elif training and hasattr(self._backend, "build_tables_and_lookup"):
-            # Deduplication and pooling in one parallel region (numba: kernels/train_lookup.py).
+        elif training:
+            # Deduplication and pooling in one call (numba: one parallel region, in
+            # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             tables, per_table = self._backend.build_tables_and_lookup(
                 parts, self._physical, self._quantizations()
