@@ -232,11 +232,11 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
                                     storage_layout=eng.storage_plan.storage_layout())  # fmt: skip
     table = eng._physical[0]
     good = table.data
-    try:
+    try:  # ``data`` is a property (it checks an mmap table's file): swap the array behind it
         for bad in (np.asfortranarray(good), good.astype(np.float64)):
-            table.data = bad
+            table._data = bad
             with pytest.raises(AssertionError, match="C-contiguous float32"):
                 build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
     finally:
-        table.data = good
+        table._data = good
     build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
