@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +30,7 @@ from .config import FeatureConfig, TableConfig, resolve_features
 from .inputs import as_numpy
 from .learning_rates import LearningRates
 from .optimizers import Optimizer
-from .storage import DenseTable, TableView
+from .storage import DenseTable, StoragePlan, TableView, plan_storage
 
 __all__ = ["EmbeddingEngine", "BACKENDS"]
 
@@ -51,29 +50,6 @@ def _make_backend(name: str):
 
 
 BACKENDS = ("numba", "reference")
-
-
-def _storage_paths(names, storage, storage_dir) -> dict[str, Path | None]:
-    """Table name -> file of an "mmap" table, or None for RAM; errors name the bad value."""
-    kinds = ("ram", "mmap")
-    if isinstance(storage, str):
-        per_table = {n: storage for n in names}
-    elif isinstance(storage, Mapping):
-        unknown = [n for n in storage if n not in names]
-        if unknown:
-            raise ValueError(f"storage names unknown tables {unknown}; tables are {list(names)}")
-        per_table = {n: storage.get(n, "ram") for n in names}
-    else:
-        raise TypeError(f"storage must be 'ram', 'mmap' or a dict, got {storage!r}")
-    for n, kind in per_table.items():
-        if kind not in kinds:
-            raise ValueError(f"storage of table {n!r} must be one of {kinds}, got {kind!r}")
-    if any(k == "mmap" for k in per_table.values()) and storage_dir is None:
-        raise ValueError("storage='mmap' needs storage_dir= (a folder for the table files)")
-    return {
-        n: (Path(storage_dir) / f"{n}.f32" if kind == "mmap" else None)
-        for n, kind in per_table.items()
-    }
 
 
 def _initializer_for(table: TableConfig, opt: Optimizer):
@@ -98,6 +74,7 @@ class EmbeddingEngine:
       storage: "ram" (default) or "mmap" for every table, or a dict of table name -> either
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
         ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache.
+        Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
       storage_dir: folder of the "mmap" tables' files (required if any table uses "mmap").
     """
 
@@ -138,65 +115,45 @@ class EmbeddingEngine:
         self._optimizers = tuple(optimizers)
         self._learning_rates = LearningRates(optimizers, self._resolved.table_names)
         self._backend = _make_backend(backend)
-        paths = _storage_paths(self._resolved.table_names, storage, storage_dir)
-        self._build_storage(paths)
+        self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
+        self._build_storage()
         self._step = 0
         self._last_batch: PreparedBatch | None = None
 
-    def _build_storage(self, paths: dict[str, Path | None]) -> None:
-        """One DenseTable per table, except that low-dimensional packing puts tables of dim 1, 2
-        or 4 with equal optimizers (and quantization, in RAM) into one, one after another: they
-        are then deduplicated, looked up and updated by one kernel call each. Results do not
-        change: rows are independent and initial values depend on the table's own row ids."""
+    def _build_storage(self) -> None:
+        """One DenseTable per physical table of ``storage_plan``, its logical tables one after
+        another (low-dimensional packing: see embengine.storage.plan); they are then
+        deduplicated, looked up and updated by one kernel call each. Results do not change:
+        rows are independent and initial values depend on the table's own row ids."""
         r = self._resolved
-        names = r.table_names
-        groups: list[list[int]] = []
-        for t, cfg in enumerate(r.tables):
-            opt = self._optimizers[t]
-            packable = (opt.low_dimensional_packing_status and cfg.dim in (1, 2, 4)
-                        and paths[names[t]] is None)  # fmt: skip
-            for g in groups:
-                first = r.tables[g[0]]
-                if (
-                    packable
-                    and len(g)
-                    and self._packable(g[0])
-                    and first.dim == cfg.dim
-                    and (self._optimizers[g[0]] == opt)
-                    and first.quantization_config == cfg.quantization_config
-                ):
-                    g.append(t)
-                    break
-            else:
-                groups.append([t])
-        physical, views, layout = [], [None] * len(names), []
-        for members in groups:
-            segments, offset = [], 0
-            for t in members:
-                cfg = r.tables[t]
-                init = _initializer_for(cfg, self._optimizers[t])
-                segments.append((names[t], offset, cfg.vocabulary_size, init))
-                offset += cfg.vocabulary_size
-            first = r.tables[members[0]]
+        index = {name: t for t, name in enumerate(r.table_names)}
+        physical, views, members = [], [None] * len(r.table_names), []
+        for spec in self._storage_plan.physical_tables:
+            ts = tuple(index[m.name] for m in spec.tables)
+            segments = [(m.name, m.row_offset, m.vocabulary_size,
+                         _initializer_for(r.tables[t], self._optimizers[t]))
+                        for m, t in zip(spec.tables, ts, strict=True)]  # fmt: skip
             table = DenseTable(
-                "+".join(names[t] for t in members), offset, first.dim,
-                self._optimizers[members[0]].slot_specs(first.dim), segments[0][3], self.seed,
-                path=paths[names[members[0]]], segments=segments,
+                spec.name, spec.vocabulary_size, spec.dim,
+                self._optimizers[ts[0]].slot_specs(spec.dim), segments[0][3], self.seed,
+                path=spec.path, segments=segments,
             )  # fmt: skip
-            for t, (name, start, rows, _) in zip(members, segments, strict=True):
-                views[t] = TableView(table, name, start, rows)
+            for t, m in zip(ts, spec.tables, strict=True):
+                views[t] = TableView(table, m.name, m.row_offset, m.vocabulary_size)
             physical.append(table)
-            layout.append([(f, start) for t, (_, start, _, _) in zip(members, segments, strict=True)
-                           for f in r.table_features[t]])  # fmt: skip
+            members.append(ts)
         self._physical = tuple(physical)
-        self._physical_members = tuple(tuple(g) for g in groups)
-        self._storage_layout = layout
+        self._physical_members = tuple(members)  # table indices, per physical table
+        self._storage_layout = self._storage_plan.storage_layout()
         self._tables = tuple(views)
+        # Members share one quantization (the plan packs only equal ones).
+        self._physical_quantizations = [r.tables[ts[0]].quantization_config for ts in members]
 
-    def _packable(self, t: int) -> bool:
-        return self._optimizers[t].low_dimensional_packing_status and self._resolved.tables[
-            t
-        ].dim in (1, 2, 4)
+    @property
+    def storage_plan(self) -> StoragePlan:
+        """Which tables share which physical table, at which row, in RAM or in which file: a
+        frozen ``embengine.storage.StoragePlan`` (``to_json()`` gives it as JSON)."""
+        return self._storage_plan
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -335,8 +292,9 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
-        elif training and hasattr(self._backend, "build_tables_and_lookup"):
-            # Deduplication and pooling in one parallel region (numba: kernels/train_lookup.py).
+        elif training:
+            # Deduplication and pooling in one call (numba: one parallel region, in
+            # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             tables, per_table = self._backend.build_tables_and_lookup(
                 parts, self._physical, self._quantizations()
@@ -360,8 +318,7 @@ class EmbeddingEngine:
 
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""
-        return [self._resolved.tables[members[0]].quantization_config
-                for members in self._physical_members]  # fmt: skip
+        return self._physical_quantizations
 
     def apply_gradients(
         self,

@@ -5,6 +5,11 @@ it is initialised in, or the order in which rows are first touched. Randomness c
 counter-based generator (``kernels/init.py``): splitmix64 applied to a 64-bit key (derived from
 seed and table name with blake2b, so it is stable across processes) mixed with the row id,
 column and a redraw round.
+
+This module imports no numba: a built-in random initializer names its values as a ``Fill`` (which
+fill kernel, with which parameters), and the kernels are imported where values are first computed
+(``fill_values``, called by ``init`` when storage initialises a table), so that configuring an
+engine does not load numba.
 """
 
 from __future__ import annotations
@@ -12,11 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
-
-from .kernels.init import fill_truncated_normal, fill_uniform
-from .kernels.pool import start_pool
 
 __all__ = [
     "Initializer",
@@ -26,8 +29,12 @@ __all__ = [
     "TruncatedNormal",
     "RowId",
     "FromFunction",
+    "Fill",
+    "fill_values",
     "table_key",
 ]
+
+FILL_KINDS = ("uniform", "truncated_normal")
 
 
 def table_key(seed: int, table_name: str) -> np.uint64:
@@ -36,9 +43,35 @@ def table_key(seed: int, table_name: str) -> np.uint64:
     return np.uint64(int.from_bytes(digest, "little"))
 
 
-def _rows(rows) -> np.ndarray:
+@dataclass(frozen=True)
+class Fill:
+    """A random initializer's values as data: which fill kernel of ``kernels/init.py`` computes
+    them, with its two parameters. ``kind`` "uniform": uniform in ``[a, b)``;
+    "truncated_normal": Normal(mean ``a``, stddev ``b``) redrawn beyond 2 stddev."""
+
+    kind: Literal["uniform", "truncated_normal"]
+    a: float
+    b: float
+
+    def __post_init__(self):
+        if self.kind not in FILL_KINDS:
+            raise ValueError(f"Fill: kind must be one of {FILL_KINDS}, got {self.kind!r}")
+
+
+def fill_values(fill: Fill, seed: int, table_name: str, rows, dim: int) -> np.ndarray:
+    """float32 ``[len(rows), dim]``: the values of ``fill`` at ``rows`` of table ``table_name``.
+
+    The fill kernels (numba, parallel) are imported here, on the first values computed, not when
+    this module is imported."""
+    from .kernels.init import fill_truncated_normal, fill_uniform
+    from .kernels.pool import start_pool
+
     start_pool()  # the fill kernels are parallel
-    return np.ascontiguousarray(rows, dtype=np.int64)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out = np.empty((len(rows), dim), dtype=np.float32)
+    kernel = fill_uniform if fill.kind == "uniform" else fill_truncated_normal
+    kernel(out, rows, table_key(seed, table_name), fill.a, fill.b)
+    return out
 
 
 @dataclass(frozen=True)
@@ -47,6 +80,11 @@ class Initializer:
 
     def init(self, seed: int, table_name: str, rows: np.ndarray, dim: int) -> np.ndarray:
         raise NotImplementedError
+
+    def fill(self, dim: int) -> Fill | None:
+        """The fill kernel computing this initializer's values for tables of width ``dim``, or
+        None when ``init`` computes them in NumPy (or user code)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +127,11 @@ class RandomUniform(Initializer):
                 f"RandomUniform: minval={self.minval!r} must not exceed maxval={self.maxval!r}"
             )
 
+    def fill(self, dim):
+        return Fill("uniform", self.minval, self.maxval)
+
     def init(self, seed, table_name, rows, dim):
-        out = np.empty((len(rows), dim), dtype=np.float32)
-        fill_uniform(out, _rows(rows), table_key(seed, table_name), self.minval, self.maxval)
-        return out
+        return fill_values(self.fill(dim), seed, table_name, rows, dim)
 
 
 @dataclass(frozen=True)
@@ -113,11 +152,12 @@ class TruncatedNormal(Initializer):
                 f"TruncatedNormal: stddev must be finite and >= 0, got {self.stddev!r}"
             )
 
-    def init(self, seed, table_name, rows, dim):
+    def fill(self, dim):
         stddev = 1.0 / math.sqrt(dim) if self.stddev is None else self.stddev
-        out = np.empty((len(rows), dim), dtype=np.float32)
-        fill_truncated_normal(out, _rows(rows), table_key(seed, table_name), self.mean, stddev)
-        return out
+        return Fill("truncated_normal", self.mean, stddev)
+
+    def init(self, seed, table_name, rows, dim):
+        return fill_values(self.fill(dim), seed, table_name, rows, dim)
 
 
 @dataclass(frozen=True)

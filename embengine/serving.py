@@ -48,6 +48,7 @@ truncated or damaged manifest), not tampering: whoever can write the folder can 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -62,9 +63,10 @@ from pathlib import Path
 import numpy as np
 
 from .batch import (
+    LookupOnlyTableBatch,
     PreparedBatch,
+    TableBatch,
     batch_fingerprint,
-    build_tables_numpy,
     check_prepared_for,
     prepare,
 )
@@ -78,7 +80,7 @@ from .config import (
     TableConfig,
     resolve_features,
 )
-from .kernels.lookup import PREFETCH_DISTANCE, pool_kernel
+from .inputs import Ragged
 from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
 
 __all__ = ["COMPRESSIONS", "export", "ServingEngine", "ExportReport", "SERVING_FORMAT"]
@@ -730,6 +732,9 @@ class ServingEngine:
             arrays = {name: read_tensor(file, name, header=header)
                       for name in header[0] if name != "__metadata__"}  # fmt: skip
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
+        from .backends.numba_backend import NumbaBackend  # numba loads with a served engine
+
+        self._backend = NumbaBackend()
 
     @classmethod
     def load(cls, path: str | Path, verify: bool = True) -> ServingEngine:
@@ -741,38 +746,54 @@ class ServingEngine:
         return self._resolved.table_names
 
     def preprocess(self, features, weights=None) -> PreparedBatch:
-        return prepare(self._resolved, features, weights, build_tables_numpy)
+        """Validate features into a lookup-only batch (no deduplication: serving updates
+        nothing); errors name the feature, the position and the value."""
+        return prepare(self._resolved, features, weights, deduplicate=False)
 
     def lookup(self, features, weights=None) -> dict[str, np.ndarray]:
         """Activations per feature, exactly as EmbeddingEngine.lookup computes them from the
-        (decompressed) weights."""
+        (decompressed) weights: the rows a batch reads are decoded, then pooled by the numba
+        backend's lookup path (``lookup_rows``), with the training engine's sums and order."""
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
             # A batch prepared for other tables would read rows past the end of these.
             check_prepared_for(features, batch_fingerprint(self._resolved), self._resolved)
-            if not features.deduplicated:
-                raise ValueError(
-                    "this PreparedBatch was built with training=False; build it with "
-                    "ServingEngine.preprocess(features)"
-                )
             batch = features
         else:
             batch = self.preprocess(features, weights)
         per_table = []
         for name, tb in zip(self._resolved.table_names, batch.tables, strict=True):
             arrays, comp, params, dim = self._tables[name]
-            compact = np.ascontiguousarray(decode(arrays, comp, tb.unique_ids, params))
+            rows, tb = _decoded_rows(arrays, comp, params, tb)
             quant = self._configs[name].quantization_config
-            q = (np.zeros(3) if quant is None else
-                 np.array([quant.num_buckets, quant.lower, quant.upper], np.float64))  # fmt: skip
-            out = np.empty((tb.num_outputs, dim), dtype=np.float32)
-            rows = np.arange(len(tb.unique_ids), dtype=np.int64)
-            pool = pool_kernel(dim)
-            pool(compact.reshape(len(rows), dim), dim, rows, tb.inverse, tb.gains,
-                 tb.output_offsets, out, q, PREFETCH_DISTANCE)  # fmt: skip
-            per_table.append(out)
+            per_table.append(self._backend.lookup_rows(rows, dim, tb, quant))
         return {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
+
+
+def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Mapping,
+                  tb: TableBatch | LookupOnlyTableBatch):  # fmt: skip
+    """(float32 rows, the batch with its ids renumbered into them): the decoded rows of every
+    id the batch reads, so that only those are decompressed.
+
+    A lookup-only batch gets one row per id, in order (row ``k`` of the table is the ``k``-th
+    id of its features, so no deduplication); a deduplicated batch one per unique id."""
+    if isinstance(tb, TableBatch):
+        rows = decode(arrays, compression, tb.unique_ids, params)
+        renumbered = dataclasses.replace(tb, unique_ids=np.arange(len(rows), dtype=np.int64))
+        return np.ascontiguousarray(rows, dtype=np.float32), renumbered
+    ids = [p.ragged.ids + p.id_offset if p.id_offset else p.ragged.ids for p in tb.parts]
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    rows = np.ascontiguousarray(decode(arrays, compression, all_ids, params), dtype=np.float32)
+    parts, base = [], 0
+    for p in tb.parts:
+        r = p.ragged
+        n = len(r.ids)
+        local = Ragged(np.arange(base, base + n, dtype=np.int64), offsets=r.offsets,
+                       weights=r.weights)  # fmt: skip
+        parts.append(dataclasses.replace(p, ragged=local, id_offset=0))
+        base += n
+    return rows, dataclasses.replace(tb, parts=tuple(parts))

@@ -174,7 +174,7 @@ def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
     tables += [ee.TableConfig(11 + i, 2, name=f"ad{i}", optimizer=ad) for i in range(2)]
     eng = ee.EmbeddingEngine({f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)},
                              backend=backend)  # fmt: skip
-    assert len(eng._physical) == 2  # packing did happen
+    assert len(eng.storage_plan.physical_tables) == 2  # packing did happen
     _run_steps(eng, 3)
     loaded = ee.EmbeddingEngine.load(eng.save(tmp_path), backend=backend)
     _assert_same_state(eng, loaded)

@@ -42,3 +42,50 @@ def test_constant_zeros_rowid():
     np.testing.assert_array_equal(
         init.RowId(10).init(0, "t", np.array([4, 2]), 3), [[14, 14, 14], [12, 12, 12]]
     )
+
+
+def test_values_are_pinned():
+    # The values of the random initializers, bit for bit, as before they named their fill
+    # (fill_values imports the kernels lazily): SHA-256 of the float32 bytes.
+    import hashlib
+
+    rows = np.concatenate([np.arange(1000), [2**40 + 3, 10**12, 7]])
+    h = hashlib.sha256()
+    for i in [init.RandomUniform(-0.5, 0.25), init.RandomUniform(-1, 1),
+              init.TruncatedNormal(0.1, 0.3), init.TruncatedNormal()]:  # fmt: skip
+        for dim in (1, 3, 8):
+            v = i.init(7, "tab", rows, dim)
+            assert v.dtype == np.float32 and v.shape == (len(rows), dim)
+            h.update(v.tobytes())
+    assert h.hexdigest() == "a7e203931e7286892bf79634b319c30e41e546794e5cff9e24adb362529c80b5"
+
+
+def test_random_initializers_name_their_fill():
+    assert init.RandomUniform(-0.5, 0.25).fill(8) == init.Fill("uniform", -0.5, 0.25)
+    assert init.TruncatedNormal(0.1, 0.3).fill(8) == init.Fill("truncated_normal", 0.1, 0.3)
+    assert init.TruncatedNormal().fill(16) == init.Fill("truncated_normal", 0.0, 0.25)
+    for i in (init.Zeros(), init.Constant(2.0), init.RowId(3)):
+        assert i.fill(4) is None
+    with pytest.raises(ValueError, match="kind must be one of .* got 'normal'"):
+        init.Fill("normal", 0.0, 1.0)
+    values = init.fill_values(init.Fill("uniform", -0.5, 0.25), 7, "tab", np.arange(5), 3)
+    np.testing.assert_array_equal(
+        values, init.RandomUniform(-0.5, 0.25).init(7, "tab", np.arange(5), 3)
+    )
+
+
+def test_an_engine_initialises_with_custom_and_builtin_initializers():
+    # A user's Initializer subclass (no fill) and the built-ins give the engine's initial rows.
+    import embengine as ee
+    from embengine import optimizers as O
+
+    class Squares(init.Initializer):
+        def init(self, seed, table_name, rows, dim):
+            return np.repeat((np.asarray(rows, np.float32) ** 2)[:, None], dim, axis=1)
+
+    tables = {"sq": Squares(), "u": init.RandomUniform(-0.5, 0.25), "z": init.TruncatedNormal()}
+    feats = {n: ee.FeatureConfig(ee.TableConfig(6, 3, name=n, initializer=i))
+             for n, i in tables.items()}  # fmt: skip
+    eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(0.1), seed=4, backend="reference")
+    for n, i in tables.items():
+        np.testing.assert_array_equal(eng.embedding_tables[n], i.init(4, n, np.arange(6), 3))

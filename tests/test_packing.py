@@ -46,9 +46,10 @@ def _run(engines, steps=3, seed=0):
 )  # fmt: skip
 def test_packed_equals_unpacked(backend, optimizer):
     plain, packed = _engine(False, backend, optimizer), _engine(True, backend, optimizer)
-    assert len(plain._physical) == len(DIMS)
+    assert len(plain.storage_plan.physical_tables) == len(DIMS)
     # dims 1, 2, 4 pack; 8 does not
-    assert sorted(p.name for p in packed._physical) == ["t0+t3+t7", "t1+t4", "t2+t6", "t5"]
+    plan = packed.storage_plan.physical_tables
+    assert sorted(p.name for p in plan) == ["t0+t3+t7", "t1+t4", "t2+t6", "t5"]
     _run([plain, packed])
     for name in plain.table_names:
         np.testing.assert_array_equal(plain.embedding_tables[name], packed.embedding_tables[name])
@@ -76,7 +77,7 @@ def test_packing_respects_optimizer_equality_and_initial_values():
     t = [ee.TableConfig(10, 2, name="x", optimizer=a), ee.TableConfig(10, 2, name="y", optimizer=b),
          ee.TableConfig(10, 2, name="z", optimizer=a)]  # fmt: skip
     eng = ee.EmbeddingEngine({n.name: ee.FeatureConfig(n) for n in t})
-    assert sorted(p.name for p in eng._physical) == ["x+z", "y"]
+    assert sorted(p.name for p in eng.storage_plan.physical_tables) == ["x+z", "y"]
     alone = ee.EmbeddingEngine({"z": ee.FeatureConfig(ee.TableConfig(10, 2, name="z"))},
                                optimizer=opt.SGD(0.1))  # fmt: skip
     np.testing.assert_array_equal(eng.embedding_tables["z"], alone.embedding_tables["z"])

@@ -539,8 +539,6 @@ def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
 def test_serving_refuses_a_batch_prepared_for_other_tables(trained_ref, tmp_path):
     # A batch prepared by a serving engine of bigger tables would read rows past the end of
     # these ones: it is refused naming the difference, like EmbeddingEngine does.
-    import dataclasses
-
     _, ckpt = trained_ref
     served = ServingEngine.load(export(ckpt, tmp_path / "out").path)
     feats, weights = _inputs(7)
@@ -556,8 +554,65 @@ def test_serving_refuses_a_batch_prepared_for_other_tables(trained_ref, tmp_path
     with pytest.raises(ValueError, match="feature 'one': prepared for a table of 10000 rows"):
         served.lookup(other.preprocess(far, weights))
     own = served.preprocess(feats, weights)
-    with pytest.raises(ValueError):  # not deduplicated: serving pools prepared batches only
-        served.lookup(dataclasses.replace(own, deduplicated=False))
     # Its own batches are served as before.
     for name, act in served.lookup(feats, weights).items():
         np.testing.assert_array_equal(served.lookup(own)[name], act)
+
+
+# -- serving looks rows up through the backend's lookup path ---------------------------------------
+
+
+def _deduplicated_lookup(serving, feats, weights):
+    """Serving's lookup as it was before it used the backend: deduplicate (NumPy), decode the
+    unique rows, pool them with the training lookup's kernel."""
+    from embengine.batch import build_tables_numpy, prepare
+    from embengine.kernels.lookup import PREFETCH_DISTANCE, pool_kernel
+    from embengine.serving import decode
+
+    batch = prepare(serving._resolved, feats, weights, build_tables_numpy)
+    per_table = []
+    for name, tb in zip(serving.table_names, batch.tables, strict=True):
+        arrays, comp, params, dim = serving._tables[name]
+        compact = np.ascontiguousarray(decode(arrays, comp, tb.unique_ids, params))
+        q = serving._configs[name].quantization_config
+        quant = np.zeros(3) if q is None else np.array([q.num_buckets, q.lower, q.upper])
+        out = np.empty((tb.num_outputs, dim), dtype=np.float32)
+        pool_kernel(dim)(compact.reshape(-1, dim), dim, np.arange(len(tb.unique_ids)),
+                         tb.inverse, tb.gains, tb.output_offsets, out, quant,
+                         PREFETCH_DISTANCE)  # fmt: skip
+        per_table.append(out)
+    return {name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
+            for name, lay in batch.features.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_serving_pools_decoded_rows_without_deduplicating(trained, tmp_path, compression,
+                                                          monkeypatch):  # fmt: skip
+    from embengine.backends.numba_backend import NumbaBackend
+
+    _, path = trained
+    export(path, tmp_path / "out", compress=compression, fixed_range=1.0)
+    serving = ServingEngine.load(tmp_path / "out")
+    inputs = [_inputs(seed) for seed in (3, 4)]
+    want = [_deduplicated_lookup(serving, f, w) for f, w in inputs]
+
+    def no_dedup(*args):
+        raise AssertionError("serving deduplicated a batch")
+
+    calls = []
+    real = NumbaBackend.lookup_rows
+    monkeypatch.setattr(ee.batch, "dedup", no_dedup)
+    monkeypatch.setattr(NumbaBackend, "lookup_rows",
+                        lambda self, *a: calls.append(a[1]) or real(self, *a))  # fmt: skip
+    for (f, w), expected in zip(inputs, want, strict=True):
+        got = serving.lookup(f, w)
+        assert sorted(got) == sorted(expected)
+        for k in expected:
+            assert got[k].dtype == np.float32 and got[k].shape == expected[k].shape, k
+            assert got[k].tobytes() == expected[k].tobytes(), k
+        batch = serving.preprocess(f, w)  # lookup-only: nothing to deduplicate
+        assert not batch.deduplicated
+        again = serving.lookup(batch)
+        for k in expected:
+            assert again[k].tobytes() == expected[k].tobytes(), k
+    assert len(calls) == 2 * 2 * len(serving.table_names)

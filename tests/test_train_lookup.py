@@ -80,7 +80,7 @@ def _assert_fused_equals_apart(eng, values):
 def test_training_lookup_equals_preprocess_then_lookup(packing, quantized):
     feats = _features(packing, quantized)
     eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1))
-    assert (len(eng._physical) < 5) == packing
+    assert (len(eng.storage_plan.physical_tables) < 5) == packing
     rng = np.random.default_rng(packing + 2 * quantized)
     # 150 samples: several pooling tasks (train_lookup.POOL_TASK) per feature.
     assert 150 > 2 * train_lookup.POOL_TASK
@@ -229,10 +229,10 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
 
     eng, feats = _wide_engine()
     parts, _ = ee.batch.plan_tables(eng._resolved, {name: [[1, 2], [3]] for name in feats},
-                                    storage_layout=eng._storage_layout)  # fmt: skip
+                                    storage_layout=eng.storage_plan.storage_layout())  # fmt: skip
     table = eng._physical[0]
     good = table.data
-    try:
+    try:  # ``data`` is a property (it checks an mmap table's file): swap the array behind it
         for bad in (np.asfortranarray(good), good.astype(np.float64)):
             table._data = bad  # DenseTable.data is a read-only property over _data
             with pytest.raises(AssertionError, match="C-contiguous float32"):

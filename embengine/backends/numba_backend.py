@@ -303,8 +303,23 @@ class NumbaBackend:
     def lookup(
         self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
+        return self.lookup_rows(table.data, table.dim, tb, quantization)
+
+    def lookup_rows(
+        self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+    ) -> np.ndarray:
+        """``lookup`` from an array whose row ``i`` holds id ``i``'s weights in its first
+        ``dim`` columns, float32 and C-contiguous (Backend protocol: a table's data, or rows
+        decoded from an export)."""
+        # The kernels read rows by index without bounds checks: refuse what they cannot read.
+        if (rows.dtype != np.float32 or rows.ndim != 2 or not rows.flags.c_contiguous
+                or rows.shape[1] < dim):  # fmt: skip
+            raise ValueError(
+                f"lookup_rows needs a C-contiguous float32 [rows, >= {dim}] array, got "
+                f"{rows.dtype} of shape {rows.shape}"
+            )
         start_pool()
-        out = np.empty((tb.num_outputs, table.dim), dtype=np.float32)
+        out = np.empty((tb.num_outputs, dim), dtype=np.float32)
         quant = _quantization_row(quantization)
         if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
             for p in tb.parts:
@@ -312,12 +327,12 @@ class NumbaBackend:
                 weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
                 # Contiguous arrays (copies only of strided views): one compiled kernel per dim.
                 c = np.ascontiguousarray
-                pool_bags(table.data, table.dim, c(r.ids), c(r.offsets), c(weights),
+                pool_bags(rows, dim, c(r.ids), c(r.offsets), c(weights),
                           kp.COMBINER_CODES[p.combiner], p.seq_len, p.id_offset, out,
                           p.out_start, quant, self.lookup_prefetch)  # fmt: skip
             return out
-        pool = pool_kernel(table.dim)
-        pool(table.data, table.dim, tb.unique_ids, tb.inverse, tb.gains, tb.output_offsets,
+        pool = pool_kernel(dim)
+        pool(rows, dim, tb.unique_ids, tb.inverse, tb.gains, tb.output_offsets,
              out, quant, self.lookup_prefetch)  # fmt: skip
         return out
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import LookupOnlyTableBatch, TableBatch, build_tables_numpy
+from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
 from ..storage import DenseTable
 
@@ -67,16 +67,32 @@ class ReferenceBackend:
     name = "reference"
     build_tables = staticmethod(build_tables_numpy)
 
+    def build_tables_and_lookup(
+        self, parts_per_table: list[list[FeaturePart]], tables: list[DenseTable], quantizations
+    ) -> tuple[list[TableBatch], list[np.ndarray]]:
+        """``build_tables``, then ``lookup`` of each table's batch (Backend protocol)."""
+        batches = self.build_tables(parts_per_table)
+        acts = [self.lookup(table, tb, q)
+                for table, tb, q in zip(tables, batches, quantizations, strict=True)]  # fmt: skip
+        return batches, acts
+
     def lookup(
         self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
+        return self.lookup_rows(table.weights, table.dim, tb, quantization)
+
+    def lookup_rows(
+        self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+    ) -> np.ndarray:
+        """``lookup`` from an array whose row ``i`` holds id ``i``'s weights in its first
+        ``dim`` columns (Backend protocol)."""
         if isinstance(tb, LookupOnlyTableBatch):
             tb = tb.occurrences
-        rows = table.weights[tb.unique_ids].astype(np.float64)
+        gathered = rows[tb.unique_ids, :dim].astype(np.float64)
         if quantization is not None:
-            rows = quantization.quantize(rows)
-        out = np.zeros((tb.num_outputs, table.dim), dtype=np.float64)
-        np.add.at(out, tb.segments, tb.gains[:, None].astype(np.float64) * rows[tb.inverse])
+            gathered = quantization.quantize(gathered)
+        out = np.zeros((tb.num_outputs, dim), dtype=np.float64)
+        np.add.at(out, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
         return out.astype(np.float32)
 
     def apply(

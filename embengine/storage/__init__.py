@@ -1,5 +1,15 @@
-"""Where tables and their optimizer slots live."""
+"""Where tables and their optimizer slots live: the storage plan, and the tables built from it."""
 
 from .dense import Column, DenseTable, StorageError, TableView
+from .plan import PhysicalTableSpec, StoragePlan, TableInStack, plan_storage
 
-__all__ = ["Column", "DenseTable", "StorageError", "TableView"]
+__all__ = [
+    "Column",
+    "DenseTable",
+    "PhysicalTableSpec",
+    "StorageError",
+    "StoragePlan",
+    "TableInStack",
+    "TableView",
+    "plan_storage",
+]

@@ -1,0 +1,83 @@
+"""What the engine (and serving) asks of a backend: the declared interface, no probing.
+
+A backend turns feature parts into table batches, pools activations, and applies updates. Every
+capability the engine uses is a method here that every backend implements; a backend that has
+no faster way to do one composes it from the others (the reference backend's
+``build_tables_and_lookup`` is ``build_tables`` then ``lookup``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
+    from ..config import QuantizationConfig
+    from ..optimizers import Optimizer
+    from ..storage import DenseTable
+
+__all__ = ["Backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The interface of ``embengine.backends.reference.ReferenceBackend`` and
+    ``embengine.backends.numba_backend.NumbaBackend``.
+
+    Tables are DenseTables (rows ``[weights | slots]``); ``quantization`` is a table's
+    QuantizationConfig or None. An activation matrix is float32 ``[tb.num_outputs, dim]``: the
+    table's features' outputs stacked in the batch's order."""
+
+    name: str
+
+    def build_tables(self, parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
+        """Each table's deduplicated batch (equal to ``batch.build_tables_numpy``'s)."""
+        ...
+
+    def build_tables_and_lookup(
+        self,
+        parts_per_table: list[list[FeaturePart]],
+        tables: Sequence[DenseTable],
+        quantizations: Sequence[QuantizationConfig | None],
+    ) -> tuple[list[TableBatch], list[np.ndarray]]:
+        """A training lookup of features: ``build_tables`` and every table's ``lookup`` of its
+        batch, with the same results (the numba backend runs both in one parallel region)."""
+        ...
+
+    def lookup(
+        self,
+        table: DenseTable,
+        tb: TableBatch | LookupOnlyTableBatch,
+        quantization: QuantizationConfig | None = None,
+    ) -> np.ndarray:
+        """One table's activation matrix."""
+        ...
+
+    def lookup_rows(
+        self,
+        rows: np.ndarray,
+        dim: int,
+        tb: TableBatch | LookupOnlyTableBatch,
+        quantization: QuantizationConfig | None = None,
+    ) -> np.ndarray:
+        """``lookup`` from rows given as an array: float32, C-contiguous ``[n, >= dim]``, row
+        ``i`` holding the weights of id ``i`` in its first ``dim`` columns (a DenseTable's
+        ``data``, or rows decoded from an export). The batch's ids index ``rows``."""
+        ...
+
+    def apply(
+        self,
+        table: DenseTable,
+        tb: TableBatch,
+        grad: np.ndarray,
+        opt: Optimizer,
+        lr: float,
+        step: int,
+        skip_nonfinite: bool,
+    ) -> None:
+        """One optimizer step on the rows of ``tb`` from the gradient ``grad`` of the table's
+        activation matrix; ``skip_nonfinite`` leaves rows with a non-finite gradient alone."""
+        ...

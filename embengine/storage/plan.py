@@ -1,0 +1,371 @@
+"""The storage plan: which logical tables share which physical table, where, in RAM or a file.
+
+``plan_storage`` is a pure function of the resolved features, each table's optimizer and the
+engine's ``storage=`` / ``storage_dir=`` arguments (it touches no file). Its result, a frozen
+``StoragePlan``, is what the engine builds its DenseTables from and what tests and tools read
+(``engine.storage_plan``), in the spirit of jax-tpu-embedding's ``StackedTableSpec`` /
+``TableSettingInStack``.
+
+Low-dimensional packing is decided here, in one predicate (``packs_with``): two logical tables
+share a physical table, one after the other, when both
+
+- have dim 1, 2 or 4, the same dim, and an optimizer with ``low_dimensional_packing_status``;
+- have equal optimizers (so one update kernel call with one learning rate serves both);
+- have equal ``quantization_config`` (one lookup kernel call serves both);
+- are stored in RAM. A memory-mapped table is never packed: its file ``{storage_dir}/{table}.f32``
+  holds that table alone, so a file is named after the one table it holds and a RAM table never
+  ends up in a file.
+
+Each table joins the first earlier physical table it packs with (whose first table it packs
+with), else starts a new one: physical tables are in order of their first table, tables in a
+physical table in table order, each at the row after the one before it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from ..config import ResolvedFeatures
+    from ..optimizers import Optimizer
+
+__all__ = [
+    "PACKABLE_DIMS",
+    "STORAGE_KINDS",
+    "PhysicalTableSpec",
+    "StoragePlan",
+    "TableInStack",
+    "packs_with",
+    "plan_storage",
+]
+
+STORAGE_KINDS = ("ram", "mmap")
+PACKABLE_DIMS = (1, 2, 4)
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TableInStack:
+    """One logical table's place in its physical table.
+
+    Attributes:
+      name: the logical table's name.
+      row_offset: the physical row of the table's row 0 (its ids are shifted by it).
+      vocabulary_size: the table's rows, ``row_offset .. row_offset + vocabulary_size``.
+      features: the features that look the table up, in the engine's feature order.
+    """
+
+    name: str
+    row_offset: int
+    vocabulary_size: int
+    features: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PhysicalTableSpec:
+    """One physical table (a DenseTable): logical tables stacked one after another.
+
+    Attributes:
+      name: the member tables' names joined by "+" (the DenseTable's name).
+      dim: the width of every member's rows.
+      storage: "ram", or "mmap" for a table in the file ``path``.
+      path: the file of an "mmap" table (``{storage_dir}/{table}.f32``); None in RAM.
+      tables: the member tables, in row order; a table that is not packed is the only one.
+    """
+
+    name: str
+    dim: int
+    storage: Literal["ram", "mmap"]
+    path: str | None
+    tables: tuple[TableInStack, ...]
+
+    @property
+    def vocabulary_size(self) -> int:
+        """Rows of the physical table: the members' rows, one table after the other."""
+        return sum(t.vocabulary_size for t in self.tables)
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tables)
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """Every physical table of an engine, in the order the engine holds them (its batches'
+    tables and activation matrices follow this order). Checked on construction: member tables
+    lie one after another from row 0, no table or feature appears twice, an "mmap" table has a
+    path and no partner, a "ram" table no path."""
+
+    physical_tables: tuple[PhysicalTableSpec, ...]
+
+    def __post_init__(self):
+        _check_plan(self)
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        """Every logical table, physical table by physical table."""
+        return tuple(t.name for p in self.physical_tables for t in p.tables)
+
+    def locate(self, table_name: str) -> tuple[int, TableInStack]:
+        """(index of the physical table holding ``table_name``, its place in it)."""
+        for p, spec in enumerate(self.physical_tables):
+            for t in spec.tables:
+                if t.name == table_name:
+                    return p, t
+        raise KeyError(
+            f"the storage plan has no table {table_name!r}; it has {list(self.table_names)}"
+        )
+
+    def storage_layout(self) -> list[list[tuple[str, int]]]:
+        """Per physical table, its features with the row offset of their table in it (what
+        ``batch.plan_tables`` takes)."""
+        return [
+            [(f, t.row_offset) for t in p.tables for f in t.features] for p in self.physical_tables
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (e.g. for a checkpoint manifest); ``from_json`` reads it back."""
+        return {
+            "format_version": _FORMAT_VERSION,
+            "physical_tables": [
+                {
+                    "name": p.name,
+                    "dim": p.dim,
+                    "storage": p.storage,
+                    "path": p.path,
+                    "tables": [
+                        {
+                            "name": t.name,
+                            "row_offset": t.row_offset,
+                            "vocabulary_size": t.vocabulary_size,
+                            "features": list(t.features),
+                        }
+                        for t in p.tables
+                    ],
+                }
+                for p in self.physical_tables
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StoragePlan:
+        """The plan ``to_json`` wrote; a missing or unknown key, or a value of the wrong type or
+        out of place, is a ValueError naming where it is."""
+        where = "storage plan"
+        _take(data, where, {"format_version": _ANY, "physical_tables": _LIST})
+        if data["format_version"] != _FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: format_version {data['format_version']!r:.80} is not supported (this "
+                f"embengine reads {_FORMAT_VERSION})"
+            )
+        physical = []
+        for i, p in enumerate(data["physical_tables"]):
+            at = f"{where}: physical_tables[{i}]"
+            _take(p, at, {"name": _STR, "dim": _INT1, "storage": _KIND, "path": _PATH,
+                          "tables": _LIST})  # fmt: skip
+            tables = []
+            for j, t in enumerate(p["tables"]):
+                tat = f"{at}['tables'][{j}]"
+                _take(t, tat, {"name": _STR, "row_offset": _INT0, "vocabulary_size": _INT1,
+                               "features": _STRS})  # fmt: skip
+                tables.append(TableInStack(t["name"], t["row_offset"], t["vocabulary_size"],
+                                           tuple(t["features"])))  # fmt: skip
+            physical.append(PhysicalTableSpec(p["name"], p["dim"], p["storage"], p["path"],
+                                              tuple(tables)))  # fmt: skip
+        return cls(tuple(physical))
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# (test, what it wants) of each kind of JSON value from_json reads
+_ANY = (lambda v: True, "anything")
+_STR = (lambda v: isinstance(v, str), "a str")
+_INT0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
+_INT1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
+_KIND = (lambda v: isinstance(v, str) and v in STORAGE_KINDS, f"one of {STORAGE_KINDS}")
+_PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
+_LIST = (lambda v: isinstance(v, list | tuple), "a list")
+_STRS = (lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
+         "a list of str")  # fmt: skip
+
+
+def _take(obj, where: str, schema: dict[str, tuple]) -> None:
+    """Check that ``obj`` is an object with exactly ``schema``'s keys, each of its kind."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where} must be an object, got {obj!r:.80}")
+    missing = [k for k in schema if k not in obj]
+    extra = [k for k in obj if k not in schema]
+    if missing or extra:
+        problems = ([f"missing keys {missing}"] if missing else []) + (
+            [f"unknown keys {extra}"] if extra else []
+        )
+        raise ValueError(f"{where}: {'; '.join(problems)} (expected {list(schema)})")
+    for key, (ok, what) in schema.items():
+        if not ok(obj[key]):
+            raise ValueError(f"{where}[{key!r}] must be {what}, got {obj[key]!r:.80}")
+
+
+def _check_plan(plan: StoragePlan) -> None:
+    """The invariants of StoragePlan's docstring; errors name the physical and logical table."""
+    if not isinstance(plan.physical_tables, tuple) or not all(
+        isinstance(p, PhysicalTableSpec) for p in plan.physical_tables
+    ):
+        raise TypeError(
+            f"StoragePlan.physical_tables must be a tuple of PhysicalTableSpec, got "
+            f"{plan.physical_tables!r:.80}"
+        )
+    tables: dict[str, int] = {}
+    features: dict[str, str] = {}
+    for i, p in enumerate(plan.physical_tables):
+        at = f"storage plan: physical_tables[{i}] ({p.name!r})"
+        if not p.tables:
+            raise ValueError(f"{at} holds no table")
+        if p.name != "+".join(p.table_names):
+            raise ValueError(
+                f"{at}: the name must be its tables' names joined by '+' "
+                f"({'+'.join(p.table_names)!r})"
+            )
+        if p.storage not in STORAGE_KINDS:
+            raise ValueError(f"{at}: storage must be one of {STORAGE_KINDS}, got {p.storage!r}")
+        if (p.storage == "mmap") != (p.path is not None):
+            raise ValueError(
+                f"{at}: an 'mmap' table needs a path and a 'ram' table has none; "
+                f"got storage {p.storage!r} and path {p.path!r}"
+            )
+        if p.storage == "mmap" and len(p.tables) > 1:
+            raise ValueError(
+                f"{at}: a memory-mapped table holds one logical table (its file is "
+                f"named after it), not {len(p.tables)}"
+            )
+        row = 0
+        for j, t in enumerate(p.tables):
+            if t.name in tables:
+                raise ValueError(
+                    f"{at}: table {t.name!r} is also in physical_tables[{tables[t.name]}]"
+                )
+            tables[t.name] = i
+            if t.row_offset != row:
+                raise ValueError(
+                    f"{at}: tables[{j}] ({t.name!r}) starts at row {t.row_offset}; "
+                    f"it must start at row {row}, right after the tables before "
+                    "it"
+                )
+            row += t.vocabulary_size
+            for f in t.features:
+                if f in features:
+                    raise ValueError(
+                        f"{at}: feature {f!r} of table {t.name!r} also looks up "
+                        f"table {features[f]!r}"
+                    )
+                features[f] = t.name
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+
+def _storage_kinds(names: Sequence[str], storage) -> dict[str, str]:
+    """Table name -> "ram" or "mmap" from the engine's ``storage=``; errors name the bad value."""
+    if isinstance(storage, str):
+        if storage not in STORAGE_KINDS:
+            raise ValueError(
+                f"storage must be one of {STORAGE_KINDS} or a dict of table name -> "
+                f"either, got {storage!r}"
+            )
+        return {n: storage for n in names}
+    if not isinstance(storage, Mapping):
+        raise TypeError(f"storage must be 'ram', 'mmap' or a dict, got {storage!r}")
+    unknown = [n for n in storage if n not in names]
+    if unknown:
+        raise ValueError(f"storage names unknown tables {unknown}; tables are {list(names)}")
+    kinds = {n: storage.get(n, "ram") for n in names}
+    for n, kind in kinds.items():
+        if not isinstance(kind, str) or kind not in STORAGE_KINDS:
+            raise ValueError(f"storage of table {n!r} must be one of {STORAGE_KINDS}, got {kind!r}")
+    return kinds
+
+
+def _table_file(storage_dir: Path, name: str) -> str:
+    """``{storage_dir}/{name}.f32``; a name that would put the file outside the folder (an
+    absolute name, a ".." part) is a ValueError naming the table."""
+    rel = Path(f"{name}.f32")
+    if rel.is_absolute() or ".." in rel.parts or "\0" in name:
+        raise ValueError(
+            f"table {name!r} is memory-mapped, but its name would put its file "
+            f"{name + '.f32'!r} outside storage_dir {str(storage_dir)!r}; rename the "
+            "table or keep it in RAM"
+        )
+    return str(storage_dir / rel)
+
+
+def packs_with(a: tuple, b: tuple) -> bool:
+    """Whether two tables may share a physical table (see the module docstring). ``a`` and
+    ``b`` are (TableConfig, Optimizer, storage kind)."""
+    (cfg_a, opt_a, kind_a), (cfg_b, opt_b, kind_b) = a, b
+    return (
+        kind_a == kind_b == "ram"
+        and opt_a.low_dimensional_packing_status
+        and opt_b.low_dimensional_packing_status
+        and cfg_a.dim == cfg_b.dim
+        and cfg_a.dim in PACKABLE_DIMS
+        and opt_a == opt_b
+        and cfg_a.quantization_config == cfg_b.quantization_config
+    )
+
+
+def plan_storage(
+    resolved: ResolvedFeatures,
+    optimizers: Sequence[Optimizer],
+    storage: str | Mapping[str, str] = "ram",
+    storage_dir: str | os.PathLike | None = None,
+) -> StoragePlan:
+    """The StoragePlan of an engine's tables (pure and deterministic: touches no file).
+
+    Args:
+      resolved: the engine's features and tables (``config.resolve_features``).
+      optimizers: each table's optimizer, in table order.
+      storage: "ram" or "mmap" for every table, or a dict of table name -> either (tables not
+        named stay in RAM).
+      storage_dir: folder of the "mmap" tables' files (required if a table uses "mmap").
+    """
+    names = resolved.table_names
+    if len(optimizers) != len(names):
+        raise ValueError(f"plan_storage: {len(optimizers)} optimizers for {len(names)} tables")
+    kinds = _storage_kinds(names, storage)
+    uses_mmap = any(k == "mmap" for k in kinds.values())
+    if storage_dir is not None and not isinstance(storage_dir, str | os.PathLike):
+        raise TypeError(f"storage_dir must be a path (str or os.PathLike), got {storage_dir!r}")
+    if uses_mmap and storage_dir is None:
+        raise ValueError("storage='mmap' needs storage_dir= (a folder for the table files)")
+    describe = [(cfg, optimizers[t], kinds[names[t]]) for t, cfg in enumerate(resolved.tables)]
+    groups: list[list[int]] = []
+    for t in range(len(names)):
+        for g in groups:
+            if packs_with(describe[g[0]], describe[t]):
+                g.append(t)
+                break
+        else:
+            groups.append([t])
+    physical = []
+    for g in groups:
+        members, row = [], 0
+        for t in g:
+            rows = resolved.tables[t].vocabulary_size
+            members.append(TableInStack(names[t], row, rows, resolved.table_features[t]))
+            row += rows
+        kind = kinds[names[g[0]]]
+        path = _table_file(Path(storage_dir), names[g[0]]) if kind == "mmap" else None
+        physical.append(
+            PhysicalTableSpec(
+                "+".join(names[t] for t in g), resolved.tables[g[0]].dim, kind, path, tuple(members)
+            )
+        )
+    return StoragePlan(tuple(physical))
