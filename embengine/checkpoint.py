@@ -86,6 +86,7 @@ from . import initializers as _init
 from . import optimizers as _opt
 from .config import FeatureConfig, QuantizationConfig, TableConfig
 from .safetensors_io import NUMPY, read_header, read_tensor, sha256_file, write_safetensors
+from .version import __version__
 
 if TYPE_CHECKING:
     from .engine import EmbeddingEngine
@@ -413,8 +414,6 @@ def _write(engine: EmbeddingEngine, root: Path, tmp: Path, step: int, keep: int 
         size = (tmp / "extra.safetensors").stat().st_size
         files["extra.safetensors"] = {"sha256": digest, "bytes": size}
         extra["file"] = "extra.safetensors"
-    from . import __version__
-
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

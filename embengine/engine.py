@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends.registry import BACKENDS
+from .backends.registry import make_backend as _make_backend
 from .batch import PreparedBatch, plan_tables, prepare
 from .config import FeatureConfig, TableConfig, resolve_features
 from .inputs import as_numpy
@@ -29,21 +31,6 @@ from .storage import DenseTable, TableView
 __all__ = ["EmbeddingEngine", "BACKENDS"]
 
 NONFINITE_POLICIES = ("error", "skip_row")
-
-
-def _make_backend(name: str):
-    if name == "numba":
-        from .backends.numba_backend import NumbaBackend
-
-        return NumbaBackend()
-    if name == "reference":
-        from .backends.reference import ReferenceBackend
-
-        return ReferenceBackend()
-    raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-
-
-BACKENDS = ("numba", "reference")
 
 
 def _storage_paths(names, storage, storage_dir) -> dict[str, Path | None]:
@@ -469,4 +456,4 @@ class EmbeddingEngine:
         embengine.preprocessing and examples/dataloader.py."""
         from .preprocessing import Preprocessor
 
-        return Preprocessor.from_engine(self)
+        return Preprocessor(self._resolved, self._storage_layout, self.backend)

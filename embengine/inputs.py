@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Ragged", "to_ragged", "as_numpy"]
+__all__ = ["Ragged", "to_ragged", "as_numpy", "is_keyed_jagged", "keyed_jagged_to_features"]
 
 
 def as_numpy(x) -> np.ndarray:
@@ -222,3 +222,37 @@ def check_values(r: Ragged, vocabulary_size: int, check_weights: bool = True) ->
         if bad.any():
             k = int(np.argmax(bad))
             raise ValueError(f"weight {r.weights[k]} at {r.where(k)} (weights[{k}]) is not finite")
+
+
+# -- KeyedJagged (embengine.torch.KeyedJagged, TorchRec's KeyedJaggedTensor): duck-typed here, so
+# that preparing one (Preprocessor, EmbeddingLayer) needs neither torch nor the torch package.
+
+
+def is_keyed_jagged(x) -> bool:
+    """Whether ``x`` looks like a KeyedJagged: callable ``keys``, ``values`` and ``lengths``."""
+    return all(callable(getattr(x, name, None)) for name in ("keys", "values", "lengths"))
+
+
+def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
+    """Split a KeyedJagged (or TorchRec KJT) into one Ragged per key."""
+    keys = list(kjt.keys())
+    values = as_numpy(kjt.values()).astype(np.int64, copy=False)
+    lengths = as_numpy(kjt.lengths()).astype(np.int64, copy=False)
+    weights_fn = getattr(kjt, "weights_or_none", None)
+    weights = weights_fn() if weights_fn is not None else None
+    weights = None if weights is None else as_numpy(weights)
+    if not keys:
+        return {}
+    batch = len(lengths) // len(keys)
+    out = {}
+    start = 0
+    for i, key in enumerate(keys):
+        lens = lengths[i * batch : (i + 1) * batch]
+        stop = start + int(lens.sum())
+        out[key] = Ragged(
+            values[start:stop],
+            lengths=lens,
+            weights=None if weights is None else weights[start:stop],
+        )
+        start = stop
+    return out

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..inputs import Ragged, as_numpy
+from ..inputs import as_numpy, is_keyed_jagged, keyed_jagged_to_features
 
 __all__ = ["KeyedJagged", "to_feature_dict"]
 
@@ -65,30 +65,6 @@ class KeyedJagged:
         return len(self._lengths) // len(self._keys) if self._keys else 0
 
 
-def _is_keyed_jagged(x) -> bool:
-    return all(callable(getattr(x, name, None)) for name in ("keys", "values", "lengths"))
-
-
-def to_feature_dict(kjt) -> dict[str, Ragged]:
-    """Split a KeyedJagged (or TorchRec KJT) into one Ragged per key."""
-    keys = list(kjt.keys())
-    values = as_numpy(kjt.values()).astype(np.int64, copy=False)
-    lengths = as_numpy(kjt.lengths()).astype(np.int64, copy=False)
-    weights_fn = getattr(kjt, "weights_or_none", None)
-    weights = weights_fn() if weights_fn is not None else None
-    weights = None if weights is None else as_numpy(weights)
-    if not keys:
-        return {}
-    batch = len(lengths) // len(keys)
-    out = {}
-    start = 0
-    for i, key in enumerate(keys):
-        lens = lengths[i * batch : (i + 1) * batch]
-        stop = start + int(lens.sum())
-        out[key] = Ragged(
-            values[start:stop],
-            lengths=lens,
-            weights=None if weights is None else weights[start:stop],
-        )
-        start = stop
-    return out
+# The conversion lives in embengine.inputs (no torch needed); these names stay for callers.
+_is_keyed_jagged = is_keyed_jagged
+to_feature_dict = keyed_jagged_to_features

@@ -14,7 +14,7 @@ import torch
 
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
-from .keyed_jagged import _is_keyed_jagged, to_feature_dict
+from ..inputs import is_keyed_jagged, keyed_jagged_to_features
 
 __all__ = ["EmbeddingLayer"]
 
@@ -94,8 +94,8 @@ class EmbeddingLayer(torch.nn.Module):
 
     @staticmethod
     def _feature_dict(features):
-        if _is_keyed_jagged(features):
-            return to_feature_dict(features)
+        if is_keyed_jagged(features):
+            return keyed_jagged_to_features(features)
         return features
 
     def forward(
