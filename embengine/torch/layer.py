@@ -119,7 +119,7 @@ class EmbeddingLayer(torch.nn.Module):
             features = self._feature_dict(features)
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
-        acts, batch = self.engine._lookup(features, weights, training)
+        acts, batch = self.engine.lookup_with_batch(features, weights, training=training)
         names = list(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
         if not training:
