@@ -25,7 +25,7 @@ from .backends.registry import BACKENDS
 from .backends.registry import make_backend as _make_backend
 from .batch import PreparedBatch, plan_tables, prepare
 from .config import FeatureConfig, TableConfig, resolve_features
-from .initializers import Initializer
+from .initializers import Initializer, Zeros
 from .inputs import as_numpy
 from .learning_rates import LearningRates
 from .optimizers import Optimizer
@@ -411,10 +411,28 @@ class EmbeddingEngine:
     def load(cls, path, callables=None, verify: bool = True, **kwargs) -> EmbeddingEngine:
         """A new engine from a checkpoint alone. A learning rate that was a callable is not
         stored: pass ``callables={tag: function}`` for it. ``kwargs`` (backend, storage, ...)
-        override the stored engine options."""
+        override the stored engine options.
+
+        ``from_spec`` of the checkpoint's spec, then its restore. Every check of the checkpoint
+        passes before the engine is built, so its tables are never larger than the files that
+        fill them."""
         from . import checkpoint
 
-        return checkpoint.load(path, callables, verify, **kwargs)
+        spec, reader = checkpoint.read_checkpoint(path, verify)
+        # A FromFunction initializer's function is not stored; the checkpoint's values replace
+        # what it would give, so the tables start at zero.
+        from_function = {t["name"]: Zeros() for t in spec["tables"]
+                         if t["initializer"]["class"] == "FromFunction"}  # fmt: skip
+        try:
+            engine = cls.from_spec(spec, callables, initializers=from_function, **kwargs)
+        except (TypeError, ValueError) as e:
+            with_kwargs = f" with {kwargs}" if kwargs else ""
+            raise checkpoint.CheckpointError(
+                f"{reader.path}: cannot build an engine from the checkpoint's configuration"
+                f"{with_kwargs}: {e}"
+            ) from e
+        reader.restore(engine)
+        return engine
 
     def _table_index(self, table_name: str) -> int:
         try:

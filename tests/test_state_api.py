@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import embengine as ee
+from embengine import checkpoint as ckpt_mod
 from embengine import initializers as I
 from embengine import optimizers as O
 from embengine import safetensors_io
@@ -191,6 +192,14 @@ def test_from_function_initializers_must_be_passed_to_from_spec():
         ee.EmbeddingEngine.from_spec(spec)
     rebuilt = ee.EmbeddingEngine.from_spec(spec, initializers={"t": I.FromFunction(fn)})
     _assert_same_state(eng, rebuilt)
+
+
+def test_spec_is_what_a_checkpoint_stores(tmp_path):
+    eng = _every_kind_engine()
+    path = eng.save(tmp_path)
+    spec, reader = ckpt_mod.read_checkpoint(path)
+    assert spec == eng.spec()
+    assert reader.step == 0 and reader.path == path
 
 
 # -- state_dict / load_state_dict ------------------------------------------------------------------
