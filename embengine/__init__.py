@@ -10,8 +10,7 @@ from .config import FeatureConfig, QuantizationConfig, TableConfig
 from .engine import EmbeddingEngine
 from .inputs import Ragged
 from .optimizers import DynamicLearningRate
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "DynamicLearningRate",
@@ -21,6 +20,7 @@ __all__ = [
     "QuantizationConfig",
     "Ragged",
     "TableConfig",
+    "__version__",
     "initializers",
     "optimizers",
 ]

@@ -12,6 +12,18 @@ Layout of ``engine.save(root)``::
         table-001.safetensors           TF's slot names
         extra.safetensors               optional caller tensors (e.g. the dense model)
 
+The layout is keyed by logical table and logical row: one file per table of the engine's
+configuration, whose tensors have one row per id (row r is id r), whether the engine packed the
+table with others or kept it in a memory-mapped file; so any engine of the same configuration
+reads it, and a sharded or keyed table can write the same tensors. The manifest is the engine's
+``spec()`` (embengine.spec) plus the checkpoint's own keys (format, version, step, finite,
+extra, files, and each table's file and finite flag).
+
+This module uses only the engine's public state API (``spec()``, ``state_dict()``,
+``load_state_dict()``, ``step``, ``sequential_access()``) and imports nothing from the engine:
+``EmbeddingEngine.load`` is ``read_checkpoint`` (every check below), ``from_spec`` and
+``CheckpointReader.restore``.
+
 Saving. A save writes into ``root/.tmp-ckpt-*``, fsyncs every file and the directory, then
 renames it into place (atomic), so the newest complete checkpoint is always readable, even if
 the process is killed mid-save. Saves to one root from several threads or processes do not
@@ -25,8 +37,9 @@ and float slots) were all finite when written: the manifest records that (``"fin
 checked chunk by chunk while writing), so NaN reaching the tables never costs the last good
 checkpoint. Manifests written before the flag existed count as finite.
 
-Loading. ``restore``, ``load``, ``read_manifest`` (export, inspect) check, in this order and
-before any engine is built or any table byte changes:
+Loading. ``read_checkpoint`` (``restore``, ``EmbeddingEngine.load``, export) and
+``read_manifest`` (inspect) check, in this order and before any engine is built or any table
+byte changes:
 
 1. the manifest: format, version, then one schema check of every key the loaders use (types,
    presence, ``step`` an int >= 0, ...), naming the key and the checkpoint;
@@ -37,7 +50,7 @@ before any engine is built or any table byte changes:
 3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256;
 4. every file's safetensors header: each tensor's dtype and shape are those the manifest
    describes, and its data range lies inside the file and holds exactly the bytes its shape
-   needs. A small file can therefore never make ``load`` allocate a large table.
+   needs. A small file can therefore never make a load allocate a large table.
 
 ``verify=False`` skips only the hashing (3), never 1, 2 or 4. Nothing is ever unpickled.
 
@@ -50,7 +63,9 @@ files outside its folder, allocate more than its files hold, or raise anything b
 CheckpointError for a malformed manifest.
 
 What a restore guarantees: every check above passes before the first table byte changes, so a
-checkpoint that is corrupt at rest leaves the engine bit-identical. It does not make the copy
+checkpoint that is corrupt at rest leaves the engine bit-identical; then ``load_state_dict``
+checks every tensor's name, shape and dtype against the engine and copies under the engine's
+lock, each table's tensors read straight into its memory. It does not make the copy
 itself atomic (that would need a second copy of every table): if reading fails midway (an I/O
 error, or a file modified or truncated while it is being copied), the tables already copied and
 part of the current one hold the checkpoint's values, the engine's step is unchanged, and the
@@ -64,7 +79,6 @@ RAM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -75,29 +89,30 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import initializers as _init
-from . import optimizers as _opt
-from .config import FeatureConfig, QuantizationConfig, TableConfig
+from .backends.registry import BACKENDS
+from .initializers import Zeros
 from .safetensors_io import NUMPY, read_header, read_tensor, sha256_file, write_safetensors
-
-if TYPE_CHECKING:
-    from .engine import EmbeddingEngine
+from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
+from .state import WEIGHTS, PartialLoadError, Stateful
+from .version import __version__
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointReader",
+    "StoredTensor",
     "save",
     "restore",
-    "load",
+    "read_checkpoint",
     "latest_checkpoint",
     "read_manifest",
 ]
@@ -117,118 +132,6 @@ class CheckpointInfo:
     step: int
     extra_tensors: dict[str, np.ndarray]
     extra_metadata: dict
-
-
-# -- specs <-> JSON ------------------------------------------------------------------------------
-
-
-def _spec_class(obj, module) -> type:
-    """The nearest class of ``obj`` defined in ``module`` (so embengine.tpu.Adam -> Adam)."""
-    for cls in type(obj).__mro__:
-        if cls.__module__.startswith(module.__name__) and dataclasses.is_dataclass(cls):
-            return cls
-    raise CheckpointError(f"{type(obj).__name__} is not an embengine spec")
-
-
-def _jsonable(value):
-    if isinstance(value, tuple):
-        return list(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def optimizer_to_json(opt: _opt.Optimizer, tag: int | None) -> dict:
-    cls = _spec_class(opt, _opt)
-    params = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(opt, f.name)
-        if f.name == "learning_rate":
-            if isinstance(value, _opt.DynamicLearningRate):
-                value = {"tag": value.tag}
-            elif callable(value):
-                value = {"tag": tag, "callable": getattr(value, "__qualname__", repr(value))}
-            else:
-                value = {"constant": float(value)}
-        params[f.name] = _jsonable(value)
-    return {"class": cls.__name__, "params": params}
-
-
-def optimizer_from_json(data: dict, callables: Mapping[int, Callable]) -> _opt.Optimizer:
-    cls = getattr(_opt, data["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, _opt.Optimizer)):
-        raise CheckpointError(f"unknown optimizer class {data['class']!r}")
-    params = dict(data["params"])
-    lr = params["learning_rate"]
-    if "constant" in lr:
-        params["learning_rate"] = lr["constant"]
-    elif "callable" in lr:
-        tag = lr["tag"]
-        if tag not in callables:
-            raise CheckpointError(
-                f"the checkpoint's learning rate of tag {tag} was the callable "
-                f"{lr['callable']!r}; pass callables={{{tag}: <function>}} to load it"
-            )
-        params["learning_rate"] = callables[tag]
-    else:
-        params["learning_rate"] = _opt.DynamicLearningRate(lr["tag"])
-    if isinstance(params.get("clipvalue"), list):
-        params["clipvalue"] = tuple(params["clipvalue"])
-    return cls(**params)
-
-
-def initializer_to_json(init: _init.Initializer) -> dict:
-    cls = _spec_class(init, _init)
-    if cls is _init.FromFunction:
-        return {"class": "FromFunction", "function": getattr(init.fn, "__qualname__", "?")}
-    return {"class": cls.__name__, "params": dataclasses.asdict(init)}
-
-
-def initializer_from_json(data: dict) -> _init.Initializer:
-    if data["class"] == "FromFunction":
-        return _init.Zeros()  # values come from the checkpoint; the function is not stored
-    cls = getattr(_init, data["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, _init.Initializer)):
-        raise CheckpointError(f"unknown initializer class {data['class']!r}")
-    return cls(**data.get("params", {}))
-
-
-def engine_spec(engine: EmbeddingEngine) -> dict:
-    """Everything needed to rebuild the engine's configuration, as JSON."""
-    from .engine import _initializer_for
-
-    tables = []
-    for i, (name, cfg) in enumerate(engine.table_configs.items()):
-        opt = engine.optimizer(name)
-        table = engine._tables[i]
-        q = cfg.quantization_config
-        tables.append({
-            "name": name,
-            "vocabulary_size": cfg.vocabulary_size,
-            "dim": cfg.dim,
-            "combiner": cfg.combiner,
-            "initializer": initializer_to_json(_initializer_for(cfg, opt)),
-            "optimizer": optimizer_to_json(opt, engine.learning_rate_tag(name)),
-            "quantization_config": None if q is None else dataclasses.asdict(q),
-            "storage": table.storage,
-            "slots": [dataclasses.asdict(s) for s in table.slot_specs],
-            "file": f"table-{i:03d}.safetensors",
-        })  # fmt: skip
-    features = [
-        {"name": name, "table": engine.table_names[engine._resolved.feature_table[name]],
-         "max_sequence_length": fc.max_sequence_length,
-         "validate_weights_and_indices": fc.validate_weights_and_indices,
-         "output_shape": None if fc.output_shape is None else list(fc.output_shape)}
-        for name, fc in engine.feature_config.items()
-    ]  # fmt: skip
-    tags = [
-        {"tag": t, "callable": (lambda c: None if c is None else getattr(c, "__qualname__", "?"))(
-            engine._learning_rates.tag_callable(t))}
-        for t in range(engine.num_learning_rate_tags)
-    ]  # fmt: skip
-    return {"tables": tables, "features": features, "learning_rate_tags": tags,
-            "seed": engine.seed, "backend": engine.backend,
-            "nonfinite_gradients": engine.nonfinite_gradients}  # fmt: skip
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -362,10 +265,12 @@ class _FiniteCheck:
             self.finite = False
 
 
-def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
+def save(engine: Stateful, root: str | Path, keep: int | None = None,
          extra_tensors: Mapping[str, np.ndarray] | None = None,
          extra_metadata: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
-    """Write a new checkpoint of ``engine`` under ``root``; see the module docstring."""
+    """Write a new checkpoint of ``engine`` under ``root``; see the module docstring. Reads the
+    engine through ``spec()`` and ``state_dict()`` (live views): call it while no update runs,
+    as ``engine.save`` does (it holds the engine's lock)."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     root = Path(root)
@@ -392,18 +297,22 @@ def save(engine: EmbeddingEngine, root: str | Path, keep: int | None = None,
     return final
 
 
-def _write(engine: EmbeddingEngine, root: Path, tmp: Path, step: int, keep: int | None,
+def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
            extra_tensors: Mapping[str, np.ndarray] | None,
            extra_metadata: Mapping[str, Any] | None) -> Path:  # fmt: skip
     """Fill ``tmp`` (held locked by the caller), then number it and rename it into place."""
-    spec = engine_spec(engine)
+    spec = engine.spec()
+    state = engine.state_dict()
     files = {}
-    for table, entry in zip(engine._tables, spec["tables"], strict=True):
-        tensors = {table.name: table.weights}
-        tensors.update({f"{table.name}/{n}": a for n, a in table.slots.items()})
+    # One file per logical table: "{table}" and "{table}/{slot}", row r = the table's id r.
+    for i, entry in enumerate(spec["tables"]):
+        name = entry["name"]
+        entry["file"] = f"table-{i:03d}.safetensors"
+        arrays = state["tables"][name]
+        tensors = {name if key == WEIGHTS else f"{name}/{key}": a for key, a in arrays.items()}
         check = _FiniteCheck()
-        with table.sequential_access():
-            digest = write_safetensors(tmp / entry["file"], tensors, {"table": table.name},
+        with engine.sequential_access(name):
+            digest = write_safetensors(tmp / entry["file"], tensors, {"table": name},
                                        on_chunk=check)  # fmt: skip
         entry["finite"] = check.finite
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
@@ -413,8 +322,6 @@ def _write(engine: EmbeddingEngine, root: Path, tmp: Path, step: int, keep: int 
         size = (tmp / "extra.safetensors").stat().st_size
         files["extra.safetensors"] = {"sha256": digest, "bytes": size}
         extra["file"] = "extra.safetensors"
-    from . import __version__
-
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -528,8 +435,6 @@ def _check_schema(ckpt: Path, m: dict) -> None:
     names; then the values, by building the table and feature configs load() builds. Runs
     before anything else reads the manifest, so a malformed manifest is always a
     CheckpointError naming the key, never a KeyError or TypeError from deep inside a loader."""
-    from .engine import BACKENDS, NONFINITE_POLICIES
-
     s = _Schema(ckpt)
     s.get(m, "step", "", lambda v: _is_int(v) and v >= 0, "an int >= 0")
     s.get(m, "seed", "", _is_int, "an int")
@@ -610,72 +515,52 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             s.fail(key, problem)
         if name not in files:
             s.fail(key, f"{name!r} is not listed in files (every file needs its sha256 and size)")
-    _configs(ckpt, m, _AnyTag())  # the values: what the configs accept
+    _configs(ckpt, m)  # the values: what the configs accept
 
 
-class _AnyTag(Mapping):
-    """Callables for the schema check: every tag has a stand-in function, so a manifest whose
-    learning rate was a callable is checked without the caller's function."""
+class _Every(Mapping):
+    """A mapping that has every key, ``make()`` giving each its own value: the schema check's
+    stand-ins for what a manifest names but does not hold (learning-rate callables, FromFunction
+    initializers), so such a manifest is checked without the caller's objects. Distinct values
+    per key: two callable tags must stay two tags."""
 
-    def __getitem__(self, tag: int) -> Callable:
-        return _stand_in
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+        self.made: dict = {}
 
-    def __contains__(self, tag) -> bool:
+    def __getitem__(self, key) -> Any:
+        if key not in self.made:
+            self.made[key] = self.make()
+        return self.made[key]
+
+    def __contains__(self, key) -> bool:
         return True
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator:
         return iter(())
 
     def __len__(self) -> int:
         return 0
 
 
-def _stand_in(step: int) -> float:
-    return 0.01
+def _stand_in() -> Callable[[int], float]:
+    """A new learning-rate function (a new object per tag)."""
+
+    def rate(step: int) -> float:
+        return 0.01
+
+    return rate
 
 
-def _table_config(ckpt: Path, at: str, t: dict, callables: Mapping[int, Callable]) -> TableConfig:
-    """The TableConfig a checked manifest entry describes, whose optimizer's slots are the
-    stored ones; CheckpointError for values the configs refuse (the schema checks types)."""
+def _configs(ckpt: Path, manifest: dict) -> None:
+    """Build the feature and table configs a type-checked manifest describes (with stand-ins
+    for callables and FromFunction initializers): a CheckpointError naming the entry for
+    values the configs refuse, or slots that are not its optimizer's, before anything is
+    allocated."""
     try:
-        opt = optimizer_from_json(t["optimizer"], callables)
-        q = t.get("quantization_config")
-        cfg = TableConfig(
-            t["vocabulary_size"], t["dim"],
-            initializer=initializer_from_json(t["initializer"]), optimizer=opt,
-            combiner=t["combiner"], name=t["name"],
-            quantization_config=None if q is None else QuantizationConfig(**q),
-        )  # fmt: skip
-        slots = [dataclasses.asdict(s) for s in opt.slot_specs(cfg.dim)]
-    except (TypeError, ValueError) as e:  # CheckpointError too: add where it is
-        raise CheckpointError(f"{ckpt / 'manifest.json'}: {at} ({t['name']!r}): {e}") from None
-    # Before the engine allocates anything: its slots must be the ones the files hold.
-    if slots != t["slots"]:
-        raise CheckpointError(
-            f"{ckpt / 'manifest.json'}: {at}.slots {t['slots']} are not the slots of its "
-            f"optimizer {t['optimizer']['class']} ({slots})"
-        )
-    return cfg
-
-
-def _configs(ckpt: Path, manifest: dict,
-             callables: Mapping[int, Callable]) -> dict[str, FeatureConfig]:  # fmt: skip
-    """The feature configs (with their tables) a type-checked manifest describes; a
-    CheckpointError naming the entry for values the configs refuse."""
-    tables = {t["name"]: _table_config(ckpt, f"tables[{i}]", t, callables)
-              for i, t in enumerate(manifest["tables"])}  # fmt: skip
-    features = {}
-    for i, f in enumerate(manifest["features"]):
-        try:
-            features[f["name"]] = FeatureConfig(
-                tables[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
-                None if f["output_shape"] is None else tuple(f["output_shape"]),
-            )  # fmt: skip
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"{ckpt / 'manifest.json'}: features[{i}] ({f['name']!r}): {e}"
-            ) from None
-    return features
+        feature_configs_from_spec(manifest, _Every(_stand_in), _Every(Zeros))
+    except SpecError as e:
+        raise CheckpointError(f"{ckpt / 'manifest.json'}: {e}") from None
 
 
 # -- loading: files -------------------------------------------------------------------------------
@@ -797,9 +682,11 @@ def _check_name(ckpt: Path, manifest: dict) -> None:
         )
 
 
-def _check_compatible(engine: EmbeddingEngine, manifest: dict, ckpt: Path) -> None:
+def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
+    """The engine (its ``spec()``) can take the checkpoint's state: the same tables, shapes,
+    optimizers (but for the learning rate) and slots."""
     stored = {t["name"]: t for t in manifest["tables"]}
-    mine = engine_spec(engine)["tables"]
+    mine = engine_spec["tables"]
     names = sorted(t["name"] for t in mine)
     if sorted(stored) != names:
         raise CheckpointError(f"{ckpt} holds tables {sorted(stored)}, the engine has {names}")
@@ -825,16 +712,87 @@ def _check_compatible(engine: EmbeddingEngine, manifest: dict, ckpt: Path) -> No
 
 # -- loading: into an engine ----------------------------------------------------------------------
 
+# Manifest keys that describe the checkpoint, not the engine: the rest is the engine's spec.
+_CHECKPOINT_KEYS = ("format", "format_version", "embengine_version", "created", "step", "finite",
+                    "extra", "files")  # fmt: skip
+_CHECKPOINT_TABLE_KEYS = ("file", "finite")
 
-def _copy_into(engine: EmbeddingEngine, ckpt: Path, manifest: dict,
-               headers: Headers) -> CheckpointInfo:  # fmt: skip
-    """Copy a checked checkpoint's tables and step into a compatible engine (see the module
-    docstring for what a failure midway leaves)."""
-    extra = manifest["extra"]
-    tensors = {}
-    if extra["file"] is not None:  # read first: a failure here leaves the engine untouched
-        file = ckpt / extra["file"]
-        header = headers[extra["file"]]
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checked checkpoint file, not yet read: a ``state.TensorSource``.
+    ``read_into(out)`` copies it chunk by chunk with read() (never a second copy of the table,
+    and a file truncated meanwhile is an error, not a SIGBUS)."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    header: tuple[dict, int]
+
+    def read_into(self, out: np.ndarray) -> None:
+        read_tensor(self.file, self.name, out=out, header=self.header)
+
+
+class CheckpointReader:
+    """A checkpoint whose every check has passed (``read_checkpoint``): its step, extra data and
+    tensors, for restoring into an engine or exporting. Keyed by logical table and row: table
+    ``t``'s weights are the tensor ``t`` and its slots ``t/<slot>`` of its file, row ``r`` being
+    id ``r``, whichever engine (packed or not, RAM or mmap) wrote or reads them."""
+
+    def __init__(self, ckpt: Path, manifest: dict, headers: Headers):
+        self.path = ckpt
+        self.manifest = manifest
+        self._headers = headers
+        self._tables = {t["name"]: t for t in manifest["tables"]}
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def extra_metadata(self) -> dict:
+        return self.manifest["extra"]["metadata"]
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        return tuple(self._tables)
+
+    def file_of(self, table: str) -> Path:
+        """The file holding ``table``'s tensors."""
+        return self.path / self._tables[table]["file"]
+
+    def tensor(self, table: str, entry: str = WEIGHTS) -> StoredTensor:
+        """``table``'s weights (``entry="weights"``) or one of its slots, not yet read."""
+        t = self._tables[table]
+        name = table if entry == WEIGHTS else f"{table}/{entry}"
+        header = self._headers[t["file"]]
+        info = header[0][name]
+        dtype = NUMPY[info["dtype"]].newbyteorder("<")
+        return StoredTensor(self.path / t["file"], name, tuple(info["shape"]), dtype, header)
+
+    def weights(self, table: str) -> np.ndarray:
+        """``table``'s weights, memory-mapped read-only (no copy; for export)."""
+        t = self._tables[table]
+        return read_tensor(self.path / t["file"], table, header=self._headers[t["file"]])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint as an engine state (embengine.state) of StoredTensors, for
+        ``engine.load_state_dict``; nothing is read until then."""
+        tables = {}
+        for name, t in self._tables.items():
+            tables[name] = {WEIGHTS: self.tensor(name)}
+            tables[name].update({s["name"]: self.tensor(name, s["name"]) for s in t["slots"]})
+        return {"step": self.step, "tables": tables}
+
+    def extra_tensors(self) -> dict[str, np.ndarray]:
+        """The caller's extra tensors (saved with ``extra_tensors=``), read into memory."""
+        extra = self.manifest["extra"]
+        tensors: dict[str, np.ndarray] = {}
+        if extra["file"] is None:
+            return tensors
+        file = self.path / extra["file"]
+        header = self._headers[extra["file"]]
         try:
             for name, info in header[0].items():
                 if name != "__metadata__":
@@ -842,59 +800,49 @@ def _copy_into(engine: EmbeddingEngine, ckpt: Path, manifest: dict,
                     tensors[name] = read_tensor(file, name, out=out, header=header)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{file}: cannot be read ({e}); the engine is unchanged") from e
-    by_name = {t["name"]: t for t in manifest["tables"]}
-    done: list[str] = []
-    for table in engine._tables:
-        name = by_name[table.name]["file"]
-        file = ckpt / name
+        return tensors
+
+    def restore(self, engine: Stateful) -> CheckpointInfo:
+        """Copy the checkpoint's tables and step into ``engine`` (``engine.load_state_dict``,
+        which checks every entry and copies under the engine's lock), after checking that the
+        engine's configuration can take them. See the module docstring for a failure midway."""
+        _check_compatible(engine.spec(), self.manifest, self.path)
+        tensors = self.extra_tensors()  # first: a failure here leaves the engine untouched
         try:
-            with table.sequential_access():
-                read_tensor(file, table.name, out=table.weights, header=headers[name])
-                for slot, array in table.slots.items():
-                    read_tensor(file, f"{table.name}/{slot}", out=array, header=headers[name])
-                table.flush()
-        except (OSError, ValueError) as e:
+            engine.load_state_dict(self.state_dict())
+        except PartialLoadError as e:
+            cause = e.__cause__ if e.__cause__ is not None else e
             raise CheckpointError(
-                f"{ckpt}: restore failed while copying table {table.name!r} from {file} ({e}) "
-                f"after every check had passed (the file changed or could not be read). Tables "
-                f"{done} and part of {table.name!r} now hold the checkpoint's values, the step "
-                f"is still {engine.step}: restore a checkpoint again before using the engine"
-            ) from e
-        done.append(table.name)
-    engine._step = manifest["step"]
-    engine._last_batch = None
-    return CheckpointInfo(ckpt, engine._step, tensors, extra["metadata"])
+                f"{self.path}: restore failed while copying table {e.table!r} from "
+                f"{self.file_of(e.table)} ({cause}) after every check had passed (the file "
+                f"changed or could not be read). Tables {e.done} and part of {e.table!r} now "
+                f"hold the checkpoint's values, the step is still {e.step}: restore a "
+                "checkpoint again before using the engine"
+            ) from cause
+        return CheckpointInfo(self.path, engine.step, tensors, self.extra_metadata)
 
 
-def restore(engine: EmbeddingEngine, path: str | Path, verify: bool = True) -> CheckpointInfo:
+def _spec_of(manifest: dict) -> dict[str, Any]:
+    """The engine spec a manifest holds (embengine.spec): the manifest without the
+    checkpoint's own keys."""
+    spec = {k: v for k, v in manifest.items() if k not in _CHECKPOINT_KEYS}
+    spec["tables"] = [{k: v for k, v in t.items() if k not in _CHECKPOINT_TABLE_KEYS}
+                      for t in manifest["tables"]]  # fmt: skip
+    return spec
+
+
+def read_checkpoint(path: str | Path, verify: bool = True) -> tuple[dict, CheckpointReader]:
+    """(the engine spec, a CheckpointReader) of the checkpoint at ``path`` (a checkpoint
+    directory, or a folder of them: the newest), after every check of the module docstring, so
+    an engine built from the spec is never larger than the files that fill it.
+    ``EmbeddingEngine.load`` is ``from_spec(spec)`` then ``reader.restore(engine)``."""
+    ckpt, manifest, headers = _read(path, verify)
+    _check_name(ckpt, manifest)
+    return _spec_of(manifest), CheckpointReader(ckpt, manifest, headers)
+
+
+def restore(engine: Stateful, path: str | Path, verify: bool = True) -> CheckpointInfo:
     """Load tables, slots and step into an engine built from the same configs. Every check
     (module docstring) passes before the first table byte changes, whatever ``verify`` says."""
-    ckpt, manifest, headers = _read(path, verify)
-    _check_name(ckpt, manifest)
-    _check_compatible(engine, manifest, ckpt)
-    return _copy_into(engine, ckpt, manifest, headers)
-
-
-def load(path: str | Path, callables: Mapping[int, Callable] | None = None,
-         verify: bool = True, **engine_kwargs) -> EmbeddingEngine:  # fmt: skip
-    """A new engine from a checkpoint alone (see EmbeddingEngine.load). Every check (module
-    docstring) passes before the engine is built, so its tables are never larger than the files
-    that fill them."""
-    from .engine import EmbeddingEngine
-
-    ckpt, manifest, headers = _read(path, verify)
-    _check_name(ckpt, manifest)
-    features = _configs(ckpt, manifest, dict(callables or {}))
-    kwargs = {"seed": manifest["seed"], "backend": manifest.get("backend", "numba"),
-              "nonfinite_gradients": manifest.get("nonfinite_gradients", "error")}  # fmt: skip
-    kwargs.update(engine_kwargs)
-    try:
-        engine = EmbeddingEngine(features, **kwargs)
-    except (TypeError, ValueError) as e:
-        with_kwargs = f" with {engine_kwargs}" if engine_kwargs else ""
-        raise CheckpointError(
-            f"{ckpt}: cannot build an engine from the checkpoint's configuration{with_kwargs}: {e}"
-        ) from e
-    _check_compatible(engine, manifest, ckpt)
-    _copy_into(engine, ckpt, manifest, headers)
-    return engine
+    _, reader = read_checkpoint(path, verify)
+    return reader.restore(engine)

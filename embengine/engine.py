@@ -13,11 +13,15 @@ changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from .backends.registry import BACKENDS
+from .backends.registry import make_backend as _make_backend
 from .batch import (
     BatchFingerprint,
     PreparedBatch,
@@ -27,29 +31,21 @@ from .batch import (
     prepare,
 )
 from .config import FeatureConfig, TableConfig, resolve_features
+from .initializers import Initializer, Zeros
 from .inputs import as_numpy
 from .learning_rates import LearningRates
 from .optimizers import Optimizer
+from .spec import (
+    NONFINITE_POLICIES,
+    engine_options,
+    feature_configs_from_spec,
+    initializer_to_json,
+    optimizer_to_json,
+)
+from .state import WEIGHTS, PartialLoadError, check_state
 from .storage import DenseTable, StoragePlan, TableView, plan_storage
 
-__all__ = ["EmbeddingEngine", "BACKENDS"]
-
-NONFINITE_POLICIES = ("error", "skip_row")
-
-
-def _make_backend(name: str):
-    if name == "numba":
-        from .backends.numba_backend import NumbaBackend
-
-        return NumbaBackend()
-    if name == "reference":
-        from .backends.reference import ReferenceBackend
-
-        return ReferenceBackend()
-    raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-
-
-BACKENDS = ("numba", "reference")
+__all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES"]
 
 
 def _initializer_for(table: TableConfig, opt: Optimizer):
@@ -205,6 +201,156 @@ class EmbeddingEngine:
         """Slot name (TF's names) -> live view of that table's optimizer state."""
         return self._tables[self._table_index(table_name)].slots
 
+    def sequential_access(self, table_name: str) -> contextlib.AbstractContextManager:
+        """For the block, advise a memory-mapped table's file for one pass in row order (reading
+        or writing the whole table, as a checkpoint does): the kernel then reads ahead, which
+        training's random row accesses turn off. Nothing for a RAM table."""
+        return self._tables[self._table_index(table_name)].sequential_access()
+
+    def flush(self) -> None:
+        """Write the memory-mapped tables' changes to their files (msync); nothing in RAM."""
+        for table in self._physical:
+            table.flush()
+
+    # -- the state API: spec, state_dict, load_state_dict ----------------------------------------
+    # Checkpoints, serving export and the adapters use these, never the engine's private fields.
+
+    def spec(self) -> dict[str, Any]:
+        """The engine's configuration as JSON (see embengine.spec for the keys): every table
+        with its initializer, optimizer, quantization, storage and slots, every feature, the
+        learning-rate tags, seed, backend and non-finite policy. ``from_spec`` rebuilds the
+        engine from it; a checkpoint's manifest is this plus the checkpoint's own keys."""
+        r = self._resolved
+        tables = []
+        for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
+            opt, view = self._optimizers[t], self._tables[t]
+            q = cfg.quantization_config
+            tables.append({
+                "name": name,
+                "vocabulary_size": cfg.vocabulary_size,
+                "dim": cfg.dim,
+                "combiner": cfg.combiner,
+                "initializer": initializer_to_json(_initializer_for(cfg, opt)),
+                "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
+                "quantization_config": None if q is None else dataclasses.asdict(q),
+                "storage": view.storage,
+                "slots": [dataclasses.asdict(s) for s in view.slot_specs],
+            })  # fmt: skip
+        features = [
+            {"name": name, "table": r.table_names[r.feature_table[name]],
+             "max_sequence_length": fc.max_sequence_length,
+             "validate_weights_and_indices": fc.validate_weights_and_indices,
+             "output_shape": None if fc.output_shape is None else list(fc.output_shape)}
+            for name, fc in r.features.items()
+        ]  # fmt: skip
+        # Checkpoints store the plan too (their manifest is the spec plus their own keys), for
+        # inspect; from_spec plans storage anew (where a table lives is the machine's business).
+        return {
+            "tables": tables,
+            "features": features,
+            "storage_plan": self.storage_plan.to_json(),
+            "learning_rate_tags": self._learning_rate_tags(),
+            "seed": self.seed,
+            "backend": self.backend,
+            "nonfinite_gradients": self.nonfinite_gradients,
+        }
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: Mapping[str, Any],
+        callables: Mapping[int, Callable] | None = None,
+        *,
+        initializers: Mapping[str, Initializer] | None = None,
+        **overrides,
+    ) -> EmbeddingEngine:
+        """A new engine with the configuration ``spec`` describes (``engine.spec()``, or a
+        checkpoint's; tables initialised anew: ``load_state_dict`` fills them).
+
+        What a spec names but cannot hold must be passed: ``callables={tag: fn}`` for each
+        learning rate that was a callable, ``initializers={table: Initializer}`` for each table
+        whose initializer was ``FromFunction``. ``overrides`` (backend, storage, storage_dir,
+        seed, nonfinite_gradients) replace or add EmbeddingEngine arguments; tables are in RAM
+        unless ``storage=`` says otherwise (where a table was kept is the machine's business).
+        A SpecError (a ValueError) names the entry of a spec that cannot be rebuilt."""
+        features = feature_configs_from_spec(spec, callables, initializers)
+        return cls(features, **{**engine_options(spec), **overrides})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's state (see embengine.state): ``{"step": int, "learning_rates": {"tags":
+        [...]}, "tables": {table name: {"weights": array, slot name: array, ...}}}``, keyed by
+        logical table and row (a packed table's rows are its own, from 0).
+
+        The arrays are live views of the tables, not copies: they change with every update and
+        writing into them changes the engine. Read them while no update runs (``save`` holds
+        the engine's lock while it writes them); ``copy.deepcopy(state)`` for a snapshot."""
+        return {
+            "step": self._step,
+            "learning_rates": {"tags": self._learning_rate_tags()},
+            "tables": {v.name: {WEIGHTS: v.weights, **v.slots} for v in self._tables},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy a state (``state_dict()``'s layout, arrays or ``TensorSource``s) into the
+        engine's tables and set the step.
+
+        Every entry is checked first (names, shapes, dtypes; TypeError / ValueError naming the
+        entry), so a state that does not fit changes nothing. Whether values are finite is the
+        caller's business. ``strict`` requires every table, each of its arrays and the step;
+        ``strict=False`` leaves what the state lacks as it is (unknown names are errors either
+        way). The copy runs under the engine's lock and forgets the pending training batch
+        (its gradients came from the tables before). If a TensorSource fails midway, a
+        ``PartialLoadError`` says which tables hold the new values; the step is unchanged."""
+        expected = {
+            v.name: {WEIGHTS: (tuple(v.weights.shape), np.dtype(np.float32)),
+                     **{s.name: ((v.vocabulary_size, s.width), np.dtype(s.dtype))
+                        for s in v.slot_specs}}
+            for v in self._tables
+        }  # fmt: skip
+        tag_is_callable = [self._learning_rates.tag_callable(t) is not None
+                           for t in range(self.num_learning_rate_tags)]  # fmt: skip
+        step, copies = check_state(state, expected, tag_is_callable, strict)
+        views = {v.name: v for v in self._tables}
+        # Everything is checked; from here on tables change.
+        with self._state_lock():
+            done: list[str] = []
+            for name, pairs in copies:
+                view = views[name]
+                try:
+                    with view.sequential_access():
+                        for key, value in pairs:
+                            out = view.weights if key == WEIGHTS else view.slot(key)
+                            if isinstance(value, np.ndarray):
+                                np.copyto(out, value)
+                            else:
+                                value.read_into(out)  # a TensorSource: chunk by chunk
+                        view.flush()
+                except (OSError, ValueError) as e:
+                    raise PartialLoadError(name, done, self._step, e) from e
+                done.append(name)
+            if step is not None:
+                self._step = step
+            self._forget_pending()
+
+    def _learning_rate_tags(self) -> list[dict[str, Any]]:
+        """Each dynamic learning-rate tag, with the name of the callable behind it (or None)."""
+        out = []
+        for t in range(self.num_learning_rate_tags):
+            fn = self._learning_rates.tag_callable(t)
+            out.append({"tag": t, "callable": None if fn is None else
+                        getattr(fn, "__qualname__", "?")})  # fmt: skip
+        return out
+
+    def _state_lock(self) -> contextlib.AbstractContextManager:
+        """The lock load_state_dict holds while it copies. This is the engine's lock once it
+        has one (the one apply_gradients, save and restore hold): return it here."""
+        return contextlib.nullcontext()
+
+    def _forget_pending(self) -> None:
+        """Forget the pending training batch (every thread's, once batches are per thread): after
+        a load its gradients would update rows that no longer hold what it looked up."""
+        self._last_batch = None
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save(self, path, keep: int | None = None, extra_tensors: Mapping | None = None,
@@ -229,10 +375,28 @@ class EmbeddingEngine:
     def load(cls, path, callables=None, verify: bool = True, **kwargs) -> EmbeddingEngine:
         """A new engine from a checkpoint alone. A learning rate that was a callable is not
         stored: pass ``callables={tag: function}`` for it. ``kwargs`` (backend, storage, ...)
-        override the stored engine options."""
+        override the stored engine options.
+
+        ``from_spec`` of the checkpoint's spec, then its restore. Every check of the checkpoint
+        passes before the engine is built, so its tables are never larger than the files that
+        fill them."""
         from . import checkpoint
 
-        return checkpoint.load(path, callables, verify, **kwargs)
+        spec, reader = checkpoint.read_checkpoint(path, verify)
+        # A FromFunction initializer's function is not stored; the checkpoint's values replace
+        # what it would give, so the tables start at zero.
+        from_function = {t["name"]: Zeros() for t in spec["tables"]
+                         if t["initializer"]["class"] == "FromFunction"}  # fmt: skip
+        try:
+            engine = cls.from_spec(spec, callables, initializers=from_function, **kwargs)
+        except (TypeError, ValueError) as e:
+            with_kwargs = f" with {kwargs}" if kwargs else ""
+            raise checkpoint.CheckpointError(
+                f"{reader.path}: cannot build an engine from the checkpoint's configuration"
+                f"{with_kwargs}: {e}"
+            ) from e
+        reader.restore(engine)
+        return engine
 
     def _table_index(self, table_name: str) -> int:
         try:
@@ -274,6 +438,19 @@ class EmbeddingEngine:
         rows straight from the ids meanwhile (the same bits as pooling the prepared batch), so
         a single big table is not deduplicated by one thread while the others wait."""
         return self._lookup(features, weights, training)[0]
+
+    def lookup_with_batch(
+        self,
+        features: Mapping | PreparedBatch,
+        weights: Mapping | None = None,
+        *,
+        training: bool = True,
+    ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
+        """``lookup``, and the PreparedBatch it looked up, for adapters that apply the gradients
+        later with ``apply_gradients(grads, batch=batch)`` (EmbeddingLayer's backward): reading
+        the engine's pending batch after the lookup could see another thread's lookup. A
+        training batch is also left pending, as ``lookup`` leaves it."""
+        return self._lookup(features, weights, training)
 
     def _lookup(
         self, features: Mapping | PreparedBatch, weights: Mapping | None, training: bool
@@ -439,4 +616,4 @@ class EmbeddingEngine:
         embengine.preprocessing and examples/dataloader.py."""
         from .preprocessing import Preprocessor
 
-        return Preprocessor.from_engine(self)
+        return Preprocessor(self._resolved, self._storage_layout, self.backend)

@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from .backends.registry import make_backend
 from .batch import PreparedBatch, prepare
 from .config import FeatureConfig, ResolvedFeatures, TableConfig
-from .engine import EmbeddingEngine, _make_backend
+from .keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
 
 __all__ = ["Preprocessor"]
 
@@ -86,12 +87,13 @@ class Preprocessor:
                                 for members in storage_layout]  # fmt: skip
         self._backend_name = backend
         # The backend's own construction, as engine.preprocess calls it.
-        self._build_tables = _make_backend(backend).build_tables
+        self._build_tables = make_backend(backend).build_tables
 
     @classmethod
-    def from_engine(cls, engine: EmbeddingEngine) -> Preprocessor:
-        """The Preprocessor of an EmbeddingEngine (``engine.preprocessor()``)."""
-        return cls(engine._resolved, engine._storage_layout, engine.backend)
+    def from_engine(cls, engine) -> Preprocessor:
+        """The Preprocessor of an EmbeddingEngine: ``engine.preprocessor()`` (this module does
+        not import the engine, which imports it)."""
+        return engine.preprocessor()
 
     @property
     def backend(self) -> str:
@@ -112,14 +114,8 @@ class Preprocessor:
         """Validate features and deduplicate ids per table, as ``engine.preprocess`` does
         (errors name the feature, the position and the value); ``training=False`` builds a
         lookup-only batch."""
-        if not isinstance(features, Mapping) and all(
-            callable(getattr(features, a, None)) for a in ("keys", "values", "lengths")
-        ):
-            # A KeyedJagged: only torch users have one, so its module (which needs torch) is
-            # imported only here.
-            from .torch.keyed_jagged import to_feature_dict
-
-            features = to_feature_dict(features)
+        if not isinstance(features, Mapping) and is_keyed_jagged(features):
+            features = keyed_jagged_to_features(features)
         return prepare(self._resolved, features, weights, self._build_tables,
                        self._storage_layout, deduplicate=training)  # fmt: skip
 
@@ -136,7 +132,7 @@ class Preprocessor:
         self._resolved = state["resolved"]
         self._storage_layout = state["storage_layout"]
         self._backend_name = state["backend"]
-        self._build_tables = _make_backend(self._backend_name).build_tables
+        self._build_tables = make_backend(self._backend_name).build_tables
 
     def __repr__(self) -> str:
         tables = ", ".join(

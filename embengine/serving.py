@@ -71,7 +71,7 @@ from .batch import (
     prepare,
 )
 from .checkpoint import FORMAT as CHECKPOINT_FORMAT
-from .checkpoint import CheckpointError, read_manifest
+from .checkpoint import CheckpointError, read_checkpoint
 from .config import (
     COMBINERS,
     FeatureConfig,
@@ -398,15 +398,11 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
     if not out.name:
         raise ValueError(f"export folder {given} has no name (a filesystem root)")
     _check_out(out, [Path(checkpoint)], replace)  # before reading (and hashing) the checkpoint
-    ckpt, manifest = read_manifest(checkpoint, verify=True)
-    for t in manifest["tables"]:
-        # Read only files the checkpoint lists (so read_manifest checksummed them), inside it.
-        if not _plain_name(t["file"]) or t["file"] not in manifest["files"]:
-            raise CheckpointError(
-                f"{ckpt}: table {t['name']!r} reads {t['file']!r}, which is not a safetensors "
-                "file the manifest lists inside the checkpoint folder"
-            )
-    names = [t["name"] for t in manifest["tables"]]
+    # Every check of a checkpoint (checkpoint module docstring), hashes included: its tables
+    # are read only from the files it lists, inside it, of the sizes and hashes it lists.
+    spec, reader = read_checkpoint(checkpoint, verify=True)
+    ckpt = reader.path
+    names = list(reader.table_names)
     unknown = [n for n in per_table if n not in names]
     if unknown:
         raise ValueError(f"per-table compression for unknown tables {unknown}; tables are {names}")
@@ -417,11 +413,9 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
     tmp.mkdir()
     try:
         tables, files, rows = [], {}, []
-        for i, t in enumerate(manifest["tables"]):
+        for i, t in enumerate(spec["tables"]):
             comp = per_table.get(t["name"], compress)
-            src = ckpt / t["file"]
-            header = read_header(src)
-            weights = read_tensor(src, t["name"], header=header)  # memory-mapped
+            weights = reader.weights(t["name"])  # memory-mapped
             params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
             arrays, worst = _encode_table(weights, comp, params)
             file = f"table-{i:03d}.safetensors"
@@ -436,7 +430,7 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
                          "bytes_after": sum(a.nbytes for a in arrays.values()),
                          "max_abs_error": worst})  # fmt: skip
         manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
-                        "source_step": manifest["step"], "features": manifest["features"],
+                        "source_step": reader.step, "features": spec["features"],
                         "tables": tables, "files": files}  # fmt: skip
         text = json.dumps(manifest_out, indent=1).encode()
         digest = hashlib.sha256(text).hexdigest().encode()

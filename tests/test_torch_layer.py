@@ -313,14 +313,14 @@ def test_backward_updates_the_rows_of_its_own_forward_when_another_lookup_follow
     eng = _engine(opt.SGD(1.0))
     layer = EmbeddingLayer(eng)
     before = eng.embedding_tables["t"].copy()
-    real = eng._lookup
+    real = eng.lookup_with_batch
 
-    def then_another_lookup(features, weights, training):
-        out = real(features, weights, training)
-        real({"a": [[9], [10]], "b": [[11], [9]]}, None, True)  # the "other thread"
+    def then_another_lookup(features, weights=None, *, training=True):
+        out = real(features, weights, training=training)
+        eng.lookup({"a": [[9], [10]], "b": [[11], [9]]})  # the "other thread"
         return out
 
-    monkeypatch.setattr(eng, "_lookup", then_another_lookup)
+    monkeypatch.setattr(eng, "lookup_with_batch", then_another_lookup)
     out = layer({"a": [[1], [2]], "b": [[3], [1]]})
     (out["a"].sum() + out["b"].sum()).backward()
     changed = np.flatnonzero(np.any(eng.embedding_tables["t"] != before, axis=1))

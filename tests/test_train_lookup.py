@@ -61,8 +61,7 @@ def _batch(feats, rng, samples: int):
 
 
 def _assert_fused_equals_apart(eng, values):
-    fused = eng.lookup(values)
-    fused_batch = eng._last_batch
+    fused, fused_batch = eng.lookup_with_batch(values)
     batch = eng.preprocess(values)
     apart = eng.lookup(batch)
     for name in apart:

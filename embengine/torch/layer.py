@@ -14,7 +14,7 @@ import torch
 
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
-from .keyed_jagged import _is_keyed_jagged, to_feature_dict
+from ..keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
 
 __all__ = ["EmbeddingLayer"]
 
@@ -94,8 +94,8 @@ class EmbeddingLayer(torch.nn.Module):
 
     @staticmethod
     def _feature_dict(features):
-        if _is_keyed_jagged(features):
-            return to_feature_dict(features)
+        if is_keyed_jagged(features):
+            return keyed_jagged_to_features(features)
         return features
 
     def forward(
@@ -119,7 +119,7 @@ class EmbeddingLayer(torch.nn.Module):
             features = self._feature_dict(features)
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
-        acts, batch = self.engine._lookup(features, weights, training)
+        acts, batch = self.engine.lookup_with_batch(features, weights, training=training)
         names = list(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
         if not training:

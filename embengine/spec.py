@@ -1,0 +1,230 @@
+"""An engine's configuration as JSON: what ``EmbeddingEngine.spec()`` returns, what
+``EmbeddingEngine.from_spec`` builds an engine from, and what a checkpoint's manifest stores.
+
+A spec is a dict of JSON values::
+
+    {"tables": [{"name", "vocabulary_size", "dim", "combiner",
+                 "initializer": {"class", "params"}, "optimizer": {"class", "params"},
+                 "quantization_config", "storage", "slots": [{"name", "width",
+                 "initial_value", "dtype"}]}, ...],          # in the engine's table order
+     "features": [{"name", "table", "max_sequence_length", "validate_weights_and_indices",
+                   "output_shape"}, ...],                    # in the engine's feature order
+     "learning_rate_tags": [{"tag", "callable"}, ...],
+     "seed", "backend", "nonfinite_gradients"}
+
+Classes are named by their embengine class (``embengine.tpu.Adam`` is ``Adam``) and hold their
+dataclass fields. A learning rate is ``{"constant": x}``, ``{"tag": t}`` (a
+``DynamicLearningRate``) or ``{"tag": t, "callable": name}``. What JSON cannot hold is recorded
+by name only, and rebuilding needs it passed in: a learning-rate callable
+(``callables={tag: fn}``) and a ``FromFunction`` initializer's function
+(``initializers={table name: Initializer}``). ``storage`` says where the engine kept the table
+("ram" or "mmap"); it is a property of the machine the engine ran on, so ``from_spec`` builds
+RAM tables unless told otherwise (``storage=`` / ``storage_dir=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import initializers as _init
+from . import optimizers as _opt
+from .config import FeatureConfig, QuantizationConfig, TableConfig
+from .learning_rates import LearningRates
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "SpecError",
+    "engine_options",
+    "feature_configs_from_spec",
+    "initializer_from_json",
+    "initializer_to_json",
+    "optimizer_from_json",
+    "optimizer_to_json",
+]
+
+NONFINITE_POLICIES = ("error", "skip_row")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be rebuilt into an engine; the message names the entry."""
+
+
+def _spec_class(obj, module) -> type:
+    """The nearest class of ``obj`` defined in ``module`` (so embengine.tpu.Adam -> Adam)."""
+    for cls in type(obj).__mro__:
+        if cls.__module__.startswith(module.__name__) and dataclasses.is_dataclass(cls):
+            return cls
+    raise SpecError(f"{type(obj).__name__} is not an embengine spec")
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _name_of(fn) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+def optimizer_to_json(opt: _opt.Optimizer, tag: int | None) -> dict:
+    """``{"class", "params"}`` of an optimizer; ``tag`` is the learning-rate tag of a callable
+    learning rate (the engine numbers them)."""
+    cls = _spec_class(opt, _opt)
+    params = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(opt, f.name)
+        if f.name == "learning_rate":
+            if isinstance(value, _opt.DynamicLearningRate):
+                value = {"tag": value.tag}
+            elif callable(value):
+                value = {"tag": tag, "callable": _name_of(value)}
+            else:
+                value = {"constant": float(value)}
+        params[f.name] = _jsonable(value)
+    return {"class": cls.__name__, "params": params}
+
+
+def optimizer_from_json(data: Mapping, callables: Mapping[int, Callable]) -> _opt.Optimizer:
+    """The optimizer ``optimizer_to_json`` described; a callable learning rate comes from
+    ``callables[tag]``."""
+    cls = getattr(_opt, data["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, _opt.Optimizer)):
+        raise SpecError(f"unknown optimizer class {data['class']!r}")
+    params = dict(data["params"])
+    lr = params["learning_rate"]
+    if "constant" in lr:
+        params["learning_rate"] = lr["constant"]
+    elif "callable" in lr:
+        tag = lr["tag"]
+        if tag not in callables:
+            raise SpecError(
+                f"the learning rate of tag {tag} was the callable {lr['callable']!r}, which is "
+                f"not stored; pass callables={{{tag}: <function>}}"
+            )
+        params["learning_rate"] = callables[tag]
+    else:
+        params["learning_rate"] = _opt.DynamicLearningRate(lr["tag"])
+    if isinstance(params.get("clipvalue"), list):
+        params["clipvalue"] = tuple(params["clipvalue"])
+    return cls(**params)
+
+
+def initializer_to_json(init: _init.Initializer) -> dict:
+    """``{"class", "params"}`` of an initializer; a FromFunction records its function's name."""
+    cls = _spec_class(init, _init)
+    if cls is _init.FromFunction:
+        return {"class": "FromFunction", "function": _name_of(init.fn)}
+    return {"class": cls.__name__, "params": dataclasses.asdict(init)}
+
+
+def initializer_from_json(
+    data: Mapping, table: str, initializers: Mapping[str, _init.Initializer]
+) -> _init.Initializer:
+    """The initializer ``initializer_to_json`` described. A FromFunction's function is not
+    stored: ``initializers[table]`` replaces it, and is required."""
+    if data["class"] == "FromFunction":
+        if table not in initializers:
+            raise SpecError(
+                f"the initializer was FromFunction({data.get('function', '?')}), whose "
+                f"function is not stored; pass initializers={{{table!r}: <Initializer>}}"
+            )
+        return initializers[table]
+    cls = getattr(_init, data["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, _init.Initializer)):
+        raise SpecError(f"unknown initializer class {data['class']!r}")
+    return cls(**data.get("params", {}))
+
+
+def _table_config(t: Mapping, callables: Mapping[int, Callable],
+                  initializers: Mapping[str, _init.Initializer]) -> TableConfig:  # fmt: skip
+    opt = optimizer_from_json(t["optimizer"], callables)
+    q = t.get("quantization_config")
+    cfg = TableConfig(
+        t["vocabulary_size"], t["dim"],
+        initializer=initializer_from_json(t["initializer"], t["name"], initializers),
+        optimizer=opt, combiner=t["combiner"], name=t["name"],
+        quantization_config=None if q is None else QuantizationConfig(**q),
+    )  # fmt: skip
+    return cfg
+
+
+def feature_configs_from_spec(
+    spec: Mapping[str, Any],
+    callables: Mapping[int, Callable] | None = None,
+    initializers: Mapping[str, _init.Initializer] | None = None,
+) -> dict[str, FeatureConfig]:
+    """Feature name -> FeatureConfig (sharing TableConfigs as the spec's features share tables),
+    in the spec's feature order, so an engine built from them has the spec's table order. A
+    SpecError names the entry (``tables[1] ('b'): ...``) of a value the configs refuse or a key
+    that is missing."""
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"a spec must be a dict, got {type(spec).__name__}")
+    # Not copied: a caller may pass a Mapping that has every key (checkpoint's schema check).
+    callables = {} if callables is None else callables
+    initializers = {} if initializers is None else initializers
+    for key in ("tables", "features"):
+        if not isinstance(spec.get(key), list):
+            raise SpecError(f"spec[{key!r}] must be a list, got {spec.get(key)!r:.60}")
+    tables: dict[str, TableConfig] = {}
+    for i, t in enumerate(spec["tables"]):
+        name = t.get("name") if isinstance(t, Mapping) else None
+        try:
+            tables[name] = _table_config(t, callables, initializers)
+        except KeyError as e:
+            raise SpecError(f"tables[{i}] ({name!r}): no key {e}") from None
+        except (TypeError, ValueError) as e:  # SpecError too: add where it is
+            raise SpecError(f"tables[{i}] ({name!r}): {e}") from None
+        # The slots describe the state's arrays: they must be the ones this optimizer keeps.
+        cfg = tables[name]
+        slots = [dataclasses.asdict(s) for s in cfg.optimizer.slot_specs(cfg.dim)]
+        if "slots" in t and slots != t["slots"]:
+            raise SpecError(
+                f"tables[{i}].slots {t['slots']} are not the slots of its optimizer "
+                f"{t['optimizer']['class']} ({slots})"
+            )
+    features = {}
+    for i, f in enumerate(spec["features"]):
+        name = f.get("name") if isinstance(f, Mapping) else None
+        try:
+            if f["table"] not in tables:
+                raise SpecError(f"table {f['table']!r} is not one of {sorted(tables)}")
+            shape = f.get("output_shape")
+            features[name] = FeatureConfig(
+                tables[f["table"]], f.get("max_sequence_length", 0),
+                f.get("validate_weights_and_indices", True),
+                None if shape is None else tuple(shape),
+            )  # fmt: skip
+        except KeyError as e:
+            raise SpecError(f"features[{i}] ({name!r}): no key {e}") from None
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"features[{i}] ({name!r}): {e}") from None
+    stored = spec.get("learning_rate_tags")
+    if isinstance(stored, list):
+        # One function passed for two callable tags would merge them: the tags, and so the
+        # learning_rates=[...] a caller passes per step, would be renumbered.
+        try:
+            n = LearningRates([t.optimizer for t in tables.values()], list(tables)).num_tags
+        except ValueError as e:
+            raise SpecError(f"learning rates: {e}") from None
+        if n != len(stored):
+            raise SpecError(
+                f"the spec has {len(stored)} learning-rate tags, its tables with the callables "
+                f"given have {n}: pass a distinct function for each callable tag"
+            )
+    return features
+
+
+def engine_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The EmbeddingEngine arguments besides the features that a spec records (seed, backend,
+    nonfinite_gradients); specs of older checkpoints lack the last two (their defaults)."""
+    if "seed" not in spec:
+        raise SpecError("the spec has no 'seed'")
+    return {"seed": spec["seed"], "backend": spec.get("backend", "numba"),
+            "nonfinite_gradients": spec.get("nonfinite_gradients", "error")}  # fmt: skip

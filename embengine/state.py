@@ -1,0 +1,181 @@
+"""An engine's state as arrays: what ``EmbeddingEngine.state_dict()`` returns and
+``EmbeddingEngine.load_state_dict`` takes.
+
+A state is::
+
+    {"step": int,                                   # apply_gradients calls so far
+     "learning_rates": {"tags": [{"tag", "callable"}, ...]},
+     "tables": {table name: {"weights": array, slot name: array, ...}, ...}}
+
+keyed by logical table (a packed table's rows are its own, from 0) and, within a table's arrays,
+by logical row: row ``r`` is the table's id ``r``. ``weights`` is float32 ``[vocabulary_size,
+dim]``; each optimizer slot (TF's slot names) is ``[vocabulary_size, width]`` of the slot's dtype
+(float32, or int32 for step counters).
+
+Learning rates hold no state of their own: a constant, a value the caller passes per step
+(``DynamicLearningRate``) or a callable of the step, so the step restores the schedule. The
+``learning_rates`` entry lists the engine's dynamic tags (and each callable's name) so that
+``load_state_dict`` can refuse a state whose schedule has other tags.
+
+``load_state_dict`` accepts, where a state has arrays, any ``TensorSource`` too: an object with
+``shape``, ``dtype`` and ``read_into(out)``, which fills ``out`` (the engine's own memory) itself.
+A checkpoint restores through such sources (``checkpoint.StoredTensor``), chunk by chunk, so a
+memory-mapped table bigger than RAM is never read into a second copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["WEIGHTS", "PartialLoadError", "Stateful", "TensorSource", "check_state"]
+
+WEIGHTS = "weights"
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """An array ``load_state_dict`` does not hold in memory: it has ``shape`` and ``dtype`` (checked
+    with every other entry before anything is copied) and ``read_into(out)``, which writes exactly
+    ``out.shape`` values of ``out.dtype`` into ``out`` (a view of the engine's table, possibly
+    strided) or raises OSError / ValueError."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_into(self, out: np.ndarray) -> None: ...
+
+
+class Stateful(Protocol):
+    """What checkpoints use of an engine (EmbeddingEngine): its public state API only."""
+
+    @property
+    def step(self) -> int: ...
+
+    def spec(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None: ...
+
+    def sequential_access(self, table_name: str) -> contextlib.AbstractContextManager: ...
+
+
+class PartialLoadError(RuntimeError):
+    """``load_state_dict`` failed while copying, after every check had passed (a TensorSource's
+    read failed): ``done`` tables and part of ``table`` hold the new values, the step is still
+    ``step``. Load a complete state again before using the engine. The cause is chained."""
+
+    def __init__(self, table: str, done: list[str], step: int, cause: BaseException):
+        self.table, self.done, self.step = table, list(done), step
+        super().__init__(
+            f"load_state_dict failed while copying table {table!r} ({cause}) after every check "
+            f"had passed. Tables {self.done} and part of {table!r} now hold the new values, the "
+            f"step is still {step}: load a complete state again before using the engine"
+        )
+
+
+# An entry the engine expects: name -> (shape, dtype).
+Expected = dict[str, dict[str, tuple[tuple[int, ...], np.dtype]]]
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} of shape {getattr(value, 'shape', '?')}"
+
+
+Copies = list[tuple[str, list[tuple[str, Any]]]]
+
+
+def check_state(
+    state: Any, expected: Expected, tag_is_callable: list[bool], strict: bool
+) -> tuple[int | None, Copies]:
+    """Check a state against the engine's tables (``expected``) and learning-rate tags (per tag,
+    whether a callable drives it). Returns (the step, or None to keep the engine's; per table
+    the (entry, array or TensorSource) pairs to copy), or raises TypeError / ValueError naming
+    the entry. Nothing is read from a TensorSource.
+
+    ``strict`` requires every table and every entry of each and the step; ``strict=False``
+    leaves what the state lacks as it is. Names the engine does not have are errors either way
+    (a misspelt name must not be silently skipped)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
+    unknown = [k for k in state if k not in ("step", "learning_rates", "tables")]
+    if unknown:
+        raise ValueError(f"state has unknown keys {unknown}; a state has 'step', "
+                         "'learning_rates' and 'tables'")  # fmt: skip
+    step = state.get("step")
+    if step is None:
+        if strict:
+            raise ValueError("state has no 'step' (strict=False keeps the engine's step)")
+    elif isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+    _check_learning_rates(state.get("learning_rates"), tag_is_callable, strict)
+    tables = state.get("tables")
+    if tables is None and not strict:
+        tables = {}
+    if not isinstance(tables, Mapping):
+        raise TypeError(f"state['tables'] must be a dict of table name -> dict of arrays, got "
+                        f"{type(tables).__name__}")  # fmt: skip
+    extra = [n for n in tables if n not in expected]
+    if extra:
+        raise ValueError(f"state has unknown tables {extra}; the engine has {list(expected)}")
+    missing = [n for n in expected if n not in tables]
+    if missing and strict:
+        raise ValueError(f"state has no entry for tables {missing} (strict=False leaves them "
+                         "as they are)")  # fmt: skip
+    copies = []
+    for name, entries in expected.items():
+        if name not in tables:
+            continue
+        given = tables[name]
+        at = f"state['tables'][{name!r}]"
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{at} must be a dict of entry name -> array, got "
+                            f"{type(given).__name__}")  # fmt: skip
+        extra = [k for k in given if k not in entries]
+        if extra:
+            raise ValueError(f"{at} has unknown entries {extra}; table {name!r} has "
+                             f"{list(entries)}")  # fmt: skip
+        lacking = [k for k in entries if k not in given]
+        if lacking and strict:
+            raise ValueError(f"{at} has no {lacking} (strict=False leaves them as they are)")
+        pairs = []
+        for key, (shape, dtype) in entries.items():
+            if key not in given:
+                continue
+            value = given[key]
+            if not isinstance(value, np.ndarray | TensorSource):
+                raise TypeError(f"{at}[{key!r}] must be a NumPy array or a TensorSource, got "
+                                f"{type(value).__name__}")  # fmt: skip
+            if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
+                raise ValueError(
+                    f"{at}[{key!r}] is {np.dtype(value.dtype)} {list(value.shape)}, table "
+                    f"{name!r} holds {dtype} {list(shape)}"
+                )
+            pairs.append((key, value))
+        copies.append((name, pairs))
+    return (None if step is None else int(step)), copies
+
+
+def _check_learning_rates(lrs: Any, tag_is_callable: list[bool], strict: bool) -> None:
+    """The state's learning-rate tags must be the engine's: as many, each driven by a callable
+    where the engine's is (its name may differ: a new process passes its own function)."""
+    if lrs is None:
+        return  # optional: the tags come from the configuration, not from the state
+    tags = lrs.get("tags") if isinstance(lrs, Mapping) else None
+    if not isinstance(tags, list) or not all(isinstance(t, Mapping) for t in tags):
+        raise TypeError(f"state['learning_rates'] must be {{'tags': [{{'tag', 'callable'}}, "
+                        f"...]}}, got {lrs!r:.80}")  # fmt: skip
+    if not strict:
+        return
+    theirs = [t.get("callable") is not None for t in tags]
+    if theirs != tag_is_callable:
+        raise ValueError(
+            f"state['learning_rates'] has {len(theirs)} dynamic tags (callables at "
+            f"{[i for i, c in enumerate(theirs) if c]}), the engine has "
+            f"{len(tag_is_callable)} (callables at "
+            f"{[i for i, c in enumerate(tag_is_callable) if c]}); strict=False ignores them"
+        )
