@@ -12,8 +12,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from _fuzz import cases, crafted, kills, report
+import numpy as np
+from _fuzz import cases, crafted, execute, kills, report
 from _fuzz.runner import Runner
+
+import embengine.batch
+from embengine.backends.reference import ReferenceBackend
 
 SEED = 0
 # Budget: ~900 cases, ~35 ms each on this 2-core machine, plus one child's start (~10 s). On
@@ -85,3 +89,67 @@ def test_sigkill_during_save_leaves_a_readable_newest_checkpoint():
     assert report.kills_ok(figures), (
         report.kills_table(figures) + "\n" + "\n".join(map(str, out["rounds"]))
     )
+
+
+# -- the harness itself ---------------------------------------------------------------------------
+
+
+def test_the_runner_records_crashes_and_hangs_against_their_task():
+    """A segfault and a hang are recorded against the task that ran (and reproduced alone); a
+    task that corrupts the process so that a later one dies is found by bisection."""
+    actions = ["ok", "segv", "ok", "hang", "ok", "poison", "ok", "ok", "segv_if_poisoned", "ok"]
+    results = Runner("selftest", [{"action": a} for a in actions], case_timeout=3.0,
+                     attribute="bisect").run()  # fmt: skip
+    outcomes = [r["outcome"] for r in results]
+    assert outcomes == ["right_answer", "crash", "right_answer", "hang", "right_answer", "crash",
+                        "right_answer", "right_answer", "right_answer", "right_answer"]  # fmt: skip
+    assert "SIGSEGV" in results[1]["detail"] and "reproduced alone" in results[1]["detail"]
+    assert "reproduced alone" in results[3]["detail"]
+    assert "kills the process later (task 8 died after it" in results[5]["detail"]
+    assert "culprit task 5" in results[8]["detail"]
+
+
+def _valid_case(**changes) -> dict:
+    batch = {
+        "user": {"samples": [[1, 2], [3]], "weights": [[0.5, 2.0], [1.0]], "form": "lists"},
+        "item": {"samples": [[4], []], "weights": None, "form": "padded"},
+        "hist": {"samples": [[1, 2, 3, 4], [5]], "weights": None, "form": "ragged_lengths"},
+        "cat": {"samples": [[0, 1], [2]], "weights": None, "form": "ragged_offsets"},
+    }
+    case = {"path": "train", "backend": "reference", "config": "mixed", "batch": batch,
+            "fault": None, "grad_seed": 3, "lrs": None, "i": 0}  # fmt: skip
+    case.update(changes)
+    return case
+
+
+def test_the_oracle_tells_right_answers_from_wrong_ones_and_partial_updates(monkeypatch):
+    """The oracle is not vacuous: a combiner off by 0.1%, an update that fails after its first
+    table, and an error of the wrong type are each caught (valid batches on the reference
+    backend, in this process: nothing here can crash)."""
+    assert execute.run_case(_valid_case())["outcome"] == "right_answer"
+    gains = embengine.batch.combiner_gains
+    monkeypatch.setattr(embengine.batch, "combiner_gains",
+                        lambda r, c: gains(r, c) * np.float32(1.001))  # fmt: skip
+    assert execute.run_case(_valid_case(path="lookup_eval"))["outcome"] == "wrong_answer"
+    monkeypatch.undo()
+
+    apply, calls = ReferenceBackend.apply, []
+
+    def fails_second_table(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("feature 'user': fails after the first table")
+        return apply(self, *args)
+
+    monkeypatch.setattr(ReferenceBackend, "apply", fails_second_table)
+    assert execute.run_case(_valid_case())["outcome"] == "partial_update"
+    monkeypatch.undo()
+
+    bad_id = {"kind": "id_too_big", "feature": "cat", "extra": 0}
+    assert execute.run_case(_valid_case(fault=bad_id))["outcome"] == "clear_error"
+
+    def index_error(*args, **kwargs):
+        raise IndexError("index 6 is out of bounds for axis 0 with size 6")
+
+    monkeypatch.setattr(embengine.batch, "check_values", index_error)
+    assert execute.run_case(_valid_case(fault=bad_id))["outcome"] == "unclear_error"

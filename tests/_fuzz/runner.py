@@ -277,6 +277,25 @@ class Runner:
 
 # -- the child ------------------------------------------------------------------------------------
 
+_POISONED = False
+
+
+def _selftest(task: dict) -> dict:
+    """Tasks that misbehave on purpose, to test the runner itself: "ok", "segv" (a real
+    segfault), "hang", "poison" (passes, but makes every later "segv_if_poisoned" crash: memory
+    corruption that kills an innocent later task) and "segv_if_poisoned"."""
+    global _POISONED
+    action = task["action"]
+    if action == "poison":
+        _POISONED = True
+    if action == "segv" or (action == "segv_if_poisoned" and _POISONED):
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    if action == "hang":
+        time.sleep(3600)
+    return {"outcome": "right_answer", "detail": action}
+
 
 def _limit_memory() -> None:
     import resource
@@ -299,6 +318,8 @@ def child_main(kind: str, tasks_file: str, index_file: str, progress_file: str) 
     elif kind == "ckpt":
         from .crafted import run_task as run
         from .crafted import warm_up
+    elif kind == "selftest":
+        run, warm_up = _selftest, lambda: None
     else:
         raise SystemExit(f"unknown task kind {kind!r}")
     warm_up()
