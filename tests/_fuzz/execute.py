@@ -32,6 +32,7 @@ which is how a read-only attribute refuses).
 from __future__ import annotations
 
 import math
+import os
 import re
 import tempfile
 import traceback
@@ -163,7 +164,8 @@ def serving_engine():
         from embengine import serving
 
         eng = build_engine("mixed", "reference")
-        tmp = Path(tempfile.mkdtemp(prefix="embengine-fuzz-serving-"))
+        tmp = Path(tempfile.mkdtemp(prefix="embengine-fuzz-serving-",
+                                    dir=os.environ.get("EMBENGINE_FUZZ_TMP")))  # fmt: skip
         ckpt = eng.save(tmp / "ckpt")
         serving.export(ckpt, tmp / "export", "fp32")
         _SERVING["engine"] = serving.ServingEngine.load(tmp / "export")

@@ -88,7 +88,10 @@ def campaign(kills: int = 30, seed: int = 0, workdir: Path | None = None,
     from .execute import same_bits
 
     rng = random.Random(seed)
-    workdir = Path(workdir or tempfile.mkdtemp(prefix="embengine-kills-"))
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="embengine-kills-") as tmp:
+            return campaign(kills, seed, Path(tmp), max_delay, progress)
+    workdir = Path(workdir)
     root, marker = workdir / "ckpts", workdir / "marker"
     replay = build_engine()  # trained forward as the newest checkpoint's step grows
     figures = {
@@ -159,4 +162,4 @@ def campaign(kills: int = 30, seed: int = 0, workdir: Path | None = None,
         rounds.append(line)
         if progress is not None:
             progress(r, kills, line)
-    return {"figures": figures, "rounds": rounds, "workdir": str(workdir)}
+    return {"figures": figures, "rounds": rounds}

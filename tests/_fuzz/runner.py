@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,8 +39,10 @@ REPO = TESTS_DIR.parent
 MEMORY_HEADROOM = 4 << 30
 
 
-def _child_env() -> dict:
+def _child_env(workdir: Path | None = None) -> dict:
     env = dict(os.environ)
+    if workdir is not None:  # the child's temporary files go there; the runner removes it
+        env["EMBENGINE_FUZZ_TMP"] = str(workdir)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(TESTS_DIR), *filter(None, [env.get("PYTHONPATH")])]
     )
@@ -62,7 +65,7 @@ class _Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "_fuzz.runner", kind, str(tasks_file), index_file,
              str(self.progress)],
-            cwd=REPO, env=_child_env(), stdin=subprocess.DEVNULL, stdout=self._stderr,
+            cwd=REPO, env=_child_env(workdir), stdin=subprocess.DEVNULL, stdout=self._stderr,
             stderr=self._stderr, start_new_session=True,
         )  # fmt: skip
         self._offset = 0
@@ -209,6 +212,12 @@ class Runner:
 
     def run(self) -> list[dict]:
         """Every task's result ({"outcome", "detail", ...}), in task order."""
+        try:
+            return self._run()
+        finally:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _run(self) -> list[dict]:
         results: dict[int, dict] = {}
         todo = list(range(len(self.tasks)))
         start = time.monotonic()
