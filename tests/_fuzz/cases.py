@@ -405,9 +405,14 @@ def _draw(strategy, n: int, seed: int) -> list[dict]:
     return out
 
 
-def generate(n: int, seed: int, paths: tuple[str, ...] | None = None) -> list[dict]:
-    """``n`` cases drawn at random over every path, backend and fault (one hypothesis run)."""
-    out = _draw(recipes(paths), n, seed)
+def generate(n: int, seed: int, paths: tuple[str, ...] | None = None,
+             run: int = 10) -> list[dict]:  # fmt: skip
+    """``n`` cases drawn at random over every path, backend and fault, in short hypothesis runs
+    of ``run`` cases: a long run keeps mutating its recent cases (runs of cases alike), and
+    each run's first, simplest case (no fault, no sample) is dropped."""
+    out: list[dict] = []
+    for k in range(0, n, run):
+        out += _draw(recipes(paths), min(run, n - k) + 1, seed * 100_003 + k)[1:]
     for i, case in enumerate(out):
         case["i"] = i
     return out

@@ -298,15 +298,17 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
         (["tables", 0, "name"], [None, 7, "t_item"]),
         (["tables", 1, "file"], [None, 7, "manifest.json", "table-002.safetensors"]),
         (["features", 0, "table"], ["nope", None]),
-        (["features", 0, "max_sequence_length"], [-1, "x", 2]),
-        (["features", 0, "output_shape"], [[999], "x"]),
+        # (A valid value, e.g. max_sequence_length 2, is an edit of the configs, not damage: a
+        # plain hash cannot tell who edited the manifest, so such edits are not tried.)
+        (["features", 0, "max_sequence_length"], [-1, "x"]),
+        (["features", 0, "output_shape"], [[0], "x"]),
         (["files", "table-000.safetensors"], ["x", {}]),
     ]:
         for v in values:
             add("crafted", "manifest", keys=keys, value=v)
     if target == "ckpt":
         for keys, values in [
-            (["step"], ["x", -1, 1.5, None, 1 << 70, 5]),
+            (["step"], ["x", -1, 1.5, None, 1 << 70]),
             (["seed"], ["x", None]),
             (["extra"], ["x", {"file": "x.safetensors"}]),
             (["extra", "metadata"], ["x"]),
@@ -354,6 +356,9 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
             tensor="t_item/linears")  # fmt: skip
         add("crafted", "header", file="table-001.safetensors", edit="drop_tensor",
             tensor="t_item/linears")  # fmt: skip
+    if target == "ckpt":  # a step the checkpoint's folder name contradicts
+        out.append({"group": "crafted", "kind": "manifest", "keys": ["step"], "value": 5,
+                    "dirname": "ckpt"})  # fmt: skip
     add("crafted", "swap_files")
     add("crafted", "swap_names")
     # controls
@@ -372,6 +377,8 @@ def tasks(base: dict, seed: int = 0, flips: int = 2) -> list[dict]:
         for m in _mutations(target, seed, flips):
             for op in OPS[target]:
                 plain = target == "export" or rng.random() < 0.5
+                if m.get("dirname") == "ckpt":
+                    plain = False
                 out.append({"target": target, "mutation": m, "op": op, "base": base,
                             "dirname": "copy" if plain else None})  # fmt: skip
     for i, t in enumerate(out):
@@ -392,6 +399,20 @@ _ORIGINAL: dict = {}
 def _all_rows_batch(spec) -> dict:
     """Every row of every table, one id per sample (any combiner gives the row itself)."""
     return {f.name: [[r] for r in range(f.vocab)] for f in spec.features}
+
+
+def _declared_rows_batch(folder: Path, spec) -> dict:
+    """Every row the export's manifest declares (so that an export claiming more rows than its
+    files hold is looked up where it has none); the original's batch if it is unreadable."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        vocab = {t["name"]: int(t["vocabulary_size"]) for t in manifest["tables"]}
+        batch = {f["name"]: [[r] for r in range(vocab[f["table"]])] for f in manifest["features"]}
+        if set(batch) == set(spec.names) and all(0 < len(v) < 1 << 20 for v in batch.values()):
+            return batch
+    except Exception:  # noqa: BLE001 - a broken manifest: probe with the original's batch
+        pass
+    return _all_rows_batch(spec)
 
 
 def _original(base: dict) -> dict:
@@ -500,8 +521,9 @@ def _run_task(task: dict, time) -> dict:
                 why = "other extra tensors or metadata"
         else:
             try:
-                served = serving.ServingEngine.load(work / "out") if op == "export" else result
-                lookup = served.lookup(_all_rows_batch(SPECS["mixed"]))
+                exported = work / "out" if op == "export" else folder
+                served = serving.ServingEngine.load(exported) if op == "export" else result
+                lookup = served.lookup(_declared_rows_batch(exported, SPECS["mixed"]))
             except Exception as e:  # noqa: BLE001
                 if op == "export":  # it exported a checkpoint it should have refused
                     return {"outcome": "accepted_wrong", "detail": "the export it wrote does "
