@@ -1,0 +1,379 @@
+"""Run one fuzz case in this process and judge it (the child side of the runner).
+
+``run_case(recipe)`` builds the case's inputs (``cases`` module docstring), drives its path,
+and returns ``{"outcome": ..., "detail": ...}`` with outcome one of ``OUTCOMES``:
+
+- ``clear_error``: a TypeError / ValueError (or subclass) that names what it must (below), and
+  every table, slot and the step bit-identical to before;
+- ``unclear_error``: an error of another type (IndexError, KeyError, OverflowError,
+  ZeroDivisionError, RuntimeError...), or one that does not name the feature it is about;
+- ``right_answer``: the activations equal an independent NumPy model of the logical batch
+  (float64 gather and combine; rtol = atol = 1e-5) and, on training paths, the tables and slots
+  after the step equal those of the reference backend given the same batch in the canonical form
+  (``Ragged`` with offsets) through ``lookup`` + ``apply_gradients`` (rtol 1e-5, atol 1e-6),
+  every value finite; lookup-only paths change nothing;
+- ``wrong_answer``: anything else without an error, a malformed input accepted (expect
+  "error"), or a valid input refused (expect "valid");
+- ``partial_update``: an error after a table, a slot or the step changed;
+- ``harness_error``: the harness itself failed (a bug here, not in embengine).
+
+The runner adds ``crash`` (the process died) and ``hang`` (no result within the timeout).
+
+When is an error clear? Its type is TypeError or ValueError (embengine's CheckpointError is a
+ValueError), and, for a fault about one feature, its message names that feature: the feature's
+name (a TF-port path like ``grp/cat`` or its last part) appears as a word. A fault about the
+feature dict names the missing or unknown key. A batch prepared for other tables names a
+feature, a table or says "pack". Errors raised while the caller builds an input object
+(``Ragged(...)``, ``KeyedJagged(...)``) or assigns into one need no feature name: the caller
+is holding that object; the type rule still applies (AttributeError counts for assignments,
+which is how a read-only attribute refuses).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from . import inputs
+from .cases import FAULTS, TPU_PATHS, TRAINING_PATHS
+from .configs import SPECS, build_engine, build_tpu
+from .inputs import ApiError, api, logical_batch, nest, unnest
+
+OUTCOMES = ("clear_error", "unclear_error", "right_answer", "wrong_answer", "partial_update",
+            "crash", "hang", "harness_error")  # fmt: skip
+
+ACT_RTOL = ACT_ATOL = 1e-5
+STATE_RTOL, STATE_ATOL = 1e-5, 1e-6
+
+
+# -- state ---------------------------------------------------------------------------------------
+
+
+def snapshot(engine) -> dict:
+    """Every table's weights and slots (copies, by public API) and the step."""
+    out = {"step": engine.step}
+    for name, w in engine.embedding_tables.items():
+        out[name] = np.array(w)
+        for slot, arr in engine.slots(name).items():
+            out[f"{name}/{slot}"] = np.array(arr)
+    return out
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        if k == "step":
+            if v != b[k]:
+                return False
+        elif v.tobytes() != b[k].tobytes():
+            return False
+    return True
+
+
+def state_diff(a: dict, b: dict) -> str | None:
+    """None if the states agree within the tolerance, else what differs first."""
+    if a.keys() != b.keys():
+        return f"different tables/slots: {sorted(a)} vs {sorted(b)}"
+    for k, v in a.items():
+        if k == "step":
+            if v != b[k]:
+                return f"step {v} vs {b[k]}"
+            continue
+        if v.shape != b[k].shape:
+            return f"{k}: shape {v.shape} vs {b[k].shape}"
+        if not np.allclose(v, b[k], rtol=STATE_RTOL, atol=STATE_ATOL, equal_nan=True):
+            i = np.unravel_index(int(np.argmax(~np.isclose(v, b[k], rtol=STATE_RTOL,
+                                                           atol=STATE_ATOL, equal_nan=True))),
+                                 v.shape)  # fmt: skip
+            return f"{k}{list(map(int, i))}: {v[i]} vs reference {b[k][i]}"
+    return None
+
+
+def nonfinite(state: dict) -> str | None:
+    for k, v in state.items():
+        if k != "step" and v.dtype.kind == "f" and not np.isfinite(v).all():
+            return f"{k} holds {int((~np.isfinite(v)).sum())} non-finite values"
+    return None
+
+
+# -- the independent model -----------------------------------------------------------------------
+
+
+def model_activation(fs, samples, weights, table: np.ndarray) -> np.ndarray:
+    """float64 activation of one feature: gather and combine, as the docs define them."""
+    w = table.astype(np.float64)
+    b = len(samples)
+    if fs.is_sequence:
+        out = np.zeros((b, fs.seq, fs.dim))
+        for i, s in enumerate(samples):
+            for p, r in enumerate(s[: fs.seq]):
+                out[i, p] = w[r]
+        return out
+    out = np.zeros((b, fs.dim))
+    for i, s in enumerate(samples):
+        # The engine holds weights as float32: so does the model, then computes in float64.
+        ws = np.ones(len(s)) if weights is None else (
+            np.asarray(weights[i], dtype=np.float32).astype(np.float64))  # fmt: skip
+        if fs.combiner == "sum":
+            gains = ws
+        else:
+            denom = ws.sum() if fs.combiner == "mean" else math.sqrt((ws * ws).sum())
+            gains = ws / denom if denom != 0 else np.zeros_like(ws)
+        for g, r in zip(gains, s, strict=True):
+            out[i] += g * w[r]
+    return out
+
+
+def acts_diff(name: str, got: np.ndarray, want64: np.ndarray) -> str | None:
+    got = np.asarray(got)
+    if got.shape != want64.shape:
+        return f"{name}: activation shape {got.shape}, expected {want64.shape}"
+    if got.dtype != np.float32:
+        return f"{name}: activation dtype {got.dtype}, expected float32"
+    with np.errstate(over="ignore"):
+        want = want64.astype(np.float32)
+    g64 = got.astype(np.float64)
+    close = np.isclose(g64, want64, rtol=ACT_RTOL, atol=ACT_ATOL) | (
+        (g64 == want) & ~np.isfinite(want)
+    )
+    # Near float32's limit the order of a sum decides between a huge value and inf.
+    huge = np.abs(want64) > 1e37
+    close |= huge & ((np.abs(g64) > 1e37) & (np.sign(g64) == np.sign(want64)))
+    if not close.all():
+        i = np.unravel_index(int(np.argmax(~close)), got.shape)
+        return f"{name}{list(map(int, i))}: {got[i]} vs model {want64[i]}"
+    return None
+
+
+# -- one case ------------------------------------------------------------------------------------
+
+_SERVING: dict = {}
+
+
+def serving_engine():
+    """The ServingEngine over an fp32 export of a fresh "mixed" engine (one per process), and
+    that engine's tables."""
+    if not _SERVING:
+        from embengine import serving
+
+        eng = build_engine("mixed", "reference")
+        tmp = Path(tempfile.mkdtemp(prefix="embengine-fuzz-serving-",
+                                    dir=os.environ.get("EMBENGINE_FUZZ_TMP")))  # fmt: skip
+        ckpt = eng.save(tmp / "ckpt")
+        serving.export(ckpt, tmp / "export", "fp32")
+        _SERVING["engine"] = serving.ServingEngine.load(tmp / "export")
+        _SERVING["tables"] = snapshot(eng)
+        _SERVING["dir"] = tmp
+    return _SERVING["engine"], _SERVING["tables"]
+
+
+def drive(recipe, backend: str, clean: bool) -> dict:
+    """Drive one path; returns acts (by feature name), states and the ApiError if any."""
+    import torch
+
+    path = recipe["path"] if not clean else _canonical_path(recipe["path"])
+    spec = SPECS[recipe["config"]]
+    fault = None if clean else recipe["fault"]
+    kind = fault["kind"] if fault else None
+    res = {"acts": None, "error": None, "before": None, "after": None, "engine": None}
+    logical = inputs.base_grads(spec, recipe)
+    grads = logical if clean else inputs.subject_grads(logical, fault)
+    lrs = inputs.logical_lrs(recipe) if clean else inputs.subject_lrs(recipe)
+    view = dict(recipe)
+    view["path"] = path
+    try:
+        if path in ("tpu", "tpu_serving"):
+            obj = build_tpu(backend, serving=path == "tpu_serving")
+            engine = obj.engine
+        elif path == "serving":
+            obj, tables = serving_engine()
+            engine = None
+            res["before"] = res["after"] = tables
+        else:
+            engine = build_engine(recipe["config"], backend)
+            obj = engine
+        res["engine"] = engine
+        if engine is not None:
+            res["before"] = snapshot(engine)
+        if path == "torch_kjt":
+            feats, weights, built = inputs.keyed_jagged(spec, view, clean), None, {}
+        else:
+            feats, weights, built = inputs.features(spec, view, clean)
+        if path in ("lookup_eval", "train"):
+            acts = api("call", engine.lookup, feats, weights, training=path == "train")
+            if path == "train":
+                api("call", engine.apply_gradients, grads, learning_rates=lrs)
+        elif path in ("prepared", "prepared_eval"):
+            training = path == "prepared"
+            batch = inputs.prepared_batch(engine, spec, view, feats, weights, training)
+            if kind == "caller_ids_mutated" and inputs.late_mutation(view):
+                inputs.mutate_caller_ids(built[fault["feature"]], fault)
+            if kind == "batch_with_weights":
+                acts = api("call", engine.lookup, batch, {spec.names[0]: [[1.0]]},
+                           training=training)  # fmt: skip
+            else:
+                acts = api("call", engine.lookup, batch, training=training)
+            if training:
+                target = {"user": [[0]]} if kind == "not_a_batch" else batch
+                api("call", engine.apply_gradients, grads, learning_rates=lrs, batch=target)
+        elif path == "serving":
+            if kind and kind.startswith(("foreign", "batch_", "twin")):
+                batch = inputs.prepared_batch(obj, spec, view, feats, weights, True)
+                acts = api("call", obj.lookup, batch)
+            else:
+                acts = api("call", obj.lookup, feats, weights)
+        elif path in ("torch", "torch_kjt", "torch_prepared"):
+            from embengine.torch import EmbeddingLayer
+
+            layer = EmbeddingLayer(engine)
+            given, w = feats, weights
+            if path == "torch_prepared":
+                given = inputs.prepared_batch(layer, spec, view, feats, weights, True)
+                if kind == "caller_ids_mutated" and inputs.late_mutation(view):
+                    inputs.mutate_caller_ids(built[fault["feature"]], fault)
+                w = {spec.names[0]: [[1.0]]} if kind == "batch_with_weights" else None
+            out = api("call", layer, given, w, learning_rates=lrs)
+            acts = {k: v.detach().numpy().copy() for k, v in out.items()}
+            shapes_ok = all(k in grads and tuple(out[k].shape) == np.shape(grads[k]) for k in out)
+            if shapes_ok:  # else the activations are wrong, and judged so
+                loss = sum((out[k] * torch.from_numpy(np.asarray(grads[k], np.float32))).sum()
+                           for k in out)  # fmt: skip
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    api("backward", loss.backward)
+        elif path == "tpu":
+            api("call", obj.enqueue, feats, weights)
+            acts = unnest(api("call", obj.dequeue))
+            if kind == "tpu_grad_nested":
+                tg = dict(grads)
+            else:
+                tg = nest(grads) if isinstance(grads, dict) else grads
+            api("call", obj.apply_gradients, tg)
+        elif path == "tpu_serving":
+            acts = unnest(api("call", obj, feats, weights))
+        else:
+            raise AssertionError(path)
+        res["acts"] = acts
+    except ApiError as e:
+        res["error"] = e
+    if res["engine"] is not None:
+        res["after"] = snapshot(res["engine"])
+    return res
+
+
+def _canonical_path(path: str) -> str:
+    if path in TPU_PATHS:
+        return path
+    return "train" if path in TRAINING_PATHS else "lookup_eval"
+
+
+def _tokens(spec, recipe) -> list[str] | None:
+    """What a clear error must name (see the module docstring); None: nothing."""
+    fault = recipe["fault"]
+    fdef = FAULTS[fault["kind"]]
+    if fdef.names is None:
+        return None
+    if fault["kind"] == "wrong_nesting":
+        return {"flat": ["grp"], "extra_key": ["zzz"], "list": None}[fault["variant"]]
+    if fdef.names in ("feature", "missing"):
+        name = fault["feature"]
+        return [name, *name.split("/")] if "/" in name else [name]
+    if fdef.names == "extra":
+        return ["nope"]
+    # "table": any feature or table of either engine, or the word "pack"
+    return [*spec.names, *spec.tables, "pack"]
+
+
+def _names(message: str, tokens: list[str]) -> bool:
+    return any(re.search(rf"(?<![\w/]){re.escape(t)}(?![\w/])", message) for t in tokens)
+
+
+def judge(recipe: dict) -> dict:
+    """Run the case on its backend and classify it (see the module docstring)."""
+    spec = SPECS[recipe["config"]]
+    fault = recipe["fault"]
+    expect = FAULTS[fault["kind"]].expect if fault else "valid"
+    path = recipe["path"]
+    backend = recipe["backend"] if recipe["backend"] != "serving" else "reference"
+    res = drive(recipe, backend, clean=False)
+    before, after = res["before"], res["after"]
+    if res["error"] is not None:
+        err, stage = res["error"].error, res["error"].stage
+        text = f"{stage}: {type(err).__name__}: {err}"[:600]
+        if before is not None and not same_bits(before, after):
+            return {"outcome": "partial_update", "detail": text}
+        if expect == "valid":
+            return {"outcome": "wrong_answer", "detail": "refused a valid input: " + text}
+        types = (TypeError, ValueError) + ((AttributeError,) if stage == "mutate" else ())
+        if not isinstance(err, types):
+            return {"outcome": "unclear_error", "detail": text}
+        if stage in ("build", "mutate"):
+            return {"outcome": "clear_error", "detail": text}
+        tokens = _tokens(spec, recipe)
+        if tokens is not None and not _names(str(err), tokens):
+            return {"outcome": "unclear_error", "detail": f"does not name {tokens}: {text}"}
+        return {"outcome": "clear_error", "detail": text}
+    if expect == "error":
+        return {"outcome": "wrong_answer", "detail": "accepted a malformed input"}
+    # The right answer: activations of the logical batch, then the reference's update.
+    acts = res["acts"]
+    tables = before
+    logical = logical_batch(recipe)
+    for fs in spec.features:
+        fb = logical[fs.name]
+        weights = fb["weights"]
+        want = model_activation(fs, fb["samples"], weights, tables[fs.table])
+        if fs.name not in acts:
+            return {"outcome": "wrong_answer", "detail": f"no activation for {fs.name}"}
+        d = acts_diff(fs.name, acts[fs.name], want)
+        if d:
+            return {"outcome": "wrong_answer", "detail": d}
+    if path not in TRAINING_PATHS:
+        if after is not None and not same_bits(before, after):
+            return {"outcome": "wrong_answer", "detail": "a lookup changed the tables"}
+        return {"outcome": "right_answer", "detail": ""}
+    bad = nonfinite(after)
+    if bad:
+        return {"outcome": "wrong_answer", "detail": f"non-finite state written: {bad}"}
+    ref = drive(recipe, "reference", clean=True)
+    if ref["error"] is not None:
+        e = ref["error"].error
+        return {
+            "outcome": "wrong_answer",
+            "detail": f"the reference refuses the logical batch: {type(e).__name__}: {e}",
+        }
+    d = state_diff(after, ref["after"])
+    if d:
+        return {"outcome": "wrong_answer", "detail": d}
+    return {"outcome": "right_answer", "detail": ""}
+
+
+def run_case(recipe: dict) -> dict:
+    """``judge`` with the harness's own failures caught (outcome "harness_error")."""
+    try:
+        return judge(recipe)
+    except Exception:  # noqa: BLE001 - a bug here must not look like embengine's
+        return {"outcome": "harness_error", "detail": traceback.format_exc()[-1500:]}
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernels every path uses, on valid batches, so that a case's time
+    limit measures the case, not numba."""
+    for config in ("mixed", "packed", "dynamic", "tpu"):
+        spec = SPECS[config]
+        batch = {fs.name: {"samples": [[0], [1]], "weights": None, "form": "ragged_offsets"}
+                 for fs in spec.features}  # fmt: skip
+        paths = ("tpu", "tpu_serving") if spec.tpu else ("train", "prepared_eval")
+        if config == "mixed":
+            paths += ("serving",)
+        for path in paths:
+            recipe = {"path": path, "backend": "numba", "config": config, "batch": batch,
+                      "fault": None, "grad_seed": 0,
+                      "lrs": [0.1] * spec.dynamic_tags or None}  # fmt: skip
+            run_case(recipe)
