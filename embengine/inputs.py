@@ -31,7 +31,22 @@ def as_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_python_ints(values, what: str) -> None:
+    """Ids given as Python numbers (a list): ints (not bools), each fitting in int64; NumPy
+    would turn True into 1 and refuse a bigger int with a bare OverflowError."""
+    for k, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer):
+            raise TypeError(f"{what} must be integers, got {v!r} at {what}[{k}]")
+        if isinstance(v, int) and not _INT64_MIN <= v <= _INT64_MAX:
+            raise ValueError(f"{what}[{k}]={v} does not fit in int64")
+
+
 def _int_array(x, what: str) -> np.ndarray:
+    if isinstance(x, list | tuple):
+        _check_python_ints(x, what)
     a = as_numpy(x)
     if a.dtype.kind not in "iu":
         if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
@@ -239,6 +254,9 @@ def _from_lists(value, weights) -> Ragged:
         if not isinstance(v, int | np.integer) or isinstance(v, bool):
             b = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
             raise TypeError(f"ids must be integers, got {v!r} at sample {b}")
+        if isinstance(v, int) and not _INT64_MIN <= v <= _INT64_MAX:
+            b = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+            raise ValueError(f"id {v} at sample {b} does not fit in int64")
     ids = np.asarray(flat, dtype=np.int64)
     w = None
     if weights is not None:

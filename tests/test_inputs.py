@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -266,3 +267,27 @@ def test_any_int64_offsets_are_accepted_exactly_when_they_are_valid(offsets, num
         assert not valid
     else:
         assert valid and r.offsets.tolist() == offsets
+
+
+@pytest.mark.parametrize(
+    "value, error, words",
+    [
+        ([[1, 2**64]], ValueError, "id 18446744073709551616 at sample 0 does not fit in int64"),
+        ([[1], [-(2**63) - 1]], ValueError, "at sample 1 does not fit in int64"),
+        ([3, 2**63], TypeError, "ids[1]=9223372036854775808 does not fit in int64"),
+        ([True, 2], TypeError, "got True at ids[0]"),
+        ((1, 2.0), TypeError, "got 2.0 at ids[1]"),
+    ],
+)
+def test_python_ids_outside_int64_or_not_ints_are_named(value, error, words):
+    # NumPy turns True into 1 and refuses ints beyond int64 with a bare OverflowError.
+    import embengine as ee
+
+    table = ee.TableConfig(100, 4, name="t")
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(table)},
+        optimizer=ee.optimizers.SGD(learning_rate=0.1),
+        backend="reference",
+    )
+    with pytest.raises(error, match=re.escape("feature 'f': ") + ".*" + re.escape(words)):
+        eng.lookup({"f": value})
