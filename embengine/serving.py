@@ -419,7 +419,9 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
             params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
             arrays, worst = _encode_table(weights, comp, params)
             file = f"table-{i:03d}.safetensors"
-            files[file] = {"sha256": write_safetensors(tmp / file, arrays)}
+            # The table's name inside its file: a manifest whose files were swapped is refused.
+            digest = write_safetensors(tmp / file, arrays, {"table": t["name"]})
+            files[file] = {"sha256": digest}
             files[file]["bytes"] = (tmp / file).stat().st_size
             tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"],
                            "dim": t["dim"], "combiner": t["combiner"], "compression": comp,
@@ -618,6 +620,10 @@ def _check_tensors(path: Path, manifest: dict) -> None:
         try:
             header, _ = read_header(file)
             stored = sorted(n for n in header if n != "__metadata__")
+            # Exports before the table name was stored have no metadata.
+            named = (header.get("__metadata__") or {}).get("table", t["name"])
+            if named != t["name"]:
+                raise ValueError(f"the file holds table {named!r}, not {t['name']!r}")
             if stored != sorted(expected):
                 raise ValueError(f"holds tensors {stored}, expected {sorted(expected)}")
             for name, (dtype, shape) in expected.items():

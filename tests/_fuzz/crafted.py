@@ -301,7 +301,8 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
         # (A valid value, e.g. max_sequence_length 2, is an edit of the configs, not damage: a
         # plain hash cannot tell who edited the manifest, so such edits are not tried.)
         (["features", 0, "max_sequence_length"], [-1, "x"]),
-        (["features", 0, "output_shape"], [[0], "x"]),
+        # ([0] is valid: the shape of a batch of no samples, so it is an edit, not damage.)
+        (["features", 0, "output_shape"], [[-1], "x"]),
         (["files", "table-000.safetensors"], ["x", {}]),
     ]:
         for v in values:
@@ -421,7 +422,7 @@ def _original(base: dict) -> dict:
     key = base["base"]
     if key not in _ORIGINAL:
         import embengine as ee
-        from embengine import checkpoint, serving
+        from embengine import serving
 
         from .configs import SPECS, build_engine
         from .execute import snapshot
@@ -432,7 +433,7 @@ def _original(base: dict) -> dict:
         lookup = serving.ServingEngine.load(base["base_export"]).lookup(
             _all_rows_batch(SPECS["mixed"])
         )
-        _ORIGINAL[key] = {"state": snapshot(engine), "spec": checkpoint.engine_spec(engine),
+        _ORIGINAL[key] = {"state": snapshot(engine), "spec": engine.spec(),
                           "extra": info.extra_tensors, "metadata": info.extra_metadata,
                           "lookup": lookup}  # fmt: skip
     return _ORIGINAL[key]
@@ -506,7 +507,7 @@ def _run_task(task: dict, time) -> dict:
         if op == "load":
             if not same_bits(snapshot(result), original["state"]):
                 why = "other tables, slots or step"
-            elif checkpoint.engine_spec(result) != original["spec"]:
+            elif result.spec() != original["spec"]:
                 why = "other configs"
         elif op == "restore":
             if not same_bits(snapshot(engine), original["state"]):
