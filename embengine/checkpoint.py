@@ -436,7 +436,7 @@ def _check_schema(ckpt: Path, m: dict) -> None:
     before anything else reads the manifest, so a malformed manifest is always a
     CheckpointError naming the key, never a KeyError or TypeError from deep inside a loader."""
     s = _Schema(ckpt)
-    s.get(m, "step", "", lambda v: _is_int(v) and v >= 0, "an int >= 0")
+    s.get(m, "step", "", lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)")
     s.get(m, "seed", "", _is_int, "an int")
     s.get(m, "embengine_version", "", lambda v: isinstance(v, str), "a string")
     s.get(m, "backend", "", lambda v: isinstance(v, str) and v in BACKENDS, f"one of {BACKENDS}",

@@ -180,9 +180,10 @@ def _dup_feature(m):
 T0 = r"tables\[0\]"
 CORRUPT_MANIFESTS = {
     "step-missing": (_pop("step"), r"\bstep is missing"),
-    "step-negative": (_set("step", -1), r"\bstep must be an int >= 0"),
-    "step-string": (_set("step", "2"), r"\bstep must be an int >= 0"),
-    "step-bool": (_set("step", True), r"\bstep must be an int >= 0"),
+    "step-negative": (_set("step", -1), r"\bstep must be an int in \[0, 2\*\*63\)"),
+    "step-string": (_set("step", "2"), r"\bstep must be an int in \[0, 2\*\*63\)"),
+    "step-bool": (_set("step", True), r"\bstep must be an int in \[0, 2\*\*63\)"),
+    "step-beyond-int64": (_set("step", 2**70), r"\bstep must be an int in \[0, 2\*\*63\)"),
     "format-version-bool": (_set("format_version", True), r"format version True"),
     "seed-missing": (_pop("seed"), r"\bseed is missing"),
     "seed-float": (_set("seed", 1.5), r"\bseed must be an int"),
