@@ -369,11 +369,18 @@ def warm_up() -> None:
         spec = SPECS[config]
         batch = {fs.name: {"samples": [[0], [1]], "weights": None, "form": "ragged_offsets"}
                  for fs in spec.features}  # fmt: skip
-        paths = ("tpu", "tpu_serving") if spec.tpu else ("train", "prepared_eval")
+        paths = ("tpu", "tpu_serving") if spec.tpu else ("train", "prepared_eval", "lookup_eval")
         if config == "mixed":
             paths += ("serving",)
+        faults = [None]
+        if not spec.tpu:
+            # A lookup-only batch keeps views of the caller's ids: non-contiguous ids are another
+            # numba type, compiled on first use (over the case's limit on a loaded 2-core host).
+            arrays = {name: dict(b, form="array1d") for name, b in batch.items()}
+            faults += [{"kind": "noncontiguous_ok", "feature": name} for name in arrays]
         for path in paths:
-            recipe = {"path": path, "backend": "numba", "config": config, "batch": batch,
-                      "fault": None, "grad_seed": 0,
-                      "lrs": [0.1] * spec.dynamic_tags or None}  # fmt: skip
-            run_case(recipe)
+            for fault in faults if path == "lookup_eval" else [None]:
+                recipe = {"path": path, "backend": "numba", "config": config,
+                          "batch": batch if fault is None else arrays, "fault": fault,
+                          "grad_seed": 0, "lrs": [0.1] * spec.dynamic_tags or None}  # fmt: skip
+                run_case(recipe)
