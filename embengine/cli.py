@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--dataset", default="movielens-100k", choices=DATASETS)
     train.add_argument("--model", default="dlrm", choices=list(MODEL_NAMES))
-    train.add_argument("--optimizer", default="adagrad", choices=list(ENGINE_OPTIMIZERS),
+    train.add_argument("--optimizer", default="ftrl", choices=list(ENGINE_OPTIMIZERS),
                        help="the tables' optimizer (with --embeddings torch: sgd, adagrad, "
                        "adam)")  # fmt: skip
     train.add_argument("--lr", type=float, default=None,

@@ -390,7 +390,7 @@ def test_baseline_trains_the_plain_torch_dlrm_after_the_engine(capsys):
     out = capsys.readouterr().out
     assert "the plain torch DLRM on the same data" in out
     table = out[out.index("test AUC  logloss") :].splitlines()
-    assert table[1].startswith("embengine (adagrad tables)")
+    assert table[1].startswith("embengine (ftrl tables)")
     assert table[2].startswith("plain torch DLRM (Adam)")
     for row in table[1:3]:
         assert 0.55 < float(row.split()[-4]) <= 1.0

@@ -32,7 +32,7 @@ class DLRM(nn.Module):
 
     def __init__(self, feature_names: list[str], dim: int, n_dense: int,
                  bottom: tuple[int, ...] = (64,), top: tuple[int, ...] = (64, 32),
-                 first_order: bool = False):  # fmt: skip
+                 first_order: bool = True):  # fmt: skip
         super().__init__()
         self.names = list(feature_names)
         self.first_order = first_order

@@ -38,7 +38,7 @@ ENGINE_OPTIMIZERS: dict[str, Callable[[float, int], opt.Optimizer]] = {
 # settings (docs/performance.md has each one's test AUC).
 DEFAULT_LR = {"sgd": 20.0, "adagrad": 0.5, "rowwise_adagrad": 0.5, "adagrad_momentum": 0.05,
               "proximal_adagrad": 0.5, "adam": 0.003, "amsgrad": 0.003, "lion": 1e-3,
-              "ftrl": 0.1, "momentum": 2.0, "rmsprop": 0.003, "adadelta": 10.0}  # fmt: skip
+              "ftrl": 1.0, "momentum": 2.0, "rmsprop": 0.003, "adadelta": 10.0}  # fmt: skip
 MODEL_NAMES = ("dlrm", "fm")
 # The formats --plot writes (matplotlib's Agg canvas), by file suffix.
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
@@ -50,7 +50,7 @@ EMBEDDINGS = ("engine", "torch", "plain")
 class TrainConfig:
     dataset: str = "movielens-100k"
     model: str = "dlrm"
-    optimizer: str = "adagrad"
+    optimizer: str = "ftrl"
     lr: float | None = None  # None: DEFAULT_LR of the optimizer
     dense_lr: float = 1e-3
     dim: int = 16

@@ -42,7 +42,7 @@ class MovieLensSource(DataSource):
     validation set is, per user, the latest VALID_FRACTION of the interactions before the test."""
 
     name = "movielens-100k"
-    VALID_FRACTION = 0.1
+    VALID_FRACTION = 0.05
 
     def __init__(self):
         from ..data.movielens import load_movielens_100k
