@@ -409,7 +409,8 @@ def test_plain_embeddings_train_the_tables_with_the_dense_adam():
 
 def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     """A fresh numba cache (NUMBA_CACHE_DIR) is a first run: the message comes before the first
-    epoch; the second run loads the kernels from that cache and says nothing."""
+    epoch; the second run loads the kernels from that cache and says nothing. (The first run
+    compiles every kernel: its timeout allows for a heavily loaded machine.)"""
     import os
     import subprocess
     import sys
@@ -419,7 +420,7 @@ def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "embengine", "train", *SYN_ARGS, "--steps", "2", "--optimizer",
            "sgd", "--vocabulary-scale", "0.001"]  # fmt: skip
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root)
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=root)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
     assert lines[0].startswith("compiling kernels, first run only"), first.stdout
