@@ -2,6 +2,9 @@
 
 The engine owns the tables and each table's optimizer state; it looks rows up and applies each
 table's own optimizer straight to the touched rows (no dense gradient ever exists).
+
+``embengine.torch`` (EmbeddingLayer, KeyedJagged) needs PyTorch; it is imported on first use,
+so ``import embengine`` works, and stays light, without it.
 """
 
 from . import initializers, optimizers
@@ -24,3 +27,19 @@ __all__ = [
     "initializers",
     "optimizers",
 ]
+
+
+def __getattr__(name: str):
+    """``embengine.torch`` on first use (PEP 562): importing embengine never imports torch."""
+    if name == "torch":
+        import importlib
+
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "embengine.torch needs PyTorch, which is not installed: "
+                "pip install 'embengine[torch]'"
+            ) from e
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

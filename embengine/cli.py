@@ -1,4 +1,4 @@
-"""The ``embengine`` command: train, bench, export, inspect.
+"""embengine: train, bench, export, inspect.
 
 Run ``embengine <command> --help`` for each command's options.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -37,12 +38,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .training.loop import TrainConfig, train
+    from .training.options import TrainConfig, missing_packages
 
     cfg = TrainConfig(
         dataset=args.dataset, model=args.model, optimizer=args.optimizer, lr=args.lr,
         dense_lr=args.dense_lr, dim=args.dim, batch_size=args.batch_size, epochs=args.epochs,
-        steps=args.steps, embeddings=args.embeddings, backend=args.backend, seed=args.seed,
+        patience=args.patience, steps=args.steps, embeddings=args.embeddings,
+        backend=args.backend, seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, keep=args.keep, plot=args.plot,
         progress=not args.no_progress,
         synthetic={"examples_per_epoch": args.epoch_examples,
@@ -50,14 +52,44 @@ def _train(args: argparse.Namespace) -> int:
                    "vocabulary_scale": args.vocabulary_scale},
     )  # fmt: skip
     try:
+        cfg.check()  # every option, before torch is imported or any data read
+        if args.baseline and cfg.embeddings != "engine":
+            raise ValueError("--baseline compares the engine's run with the plain torch DLRM; "
+                             "leave --embeddings at engine")  # fmt: skip
+    except ValueError as e:
+        print(f"embengine train: error: {e}", file=sys.stderr)
+        return 2
+    missing = missing_packages(cfg)
+    if missing:
+        print(f"embengine train: error: needs {' and '.join(missing)}, not installed here: "
+              "pip install 'embengine[train]'", file=sys.stderr)  # fmt: skip
+        return 2
+    from .training.loop import train
+
+    try:
         result = train(cfg)
+        print(result.summary(), flush=True)
+        if args.baseline:
+            print("the plain torch DLRM on the same data (--embeddings plain):", flush=True)
+            twin = train(replace(cfg, embeddings="plain", checkpoint_dir=None, resume=False,
+                                 plot=None))  # fmt: skip
+            print(twin.summary())
+            print(format_comparison(cfg, result, twin))
     except (ValueError, FileNotFoundError) as e:
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
-    best = f" (best possible {result.oracle_auc:.4f})" if result.oracle_auc else ""
-    print(f"test AUC {result.test_auc:.4f}{best}, test logloss {result.test_logloss:.4f}, "
-          f"{result.steps} steps in {result.seconds:.1f} s")  # fmt: skip
     return 0
+
+
+def format_comparison(cfg, engine, twin) -> str:
+    """The engine's run beside the plain torch DLRM's, each at its reported epoch."""
+    rows = [(f"embengine ({cfg.optimizer} tables)", engine),
+            ("plain torch DLRM (Adam)", twin)]  # fmt: skip
+    lines = [f"{'':28} {'test AUC':>8} {'logloss':>8} {'epoch':>5} {'seconds':>7}"]
+    for name, r in rows:
+        lines.append(f"{name:28} {r.test_auc:8.4f} {r.test_logloss:8.4f} {r.best_epoch:5d} "
+                     f"{r.seconds:7.1f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -122,8 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_bench)
 
-    from .training.loop import DEFAULT_LR, ENGINE_OPTIMIZERS
-    from .training.models import MODELS
+    from .training.options import DEFAULT_LR, EMBEDDINGS, ENGINE_OPTIMIZERS, MODEL_NAMES
     from .training.sources import DATASETS
 
     train = sub.add_parser(
@@ -133,21 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
         "in backward), dense layers in torch (Adam). Prints test AUC and logloss per epoch.",
     )
     train.add_argument("--dataset", default="movielens-100k", choices=DATASETS)
-    train.add_argument("--model", default="dlrm", choices=list(MODELS))
-    train.add_argument("--optimizer", default="adagrad", choices=list(ENGINE_OPTIMIZERS),
+    train.add_argument("--model", default="dlrm", choices=list(MODEL_NAMES))
+    train.add_argument("--optimizer", default="ftrl", choices=list(ENGINE_OPTIMIZERS),
                        help="the tables' optimizer (with --embeddings torch: sgd, adagrad, "
                        "adam)")  # fmt: skip
     train.add_argument("--lr", type=float, default=None,
-                       help=f"tables' learning rate (default: {DEFAULT_LR})")  # fmt: skip
+                       help="tables' learning rate (default, by optimizer: "
+                       + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")  # fmt: skip
     train.add_argument("--dense-lr", type=float, default=1e-3, help="torch Adam's learning rate")
     train.add_argument("--dim", type=int, default=16, help="embedding width")
     train.add_argument("--batch-size", type=int, default=256)
     what = train.add_mutually_exclusive_group()
-    what.add_argument("--epochs", type=int, default=5)
+    what.add_argument("--epochs", type=int, default=5, help="at most this many epochs")
     what.add_argument("--steps", type=int, default=None, help="stop after this many steps")
-    train.add_argument("--embeddings", default="engine", choices=["engine", "torch"],
-                       help="engine (default) or torch nn.EmbeddingBag(sparse=True) + a torch "
-                       "optimizer, for comparison")  # fmt: skip
+    train.add_argument("--patience", type=int, default=2,
+                       help="stop after this many epochs without a better validation AUC (0: "
+                       "never); the summary reports the best validation epoch")  # fmt: skip
+    train.add_argument("--embeddings", default="engine", choices=list(EMBEDDINGS),
+                       help="engine (default); torch: nn.EmbeddingBag(sparse=True) + the torch "
+                       "optimizer of --optimizer; plain: the plain torch DLRM (dense "
+                       "nn.EmbeddingBag tables, one Adam at --dense-lr for all)")  # fmt: skip
+    train.add_argument(
+        "--baseline",
+        action="store_true",
+        help="then train the plain torch DLRM on the same data and print both",
+    )
     train.add_argument("--backend", default="numba", choices=["numba", "reference"])
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--checkpoint-dir", default=None,

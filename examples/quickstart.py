@@ -8,6 +8,7 @@ computing the activation gradients by hand in NumPy; the engine applies the fuse
 import numpy as np
 
 import embengine as ee
+from embengine.compile_notice import compile_notice
 
 rng = np.random.default_rng(0)
 N_USERS, N_ITEMS, DIM, BATCH, STEPS = 2000, 500, 8, 512, 300
@@ -23,20 +24,27 @@ engine = ee.EmbeddingEngine(
     optimizer=ee.optimizers.FTRL(learning_rate=0.1, l2_regularization_strength=1e-3),
 )
 
-losses = []
-for step in range(STEPS):
-    users = rng.integers(0, N_USERS, BATCH)
-    items = rng.zipf(1.3, BATCH) % N_ITEMS  # popular items repeat within a batch
-    clicks = rng.random(BATCH) < 1 / (1 + np.exp(-np.sum(true_u[users] * true_v[items], 1)))
 
+def train_step(users, items, clicks) -> float:
     acts = engine.lookup({"user_id": users, "item_id": items})
     u, v = acts["user_id"], acts["item_id"]
     p = 1 / (1 + np.exp(-np.sum(u * v, axis=1)))
     loss = -np.mean(clicks * np.log(p + 1e-7) + (1 - clicks) * np.log(1 - p + 1e-7))
     d_logit = (p - clicks)[:, None]  # gradient of the summed (not mean) logloss
     engine.apply_gradients({"user_id": d_logit * v, "item_id": d_logit * u})
+    return loss
 
-    losses.append(loss)
+
+losses = []
+for step in range(STEPS):
+    users = rng.integers(0, N_USERS, BATCH)
+    items = rng.zipf(1.3, BATCH) % N_ITEMS  # popular items repeat within a batch
+    clicks = rng.random(BATCH) < 1 / (1 + np.exp(-np.sum(true_u[users] * true_v[items], 1)))
+    if step == 0:  # numba compiles the kernels here, once: say so instead of sitting silent
+        with compile_notice():
+            losses.append(train_step(users, items, clicks))
+    else:
+        losses.append(train_step(users, items, clicks))
     if step % 50 == 0 or step == STEPS - 1:
         print(f"step {step:4d}  logloss {np.mean(losses[-50:]):.4f}")
 

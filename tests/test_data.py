@@ -371,8 +371,11 @@ def test_synthetic_batches_are_a_pure_function_of_seed_stream_index():
     listed = list(data.batches(128, count=3, start=4))
     for i, b in zip((4, 5, 6), listed, strict=True):
         _assert_same_batch(b, data.batch(i, 128))
+    # The validation stream is a third one, neither train nor test.
+    assert _differs(a, data.batch(5, 128, "valid"))
+    assert _differs(data.batch(5, 128, "test"), data.batch(5, 128, "valid"))
     with pytest.raises(ValueError, match="stream"):
-        data.batch(0, 4, "valid")
+        data.batch(0, 4, "holdout")
 
 
 def test_synthetic_ids_are_zipf_like():

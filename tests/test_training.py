@@ -81,6 +81,44 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
     assert "10^8" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--plot", "out.txt"], "unknown image format 'txt'"),
+        (["--plot", "nodir/x.png"], "folder nodir does not exist"),
+        (["--keep", "0"], "--keep must be >= 1, got 0"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--lr", "0"], "--lr must be > 0, got 0.0"),
+        (["--lr", "nan"], "--lr must be > 0, got nan"),
+        (["--dense-lr", "-1"], "--dense-lr must be > 0, got -1.0"),
+        (["--patience", "-1"], "--patience must be >= 0"),
+        (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        (["--epoch-examples", "0"], "--epoch-examples must be >= 1, got 0"),
+        (["--vocabulary-scale", "0"], "--vocabulary-scale must be > 0"),
+        (["--baseline", "--embeddings", "torch", "--optimizer", "sgd"], "--baseline"),
+    ],
+)
+def test_cli_checks_every_option_before_any_work(capsys, monkeypatch, tmp_path, args, message):
+    """A bad option is an error naming it before the job reads data or trains a step."""
+    import embengine.training.loop as loop
+
+    def no_work(*a, **k):
+        raise AssertionError("the job started despite a bad option")
+
+    monkeypatch.setattr(loop, "train", no_work)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *SYN_ARGS, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_cli_checkpoint_dir_that_is_a_file_is_an_error(capsys, tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    assert cli.main(["train", *SYN_ARGS, "--checkpoint-dir", str(path)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model", ["dlrm", "fm"])
 def test_cli_short_synthetic_run_learns(capsys, tmp_path, model):
     plot = tmp_path / "curves.png"
@@ -89,7 +127,7 @@ def test_cli_short_synthetic_run_learns(capsys, tmp_path, model):
     out = capsys.readouterr().out
     assert _final_auc(out) > 0.55
     assert "60 steps" in out
-    assert re.search(r"epoch 1: step \d+, train loss [\d.]+, test AUC", out)
+    assert re.search(r"epoch 1: step \d+, train loss [\d.]+, valid AUC [\d.]+, test AUC", out)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.stat().st_size > 1000
 
@@ -303,3 +341,92 @@ def test_layer_eval_and_no_grad_do_not_update():
     out = layer(FEATS)
     (out["a"].sum() + out["b"].sum() + out["c"].sum()).backward()
     assert layer.engine.step == 1
+
+
+# -- the reported epoch and early stopping -------------------------------------------------------
+
+
+def test_best_entry_is_the_first_best_validation_epoch_and_counts_the_epochs_after_it():
+    from embengine.training.loop import best_entry
+
+    h = [{"epoch": i, "valid_auc": v, "test_auc": 0.5} for i, v in
+         enumerate([0.70, 0.75, 0.74, 0.75, 0.73])]  # fmt: skip
+    best, since = best_entry(h)
+    assert best["epoch"] == 1 and since == 3
+    assert best_entry(h[:2]) == (h[1], 0)
+    assert best_entry([]) == (None, 0)
+
+
+def test_early_stopping_reports_the_best_validation_epoch(capsys):
+    """MovieLens overfits within a few epochs at this learning rate: the run stops once the
+    validation AUC has not improved for --patience epochs, and the summary reports the best
+    validation epoch's test figures, naming it."""
+    code = cli.main(["train", "--dataset", "movielens-100k", "--optimizer", "adam", "--lr",
+                     "0.02", "--dim", "8", "--batch-size", "1024", "--epochs", "12",
+                     "--patience", "1", "--no-progress"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^epoch (\d+): .*valid AUC (\d\.\d+), test AUC (\d\.\d+)", out, re.M)
+    valid = [float(v) for _, v, _ in rows]
+    best = int(np.argmax(valid))
+    assert len(rows) == best + 2 < 12  # stopped one epoch after the best one
+    assert "stopping early" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith(f"test AUC {rows[best][2]}")
+    assert f"at epoch {best + 1} (best validation AUC {rows[best][1]}" in summary
+    assert f"stopped early at epoch {best + 2}" in summary
+
+
+def test_steps_runs_never_stop_early():
+    result = train(_cfg(steps=24, patience=1), log=_quiet)
+    assert result.steps == 24 and not result.stopped_early
+
+
+# -- the plain torch DLRM twin -------------------------------------------------------------------
+
+
+def test_baseline_trains_the_plain_torch_dlrm_after_the_engine(capsys):
+    assert cli.main(["train", *SYN_ARGS, "--epochs", "2", "--baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "the plain torch DLRM on the same data" in out
+    table = out[out.index("test AUC  logloss") :].splitlines()
+    assert table[1].startswith("embengine (ftrl tables)")
+    assert table[2].startswith("plain torch DLRM (Adam)")
+    for row in table[1:3]:
+        assert 0.55 < float(row.split()[-4]) <= 1.0
+
+
+def test_plain_embeddings_train_the_tables_with_the_dense_adam():
+    from embengine.training.baseline import TorchEmbeddings
+
+    result = train(_cfg(embeddings="plain", steps=12), log=_quiet)
+    assert result.test_auc > 0.5
+    assert not TorchEmbeddings([], 4, 0, sparse=False).bags  # built without sparse gradients
+
+
+# -- first run: the kernels compile before training, with a message -----------------------------
+
+
+def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
+    """A fresh numba cache (NUMBA_CACHE_DIR) is a first run: the message comes before the first
+    epoch; the second run loads the kernels from that cache and says nothing. (The first run
+    compiles every kernel: its timeout allows for a heavily loaded machine.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(ee.__file__).parent.parent
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "embengine", "train", *SYN_ARGS, "--steps", "2", "--optimizer",
+           "sgd", "--vocabulary-scale", "0.001"]  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=root)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("compiling kernels, first run only"), first.stdout
+    assert re.match(r"kernels compiled in \d+\.\d s", lines[1]), first.stdout
+    assert lines[2].startswith("epoch 1:")
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root)
+    assert second.returncode == 0, second.stderr
+    assert "compiling" not in second.stdout, second.stdout
+    assert second.stdout.splitlines()[0].startswith("epoch 1:")

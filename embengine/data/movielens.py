@@ -3,7 +3,9 @@
 Click = rating >= 4. Features: user id, item id, age, gender, occupation, zip prefix (first 2
 characters), release year, genres (multi-valued, mean) and title words (multi-valued, sqrtn).
 Split: for each user, the latest 20% of their interactions by timestamp (rounded, ties broken by
-file order) form the test set. Token 0 of every vocabulary means "missing".
+file order) form the test set; with ``valid_fraction`` > 0, the latest ``valid_fraction`` of the
+rest (rounded) form a validation set, cut the same way, for choosing an epoch without the test.
+Token 0 of every vocabulary means "missing".
 
 The files are found without importing recbole (which pulls heavy dependencies): install it with
 ``pip install --no-deps recbole``, or point ``EMBENGINE_ML100K_DIR`` at a folder holding
@@ -73,6 +75,7 @@ class MovieLens:
     test: InMemoryClicks
     features: list[FeatureSpec]
     folder: Path
+    valid: InMemoryClicks | None = None  # with valid_fraction > 0
 
 
 def _ragged(lists: list[list[int]]) -> Ragged:
@@ -80,7 +83,9 @@ def _ragged(lists: list[list[int]]) -> Ragged:
                   lengths=np.array([len(s) for s in lists], dtype=np.int64))  # fmt: skip
 
 
-def load_movielens_100k(folder: str | Path | None = None, test_fraction: float = 0.2) -> MovieLens:
+def load_movielens_100k(
+    folder: str | Path | None = None, test_fraction: float = 0.2, valid_fraction: float = 0.0
+) -> MovieLens:
     folder = Path(folder) if folder is not None else find_movielens_100k()
     _, inter = _read_table(folder / "ml-100k.inter")
     u_head, users = _read_table(folder / "ml-100k.user")
@@ -127,14 +132,18 @@ def load_movielens_100k(folder: str | Path | None = None, test_fraction: float =
         genres.append(g)
         titles.append(w)
 
-    # Per user, the latest test_fraction of interactions (by time, then file order) is the test.
+    # Per user, the latest test_fraction of interactions (by time, then file order) is the test,
+    # the latest valid_fraction of the rest the validation set.
     order = np.lexsort((np.arange(n), ts, user))
     is_test = np.zeros(n, dtype=bool)
+    is_valid = np.zeros(n, dtype=bool)
     starts = np.flatnonzero(np.r_[True, user[order][1:] != user[order][:-1]])
     ends = np.r_[starts[1:], n]
     for s, e in zip(starts, ends, strict=True):
         k = int(round((e - s) * test_fraction))
         is_test[order[e - k : e]] = True
+        v = int(round((e - s - k) * valid_fraction))
+        is_valid[order[e - k - v : e - k]] = True
 
     def subset(mask):
         idx = np.flatnonzero(mask)
@@ -159,4 +168,5 @@ def load_movielens_100k(folder: str | Path | None = None, test_fraction: float =
         else s
         for s in specs
     ]
-    return MovieLens(subset(~is_test), subset(is_test), specs, folder)
+    valid = subset(is_valid) if valid_fraction > 0 else None
+    return MovieLens(subset(~is_test & ~is_valid), subset(is_test), specs, folder, valid)

@@ -32,6 +32,9 @@ DEFAULT_VOCABULARIES = (
 )  # fmt: skip
 
 
+STREAMS = ("train", "test", "valid")  # independent streams of one hidden model
+
+
 class SyntheticClicks:
     def __init__(
         self,
@@ -100,9 +103,9 @@ class SyntheticClicks:
         return self.batch_with_probabilities(index, batch_size, stream)[0]
 
     def batch_with_probabilities(self, index: int, batch_size: int, stream: str = "train"):
-        if stream not in ("train", "test"):
-            raise ValueError(f"stream must be 'train' or 'test', got {stream!r}")
-        rng = np.random.default_rng([self.seed, 0 if stream == "train" else 1, index])
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be one of {', '.join(STREAMS)}, got {stream!r}")
+        rng = np.random.default_rng([self.seed, STREAMS.index(stream), index])
         return self._batch(rng, batch_size)
 
     def batches(self, batch_size: int, count: int, stream: str = "train",

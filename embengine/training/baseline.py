@@ -1,5 +1,13 @@
-"""The comparison point: the same embeddings as torch ``nn.EmbeddingBag(sparse=True)`` tables
-trained by a torch optimizer (what most people use), initialised with the engine's values."""
+"""The comparison points: the same embeddings as torch ``nn.EmbeddingBag`` tables, initialised
+with the engine's values.
+
+- ``embeddings="torch"``: ``nn.EmbeddingBag(sparse=True)`` tables trained by the torch optimizer
+  that stands in for the engine's (TORCH_OPTIMIZERS): the same update, to compare speed.
+- ``embeddings="plain"``: the plain torch DLRM, the way it is usually written: dense-gradient
+  ``nn.EmbeddingBag`` tables trained with the dense layers by one ``torch.optim.Adam`` (the
+  ``--dense-lr``). ``embengine train --baseline`` trains it after the engine's run, on the same
+  data, and prints both.
+"""
 
 from __future__ import annotations
 
@@ -25,14 +33,14 @@ TORCH_OPTIMIZERS = {
 class TorchEmbeddings(torch.nn.Module):
     """One EmbeddingBag per feature; sqrtn bags are sums with per-id weights 1/sqrt(n)."""
 
-    def __init__(self, features: list[FeatureSpec], dim: int, seed: int):
+    def __init__(self, features: list[FeatureSpec], dim: int, seed: int, sparse: bool = True):
         super().__init__()
         self.specs = {f.name: f for f in features}
         self.bags = torch.nn.ModuleDict()
         init = TruncatedNormal()
         for f in features:
             mode = "mean" if f.combiner == "mean" else "sum"
-            bag = torch.nn.EmbeddingBag(f.vocabulary_size, dim, mode=mode, sparse=True)
+            bag = torch.nn.EmbeddingBag(f.vocabulary_size, dim, mode=mode, sparse=sparse)
             values = init.init(seed, f.name, np.arange(f.vocabulary_size), dim)
             with torch.no_grad():
                 bag.weight.copy_(torch.from_numpy(values))

@@ -9,114 +9,67 @@ test AUC and logloss are printed.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import config as ee_config
-from .. import optimizers as opt
 from ..engine import EmbeddingEngine
 from ..torch import EmbeddingLayer
 from .metrics import auc, logloss
 from .models import MODELS, embedding_dim
+from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig
 from .sources import DataSource, make_source
 
-__all__ = ["TrainConfig", "TrainResult", "train", "ENGINE_OPTIMIZERS"]
-
-# Table optimizers by name; each takes the learning rate and the table width.
-ENGINE_OPTIMIZERS: dict[str, Callable[[float, int], opt.Optimizer]] = {
-    "sgd": lambda lr, dim: opt.SGD(lr),
-    "adagrad": lambda lr, dim: opt.Adagrad(lr),
-    "rowwise_adagrad": lambda lr, dim: opt.Adagrad(lr, hessian_compression_times=dim),
-    "adagrad_momentum": lambda lr, dim: opt.AdagradMomentum(lr, momentum=0.9),
-    "proximal_adagrad": lambda lr, dim: opt.ProximalAdagrad(lr),
-    "adam": lambda lr, dim: opt.Adam(lr),
-    "amsgrad": lambda lr, dim: opt.AMSGrad(lr, bias_correction="per_row"),
-    "lion": lambda lr, dim: opt.Lion(lr),
-    "ftrl": lambda lr, dim: opt.FTRL(lr),
-    "momentum": lambda lr, dim: opt.Momentum(lr),
-    "rmsprop": lambda lr, dim: opt.RMSProp(lr),
-    "adadelta": lambda lr, dim: opt.Adadelta(lr),
-}
-# Learning rates for the mean logloss of a batch (tuned on MovieLens-100K, batch 256, 5 epochs:
-# sgd, adagrad and rowwise_adagrad reach test AUC 0.77-0.78).
-DEFAULT_LR = {"sgd": 20.0, "adagrad": 0.5, "rowwise_adagrad": 0.5, "adagrad_momentum": 0.05,
-              "proximal_adagrad": 0.5, "adam": 0.003, "amsgrad": 0.003, "lion": 1e-3,
-              "ftrl": 0.1, "momentum": 2.0, "rmsprop": 0.003, "adadelta": 10.0}  # fmt: skip
-
-
-@dataclass
-class TrainConfig:
-    dataset: str = "movielens-100k"
-    model: str = "dlrm"
-    optimizer: str = "adagrad"
-    lr: float | None = None  # None: DEFAULT_LR of the optimizer
-    dense_lr: float = 1e-3
-    dim: int = 16
-    batch_size: int = 256
-    epochs: int = 5
-    steps: int | None = None  # stop after this many steps in total (overrides epochs)
-    embeddings: str = "engine"  # "engine" or "torch" (nn.EmbeddingBag + torch optimizer)
-    backend: str = "numba"
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    keep: int = 2
-    plot: str | None = None
-    progress: bool = True
-    synthetic: dict = field(default_factory=dict)  # SyntheticSource options
-
-    def check(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        names = ENGINE_OPTIMIZERS if self.embeddings == "engine" else _torch_optimizers()
-        if self.optimizer not in names:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r} for embeddings={self.embeddings!r}; "
-                f"choose one of {', '.join(names)}"
-            )
-        if self.embeddings not in ("engine", "torch"):
-            raise ValueError(f"embeddings must be 'engine' or 'torch', got {self.embeddings!r}")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
-        if self.embeddings == "torch" and self.checkpoint_dir:
-            raise ValueError("checkpoints are for the engine's tables (embeddings='engine')")
-        for name in ("batch_size", "epochs", "dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def _torch_optimizers():
-    from .baseline import TORCH_OPTIMIZERS
-
-    return TORCH_OPTIMIZERS
+__all__ = ["TrainConfig", "TrainResult", "train", "ENGINE_OPTIMIZERS", "DEFAULT_LR"]
 
 
 @dataclass
 class TrainResult:
+    """The reported epoch is the one with the best validation AUC (``best_epoch``, 1-based);
+    ``test_auc`` and ``test_logloss`` are that epoch's. ``history`` has every epoch's figures."""
+
     test_auc: float
     test_logloss: float
     seconds: float
     steps: int
     history: list[dict]
     oracle_auc: float | None = None
+    best_epoch: int = 0
+    valid_auc: float = float("nan")
+    stopped_early: bool = False
+    compile_seconds: float = 0.0
+
+    def summary(self) -> str:
+        """The run in one line, naming the reported epoch."""
+        best = f" (best possible {self.oracle_auc:.4f})" if self.oracle_auc else ""
+        last = self.history[-1] if self.history else None
+        if last is not None and last["epoch"] + 1 != self.best_epoch:
+            why = "stopped early" if self.stopped_early else "last"
+            where = f"; {why} at epoch {last['epoch'] + 1}: test AUC {last['test_auc']:.4f}"
+        else:
+            where = ""
+        return (f"test AUC {self.test_auc:.4f}{best}, test logloss {self.test_logloss:.4f} at "
+                f"epoch {self.best_epoch} (best validation AUC {self.valid_auc:.4f}{where}), "
+                f"{self.steps} steps in {self.seconds:.1f} s")  # fmt: skip
 
 
-def build_engine(source: DataSource, cfg: TrainConfig) -> EmbeddingEngine:
+def build_engine(
+    source: DataSource, cfg: TrainConfig, max_rows: int | None = None
+) -> EmbeddingEngine:
+    """The run's engine: one table per feature, the optimizer and learning rate of ``cfg``
+    (``max_rows`` caps every table, for a miniature that compiles the same kernels)."""
     width = embedding_dim(cfg.model, cfg.dim)
-    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.optimizer]
-    optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](lr, width)
-    features = {
-        f.name: ee_config.FeatureConfig(
-            ee_config.TableConfig(f.vocabulary_size, width, combiner=f.combiner, name=f.name)
-        )
-        for f in source.features
-    }
+    optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](cfg.learning_rate, width)
+    features = {}
+    for f in source.features:
+        rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
+        table = ee_config.TableConfig(rows, width, combiner=f.combiner, name=f.name)
+        features[f.name] = ee_config.FeatureConfig(table)
     return EmbeddingEngine(features, optimizer=optimizer, seed=cfg.seed, backend=cfg.backend)
 
 
@@ -145,10 +98,11 @@ def _load_optimizer_state(optim, tensors: dict[str, np.ndarray], meta: dict) -> 
     optim.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def evaluate(source, embed, model, batch_size) -> tuple[float, float]:
+def evaluate(batches, embed, model) -> tuple[float, float]:
+    """(AUC, logloss) of the model on ``batches``."""
     labels, probs = [], []
     with torch.no_grad():
-        for batch in source.test_batches(batch_size * 8):
+        for batch in batches:
             emb = embed(batch.sparse)
             logits = model(emb, torch.from_numpy(batch.dense))
             probs.append(torch.sigmoid(logits).numpy())
@@ -157,25 +111,54 @@ def evaluate(source, embed, model, batch_size) -> tuple[float, float]:
     return auc(y, p), logloss(y, p)
 
 
+def best_entry(history: list[dict]) -> tuple[dict | None, int]:
+    """The epoch with the best validation AUC (the first of equals) and how many epochs have
+    followed it: early stopping and the reported epoch both come from the history alone, so a
+    resumed run decides as the straight one does."""
+    best, since = None, 0
+    for entry in history:
+        if best is None or _valid_auc(entry) > _valid_auc(best):
+            best, since = entry, 0
+        else:
+            since += 1
+    return best, since
+
+
+def _valid_auc(entry: dict) -> float:
+    # Checkpoints written before the validation set recorded only the test AUC.
+    return entry.get("valid_auc", entry["test_auc"])
+
+
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
+    """Train ``cfg``'s model; after each epoch evaluate on the validation and the test set, and
+    stop once the validation AUC has not improved for ``cfg.patience`` epochs (0: never)."""
     cfg.check()
     torch.manual_seed(cfg.seed)
     source = make_source(cfg.dataset, **cfg.synthetic)
     width = embedding_dim(cfg.model, cfg.dim)
     names = [f.name for f in source.features]
     model = MODELS[cfg.model](names, width, source.n_dense)
-    dense_optim = torch.optim.Adam(model.parameters(), lr=cfg.dense_lr)
-    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.optimizer]
-    engine = None
+    params = list(model.parameters())
+    engine, sparse_optim, compile_seconds = None, None, 0.0
     if cfg.embeddings == "engine":
+        from .warmup import compile_kernels
+
+        compile_seconds = compile_kernels(source, lambda rows: build_engine(source, cfg, rows),
+                                          cfg.batch_size, log, cfg.progress)  # fmt: skip
         engine = build_engine(source, cfg)
         embed = EmbeddingLayer(engine)
-        sparse_optim = None
     else:
         from .baseline import TORCH_OPTIMIZERS, TorchEmbeddings
 
-        embed = TorchEmbeddings(source.features, width, cfg.seed)
-        sparse_optim = TORCH_OPTIMIZERS[cfg.optimizer](list(embed.parameters()), lr)
+        plain = cfg.embeddings == "plain"
+        embed = TorchEmbeddings(source.features, width, cfg.seed, sparse=not plain)
+        if plain:  # one dense Adam for the tables and the dense layers
+            params += list(embed.parameters())
+        else:
+            sparse_optim = TORCH_OPTIMIZERS[cfg.optimizer](
+                list(embed.parameters()), cfg.learning_rate
+            )
+    dense_optim = torch.optim.Adam(params, lr=cfg.dense_lr)
 
     step, start_epoch, start_batch, history = 0, 0, 0, []
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -208,15 +191,22 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     t_start = time.perf_counter()
     per_epoch = source.batches_per_epoch(cfg.batch_size)
+    eval_size = cfg.batch_size * 8
+
+    def stale() -> bool:
+        """Early stopping: ``patience`` epochs without a better validation AUC (not with
+        --steps, which asks for a number of steps)."""
+        return cfg.steps is None and cfg.patience > 0 and best_entry(history)[1] >= cfg.patience
 
     def finished() -> bool:
         if cfg.steps is not None:
             return step >= cfg.steps
-        return epoch >= cfg.epochs
+        return epoch >= cfg.epochs or stale()
 
     epoch = start_epoch
-    final_auc = final_ll = float("nan")
+    trained = False
     while not finished():
+        trained = True
         bar = _progress(cfg, source, epoch)
         running = None
         for i, batch in enumerate(source.train_batches(cfg.batch_size, epoch, start_batch),
@@ -238,30 +228,45 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 bar.update(len(batch))
                 bar.set_postfix(loss=f"{running:.4f}", refresh=False)
             start_batch = i + 1
-            if finished():
+            if cfg.steps is not None and step >= cfg.steps:
                 break
         if bar is not None:
             bar.close()
         if start_batch >= per_epoch:  # the epoch is complete (also when --steps ended it)
             epoch, start_batch = epoch + 1, 0
-        final_auc, final_ll = evaluate(source, embed, model, cfg.batch_size)
+        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model)
+        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model)
         history.append({"epoch": epoch if start_batch else epoch - 1, "step": step,
-                        "train_loss": running, "test_auc": final_auc,
-                        "test_logloss": final_ll})  # fmt: skip
+                        "train_loss": running, "valid_auc": valid_auc, "valid_logloss": valid_ll,
+                        "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
         oracle = source.oracle_auc
         best = f" (best possible {oracle:.4f})" if oracle else ""
         loss_text = "n/a" if running is None else f"{running:.4f}"
         log(f"epoch {history[-1]['epoch'] + 1}: step {step}, train loss {loss_text}, "
-            f"test AUC {final_auc:.4f}{best}, test logloss {final_ll:.4f}")  # fmt: skip
+            f"valid AUC {valid_auc:.4f}, test AUC {test_auc:.4f}{best}, "
+            f"test logloss {test_ll:.4f}")  # fmt: skip
         if ckpt_dir is not None:
             save(epoch, start_batch)
-    if math.isnan(final_auc):  # nothing left to train (a finished run resumed): report it
-        final_auc, final_ll = evaluate(source, embed, model, cfg.batch_size)
+    stopped_early = stale() and epoch < cfg.epochs
+    if stopped_early and trained:
+        best_epoch = best_entry(history)[0]["epoch"] + 1
+        log(f"stopping early: no better validation AUC in the {cfg.patience} epochs after "
+            f"epoch {best_epoch}")  # fmt: skip
+    if not history:  # nothing trained and nothing saved (--steps reached by a resumed run)
+        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model)
+        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model)
+        history.append({"epoch": max(epoch - 1, 0), "step": step, "train_loss": None,
+                        "valid_auc": valid_auc, "valid_logloss": valid_ll,
+                        "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
     seconds = time.perf_counter() - t_start
     if cfg.plot:
         _plot(history, cfg.plot)
         log(f"wrote {cfg.plot}")
-    return TrainResult(final_auc, final_ll, seconds, step, history, source.oracle_auc)
+    chosen = best_entry(history)[0]
+    return TrainResult(chosen["test_auc"], chosen["test_logloss"], seconds, step, history,
+                       source.oracle_auc, best_epoch=chosen["epoch"] + 1,
+                       valid_auc=_valid_auc(chosen), stopped_early=stopped_early,
+                       compile_seconds=compile_seconds)  # fmt: skip
 
 
 def _has_checkpoint(path: Path) -> bool:
@@ -294,9 +299,11 @@ def _plot(history: list[dict], path: str) -> None:
     left.plot(epochs, [h["test_logloss"] for h in history], "s-", label="test logloss")
     left.set_xlabel("epoch")
     left.legend()
-    right.plot(epochs, [h["test_auc"] for h in history], "o-", color="C2")
+    right.plot(epochs, [_valid_auc(h) for h in history], "o-", color="C1", label="validation")
+    right.plot(epochs, [h["test_auc"] for h in history], "s-", color="C2", label="test")
     right.set_xlabel("epoch")
-    right.set_ylabel("test AUC")
+    right.set_ylabel("AUC")
+    right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

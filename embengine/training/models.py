@@ -23,16 +23,24 @@ def _mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
 
 class DLRM(nn.Module):
     """DLRM (Naumov et al. 2019): a bottom MLP turns the dense features into one more vector of
-    width d; all pairwise dot products of the vectors, with the bottom output, feed a top MLP."""
+    width d; all pairwise dot products of the vectors, with the bottom output, feed a top MLP.
+
+    With ``first_order`` the top MLP also sees every embedding itself (concatenated), not only
+    their dot products: a feature's own effect (an item's popularity, a user's mean rating) then
+    needs no partner vector to pass through.
+    """
 
     def __init__(self, feature_names: list[str], dim: int, n_dense: int,
-                 bottom: tuple[int, ...] = (64,), top: tuple[int, ...] = (64, 32)):  # fmt: skip
+                 bottom: tuple[int, ...] = (64,), top: tuple[int, ...] = (64, 32),
+                 first_order: bool = True):  # fmt: skip
         super().__init__()
         self.names = list(feature_names)
+        self.first_order = first_order
         self.bottom = _mlp([n_dense, *bottom, dim], last_activation=True) if n_dense else None
         n_vectors = len(self.names) + (1 if n_dense else 0)
         n_pairs = n_vectors * (n_vectors - 1) // 2
-        self.top = _mlp([n_pairs + (dim if n_dense else 0), *top, 1], last_activation=False)
+        width = n_pairs + (dim if n_dense else 0) + (dim * len(self.names) if first_order else 0)
+        self.top = _mlp([width, *top, 1], last_activation=False)
         rows, cols = torch.triu_indices(n_vectors, n_vectors, offset=1)
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("cols", cols, persistent=False)
@@ -44,6 +52,8 @@ class DLRM(nn.Module):
             x = self.bottom(dense)
             vectors.append(x)
             parts.append(x)
+        if self.first_order:
+            parts.extend(embeddings[n] for n in self.names)
         z = torch.stack(vectors, dim=1)  # [B, F, d]
         dots = torch.bmm(z, z.transpose(1, 2))[:, self.rows, self.cols]
         parts.append(dots)

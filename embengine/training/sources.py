@@ -32,17 +32,23 @@ class DataSource:
     def test_batches(self, batch_size: int) -> Iterator[ClickBatch]:
         raise NotImplementedError
 
+    def valid_batches(self, batch_size: int) -> Iterator[ClickBatch]:
+        """Held-out batches (neither train nor test) that choose the reported epoch."""
+        raise NotImplementedError
+
 
 class MovieLensSource(DataSource):
-    """MovieLens-100K: one epoch is the training split, reshuffled with the epoch as seed."""
+    """MovieLens-100K: one epoch is the training split, reshuffled with the epoch as seed. The
+    validation set is, per user, the latest VALID_FRACTION of the interactions before the test."""
 
     name = "movielens-100k"
+    VALID_FRACTION = 0.05
 
     def __init__(self):
         from ..data.movielens import load_movielens_100k
 
-        data = load_movielens_100k()
-        self._train, self._test = data.train, data.test
+        data = load_movielens_100k(valid_fraction=self.VALID_FRACTION)
+        self._train, self._test, self._valid = data.train, data.test, data.valid
         self.features = data.features
         self.n_dense = 0
         self.examples_per_epoch = len(self._train)
@@ -57,6 +63,9 @@ class MovieLensSource(DataSource):
 
     def test_batches(self, batch_size):
         return self._test.batches(batch_size)
+
+    def valid_batches(self, batch_size):
+        return self._valid.batches(batch_size)
 
 
 @dataclass
@@ -101,6 +110,11 @@ class SyntheticSource(DataSource):
             from .metrics import auc
 
             self._oracle = auc(np.concatenate(labels), np.concatenate(probs))
+
+    def valid_batches(self, batch_size):
+        """``test_examples`` examples of the validation stream, in chunks of TEST_CHUNK."""
+        for i, lo in enumerate(range(0, self.test_examples, TEST_CHUNK)):
+            yield self.data.batch(i, min(TEST_CHUNK, self.test_examples - lo), "valid")
 
     @property
     def oracle_auc(self) -> float | None:

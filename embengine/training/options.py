@@ -1,0 +1,168 @@
+"""What ``embengine train`` accepts, checked without torch: the parser and the checks run (and fail
+fast) before the training job imports torch, builds an engine or reads any data."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import optimizers as opt
+
+__all__ = [
+    "DEFAULT_LR",
+    "ENGINE_OPTIMIZERS",
+    "MODEL_NAMES",
+    "PLOT_FORMATS",
+    "TrainConfig",
+    "missing_packages",
+]
+
+# Table optimizers by name; each takes the learning rate and the table width.
+ENGINE_OPTIMIZERS: dict[str, Callable[[float, int], opt.Optimizer]] = {
+    "sgd": lambda lr, dim: opt.SGD(lr),
+    "adagrad": lambda lr, dim: opt.Adagrad(lr),
+    "rowwise_adagrad": lambda lr, dim: opt.Adagrad(lr, hessian_compression_times=dim),
+    "adagrad_momentum": lambda lr, dim: opt.AdagradMomentum(lr, momentum=0.9),
+    "proximal_adagrad": lambda lr, dim: opt.ProximalAdagrad(lr),
+    "adam": lambda lr, dim: opt.Adam(lr),
+    "amsgrad": lambda lr, dim: opt.AMSGrad(lr, bias_correction="per_row"),
+    "lion": lambda lr, dim: opt.Lion(lr),
+    "ftrl": lambda lr, dim: opt.FTRL(lr),
+    "momentum": lambda lr, dim: opt.Momentum(lr),
+    "rmsprop": lambda lr, dim: opt.RMSProp(lr),
+    "adadelta": lambda lr, dim: opt.Adadelta(lr),
+}
+# Learning rates for the mean logloss of a batch, tuned on MovieLens-100K with the demo's
+# settings (docs/performance.md has each one's test AUC).
+DEFAULT_LR = {"sgd": 20.0, "adagrad": 0.5, "rowwise_adagrad": 0.5, "adagrad_momentum": 0.05,
+              "proximal_adagrad": 0.5, "adam": 0.003, "amsgrad": 0.003, "lion": 1e-3,
+              "ftrl": 1.0, "momentum": 2.0, "rmsprop": 0.003, "adadelta": 10.0}  # fmt: skip
+MODEL_NAMES = ("dlrm", "fm")
+# The formats --plot writes (matplotlib's Agg canvas), by file suffix.
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+TORCH_OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
+EMBEDDINGS = ("engine", "torch", "plain")
+
+
+@dataclass
+class TrainConfig:
+    dataset: str = "movielens-100k"
+    model: str = "dlrm"
+    optimizer: str = "ftrl"
+    lr: float | None = None  # None: DEFAULT_LR of the optimizer
+    dense_lr: float = 1e-3
+    dim: int = 16
+    batch_size: int = 256
+    epochs: int = 5
+    patience: int = 2  # stop after this many epochs without a better validation AUC; 0: never
+    steps: int | None = None  # stop after this many steps in total (overrides epochs)
+    # "engine"; "torch": nn.EmbeddingBag(sparse=True) + the torch optimizer standing in for the
+    # engine's; "plain": the plain torch DLRM (dense nn.EmbeddingBag, one Adam for everything).
+    embeddings: str = "engine"
+    backend: str = "numba"
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    keep: int = 2
+    plot: str | None = None
+    progress: bool = True
+    synthetic: dict = field(default_factory=dict)  # SyntheticSource options
+
+    @property
+    def learning_rate(self) -> float:
+        """The tables' learning rate: ``lr``, or the optimizer's DEFAULT_LR."""
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def check(self) -> None:
+        """Every option, before any work: ValueError naming the bad value and what to do."""
+        from .sources import DATASETS
+
+        if self.dataset not in DATASETS:
+            raise ValueError(
+                f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}"
+            )
+        if self.model not in MODEL_NAMES:
+            raise ValueError(
+                f"unknown model {self.model!r}; choose one of {', '.join(MODEL_NAMES)}"
+            )
+        if self.embeddings not in EMBEDDINGS:
+            raise ValueError(f"embeddings must be one of {', '.join(EMBEDDINGS)}, got "
+                             f"{self.embeddings!r}")  # fmt: skip
+        names = TORCH_OPTIMIZER_NAMES if self.embeddings == "torch" else ENGINE_OPTIMIZERS
+        if self.optimizer not in names:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r} for embeddings={self.embeddings!r}; "
+                f"choose one of {', '.join(names)}"
+            )
+        if self.backend not in ("numba", "reference"):
+            raise ValueError(f"backend must be 'numba' or 'reference', got {self.backend!r}")
+        for name in ("batch_size", "epochs", "dim", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")  # fmt: skip
+        if self.patience < 0:
+            raise ValueError(f"--patience must be >= 0 (0: no early stopping), got "
+                             f"{self.patience}")  # fmt: skip
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        for name in ("lr", "dense_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # also NaN
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+        if self.embeddings != "engine" and self.checkpoint_dir:
+            raise ValueError("checkpoints are for the engine's tables (embeddings='engine')")
+        if self.checkpoint_dir and Path(self.checkpoint_dir).is_file():
+            raise ValueError(f"--checkpoint-dir {self.checkpoint_dir}: is a file, not a folder")
+        if self.plot:
+            self._check_plot(Path(self.plot))
+        if self.dataset == "synthetic":
+            self._check_synthetic()
+
+    def _check_plot(self, path: Path) -> None:
+        suffix = path.suffix.lower().lstrip(".")
+        if suffix not in PLOT_FORMATS:
+            raise ValueError(f"--plot {path}: unknown image format {suffix or '(none)'!r}; end "
+                             f"the name with one of .{', .'.join(PLOT_FORMATS)}")  # fmt: skip
+        if path.is_dir():
+            raise ValueError(f"--plot {path}: is a folder; give a file name")
+        folder = path.parent
+        if not folder.is_dir():
+            raise ValueError(f"--plot {path}: folder {folder} does not exist; create it first")
+
+    def _check_synthetic(self) -> None:
+        syn = self.synthetic
+        for key, flag in (("examples_per_epoch", "--epoch-examples"),
+                          ("test_examples", "--test-examples")):  # fmt: skip
+            if key in syn and syn[key] < 1:
+                raise ValueError(f"{flag} must be >= 1, got {syn[key]}")
+        scale = syn.get("vocabulary_scale", 1.0)
+        if not scale > 0:
+            raise ValueError(f"--vocabulary-scale must be > 0, got {scale}")
+        from ..data.synthetic import DEFAULT_VOCABULARIES
+
+        largest = int(max(DEFAULT_VOCABULARIES) * scale)
+        if largest > 10**8:
+            raise ValueError(f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
+                             "vocabularies up to 10^8 rows are supported")  # fmt: skip
+
+
+def missing_packages(cfg: TrainConfig) -> list[str]:
+    """The packages this run needs that are not installed (torch; tqdm for the progress bar;
+    matplotlib for --plot). Found without importing them."""
+    needed = ["torch"]
+    if cfg.progress:
+        needed.append("tqdm")
+    if cfg.plot:
+        needed.append("matplotlib")
+    return [name for name in needed if not _installed(name)]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a blocked import; a module set to None in sys.modules
+        return False
