@@ -262,22 +262,22 @@ class EmbeddingLayer(torch.nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
         """Restore the tables, slots and step through ``engine.load_state_dict``, which checks
-        every entry before it copies anything: with ``strict``, a missing or unknown key (or a
-        shape or dtype that does not fit, in error_msgs) changes nothing; without, what the
-        state has is loaded. Values are copied into the tables (``assign=True`` too)."""
+        every entry before it copies anything. All or nothing: a missing or unknown key, or a
+        shape or dtype that does not fit (in error_msgs), changes nothing, whatever
+        ``strict`` (torch does not tell a module whether it was given; with strict=False the
+        keys are in the result). ``engine.load_state_dict(state, strict=False)`` loads part of
+        a state. Values are copied into the tables (``assign=True`` too)."""
         ours = self._state_keys(prefix)
         rest = {k: v for k, v in state_dict.items() if k not in ours}
         super()._load_from_state_dict(
             rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         unknown = [k for k in rest if k.startswith(prefix + "tables.")]
-        if not strict:  # torch reports unknown keys only when strict
-            unknown = []
         unexpected_keys.extend(k for k in unknown if k not in unexpected_keys)
         missing = [k for k in ours if k not in state_dict]
         missing_keys.extend(missing)
-        if strict and (missing or unknown):
-            return  # torch raises with these lists; nothing is loaded
+        if missing or unknown:
+            return
         state: dict = {"tables": {}}
         for key, where in ours.items():
             if key not in state_dict:
@@ -291,7 +291,7 @@ class EmbeddingLayer(torch.nn.Module):
             table, entry = where
             state["tables"].setdefault(table, {})[entry] = value
         try:
-            self.engine.load_state_dict(state, strict=strict)
+            self.engine.load_state_dict(state)
         except (TypeError, ValueError) as e:
             error_msgs.append(f"while loading the EmbeddingLayer's engine state at {prefix!r}: {e}")
 
