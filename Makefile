@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # FBGEMM's CPU build that loads with torch 2.13.0 (benchmarks only).
 FBGEMM_SPEC ?= fbgemm-gpu-cpu==1.8.0
+# TorchRec, for the tests that compare with its own classes (tests/test_torchrec_interop.py).
+# --no-deps: it requires fbgemm-gpu, the CUDA build; FBGEMM_SPEC is its CPU build. Its other
+# requirements are pinned and installed beside TORCH_SPEC, so none of them can move torch.
+TORCHREC_SPEC ?= torchrec==1.8.0
+TORCHREC_DEPS ?= tensordict==0.15.3 pyre-extensions==0.0.32 torchmetrics==1.0.3 tqdm
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup test demo lint bench clean
@@ -18,6 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -e ".[torch,train,dev]"
 	# MovieLens-100K ships inside recbole; --no-deps keeps its heavy dependencies out.
 	$(PIP) install --no-deps "recbole==1.2.1"
+	$(PIP) install "$(TORCH_SPEC)" "$(FBGEMM_SPEC)" $(TORCHREC_DEPS)
+	$(PIP) install --no-deps "$(TORCHREC_SPEC)"
 	touch $@
 
 test: setup

@@ -1,10 +1,24 @@
 """KeyedJagged: a batch of several variable-length features in one flat layout (TorchRec's KJT).
 
 ``values`` holds every id, key by key and, within a key, sample by sample; ``lengths`` (or
-``offsets``) has ``len(keys) * batch_size`` entries in the same order. TorchRec's own
-KeyedJaggedTensor is accepted too wherever a KeyedJagged is (duck-typed; torchrec is not a
-dependency), and checked the same way when it is split (``keyed_jagged_to_features``). This
-module needs no torch; ``embengine.torch.KeyedJagged`` is the same class.
+``offsets``) has one entry per sample of each key, in the same order: ``len(keys) *
+batch_size`` entries, or ``sum(stride_per_key)`` when each key has its own number of samples
+(TorchRec's variable batch per feature, "VBE").
+
+A VBE batch also needs ``inverse_indices = (keys, indices)``, ``indices`` of shape
+``[len(keys), batch_size]``: sample ``j`` of the batch reads row ``indices[k, j]`` of key
+``k``. Its output is what TorchRec's EmbeddingBagCollection gives: each key pooled over its own
+samples, then expanded to the batch by the inverse indices. Here the ids are expanded before
+the lookup instead (``keyed_jagged_to_features``): every key then has ``batch_size`` samples,
+the pooled rows are the same bits, and each row's gradient is the same sum. A VBE batch
+without inverse indices is refused, naming the keys and their numbers of samples, as TorchRec
+refuses it (there is no batch to give its outputs).
+
+TorchRec's own KeyedJaggedTensor is accepted wherever a KeyedJagged is (duck-typed; torchrec is
+not a dependency: ``keys``, ``values``, ``lengths``, and where present ``weights_or_none``,
+``variable_stride_per_key``, ``stride_per_key`` and ``inverse_indices_or_none``) and checked
+the same way when it is split. This module needs no torch; ``embengine.torch.KeyedJagged`` is
+the same class.
 
 Lengths are checked so that no sum of them can wrap around int64 (each length in
 ``[0, len(values)]``, every running sum checked, not only the total); errors name the key and
@@ -22,40 +36,65 @@ from .inputs import Ragged, _float_array, _int_array, read_only
 __all__ = ["KeyedJagged", "is_keyed_jagged", "keyed_jagged_to_features"]
 
 
-def _where(keys: list[str], batch: int, k: int) -> str:
-    """Key and sample of entry ``k`` of a KJT's lengths (key-major)."""
-    return f"key {keys[k // batch]!r}, sample {k % batch}"
+class _Layout:
+    """Which key and sample each entry of a KJT's lengths belongs to (key-major)."""
+
+    def __init__(self, keys: list[str], strides: list[int]):
+        self.keys = keys
+        self.strides = strides
+        self.starts = np.zeros(len(strides) + 1, dtype=np.int64)
+        np.cumsum(strides, out=self.starts[1:])
+
+    def where(self, k: int) -> str:
+        i = int(np.searchsorted(self.starts, k, side="right")) - 1
+        return f"key {self.keys[i]!r}, sample {k - int(self.starts[i])}"
 
 
-def _batch_size(keys: list[str], num_lengths: int) -> int:
+def _uniform(keys: list[str], num_lengths: int) -> _Layout:
     if not keys:
         if num_lengths:
             raise ValueError(f"KeyedJagged has no keys but {num_lengths} lengths")
-        return 0
+        return _Layout(keys, [])
     if num_lengths % len(keys):
         raise ValueError(
             f"KeyedJagged has {num_lengths} lengths for {len(keys)} keys; it needs "
-            "len(keys) * batch_size"
+            "len(keys) * batch_size, or stride_per_key (a variable batch per key)"
         )
-    return num_lengths // len(keys)
+    return _Layout(keys, [num_lengths // len(keys)] * len(keys))
 
 
-def _offsets_from_lengths(keys: list[str], lengths: np.ndarray, num_values: int) -> np.ndarray:
+def _variable(keys: list[str], stride_per_key, num_lengths: int) -> _Layout:
+    strides = list(_int_array(list(stride_per_key), "KeyedJagged stride_per_key"))
+    if len(strides) != len(keys):
+        raise ValueError(
+            f"KeyedJagged stride_per_key has {len(strides)} entries for {len(keys)} keys; give "
+            "one number of samples per key"
+        )
+    for key, s in zip(keys, strides, strict=True):
+        if s < 0:
+            raise ValueError(f"KeyedJagged key {key!r}: stride_per_key {int(s)} is negative")
+    total = sum(int(s) for s in strides)  # Python ints: no wrap
+    if total != num_lengths:
+        raise ValueError(
+            f"KeyedJagged stride_per_key {dict(zip(keys, map(int, strides), strict=True))} adds "
+            f"up to {total} samples but there are {num_lengths} lengths"
+        )
+    return _Layout(keys, [int(s) for s in strides])
+
+
+def _offsets_from_lengths(layout: _Layout, lengths: np.ndarray, num_values: int) -> np.ndarray:
     """Offsets ``[len(lengths) + 1]`` of a KJT's lengths, checked without overflow."""
-    if lengths.ndim != 1:
-        raise ValueError(f"KeyedJagged lengths must be 1-D, got shape {lengths.shape}")
-    batch = _batch_size(keys, len(lengths))
     if lengths.size:
         if lengths.min() < 0:
             k = int(np.argmax(lengths < 0))
             raise ValueError(
-                f"KeyedJagged {_where(keys, batch, k)}: length {int(lengths[k])} (lengths[{k}]) "
+                f"KeyedJagged {layout.where(k)}: length {int(lengths[k])} (lengths[{k}]) "
                 "is negative"
             )
         if lengths.max() > num_values:
             k = int(np.argmax(lengths > num_values))
             raise ValueError(
-                f"KeyedJagged {_where(keys, batch, k)}: length {int(lengths[k])} (lengths[{k}]) "
+                f"KeyedJagged {layout.where(k)}: length {int(lengths[k])} (lengths[{k}]) "
                 f"is more than the number of values ({num_values})"
             )
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -65,7 +104,7 @@ def _offsets_from_lengths(keys: list[str], lengths: np.ndarray, num_values: int)
         k = int(np.argmax(wrapped))
         raise ValueError(
             f"KeyedJagged lengths sum to more than the number of values ({num_values}): the "
-            f"running sum overflows int64 at lengths[{k}] ({_where(keys, batch, k)})"
+            f"running sum overflows int64 at lengths[{k}] ({layout.where(k)})"
         )
     if offsets[-1] != num_values:
         raise ValueError(
@@ -74,16 +113,13 @@ def _offsets_from_lengths(keys: list[str], lengths: np.ndarray, num_values: int)
     return offsets
 
 
-def _check_offsets(keys: list[str], offsets: np.ndarray, num_values: int) -> None:
-    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
-        raise ValueError("KeyedJagged offsets must be 1-D and start at 0")
-    batch = _batch_size(keys, len(offsets) - 1)
+def _check_offsets(layout: _Layout, offsets: np.ndarray, num_values: int) -> None:
     # Compared, not subtracted: np.diff wraps around near the int64 limits.
     down = offsets[1:] < offsets[:-1]
     if down.any():
         k = int(np.argmax(down)) + 1
         raise ValueError(
-            f"KeyedJagged {_where(keys, batch, k - 1)}: offsets[{k}]={int(offsets[k])} is less "
+            f"KeyedJagged {layout.where(k - 1)}: offsets[{k}]={int(offsets[k])} is less "
             f"than offsets[{k - 1}]={int(offsets[k - 1])}; offsets must be non-decreasing"
         )
     if offsets[-1] != num_values:
@@ -100,6 +136,13 @@ def _values(values) -> np.ndarray:
     if v.ndim != 1:
         raise ValueError(f"KeyedJagged values must be 1-D, got shape {v.shape}")
     return v
+
+
+def _lengths(lengths) -> np.ndarray:
+    a = _int_array(lengths, "KeyedJagged lengths")
+    if a.ndim != 1:
+        raise ValueError(f"KeyedJagged lengths must be 1-D, got shape {a.shape}")
+    return a
 
 
 def _weights(weights, num_values: int) -> np.ndarray | None:
@@ -121,29 +164,107 @@ def _keys(keys) -> list[str]:
     return keys
 
 
+def _inverse_rows(layout: _Layout, inverse_indices) -> np.ndarray | None:
+    """The inverse indices as int64 ``[len(keys), batch]``, one row per key of the KJT in its
+    order (TorchRec picks rows by key name, as here), every index checked against its key's
+    number of samples. None if there are none."""
+    if inverse_indices is None:
+        return None
+    try:
+        inv_keys, indices = inverse_indices
+    except (TypeError, ValueError):
+        raise TypeError(
+            "KeyedJagged inverse_indices must be (keys, indices [len(keys), batch_size]), got "
+            f"{type(inverse_indices).__name__}"
+        ) from None
+    inv_keys = list(inv_keys)
+    indices = _int_array(indices, "KeyedJagged inverse_indices")
+    if indices.ndim != 2 or indices.shape[0] != len(inv_keys):
+        raise ValueError(
+            f"KeyedJagged inverse_indices must have shape [{len(inv_keys)} keys, batch_size], "
+            f"got {list(indices.shape)}"
+        )
+    rows = np.empty((len(layout.keys), indices.shape[1]), dtype=np.int64)
+    for i, (key, stride) in enumerate(zip(layout.keys, layout.strides, strict=True)):
+        if key not in inv_keys:
+            raise ValueError(
+                f"KeyedJagged key {key!r} has no row in inverse_indices (keys {inv_keys}); "
+                "every key needs one"
+            )
+        row = indices[inv_keys.index(key)]
+        bad = (row < 0) | (row >= stride)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"KeyedJagged key {key!r}: inverse index {int(row[j])} at sample {j} is out of "
+                f"range [0, {stride}) (the key has {stride} samples)"
+            )
+        rows[i] = row
+    return rows
+
+
+def _refuse_unexpanded(layout: _Layout) -> None:
+    if len(set(layout.strides)) > 1:
+        counts = dict(zip(layout.keys, layout.strides, strict=True))
+        raise ValueError(
+            f"KeyedJagged has a variable batch per key {counts} (stride_per_key) and no "
+            "inverse_indices: the keys' outputs would have different batch sizes. Pass "
+            "inverse_indices=(keys, indices [len(keys), batch_size]) saying which sample of "
+            "each key every sample of the batch reads (as TorchRec's EmbeddingBagCollection "
+            "needs), or give every key the same number of samples"
+        )
+
+
 class KeyedJagged:
     """``keys``, integer ``values`` and exactly one of ``lengths`` / ``offsets`` (see module
-    docstring), optional float ``weights`` (one per value). Checked when built; the arrays it
-    hands out are read-only."""
+    docstring), optional float ``weights`` (one per value), and for a variable batch per key
+    ``stride_per_key`` (one number of samples per key) with ``inverse_indices`` (keys, int
+    ``[len(keys), batch_size]``), as TorchRec's KeyedJaggedTensor. Checked when built; the
+    arrays it hands out are read-only."""
 
-    def __init__(self, keys: Sequence[str], values, lengths=None, offsets=None, weights=None):
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values,
+        lengths=None,
+        offsets=None,
+        weights=None,
+        *,
+        stride_per_key: Sequence[int] | None = None,
+        inverse_indices=None,
+    ):
         keys = _keys(keys)
         values = _values(values)
         if (lengths is None) == (offsets is None):
             raise ValueError("KeyedJagged needs exactly one of lengths= or offsets=")
         if lengths is None:
             offsets = np.array(_int_array(offsets, "KeyedJagged offsets"), np.int64, copy=True)
-            _check_offsets(keys, offsets, len(values))
+            if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
+                raise ValueError("KeyedJagged offsets must be 1-D and start at 0")
+            num_lengths = len(offsets) - 1
+        else:
+            lengths = np.array(_lengths(lengths), np.int64, copy=True)
+            num_lengths = len(lengths)
+        if stride_per_key is None:
+            layout = _uniform(keys, num_lengths)
+        else:
+            layout = _variable(keys, stride_per_key, num_lengths)
+        if lengths is None:
+            _check_offsets(layout, offsets, len(values))
             lengths = np.diff(offsets)  # non-decreasing from 0: no difference wraps
         else:
-            lengths = np.array(_int_array(lengths, "KeyedJagged lengths"), np.int64, copy=True)
-            _offsets_from_lengths(keys, lengths, len(values))
+            _offsets_from_lengths(layout, lengths, len(values))
+        inverse = _inverse_rows(layout, inverse_indices)
+        if inverse is None:
+            _refuse_unexpanded(layout)
         lengths.flags.writeable = False
         w = _weights(weights, len(values))
         self._keys = keys
         self._values = read_only(values)
         self._lengths = lengths
         self._weights = None if w is None else read_only(w)
+        self._strides = None if stride_per_key is None else list(layout.strides)
+        self._inverse = None if inverse is None else (list(keys), read_only(inverse))
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -157,9 +278,29 @@ class KeyedJagged:
     def weights_or_none(self):
         return self._weights
 
+    def variable_stride_per_key(self) -> bool:
+        """Whether ``stride_per_key`` was given (TorchRec's name)."""
+        return self._strides is not None
+
+    def stride_per_key(self) -> list[int]:
+        """Samples per key (TorchRec's "stride")."""
+        if self._strides is not None:
+            return list(self._strides)
+        return [len(self._lengths) // len(self._keys)] * len(self._keys) if self._keys else []
+
+    def inverse_indices_or_none(self):
+        """``(keys, int64 [len(keys), batch_size])`` or None."""
+        return self._inverse
+
+    def stride(self) -> int:
+        """The batch size (TorchRec's name): of the inverse indices when given."""
+        if self._inverse is not None:
+            return int(self._inverse[1].shape[1])
+        return len(self._lengths) // len(self._keys) if self._keys else 0
+
     @property
     def batch_size(self) -> int:
-        return len(self._lengths) // len(self._keys) if self._keys else 0
+        return self.stride()
 
 
 def is_keyed_jagged(x) -> bool:
@@ -167,28 +308,48 @@ def is_keyed_jagged(x) -> bool:
     return all(callable(getattr(x, name, None)) for name in ("keys", "values", "lengths"))
 
 
+def _optional(kjt, method: str):
+    fn = getattr(kjt, method, None)
+    return fn() if callable(fn) else None
+
+
+def _expand(ids: np.ndarray, offsets: np.ndarray, weights, rows: np.ndarray):
+    """A key's samples ``rows[j]`` for j in the batch: ids, offsets ``[len(rows) + 1]`` and
+    weights of the expanded samples (sample j holds the ids of sample ``rows[j]``)."""
+    starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
+    new = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new[1:])
+    # position of each expanded id in the key's ids: its sample's start, plus its rank in it
+    pos = np.repeat(starts - new[:-1], lengths) + np.arange(int(new[-1]), dtype=np.int64)
+    return ids[pos], new, None if weights is None else weights[pos]
+
+
 def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     """Split a KeyedJagged (or TorchRec KJT) into one Ragged per key, checking it first (a
-    TorchRec KJT was never checked by us); errors name the key and sample."""
+    TorchRec KJT was never checked by us); errors name the key and sample. A variable batch
+    per key is expanded to the batch by its inverse indices (see the module docstring)."""
     keys = _keys(kjt.keys())
     values = _values(kjt.values())
-    lengths = _int_array(kjt.lengths(), "KeyedJagged lengths")
-    offsets = _offsets_from_lengths(keys, lengths, len(values))
-    weights_fn = getattr(kjt, "weights_or_none", None)
-    weights = _weights(weights_fn() if weights_fn is not None else None, len(values))
-    if not keys:
-        return {}
-    batch = len(lengths) // len(keys)
+    lengths = _lengths(kjt.lengths())
+    if _optional(kjt, "variable_stride_per_key"):
+        layout = _variable(keys, kjt.stride_per_key(), len(lengths))
+    else:
+        layout = _uniform(keys, len(lengths))
+    offsets = _offsets_from_lengths(layout, lengths, len(values))
+    weights = _weights(_optional(kjt, "weights_or_none"), len(values))
+    inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
+    if inverse is None:
+        _refuse_unexpanded(layout)
     out = {}
     for i, key in enumerate(keys):
-        lo, hi = i * batch, (i + 1) * batch
+        lo, hi = int(layout.starts[i]), int(layout.starts[i + 1])
         start, stop = int(offsets[lo]), int(offsets[hi])
+        ids, offs = values[start:stop], offsets[lo : hi + 1] - start
+        w = None if weights is None else weights[start:stop]
+        if inverse is not None:
+            ids, offs, w = _expand(ids, offs, w, inverse[i])
         try:
-            out[key] = Ragged(
-                values[start:stop],
-                offsets=offsets[lo : hi + 1] - start,
-                weights=None if weights is None else weights[start:stop],
-            )
+            out[key] = Ragged(ids, offsets=offs, weights=w)
         except (TypeError, ValueError) as e:
             raise type(e)(f"KeyedJagged key {key!r}: {e}") from None
     return out

@@ -2,7 +2,11 @@
 
 The tables are not torch Parameters (a dense torch optimizer never sees them): the layer's
 outputs require grad, and their backward hands the activation gradients to
-``engine.apply_gradients``, as TorchRec/FBGEMM's "optimizer in backward" does.
+``engine.apply_gradients``, as TorchRec/FBGEMM's "optimizer in backward" does. They are in the
+module's ``state_dict()`` all the same (``tables.<table>.weights``, ``tables.<table>.<slot>``,
+``step``), so ``torch.save(model.state_dict())`` holds them; ``lr_handle()`` lets torch's
+learning-rate schedulers drive the tables' dynamic learning rates; ``output="keyed"`` returns a
+TorchRec-style ``KeyedTensor``. See docs/torchrec.md.
 """
 
 from __future__ import annotations
@@ -15,12 +19,18 @@ import torch
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
 from ..keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
+from .keyed_tensor import KeyedTensor
+from .lr_handle import LearningRateHandle
 
 __all__ = ["EmbeddingLayer"]
 
+OUTPUTS = ("dict", "keyed")
+
 
 class _Pending:
-    """One forward's batch, waiting for its backward (which must update at most once)."""
+    """One forward's batch, waiting for its backward (which must update at most once).
+    ``learning_rates``: the values given to forward, else a LearningRateHandle read when the
+    update runs, else None."""
 
     __slots__ = ("engine", "batch", "names", "learning_rates", "applied")
 
@@ -30,6 +40,49 @@ class _Pending:
         self.names = names
         self.learning_rates = learning_rates
         self.applied = False
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    """The array owning ``a``'s memory (numpy points a view's ``base`` at it)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+class _SharedTensors:
+    """Torch tensors sharing memory with an engine's float32 state arrays, one torch storage per
+    array owning the memory (a physical table: weights, float slots and packed neighbours).
+    ``torch.save`` then writes each table's memory once: a tensor made by ``torch.from_numpy``
+    from a strided view gets a storage of its own spanning nearly the whole table, so the
+    weights and each slot would write it again. int32 slots (step counters) are copies, small
+    ``[rows, 1]`` ones: torch.save refuses tensors of two dtypes on one storage."""
+
+    def __init__(self):
+        self._storages: dict[int, tuple[np.ndarray, torch.UntypedStorage]] = {}
+
+    def tensor(self, a: np.ndarray) -> torch.Tensor:
+        if a.dtype != np.float32:
+            return torch.from_numpy(np.array(a, copy=True))
+        owner = _owner(a)
+        item = a.itemsize
+        offset = a.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+        fits = (
+            owner.flags.c_contiguous
+            and owner.flags.writeable
+            and owner.nbytes % item == 0
+            and offset % item == 0
+            and all(s >= 0 and s % item == 0 for s in a.strides)
+        )
+        if not fits:  # not a layout one storage can hold: a storage of its own
+            return torch.from_numpy(a)
+        key = id(owner)
+        if key not in self._storages:
+            flat = torch.from_numpy(owner.reshape(-1).view(np.uint8))
+            self._storages[key] = (owner, flat.untyped_storage())
+        storage = self._storages[key][1]
+        out = torch.empty(0, dtype=torch.float32)
+        out.set_(storage, offset // item, a.shape, [s // item for s in a.strides])
+        return out
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -52,9 +105,10 @@ class _FusedLookup(torch.autograd.Function):
                 gradients[name] = np.zeros(shapes[name], dtype=np.float32)
             else:
                 gradients[name] = g.detach().to(torch.float32).contiguous().numpy()
-        pending.engine.apply_gradients(
-            gradients, learning_rates=pending.learning_rates, batch=pending.batch
-        )
+        lrs = pending.learning_rates
+        if isinstance(lrs, LearningRateHandle):
+            lrs = lrs.learning_rates()  # the scheduler's value now, at the update
+        pending.engine.apply_gradients(gradients, learning_rates=lrs, batch=pending.batch)
         pending.applied = True
         return (None, None) + (None,) * len(grads)
 
@@ -64,21 +118,49 @@ class EmbeddingLayer(torch.nn.Module):
 
     ``forward(features, weights=None, learning_rates=None)`` takes a dict of feature name ->
     ids (torch tensors, NumPy arrays, ``Ragged``, lists of lists), a ``KeyedJagged`` (or
-    TorchRec's KeyedJaggedTensor), or a ``PreparedBatch`` from ``layer.preprocess`` (e.g. built
-    in a DataLoader worker). It returns a dict of float32 tensors. In training mode with grad
-    enabled they require grad; their backward updates every touched row once, whatever the
-    number of branches they feed; calling backward again on the same graph does nothing.
-    ``learning_rates`` (one per dynamic learning-rate tag) is used by that update. In eval mode
-    or under ``torch.no_grad()`` the lookup never updates anything and skips the deduplication
-    (a lookup-only batch); a batch from ``preprocess(..., training=False)`` is refused in
+    TorchRec's KeyedJaggedTensor, also with a variable batch per feature: see
+    embengine.keyed_jagged), or a ``PreparedBatch`` from ``layer.preprocess`` (e.g. built in a
+    DataLoader worker). It returns a dict of float32 tensors, or with ``output="keyed"`` a
+    ``KeyedTensor`` (TorchRec's EmbeddingBagCollection output: ``values()`` is ``[batch, sum of
+    dims]``; every feature must be pooled, ``[batch, dim]``, with the same batch). In training
+    mode with grad enabled they require grad; their backward updates every touched row once,
+    whatever the number of branches they feed; calling backward again on the same graph does
+    nothing. ``learning_rates`` (one per dynamic learning-rate tag) is used by that update;
+    without it, the ``lr_handle()``'s values are, if the layer has one. In eval mode or under
+    ``torch.no_grad()`` the lookup never updates anything and skips the deduplication (a
+    lookup-only batch); a batch from ``preprocess(..., training=False)`` is refused in
     training mode.
+
+    Pooling is each table's ``combiner``, whose default is TF's ``"mean"``; TorchRec's
+    EmbeddingBagConfig pools by ``"sum"`` by default: set ``combiner="sum"`` on the
+    TableConfig (or build the configs with ``feature_configs_from_torchrec``) to port a TorchRec
+    model. ``state_dict()`` holds the engine's tables and slots (``tables.<table>.<entry>``)
+    and its ``step``; ``load_state_dict`` restores them through ``engine.load_state_dict``.
     """
 
-    def __init__(self, engine: EmbeddingEngine):
+    def __init__(self, engine: EmbeddingEngine, output: str = "dict"):
         super().__init__()
         if not isinstance(engine, EmbeddingEngine):
             raise TypeError(f"EmbeddingLayer needs an EmbeddingEngine, got {type(engine)}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         self.engine = engine
+        self.output = output
+        self._lr_handle: LearningRateHandle | None = None
+
+    def lr_handle(self, lr: float | Sequence[float] | None = None) -> LearningRateHandle:
+        """The layer's ``LearningRateHandle`` (made on the first call, with ``lr``: see
+        embengine.torch.lr_handle): a torch ``Optimizer`` with one param group per dynamic
+        learning-rate tag, for ``torch.optim.lr_scheduler`` schedulers. Every later update
+        without ``learning_rates=`` uses its groups' ``lr``."""
+        if self._lr_handle is None:
+            self._lr_handle = LearningRateHandle(self.engine, lr)
+        elif lr is not None:
+            raise ValueError(
+                "the layer has its lr_handle already; set its param_groups' 'lr' instead of "
+                "passing lr= again"
+            )
+        return self._lr_handle
 
     def preprocess(
         self, features, weights: Mapping | None = None, *, training: bool = True
@@ -103,7 +185,7 @@ class EmbeddingLayer(torch.nn.Module):
         features,
         weights: Mapping | None = None,
         learning_rates: Sequence[float] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor] | KeyedTensor:
         training = self.training and torch.is_grad_enabled()
         if isinstance(features, PreparedBatch):
             if weights is not None:
@@ -121,13 +203,97 @@ class EmbeddingLayer(torch.nn.Module):
         # afterwards, could be another thread's.
         acts, batch = self.engine.lookup_with_batch(features, weights, training=training)
         names = list(acts)
+        if self.output == "keyed":
+            self._check_keyed(acts)
         tensors = [torch.from_numpy(acts[n]) for n in names]
-        if not training:
-            return dict(zip(names, tensors, strict=True))
-        anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
-        pending = _Pending(self.engine, batch, names, learning_rates)
-        outputs = _FusedLookup.apply(anchor, pending, *tensors)
-        return dict(zip(names, outputs, strict=True))
+        if training:
+            anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
+            if learning_rates is None:
+                learning_rates = self._lr_handle
+            pending = _Pending(self.engine, batch, names, learning_rates)
+            tensors = _FusedLookup.apply(anchor, pending, *tensors)
+        if self.output == "keyed":
+            return KeyedTensor.from_tensor_list(names, tensors)
+        return dict(zip(names, tensors, strict=True))
+
+    @staticmethod
+    def _check_keyed(acts: Mapping[str, np.ndarray]) -> None:
+        """A KeyedTensor puts every feature's ``[batch, dim]`` side by side."""
+        batch = None
+        for name, a in acts.items():
+            if a.ndim != 2:
+                raise ValueError(
+                    f"output='keyed' needs pooled [batch, dim] activations; feature {name!r} has "
+                    f"shape {list(a.shape)} (a sequence feature or an output_shape): use "
+                    "output='dict'"
+                )
+            if batch is None:
+                batch = (name, a.shape[0])
+            elif a.shape[0] != batch[1]:
+                raise ValueError(
+                    f"output='keyed' needs one batch size; feature {name!r} has {a.shape[0]} "
+                    f"samples, feature {batch[0]!r} has {batch[1]}"
+                )
+
+    # -- state_dict: the engine's tables and slots, and its step --------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """``{prefix}step`` (int64 scalar) and ``{prefix}tables.<table>.<entry>`` for the
+        weights and every slot: float32 tensors sharing memory with the tables, as a
+        Parameter's entry does (they change with training; clone for a snapshot; read them
+        while no update runs); int32 slots are copies (see _SharedTensors)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = self.engine.state_dict()
+        destination[prefix + "step"] = torch.tensor(state["step"], dtype=torch.int64)
+        shared = _SharedTensors()
+        for table, entries in state["tables"].items():
+            for entry, array in entries.items():
+                destination[f"{prefix}tables.{table}.{entry}"] = shared.tensor(array)
+
+    def _state_keys(self, prefix: str) -> dict[str, tuple[str, str] | None]:
+        """Each state_dict key of the engine -> (table, entry), or None for the step."""
+        keys: dict[str, tuple[str, str] | None] = {prefix + "step": None}
+        for table, entries in self.engine.state_dict()["tables"].items():
+            for entry in entries:
+                keys[f"{prefix}tables.{table}.{entry}"] = (table, entry)
+        return keys
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Restore the tables, slots and step through ``engine.load_state_dict``, which checks
+        every entry before it copies anything. All or nothing: a missing or unknown key, or a
+        shape or dtype that does not fit (in error_msgs), changes nothing, whatever
+        ``strict`` (torch does not tell a module whether it was given; with strict=False the
+        keys are in the result). ``engine.load_state_dict(state, strict=False)`` loads part of
+        a state. Values are copied into the tables (``assign=True`` too)."""
+        ours = self._state_keys(prefix)
+        rest = {k: v for k, v in state_dict.items() if k not in ours}
+        super()._load_from_state_dict(
+            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        unknown = [k for k in rest if k.startswith(prefix + "tables.")]
+        unexpected_keys.extend(k for k in unknown if k not in unexpected_keys)
+        missing = [k for k in ours if k not in state_dict]
+        missing_keys.extend(missing)
+        if missing or unknown:
+            return
+        state: dict = {"tables": {}}
+        for key, where in ours.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if where is None:
+                state["step"] = int(value.item() if isinstance(value, torch.Tensor) else value)
+                continue
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu().numpy()
+            table, entry = where
+            state["tables"].setdefault(table, {})[entry] = value
+        try:
+            self.engine.load_state_dict(state)
+        except (TypeError, ValueError) as e:
+            error_msgs.append(f"while loading the EmbeddingLayer's engine state at {prefix!r}: {e}")
 
     def extra_repr(self) -> str:
         tables = ", ".join(

@@ -1,0 +1,789 @@
+"""TorchRec interop: KeyedJaggedTensor in every form TorchRec makes (variable batch per
+feature included), EmbeddingLayer's state_dict, torch LR schedulers, KeyedTensor output and
+TorchRec's configs. Tests marked with a torchrec fixture compare against torchrec's own classes
+and are skipped where it is not installed (``make test`` installs it); the others use our
+KeyedJagged or a duck type, and run everywhere."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import embengine as ee
+from embengine import optimizers as opt
+from embengine.keyed_jagged import keyed_jagged_to_features
+from embengine.torch import (
+    EmbeddingLayer,
+    KeyedJagged,
+    KeyedTensor,
+    LearningRateHandle,
+    feature_configs_from_torchrec,
+)
+
+
+@pytest.fixture(scope="module")
+def trj():
+    """torchrec.sparse.jagged_tensor, or skip."""
+    return pytest.importorskip("torchrec.sparse.jagged_tensor")
+
+
+def _engine(optimizer=None, combiner="sum", seed=0, dims=(3, 2), lr=None, backend="numba"):
+    def table(name, vocab, dim):
+        o = None if lr is None else type(optimizer)(lr)
+        return ee.TableConfig(
+            vocab,
+            dim,
+            name=name,
+            combiner=combiner,
+            optimizer=o,
+            initializer=ee.initializers.RandomUniform(-0.5, 0.5),
+        )
+
+    t, u = table("t", 12, dims[0]), table("u", 10, dims[1])
+    return ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)},
+        optimizer=optimizer,
+        seed=seed,
+        backend=backend,
+    )
+
+
+class _DuckKJT:
+    """What a TorchRec KeyedJaggedTensor shows of itself, with nothing checked."""
+
+    def __init__(self, keys, values, lengths, weights=None, stride_per_key=None, inverse=None):
+        self._k, self._v, self._l, self._w = keys, values, lengths, weights
+        self._s, self._i = stride_per_key, inverse
+
+    def keys(self):
+        return self._k
+
+    def values(self):
+        return self._v
+
+    def lengths(self):
+        return self._l
+
+    def weights_or_none(self):
+        return self._w
+
+    def variable_stride_per_key(self):
+        return self._s is not None
+
+    def stride_per_key(self):
+        return self._s
+
+    def inverse_indices_or_none(self):
+        return self._i
+
+
+# A variable batch per feature: key "a" has 2 samples, key "b" 3; the batch has 4 samples.
+VBE = {
+    "keys": ["a", "b"],
+    "values": [1, 2, 3, 4, 5, 6, 7],
+    "lengths": [1, 2, 1, 0, 3],
+    "weights": [1.0, 0.5, 2.0, 1.5, 1.0, 3.0, 0.25],
+    "stride_per_key": [2, 3],
+    "inverse": [[0, 1, 1, 0], [2, 1, 0, 2]],
+}
+# The same batch with every key expanded to the 4 samples by the inverse indices.
+EXPANDED_IDS = {"a": [[1], [2, 3], [2, 3], [1]], "b": [[5, 6, 7], [], [4], [5, 6, 7]]}
+EXPANDED_WEIGHTS = {
+    "a": [[1.0], [0.5, 2.0], [0.5, 2.0], [1.0]],
+    "b": [[1.0, 3.0, 0.25], [], [1.5], [1.0, 3.0, 0.25]],
+}
+
+
+def _vbe(kind, weighted, trj=None, inverse_keys=("a", "b")):
+    v = VBE
+    inv_rows = [v["inverse"][v["keys"].index(k)] for k in inverse_keys]
+    weights = torch.tensor(v["weights"]) if weighted else None
+    if kind == "ours":
+        return KeyedJagged(
+            v["keys"],
+            torch.tensor(v["values"]),
+            lengths=torch.tensor(v["lengths"]),
+            weights=weights,
+            stride_per_key=v["stride_per_key"],
+            inverse_indices=(list(inverse_keys), torch.tensor(inv_rows)),
+        )
+    if kind == "duck":
+        return _DuckKJT(
+            v["keys"],
+            torch.tensor(v["values"]),
+            torch.tensor(v["lengths"]),
+            weights,
+            v["stride_per_key"],
+            (list(inverse_keys), torch.tensor(inv_rows)),
+        )
+    return trj.KeyedJaggedTensor(
+        keys=v["keys"],
+        values=torch.tensor(v["values"]),
+        lengths=torch.tensor(v["lengths"]),
+        weights=weights,
+        stride_per_key_per_rank=[[s] for s in v["stride_per_key"]],
+        inverse_indices=(list(inverse_keys), torch.tensor(inv_rows)),
+    )
+
+
+def _vbe_kinds(trj_or_none):
+    return ["ours", "duck"] + (["torchrec"] if trj_or_none is not None else [])
+
+
+def _maybe_trj():
+    try:
+        import torchrec.sparse.jagged_tensor as m
+    except ImportError:
+        return None
+    return m
+
+
+# -- KeyedJaggedTensor: a variable batch per feature ---------------------------------------------
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("kind", ["ours", "duck", "torchrec"])
+def test_vbe_kjt_is_the_batch_expanded_by_its_inverse_indices(kind, weighted):
+    trj = _maybe_trj()
+    if kind == "torchrec" and trj is None:
+        pytest.skip("torchrec is not installed")
+    kjt = _vbe(kind, weighted, trj)
+    split = keyed_jagged_to_features(kjt)
+    for key in ("a", "b"):
+        r = split[key]
+        got = [r.ids[r.offsets[j] : r.offsets[j + 1]].tolist() for j in range(4)]
+        assert got == EXPANDED_IDS[key]
+        if weighted:
+            w = [r.weights[r.offsets[j] : r.offsets[j + 1]].tolist() for j in range(4)]
+            assert w == EXPANDED_WEIGHTS[key]
+    # Trained on: the same forward and the same update as the expanded batch, bit for bit.
+    eng, ref = _engine(opt.Adagrad(0.2)), _engine(opt.Adagrad(0.2))
+    out = EmbeddingLayer(eng)(kjt)
+    expected = EmbeddingLayer(ref)(
+        {k: ee.Ragged(split[k].ids, offsets=split[k].offsets) for k in ("a", "b")}
+        if not weighted
+        else EXPANDED_IDS,
+        EXPANDED_WEIGHTS if weighted else None,
+    )
+    for key in ("a", "b"):
+        assert out[key].shape[0] == 4
+        torch.testing.assert_close(out[key], expected[key], rtol=0, atol=0)
+    g = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3) / 7
+    (out["a"] * g).sum().backward()
+    (expected["a"] * g).sum().backward()
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(eng.embedding_tables[name], ref.embedding_tables[name])
+        for slot, arr in eng.slots(name).items():
+            np.testing.assert_array_equal(arr, ref.slots(name)[slot])
+
+
+@pytest.mark.parametrize("kind", ["ours", "duck", "torchrec"])
+def test_inverse_indices_rows_are_picked_by_key_name(kind):
+    trj = _maybe_trj()
+    if kind == "torchrec" and trj is None:
+        pytest.skip("torchrec is not installed")
+    split = keyed_jagged_to_features(_vbe(kind, False, trj, inverse_keys=("b", "a")))
+    r = split["b"]
+    assert [r.ids[r.offsets[j] : r.offsets[j + 1]].tolist() for j in range(4)] == EXPANDED_IDS["b"]
+
+
+def test_vbe_without_inverse_indices_is_refused_naming_the_keys():
+    v = VBE
+    message = (
+        r"KeyedJagged has a variable batch per key \{'a': 2, 'b': 3\} \(stride_per_key\) "
+        r"and no inverse_indices.*Pass inverse_indices="
+    )
+    with pytest.raises(ValueError, match=message):
+        KeyedJagged(v["keys"], v["values"], lengths=v["lengths"], stride_per_key=[2, 3])
+    duck = _DuckKJT(
+        v["keys"], torch.tensor(v["values"]), torch.tensor(v["lengths"]), stride_per_key=[2, 3]
+    )
+    layer = EmbeddingLayer(_engine(opt.SGD(0.1)))
+    with pytest.raises(ValueError, match=message):
+        layer(duck)
+    with pytest.raises(ValueError, match=message):
+        layer.preprocessor()(duck)
+    # stride_per_key [1, 3]: 4 lengths for 2 keys look like a batch of 2 (it was read so, the
+    # ids of "b"'s first sample given to "a", with no error).
+    duck = _DuckKJT(
+        ["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 0, 1]), stride_per_key=[1, 3]
+    )
+    with pytest.raises(ValueError, match=r"\{'a': 1, 'b': 3\}"):
+        layer(duck)
+    # Every key with the same number of samples needs no inverse indices.
+    same = KeyedJagged(["a", "b"], [1, 2], lengths=[1, 0, 0, 1], stride_per_key=[2, 2])
+    assert keyed_jagged_to_features(same)["b"].lengths.tolist() == [0, 1]
+
+
+def test_vbe_torchrec_kjt_without_inverse_indices_is_refused(trj):
+    kjt = trj.KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 0, 1]),
+        stride_per_key_per_rank=[[1], [3]],
+    )
+    with pytest.raises(ValueError, match=r"variable batch per key \{'a': 1, 'b': 3\}"):
+        EmbeddingLayer(_engine(opt.SGD(0.1)))(kjt)
+
+
+def test_bad_vbe_layouts_are_refused_naming_the_key():
+    v = VBE
+    inv = (["a", "b"], torch.tensor(v["inverse"]))
+    with pytest.raises(
+        ValueError,
+        match=r"key 'b': inverse index 3 at sample 0 is out of range "
+        r"\[0, 3\) \(the key has 3 samples\)",
+    ):
+        KeyedJagged(
+            v["keys"],
+            v["values"],
+            lengths=v["lengths"],
+            stride_per_key=[2, 3],
+            inverse_indices=(["a", "b"], torch.tensor([[0, 1, 1, 0], [3, 1, 0, 2]])),
+        )
+    with pytest.raises(ValueError, match=r"key 'b' has no row in inverse_indices"):
+        KeyedJagged(
+            v["keys"],
+            v["values"],
+            lengths=v["lengths"],
+            stride_per_key=[2, 3],
+            inverse_indices=(["a"], torch.tensor([[0, 1, 1, 0]])),
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"stride_per_key \{'a': 2, 'b': 2\} adds up to 4 "
+        r"samples but there are 5 lengths",
+    ):
+        KeyedJagged(
+            v["keys"], v["values"], lengths=v["lengths"], stride_per_key=[2, 2], inverse_indices=inv
+        )
+    with pytest.raises(ValueError, match=r"KeyedJagged key 'b', sample 2: length -1"):
+        KeyedJagged(
+            v["keys"], [1, 2], lengths=[1, 1, 0, 1, -1], stride_per_key=[2, 3], inverse_indices=inv
+        )
+    with pytest.raises(ValueError, match=r"key 'b', sample 1: offsets\[4\]=1 is less"):
+        KeyedJagged(
+            v["keys"],
+            [1, 2, 3],
+            offsets=[0, 1, 2, 3, 1, 3],
+            stride_per_key=[2, 3],
+            inverse_indices=inv,
+        )
+
+
+def test_vbe_over_several_ranks(trj):
+    # stride_per_key_per_rank [[1, 1], [2, 1]]: "a" has 2 samples, "b" 3, rank by rank.
+    kjt = trj.KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor([1, 2, 3, 4, 5]),
+        lengths=torch.tensor([1, 2, 0, 1, 1]),
+        stride_per_key_per_rank=[[1, 1], [2, 1]],
+        inverse_indices=(["a", "b"], torch.tensor([[1, 0], [2, 0]])),
+    )
+    split = keyed_jagged_to_features(kjt)
+    assert split["a"].ids.tolist() == [2, 3, 1] and split["a"].lengths.tolist() == [2, 1]
+    assert split["b"].ids.tolist() == [5] and split["b"].lengths.tolist() == [1, 0]
+
+
+def _ebc(trj_module, eng, pooling, weighted):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    p = PoolingType.SUM if pooling == "sum" else PoolingType.MEAN
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                num_embeddings=12, embedding_dim=3, name="t", feature_names=["a"], pooling=p
+            ),
+            EmbeddingBagConfig(
+                num_embeddings=10, embedding_dim=2, name="u", feature_names=["b"], pooling=p
+            ),
+        ],
+        is_weighted=weighted,
+    )
+    with torch.no_grad():
+        for name in ("t", "u"):
+            ebc.embedding_bags[name].weight.copy_(torch.from_numpy(eng.embedding_tables[name]))
+    return ebc
+
+
+# torch's embedding_bag takes per-sample weights with sum pooling only
+@pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("mean", False), ("sum", True)])
+def test_vbe_matches_torchrecs_embedding_bag_collection(trj, pooling, weighted):
+    """Forward and an SGD step from a VBE KJT: embengine against TorchRec's own
+    EmbeddingBagCollection (which pools each key over its own samples, then expands)."""
+    eng = _engine(opt.SGD(0.5), combiner=pooling)
+    ebc = _ebc(trj, eng, pooling, weighted)
+    kjt = _vbe("torchrec", weighted, trj)
+    layer = EmbeddingLayer(eng, output="keyed")
+    ours, theirs = layer(kjt), ebc(kjt)
+    assert ours.keys() == theirs.keys() and ours.length_per_key() == theirs.length_per_key()
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-6, atol=1e-7)
+    g = torch.linspace(-1, 1, 4 * 5).reshape(4, 5)
+    (ours.values() * g).sum().backward()
+    (theirs.values() * g).sum().backward()
+    with torch.no_grad():
+        for p in ebc.parameters():
+            p -= 0.5 * p.grad
+    for name in ("t", "u"):
+        np.testing.assert_allclose(
+            eng.embedding_tables[name],
+            ebc.embedding_bags[name].weight.detach().numpy(),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
+# -- KeyedJaggedTensor: the other forms TorchRec makes ---------------------------------------------
+
+
+def _kjt_forms(trj):
+    KJT, JT = trj.KeyedJaggedTensor, trj.JaggedTensor
+    keys, values, lengths = ["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 0, 1, 2])
+    weights = torch.tensor([0.5, 1.0, 2.0, 1.0, 3.0])
+    base = KJT.from_lengths_sync(keys, values, lengths)
+    return {
+        "from_lengths_sync": base,
+        "from_offsets_sync": KJT.from_offsets_sync(keys, values, torch.tensor([0, 2, 2, 3, 5])),
+        "int32": KJT(keys=keys, values=values.int(), lengths=lengths.int()),
+        "weighted": KJT.from_lengths_sync(keys, values, lengths, weights=weights),
+        "from_jt_dict": KJT.from_jt_dict(
+            {"a": JT(values[:2], lengths=lengths[:2]), "b": JT(values[2:], lengths=lengths[2:])}
+        ),
+        "permuted": KJT.from_lengths_sync(
+            ["b", "a"], torch.tensor([3, 4, 5, 1, 2]), torch.tensor([1, 2, 2, 0])
+        ).permute([1, 0]),
+        "concat": KJT.concat(
+            [
+                KJT.from_lengths_sync(["a"], values[:2], lengths[:2]),
+                KJT.from_lengths_sync(["b"], values[2:], lengths[2:]),
+            ]
+        ),
+        "split": KJT.from_lengths_sync(
+            ["c", "a", "b"],
+            torch.cat([torch.tensor([9]), values]),
+            torch.tensor([1, 0, *lengths.tolist()]),
+        ).split([1, 2])[1],
+        "stride_per_key_per_rank_uniform": KJT(
+            keys=keys,
+            values=values,
+            lengths=lengths,
+            stride_per_key_per_rank=[[1, 1], [1, 1]],
+            inverse_indices=(keys, torch.tensor([[0, 1], [0, 1]])),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "from_lengths_sync",
+        "from_offsets_sync",
+        "int32",
+        "weighted",
+        "from_jt_dict",
+        "permuted",
+        "concat",
+        "split",
+        "stride_per_key_per_rank_uniform",
+    ],
+)
+def test_every_torchrec_kjt_form_reads_as_our_keyed_jagged(trj, form):
+    kjt = _kjt_forms(trj)[form]
+    weights = [0.5, 1.0, 2.0, 1.0, 3.0] if form == "weighted" else None
+    ours = KeyedJagged(["a", "b"], [1, 2, 3, 4, 5], lengths=[2, 0, 1, 2], weights=weights)
+    layer = EmbeddingLayer(_engine(opt.SGD(0.1)))
+    got, expected = layer(kjt), layer(ours)
+    assert list(got) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
+
+
+# -- state_dict ------------------------------------------------------------------------------------
+
+
+class Model(torch.nn.Module):
+    def __init__(self, engine):
+        super().__init__()
+        self.emb = EmbeddingLayer(engine)
+        self.dense = torch.nn.Linear(4 + 4 + 2, 1)
+
+    def forward(self, kjt):
+        out = self.emb(kjt)
+        return self.dense(torch.cat([out["a"], out["b"], out["c"]], dim=1))
+
+
+def _packed_engine(seed):
+    # "t" and "u" (dim 4, Adam) share one physical table (low-dimensional packing); "v" not.
+    t = ee.TableConfig(30, 4, name="t", combiner="sum")
+    u = ee.TableConfig(20, 4, name="u", combiner="mean")
+    v = ee.TableConfig(25, 2, name="v", optimizer=opt.Adagrad(0.1))
+    return ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u), "c": ee.FeatureConfig(v)},
+        optimizer=opt.Adam(0.05, low_dimensional_packing_status=True),
+        seed=seed,
+    )
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        lengths = rng.integers(0, 4, size=3 * 4)
+        vocab = np.repeat([30, 20, 25], 4)
+        values = np.concatenate(
+            [rng.integers(0, v, size=k) for v, k in zip(vocab, lengths, strict=True)]
+        )
+        y = torch.from_numpy(rng.normal(size=(4, 1)).astype(np.float32))
+        yield KeyedJagged(["a", "b", "c"], torch.from_numpy(values), lengths=lengths), y
+
+
+def _train(model, dense_opt, batches):
+    for kjt, y in batches:
+        loss = ((model(kjt) - y) ** 2).mean()
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+
+
+def test_state_dict_holds_tables_slots_and_step_sharing_memory():
+    eng = _packed_engine(0)
+    assert eng.storage_plan.to_json()  # the plan exists; t and u are packed:
+    assert any(len(p.tables) == 2 for p in eng.storage_plan.physical_tables)
+    model = Model(eng)
+    sd = model.state_dict()
+    expected = {"emb.step"} | {
+        f"emb.tables.{t}.{e}" for t in ("t", "u") for e in ("weights", "momenta", "velocities")
+    }
+    expected |= {"emb.tables.v.weights", "emb.tables.v.accumulators"}
+    assert set(sd) == expected | {"dense.weight", "dense.bias"}
+    assert sd["emb.step"].item() == 0
+    w = sd["emb.tables.t.weights"]
+    assert w.dtype == torch.float32 and w.shape == (30, 4)
+    np.testing.assert_array_equal(w.numpy(), eng.embedding_tables["t"])
+    # Live, as a Parameter's entry: one training step shows in the tensors already taken.
+    _train(model, torch.optim.SGD(model.dense.parameters(), 0.1), _batches(1))
+    np.testing.assert_array_equal(w.numpy(), eng.embedding_tables["t"])
+    np.testing.assert_array_equal(
+        sd["emb.tables.t.velocities"].numpy(), eng.slots("t")["velocities"]
+    )
+    # One storage per physical table: torch.save writes the tables' memory once.
+    buf = io.BytesIO()
+    torch.save(model.emb.state_dict(), buf)
+    assert len(buf.getvalue()) < eng.storage_bytes + 8192
+    storages = {t.untyped_storage().data_ptr() for k, t in sd.items() if ".tables." in k}
+    assert len(storages) == 2
+
+
+def test_int32_slots_are_copies():
+    t = ee.TableConfig(10, 1, name="t", optimizer=opt.FrequencyEstimator(0.1))
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
+    layer = EmbeddingLayer(eng)
+    slot = next(s for s in eng.slots("t") if eng.slots("t")[s].dtype == np.int32)
+    sd = layer.state_dict()
+    assert sd[f"tables.t.{slot}"].dtype == torch.int32
+    layer({"a": [[3]]})["a"].sum().backward()
+    assert eng.slots("t")[slot][3, 0] != sd[f"tables.t.{slot}"][3, 0].item()
+    layer.load_state_dict(layer.state_dict())  # round trip of an int32 slot
+
+
+def test_torch_save_round_trip_continues_training_bit_exactly(tmp_path):
+    batches = list(_batches(6, seed=1))
+    torch.manual_seed(0)
+    straight = Model(_packed_engine(0))
+    init_dense = {k: v.clone() for k, v in straight.dense.state_dict().items()}
+    straight_opt = torch.optim.Adam(straight.dense.parameters(), 0.01)
+    _train(straight, straight_opt, batches)
+
+    first = Model(_packed_engine(0))
+    first.dense.load_state_dict(init_dense)
+    first_opt = torch.optim.Adam(first.dense.parameters(), 0.01)
+    _train(first, first_opt, batches[:3])
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, tmp_path / "m.pt")
+
+    resumed = Model(_packed_engine(seed=7))  # other initial values, all replaced by the load
+    saved = torch.load(tmp_path / "m.pt")
+    assert resumed.load_state_dict(saved["model"]) is not None
+    resumed_opt = torch.optim.Adam(resumed.dense.parameters(), 0.01)
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed.emb.engine.step == 3
+    for name in ("t", "u", "v"):
+        np.testing.assert_array_equal(
+            resumed.emb.engine.embedding_tables[name], first.emb.engine.embedding_tables[name]
+        )
+    _train(resumed, resumed_opt, batches[3:])
+    a, b = resumed.emb.engine.state_dict(), straight.emb.engine.state_dict()
+    assert a["step"] == b["step"] == 6
+    for name, entries in b["tables"].items():
+        for entry, array in entries.items():
+            np.testing.assert_array_equal(
+                a["tables"][name][entry], array, err_msg=f"{name}.{entry}"
+            )
+    for p, q in zip(resumed.dense.parameters(), straight.dense.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_load_state_dict_checks_everything_before_changing_anything():
+    src, dst = Model(_packed_engine(0)), Model(_packed_engine(3))
+    _train(src, torch.optim.SGD(src.dense.parameters(), 0.1), _batches(2))
+    before = {k: v.clone() for k, v in dst.emb.state_dict().items()}
+
+    def unchanged():
+        for k, v in dst.emb.state_dict().items():
+            torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+    good = src.state_dict()
+    missing = {k: v for k, v in good.items() if k != "emb.tables.v.accumulators"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*emb\.tables\.v\.accumulators"):
+        dst.load_state_dict(missing)
+    unchanged()
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*emb\.tables\.w\.weights"):
+        dst.load_state_dict({**good, "emb.tables.w.weights": torch.zeros(3, 4)})
+    unchanged()
+    bad_shape = {**good, "emb.tables.v.weights": torch.zeros(24, 2)}
+    with pytest.raises(
+        RuntimeError,
+        match=r"state\['tables'\]\['v'\]\['weights'\] is float32 "
+        r"\[24, 2\], table 'v' holds float32 \[25, 2\]",
+    ):
+        dst.load_state_dict(bad_shape)
+    unchanged()
+    with pytest.raises(RuntimeError, match=r"state\['step'\] must be an int >= 0, got -1"):
+        dst.load_state_dict({**good, "emb.step": torch.tensor(-1)})
+    unchanged()
+    # strict=False: all or nothing too (torch does not tell a module whether it is strict);
+    # the missing key is reported and the engine is unchanged.
+    result = dst.load_state_dict(missing, strict=False)
+    assert result.missing_keys == ["emb.tables.v.accumulators"]
+    unchanged()
+    assert dst.emb.engine.step == 0
+    dst.load_state_dict(good)
+    assert dst.emb.engine.step == 2
+
+
+# -- learning-rate schedulers ----------------------------------------------------------------------
+
+
+def _dynamic_engine(kind="sgd"):
+    mk = {"sgd": opt.SGD, "adagrad": opt.Adagrad}[kind]
+    t = ee.TableConfig(
+        12,
+        3,
+        name="t",
+        combiner="sum",
+        optimizer=mk(ee.DynamicLearningRate(0)),
+        initializer=ee.initializers.RandomUniform(-0.5, 0.5),
+    )
+    u = ee.TableConfig(
+        10,
+        2,
+        name="u",
+        combiner="sum",
+        optimizer=mk(ee.DynamicLearningRate(1)),
+        initializer=ee.initializers.RandomUniform(-0.5, 0.5),
+    )
+    return ee.EmbeddingEngine({"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)})
+
+
+def _step(layer, i, **kwargs):
+    rng = np.random.default_rng(i)
+    a = [[int(x) for x in rng.integers(0, 12, rng.integers(1, 4))] for _ in range(3)]
+    b = [[int(x) for x in rng.integers(0, 10, rng.integers(0, 3))] for _ in range(3)]
+    out = layer({"a": a, "b": b}, **kwargs)
+    (out["a"].pow(2).sum() + out["b"].sum()).backward()
+
+
+@pytest.mark.parametrize("sched", ["step", "lambda"])
+def test_torch_lr_schedulers_drive_the_tables_learning_rates(sched):
+    scheduled, explicit = (
+        EmbeddingLayer(_dynamic_engine("adagrad")),
+        EmbeddingLayer(_dynamic_engine("adagrad")),
+    )
+    handle = scheduled.lr_handle(lr=[0.4, 0.2])
+    assert isinstance(handle, torch.optim.Optimizer) and isinstance(handle, LearningRateHandle)
+    assert [(g["tag"], g["tables"]) for g in handle.param_groups] == [(0, ["t"]), (1, ["u"])]
+    if sched == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(handle, step_size=2, gamma=0.5)
+        expected = [[0.4 * 0.5 ** (i // 2), 0.2 * 0.5 ** (i // 2)] for i in range(5)]
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            handle, [lambda e: 1 / (e + 1), lambda e: 1.0 + e]
+        )
+        expected = [[0.4 / (i + 1), 0.2 * (1 + i)] for i in range(5)]
+    for i in range(5):
+        lrs = handle.learning_rates()
+        assert lrs == pytest.approx(expected[i], rel=1e-12)
+        _step(scheduled, i)
+        handle.step()
+        scheduler.step()
+        _step(explicit, i, learning_rates=lrs)
+        for name in ("t", "u"):
+            np.testing.assert_array_equal(
+                scheduled.engine.embedding_tables[name], explicit.engine.embedding_tables[name]
+            )
+    assert scheduled.engine.step == 5
+    # The handle's and the scheduler's states restore the schedule in a fresh layer.
+    fresh = EmbeddingLayer(_dynamic_engine("adagrad"))
+    h2 = fresh.lr_handle(lr=[1.0, 1.0])
+    h2.load_state_dict(handle.state_dict())
+    assert h2.learning_rates() == handle.learning_rates()
+
+
+def test_lr_handle_reads_the_rate_when_the_update_runs():
+    layer = EmbeddingLayer(_dynamic_engine())
+    handle = layer.lr_handle(lr=0.5)
+    before = layer.engine.embedding_tables["t"].copy()
+    out = layer({"a": [[2]], "b": [[1]]})
+    handle.param_groups[0]["lr"] = 0.25  # set between forward and backward: used
+    out["a"].sum().backward()
+    np.testing.assert_allclose(layer.engine.embedding_tables["t"][2], before[2] - 0.25)
+    # learning_rates= given to forward overrides the handle
+    layer({"a": [[3]], "b": [[1]]}, learning_rates=[1.0, 1.0])["a"].sum().backward()
+    np.testing.assert_allclose(layer.engine.embedding_tables["t"][3], before[3] - 1.0)
+    assert layer.lr_handle() is handle
+    with pytest.raises(ValueError, match="has its lr_handle already"):
+        layer.lr_handle(lr=0.1)
+
+
+def test_lr_handle_errors_and_callable_tags():
+    with pytest.raises(ValueError, match="the engine has no dynamic learning rate"):
+        EmbeddingLayer(_engine(opt.SGD(0.1))).lr_handle(lr=0.1)
+    with pytest.raises(ValueError, match=r"tables \['t'\] use DynamicLearningRate\(0\).*lr="):
+        EmbeddingLayer(_dynamic_engine()).lr_handle()
+    with pytest.raises(ValueError, match="lr has 1 values but the engine has 2"):
+        EmbeddingLayer(_dynamic_engine()).lr_handle(lr=[0.1])
+    t = ee.TableConfig(
+        12,
+        3,
+        name="t",
+        combiner="sum",
+        optimizer=opt.SGD(lambda step: 0.3),
+        initializer=ee.initializers.Zeros(),
+    )
+    layer = EmbeddingLayer(ee.EmbeddingEngine({"a": ee.FeatureConfig(t)}))
+    handle = layer.lr_handle()  # starts at the callable's value
+    assert handle.learning_rates() == [0.3]
+    scheduler = torch.optim.lr_scheduler.StepLR(handle, step_size=1, gamma=0.1)
+    layer({"a": [[1]]})["a"].sum().backward()
+    handle.step()
+    scheduler.step()
+    layer({"a": [[1]]})["a"].sum().backward()
+    np.testing.assert_allclose(layer.engine.embedding_tables["t"][1], -0.3 - 0.03, rtol=1e-6)
+    other = EmbeddingLayer(_dynamic_engine()).lr_handle(lr=0.1)
+    with pytest.raises(ValueError, match=r"param groups are \(tag, tables\)"):
+        other.load_state_dict(handle.state_dict())
+
+
+# -- KeyedTensor output ----------------------------------------------------------------------------
+
+
+def test_keyed_output_and_its_gradients():
+    keyed, plain = (
+        EmbeddingLayer(_engine(opt.SGD(0.5)), output="keyed"),
+        EmbeddingLayer(_engine(opt.SGD(0.5))),
+    )
+    features = {"a": [[1, 2], [3], []], "b": [[4], [], [5, 5]]}
+    kt, d = keyed(features), plain(features)
+    assert isinstance(kt, KeyedTensor)
+    assert kt.keys() == ["a", "b"] and kt.length_per_key() == [3, 2]
+    assert kt.offset_per_key() == [0, 3, 5] and kt.key_dim() == 1
+    assert kt.values().shape == (3, 5) and kt.values().requires_grad
+    torch.testing.assert_close(kt.values(), torch.cat([d["a"], d["b"]], dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(kt["b"], d["b"], rtol=0, atol=0)
+    assert list(kt.to_dict()) == ["a", "b"]
+    torch.testing.assert_close(kt.to_dict()["a"], d["a"], rtol=0, atol=0)
+    (kt["a"].sum() * 2 + kt.to_dict()["b"].pow(2).sum()).backward()
+    (d["a"].sum() * 2 + d["b"].pow(2).sum()).backward()
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(
+            keyed.engine.embedding_tables[name], plain.engine.embedding_tables[name]
+        )
+    assert keyed.engine.step == 1
+    with pytest.raises(KeyError, match="KeyedTensor has no key 'c'"):
+        kt["c"]
+    keyed.eval()
+    assert not keyed(features).values().requires_grad
+
+
+def test_keyed_output_refuses_what_a_keyed_tensor_cannot_hold():
+    with pytest.raises(ValueError, match="output must be one of"):
+        EmbeddingLayer(_engine(opt.SGD(0.5)), output="kt")
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5)), output="keyed")
+    with pytest.raises(ValueError, match=r"feature 'b' has 1 samples, feature 'a' has 2"):
+        layer({"a": [[1], [2]], "b": [[3]]})
+    t = ee.TableConfig(12, 3, name="t")
+    seq = ee.EmbeddingEngine(
+        {"s": ee.FeatureConfig(t, max_sequence_length=2)}, optimizer=opt.SGD(0.1)
+    )
+    with pytest.raises(ValueError, match=r"feature 's' has shape \[1, 2, 3\].*output='dict'"):
+        EmbeddingLayer(seq, output="keyed")({"s": [[1, 2]]})
+
+
+def test_keyed_output_matches_torchrecs_keyed_tensor(trj):
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5)), output="keyed")
+    ours = layer({"a": [[1, 2], [3]], "b": [[4], []]})
+    theirs = trj.KeyedTensor.from_tensor_list(["a", "b"], [ours["a"], ours["b"]])
+    assert ours.keys() == theirs.keys()
+    assert ours.length_per_key() == theirs.length_per_key()
+    assert ours.offset_per_key() == theirs.offset_per_key()
+    assert ours.key_dim() == theirs.key_dim()
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=0, atol=0)
+    for key in ("a", "b"):
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0)
+        torch.testing.assert_close(ours.to_dict()[key], theirs.to_dict()[key], rtol=0, atol=0)
+    # TorchRec's regroup reads our KeyedTensor as its own.
+    grouped = trj.KeyedTensor.regroup([ours], [["b"], ["a"]])
+    torch.testing.assert_close(grouped[0], ours["b"], rtol=0, atol=0)
+
+
+# -- TorchRec's configs and its pooling default ----------------------------------------------------
+
+
+class _BagConfig:
+    """TorchRec's EmbeddingBagConfig fields (duck type)."""
+
+    def __init__(self, name, num_embeddings, embedding_dim, feature_names, pooling="SUM"):
+        self.name, self.num_embeddings, self.embedding_dim = name, num_embeddings, embedding_dim
+        self.feature_names, self.pooling = feature_names, pooling
+        self.weight_init_min = self.weight_init_max = None
+
+
+def test_feature_configs_from_torchrec_pool_by_sum_by_default():
+    features = feature_configs_from_torchrec(
+        [_BagConfig("t", 100, 4, ["a", "b"]), _BagConfig("u", 10, 2, ["c"], pooling="MEAN")],
+        optimizer=opt.SGD(0.1),
+    )
+    assert list(features) == ["a", "b", "c"]
+    assert features["a"].table is features["b"].table
+    assert features["a"].table.combiner == "sum" and features["c"].table.combiner == "mean"
+    assert features["a"].table.initializer == ee.initializers.RandomUniform(-0.1, 0.1)
+    eng = ee.EmbeddingEngine(features)
+    assert eng.table_names == ("t", "u")
+    with pytest.raises(ValueError, match=r"table 'v': pooling 'NONE' has no embengine combiner"):
+        feature_configs_from_torchrec([_BagConfig("v", 10, 2, ["d"], pooling="NONE")])
+    with pytest.raises(ValueError, match=r"feature 'a' is in two tables"):
+        feature_configs_from_torchrec(
+            [_BagConfig("t", 10, 2, ["a"]), _BagConfig("u", 10, 2, ["a"])]
+        )
+
+
+def test_torchrec_configs_give_torchrecs_pooled_output(trj):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(num_embeddings=12, embedding_dim=3, name="t", feature_names=["a"]),
+        EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="u", feature_names=["b"]),
+    ]
+    eng = ee.EmbeddingEngine(feature_configs_from_torchrec(tables, opt.SGD(0.1)))
+    ebc = EmbeddingBagCollection(tables=tables)
+    bound = (1 / 12) ** 0.5
+    assert np.abs(eng.embedding_tables["t"]).max() <= bound
+    with torch.no_grad():
+        for name in ("t", "u"):
+            ebc.embedding_bags[name].weight.copy_(torch.from_numpy(eng.embedding_tables[name]))
+    kjt = trj.KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 1, 0, 2])
+    )
+    ours, theirs = EmbeddingLayer(eng, output="keyed")(kjt), ebc(kjt)
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-6, atol=1e-7)
