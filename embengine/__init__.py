@@ -7,7 +7,7 @@ table's own optimizer straight to the touched rows (no dense gradient ever exist
 from . import initializers, optimizers
 from .batch import PreparedBatch
 from .config import FeatureConfig, QuantizationConfig, TableConfig
-from .engine import EmbeddingEngine
+from .engine import EmbeddingEngine, NonFiniteUpdateError
 from .inputs import Ragged
 from .optimizers import DynamicLearningRate
 from .version import __version__
@@ -16,6 +16,7 @@ __all__ = [
     "DynamicLearningRate",
     "EmbeddingEngine",
     "FeatureConfig",
+    "NonFiniteUpdateError",
     "PreparedBatch",
     "QuantizationConfig",
     "Ragged",
