@@ -10,7 +10,7 @@ so ``import embengine`` works, and stays light, without it.
 from . import initializers, optimizers
 from .batch import PreparedBatch
 from .config import FeatureConfig, QuantizationConfig, TableConfig
-from .engine import EmbeddingEngine
+from .engine import EmbeddingEngine, NonFiniteUpdateError
 from .inputs import Ragged
 from .optimizers import DynamicLearningRate
 from .version import __version__
@@ -19,6 +19,7 @@ __all__ = [
     "DynamicLearningRate",
     "EmbeddingEngine",
     "FeatureConfig",
+    "NonFiniteUpdateError",
     "PreparedBatch",
     "QuantizationConfig",
     "Ragged",

@@ -7,7 +7,8 @@ One training step::
     engine.apply_gradients(grads)             # one fused optimizer update per touched row
 
 Nothing is half-applied: every input, gradient and learning rate is validated before any table
-changes.
+changes. No non-finite value is ever written: a row whose update would give one is left as it
+was (see ``EmbeddingEngine``). Calls from several threads are safe (see ``EmbeddingEngine.lock``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,7 +48,20 @@ from .spec import (
 from .state import WEIGHTS, PartialLoadError, check_state
 from .storage import DenseTable, StoragePlan, TableView, plan_storage
 
-__all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES"]
+__all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES", "NonFiniteUpdateError"]
+
+# Rows named by a NonFiniteUpdateError's message (the count is always given in full).
+_ROWS_NAMED = 5
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """An update whose result would be non-finite for some rows although its inputs were finite
+    (``nonfinite_gradients="error"``). Those rows were left exactly as they were; every other
+    row was updated and the step counted. ``rows``: table name -> ids of the rows left alone."""
+
+    def __init__(self, message: str, rows: dict[str, np.ndarray]):
+        super().__init__(message)
+        self.rows = rows
 
 
 def _initializer_for(table: TableConfig, opt: Optimizer):
@@ -67,11 +83,27 @@ class EmbeddingEngine:
         every faster backend is tested against).
       nonfinite_gradients: "error" (default) raises on a NaN/Inf gradient before any change;
         "skip_row" leaves every row that would receive a non-finite gradient untouched this step.
+        The same policy governs non-finite *results* (an overflow from finite inputs: a huge
+        learning rate, weight decay or per-id weight): a row whose new weights or slots would
+        hold a NaN or Inf is left exactly as it was (weights and slots; a row is updated whole
+        or not at all), so no non-finite value is ever written. The other rows of the step are
+        updated and the step counts; then "error" raises a ``NonFiniteUpdateError`` (a
+        FloatingPointError) naming the table, the count and the first ids of the rows left
+        alone, and "skip_row" warns (RuntimeWarning) and adds them to
+        ``nonfinite_rows_skipped[table]``. Across rows a step is thus not atomic for results.
       storage: "ram" (default) or "mmap" for every table, or a dict of table name -> either
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
         ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache.
         Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
       storage_dir: folder of the "mmap" tables' files (required if any table uses "mmap").
+
+    Threads: one engine may be used from several threads. ``lock`` (a reentrant lock) is held
+    by every update (from the validation of its gradients to the step's increment), by
+    ``save`` for the whole write (a checkpoint holds one step: training threads wait), by
+    ``restore`` and ``load_state_dict``, and by lookups while they read the tables (a lookup
+    never sees a row mid-update). The batch ``apply_gradients()`` updates by default is the
+    one the *calling thread* looked up last. Hold ``lock`` to read ``state_dict()`` views or
+    ``embedding_tables`` consistently while other threads train.
     """
 
     def __init__(
@@ -114,7 +146,37 @@ class EmbeddingEngine:
         self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
         self._build_storage()
         self._step = 0
-        self._last_batch: PreparedBatch | None = None
+        self.nonfinite_rows_skipped = {name: 0 for name in self._resolved.table_names}
+        self._init_threading()
+
+    def _init_threading(self) -> None:
+        self.lock = threading.RLock()
+        # Each thread's pending training batch, valid while its generation is the engine's
+        # (``_forget_pending`` forgets every thread's by starting a new generation).
+        self._pending = threading.local()
+        self._pending_generation = 0
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for key in ("lock", "_pending"):  # neither pickles; a copy starts with none pending
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_threading()
+
+    def _set_pending(self, batch: PreparedBatch | None) -> None:
+        """Make ``batch`` this thread's pending training batch (None: none)."""
+        self._pending.batch = batch
+        self._pending.generation = self._pending_generation
+
+    def _pending_batch(self) -> PreparedBatch | None:
+        """This thread's pending training batch, unless forgotten since."""
+        p = self._pending
+        if getattr(p, "generation", None) != self._pending_generation:
+            return None
+        return getattr(p, "batch", None)
 
     def _build_storage(self) -> None:
         """One DenseTable per physical table of ``storage_plan``, its logical tables one after
@@ -342,14 +404,15 @@ class EmbeddingEngine:
         return out
 
     def _state_lock(self) -> contextlib.AbstractContextManager:
-        """The lock load_state_dict holds while it copies. This is the engine's lock once it
-        has one (the one apply_gradients, save and restore hold): return it here."""
-        return contextlib.nullcontext()
+        """The lock load_state_dict holds while it copies: the engine's ``lock`` (the one
+        apply_gradients, save, restore and the lookups hold)."""
+        return self.lock
 
     def _forget_pending(self) -> None:
-        """Forget the pending training batch (every thread's, once batches are per thread): after
-        a load its gradients would update rows that no longer hold what it looked up."""
-        self._last_batch = None
+        """Forget every thread's pending training batch: after a load its gradients would update
+        rows that no longer hold what it looked up."""
+        with self.lock:
+            self._pending_generation += 1
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -361,7 +424,9 @@ class EmbeddingEngine:
         Returns the checkpoint's directory. See embengine.checkpoint."""
         from . import checkpoint
 
-        return checkpoint.save(self, path, keep, extra_tensors, extra_metadata)
+        # Under the lock for the whole write: every table of the checkpoint is of one step.
+        with self.lock:
+            return checkpoint.save(self, path, keep, extra_tensors, extra_metadata)
 
     def restore(self, path, verify: bool = True):
         """Load a checkpoint (``path``: a checkpoint directory, or a folder of them: the newest)
@@ -369,7 +434,8 @@ class EmbeddingEngine:
         is an error naming it. Returns a CheckpointInfo with the step and extra data."""
         from . import checkpoint
 
-        return checkpoint.restore(self, path, verify)
+        with self.lock:
+            return checkpoint.restore(self, path, verify)
 
     @classmethod
     def load(cls, path, callables=None, verify: bool = True, **kwargs) -> EmbeddingEngine:
@@ -428,10 +494,11 @@ class EmbeddingEngine:
     ) -> dict[str, np.ndarray]:
         """Activations per feature, float32 ``[*shape, dim]``.
 
-        With ``training=True`` the batch is remembered so that the next ``apply_gradients``
-        updates its rows. ``training=False`` (evaluation, inference) skips the deduplication the
-        update needs and forgets any earlier batch, so a following ``apply_gradients`` without
-        ``batch=`` is an error rather than an update of the wrong rows.
+        With ``training=True`` the batch is remembered (for the calling thread) so that its next
+        ``apply_gradients`` updates its rows. ``training=False`` (evaluation, inference) skips
+        the deduplication the update needs and forgets the thread's earlier batch, so a
+        following ``apply_gradients`` without ``batch=`` is an error rather than an update of
+        the wrong rows.
 
         Given features (not a PreparedBatch), a training lookup on the numba backend builds the
         deduplication data and pools the activations in one parallel region: the pooling reads
@@ -473,20 +540,23 @@ class EmbeddingEngine:
             # Deduplication and pooling in one call (numba: one parallel region, in
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
-            tables, per_table = self._backend.build_tables_and_lookup(
-                parts, self._physical, self._quantizations()
-            )
-            batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
+            with self.lock:  # the pooling reads the tables
+                tables, per_table = self._backend.build_tables_and_lookup(
+                    parts, self._physical, self._quantizations()
+                )
+                batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
+                self._set_pending(batch)
         else:
             batch = self.preprocess(features, weights, training=training)
         if per_table is None:
-            per_table = [
-                self._backend.lookup(table, tb, quantization)
-                for table, tb, quantization in zip(
-                    self._physical, batch.tables, self._quantizations(), strict=True
-                )
-            ]
-        self._last_batch = batch if training else None
+            with self.lock:  # pending set with the read: a load in between forgets it
+                per_table = [
+                    self._backend.lookup(table, tb, quantization)
+                    for table, tb, quantization in zip(
+                        self._physical, batch.tables, self._quantizations(), strict=True
+                    )
+                ]
+                self._set_pending(batch if training else None)
         acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
@@ -504,7 +574,7 @@ class EmbeddingEngine:
         batch: PreparedBatch | None = None,
     ) -> None:
         """Apply one optimizer step from the gradients of the activations of ``batch`` (default:
-        the last lookup's).
+        the calling thread's last training lookup's).
 
         Args:
           gradients: feature name -> gradient of the loss w.r.t. that feature's activation, same
@@ -512,26 +582,57 @@ class EmbeddingEngine:
           learning_rates: one value per dynamic learning-rate tag (see ``learning_rates``);
             required when a table uses ``DynamicLearningRate``, else an override of callables.
           batch: the PreparedBatch whose rows to update.
+
+        Runs under ``lock``. Gradients and every table's learning rate (``Optimizer.
+        check_learning_rate``) are validated before any table changes. A row whose result
+        would be non-finite is left as it was; see the class docstring for the policy.
         """
-        implicit = batch is None
-        if implicit:
-            batch = self._last_batch
-            if batch is None:
+        with self.lock:
+            implicit = batch is None
+            if implicit:
+                batch = self._pending_batch()
+                if batch is None:
+                    raise ValueError(
+                        "apply_gradients needs a lookup(..., training=True) first (or batch=): "
+                        "there is no batch whose rows to update"
+                    )
+            else:
+                self._check_batch(batch)
+            if not batch.deduplicated:
                 raise ValueError(
-                    "apply_gradients needs a lookup(..., training=True) first (or batch=): "
-                    "there is no batch whose rows to update"
+                    "this PreparedBatch was built with training=False (no deduplication) and can "
+                    "only be looked up; build it with preprocess(features) to apply gradients"
                 )
-        else:
-            self._check_batch(batch)
-        if not batch.deduplicated:
-            raise ValueError(
-                "this PreparedBatch was built with training=False (no deduplication) and can "
-                "only be looked up; build it with preprocess(features) to apply gradients"
-            )
-        grads = self._check_gradients(gradients, batch)
-        lrs = self._learning_rates.resolve(self._step, learning_rates)
-        # Everything is validated; from here on tables change.
+            grads = self._check_gradients(gradients, batch)
+            lrs = self._learning_rates.resolve(self._step, learning_rates)
+            self._check_learning_rates(lrs)
+            # Everything is validated; from here on tables change.
+            unchanged = self._update(batch, grads, lrs)
+            self._step += 1
+            if implicit or batch is self._pending_batch():  # one update per lookup
+                self._set_pending(None)
+            if unchanged:
+                self._report_unchanged(unchanged)
+
+    def _check_learning_rates(self, lrs: Sequence[float]) -> None:
+        """Each table's learning rate for this step, by its optimizer's rule (e.g. FTRL needs
+        lr > 0): a ValueError naming the table, its tag and the step, before any change."""
+        for t, (opt, lr) in enumerate(zip(self._optimizers, lrs, strict=True)):
+            try:
+                opt.check_learning_rate(lr)
+            except ValueError as e:
+                tag = self._learning_rates.tag_of(t)
+                source = "constant learning rate" if tag is None else f"learning-rate tag {tag}"
+                raise ValueError(
+                    f"table {self.table_names[t]!r} ({source}), step {self._step}: {e}; "
+                    "nothing was updated"
+                ) from None
+
+    def _update(self, batch: PreparedBatch, grads: dict, lrs: Sequence[float]) -> dict:
+        """Update every physical table; logical table name -> ids of rows left unchanged
+        because their result was not finite (tables without such rows are absent)."""
         skip = self.nonfinite_gradients == "skip_row"
+        unchanged: dict[str, np.ndarray] = {}
         # Last table first: the rows the lookup touched last are the likeliest still in cache.
         for p in reversed(range(len(self._physical))):
             table, tb = self._physical[p], batch.tables[p]
@@ -548,10 +649,42 @@ class EmbeddingEngine:
             # table read ahead for it (training's random accesses otherwise read only their pages).
             sweep = table.sequential_access() if opt.updates_every_row else contextlib.nullcontext()
             with sweep:
-                self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
-        self._step += 1
-        if implicit or batch is self._last_batch:  # one update per lookup
-            self._last_batch = None
+                rows = self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
+            if rows is not None and len(rows):
+                for t in self._physical_members[p]:  # physical rows -> each table's own ids
+                    view = self._tables[t]
+                    mine = rows[(rows >= view.offset) & (rows < view.offset + view.vocabulary_size)]
+                    if len(mine):
+                        unchanged[view.name] = np.sort(mine - view.offset)
+        return unchanged
+
+    def _report_unchanged(self, unchanged: dict[str, np.ndarray]) -> None:
+        """The non-finite-result policy, once the step is done (see the class docstring)."""
+        parts = []
+        for name in self.table_names:
+            if name in unchanged:
+                rows = unchanged[name]
+                ids = ", ".join(str(int(i)) for i in rows[:_ROWS_NAMED])
+                more = ", ..." if len(rows) > _ROWS_NAMED else ""
+                parts.append(f"table {name!r}: {len(rows)} rows (ids {ids}{more})")
+        what = "; ".join(parts)
+        step = self._step - 1
+        if self.nonfinite_gradients == "error":
+            raise NonFiniteUpdateError(
+                f"step {step}: the update would have written non-finite values (NaN/Inf from "
+                f"finite inputs: check learning rates, weight decay and per-id weights) into "
+                f"{what}; those rows were left unchanged, every other row was updated and the "
+                "step counted (nonfinite_gradients='error'; 'skip_row' warns instead)",
+                unchanged,
+            )
+        for name, rows in unchanged.items():
+            self.nonfinite_rows_skipped[name] += len(rows)
+        warnings.warn(
+            f"step {step}: rows left unchanged because their update was not finite: {what} "
+            "(nonfinite_gradients='skip_row'; counted in engine.nonfinite_rows_skipped)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _batch_fingerprint(self) -> BatchFingerprint:
         """What this engine's batches are prepared for (computed once: configs and the storage

@@ -35,6 +35,16 @@ __all__ = [
 ]
 
 FILL_KINDS = ("uniform", "truncated_normal")
+# Tables are float32: an initial value beyond this would be stored as Inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fits_float32(owner: str, what: str, value) -> None:
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise ValueError(
+            f"{owner}: {what} must be finite and within float32 range "
+            f"(|x| <= {FLOAT32_MAX:.7g}), got {value!r}"
+        )
 
 
 def table_key(seed: int, table_name: str) -> np.uint64:
@@ -102,8 +112,7 @@ class Constant(Initializer):
     value: float = 0.0
 
     def __post_init__(self):
-        if not math.isfinite(float(self.value)):
-            raise ValueError(f"Constant: value must be finite, got {self.value!r}")
+        _fits_float32("Constant", "value", float(self.value))
 
     def init(self, seed, table_name, rows, dim):
         return np.full((len(rows), dim), self.value, dtype=np.float32)
@@ -122,6 +131,8 @@ class RandomUniform(Initializer):
                 f"RandomUniform: bounds must be finite, got minval={self.minval!r}, "
                 f"maxval={self.maxval!r}"
             )
+        _fits_float32("RandomUniform", "minval", self.minval)
+        _fits_float32("RandomUniform", "maxval", self.maxval)
         if self.minval > self.maxval:
             raise ValueError(
                 f"RandomUniform: minval={self.minval!r} must not exceed maxval={self.maxval!r}"
@@ -151,6 +162,9 @@ class TruncatedNormal(Initializer):
             raise ValueError(
                 f"TruncatedNormal: stddev must be finite and >= 0, got {self.stddev!r}"
             )
+        # Values lie within mean +- 2 stddev.
+        spread = 2.0 * (self.stddev or 0.0)
+        _fits_float32("TruncatedNormal", "mean +- 2 stddev", abs(self.mean) + spread)
 
     def fill(self, dim):
         stddev = 1.0 / math.sqrt(dim) if self.stddev is None else self.stddev
@@ -165,6 +179,9 @@ class RowId(Initializer):
     """Every value of row ``r`` is ``r + offset`` (TF's RowIdInitializer); handy in tests."""
 
     offset: int = 0
+
+    def __post_init__(self):
+        _fits_float32("RowId", "offset", float(self.offset))
 
     def init(self, seed, table_name, rows, dim):
         values = np.asarray(rows, dtype=np.float64) + self.offset
@@ -195,4 +212,10 @@ class FromFunction(Initializer):
                 f"initializer {self.fn!r} returned shape {values.shape}, expected "
                 f"{(len(rows), dim)}"
             )
-        return values.astype(np.float32)
+        values = values.astype(np.float32)
+        if not np.isfinite(values).all():
+            raise ValueError(
+                f"initializer {self.fn!r} returned non-finite values (or values beyond float32 "
+                f"range) for table {table_name!r}"
+            )
+        return values

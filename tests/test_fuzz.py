@@ -26,8 +26,6 @@ SEED = 0
 CASE_TIMEOUT = 20.0
 MAX_FAULTS = 4
 BUDGET = 150.0
-# Fault kinds whose cases are known to write non-finite state (see the test below).
-OPEN_NONFINITE = frozenset({"lr_extreme", "grad_huge"})
 
 
 def fuzz_cases() -> list[dict]:
@@ -43,18 +41,7 @@ def test_fuzz_every_input_path_and_backend():
     todo = fuzz_cases()
     results = Runner("case", todo, case_timeout=CASE_TIMEOUT, attribute="alone",
                      max_faults=MAX_FAULTS, budget=BUDGET).run()  # fmt: skip
-    kinds = [(c.get("fault") or {}).get("kind") for c in todo]
-    # Known open: an update whose result overflows although its inputs were finite (issue 19,
-    # item 11) still writes Inf/NaN. Those cases must fail that way and only that way; once
-    # they pass, this assertion says to take them off the list.
-    still_open = [r for k, r in zip(kinds, results, strict=True) if k in OPEN_NONFINITE]
-    assert all(r["outcome"] in report.GOOD_FUZZ or "non-finite state written" in r["detail"]
-               for r in still_open), "an open fault kind fails another way"  # fmt: skip
-    assert any(r["outcome"] not in report.GOOD_FUZZ for r in still_open), (
-        f"{sorted(OPEN_NONFINITE)} pass now: remove them from OPEN_NONFINITE"
-    )
-    bad = [r for k, r in zip(kinds, results, strict=True)
-           if r["outcome"] not in report.GOOD_FUZZ and k not in OPEN_NONFINITE]  # fmt: skip
+    bad = [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
     assert not bad, (
         f"{len(bad)} of {len(todo)} fuzz cases failed "
         f"(stopped after {MAX_FAULTS} crashes/hangs or {BUDGET:.0f} s: 'not run' cases)\n"

@@ -27,6 +27,7 @@ __all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = np.zeros(0, dtype=np.uint8)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 # Batches whose arrays take at least this many bytes come from the backend's BlockPool. Above
@@ -336,7 +337,9 @@ class NumbaBackend:
              out, quant, self.lookup_prefetch)  # fmt: skip
         return out
 
-    def apply(self, table, tb, grad, opt, lr, step, skip_nonfinite) -> None:
+    def apply(self, table, tb, grad, opt, lr, step, skip_nonfinite) -> np.ndarray:
+        """The fused update (Backend protocol); returns the ids of rows the kernel left
+        unchanged because their result was not finite."""
         start_pool()
         consts = self._constants.get(id(table))
         if consts is None or consts[0] is not opt:
@@ -350,8 +353,15 @@ class NumbaBackend:
                                               tb.unique_segments, grad,
                                               opt.use_gradient_accumulation)  # fmt: skip
         kernel = every_row if opt.updates_every_row else fused
+        # One flag per unique row (per table row for every-row updates), set by the kernel.
+        unchanged = np.zeros(table.data.shape[0] if opt.updates_every_row else len(tb.unique_ids),
+                             dtype=np.uint8)  # fmt: skip
         kernel(
             table.data, table.data.view(np.int32), meta, hp, cols, float(lr),
             float(opt.weight_decay_rate(lr)), int(step), tb.unique_ids, tb.unique_offsets,
-            tb.unique_gains, tb.unique_segments, grad, skipped, self.update_prefetch,
+            tb.unique_gains, tb.unique_segments, grad, skipped, unchanged, self.update_prefetch,
         )  # fmt: skip
+        if not unchanged.any():
+            return _NO_ROWS
+        at = np.flatnonzero(unchanged)
+        return at if opt.updates_every_row else tb.unique_ids[at]

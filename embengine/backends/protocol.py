@@ -77,7 +77,9 @@ class Backend(Protocol):
         lr: float,
         step: int,
         skip_nonfinite: bool,
-    ) -> None:
+    ) -> np.ndarray:
         """One optimizer step on the rows of ``tb`` from the gradient ``grad`` of the table's
-        activation matrix; ``skip_nonfinite`` leaves rows with a non-finite gradient alone."""
+        activation matrix; ``skip_nonfinite`` leaves rows with a non-finite gradient alone.
+        A row whose new weights or float slots would not all be finite (as float32) keeps its
+        old values, slots included; returns the ids (rows of ``table``) of those rows."""
         ...

@@ -1,6 +1,9 @@
 """The reference backend: slow, obviously correct NumPy. Every faster backend must match it.
 
 All arithmetic is float64 (inputs are float32); results are rounded to float32 when stored.
+A row whose rounded results (weights or float slots) are not all finite is not stored: it keeps
+its old values, weights and slots alike, and ``apply`` returns its id (the engine's non-finite
+policy reports it).
 """
 
 from __future__ import annotations
@@ -21,11 +24,33 @@ def update_rows(
     opt: Optimizer,
     lr: float,
     step: int,
-) -> None:
+) -> np.ndarray:
     """One update of each row in ``rows`` (distinct) with gradient ``g`` [len(rows), dim]:
-    the common per-row pipeline around the optimizer's own math (see optimizers._base)."""
+    the common per-row pipeline around the optimizer's own math (see optimizers._base).
+
+    Returns the mask of rows left unchanged because a new value of theirs, rounded to its
+    storage type, would not be finite."""
     if len(rows) == 0:
-        return
+        return np.zeros(0, dtype=bool)
+    with np.errstate(all="ignore"):  # overflows are found and refused below, per row
+        w, slots = _updated(table, rows, g, opt, lr, step)
+        w32 = w.astype(np.float32)
+        ok = np.isfinite(w32).all(axis=1)
+        new_slots = {}
+        for spec in table.slot_specs:
+            v = slots[spec.name].astype(table.slot(spec.name).dtype)
+            if spec.dtype == "float32":
+                ok &= np.isfinite(v).reshape(len(rows), -1).all(axis=1)
+            new_slots[spec.name] = v
+    table.weights[rows[ok]] = w32[ok]
+    for spec in table.slot_specs:
+        table.slot(spec.name)[rows[ok]] = new_slots[spec.name][ok]
+    return ~ok
+
+
+def _updated(table: DenseTable, rows: np.ndarray, g: np.ndarray, opt: Optimizer, lr: float,
+             step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:  # fmt: skip
+    """The rows' new weights and slots (float64; int64 for int slots), not stored."""
     g = np.asarray(g, dtype=np.float64)
     w = table.weights[rows].astype(np.float64)
     slots = {
@@ -47,9 +72,7 @@ def update_rows(
     bounds = opt.weight_clip_bounds
     if bounds is not None:
         w = np.clip(w, bounds[0], bounds[1])
-    table.weights[rows] = w.astype(np.float32)
-    for spec in table.slot_specs:
-        table.slot(spec.name)[rows] = slots[spec.name]
+    return w, slots
 
 
 def occurrence_rounds(inverse: np.ndarray) -> np.ndarray:
@@ -104,8 +127,9 @@ class ReferenceBackend:
         lr: float,
         step: int,
         skip_nonfinite: bool,
-    ) -> None:
-        """Update the rows of ``tb`` from the gradient of the table's activation matrix."""
+    ) -> np.ndarray:
+        """Update the rows of ``tb`` from the gradient of the table's activation matrix.
+        Returns the ids of rows left unchanged because their result was not finite."""
         occ = tb.gains[:, None].astype(np.float64) * grad[tb.segments].astype(np.float64)
         n_unique = len(tb.unique_ids)
         if opt.use_gradient_accumulation:
@@ -118,17 +142,23 @@ class ReferenceBackend:
                 every = np.ones(table.vocabulary_size, dtype=bool)
                 every[tb.unique_ids[~keep]] = False
                 rows = np.flatnonzero(every)
-                update_rows(table, rows, full[rows], opt, lr, step)
             else:
-                update_rows(table, tb.unique_ids[keep], summed[keep], opt, lr, step)
-            return
+                rows = tb.unique_ids[keep]
+                full = None
+            refused = update_rows(table, rows, summed[keep] if full is None else full[rows], opt,
+                                  lr, step)  # fmt: skip
+            return rows[refused]
         # No accumulation: each occurrence is its own update, in order of appearance. Round r
         # applies every row's r-th occurrence (distinct rows, so one vectorised update each).
         keep_row = np.ones(n_unique, dtype=bool)
         if skip_nonfinite:
             bad = ~np.isfinite(occ).all(axis=1)
             keep_row[tb.inverse[bad]] = False
+        # A refused occurrence leaves its row as it was; the row's later occurrences still apply.
         rounds = occurrence_rounds(tb.inverse)
+        refused_rows = []
         for r in range(int(rounds.max()) + 1 if len(rounds) else 0):
             sel = np.flatnonzero((rounds == r) & keep_row[tb.inverse])
-            update_rows(table, tb.unique_ids[tb.inverse[sel]], occ[sel], opt, lr, step)
+            rows = tb.unique_ids[tb.inverse[sel]]
+            refused_rows.append(rows[update_rows(table, rows, occ[sel], opt, lr, step)])
+        return np.unique(np.concatenate(refused_rows)) if refused_rows else np.zeros(0, np.int64)

@@ -10,7 +10,15 @@ variant is used and cached on disk, so unused optimizers cost no compile time.
 Per touched row the kernels: sum the row's gradient in float64 from its occurrences (a float32
 sum loses too much under cancellation for optimizers that amplify small gradients); copy the
 row's weights and float slots to scratch arrays (two offsets into the packed row would defeat
-vectorisation); run ``g = clip(g) -> weight decay -> row math -> w = clip(w)``; copy back.
+vectorisation); run ``g = clip(g) -> weight decay -> row math -> w = clip(w)``; copy back,
+only if every new float32 value of the row (weights and float slots) is finite.
+
+The result guard: a row whose update would store a NaN or Inf keeps its old values, weights,
+float slots and the int32 slots a prologue counts (Adam's per-row step), and is marked in the
+output ``unchanged`` (one byte per unique row; per table row for ``update_every_row``), which
+the engine reads after the call. Finiteness is reduced branch-free, ``fin += x - x`` over the
+row (0, or NaN iff some x is not finite; ``x * 0`` in the fixed kernels), so the loops stay
+vectorised.
 
 Element and row-wise variants also get a *fixed-layout* kernel factory, ``fixed_<kernel>(DIM,
 NS)``: the same loop for rows of DIM weights followed by NS float slots at columns DIM, 2 DIM,
@@ -19,7 +27,9 @@ do not overlap, so the body works on the table row in place, vectorised, without
 copies (which cost more than the row math: W1 update, Adam 54 -> 32 ms, SGD 20 -> 16 ms). The
 offsets must be literal inside the kernel: computed from DIM inside it, they reach the parallel
 loop as run-time values and the gain is lost. ``numba_backend.kernels_for`` picks a fixed
-kernel where the table's rows fit one.
+kernel where the table's rows fit one. Working in place, the fixed kernels guard the result
+either by saving the row first and restoring it, or by a dry run of the row math (FIXED_UPDATE,
+DRY_UPDATE below).
 
 The generated file records a hash of its inputs; numba's cache only watches the file that
 defines a kernel, so any change to the row math or the template must change ``fused.py``:
@@ -58,10 +68,11 @@ Per variant of row_math.VARIANTS:
 - ``fused_update_<variant>``: updates the rows ``unique`` of one table from the activation
   gradient. With accumulation a row gets one update from the sum of its occurrences; without,
   one per occurrence, in order. Rows u with ``skipped[u]`` (skip_row policy; an empty array
-  otherwise) are left alone. Tasks hold about equal work (hot rows have thousands of
-  occurrences).
+  otherwise) are left alone. An update whose result would not be finite is not stored (the
+  row keeps its old weights and slots) and sets ``unchanged[u] = 1``. Tasks hold about equal
+  work (hot rows have thousands of occurrences).
 - ``update_every_row_<variant>``: every row of the table gets an update (non-lazy Adam / Lion);
-  rows the batch did not touch get g = 0.
+  rows the batch did not touch get g = 0; ``unchanged[r]`` per table row.
 """
 
 # ruff: noqa: E501
@@ -124,15 +135,63 @@ for j in range(n1):
     s1[j] = data[r, f1 + j]
 for j in range(n2):
     s2[j] = data[r, f2 + j]
-{body}
+{save_ints}{body}
+fin = np.float32(0.0)
 for j in range(dim):
-    data[r, j] = w[j]
+    fin += w[j] - w[j]
 for j in range(n0):
-    data[r, f0 + j] = s0[j]
+    fin += s0[j] - s0[j]
 for j in range(n1):
-    data[r, f1 + j] = s1[j]
+    fin += s1[j] - s1[j]
 for j in range(n2):
-    data[r, f2 + j] = s2[j]"""
+    fin += s2[j] - s2[j]
+if fin == 0.0:
+    for j in range(dim):
+        data[r, j] = w[j]
+    for j in range(n0):
+        data[r, f0 + j] = s0[j]
+    for j in range(n1):
+        data[r, f1 + j] = s1[j]
+    for j in range(n2):
+        data[r, f2 + j] = s2[j]
+else:
+{restore_ints}    unchanged[{at}] = 1"""
+
+# The fixed-layout kernels update the row in place. Two ways to keep a row whose result is not
+# finite unchanged, each the faster for some variants (docs/design.md has the figures):
+# - FIXED_UPDATE: save its weights and float slots (ROWLEN values from column 0; row-wise
+#   variants: the weights and the first slot value) to a per-task scratch row, update in place,
+#   and put them back if the stored row is not finite;
+# - DRY_UPDATE, for variants whose math is a few operations (DRY_VARIANTS): run the element
+#   body once storing nothing, only reducing the finiteness of its results, then again for real
+#   if they are all finite (the row is in L1 by then).
+FIXED_UPDATE = """for j in range(ROWLEN):
+    old[j] = data[r, j]
+{save_ints}{save_scalar}{body}
+fin = np.float32(0.0)
+for j in range(ROWLEN):
+    fin += data[r, j] * np.float32(0.0)
+{check_scalar}if fin != 0.0:
+    for j in range(ROWLEN):
+        data[r, j] = old[j]
+{restore_scalar}{restore_ints}    unchanged[u] = 1"""
+
+DRY_UPDATE = """fin = np.float32(0.0)
+{dry_body}
+if fin == 0.0:
+{body_4}
+else:
+    unchanged[u] = 1"""
+DRY_VARIANTS = ("sgd", "adagrad")
+
+# Prologues (Adam's per-row step, the last-hit step) write int32 slots: saved as bits, per
+# slot column, and restored with the row.
+SAVE_INTS = """for k in range(cols.shape[0]):
+    old_i[k] = data_i[r, cols[k]]
+"""
+RESTORE_INTS = """    for k in range(cols.shape[0]):
+        data_i[r, cols[k]] = old_i[k]
+"""
 
 # Without clipping or weight decay (the usual case) a loop without their per-coordinate tests
 # (Adam on W1: ~5% of the update).
@@ -150,12 +209,12 @@ if gclip or wclip or mode != WD_NONE:
         wj, a, b, c = {element}(wj, {load_s0}, {load_s1}, {load_s2}, gj, lr, h0, h1, h2, h3, h4, h5, pa, pb)
         if wclip:
             wj = min(max(wj, wlo), whi)
-        {w} = wj
+        {store_w}
 {store_slots}
 else:
     for j in range(dim):
         wj, a, b, c = {element}(np.float64({w}), {load_s0}, {load_s1}, {load_s2}, g[j], lr, h0, h1, h2, h3, h4, h5, pa, pb)
-        {w} = wj
+        {store_w}
 {store_slots}"""
 
 # Clip the row's gradient and apply weight decay, in place: the first steps of the row-level
@@ -234,13 +293,13 @@ for task in nb.prange(bounds.shape[0] - 1):
 KERNELS = """
 
 @nb.njit(parallel=True, **NUMBA_OPTIONS)
-def fused_update_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, prefetch):
+def fused_update_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
 
 @nb.njit(parallel=True, **NUMBA_OPTIONS)
-def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, prefetch):
+def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
     n_rows = data.shape[0]
     where = np.full(n_rows, -1, dtype=np.int64)
@@ -264,9 +323,10 @@ def fixed_fused_update_{name}(DIM, NS):
     \"\"\"``fused_update_{name}`` for rows of DIM weights followed by NS float slots (slot i from
     column (i + 1) * DIM; row-wise variants: slot 0 at DIM, any width).\"\"\"
     F1, F2 = 2 * DIM, 3 * DIM  # computed here: numba inlines free variables as constants
+    ROWLEN = {rowlen}  # the values saved before the in-place update
 
     @nb.njit(parallel=True, **NUMBA_OPTIONS)
-    def fused_update_{name}_fixed(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, prefetch):
+    def fused_update_{name}_fixed(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
@@ -289,16 +349,23 @@ FIXED_KERNELS = {{
 # How the row bodies reach a row's weights and float slots: through scratch copies (any
 # layout), or in the table row itself at offsets that are compile-time constants.
 GENERIC_ACCESS = dict(
-    w="w[j]", s0_first="s0[0]",
+    w="w[j]", store_w="w[j] = wj", s0_first="s0[0]",
     load_s0="np.float64(s0[j])", load_s1="np.float64(s1[j])", load_s2="np.float64(s2[j])",
     store_slots="        s0[j] = a\n        s1[j] = b\n        s2[j] = c",
 )  # fmt: skip
 FIXED_ACCESS = dict(
-    w="data[r, j]", s0_first="data[r, f0]",
+    w="data[r, j]", store_w="data[r, j] = wj", s0_first="data[r, f0]",
     load_s0="np.float64(data[r, f0 + j]) if NS > 0 else 0.0",
     load_s1="np.float64(data[r, f1 + j]) if NS > 1 else 0.0",
     load_s2="np.float64(data[r, f2 + j]) if NS > 2 else 0.0",
     store_slots="\n".join(f"        if NS > {i}:\n            data[r, f{i} + j] = {v}"
+                           for i, v in enumerate("abc")),
+)  # fmt: skip
+# The element body once more, storing nothing: each new value, rounded to float32, only adds
+# ``x * 0`` to ``fin`` (0, or NaN iff some value is not finite).
+DRY_ACCESS = dict(
+    FIXED_ACCESS, store_w="fin += np.float32(wj) * np.float32(0.0)",
+    store_slots="\n".join(f"        if NS > {i}:\n            fin += np.float32({v}) * np.float32(0.0)"
                            for i, v in enumerate("abc")),
 )  # fmt: skip
 # Variants with a fixed-layout kernel: the row-function ones take scratch arrays, and the
@@ -355,6 +422,37 @@ def _fixed_setup() -> str:
     return _indent("\n".join(lines), 4)
 
 
+def _generic_update(spec: tuple, at: str) -> str:
+    """UPDATE for the any-layout kernels; ``at``: the index of ``unchanged`` (u or r)."""
+    ints = spec[0] == "element" and bool(spec[2])
+    return UPDATE.format(body=_body(spec, GENERIC_ACCESS), at=at,
+                         save_ints=SAVE_INTS if ints else "",
+                         restore_ints=RESTORE_INTS if ints else "")  # fmt: skip
+
+
+def _fixed_update(name: str, spec: tuple) -> str:
+    ints = spec[0] == "element" and bool(spec[2])
+    scaled = spec[0] == "scaled"
+    if name in DRY_VARIANTS:  # no prologue: the body may run twice
+        assert spec[0] == "element" and not ints
+        return DRY_UPDATE.format(dry_body=_body(spec, DRY_ACCESS),
+                                 body_4=_indent(_body(spec, FIXED_ACCESS), 4))  # fmt: skip
+    return FIXED_UPDATE.format(
+        body=_body(spec, FIXED_ACCESS),
+        save_ints=SAVE_INTS if ints else "", restore_ints=RESTORE_INTS if ints else "",
+        save_scalar="old_s = data[r, f0]\n" if scaled else "",
+        check_scalar="fin += data[r, f0] * np.float32(0.0)\n" if scaled else "",
+        restore_scalar="    data[r, f0] = old_s\n" if scaled else "",
+    )  # fmt: skip
+
+
+def _scratch(spec: tuple, base: str) -> str:
+    """Per-task scratch: ``base``, and the int-slot save of variants with a prologue."""
+    if spec[0] == "element" and spec[2]:
+        base += "\nold_i = np.zeros(cols.shape[0], dtype=np.int32)"
+    return base
+
+
 def render() -> str:
     from .row_math import VARIANTS
 
@@ -367,23 +465,27 @@ def render() -> str:
     ]
     entries, fixed_entries = [], []
     for name, spec in VARIANTS.items():
-        update = UPDATE.format(body=_body(spec, GENERIC_ACCESS))
-        row_loop = ROW_LOOP.format(scratch=_indent(textwrap.dedent(SCRATCH), 4),
+        scratch = _scratch(spec, textwrap.dedent(SCRATCH))
+        row_loop = ROW_LOOP.format(scratch=_indent(scratch, 4),
                                    gradient_12=_indent(GRADIENT, 12),
-                                   update_12=_indent(update, 12))  # fmt: skip
+                                   update_12=_indent(_generic_update(spec, "u"), 12))  # fmt: skip
         parts.append(
             KERNELS.format(
-                name=name, setup=SETUP, scratch=SCRATCH, row_loop=_indent(row_loop, 4),
-                every_gradient_12=_indent(GRADIENT, 12), every_update_12=_indent(update, 12),
+                name=name, setup=SETUP, scratch=_indent(scratch, 8), row_loop=_indent(row_loop, 4),
+                every_gradient_12=_indent(GRADIENT, 12),
+                every_update_12=_indent(_generic_update(spec, "r"), 12),
             )
         )  # fmt: skip
         entries.append(f'    "{name}": (fused_update_{name}, update_every_row_{name}),')
         if spec[0] in FIXED_FORMS and name not in NO_FIXED:
             # No scratch rows: the body works on the table row (FIXED_ACCESS).
-            row_loop = ROW_LOOP.format(scratch="    g = np.zeros(dim, dtype=np.float64)",
-                                       gradient_12=_indent(GRADIENT, 12),
-                                       update_12=_indent(_body(spec, FIXED_ACCESS), 12))  # fmt: skip
-            parts.append(FIXED_KERNEL.format(name=name, setup=_fixed_setup(),
+            scratch = _scratch(spec, "g = np.zeros(dim, dtype=np.float64)")
+            if name not in DRY_VARIANTS:
+                scratch += "\nold = np.zeros(ROWLEN, dtype=np.float32)"
+            row_loop = ROW_LOOP.format(scratch=_indent(scratch, 4), gradient_12=_indent(GRADIENT, 12),
+                                       update_12=_indent(_fixed_update(name, spec), 12))  # fmt: skip
+            rowlen = "DIM * (1 + NS)" if spec[0] == "element" else "DIM"
+            parts.append(FIXED_KERNEL.format(name=name, setup=_fixed_setup(), rowlen=rowlen,
                                              row_loop=_indent(row_loop, 8)))  # fmt: skip
             fixed_entries.append(f'    "{name}": fixed_fused_update_{name},')
     parts.append(FOOTER.format(entries="\n".join(entries), fixed_entries="\n".join(fixed_entries)))

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
+    "FLOAT32_MAX",
     "DynamicLearningRate",
     "LearningRate",
     "Optimizer",
@@ -73,6 +74,10 @@ class RowContext:
     step: int
 
 
+# Tables and slots are float32: a hyperparameter or learning rate beyond this turns into Inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
 
@@ -101,19 +106,42 @@ def learning_rate_arity(fn: Callable) -> int:
     return len(required)
 
 
+def _check_bound(name: str, what: str, v, side: str) -> None:
+    """A clipping bound: None, a finite number within float32 range, or the infinity of its
+    open side (``-inf`` for a lower bound, ``+inf`` for an upper one), which means no bound, as
+    an unset bound of the TPU proto's ClippingLimits does. The other infinity would clip every
+    value to Inf."""
+    if v is None:
+        return
+    if not _is_number(v) or math.isnan(v):
+        raise ValueError(f"{name}: {what} must be a number or None, got {v!r}")
+    if math.isinf(v):
+        if (v > 0) == (side == "lo"):
+            raise ValueError(
+                f"{name}: {what} is {v!r}, which would clip every value to it; use "
+                f"{'-' if side == 'lo' else '+'}inf or None for no bound"
+            )
+    elif abs(v) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name}: {what} must be within float32 range (|x| <= {FLOAT32_MAX:.7g}) or "
+            f"{'-' if side == 'lo' else '+'}inf / None for no bound, got {v!r}"
+        )
+
+
 def _clip_bounds(name: str, c) -> tuple[float, float] | None:
-    """Normalise ``clipvalue`` to ``(lo, hi)``; ValueError naming the bad value."""
+    """Normalise ``clipvalue`` to ``(lo, hi)``; ValueError naming the bad value. Infinite
+    sides mean no bound (see _check_bound)."""
     if c is None:
         return None
     if _is_number(c):
         if not c > 0:
             raise ValueError(f"{name}: a scalar clipvalue must be > 0, got {c!r}")
+        _check_bound(name, "clipvalue", c, "hi")
         return (-float(c), float(c))
     if isinstance(c, tuple | list) and len(c) == 2:
         lo, hi = c
-        for side, v in (("min", lo), ("max", hi)):
-            if v is not None and (not _is_number(v) or math.isnan(v)):
-                raise ValueError(f"{name}: clipvalue {side} must be a number or None, got {v!r}")
+        _check_bound(name, "clipvalue min", lo, "lo")
+        _check_bound(name, "clipvalue max", hi, "hi")
         lo = -math.inf if lo is None else float(lo)
         hi = math.inf if hi is None else float(hi)
         if lo > hi:
@@ -134,7 +162,8 @@ class Optimizer:
       use_gradient_accumulation: True (default): every occurrence of a row in a step (all features,
         all samples) is summed first and the row gets ONE update. False: each occurrence is its own
         update, applied in order of appearance.
-      clip_weight_min, clip_weight_max: weights are clipped to this range after the update.
+      clip_weight_min, clip_weight_max: weights are clipped to this range after the update
+        (None, or -inf / +inf: no bound on that side, as in the TPU proto's ClippingLimits).
       weight_decay_factor: ``f``; None means no decay. Applies to touched rows only.
       multiply_weight_decay_factor_by_learning_rate: decay by ``f * lr`` instead of ``f``.
       weight_decay_mode: "decoupled" (TF: ``w -= f * w`` before the update) or "l2" (Monolith:
@@ -166,10 +195,8 @@ class Optimizer:
         ):
             if not isinstance(getattr(self, flag), bool | np.bool_):
                 raise TypeError(f"{name}: {flag} must be a bool, got {getattr(self, flag)!r}")
-        for bound in ("clip_weight_min", "clip_weight_max"):
-            v = getattr(self, bound)
-            if v is not None and (not _is_number(v) or math.isnan(v)):
-                raise ValueError(f"{name}: {bound} must be a number or None, got {v!r}")
+        _check_bound(name, "clip_weight_min", self.clip_weight_min, "lo")
+        _check_bound(name, "clip_weight_max", self.clip_weight_max, "hi")
         if (
             self.clip_weight_min is not None
             and self.clip_weight_max is not None
@@ -202,6 +229,39 @@ class Optimizer:
         if reason and not self.use_gradient_accumulation:
             raise ValueError(f"{name}: {reason} needs use_gradient_accumulation=True")
         self._check()
+        self._check_float32_range(name)
+        lr = self.learning_rate
+        if _is_number(lr):
+            try:
+                self.check_learning_rate(lr)
+            except ValueError as e:
+                raise ValueError(f"{name}: learning_rate: {e}") from None
+
+    # The knobs checked on their own (learning rate, clipping bounds) or not numbers.
+    _RANGE_CHECKED_ELSEWHERE = ("learning_rate", "clip_weight_min", "clip_weight_max", "clipvalue")
+
+    def _check_float32_range(self, name: str) -> None:
+        """Every numeric hyperparameter finite and within float32 range: the kernels use them
+        next to float32 tables, where a larger one (a decay of 1e300) becomes Inf."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in self._RANGE_CHECKED_ELSEWHERE or not _is_number(v):
+                continue
+            if not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                raise ValueError(
+                    f"{name}: {f.name} must be finite and within float32 range "
+                    f"(|x| <= {FLOAT32_MAX:.7g}), got {v!r}"
+                )
+
+    def check_learning_rate(self, lr: float) -> None:
+        """Raise ValueError unless ``lr`` is a learning rate this optimizer can apply: finite,
+        >= 0 and within float32 range (subclasses add their own rule, e.g. FTRL's lr > 0).
+        The engine calls it for every table before any table changes in a step."""
+        if not (math.isfinite(lr) and 0 <= lr <= FLOAT32_MAX):
+            raise ValueError(
+                f"learning rate {lr!r} must be finite, >= 0 and <= {FLOAT32_MAX:.7g} "
+                "(float32 range)"
+            )
 
     def _check_learning_rate(self, name: str) -> None:
         lr = self.learning_rate

@@ -58,6 +58,15 @@ class FTRL(Optimizer):
                 f"allow_zero_accumulator=True), got {a0!r}"
             )
 
+    def check_learning_rate(self, lr):
+        """Also lr > 0 unless ``multiply_linear_by_learning_rate``: the update divides by lr."""
+        super().check_learning_rate(lr)
+        if lr == 0 and not self.multiply_linear_by_learning_rate:
+            raise ValueError(
+                "FTRL divides by the learning rate, which is 0: give a rate > 0 (or use "
+                "multiply_linear_by_learning_rate=True, which allows 0)"
+            )
+
     def slot_specs(self, dim):
         return (
             SlotSpec("accumulators", dim, float(self.initial_accumulator_value)),

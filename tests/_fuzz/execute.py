@@ -14,7 +14,11 @@ and returns ``{"outcome": ..., "detail": ...}`` with outcome one of ``OUTCOMES``
   every value finite; lookup-only paths change nothing;
 - ``wrong_answer``: anything else without an error, a malformed input accepted (expect
   "error"), or a valid input refused (expect "valid");
-- ``partial_update``: an error after a table, a slot or the step changed;
+- ``partial_update``: an error after a table, a slot or the step changed, except a
+  ``NonFiniteUpdateError`` (an update whose result overflowed from finite inputs, policy
+  "error"): the step is then done for every other row by contract, so it is judged like a
+  valid step: no non-finite value, and the state equal to the reference's, which must raise
+  it too (``right_answer``);
 - ``harness_error``: the harness itself failed (a bug here, not in embengine).
 
 The runner adds ``crash`` (the process died) and ``hang`` (no result within the timeout).
@@ -39,6 +43,8 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+
+from embengine import NonFiniteUpdateError
 
 from . import inputs
 from .cases import FAULTS, TPU_PATHS, TRAINING_PATHS
@@ -303,6 +309,8 @@ def judge(recipe: dict) -> dict:
     backend = recipe["backend"] if recipe["backend"] != "serving" else "reference"
     res = drive(recipe, backend, clean=False)
     before, after = res["before"], res["after"]
+    if res["error"] is not None and isinstance(res["error"].error, NonFiniteUpdateError):
+        return _judge_policed(recipe, res)
     if res["error"] is not None:
         err, stage = res["error"].error, res["error"].stage
         text = f"{stage}: {type(err).__name__}: {err}"[:600]
@@ -352,6 +360,24 @@ def judge(recipe: dict) -> dict:
     if d:
         return {"outcome": "wrong_answer", "detail": d}
     return {"outcome": "right_answer", "detail": ""}
+
+
+def _judge_policed(recipe: dict, res: dict) -> dict:
+    """A NonFiniteUpdateError: rows whose result was not finite left alone, the rest updated."""
+    text = f"{type(res['error'].error).__name__}: {res['error'].error}"[:600]
+    if recipe["path"] not in TRAINING_PATHS:
+        return {"outcome": "wrong_answer", "detail": "a lookup raised " + text}
+    bad = nonfinite(res["after"])
+    if bad:
+        return {"outcome": "wrong_answer", "detail": f"non-finite state written: {bad}"}
+    ref = drive(recipe, "reference", clean=True)
+    if ref["error"] is None or not isinstance(ref["error"].error, NonFiniteUpdateError):
+        return {"outcome": "wrong_answer",
+                "detail": f"the reference does not refuse the same rows: {text}"}  # fmt: skip
+    d = state_diff(res["after"], ref["after"])
+    if d:
+        return {"outcome": "wrong_answer", "detail": d}
+    return {"outcome": "right_answer", "detail": "policed: " + text}
 
 
 def run_case(recipe: dict) -> dict:
