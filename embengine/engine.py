@@ -43,7 +43,8 @@ from .spec import (
     optimizer_to_json,
 )
 from .state import WEIGHTS, PartialLoadError, check_state
-from .storage import DenseTable, StoragePlan, TableView, plan_storage
+from .storage import StoragePlan, make_storage, plan_storage
+from .storage.registry import storage_kind
 
 __all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES"]
 
@@ -117,7 +118,8 @@ class EmbeddingEngine:
         self._last_batch: PreparedBatch | None = None
 
     def _build_storage(self) -> None:
-        """One DenseTable per physical table of ``storage_plan``, its logical tables one after
+        """One TableStorage per physical table of ``storage_plan`` (its kind's factory,
+        ``storage.registry``: DenseTable for "ram" and "mmap"), its logical tables one after
         another (low-dimensional packing: see embengine.storage.plan); they are then
         deduplicated, looked up and updated by one kernel call each. Results do not change:
         rows are independent and initial values depend on the table's own row ids."""
@@ -129,13 +131,18 @@ class EmbeddingEngine:
             segments = [(m.name, m.row_offset, m.vocabulary_size,
                          _initializer_for(r.tables[t], self._optimizers[t]))
                         for m, t in zip(spec.tables, ts, strict=True)]  # fmt: skip
-            table = DenseTable(
-                spec.name, spec.vocabulary_size, spec.dim,
-                self._optimizers[ts[0]].slot_specs(spec.dim), segments[0][3], self.seed,
-                path=spec.path, segments=segments,
-            )  # fmt: skip
-            for t, m in zip(ts, spec.tables, strict=True):
-                views[t] = TableView(table, m.name, m.row_offset, m.vocabulary_size)
+            table = make_storage(spec, self._optimizers[ts[0]].slot_specs(spec.dim), segments,
+                                 self.seed)  # fmt: skip
+            # Batches resolve such a kind's rows from the plan: the storage must agree.
+            offsets = tuple(m.row_offset for m in spec.tables)
+            if storage_kind(spec.storage).row_ids and table.row_bases != offsets:
+                raise ValueError(
+                    f"storage kind {spec.storage!r} says its rows are ids (row_ids=True), but "
+                    f"table {spec.name!r} gives row_bases {table.row_bases}, not the plan's row "
+                    f"offsets {offsets}"
+                )
+            for i, t in enumerate(ts):
+                views[t] = table.view(i)
             physical.append(table)
             members.append(ts)
         self._physical = tuple(physical)
@@ -469,6 +476,8 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
+            if batch.deduplicated:
+                batch = self._resolve(batch, insert=training)
         elif training:
             # Deduplication and pooling in one call (numba: one parallel region, in
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
@@ -492,6 +501,18 @@ class EmbeddingEngine:
             for name, lay in batch.features.items()
         }
         return acts, batch
+
+    def _resolve(self, batch: PreparedBatch, insert: bool) -> PreparedBatch:
+        """``batch`` with every table's rows resolved: a storage that maps ids to rows itself
+        (no ``row_bases``; the batch left its rows to the engine) gets one ``rows_for`` per
+        logical table on its unique ids. The same batch if nothing is left to resolve."""
+        if all(tb.unique_rows is not None for tb in batch.tables):
+            return batch
+        tables = tuple(
+            tb if tb.unique_rows is not None else tb.resolved(table, insert)
+            for table, tb in zip(self._physical, batch.tables, strict=True)
+        )
+        return dataclasses.replace(batch, tables=tables)
 
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""
@@ -530,6 +551,8 @@ class EmbeddingEngine:
             )
         grads = self._check_gradients(gradients, batch)
         lrs = self._learning_rates.resolve(self._step, learning_rates)
+        pending = batch
+        batch = self._resolve(batch, insert=True)  # a batch given without its lookup
         # Everything is validated; from here on tables change.
         skip = self.nonfinite_gradients == "skip_row"
         # Last table first: the rows the lookup touched last are the likeliest still in cache.
@@ -550,7 +573,7 @@ class EmbeddingEngine:
             with sweep:
                 self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
         self._step += 1
-        if implicit or batch is self._last_batch:  # one update per lookup
+        if implicit or pending is self._last_batch:  # one update per lookup
             self._last_batch = None
 
     def _batch_fingerprint(self) -> BatchFingerprint:
