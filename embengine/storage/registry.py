@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # not .plan: the plan imports this module
     from ..initializers import Initializer
     from ..optimizers import SlotSpec
-    from .plan import PhysicalTableSpec
     from .protocol import TableStorage
+
+# A ``plan.PhysicalTableSpec`` (name, dim, storage, path, tables).
+PhysicalTableSpec = Any
 
 __all__ = [
     "Segment",
@@ -37,7 +39,7 @@ __all__ = [
 # storage initialises logical row ``r`` of it as ``initializer.init(seed, name, [r], dim)``.
 Segment = tuple[str, int, int, "Initializer"]
 # factory(spec, slot_specs, segments, seed) -> the physical table's storage.
-StorageFactory = Callable[["PhysicalTableSpec", "tuple[SlotSpec, ...]", "Sequence[Segment]", int],
+StorageFactory = Callable[[PhysicalTableSpec, "tuple[SlotSpec, ...]", "Sequence[Segment]", int],
                           "TableStorage"]  # fmt: skip
 
 
