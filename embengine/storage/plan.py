@@ -204,7 +204,8 @@ _ANY = (lambda v: True, "anything")
 _STR = (lambda v: isinstance(v, str), "a str")
 _INT0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
 _INT1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
-_KIND = (lambda v: isinstance(v, str) and v in storage_kinds(), "a registered storage kind")
+_KIND = (lambda v: isinstance(v, str) and v in storage_kinds(),
+         "one of the registered storage kinds (storage.registry)")  # fmt: skip
 _PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
 _LIST = (lambda v: isinstance(v, list | tuple), "a list")
 _STRS = (lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
