@@ -1,14 +1,22 @@
-"""The prepared batch: per table, the deduplicated rows and how occurrences map to outputs.
+"""The prepared batch: per table, the deduplicated ids, their rows, and how occurrences map to
+outputs.
 
 This is what the TPU's deduplication data is: computed once from the features, it serves the
 lookup (gather unique rows, combine into activations) and the update (sum each occurrence's
 gradient into its unique row) of the same step. Building it is pure: no table state is read, so
 it can run in a DataLoader worker.
 
-Per table, the occurrences of all its features are concatenated in feature order (then sample
-order, then position): occurrence ``k`` reads row ``unique_ids[inverse[k]]``, is scaled by
-``gains[k]`` and lands in row ``segments[k]`` of the table's activation matrix, whose rows are
-the features' outputs stacked in the same order. Unique rows are in order of first appearance.
+Per physical table, the occurrences of all its features are concatenated in feature order
+(then sample order, then position); the features of one logical table (a member of the
+physical table: low-dimensional packing puts several in one) are consecutive. Occurrence ``k``
+is id ``unique_ids[inverse[k]]`` of its logical table, is scaled by ``gains[k]`` and lands in
+row ``segments[k]`` of the table's activation matrix, whose rows are the features' outputs
+stacked in the same order. Ids are deduplicated per logical table, in order of first
+appearance, member after member (``unique_bounds``). The kernels read and write
+``unique_rows[inverse[k]]``: the storage's row of each unique id (``storage.protocol``), never
+an id. For a storage whose rows are ids at fixed bases (DenseTable: ``row_bases``) the rows are
+resolved here from the storage plan (``FeaturePart.row_offset``), still without reading a
+table; the engine resolves any other storage's rows with its ``rows_for`` (``resolved``).
 
 A lookup-only batch (``deduplicated=False``, from ``prepare(..., deduplicate=False)``) skips
 the deduplication and the occurrence arrays: per table it keeps the validated features' own
@@ -23,6 +31,7 @@ A sequence feature has gain 1 and one output row per (sample, position < max_seq
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -46,12 +55,13 @@ __all__ = [
     "prepare",
     "plan_tables",
     "dedup",
+    "identity_rows",
 ]
 
 
 @dataclass(frozen=True, eq=False)
 class TableBatch:
-    unique_ids: np.ndarray  # int64 [U], global row ids in order of first appearance
+    unique_ids: np.ndarray  # int64 [U], ids of the logical tables, in order of first appearance
     inverse: np.ndarray  # int64 [N], occurrence -> index into unique_ids
     gains: np.ndarray  # float32 [N]
     segments: np.ndarray  # int64 [N], non-decreasing: occurrence -> activation row
@@ -63,6 +73,11 @@ class TableBatch:
     unique_offsets: np.ndarray  # int64 [U + 1]
     unique_gains: np.ndarray  # float32 [N]
     unique_segments: np.ndarray  # int64 [N]
+    # Logical table (member) i's unique ids are unique_ids[unique_bounds[i]:unique_bounds[i + 1]].
+    unique_bounds: np.ndarray  # int64 [members + 1]
+    # The storage's row of each unique id (NO_ROW, -1: none; it pools zeros and is not updated),
+    # what the kernels index; None until resolved (a storage without row_bases: ``resolved``).
+    unique_rows: np.ndarray | None
 
     def __post_init__(self):
         # The kernels index tables and outputs with these arrays without checking them (that
@@ -71,8 +86,20 @@ class TableBatch:
         # a block's next batch gets writable arrays again (block_pool).
         for f in _TABLE_BATCH_ARRAYS:
             a = getattr(self, f)
-            if a.flags.writeable:
+            if a is not None and a.flags.writeable:
                 a.flags.writeable = False
+
+    def resolved(self, storage, insert: bool) -> TableBatch:
+        """This batch with ``unique_rows`` from ``storage.rows_for`` (a ``TableStorage``), one
+        call per logical table on its unique ids: how the engine resolves a storage without
+        ``row_bases``. ``insert``: training (ids may get new rows) or lookup only."""
+        rows = np.empty(len(self.unique_ids), dtype=np.int64)
+        b = self.unique_bounds
+        for m in range(len(b) - 1):
+            lo, hi = int(b[m]), int(b[m + 1])
+            if hi > lo:
+                rows[lo:hi] = storage.rows_for(m, self.unique_ids[lo:hi], insert)
+        return dataclasses.replace(self, unique_rows=rows)
 
     # Rebuilt through __init__ when copied or unpickled (a DataLoader worker's batch): unpickled
     # arrays are writable.
@@ -85,7 +112,25 @@ class TableBatch:
 
 
 _TABLE_BATCH_ARRAYS = ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                       "unique_offsets", "unique_gains", "unique_segments")  # fmt: skip
+                       "unique_offsets", "unique_gains", "unique_segments", "unique_bounds",
+                       "unique_rows")  # fmt: skip
+
+
+def identity_rows(unique_ids: np.ndarray, unique_bounds: np.ndarray,
+                  row_offsets: list[int]) -> np.ndarray | None:  # fmt: skip
+    """The rows of a storage whose rows are ids at fixed bases (``TableStorage.row_bases``,
+    DenseTable): member i's ids plus ``row_offsets[i]``, its first row in the storage plan.
+    An unpacked table's rows are its ids (the same array, no copy). None if an offset is
+    negative: the storage maps ids to rows itself (the engine resolves them, ``resolved``)."""
+    if any(o < 0 for o in row_offsets):
+        return None
+    if not any(row_offsets):
+        return unique_ids
+    rows = np.empty_like(unique_ids)
+    for m, base in enumerate(row_offsets):
+        lo, hi = int(unique_bounds[m]), int(unique_bounds[m + 1])
+        np.add(unique_ids[lo:hi], base, out=rows[lo:hi])
+    return rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -307,8 +352,11 @@ class FeaturePart:
     combiner: str
     out_start: int  # the feature's first row in the table's activation matrix
     num_outputs: int
-    id_offset: int = 0  # added to the feature's ids: its table's first row in packed storage
+    # Its logical table's first row in the physical table (the storage plan's row_offset): the
+    # row of id 0 in a storage with row_bases; -1 for a storage that maps ids to rows itself.
+    row_offset: int = 0
     name: str = ""  # the feature's name (error messages, the ids' check at lookup)
+    member: int = 0  # its logical table's index in the physical table (rows_for's ``logical``)
 
 
 def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,29 +369,55 @@ def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _table_occurrences(parts):
-    """(ids, gains, segments, output_offsets, num_outputs) of one table's features, NumPy."""
+    """(ids, gains, segments, output_offsets, num_outputs, occurrences per part) of one table's
+    features, NumPy; ids are their logical tables' own."""
     ids, gains, segs = [], [], []
     for part in parts:
         f_ids, f_gains, f_segs, _ = _feature_occurrences(part.ragged, part.seq_len, part.combiner)
-        ids.append(f_ids + part.id_offset if part.id_offset else f_ids)
+        ids.append(f_ids)
         gains.append(f_gains)
         segs.append(f_segs + part.out_start)
     num_outputs = sum(p.num_outputs for p in parts)
-    all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    all_ids = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, np.int64)
     segments = np.concatenate(segs).astype(np.int64, copy=False) if segs else all_ids
     gains_all = (
         np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
     )
     output_offsets, _ = csr(segments, num_outputs)
-    return all_ids, gains_all, segments, output_offsets, num_outputs
+    return all_ids, gains_all, segments, output_offsets, num_outputs, [len(i) for i in ids]
+
+
+def _member_spans(parts, counts) -> list[tuple[int, int, int]]:
+    """(row_offset, first occurrence, stop) of each member of a table, in member order (its
+    parts are consecutive, members numbered from 0: ``plan_tables``)."""
+    spans: list[list[int]] = []
+    pos = 0
+    for part, n in zip(parts, counts, strict=True):
+        if part.member == len(spans):
+            spans.append([part.row_offset, pos, pos])
+        spans[part.member][2] = pos + n
+        pos += n
+    return [tuple(x) for x in spans]
 
 
 def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
-    """The reference construction of every table's batch (NumPy)."""
+    """The reference construction of every table's batch (NumPy): ids deduplicated per logical
+    table, rows resolved for storages whose rows are ids (``identity_rows``)."""
     tables = []
     for parts in parts_per_table:
-        all_ids, gains_all, segments, output_offsets, num_outputs = _table_occurrences(parts)
-        unique, inverse = dedup(all_ids)
+        all_ids, gains_all, segments, output_offsets, num_outputs, counts = _table_occurrences(
+            parts
+        )
+        spans = _member_spans(parts, counts)
+        inverse = np.empty(len(all_ids), dtype=np.int64)
+        uniques, bounds = [], [0]
+        for _, lo, hi in spans:
+            u, inv = dedup(all_ids[lo:hi])
+            inverse[lo:hi] = inv + bounds[-1]
+            uniques.append(u)
+            bounds.append(bounds[-1] + len(u))
+        unique = np.concatenate(uniques) if uniques else np.zeros(0, np.int64)
+        unique_bounds = np.array(bounds, dtype=np.int64)
         unique_offsets, by_unique = csr(inverse, len(unique))
         tables.append(
             TableBatch(
@@ -356,6 +430,8 @@ def build_tables_numpy(parts_per_table: list[list[FeaturePart]]) -> list[TableBa
                 unique_offsets=unique_offsets,
                 unique_gains=gains_all[by_unique],
                 unique_segments=segments[by_unique],
+                unique_bounds=unique_bounds,
+                unique_rows=identity_rows(unique, unique_bounds, [sp[0] for sp in spans]),
             )
         )
     return tables
@@ -375,7 +451,9 @@ class LookupOnlyTableBatch:
 
     @cached_property
     def occurrences(self) -> TableBatch:
-        ids, gains, segments, output_offsets, num_outputs = _table_occurrences(self.parts)
+        ids, gains, segments, output_offsets, num_outputs, counts = _table_occurrences(self.parts)
+        spans = _member_spans(self.parts, counts)
+        bounds = np.array([0] + [hi for _, _, hi in spans], dtype=np.int64)
         return TableBatch(
             unique_ids=ids,
             inverse=np.arange(len(ids), dtype=np.int64),
@@ -386,6 +464,8 @@ class LookupOnlyTableBatch:
             unique_offsets=np.zeros(1, np.int64),
             unique_gains=np.zeros(0, np.float32),
             unique_segments=np.zeros(0, np.int64),
+            unique_bounds=bounds,
+            unique_rows=identity_rows(ids, bounds, [sp[0] for sp in spans]),
         )
 
 
@@ -453,7 +533,9 @@ def plan_tables(
     """Validate features and split them by storage table: (each table's feature parts, each
     feature's place in its table's activation matrix). ``storage_layout`` lists, per storage
     table, its features with the row offset of their table in it (low-dimensional packing puts
-    several tables in one); by default each table is its own storage."""
+    several tables in one; -1: the storage maps ids to rows itself, so the batch leaves its
+    rows to the engine), each table's features together; by default each table is its own
+    storage."""
     ragged = normalise_features(resolved, features, weights)
     if storage_layout is None:
         storage_layout = _default_layout(resolved)
@@ -462,13 +544,23 @@ def plan_tables(
     for t, members in enumerate(storage_layout):
         parts = []
         rows = 0
+        seen: list[int] = []  # the logical tables met so far, in order: the members
         for name, offset in members:
             fc = resolved.features[name]
             r = ragged[name]
             n_out = r.num_samples * fc.max_sequence_length if fc.is_sequence else r.num_samples
             layouts[name] = FeatureLayout(t, rows, rows + n_out, fc.activation_shape(r.num_samples))
+            table = resolved.feature_table[name]
+            if not seen or seen[-1] != table:
+                if table in seen:  # members are deduplicated one after another
+                    raise ValueError(
+                        f"storage_layout[{t}]: feature {name!r} is not next to the other "
+                        f"features of table {resolved.table_names[table]!r}; list each table's "
+                        "features together (StoragePlan.storage_layout does)"
+                    )
+                seen.append(table)
             parts.append(FeaturePart(r, fc.max_sequence_length, fc.table.combiner, rows, n_out,
-                                     offset, name))  # fmt: skip
+                                     offset, name, len(seen) - 1))  # fmt: skip
             rows += n_out
         parts_per_table.append(parts)
     return parts_per_table, {name: layouts[name] for name in resolved.features}

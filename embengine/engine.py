@@ -46,7 +46,8 @@ from .spec import (
     optimizer_to_json,
 )
 from .state import WEIGHTS, PartialLoadError, check_state
-from .storage import DenseTable, StoragePlan, TableView, plan_storage
+from .storage import StoragePlan, make_storage, plan_storage
+from .storage.registry import storage_kind
 
 __all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES", "NonFiniteUpdateError"]
 
@@ -95,6 +96,7 @@ class EmbeddingEngine:
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
         ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache.
         Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
+        Any kind registered with ``embengine.storage.register_storage_kind`` is accepted too.
       storage_dir: folder of the "mmap" tables' files (required if any table uses "mmap").
 
     Threads: one engine may be used from several threads. ``lock`` (a reentrant lock) is held
@@ -179,7 +181,8 @@ class EmbeddingEngine:
         return getattr(p, "batch", None)
 
     def _build_storage(self) -> None:
-        """One DenseTable per physical table of ``storage_plan``, its logical tables one after
+        """One TableStorage per physical table of ``storage_plan`` (its kind's factory,
+        ``storage.registry``: DenseTable for "ram" and "mmap"), its logical tables one after
         another (low-dimensional packing: see embengine.storage.plan); they are then
         deduplicated, looked up and updated by one kernel call each. Results do not change:
         rows are independent and initial values depend on the table's own row ids."""
@@ -191,13 +194,18 @@ class EmbeddingEngine:
             segments = [(m.name, m.row_offset, m.vocabulary_size,
                          _initializer_for(r.tables[t], self._optimizers[t]))
                         for m, t in zip(spec.tables, ts, strict=True)]  # fmt: skip
-            table = DenseTable(
-                spec.name, spec.vocabulary_size, spec.dim,
-                self._optimizers[ts[0]].slot_specs(spec.dim), segments[0][3], self.seed,
-                path=spec.path, segments=segments,
-            )  # fmt: skip
-            for t, m in zip(ts, spec.tables, strict=True):
-                views[t] = TableView(table, m.name, m.row_offset, m.vocabulary_size)
+            table = make_storage(spec, self._optimizers[ts[0]].slot_specs(spec.dim), segments,
+                                 self.seed)  # fmt: skip
+            # Batches resolve such a kind's rows from the plan: the storage must agree.
+            offsets = tuple(m.row_offset for m in spec.tables)
+            if storage_kind(spec.storage).row_ids and table.row_bases != offsets:
+                raise ValueError(
+                    f"storage kind {spec.storage!r} says its rows are ids (row_ids=True), but "
+                    f"table {spec.name!r} gives row_bases {table.row_bases}, not the plan's row "
+                    f"offsets {offsets}"
+                )
+            for i, t in enumerate(ts):
+                views[t] = table.view(i)
             physical.append(table)
             members.append(ts)
         self._physical = tuple(physical)
@@ -536,6 +544,8 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
+            if batch.deduplicated:
+                batch = self._resolve(batch, insert=training)
         elif training:
             # Deduplication and pooling in one call (numba: one parallel region, in
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
@@ -562,6 +572,18 @@ class EmbeddingEngine:
             for name, lay in batch.features.items()
         }
         return acts, batch
+
+    def _resolve(self, batch: PreparedBatch, insert: bool) -> PreparedBatch:
+        """``batch`` with every table's rows resolved: a storage that maps ids to rows itself
+        (no ``row_bases``; the batch left its rows to the engine) gets one ``rows_for`` per
+        logical table on its unique ids. The same batch if nothing is left to resolve."""
+        if all(tb.unique_rows is not None for tb in batch.tables):
+            return batch
+        tables = tuple(
+            tb if tb.unique_rows is not None else tb.resolved(table, insert)
+            for table, tb in zip(self._physical, batch.tables, strict=True)
+        )
+        return dataclasses.replace(batch, tables=tables)
 
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""
@@ -606,10 +628,12 @@ class EmbeddingEngine:
             grads = self._check_gradients(gradients, batch)
             lrs = self._learning_rates.resolve(self._step, learning_rates)
             self._check_learning_rates(lrs)
+            pending = batch
+            batch = self._resolve(batch, insert=True)  # a batch given without its lookup
             # Everything is validated; from here on tables change.
             unchanged = self._update(batch, grads, lrs)
             self._step += 1
-            if implicit or batch is self._pending_batch():  # one update per lookup
+            if implicit or pending is self._pending_batch():  # one update per lookup
                 self._set_pending(None)
             if unchanged:
                 self._report_unchanged(unchanged)
@@ -651,22 +675,45 @@ class EmbeddingEngine:
             with sweep:
                 rows = self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
             if rows is not None and len(rows):
-                for t in self._physical_members[p]:  # physical rows -> each table's own ids
-                    view = self._tables[t]
-                    mine = rows[(rows >= view.offset) & (rows < view.offset + view.vocabulary_size)]
-                    if len(mine):
-                        unchanged[view.name] = np.sort(mine - view.offset)
+                self._unchanged_ids(p, tb, rows, unchanged)
         return unchanged
+
+    def _unchanged_ids(self, p: int, tb, rows: np.ndarray, out: dict) -> None:
+        """Physical table ``p``'s ``rows`` -> each logical table's ids, added to ``out``: a row
+        of the batch by its unique id; one it did not touch (an every-row sweep) through the
+        storage's ``row_bases`` (a storage without them: named by row, under the physical
+        table's name with a " rows" suffix)."""
+        where = np.full(len(rows), -1, dtype=np.int64)  # rows' position in tb.unique_rows
+        order = np.argsort(tb.unique_rows, kind="stable")
+        at = np.searchsorted(tb.unique_rows, rows, sorter=order)
+        at = np.minimum(at, max(len(order) - 1, 0))
+        if len(order):
+            hit = tb.unique_rows[order[at]] == rows
+            where[hit] = order[at[hit]]
+        bases = self._physical[p].row_bases
+        members = self._physical_members[p]
+        for k, t in enumerate(members):
+            name = self._tables[t].name
+            lo, hi = tb.unique_bounds[k], tb.unique_bounds[k + 1]
+            in_batch = (where >= lo) & (where < hi)
+            ids = [tb.unique_ids[where[in_batch]]]
+            if bases is not None:
+                size = self._tables[t].vocabulary_size
+                rest = rows[(where < 0) & (rows >= bases[k]) & (rows < bases[k] + size)]
+                ids.append(rest - bases[k])
+            ids = np.concatenate(ids)
+            if len(ids):
+                out[name] = np.sort(ids)
+        if bases is None and (where < 0).any():
+            out[f"{self._physical[p].name} rows"] = np.sort(rows[where < 0])
 
     def _report_unchanged(self, unchanged: dict[str, np.ndarray]) -> None:
         """The non-finite-result policy, once the step is done (see the class docstring)."""
         parts = []
-        for name in self.table_names:
-            if name in unchanged:
-                rows = unchanged[name]
-                ids = ", ".join(str(int(i)) for i in rows[:_ROWS_NAMED])
-                more = ", ..." if len(rows) > _ROWS_NAMED else ""
-                parts.append(f"table {name!r}: {len(rows)} rows (ids {ids}{more})")
+        for name, rows in unchanged.items():
+            ids = ", ".join(str(int(i)) for i in rows[:_ROWS_NAMED])
+            more = ", ..." if len(rows) > _ROWS_NAMED else ""
+            parts.append(f"table {name!r}: {len(rows)} rows (ids {ids}{more})")
         what = "; ".join(parts)
         step = self._step - 1
         if self.nonfinite_gradients == "error":
@@ -678,7 +725,8 @@ class EmbeddingEngine:
                 unchanged,
             )
         for name, rows in unchanged.items():
-            self.nonfinite_rows_skipped[name] += len(rows)
+            if name in self.nonfinite_rows_skipped:
+                self.nonfinite_rows_skipped[name] += len(rows)
         warnings.warn(
             f"step {step}: rows left unchanged because their update was not finite: {what} "
             "(nonfinite_gradients='skip_row'; counted in engine.nonfinite_rows_skipped)",

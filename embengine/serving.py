@@ -781,11 +781,11 @@ def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Ma
 
     A lookup-only batch gets one row per id, in order (row ``k`` of the table is the ``k``-th
     id of its features, so no deduplication); a deduplicated batch one per unique id."""
-    if isinstance(tb, TableBatch):
+    if isinstance(tb, TableBatch):  # an export is keyed by logical id: one table per batch table
         rows = decode(arrays, compression, tb.unique_ids, params)
-        renumbered = dataclasses.replace(tb, unique_ids=np.arange(len(rows), dtype=np.int64))
+        renumbered = dataclasses.replace(tb, unique_rows=np.arange(len(rows), dtype=np.int64))
         return np.ascontiguousarray(rows, dtype=np.float32), renumbered
-    ids = [p.ragged.ids + p.id_offset if p.id_offset else p.ragged.ids for p in tb.parts]
+    ids = [p.ragged.ids for p in tb.parts]
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     rows = np.ascontiguousarray(decode(arrays, compression, all_ids, params), dtype=np.float32)
     parts, base = [], 0
@@ -794,6 +794,6 @@ def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Ma
         n = len(r.ids)
         local = Ragged(np.arange(base, base + n, dtype=np.int64), offsets=r.offsets,
                        weights=r.weights)  # fmt: skip
-        parts.append(dataclasses.replace(p, ragged=local, id_offset=0))
+        parts.append(dataclasses.replace(p, ragged=local, row_offset=0))
         base += n
     return rows, dataclasses.replace(tb, parts=tuple(parts))

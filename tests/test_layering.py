@@ -35,7 +35,7 @@ def test_specs_plan_and_engine_class_import_without_numba():
         assert "numba" not in sys.modules, "import embengine.config loaded numba"
         import embengine as ee
         import embengine.backends, embengine.initializers, embengine.optimizers
-        import embengine.storage, embengine.storage.plan
+        import embengine.storage, embengine.storage.plan, embengine.storage.registry
         import embengine.checkpoint, embengine.inspect, embengine.serving
         from embengine.config import resolve_features
         ee.EmbeddingEngine  # the class, not an engine

@@ -11,7 +11,7 @@ import functools
 import numba as nb
 import numpy as np
 
-from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
+from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
 from ..kernels import FIXED_DIMS, pipeline, row_math, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.fused import FIXED_KERNELS, KERNELS
@@ -19,7 +19,7 @@ from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer
-from ..storage import DenseTable
+from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
 
 __all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
@@ -45,7 +45,8 @@ class _BatchPlan:
     def __init__(self, parts_per_table: list[list[FeaturePart]], memory: BlockPool | None):
         parts = [p for ps in parts_per_table for p in ps]
         n_tables = len(parts_per_table)
-        fmeta = np.empty((len(parts), kp.F_COLS), dtype=np.int64)
+        n_features = len(parts)
+        fmeta = np.empty((n_features, kp.F_COLS), dtype=np.int64)
         occ_base = np.zeros(n_tables + 1, dtype=np.int64)
         out_base = np.zeros(n_tables + 1, dtype=np.int64)
         id_base = off_base = w_base = 0
@@ -58,7 +59,7 @@ class _BatchPlan:
                 has_w = r.weights is not None and not p.seq_len
                 fmeta[f] = (t, id_base, off_base, r.num_samples, w_base if has_w else -1,
                             kp.COMBINER_CODES[p.combiner], p.seq_len, p.out_start,
-                            p.id_offset)  # fmt: skip
+                            p.member)  # fmt: skip
                 ids.append(r.ids)
                 offsets.append(r.offsets)
                 id_base += len(r.ids)
@@ -76,7 +77,8 @@ class _BatchPlan:
         # The inputs, concatenated, live for the kernel call; the outputs as long as the batch.
         inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
         outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
-                   (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64))  # fmt: skip
+                   (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64),
+                   (n_features + n_tables, i64))  # fmt: skip
         out_bytes = Carver.size(*outputs)
         if memory is None or out_bytes < POOLED_BATCH_BYTES:
             if memory is not None:
@@ -93,6 +95,19 @@ class _BatchPlan:
                 np.concatenate(parts_list, out=dest)
         self.n_tables = n_tables
         self.fmeta, self.occ_base, self.out_base = fmeta, occ_base, out_base
+        # Per table: where its logical tables' unique-id bounds start (its first feature + t)
+        # and each logical table's row offset in the storage plan (identity_rows).
+        self.bounds_base = [0] * n_tables
+        self.row_offsets: list[list[int]] = []
+        f = 0
+        for t, ps in enumerate(parts_per_table):
+            self.bounds_base[t] = f + t
+            offsets = []
+            for p in ps:
+                if p.member == len(offsets):
+                    offsets.append(p.row_offset)
+            self.row_offsets.append(offsets)
+            f += len(ps)
         self.inputs = inp
         self.outputs = out
 
@@ -101,16 +116,25 @@ class _BatchPlan:
         return kp.deal_tables(np.diff(self.occ_base), nb.get_num_threads())
 
     def table_batches(self) -> list[TableBatch]:
+        """Each table's batch, its rows resolved for a storage whose rows are ids at the plan's
+        row offsets (``batch.identity_rows``); the engine resolves other storages' rows."""
         occ_ids, gains, segments, unique, inverse, n_unique = self.outputs[:6]
-        unique_offsets, unique_gains, unique_segments, output_offsets = self.outputs[6:]
+        unique_offsets, unique_gains, unique_segments, output_offsets = self.outputs[6:10]
+        bounds = self.outputs[10]
         occ_base, out_base = self.occ_base, self.out_base
         tables = []
         for t in range(self.n_tables):
             lo, hi, u = int(occ_base[t]), int(occ_base[t + 1]), int(n_unique[t])
             o_lo, o_hi = int(out_base[t]), int(out_base[t + 1])
+            offsets = self.row_offsets[t]
+            b = self.bounds_base[t]
+            unique_bounds = bounds[b : b + len(offsets) + 1]
+            if not offsets:  # a table without features: no kernel wrote its bounds
+                unique_bounds = np.zeros(1, np.int64)
+            unique_ids = unique[lo : lo + u]
             tables.append(
                 TableBatch(
-                    unique_ids=unique[lo : lo + u],
+                    unique_ids=unique_ids,
                     inverse=inverse[lo:hi],
                     gains=gains[lo:hi],
                     segments=segments[lo:hi],
@@ -119,6 +143,8 @@ class _BatchPlan:
                     unique_offsets=unique_offsets[lo + t : lo + t + u + 1],
                     unique_gains=unique_gains[lo:hi],
                     unique_segments=unique_segments[lo:hi],
+                    unique_bounds=unique_bounds,
+                    unique_rows=identity_rows(unique_ids, unique_bounds, offsets),
                 )
             )
         return tables
@@ -162,22 +188,30 @@ def _quantization_row(quantization) -> np.ndarray:
 
 def build_tables_and_pool_numba(
     parts_per_table: list[list[FeaturePart]],
-    tables: list[DenseTable],
+    tables: list[TableStorage],
     quantizations: list,
     memory: BlockPool | None = None,
     prefetch: int = PREFETCH_LOOKUP,
 ) -> tuple[list[TableBatch], list[np.ndarray]]:
     """``build_tables_numba`` and every table's activation matrix (as ``NumbaBackend.lookup``
     of each table batch gives, bit for bit), in one parallel region whose threads claim the
-    preparation and pooling tasks as they go (``kernels.train_lookup``)."""
+    preparation and pooling tasks as they go (``kernels.train_lookup``).
+
+    A storage whose rows are its ids (``row_bases``) is pooled in that region, from the ids,
+    through each logical table's base address. Any other storage's batch is resolved after the
+    region (``rows_for`` with insert, on its unique ids) and pooled through its rows: the same
+    sums in the same order."""
     start_pool()
     plan = _BatchPlan(parts_per_table, memory)
     # Largest first; the threads claim the tables as they go, so no dealing (deal_tables).
     order = np.argsort(-np.diff(plan.occ_base), kind="stable")
     tmeta = np.empty((plan.n_tables, train_lookup.T_COLS), dtype=np.int64)
+    fdata = np.zeros((plan.fmeta.shape[0], train_lookup.FD_COLS), dtype=np.int64)
     quant = np.empty((plan.n_tables, 3), dtype=np.float64)
     outs = []
-    for t, (table, q) in enumerate(zip(tables, quantizations, strict=True)):
+    f = 0
+    for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table,
+                                              strict=True)):  # fmt: skip
         data = table.data
         if data.dtype != np.float32 or not data.flags.c_contiguous:
             raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32")
@@ -187,11 +221,29 @@ def build_tables_and_pool_numba(
         tmeta[t] = (data.ctypes.data, data.shape[0], data.shape[1], table.dim, out.ctypes.data,
                     n_out)  # fmt: skip
         quant[t] = _quantization_row(q)
+        bases = table.row_bases
+        for p in parts:
+            if bases is not None:  # the rows of its logical table, indexed by id
+                base = bases[p.member]
+                fdata[f] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
+            f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
     train_lookup.prepare_and_pool(order, nb.get_num_threads(), plan.fmeta, *plan.inputs,
-                                  plan.occ_base, plan.out_base, *plan.outputs, tmeta, quant,
-                                  prefetch)  # fmt: skip
-    return plan.table_batches(), outs
+                                  plan.occ_base, plan.out_base, *plan.outputs, tmeta, fdata,
+                                  quant, prefetch)  # fmt: skip
+    batches = plan.table_batches()
+    for t, table in enumerate(tables):
+        if table.row_bases is None:  # rows_for once, then pooled through the rows
+            batches[t] = batches[t].resolved(table, insert=True)
+            _pool_prepared(table.data, table.dim, batches[t], quant[t], prefetch, outs[t])
+    return batches, outs
+
+
+def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out) -> None:
+    """``out`` = the activations of a deduplicated batch, through its resolved rows."""
+    pool = pool_kernel(dim)
+    pool(data, dim, tb.unique_rows, tb.inverse, tb.gains, tb.output_offsets, out, quant,
+         prefetch)  # fmt: skip
 
 
 def _variant(optimizer: Optimizer, dim: int) -> str:
@@ -208,7 +260,7 @@ def _variant(optimizer: Optimizer, dim: int) -> str:
     )
 
 
-def fixed_layout(variant: str, table: DenseTable) -> tuple[int, int] | None:
+def fixed_layout(variant: str, table: TableStorage) -> tuple[int, int] | None:
     """(DIM, NS) if the variant has a fixed-layout kernel that fits this table's rows, else None.
 
     It fits rows of DIM (one of FIXED_DIMS) weights, then the NS float slots from column DIM on,
@@ -233,7 +285,7 @@ def _fixed_kernel(variant: str, dim: int, n_slots: int):
     return FIXED_KERNELS[variant](dim, n_slots)
 
 
-def kernels_for(optimizer: Optimizer, table: DenseTable):
+def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
     fixed-layout fused update where it fits (fixed_layout), else the any-layout one."""
     variant = _variant(optimizer, table.dim)
@@ -244,7 +296,7 @@ def kernels_for(optimizer: Optimizer, table: DenseTable):
     return fused, every_row
 
 
-def _table_constants(opt: Optimizer, table: DenseTable):
+def _table_constants(opt: Optimizer, table: TableStorage):
     """(meta int64, hyperparameters float64, slot columns int64) of one table's updates."""
     meta = np.zeros(pipeline.M_COLS, dtype=np.int64)
     meta[pipeline.M_DIM] = table.dim
@@ -294,24 +346,40 @@ class NumbaBackend:
         return build_tables_numba(parts_per_table, self.batch_memory)
 
     def build_tables_and_lookup(
-        self, parts_per_table: list[list[FeaturePart]], tables: list[DenseTable], quantizations
+        self, parts_per_table: list[list[FeaturePart]], tables: list[TableStorage], quantizations
     ) -> tuple[list[TableBatch], list[np.ndarray]]:
         """``build_tables`` and ``lookup`` of every table, in one parallel region (a training
-        lookup of features: see kernels/train_lookup.py)."""
+        lookup of features: see kernels/train_lookup.py); batches come back with their rows
+        resolved (insert)."""
         return build_tables_and_pool_numba(parts_per_table, tables, quantizations,
                                            self.batch_memory, self.lookup_prefetch)  # fmt: skip
 
     def lookup(
-        self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+        self, table: TableStorage, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
-        return self.lookup_rows(table.data, table.dim, tb, quantization)
+        """One table's activations. A deduplicated batch is pooled through its rows (resolved
+        with ``rows_for`` without insert if they were not); a lookup-only batch straight from
+        each feature's ids, through its logical table's base row (``row_bases``), or through
+        ``rows_for`` without insert on a storage that maps ids itself."""
+        bases = table.row_bases
+        if isinstance(tb, TableBatch):
+            if tb.unique_rows is None:
+                tb = tb.resolved(table, insert=False)
+            return self.lookup_rows(table.data, table.dim, tb, quantization)
+        data = table.data
+        return self._pool_parts(
+            tb, table.dim, quantization,
+            lambda p: ((data[bases[p.member]:], p.ragged.ids) if bases is not None
+                       else (data, table.rows_for(p.member, p.ragged.ids, False))),
+        )  # fmt: skip
 
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
-        """``lookup`` from an array whose row ``i`` holds id ``i``'s weights in its first
+        """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
         ``dim`` columns, float32 and C-contiguous (Backend protocol: a table's data, or rows
-        decoded from an export)."""
+        decoded from an export), read at the batch's rows: a deduplicated batch's
+        ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``."""
         # The kernels read rows by index without bounds checks: refuse what they cannot read.
         if (rows.dtype != np.float32 or rows.ndim != 2 or not rows.flags.c_contiguous
                 or rows.shape[1] < dim):  # fmt: skip
@@ -319,26 +387,43 @@ class NumbaBackend:
                 f"lookup_rows needs a C-contiguous float32 [rows, >= {dim}] array, got "
                 f"{rows.dtype} of shape {rows.shape}"
             )
+        if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
+            if any(p.row_offset < 0 for p in tb.parts):
+                raise ValueError(
+                    "lookup_rows: this batch's storage maps ids to rows itself; look it up "
+                    "with lookup(table, batch)"
+                )
+            return self._pool_parts(tb, dim, quantization,
+                                    lambda p: (rows[p.row_offset:], p.ragged.ids))  # fmt: skip
+        if tb.unique_rows is None:
+            raise ValueError(
+                "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
+                "itself); look it up with lookup(table, batch)"
+            )
+        start_pool()
+        out = np.empty((tb.num_outputs, dim), dtype=np.float32)
+        _pool_prepared(rows, dim, tb, _quantization_row(quantization), self.lookup_prefetch, out)
+        return out
+
+    def _pool_parts(self, tb: LookupOnlyTableBatch, dim: int, quantization, source) -> np.ndarray:
+        """A lookup-only batch's activations, feature by feature: ``source(part)`` gives the
+        (row array, rows of the part's occurrences) to pool from."""
         start_pool()
         out = np.empty((tb.num_outputs, dim), dtype=np.float32)
         quant = _quantization_row(quantization)
-        if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
-            for p in tb.parts:
-                r = p.ragged
-                weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
-                # Contiguous arrays (copies only of strided views): one compiled kernel per dim.
-                c = np.ascontiguousarray
-                pool_bags(rows, dim, c(r.ids), c(r.offsets), c(weights),
-                          kp.COMBINER_CODES[p.combiner], p.seq_len, p.id_offset, out,
-                          p.out_start, quant, self.lookup_prefetch)  # fmt: skip
-            return out
-        pool = pool_kernel(dim)
-        pool(rows, dim, tb.unique_ids, tb.inverse, tb.gains, tb.output_offsets,
-             out, quant, self.lookup_prefetch)  # fmt: skip
+        for p in tb.parts:
+            r = p.ragged
+            data, rows = source(p)
+            weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
+            # Contiguous arrays (copies only of strided views): one compiled kernel per dim.
+            c = np.ascontiguousarray
+            pool_bags(data, dim, c(rows, dtype=np.int64), c(r.offsets), c(weights),
+                      kp.COMBINER_CODES[p.combiner], p.seq_len, out, p.out_start, quant,
+                      self.lookup_prefetch)  # fmt: skip
         return out
 
     def apply(self, table, tb, grad, opt, lr, step, skip_nonfinite) -> np.ndarray:
-        """The fused update (Backend protocol); returns the ids of rows the kernel left
+        """The fused update (Backend protocol); returns the rows (of ``table.data``) the kernel left
         unchanged because their result was not finite."""
         start_pool()
         consts = self._constants.get(id(table))
@@ -352,16 +437,21 @@ class NumbaBackend:
             skipped = pipeline.nonfinite_rows(tb.unique_offsets, tb.unique_gains,
                                               tb.unique_segments, grad,
                                               opt.use_gradient_accumulation)  # fmt: skip
-        kernel = every_row if opt.updates_every_row else fused
+        if tb.unique_rows is None:  # a storage that maps ids itself, not resolved yet
+            tb = tb.resolved(table, insert=True)
         # One flag per unique row (per table row for every-row updates), set by the kernel.
-        unchanged = np.zeros(table.data.shape[0] if opt.updates_every_row else len(tb.unique_ids),
+        unchanged = np.zeros(table.data.shape[0] if opt.updates_every_row else len(tb.unique_rows),
                              dtype=np.uint8)  # fmt: skip
-        kernel(
+        args = (
             table.data, table.data.view(np.int32), meta, hp, cols, float(lr),
-            float(opt.weight_decay_rate(lr)), int(step), tb.unique_ids, tb.unique_offsets,
+            float(opt.weight_decay_rate(lr)), int(step), tb.unique_rows, tb.unique_offsets,
             tb.unique_gains, tb.unique_segments, grad, skipped, unchanged, self.update_prefetch,
         )  # fmt: skip
+        if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
+            every_row(*args, np.ascontiguousarray(table.live_rows(), dtype=np.int64))
+        else:
+            fused(*args)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)
-        return at if opt.updates_every_row else tb.unique_ids[at]
+        return at if opt.updates_every_row else tb.unique_rows[at]

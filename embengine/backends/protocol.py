@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch
     from ..config import QuantizationConfig
     from ..optimizers import Optimizer
-    from ..storage import DenseTable
+    from ..storage import TableStorage
 
 __all__ = ["Backend"]
 
@@ -27,9 +27,12 @@ class Backend(Protocol):
     """The interface of ``embengine.backends.reference.ReferenceBackend`` and
     ``embengine.backends.numba_backend.NumbaBackend``.
 
-    Tables are DenseTables (rows ``[weights | slots]``); ``quantization`` is a table's
-    QuantizationConfig or None. An activation matrix is float32 ``[tb.num_outputs, dim]``: the
-    table's features' outputs stacked in the batch's order."""
+    Tables are ``storage.TableStorage``s (rows ``[weights | slots]`` of ``data``); a backend
+    reads and writes the rows a batch resolved (``TableBatch.unique_rows``; -1: no row, pooled
+    as zeros and not updated), never ids, and resolves a batch whose storage maps ids itself
+    (``rows_for``) when it has no rows yet. ``quantization`` is a table's QuantizationConfig or
+    None. An activation matrix is float32 ``[tb.num_outputs, dim]``: the table's features'
+    outputs stacked in the batch's order."""
 
     name: str
 
@@ -40,16 +43,18 @@ class Backend(Protocol):
     def build_tables_and_lookup(
         self,
         parts_per_table: list[list[FeaturePart]],
-        tables: Sequence[DenseTable],
+        tables: Sequence[TableStorage],
         quantizations: Sequence[QuantizationConfig | None],
     ) -> tuple[list[TableBatch], list[np.ndarray]]:
-        """A training lookup of features: ``build_tables`` and every table's ``lookup`` of its
-        batch, with the same results (the numba backend runs both in one parallel region)."""
+        """A training lookup of features: ``build_tables``, rows resolved (``rows_for`` with
+        insert where the storage maps ids itself) and every table's ``lookup`` of its batch,
+        with the same results (the numba backend runs the first and last in one parallel
+        region)."""
         ...
 
     def lookup(
         self,
-        table: DenseTable,
+        table: TableStorage,
         tb: TableBatch | LookupOnlyTableBatch,
         quantization: QuantizationConfig | None = None,
     ) -> np.ndarray:
@@ -64,13 +69,15 @@ class Backend(Protocol):
         quantization: QuantizationConfig | None = None,
     ) -> np.ndarray:
         """``lookup`` from rows given as an array: float32, C-contiguous ``[n, >= dim]``, row
-        ``i`` holding the weights of id ``i`` in its first ``dim`` columns (a DenseTable's
-        ``data``, or rows decoded from an export). The batch's ids index ``rows``."""
+        ``r`` holding row ``r``'s weights in its first ``dim`` columns (a DenseTable's
+        ``data``, or rows decoded from an export). The batch's rows index ``rows``: a
+        deduplicated batch's ``unique_rows``, a lookup-only batch's ids from each feature's
+        ``row_offset`` on (a storage whose rows are ids)."""
         ...
 
     def apply(
         self,
-        table: DenseTable,
+        table: TableStorage,
         tb: TableBatch,
         grad: np.ndarray,
         opt: Optimizer,

@@ -12,13 +12,25 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
-from ..storage import DenseTable
+from ..storage import TableStorage
 
 __all__ = ["ReferenceBackend", "update_rows"]
 
 
+def _column(table: TableStorage, name: str) -> np.ndarray:
+    """The weights (``name="weights"``) or a slot of every row, a view of ``table.data``."""
+    col = table.columns[name]
+    base = table.data if col.dtype == "float32" else table.data.view(np.int32)
+    return base[:, col.start : col.start + col.width]
+
+
+def _rows(table: TableStorage, tb: TableBatch, insert: bool) -> TableBatch:
+    """``tb`` with its rows resolved (a storage that maps ids itself: ``rows_for``)."""
+    return tb if tb.unique_rows is not None else tb.resolved(table, insert)
+
+
 def update_rows(
-    table: DenseTable,
+    table: TableStorage,
     rows: np.ndarray,
     g: np.ndarray,
     opt: Optimizer,
@@ -38,23 +50,24 @@ def update_rows(
         ok = np.isfinite(w32).all(axis=1)
         new_slots = {}
         for spec in table.slot_specs:
-            v = slots[spec.name].astype(table.slot(spec.name).dtype)
+            v = slots[spec.name].astype(_column(table, spec.name).dtype)
             if spec.dtype == "float32":
                 ok &= np.isfinite(v).reshape(len(rows), -1).all(axis=1)
             new_slots[spec.name] = v
-    table.weights[rows[ok]] = w32[ok]
+    _column(table, "weights")[rows[ok]] = w32[ok]
     for spec in table.slot_specs:
-        table.slot(spec.name)[rows[ok]] = new_slots[spec.name][ok]
+        _column(table, spec.name)[rows[ok]] = new_slots[spec.name][ok]
     return ~ok
 
 
-def _updated(table: DenseTable, rows: np.ndarray, g: np.ndarray, opt: Optimizer, lr: float,
+def _updated(table: TableStorage, rows: np.ndarray, g: np.ndarray, opt: Optimizer, lr: float,
              step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:  # fmt: skip
     """The rows' new weights and slots (float64; int64 for int slots), not stored."""
     g = np.asarray(g, dtype=np.float64)
-    w = table.weights[rows].astype(np.float64)
+    weights = _column(table, "weights")
+    w = weights[rows].astype(np.float64)
     slots = {
-        spec.name: table.slot(spec.name)[rows].astype(
+        spec.name: _column(table, spec.name)[rows].astype(
             np.float64 if spec.dtype == "float32" else np.int64
         )
         for spec in table.slot_specs
@@ -91,36 +104,52 @@ class ReferenceBackend:
     build_tables = staticmethod(build_tables_numpy)
 
     def build_tables_and_lookup(
-        self, parts_per_table: list[list[FeaturePart]], tables: list[DenseTable], quantizations
+        self, parts_per_table: list[list[FeaturePart]], tables: list[TableStorage], quantizations
     ) -> tuple[list[TableBatch], list[np.ndarray]]:
-        """``build_tables``, then ``lookup`` of each table's batch (Backend protocol)."""
-        batches = self.build_tables(parts_per_table)
+        """``build_tables``, rows resolved (insert), then ``lookup`` of each table's batch
+        (Backend protocol)."""
+        batches = [
+            _rows(table, tb, insert=True)
+            for table, tb in zip(tables, self.build_tables(parts_per_table), strict=True)
+        ]
         acts = [self.lookup(table, tb, q)
                 for table, tb, q in zip(tables, batches, quantizations, strict=True)]  # fmt: skip
         return batches, acts
 
     def lookup(
-        self, table: DenseTable, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+        self, table: TableStorage, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
-        return self.lookup_rows(table.weights, table.dim, tb, quantization)
+        """One table's activations, read at the batch's rows (resolved without insert if they
+        were not)."""
+        if isinstance(tb, LookupOnlyTableBatch):
+            tb = tb.occurrences
+        return self.lookup_rows(table.data, table.dim, _rows(table, tb, insert=False),
+                                quantization)  # fmt: skip
 
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:
-        """``lookup`` from an array whose row ``i`` holds id ``i``'s weights in its first
-        ``dim`` columns (Backend protocol)."""
+        """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
+        ``dim`` columns, read at the batch's rows (Backend protocol); a row of -1 pools zeros."""
         if isinstance(tb, LookupOnlyTableBatch):
             tb = tb.occurrences
-        gathered = rows[tb.unique_ids, :dim].astype(np.float64)
+        if tb.unique_rows is None:
+            raise ValueError(
+                "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
+                "itself); look it up with lookup(table, batch)"
+            )
+        present = tb.unique_rows >= 0
+        gathered = np.zeros((len(tb.unique_rows), dim), dtype=np.float64)
+        gathered[present] = rows[tb.unique_rows[present], :dim]
         if quantization is not None:
-            gathered = quantization.quantize(gathered)
+            gathered[present] = quantization.quantize(gathered[present])
         out = np.zeros((tb.num_outputs, dim), dtype=np.float64)
         np.add.at(out, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
         return out.astype(np.float32)
 
     def apply(
         self,
-        table: DenseTable,
+        table: TableStorage,
         tb: TableBatch,
         grad: np.ndarray,
         opt: Optimizer,
@@ -128,29 +157,39 @@ class ReferenceBackend:
         step: int,
         skip_nonfinite: bool,
     ) -> np.ndarray:
-        """Update the rows of ``tb`` from the gradient of the table's activation matrix.
-        Returns the ids of rows left unchanged because their result was not finite."""
+        """Update the rows of ``tb`` from the gradient of the table's activation matrix. Unique
+        ids without a row (-1) get no update; an every-row optimizer sweeps ``live_rows()``.
+        Returns the rows (of ``table.data``) left unchanged because their result was not
+        finite."""
+        tb = _rows(table, tb, insert=True)
+        rows = tb.unique_rows
         occ = tb.gains[:, None].astype(np.float64) * grad[tb.segments].astype(np.float64)
-        n_unique = len(tb.unique_ids)
+        n_unique = len(rows)
+        has_row = rows >= 0
         if opt.use_gradient_accumulation:
             summed = np.zeros((n_unique, table.dim), dtype=np.float64)
             np.add.at(summed, tb.inverse, occ)
             keep = np.isfinite(summed).all(axis=1) if skip_nonfinite else np.ones(n_unique, bool)
+            keep &= has_row
             if opt.updates_every_row:
-                full = np.zeros((table.vocabulary_size, table.dim), dtype=np.float64)
-                full[tb.unique_ids[keep]] = summed[keep]
-                every = np.ones(table.vocabulary_size, dtype=bool)
-                every[tb.unique_ids[~keep]] = False
-                rows = np.flatnonzero(every)
-            else:
-                rows = tb.unique_ids[keep]
-                full = None
-            refused = update_rows(table, rows, summed[keep] if full is None else full[rows], opt,
-                                  lr, step)  # fmt: skip
-            return rows[refused]
+                live = np.concatenate(
+                    [np.arange(a, b, dtype=np.int64) for a, b in table.live_rows()] or
+                    [np.zeros(0, np.int64)]
+                )  # fmt: skip
+                n_rows = table.data.shape[0]
+                full = np.zeros((n_rows, table.dim), dtype=np.float64)
+                full[rows[keep]] = summed[keep]
+                every = np.zeros(n_rows, dtype=bool)
+                every[live] = True
+                every[rows[has_row & ~keep]] = False
+                swept = np.flatnonzero(every)
+                refused = update_rows(table, swept, full[swept], opt, lr, step)
+                return swept[refused]
+            kept = rows[keep]
+            return kept[update_rows(table, kept, summed[keep], opt, lr, step)]
         # No accumulation: each occurrence is its own update, in order of appearance. Round r
         # applies every row's r-th occurrence (distinct rows, so one vectorised update each).
-        keep_row = np.ones(n_unique, dtype=bool)
+        keep_row = has_row.copy()
         if skip_nonfinite:
             bad = ~np.isfinite(occ).all(axis=1)
             keep_row[tb.inverse[bad]] = False
@@ -159,6 +198,6 @@ class ReferenceBackend:
         refused_rows = []
         for r in range(int(rounds.max()) + 1 if len(rounds) else 0):
             sel = np.flatnonzero((rounds == r) & keep_row[tb.inverse])
-            rows = tb.unique_ids[tb.inverse[sel]]
-            refused_rows.append(rows[update_rows(table, rows, occ[sel], opt, lr, step)])
+            at = rows[tb.inverse[sel]]
+            refused_rows.append(at[update_rows(table, at, occ[sel], opt, lr, step)])
         return np.unique(np.concatenate(refused_rows)) if refused_rows else np.zeros(0, np.int64)

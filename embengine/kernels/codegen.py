@@ -66,13 +66,16 @@ Inputs hash: {digest}
 Per variant of row_math.VARIANTS:
 
 - ``fused_update_<variant>``: updates the rows ``unique`` of one table from the activation
-  gradient. With accumulation a row gets one update from the sum of its occurrences; without,
-  one per occurrence, in order. Rows u with ``skipped[u]`` (skip_row policy; an empty array
-  otherwise) are left alone. An update whose result would not be finite is not stored (the
-  row keeps its old weights and slots) and sets ``unchanged[u] = 1``. Tasks hold about equal
-  work (hot rows have thousands of occurrences).
-- ``update_every_row_<variant>``: every row of the table gets an update (non-lazy Adam / Lion);
-  rows the batch did not touch get g = 0; ``unchanged[r]`` per table row.
+  gradient (``unique`` holds the batch's resolved rows, ``TableBatch.unique_rows``, not ids;
+  a row of -1, an id the storage has no row for, is left out). With accumulation a row gets
+  one update from the sum of its occurrences; without, one per occurrence, in order. Rows u
+  with ``skipped[u]`` (skip_row policy; an empty array otherwise) are left alone. An update
+  whose result would not be finite is not stored (the row keeps its old weights and slots)
+  and sets ``unchanged[u] = 1``. Tasks hold about equal work (hot rows have thousands of
+  occurrences).
+- ``update_every_row_<variant>``: every live row of the table (``live``: the storage's
+  ``live_rows()``, ``[start, stop)`` ranges) gets an update (non-lazy Adam / Lion); rows the
+  batch did not touch get g = 0; ``unchanged[r]`` per table row.
 """
 
 # ruff: noqa: E501
@@ -280,6 +283,8 @@ for task in nb.prange(bounds.shape[0] - 1):
         if u + prefetch < stop:
             prefetch_row_for_write(data, unique[u + prefetch], width)
         r = unique[u]
+        if r < 0:  # the storage has no row for this id: no update
+            continue
         first, last = unique_offsets[u], unique_offsets[u + 1]
         if skip and skipped[u]:
             continue
@@ -299,16 +304,29 @@ def fused_update_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, uniq
 
 
 @nb.njit(parallel=True, **NUMBA_OPTIONS)
-def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
+def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
 {setup}
     n_rows = data.shape[0]
     where = np.full(n_rows, -1, dtype=np.int64)
     for u in range(unique.shape[0]):
-        where[unique[u]] = u
-    n_tasks = (n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in nb.prange(n_tasks):
+        if unique[u] >= 0:
+            where[unique[u]] = u
+    # Tasks of ROWS_PER_TASK rows within each live range; range i's are task_start[i]:task_start[i + 1].
+    n_ranges = live.shape[0]
+    task_start = np.zeros(n_ranges + 1, dtype=np.int64)
+    for i in range(n_ranges):
+        task_start[i + 1] = task_start[i] + (live[i, 1] - live[i, 0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in nb.prange(task_start[n_ranges]):
 {scratch}
-        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+        a, b = 0, n_ranges  # the range holding this task: task_start[a] <= task < task_start[a + 1]
+        while b - a > 1:
+            mid = (a + b) // 2
+            if task_start[mid] <= task:
+                a = mid
+            else:
+                b = mid
+        row_lo = live[a, 0] + (task - task_start[a]) * ROWS_PER_TASK
+        for r in range(row_lo, min(live[a, 1], row_lo + ROWS_PER_TASK)):
             u = where[r]
             if skip and u >= 0 and skipped[u]:
                 continue

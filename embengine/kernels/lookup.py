@@ -1,16 +1,19 @@
 """Gather + combine: one activation row per (sample) or (sample, position), in parallel.
 
 Each activation row is owned by one thread, so there are no atomics: row ``o`` sums
-``gains[k] * table[unique[inverse[k]]]`` over its occurrences ``k`` (the CSR ``output_offsets``).
+``gains[k] * data[rows[inverse[k]]]`` over its occurrences ``k`` (the CSR ``output_offsets``),
+``rows`` being the batch's resolved rows (``TableBatch.unique_rows``). A row of -1 (the storage
+has none for that id) adds nothing: the id pools as zeros. The kernels index rows, never ids.
 Optional simulated quantization (TPU QuantizationConfig) rounds every gathered value to one of
 ``num_buckets`` levels in ``[lower, upper]`` before it is combined.
 
 Lookup-only batches (no update follows) have no occurrence arrays: ``pool_bags`` pools one
-feature straight from its ids and offsets, computing each id's combiner gain on the way, with
+feature straight from its rows (for a storage whose rows are ids at a base, the ids, with
+``data`` the rows from that base on) and offsets, computing each id's combiner gain on the way, with
 the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 238936b1ee69ac4f
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): dd44534533c77951
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ PREFETCH_DISTANCE = 16
 
 
 @nb.njit(inline="always", **NUMBA_OPTIONS)
-def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch, first,
+def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
                stop, acc):  # fmt: skip
     """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
     buckets = quant[0]
@@ -49,8 +52,10 @@ def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, pr
         if buckets > 0:
             for k in range(output_offsets[o], output_offsets[o + 1]):
                 if k + prefetch < last_k:
-                    prefetch_row(data, unique[inverse[k + prefetch]], dim)
-                r = unique[inverse[k]]
+                    prefetch_row(data, rows[inverse[k + prefetch]], dim)
+                r = rows[inverse[k]]
+                if r < 0:  # no row: adds nothing
+                    continue
                 gk = gains[k]
                 for j in range(dim):
                     x = min(max(np.float64(data[r, j]), lower), upper)
@@ -59,8 +64,10 @@ def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, pr
         else:
             for k in range(output_offsets[o], output_offsets[o + 1]):
                 if k + prefetch < last_k:
-                    prefetch_row(data, unique[inverse[k + prefetch]], dim)
-                r = unique[inverse[k]]
+                    prefetch_row(data, rows[inverse[k + prefetch]], dim)
+                r = rows[inverse[k]]
+                if r < 0:
+                    continue
                 gk = gains[k]
                 for j in range(dim):
                     acc[j] += gk * data[r, j]
@@ -69,8 +76,9 @@ def _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, pr
 
 
 @nb.njit(parallel=True, **NUMBA_OPTIONS)
-def pool(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch):
-    """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[unique[inverse[k]], :dim]).
+def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
+    """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
+    (terms with a row of -1 left out).
 
     ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no quantization.
     ``pool_kernel(dim)`` gives a faster kernel for common dims.
@@ -78,7 +86,7 @@ def pool(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch
     n_out = out.shape[0]
     for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
-        _pool_rows(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch, first,
+        _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
                    min(n_out, first + ROWS_PER_TASK), np.empty(dim, dtype=np.float32))  # fmt: skip
 
 
@@ -89,11 +97,11 @@ def _fixed_dim_pool(fixed_dim: int):
     numba caches each closure under its own constant."""
 
     @nb.njit(parallel=True, **NUMBA_OPTIONS)
-    def pool_fixed(data, dim, unique, inverse, gains, output_offsets, out, quant, prefetch):
+    def pool_fixed(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
         n_out = out.shape[0]
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             first = task * ROWS_PER_TASK
-            _pool_rows(data, fixed_dim, unique, inverse, gains, output_offsets, out, quant,
+            _pool_rows(data, fixed_dim, rows, inverse, gains, output_offsets, out, quant,
                        prefetch, first, min(n_out, first + ROWS_PER_TASK),
                        stack_row(fixed_dim))  # fmt: skip
 
@@ -110,8 +118,8 @@ def pool_kernel(dim: int):
 
 
 @nb.njit(inline="always", **NUMBA_OPTIONS)
-def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
-                    out_start, quant, prefetch, first, stop, acc):  # fmt: skip
+def _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
+                    quant, prefetch, first, stop, acc):  # fmt: skip
     """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
     row (see _pool_rows)."""
     buckets = quant[0]
@@ -141,8 +149,10 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
             if buckets > 0:
                 for k in range(k_lo, k_hi):
                     if k + prefetch < last_k:
-                        prefetch_row(data, ids[k + prefetch] + id_offset, dim)
-                    r = ids[k] + id_offset
+                        prefetch_row(data, rows[k + prefetch], dim)
+                    r = rows[k]
+                    if r < 0:  # no row: adds nothing
+                        continue
                     wk = 1.0 if w_base < 0 else np.float64(weights[k])
                     gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
@@ -152,8 +162,10 @@ def _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offs
             else:
                 for k in range(k_lo, k_hi):
                     if k + prefetch < last_k:
-                        prefetch_row(data, ids[k + prefetch] + id_offset, dim)
-                    r = ids[k] + id_offset
+                        prefetch_row(data, rows[k + prefetch], dim)
+                    r = rows[k]
+                    if r < 0:
+                        continue
                     wk = 1.0 if w_base < 0 else np.float64(weights[k])
                     gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
@@ -170,19 +182,19 @@ def _make_pool_range(fixed_dim: int):
     if fixed_dim:
 
         @nb.njit(**NUMBA_OPTIONS)
-        def pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
-                       out_start, quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, fixed_dim, ids, offsets, weights, combiner, seq_len,
-                            id_offset, out, out_start, quant, prefetch, first, stop,
+        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
+                       quant, prefetch, first, stop):  # fmt: skip
+            _pool_bag_range(data, fixed_dim, rows, offsets, weights, combiner, seq_len, out,
+                            out_start, quant, prefetch, first, stop,
                             stack_row(fixed_dim))  # fmt: skip
 
     else:
 
         @nb.njit(**NUMBA_OPTIONS)
-        def pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
-                       out_start, quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset,
-                            out, out_start, quant, prefetch, first, stop,
+        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
+                       quant, prefetch, first, stop):  # fmt: skip
+            _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out,
+                            out_start, quant, prefetch, first, stop,
                             np.empty(dim, dtype=np.float32))  # fmt: skip
 
     return pool_range
@@ -202,8 +214,8 @@ assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch fo
 
 
 @nb.njit(**NUMBA_OPTIONS)
-def pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out, out_start,
-               quant, prefetch, first, stop):  # fmt: skip
+def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
+               prefetch, first, stop):  # fmt: skip
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
     width: the width a compile-time constant for FIXED_DIMS (W1-lookup: pooling ~1.35x
     faster at dim 64, and again ~1.5x on cached rows from the stack row), else any width.
@@ -211,8 +223,8 @@ def pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, o
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop
     whose body inlines the pooling compiles very slowly (every width inlined: 87 s)."""
-    args = (data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out, out_start,
-            quant, prefetch, first, stop)  # fmt: skip
+    args = (data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
+            prefetch, first, stop)  # fmt: skip
     if dim == 64:  # the most common first
         _pool_range_64(*args)
     elif dim == 32:
@@ -234,12 +246,12 @@ def pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, o
 
 
 @nb.njit(parallel=True, **NUMBA_OPTIONS)
-def pool_bags(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out, out_start,
-              quant, prefetch):  # fmt: skip
-    """One feature's activations, straight from its ids (a lookup-only batch).
+def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
+              prefetch):  # fmt: skip
+    """One feature's activations, straight from its occurrences' rows (a lookup-only batch).
 
     A bag feature (``seq_len == 0``): ``out[out_start + b] = sum over k in
-    offsets[b]:offsets[b + 1] of gain_k * q(data[ids[k] + id_offset])``, gains as in
+    offsets[b]:offsets[b + 1] of gain_k * q(data[rows[k]])`` (no term for a row of -1), gains as in
     ``batch.combiner_gains`` (``weights`` float32, empty for all ones; ``combiner`` SUM, MEAN or
     SQRTN). A sequence feature: ``out[out_start + b * seq_len + p]`` is the row of the sample's
     ``p``-th id, zeros past its end."""
@@ -247,5 +259,5 @@ def pool_bags(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, ou
     for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
         stop = min(n, first + ROWS_PER_TASK)
-        pool_range(data, dim, ids, offsets, weights, combiner, seq_len, id_offset, out,
-                   out_start, quant, prefetch, first, stop)  # fmt: skip
+        pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
+                   prefetch, first, stop)  # fmt: skip

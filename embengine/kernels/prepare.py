@@ -1,10 +1,12 @@
 """Build every table's deduplication data in one parallel pass (tables dealt to the threads).
 
-Per table: expand the features' samples into occurrences (row id, gain, activation row), dedup the
-row ids with an open-addressing hash table (O(n), no sort, no vocabulary-sized scratch, so the
-cost does not depend on the vocabulary), and build the two CSR views the lookup and update
-kernels use. Results are identical to ``batch.build_tables_numpy``: unique rows in order of first
-appearance, stable occurrence order, gains computed in float64 and rounded to float32.
+Per table: expand the features' samples into occurrences (id, gain, activation row), dedup the
+ids of each logical table with an open-addressing hash table (O(n), no sort, no
+vocabulary-sized scratch, so the cost does not depend on the vocabulary), and build the two CSR
+views the lookup and update kernels use. Results are identical to ``batch.build_tables_numpy``:
+unique ids in order of first appearance, logical table after logical table, stable occurrence
+order, gains computed in float64 and rounded to float32. Ids stay ids here: which row holds an
+id is the storage's business (``storage.protocol``), resolved after this pass.
 """
 
 # Callees' hash (codegen.CALLEES; numba's cache watches only this file): b0f85eb80aa894aa
@@ -22,7 +24,7 @@ SUM, MEAN, SQRTN = COMBINER_CODES["sum"], COMBINER_CODES["mean"], COMBINER_CODES
 
 # Columns of the per-feature metadata array.
 F_TABLE, F_ID_BASE, F_OFF_BASE, F_SAMPLES, F_W_BASE, F_COMBINER, F_SEQ, F_OUT_START = range(8)
-F_ID_OFFSET = 8  # added to the feature's ids (its table's first row in packed storage)
+F_MEMBER = 8  # the feature's logical table within its physical table (its dedup region)
 F_COLS = 9
 
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -64,13 +66,12 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
     combiner = fmeta[f, F_COMBINER]
     seq = fmeta[f, F_SEQ]
     out_start = fmeta[f, F_OUT_START]
-    id_offset = fmeta[f, F_ID_OFFSET]
     for b in range(fmeta[f, F_SAMPLES]):
         start = offsets[off_base + b]
         stop = offsets[off_base + b + 1]
         if seq > 0:
             for k in range(start, min(stop, start + seq)):
-                occ_ids[cursor] = ids[id_base + k] + id_offset
+                occ_ids[cursor] = ids[id_base + k]
                 gains[cursor] = 1.0
                 segments[cursor] = out_start + b * seq + (k - start)
                 cursor += 1
@@ -78,7 +79,7 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
         denom = bag_denominator(weights, w_base, start, stop, combiner)
         for k in range(start, stop):
             w = 1.0 if w_base < 0 else np.float64(weights[w_base + k])
-            occ_ids[cursor] = ids[id_base + k] + id_offset
+            occ_ids[cursor] = ids[id_base + k]
             gains[cursor] = bag_gain(w, combiner, denom)
             segments[cursor] = out_start + b
             cursor += 1
@@ -86,14 +87,17 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
 
 
 @nb.njit(**NUMBA_OPTIONS)
-def _dedup(occ_ids, unique, inverse, run_bounds, run_regions):
+def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
     """Hash dedup in order of first appearance; returns the number of unique ids.
 
     Occurrences come in runs (one per feature: ``run_bounds[i]:run_bounds[i + 1]``), each in
-    a region (``run_regions[i]``): a table's own rows, or one of the tables packed together.
-    Regions hold disjoint ids, so each gets its own hash table, sized to its occurrences: a
-    packed table then probes tables as small as unpacked ones (one hash for all of them
-    overflowed L2 and made packed deduplication ~35% slower). Numbering stays global.
+    a region (``run_regions[i]``): one logical table of a physical table (low-dimensional
+    packing puts several in one). Each region gets its own hash table, sized to its
+    occurrences, so equal ids of two regions stay apart, and a packed table probes tables as
+    small as unpacked ones (one hash for all of them overflowed L2 and made packed
+    deduplication ~35% slower). Numbering stays global; ``region_ends[r]`` is the number of
+    unique ids after region r's last run (with each region's runs consecutive, its unique ids
+    are the block up to there).
 
     Open addressing with linear probing; each slot holds (id, index) side by side so a probe
     reads one cache line, and the slot of the id ``HASH_PREFETCH`` ahead is prefetched. At most
@@ -157,6 +161,7 @@ def _dedup(occ_ids, unique, inverse, run_bounds, run_regions):
                     n_unique += 1
                     break
                 h = (h + 1) & mask
+        region_ends[r] = n_unique
     return n_unique
 
 
@@ -218,15 +223,18 @@ def prepare_tables(
     unique_gains,
     unique_segments,
     output_offsets,
+    unique_bounds,
 ):
     """All tables at once, worker ``w`` those of ``order[bounds[w]:bounds[w + 1]]`` (see
     deal_tables). Table t owns occurrence slots ``occ_base[t]:occ_base[t + 1]``, CSR-offset
-    slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``."""
+    slots ``occ_base[t] + t : ... + U_t + 1`` and ``out_base[t] + t : ...``, and its logical
+    tables' unique-id bounds ``f_t + t : f_t + t + members + 1`` (``f_t``: its first feature)."""
     for worker in nb.prange(bounds.shape[0] - 1):
         for i_table in range(bounds[worker], bounds[worker + 1]):
             _prepare_table(order[i_table], fmeta, ids, offsets, weights, occ_base, out_base,
                            occ_ids, gains, segments, unique, inverse, n_unique, unique_offsets,
-                           unique_gains, unique_segments, output_offsets)  # fmt: skip
+                           unique_gains, unique_segments, output_offsets,
+                           unique_bounds)  # fmt: skip
 
 
 @nb.njit(**NUMBA_OPTIONS)
@@ -247,6 +255,7 @@ def prepare_tables_serial(
     unique_gains,
     unique_segments,
     output_offsets,
+    unique_bounds,
 ):
     """``prepare_tables`` in the calling thread, table by table: the same ``_prepare_table``
     writes the same slots, so the results are the same bit for bit. It opens no parallel
@@ -255,23 +264,26 @@ def prepare_tables_serial(
     for t in range(occ_base.shape[0] - 1):
         _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains,
                        segments, unique, inverse, n_unique, unique_offsets, unique_gains,
-                       unique_segments, output_offsets)  # fmt: skip
+                       unique_segments, output_offsets, unique_bounds)  # fmt: skip
 
 
 @nb.njit(**NUMBA_OPTIONS)
 def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains, segments,
                    unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
-                   output_offsets):  # fmt: skip
+                   output_offsets, unique_bounds):  # fmt: skip
     """Table t's share of prepare_tables."""
     lo = occ_base[t]
     hi = occ_base[t + 1]
     cursor = lo
     n_runs = 0
+    first_feature = -1
     for f in range(fmeta.shape[0]):
-        n_runs += fmeta[f, F_TABLE] == t
+        if fmeta[f, F_TABLE] == t:
+            n_runs += 1
+            if first_feature < 0:
+                first_feature = f
     run_bounds = np.empty(n_runs + 1, dtype=np.int64)  # relative to lo
     run_regions = np.empty(n_runs, dtype=np.int64)
-    run_offsets = np.empty(n_runs, dtype=np.int64)
     run_bounds[0] = 0
     i = 0
     n_regions = 0
@@ -281,22 +293,22 @@ def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids,
                 fmeta, f, ids, offsets, weights, occ_ids, gains, segments, cursor
             )
             run_bounds[i + 1] = cursor - lo
-            # Features of one (packed) table share its id offset and its region.
-            run_offsets[i] = fmeta[f, F_ID_OFFSET]
-            run_regions[i] = -1
-            for j in range(i):
-                if run_offsets[j] == run_offsets[i]:
-                    run_regions[i] = run_regions[j]
-                    break
-            if run_regions[i] < 0:
-                run_regions[i] = n_regions
-                n_regions += 1
+            # A logical table's features are consecutive (batch.plan_tables): one region each.
+            run_regions[i] = fmeta[f, F_MEMBER]
+            n_regions = max(n_regions, run_regions[i] + 1)
             i += 1
     n_out = out_base[t + 1] - out_base[t]
     # Segments are non-decreasing, so occurrences are already grouped by activation row.
     _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
-    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions)
+    region_ends = np.zeros(n_regions, dtype=np.int64)
+    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions,
+               region_ends)  # fmt: skip
     n_unique[t] = u
+    if first_feature >= 0:
+        b = first_feature + t
+        unique_bounds[b] = 0
+        for r in range(n_regions):
+            unique_bounds[b + r + 1] = region_ends[r]
     by_unique = np.empty(hi - lo, dtype=np.int64)
     _csr(inverse[lo:hi], u, unique_offsets[lo + t : hi + t + 1], by_unique)
     for p in range(hi - lo):  # copied in row order, so the update streams through them

@@ -216,6 +216,8 @@ class DenseTable:
             self._data = self._view_mapping()
         if segments is None:
             segments = [(name, 0, self.vocabulary_size, initializer)]
+        # Logical table i's id k is row first_i + k (TableStorage.row_bases).
+        self._members = tuple((str(n), int(first), int(rows)) for n, first, rows, _ in segments)
         with self.sequential_access():  # initialisation writes the rows in order
             for seg_name, first, rows, init in segments:
                 self._initialise(init, seed, seg_name, first, rows)
@@ -281,6 +283,29 @@ class DenseTable:
                 "first. The table stays open"
             ) from None
 
+    # -- the storage protocol (storage/protocol.py) --------------------------------------------
+
+    @property
+    def row_bases(self) -> tuple[int, ...]:
+        """Logical table i's id k is row ``row_bases[i] + k`` (its segment's first row)."""
+        return tuple(first for _, first, _ in self._members)
+
+    def rows_for(self, logical: int, ids: np.ndarray, insert: bool = True) -> np.ndarray:
+        """Rows of logical table ``logical``'s ``ids``: ``row_bases[logical] + ids`` (every id
+        of ``[0, vocabulary_size)`` has its row; ``insert`` changes nothing)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        base = self._members[logical][1]
+        return ids + base if base else ids.copy()
+
+    def live_rows(self) -> np.ndarray:
+        """Every row: ``[[0, vocabulary_size]]``."""
+        return np.array([[0, self.vocabulary_size]], dtype=np.int64)
+
+    def view(self, logical: int) -> TableView:
+        """Logical table ``logical``: its segment's rows."""
+        name, first, rows = self._members[logical]
+        return TableView(self, name, first, rows)
+
     @property
     def weights(self) -> np.ndarray:
         return self.data[:, : self.dim]
@@ -333,11 +358,15 @@ class DenseTable:
 
 
 class TableView:
-    """One logical table inside a DenseTable: rows ``offset .. offset + vocabulary_size``.
+    """One logical table inside a physical table, in logical row order (a
+    ``protocol.LogicalTable``): the table's rows ``rows`` (default ``offset .. offset +
+    vocabulary_size``; a storage that keeps a table's rows in another order passes the slice
+    that lists them by id, e.g. a negative step).
 
     A table that is not packed with others is a view of all of its DenseTable."""
 
-    def __init__(self, table: DenseTable, name: str, offset: int, vocabulary_size: int):
+    def __init__(self, table, name: str, offset: int, vocabulary_size: int,
+                 rows: slice | None = None):  # fmt: skip
         self.table = table
         self.name = name
         self.offset = offset
@@ -345,10 +374,11 @@ class TableView:
         self.dim = table.dim
         self.slot_specs = table.slot_specs
         self.columns = table.columns
+        self._row_slice = slice(offset, offset + vocabulary_size) if rows is None else rows
 
     @property
     def _rows(self) -> slice:
-        return slice(self.offset, self.offset + self.vocabulary_size)
+        return self._row_slice
 
     @property
     def weights(self) -> np.ndarray:

@@ -27,7 +27,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from .registry import storage_kind, storage_kinds
 
 if TYPE_CHECKING:
     from ..config import ResolvedFeatures
@@ -43,6 +45,7 @@ __all__ = [
     "plan_storage",
 ]
 
+# The built-in kinds; ``registry.register_storage_kind`` adds more (``registry.storage_kinds()``).
 STORAGE_KINDS = ("ram", "mmap")
 PACKABLE_DIMS = (1, 2, 4)
 _FORMAT_VERSION = 1
@@ -54,7 +57,9 @@ class TableInStack:
 
     Attributes:
       name: the logical table's name.
-      row_offset: the physical row of the table's row 0 (its ids are shifted by it).
+      row_offset: the table's first row in the physical table: the row of its id 0 in a
+        storage whose rows are ids (``TableStorage.row_bases``, DenseTable); other storages
+        map ids to rows themselves (``rows_for``).
       vocabulary_size: the table's rows, ``row_offset .. row_offset + vocabulary_size``.
       features: the features that look the table up, in the engine's feature order.
     """
@@ -67,19 +72,21 @@ class TableInStack:
 
 @dataclass(frozen=True)
 class PhysicalTableSpec:
-    """One physical table (a DenseTable): logical tables stacked one after another.
+    """One physical table (a ``TableStorage``: DenseTable for "ram" and "mmap"): logical tables
+    stacked one after another.
 
     Attributes:
-      name: the member tables' names joined by "+" (the DenseTable's name).
+      name: the member tables' names joined by "+" (the storage's name).
       dim: the width of every member's rows.
-      storage: "ram", or "mmap" for a table in the file ``path``.
+      storage: "ram", "mmap" for a table in the file ``path``, or a kind registered with
+        ``storage.registry.register_storage_kind``.
       path: the file of an "mmap" table (``{storage_dir}/{table}.f32``); None in RAM.
       tables: the member tables, in row order; a table that is not packed is the only one.
     """
 
     name: str
     dim: int
-    storage: Literal["ram", "mmap"]
+    storage: str
     path: str | None
     tables: tuple[TableInStack, ...]
 
@@ -122,10 +129,16 @@ class StoragePlan:
 
     def storage_layout(self) -> list[list[tuple[str, int]]]:
         """Per physical table, its features with the row offset of their table in it (what
-        ``batch.plan_tables`` takes)."""
-        return [
-            [(f, t.row_offset) for t in p.tables for f in t.features] for p in self.physical_tables
-        ]
+        ``batch.plan_tables`` takes), each table's features together; the offset is -1 in a
+        storage kind whose rows are not its ids (``StorageKind.row_ids``): the engine resolves
+        those rows with the storage's ``rows_for``."""
+        layout = []
+        for p in self.physical_tables:
+            ids_are_rows = storage_kind(p.storage).row_ids
+            layout.append(
+                [(f, t.row_offset if ids_are_rows else -1) for t in p.tables for f in t.features]
+            )
+        return layout
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (e.g. for a checkpoint manifest); ``from_json`` reads it back."""
@@ -191,7 +204,8 @@ _ANY = (lambda v: True, "anything")
 _STR = (lambda v: isinstance(v, str), "a str")
 _INT0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
 _INT1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
-_KIND = (lambda v: isinstance(v, str) and v in STORAGE_KINDS, f"one of {STORAGE_KINDS}")
+_KIND = (lambda v: isinstance(v, str) and v in storage_kinds(),
+         "one of the registered storage kinds (storage.registry)")  # fmt: skip
 _PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
 _LIST = (lambda v: isinstance(v, list | tuple), "a list")
 _STRS = (lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
@@ -234,17 +248,23 @@ def _check_plan(plan: StoragePlan) -> None:
                 f"{at}: the name must be its tables' names joined by '+' "
                 f"({'+'.join(p.table_names)!r})"
             )
-        if p.storage not in STORAGE_KINDS:
-            raise ValueError(f"{at}: storage must be one of {STORAGE_KINDS}, got {p.storage!r}")
-        if (p.storage == "mmap") != (p.path is not None):
+        if p.storage not in storage_kinds():
+            raise ValueError(f"{at}: storage must be one of {storage_kinds()}, got {p.storage!r}")
+        kind = storage_kind(p.storage)
+        if kind.file != (p.path is not None):
             raise ValueError(
                 f"{at}: an 'mmap' table needs a path and a 'ram' table has none; "
                 f"got storage {p.storage!r} and path {p.path!r}"
             )
-        if p.storage == "mmap" and len(p.tables) > 1:
+        if kind.file and len(p.tables) > 1:
             raise ValueError(
                 f"{at}: a memory-mapped table holds one logical table (its file is "
                 f"named after it), not {len(p.tables)}"
+            )
+        if not kind.packable and len(p.tables) > 1:
+            raise ValueError(
+                f"{at}: storage {p.storage!r} is not packable, but the table holds "
+                f"{len(p.tables)} logical tables"
             )
         row = 0
         for j, t in enumerate(p.tables):
@@ -273,12 +293,12 @@ def _check_plan(plan: StoragePlan) -> None:
 
 
 def _storage_kinds(names: Sequence[str], storage) -> dict[str, str]:
-    """Table name -> "ram" or "mmap" from the engine's ``storage=``; errors name the bad value."""
+    """Table name -> storage kind from the engine's ``storage=``; errors name the bad value."""
+    kinds = storage_kinds()
     if isinstance(storage, str):
-        if storage not in STORAGE_KINDS:
+        if storage not in kinds:
             raise ValueError(
-                f"storage must be one of {STORAGE_KINDS} or a dict of table name -> "
-                f"either, got {storage!r}"
+                f"storage must be one of {kinds} or a dict of table name -> either, got {storage!r}"
             )
         return {n: storage for n in names}
     if not isinstance(storage, Mapping):
@@ -288,8 +308,10 @@ def _storage_kinds(names: Sequence[str], storage) -> dict[str, str]:
         raise ValueError(f"storage names unknown tables {unknown}; tables are {list(names)}")
     kinds = {n: storage.get(n, "ram") for n in names}
     for n, kind in kinds.items():
-        if not isinstance(kind, str) or kind not in STORAGE_KINDS:
-            raise ValueError(f"storage of table {n!r} must be one of {STORAGE_KINDS}, got {kind!r}")
+        if not isinstance(kind, str) or kind not in storage_kinds():
+            raise ValueError(
+                f"storage of table {n!r} must be one of {storage_kinds()}, got {kind!r}"
+            )
     return kinds
 
 
@@ -311,7 +333,8 @@ def packs_with(a: tuple, b: tuple) -> bool:
     ``b`` are (TableConfig, Optimizer, storage kind)."""
     (cfg_a, opt_a, kind_a), (cfg_b, opt_b, kind_b) = a, b
     return (
-        kind_a == kind_b == "ram"
+        kind_a == kind_b
+        and storage_kind(kind_a).packable
         and opt_a.low_dimensional_packing_status
         and opt_b.low_dimensional_packing_status
         and cfg_a.dim == cfg_b.dim
@@ -340,7 +363,7 @@ def plan_storage(
     if len(optimizers) != len(names):
         raise ValueError(f"plan_storage: {len(optimizers)} optimizers for {len(names)} tables")
     kinds = _storage_kinds(names, storage)
-    uses_mmap = any(k == "mmap" for k in kinds.values())
+    uses_mmap = any(storage_kind(k).file for k in kinds.values())
     if storage_dir is not None and not isinstance(storage_dir, str | os.PathLike):
         raise TypeError(f"storage_dir must be a path (str or os.PathLike), got {storage_dir!r}")
     if uses_mmap and storage_dir is None:
@@ -362,7 +385,7 @@ def plan_storage(
             members.append(TableInStack(names[t], row, rows, resolved.table_features[t]))
             row += rows
         kind = kinds[names[g[0]]]
-        path = _table_file(Path(storage_dir), names[g[0]]) if kind == "mmap" else None
+        path = _table_file(Path(storage_dir), names[g[0]]) if storage_kind(kind).file else None
         physical.append(
             PhysicalTableSpec(
                 "+".join(names[t] for t in g), resolved.tables[g[0]].dim, kind, path, tuple(members)

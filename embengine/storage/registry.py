@@ -1,0 +1,123 @@
+"""Storage kinds by name: what ``EmbeddingEngine(storage=...)`` and the storage plan accept.
+
+A kind is a factory of ``TableStorage`` plus three facts the plan needs before any table
+exists: whether tables of the kind may be packed together (low-dimensional packing), whether a
+table of the kind lives in a file of ``storage_dir`` (then it is never packed: the file is
+named after its one table), and whether its rows are its ids at the plan's row offsets (then
+batches resolve rows without the table, and the training lookup pools straight from the ids).
+"ram" and "mmap" are DenseTables; ``register_storage_kind`` adds one (a keyed table, a sharded
+one, a test's own layout).
+
+Import this module without numba (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not .plan: the plan imports this module
+    from ..initializers import Initializer
+    from ..optimizers import SlotSpec
+    from .protocol import TableStorage
+
+# A ``plan.PhysicalTableSpec`` (name, dim, storage, path, tables).
+PhysicalTableSpec = Any
+
+__all__ = [
+    "Segment",
+    "StorageFactory",
+    "StorageKind",
+    "make_storage",
+    "register_storage_kind",
+    "storage_kind",
+    "storage_kinds",
+]
+
+# One logical table of a physical table: (name, its plan row offset, rows, initializer). A
+# storage initialises logical row ``r`` of it as ``initializer.init(seed, name, [r], dim)``.
+Segment = tuple[str, int, int, "Initializer"]
+# factory(spec, slot_specs, segments, seed) -> the physical table's storage.
+StorageFactory = Callable[[PhysicalTableSpec, "tuple[SlotSpec, ...]", "Sequence[Segment]", int],
+                          "TableStorage"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StorageKind:
+    """A storage kind: its name, its factory, and what the plan must know of it.
+
+    Attributes:
+      name: what ``storage=`` says ("ram", "mmap", ...).
+      factory: ``factory(spec, slot_specs, segments, seed)`` builds the physical table of a
+        ``PhysicalTableSpec`` of this kind (``segments``: its logical tables, in row order).
+      packable: tables of this kind may share a physical table (low-dimensional packing).
+      file: a table of this kind lives in the file ``{storage_dir}/{table}.f32`` (``spec.path``);
+        such a table is never packed.
+      row_ids: logical table i's id k is always row ``row_offset_i + k`` (its plan's
+        ``TableInStack.row_offset``); the storage's ``row_bases`` must then be those offsets.
+        Otherwise only ``rows_for`` maps ids to rows.
+    """
+
+    name: str
+    factory: StorageFactory
+    packable: bool = False
+    file: bool = False
+    row_ids: bool = False
+
+
+def _dense(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableStorage:
+    from .dense import DenseTable
+
+    return DenseTable(spec.name, spec.vocabulary_size, spec.dim, slot_specs, segments[0][3], seed,
+                      path=spec.path, segments=list(segments))  # fmt: skip
+
+
+_KINDS: dict[str, StorageKind] = {
+    "ram": StorageKind("ram", _dense, packable=True, row_ids=True),
+    "mmap": StorageKind("mmap", _dense, file=True, row_ids=True),
+}
+
+
+def register_storage_kind(
+    name: str,
+    factory: StorageFactory,
+    *,
+    packable: bool = False,
+    file: bool = False,
+    row_ids: bool = False,
+) -> StorageKind:
+    """Make ``storage=name`` build tables with ``factory`` (see ``StorageKind``); registering a
+    name again replaces its kind, except the built-in "ram" and "mmap"."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a storage kind's name must be a non-empty str, got {name!r}")
+    if name in ("ram", "mmap"):
+        raise ValueError(f"storage kind {name!r} is built in and cannot be replaced")
+    if not callable(factory):
+        raise TypeError(f"storage kind {name!r}: factory must be callable, got {factory!r}")
+    if packable and file:
+        raise ValueError(f"storage kind {name!r}: a kind stored in files cannot be packable")
+    kind = StorageKind(name, factory, bool(packable), bool(file), bool(row_ids))
+    _KINDS[name] = kind
+    return kind
+
+
+def storage_kinds() -> tuple[str, ...]:
+    """Every registered kind's name, the built-in ones first."""
+    return tuple(_KINDS)
+
+
+def storage_kind(name: str) -> StorageKind:
+    """The kind registered as ``name``; ValueError naming the known kinds otherwise."""
+    kind = _KINDS.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ValueError(f"unknown storage kind {name!r}; registered kinds are {storage_kinds()}")
+    return kind
+
+
+def make_storage(
+    spec: PhysicalTableSpec, slot_specs: tuple[SlotSpec, ...], segments: Sequence[Segment],
+    seed: int,
+) -> TableStorage:  # fmt: skip
+    """The physical table of ``spec``, built by its kind's factory."""
+    return storage_kind(spec.storage).factory(spec, tuple(slot_specs), list(segments), seed)
