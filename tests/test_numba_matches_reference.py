@@ -20,7 +20,7 @@ OPTIMIZERS = [
     opt.SGD(0.1),
     opt.SGD(0.1, use_gradient_accumulation=False, clip_weight_min=-0.5, clip_weight_max=0.7),
     opt.Adagrad(0.2),
-    opt.Adagrad(0.2, hessian_compression_times=2, clipvalue=0.5),
+    opt.Adagrad(0.2, hessian_compression_times=2, clipvalue=0.5, weight_decay_factor=0.1),
     opt.Adagrad(0.2, use_gradient_accumulation=False, weight_decay_factor=0.1),
     opt.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True, exponent=3.0, beta2=0.9, epsilon=0.1),
     opt.AdagradMomentum(0.1, momentum=0.5),
@@ -223,6 +223,16 @@ def test_results_do_not_depend_on_thread_count():
 # One optimizer per fixed-layout kernel variant (row-wise Adagrad: hessian_compression_times=dim).
 FIXED_LAYOUT_OPTIMIZERS = OPTIMIZERS + [
     opt.Adagrad(0.2, hessian_compression_times=8, clipvalue=0.4),
+    # The fixed row-wise kernel decays the weights in its last loop, not in the prelude.
+    opt.Adagrad(0.2, hessian_compression_times=8, weight_decay_factor=0.1),
+    opt.Adagrad(
+        0.2,
+        hessian_compression_times=8,
+        weight_decay_factor=0.1,
+        weight_decay_mode="l2",
+        clip_weight_min=-0.5,
+        clip_weight_max=0.5,
+    ),  # fmt: skip
     opt.AMSGrad(0.05, weight_decay_factor=0.1),
 ]
 

@@ -28,8 +28,8 @@ copies (which cost more than the row math: W1 update, Adam 54 -> 32 ms, SGD 20 -
 offsets must be literal inside the kernel: computed from DIM inside it, they reach the parallel
 loop as run-time values and the gain is lost. ``numba_backend.kernels_for`` picks a fixed
 kernel where the table's rows fit one. Working in place, the fixed kernels guard the result
-either by saving the row first and restoring it, or by a dry run of the row math (FIXED_UPDATE,
-DRY_UPDATE below).
+by saving each value as they overwrite it and putting the row back if it is not finite
+(FIXED_UPDATE below).
 
 The generated file records a hash of its inputs; numba's cache only watches the file that
 defines a kernel, so any change to the row math or the template must change ``fused.py``:
@@ -160,32 +160,18 @@ if fin == 0.0:
 else:
 {restore_ints}    unchanged[{at}] = 1"""
 
-# The fixed-layout kernels update the row in place. Two ways to keep a row whose result is not
-# finite unchanged, each the faster for some variants (docs/design.md has the figures):
-# - FIXED_UPDATE: save its weights and float slots (ROWLEN values from column 0; row-wise
-#   variants: the weights and the first slot value) to a per-task scratch row, update in place,
-#   and put them back if the stored row is not finite;
-# - DRY_UPDATE, for variants whose math is a few operations (DRY_VARIANTS): run the element
-#   body once storing nothing, only reducing the finiteness of its results, then again for real
-#   if they are all finite (the row is in L1 by then).
-FIXED_UPDATE = """for j in range(ROWLEN):
-    old[j] = data[r, j]
-{save_ints}{save_scalar}{body}
-fin = np.float32(0.0)
-for j in range(ROWLEN):
-    fin += data[r, j] * np.float32(0.0)
-{check_scalar}if fin != 0.0:
+# The fixed-layout kernels update the row in place. The body's stores (FIXED_ACCESS) save each
+# value they overwrite to a per-task scratch row ``old`` and add ``x * 0`` of the stored float32
+# value to ``fin``, in the loop that computes it: no extra pass over the row (a separate save
+# and check pass cost row-wise Adagrad a third of its W1 update). A row whose ``fin`` is not 0
+# gets its saved values back. ROWLEN: the columns the body writes (row-wise variants: the
+# weights; their slot value is saved as a scalar).
+FIXED_UPDATE = """fin = np.float32(0.0)
+{save_ints}{body}
+if fin != 0.0:
     for j in range(ROWLEN):
         data[r, j] = old[j]
 {restore_scalar}{restore_ints}    unchanged[u] = 1"""
-
-DRY_UPDATE = """fin = np.float32(0.0)
-{dry_body}
-if fin == 0.0:
-{body_4}
-else:
-    unchanged[u] = 1"""
-DRY_VARIANTS = ("sgd", "adagrad")
 
 # Prologues (Adam's per-row step, the last-hit step) write int32 slots: saved as bits, per
 # slot column, and restored with the row.
@@ -262,6 +248,39 @@ for j in range(dim):
         wj = min(max(wj, wlo), whi)
     {w} = wj"""
 )
+
+# SCALED_BODY in place on a fixed layout. Decoupled weight decay moves from the prelude into
+# the weights' loop (it does not enter the step size), so that loop alone writes the row and
+# saves what it overwrites (FIXED_UPDATE); rounded to float32 as the prelude stores it.
+FIXED_SCALED_BODY = """if gclip or mode == WD_L2:
+    for j in range(dim):
+        gj = g[j]
+        if gclip:
+            gj = min(max(gj, glo), ghi)
+        if mode == WD_L2:
+            gj += wd * np.float64(data[r, j])
+        g[j] = gj
+sum_g2 = 0.0
+for j in range(dim):
+    sum_g2 += g[j] * g[j]
+slot, scale = {scale}(np.float64(data[r, f0]), sum_g2, lr, h0, dim)
+old_s = data[r, f0]
+v = np.float32(slot)
+data[r, f0] = v
+fin += v * np.float32(0.0)
+if wclip or mode == WD_DECOUPLED:
+    for j in range(dim):
+        wv = data[r, j]
+        if mode == WD_DECOUPLED:
+            wv = np.float32(np.float64(wv) - wd * np.float64(wv))
+        wj = np.float64(wv) - scale * g[j]
+        if wclip:
+            wj = min(max(wj, wlo), whi)
+        {store_w_8}
+else:
+    for j in range(dim):
+        wj = np.float64(data[r, j]) - scale * g[j]
+        {store_w_8}"""
 
 GRADIENT = """for j in range(dim):
     g[j] = 0.0
@@ -371,19 +390,19 @@ GENERIC_ACCESS = dict(
     load_s0="np.float64(s0[j])", load_s1="np.float64(s1[j])", load_s2="np.float64(s2[j])",
     store_slots="        s0[j] = a\n        s1[j] = b\n        s2[j] = c",
 )  # fmt: skip
+# A store saves the value it overwrites to ``old`` (same column) and adds ``x * 0`` of the
+# stored float32 value to ``fin`` (0, or NaN iff x is not finite).
+_GUARDED = (
+    "old[{c}] = data[r, {c}]\n{ind}v = np.float32({x})\n{ind}data[r, {c}] = v\n"
+    "{ind}fin += v * np.float32(0.0)"
+)
 FIXED_ACCESS = dict(
-    w="data[r, j]", store_w="data[r, j] = wj", s0_first="data[r, f0]",
+    w="data[r, j]", store_w=_GUARDED.format(c="j", x="wj", ind=" " * 8), s0_first="data[r, f0]",
     load_s0="np.float64(data[r, f0 + j]) if NS > 0 else 0.0",
     load_s1="np.float64(data[r, f1 + j]) if NS > 1 else 0.0",
     load_s2="np.float64(data[r, f2 + j]) if NS > 2 else 0.0",
-    store_slots="\n".join(f"        if NS > {i}:\n            data[r, f{i} + j] = {v}"
-                           for i, v in enumerate("abc")),
-)  # fmt: skip
-# The element body once more, storing nothing: each new value, rounded to float32, only adds
-# ``x * 0`` to ``fin`` (0, or NaN iff some value is not finite).
-DRY_ACCESS = dict(
-    FIXED_ACCESS, store_w="fin += np.float32(wj) * np.float32(0.0)",
-    store_slots="\n".join(f"        if NS > {i}:\n            fin += np.float32({v}) * np.float32(0.0)"
+    store_slots="\n".join(f"        if NS > {i}:\n            "
+                           + _GUARDED.format(c=f"f{i} + j", x=v, ind=" " * 12)
                            for i, v in enumerate("abc")),
 )  # fmt: skip
 # Variants with a fixed-layout kernel: the row-function ones take scratch arrays, and the
@@ -423,6 +442,8 @@ def callee_lines(given: dict[str, str] | None = None) -> dict[str, str]:
 
 def _body(spec: tuple, access: dict) -> str:
     if spec[0] == "scaled":
+        if access is FIXED_ACCESS:
+            return FIXED_SCALED_BODY.format(scale=spec[1], store_w_8=access["store_w"])
         return SCALED_BODY.format(scale=spec[1], **access)
     if spec[0] == "element":
         _, element, prologue = spec
@@ -448,18 +469,12 @@ def _generic_update(spec: tuple, at: str) -> str:
                          restore_ints=RESTORE_INTS if ints else "")  # fmt: skip
 
 
-def _fixed_update(name: str, spec: tuple) -> str:
+def _fixed_update(spec: tuple) -> str:
     ints = spec[0] == "element" and bool(spec[2])
     scaled = spec[0] == "scaled"
-    if name in DRY_VARIANTS:  # no prologue: the body may run twice
-        assert spec[0] == "element" and not ints
-        return DRY_UPDATE.format(dry_body=_body(spec, DRY_ACCESS),
-                                 body_4=_indent(_body(spec, FIXED_ACCESS), 4))  # fmt: skip
     return FIXED_UPDATE.format(
         body=_body(spec, FIXED_ACCESS),
         save_ints=SAVE_INTS if ints else "", restore_ints=RESTORE_INTS if ints else "",
-        save_scalar="old_s = data[r, f0]\n" if scaled else "",
-        check_scalar="fin += data[r, f0] * np.float32(0.0)\n" if scaled else "",
         restore_scalar="    data[r, f0] = old_s\n" if scaled else "",
     )  # fmt: skip
 
@@ -498,10 +513,9 @@ def render() -> str:
         if spec[0] in FIXED_FORMS and name not in NO_FIXED:
             # No scratch rows: the body works on the table row (FIXED_ACCESS).
             scratch = _scratch(spec, "g = np.zeros(dim, dtype=np.float64)")
-            if name not in DRY_VARIANTS:
-                scratch += "\nold = np.zeros(ROWLEN, dtype=np.float32)"
+            scratch += "\nold = np.zeros(ROWLEN, dtype=np.float32)"
             row_loop = ROW_LOOP.format(scratch=_indent(scratch, 4), gradient_12=_indent(GRADIENT, 12),
-                                       update_12=_indent(_fixed_update(name, spec), 12))  # fmt: skip
+                                       update_12=_indent(_fixed_update(spec), 12))  # fmt: skip
             rowlen = "DIM * (1 + NS)" if spec[0] == "element" else "DIM"
             parts.append(FIXED_KERNEL.format(name=name, setup=_fixed_setup(), rowlen=rowlen,
                                              row_loop=_indent(row_loop, 8)))  # fmt: skip
