@@ -199,3 +199,27 @@ def test_a_finished_group_hands_its_freed_memory_back():
     runner._release_memory()
     assert rss_mb() - before < 60
     assert last.sum() == 16_000
+
+
+def test_every_table_starts_with_the_host(tiny):
+    """Figures mean nothing without their host (FBGEMM's speed differs 3-4x between hosts)."""
+    from embengine.bench.host import host
+
+    line = host().describe()
+    assert line.startswith("host: ") and " cores, " in line and "AVX-512" in line
+    results = runner.run_workload(tiny, steps=1, warmup=0, engine_optimizers=("SGD",),
+                                  peers=(), log=lambda s: None)  # fmt: skip
+    assert runner.format_results(tiny, results).splitlines()[0] == line
+
+
+def test_host_reads_model_avx512_and_memory_from_proc_texts():
+    from embengine.bench import host as h
+
+    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f\n\n"
+               "processor\t: 1\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n")  # fmt: skip
+    assert h._cpuinfo(cpuinfo) == ("AMD EPYC 9B14", True)
+    assert h._cpuinfo("model name : Intel Xeon\nflags : sse2 avx2 avx512_vnni\n") == (
+        "Intel Xeon", False)  # fmt: skip
+    assert h._memory_gib("MemTotal:       25165824 kB\n") == 24.0
+    assert h._memory_gib("") is None
+    assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .host import host
 from .peers import EngineRunner, FbgemmRunner, TorchRunner, fbgemm_available
 from .workloads import WORKLOADS, Workload, make_batches
 
@@ -285,6 +286,7 @@ def format_results(workload: str, results: list[Result]) -> str:
     w = WORKLOADS[workload]
     by_name = {(r.group, r.name): r for r in results}
     lines = [
+        host().describe(),
         f"{w.name}: {w.description}; {w.ids_per_step:,} ids/step; tables "
         f"{w.table_bytes / 2**30:.2f} GiB fp32",
         f"{'configuration':34s} {'ms/step':>9s} {'M ids/s':>8s} {'first ms':>9s} "
@@ -352,6 +354,7 @@ def format_vocabulary(results: list[Result]) -> str:
     per_id = {(r.group, r.name, r.workload): r.ms_per_step / r.ids_per_step for r in results}
     ms = {(r.group, r.name, r.workload): r.ms_per_step for r in results}
     lines = [
+        host().describe(),
         "W3 vs W1 and W3-small, timed interleaved (time per id; W3 / W1 must stay <= 1.3, "
         "W3 / W3-small is the vocabulary's share)",
         f"{'configuration':34s} {'W1 ms':>8s} {'W3 ms':>8s} {'W3-small ms':>12s} "
