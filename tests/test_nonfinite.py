@@ -347,3 +347,34 @@ def test_random_extreme_settings_never_write_a_non_finite_value(
             except (ValueError, FloatingPointError):
                 pass
         assert _all_finite(eng), (kind, lr, decay, extra, clip, weight, grad)
+
+
+@pytest.mark.parametrize("dim", [4, 6])  # the fixed-layout kernel and the any-layout one
+def test_rowwise_adagrad_near_float32_max_takes_the_guarded_path(dim):
+    """The fixed row-wise kernel writes a row unguarded only when a bound proves every new weight
+    finite (sum |w| + |scale| * |g| < 1e38). Rows of weights near 3.4e38 fail that bound: a
+    step that stays finite must still be stored (row 2, moved down by its gradient), one that
+    overflows must leave the row as it was (row 1, pushed up); as on the reference."""
+    states = []
+    for backend in BACKENDS:
+        t = ee.TableConfig(4, dim, name="t", combiner="sum", initializer=I.Constant(3.3e38),
+                           optimizer=O.Adagrad(1e38, hessian_compression_times=dim,
+                                               initial_accumulator_value=1.0))  # fmt: skip
+        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend,
+                                 nonfinite_gradients="skip_row")  # fmt: skip
+        before = _state(eng)
+        acts = eng.lookup({"f": ee.Ragged(np.array([1, 2]), lengths=[1, 1])})
+        g = np.ones_like(acts["f"])
+        g[0] = -1.0  # row 1: w - scale * g grows past float32's largest value
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng.apply_gradients({"f": g})
+        after = _state(eng)
+        assert _same(before, after, "t", [1]), backend
+        assert not _same(before, after, "t", [2]), backend
+        assert _all_finite(eng)
+        assert eng.nonfinite_rows_skipped["t"] == 1
+        assert any("left unchanged" in str(w.message) for w in caught)
+        states.append(after)
+    for k in states[0]["t"]:
+        np.testing.assert_array_equal(states[0]["t"][k], states[1]["t"][k], err_msg=k)

@@ -162,8 +162,8 @@ else:
 
 # The fixed-layout kernels update the row in place. The body's stores (FIXED_ACCESS) save each
 # value they overwrite to a per-task scratch row ``old`` and add ``x * 0`` of the stored float32
-# value to ``fin``, in the loop that computes it: no extra pass over the row (a separate save
-# and check pass cost row-wise Adagrad a third of its W1 update). A row whose ``fin`` is not 0
+# value to ``fin``, in the loop that computes it: no extra pass over the row (separate save and
+# check passes were measurably slower: docs/design.md). A row whose ``fin`` is not 0
 # gets its saved values back. ROWLEN: the columns the body writes (row-wise variants: the
 # weights; their slot value is saved as a scalar).
 FIXED_UPDATE = """fin = np.float32(0.0)
@@ -251,7 +251,11 @@ for j in range(dim):
 
 # SCALED_BODY in place on a fixed layout. Decoupled weight decay moves from the prelude into
 # the weights' loop (it does not enter the step size), so that loop alone writes the row and
-# saves what it overwrites (FIXED_UPDATE); rounded to float32 as the prelude stores it.
+# saves what it overwrites (FIXED_UPDATE); rounded to float32 as the prelude stores it. Without
+# clipping or decay a bound decides first: |w_j - scale * g_j| <= sum_k |w_k| + |scale| *
+# sqrt(sum_g2), so below 1e38 every new weight is a finite float32 and the row is written
+# without saving it (NaN fails the test too): row-wise Adagrad's step is a few operations per
+# coordinate, so the save alone is a visible share of it.
 FIXED_SCALED_BODY = """if gclip or mode == WD_L2:
     for j in range(dim):
         gj = g[j]
@@ -261,14 +265,20 @@ FIXED_SCALED_BODY = """if gclip or mode == WD_L2:
             gj += wd * np.float64(data[r, j])
         g[j] = gj
 sum_g2 = 0.0
+w_abs = 0.0
 for j in range(dim):
     sum_g2 += g[j] * g[j]
+    w_abs += abs(np.float64(data[r, j]))
 slot, scale = {scale}(np.float64(data[r, f0]), sum_g2, lr, h0, dim)
 old_s = data[r, f0]
 v = np.float32(slot)
-data[r, f0] = v
-fin += v * np.float32(0.0)
-if wclip or mode == WD_DECOUPLED:
+if not wclip and mode != WD_DECOUPLED and abs(slot) < 1e38 and w_abs + abs(scale) * np.sqrt(sum_g2) < 1e38:
+    data[r, f0] = v
+    for j in range(dim):
+        data[r, j] = np.float64(data[r, j]) - scale * g[j]
+else:
+    data[r, f0] = v
+    fin += v * np.float32(0.0)
     for j in range(dim):
         wv = data[r, j]
         if mode == WD_DECOUPLED:
@@ -276,10 +286,6 @@ if wclip or mode == WD_DECOUPLED:
         wj = np.float64(wv) - scale * g[j]
         if wclip:
             wj = min(max(wj, wlo), whi)
-        {store_w_8}
-else:
-    for j in range(dim):
-        wj = np.float64(data[r, j]) - scale * g[j]
         {store_w_8}"""
 
 GRADIENT = """for j in range(dim):
