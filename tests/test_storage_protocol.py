@@ -317,3 +317,32 @@ def test_no_kernel_mentions_an_id_offset():
                     "offsets", "f_offsets", "output_offsets", "unique_offsets", "run_offsets",
                     "_offsets",
                 }, f"{path.name}: {name}"  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_rows_a_guard_left_unchanged_are_reported_by_id(backend):
+    """A storage whose rows are not ids: the result guard's report names each table's ids
+    (through the batch), and a row the batch did not touch (an every-row sweep) by its row."""
+    big = 3e38
+    t = ee.TableConfig(12, 4, name="t", combiner="sum")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.5), backend=backend,
+                             storage="reversed-test")  # fmt: skip
+    ids = np.array([1, 2, 5])
+    acts = eng.lookup({"f": ee.Ragged(ids, lengths=[1, 1, 1], weights=[big, 1.0, -big])})
+    g = np.full_like(acts["f"], big)
+    with pytest.raises(ee.NonFiniteUpdateError, match=r"table 't': 2 rows \(ids 1, 5\)") as e:
+        eng.apply_gradients({"f": g})
+    assert {k: v.tolist() for k, v in e.value.rows.items()} == {"t": [1, 5]}
+
+    # Non-lazy Adam sweeps every live row; id 7's (outside the batch) overflows with g = 0.
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.5, lazy_adam=False),
+                             backend=backend, storage="reversed-test")  # fmt: skip
+    table = eng._physical[0]
+    row = int(table.rows_for(0, np.array([7]))[0])
+    table.data[row, :4] = 3.3e38
+    col = table.columns["momenta"].start
+    table.data[row, col : col + 4] = -3e38  # a first moment that pushes w past float32's max
+    acts = eng.lookup({"f": ee.Ragged(np.array([2]), lengths=[1])})
+    with pytest.raises(ee.NonFiniteUpdateError) as e:
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    assert {k: v.tolist() for k, v in e.value.rows.items()} == {f"{table.name} rows": [row]}
