@@ -1,0 +1,15 @@
+"""Distributed training on torch.distributed: tables sharded over ranks with the semantics of
+one big batch (``ShardedEngine``). Imports torch; ``import embengine`` does not import this."""
+
+from .engine import DEFAULT_TIMEOUT, DistributedError, ShardedEngine
+from .sharding import SHARDING_KINDS, ShardPlan, ShardTable, plan_shards
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "SHARDING_KINDS",
+    "DistributedError",
+    "ShardPlan",
+    "ShardTable",
+    "ShardedEngine",
+    "plan_shards",
+]

@@ -1,0 +1,191 @@
+"""One rank of the multi-process tests of tests/test_distributed.py (not a test module).
+
+    python tests/dist_worker.py RANK WORLD PORT OUTDIR SCENARIO [SCENARIO ...]
+
+joins a gloo process group on 127.0.0.1:PORT and runs each scenario, writing what it saw to
+OUTDIR/<scenario>.rank<RANK>.npz (or .txt for errors). The configuration, the global batches
+and the gradients are built here (``make_features``, ``global_batch``), so the test can feed a
+single EmbeddingEngine the concatenation of every rank's batch.
+
+Scenarios:
+  equal:<optimizer>:<sharding>  three training steps; each rank's activations, and on every
+                                rank the gathered tables and the bytes sent
+  lr_mismatch                   a learning-rate callable that differs by rank
+  bad_input                     the last rank passes an id out of range
+  kill                          the last rank exits at once; the others time their error
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+STEPS = 3
+BATCH = 7  # global samples per step
+HOT = 5  # an id of table "big" in every sample of feature "a", on every rank
+
+
+def optimizers():
+    from embengine import optimizers as opt
+
+    return {
+        "sgd": opt.SGD(0.1),
+        "adagrad": opt.Adagrad(0.2),
+        "adam": opt.Adam(0.05),
+        "adam_dense": opt.Adam(0.05, lazy_adam=False),  # every row, every step
+        "ftrl": opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5),
+        "rowwise_adagrad": None,  # Adagrad(hessian_compression_times=dim), per table
+        "sgd_schedule": opt.SGD(lambda step: 0.2 / (1 + step)),
+    }
+
+
+def make_features(optimizer_name: str):
+    """Three tables (one shared by two features, one smaller than the world, one of sequence
+    features) and the engine-wide optimizer (None when each table has its own)."""
+    import embengine as ee
+    from embengine import optimizers as opt
+
+    o = optimizers()[optimizer_name]
+
+    def table(vocab, dim, name, combiner):
+        own = opt.Adagrad(0.2, hessian_compression_times=dim) if o is None else None
+        return ee.TableConfig(vocab, dim, name=name, combiner=combiner, optimizer=own,
+                              initializer=ee.initializers.RandomUniform(-0.3, 0.3))  # fmt: skip
+
+    big = table(37, 8, "big", "mean")
+    small = table(2, 4, "small", "sqrtn")
+    seq = table(11, 6, "seq", "sum")
+    features = {
+        "a": ee.FeatureConfig(big),
+        "b": ee.FeatureConfig(big),  # shares "big" with "a"
+        "c": ee.FeatureConfig(small),
+        "s": ee.FeatureConfig(seq, max_sequence_length=3),
+    }
+    return features, o
+
+
+def split(step: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's samples [lo, hi) of the global batch: step 1 leaves the last rank empty,
+    step 2 the first."""
+    if world == 1:
+        return [(0, BATCH)]
+    sizes = [BATCH // world] * world
+    sizes[0] += BATCH - sum(sizes)
+    if step == 1:
+        sizes[0] += sizes[-1]
+        sizes[-1] = 0
+    elif step == 2:
+        sizes[-1] += sizes[0]
+        sizes[0] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [(int(bounds[r]), int(bounds[r + 1])) for r in range(world)]
+
+
+def global_batch(step: int):
+    """(features, weights, gradients) of the whole step: bags with duplicates, empty bags,
+    weights on "a", the hot id in every sample of "a"."""
+    rng = np.random.default_rng(100 + step)
+    vocab = {"a": 37, "b": 37, "c": 2, "s": 11}
+    feats = {}
+    for name, n in vocab.items():
+        bags = [list(map(int, rng.integers(0, n, rng.integers(0, 5)))) for _ in range(BATCH)]
+        if name == "a":
+            bags = [b + [HOT] for b in bags]
+        if name == "b":
+            bags[1] = []
+            bags[2] = [3, 3, 3]
+        feats[name] = bags
+    weights = {"a": [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in feats["a"]]}
+    dims = {"a": 8, "b": 8, "c": 4, "s": 6}
+    grads = {}
+    for name, dim in dims.items():
+        shape = (BATCH, 3, dim) if name == "s" else (BATCH, dim)
+        grads[name] = rng.normal(size=shape).astype(np.float32)
+    return feats, weights, grads
+
+
+def local(step: int, rank: int, world: int):
+    """This rank's share of the step's global batch."""
+    feats, weights, grads = global_batch(step)
+    lo, hi = split(step, world)[rank]
+    return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
+            {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
+
+
+def run_equal(rank: int, world: int, out: str, name: str) -> None:
+    from embengine.distributed import ShardedEngine
+
+    _, optimizer_name, sharding = name.split(":")
+    features, o = make_features(optimizer_name)
+    eng = ShardedEngine(features, optimizer=o, seed=3, sharding=sharding, timeout=60)
+    saved = {}
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        acts = eng.lookup(feats, weights)
+        for k, v in acts.items():
+            saved[f"act{step}/{k}"] = v
+        eng.apply_gradients(grads)
+        saved[f"bytes{step}"] = np.array(
+            [sum(eng.bytes_sent["lookup"].values()),
+             sum(eng.bytes_sent["apply_gradients"].values())], dtype=np.int64)  # fmt: skip
+    contents = eng.table_contents()
+    saved["step"] = np.array(contents["step"])
+    for table, arrays in contents["tables"].items():
+        for key, a in arrays.items():
+            saved[f"table/{table}/{key}"] = a
+    np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+def run_error(rank: int, world: int, out: str, name: str) -> None:
+    """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    features, _ = make_features("sgd")
+    lr = opt.SGD((lambda step: 0.1 * (1 + rank)) if name == "lr_mismatch" else 0.1)
+    eng = ShardedEngine(features, optimizer=lr, seed=3, timeout=60)
+    feats, weights, grads = local(0, rank, world)
+    path = os.path.join(out, f"{name}.rank{rank}.txt")
+    if name == "bad_input" and rank == world - 1:
+        feats["a"] = [[37]] + feats["a"][1:]
+    start = time.monotonic()
+    result = "ok"
+    try:
+        eng.lookup(feats, weights)
+        if name == "kill" and rank == world - 1:
+            os._exit(3)
+        eng.apply_gradients(grads)
+        result = f"ok step={eng.step}"
+    except Exception as e:  # the scenario's point: record which error and its message
+        result = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    with open(path, "w") as f:
+        f.write(f"{elapsed:.3f}\n{result}\n")
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        for name in sys.argv[5:]:
+            if name.startswith("equal:"):
+                run_equal(rank, world, out, name)
+            else:
+                run_error(rank, world, out, name)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)  # no destroy_process_group: a dead peer would make it wait
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""ShardedEngine on real gloo process groups: W ranks, each with its own samples, train exactly
+as one EmbeddingEngine fed the concatenation of their batches in rank order.
+
+The ranks are child processes (tests/dist_worker.py) on 127.0.0.1 with a free port; every wait
+has a hard limit: the process group's timeout is 60 s, and the test kills any child still alive
+after ``LIMIT`` seconds. Each world size runs all its scenarios in one process group (one
+interpreter start per rank), shared by the tests through a module fixture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import embengine as ee  # noqa: E402
+from embengine.distributed import ShardPlan, plan_shards  # noqa: E402
+
+HERE = Path(__file__).parent
+WORKER = HERE / "dist_worker.py"
+LIMIT = 240  # seconds for a whole group of ranks, kernels compiled from the cache included
+
+_spec = importlib.util.spec_from_file_location("dist_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+OPTIMIZERS = ["sgd", "adagrad", "adam", "adam_dense", "ftrl", "rowwise_adagrad", "sgd_schedule"]
+SHARDINGS = ["row", "table"]
+WORLDS = [1, 2, 3]
+SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, out: Path, scenarios: list[str], limit: float = LIMIT) -> list[int]:
+    """Run ``world`` ranks of dist_worker on ``scenarios``; their exit codes. Children alive
+    after ``limit`` seconds are killed (and the test fails)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+           "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(HERE.parent)}  # fmt: skip
+    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out),
+                          *scenarios], stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        for r in range(world)
+    ]  # fmt: skip
+    deadline = time.monotonic() + limit
+    codes = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    if None in codes:
+        text = "\n".join((out / f"log.rank{r}").read_text()[-2000:] for r in range(world))
+        pytest.fail(f"ranks still running after {limit} s were killed: {codes}\n{text}")
+    return codes
+
+
+def _logs(out: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:]
+                     for r in range(world))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """World size -> the folder of its ranks' results (spawned on first use)."""
+    done: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if not done:  # compile (or load) every kernel here once, not in W children at a time
+            for o in OPTIMIZERS:
+                single_engine_run(o, 1)
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"w{world}")
+            codes = spawn(world, out, SCENARIOS)
+            assert codes == [0] * world, _logs(out, world)
+            done[world] = out
+        return done[world]
+
+    return get
+
+
+def single_engine_run(optimizer_name: str, world: int):
+    """The single engine on the concatenated batches: its activations per step, cut per rank
+    as the ranks saw them, and its final state."""
+    features, o = worker.make_features(optimizer_name)
+    eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    acts = []
+    for step in range(worker.STEPS):
+        feats, weights, grads = worker.global_batch(step)
+        a = eng.lookup(feats, weights)
+        acts.append({r: {k: v[lo:hi] for k, v in a.items()}
+                     for r, (lo, hi) in enumerate(worker.split(step, world))})  # fmt: skip
+        eng.apply_gradients(grads)
+    return acts, eng
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
+    runs, world, sharding, optimizer_name
+):
+    out = runs(world)
+    acts, single = single_engine_run(optimizer_name, world)
+    state = single.state_dict()
+    name = f"equal_{optimizer_name}_{sharding}"
+    for rank in range(world):
+        got = np.load(out / f"{name}.rank{rank}.npz")
+        # Lookups: bit-identical (the bags are pooled by their own rank from the same rows).
+        for step in range(worker.STEPS):
+            for k, want in acts[step][rank].items():
+                assert got[f"act{step}/{k}"].tobytes() == want.tobytes(), (rank, step, k)
+        # Tables and slots after 3 steps, gathered on every rank: bit-identical.
+        assert int(got["step"]) == state["step"] == worker.STEPS
+        for table, arrays in state["tables"].items():
+            for key, want in arrays.items():
+                have = got[f"table/{table}/{key}"]
+                assert have.dtype == want.dtype, (table, key)
+                np.testing.assert_array_equal(have, want, err_msg=f"{table}/{key} rank {rank}")
+        if world == 1:
+            assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
+        else:
+            assert (got["bytes0"] > 0).all()
+
+
+def test_the_hot_id_moves_once_per_step():
+    # The hot id is in every sample of every rank; SGD on one update per global step moves it
+    # by lr times the summed gradient. Compared with the single engine above; here the premise.
+    for step in range(worker.STEPS):
+        feats, _, _ = worker.global_batch(step)
+        assert all(worker.HOT in bag for bag in feats["a"])
+        sizes = [hi - lo for lo, hi in worker.split(step, 2)]
+        assert sum(sizes) == worker.BATCH
+    assert [hi - lo for lo, hi in worker.split(1, 2)][1] == 0  # an empty local batch
+    assert [hi - lo for lo, hi in worker.split(2, 3)][0] == 0
+
+
+def test_shard_plan_rows_and_tables():
+    plan = plan_shards("row", ["t0", "t1"], [100, 10], 3)
+    np.testing.assert_array_equal(plan.owner_of(0, np.array([0, 1, 2, 3, 7])), [0, 1, 2, 0, 1])
+    np.testing.assert_array_equal(plan.owned_ids(0, 8, 1), [1, 4, 7])
+    plan = plan_shards("table", ["t0", "t1", "t2"], [10, 100, 50], 2)
+    # Largest first to the least loaded rank: t1 -> 0, t2 -> 1, t0 -> 1.
+    assert plan == ShardPlan(2, ("table",) * 3, (1, 0, 1))
+    assert plan.describe(["t0", "t1", "t2"])["t1"] == "table on rank 0"
+    plan = plan_shards({"t1": "table"}, ["t0", "t1"], [1, 1], 2)
+    assert plan.kinds == ("row", "table")
+    with pytest.raises(ValueError, match="unknown tables"):
+        plan_shards({"nope": "row"}, ["t0"], [1], 2)
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        plan_shards("diagonal", ["t0"], [1], 2)
+
+
+def _error_text(out: Path, name: str, rank: int) -> tuple[float, str]:
+    seconds, text = (out / f"{name}.rank{rank}.txt").read_text().split("\n", 1)
+    return float(seconds), text
+
+
+def test_disagreeing_learning_rates_and_a_bad_input_fail_on_every_rank(tmp_path):
+    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input"])
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        _, text = _error_text(tmp_path, "lr_mismatch", rank)
+        assert text.startswith("DistributedError"), text
+        assert "table 'big' has learning rates [0.1, 0.2]" in text
+    # The rank whose id is out of range says which; the other names it.
+    _, text = _error_text(tmp_path, "bad_input", 1)
+    assert text.startswith("ValueError") and "feature 'a'" in text and "37" in text, text
+    _, text = _error_text(tmp_path, "bad_input", 0)
+    assert text.startswith("DistributedError") and "failed on ranks [1]" in text, text
+
+
+def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
+    # The group's timeout is 60 s: an error well before it is the dead connection, not a wait.
+    codes = spawn(2, tmp_path, ["kill"], limit=120)
+    assert codes[1] == 3
+    assert codes[0] == 0, _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "kill", 0)
+    assert not text.startswith("ok"), text
+    assert seconds < 20, (seconds, text)
