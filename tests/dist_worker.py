@@ -12,6 +12,8 @@ Scenarios:
                                 rank the gathered tables and the bytes sent
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
+  step_mismatch                 the last rank is at another step
+  call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
 """
 
@@ -152,10 +154,14 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     feats, weights, grads = local(0, rank, world)
     path = os.path.join(out, f"{name}.rank{rank}.txt")
     if name == "bad_input" and rank == world - 1:
-        feats["a"] = [[37]] + feats["a"][1:]
+        feats["a"] = [[37] * len(feats["a"][0])] + feats["a"][1:]  # lengths match the weights
+    if name == "step_mismatch" and rank == world - 1:
+        eng._step = 7  # as if this rank had restored another checkpoint
     start = time.monotonic()
     result = "ok"
     try:
+        if name == "call_mismatch" and rank == world - 1:
+            eng.table_contents()
         eng.lookup(feats, weights)
         if name == "kill" and rank == world - 1:
             os._exit(3)

@@ -181,8 +181,8 @@ def _error_text(out: Path, name: str, rank: int) -> tuple[float, str]:
     return float(seconds), text
 
 
-def test_disagreeing_learning_rates_and_a_bad_input_fail_on_every_rank(tmp_path):
-    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input"])
+def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
+    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch"])
     assert codes == [0, 0], _logs(tmp_path, 2)
     for rank in range(2):
         _, text = _error_text(tmp_path, "lr_mismatch", rank)
@@ -193,6 +193,12 @@ def test_disagreeing_learning_rates_and_a_bad_input_fail_on_every_rank(tmp_path)
     assert text.startswith("ValueError") and "feature 'a'" in text and "37" in text, text
     _, text = _error_text(tmp_path, "bad_input", 0)
     assert text.startswith("DistributedError") and "failed on ranks [1]" in text, text
+    for rank in range(2):
+        _, text = _error_text(tmp_path, "step_mismatch", rank)
+        assert text.startswith("DistributedError") and "at steps [0, 7]" in text, text
+        _, text = _error_text(tmp_path, "call_mismatch", rank)
+        assert text.startswith("DistributedError"), text
+        assert "rank 0: lookup, rank 1: table_contents" in text, text
 
 
 def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
