@@ -209,3 +209,37 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     seconds, text = _error_text(tmp_path, "kill", 0)
     assert not text.startswith("ok"), text
     assert seconds < 20, (seconds, text)
+
+
+def modelled_bytes(step: int, rank: int, world: int) -> tuple[int, int]:
+    """Bytes rank ``rank`` sends in the lookup and in the update of ``step`` under row
+    sharding, from the cost model of docs/design.md, counted from the global batch."""
+    tables = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
+    seq = {"s": 3}
+    header = 8 * (world - 1) * (4 + 2 * len(tables) + 3)
+
+    def occurrences(r):  # (feature, output row, id) of rank r's batch, sequences cut
+        feats, _, _ = worker.local(step, r, world)
+        for f, bags in feats.items():
+            for b, bag in enumerate(bags):
+                for p, i in enumerate(bag[: seq.get(f, len(bag))]):
+                    yield f, (b, p) if f in seq else b, i
+
+    unique = [{(tables[f][0], i) for f, _, i in occurrences(r)} for r in range(world)]
+    dims = {t: d for t, d in tables.values()}
+    asked = sum(8 for _, i in unique[rank] if i % world != rank)
+    answered = sum(4 * dims[t] for s in range(world) if s != rank for t, i in unique[s]
+                   if i % world == rank)  # fmt: skip
+    occ = [(f, o, i) for f, o, i in occurrences(rank) if i % world != rank]
+    rows = {(f, o, i % world) for f, o, i in occ}
+    apply = header + 20 * len(occ) + sum(4 * tables[f][1] for f, _, _ in rows) + 8 * (world - 1)
+    return header + asked + answered, apply
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_sent_are_the_cost_model(runs, world):
+    out = runs(world)
+    for rank in range(world):
+        got = np.load(out / f"equal_sgd_row.rank{rank}.npz")
+        for step in range(worker.STEPS):
+            assert tuple(got[f"bytes{step}"]) == modelled_bytes(step, rank, world), (rank, step)
