@@ -12,6 +12,8 @@ Scenarios:
                                 rank the gathered tables and the bytes sent
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
+  ckpt_save:<folder>            two steps, save, a third step (row sharding)
+  ckpt_restore:<folder>         load what another world size saved (table sharding), a step
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
@@ -30,6 +32,7 @@ import numpy as np
 STEPS = 3
 BATCH = 7  # global samples per step
 HOT = 5  # an id of table "big" in every sample of feature "a", on every rank
+CKPT_OPTIMIZER = "ftrl"  # two slots
 
 
 def optimizers():
@@ -143,6 +146,44 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
+def _dump(eng, path: str, extra: dict | None = None) -> None:
+    contents = eng.table_contents()
+    saved = {"step": np.array(contents["step"]), **(extra or {})}
+    for table, arrays in contents["tables"].items():
+        for key, a in arrays.items():
+            saved[f"table/{table}/{key}"] = a
+    np.savez(path, **saved)
+
+
+def _train(eng, steps, rank: int, world: int) -> None:
+    for step in steps:
+        feats, weights, grads = local(step, rank, world)
+        eng.lookup(feats, weights)
+        eng.apply_gradients(grads)
+
+
+def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
+    """ckpt_save:<folder>: two steps, save (row sharding), the third step; ckpt_restore:
+    <folder>: load (table sharding), the third step. Folders under $CKPT_ROOT."""
+    from embengine.distributed import ShardedEngine
+
+    kind, folder = name.split(":")
+    root = os.path.join(os.environ["CKPT_ROOT"], folder)
+    features, o = make_features(CKPT_OPTIMIZER)
+    if kind == "ckpt_save":
+        eng = ShardedEngine(features, optimizer=o, seed=3, sharding="row", timeout=60)
+        _train(eng, range(2), rank, world)
+        path = eng.save(root)
+        _train(eng, [2], rank, world)
+        extra = {"path": np.frombuffer(str(path).encode(), dtype=np.uint8)}
+    else:
+        eng = ShardedEngine.load(root, sharding="table", timeout=60)
+        assert eng.step == 2, eng.step
+        _train(eng, [2], rank, world)
+        extra = {}
+    _dump(eng, os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), extra)
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
     from embengine import optimizers as opt
@@ -184,6 +225,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):
                 run_equal(rank, world, out, name)
+            elif name.startswith("ckpt_"):
+                run_checkpoint(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

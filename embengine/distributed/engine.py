@@ -28,6 +28,7 @@ the same collectives each step, empty local batches included.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -50,6 +51,7 @@ from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
 from ..spec import initializer_to_json, optimizer_to_json
 from ..state import WEIGHTS
+from ..storage import plan_storage
 from .comm import Comm
 from .sharding import ShardPlan, ShardTable, plan_shards
 
@@ -60,8 +62,9 @@ __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 60.0
 
 # The header's call codes.
-_LOOKUP, _APPLY, _CONTENTS = 1, 2, 3
-_CALLS = {_LOOKUP: "lookup", _APPLY: "apply_gradients", _CONTENTS: "table_contents"}
+_LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE = 1, 2, 3, 4, 5
+_CALLS = {_LOOKUP: "lookup", _APPLY: "apply_gradients", _CONTENTS: "table_contents",
+          _SAVE: "save", _RESTORE: "restore"}  # fmt: skip
 # Header columns: call, step, valid, reserved, then 2 * features counts, then one learning rate
 # per table (float64 bits).
 _FIXED = 4
@@ -598,6 +601,97 @@ class ShardedEngine:
                 return {"step": self._step, "tables": tables}
             finally:
                 self._count("table_contents")
+
+    def spec(self) -> dict[str, Any]:
+        """The configuration as JSON, as the single engine of the same arguments gives it
+        (``EmbeddingEngine.spec``; tables in RAM): what a checkpoint's manifest holds, so a
+        plain engine loads a ShardedEngine's checkpoint and back."""
+        r = self._resolved
+        tables = []
+        for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
+            opt, shard = self._optimizers[t], self._shards[t]
+            q = cfg.quantization_config
+            tables.append({
+                "name": name,
+                "vocabulary_size": cfg.vocabulary_size,
+                "dim": cfg.dim,
+                "combiner": cfg.combiner,
+                "initializer": initializer_to_json(_initializer_for(cfg, opt)),
+                "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
+                "quantization_config": None if q is None else dataclasses.asdict(q),
+                "storage": "ram",
+                "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
+            })  # fmt: skip
+        features = [
+            {"name": name, "table": r.table_names[r.feature_table[name]],
+             "max_sequence_length": fc.max_sequence_length,
+             "validate_weights_and_indices": fc.validate_weights_and_indices,
+             "output_shape": None if fc.output_shape is None else list(fc.output_shape)}
+            for name, fc in r.features.items()
+        ]  # fmt: skip
+        tags = []
+        for tag in range(self._learning_rates.num_tags):
+            fn = self._learning_rates.tag_callable(tag)
+            tags.append({"tag": tag, "callable": None if fn is None else
+                         getattr(fn, "__qualname__", "?")})  # fmt: skip
+        plan = plan_storage(r, self._optimizers, "ram", None)
+        return {"tables": tables, "features": features, "storage_plan": plan.to_json(),
+                "learning_rate_tags": tags, "seed": self.seed, "backend": self._backend.name,
+                "nonfinite_gradients": self.nonfinite_gradients}  # fmt: skip
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, path, keep: int | None = None, extra_metadata: Mapping | None = None):
+        """Write a checkpoint under the folder ``path`` in embengine's format (by logical table
+        and row, one global manifest), each rank writing a block of every table's rows; it
+        loads at any world size and into a plain ``EmbeddingEngine``. Collective; every rank
+        must see ``path`` (one host, or a shared file system). Returns the checkpoint's
+        folder. See embengine.distributed.checkpoint."""
+        from . import checkpoint
+
+        with self.lock:
+            self._comm.reset()
+            try:
+                self._header(_SAVE, None)
+                return checkpoint.save(self, path, keep, extra_metadata)
+            finally:
+                self._count("save")
+
+    def restore(self, path, verify: bool = True) -> int:
+        """Load a checkpoint (``path``: a checkpoint folder, or a folder of them: the newest)
+        written at any world size, or by a plain engine, of the same configuration: each rank
+        reads its own rows, in chunks. Collective; returns the restored step."""
+        from . import checkpoint
+
+        with self.lock:
+            self._comm.reset()
+            try:
+                self._header(_RESTORE, None)
+                return checkpoint.restore(self, path, verify)
+            finally:
+                self._count("restore")
+
+    @classmethod
+    def load(cls, path, callables=None, verify: bool = True, **kwargs) -> ShardedEngine:
+        """A new ShardedEngine from a checkpoint alone (any world size's, or a plain
+        engine's): ``kwargs`` are ShardedEngine's arguments (sharding, group, timeout, ...).
+        Collective."""
+        from ..checkpoint import read_checkpoint
+        from ..spec import engine_options, feature_configs_from_spec
+
+        spec, _ = read_checkpoint(path, verify)
+        features = feature_configs_from_spec(spec, callables)
+        options = engine_options(spec)
+        engine = cls(features, **{"seed": options["seed"],
+                                  "nonfinite_gradients": options["nonfinite_gradients"],
+                                  **kwargs})  # fmt: skip
+        engine.restore(path, verify=False)  # checked just now
+        return engine
+
+    def _set_restored(self, step: int) -> None:
+        """After a restore: the checkpoint's step; no batch is pending any more."""
+        self._step = int(step)
+        self._pending = None
 
 
 _TB_FIELDS = ("unique_ids", "inverse", "gains", "segments", "num_outputs", "output_offsets",
