@@ -31,7 +31,6 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,9 +38,8 @@ from .. import checkpoint as ckpt
 from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file
 from ..state import WEIGHTS
 from ..version import __version__
-
-if TYPE_CHECKING:
-    from .engine import ShardedEngine
+from .comm import Comm
+from .sharding import ShardPlan, ShardTable
 
 __all__ = ["save", "restore"]
 
@@ -78,9 +76,8 @@ def _block(vocabulary_size: int, world: int, rank: int) -> tuple[int, int]:
     return vocabulary_size * rank // world, vocabulary_size * (rank + 1) // world
 
 
-def _owned_in(engine: ShardedEngine, t: int, rank: int, lo: int, hi: int) -> np.ndarray:
+def _owned_in(plan: ShardPlan, t: int, rank: int, lo: int, hi: int) -> np.ndarray:
     """The ids in ``[lo, hi)`` of table ``t`` that ``rank`` owns, ascending."""
-    plan = engine.shard_plan
     if plan.kinds[t] == "row":
         first = lo + (rank - lo) % plan.world_size
         return np.arange(first, hi, plan.world_size, dtype=np.int64)
@@ -89,9 +86,8 @@ def _owned_in(engine: ShardedEngine, t: int, rank: int, lo: int, hi: int) -> np.
     return np.zeros(0, dtype=np.int64)
 
 
-def _name_from_rank0(engine: ShardedEngine, name: str | None, what: str) -> str:
+def _name_from_rank0(comm: Comm, name: str | None, what: str) -> str:
     """Rank 0's string on every rank (empty on rank 0: it failed, so every rank raises)."""
-    comm = engine._comm
     mine = np.frombuffer((name or "").encode(), dtype=np.uint8) if comm.rank == 0 else None
     got = comm.all_gather_ragged(mine if mine is not None else np.zeros(0, np.uint8), what)
     text = got[0].tobytes().decode()
@@ -100,24 +96,24 @@ def _name_from_rank0(engine: ShardedEngine, name: str | None, what: str) -> str:
     return text
 
 
-def _agree(engine: ShardedEngine, ok: bool, what: str) -> None:
+def _agree(comm: Comm, ok: bool, what: str) -> None:
     """A barrier that also says whether every rank succeeded so far."""
-    flags = engine._comm.all_gather(np.array([int(ok)], dtype=np.int64), what)[:, 0]
+    flags = comm.all_gather(np.array([int(ok)], dtype=np.int64), what)[:, 0]
     bad = [r for r, f in enumerate(flags) if not f]
     if bad:
-        raise ckpt.CheckpointError(f"rank {engine.rank}: {what} failed on ranks {bad}")
+        raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
 
 
-def save(engine: ShardedEngine, root: str | Path, keep: int | None = None,
+def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
+         root: str | Path, keep: int | None = None,
          extra_metadata: dict | None = None) -> Path:  # fmt: skip
-    """Write a checkpoint of every rank's rows under ``root``; see the module docstring.
-    Collective; returns the checkpoint's folder on every rank."""
+    """Write a checkpoint of every rank's rows (``shards``, one per table of ``spec``, sharded
+    by ``plan``) at ``step`` under ``root``; see the module docstring. Collective; returns the
+    checkpoint's folder on every rank."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
-    comm, rank = engine._comm, engine.rank
+    rank = comm.rank
     root = Path(root)
-    step = engine.step
-    spec = engine.spec()
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error = None, None, None
@@ -130,7 +126,7 @@ def save(engine: ShardedEngine, root: str | Path, keep: int | None = None,
                 tmp.mkdir()
                 tmp_fd = os.open(tmp, os.O_RDONLY)
                 ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for shard, v, file in zip(engine._shards, sizes, files, strict=True):
+            for shard, v, file in zip(shards, sizes, files, strict=True):
                 head, _ = _header(shard, v)
                 end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
                 with open(tmp / file, "wb") as f:
@@ -140,31 +136,32 @@ def save(engine: ShardedEngine, root: str | Path, keep: int | None = None,
         except OSError as e:
             error = e
     try:
-        tmp = Path(_name_from_rank0(engine, tmp_name, "make the checkpoint's folder"))
+        tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder"))
     except ckpt.CheckpointError:
         if error is not None:
             raise error from None
         raise
     try:
-        finite = _write_rows(engine, tmp, files, sizes)
+        finite = _write_rows(comm, shards, plan, tmp, files, sizes)
         flags = comm.all_gather(finite.astype(np.int64), "checkpoint")
         final = None
         if rank == 0:
-            final = _commit(engine, root, tmp, spec, files, flags.all(axis=0), step, keep,
+            final = _commit(root, tmp, spec, files, flags.all(axis=0), step, keep,
                             extra_metadata)  # fmt: skip
-        return Path(_name_from_rank0(engine, None if final is None else str(final),
+        return Path(_name_from_rank0(comm, None if final is None else str(final),
                                      "commit the checkpoint"))  # fmt: skip
     finally:
         if tmp_fd is not None:
             ckpt._unlock(tmp_fd)
 
 
-def _write_rows(engine: ShardedEngine, tmp: Path, files: list[str], sizes: list[int]):
+def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str],
+                sizes: list[int]) -> np.ndarray:  # fmt: skip
     """Every rank writes its block of rows of every table; per table whether its float
     columns in this rank's block were all finite."""
-    comm, rank, world = engine._comm, engine.rank, engine.world_size
+    rank, world = comm.rank, comm.world_size
     finite = np.ones(len(sizes), dtype=bool)
-    for t, (shard, v, file) in enumerate(zip(engine._shards, sizes, files, strict=True)):
+    for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
         width = shard.row_width
         chunk = max(1, CHUNK_BYTES // (4 * width))
         blocks = [_block(v, world, r) for r in range(world)]
@@ -177,11 +174,11 @@ def _write_rows(engine: ShardedEngine, tmp: Path, files: list[str], sizes: list[
                 # What each destination writes this round, and which of those rows are mine.
                 spans = [(min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi))
                          for lo, hi in blocks]  # fmt: skip
-                mine = [_owned_in(engine, t, rank, a, b) for a, b in spans]
+                mine = [_owned_in(plan, t, rank, a, b) for a, b in spans]
                 send = np.concatenate(
                     [shard.data[shard.rows_for(0, ids)].reshape(-1) for ids in mine]
                 )
-                theirs = [_owned_in(engine, t, s, *spans[rank]) for s in range(world)]
+                theirs = [_owned_in(plan, t, s, *spans[rank]) for s in range(world)]
                 got = comm.all_to_all(send, [len(i) * width for i in mine],
                                       [len(i) * width for i in theirs], "checkpoint")  # fmt: skip
                 a, b = spans[rank]
@@ -201,7 +198,7 @@ def _write_rows(engine: ShardedEngine, tmp: Path, files: list[str], sizes: list[
     return finite
 
 
-def _commit(engine: ShardedEngine, root: Path, tmp: Path, spec: dict, files: list[str],
+def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
             finite: np.ndarray, step: int, keep: int | None, extra_metadata) -> Path:  # fmt: skip
     """Rank 0: hash the files, write the manifest, rename the folder into place."""
     listed = {}
@@ -234,26 +231,28 @@ def _commit(engine: ShardedEngine, root: Path, tmp: Path, spec: dict, files: lis
     return final
 
 
-def restore(engine: ShardedEngine, path: str | Path, verify: bool = True) -> int:
-    """Read this rank's rows of every table from a checkpoint (any world size's, or a plain
-    engine's) and set the step; collective. Returns the checkpoint's step."""
+def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path,
+            verify: bool = True) -> int:  # fmt: skip
+    """Read this rank's rows of every table (``shards``, of an engine whose configuration is
+    ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns the
+    checkpoint's step, the caller's new step."""
     error, reader = None, None
     try:
         _, reader = ckpt.read_checkpoint(path, verify)
-        ckpt._check_compatible(engine.spec(), reader.manifest, reader.path)
+        ckpt._check_compatible(spec, reader.manifest, reader.path)
     except (OSError, ValueError) as e:
         error = e
     if error is not None:
-        _agree(engine, False, "restore")  # the others learn it, then this rank raises its own
+        _agree(comm, False, "restore")  # the others learn it, then this rank raises its own
         raise error
-    _agree(engine, True, "restore")
-    steps = engine._comm.all_gather(np.array([reader.step], dtype=np.int64), "restore")[:, 0]
+    _agree(comm, True, "restore")
+    steps = comm.all_gather(np.array([reader.step], dtype=np.int64), "restore")[:, 0]
     if (steps != steps[0]).any():
         raise ckpt.CheckpointError(
-            f"rank {engine.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
+            f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
             "every rank must restore the same checkpoint"
         )
-    for shard in engine._shards:
+    for shard in shards:
         ids = shard.global_ids
         for _, entry, c, w, dtype in _tensors(shard):
             stored = reader.tensor(shard.name, entry)
@@ -278,5 +277,4 @@ def restore(engine: ShardedEngine, path: str | Path, verify: bool = True) -> int
                             "being read?); restore again before using the engine"
                         )
                     target[lo:hi, c : c + w] = buf[ids[lo:hi] - a]
-    engine._set_restored(reader.step)
     return reader.step

@@ -653,7 +653,8 @@ class ShardedEngine:
             self._comm.reset()
             try:
                 self._header(_SAVE, None)
-                return checkpoint.save(self, path, keep, extra_metadata)
+                return checkpoint.save(self._comm, self._shards, self._plan, self.spec(),
+                                       self._step, path, keep, extra_metadata)  # fmt: skip
             finally:
                 self._count("save")
 
@@ -667,7 +668,10 @@ class ShardedEngine:
             self._comm.reset()
             try:
                 self._header(_RESTORE, None)
-                return checkpoint.restore(self, path, verify)
+                step = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
+                self._step = step
+                self._pending = None  # its rows no longer hold what it looked up
+                return step
             finally:
                 self._count("restore")
 
@@ -687,11 +691,6 @@ class ShardedEngine:
                                   **kwargs})  # fmt: skip
         engine.restore(path, verify=False)  # checked just now
         return engine
-
-    def _set_restored(self, step: int) -> None:
-        """After a restore: the checkpoint's step; no batch is pending any more."""
-        self._step = int(step)
-        self._pending = None
 
 
 _TB_FIELDS = ("unique_ids", "inverse", "gains", "segments", "num_outputs", "output_offsets",
