@@ -14,6 +14,7 @@ Scenarios:
   bad_input                     the last rank passes an id out of range
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
   ckpt_restore:<folder>         load what another world size saved (table sharding), a step
+  layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
@@ -138,6 +139,11 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
         saved[f"bytes{step}"] = np.array(
             [sum(eng.bytes_sent["lookup"].values()),
              sum(eng.bytes_sent["apply_gradients"].values())], dtype=np.int64)  # fmt: skip
+    stats = eng.table_stats()
+    saved["rows"] = np.array([stats["tables"][t]["rows"] for t in ("big", "small", "seq")])
+    last = stats["bytes_sent"]
+    saved["stats_bytes"] = np.array([sum(last["lookup"].values()),
+                                     sum(last["apply_gradients"].values())])  # fmt: skip
     contents = eng.table_contents()
     saved["step"] = np.array(contents["step"])
     for table, arrays in contents["tables"].items():
@@ -184,6 +190,37 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
     _dump(eng, os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), extra)
 
 
+def run_layer(rank: int, world: int, out: str, name: str) -> None:
+    """EmbeddingLayer on a ShardedEngine beside a DDP dense layer: three steps whose loss
+    gives each activation its worker gradient exactly (sum of activation * gradient)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from embengine.distributed import ShardedEngine
+    from embengine.torch import EmbeddingLayer
+
+    features, o = make_features("adagrad")
+    layer = EmbeddingLayer(ShardedEngine(features, optimizer=o, seed=3, timeout=60))
+    torch.manual_seed(0)
+    dense = DistributedDataParallel(torch.nn.Linear(3, 1))
+    sgd = torch.optim.SGD(dense.parameters(), lr=0.1)
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        acts = layer(feats, weights)
+        loss = sum((acts[k] * torch.from_numpy(grads[k])).sum() for k in acts)
+        loss = loss + dense(torch.full((2, 3), float(rank + 1))).sum()
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+    assert "tables.big.weights" not in layer.state_dict()
+    weight = dense.module.weight.detach().numpy().copy()
+    everyone = [torch.zeros_like(dense.module.weight) for _ in range(world)]
+    dist.all_gather(everyone, dense.module.weight.detach())
+    assert all(torch.equal(w, everyone[0]) for w in everyone), "DDP replicas differ"
+    _dump(layer.engine, os.path.join(out, f"layer.rank{rank}.npz"), {"dense": weight})
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
     from embengine import optimizers as opt
@@ -225,6 +262,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):
                 run_equal(rank, world, out, name)
+            elif name == "layer":
+                run_layer(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
             else:

@@ -144,10 +144,23 @@ def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
                 have = got[f"table/{table}/{key}"]
                 assert have.dtype == want.dtype, (table, key)
                 np.testing.assert_array_equal(have, want, err_msg=f"{table}/{key} rank {rank}")
+        # table_stats: this rank's rows of each table (vocabularies 37, 2, 11).
+        rows = got["rows"].tolist()
+        if sharding == "row":
+            assert rows == [len(range(rank, v, world)) for v in (37, 2, 11)]
+        assert got["stats_bytes"].tolist() == got[f"bytes{worker.STEPS - 1}"].tolist()
         if world == 1:
             assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
         else:
             assert (got["bytes0"] > 0).all()
+
+
+def test_table_stats_rows_add_up_to_every_table(runs):
+    for world in (2, 3):
+        for sharding in SHARDINGS:
+            rows = sum(np.load(runs(world) / f"equal_sgd_{sharding}.rank{r}.npz")["rows"]
+                       for r in range(world))  # fmt: skip
+            assert rows.tolist() == [37, 2, 11]
 
 
 def test_the_hot_id_moves_once_per_step():
@@ -290,3 +303,13 @@ def test_checkpoints_move_between_world_sizes(tmp_path):
     for r in range(2):
         _assert_state(out2 / f"ckpt_restore_w3.rank{r}.npz", want)
         _assert_state(out2 / f"ckpt_restore_w1.rank{r}.npz", want)
+
+
+def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
+    # The layer's backward is the collective update; DDP's all-reduce runs in the default
+    # group meanwhile. The loss hands each activation its worker gradient exactly.
+    _, single = single_engine_run("adagrad", 2)
+    codes = spawn(2, tmp_path, ["layer"])
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for r in range(2):
+        _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for, csr, dedup
 from ..batch import prepare as prepare_batch
-from ..config import FeatureConfig, resolve_features
+from ..config import FeatureConfig, TableConfig, resolve_features
 from ..engine import NONFINITE_POLICIES, NonFiniteUpdateError
 from ..inputs import as_numpy
 from ..learning_rates import LearningRates
@@ -201,6 +201,38 @@ class ShardedEngine:
     def optimizer(self, table_name: str) -> Optimizer:
         return self._optimizers[self.table_names.index(table_name)]
 
+    @property
+    def table_configs(self) -> dict[str, TableConfig]:
+        return dict(zip(self._resolved.table_names, self._resolved.tables, strict=True))
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def num_learning_rate_tags(self) -> int:
+        return self._learning_rates.num_tags
+
+    def learning_rate_tag(self, table_name: str) -> int | None:
+        """The dynamic learning-rate tag of a table, or None for a constant rate."""
+        return self._learning_rates.tag_of(self.table_names.index(table_name))
+
+    def table_stats(self) -> dict[str, Any]:
+        """What this rank holds and sends (local, no communication): per table its sharding,
+        the rows and bytes (weights and slots) on this rank; the bytes this rank sent in its
+        last call of each kind (``{call: {purpose: bytes}}``) and since construction. The
+        cost model behind the bytes is in docs/design.md."""
+        plan = self.plan
+        return {
+            "tables": {
+                name: {"sharding": plan[name], "rows": int(shard.data.shape[0]),
+                       "bytes": int(shard.nbytes)}
+                for name, shard in zip(self.table_names, self._shards, strict=True)
+            },
+            "bytes_sent": {call: dict(c) for call, c in self.bytes_sent.items()},
+            "bytes_sent_total": dict(self.bytes_sent_total),
+        }  # fmt: skip
+
     def shard(self, table_name: str) -> ShardTable:
         """This rank's share of a table (its ``global_ids``; rows ``[weights | slots]``)."""
         return self._shards[self.table_names.index(table_name)]
@@ -287,9 +319,11 @@ class ShardedEngine:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def preprocess(self, features: Mapping, weights: Mapping | None = None) -> PreparedBatch:
+    def preprocess(self, features: Mapping, weights: Mapping | None = None, *,
+                   training: bool = True) -> PreparedBatch:  # fmt: skip
         """This rank's features validated and deduplicated per table, as ``EmbeddingEngine.
-        preprocess`` does (pure, no communication; a DataLoader worker may call it)."""
+        preprocess`` does (pure, no communication; a DataLoader worker may call it). Always
+        deduplicated, ``training`` or not: a lookup pulls each unique id's row once."""
         return prepare_batch(self._resolved, features, weights, self._backend.build_tables,
                              self._layout, fingerprint=self._fingerprint)  # fmt: skip
 
@@ -303,6 +337,17 @@ class ShardedEngine:
         """This rank's activations per feature, float32 ``[*shape, dim]``: bit-identical to the
         single engine's for these samples. Collective: every rank calls it (with its own
         samples). ``training=True`` keeps the batch for ``apply_gradients``."""
+        return self.lookup_with_batch(features, weights, training=training)[0]
+
+    def lookup_with_batch(
+        self,
+        features: Mapping | PreparedBatch,
+        weights: Mapping | None = None,
+        *,
+        training: bool = True,
+    ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
+        """``lookup``, and the PreparedBatch it looked up (``apply_gradients(batch=)``; what
+        EmbeddingLayer's backward uses). Collective."""
         with self.lock:
             self._comm.reset()
             try:
@@ -383,10 +428,11 @@ class ShardedEngine:
             per_table.append(self._backend.lookup_rows(pulled[t], int(dims[t]), local, q))
         if training:
             self._pending = batch
-        return {
+        acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
+        return acts, batch
 
     def _dest_major(self, table_major: np.ndarray, counts: np.ndarray):
         """Reorder blocks laid out table by table (each table's blocks by destination) into
@@ -402,26 +448,32 @@ class ShardedEngine:
         out = np.concatenate(pieces) if pieces else table_major[:0]
         return out, counts.sum(axis=1)
 
-    def apply_gradients(self, gradients: Mapping,
-                        learning_rates: Sequence[float] | None = None) -> None:  # fmt: skip
-        """One optimizer step from the gradients of this rank's last training lookup:
-        collectively, every row touched by any rank is updated once, by its owner, from the
-        sum of every rank's contributions in the single engine's order. Collective."""
+    def apply_gradients(self, gradients: Mapping, learning_rates: Sequence[float] | None = None,
+                        batch: PreparedBatch | None = None) -> None:  # fmt: skip
+        """One optimizer step from the gradients of ``batch`` (default: this rank's last
+        training lookup's): collectively, every row touched by any rank is updated once, by
+        its owner, from the sum of every rank's contributions in the single engine's order.
+        Collective."""
         with self.lock:
             self._comm.reset()
             try:
-                self._apply(gradients, learning_rates)
+                self._apply(gradients, learning_rates, batch)
             finally:
                 self._count("apply_gradients")
 
-    def _apply(self, gradients, learning_rates) -> None:
+    def _apply(self, gradients, learning_rates, given: PreparedBatch | None) -> None:
         r, w = self._resolved, self.world_size
         nf, nt = len(self._features), len(self.table_names)
         error, lrs = None, None
         counts = np.zeros((w, 2 * nf), dtype=np.int64)
         ints, floats = [[] for _ in range(w)], [[] for _ in range(w)]
         try:
-            batch = self._pending
+            batch = self._pending if given is None else given
+            if given is not None:
+                check_prepared_for(given, self._fingerprint, self._resolved)
+                if not given.deduplicated:
+                    raise ValueError("this PreparedBatch was not deduplicated: build it with "
+                                     "ShardedEngine.preprocess")  # fmt: skip
             if batch is None:
                 raise ValueError(
                     "apply_gradients needs a lookup(..., training=True) first: there is no "
@@ -502,7 +554,8 @@ class ShardedEngine:
         mine = np.array([sum(len(v) for v in unchanged.values())], dtype=np.int64)
         everyone = self._comm.all_gather(mine, "nonfinite count")[:, 0]
         self._step += 1
-        self._pending = None
+        if given is None or given is self._pending:  # one update per lookup
+            self._pending = None
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
 
