@@ -8,8 +8,9 @@ and the gradients are built here (``make_features``, ``global_batch``), so the t
 single EmbeddingEngine the concatenation of every rank's batch.
 
 Scenarios:
-  equal:<optimizer>:<sharding>  three training steps; each rank's activations, and on every
-                                rank the gathered tables and the bytes sent
+  equal:<optimizer>:<sharding>[:nan]  three training steps; each rank's activations, and on
+                                every rank the gathered tables and the bytes sent; with
+                                ":nan", a NaN gradient and nonfinite_gradients="skip_row"
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
@@ -18,11 +19,14 @@ Scenarios:
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
+  hang                          the last rank stops (SIGSTOP); rank 0 times its error (group
+                                timeout 3 s), then kills it
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -47,6 +51,8 @@ def optimizers():
         "ftrl": opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5),
         "rowwise_adagrad": None,  # Adagrad(hessian_compression_times=dim), per table
         "sgd_schedule": opt.SGD(lambda step: 0.2 / (1 + step)),
+        # Each occurrence its own update, in the single engine's occurrence order.
+        "adagrad_no_accumulation": opt.Adagrad(0.2, use_gradient_accumulation=False),
     }
 
 
@@ -92,9 +98,10 @@ def split(step: int, world: int) -> list[tuple[int, int]]:
     return [(int(bounds[r]), int(bounds[r + 1])) for r in range(world)]
 
 
-def global_batch(step: int):
+def global_batch(step: int, nan: bool = False):
     """(features, weights, gradients) of the whole step: bags with duplicates, empty bags,
-    weights on "a", the hot id in every sample of "a"."""
+    weights on "a", the hot id in every sample of "a"; ``nan``: a NaN in the gradient of
+    sample 1 of "a" (and so of the hot id) at step 0."""
     rng = np.random.default_rng(100 + step)
     vocab = {"a": 37, "b": 37, "c": 2, "s": 11}
     feats = {}
@@ -112,12 +119,14 @@ def global_batch(step: int):
     for name, dim in dims.items():
         shape = (BATCH, 3, dim) if name == "s" else (BATCH, dim)
         grads[name] = rng.normal(size=shape).astype(np.float32)
+    if nan and step == 0:
+        grads["a"][1, 2] = np.nan
     return feats, weights, grads
 
 
-def local(step: int, rank: int, world: int):
+def local(step: int, rank: int, world: int, nan: bool = False):
     """This rank's share of the step's global batch."""
-    feats, weights, grads = global_batch(step)
+    feats, weights, grads = global_batch(step, nan)
     lo, hi = split(step, world)[rank]
     return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
             {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
@@ -126,12 +135,13 @@ def local(step: int, rank: int, world: int):
 def run_equal(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
-    _, optimizer_name, sharding = name.split(":")
+    _, optimizer_name, sharding, *nan = name.split(":")
     features, o = make_features(optimizer_name)
-    eng = ShardedEngine(features, optimizer=o, seed=3, sharding=sharding, timeout=60)
+    eng = ShardedEngine(features, optimizer=o, seed=3, sharding=sharding, timeout=60,
+                        nonfinite_gradients="skip_row" if nan else "error")  # fmt: skip
     saved = {}
     for step in range(STEPS):
-        feats, weights, grads = local(step, rank, world)
+        feats, weights, grads = local(step, rank, world, nan=bool(nan))
         acts = eng.lookup(feats, weights)
         for k, v in acts.items():
             saved[f"act{step}/{k}"] = v
@@ -228,7 +238,7 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
 
     features, _ = make_features("sgd")
     lr = opt.SGD((lambda step: 0.1 * (1 + rank)) if name == "lr_mismatch" else 0.1)
-    eng = ShardedEngine(features, optimizer=lr, seed=3, timeout=60)
+    eng = ShardedEngine(features, optimizer=lr, seed=3, timeout=3 if name == "hang" else 60)
     feats, weights, grads = local(0, rank, world)
     path = os.path.join(out, f"{name}.rank{rank}.txt")
     if name == "bad_input" and rank == world - 1:
@@ -243,6 +253,10 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
         eng.lookup(feats, weights)
         if name == "kill" and rank == world - 1:
             os._exit(3)
+        if name == "hang" and rank == world - 1:
+            with open(os.path.join(out, "hung.pid"), "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
         eng.apply_gradients(grads)
         result = f"ok step={eng.step}"
     except Exception as e:  # the scenario's point: record which error and its message
@@ -250,6 +264,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     elapsed = time.monotonic() - start
     with open(path, "w") as f:
         f.write(f"{elapsed:.3f}\n{result}\n")
+    if name == "hang" and rank == 0:
+        with open(os.path.join(out, "hung.pid")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
 
 
 def main() -> None:

@@ -10,12 +10,18 @@ W - 1 others, as a ring or a tree would in total).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "PeerError"]
+
+
+class PeerError(RuntimeError):
+    """A collective failed: a peer died (its connection reset) or did not answer within the
+    process group's timeout (gloo's error does not say which rank)."""
 
 
 class Comm:
@@ -27,6 +33,19 @@ class Comm:
         self.rank = rank
         self.world_size = world_size
         self.sent: Counter[str] = Counter()
+
+    def _run(self, collective: Callable[[], object], purpose: str) -> None:
+        """Run ``collective``; a failure is a PeerError naming this rank, the purpose and the
+        peers (gloo's own error chained: it names an address, not a rank)."""
+        try:
+            collective()
+        except RuntimeError as e:
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            raise PeerError(
+                f"rank {self.rank}: a collective ({purpose}) failed: one of ranks {peers} died "
+                f"(connection reset) or did not answer within the process group's timeout; "
+                f"gloo says: {str(e).strip()}"
+            ) from e
 
     def reset(self) -> Counter[str]:
         """The bytes counted since the last reset, and a fresh count."""
@@ -45,8 +64,9 @@ class Comm:
             out[:] = send
             return out
         self.sent[purpose] += (sum(send_counts) - send_counts[self.rank]) * send.itemsize
-        dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(send), recv_counts,
-                               send_counts, group=self.group)  # fmt: skip
+        self._run(lambda: dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(send),
+                                                 recv_counts, send_counts, group=self.group),
+                  purpose)  # fmt: skip
         return out
 
     def all_gather(self, block: np.ndarray, purpose: str) -> np.ndarray:
@@ -56,8 +76,9 @@ class Comm:
             return block[None].copy()
         self.sent[purpose] += block.nbytes * (self.world_size - 1)
         out = np.empty((self.world_size, *block.shape), dtype=block.dtype)
-        dist.all_gather([torch.from_numpy(o) for o in out], torch.from_numpy(block),
-                        group=self.group)  # fmt: skip
+        self._run(lambda: dist.all_gather([torch.from_numpy(o) for o in out],
+                                          torch.from_numpy(block), group=self.group),
+                  purpose)  # fmt: skip
         return out
 
     def all_gather_ragged(self, block: np.ndarray, purpose: str) -> list[np.ndarray]:
