@@ -16,6 +16,8 @@ Scenarios:
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
   ckpt_restore:<folder>         load what another world size saved (table sharding), a step
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
+  save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
+                                must be a file)
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
@@ -250,6 +252,8 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     try:
         if name == "call_mismatch" and rank == world - 1:
             eng.table_contents()
+        if name == "save_fails":  # a file where the checkpoints' folder should be
+            eng.save(os.path.join(out, "not-a-folder", "ckpt"))
         eng.lookup(feats, weights)
         if name == "kill" and rank == world - 1:
             os._exit(3)

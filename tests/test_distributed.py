@@ -211,7 +211,9 @@ def _error_text(out: Path, name: str, rank: int) -> tuple[float, str]:
 
 
 def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
-    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch"])
+    (tmp_path / "not-a-folder").write_text("a file")
+    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch",
+                                "save_fails"])  # fmt: skip
     assert codes == [0, 0], _logs(tmp_path, 2)
     for rank in range(2):
         _, text = _error_text(tmp_path, "lr_mismatch", rank)
@@ -228,6 +230,12 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
         _, text = _error_text(tmp_path, "call_mismatch", rank)
         assert text.startswith("DistributedError"), text
         assert "rank 0: lookup, rank 1: table_contents" in text, text
+    # A save rank 0 cannot start fails on every rank, and the ranks go on together.
+    _, text = _error_text(tmp_path, "save_fails", 0)
+    assert text.startswith(("NotADirectoryError", "FileExistsError")), text
+    _, text = _error_text(tmp_path, "save_fails", 1)
+    assert text.startswith("CheckpointError: rank 1: rank 0 could not make the checkpoint's "
+                           "folder"), text  # fmt: skip
 
 
 def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):

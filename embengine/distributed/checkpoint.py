@@ -86,11 +86,15 @@ def _owned_in(plan: ShardPlan, t: int, rank: int, lo: int, hi: int) -> np.ndarra
     return np.zeros(0, dtype=np.int64)
 
 
-def _name_from_rank0(comm: Comm, name: str | None, what: str) -> str:
-    """Rank 0's string on every rank (empty on rank 0: it failed, so every rank raises)."""
+def _name_from_rank0(comm: Comm, name: str | None, what: str,
+                     error: Exception | None = None) -> str:  # fmt: skip
+    """Rank 0's string on every rank. None on rank 0 means it failed (``error``, which rank 0
+    raises once the others know): every rank raises."""
     mine = np.frombuffer((name or "").encode(), dtype=np.uint8) if comm.rank == 0 else None
     got = comm.all_gather_ragged(mine if mine is not None else np.zeros(0, np.uint8), what)
     text = got[0].tobytes().decode()
+    if error is not None:
+        raise error
     if not text:
         raise ckpt.CheckpointError(f"rank {comm.rank}: rank 0 could not {what} (see its error)")
     return text
@@ -117,39 +121,37 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error = None, None, None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            with ckpt._locked(root):
-                ckpt._remove_leftovers(root)
-                tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                tmp.mkdir()
-                tmp_fd = os.open(tmp, os.O_RDONLY)
-                ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for shard, v, file in zip(shards, sizes, files, strict=True):
-                head, _ = _header(shard, v)
-                end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
-                with open(tmp / file, "wb") as f:
-                    f.write(head)
-                    f.truncate(end)
-            tmp_name = str(tmp)
-        except OSError as e:
-            error = e
     try:
-        tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder"))
-    except ckpt.CheckpointError:
-        if error is not None:
-            raise error from None
-        raise
-    try:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                with ckpt._locked(root):
+                    ckpt._remove_leftovers(root)
+                    tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                    tmp.mkdir()
+                    tmp_fd = os.open(tmp, os.O_RDONLY)
+                    ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                for shard, v, file in zip(shards, sizes, files, strict=True):
+                    head, _ = _header(shard, v)
+                    end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
+                    with open(tmp / file, "wb") as f:
+                        f.write(head)
+                        f.truncate(end)
+                tmp_name = str(tmp)
+            except OSError as e:
+                error = e
+        tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error))
         finite = _write_rows(comm, shards, plan, tmp, files, sizes)
         flags = comm.all_gather(finite.astype(np.int64), "checkpoint")
         final = None
         if rank == 0:
-            final = _commit(root, tmp, spec, files, flags.all(axis=0), step, keep,
-                            extra_metadata)  # fmt: skip
+            try:
+                final = _commit(root, tmp, spec, files, flags.all(axis=0), step, keep,
+                                extra_metadata)  # fmt: skip
+            except OSError as e:
+                error = e
         return Path(_name_from_rank0(comm, None if final is None else str(final),
-                                     "commit the checkpoint"))  # fmt: skip
+                                     "commit the checkpoint", error))  # fmt: skip
     finally:
         if tmp_fd is not None:
             ckpt._unlock(tmp_fd)
