@@ -346,3 +346,17 @@ def test_a_stopped_peer_makes_the_other_rank_raise_at_the_timeout(tmp_path):
     assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
     assert "one of ranks [1]" in text and "Timed out" in text, text
     assert 2.5 < seconds < 30, (seconds, text)
+
+
+def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("no torchrun beside this interpreter")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "NUMBA_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(HERE.parent / "examples" /
+                                                   "distributed_quickstart.py")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 ranks: every table and slot equals the single engine's" in out.stdout
