@@ -116,6 +116,11 @@ class _FusedLookup(torch.autograd.Function):
 class EmbeddingLayer(torch.nn.Module):
     """Looks features up in an EmbeddingEngine; backward applies one fused update per step.
 
+    A ``ShardedEngine`` (embengine.distributed) works too: each rank's layer looks up its own
+    samples and its backward is the collective update, so every rank must run one forward
+    and one backward per step (the dense part under DDP, whose collectives run in their own
+    group). Its tables are not in ``state_dict()``: save them with ``engine.save``.
+
     ``forward(features, weights=None, learning_rates=None)`` takes a dict of feature name ->
     ids (torch tensors, NumPy arrays, ``Ragged``, lists of lists), a ``KeyedJagged`` (or
     TorchRec's KeyedJaggedTensor, also with a variable batch per feature: see
@@ -140,8 +145,14 @@ class EmbeddingLayer(torch.nn.Module):
 
     def __init__(self, engine: EmbeddingEngine, output: str = "dict"):
         super().__init__()
-        if not isinstance(engine, EmbeddingEngine):
-            raise TypeError(f"EmbeddingLayer needs an EmbeddingEngine, got {type(engine)}")
+        from ..distributed import ShardedEngine
+
+        if not isinstance(engine, EmbeddingEngine | ShardedEngine):
+            raise TypeError(
+                f"EmbeddingLayer needs an EmbeddingEngine or a ShardedEngine, got {type(engine)}"
+            )
+        # A ShardedEngine's tables are saved collectively (engine.save), not in state_dict.
+        self._sharded = isinstance(engine, ShardedEngine)
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         self.engine = engine
@@ -243,6 +254,8 @@ class EmbeddingLayer(torch.nn.Module):
         Parameter's entry does (they change with training; clone for a snapshot; read them
         while no update runs); int32 slots are copies (see _SharedTensors)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._sharded:
+            return
         state = self.engine.state_dict()
         destination[prefix + "step"] = torch.tensor(state["step"], dtype=torch.int64)
         shared = _SharedTensors()
@@ -252,6 +265,8 @@ class EmbeddingLayer(torch.nn.Module):
 
     def _state_keys(self, prefix: str) -> dict[str, tuple[str, str] | None]:
         """Each state_dict key of the engine -> (table, entry), or None for the step."""
+        if self._sharded:
+            return {}
         keys: dict[str, tuple[str, str] | None] = {prefix + "step": None}
         for table, entries in self.engine.state_dict()["tables"].items():
             for entry in entries:
@@ -277,6 +292,8 @@ class EmbeddingLayer(torch.nn.Module):
         missing = [k for k in ours if k not in state_dict]
         missing_keys.extend(missing)
         if missing or unknown:
+            return
+        if self._sharded:  # nothing of the engine is in the dict
             return
         state: dict = {"tables": {}}
         for key, where in ours.items():

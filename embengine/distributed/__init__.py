@@ -1,0 +1,17 @@
+"""Distributed training on torch.distributed: tables sharded over ranks with the semantics of
+one big batch (``ShardedEngine``). Imports torch; ``import embengine`` does not import this."""
+
+from .comm import PeerError
+from .engine import DEFAULT_TIMEOUT, DistributedError, ShardedEngine
+from .sharding import SHARDING_KINDS, ShardPlan, ShardTable, plan_shards
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "SHARDING_KINDS",
+    "DistributedError",
+    "PeerError",
+    "ShardPlan",
+    "ShardTable",
+    "ShardedEngine",
+    "plan_shards",
+]

@@ -1,0 +1,282 @@
+"""Checkpoints of a ShardedEngine in embengine's checkpoint format, by logical row.
+
+The format is ``embengine.checkpoint``'s: one safetensors file per logical table (tensors
+``t`` and ``t/<slot>``, row r = id r) and a global manifest (the spec plus the checkpoint's
+keys), so a checkpoint written at W ranks loads at any W', and into or from a plain
+``EmbeddingEngine``.
+
+Saving (collective; every rank must see the same folder, as on one host or a shared file
+system): rank 0 makes the temporary folder (under the root's lock, as ``checkpoint.save``
+does) and each table file with its header, at its full size. Each rank then writes one
+contiguous block of rows of every table, ``[V r / W, V (r + 1) / W)``: per chunk of rows it
+receives those rows from their owners (one ``all_to_all_single``, at most ``CHUNK_BYTES`` per
+rank and round) and writes each tensor's part with ``pwrite``. Rank 0 then hashes the files,
+writes the manifest and renames the folder into place (numbering and pruning under the root's
+lock, as a single engine's save does).
+
+Restoring (collective): every rank checks the whole checkpoint (``checkpoint.read_checkpoint``)
+and the configuration, then reads its own rows in chunks of rows (a whole table only where it
+owns a whole table; row sharding interleaves rows, so each rank reads its tables' files once,
+keeping its rows), so the extra memory is about one chunk. The ranks then check that they all
+restored the same step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file
+from ..state import WEIGHTS
+from ..version import __version__
+from .comm import Comm
+from .sharding import ShardPlan, ShardTable
+
+__all__ = ["save", "restore"]
+
+
+def _tensors(shard) -> list[tuple[str, str, int, int, np.dtype]]:
+    """(tensor name, entry, first column, width, dtype) of a table's file, in file order."""
+    out = [(shard.name, WEIGHTS, 0, shard.dim, np.dtype(np.float32))]
+    for spec in shard.slot_specs:
+        col = shard.columns[spec.name]
+        out.append((f"{shard.name}/{spec.name}", spec.name, col.start, col.width,
+                    np.dtype(col.dtype)))  # fmt: skip
+    return out
+
+
+def _header(shard, vocabulary_size: int) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header of a table's file (as ``write_safetensors`` writes it) and each
+    tensor's first byte in the file."""
+    header, offset, starts = {}, 0, {}
+    for name, _, _, width, dtype in _tensors(shard):
+        nbytes = vocabulary_size * width * dtype.itemsize
+        header[name] = {"dtype": DTYPES[dtype], "shape": [vocabulary_size, width],
+                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        starts[name] = offset
+        offset += nbytes
+    header["__metadata__"] = {"table": shard.name}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data_start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {k: data_start + v for k, v in starts.items()}
+
+
+def _block(vocabulary_size: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of a table that ``rank`` writes."""
+    return vocabulary_size * rank // world, vocabulary_size * (rank + 1) // world
+
+
+def _owned_in(plan: ShardPlan, t: int, rank: int, lo: int, hi: int) -> np.ndarray:
+    """The ids in ``[lo, hi)`` of table ``t`` that ``rank`` owns, ascending."""
+    if plan.kinds[t] == "row":
+        first = lo + (rank - lo) % plan.world_size
+        return np.arange(first, hi, plan.world_size, dtype=np.int64)
+    if plan.owners[t] == rank:
+        return np.arange(lo, hi, dtype=np.int64)
+    return np.zeros(0, dtype=np.int64)
+
+
+def _name_from_rank0(comm: Comm, name: str | None, what: str,
+                     error: Exception | None = None) -> str:  # fmt: skip
+    """Rank 0's string on every rank. None on rank 0 means it failed (``error``, which rank 0
+    raises once the others know): every rank raises."""
+    mine = np.frombuffer((name or "").encode(), dtype=np.uint8) if comm.rank == 0 else None
+    got = comm.all_gather_ragged(mine if mine is not None else np.zeros(0, np.uint8), what)
+    text = got[0].tobytes().decode()
+    if error is not None:
+        raise error
+    if not text:
+        raise ckpt.CheckpointError(f"rank {comm.rank}: rank 0 could not {what} (see its error)")
+    return text
+
+
+def _agree(comm: Comm, ok: bool, what: str) -> None:
+    """A barrier that also says whether every rank succeeded so far."""
+    flags = comm.all_gather(np.array([int(ok)], dtype=np.int64), what)[:, 0]
+    bad = [r for r, f in enumerate(flags) if not f]
+    if bad:
+        raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
+
+
+def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
+         root: str | Path, keep: int | None = None,
+         extra_metadata: dict | None = None) -> Path:  # fmt: skip
+    """Write a checkpoint of every rank's rows (``shards``, one per table of ``spec``, sharded
+    by ``plan``) at ``step`` under ``root``; see the module docstring. Collective; returns the
+    checkpoint's folder on every rank."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    rank = comm.rank
+    root = Path(root)
+    sizes = [t["vocabulary_size"] for t in spec["tables"]]
+    files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
+    tmp_name, tmp_fd, error = None, None, None
+    try:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                with ckpt._locked(root):
+                    ckpt._remove_leftovers(root)
+                    tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                    tmp.mkdir()
+                    tmp_fd = os.open(tmp, os.O_RDONLY)
+                    ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                for shard, v, file in zip(shards, sizes, files, strict=True):
+                    head, _ = _header(shard, v)
+                    end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
+                    with open(tmp / file, "wb") as f:
+                        f.write(head)
+                        f.truncate(end)
+                tmp_name = str(tmp)
+            except OSError as e:
+                error = e
+        tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error))
+        finite = _write_rows(comm, shards, plan, tmp, files, sizes)
+        flags = comm.all_gather(finite.astype(np.int64), "checkpoint")
+        final = None
+        if rank == 0:
+            try:
+                final = _commit(root, tmp, spec, files, flags.all(axis=0), step, keep,
+                                extra_metadata)  # fmt: skip
+            except OSError as e:
+                error = e
+        return Path(_name_from_rank0(comm, None if final is None else str(final),
+                                     "commit the checkpoint", error))  # fmt: skip
+    finally:
+        if tmp_fd is not None:
+            ckpt._unlock(tmp_fd)
+
+
+def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str],
+                sizes: list[int]) -> np.ndarray:  # fmt: skip
+    """Every rank writes its block of rows of every table; per table whether its float
+    columns in this rank's block were all finite."""
+    rank, world = comm.rank, comm.world_size
+    finite = np.ones(len(sizes), dtype=bool)
+    for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
+        width = shard.row_width
+        chunk = max(1, CHUNK_BYTES // (4 * width))
+        blocks = [_block(v, world, r) for r in range(world)]
+        rounds = max((hi - lo + chunk - 1) // chunk for lo, hi in blocks)
+        _, starts = _header(shard, v)
+        floats = [(c, w) for _, _, c, w, d in _tensors(shard) if d == np.float32]
+        fd = os.open(tmp / file, os.O_WRONLY)
+        try:
+            for k in range(rounds):
+                # What each destination writes this round, and which of those rows are mine.
+                spans = [(min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi))
+                         for lo, hi in blocks]  # fmt: skip
+                mine = [_owned_in(plan, t, rank, a, b) for a, b in spans]
+                send = np.concatenate(
+                    [shard.data[shard.rows_for(0, ids)].reshape(-1) for ids in mine]
+                )
+                theirs = [_owned_in(plan, t, s, *spans[rank]) for s in range(world)]
+                got = comm.all_to_all(send, [len(i) * width for i in mine],
+                                      [len(i) * width for i in theirs], "checkpoint")  # fmt: skip
+                a, b = spans[rank]
+                rows = np.empty((b - a, width), dtype=np.float32)
+                pos = 0
+                for ids in theirs:
+                    rows[ids - a] = got[pos : pos + len(ids) * width].reshape(len(ids), width)
+                    pos += len(ids) * width
+                for c, w in floats:
+                    finite[t] &= bool(np.isfinite(rows[:, c : c + w]).all())
+                for name, _, c, w, _ in _tensors(shard):
+                    part = np.ascontiguousarray(rows[:, c : c + w])
+                    os.pwrite(fd, part.tobytes(), starts[name] + a * w * 4)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return finite
+
+
+def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
+            finite: np.ndarray, step: int, keep: int | None, extra_metadata) -> Path:  # fmt: skip
+    """Rank 0: hash the files, write the manifest, rename the folder into place."""
+    listed = {}
+    for entry, file, ok in zip(spec["tables"], files, finite, strict=True):
+        entry["file"] = file
+        entry["finite"] = bool(ok)
+        listed[file] = {"sha256": sha256_file(tmp / file), "bytes": (tmp / file).stat().st_size}
+    manifest = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
+                "embengine_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "step": step, **spec,
+                "finite": bool(finite.all()),
+                "extra": {"file": None, "metadata": dict(extra_metadata or {})},
+                "files": listed}  # fmt: skip
+    text = json.dumps(manifest, indent=1, default=ckpt._json_default).encode()
+    for name, data in (("manifest.json", text),
+                       ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
+        with open(tmp / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    ckpt._fsync_dir(tmp)
+    with ckpt._locked(root):
+        seqs = [int(m[1]) for p in root.iterdir() if (m := ckpt._NAME.match(p.name))]
+        final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
+        os.rename(tmp, final)
+        ckpt._fsync_dir(root)
+        if keep is not None:
+            ckpt._prune(root, keep)
+    return final
+
+
+def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path,
+            verify: bool = True) -> int:  # fmt: skip
+    """Read this rank's rows of every table (``shards``, of an engine whose configuration is
+    ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns the
+    checkpoint's step, the caller's new step."""
+    error, reader = None, None
+    try:
+        _, reader = ckpt.read_checkpoint(path, verify)
+        ckpt._check_compatible(spec, reader.manifest, reader.path)
+    except (OSError, ValueError) as e:
+        error = e
+    if error is not None:
+        _agree(comm, False, "restore")  # the others learn it, then this rank raises its own
+        raise error
+    _agree(comm, True, "restore")
+    steps = comm.all_gather(np.array([reader.step], dtype=np.int64), "restore")[:, 0]
+    if (steps != steps[0]).any():
+        raise ckpt.CheckpointError(
+            f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
+            "every rank must restore the same checkpoint"
+        )
+    for shard in shards:
+        ids = shard.global_ids
+        for _, entry, c, w, dtype in _tensors(shard):
+            stored = reader.tensor(shard.name, entry)
+            meta, data_start = stored.header
+            first = data_start + meta[stored.name]["data_offsets"][0]
+            row_bytes = w * dtype.itemsize
+            chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
+            target = shard.data if dtype == np.float32 else shard.data.view(np.int32)
+            with open(stored.file, "rb") as f:
+                # Chunks of at most ``chunk`` stored rows, each holding some of this rank's ids.
+                for a in range(int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids)
+                               else 0, chunk):  # fmt: skip
+                    lo, hi = np.searchsorted(ids, [a, a + chunk])
+                    if lo == hi:
+                        continue
+                    b = int(ids[hi - 1]) + 1
+                    buf = np.empty((b - a, w), dtype=dtype)
+                    f.seek(first + a * row_bytes)
+                    if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
+                        raise ckpt.CheckpointError(
+                            f"{stored.file}: tensor {stored.name!r} ends early (changed while "
+                            "being read?); restore again before using the engine"
+                        )
+                    target[lo:hi, c : c + w] = buf[ids[lo:hi] - a]
+    return reader.step

@@ -1,0 +1,300 @@
+"""One rank of the multi-process tests of tests/test_distributed.py (not a test module).
+
+    python tests/dist_worker.py RANK WORLD PORT OUTDIR SCENARIO [SCENARIO ...]
+
+joins a gloo process group on 127.0.0.1:PORT and runs each scenario, writing what it saw to
+OUTDIR/<scenario>.rank<RANK>.npz (or .txt for errors). The configuration, the global batches
+and the gradients are built here (``make_features``, ``global_batch``), so the test can feed a
+single EmbeddingEngine the concatenation of every rank's batch.
+
+Scenarios:
+  equal:<optimizer>:<sharding>[:nan]  three training steps; each rank's activations, and on
+                                every rank the gathered tables and the bytes sent; with
+                                ":nan", a NaN gradient and nonfinite_gradients="skip_row"
+  lr_mismatch                   a learning-rate callable that differs by rank
+  bad_input                     the last rank passes an id out of range
+  ckpt_save:<folder>            two steps, save, a third step (row sharding)
+  ckpt_restore:<folder>         load what another world size saved (table sharding), a step
+  layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
+  save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
+                                must be a file)
+  step_mismatch                 the last rank is at another step
+  call_mismatch                 the last rank calls table_contents, the others lookup
+  kill                          the last rank exits at once; the others time their error
+  hang                          the last rank stops (SIGSTOP); rank 0 times its error (group
+                                timeout 3 s), then kills it
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+STEPS = 3
+BATCH = 7  # global samples per step
+HOT = 5  # an id of table "big" in every sample of feature "a", on every rank
+CKPT_OPTIMIZER = "ftrl"  # two slots
+
+
+def optimizers():
+    from embengine import optimizers as opt
+
+    return {
+        "sgd": opt.SGD(0.1),
+        "adagrad": opt.Adagrad(0.2),
+        "adam": opt.Adam(0.05),
+        "adam_dense": opt.Adam(0.05, lazy_adam=False),  # every row, every step
+        "ftrl": opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5),
+        "rowwise_adagrad": None,  # Adagrad(hessian_compression_times=dim), per table
+        "sgd_schedule": opt.SGD(lambda step: 0.2 / (1 + step)),
+        # Each occurrence its own update, in the single engine's occurrence order.
+        "adagrad_no_accumulation": opt.Adagrad(0.2, use_gradient_accumulation=False),
+    }
+
+
+def make_features(optimizer_name: str):
+    """Three tables (one shared by two features, one smaller than the world, one of sequence
+    features) and the engine-wide optimizer (None when each table has its own)."""
+    import embengine as ee
+    from embengine import optimizers as opt
+
+    o = optimizers()[optimizer_name]
+
+    def table(vocab, dim, name, combiner):
+        own = opt.Adagrad(0.2, hessian_compression_times=dim) if o is None else None
+        return ee.TableConfig(vocab, dim, name=name, combiner=combiner, optimizer=own,
+                              initializer=ee.initializers.RandomUniform(-0.3, 0.3))  # fmt: skip
+
+    big = table(37, 8, "big", "mean")
+    small = table(2, 4, "small", "sqrtn")
+    seq = table(11, 6, "seq", "sum")
+    features = {
+        "a": ee.FeatureConfig(big),
+        "b": ee.FeatureConfig(big),  # shares "big" with "a"
+        "c": ee.FeatureConfig(small),
+        "s": ee.FeatureConfig(seq, max_sequence_length=3),
+    }
+    return features, o
+
+
+def split(step: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's samples [lo, hi) of the global batch: step 1 leaves the last rank empty,
+    step 2 the first."""
+    if world == 1:
+        return [(0, BATCH)]
+    sizes = [BATCH // world] * world
+    sizes[0] += BATCH - sum(sizes)
+    if step == 1:
+        sizes[0] += sizes[-1]
+        sizes[-1] = 0
+    elif step == 2:
+        sizes[-1] += sizes[0]
+        sizes[0] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [(int(bounds[r]), int(bounds[r + 1])) for r in range(world)]
+
+
+def global_batch(step: int, nan: bool = False):
+    """(features, weights, gradients) of the whole step: bags with duplicates, empty bags,
+    weights on "a", the hot id in every sample of "a"; ``nan``: a NaN in the gradient of
+    sample 1 of "a" (and so of the hot id) at step 0."""
+    rng = np.random.default_rng(100 + step)
+    vocab = {"a": 37, "b": 37, "c": 2, "s": 11}
+    feats = {}
+    for name, n in vocab.items():
+        bags = [list(map(int, rng.integers(0, n, rng.integers(0, 5)))) for _ in range(BATCH)]
+        if name == "a":
+            bags = [b + [HOT] for b in bags]
+        if name == "b":
+            bags[1] = []
+            bags[2] = [3, 3, 3]
+        feats[name] = bags
+    weights = {"a": [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in feats["a"]]}
+    dims = {"a": 8, "b": 8, "c": 4, "s": 6}
+    grads = {}
+    for name, dim in dims.items():
+        shape = (BATCH, 3, dim) if name == "s" else (BATCH, dim)
+        grads[name] = rng.normal(size=shape).astype(np.float32)
+    if nan and step == 0:
+        grads["a"][1, 2] = np.nan
+    return feats, weights, grads
+
+
+def local(step: int, rank: int, world: int, nan: bool = False):
+    """This rank's share of the step's global batch."""
+    feats, weights, grads = global_batch(step, nan)
+    lo, hi = split(step, world)[rank]
+    return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
+            {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
+
+
+def run_equal(rank: int, world: int, out: str, name: str) -> None:
+    from embengine.distributed import ShardedEngine
+
+    _, optimizer_name, sharding, *nan = name.split(":")
+    features, o = make_features(optimizer_name)
+    eng = ShardedEngine(features, optimizer=o, seed=3, sharding=sharding, timeout=60,
+                        nonfinite_gradients="skip_row" if nan else "error")  # fmt: skip
+    saved = {}
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world, nan=bool(nan))
+        acts = eng.lookup(feats, weights)
+        for k, v in acts.items():
+            saved[f"act{step}/{k}"] = v
+        eng.apply_gradients(grads)
+        saved[f"bytes{step}"] = np.array(
+            [sum(eng.bytes_sent["lookup"].values()),
+             sum(eng.bytes_sent["apply_gradients"].values())], dtype=np.int64)  # fmt: skip
+    stats = eng.table_stats()
+    saved["rows"] = np.array([stats["tables"][t]["rows"] for t in ("big", "small", "seq")])
+    last = stats["bytes_sent"]
+    saved["stats_bytes"] = np.array([sum(last["lookup"].values()),
+                                     sum(last["apply_gradients"].values())])  # fmt: skip
+    contents = eng.table_contents()
+    saved["step"] = np.array(contents["step"])
+    for table, arrays in contents["tables"].items():
+        for key, a in arrays.items():
+            saved[f"table/{table}/{key}"] = a
+    np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+def _dump(eng, path: str, extra: dict | None = None) -> None:
+    contents = eng.table_contents()
+    saved = {"step": np.array(contents["step"]), **(extra or {})}
+    for table, arrays in contents["tables"].items():
+        for key, a in arrays.items():
+            saved[f"table/{table}/{key}"] = a
+    np.savez(path, **saved)
+
+
+def _train(eng, steps, rank: int, world: int) -> None:
+    for step in steps:
+        feats, weights, grads = local(step, rank, world)
+        eng.lookup(feats, weights)
+        eng.apply_gradients(grads)
+
+
+def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
+    """ckpt_save:<folder>: two steps, save (row sharding), the third step; ckpt_restore:
+    <folder>: load (table sharding), the third step. Folders under $CKPT_ROOT."""
+    from embengine.distributed import ShardedEngine
+
+    kind, folder = name.split(":")
+    root = os.path.join(os.environ["CKPT_ROOT"], folder)
+    features, o = make_features(CKPT_OPTIMIZER)
+    if kind == "ckpt_save":
+        eng = ShardedEngine(features, optimizer=o, seed=3, sharding="row", timeout=60)
+        _train(eng, range(2), rank, world)
+        path = eng.save(root)
+        _train(eng, [2], rank, world)
+        extra = {"path": np.frombuffer(str(path).encode(), dtype=np.uint8)}
+    else:
+        eng = ShardedEngine.load(root, sharding="table", timeout=60)
+        assert eng.step == 2, eng.step
+        _train(eng, [2], rank, world)
+        extra = {}
+    _dump(eng, os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), extra)
+
+
+def run_layer(rank: int, world: int, out: str, name: str) -> None:
+    """EmbeddingLayer on a ShardedEngine beside a DDP dense layer: three steps whose loss
+    gives each activation its worker gradient exactly (sum of activation * gradient)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from embengine.distributed import ShardedEngine
+    from embengine.torch import EmbeddingLayer
+
+    features, o = make_features("adagrad")
+    layer = EmbeddingLayer(ShardedEngine(features, optimizer=o, seed=3, timeout=60))
+    torch.manual_seed(0)
+    dense = DistributedDataParallel(torch.nn.Linear(3, 1))
+    sgd = torch.optim.SGD(dense.parameters(), lr=0.1)
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        acts = layer(feats, weights)
+        loss = sum((acts[k] * torch.from_numpy(grads[k])).sum() for k in acts)
+        loss = loss + dense(torch.full((2, 3), float(rank + 1))).sum()
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+    assert "tables.big.weights" not in layer.state_dict()
+    weight = dense.module.weight.detach().numpy().copy()
+    everyone = [torch.zeros_like(dense.module.weight) for _ in range(world)]
+    dist.all_gather(everyone, dense.module.weight.detach())
+    assert all(torch.equal(w, everyone[0]) for w in everyone), "DDP replicas differ"
+    _dump(layer.engine, os.path.join(out, f"layer.rank{rank}.npz"), {"dense": weight})
+
+
+def run_error(rank: int, world: int, out: str, name: str) -> None:
+    """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    features, _ = make_features("sgd")
+    lr = opt.SGD((lambda step: 0.1 * (1 + rank)) if name == "lr_mismatch" else 0.1)
+    eng = ShardedEngine(features, optimizer=lr, seed=3, timeout=3 if name == "hang" else 60)
+    feats, weights, grads = local(0, rank, world)
+    path = os.path.join(out, f"{name}.rank{rank}.txt")
+    if name == "bad_input" and rank == world - 1:
+        feats["a"] = [[37] * len(feats["a"][0])] + feats["a"][1:]  # lengths match the weights
+    if name == "step_mismatch" and rank == world - 1:
+        eng._step = 7  # as if this rank had restored another checkpoint
+    start = time.monotonic()
+    result = "ok"
+    try:
+        if name == "call_mismatch" and rank == world - 1:
+            eng.table_contents()
+        if name == "save_fails":  # a file where the checkpoints' folder should be
+            eng.save(os.path.join(out, "not-a-folder", "ckpt"))
+        eng.lookup(feats, weights)
+        if name == "kill" and rank == world - 1:
+            os._exit(3)
+        if name == "hang" and rank == world - 1:
+            with open(os.path.join(out, "hung.pid"), "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
+        eng.apply_gradients(grads)
+        result = f"ok step={eng.step}"
+    except Exception as e:  # the scenario's point: record which error and its message
+        result = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    with open(path, "w") as f:
+        f.write(f"{elapsed:.3f}\n{result}\n")
+    if name == "hang" and rank == 0:
+        with open(os.path.join(out, "hung.pid")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        for name in sys.argv[5:]:
+            if name.startswith("equal:"):
+                run_equal(rank, world, out, name)
+            elif name == "layer":
+                run_layer(rank, world, out, name)
+            elif name.startswith("ckpt_"):
+                run_checkpoint(rank, world, out, name)
+            else:
+                run_error(rank, world, out, name)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)  # no destroy_process_group: a dead peer would make it wait
+
+
+if __name__ == "__main__":
+    main()

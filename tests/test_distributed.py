@@ -1,0 +1,362 @@
+"""ShardedEngine on real gloo process groups: W ranks, each with its own samples, train exactly
+as one EmbeddingEngine fed the concatenation of their batches in rank order.
+
+The ranks are child processes (tests/dist_worker.py) on 127.0.0.1 with a free port; every wait
+has a hard limit: the process group's timeout is 60 s, and the test kills any child still alive
+after ``LIMIT`` seconds. Each world size runs all its scenarios in one process group (one
+interpreter start per rank), shared by the tests through a module fixture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import embengine as ee  # noqa: E402
+from embengine.distributed import ShardPlan, plan_shards  # noqa: E402
+
+HERE = Path(__file__).parent
+WORKER = HERE / "dist_worker.py"
+LIMIT = 240  # seconds for a whole group of ranks, kernels compiled from the cache included
+
+_spec = importlib.util.spec_from_file_location("dist_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+OPTIMIZERS = ["sgd", "adagrad", "adam", "adam_dense", "ftrl", "rowwise_adagrad", "sgd_schedule",
+              "adagrad_no_accumulation"]  # fmt: skip
+SHARDINGS = ["row", "table"]
+WORLDS = [1, 2, 3]
+SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:adam:row:nan"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    world: int, out: Path, scenarios: list[str], limit: float = LIMIT, env: dict | None = None
+) -> list[int]:
+    """Run ``world`` ranks of dist_worker on ``scenarios``; their exit codes. Children alive
+    after ``limit`` seconds are killed (and the test fails)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+           "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(HERE.parent), **(env or {})}  # fmt: skip
+    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out),
+                          *scenarios], stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        for r in range(world)
+    ]  # fmt: skip
+    deadline = time.monotonic() + limit
+    codes = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    if None in codes:
+        text = "\n".join((out / f"log.rank{r}").read_text()[-2000:] for r in range(world))
+        pytest.fail(f"ranks still running after {limit} s were killed: {codes}\n{text}")
+    return codes
+
+
+def _logs(out: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:]
+                     for r in range(world))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """World size -> the folder of its ranks' results (spawned on first use)."""
+    done: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if not done:  # compile (or load) every kernel here once, not in W children at a time
+            for o in OPTIMIZERS:
+                single_engine_run(o, 1)
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"w{world}")
+            codes = spawn(world, out, SCENARIOS)
+            assert codes == [0] * world, _logs(out, world)
+            done[world] = out
+        return done[world]
+
+    return get
+
+
+def single_engine_run(optimizer_name: str, world: int, nan: bool = False):
+    """The single engine on the concatenated batches: its activations per step, cut per rank
+    as the ranks saw them, and its final state."""
+    features, o = worker.make_features(optimizer_name)
+    eng = ee.EmbeddingEngine(features, optimizer=o, seed=3,
+                             nonfinite_gradients="skip_row" if nan else "error")  # fmt: skip
+    acts = []
+    for step in range(worker.STEPS):
+        feats, weights, grads = worker.global_batch(step, nan)
+        a = eng.lookup(feats, weights)
+        acts.append({r: {k: v[lo:hi] for k, v in a.items()}
+                     for r, (lo, hi) in enumerate(worker.split(step, world))})  # fmt: skip
+        eng.apply_gradients(grads)
+    return acts, eng
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
+    runs, world, sharding, optimizer_name
+):
+    out = runs(world)
+    acts, single = single_engine_run(optimizer_name, world)
+    state = single.state_dict()
+    name = f"equal_{optimizer_name}_{sharding}"
+    for rank in range(world):
+        got = np.load(out / f"{name}.rank{rank}.npz")
+        # Lookups: bit-identical (the bags are pooled by their own rank from the same rows).
+        for step in range(worker.STEPS):
+            for k, want in acts[step][rank].items():
+                assert got[f"act{step}/{k}"].tobytes() == want.tobytes(), (rank, step, k)
+        # Tables and slots after 3 steps, gathered on every rank: bit-identical.
+        assert int(got["step"]) == state["step"] == worker.STEPS
+        for table, arrays in state["tables"].items():
+            for key, want in arrays.items():
+                have = got[f"table/{table}/{key}"]
+                assert have.dtype == want.dtype, (table, key)
+                np.testing.assert_array_equal(have, want, err_msg=f"{table}/{key} rank {rank}")
+        # table_stats: this rank's rows of each table (vocabularies 37, 2, 11).
+        rows = got["rows"].tolist()
+        if sharding == "row":
+            assert rows == [len(range(rank, v, world)) for v in (37, 2, 11)]
+        assert got["stats_bytes"].tolist() == got[f"bytes{worker.STEPS - 1}"].tolist()
+        if world == 1:
+            assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
+        else:
+            assert (got["bytes0"] > 0).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_nan_gradient_skips_the_same_rows_as_one_engine(runs, world):
+    # skip_row: every row that a NaN gradient reaches, from any rank, is left alone that step.
+    _, single = single_engine_run("adam", world, nan=True)
+    _, clean = single_engine_run("adam", world)
+    want = single.state_dict()
+    hot = worker.HOT
+    assert (want["tables"]["big"]["weights"][hot] != clean.embedding_tables["big"][hot]).any()
+    for rank in range(world):
+        _assert_state(runs(world) / f"equal_adam_row_nan.rank{rank}.npz", want)
+
+
+def test_table_stats_rows_add_up_to_every_table(runs):
+    for world in (2, 3):
+        for sharding in SHARDINGS:
+            rows = sum(np.load(runs(world) / f"equal_sgd_{sharding}.rank{r}.npz")["rows"]
+                       for r in range(world))  # fmt: skip
+            assert rows.tolist() == [37, 2, 11]
+
+
+def test_the_batches_hold_a_hot_id_everywhere_and_empty_local_batches():
+    # The premise of the equality tests above: the hot id is in every sample of every rank
+    # (one update per global step, summed from every rank), and some ranks have no samples.
+    for step in range(worker.STEPS):
+        feats, _, _ = worker.global_batch(step)
+        assert all(worker.HOT in bag for bag in feats["a"])
+        sizes = [hi - lo for lo, hi in worker.split(step, 2)]
+        assert sum(sizes) == worker.BATCH
+    assert [hi - lo for lo, hi in worker.split(1, 2)][1] == 0  # an empty local batch
+    assert [hi - lo for lo, hi in worker.split(2, 3)][0] == 0
+
+
+def test_shard_plan_rows_and_tables():
+    plan = plan_shards("row", ["t0", "t1"], [100, 10], 3)
+    np.testing.assert_array_equal(plan.owner_of(0, np.array([0, 1, 2, 3, 7])), [0, 1, 2, 0, 1])
+    np.testing.assert_array_equal(plan.owned_ids(0, 8, 1), [1, 4, 7])
+    plan = plan_shards("table", ["t0", "t1", "t2"], [10, 100, 50], 2)
+    # Largest first to the least loaded rank: t1 -> 0, t2 -> 1, t0 -> 1.
+    assert plan == ShardPlan(2, ("table",) * 3, (1, 0, 1))
+    assert plan.describe(["t0", "t1", "t2"])["t1"] == "table on rank 0"
+    plan = plan_shards({"t1": "table"}, ["t0", "t1"], [1, 1], 2)
+    assert plan.kinds == ("row", "table")
+    with pytest.raises(ValueError, match="unknown tables"):
+        plan_shards({"nope": "row"}, ["t0"], [1], 2)
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        plan_shards("diagonal", ["t0"], [1], 2)
+
+
+def _error_text(out: Path, name: str, rank: int) -> tuple[float, str]:
+    seconds, text = (out / f"{name}.rank{rank}.txt").read_text().split("\n", 1)
+    return float(seconds), text
+
+
+def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
+    (tmp_path / "not-a-folder").write_text("a file")
+    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch",
+                                "save_fails"])  # fmt: skip
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        _, text = _error_text(tmp_path, "lr_mismatch", rank)
+        assert text.startswith("DistributedError"), text
+        assert "table 'big' has learning rates [0.1, 0.2]" in text
+    # The rank whose id is out of range says which; the other names it.
+    _, text = _error_text(tmp_path, "bad_input", 1)
+    assert text.startswith("ValueError") and "feature 'a'" in text and "37" in text, text
+    _, text = _error_text(tmp_path, "bad_input", 0)
+    assert text.startswith("DistributedError") and "failed on ranks [1]" in text, text
+    for rank in range(2):
+        _, text = _error_text(tmp_path, "step_mismatch", rank)
+        assert text.startswith("DistributedError") and "at steps [0, 7]" in text, text
+        _, text = _error_text(tmp_path, "call_mismatch", rank)
+        assert text.startswith("DistributedError"), text
+        assert "rank 0: lookup, rank 1: table_contents" in text, text
+    # A save rank 0 cannot start fails on every rank, and the ranks go on together.
+    _, text = _error_text(tmp_path, "save_fails", 0)
+    assert text.startswith(("NotADirectoryError", "FileExistsError")), text
+    _, text = _error_text(tmp_path, "save_fails", 1)
+    assert text.startswith("CheckpointError: rank 1: rank 0 could not make the checkpoint's "
+                           "folder"), text  # fmt: skip
+
+
+def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
+    # The group's timeout is 60 s: an error well before it is the dead connection, not a wait.
+    codes = spawn(2, tmp_path, ["kill"], limit=120)
+    assert codes[1] == 3
+    assert codes[0] == 0, _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "kill", 0)
+    assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
+    assert "Connection reset by peer" in text
+    assert seconds < 20, (seconds, text)
+
+
+def modelled_bytes(step: int, rank: int, world: int) -> tuple[int, int]:
+    """Bytes rank ``rank`` sends in the lookup and in the update of ``step`` under row
+    sharding, from the cost model of docs/design.md, counted from the global batch."""
+    tables = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
+    seq = {"s": 3}
+    header = 8 * (world - 1) * (4 + 2 * len(tables) + 3)
+
+    def occurrences(r):  # (feature, output row, id) of rank r's batch, sequences cut
+        feats, _, _ = worker.local(step, r, world)
+        for f, bags in feats.items():
+            for b, bag in enumerate(bags):
+                for p, i in enumerate(bag[: seq.get(f, len(bag))]):
+                    yield f, (b, p) if f in seq else b, i
+
+    unique = [{(tables[f][0], i) for f, _, i in occurrences(r)} for r in range(world)]
+    dims = {t: d for t, d in tables.values()}
+    asked = sum(8 for _, i in unique[rank] if i % world != rank)
+    answered = sum(4 * dims[t] for s in range(world) if s != rank for t, i in unique[s]
+                   if i % world == rank)  # fmt: skip
+    occ = [(f, o, i) for f, o, i in occurrences(rank) if i % world != rank]
+    rows = {(f, o, i % world) for f, o, i in occ}
+    apply = header + 20 * len(occ) + sum(4 * tables[f][1] for f, _, _ in rows) + 8 * (world - 1)
+    return header + asked + answered, apply
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_sent_are_the_cost_model(runs, world):
+    out = runs(world)
+    for rank in range(world):
+        got = np.load(out / f"equal_sgd_row.rank{rank}.npz")
+        for step in range(worker.STEPS):
+            assert tuple(got[f"bytes{step}"]) == modelled_bytes(step, rank, world), (rank, step)
+
+
+def _assert_state(path: Path, want: dict) -> None:
+    got = np.load(path)
+    assert int(got["step"]) == want["step"]
+    for table, arrays in want["tables"].items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(got[f"table/{table}/{key}"], a, err_msg=f"{table}/{key}")
+
+
+def test_checkpoints_move_between_world_sizes(tmp_path):
+    # Save at 3 ranks (row sharding); restore at 2 (table sharding) and into a plain engine;
+    # a plain engine's checkpoint restores at 2. Every run then takes the third step and must
+    # end where the uninterrupted single engine ends, bit for bit.
+    _, single = single_engine_run(worker.CKPT_OPTIMIZER, 1)
+    want = single.state_dict()
+    features, o = worker.make_features(worker.CKPT_OPTIMIZER)
+    plain = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    for step in range(2):
+        feats, weights, grads = worker.global_batch(step)
+        plain.lookup(feats, weights)
+        plain.apply_gradients(grads)
+    plain.save(tmp_path / "ckpt" / "w1")
+    env = {"CKPT_ROOT": str(tmp_path / "ckpt")}
+    out3, out2 = tmp_path / "w3", tmp_path / "w2"
+    codes = spawn(3, out3, ["ckpt_save:w3"], env=env)
+    assert codes == [0] * 3, _logs(out3, 3)
+    paths = {np.load(out3 / f"ckpt_save_w3.rank{r}.npz")["path"].tobytes() for r in range(3)}
+    assert len(paths) == 1  # every rank returns the same checkpoint
+    for r in range(3):
+        _assert_state(out3 / f"ckpt_save_w3.rank{r}.npz", want)
+    # A plain engine loads the 3-rank checkpoint: the same format, by logical row.
+    loaded = ee.EmbeddingEngine.load(tmp_path / "ckpt" / "w3")
+    assert loaded.step == 2
+    feats, weights, grads = worker.global_batch(2)
+    loaded.lookup(feats, weights)
+    loaded.apply_gradients(grads)
+    for table, arrays in want["tables"].items():
+        for key, a in arrays.items():
+            np.testing.assert_array_equal(loaded.state_dict()["tables"][table][key], a)
+    codes = spawn(2, out2, ["ckpt_restore:w3", "ckpt_restore:w1"], env=env)
+    assert codes == [0] * 2, _logs(out2, 2)
+    for r in range(2):
+        _assert_state(out2 / f"ckpt_restore_w3.rank{r}.npz", want)
+        _assert_state(out2 / f"ckpt_restore_w1.rank{r}.npz", want)
+
+
+def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
+    # The layer's backward is the collective update; DDP's all-reduce runs in the default
+    # group meanwhile. The loss hands each activation its worker gradient exactly.
+    _, single = single_engine_run("adagrad", 2)
+    codes = spawn(2, tmp_path, ["layer"])
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for r in range(2):
+        _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
+
+
+def test_a_stopped_peer_makes_the_other_rank_raise_at_the_timeout(tmp_path):
+    # The engine's group times out after 3 s here; the stopped rank is killed by rank 0.
+    codes = spawn(2, tmp_path, ["hang"], limit=120)
+    assert codes == [0, -9], _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "hang", 0)
+    assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
+    assert "one of ranks [1]" in text and "Timed out" in text, text
+    assert 2.5 < seconds < 30, (seconds, text)
+
+
+def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("no torchrun beside this interpreter")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "NUMBA_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(HERE.parent / "examples" /
+                                                   "distributed_quickstart.py")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 ranks: every table and slot equals the single engine's" in out.stdout
