@@ -297,7 +297,8 @@ class EmbeddingEngine:
             q = cfg.quantization_config
             tables.append({
                 "name": name,
-                "vocabulary_size": cfg.vocabulary_size,
+                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
                 "dim": cfg.dim,
                 "combiner": cfg.combiner,
                 "initializer": initializer_to_json(_initializer_for(cfg, opt)),
@@ -533,6 +534,7 @@ class EmbeddingEngine:
         """``lookup``, and the batch it looked up (EmbeddingLayer keeps it for its backward:
         reading the engine's pending batch afterwards could see another thread's)."""
         per_table = None  # each table's activation matrix
+        self._begin_step()
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -585,6 +587,61 @@ class EmbeddingEngine:
         )
         return dataclasses.replace(batch, tables=tables)
 
+    def _begin_step(self) -> None:
+        """Tell the storages that keep time (keyed tables: expiry, recency) the step."""
+        for table in self._physical:
+            hook = getattr(table, "begin_step", None)
+            if hook is not None:
+                hook(self._step)
+
+    def _for_update(self, batch: PreparedBatch) -> PreparedBatch:
+        """``batch`` with the rows its update writes (``TableBatch.for_update``: a keyed table
+        with ``insert_on="apply"`` gives its admitted new keys rows now)."""
+        tables = tuple(tb.for_update(table)
+                       for table, tb in zip(self._physical, batch.tables, strict=True))  # fmt: skip
+        if all(a is b for a, b in zip(tables, batch.tables, strict=True)):
+            return batch
+        return dataclasses.replace(batch, tables=tables)
+
+    # -- observability ---------------------------------------------------------------------------
+
+    def table_stats(self) -> dict[str, dict[str, Any]]:
+        """Per table: a keyed table's ``KeyedTable.stats()`` (rows, capacity, load factor,
+        bytes of index, rows, metadata and pending counts, admitted / filtered / evicted /
+        expired this step and in total, hit rate); a dense table's rows (its vocabulary),
+        capacity, load factor 1 and bytes of its rows (a packed table: its share)."""
+        out = {}
+        with self.lock:
+            for table, members in zip(self._physical, self._physical_members, strict=True):
+                stats = getattr(table, "stats", None)
+                for t in members:
+                    name = self._resolved.table_names[t]
+                    if stats is not None:
+                        out[name] = stats()
+                        continue
+                    rows = self._tables[t].vocabulary_size
+                    out[name] = {"kind": table.storage, "rows": rows, "capacity": rows,
+                                 "load_factor": 1.0,
+                                 "bytes": {"rows": rows * table.row_width * 4}}  # fmt: skip
+        return out
+
+    def table_contents(self, table_name: str) -> dict[str, np.ndarray]:
+        """A table's rows by key: ``keys`` (int64, sorted), ``weights`` and one array per slot,
+        aligned with ``keys`` (copies). A keyed table's keys are those with rows; a dense
+        table's are ``0 .. vocabulary_size - 1``."""
+        t = self._table_index(table_name)
+        with self.lock:
+            view = self._tables[t]
+            p = next(p for p, m in enumerate(self._physical_members) if t in m)
+            contents = getattr(self._physical[p], "contents", None)
+            if contents is not None:
+                return contents()
+            out = {"keys": np.arange(view.vocabulary_size, dtype=np.int64),
+                   "weights": np.array(view.weights)}  # fmt: skip
+            for name, a in view.slots.items():
+                out[name] = np.array(a)
+            return out
+
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""
         return self._physical_quantizations
@@ -629,7 +686,9 @@ class EmbeddingEngine:
             lrs = self._learning_rates.resolve(self._step, learning_rates)
             self._check_learning_rates(lrs)
             pending = batch
+            self._begin_step()
             batch = self._resolve(batch, insert=True)  # a batch given without its lookup
+            batch = self._for_update(batch)  # keyed tables inserting on apply: their new rows
             # Everything is validated; from here on tables change.
             unchanged = self._update(batch, grads, lrs)
             self._step += 1
