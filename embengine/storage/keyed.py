@@ -404,7 +404,6 @@ class KeyedTable:
             return rows
         counts = (np.ones(len(ids), np.int64) if counts is None
                   else np.asarray(counts, dtype=np.int64))  # fmt: skip
-        self._roll_stats()
         if len(expired):
             rows[np.isin(rows, expired)] = NO_ROW
         hit = rows >= 0
@@ -413,6 +412,7 @@ class KeyedTable:
         now = self.dynamic.insert_on == "lookup"
         victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
         # Everything is decided; from here on the table changes.
+        self._roll_stats()
         self._remove_rows(expired)
         self._this["expired"] += len(expired)
         self._remove_rows(victims)
@@ -443,11 +443,11 @@ class KeyedTable:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         counts = (np.ones(len(ids), np.int64) if counts is None
                   else np.asarray(counts, dtype=np.int64))  # fmt: skip
-        self._roll_stats()
         admit = self._admissible(ids[missing])
         present = self._index.find(ids[missing]) >= 0  # inserted by an earlier update this step
         admit &= ~present
         victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
+        self._roll_stats()
         self._remove_rows(victims)
         self._this["evicted"] += len(victims)
         out = np.array(rows, dtype=np.int64)
