@@ -181,8 +181,8 @@ class TableConfig:
                 )
         elif not _is_int(self.vocabulary_size) or self.vocabulary_size < 1:
             raise ValueError(
-                f"{where}: vocabulary_size must be an int >= 1 (or None for a keyed table), "
-                f"got {self.vocabulary_size!r}"
+                f"{where}: vocabulary_size must be an int >= 1, got {self.vocabulary_size!r} "
+                "(or None for a keyed table)"
             )
         elif self.dynamic is not None:
             raise ValueError(
