@@ -44,6 +44,7 @@ OPTIMIZERS = [
     opt.BatchSoftmax(0.25),
 ]
 COUNTING = (opt.FrequencyEstimator, opt.BatchSoftmax)  # dim 1 tables
+QUANTIZATION = ee.QuantizationConfig(64, -0.5, 0.5)  # on table 1
 
 
 def _no_accumulation(o: opt.Optimizer) -> opt.Optimizer | None:
@@ -63,11 +64,12 @@ CASES += [pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumu
 
 def _pair(optimizer, backend, dims=(8, 6), seed=3):
     """A dense engine (vocabulary V) and a keyed one, same tables otherwise: a bag feature
-    with weights and a sequence feature on table 0, a bag feature on table 1."""
+    with weights and a sequence feature on table 0, a bag feature on table 1 (quantized)."""
     engines = []
     for size in (V, None):
         tables = [ee.TableConfig(size, d, name=f"t{i}", combiner=("sum", "sqrtn")[i % 2],
-                                 initializer=RandomUniform(-0.3, 0.3))
+                                 initializer=RandomUniform(-0.3, 0.3),
+                                 quantization_config=None if i == 0 else QUANTIZATION)
                   for i, d in enumerate(dims)]  # fmt: skip
         feats = {"a": ee.FeatureConfig(tables[0]), "seq": ee.FeatureConfig(tables[0], 3)}
         if len(tables) > 1:
@@ -299,6 +301,22 @@ def test_admission_threshold_3(backend):
         assert not eng.lookup({"f": [[C]]}, training=False)["f"].any()
     _train(eng, [[C]])
     assert _keys(eng) == [B, A] and eng.table_stats()["k"]["pending_keys"] == 1
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_pending_counts_are_bounded_oldest_first(backend):
+    bounded, free = _keyed(backend, occurrence_threshold=2), _keyed(backend, occurrence_threshold=2)
+    bounded._physical[0].max_pending = 2
+    for eng in (bounded, free):
+        _train(eng, [[A, A]])  # step 0: A 2
+        _train(eng, [[B, C]])  # step 1: the bound forgets A, seen longest ago
+        _train(eng, [[A]])  # step 2: A's 2 earlier occurrences count only where remembered
+    assert _keys(free) == [A] and _keys(bounded) == []
+    s = bounded.table_stats()["k"]
+    # Step 1 forgot A; step 2 forgot B (seen at step 1 like C; the smaller key goes first).
+    assert s["total"]["forgotten"] == 2 and s["pending_keys"] == 2
+    with pytest.raises(ValueError, match="max_pending must be an int >= 0, got -1"):
+        bounded._physical[0].max_pending = -1
 
 
 @pytest.mark.parametrize("backend", ["numba", "reference"])

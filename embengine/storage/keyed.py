@@ -280,9 +280,8 @@ class KeyedTable:
         self.dynamic = dynamic
         self._initializer = initializer
         self._seed = int(seed)
-        self.max_pending = 4 * dynamic.max_rows if dynamic.max_rows else DEFAULT_MAX_PENDING
         self._index = KeyIndex()
-        self._pending = _Pending(self.max_pending)
+        self._pending = _Pending(4 * dynamic.max_rows if dynamic.max_rows else DEFAULT_MAX_PENDING)
         self._step = 0
         # The arena (module docstring).
         row_bytes = 4 * self.row_width
@@ -303,6 +302,18 @@ class KeyedTable:
         self._total = self._zero_counts()
         self._grow(_FIRST_CAPACITY if dynamic.max_rows is None
                    else min(_FIRST_CAPACITY, dynamic.max_rows))  # fmt: skip
+
+    @property
+    def max_pending(self) -> int:
+        """At most this many keys wait for admission with their counts (``DynamicVocabulary``:
+        the ones seen longest ago are forgotten first); 4 * max_rows, or 2^22 without it."""
+        return self._pending.limit
+
+    @max_pending.setter
+    def max_pending(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ValueError(f"table {self.name!r}: max_pending must be an int >= 0, got {n!r}")
+        self._pending.limit = int(n)
 
     # -- the arena ------------------------------------------------------------------------------
 
