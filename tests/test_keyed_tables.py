@@ -166,7 +166,7 @@ def test_dynamic_vocabulary_defaults_and_validation():
         ee.TableConfig(10, 4, dynamic=ee.DynamicVocabulary())
     with pytest.raises(TypeError, match="dynamic must be an embengine.DynamicVocabulary"):
         ee.TableConfig(None, 4, dynamic={"max_rows": 3})
-    with pytest.raises(ValueError, match="vocabulary_size must be an int >= 1, got 0 \\(or None for a keyed"):
+    with pytest.raises(ValueError, match="vocabulary_size must be .* got 0 \\(or None for a keyed"):
         ee.TableConfig(0, 4)
 
 
