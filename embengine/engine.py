@@ -210,6 +210,9 @@ class EmbeddingEngine:
             members.append(ts)
         self._physical = tuple(physical)
         self._physical_members = tuple(members)  # table indices, per physical table
+        # Storages with the protocol's optional step hooks (keyed tables); none for DenseTables.
+        self._timed = tuple(t for t in physical if hasattr(t, "begin_step"))
+        self._update_rows = any(hasattr(t, "rows_for_update") for t in physical)
         self._storage_layout = self._storage_plan.storage_layout()
         self._tables = tuple(views)
         # Members share one quantization (the plan packs only equal ones).
@@ -534,7 +537,7 @@ class EmbeddingEngine:
         """``lookup``, and the batch it looked up (EmbeddingLayer keeps it for its backward:
         reading the engine's pending batch afterwards could see another thread's)."""
         per_table = None  # each table's activation matrix
-        self._begin_step()
+        resolve = False  # a prepared batch's rows, resolved under the lock with its pooling
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -546,13 +549,13 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
-            if batch.deduplicated:
-                batch = self._resolve(batch, insert=training)
+            resolve = batch.deduplicated
         elif training:
             # Deduplication and pooling in one call (numba: one parallel region, in
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             with self.lock:  # the pooling reads the tables
+                self._begin_step()
                 tables, per_table = self._backend.build_tables_and_lookup(
                     parts, self._physical, self._quantizations()
                 )
@@ -562,6 +565,9 @@ class EmbeddingEngine:
             batch = self.preprocess(features, weights, training=training)
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
+                self._begin_step()
+                if resolve:  # a keyed table's rows change with every training resolution
+                    batch = self._resolve(batch, insert=training)
                 per_table = [
                     self._backend.lookup(table, tb, quantization)
                     for table, tb, quantization in zip(
@@ -589,14 +595,14 @@ class EmbeddingEngine:
 
     def _begin_step(self) -> None:
         """Tell the storages that keep time (keyed tables: expiry, recency) the step."""
-        for table in self._physical:
-            hook = getattr(table, "begin_step", None)
-            if hook is not None:
-                hook(self._step)
+        for table in self._timed:
+            table.begin_step(self._step)
 
     def _for_update(self, batch: PreparedBatch) -> PreparedBatch:
         """``batch`` with the rows its update writes (``TableBatch.for_update``: a keyed table
         with ``insert_on="apply"`` gives its admitted new keys rows now)."""
+        if not self._update_rows:
+            return batch
         tables = tuple(tb.for_update(table)
                        for table, tb in zip(self._physical, batch.tables, strict=True))  # fmt: skip
         if all(a is b for a, b in zip(tables, batch.tables, strict=True)):
