@@ -92,13 +92,40 @@ class TableBatch:
     def resolved(self, storage, insert: bool) -> TableBatch:
         """This batch with ``unique_rows`` from ``storage.rows_for`` (a ``TableStorage``), one
         call per logical table on its unique ids: how the engine resolves a storage without
-        ``row_bases``. ``insert``: training (ids may get new rows) or lookup only."""
+        ``row_bases``. ``insert``: training (ids may get new rows) or lookup only. A storage
+        with ``counts_occurrences`` (a keyed table's admission) also gets, in training, each
+        unique id's occurrences in the batch (``counts=``)."""
         rows = np.empty(len(self.unique_ids), dtype=np.int64)
+        counted = insert and getattr(storage, "counts_occurrences", False)
         b = self.unique_bounds
         for m in range(len(b) - 1):
             lo, hi = int(b[m]), int(b[m + 1])
             if hi > lo:
-                rows[lo:hi] = storage.rows_for(m, self.unique_ids[lo:hi], insert)
+                ids = self.unique_ids[lo:hi]
+                if counted:
+                    rows[lo:hi] = storage.rows_for(m, ids, insert, counts=self._counts(lo, hi))
+                else:
+                    rows[lo:hi] = storage.rows_for(m, ids, insert)
+        return dataclasses.replace(self, unique_rows=rows)
+
+    def _counts(self, lo: int, hi: int) -> np.ndarray:
+        """Occurrences of unique ids ``lo:hi`` in the batch."""
+        return np.diff(self.unique_offsets[lo : hi + 1])
+
+    def for_update(self, storage) -> TableBatch:
+        """This (resolved) batch with the rows its update writes: a storage with
+        ``rows_for_update`` (a keyed table inserting on apply) may give ids without a row one
+        now; any other storage's rows are the lookup's (the same batch)."""
+        hook = getattr(storage, "rows_for_update", None)
+        if hook is None or self.unique_rows is None:
+            return self
+        rows = self.unique_rows.copy()
+        b = self.unique_bounds
+        for m in range(len(b) - 1):
+            lo, hi = int(b[m]), int(b[m + 1])
+            if hi > lo:
+                rows[lo:hi] = hook(m, self.unique_ids[lo:hi], self.unique_rows[lo:hi],
+                                   counts=self._counts(lo, hi))  # fmt: skip
         return dataclasses.replace(self, unique_rows=rows)
 
     # Rebuilt through __init__ when copied or unpickled (a DataLoader worker's batch): unpickled
@@ -333,7 +360,7 @@ def normalise_features(resolved: ResolvedFeatures, features, weights) -> dict[st
     out: dict[str, Ragged] = {}
     for name, fc in resolved.features.items():
         try:
-            r = to_ragged(features[name], weights.get(name))
+            r = to_ragged(features[name], weights.get(name), keyed=fc.table.vocabulary_size is None)
             if fc.is_sequence and r.weights is not None:
                 raise ValueError("a sequence feature (max_sequence_length > 0) takes no weights")
             check_values(r, fc.table.vocabulary_size, fc.validate_weights_and_indices)

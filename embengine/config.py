@@ -15,9 +15,20 @@ import numpy as np
 from .initializers import Initializer, TruncatedNormal
 from .optimizers import Optimizer
 
-__all__ = ["TableConfig", "FeatureConfig", "QuantizationConfig", "COMBINERS", "resolve_features"]
+__all__ = [
+    "TableConfig",
+    "FeatureConfig",
+    "QuantizationConfig",
+    "DynamicVocabulary",
+    "COMBINERS",
+    "EVICTION_POLICIES",
+    "INSERT_ON",
+    "resolve_features",
+]
 
 COMBINERS = ("sum", "mean", "sqrtn")
+EVICTION_POLICIES = ("lru", "lfu")
+INSERT_ON = ("lookup", "apply")
 
 
 def _is_int(x) -> bool:
@@ -62,12 +73,82 @@ class QuantizationConfig:
         return np.floor((x - self.lower) / q + 0.5) * q + self.lower
 
 
+@dataclass(frozen=True)
+class DynamicVocabulary:
+    """A keyed table's rules (``TableConfig(vocabulary_size=None, ..., dynamic=...)``): ids are
+    any int64 keys, and a key gets a row when it is admitted. Steps are the engine's (one per
+    ``apply_gradients``); "touched" means looked up by a training lookup.
+
+    - **New rows.** A new key's weights are the table's initializer evaluated at the key, a
+      pure function of (seed, table, key), exactly as a dense table's row ``k`` is of (seed,
+      table, k); its slots start at the optimizer's initial values. So a keyed table fed the
+      keys ``0 .. V-1`` trains bit for bit like the dense table of vocabulary ``V``.
+    - **insert_on** ``"lookup"`` (default): a training lookup gives admitted keys their rows,
+      so the forward pass sees the row it trains. ``"apply"`` (Monolith): the lookup returns
+      zeros for a key without a row; ``apply_gradients`` then creates the row (initial values)
+      and applies that step's gradient to it.
+    - **occurrence_threshold** ``T`` (Monolith's rule, counted exactly): a key not in the table
+      is admitted at the first step at which its occurrences in training lookups of *earlier*
+      steps number at least ``T`` (``T=0``: at once). Until then it looks up as zeros and its
+      gradient is dropped (never added to another row). The counts of keys waiting for
+      admission are bounded (``KeyedTable.max_pending``, by default ``4 * max_rows`` or 2^22
+      keys): past the bound the keys seen longest ago are forgotten first (ties: smaller key
+      first), and start counting from zero if seen again. An admitted key's count is dropped.
+    - **expire_steps** ``S``: a row not touched for more than ``S`` steps (touched last at step
+      ``t``, now step ``s > t + S``) is removed before step ``s``'s training lookup; an
+      evaluation lookup at step ``s`` already sees it as absent (zeros).
+    - **max_rows** ``N``: before a step would hold more than ``N`` rows, rows not in the
+      current batch are removed: the least recently touched (``eviction="lru"``; ties: smaller
+      key first) or the least often touched (``"lfu"``: fewest occurrences in training lookups
+      since the row was created; ties: least recently touched, then smaller key). A batch
+      whose own keys need more than ``N`` rows is a ValueError naming the table, and nothing
+      changes.
+    - An evicted or expired key seen again is a new key: it must be admitted again (its count
+      starts from zero) and gets a fresh row (initial weights, fresh slots).
+    - Evaluation lookups (``training=False``) never insert, admit, count or refresh: a key
+      without a row looks up as zeros.
+    """
+
+    occurrence_threshold: int = 0
+    expire_steps: int | None = None
+    max_rows: int | None = None
+    eviction: str = "lru"
+    insert_on: str = "lookup"
+
+    def __post_init__(self):
+        where = "DynamicVocabulary"
+        t = self.occurrence_threshold
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"{where}: occurrence_threshold must be an int >= 0, got {t!r}")
+        for field_name in ("expire_steps", "max_rows"):
+            v = getattr(self, field_name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(
+                    f"{where}: {field_name} must be None (no limit) or an int >= 1, got {v!r}"
+                )
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(
+                f"{where}: eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}"
+            )
+        if self.insert_on not in INSERT_ON:
+            raise ValueError(
+                f"{where}: insert_on must be one of {INSERT_ON}, got {self.insert_on!r}"
+            )
+        for field_name in ("occurrence_threshold", "expire_steps", "max_rows"):
+            v = getattr(self, field_name)
+            if v is not None:
+                object.__setattr__(self, field_name, int(v))
+
+
 @dataclass(frozen=True, eq=False)
 class TableConfig:
     """One embedding table.
 
     Args:
-      vocabulary_size: number of rows (ids are ``0 .. vocabulary_size - 1``).
+      vocabulary_size: number of rows (ids are ``0 .. vocabulary_size - 1``); None makes a
+        keyed table (a dynamic vocabulary: ids are any int64 keys, rows are created as keys are
+        admitted; see ``DynamicVocabulary``). In 2-D (padded) input -1 stays padding; in every
+        other input form -1 is a key like any other.
       dim: embedding width.
       initializer: an ``embengine.initializers.Initializer``; default
         ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))`` (TF's default).
@@ -75,21 +156,38 @@ class TableConfig:
       combiner: how a bag of ids becomes one vector: "sum", "mean" (default, as TF) or "sqrtn".
       name: unique table name; None means ``table_{i}`` by order of first appearance.
       quantization_config: simulated quantization of looked-up rows (QuantizationConfig).
+      dynamic: a keyed table's rules (``DynamicVocabulary``); only with
+        ``vocabulary_size=None``, where None means ``DynamicVocabulary()``: admit every key at
+        once, never evict, insert on the training lookup.
     """
 
-    vocabulary_size: int
+    vocabulary_size: int | None
     dim: int
     initializer: Initializer | None = None
     optimizer: Optimizer | None = None
     combiner: str = "mean"
     name: str | None = None
     quantization_config: QuantizationConfig | None = None
+    dynamic: DynamicVocabulary | None = None
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
-        if not _is_int(self.vocabulary_size) or self.vocabulary_size < 1:
+        if self.vocabulary_size is None:
+            if self.dynamic is None:
+                object.__setattr__(self, "dynamic", DynamicVocabulary())
+            elif not isinstance(self.dynamic, DynamicVocabulary):
+                raise TypeError(
+                    f"{where}: dynamic must be an embengine.DynamicVocabulary, got {self.dynamic!r}"
+                )
+        elif not _is_int(self.vocabulary_size) or self.vocabulary_size < 1:
             raise ValueError(
-                f"{where}: vocabulary_size must be an int >= 1, got {self.vocabulary_size!r}"
+                f"{where}: vocabulary_size must be an int >= 1, got {self.vocabulary_size!r} "
+                "(or None for a keyed table)"
+            )
+        elif self.dynamic is not None:
+            raise ValueError(
+                f"{where}: dynamic={self.dynamic!r} makes a keyed table, which has no fixed "
+                f"vocabulary_size (got {self.vocabulary_size!r}); pass vocabulary_size=None"
             )
         if not _is_int(self.dim) or self.dim < 1:
             raise ValueError(f"{where}: dim must be an int >= 1, got {self.dim!r}")
@@ -118,6 +216,11 @@ class TableConfig:
             raise ValueError(
                 f"TableConfig: name must be a non-empty str or None, got {self.name!r}"
             )
+
+    @property
+    def keyed(self) -> bool:
+        """A keyed table (``vocabulary_size=None``: a dynamic vocabulary)."""
+        return self.vocabulary_size is None
 
     @property
     def effective_initializer(self) -> Initializer:

@@ -210,6 +210,9 @@ class EmbeddingEngine:
             members.append(ts)
         self._physical = tuple(physical)
         self._physical_members = tuple(members)  # table indices, per physical table
+        # Storages with the protocol's optional step hooks (keyed tables); none for DenseTables.
+        self._timed = tuple(t for t in physical if hasattr(t, "begin_step"))
+        self._update_rows = any(hasattr(t, "rows_for_update") for t in physical)
         self._storage_layout = self._storage_plan.storage_layout()
         self._tables = tuple(views)
         # Members share one quantization (the plan packs only equal ones).
@@ -297,7 +300,8 @@ class EmbeddingEngine:
             q = cfg.quantization_config
             tables.append({
                 "name": name,
-                "vocabulary_size": cfg.vocabulary_size,
+                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
                 "dim": cfg.dim,
                 "combiner": cfg.combiner,
                 "initializer": initializer_to_json(_initializer_for(cfg, opt)),
@@ -533,6 +537,7 @@ class EmbeddingEngine:
         """``lookup``, and the batch it looked up (EmbeddingLayer keeps it for its backward:
         reading the engine's pending batch afterwards could see another thread's)."""
         per_table = None  # each table's activation matrix
+        resolve = False  # a prepared batch's rows, resolved under the lock with its pooling
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -544,13 +549,13 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
-            if batch.deduplicated:
-                batch = self._resolve(batch, insert=training)
+            resolve = batch.deduplicated
         elif training:
             # Deduplication and pooling in one call (numba: one parallel region, in
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             with self.lock:  # the pooling reads the tables
+                self._begin_step()
                 tables, per_table = self._backend.build_tables_and_lookup(
                     parts, self._physical, self._quantizations()
                 )
@@ -560,6 +565,9 @@ class EmbeddingEngine:
             batch = self.preprocess(features, weights, training=training)
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
+                self._begin_step()
+                if resolve:  # a keyed table's rows change with every training resolution
+                    batch = self._resolve(batch, insert=training)
                 per_table = [
                     self._backend.lookup(table, tb, quantization)
                     for table, tb, quantization in zip(
@@ -584,6 +592,61 @@ class EmbeddingEngine:
             for table, tb in zip(self._physical, batch.tables, strict=True)
         )
         return dataclasses.replace(batch, tables=tables)
+
+    def _begin_step(self) -> None:
+        """Tell the storages that keep time (keyed tables: expiry, recency) the step."""
+        for table in self._timed:
+            table.begin_step(self._step)
+
+    def _for_update(self, batch: PreparedBatch) -> PreparedBatch:
+        """``batch`` with the rows its update writes (``TableBatch.for_update``: a keyed table
+        with ``insert_on="apply"`` gives its admitted new keys rows now)."""
+        if not self._update_rows:
+            return batch
+        tables = tuple(tb.for_update(table)
+                       for table, tb in zip(self._physical, batch.tables, strict=True))  # fmt: skip
+        if all(a is b for a, b in zip(tables, batch.tables, strict=True)):
+            return batch
+        return dataclasses.replace(batch, tables=tables)
+
+    # -- observability ---------------------------------------------------------------------------
+
+    def table_stats(self) -> dict[str, dict[str, Any]]:
+        """Per table: a keyed table's ``KeyedTable.stats()`` (rows, capacity, load factor,
+        bytes of index, rows, metadata and pending counts, admitted / filtered / evicted /
+        expired this step and in total, hit rate); a dense table's rows (its vocabulary),
+        capacity, load factor 1 and bytes of its rows (a packed table: its share)."""
+        out = {}
+        with self.lock:
+            for table, members in zip(self._physical, self._physical_members, strict=True):
+                stats = getattr(table, "stats", None)
+                for t in members:
+                    name = self._resolved.table_names[t]
+                    if stats is not None:
+                        out[name] = stats()
+                        continue
+                    rows = self._tables[t].vocabulary_size
+                    out[name] = {"kind": table.storage, "rows": rows, "capacity": rows,
+                                 "load_factor": 1.0,
+                                 "bytes": {"rows": rows * table.row_width * 4}}  # fmt: skip
+        return out
+
+    def table_contents(self, table_name: str) -> dict[str, np.ndarray]:
+        """A table's rows by key: ``keys`` (int64, sorted), ``weights`` and one array per slot,
+        aligned with ``keys`` (copies). A keyed table's keys are those with rows; a dense
+        table's are ``0 .. vocabulary_size - 1``."""
+        t = self._table_index(table_name)
+        with self.lock:
+            view = self._tables[t]
+            p = next(p for p, m in enumerate(self._physical_members) if t in m)
+            contents = getattr(self._physical[p], "contents", None)
+            if contents is not None:
+                return contents()
+            out = {"keys": np.arange(view.vocabulary_size, dtype=np.int64),
+                   "weights": np.array(view.weights)}  # fmt: skip
+            for name, a in view.slots.items():
+                out[name] = np.array(a)
+            return out
 
     def _quantizations(self) -> list:
         """Each storage table's QuantizationConfig (None: none); packed tables share one."""
@@ -629,7 +692,9 @@ class EmbeddingEngine:
             lrs = self._learning_rates.resolve(self._step, learning_rates)
             self._check_learning_rates(lrs)
             pending = batch
+            self._begin_step()
             batch = self._resolve(batch, insert=True)  # a batch given without its lookup
+            batch = self._for_update(batch)  # keyed tables inserting on apply: their new rows
             # Everything is validated; from here on tables change.
             unchanged = self._update(batch, grads, lrs)
             self._step += 1

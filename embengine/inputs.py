@@ -283,9 +283,9 @@ def _from_lists(value, weights) -> Ragged:
     return Ragged(ids, lengths=np.asarray(lengths, dtype=np.int64), weights=w)
 
 
-def _from_padded(ids: np.ndarray, weights) -> Ragged:
+def _from_padded(ids: np.ndarray, weights, keyed: bool = False) -> Ragged:
     bad = ids < -1
-    if bad.any():
+    if not keyed and bad.any():  # a keyed table's keys may be negative; -1 is padding still
         b, j = np.argwhere(bad)[0]
         raise ValueError(
             f"id {int(ids[b, j])} at [{b}, {j}] is negative; only -1 marks padding in 2-D input"
@@ -303,8 +303,10 @@ def _from_padded(ids: np.ndarray, weights) -> Ragged:
     return Ragged(ids[keep], lengths=keep.sum(axis=1), weights=w)
 
 
-def to_ragged(value, weights=None) -> Ragged:
-    """Convert any accepted input form (see module docstring) to a structurally valid Ragged."""
+def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
+    """Convert any accepted input form (see module docstring) to a structurally valid Ragged.
+    ``keyed``: for a keyed table, whose ids are any int64 keys: 2-D input may hold negative
+    keys other than -1 (the padding)."""
     if value is None or isinstance(value, str | bytes | Mapping):
         raise TypeError(
             "ids must be an integer array, a Ragged or a list of lists of ints, got "
@@ -323,7 +325,7 @@ def to_ragged(value, weights=None) -> Ragged:
     except ValueError as e:  # e.g. np.asarray of ragged lists
         raise TypeError(f"cannot read ids from {type(value).__name__}: {e}") from None
     if ids.ndim == 2:
-        return _from_padded(ids, weights)
+        return _from_padded(ids, weights, keyed)
     if ids.ndim == 1:
         w = None if weights is None else _float_array(weights, "weights").reshape(-1)
         return Ragged(ids, offsets=np.arange(len(ids) + 1, dtype=np.int64), weights=w)
@@ -333,11 +335,12 @@ def to_ragged(value, weights=None) -> Ragged:
     )
 
 
-def check_values(r: Ragged, vocabulary_size: int, check_weights: bool = True) -> None:
-    """Range-check ids and (optionally) finite-check weights, naming the first bad position."""
+def check_values(r: Ragged, vocabulary_size: int | None, check_weights: bool = True) -> None:
+    """Range-check ids (not for a keyed table: ``vocabulary_size`` None, any int64 is a key)
+    and (optionally) finite-check weights, naming the first bad position."""
     ids = r.ids
     # Two reductions and no temporaries in the common, valid case; the position only on error.
-    if ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
+    if vocabulary_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
         bad = (ids < 0) | (ids >= vocabulary_size)
         if bad.any():
             k = int(np.argmax(bad))

@@ -3,7 +3,7 @@
 
 A spec is a dict of JSON values::
 
-    {"tables": [{"name", "vocabulary_size", "dim", "combiner",
+    {"tables": [{"name", "vocabulary_size" (null: keyed), ["dynamic"], "dim", "combiner",
                  "initializer": {"class", "params"}, "optimizer": {"class", "params"},
                  "quantization_config", "storage", "slots": [{"name", "width",
                  "initial_value", "dtype"}]}, ...],          # in the engine's table order
@@ -32,7 +32,7 @@ import numpy as np
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import FeatureConfig, QuantizationConfig, TableConfig
+from .config import DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
 from .learning_rates import LearningRates
 
 __all__ = [
@@ -146,11 +146,13 @@ def _table_config(t: Mapping, callables: Mapping[int, Callable],
                   initializers: Mapping[str, _init.Initializer]) -> TableConfig:  # fmt: skip
     opt = optimizer_from_json(t["optimizer"], callables)
     q = t.get("quantization_config")
+    dynamic = t.get("dynamic")  # only a keyed table's spec has it
     cfg = TableConfig(
         t["vocabulary_size"], t["dim"],
         initializer=initializer_from_json(t["initializer"], t["name"], initializers),
         optimizer=opt, combiner=t["combiner"], name=t["name"],
         quantization_config=None if q is None else QuantizationConfig(**q),
+        dynamic=None if dynamic is None else DynamicVocabulary(**dynamic),
     )  # fmt: skip
     return cfg
 

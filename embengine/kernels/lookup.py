@@ -13,7 +13,7 @@ feature straight from its rows (for a storage whose rows are ids at a base, the 
 the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): dd44534533c77951
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 51c3d840f2f79ed4
 
 from __future__ import annotations
 

@@ -150,10 +150,11 @@ def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
             while True:
                 slot = 2 * (first + h)
                 slot_key = slots[slot]
-                if slot_key == key:
+                # A slot is free when its index is -1: a keyed table's key may be -1 itself.
+                if slot_key == key and slots[slot + 1] != -1:
                     inverse[k] = slots[slot + 1]
                     break
-                if slot_key == -1:
+                if slots[slot + 1] == -1:
                     slots[slot] = key
                     slots[slot + 1] = n_unique
                     unique[n_unique] = key

@@ -19,7 +19,7 @@ many tables the threads move from preparing to pooling without a join in between
 table is pooled by one kernel call instead of one call each.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 00f5d73cfddb1813
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): fed705b1a30ebec4
 
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ share a physical table, one after the other, when both
   holds that table alone, so a file is named after the one table it holds and a RAM table never
   ends up in a file.
 
+A keyed table (``TableConfig(vocabulary_size=None, dynamic=...)``) is stored as kind "keyed"
+(``storage/keyed.py``; ``storage="ram"``, the default, means that for it), alone in its
+physical table, with no vocabulary size (None) and its ``DynamicVocabulary`` in the plan.
+
 Each table joins the first earlier physical table it packs with (whose first table it packs
 with), else starts a new one: physical tables are in order of their first table, tables in a
 physical table in table order, each at the row after the one before it.
@@ -23,6 +27,7 @@ physical table in table order, each at the row after the one before it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,14 +65,17 @@ class TableInStack:
       row_offset: the table's first row in the physical table: the row of its id 0 in a
         storage whose rows are ids (``TableStorage.row_bases``, DenseTable); other storages
         map ids to rows themselves (``rows_for``).
-      vocabulary_size: the table's rows, ``row_offset .. row_offset + vocabulary_size``.
+      vocabulary_size: the table's rows, ``row_offset .. row_offset + vocabulary_size``; None
+        for a keyed table (its rows come and go with its keys).
       features: the features that look the table up, in the engine's feature order.
+      dynamic: a keyed table's ``config.DynamicVocabulary``; None for every other table.
     """
 
     name: str
     row_offset: int
-    vocabulary_size: int
+    vocabulary_size: int | None
     features: tuple[str, ...]
+    dynamic: Any = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,10 @@ class PhysicalTableSpec:
 
     @property
     def vocabulary_size(self) -> int:
-        """Rows of the physical table: the members' rows, one table after the other."""
+        """Rows of the physical table: the members' rows, one table after the other (None for
+        a keyed table)."""
+        if any(t.vocabulary_size is None for t in self.tables):
+            return None
         return sum(t.vocabulary_size for t in self.tables)
 
     @property
@@ -150,15 +161,7 @@ class StoragePlan:
                     "dim": p.dim,
                     "storage": p.storage,
                     "path": p.path,
-                    "tables": [
-                        {
-                            "name": t.name,
-                            "row_offset": t.row_offset,
-                            "vocabulary_size": t.vocabulary_size,
-                            "features": list(t.features),
-                        }
-                        for t in p.tables
-                    ],
+                    "tables": [_table_json(t) for t in p.tables],
                 }
                 for p in self.physical_tables
             ],
@@ -183,13 +186,32 @@ class StoragePlan:
             tables = []
             for j, t in enumerate(p["tables"]):
                 tat = f"{at}['tables'][{j}]"
-                _take(t, tat, {"name": _STR, "row_offset": _INT0, "vocabulary_size": _INT1,
-                               "features": _STRS})  # fmt: skip
+                schema = {"name": _STR, "row_offset": _INT0, "vocabulary_size": _INT1,
+                          "features": _STRS}  # fmt: skip
+                dynamic = None
+                if isinstance(t, Mapping) and "dynamic" in t:  # a keyed table
+                    schema = {**schema, "vocabulary_size": _NONE, "dynamic": _DICT}
+                _take(t, tat, schema)
+                if "dynamic" in t:
+                    from ..config import DynamicVocabulary
+
+                    try:
+                        dynamic = DynamicVocabulary(**t["dynamic"])
+                    except (TypeError, ValueError) as e:
+                        raise ValueError(f"{tat}['dynamic']: {e}") from None
                 tables.append(TableInStack(t["name"], t["row_offset"], t["vocabulary_size"],
-                                           tuple(t["features"])))  # fmt: skip
+                                           tuple(t["features"]), dynamic))  # fmt: skip
             physical.append(PhysicalTableSpec(p["name"], p["dim"], p["storage"], p["path"],
                                               tuple(tables)))  # fmt: skip
         return cls(tuple(physical))
+
+
+def _table_json(t: TableInStack) -> dict[str, Any]:
+    out = {"name": t.name, "row_offset": t.row_offset, "vocabulary_size": t.vocabulary_size,
+           "features": list(t.features)}  # fmt: skip
+    if t.dynamic is not None:  # only keyed tables carry the key: older plans read unchanged
+        out["dynamic"] = dataclasses.asdict(t.dynamic)
+    return out
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -207,6 +229,8 @@ _INT1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
 _KIND = (lambda v: isinstance(v, str) and v in storage_kinds(),
          "one of the registered storage kinds (storage.registry)")  # fmt: skip
 _PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
+_NONE = (lambda v: v is None, "null (a keyed table)")
+_DICT = (lambda v: isinstance(v, Mapping), "an object")
 _LIST = (lambda v: isinstance(v, list | tuple), "a list")
 _STRS = (lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
          "a list of str")  # fmt: skip
@@ -266,6 +290,15 @@ def _check_plan(plan: StoragePlan) -> None:
                 f"{at}: storage {p.storage!r} is not packable, but the table holds "
                 f"{len(p.tables)} logical tables"
             )
+        keyed = [t.name for t in p.tables if t.vocabulary_size is None or t.dynamic is not None]
+        if keyed and (p.storage != "keyed" or len(p.tables) > 1 or any(
+                t.vocabulary_size is not None or t.dynamic is None for t in p.tables)):  # fmt: skip
+            raise ValueError(
+                f"{at}: a keyed table ({keyed[0]!r}) is stored alone, as storage 'keyed', with "
+                "vocabulary_size None and its dynamic vocabulary"
+            )
+        if p.storage == "keyed" and not keyed:
+            raise ValueError(f"{at}: storage 'keyed' holds a keyed table only")
         row = 0
         for j, t in enumerate(p.tables):
             if t.name in tables:
@@ -279,7 +312,7 @@ def _check_plan(plan: StoragePlan) -> None:
                     f"it must start at row {row}, right after the tables before "
                     "it"
                 )
-            row += t.vocabulary_size
+            row += t.vocabulary_size or 0
             for f in t.features:
                 if f in features:
                     raise ValueError(
@@ -328,6 +361,26 @@ def _table_file(storage_dir: Path, name: str) -> str:
     return str(storage_dir / rel)
 
 
+def _keyed_kind(name: str, cfg, kind: str) -> str:
+    """The storage kind of a table given ``storage=`` said ``kind``: a keyed table is "keyed"
+    ("ram", the default, means that for it); only keyed tables are."""
+    if cfg.vocabulary_size is None:
+        if kind in ("ram", "keyed"):
+            return "keyed"
+        raise ValueError(
+            f"table {name!r} is keyed (vocabulary_size=None), which is stored as 'keyed' in RAM; "
+            f"storage {kind!r} does not hold keyed tables yet: leave it out of storage= or say "
+            "'ram'"
+        )
+    if kind == "keyed":
+        raise ValueError(
+            f"storage 'keyed' is for keyed tables; table {name!r} has vocabulary_size "
+            f"{cfg.vocabulary_size}: make it TableConfig(vocabulary_size=None, ...) or store it "
+            "in 'ram' or 'mmap'"
+        )
+    return kind
+
+
 def packs_with(a: tuple, b: tuple) -> bool:
     """Whether two tables may share a physical table (see the module docstring). ``a`` and
     ``b`` are (TableConfig, Optimizer, storage kind)."""
@@ -363,6 +416,8 @@ def plan_storage(
     if len(optimizers) != len(names):
         raise ValueError(f"plan_storage: {len(optimizers)} optimizers for {len(names)} tables")
     kinds = _storage_kinds(names, storage)
+    for n, cfg in zip(names, resolved.tables, strict=True):
+        kinds[n] = _keyed_kind(n, cfg, kinds[n])
     uses_mmap = any(storage_kind(k).file for k in kinds.values())
     if storage_dir is not None and not isinstance(storage_dir, str | os.PathLike):
         raise TypeError(f"storage_dir must be a path (str or os.PathLike), got {storage_dir!r}")
@@ -381,9 +436,10 @@ def plan_storage(
     for g in groups:
         members, row = [], 0
         for t in g:
-            rows = resolved.tables[t].vocabulary_size
-            members.append(TableInStack(names[t], row, rows, resolved.table_features[t]))
-            row += rows
+            cfg = resolved.tables[t]
+            members.append(TableInStack(names[t], row, cfg.vocabulary_size,
+                                        resolved.table_features[t], cfg.dynamic))  # fmt: skip
+            row += cfg.vocabulary_size or 0
         kind = kinds[names[g[0]]]
         path = _table_file(Path(storage_dir), names[g[0]]) if storage_kind(kind).file else None
         physical.append(

@@ -73,6 +73,13 @@ class TableStorage(Protocol):
     one; logical table ``i`` is the ``i``-th member of its ``PhysicalTableSpec``), stored as one
     row array.
 
+    Optional parts, for kinds that need them (``storage/keyed.py``; DenseTable has none):
+    ``counts_occurrences = True`` makes training resolutions pass ``rows_for(..., counts=)``,
+    each unique id's occurrences in the batch; ``begin_step(step)`` is called with the engine's
+    step before every lookup and update; ``rows_for_update(logical, ids, rows, counts=)`` gives
+    the rows an update writes (``rows`` as the lookup resolved them), once per table per update,
+    after its gradients are validated (``TableBatch.for_update``).
+
     Attributes:
       name: the physical table's name (its members' names joined by "+").
       dim: the width of the weights, the first ``dim`` columns of a row.

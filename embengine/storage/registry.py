@@ -5,8 +5,9 @@ exists: whether tables of the kind may be packed together (low-dimensional packi
 table of the kind lives in a file of ``storage_dir`` (then it is never packed: the file is
 named after its one table), and whether its rows are its ids at the plan's row offsets (then
 batches resolve rows without the table, and the training lookup pools straight from the ids).
-"ram" and "mmap" are DenseTables; ``register_storage_kind`` adds one (a keyed table, a sharded
-one, a test's own layout).
+"ram" and "mmap" are DenseTables, "keyed" the KeyedTable of a dynamic vocabulary
+(``storage/keyed.py``); ``register_storage_kind`` adds one (a sharded table, a test's own
+layout).
 
 Import this module without numba (tests/test_layering.py).
 """
@@ -73,9 +74,20 @@ def _dense(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableSto
                       path=spec.path, segments=list(segments))  # fmt: skip
 
 
+def _keyed(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableStorage:
+    from .keyed import KeyedTable
+
+    (member,) = spec.tables
+    (name, _, _, initializer) = segments[0]
+    return KeyedTable(name, spec.dim, slot_specs, initializer, seed, member.dynamic)
+
+
+_BUILT_IN = ("ram", "mmap", "keyed")
 _KINDS: dict[str, StorageKind] = {
     "ram": StorageKind("ram", _dense, packable=True, row_ids=True),
     "mmap": StorageKind("mmap", _dense, file=True, row_ids=True),
+    # A keyed table (dynamic vocabulary): rows are not ids; alone in its physical table.
+    "keyed": StorageKind("keyed", _keyed),
 }
 
 
@@ -88,10 +100,10 @@ def register_storage_kind(
     row_ids: bool = False,
 ) -> StorageKind:
     """Make ``storage=name`` build tables with ``factory`` (see ``StorageKind``); registering a
-    name again replaces its kind, except the built-in "ram" and "mmap"."""
+    name again replaces its kind, except the built-in "ram", "mmap" and "keyed"."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a storage kind's name must be a non-empty str, got {name!r}")
-    if name in ("ram", "mmap"):
+    if name in _BUILT_IN:
         raise ValueError(f"storage kind {name!r} is built in and cannot be replaced")
     if not callable(factory):
         raise TypeError(f"storage kind {name!r}: factory must be callable, got {factory!r}")

@@ -1,0 +1,618 @@
+"""KeyedTable: a table keyed by any int64 id (a dynamic vocabulary), rows made as keys come.
+
+The kernels see what they see of a DenseTable: ``data``, rows ``[weights | slot 0 | ...]`` laid
+out by ``DenseTable``'s rule (``columns``), indexed by the rows ``rows_for`` gives. In front of
+the rows sits an open-addressing index (``kernels/keyed_index.py``: int64 key -> row), probed
+once per step on the batch's unique keys, never inside pooling. The rules of admission,
+eviction and insertion are ``config.DynamicVocabulary``'s; this module implements them.
+
+The rows live in an arena: one anonymous memory mapping reserved for ``max_rows`` rows (2^38
+bytes of address space without a limit), of which the first ``capacity`` rows are the ``data``
+array. Reserved pages cost no memory until written, so growing the capacity (doubling, in
+chunks) moves no row and leaves earlier views valid; only a table outgrowing its reservation is
+copied into a bigger one. Rows freed by eviction are reused, smallest first.
+
+Per row the table keeps its key, the step it was last touched and how often it was touched (for
+expiry, LRU and LFU); per key waiting for admission, its exact count of occurrences before the
+current step (``_Pending``). One writer per table: every change is serial (the index's probe is
+parallel but read-only), so the same batches and seed give the same rows at any thread count.
+
+The storage protocol's optional parts this kind uses (``storage/protocol.py``):
+``counts_occurrences`` (``rows_for`` gets each unique key's occurrences in the batch),
+``begin_step(step)`` (the engine's step, before each lookup and update) and
+``rows_for_update`` (``insert_on="apply"``: rows for the batch's new keys at the update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import sys
+
+import numpy as np
+
+from ..initializers import Initializer
+from ..optimizers import SlotSpec
+from .dense import Column
+from .protocol import NO_ROW
+
+__all__ = ["KeyedTable", "KeyedView", "KeyIndex"]
+
+# Rows of a new table's first capacity; capacity then doubles.
+_FIRST_CAPACITY = 1024
+# Address space reserved for a table without max_rows (no memory until rows are written).
+_RESERVE_BYTES = 1 << 38
+# Linux: do not count the reservation against the overcommit limit (mmap.MAP_NORESERVE is not
+# exported by Python 3.11's mmap module).
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+# The index grows (doubles) before its load passes this fraction.
+_MAX_LOAD = 0.75
+# Keys waiting for admission, without max_rows (with it: 4 * max_rows).
+DEFAULT_MAX_PENDING = 1 << 22
+
+
+class KeyIndex:
+    """int64 key -> int64 value (>= 0), an open-addressing hash table of numba kernels
+    (``kernels/keyed_index.py``). ``find`` gives -1 for an absent key."""
+
+    def __init__(self, capacity: int = 1024):
+        cap = 1 << max(int(capacity) - 1, 1).bit_length()
+        self.keys = np.zeros(cap, dtype=np.int64)
+        self.values = np.full(cap, -1, dtype=np.int64)
+        self.count = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        from ..kernels import keyed_index
+        from ..kernels.pool import start_pool
+
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        out = np.empty(len(keys), dtype=np.int64)
+        if len(keys):
+            start_pool()  # find is parallel
+            keyed_index.find(self.keys, self.values, keys, out)
+        return out
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add absent ``keys`` with ``values``."""
+        from ..kernels import keyed_index
+
+        if not len(keys):
+            return
+        need = self.count + len(keys)
+        if need > _MAX_LOAD * self.capacity:
+            cap = self.capacity
+            while need > _MAX_LOAD * cap:
+                cap *= 2
+            keys_, values_ = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+            keyed_index.rehash(self.keys, self.values, keys_, values_)
+            self.keys, self.values = keys_, values_
+        keyed_index.insert(self.keys, self.values, np.ascontiguousarray(keys, dtype=np.int64),
+                           np.ascontiguousarray(values, dtype=np.int64))  # fmt: skip
+        self.count = need
+
+    def remove(self, keys: np.ndarray) -> None:
+        from ..kernels import keyed_index
+
+        if len(keys):
+            keys = np.ascontiguousarray(keys, dtype=np.int64)
+            self.count -= int(keyed_index.remove(self.keys, self.values, keys))
+
+
+def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``k`` slots: the smallest free ones (``free`` is sorted), then new ones from ``high``.
+    Returns (slots, the free slots left, the new high-water mark)."""
+    reused = free[:k]
+    fresh = np.arange(high, high + k - len(reused), dtype=np.int64)
+    return np.concatenate([reused, fresh]), free[len(reused) :], high + len(fresh)
+
+
+class _Pending:
+    """Keys waiting for admission and their exact occurrence counts: ``earlier`` counts the
+    steps before ``step``, ``current`` the step ``step`` (the last step the key was seen), so
+    "occurrences in earlier steps" is exact however many lookups a step has."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.index = KeyIndex()
+        n = 1024
+        self.key = np.zeros(n, np.int64)
+        self.earlier = np.zeros(n, np.int64)
+        self.step = np.zeros(n, np.int64)
+        self.current = np.zeros(n, np.int64)
+        self.free = np.zeros(0, np.int64)
+        self.high = 0
+
+    def __len__(self) -> int:
+        return self.index.count
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes + 4 * self.key.nbytes
+
+    def counts_before(self, keys: np.ndarray, step: int) -> np.ndarray:
+        """Each key's occurrences in steps before ``step`` (0 if not pending)."""
+        slots = self.index.find(keys)
+        out = np.zeros(len(keys), np.int64)
+        at = slots >= 0
+        s = slots[at]
+        out[at] = self.earlier[s] + np.where(self.step[s] < step, self.current[s], 0)
+        return out
+
+    def add(self, keys: np.ndarray, counts: np.ndarray, step: int) -> int:
+        """Count ``keys`` (distinct) ``counts`` times at ``step``; returns how many pending keys
+        were forgotten to stay within the limit (the ones seen longest ago, then smaller keys)."""
+        slots = self.index.find(keys)
+        old = slots >= 0
+        s = slots[old]
+        roll = self.step[s] < step
+        self.earlier[s[roll]] += self.current[s[roll]]
+        self.current[s[roll]] = 0
+        self.step[s] = step
+        self.current[s] += counts[old]
+        new_keys, new_counts = keys[~old], counts[~old]
+        forgotten = 0
+        excess = len(self) + len(new_keys) - self.limit
+        if excess > 0:
+            live = self._live_slots()
+            live = live[~np.isin(live, s)]  # this batch's keys are the newest
+            order = np.lexsort((self.key[live], self.step[live]))
+            drop = live[order[:excess]]
+            self.remove_slots(drop)
+            forgotten += len(drop)
+            excess -= len(drop)
+            if excess > 0:  # the batch alone brings more new keys than the limit
+                keep = np.sort(np.argsort(new_keys, kind="stable")[: len(new_keys) - excess])
+                forgotten += len(new_keys) - len(keep)
+                new_keys, new_counts = new_keys[keep], new_counts[keep]
+        slots, self.free, self.high = _take_smallest(self.free, len(new_keys), self.high)
+        if self.high > len(self.key):
+            n = max(self.high, 2 * len(self.key))
+            for name in ("key", "earlier", "step", "current"):
+                a = getattr(self, name)
+                b = np.zeros(n, np.int64)
+                b[: len(a)] = a
+                setattr(self, name, b)
+        self.key[slots] = new_keys
+        self.earlier[slots] = 0
+        self.step[slots] = step
+        self.current[slots] = new_counts
+        self.index.insert(new_keys, slots)
+        return forgotten
+
+    def forget(self, keys: np.ndarray) -> None:
+        """Drop ``keys`` (admitted ones); absent keys are skipped."""
+        slots = self.index.find(keys)
+        self.remove_slots(slots[slots >= 0])
+
+    def remove_slots(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.index.remove(self.key[slots])
+            self.free = np.sort(np.concatenate([self.free, slots]))
+
+    def _live_slots(self) -> np.ndarray:
+        used = np.ones(self.high, bool)
+        used[self.free] = False
+        return np.flatnonzero(used)
+
+
+class KeyedView:
+    """A keyed table as ``storage.protocol.LogicalTable`` sees it: name, dim, slots, storage.
+    Its rows are not ids, so it has no weights array by id: read it with
+    ``engine.table_contents(name)``; checkpoints of keyed tables are not written yet."""
+
+    def __init__(self, table: KeyedTable):
+        self.table = table
+        self.name = table.name
+        self.vocabulary_size = None
+        self.dim = table.dim
+        self.slot_specs = table.slot_specs
+        self.columns = table.columns
+
+    def _refuse(self):
+        raise TypeError(
+            f"table {self.name!r} is keyed (vocabulary_size=None): its rows are not ids, so it "
+            "has no weights or slot arrays by id (state_dict, embedding_tables, checkpoints); "
+            f"read it with engine.table_contents({self.name!r})"
+        )
+
+    @property
+    def weights(self) -> np.ndarray:
+        self._refuse()
+
+    def slot(self, name: str) -> np.ndarray:
+        self._refuse()
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return self.table.slot_names
+
+    @property
+    def slots(self) -> dict[str, np.ndarray]:
+        self._refuse()
+
+    @property
+    def storage(self) -> str:
+        return self.table.storage
+
+    def flush(self) -> None:
+        self.table.flush()
+
+    def sequential_access(self):
+        return self.table.sequential_access()
+
+
+class KeyedTable:
+    """One keyed table (a ``TableStorage`` of kind "keyed"); see the module docstring and
+    ``config.DynamicVocabulary`` for the rules.
+
+    Args:
+      name: the table's name (also its initializer's: a new key ``k`` gets
+        ``initializer.init(seed, name, [k], dim)``).
+      dim, slot_specs: the row layout (weights, then the optimizer's slots).
+      initializer, seed: a new key's weights.
+      dynamic: the table's ``DynamicVocabulary``.
+    """
+
+    counts_occurrences = True
+
+    def __init__(self, name: str, dim: int, slot_specs: tuple[SlotSpec, ...],
+                 initializer: Initializer, seed: int, dynamic):  # fmt: skip
+        self.name = name
+        self.dim = int(dim)
+        self.slot_specs = tuple(slot_specs)
+        columns = {"weights": Column("weights", 0, self.dim, "float32")}
+        start = self.dim
+        for spec in self.slot_specs:
+            if spec.name in columns:
+                raise ValueError(f"table {name!r}: slot name {spec.name!r} is used twice")
+            columns[spec.name] = Column(spec.name, start, spec.width, spec.dtype)
+            start += spec.width
+        self.columns = columns
+        self.row_width = start
+        self.dynamic = dynamic
+        self._initializer = initializer
+        self._seed = int(seed)
+        self._index = KeyIndex()
+        self._pending = _Pending(4 * dynamic.max_rows if dynamic.max_rows else DEFAULT_MAX_PENDING)
+        self._step = 0
+        # The arena (module docstring).
+        row_bytes = 4 * self.row_width
+        self._reserved = dynamic.max_rows or max(_RESERVE_BYTES // row_bytes, _FIRST_CAPACITY)
+        self._mapping = None
+        self._data = np.zeros((0, self.row_width), np.float32)
+        self._capacity = 0
+        # Per row: its key, last step touched, touches; whether it holds a key.
+        self._key = np.zeros(0, np.int64)
+        self._last = np.zeros(0, np.int64)
+        self._touches = np.zeros(0, np.int64)
+        self._live = np.zeros(0, bool)
+        self._high = 0  # rows handed out so far (live or free)
+        self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
+        self._live_rows = None  # cached live_rows()
+        self._stats_step = -1
+        self._this = self._zero_counts()
+        self._total = self._zero_counts()
+        self._grow(_FIRST_CAPACITY if dynamic.max_rows is None
+                   else min(_FIRST_CAPACITY, dynamic.max_rows))  # fmt: skip
+
+    @property
+    def max_pending(self) -> int:
+        """At most this many keys wait for admission with their counts (``DynamicVocabulary``:
+        the ones seen longest ago are forgotten first); 4 * max_rows, or 2^22 without it."""
+        return self._pending.limit
+
+    @max_pending.setter
+    def max_pending(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ValueError(f"table {self.name!r}: max_pending must be an int >= 0, got {n!r}")
+        self._pending.limit = int(n)
+
+    # -- the arena ------------------------------------------------------------------------------
+
+    def _map(self, rows: int) -> mmap.mmap | None:
+        """An anonymous mapping of ``rows`` rows, reserved without committing memory; None if
+        the system refuses it."""
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        try:
+            return mmap.mmap(-1, max(rows * self.row_width * 4, 1), flags=flags,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        except (OSError, OverflowError, ValueError):
+            return None
+
+    def _grow(self, rows: int) -> None:
+        """Capacity for at least ``rows`` rows: double within the reservation (no row moves),
+        or copy into a bigger reservation."""
+        if rows <= self._capacity:
+            return
+        cap = max(rows, 2 * self._capacity, _FIRST_CAPACITY)
+        if self._mapping is None or cap > self._reserved:
+            reserve = max(self._reserved, cap)
+            mapping = self._map(reserve)
+            while mapping is None and reserve > cap:  # a smaller reservation, then
+                reserve = max(cap, reserve // 4)
+                mapping = self._map(reserve)
+            if mapping is None:
+                raise MemoryError(f"table {self.name!r}: cannot map {cap:,} rows")
+            new = np.frombuffer(mapping, np.float32, count=reserve * self.row_width)
+            new = new.reshape(reserve, self.row_width)
+            new[: self._high] = self._data[: self._high]  # only when outgrowing a reservation
+            self._mapping, self._reserved, self._full = mapping, reserve, new
+        cap = min(cap, self._reserved)
+        self._data = self._full[:cap]
+        self._capacity = cap
+        for name, dtype in (("_key", np.int64), ("_last", np.int64), ("_touches", np.int64),
+                            ("_live", bool)):  # fmt: skip
+            a = getattr(self, name)
+            b = np.zeros(cap, dtype)
+            b[: len(a)] = a
+            setattr(self, name, b)
+
+    # -- the storage protocol --------------------------------------------------------------------
+
+    @property
+    def data(self) -> np.ndarray:
+        """float32 ``[capacity, row_width]``: rows ``rows_for`` gave, and unused ones."""
+        return self._data
+
+    @property
+    def row_bases(self) -> None:
+        """Rows are not ids."""
+        return None
+
+    @property
+    def storage(self) -> str:
+        return "keyed"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows' capacity (the row array the kernels see)."""
+        return self._capacity * self.row_width * 4
+
+    @property
+    def rows(self) -> int:
+        """Keys (rows) in the table."""
+        return self._index.count
+
+    def begin_step(self, step: int) -> None:
+        """The engine's step, before each lookup and update (expiry and recency need it)."""
+        self._step = int(step)
+
+    def view(self, logical: int) -> KeyedView:
+        return KeyedView(self)
+
+    def live_rows(self) -> np.ndarray:
+        """The rows holding keys, as ``[k, 2]`` ranges (an every-row sweep goes over these)."""
+        if self._live_rows is None:
+            live = np.concatenate([[False], self._live[: self._high], [False]]).astype(np.int8)
+            edges = np.flatnonzero(np.diff(live))
+            self._live_rows = edges.reshape(-1, 2).astype(np.int64)
+        return self._live_rows
+
+    def rows_for(self, logical: int, ids: np.ndarray, insert: bool = True,
+                 counts: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """Rows of ``ids``; -1 for a key without a row.
+
+        ``insert=False`` (evaluation) changes nothing: a key without a row, or whose row has
+        expired, is -1. ``insert=True`` (a training lookup; ``ids`` distinct, ``counts`` their
+        occurrences in the batch, 1 each if None) runs the step's rules (``DynamicVocabulary``):
+        expiry, admission, eviction for ``max_rows``, the new keys' rows (``insert_on=
+        "lookup"``), recency and counts. A batch needing more than ``max_rows`` rows is a
+        ValueError naming the table, raised before anything changes."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = self._index.find(ids)
+        expired = self._expired()
+        if not insert:
+            if len(expired):
+                rows[np.isin(rows, expired)] = NO_ROW
+            return rows
+        counts = (np.ones(len(ids), np.int64) if counts is None
+                  else np.asarray(counts, dtype=np.int64))  # fmt: skip
+        if len(expired):
+            rows[np.isin(rows, expired)] = NO_ROW
+        hit = rows >= 0
+        missing = ~hit
+        admit = self._admissible(ids[missing])
+        now = self.dynamic.insert_on == "lookup"
+        victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
+        # Everything is decided; from here on the table changes.
+        self._roll_stats()
+        self._remove_rows(expired)
+        self._this["expired"] += len(expired)
+        self._remove_rows(victims)
+        self._this["evicted"] += len(victims)
+        self._touch(rows[hit], counts[hit])
+        self._this["lookups"] += len(ids)
+        self._this["hits"] += int(hit.sum())
+        waiting = missing.copy()
+        if now:
+            waiting[np.flatnonzero(missing)[admit]] = False
+            rows[np.flatnonzero(missing)[admit]] = self._insert(ids[missing][admit],
+                                                                counts[missing][admit])  # fmt: skip
+        self._this["filtered"] += int(missing.sum() - admit.sum())
+        if self.dynamic.occurrence_threshold > 0 and waiting.any():
+            self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
+        return rows
+
+    def rows_for_update(self, logical: int, ids: np.ndarray, rows: np.ndarray,
+                        counts: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """The rows to update for ``ids`` (the batch's unique keys, ``rows`` as the lookup gave
+        them): with ``insert_on="apply"`` the admitted keys without a row get one now (initial
+        values, evicting for ``max_rows`` first); otherwise ``rows`` unchanged."""
+        if self.dynamic.insert_on != "apply":
+            return rows
+        missing = np.flatnonzero(np.asarray(rows) < 0)
+        if not len(missing):
+            return rows
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        counts = (np.ones(len(ids), np.int64) if counts is None
+                  else np.asarray(counts, dtype=np.int64))  # fmt: skip
+        admit = self._admissible(ids[missing])
+        present = self._index.find(ids[missing]) >= 0  # inserted by an earlier update this step
+        admit &= ~present
+        victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
+        self._roll_stats()
+        self._remove_rows(victims)
+        self._this["evicted"] += len(victims)
+        out = np.array(rows, dtype=np.int64)
+        out[missing[admit]] = self._insert(ids[missing][admit], counts[missing][admit])
+        out[missing[present]] = self._index.find(ids[missing][present])
+        return out
+
+    # -- the rules ---------------------------------------------------------------------------
+
+    def _expired(self) -> np.ndarray:
+        """Live rows not touched for more than ``expire_steps`` steps, ascending."""
+        s = self.dynamic.expire_steps
+        if s is None or not self._index.count:
+            return np.zeros(0, np.int64)
+        high = self._high
+        old = self._live[:high] & (self._step - self._last[:high] > s)
+        return np.flatnonzero(old).astype(np.int64)
+
+    def _admissible(self, keys: np.ndarray) -> np.ndarray:
+        """Which keys without a row are admitted now (occurrences before this step >= T)."""
+        t = self.dynamic.occurrence_threshold
+        if t == 0:
+            return np.ones(len(keys), bool)
+        return self._pending.counts_before(keys, self._step) >= t
+
+    def _victims(self, batch_rows: np.ndarray, expiring: int, new: int) -> np.ndarray:
+        """The rows to evict so that ``new`` rows fit within ``max_rows`` after ``expiring``
+        rows expire; ValueError (nothing changed) if the batch alone needs more."""
+        n = self.dynamic.max_rows
+        if n is None:
+            return np.zeros(0, np.int64)
+        excess = self._index.count - expiring + new - n
+        if excess <= 0:
+            return np.zeros(0, np.int64)
+        need = len(batch_rows) + new
+        if need > n:
+            raise ValueError(
+                f"table {self.name!r}: this batch needs {need:,} rows ({len(batch_rows):,} of "
+                f"its keys have rows, {new:,} are admitted now), more than max_rows={n:,}; "
+                "nothing was changed. Raise max_rows or send smaller batches"
+            )
+        high = self._high
+        cand = self._live[:high].copy()
+        cand[batch_rows] = False
+        cand[self._expired()] = False
+        cand = np.flatnonzero(cand)
+        key, last = self._key[cand], self._last[cand]
+        if self.dynamic.eviction == "lru":
+            order = np.lexsort((key, last))
+        else:
+            order = np.lexsort((key, last, self._touches[cand]))
+        return cand[order[:excess]]
+
+    def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        self._last[rows] = self._step
+        self._touches[rows] += counts
+
+    def _remove_rows(self, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+        self._index.remove(self._key[rows])
+        self._live[rows] = False
+        self._free = np.sort(np.concatenate([self._free, rows]))
+        self._live_rows = None
+
+    def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Rows for new ``keys`` (distinct, absent): smallest free rows first, initial weights
+        (the initializer at each key) and slots; the keys leave the pending counts."""
+        if not len(keys):
+            return np.zeros(0, np.int64)
+        rows, free, high = _take_smallest(self._free, len(keys), self._high)
+        self._grow(high)
+        self._free, self._high = free, high
+        data = self._data
+        data[rows, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+        for spec in self.slot_specs:
+            col = self.columns[spec.name]
+            base = data if spec.dtype == "float32" else data.view(np.int32)
+            base[rows, col.start : col.start + col.width] = spec.initial_value
+        self._key[rows] = keys
+        self._live[rows] = True
+        self._last[rows] = self._step
+        self._touches[rows] = counts
+        self._index.insert(keys, rows)
+        if self.dynamic.occurrence_threshold > 0:
+            self._pending.forget(keys)
+        self._live_rows = None
+        self._this["admitted"] += len(keys)
+        return rows
+
+    # -- observability ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _zero_counts() -> dict[str, int]:
+        return dict.fromkeys(("admitted", "filtered", "evicted", "expired", "forgotten",
+                              "lookups", "hits"), 0)  # fmt: skip
+
+    def _roll_stats(self) -> None:
+        """Start this step's counters at the step's first training resolution (the last
+        step's go into the totals)."""
+        if self._stats_step != self._step:
+            for k, v in self._this.items():
+                self._total[k] += v
+            self._stats_step = self._step
+            self._this = self._zero_counts()
+
+    def stats(self) -> dict:
+        """rows, capacity, load factor (rows / capacity), bytes (index, rows, row metadata,
+        pending counts), pending keys, and the counters (admitted, filtered: lookups of keys
+        not admitted; evicted: for max_rows; expired; forgotten: pending keys dropped at the
+        bound; lookups and hits of unique keys in training lookups) of the last step that
+        trained the table (``this_step``, with its ``step``) and in total; hit rate = hits /
+        lookups in total."""
+        total = {k: self._total[k] + self._this[k] for k in self._total}
+        return {
+            "kind": "keyed",
+            "rows": self._index.count,
+            "capacity": self._capacity,
+            "load_factor": self._index.count / self._capacity if self._capacity else 0.0,
+            "pending_keys": len(self._pending),
+            "bytes": {
+                "rows": self.nbytes,
+                "index": self._index.nbytes,
+                "row_metadata": self._key.nbytes
+                + self._last.nbytes
+                + self._touches.nbytes
+                + self._live.nbytes
+                + self._free.nbytes,
+                "pending": self._pending.nbytes,
+            },
+            "step": self._stats_step,
+            "this_step": dict(self._this),
+            "total": total,
+            "hit_rate": total["hits"] / total["lookups"] if total["lookups"] else 0.0,
+        }
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """``keys`` (int64, sorted) and copies of ``weights`` and every slot, aligned with them."""
+        rows = np.flatnonzero(self._live[: self._high])
+        order = np.argsort(self._key[rows], kind="stable")
+        rows = rows[order]
+        out = {"keys": self._key[rows].copy(), "weights": self._data[rows, : self.dim].copy()}
+        for spec in self.slot_specs:
+            col = self.columns[spec.name]
+            base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
+            out[spec.name] = base[rows, col.start : col.start + col.width].copy()
+        return out
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.slot_specs)
+
+    def flush(self) -> None:
+        """Nothing: the rows are in RAM."""
+
+    def sequential_access(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()

@@ -1,0 +1,484 @@
+"""Keyed tables (issue 15): ``TableConfig(vocabulary_size=None, dynamic=DynamicVocabulary(...))``.
+
+A keyed table fed the keys 0..V-1 trains bit for bit like the dense table of vocabulary V (every
+optimizer, both backends, accumulation on and off); scripted streams of 64-bit keys check
+admission, expiry, LRU / LFU eviction, re-admission, insert on apply and evaluation lookups
+with exact expected outcomes; the same stream at 1 and 2 numba threads gives the same table.
+"""
+
+import json
+
+import numba
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine import optimizers as opt
+from embengine.initializers import RandomUniform, RowId
+from embengine.kernels import keyed_index
+from embengine.storage import StoragePlan
+from embengine.storage.keyed import KeyIndex
+
+V = 40
+
+# Every optimizer class, as in tests/test_storage_protocol.py (non-lazy sweeps included).
+OPTIMIZERS = [
+    opt.SGD(0.1),
+    opt.SGD(0.1, clip_weight_min=-0.5, clip_weight_max=0.7),
+    opt.Adagrad(0.2),
+    opt.Adagrad(0.2, hessian_compression_times=2, clipvalue=0.5),
+    opt.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True, beta2=0.9, epsilon=0.1),
+    opt.ProximalAdagrad(0.3, l1_regularization_strength=0.05, l2_regularization_strength=0.1),
+    opt.Adam(0.05),
+    opt.Adam(0.05, bias_correction="per_row"),
+    opt.Adam(0.05, lazy_adam=False, weight_decay_factor=0.01, weight_decay_mode="l2"),
+    opt.AMSGrad(0.05, bias_correction="per_row"),
+    opt.Lion(0.01),
+    opt.Lion(0.01, lazy_lion=False),
+    opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5),
+    opt.Momentum(0.1, momentum=0.8, use_nesterov=True),
+    opt.RMSProp(0.05, rho=0.8, momentum=0.5, centered=True, epsilon=1e-3),
+    opt.Adadelta(1.0, rho=0.9, epsilon=1e-3),
+    opt.Assign(weight_decay_factor=0.5),
+    opt.FrequencyEstimator(tau=0.3, max_delta=50.0),
+    opt.BatchSoftmax(0.25),
+]
+COUNTING = (opt.FrequencyEstimator, opt.BatchSoftmax)  # dim 1 tables
+QUANTIZATION = ee.QuantizationConfig(64, -0.5, 0.5)  # on table 1
+
+
+def _no_accumulation(o: opt.Optimizer) -> opt.Optimizer | None:
+    """``o`` without gradient accumulation; None where it needs accumulation (clipvalue,
+    every-row sweeps)."""
+    try:
+        return type(o)(**{**o.hyperparameters(), "use_gradient_accumulation": False})
+    except ValueError:
+        return None
+
+
+# (optimizer, accumulation): every optimizer with accumulation, and without where allowed.
+CASES = [pytest.param(o, id=f"{type(o).__name__}{i}-accumulate") for i, o in enumerate(OPTIMIZERS)]
+CASES += [pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumulation")
+          for i, o in enumerate(OPTIMIZERS) if _no_accumulation(o) is not None]  # fmt: skip
+
+
+def _pair(optimizer, backend, dims=(8, 6), seed=3):
+    """A dense engine (vocabulary V) and a keyed one, same tables otherwise: a bag feature
+    with weights and a sequence feature on table 0, a bag feature on table 1 (quantized)."""
+    engines = []
+    for size in (V, None):
+        tables = [ee.TableConfig(size, d, name=f"t{i}", combiner=("sum", "sqrtn")[i % 2],
+                                 initializer=RandomUniform(-0.3, 0.3),
+                                 quantization_config=None if i == 0 else QUANTIZATION)
+                  for i, d in enumerate(dims)]  # fmt: skip
+        feats = {"a": ee.FeatureConfig(tables[0]), "seq": ee.FeatureConfig(tables[0], 3)}
+        if len(tables) > 1:
+            feats["b"] = ee.FeatureConfig(tables[1])
+        engines.append(ee.EmbeddingEngine(feats, optimizer=optimizer, backend=backend, seed=seed))
+    return engines
+
+
+def _batch(rng, names, step, every_row):
+    """Bags of ids in [0, V) (duplicates, empty bags); at step 0 every id when an optimizer
+    sweeps every row (a dense table sweeps ids a keyed table has not seen yet)."""
+    feats, weights = {}, {}
+    for name in names:
+        bags = [list(rng.integers(0, V, rng.integers(0, 5))) for _ in range(6)]
+        bags[1] = []
+        bags[2] = [7, 7, 7]
+        if every_row and step == 0:
+            bags[3] = list(range(V))
+        feats[name] = bags
+        if name != "seq":
+            weights[name] = [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in bags]
+    return feats, weights
+
+
+def _same_contents(dense, keyed, table):
+    got, want = keyed.table_contents(table), dense.table_contents(table)
+    keys = got["keys"]
+    assert set(got) == set(want)
+    for name in got:
+        assert got[name].tobytes() == want[name][keys].tobytes(), (table, name)
+    return keys
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("o", CASES)
+def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
+    dims = (1,) if isinstance(o, COUNTING) else (8, 6)
+    dense, keyed = _pair(o, backend, dims)
+    assert keyed.storage_plan.physical_tables[0].storage == "keyed"
+    rng = np.random.default_rng(0)
+    seen = {t: set() for t in ("t0", "t1")[: len(dims)]}
+    for step in range(20):
+        feats, weights = _batch(rng, list(dense.feature_config), step, o.updates_every_row)
+        for name, bags in feats.items():
+            cut = 3 if name == "seq" else None  # ids past max_sequence_length are dropped
+            seen["t0" if name in ("a", "seq") else "t1"].update(
+                int(i) for b in bags for i in b[:cut]
+            )
+        evaluated = keyed.lookup(feats, weights, training=False)  # inserts nothing
+        want = dense.lookup(feats, weights)
+        got = keyed.lookup(feats, weights)
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (step, k)
+        grads = {k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
+                 for k, v in want.items()}  # fmt: skip
+        dense.apply_gradients(grads)
+        keyed.apply_gradients(grads)
+        if step % 5 == 4:
+            for table in seen:
+                keys = _same_contents(dense, keyed, table)
+                assert list(keys) == sorted(seen[table])
+        if step == 0:  # nothing has a row before the first training lookup: zeros
+            assert not any(a.any() for a in evaluated.values())
+    for table in seen:
+        _same_contents(dense, keyed, table)
+    assert keyed.table_stats()["t0"]["rows"] == len(seen["t0"])
+
+
+# -- spec and input ------------------------------------------------------------------------------
+
+
+def test_dynamic_vocabulary_defaults_and_validation():
+    d = ee.DynamicVocabulary()
+    assert (d.occurrence_threshold, d.expire_steps, d.max_rows, d.eviction, d.insert_on) == (
+        0, None, None, "lru", "lookup")  # fmt: skip
+    with pytest.raises(AttributeError):
+        d.max_rows = 3  # frozen
+    # vocabulary_size=None without dynamic: the documented defaults.
+    assert ee.TableConfig(None, 4).dynamic == ee.DynamicVocabulary()
+    assert ee.TableConfig(None, 4).keyed and not ee.TableConfig(5, 4).keyed
+    bad = [
+        (dict(occurrence_threshold=-1), "occurrence_threshold must be an int >= 0, got -1"),
+        (dict(occurrence_threshold=1.5), "occurrence_threshold must be an int >= 0, got 1.5"),
+        (dict(occurrence_threshold=True), "got True"),
+        (dict(expire_steps=0), "expire_steps must be None .* got 0"),
+        (dict(max_rows=-2), "max_rows must be None .* got -2"),
+        (dict(eviction="fifo"), "eviction must be one of \\('lru', 'lfu'\\), got 'fifo'"),
+        (dict(insert_on="update"), "insert_on must be one of .* got 'update'"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ee.DynamicVocabulary(**kwargs)
+    with pytest.raises(ValueError, match="makes a keyed table.*pass vocabulary_size=None"):
+        ee.TableConfig(10, 4, dynamic=ee.DynamicVocabulary())
+    with pytest.raises(TypeError, match="dynamic must be an embengine.DynamicVocabulary"):
+        ee.TableConfig(None, 4, dynamic={"max_rows": 3})
+    with pytest.raises(ValueError, match="vocabulary_size must be .* got 0 \\(or None for a keyed"):
+        ee.TableConfig(0, 4)
+
+
+def test_keyed_spec_and_plan_round_trip_through_json():
+    dyn = ee.DynamicVocabulary(occurrence_threshold=2, expire_steps=5, max_rows=100,
+                               eviction="lfu", insert_on="apply")  # fmt: skip
+    t = ee.TableConfig(None, 4, name="k", dynamic=dyn)
+    d = ee.TableConfig(10, 4, name="d")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(d)},
+                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    spec = json.loads(json.dumps(eng.spec()))
+    tables = {x["name"]: x for x in spec["tables"]}
+    assert tables["k"]["vocabulary_size"] is None and tables["k"]["storage"] == "keyed"
+    assert tables["k"]["dynamic"]["eviction"] == "lfu" and "dynamic" not in tables["d"]
+    again = ee.EmbeddingEngine.from_spec(spec)
+    assert again.table_configs["k"].dynamic == dyn
+    assert again.table_configs["d"].dynamic is None
+    assert again.spec() == eng.spec()
+    plan = StoragePlan.from_json(json.loads(json.dumps(eng.storage_plan.to_json())))
+    assert plan == eng.storage_plan
+    assert plan.physical_tables[0].tables[0].dynamic == dyn
+    # A keyed table is stored as 'keyed' only; 'keyed' holds keyed tables only.
+    feats = {"f": ee.FeatureConfig(t)}
+    with pytest.raises(ValueError, match="table 'k' is keyed .* storage 'mmap' does not hold"):
+        ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), storage="mmap", storage_dir="/tmp/x")
+    with pytest.raises(ValueError, match="storage 'keyed' is for keyed tables; table 'd'"):
+        ee.EmbeddingEngine({"g": ee.FeatureConfig(d)}, optimizer=opt.SGD(0.1), storage="keyed")
+    # Its rows are not ids: no state arrays by id (checkpoints of keyed tables come later).
+    with pytest.raises(TypeError, match="table 'k' is keyed .*table_contents\\('k'\\)"):
+        eng.state_dict()
+
+
+def _keyed(backend="numba", optimizer=None, dim=2, init=None, **dynamic):
+    t = ee.TableConfig(None, dim, name="k", combiner="sum", initializer=init or RowId(0),
+                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
+    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.SGD(1.0),
+                              backend=backend, seed=1)  # fmt: skip
+
+
+BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_keyed_tables_take_any_int64_key(backend):
+    eng = _keyed(backend, init=RandomUniform(-1, 1))
+    keys = [BIG, -(2**63), 2**63 - 1, -5, -1, 0]
+    acts = eng.lookup({"f": np.array(keys, np.int64)})["f"]  # 1-D: -1 is a key here
+    assert eng.table_contents("k")["keys"].tolist() == sorted(keys)
+    want = RandomUniform(-1, 1).init(1, "k", np.array(keys), 2)
+    assert acts.tobytes() == want.tobytes()
+    # 2-D input: -1 is padding, other negative keys are keys.
+    eng2 = _keyed(backend)
+    acts = eng2.lookup({"f": np.array([[-5, -1], [-1, -1], [BIG, 3]])})["f"]
+    assert eng2.table_contents("k")["keys"].tolist() == [-5, 3, BIG]
+    np.testing.assert_array_equal(acts[:, 0], [-5.0, 0.0, np.float32(BIG) + 3])
+    # A dense table keeps its checks.
+    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 2))},
+                               optimizer=opt.SGD(0.1), backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="only -1 marks padding"):
+        dense.lookup({"f": np.array([[-5, -1]])})
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_bad_keys_are_refused_and_change_nothing(backend):
+    eng = _keyed(backend)
+    eng.lookup({"f": [[1, 2]]})
+    eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
+    before = eng.table_contents("k")
+    for bad, error, match in [
+        ({"f": [[1.5, 2]]}, TypeError, "ids must be integers"),
+        ({"f": np.array([1.0, 2.0])}, TypeError, "ids must be integers, got dtype float64"),
+        ({"f": [[2**64]]}, ValueError, "does not fit in int64"),
+        ({"f": [["a"]]}, TypeError, "ids must be integers"),
+    ]:
+        with pytest.raises(error, match=match):
+            eng.lookup(bad)
+    after = eng.table_contents("k")
+    assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+    assert eng.step == 1
+
+
+# -- scripted streams ----------------------------------------------------------------------------
+
+
+def _train(eng, bags, grad=1.0):
+    acts = eng.lookup({"f": bags})["f"]
+    eng.apply_gradients({"f": np.full_like(acts, grad)})
+    return acts
+
+
+def _keys(eng):
+    return eng.table_contents("k")["keys"].tolist()
+
+
+# Sorted: B < D < A < C < E; A, B, C, D exact in float32 (RowId values are checked).
+A, B, C, D, E = 2**20 + 1, -7, 2**22 + 3, 5, BIG + 9
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_admission_threshold_1(backend):
+    eng = _keyed(backend, occurrence_threshold=1)
+    acts = _train(eng, [[A, B, A]])  # step 0: nothing seen before
+    assert _keys(eng) == [] and not acts.any()
+    s = eng.table_stats()["k"]
+    assert (s["pending_keys"], s["this_step"]["filtered"], s["this_step"]["admitted"]) == (2, 2, 0)
+    acts = _train(eng, [[A], [C]])  # A: 2 earlier occurrences; C: none
+    assert _keys(eng) == [A]
+    np.testing.assert_array_equal(acts, [[A, A], [0, 0]])  # RowId: the row's values are its key
+    acts = _train(eng, [[B, C], [A]])  # B, C: 1 earlier occurrence each
+    assert _keys(eng) == [B, A, C]
+    c = eng.table_contents("k")
+    # SGD lr 1, gradient 1: a row moves by -1 per step it was trained in since its admission;
+    # the occurrences before it were dropped, not added to any row.
+    np.testing.assert_array_equal(c["weights"][:, 0], np.float32([B - 1, A - 2, C - 1]))
+    s = eng.table_stats()["k"]
+    assert s["pending_keys"] == 0 and s["total"]["admitted"] == 3
+    assert s["total"]["filtered"] == 3 and s["this_step"]["admitted"] == 2
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_admission_threshold_3(backend):
+    eng = _keyed(backend, occurrence_threshold=3)
+    _train(eng, [[A, B, B], [B]])  # step 0: A 1, B 3
+    _train(eng, [[A, B]])  # step 1: B admitted (3 earlier); A 2 earlier
+    assert _keys(eng) == [B]
+    _train(eng, [[A, A]])  # step 2: A has 2 earlier occurrences: not yet
+    assert _keys(eng) == [B]
+    _train(eng, [[A]])  # step 3: 4 earlier
+    assert _keys(eng) == [B, A]
+    # Evaluation lookups never count: C looked up 5 times in evaluation stays at 0.
+    for _ in range(5):
+        assert not eng.lookup({"f": [[C]]}, training=False)["f"].any()
+    _train(eng, [[C]])
+    assert _keys(eng) == [B, A] and eng.table_stats()["k"]["pending_keys"] == 1
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_pending_counts_are_bounded_oldest_first(backend):
+    bounded, free = _keyed(backend, occurrence_threshold=2), _keyed(backend, occurrence_threshold=2)
+    bounded._physical[0].max_pending = 2
+    for eng in (bounded, free):
+        _train(eng, [[A, A]])  # step 0: A 2
+        _train(eng, [[B, C]])  # step 1: the bound forgets A, seen longest ago
+        _train(eng, [[A]])  # step 2: A's 2 earlier occurrences count only where remembered
+    assert _keys(free) == [A] and _keys(bounded) == []
+    s = bounded.table_stats()["k"]
+    # Step 1 forgot A; step 2 forgot B (seen at step 1 like C; the smaller key goes first).
+    assert s["total"]["forgotten"] == 2 and s["pending_keys"] == 2
+    with pytest.raises(ValueError, match="max_pending must be an int >= 0, got -1"):
+        bounded._physical[0].max_pending = -1
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_expiry_and_readmission_with_fresh_row(backend):
+    eng = _keyed(backend, optimizer=opt.Adagrad(0.5), expire_steps=2)
+    for step in range(3):  # A at step 0 only; B every step
+        _train(eng, [[A, B]] if step == 0 else [[B]])
+    assert _keys(eng) == [B, A]  # A last touched at step 0; now step 3
+    # Step 3: 3 - 0 > 2, so A is gone before this step's lookup; evaluation already sees zeros.
+    assert not eng.lookup({"f": [[A]]}, training=False)["f"].any()
+    assert _keys(eng) == [B, A]  # evaluation removed nothing
+    _train(eng, [[B]])
+    assert _keys(eng) == [B]
+    assert eng.table_stats()["k"]["this_step"]["expired"] == 1
+    # A again: a new row, its initial values and fresh slots (Adagrad's initial accumulator).
+    acts = eng.lookup({"f": [[A]]})["f"]
+    np.testing.assert_array_equal(acts, [[A, A]])
+    c = eng.table_contents("k")
+    fresh = opt.Adagrad(0.5).slot_specs(2)[0].initial_value
+    np.testing.assert_array_equal(c["accumulators"][c["keys"] == A], np.float32([[fresh, fresh]]))
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_lru_eviction(backend):
+    eng = _keyed(backend, max_rows=3)
+    _train(eng, [[A, B, C]])
+    _train(eng, [[A]])
+    _train(eng, [[D]])  # B and C last touched at step 0: the smaller key, B, goes
+    assert _keys(eng) == [D, A, C]
+    _train(eng, [[E, C]])  # A (step 1) is now the least recent; C is in the batch
+    assert _keys(eng) == [D, C, E]
+    assert eng.table_stats()["k"]["total"]["evicted"] == 2
+    # An evicted key seen again is a new row: its initial value, not its trained one.
+    np.testing.assert_array_equal(_train(eng, [[B]]), [[B, B]])
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_lfu_eviction(backend):
+    eng = _keyed(backend, max_rows=3, eviction="lfu")
+    _train(eng, [[A, A, B, C]])  # touches: A 2, B 1, C 1
+    _train(eng, [[B], [B], [B]])  # B 4
+    _train(eng, [[D]])  # C has the fewest touches (1)
+    assert _keys(eng) == [B, D, A]
+    _train(eng, [[E]])  # D 1 (step 2) < A 2 < B 4: D goes (LRU would take A)
+    assert _keys(eng) == [B, A, E]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_batch_needing_more_than_max_rows_is_an_error_and_changes_nothing(backend):
+    eng = _keyed(backend, optimizer=opt.Adagrad(0.1), max_rows=2, occurrence_threshold=1)
+    _train(eng, [[A, B, C]])
+    _train(eng, [[A, B]])
+    before, stats = eng.table_contents("k"), eng.table_stats()
+    with pytest.raises(ValueError, match="table 'k': this batch needs 3 rows .* max_rows=2"):
+        eng.lookup({"f": [[A, B, C]]})
+    after = eng.table_contents("k")
+    assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+    assert eng.table_stats() == stats and eng.step == 2
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
+        eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
+    _train(eng, [[A, B]])  # the table trains on
+    assert _keys(eng) == [B, A]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_insert_on_apply(backend):
+    eng = _keyed(backend, optimizer=opt.SGD(0.5), insert_on="apply")
+    acts = eng.lookup({"f": [[A], [A, B]]})["f"]
+    assert not acts.any() and _keys(eng) == []  # zeros before the first update
+    eng.apply_gradients({"f": np.float32([[1, 2], [3, 4]])})
+    # The update made the rows and applied this step's gradient to them.
+    c = eng.table_contents("k")
+    assert c["keys"].tolist() == [B, A]
+    np.testing.assert_array_equal(c["weights"], np.float32([[B - 1.5, B - 2], [A - 2, A - 3]]))
+    acts = eng.lookup({"f": [[A], [D]]})["f"]
+    np.testing.assert_array_equal(acts, np.float32([[A - 2, A - 3], [0, 0]]))
+    eng.apply_gradients({"f": np.zeros((2, 2), np.float32)})
+    assert _keys(eng) == [B, D, A]
+    # With a threshold: counted at the lookup, inserted at the update once admitted.
+    eng = _keyed(backend, insert_on="apply", occurrence_threshold=1)
+    _train(eng, [[C]])
+    assert _keys(eng) == []
+    assert not _train(eng, [[C]]).any()  # admitted at step 1: zeros, then the row
+    np.testing.assert_array_equal(eng.table_contents("k")["weights"], [[C - 1, C - 1]])
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_evaluation_lookups_never_insert_or_refresh(backend):
+    eng = _keyed(backend, expire_steps=1, max_rows=2)
+    _train(eng, [[A, B]])
+    stats = eng.table_stats()
+    acts = eng.lookup({"f": [[A, C], [D]]}, training=False)["f"]
+    np.testing.assert_array_equal(acts, np.float32([[A - 1, A - 1], [0, 0]]))
+    batch = eng.preprocess({"f": [[C]]})  # a deduplicated batch looked up for evaluation
+    assert not eng.lookup(batch, training=False)["f"].any()
+    assert _keys(eng) == [B, A] and eng.table_stats() == stats
+    _train(eng, [[B]])  # step 1
+    for _ in range(3):  # evaluation does not refresh A
+        eng.lookup({"f": [[A]]}, training=False)
+    _train(eng, [[B]])  # step 2: A (step 0) expired
+    assert _keys(eng) == [B]
+
+
+def _stream(threads: int):
+    numba.set_num_threads(threads)
+    try:
+        eng = _keyed("numba", optimizer=opt.Adam(0.1), dim=8, init=RandomUniform(-1, 1),
+                     occurrence_threshold=1, max_rows=100, expire_steps=6)  # fmt: skip
+        rng = np.random.default_rng(5)
+        for _ in range(12):
+            keys = rng.zipf(1.3, 200) * np.int64(0x9E3779B97F4A7C15 % 2**61)  # wraps: any int64
+            _train(eng, [list(keys[i : i + 4]) for i in range(0, 200, 4)], grad=0.1)
+        return eng.table_contents("k"), eng.table_stats()
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_same_stream_at_one_and_two_threads_is_bit_identical():
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 numba threads")
+    (c1, s1), (c2, s2) = _stream(1), _stream(2)
+    total = s1["k"]["total"]
+    assert s1 == s2 and min(total["evicted"], total["expired"], total["forgotten"]) > 0
+    assert set(c1) == set(c2)
+    for k in c1:
+        assert c1[k].tobytes() == c2[k].tobytes(), k
+
+
+def test_dense_tables_have_contents_and_stats_too():
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d",
+                                                                   initializer=RowId(0)))},
+                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    c = eng.table_contents("d")
+    assert c["keys"].tolist() == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(c["weights"][:, 0], [0, 1, 2, 3, 4])
+    assert set(c) == {"keys", "weights", "accumulators"}
+    s = eng.table_stats()["d"]
+    assert (s["kind"], s["rows"], s["capacity"]) == ("ram", 5, 5)
+    with pytest.raises(KeyError, match="no table named 'x'"):
+        eng.table_contents("x")
+
+
+# -- the index -----------------------------------------------------------------------------------
+
+
+def test_key_index_against_a_dict():
+    """Random inserts and deletes (backward-shift deletion, growth) agree with a dict."""
+    rng = np.random.default_rng(0)
+    index, ref = KeyIndex(8), {}
+    pool = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
+    pool[:50] = np.arange(50)  # clustered keys too
+    for _ in range(40):
+        new = np.array([k for k in rng.choice(pool, 100) if k not in ref], np.int64)
+        new = np.unique(new)
+        index.insert(new, np.arange(len(new)) + len(ref) * 7)
+        ref.update(zip(new.tolist(), (np.arange(len(new)) + len(ref) * 7).tolist(), strict=True))
+        gone = rng.choice(np.array(list(ref), np.int64), min(len(ref), 40), replace=False)
+        index.remove(gone)
+        for k in gone.tolist():
+            del ref[k]
+        probe = rng.choice(pool, 500)
+        got = index.find(probe)
+        assert got.tolist() == [ref.get(int(k), -1) for k in probe]
+        assert index.count == len(ref) == int((index.values >= 0).sum())
+    assert keyed_index.EMPTY == -1
