@@ -92,8 +92,12 @@ class _FileLock:
 
     def acquire(self) -> None:
         if self._depth == 0:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            try:
+                fd = os.open(self.path, flags, 0o666)
+            except FileNotFoundError:  # numba makes its cache folder only at the first save
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                fd = os.open(self.path, flags, 0o666)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:
