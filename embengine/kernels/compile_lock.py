@@ -92,7 +92,8 @@ class _FileLock:
 
     def acquire(self) -> None:
         if self._depth == 0:
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            # Read-only is enough for flock, and opens a lock file another user created.
+            flags = os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC
             try:
                 fd = os.open(self.path, flags, 0o666)
             except FileNotFoundError:  # numba makes its cache folder only at the first save
