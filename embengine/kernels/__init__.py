@@ -18,3 +18,17 @@ FIXED_DIMS = (1, 2, 4, 8, 16, 32, 64, 128)
 NUMBA_OPTIONS = dict(
     cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract", "arcp"}
 )
+
+
+def kernel(**options):
+    """``numba.njit(**NUMBA_OPTIONS, **options)`` with the dispatcher's on-disk cache under a
+    cross-process lock (``compile_lock``): every kernel of embengine is made with it.
+    ``options`` override NUMBA_OPTIONS (e.g. ``fastmath=False``)."""
+    import numba
+
+    from .compile_lock import locked
+
+    def decorate(py_func):
+        return locked(numba.njit(**dict(NUMBA_OPTIONS, **options))(py_func))
+
+    return decorate

@@ -8,14 +8,13 @@ they will need a few iterations later.
 
 from __future__ import annotations
 
-import numba as nb
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from . import NUMBA_OPTIONS
+from . import kernel
 
 # Elements of a float32 / int32 row per 64-byte cache line.
 LINE = 16
@@ -54,7 +53,7 @@ prefetch_line = _make_prefetch(0)  # prefetch_line(arr, i, j): the line of arr[i
 _prefetch_write = _make_prefetch(1)
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def prefetch_row(arr, row, width):
     """Prefetch ``arr[row, :width]`` for reading (a 2-D C-contiguous 4-byte array)."""
     for col in range(0, width, LINE):
@@ -62,7 +61,7 @@ def prefetch_row(arr, row, width):
     prefetch_line(arr, row, width - 1)  # rows need not start on a line boundary
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def prefetch_row_for_write(arr, row, width):
     """Prefetch ``arr[row, :width]`` with the intent to write it."""
     for col in range(0, width, LINE):

@@ -82,7 +82,7 @@ Per variant of row_math.VARIANTS:
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 from ._intrinsics import prefetch_row, prefetch_row_for_write
 from .pipeline import (
     H_COMMON,
@@ -322,13 +322,13 @@ for task in nb.prange(bounds.shape[0] - 1):
 
 KERNELS = """
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def fused_update_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
 {setup}
     n_rows = data.shape[0]
@@ -368,7 +368,7 @@ def fixed_fused_update_{name}(DIM, NS):
     F1, F2 = 2 * DIM, 3 * DIM  # computed here: numba inlines free variables as constants
     ROWLEN = {rowlen}  # the values saved before the in-place update
 
-    @nb.njit(parallel=True, **NUMBA_OPTIONS)
+    @kernel(parallel=True)
     def fused_update_{name}_fixed(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}

@@ -10,17 +10,19 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import kernel
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _ROUND = np.uint64(0xD1B54A32D192ED03)
 _TWO_POW_M53 = 1.0 / 9007199254740992.0
 
-# Exact IEEE results matter here more than speed: no fastmath for initial values.
-_EXACT = dict(cache=True, nogil=True, error_model="numpy")
+# Exact IEEE results matter here more than speed: no fastmath for initial values
+# (fastmath=False overrides NUMBA_OPTIONS').
 
 
-@nb.njit(inline="always", **_EXACT)
+@kernel(inline="always", fastmath=False)
 def _splitmix64(x):
     z = x + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
@@ -28,7 +30,7 @@ def _splitmix64(x):
     return z ^ (z >> np.uint64(31))
 
 
-@nb.njit(inline="always", **_EXACT)
+@kernel(inline="always", fastmath=False)
 def uniform01(key, row, col, dim, stream):
     """A double in [0, 1) from 53 random bits."""
     counter = np.uint64(row) * np.uint64(dim) + np.uint64(col)
@@ -36,7 +38,7 @@ def uniform01(key, row, col, dim, stream):
     return np.float64(_splitmix64(x) >> np.uint64(11)) * _TWO_POW_M53
 
 
-@nb.njit(parallel=True, **_EXACT)
+@kernel(parallel=True, fastmath=False)
 def fill_uniform(out, rows, key, low, high):
     dim = out.shape[1]
     for i in nb.prange(rows.shape[0]):
@@ -44,7 +46,7 @@ def fill_uniform(out, rows, key, low, high):
             out[i, j] = low + (high - low) * uniform01(key, rows[i], j, dim, 0)
 
 
-@nb.njit(parallel=True, **_EXACT)
+@kernel(parallel=True, fastmath=False)
 def fill_truncated_normal(out, rows, key, mean, stddev):
     """Normal(mean, stddev) redrawn beyond 2 standard deviations; Box-Muller on two streams per
     round, round r using streams 2r and 2r + 1."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-# Integer code only: exact, no fastmath flags needed.
-_OPTIONS = dict(cache=True, nogil=True)
+from . import kernel
+
+# Integer code only: exact, no fastmath flags needed; Python's error model as numba's default.
+_OPTIONS = dict(fastmath=False, error_model="python")
 
 EMPTY = -1
 
@@ -29,7 +31,7 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@kernel(inline="always", **_OPTIONS)
 def _home(key, mask):
     """The key's first slot: splitmix64 of its bits, masked (capacity is a power of two)."""
     z = np.uint64(key) + _GOLDEN
@@ -39,7 +41,7 @@ def _home(key, mask):
     return np.int64(z & np.uint64(mask))
 
 
-@nb.njit(inline="always", **_OPTIONS)
+@kernel(inline="always", **_OPTIONS)
 def _probe(tkeys, tvals, key, mask):
     """The slot holding ``key``, or -1."""
     s = _home(key, mask)
@@ -51,7 +53,7 @@ def _probe(tkeys, tvals, key, mask):
         s = (s + 1) & mask
 
 
-@nb.njit(parallel=True, **_OPTIONS)
+@kernel(parallel=True, **_OPTIONS)
 def find(tkeys, tvals, keys, out):
     """``out[i]`` = the value of ``keys[i]``, or EMPTY if absent."""
     mask = tkeys.shape[0] - 1
@@ -60,7 +62,7 @@ def find(tkeys, tvals, keys, out):
         out[i] = EMPTY if s < 0 else tvals[s]
 
 
-@nb.njit(**_OPTIONS)
+@kernel(**_OPTIONS)
 def insert(tkeys, tvals, keys, vals):
     """Set ``keys[i] -> vals[i]`` in order (a present key's value is replaced). The caller keeps
     the load below one (``KeyIndex`` grows it first)."""
@@ -74,7 +76,7 @@ def insert(tkeys, tvals, keys, vals):
         tvals[s] = vals[i]
 
 
-@nb.njit(**_OPTIONS)
+@kernel(**_OPTIONS)
 def remove(tkeys, tvals, keys):
     """Delete ``keys`` (absent ones are skipped), shifting each probe run back over the hole:
     a member moves into the hole unless its home lies cyclically in (hole, its slot] (Knuth's
@@ -101,7 +103,7 @@ def remove(tkeys, tvals, keys):
     return removed
 
 
-@nb.njit(**_OPTIONS)
+@kernel(**_OPTIONS)
 def rehash(tkeys, tvals, new_keys, new_vals):
     """Insert every entry of the old arrays into the new (empty) ones, in slot order."""
     mask = new_keys.shape[0] - 1

@@ -13,14 +13,14 @@ feature straight from its rows (for a storage whose rows are ids at a base, the 
 the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 51c3d840f2f79ed4
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): a253a20ac1e069a4
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
 
-from . import FIXED_DIMS, NUMBA_OPTIONS
+from . import FIXED_DIMS, kernel
 from ._intrinsics import prefetch_row, stack_row
 from .prepare import SUM, bag_denominator, bag_gain
 
@@ -31,7 +31,7 @@ ROWS_PER_TASK = 64
 PREFETCH_DISTANCE = 16
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
                stop, acc):  # fmt: skip
     """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
@@ -75,7 +75,7 @@ def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, pref
             out[o, j] = acc[j]
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
     """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
     (terms with a row of -1 left out).
@@ -96,7 +96,7 @@ def _fixed_dim_pool(fixed_dim: int):
     faster at dim 64, and again ~1.5x on cached rows from the stack row).
     numba caches each closure under its own constant."""
 
-    @nb.njit(parallel=True, **NUMBA_OPTIONS)
+    @kernel(parallel=True)
     def pool_fixed(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
         n_out = out.shape[0]
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -117,7 +117,7 @@ def pool_kernel(dim: int):
     return _FIXED_DIMS.get(int(dim), pool)
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
                     quant, prefetch, first, stop, acc):  # fmt: skip
     """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
@@ -181,7 +181,7 @@ def _make_pool_range(fixed_dim: int):
     ``fixed_dim == 0``, any width."""
     if fixed_dim:
 
-        @nb.njit(**NUMBA_OPTIONS)
+        @kernel()
         def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
                        quant, prefetch, first, stop):  # fmt: skip
             _pool_bag_range(data, fixed_dim, rows, offsets, weights, combiner, seq_len, out,
@@ -190,7 +190,7 @@ def _make_pool_range(fixed_dim: int):
 
     else:
 
-        @nb.njit(**NUMBA_OPTIONS)
+        @kernel()
         def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
                        quant, prefetch, first, stop):  # fmt: skip
             _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out,
@@ -213,7 +213,7 @@ _pool_range_any = _make_pool_range(0)
 assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch for each
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
                prefetch, first, stop):  # fmt: skip
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
@@ -245,7 +245,7 @@ def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_st
         _pool_range_any(*args)
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
               prefetch):  # fmt: skip
     """One feature's activations, straight from its occurrences' rows (a lookup-only batch).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 
 # Columns of the per-table metadata array: dim, flags, then the float slots that are copied
 # into scratch arrays (row_math.py): their number, and (start column, width) of each.
@@ -30,7 +30,7 @@ PREFETCH_DISTANCE = 4
 GRAD_PREFETCH = 8
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def balanced_tasks(unique_offsets):
     """Task boundaries over the unique rows with about equal work each.
 
@@ -56,7 +56,7 @@ def balanced_tasks(unique_offsets):
     return bounds
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def nonfinite_rows(unique_offsets, unique_gains, unique_segments, grad, accumulate):
     """skip_row policy: 1 for each unique row whose update would see a non-finite gradient (its
     float64 sum with accumulation, any single contribution without), else 0.

@@ -25,7 +25,7 @@ import sys
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 
 # The process that imported this module. A forked child keeps the module (and the parent's
 # OpenMP state) with another pid; a spawned process imports it anew.
@@ -45,7 +45,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def _touch(x):
     for i in nb.prange(x.shape[0]):
         x[i] = i

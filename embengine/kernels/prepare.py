@@ -9,14 +9,14 @@ order, gains computed in float64 and rounded to float32. Ids stay ids here: whic
 id is the storage's business (``storage.protocol``), resolved after this pass.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): b0f85eb80aa894aa
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 642644cbc4d203cb
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 from ._intrinsics import prefetch_line
 
 COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}
@@ -32,7 +32,7 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 HASH_PREFETCH = 8
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def bag_denominator(weights, w_base, start, stop, combiner):
     """A bag's combiner denominator, in float64: 1 (SUM), sum of w (MEAN), sqrt of the sum of
     w^2 (SQRTN), with w = ``weights[w_base + k]`` for k in ``start:stop`` (1 if w_base < 0).
@@ -46,7 +46,7 @@ def bag_denominator(weights, w_base, start, stop, combiner):
     return total if combiner == MEAN else np.sqrt(total)
 
 
-@nb.njit(inline="always", **NUMBA_OPTIONS)
+@kernel(inline="always")
 def bag_gain(w, combiner, denom):
     """An id's gain in float64 (stored as float32, as batch.combiner_gains): its weight w for
     SUM, w / denom for MEAN and SQRTN, 0 if denom is 0."""
@@ -57,7 +57,7 @@ def bag_gain(w, combiner, denom):
     return 0.0
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments, cursor):
     """Append feature f's occurrences at ``cursor``; return the new cursor."""
     id_base = fmeta[f, F_ID_BASE]
@@ -86,7 +86,7 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
     return cursor
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
     """Hash dedup in order of first appearance; returns the number of unique ids.
 
@@ -166,7 +166,7 @@ def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
     return n_unique
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _offsets(keys, n, offsets):
     """offsets[i] = number of keys < i, for i in 0..n (keys in [0, n))."""
     offsets[: n + 1] = 0
@@ -176,7 +176,7 @@ def _offsets(keys, n, offsets):
         offsets[i + 1] += offsets[i]
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _csr(keys, n, offsets, order):
     """Stable counting sort of positions by key (see batch.csr)."""
     _offsets(keys, n, offsets)
@@ -204,7 +204,7 @@ def deal_tables(sizes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.ndarr
     return order, bounds
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def prepare_tables(
     order,
     bounds,
@@ -238,7 +238,7 @@ def prepare_tables(
                            unique_bounds)  # fmt: skip
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def prepare_tables_serial(
     fmeta,
     ids,
@@ -268,7 +268,7 @@ def prepare_tables_serial(
                        unique_segments, output_offsets, unique_bounds)  # fmt: skip
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains, segments,
                    unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
                    output_offsets, unique_bounds):  # fmt: skip

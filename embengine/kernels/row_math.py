@@ -36,28 +36,26 @@ After editing this file run ``python -m embengine.kernels.codegen`` (the tests c
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 
-_OPTS = dict(NUMBA_OPTIONS, inline="always")
 f32 = np.float32
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def sgd(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return w - lr * g, a, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adagrad(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     gf = f32(g)
     acc = f32(a) + gf * gf
     return f32(w) - f32(lr) * gf / np.sqrt(acc), acc, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adagrad_rows(w, s0, g, lr, k, dim):
     """Adagrad with one accumulator per k dims, fed the mean of g^2 over its group."""
     k = np.int64(k)
@@ -72,14 +70,14 @@ def adagrad_rows(w, s0, g, lr, k, dim):
             w[j] = w[j] - scale * g[j]
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adagrad_rowwise(acc, sum_g2, lr, k, dim):
     """Adagrad with one accumulator per row (k = dim): acc += mean(g^2); step = lr / sqrt(acc)."""
     acc = acc + sum_g2 / dim
     return acc, lr / np.sqrt(acc)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def _adagrad_momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, square):
     momentum, nesterov, exponent, beta2, eps = h0, h1 != 0.0, h2, h3, h4
     acc = a + g * g if beta2 == 1.0 else beta2 * a + (1.0 - beta2) * g * g
@@ -88,19 +86,19 @@ def _adagrad_momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, square):
     return w - lr * (momentum * m + s if nesterov else m), acc, m, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adagrad_momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return _adagrad_momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, False)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adagrad_momentum_square(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """exponent = 2: a square root instead of a power (each a variant: a branch between the
     two inside the loop would be if-converted into computing both)."""
     return _adagrad_momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, True)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def proximal_adagrad(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     l1, l2 = h0, h1
     acc = a + g * g
@@ -109,7 +107,7 @@ def proximal_adagrad(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return np.sign(v) * max(abs(v) - rate * l1, 0.0) / (1.0 + rate * l2), acc, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adam_prologue(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5):
     """The step size: lr, or lr * sqrt(1 - b2^t) / (1 - b1^t) with t global (h5 == 1) or this
     row's update count (h5 == 2, stored as int32 after the float slots)."""
@@ -125,7 +123,7 @@ def adam_prologue(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5):
     return lr, 0.0
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def _adam(w, a, b, c, g, pa, h0, h1, h2, h3, h4, amsgrad):
     # 1 - beta in float64 before rounding: f32(1) - f32(0.999) is off by 1e-5 relative.
     b1, b2, c1, c2 = f32(h0), f32(h1), f32(1.0 - h0), f32(1.0 - h1)
@@ -141,25 +139,25 @@ def _adam(w, a, b, c, g, pa, h0, h1, h2, h3, h4, amsgrad):
     return f32(w) - f32(pa) * u / d, m, v, vhat
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adam(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """a = momenta, b = velocities; pa = the step size (lr, or from adam_prologue)."""
     return _adam(w, a, b, c, g, pa, h0, h1, h2, h3, h4, False)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def amsgrad(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """c = vhats, the running maximum of v."""
     return _adam(w, a, b, c, g, pa, h0, h1, h2, h3, h4, True)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def lion(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     b1, b2 = h0, h1
     return w - lr * np.sign(b1 * a + (1.0 - b1) * g), b2 * a + (1.0 - b2) * g, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def _ftrl(w, a, b, c, g, lr, h0, h1, h2, h3, h4, square_root):
     """a = accumulators, b = linears."""
     p, l1, l2, beta, mult = h0, h1, h2, h3, h4 != 0.0
@@ -182,18 +180,18 @@ def _ftrl(w, a, b, c, g, lr, h0, h1, h2, h3, h4, square_root):
     return new_w, acc, z, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def ftrl(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return _ftrl(w, a, b, c, g, lr, h0, h1, h2, h3, h4, False)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def ftrl_sqrt(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """learning_rate_power = -0.5 (the default): square roots instead of powers."""
     return _ftrl(w, a, b, c, g, lr, h0, h1, h2, h3, h4, True)
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     mu, nesterov, velocity = h0, h1 != 0.0, h2 != 0.0
     if velocity:
@@ -203,7 +201,7 @@ def momentum(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return w - (lr * (g + mu * m) if nesterov else lr * m), m, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def rmsprop(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """a = ms, b = mom, c = mg (centered)."""
     rho, mu, eps, centered, inside = f32(h0), f32(h1), f32(h2), h3 != 0.0, h4 != 0.0
@@ -217,7 +215,7 @@ def rmsprop(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return f32(w) - mom, ms, mom, mg
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def adadelta(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     """a = accumulators, b = updates."""
     rho, eps, c_rho, gf = f32(h0), f32(h1), f32(1.0 - h0), f32(g)
@@ -226,12 +224,12 @@ def adadelta(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return f32(w) - f32(lr) * u, acc, rho * f32(b) + c_rho * u * u, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def assign(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return g, a, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def last_hit_prologue(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5):
     """Steps since this row was last seen (pa), and record this step (1-based) as its last."""
     s = step + 1
@@ -240,14 +238,14 @@ def last_hit_prologue(data_i, r, cols, step, lr, h0, h1, h2, h3, h4, h5):
     return delta, 0.0
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def frequency_estimator(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     tau, max_delta, threshold, delta = h0, h1, h2, pa
     clipped = min(delta, max_delta)
     return (clipped if delta >= threshold * w else (1.0 - tau) * w + tau * clipped), a, b, c
 
 
-@nb.njit(**_OPTS)
+@kernel(inline="always")
 def batch_softmax(w, a, b, c, g, lr, h0, h1, h2, h3, h4, h5, pa, pb):
     return (1.0 - lr) * w + lr * pa, a, b, c
 

@@ -19,14 +19,14 @@ many tables the threads move from preparing to pooling without a join in between
 table is pooled by one kernel call instead of one call each.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): fed705b1a30ebec4
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 02f3744694756dd7
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
 
-from . import NUMBA_OPTIONS
+from . import kernel
 from ._intrinsics import fetch_add, float32_rows_at
 from .lookup import pool_range
 from .prepare import (
@@ -54,7 +54,7 @@ FD_COLS = 2
 POOL_TASK = 64
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def pool_tasks(fmeta, fdata):
     """The pooling tasks: rows ``(feature, first sample, stop sample)``, each feature's samples
     in chunks of POOL_TASK; none for a feature without an address (``fdata``)."""
@@ -75,7 +75,7 @@ def pool_tasks(fmeta, fdata):
     return tasks
 
 
-@nb.njit(**NUMBA_OPTIONS)
+@kernel()
 def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
     """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
     the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
@@ -94,7 +94,7 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
                out, fmeta[f, F_OUT_START], quant[t], prefetch, first, stop)  # fmt: skip
 
 
-@nb.njit(parallel=True, **NUMBA_OPTIONS)
+@kernel(parallel=True)
 def prepare_and_pool(
     prep_order,
     n_workers,
