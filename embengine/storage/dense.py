@@ -31,7 +31,7 @@ try:  # POSIX; Windows has no flock, so no lock is taken there
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None
 
-__all__ = ["DenseTable", "Column", "TableView", "StorageError"]
+__all__ = ["DenseTable", "Column", "TableView", "StorageError", "row_columns"]
 
 # Rows initialised per chunk: bounds the temporary memory of initialisation (~32 MB of float64).
 _INIT_VALUES_PER_CHUNK = 1 << 22
@@ -148,6 +148,19 @@ class Column:
     dtype: str
 
 
+def row_columns(table: str, dim: int, slot_specs: tuple[SlotSpec, ...]) -> tuple[dict, int]:
+    """The row layout ``[weights | slot 0 | slot 1 ...]`` every storage of rows shares: each
+    column's ``Column`` by name, and the row width (``dim`` plus the slots' widths)."""
+    columns = {"weights": Column("weights", 0, dim, "float32")}
+    start = dim
+    for spec in slot_specs:
+        if spec.name in columns:
+            raise ValueError(f"table {table!r}: slot name {spec.name!r} is used twice")
+        columns[spec.name] = Column(spec.name, start, spec.width, spec.dtype)
+        start += spec.width
+    return columns, start
+
+
 class DenseTable:
     """Weights ``[vocabulary_size, dim]`` plus slots, stored packed (see module docstring).
 
@@ -183,15 +196,7 @@ class DenseTable:
         self.vocabulary_size = int(vocabulary_size)
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
-        columns = {"weights": Column("weights", 0, self.dim, "float32")}
-        start = self.dim
-        for spec in self.slot_specs:
-            if spec.name in columns:
-                raise ValueError(f"table {name!r}: slot name {spec.name!r} is used twice")
-            columns[spec.name] = Column(spec.name, start, spec.width, spec.dtype)
-            start += spec.width
-        self.columns = columns
-        self.row_width = start
+        self.columns, self.row_width = row_columns(name, self.dim, self.slot_specs)
         shape = (self.vocabulary_size, self.row_width)
         self.path = None if path is None else Path(path)
         self._nbytes = shape[0] * shape[1] * 4

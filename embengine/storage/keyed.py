@@ -33,7 +33,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
-from .dense import Column
+from .dense import row_columns
 from .protocol import NO_ROW
 
 __all__ = ["KeyedTable", "KeyedView", "KeyIndex"]
@@ -268,15 +268,7 @@ class KeyedTable:
         self.name = name
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
-        columns = {"weights": Column("weights", 0, self.dim, "float32")}
-        start = self.dim
-        for spec in self.slot_specs:
-            if spec.name in columns:
-                raise ValueError(f"table {name!r}: slot name {spec.name!r} is used twice")
-            columns[spec.name] = Column(spec.name, start, spec.width, spec.dtype)
-            start += spec.width
-        self.columns = columns
-        self.row_width = start
+        self.columns, self.row_width = row_columns(name, self.dim, self.slot_specs)
         self.dynamic = dynamic
         self._initializer = initializer
         self._seed = int(seed)
