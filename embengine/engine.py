@@ -33,7 +33,7 @@ from .batch import (
     plan_tables,
     prepare,
 )
-from .config import FeatureConfig, TableConfig, resolve_features
+from .config import FeatureConfig, ResolvedFeatures, TableConfig, resolve_features
 from .initializers import Initializer, Zeros
 from .inputs import as_numpy
 from .learning_rates import LearningRates
@@ -70,6 +70,34 @@ def _initializer_for(table: TableConfig, opt: Optimizer):
     if table.initializer is None and opt.default_initializer is not None:
         return opt.default_initializer
     return table.effective_initializer
+
+
+def engine_arguments(
+    feature_config, optimizer: Optimizer | None, seed, nonfinite_gradients: str, owner: str
+) -> tuple[ResolvedFeatures, tuple[Optimizer, ...]]:
+    """The arguments every engine front-end (``owner``: its class name) shares, checked: the
+    resolved features, and each table's optimizer (its own, else ``optimizer``), in table
+    order. Errors name the bad value."""
+    resolved = resolve_features(feature_config)
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be an embengine.optimizers.Optimizer, got {optimizer!r}")
+    if nonfinite_gradients not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, got {nonfinite_gradients!r}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    optimizers = []
+    for table, name in zip(resolved.tables, resolved.table_names, strict=True):
+        opt = table.optimizer if table.optimizer is not None else optimizer
+        if opt is None:
+            raise ValueError(
+                f"table {name!r} has no optimizer and the engine has no global one; "
+                f"pass optimizer= to {owner} or to its TableConfig"
+            )
+        opt.check_dim(table.dim)
+        optimizers.append(opt)
+    return resolved, tuple(optimizers)
 
 
 class EmbeddingEngine:
@@ -118,32 +146,12 @@ class EmbeddingEngine:
         storage: str | Mapping[str, str] = "ram",
         storage_dir: str | os.PathLike | None = None,
     ):
-        self._resolved = resolve_features(feature_config)
-        if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"optimizer must be an embengine.optimizers.Optimizer, got {optimizer!r}"
-            )
-        if nonfinite_gradients not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, "
-                f"got {nonfinite_gradients!r}"
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-            raise TypeError(f"seed must be an int, got {seed!r}")
+        self._resolved, self._optimizers = engine_arguments(
+            feature_config, optimizer, seed, nonfinite_gradients, "EmbeddingEngine"
+        )
         self.seed = int(seed)
         self.nonfinite_gradients = nonfinite_gradients
-        optimizers = []
-        for table, name in zip(self._resolved.tables, self._resolved.table_names, strict=True):
-            opt = table.optimizer if table.optimizer is not None else optimizer
-            if opt is None:
-                raise ValueError(
-                    f"table {name!r} has no optimizer and the engine has no global one; "
-                    "pass optimizer= to EmbeddingEngine or to its TableConfig"
-                )
-            opt.check_dim(table.dim)
-            optimizers.append(opt)
-        self._optimizers = tuple(optimizers)
-        self._learning_rates = LearningRates(optimizers, self._resolved.table_names)
+        self._learning_rates = LearningRates(self._optimizers, self._resolved.table_names)
         self._backend = _make_backend(backend)
         self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
         self._build_storage()

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for, csr, dedup
 from ..batch import prepare as prepare_batch
-from ..config import FeatureConfig, TableConfig, resolve_features
-from ..engine import NONFINITE_POLICIES, NonFiniteUpdateError
+from ..config import FeatureConfig, TableConfig
+from ..engine import NonFiniteUpdateError, engine_arguments
 from ..inputs import as_numpy
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
@@ -120,25 +120,10 @@ class ShardedEngine:
                 "init_process_group('gloo', ...) on every rank first (torchrun sets the rank, "
                 "world size and address)"
             )
-        if nonfinite_gradients not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite_gradients must be one of {NONFINITE_POLICIES}, "
-                f"got {nonfinite_gradients!r}"
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self._resolved = r = resolve_features(feature_config)
-        optimizers = []
-        for table, name in zip(r.tables, r.table_names, strict=True):
-            opt = table.optimizer if table.optimizer is not None else optimizer
-            if opt is None:
-                raise ValueError(
-                    f"table {name!r} has no optimizer and the engine has no global one; "
-                    "pass optimizer= to ShardedEngine or to its TableConfig"
-                )
-            opt.check_dim(table.dim)
-            optimizers.append(opt)
-        self._optimizers = tuple(optimizers)
+        r, optimizers = engine_arguments(
+            feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
+        )
+        self._resolved, self._optimizers = r, optimizers
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)
         self.nonfinite_gradients = nonfinite_gradients
