@@ -245,7 +245,9 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert codes[0] == 0, _logs(tmp_path, 2)
     seconds, text = _error_text(tmp_path, "kill", 0)
     assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
-    assert "Connection reset by peer" in text
+    # gloo words a dead socket by timing ("Connection reset by peer", "Connection closed by
+    # peer", ...): what holds is that it is not the group's timeout and that it came at once.
+    assert "gloo says:" in text and "timed out" not in text.lower(), text
     assert seconds < 20, (seconds, text)
 
 
