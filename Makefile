@@ -27,8 +27,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --no-deps "$(TORCHREC_SPEC)"
 	touch $@
 
+# One pytest worker per core, at most 4 (each loads torch and numba's kernels); the slowest
+# tests are listed at the end so that a slow one is seen.
+PYTEST_WORKERS ?= -n auto --maxprocesses=4
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_WORKERS) --durations=15
 
 demo: setup
 	$(VENV)/bin/embengine train --dataset movielens-100k

@@ -109,6 +109,36 @@ def test_the_runner_records_crashes_and_hangs_against_their_task():
     assert "culprit task 5" in results[8]["detail"]
 
 
+def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compile_lock():
+    """Under a parallel test run a case may compile a specialisation, or wait while another
+    process compiles it: that time is not the case's. Here a compile, and a wait for a lock
+    this test holds for longer than the limit, both finish as right answers."""
+    import fcntl
+    import threading
+
+    from _fuzz.runner import locked_selftest_kernel
+
+    held = 3.0
+    limit = 0.5
+    lock_path = locked_selftest_kernel()._cache.lock_path
+    Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        timer = threading.Timer(held, fcntl.flock, (lock, fcntl.LOCK_UN))
+        timer.start()
+        try:
+            results = Runner("selftest", [{"action": "locked", "value": 2},
+                                          {"action": "compile"}, {"action": "hang"}],
+                             case_timeout=limit, attribute="none").run()  # fmt: skip
+        finally:
+            timer.cancel()
+    outcomes = [r["outcome"] for r in results]
+    assert outcomes == ["right_answer", "right_answer", "hang"], results
+    assert results[0]["seconds"] > held - 0.5, results[0]  # it did wait for the lock
+    assert results[1]["seconds"] > limit, results[1]  # it did compile for longer than the limit
+    assert "besides compiling" in results[2]["detail"]
+
+
 def _valid_case(**changes) -> dict:
     batch = {
         "user": {"samples": [[1, 2], [3]], "weights": [[0.5, 2.0], [1.0]], "form": "lists"},

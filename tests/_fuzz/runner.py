@@ -73,8 +73,16 @@ class _Child:
         self.ready = False
         self.running: int | None = None
         self.started_at = time.monotonic()
+        # The running case's time spent compiling (see _pause_the_clock_while_numba_compiles).
+        self.paused = 0.0
+        self.paused_at: float | None = None
         self.results: dict[int, dict] = {}
         self.order: list[int] = []  # tasks finished, in order
+
+    def case_seconds(self, now: float) -> float:
+        """The running case's time so far, without its time compiling."""
+        paused = self.paused + (now - self.paused_at if self.paused_at is not None else 0.0)
+        return now - self.started_at - paused
 
     def poll_lines(self) -> None:
         with open(self.progress, "rb") as f:
@@ -92,6 +100,14 @@ class _Child:
             elif text.startswith("S "):
                 self.running = int(text[2:])
                 self.started_at = time.monotonic()
+                self.paused = 0.0
+                if self.paused_at is not None:
+                    self.paused_at = self.started_at
+            elif text == "P":
+                self.paused_at = time.monotonic()
+            elif text == "U" and self.paused_at is not None:
+                self.paused += time.monotonic() - self.paused_at
+                self.paused_at = None
             elif text.startswith("R "):
                 i, _, payload = text[2:].partition(" ")
                 self.results[int(i)] = json.loads(payload)
@@ -189,20 +205,25 @@ class Runner:
                 tail = child.finish()
                 raise RuntimeError(f"the fuzz child did not warm up in {self.startup_timeout} s:"
                                    f"\n{tail}")  # fmt: skip
+            # A case's limit excludes numba compiling; compiling itself has the warm-up's.
             if (
                 child.ready
                 and child.running is not None
-                and (now - child.started_at > self.case_timeout)
+                and (
+                    child.case_seconds(now) > self.case_timeout
+                    or now - child.started_at > self.startup_timeout
+                )
             ):
-                running = child.running
+                running, seconds = child.running, now - child.started_at
                 child.kill()
                 child.poll_lines()
                 tail = child.finish()
                 fault = {
                     "index": running,
                     "outcome": "hang",
-                    "detail": f"no result after {self.case_timeout:.0f} s: {_stack(tail)}",
-                }
+                    "detail": f"no result after {seconds:.0f} s (limit {self.case_timeout:.0f} s "
+                              f"besides compiling): {_stack(tail)}",
+                }  # fmt: skip
                 return child, fault
 
     def _faults_alone(self, indices: list[int], k: int) -> tuple[bool, dict | None, dict | None]:
@@ -289,12 +310,41 @@ class Runner:
 _POISONED = False
 
 
+def locked_selftest_kernel():
+    """A kernel under the compile lock, as embengine's are (its cache beside this file)."""
+    from embengine.kernels import kernel
+
+    @kernel()
+    def triple(x):
+        return 3 * x
+
+    return triple
+
+
 def _selftest(task: dict) -> dict:
     """Tasks that misbehave on purpose, to test the runner itself: "ok", "segv" (a real
     segfault), "hang", "poison" (passes, but makes every later "segv_if_poisoned" crash: memory
-    corruption that kills an innocent later task) and "segv_if_poisoned"."""
+    corruption that kills an innocent later task) and "segv_if_poisoned"; and tasks that are
+    slow only in numba: "compile" (compiles a new function) and "locked" (calls a kernel whose
+    compile lock the test holds)."""
     global _POISONED
     action = task["action"]
+    if action == "compile":
+        import numba
+        import numpy as np
+
+        for power in range(1, 9):  # eight new functions: longer than a test's limit
+
+            @numba.njit(cache=False)
+            def total(x, power=power):
+                s = 0.0
+                for i in range(x.shape[0]):
+                    s += x[i] ** power if x[i] > 0 else -x[i]
+                return s
+
+            total(np.arange(3.0))
+    if action == "locked":
+        locked_selftest_kernel()(task["value"])
     if action == "poison":
         _POISONED = True
     if action == "segv" or (action == "segv_if_poisoned" and _POISONED):
@@ -313,6 +363,48 @@ def _limit_memory() -> None:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     limit = vm + MEMORY_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _pause_the_clock_while_numba_compiles(say: Callable[[str], None]) -> None:
+    """Say ``P`` when numba starts compiling or waits for a kernel's compile lock, ``U`` when
+    it is done: a case whose input is a new numba type compiles a specialisation, and under a
+    parallel test run it may first wait for another process's compile of that kernel. Neither
+    is the case's own time (the parent stops its clock between ``P`` and ``U``)."""
+    from numba.core import event
+
+    from embengine.kernels import compile_lock
+
+    depth = [0]  # nested: a kernel's compile compiles its callees, each under its own lock
+
+    def enter() -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            say("P")
+
+    def leave() -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            say("U")
+
+    class _Compiling(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            enter()
+
+        def on_end(self, ev: event.Event) -> None:
+            leave()
+
+    event.register("numba:compile", _Compiling())
+    for name in ("load_overload", "save_overload"):  # the lock's waits happen in these
+        original = getattr(compile_lock.LockedCache, name)
+
+        def timed(self, *args, _original=original, **kwargs):
+            enter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                leave()
+
+        setattr(compile_lock.LockedCache, name, timed)
 
 
 def child_main(kind: str, tasks_file: str, index_file: str, progress_file: str) -> None:
@@ -338,6 +430,7 @@ def child_main(kind: str, tasks_file: str, index_file: str, progress_file: str) 
     def say(text: str) -> None:
         os.write(fd, (text + "\n").encode())
 
+    _pause_the_clock_while_numba_compiles(say)
     say("READY")
     for i in indices:
         say(f"S {i}")
