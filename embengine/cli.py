@@ -6,6 +6,7 @@ Run ``embengine <command> --help`` for each command's options.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
@@ -46,7 +47,7 @@ def _train(args: argparse.Namespace) -> int:
         patience=args.patience, steps=args.steps, embeddings=args.embeddings,
         backend=args.backend, seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, keep=args.keep, plot=args.plot,
-        progress=not args.no_progress,
+        progress=not args.no_progress, nproc_per_node=args.nproc_per_node,
         synthetic={"examples_per_epoch": args.epoch_examples,
                    "test_examples": args.test_examples,
                    "vocabulary_scale": args.vocabulary_scale},
@@ -56,6 +57,8 @@ def _train(args: argparse.Namespace) -> int:
         if args.baseline and cfg.embeddings != "engine":
             raise ValueError("--baseline compares the engine's run with the plain torch DLRM; "
                              "leave --embeddings at engine")  # fmt: skip
+        if args.baseline and cfg.nproc_per_node > 1:
+            raise ValueError("--baseline runs in one process; leave out --nproc-per-node")
     except ValueError as e:
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
@@ -64,10 +67,16 @@ def _train(args: argparse.Namespace) -> int:
         print(f"embengine train: error: needs {' and '.join(missing)}, not installed here: "
               "pip install 'embengine[train]'", file=sys.stderr)  # fmt: skip
         return 2
+    from .training.ranks import in_launched_rank, launch
+
+    if cfg.nproc_per_node > 1 and not in_launched_rank():
+        return launch(args.argv, cfg.nproc_per_node)
     from .training.loop import train
 
     try:
         result = train(cfg)
+        if os.environ.get("RANK", "0") != "0":
+            return 0  # rank 0 reports the run
         print(result.summary(), flush=True)
         if args.baseline:
             print("the plain torch DLRM on the same data (--embeddings plain):", flush=True)
@@ -204,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", default=None, metavar="FILE.png", help="write loss and AUC curves to this PNG"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                       help="train on N processes of this machine (torchrun, gloo), tables "
+                            "sharded, each rank on its slice of every batch: the same run as "
+                            "one process, up to float rounding")  # fmt: skip
     syn = train.add_argument_group("synthetic data")
     syn.add_argument("--epoch-examples", type=int, default=1_000_000)
     syn.add_argument("--test-examples", type=int, default=100_000)
@@ -260,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.threads import configure_threads
 
     configure_threads()  # before anything imports torch
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # a launcher (train --nproc-per-node) starts its ranks with these
     return args.func(args)
 
 

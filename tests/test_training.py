@@ -96,6 +96,17 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
         (["--epoch-examples", "0"], "--epoch-examples must be >= 1, got 0"),
         (["--vocabulary-scale", "0"], "--vocabulary-scale must be > 0"),
         (["--baseline", "--embeddings", "torch", "--optimizer", "sgd"], "--baseline"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be an int >= 1, got 0"),
+        (
+            ["--nproc-per-node", "2", "--checkpoint-dir", "ck"],
+            "--checkpoint-dir with 2 ranks: not supported yet",
+        ),
+        (
+            ["--nproc-per-node", "2", "--embeddings", "torch", "--optimizer", "sgd"],
+            "--embeddings torch runs in one process",
+        ),
+        (["--nproc-per-node", "2", "--baseline"], "--baseline runs in one process"),
+        (["--nproc-per-node", "300"], "--batch-size 256 is smaller than the 300 ranks"),
     ],
 )
 def test_cli_checks_every_option_before_any_work(capsys, monkeypatch, tmp_path, args, message):
@@ -430,3 +441,71 @@ def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "compiling" not in second.stdout, second.stdout
     assert second.stdout.splitlines()[0].startswith("epoch 1:")
+
+
+# -- several ranks: torchrun, tables sharded, each rank on its slice of every batch -------------
+
+
+def test_a_rank_s_slices_of_a_batch_are_the_batch_in_rank_order():
+    from embengine.data.dataset import ClickBatch
+    from embengine.inputs import Ragged
+    from embengine.training.ranks import Ranks
+
+    hist = Ragged(np.arange(9), lengths=[2, 0, 3, 1, 0, 3, 0], weights=np.linspace(0, 1, 9))
+    batch = ClickBatch({"user": np.arange(7) * 10, "hist": hist},
+                       np.arange(14, dtype=np.float32).reshape(7, 2),
+                       np.array([1, 0, 0, 1, 1, 0, 1], np.float32))  # fmt: skip
+    for world in (1, 2, 3, 8):
+        parts = [Ranks(rank, world).slice(batch) for rank in range(world)]
+        assert [len(p) for p in parts] == [len(range(*Ranks(r, world).bounds(7)))
+                                           for r in range(world)]  # fmt: skip
+        assert np.array_equal(np.concatenate([p.labels for p in parts]), batch.labels)
+        assert np.array_equal(np.concatenate([p.dense for p in parts]), batch.dense)
+        assert np.array_equal(np.concatenate([p.sparse["user"] for p in parts]), np.arange(7) * 10)
+        for key in ("ids", "weights"):
+            got = np.concatenate([getattr(p.sparse["hist"], key) for p in parts])
+            assert np.array_equal(got, getattr(hist, key))
+        lengths = np.concatenate([np.diff(p.sparse["hist"].offsets) for p in parts])
+        assert lengths.tolist() == [2, 0, 3, 1, 0, 3, 0]
+
+
+def _run_cli(args: list[str], timeout: float = 600) -> str:
+    """``python -m embengine.cli *args`` in its own process group (killed whole on timeout):
+    its stdout; a failure shows stderr."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(ee.__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", *args], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        what = f"embengine {' '.join(args)}: no result in {timeout} s"
+        raise AssertionError(f"{what}\n{err}") from None
+    assert proc.returncode == 0, err
+    return out
+
+
+def test_training_on_two_ranks_reports_the_single_process_run():
+    """``--nproc-per-node 2`` (torchrun; a ShardedEngine; DDP summing the dense gradients; each
+    rank on its slice of every batch) trains the single-process run: every epoch's validation
+    and test figures agree up to float rounding."""
+    args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad"]
+    figures = re.compile(r"(valid AUC|test AUC|test logloss) (\d\.\d+)")
+    one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
+    two = [ln for ln in _run_cli([*args, "--nproc-per-node", "2"]).splitlines()
+           if ln.startswith("epoch ")]  # fmt: skip
+    assert len(one) == len(two) >= 2, (one, two)
+    for a, b in zip(one, two, strict=True):
+        fa, fb = figures.findall(a), figures.findall(b)
+        assert len(fa) == len(fb) == 3, (a, b)
+        for (name, x), (_, y) in zip(fa, fb, strict=True):
+            assert abs(float(x) - float(y)) <= 2e-4, (name, a, b)

@@ -23,6 +23,7 @@ from ..torch import EmbeddingLayer
 from .metrics import auc, logloss
 from .models import MODELS, embedding_dim
 from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig
+from .ranks import Ranks
 from .sources import DataSource, make_source
 
 __all__ = ["TrainConfig", "TrainResult", "train", "ENGINE_OPTIMIZERS", "DEFAULT_LR"]
@@ -59,10 +60,11 @@ class TrainResult:
 
 
 def build_engine(
-    source: DataSource, cfg: TrainConfig, max_rows: int | None = None
-) -> EmbeddingEngine:
+    source: DataSource, cfg: TrainConfig, max_rows: int | None = None, sharded: bool = False
+):
     """The run's engine: one table per feature, the optimizer and learning rate of ``cfg``
-    (``max_rows`` caps every table, for a miniature that compiles the same kernels)."""
+    (``max_rows`` caps every table, for a miniature that compiles the same kernels); with
+    ``sharded``, a ShardedEngine over the ranks (row sharding), else an EmbeddingEngine."""
     width = embedding_dim(cfg.model, cfg.dim)
     optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](cfg.learning_rate, width)
     features = {}
@@ -70,6 +72,10 @@ def build_engine(
         rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
         table = ee_config.TableConfig(rows, width, combiner=f.combiner, name=f.name)
         features[f.name] = ee_config.FeatureConfig(table)
+    if sharded:
+        from ..distributed import ShardedEngine
+
+        return ShardedEngine(features, optimizer=optimizer, seed=cfg.seed, backend=cfg.backend)
     return EmbeddingEngine(features, optimizer=optimizer, seed=cfg.seed, backend=cfg.backend)
 
 
@@ -98,16 +104,19 @@ def _load_optimizer_state(optim, tensors: dict[str, np.ndarray], meta: dict) -> 
     optim.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def evaluate(batches, embed, model) -> tuple[float, float]:
-    """(AUC, logloss) of the model on ``batches``."""
+def evaluate(batches, embed, model, ranks: Ranks | None = None) -> tuple[float, float]:
+    """(AUC, logloss) of the model on ``batches`` (with ``ranks``: each rank scores its slice
+    of every batch, and the figures are those of all ranks' scores together)."""
+    ranks = ranks or Ranks()
     labels, probs = [], []
     with torch.no_grad():
         for batch in batches:
+            batch = ranks.slice(batch)
             emb = embed(batch.sparse)
             logits = model(emb, torch.from_numpy(batch.dense))
             probs.append(torch.sigmoid(logits).numpy())
             labels.append(batch.labels)
-    y, p = np.concatenate(labels), np.concatenate(probs)
+    y, p = ranks.gather(np.concatenate(labels)), ranks.gather(np.concatenate(probs))
     return auc(y, p), logloss(y, p)
 
 
@@ -131,8 +140,26 @@ def _valid_auc(entry: dict) -> float:
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     """Train ``cfg``'s model; after each epoch evaluate on the validation and the test set, and
-    stop once the validation AUC has not improved for ``cfg.patience`` epochs (0: never)."""
+    stop once the validation AUC has not improved for ``cfg.patience`` epochs (0: never).
+
+    In a rank started by torchrun, the ranks train the single-process run together, each on its
+    slice of every batch (embengine.training.ranks); rank 0 logs and returns the result, the
+    others return it silently."""
     cfg.check()
+    ranks = Ranks.join()
+    try:
+        if ranks.distributed:
+            cfg.check_distributed(ranks.world)
+        return _train(cfg, log if ranks.rank == 0 else _silent, ranks)
+    finally:
+        ranks.leave()
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainResult:
     torch.manual_seed(cfg.seed)
     source = make_source(cfg.dataset, **cfg.synthetic)
     width = embedding_dim(cfg.model, cfg.dim)
@@ -145,7 +172,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
 
         compile_seconds = compile_kernels(source, lambda rows: build_engine(source, cfg, rows),
                                           cfg.batch_size, log, cfg.progress)  # fmt: skip
-        engine = build_engine(source, cfg)
+        engine = build_engine(source, cfg, sharded=ranks.distributed)
         embed = EmbeddingLayer(engine)
     else:
         from .baseline import TORCH_OPTIMIZERS, TorchEmbeddings
@@ -159,6 +186,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 list(embed.parameters()), cfg.learning_rate
             )
     dense_optim = torch.optim.Adam(params, lr=cfg.dense_lr)
+    dense = ranks.wrap_model(model)  # the model, whose gradients are summed over ranks
 
     step, start_epoch, start_batch, history = 0, 0, 0, []
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -189,6 +217,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         engine.save(ckpt_dir, keep=cfg.keep, extra_tensors=tensors, extra_metadata=meta)
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    summed_loss = torch.nn.BCEWithLogitsLoss(reduction="sum")
     t_start = time.perf_counter()
     per_epoch = source.batches_per_epoch(cfg.batch_size)
     eval_size = cfg.batch_size * 8
@@ -207,13 +236,18 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     trained = False
     while not finished():
         trained = True
-        bar = _progress(cfg, source, epoch)
+        bar = _progress(cfg, source, epoch) if ranks.rank == 0 else None
         running = None
         for i, batch in enumerate(source.train_batches(cfg.batch_size, epoch, start_batch),
                                   start=start_batch):  # fmt: skip
+            size = len(batch)
+            batch = ranks.slice(batch)
             emb = embed(batch.sparse)
-            logits = model(emb, torch.from_numpy(batch.dense))
-            loss = loss_fn(logits, torch.from_numpy(batch.labels))
+            logits = dense(emb, torch.from_numpy(batch.dense))
+            if ranks.distributed:  # this rank's part of the global batch's mean loss
+                loss = summed_loss(logits, torch.from_numpy(batch.labels)) / size
+            else:
+                loss = loss_fn(logits, torch.from_numpy(batch.labels))
             dense_optim.zero_grad()
             if sparse_optim is not None:
                 sparse_optim.zero_grad()
@@ -223,9 +257,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
                 sparse_optim.step()
             step += 1
             value = loss.item()
+            if ranks.distributed:  # shown: this rank's mean loss
+                value = value * size / max(len(batch), 1)
             running = value if running is None else 0.98 * running + 0.02 * value
             if bar is not None:
-                bar.update(len(batch))
+                bar.update(size)
                 bar.set_postfix(loss=f"{running:.4f}", refresh=False)
             start_batch = i + 1
             if cfg.steps is not None and step >= cfg.steps:
@@ -234,8 +270,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
             bar.close()
         if start_batch >= per_epoch:  # the epoch is complete (also when --steps ended it)
             epoch, start_batch = epoch + 1, 0
-        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model)
-        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model)
+        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model, ranks)
+        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model, ranks)
         history.append({"epoch": epoch if start_batch else epoch - 1, "step": step,
                         "train_loss": running, "valid_auc": valid_auc, "valid_logloss": valid_ll,
                         "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
@@ -253,13 +289,13 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
         log(f"stopping early: no better validation AUC in the {cfg.patience} epochs after "
             f"epoch {best_epoch}")  # fmt: skip
     if not history:  # nothing trained and nothing saved (--steps reached by a resumed run)
-        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model)
-        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model)
+        valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model, ranks)
+        test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model, ranks)
         history.append({"epoch": max(epoch - 1, 0), "step": step, "train_loss": None,
                         "valid_auc": valid_auc, "valid_logloss": valid_ll,
                         "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
     seconds = time.perf_counter() - t_start
-    if cfg.plot:
+    if cfg.plot and ranks.rank == 0:
         _plot(history, cfg.plot)
         log(f"wrote {cfg.plot}")
     chosen = best_entry(history)[0]

@@ -69,6 +69,8 @@ class TrainConfig:
     plot: str | None = None
     progress: bool = True
     synthetic: dict = field(default_factory=dict)  # SyntheticSource options
+    # Ranks on this machine, each a torchrun process training its slice of every batch.
+    nproc_per_node: int = 1
 
     @property
     def learning_rate(self) -> float:
@@ -121,6 +123,27 @@ class TrainConfig:
             self._check_plot(Path(self.plot))
         if self.dataset == "synthetic":
             self._check_synthetic()
+        if (
+            isinstance(self.nproc_per_node, bool)
+            or not isinstance(self.nproc_per_node, int)
+            or (self.nproc_per_node < 1)
+        ):
+            raise ValueError(f"--nproc-per-node must be an int >= 1, got {self.nproc_per_node!r}")
+        if self.nproc_per_node > 1:
+            self.check_distributed(self.nproc_per_node)
+
+    def check_distributed(self, world: int) -> None:
+        """What a run of ``world`` ranks cannot do yet: ValueError saying so."""
+        if self.embeddings != "engine":
+            raise ValueError(f"{world} ranks train the engine's tables sharded; "
+                             f"--embeddings {self.embeddings} runs in one process")  # fmt: skip
+        if self.checkpoint_dir or self.resume:
+            raise ValueError(f"--checkpoint-dir with {world} ranks: not supported yet (the "
+                             "sharded engine's checkpoints do not carry the dense model); "
+                             "train in one process to checkpoint")  # fmt: skip
+        if self.batch_size < world:
+            raise ValueError(f"--batch-size {self.batch_size} is smaller than the {world} "
+                             "ranks it is split over")  # fmt: skip
 
     def _check_plot(self, path: Path) -> None:
         suffix = path.suffix.lower().lstrip(".")

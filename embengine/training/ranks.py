@@ -1,0 +1,145 @@
+"""The ranks of a distributed ``embengine train``: launch, data slices, gradients, evaluation.
+
+``embengine train ... --nproc-per-node N`` starts N ranks on this machine with torchrun
+(``python -m torch.distributed.run``, gloo on 127.0.0.1); ``torchrun -m embengine.cli train
+...`` does the same on any launcher's terms. Each rank trains as one slice of the single-process
+run, so that the run is that run, up to float rounding:
+
+- global batch i of epoch e is the single-process run's batch i; rank r trains on its slice
+  ``[r * n // W, (r + 1) * n // W)`` of its n samples;
+- the tables live in a ``ShardedEngine``, which trains exactly as one ``EmbeddingEngine`` fed
+  the whole batch;
+- each rank's loss is its samples' summed logloss divided by the *global* batch's n, and the
+  dense model's gradients are summed over ranks (DDP with a summing communication hook): both
+  the tables' and the dense model's gradients are then those of the global batch's mean loss;
+- evaluation: each rank scores its slice of every evaluation batch; AUC and logloss are
+  computed on all ranks' scores together (both are independent of the samples' order).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Ranks", "launch", "in_launched_rank"]
+
+
+def in_launched_rank() -> bool:
+    """Whether this process is a rank started by torchrun (its environment names a world)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], nproc_per_node: int) -> int:
+    """Run ``embengine <argv>`` as ``nproc_per_node`` ranks on this machine under torchrun
+    (rendezvous on 127.0.0.1, a free port); return torchrun's exit status (non-zero if any rank
+    failed: torchrun stops the others)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+           "--master-addr=127.0.0.1", f"--master-port={port}",
+           "-m", "embengine.cli", *argv]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
+    return subprocess.call(cmd, env=env)
+
+
+@dataclass
+class Ranks:
+    """This process's place in the run: ``rank`` of ``world`` (1 and 0 for a single process)."""
+
+    rank: int = 0
+    world: int = 1
+    _owns_group: bool = False
+
+    @classmethod
+    def join(cls) -> Ranks:
+        """Join the run torchrun started (gloo), giving each rank its share of the cores; a
+        process not started by torchrun is the only rank."""
+        if not in_launched_rank() or int(os.environ["WORLD_SIZE"]) == 1:
+            return cls()
+        import numba
+        import torch
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        threads = max(1, (os.cpu_count() or 1) // local)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        torch.set_num_threads(threads)
+        owns = not dist.is_initialized()
+        if owns:
+            dist.init_process_group("gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), owns)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def leave(self) -> None:
+        """End the process group this object started."""
+        if self._owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """This rank's slice of a global batch of ``n`` samples."""
+        return n * self.rank // self.world, n * (self.rank + 1) // self.world
+
+    def slice(self, batch):
+        """This rank's samples of a ClickBatch (the whole batch for a single process)."""
+        if not self.distributed:
+            return batch
+        from ..data.dataset import ClickBatch
+        from ..inputs import Ragged
+
+        lo, hi = self.bounds(len(batch))
+        sparse = {}
+        for name, col in batch.sparse.items():
+            if isinstance(col, Ragged):
+                start, stop = int(col.offsets[lo]), int(col.offsets[hi])
+                weights = None if col.weights is None else col.weights[start:stop]
+                sparse[name] = Ragged(col.ids[start:stop], offsets=col.offsets[lo : hi + 1] - start,
+                                      weights=weights)  # fmt: skip
+            else:
+                sparse[name] = col[lo:hi]
+        return ClickBatch(sparse, batch.dense[lo:hi], batch.labels[lo:hi])
+
+    def wrap_model(self, model):
+        """The dense model, under DDP summing (not averaging) its gradients over ranks."""
+        if not self.distributed:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, _sum_hook)
+        return ddp
+
+    def gather(self, array: np.ndarray) -> np.ndarray:
+        """Every rank's 1-D ``array``, concatenated in rank order."""
+        if not self.distributed:
+            return array
+        import torch.distributed as dist
+
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, np.asarray(array))
+        return np.concatenate(parts)
+
+
+def _sum_hook(state, bucket):
+    """DDP communication hook: the bucket's gradients summed over ranks (DDP's default divides
+    the sum by the world size)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
