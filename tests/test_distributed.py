@@ -362,3 +362,34 @@ def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 ranks: every table and slot equals the single engine's" in out.stdout
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real gloo process group of this process alone (destroyed after the test)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
+    from embengine.distributed import ShardedEngine
+
+    table = ee.TableConfig(10, 4, name="t")
+    features = {"f": ee.FeatureConfig(table)}
+    with pytest.raises(TypeError, match="optimizer must be an embengine.optimizers.Optimizer"):
+        ShardedEngine(features, optimizer="sgd")
+    with pytest.raises(ValueError, match="table 't' has no optimizer.*pass optimizer= to "
+                                         "ShardedEngine"):  # fmt: skip
+        ShardedEngine(features)
+    with pytest.raises(ValueError, match="nonfinite_gradients must be one of"):
+        ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), nonfinite_gradients="ignore")
+    with pytest.raises(TypeError, match="seed must be an int, got 1.5"):
+        ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), seed=1.5)
+    engine = ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1))
+    assert engine.world_size == 1 and engine.plan == {"t": "row"}
