@@ -21,8 +21,9 @@ Scenarios:
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
-  hang                          the last rank stops (SIGSTOP); rank 0 times its error (group
-                                timeout 3 s), then kills it
+  hang                          the last rank stops (SIGSTOP); the others time their error
+                                (group timeout 3 s); rank 0 then kills it
+  hang_first                    rank 0 (the store's host) stops; rank 1 then kills it
 """
 
 from __future__ import annotations
@@ -240,8 +241,20 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
 
     features, _ = make_features("sgd")
     lr = opt.SGD((lambda step: 0.1 * (1 + rank)) if name == "lr_mismatch" else 0.1)
-    eng = ShardedEngine(features, optimizer=lr, seed=3, timeout=3 if name == "hang" else 60)
     feats, weights, grads = local(0, rank, world)
+    if name.startswith("hang"):
+        # The timed engine waits 3 s for a peer: first load every kernel of a step (an engine
+        # with the usual timeout) and line the ranks up, so a loaded host's late rank is not
+        # taken for the hung one.
+        warm = ShardedEngine(features, optimizer=lr, seed=3)
+        warm.lookup(feats, weights)
+        warm.apply_gradients(grads)
+        import torch.distributed as dist
+
+        dist.barrier()
+    eng = ShardedEngine(
+        features, optimizer=lr, seed=3, timeout=3 if name.startswith("hang") else 60
+    )
     path = os.path.join(out, f"{name}.rank{rank}.txt")
     if name == "bad_input" and rank == world - 1:
         feats["a"] = [[37] * len(feats["a"][0])] + feats["a"][1:]  # lengths match the weights
@@ -257,7 +270,7 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
         eng.lookup(feats, weights)
         if name == "kill" and rank == world - 1:
             os._exit(3)
-        if name == "hang" and rank == world - 1:
+        if name.startswith("hang") and rank == (0 if name == "hang_first" else world - 1):
             with open(os.path.join(out, "hung.pid"), "w") as f:
                 f.write(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
@@ -268,7 +281,15 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     elapsed = time.monotonic() - start
     with open(path, "w") as f:
         f.write(f"{elapsed:.3f}\n{result}\n")
-    if name == "hang" and rank == 0:
+    hung = 0 if name == "hang_first" else world - 1
+    if name.startswith("hang") and rank == (1 if hung == 0 else 0):
+        # The default group's store lives in rank 0: stay until the other ranks that timed out
+        # have asked it which rank is behind (their error written), then end the hung one.
+        others = [os.path.join(out, f"{name}.rank{r}.txt") for r in range(world)
+                  if r not in (rank, hung)]  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         with open(os.path.join(out, "hung.pid")) as f:
             os.kill(int(f.read()), signal.SIGKILL)
 

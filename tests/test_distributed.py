@@ -244,7 +244,8 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert codes[1] == 3
     assert codes[0] == 0, _logs(tmp_path, 2)
     seconds, text = _error_text(tmp_path, "kill", 0)
-    assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
+    assert text.startswith("PeerError: rank 0: a collective (header) with ranks [1] failed: "
+                           "one of them died"), text  # fmt: skip
     # gloo words a dead socket by timing ("Connection reset by peer", "Connection closed by
     # peer", ...): what holds is that it is not the group's timeout and that it came at once.
     assert "gloo says:" in text and "timed out" not in text.lower(), text
@@ -340,14 +341,32 @@ def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
         _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
 
 
-def test_a_stopped_peer_makes_the_other_rank_raise_at_the_timeout(tmp_path):
-    # The engine's group times out after 3 s here; the stopped rank is killed by rank 0.
-    codes = spawn(2, tmp_path, ["hang"], limit=120)
-    assert codes == [0, -9], _logs(tmp_path, 2)
-    seconds, text = _error_text(tmp_path, "hang", 0)
-    assert text.startswith("PeerError: rank 0: a collective (header) failed"), text
-    assert "one of ranks [1]" in text and "Timed out" in text, text
-    assert 2.5 < seconds < 30, (seconds, text)
+def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path):
+    # The engine's group times out after 3 s here; the stopped rank is killed by rank 0. Each
+    # rank posts the call it enters in the default group's store: the others name the late one.
+    codes = spawn(3, tmp_path, ["hang"], limit=120)
+    assert codes == [0, 0, -9], _logs(tmp_path, 3)
+    for rank, peers in ((0, "[1, 2]"), (1, "[0, 2]")):
+        seconds, text = _error_text(tmp_path, "hang", rank)
+        assert text.startswith(f"PeerError: rank {rank}: a collective (header) with ranks "
+                               f"{peers} failed: no answer within the process group's timeout "
+                               "in apply_gradients at step 0: rank 2 (its last call: lookup at "
+                               "step 0) had not entered it"), text  # fmt: skip
+        assert "Timed out" in text, text
+        assert 2.5 < seconds < 30, (seconds, text)
+
+
+def test_a_stopped_rank_0_makes_the_others_raise_saying_its_store_did_not_answer(tmp_path):
+    # Rank 0 serves the store the ranks post their calls in: stopped, it cannot say who is
+    # behind, and the others say so within the timeout plus the store's 2 s.
+    codes = spawn(3, tmp_path, ["hang_first"], limit=120)
+    assert codes == [-9, 0, 0], _logs(tmp_path, 3)
+    for rank in (1, 2):
+        seconds, text = _error_text(tmp_path, "hang_first", rank)
+        assert text.startswith(f"PeerError: rank {rank}: a collective (header) with ranks"), text
+        said = "in apply_gradients at step 0: the store did not answer which rank it is (rank 0"
+        assert said in text, text
+        assert 2.5 < seconds < 30, (seconds, text)
 
 
 def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):

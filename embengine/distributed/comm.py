@@ -9,8 +9,11 @@ W - 1 others, as a ring or a tree would in total).
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -21,30 +24,115 @@ __all__ = ["Comm", "PeerError"]
 
 class PeerError(RuntimeError):
     """A collective failed: a peer died (its connection reset) or did not answer within the
-    process group's timeout (gloo's error does not say which rank)."""
+    process group's timeout. gloo's error names neither; on a timeout the message names the
+    ranks that had not reached this rank's call (see ``Comm.enter``)."""
+
+
+# Seconds a rank waits for the store when it asks which peers are behind (after a timeout).
+STORE_ANSWER = 2.0
+# Each Comm's keys in the store: every rank makes its engines in the same order.
+_COMMS = itertools.count()
+
+
+def _default_store():
+    """The store of torch.distributed's default group (torchrun's or init_process_group's), or
+    None when torch keeps it elsewhere (then a timeout cannot name the hung rank)."""
+    from torch.distributed import distributed_c10d
+
+    get = getattr(distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None
 
 
 class Comm:
     """Collectives in ``group`` (rank ``rank`` of ``world_size``), counting bytes sent per
-    purpose in ``sent`` (a Counter: purpose -> bytes, reset by ``reset``)."""
+    purpose in ``sent`` (a Counter: purpose -> bytes, reset by ``reset``).
 
-    def __init__(self, group, rank: int, world_size: int):
+    ``store`` (default: the default group's store): where each rank posts the call it enters
+    (``enter``), one key per rank, so that after a timeout the ranks that answered can name the
+    ones that never reached the call. Posting is one small store write per call."""
+
+    def __init__(self, group, rank: int, world_size: int, store=None):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.sent: Counter[str] = Counter()
+        store = store if store is not None or world_size == 1 else _default_store()
+        self._store = None
+        self._store_failed = ""
+        if store is not None:
+            # Our own client, with a short timeout: a hung rank 0 (the store's host under
+            # torchrun) must not hold a post or a question for the store's 30 minutes.
+            self._store = store.clone()
+            self._store.set_timeout(timedelta(seconds=STORE_ANSWER))
+        self._prefix = f"embengine/comm{next(_COMMS)}/rank"
+        self._calls = 0
+        self._call = ""
+
+    def enter(self, call: str) -> None:
+        """Post that this rank enters its next call (``call`` says which, e.g. "lookup at step
+        4"): the n-th call of every rank must be the same one."""
+        self._calls += 1
+        self._call = call
+        if self._store is not None:
+            try:
+                self._store.set(f"{self._prefix}{self.rank}", f"{self._calls} {call}")
+            except RuntimeError as e:  # the collective that follows fails and says so
+                self._store, self._store_failed = None, f"{call}: {e}"
+
+    def behind(self) -> str:
+        """Which peers had not entered this rank's current call, from the store (asked with a
+        short timeout: if it does not answer, that is said instead)."""
+        if self._store_failed:
+            return (
+                f"the store could not be told which call this rank entered ({self._store_failed})"
+            )
+        if self._store is None:
+            return "torch.distributed keeps no store to ask which rank it is"
+        answers: dict[int, str | None] = {}
+
+        def ask() -> None:
+            store = self._store
+            for r in range(self.world_size):
+                key = f"{self._prefix}{r}"
+                if r != self.rank:
+                    answers[r] = store.get(key).decode() if store.check([key]) else None
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(STORE_ANSWER + 1.0)
+        if asking.is_alive() or len(answers) < self.world_size - 1:
+            return ("the store did not answer which rank it is (rank 0 serves it under "
+                    "torchrun and init_process_group: it may be the one that hangs)")  # fmt: skip
+        late = []
+        for r, posted in sorted(answers.items()):
+            calls, _, call = (posted or "0 ").partition(" ")
+            if int(calls) < self._calls:
+                late.append(f"rank {r} (its last call: {call or 'none'})")
+        if not late:
+            return "every rank had entered it"
+        return f"{' and '.join(late)} had not entered it"
 
     def _run(self, collective: Callable[[], object], purpose: str) -> None:
         """Run ``collective``; a failure is a PeerError naming this rank, the purpose and the
-        peers (gloo's own error chained: it names an address, not a rank)."""
+        peers (gloo's own error chained: it names an address, not a rank); after a timeout,
+        the peers that had not reached this call."""
         try:
             collective()
         except RuntimeError as e:
             peers = [r for r in range(self.world_size) if r != self.rank]
+            said = str(e).strip()
+            if "timed out" in said.lower():
+                why = (f"no answer within the process group's timeout in "
+                       f"{self._call or 'a call'}: {self.behind()}")  # fmt: skip
+            else:
+                why = ("one of them died (connection reset) or did not answer within the "
+                       "process group's timeout")  # fmt: skip
             raise PeerError(
-                f"rank {self.rank}: a collective ({purpose}) failed: one of ranks {peers} died "
-                f"(connection reset) or did not answer within the process group's timeout; "
-                f"gloo says: {str(e).strip()}"
+                f"rank {self.rank}: a collective ({purpose}) with ranks {peers} failed: {why}; "
+                f"gloo says: {said}"
             ) from e
 
     def reset(self) -> Counter[str]:

@@ -240,6 +240,7 @@ class ShardedEngine:
         }  # fmt: skip
         text = json.dumps(config, sort_keys=True, default=str).encode()
         digest = np.frombuffer(hashlib.sha256(text).digest()[:8], dtype=np.int64).copy()
+        self._comm.enter("ShardedEngine()")
         everyone = self._comm.all_gather(digest, "setup")[:, 0]
         other = [rank for rank, d in enumerate(everyone) if d != everyone[0]]
         if other:
@@ -266,6 +267,7 @@ class ShardedEngine:
         if error is None and lrs is not None:
             header[:, _FIXED + 2 * nf :] = np.asarray(lrs, dtype=np.float64).view(np.int64)
         width = header.shape[1]
+        self._comm.enter(f"{_CALLS[call]} at step {self._step}")
         got = self._comm.all_to_all(header.reshape(-1), [width] * w, [width] * w, "header")
         got = got.reshape(w, width)
         if error is not None:
