@@ -12,11 +12,19 @@ from dataclasses import replace
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .bench.distributed import DIST_WORKLOADS, format_distributed, run_distributed
     from .bench.runner import format_results, format_vocabulary, run_vocabulary, run_workload
     from .bench.threads import describe_threads
 
     print(describe_threads())
     for name in args.workloads:
+        if name in DIST_WORKLOADS:
+            dist_results = run_distributed(name, steps=args.steps, warmup=args.warmup,
+                                           engine_optimizers=tuple(args.optimizers))  # fmt: skip
+            print()
+            print(format_distributed(name, dist_results))
+            print(flush=True)
+            continue
         results = run_workload(
             name,
             steps=args.steps,
@@ -135,6 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench.distributed import DIST_WORKLOADS
     from .bench.peers import ENGINE_OPTIMIZERS
     from .bench.workloads import WORKLOADS
 
@@ -149,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         "first-step time, peak RSS and speed-ups.",
     )
     bench.add_argument(
-        "--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
-        help="workloads to run (default: all)",
+        "--workloads", nargs="+", default=list(WORKLOADS),
+        choices=[*WORKLOADS, *DIST_WORKLOADS],
+        help="workloads to run (default: all in one process; W1-dist: W1 on 1 process and on "
+        "2 ranks, in processes of its own)",
     )  # fmt: skip
     bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")

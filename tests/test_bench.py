@@ -223,3 +223,30 @@ def test_host_reads_model_avx512_and_memory_from_proc_texts():
     assert h._memory_gib("MemTotal:       25165824 kB\n") == 24.0
     assert h._memory_gib("") is None
     assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"
+
+
+def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tmp_path):
+    """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split, batch
+    per rank), one round; rank 0's counted bytes are the cost model's, and its sockets carried
+    at least as much."""
+    from embengine.bench.distributed import format_distributed, run_distributed
+    from embengine.bench.workloads import Workload
+
+    small = Workload("small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag",
+                     ((500, 8), (300, 4)), 64, 4)  # fmt: skip
+    results = run_distributed("W1-dist", steps=2, warmup=1, rounds=1, timeout=300,
+                              workload=small, log=lambda _: None)  # fmt: skip
+    assert [r.config for r in results] == [
+        "1 process",
+        "2 ranks, batch split",
+        "1 process, 1 thread",
+        "2 ranks, batch per rank",
+    ]
+    for r in results:
+        assert len(r.ms) == 1 and r.ms[0] > 0, r
+        if r.world == 2:
+            assert r.counted[0] == r.modelled[0] > 0, r
+            assert r.written[0] >= r.counted[0], r
+    table = format_distributed("W1-dist", results, small)
+    assert table.splitlines()[0].startswith("host: ")
+    assert "2 ranks / 1 process (batch split): " in table and "weak-scaling efficiency" in table

@@ -1,0 +1,275 @@
+"""``embengine bench --workloads W1-dist``: W1 on one process and on W ranks of this machine.
+
+Four configurations per optimizer, each a fresh set of processes (the ranks on 127.0.0.1, gloo),
+taking turns over ``rounds`` rounds so that the machine's drift falls on all of them:
+
+- ``1 process``: an EmbeddingEngine on the global batch, every core's thread;
+- ``W ranks``: a ShardedEngine (row sharding), one thread per rank, each rank on its slice of the
+  same global batch: the same work as ``1 process``, split (the issue's target: at most 1.5x);
+- ``1 process, 1 thread`` and ``W ranks, per-rank batch``: each rank on a whole W1 batch of its
+  own (global batch W times larger), one thread each: weak scaling, efficiency = the first's
+  step time / the second's (1.0: perfect).
+
+Each rank times lookup + apply_gradients (gradient = ones, as ``EngineRunner``) after its warm-up;
+the step time is rank 0's median (the collectives keep the ranks in step). Bytes: what rank 0's
+``ShardedEngine`` counted (``bytes_sent``), what its process wrote to its sockets in the timed
+steps (``/proc/self/io`` ``wchar``: every write syscall, and during a step only gloo and the store
+write), and the cost model of docs/design.md computed from the batches (``modelled_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .host import host
+from .workloads import WORKLOADS, Workload, make_batches
+
+__all__ = ["DIST_WORKLOADS", "DistResult", "run_distributed", "format_distributed",
+           "modelled_bytes"]  # fmt: skip
+
+# bench workload name -> (workload, ranks).
+DIST_WORKLOADS = {"W1-dist": ("W1", 2)}
+
+
+@dataclass
+class DistResult:
+    """One configuration's figures over every round."""
+
+    optimizer: str
+    config: str
+    world: int
+    ms: list[float] = field(default_factory=list)  # each round's median ms/step (rank 0)
+    counted: list[float] = field(default_factory=list)  # bytes rank 0 counted per step
+    written: list[float] = field(default_factory=list)  # bytes rank 0 wrote per step
+    modelled: list[float] = field(default_factory=list)  # the cost model's bytes for rank 0
+
+    @property
+    def ms_per_step(self) -> float:
+        return statistics.median(self.ms)
+
+
+def _rank_batch(batch, rank: int, world: int, split: bool) -> dict:
+    """The features rank ``rank`` passes: its slice of ``batch`` (``split``) or all of it."""
+    import embengine as ee
+
+    n = len(batch.offsets) - 1
+    lo, hi = (n * rank // world, n * (rank + 1) // world) if split else (0, n)
+    start, stop = batch.offsets[lo], batch.offsets[hi]
+    offsets = batch.offsets[lo : hi + 1] - start
+    return {f"f{t}": ee.Ragged(ids[start:stop], offsets=offsets) for t, ids in enumerate(batch.ids)}
+
+
+def modelled_bytes(locals_: list[dict], dims: list[int], rank: int) -> tuple[int, int]:
+    """Bytes rank ``rank`` sends in a lookup and in an update under row sharding, by the cost
+    model of docs/design.md, from every rank's features (``locals_[r]``: feature "f{t}" ->
+    Ragged of bags, table t of width ``dims[t]``, one feature per table, sum pooling)."""
+    world, tables = len(locals_), len(dims)
+    header = 8 * (world - 1) * (4 + 2 * tables + tables)
+    asked = answered = occurrences = rows = 0
+    for t in range(tables):
+        unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
+        asked += 8 * int(np.count_nonzero(unique[rank] % world != rank))
+        answered += 4 * dims[t] * sum(int(np.count_nonzero(unique[s] % world == rank))
+                                      for s in range(world) if s != rank)  # fmt: skip
+        bags = locals_[rank][f"f{t}"]
+        ids = np.asarray(bags.ids)
+        bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
+        remote = ids % world != rank
+        occurrences += int(np.count_nonzero(remote))
+        pairs = np.unique(bag_of[remote] * world + ids[remote] % world)  # (bag, owner)
+        rows += 4 * dims[t] * len(pairs)
+    return header + asked + answered, header + 20 * occurrences + rows + 8 * (world - 1)
+
+
+def _written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def child(spec: dict) -> dict:
+    """One rank of one configuration (``spec``: workload, optimizer, world, rank, threads,
+    split, steps, warmup, seed): its step times and bytes."""
+    import numba
+
+    import embengine as ee
+
+    from .peers import ENGINE_OPTIMIZERS
+
+    numba.set_num_threads(spec["threads"])
+    fields = dict(spec["workload"], tables=tuple(map(tuple, spec["workload"]["tables"])))
+    w = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    world, rank = spec["world"], spec["rank"]
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(spec["threads"])
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    tables = {}
+    for t, (rows, dim) in enumerate(w.tables):
+        table = ee.TableConfig(rows, dim, combiner="sum", name=f"t{t}",
+                               optimizer=ENGINE_OPTIMIZERS[spec["optimizer"]](dim, False),
+                               initializer=ee.initializers.RandomUniform(-0.01, 0.01))  # fmt: skip
+        tables[f"f{t}"] = ee.FeatureConfig(table)
+    if world > 1:
+        from ..distributed import ShardedEngine
+
+        engine = ShardedEngine(tables, sharding="row")
+    else:
+        engine = ee.EmbeddingEngine(tables)
+    # Every rank draws the same global batches; with split=False each rank gets batches of its
+    # own (the global batch is then W whole W1 batches: the first W draws of a step).
+    per_step = 1 if spec["split"] else world
+    batches = make_batches(w, (1 + spec["warmup"] + spec["steps"]) * per_step, seed=spec["seed"])
+    dims = [dim for _, dim in w.tables]
+    times, counted, written, modelled = [], [], [], []
+    for step in range(1 + spec["warmup"] + spec["steps"]):
+        group = batches[step * per_step : (step + 1) * per_step]
+        locals_ = [_rank_batch(group[0 if spec["split"] else r], r, world, spec["split"])
+                   for r in range(world)]  # fmt: skip
+        features = locals_[rank]
+        before = _written()
+        t0 = _clock()
+        acts = engine.lookup(features)
+        engine.apply_gradients({k: np.ones_like(a) for k, a in acts.items()})
+        elapsed = (_clock() - t0) * 1e3
+        wrote = _written() - before
+        if step > spec["warmup"]:
+            times.append(elapsed)
+            if world > 1:
+                counted.append(sum(sum(c.values()) for c in engine.bytes_sent.values()))
+                written.append(wrote)
+                modelled.append(sum(modelled_bytes(locals_, dims, rank)))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {"ms": statistics.median(times), "counted": _mean(counted),
+            "written": _mean(written), "modelled": _mean(modelled)}  # fmt: skip
+
+
+def _clock() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(spec: dict, timeout: float) -> dict:
+    """Run ``spec``'s ranks as child processes; rank 0's figures."""
+    world = spec["world"]
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="embengine-bench-dist-") as tmp:
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(spec["threads"]))  # fmt: skip
+            out = Path(tmp) / f"rank{rank}.json"
+            args = json.dumps(dict(spec, rank=rank, out=str(out)))
+            procs.append(subprocess.Popen([sys.executable, "-m", "embengine.bench.distributed",
+                                           args], env=env))  # fmt: skip
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise RuntimeError(f"bench ranks of {spec} exited with {codes}")
+        return json.loads((Path(tmp) / "rank0.json").read_text())
+
+
+def run_distributed(
+    name: str = "W1-dist",
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    engine_optimizers: tuple[str, ...] = ("SGD",),
+    rounds: int = 3,
+    timeout: float = 1800.0,
+    workload: Workload | None = None,
+    log=print,
+) -> list[DistResult]:
+    """Time ``name``'s four configurations per optimizer (module docstring), ``rounds`` times
+    each in turn, every configuration in fresh processes (``workload``: another workload than
+    ``name``'s, e.g. a small one for a test)."""
+    base, world = DIST_WORKLOADS[name]
+    w = workload if workload is not None else WORKLOADS[base]
+    cores = host().cores
+    per_rank = max(1, cores // world)
+    configs = [("1 process", 1, cores, True),
+               (f"{world} ranks, batch split", world, per_rank, True),
+               ("1 process, 1 thread", 1, 1, True),
+               (f"{world} ranks, batch per rank", world, per_rank, False)]  # fmt: skip
+    results = []
+    for opt in engine_optimizers:
+        mine = [DistResult(opt, label, n) for label, n, _, _ in configs]
+        for r in range(rounds):
+            order = configs if r % 2 == 0 else configs[::-1]
+            for label, n, threads, split in order:
+                spec = {"workload": dataclasses.asdict(w), "optimizer": opt, "world": n,
+                        "threads": threads, "split": split, "steps": steps, "warmup": warmup,
+                        "seed": r}  # fmt: skip
+                got = _launch(spec, timeout)
+                res = next(m for m in mine if m.config == label)
+                res.ms.append(got["ms"])
+                res.counted.append(got["counted"])
+                res.written.append(got["written"])
+                res.modelled.append(got["modelled"])
+                log(f"  {opt} {label}: {got['ms']:.1f} ms/step")
+        results.extend(mine)
+    return results
+
+
+def format_distributed(name: str, results: list[DistResult],
+                       workload: Workload | None = None) -> str:  # fmt: skip
+    """The table: per optimizer, each configuration's median ms/step over the rounds, rank 0's
+    bytes per step (counted, written to sockets, modelled) and the two ratios."""
+    base, world = DIST_WORKLOADS[name]
+    w = workload if workload is not None else WORKLOADS[base]
+    lines = [host().describe(),
+             f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1); rank 0's "
+             "median ms/step, median of the rounds' medians",
+             f"{'optimizer':16s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
+             f"{'MB counted':>10s} {'MB written':>10s} {'MB model':>9s}"]  # fmt: skip
+    for opt in dict.fromkeys(r.optimizer for r in results):
+        mine = [r for r in results if r.optimizer == opt]
+        for r in mine:
+            rounds = " ".join(f"{m:.0f}" for m in r.ms)
+            mb = [f"{statistics.median(v) / 1e6:.2f}" if r.world > 1 else "-"
+                  for v in (r.counted, r.written, r.modelled)]  # fmt: skip
+            lines.append(f"{opt:16s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
+                         f"{mb[0]:>10s} {mb[1]:>10s} {mb[2]:>9s}")  # fmt: skip
+        one, split, one_thread, per_rank = mine
+        lines.append(f"{opt:16s} {world} ranks / 1 process (batch split): "
+                     f"{split.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x); weak-scaling "
+                     f"efficiency {one_thread.ms_per_step / per_rank.ms_per_step:.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    result = child(spec)
+    Path(spec["out"]).write_text(json.dumps(result))
