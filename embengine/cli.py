@@ -56,6 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         backend=args.backend, seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, keep=args.keep, plot=args.plot,
         progress=not args.no_progress, nproc_per_node=args.nproc_per_node,
+        max_restarts=args.max_restarts,
         synthetic={"examples_per_epoch": args.epoch_examples,
                    "test_examples": args.test_examples,
                    "vocabulary_scale": args.vocabulary_scale},
@@ -78,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     from .training.ranks import in_launched_rank, launch
 
     if cfg.nproc_per_node > 1 and not in_launched_rank():
-        return launch(args.argv, cfg.nproc_per_node)
+        return launch(args.argv, cfg.nproc_per_node, cfg.max_restarts)
     from .training.loop import train
 
     try:
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on N processes of this machine (torchrun, gloo), tables "
                             "sharded, each rank on its slice of every batch: the same run as "
                             "one process, up to float rounding")  # fmt: skip
+    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="with --nproc-per-node: start every rank again, up to K times, "
+                            "after one fails; with --checkpoint-dir DIR --resume they go on from "
+                            "the newest checkpoint")  # fmt: skip
     syn = train.add_argument_group("synthetic data")
     syn.add_argument("--epoch-examples", type=int, default=1_000_000)
     syn.add_argument("--test-examples", type=int, default=100_000)

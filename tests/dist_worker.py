@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 
@@ -192,14 +193,19 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
     if kind == "ckpt_save":
         eng = ShardedEngine(features, optimizer=o, seed=3, sharding="row", timeout=60)
         _train(eng, range(2), rank, world)
-        path = eng.save(root)
+        # Extra data as a DDP job passes it: rank 0's is written (here the ranks' differ).
+        dense = np.arange(6, dtype=np.float32).reshape(2, 3) * (rank + 1)
+        path = eng.save(root, extra_tensors={"dense": dense}, extra_metadata={"epoch": rank})
         _train(eng, [2], rank, world)
         extra = {"path": np.frombuffer(str(path).encode(), dtype=np.uint8)}
     else:
         eng = ShardedEngine.load(root, sharding="table", timeout=60)
         assert eng.step == 2, eng.step
+        info = eng.restore(root)  # again: the CheckpointInfo with the extra data
+        assert info.step == 2 and info.path.parent == Path(root), info
         _train(eng, [2], rank, world)
-        extra = {}
+        extra = {f"extra/{k}": v for k, v in info.extra_tensors.items()}
+        extra["epoch"] = np.array(info.extra_metadata.get("epoch", -1))
     _dump(eng, os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), extra)
 
 

@@ -329,6 +329,12 @@ def test_checkpoints_move_between_world_sizes(tmp_path):
     for r in range(2):
         _assert_state(out2 / f"ckpt_restore_w3.rank{r}.npz", want)
         _assert_state(out2 / f"ckpt_restore_w1.rank{r}.npz", want)
+        # The 3-rank save wrote rank 0's extra data; every restoring rank gets it back.
+        got = np.load(out2 / f"ckpt_restore_w3.rank{r}.npz")
+        np.testing.assert_array_equal(got["extra/dense"], np.arange(6).reshape(2, 3))
+        assert int(got["epoch"]) == 0
+        plain_run = np.load(out2 / f"ckpt_restore_w1.rank{r}.npz")
+        assert "extra/dense" not in plain_run and int(plain_run["epoch"]) == -1
 
 
 def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):

@@ -97,10 +97,9 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
         (["--vocabulary-scale", "0"], "--vocabulary-scale must be > 0"),
         (["--baseline", "--embeddings", "torch", "--optimizer", "sgd"], "--baseline"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be an int >= 1, got 0"),
-        (
-            ["--nproc-per-node", "2", "--checkpoint-dir", "ck"],
-            "--checkpoint-dir with 2 ranks: not supported yet",
-        ),
+        (["--max-restarts", "1"], "--max-restarts restarts the ranks: give --nproc-per-node"),
+        (["--nproc-per-node", "2", "--max-restarts", "1"], "--max-restarts without --resume"),
+        (["--nproc-per-node", "2", "--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
         (
             ["--nproc-per-node", "2", "--embeddings", "torch", "--optimizer", "sgd"],
             "--embeddings torch runs in one process",
@@ -473,7 +472,6 @@ def _run_cli(args: list[str], timeout: float = 600) -> str:
     """``python -m embengine.cli *args`` in its own process group (killed whole on timeout):
     its stdout; a failure shows stderr."""
     import os
-    import signal
     import subprocess
     import sys
     from pathlib import Path
@@ -486,7 +484,7 @@ def _run_cli(args: list[str], timeout: float = 600) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
         what = f"embengine {' '.join(args)}: no result in {timeout} s"
         raise AssertionError(f"{what}\n{err}") from None
@@ -509,3 +507,92 @@ def test_training_on_two_ranks_reports_the_single_process_run():
         assert len(fa) == len(fb) == 3, (a, b)
         for (name, x), (_, y) in zip(fa, fb, strict=True):
             assert abs(float(x) - float(y)) <= 2e-4, (name, a, b)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, from /proc (children before grandchildren)."""
+    from pathlib import Path
+
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(0), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it (torchrun's ranks run in sessions of their
+    own, out of reach of a process-group kill)."""
+    import os
+    import signal
+
+    for p in [*reversed(_descendants(pid)), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _rank_process(launcher: int, rank: int) -> int | None:
+    """The torchrun worker of ``rank`` under the ``launcher`` process, if it runs."""
+    from pathlib import Path
+
+    for pid in _descendants(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
+            return pid
+    return None
+
+
+def test_a_rank_killed_mid_run_restarts_and_ends_where_an_unbroken_run_ends(tmp_path):
+    """Two ranks with --max-restarts 1 and --resume: rank 1 is killed once the first checkpoint
+    exists; both are started again (a fresh torchrun), resume from the newest checkpoint
+    (tables, dense model and its Adam, data position) and end with the unbroken run's figures."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    args = ["train", *SYN_ARGS, "--epochs", "4", "--patience", "0", "--optimizer", "adagrad",
+            "--nproc-per-node", "2", "--resume"]  # fmt: skip
+    unbroken = _run_cli([*args, "--checkpoint-dir", str(tmp_path / "a")])
+    root = Path(ee.__file__).parent.parent
+    ckpt = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", *args, "--checkpoint-dir",
+                             str(ckpt), "--max-restarts", "1"], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        killed = None
+        deadline = time.monotonic() + 600
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            if ckpt.is_dir() and any(p.name.startswith("ckpt-") for p in ckpt.iterdir()):
+                killed = _rank_process(proc.pid, 1)
+                if killed is not None:
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+            proc.wait()
+    assert killed is not None, "the run ended before a checkpoint appeared"
+    assert proc.returncode == 0, err
+    assert "resumed from" in out, out
+    last = [ln for ln in out.splitlines() if ln.startswith(("epoch 4:", "test AUC"))]
+    want = [ln for ln in unbroken.splitlines() if ln.startswith(("epoch 4:", "test AUC"))]
+    strip = lambda ln: re.sub(r" in \d+\.\d s$", "", ln)  # noqa: E731 - the time differs
+    assert [strip(ln) for ln in last] == [strip(ln) for ln in want], (out, unbroken)

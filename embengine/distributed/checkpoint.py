@@ -35,13 +35,15 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint as ckpt
-from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file
+from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file, write_safetensors
 from ..state import WEIGHTS
 from ..version import __version__
 from .comm import Comm
 from .sharding import ShardPlan, ShardTable
 
 __all__ = ["save", "restore"]
+
+EXTRA_FILE = "extra.safetensors"  # as a single engine's checkpoint names it
 
 
 def _tensors(shard) -> list[tuple[str, str, int, int, np.dtype]]:
@@ -109,11 +111,12 @@ def _agree(comm: Comm, ok: bool, what: str) -> None:
 
 
 def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
-         root: str | Path, keep: int | None = None,
-         extra_metadata: dict | None = None) -> Path:  # fmt: skip
+         root: str | Path, keep: int | None = None, extra_metadata: dict | None = None,
+         extra_tensors: dict[str, np.ndarray] | None = None) -> Path:  # fmt: skip
     """Write a checkpoint of every rank's rows (``shards``, one per table of ``spec``, sharded
-    by ``plan``) at ``step`` under ``root``; see the module docstring. Collective; returns the
-    checkpoint's folder on every rank."""
+    by ``plan``) at ``step`` under ``root``; see the module docstring. ``extra_tensors`` and
+    ``extra_metadata``: rank 0's are written (e.g. a DDP model, the same on every rank).
+    Collective; returns the checkpoint's folder on every rank."""
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     rank = comm.rank
@@ -131,6 +134,8 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
                     tmp.mkdir()
                     tmp_fd = os.open(tmp, os.O_RDONLY)
                     ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if extra_tensors:
+                    write_safetensors(tmp / EXTRA_FILE, dict(extra_tensors))
                 for shard, v, file in zip(shards, sizes, files, strict=True):
                     head, _ = _header(shard, v)
                     end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
@@ -138,7 +143,7 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
                         f.write(head)
                         f.truncate(end)
                 tmp_name = str(tmp)
-            except OSError as e:
+            except (OSError, ValueError, TypeError) as e:  # a bad extra tensor too
                 error = e
         tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error))
         finite = _write_rows(comm, shards, plan, tmp, files, sizes)
@@ -208,13 +213,17 @@ def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
         entry["file"] = file
         entry["finite"] = bool(ok)
         listed[file] = {"sha256": sha256_file(tmp / file), "bytes": (tmp / file).stat().st_size}
+    extra = {"file": None, "metadata": dict(extra_metadata or {})}
+    if (tmp / EXTRA_FILE).exists():
+        extra["file"] = EXTRA_FILE
+        listed[EXTRA_FILE] = {"sha256": sha256_file(tmp / EXTRA_FILE),
+                              "bytes": (tmp / EXTRA_FILE).stat().st_size}  # fmt: skip
     manifest = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "step": step, **spec,
                 "finite": bool(finite.all()),
-                "extra": {"file": None, "metadata": dict(extra_metadata or {})},
-                "files": listed}  # fmt: skip
+                "extra": extra, "files": listed}  # fmt: skip
     text = json.dumps(manifest, indent=1, default=ckpt._json_default).encode()
     for name, data in (("manifest.json", text),
                        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
@@ -234,14 +243,16 @@ def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
 
 
 def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path,
-            verify: bool = True) -> int:  # fmt: skip
+            verify: bool = True) -> ckpt.CheckpointInfo:  # fmt: skip
     """Read this rank's rows of every table (``shards``, of an engine whose configuration is
-    ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns the
-    checkpoint's step, the caller's new step."""
-    error, reader = None, None
+    ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns a
+    CheckpointInfo: the checkpoint's step (the caller's new step) and its extra data, read by
+    every rank."""
+    error, reader, extra = None, None, {}
     try:
         _, reader = ckpt.read_checkpoint(path, verify)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
+        extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
     except (OSError, ValueError) as e:
         error = e
     if error is not None:
@@ -279,4 +290,4 @@ def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | 
                             "being read?); restore again before using the engine"
                         )
                     target[lo:hi, c : c + w] = buf[ids[lo:hi] - a]
-    return reader.step
+    return ckpt.CheckpointInfo(reader.path, reader.step, extra, reader.extra_metadata)

@@ -681,12 +681,15 @@ class ShardedEngine:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save(self, path, keep: int | None = None, extra_metadata: Mapping | None = None):
+    def save(self, path, keep: int | None = None, extra_tensors: Mapping | None = None,
+             extra_metadata: Mapping | None = None):  # fmt: skip
         """Write a checkpoint under the folder ``path`` in embengine's format (by logical table
         and row, one global manifest), each rank writing a block of every table's rows; it
-        loads at any world size and into a plain ``EmbeddingEngine``. Collective; every rank
-        must see ``path`` (one host, or a shared file system). Returns the checkpoint's
-        folder. See embengine.distributed.checkpoint."""
+        loads at any world size and into a plain ``EmbeddingEngine``. ``extra_tensors`` /
+        ``extra_metadata``: as ``EmbeddingEngine.save``; rank 0's are written (pass the same
+        on every rank, e.g. a DDP model's). Collective; every rank must see ``path`` (one host,
+        or a shared file system). Returns the checkpoint's folder. See
+        embengine.distributed.checkpoint."""
         from . import checkpoint
 
         with self.lock:
@@ -694,24 +697,26 @@ class ShardedEngine:
             try:
                 self._header(_SAVE, None)
                 return checkpoint.save(self._comm, self._shards, self._plan, self.spec(),
-                                       self._step, path, keep, extra_metadata)  # fmt: skip
+                                       self._step, path, keep, extra_metadata,
+                                       extra_tensors)  # fmt: skip
             finally:
                 self._count("save")
 
-    def restore(self, path, verify: bool = True) -> int:
+    def restore(self, path, verify: bool = True):
         """Load a checkpoint (``path``: a checkpoint folder, or a folder of them: the newest)
         written at any world size, or by a plain engine, of the same configuration: each rank
-        reads its own rows, in chunks. Collective; returns the restored step."""
+        reads its own rows, in chunks. Collective; returns a CheckpointInfo (step, extra data),
+        as ``EmbeddingEngine.restore``."""
         from . import checkpoint
 
         with self.lock:
             self._comm.reset()
             try:
                 self._header(_RESTORE, None)
-                step = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
-                self._step = step
+                info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
+                self._step = info.step
                 self._pending = None  # its rows no longer hold what it looked up
-                return step
+                return info
             finally:
                 self._count("restore")
 

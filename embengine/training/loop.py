@@ -147,12 +147,13 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     others return it silently."""
     cfg.check()
     ranks = Ranks.join()
-    try:
-        if ranks.distributed:
-            cfg.check_distributed(ranks.world)
-        return _train(cfg, log if ranks.rank == 0 else _silent, ranks)
-    finally:
-        ranks.leave()
+    if ranks.distributed:
+        cfg.check_distributed(ranks.world)
+    result = _train(cfg, log if ranks.rank == 0 else _silent, ranks)
+    # Only after success: ending a group whose peer died can wait for it (torchrun ends a
+    # failed rank's process anyway).
+    ranks.leave()
+    return result
 
 
 def _silent(text: str) -> None:

@@ -71,6 +71,9 @@ class TrainConfig:
     synthetic: dict = field(default_factory=dict)  # SyntheticSource options
     # Ranks on this machine, each a torchrun process training its slice of every batch.
     nproc_per_node: int = 1
+    # Every rank is started again this many times after one fails (with --resume: from the
+    # newest checkpoint).
+    max_restarts: int = 0
 
     @property
     def learning_rate(self) -> float:
@@ -131,16 +134,23 @@ class TrainConfig:
             raise ValueError(f"--nproc-per-node must be an int >= 1, got {self.nproc_per_node!r}")
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or (self.max_restarts < 0)
+        ):
+            raise ValueError(f"--max-restarts must be an int >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and self.nproc_per_node == 1:
+            raise ValueError("--max-restarts restarts the ranks: give --nproc-per-node too")
+        if self.max_restarts and not self.resume:
+            raise ValueError("--max-restarts without --resume would restart from scratch; add "
+                             "--checkpoint-dir DIR --resume")  # fmt: skip
 
     def check_distributed(self, world: int) -> None:
         """What a run of ``world`` ranks cannot do yet: ValueError saying so."""
         if self.embeddings != "engine":
             raise ValueError(f"{world} ranks train the engine's tables sharded; "
                              f"--embeddings {self.embeddings} runs in one process")  # fmt: skip
-        if self.checkpoint_dir or self.resume:
-            raise ValueError(f"--checkpoint-dir with {world} ranks: not supported yet (the "
-                             "sharded engine's checkpoints do not carry the dense model); "
-                             "train in one process to checkpoint")  # fmt: skip
         if self.batch_size < world:
             raise ValueError(f"--batch-size {self.batch_size} is smaller than the {world} "
                              "ranks it is split over")  # fmt: skip

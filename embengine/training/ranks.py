@@ -40,17 +40,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], nproc_per_node: int) -> int:
+def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
     """Run ``embengine <argv>`` as ``nproc_per_node`` ranks on this machine under torchrun
-    (rendezvous on 127.0.0.1, a free port); return torchrun's exit status (non-zero if any rank
-    failed: torchrun stops the others)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-           "--master-addr=127.0.0.1", f"--master-port={port}",
-           "-m", "embengine.cli", *argv]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
-    return subprocess.call(cmd, env=env)
+    (rendezvous on 127.0.0.1, a free port); if a rank fails (torchrun then stops the others),
+    start them all again, up to ``max_restarts`` times, each time with a fresh torchrun.
+    Returns the last exit status.
+
+    Restarts are ours, not torchrun's ``--max-restarts``: torchrun's restarted ranks share
+    the previous attempt's store, and read their peers' old addresses from it (gloo: connection
+    refused; pytorch issue 167288), so each restart here gets a new port and a new store."""
+    status = 0
+    for attempt in range(max_restarts + 1):
+        if attempt:
+            print(f"embengine train: a rank failed (exit status {status}); restart {attempt} of "
+                  f"{max_restarts}", file=sys.stderr, flush=True)  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", "-m", "embengine.cli", *argv]  # fmt: skip
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
+        status = subprocess.call(cmd, env=env)
+        if status == 0:
+            return 0
+    return status
 
 
 @dataclass
