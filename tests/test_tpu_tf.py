@@ -6,6 +6,9 @@ import logging
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 tf = pytest.importorskip(
     "tensorflow", reason="tensorflow-cpu is not installed (pip install 'embengine[tf]')"
@@ -353,3 +356,60 @@ def test_bad_tf_gradients_name_the_path():
     with pytest.raises(TypeError, match="found gradient of tf dtype string at path gamma"):
         emb.apply_gradients(dict(grads, gamma=tf.fill((2, 3, 2), "x")))
     emb.apply_gradients(grads)
+
+
+# -- malformed TF values at each feature: a TypeError / ValueError naming it, nothing else ------
+
+_np_values = hnp.arrays(
+    st.sampled_from([np.int64, np.int32, np.uint64, np.int8, np.float32, np.bool_, "U2"]),
+    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
+)
+_int_lists = st.lists(st.lists(st.integers(-3, 40), max_size=4), max_size=4)
+
+
+@st.composite
+def _sparse(draw):
+    rank = draw(st.integers(1, 3))
+    shape = draw(st.lists(st.integers(0, 4), min_size=rank, max_size=rank))
+    n = draw(st.integers(0, 4))
+    idx = draw(hnp.arrays(np.int64, (n, rank), elements=st.integers(-1, 4)))
+    vals = draw(hnp.arrays(st.sampled_from([np.int64, np.int32, np.float32]), (n,),
+                           elements=st.integers(-3, 40)))  # fmt: skip
+    return tf.sparse.SparseTensor(idx, vals, shape)
+
+
+def _ragged_from(lists):
+    return tf.ragged.constant(lists, tf.int64, ragged_rank=1)
+
+
+MALFORMED_TF = st.one_of(
+    _np_values.map(tf.constant),
+    _int_lists.map(_ragged_from),
+    st.lists(st.lists(st.floats(-2, 2, width=32), max_size=3), max_size=3).map(
+        lambda x: tf.ragged.constant(x, tf.float32, ragged_rank=1)
+    ),
+    _sparse(),
+)
+
+
+def _clear_or_accepted(call, where: str) -> None:
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        assert where in str(e), f"{type(e).__name__} names no {where!r}: {e}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    path=st.sampled_from(["alpha", "beta", "gamma"]), value=MALFORMED_TF, as_weight=st.booleans()
+)
+def test_malformed_tf_values_name_the_feature(path, value, as_weight):
+    emb = embedding.TPUEmbedding(_config_for_errors(), embedding.SGD(0.1), backend="reference")
+    srv = embedding.TPUEmbeddingForServing(_config_for_errors(), backend="reference")
+    if as_weight:
+        weights = {"alpha": None, "beta": None, "gamma": None, path: value}
+        _clear_or_accepted(lambda: emb.enqueue(_features(), weights=weights), path)
+    else:
+        features = dict(_features(), **{path: value})
+        _clear_or_accepted(lambda: emb.enqueue(features), path)
+        _clear_or_accepted(lambda: srv.embedding_lookup(features), path)
