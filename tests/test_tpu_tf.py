@@ -413,3 +413,41 @@ def test_malformed_tf_values_name_the_feature(path, value, as_weight):
         features = dict(_features(), **{path: value})
         _clear_or_accepted(lambda: emb.enqueue(features), path)
         _clear_or_accepted(lambda: srv.embedding_lookup(features), path)
+
+
+def test_the_documented_flow_with_a_keras_model():
+    # docs/tensorflow.md's loop: embeddings and a dense model trained from one tape.
+    table = embedding.TableConfig(vocabulary_size=30, dim=4, combiner="mean")
+    feature_config = {
+        "watched": embedding.FeatureConfig(table),
+        "history": embedding.FeatureConfig(table, max_sequence_length=3),
+    }
+    emb = embedding.TPUEmbedding(feature_config, embedding.Adagrad(learning_rate=0.1))
+    dense = tf.keras.layers.Dense(1)
+    model_optimizer = tf.keras.optimizers.SGD(0.1)
+
+    def model(acts):
+        pooled = tf.concat([acts["watched"], tf.reduce_sum(acts["history"], axis=1)], axis=1)
+        return dense(pooled)[:, 0]
+
+    history = tf.constant([[7, 8, 0], [9, 0, 0], [10, 11, 12]])
+    features = {
+        "watched": tf.ragged.constant([[1, 2], [3], [4, 5, 6]]),
+        "history": tf.sparse.from_dense(history),
+    }
+    labels = tf.constant([1.0, 0.0, 1.0])
+    before = emb.embedding_tables[table].copy()
+    losses = []
+    for _ in range(5):
+        emb.enqueue(features, training=True)
+        with tf.GradientTape() as tape:
+            activations = emb.dequeue()
+            loss = tf.reduce_mean(tf.square(model(activations) - labels))
+        embedding_grads, model_grads = tape.gradient(loss, (activations, dense.trainable_variables))
+        emb.apply_gradients(embedding_grads)
+        model_optimizer.apply_gradients(zip(model_grads, dense.trainable_variables, strict=True))
+        losses.append(float(loss))
+    moved = np.abs(emb.embedding_tables[table] - before).max(axis=1) > 0
+    # tf.sparse.from_dense drops the zeros: id 0 is never looked up.
+    np.testing.assert_array_equal(np.flatnonzero(moved), np.arange(1, 13))
+    assert losses[-1] < losses[0]
