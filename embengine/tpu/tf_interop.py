@@ -207,7 +207,7 @@ class ActivationVariables:
     def value(self, path: str, a: np.ndarray):
         tf = _tf()
         var = self._vars.get(path)
-        if var is None or tuple(var.shape) != a.shape:
+        if var is None or tuple(var.shape) != a.shape or var.dtype.as_numpy_dtype != a.dtype:
             var = tf.Variable(a, trainable=True, name="embengine_activations")
             self._vars[path] = var
         else:
