@@ -27,7 +27,7 @@ else:  # pragma: no cover
 CHILD = textwrap.dedent(
     """
     import runpy, sys
-    BLOCKED = {"torch", "tqdm", "matplotlib"}
+    BLOCKED = {"torch", "tqdm", "matplotlib", "tensorflow"}
 
     class Hide:
         def find_spec(self, name, path=None, target=None):
@@ -122,6 +122,28 @@ def test_import_embengine_does_not_import_torch_and_ee_torch_names_the_extra():
     assert "pip install 'embengine[torch]'" in out.stdout
 
 
+def test_tpu_port_runs_on_numpy_without_tensorflow():
+    # TF hidden as if not installed: NumPy inputs train and serve, NumPy comes back, and no
+    # TF module was looked for (the port tells TF objects by their class's module).
+    code = (
+        "import sys, numpy as np\n"
+        "import embengine.tpu as embedding\n"
+        "t = embedding.TableConfig(10, 2, initializer=embedding.RowIdInitializer())\n"
+        "emb = embedding.TPUEmbedding({'f': embedding.FeatureConfig(t)}, embedding.SGD(0.5))\n"
+        "emb.enqueue({'f': [[1, 2], [3]]})\n"
+        "acts = emb.dequeue()\n"
+        "assert type(acts['f']) is np.ndarray, type(acts['f'])\n"
+        "emb.apply_gradients({'f': np.ones((2, 2), np.float32)})\n"
+        "srv = embedding.TPUEmbeddingForServing({'f': embedding.FeatureConfig(t)})\n"
+        "srv.build()\n"
+        "print('OUT', srv.embedding_lookup({'f': np.array([4])})['f'].tolist())\n"
+        "print('TF', sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))\n"
+    )
+    out = _run("-c", code)
+    assert out.returncode == 0, out.stderr
+    assert "OUT [[4.0, 4.0]]" in out.stdout and "TF []" in out.stdout, out.stdout
+
+
 def test_ee_torch_is_the_torch_adapter_when_torch_is_installed():
     code = (
         "import sys, embengine as ee\n"
@@ -181,8 +203,14 @@ def _third_party_imports() -> dict[str, set[str]]:
     return found
 
 
+# Distributions whose import name differs from their name.
+IMPORT_NAMES = {"tensorflow-cpu": "tensorflow"}
+
+
 def _names(requirements: list[str]) -> set[str]:
-    return {r.split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}
+    """The import names that ``requirements`` provide."""
+    names = {r.split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}
+    return {IMPORT_NAMES.get(n, n) for n in names}
 
 
 def test_dependencies_and_extras_match_the_imports():
@@ -197,6 +225,9 @@ def test_dependencies_and_extras_match_the_imports():
     imports.pop("fbgemm_gpu", None)
     declared = core | set().union(*extras.values())
     assert set(imports) <= declared, {k: v for k, v in imports.items() if k not in declared}
+    # TensorFlow: an extra of its own, imported (lazily) by the TF port's interop module only.
+    assert extras["tf"] == {"tensorflow"}
+    assert imports.get("tensorflow", set()) <= {"embengine/tpu/tf_interop.py"}, imports
     # tqdm and matplotlib serve the training job only.
     for extra in ("tqdm", "matplotlib"):
         assert all(p.startswith("embengine/training/") for p in imports.get(extra, ())), imports

@@ -12,6 +12,11 @@ TF's shape rules are applied here, so the engine only sees bag features:
 A sequence position is a bag of at most one id, so the engine's combiners give exactly the row.
 2-D NumPy arrays are dense inputs here (their last dim must be 1, as in TF); pass ``Ragged`` for
 variable-length samples.
+
+TensorFlow inputs (``tf.Tensor``, ``tf.RaggedTensor``, ``tf.SparseTensor``; see ``tf_interop``)
+follow the same rules; a SparseTensor of rank R gives a bag per index of its first R - 1 dims
+(activation ``[*dense_shape[:-1], dim]``), and as a sequence (rank 2 only) its column is the
+position. When any input of a call is a TF object, the activations come back as ``tf.Tensor``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..inputs import Ragged, as_numpy, check_values, to_ragged
 from ..optimizers import SGD, Optimizer
 from .config import FeatureConfig, TableConfig
 from .nest import flatten_like, flatten_with_paths, pack_like
+from .tf_interop import ActivationVariables, TFSparse, gradient_to_numpy, is_tf, to_tf, unpack
 
 __all__ = ["TPUEmbedding", "TPUEmbeddingForServing"]
 
@@ -63,12 +69,75 @@ def _naming(path: str):
         raise cls(f"feature {path!r}: {e}") from None
 
 
+def _check_sparse_ids(sp: TFSparse, vocabulary_size: int) -> None:
+    """Range-check a SparseTensor's ids, naming the bad one by its index in the dense shape."""
+    ids = sp.values
+    if ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
+        k = int(np.argmax((ids < 0) | (ids >= vocabulary_size)))
+        raise ValueError(
+            f"id {int(ids[k])} at {sp.indices[k].tolist()} (values[{k}]) is out of range "
+            f"[0, {vocabulary_size})"
+        )
+
+
+def _sparse_bags(path: str, sp: TFSparse, seq: int) -> Ragged:
+    """A SparseTensor's entries as bags: one per index of the leading dims, or with ``seq`` one
+    per ``(row, column < seq)`` position (columns past ``seq`` dropped, missing ones empty).
+    Entries are put in bag order only if they are not already (TF's canonical order is)."""
+    lead = sp.dense_shape[:-1]
+    num_bags = int(np.prod(lead))
+    if len(lead) == 1:
+        bag = sp.indices[:, 0]
+    else:
+        bag = np.ravel_multi_index(tuple(sp.indices[:, :-1].T), tuple(int(d) for d in lead))
+    ids, weights, where = sp.values, sp.weights, sp.indices
+    if seq:
+        col = sp.indices[:, -1]
+        keep = col < seq
+        bag, ids, where = bag[keep] * seq + col[keep], ids[keep], where[keep]
+        num_bags *= seq
+    if bag.size > 1 and (bag[1:] < bag[:-1]).any():
+        order = np.argsort(bag, kind="stable")
+        bag, ids, where = bag[order], ids[order], where[order]
+        weights = None if weights is None else weights[order]
+    if seq and bag.size > 1:
+        twice = bag[1:] == bag[:-1]
+        if twice.any():
+            k = int(np.argmax(twice)) + 1
+            raise ValueError(
+                f"feature {path!r}: two ids at index {where[k].tolist()}; a sequence holds one "
+                "id per position"
+            )
+    return Ragged(ids, lengths=np.bincount(bag, minlength=num_bags), weights=weights)
+
+
 def _sequence_bags(r: Ragged, seq: int) -> Ragged:
     """Positions ``(b, p < seq)`` as ``B * seq`` bags of at most one id (truncate, pad)."""
     lengths = r.lengths
     keep_pos = np.arange(len(r.ids)) - np.repeat(r.offsets[:-1], lengths) < seq
     filled = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
     return Ragged(r.ids[keep_pos], lengths=filled.reshape(-1))
+
+
+def _layout(path: str, feature: FeatureConfig, lead: tuple[int, ...]):
+    """(sequence length or 0, activation shape without dim) of a ragged or sparse input whose
+    bags have shape ``lead`` (``(B,)`` for a ragged input): TF's output_shape and
+    max_sequence_length rules (a sequence only for a single leading dim, as in TF)."""
+    n = math.prod(lead)
+    if feature.output_shape:
+        total = math.prod(feature.output_shape)
+        if total == n:
+            return 0, tuple(feature.output_shape)
+        if total > n and n > 0 and total % n == 0:
+            return total // n, tuple(feature.output_shape)
+        raise ValueError(
+            "Output shape set in the FeatureConfig should be the factor of the input data "
+            f"batch size. But instead got output shape {feature.output_shape}, input data "
+            f"batch size {n} for input {path}"
+        )
+    if feature.max_sequence_length > 0 and len(lead) == 1:
+        return feature.max_sequence_length, (n, feature.max_sequence_length)
+    return 0, lead
 
 
 class _EmbeddingBase:
@@ -147,6 +216,10 @@ class _EmbeddingBase:
 
     def _convert(self, path: str, feature: FeatureConfig, value, weight, serving: bool):
         """One feature's input -> (engine Ragged, activation shape without dim)."""
+        if is_tf(value) or is_tf(weight):
+            value, weight = unpack(path, value, weight)
+        if isinstance(value, TFSparse):
+            return self._convert_sparse(path, feature, value)
         with _naming(path):
             dense = _is_dense(value)
         if dense:
@@ -187,24 +260,7 @@ class _EmbeddingBase:
             return r, tuple(int(s) for s in shape)
         with _naming(path):
             r = to_ragged(value, weight)
-        n = r.num_samples
-        seq = 0
-        if feature.output_shape:
-            total = math.prod(feature.output_shape)
-            if total == n:
-                shape = tuple(feature.output_shape)
-            elif total > n and n > 0 and total % n == 0:
-                seq, shape = total // n, tuple(feature.output_shape)
-            else:
-                raise ValueError(
-                    "Output shape set in the FeatureConfig should be the factor of the input data "
-                    f"batch size. But instead got output shape {feature.output_shape}, input data "
-                    f"batch size {n} for input {path}"
-                )
-        elif feature.max_sequence_length > 0:
-            seq, shape = feature.max_sequence_length, (n, feature.max_sequence_length)
-        else:
-            shape = (n,)
+        seq, shape = _layout(path, feature, (r.num_samples,))
         if seq:
             if r.weights is not None:
                 raise ValueError(f"Weight specified for {path}, but this is a sequence feature.")
@@ -213,6 +269,21 @@ class _EmbeddingBase:
                 check_values(r, feature.table.vocabulary_size, check_weights=False)
             r = _sequence_bags(r, seq)
         return r, shape
+
+    def _convert_sparse(self, path: str, feature: FeatureConfig, sp: TFSparse):
+        """A SparseTensor -> (engine Ragged, activation shape without dim)."""
+        lead = tuple(int(d) for d in sp.dense_shape[:-1])
+        if len(lead) > 1 and feature.max_sequence_length > 0 and not feature.output_shape:
+            log.warning(
+                "Input tensor is rank %d which is above 2, the max_sequence_length setting will "
+                "be ignored.", len(lead) + 1,
+            )  # fmt: skip
+        seq, shape = _layout(path, feature, lead)
+        if seq and sp.weights is not None:
+            raise ValueError(f"Weight specified for {path}, but this is a sequence feature.")
+        with _naming(path):
+            _check_sparse_ids(sp, feature.table.vocabulary_size)
+        return _sparse_bags(path, sp, seq), shape
 
     def _lookup(self, features, weights, serving: bool, *, training: bool):
         engine = self._maybe_build()
@@ -227,11 +298,14 @@ class _EmbeddingBase:
             engine_features[path] = r
             shapes.append(shape)
         acts = engine.lookup(engine_features, training=training)
-        return acts, shapes
+        as_tf = any(is_tf(x) for x in flat_in) or any(is_tf(w) for w in flat_w)
+        return acts, shapes, as_tf
 
 
 def _is_array(x) -> bool:
-    return isinstance(x, np.ndarray | np.generic) or type(x).__module__.startswith("torch")
+    return (
+        isinstance(x, np.ndarray | np.generic) or type(x).__module__.startswith("torch") or is_tf(x)
+    )
 
 
 class TPUEmbedding(_EmbeddingBase):
@@ -253,6 +327,8 @@ class TPUEmbedding(_EmbeddingBase):
                 self._lookup_only_sgd(table)  # raises TF's error: training needs an optimizer
         self._activations = None
         self._training = True
+        self._as_tf = False
+        self._tf_activations: ActivationVariables | None = None
 
     def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
         """Create the tables. Shapes given here fix the activation shapes, as in TF."""
@@ -268,7 +344,10 @@ class TPUEmbedding(_EmbeddingBase):
         else:
             flat = flatten_with_paths(
                 per_replica_input_shapes,
-                lambda x: isinstance(x, list | tuple) and all(isinstance(e, int) for e in x),
+                lambda x: (
+                    (isinstance(x, list | tuple) and all(isinstance(e, int) for e in x))
+                    or (is_tf(x) and hasattr(x, "as_list"))
+                ),  # a tf.TensorShape
             )
             if len(flat) != len(self._features):
                 raise ValueError(
@@ -277,7 +356,7 @@ class TPUEmbedding(_EmbeddingBase):
                 )
             shapes = []
             for (_, shape), f in zip(flat, self._features, strict=True):
-                shape = list(shape)
+                shape = list(shape.as_list() if hasattr(shape, "as_list") else shape)
                 if len(shape) < 1:
                     raise ValueError(f"Received input tensor of shape {shape}. Rank must be 1 "
                                      "and above")  # fmt: skip
@@ -290,7 +369,7 @@ class TPUEmbedding(_EmbeddingBase):
 
     def enqueue(self, features, weights=None, training: bool = True, name=None, device=None):
         """Look the features up now; ``dequeue`` returns the activations."""
-        acts, shapes = self._lookup(features, weights, serving=False, training=training)
+        acts, shapes, as_tf = self._lookup(features, weights, serving=False, training=training)
         for i, (path, shape) in enumerate(zip(self._paths, shapes, strict=True)):
             old = self._output_shapes[i]
             if old is not None and tuple(old) != tuple(shape):
@@ -304,12 +383,23 @@ class TPUEmbedding(_EmbeddingBase):
             for path, shape, f in zip(self._paths, shapes, self._features, strict=True)
         ]
         self._training = training
+        self._as_tf = as_tf
 
     def dequeue(self, name=None):
-        """The activations of the last enqueue, in the structure of the feature config."""
+        """The activations of the last enqueue, in the structure of the feature config: NumPy
+        arrays, or ``tf.Tensor`` if any input of that enqueue was a TF object (each the value of
+        a trainable variable, so a ``tf.GradientTape`` open around ``dequeue`` records it:
+        ``tape.gradient(loss, activations)`` gives what ``apply_gradients`` takes)."""
         if self._activations is None:
             raise RuntimeError("dequeue called before enqueue: there are no activations to return")
-        return pack_like(self._feature_config, self._activations, _is_feature)
+        flat = self._activations
+        if self._as_tf:
+            if self._tf_activations is None:
+                self._tf_activations = ActivationVariables()
+            flat = [
+                self._tf_activations.value(p, a) for p, a in zip(self._paths, flat, strict=True)
+            ]
+        return pack_like(self._feature_config, flat, _is_feature)
 
     def apply_gradients(self, gradients, name=None):
         """One optimizer step from the gradients of the dequeued activations. A None gradient
@@ -331,7 +421,7 @@ class TPUEmbedding(_EmbeddingBase):
                 g = np.zeros_like(act)
             elif not _is_array(g):
                 raise ValueError(f"found non-tensor type: {type(g)} at path {path}.")
-            g = as_numpy(g)
+            g = gradient_to_numpy(path, g) if is_tf(g) else as_numpy(g)
             if tuple(g.shape) != act.shape:
                 raise ValueError(
                     f"Found gradient of shape {list(g.shape)} at path {path}. Expected shape "
@@ -354,10 +444,22 @@ class TPUEmbeddingForServing(_EmbeddingBase):
         # Serving never updates; the engine still wants an optimizer spec per table.
         return SGD(0.0)
 
-    def __call__(self, features, weights=None):
-        acts, shapes = self._lookup(features, weights, serving=True, training=False)
+    def build(self) -> None:
+        """Create the tables (TF's ``build``); the first lookup does it too. Idempotent."""
+        self._maybe_build()
+
+    def embedding_lookup(self, features, weights=None):
+        """Look ``features`` up (no update): activations in the structure of the feature
+        config, ``tf.Tensor`` if any input was a TF object, else NumPy arrays."""
+        acts, shapes, as_tf = self._lookup(features, weights, serving=True, training=False)
         flat = [
             acts[path].reshape(*shape, f.table.dim)
             for path, shape, f in zip(self._paths, shapes, self._features, strict=True)
         ]
+        if as_tf:
+            flat = [to_tf(a) for a in flat]
         return pack_like(self._feature_config, flat, _is_feature)
+
+    def __call__(self, features, weights=None):
+        """``embedding_lookup(features, weights)``, as TF's layer call."""
+        return self.embedding_lookup(features, weights)
