@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[torch,train,dev]"
+	$(PIP) install -e ".[torch,train,dev,tf]"
 	# MovieLens-100K ships inside recbole; --no-deps keeps its heavy dependencies out.
 	$(PIP) install --no-deps "recbole==1.2.1"
 	$(PIP) install "$(TORCH_SPEC)" "$(FBGEMM_SPEC)" $(TORCHREC_DEPS)
