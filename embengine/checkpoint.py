@@ -98,9 +98,9 @@ import numpy as np
 
 from .backends.registry import BACKENDS
 from .initializers import Zeros
-from .safetensors_io import NUMPY, read_header, read_tensor, sha256_file, write_safetensors
+from .safetensors_io import DTYPES, NUMPY, read_header, read_tensor, sha256_file, write_safetensors
 from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
-from .state import WEIGHTS, PartialLoadError, Stateful
+from .state import KEYED_COUNTERS, KEYED_ENTRIES, WEIGHTS, PartialLoadError, Stateful, keyed_entries
 from .version import __version__
 
 __all__ = [
@@ -315,6 +315,13 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
             digest = write_safetensors(tmp / entry["file"], tensors, {"table": name},
                                        on_chunk=check)  # fmt: skip
         entry["finite"] = check.finite
+        if entry["vocabulary_size"] is None:  # keyed: the lengths its tensors' shapes need
+            counters = np.asarray(arrays["counters"])
+            entry["keyed"] = {
+                "rows": len(arrays["keys"]), "pending_keys": len(arrays["pending_keys"]),
+                "total": {k: int(counters[0, i] + counters[1, i])
+                          for i, k in enumerate(KEYED_COUNTERS)},
+            }  # fmt: skip
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -450,8 +457,21 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         if name in names:
             s.fail(f"{at}.name", f"{name!r} names an earlier table too")
         names.add(name)
-        for key in ("vocabulary_size", "dim"):
-            s.get(t, key, at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        keyed = t.get("vocabulary_size") is None and "dynamic" in t
+        s.get(t, "vocabulary_size", at, lambda v: keyed or (_is_int(v) and v >= 1),
+              "an int >= 1 (or null for a keyed table, which has 'dynamic')")  # fmt: skip
+        s.get(t, "dim", at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        if keyed:
+            k = s.obj(t, "keyed", at)
+            for key in ("rows", "pending_keys"):
+                s.get(k, key, f"{at}.keyed", lambda v: _is_int(v) and 0 <= v < 2**48,
+                      "an int in [0, 2**48)")  # fmt: skip
+            total = s.obj(k, "total", f"{at}.keyed", optional=True) or {}
+            for key, v in total.items():
+                if not (_is_int(v) and v >= 0):
+                    s.fail(f"{at}.keyed.total.{key}", f"must be an int >= 0, got {v!r:.60}")
+        elif "keyed" in t:
+            s.fail(f"{at}.keyed", "is only for a keyed table (vocabulary_size null, 'dynamic')")
         for key in ("combiner", "storage", "file"):
             s.get(t, key, at, lambda v: isinstance(v, str), "a string")
         s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
@@ -656,11 +676,7 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
     for t in manifest["tables"]:
         file = ckpt / t["file"]
         header, _ = headers[t["file"]]
-        expected = {t["name"]: ("F32", [t["vocabulary_size"], t["dim"]])}
-        for slot in t["slots"]:
-            expected[f"{t['name']}/{slot['name']}"] = (
-                _SLOT_DTYPES[slot["dtype"]], [t["vocabulary_size"], slot["width"]]
-            )  # fmt: skip
+        expected = _expected_tensors(t)
         for name, (dtype, shape) in expected.items():
             info = header.get(name)
             if info is None or name == "__metadata__":
@@ -671,6 +687,27 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
                     f"{info['shape']}, expected {dtype} and shape {shape}"
                 )
     return headers
+
+
+def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (safetensors dtype, shape) of a schema-checked manifest table: weights
+    "{table}" and slots "{table}/{slot}", a row per id; a keyed table's rows are its keys
+    (``keyed.rows``), and it has the keyed entries of ``embengine.state`` too."""
+    name = t["name"]
+    slots = [(s["name"], s["width"], s["dtype"]) for s in t["slots"]]
+    if t["vocabulary_size"] is None:
+        sizes = {"n": t["keyed"]["rows"], "p": t["keyed"]["pending_keys"]}
+        entries = keyed_entries(t["dim"], slots)
+    else:
+        sizes = {}
+        entries = {WEIGHTS: ((t["vocabulary_size"], t["dim"]), np.dtype(np.float32))}
+        entries.update({s: ((t["vocabulary_size"], w), np.dtype(d)) for s, w, d in slots})
+    return {
+        name if key == WEIGHTS else f"{name}/{key}": (
+            DTYPES[np.dtype(dtype)], [sizes.get(d, d) for d in shape]
+        )
+        for key, (shape, dtype) in entries.items()
+    }  # fmt: skip
 
 
 def _check_name(ckpt: Path, manifest: dict) -> None:
@@ -692,6 +729,13 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} holds tables {sorted(stored)}, the engine has {names}")
     for t in mine:
         s = stored[t["name"]]
+        if (s["vocabulary_size"] is None) != (t["vocabulary_size"] is None):
+            kinds = ["keyed" if v is None else "dense" for v in (s["vocabulary_size"],
+                                                                 t["vocabulary_size"])]  # fmt: skip
+            raise CheckpointError(
+                f"table {t['name']!r}: the checkpoint's table is {kinds[0]}, the engine's is "
+                f"{kinds[1]} (vocabulary_size=None makes a keyed table)"
+            )
         if (s["vocabulary_size"], s["dim"]) != (t["vocabulary_size"], t["dim"]):
             raise CheckpointError(
                 f"table {t['name']!r}: checkpoint shape ({s['vocabulary_size']}, {s['dim']}) "
@@ -715,7 +759,7 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
 # Manifest keys that describe the checkpoint, not the engine: the rest is the engine's spec.
 _CHECKPOINT_KEYS = ("format", "format_version", "embengine_version", "created", "step", "finite",
                     "extra", "files")  # fmt: skip
-_CHECKPOINT_TABLE_KEYS = ("file", "finite")
+_CHECKPOINT_TABLE_KEYS = ("file", "finite", "keyed")
 
 
 @dataclass(frozen=True)
@@ -783,7 +827,20 @@ class CheckpointReader:
         for name, t in self._tables.items():
             tables[name] = {WEIGHTS: self.tensor(name)}
             tables[name].update({s["name"]: self.tensor(name, s["name"]) for s in t["slots"]})
+            if self.is_keyed(name):
+                tables[name].update({k: self.tensor(name, k) for k in KEYED_ENTRIES})
         return {"step": self.step, "tables": tables}
+
+    def is_keyed(self, table: str) -> bool:
+        """Whether ``table`` is keyed (``vocabulary_size`` null): its rows are its ``keys``."""
+        return self._tables[table]["vocabulary_size"] is None
+
+    def array(self, table: str, entry: str) -> np.ndarray:
+        """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
+        such as "keys" or "last_touched"), memory-mapped read-only (no copy; for export)."""
+        t = self._tables[table]
+        name = table if entry == WEIGHTS else f"{table}/{entry}"
+        return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
 
     def extra_tensors(self) -> dict[str, np.ndarray]:
         """The caller's extra tensors (saved with ``extra_tensors=``), read into memory."""
@@ -810,6 +867,8 @@ class CheckpointReader:
         tensors = self.extra_tensors()  # first: a failure here leaves the engine untouched
         try:
             engine.load_state_dict(self.state_dict())
+        except (TypeError, ValueError) as e:  # checked before any change (a keyed table's values)
+            raise CheckpointError(f"{self.path}: {e}; the engine is unchanged") from e
         except PartialLoadError as e:
             cause = e.__cause__ if e.__cause__ is not None else e
             raise CheckpointError(
