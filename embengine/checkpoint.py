@@ -15,9 +15,13 @@ Layout of ``engine.save(root)``::
 The layout is keyed by logical table and logical row: one file per table of the engine's
 configuration, whose tensors have one row per id (row r is id r), whether the engine packed the
 table with others or kept it in a memory-mapped file; so any engine of the same configuration
-reads it, and a sharded or keyed table can write the same tensors. The manifest is the engine's
-``spec()`` (embengine.spec) plus the checkpoint's own keys (format, version, step, finite,
-extra, files, and each table's file and finite flag).
+reads it, and a sharded table writes the same tensors. A keyed table (``vocabulary_size``
+null) has one row per key instead: its file holds "{table}/keys" (sorted) and the rows aligned
+with them, plus its other state entries ("{table}/last_touched", ... : ``embengine.state``),
+and its manifest entry says ``keyed: {rows, pending_keys, total}``, the lengths its shapes
+need (and the stats totals, for inspect). The manifest is the engine's ``spec()``
+(embengine.spec) plus the checkpoint's own keys (format, version, step, finite, extra, files,
+and each table's file, finite flag and, keyed, ``keyed``).
 
 This module uses only the engine's public state API (``spec()``, ``state_dict()``,
 ``load_state_dict()``, ``step``, ``sequential_access()``) and imports nothing from the engine:
@@ -65,12 +69,15 @@ CheckpointError for a malformed manifest.
 What a restore guarantees: every check above passes before the first table byte changes, so a
 checkpoint that is corrupt at rest leaves the engine bit-identical; then ``load_state_dict``
 checks every tensor's name, shape and dtype against the engine and copies under the engine's
-lock, each table's tensors read straight into its memory. It does not make the copy
-itself atomic (that would need a second copy of every table): if reading fails midway (an I/O
-error, or a file modified or truncated while it is being copied), the tables already copied and
-part of the current one hold the checkpoint's values, the engine's step is unchanged, and the
-CheckpointError says so; restore again before using the engine. Tables are read with ordinary
-reads, so a file truncated during the copy is an error, not a SIGBUS.
+lock, each table's tensors read straight into its memory. A keyed table's tensors are read
+into memory and their values checked first (keys sorted and distinct, pending keys without
+rows, counts >= 0, steps not after the checkpoint's, at most ``max_rows`` rows): a crafted
+keyed checkpoint is a CheckpointError naming the entry, the engine unchanged. It does not make
+the copy itself atomic (that would need a second copy of every table): if reading fails midway
+(an I/O error, or a file modified or truncated while it is being copied), the tables already
+copied and part of the current one hold the checkpoint's values, the engine's step is
+unchanged, and the CheckpointError says so; restore again before using the engine. Tables are
+read with ordinary reads, so a file truncated during the copy is an error, not a SIGBUS.
 
 Tables are written and read in chunks of rows, so memory stays bounded for tables larger than
 RAM.
@@ -458,7 +465,8 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             s.fail(f"{at}.name", f"{name!r} names an earlier table too")
         names.add(name)
         keyed = t.get("vocabulary_size") is None and "dynamic" in t
-        s.get(t, "vocabulary_size", at, lambda v: keyed or (_is_int(v) and v >= 1),
+        size_ok = (lambda v: True) if keyed else (lambda v: _is_int(v) and v >= 1)
+        s.get(t, "vocabulary_size", at, size_ok,
               "an int >= 1 (or null for a keyed table, which has 'dynamic')")  # fmt: skip
         s.get(t, "dim", at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         if keyed:

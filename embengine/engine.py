@@ -364,8 +364,9 @@ class EmbeddingEngine:
         logical table and row (a packed table's rows are its own, from 0).
 
         The arrays are live views of the tables, not copies: they change with every update and
-        writing into them changes the engine (a keyed table's are copies, taken together). Read them while no update runs (``save`` holds
-        the engine's lock while it writes them); ``copy.deepcopy(state)`` for a snapshot."""
+        writing into them changes the engine (a keyed table's are copies, taken together). Read
+        them while no update runs (``save`` holds the engine's lock while it writes them);
+        ``copy.deepcopy(state)`` for a snapshot."""
         # A keyed table's entry is a snapshot (its keys and metadata; see embengine.state).
         return {
             "step": self._step,
@@ -400,9 +401,12 @@ class EmbeddingEngine:
         with self._state_lock():
             # Keyed tables are read and checked whole first (a ValueError changes nothing),
             # then installed after the dense copies.
-            installs = {name: views[name].prepare_state(dict(pairs), self._step if step is None
-                                                         else step, f"state['tables'][{name!r}]")
-                        for name, pairs in copies if hasattr(views[name], "prepare_state")}  # fmt: skip
+            now = self._step if step is None else step
+            installs = {
+                name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")
+                for name, pairs in copies
+                if hasattr(views[name], "prepare_state")
+            }
             done: list[str] = []
             for name, pairs in copies:
                 view = views[name]

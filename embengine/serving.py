@@ -14,7 +14,10 @@ An export is a folder: ``manifest.json`` (format, features, tables, each table's
 the SHA-256 and size of every file), ``manifest.sha256`` (the SHA-256 of manifest.json, as in
 checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-maps it and looks
 features up with the same combiners, sequence lengths and output shapes as the training engine;
-it is read-only and safe to call from many threads.
+it is read-only and safe to call from many threads. A keyed table (``vocabulary_size`` null,
+``keyed: {rows}``) stores its sorted int64 ``keys`` beside its weights (without the rows
+expired at the checkpoint's step); a lookup finds each key by binary search, and a key it does
+not hold looks up as zeros, as the training engine's ``lookup(..., training=False)`` does.
 
 Where an export is written (``export(..., replace=False)``, ``embengine export ... --replace``):
 
@@ -806,8 +809,9 @@ class ServingEngine:
         }
 
 
-def _decode_ids(arrays: Mapping[str, np.ndarray], compression: str, ids: np.ndarray,
-                params: Mapping, dim: int) -> np.ndarray:
+def _decode_ids(
+    arrays: Mapping[str, np.ndarray], compression: str, ids: np.ndarray, params: Mapping, dim: int
+) -> np.ndarray:
     """float32 rows of ``ids``: a dense table's rows by id; a keyed table's (``keys`` stored)
     by binary search in its sorted keys, zeros for a key it does not hold (nothing inserted)."""
     keys = arrays.get("keys")

@@ -628,8 +628,8 @@ class KeyedTable:
         out["pending_earlier"] = p.earlier[live].copy()
         out["pending_step"] = p.step[live].copy()
         out["pending_current"] = p.current[live].copy()
-        out["counters"] = np.array([[self._this[k] for k in KEYED_COUNTERS],
-                                    [self._total[k] for k in KEYED_COUNTERS]], np.int64)  # fmt: skip
+        this = [self._this[k] for k in KEYED_COUNTERS]
+        out["counters"] = np.array([this, [self._total[k] for k in KEYED_COUNTERS]], np.int64)
         out["meta"] = np.array([self._stats_step, p.limit], np.int64)
         return out
 
@@ -656,7 +656,9 @@ class KeyedTable:
                 try:
                     v.read_into(out)
                 except (OSError, ValueError) as e:
-                    raise ValueError(f"{at}[{k!r}] cannot be read ({e}); nothing was changed") from e
+                    raise ValueError(
+                        f"{at}[{k!r}] cannot be read ({e}); nothing was changed"
+                    ) from e
                 a[k] = out
             else:
                 a[k] = np.asarray(v)
@@ -733,7 +735,9 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         k = a[name]
         i = _first_bad(k[1:] <= k[:-1])
         if i is not None:
-            what = "appears twice" if k[i + 1] == k[i] else "comes after the larger key " + str(k[i])
+            what = (
+                "appears twice" if k[i + 1] == k[i] else "comes after the larger key " + str(k[i])
+            )
             raise ValueError(
                 f"{at}[{name!r}]: key {k[i + 1]} at position {i + 1} {what}; keys must be sorted "
                 "and distinct (as state_dict() writes them)"
