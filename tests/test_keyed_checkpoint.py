@@ -381,3 +381,21 @@ def test_inspect_and_the_cli_show_a_keyed_table(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path / "out")]) == 0
     shown = capsys.readouterr().out
     assert f"table 'k': keyed, {st['rows']} keys x 3, combiner sum, compression fp16" in shown
+
+
+def test_an_embedding_layer_of_a_keyed_table_round_trips_its_state_dict():
+    torch = pytest.importorskip("torch")
+    from embengine.torch import EmbeddingLayer
+
+    stream = _stream(8)
+    a = EmbeddingLayer(_engine("numba", occurrence_threshold=1))
+    for batch in stream[:4]:
+        sum(v.sum() for v in a(batch).values()).backward()
+    state = a.state_dict()
+    assert state["tables.k.keys"].dtype == torch.int64
+    b = EmbeddingLayer(_engine("numba", occurrence_threshold=1))
+    b.load_state_dict(state)
+    for batch in stream[4:]:
+        for layer in (a, b):
+            sum((v * v).sum() for v in layer(batch).values()).backward()
+    _same(a.engine, b.engine)
