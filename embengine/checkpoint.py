@@ -15,9 +15,13 @@ Layout of ``engine.save(root)``::
 The layout is keyed by logical table and logical row: one file per table of the engine's
 configuration, whose tensors have one row per id (row r is id r), whether the engine packed the
 table with others or kept it in a memory-mapped file; so any engine of the same configuration
-reads it, and a sharded or keyed table can write the same tensors. The manifest is the engine's
-``spec()`` (embengine.spec) plus the checkpoint's own keys (format, version, step, finite,
-extra, files, and each table's file and finite flag).
+reads it, and a sharded table writes the same tensors. A keyed table (``vocabulary_size``
+null) has one row per key instead: its file holds "{table}/keys" (sorted) and the rows aligned
+with them, plus its other state entries ("{table}/last_touched", ... : ``embengine.state``),
+and its manifest entry says ``keyed: {rows, pending_keys, total}``, the lengths its shapes
+need (and the stats totals, for inspect). The manifest is the engine's ``spec()``
+(embengine.spec) plus the checkpoint's own keys (format, version, step, finite, extra, files,
+and each table's file, finite flag and, keyed, ``keyed``).
 
 This module uses only the engine's public state API (``spec()``, ``state_dict()``,
 ``load_state_dict()``, ``step``, ``sequential_access()``) and imports nothing from the engine:
@@ -65,12 +69,15 @@ CheckpointError for a malformed manifest.
 What a restore guarantees: every check above passes before the first table byte changes, so a
 checkpoint that is corrupt at rest leaves the engine bit-identical; then ``load_state_dict``
 checks every tensor's name, shape and dtype against the engine and copies under the engine's
-lock, each table's tensors read straight into its memory. It does not make the copy
-itself atomic (that would need a second copy of every table): if reading fails midway (an I/O
-error, or a file modified or truncated while it is being copied), the tables already copied and
-part of the current one hold the checkpoint's values, the engine's step is unchanged, and the
-CheckpointError says so; restore again before using the engine. Tables are read with ordinary
-reads, so a file truncated during the copy is an error, not a SIGBUS.
+lock, each table's tensors read straight into its memory. A keyed table's tensors are read
+into memory and their values checked first (keys sorted and distinct, pending keys without
+rows, counts >= 0, steps not after the checkpoint's, at most ``max_rows`` rows): a crafted
+keyed checkpoint is a CheckpointError naming the entry, the engine unchanged. It does not make
+the copy itself atomic (that would need a second copy of every table): if reading fails midway
+(an I/O error, or a file modified or truncated while it is being copied), the tables already
+copied and part of the current one hold the checkpoint's values, the engine's step is
+unchanged, and the CheckpointError says so; restore again before using the engine. Tables are
+read with ordinary reads, so a file truncated during the copy is an error, not a SIGBUS.
 
 Tables are written and read in chunks of rows, so memory stays bounded for tables larger than
 RAM.
@@ -98,9 +105,9 @@ import numpy as np
 
 from .backends.registry import BACKENDS
 from .initializers import Zeros
-from .safetensors_io import NUMPY, read_header, read_tensor, sha256_file, write_safetensors
+from .safetensors_io import DTYPES, NUMPY, read_header, read_tensor, sha256_file, write_safetensors
 from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
-from .state import WEIGHTS, PartialLoadError, Stateful
+from .state import KEYED_COUNTERS, KEYED_ENTRIES, WEIGHTS, PartialLoadError, Stateful, keyed_entries
 from .version import __version__
 
 __all__ = [
@@ -315,6 +322,13 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
             digest = write_safetensors(tmp / entry["file"], tensors, {"table": name},
                                        on_chunk=check)  # fmt: skip
         entry["finite"] = check.finite
+        if entry["vocabulary_size"] is None:  # keyed: the lengths its tensors' shapes need
+            counters = np.asarray(arrays["counters"])
+            entry["keyed"] = {
+                "rows": len(arrays["keys"]), "pending_keys": len(arrays["pending_keys"]),
+                "total": {k: int(counters[0, i] + counters[1, i])
+                          for i, k in enumerate(KEYED_COUNTERS)},
+            }  # fmt: skip
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -450,8 +464,22 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         if name in names:
             s.fail(f"{at}.name", f"{name!r} names an earlier table too")
         names.add(name)
-        for key in ("vocabulary_size", "dim"):
-            s.get(t, key, at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        keyed = t.get("vocabulary_size") is None and "dynamic" in t
+        size_ok = (lambda v: True) if keyed else (lambda v: _is_int(v) and v >= 1)
+        s.get(t, "vocabulary_size", at, size_ok,
+              "an int >= 1 (or null for a keyed table, which has 'dynamic')")  # fmt: skip
+        s.get(t, "dim", at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        if keyed:
+            k = s.obj(t, "keyed", at)
+            for key in ("rows", "pending_keys"):
+                s.get(k, key, f"{at}.keyed", lambda v: _is_int(v) and 0 <= v < 2**48,
+                      "an int in [0, 2**48)")  # fmt: skip
+            total = s.obj(k, "total", f"{at}.keyed", optional=True) or {}
+            for key, v in total.items():
+                if not (_is_int(v) and v >= 0):
+                    s.fail(f"{at}.keyed.total.{key}", f"must be an int >= 0, got {v!r:.60}")
+        elif "keyed" in t:
+            s.fail(f"{at}.keyed", "is only for a keyed table (vocabulary_size null, 'dynamic')")
         for key in ("combiner", "storage", "file"):
             s.get(t, key, at, lambda v: isinstance(v, str), "a string")
         s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
@@ -656,11 +684,7 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
     for t in manifest["tables"]:
         file = ckpt / t["file"]
         header, _ = headers[t["file"]]
-        expected = {t["name"]: ("F32", [t["vocabulary_size"], t["dim"]])}
-        for slot in t["slots"]:
-            expected[f"{t['name']}/{slot['name']}"] = (
-                _SLOT_DTYPES[slot["dtype"]], [t["vocabulary_size"], slot["width"]]
-            )  # fmt: skip
+        expected = _expected_tensors(t)
         for name, (dtype, shape) in expected.items():
             info = header.get(name)
             if info is None or name == "__metadata__":
@@ -671,6 +695,27 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
                     f"{info['shape']}, expected {dtype} and shape {shape}"
                 )
     return headers
+
+
+def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (safetensors dtype, shape) of a schema-checked manifest table: weights
+    "{table}" and slots "{table}/{slot}", a row per id; a keyed table's rows are its keys
+    (``keyed.rows``), and it has the keyed entries of ``embengine.state`` too."""
+    name = t["name"]
+    slots = [(s["name"], s["width"], s["dtype"]) for s in t["slots"]]
+    if t["vocabulary_size"] is None:
+        sizes = {"n": t["keyed"]["rows"], "p": t["keyed"]["pending_keys"]}
+        entries = keyed_entries(t["dim"], slots)
+    else:
+        sizes = {}
+        entries = {WEIGHTS: ((t["vocabulary_size"], t["dim"]), np.dtype(np.float32))}
+        entries.update({s: ((t["vocabulary_size"], w), np.dtype(d)) for s, w, d in slots})
+    return {
+        name if key == WEIGHTS else f"{name}/{key}": (
+            DTYPES[np.dtype(dtype)], [sizes.get(d, d) for d in shape]
+        )
+        for key, (shape, dtype) in entries.items()
+    }  # fmt: skip
 
 
 def _check_name(ckpt: Path, manifest: dict) -> None:
@@ -692,6 +737,13 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} holds tables {sorted(stored)}, the engine has {names}")
     for t in mine:
         s = stored[t["name"]]
+        if (s["vocabulary_size"] is None) != (t["vocabulary_size"] is None):
+            kinds = ["keyed" if v is None else "dense" for v in (s["vocabulary_size"],
+                                                                 t["vocabulary_size"])]  # fmt: skip
+            raise CheckpointError(
+                f"table {t['name']!r}: the checkpoint's table is {kinds[0]}, the engine's is "
+                f"{kinds[1]} (vocabulary_size=None makes a keyed table)"
+            )
         if (s["vocabulary_size"], s["dim"]) != (t["vocabulary_size"], t["dim"]):
             raise CheckpointError(
                 f"table {t['name']!r}: checkpoint shape ({s['vocabulary_size']}, {s['dim']}) "
@@ -715,7 +767,7 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
 # Manifest keys that describe the checkpoint, not the engine: the rest is the engine's spec.
 _CHECKPOINT_KEYS = ("format", "format_version", "embengine_version", "created", "step", "finite",
                     "extra", "files")  # fmt: skip
-_CHECKPOINT_TABLE_KEYS = ("file", "finite")
+_CHECKPOINT_TABLE_KEYS = ("file", "finite", "keyed")
 
 
 @dataclass(frozen=True)
@@ -783,7 +835,20 @@ class CheckpointReader:
         for name, t in self._tables.items():
             tables[name] = {WEIGHTS: self.tensor(name)}
             tables[name].update({s["name"]: self.tensor(name, s["name"]) for s in t["slots"]})
+            if self.is_keyed(name):
+                tables[name].update({k: self.tensor(name, k) for k in KEYED_ENTRIES})
         return {"step": self.step, "tables": tables}
+
+    def is_keyed(self, table: str) -> bool:
+        """Whether ``table`` is keyed (``vocabulary_size`` null): its rows are its ``keys``."""
+        return self._tables[table]["vocabulary_size"] is None
+
+    def array(self, table: str, entry: str) -> np.ndarray:
+        """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
+        such as "keys" or "last_touched"), memory-mapped read-only (no copy; for export)."""
+        t = self._tables[table]
+        name = table if entry == WEIGHTS else f"{table}/{entry}"
+        return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
 
     def extra_tensors(self) -> dict[str, np.ndarray]:
         """The caller's extra tensors (saved with ``extra_tensors=``), read into memory."""
@@ -810,6 +875,8 @@ class CheckpointReader:
         tensors = self.extra_tensors()  # first: a failure here leaves the engine untouched
         try:
             engine.load_state_dict(self.state_dict())
+        except (TypeError, ValueError) as e:  # checked before any change (a keyed table's values)
+            raise CheckpointError(f"{self.path}: {e}; the engine is unchanged") from e
         except PartialLoadError as e:
             cause = e.__cause__ if e.__cause__ is not None else e
             raise CheckpointError(

@@ -364,13 +364,16 @@ class EmbeddingEngine:
         logical table and row (a packed table's rows are its own, from 0).
 
         The arrays are live views of the tables, not copies: they change with every update and
-        writing into them changes the engine. Read them while no update runs (``save`` holds
-        the engine's lock while it writes them); ``copy.deepcopy(state)`` for a snapshot."""
+        writing into them changes the engine (a keyed table's are copies, taken together). Read
+        them while no update runs (``save`` holds the engine's lock while it writes them);
+        ``copy.deepcopy(state)`` for a snapshot."""
+        # A keyed table's entry is a snapshot (its keys and metadata; see embengine.state).
         return {
             "step": self._step,
             "learning_rates": {"tags": self._learning_rate_tags()},
-            "tables": {v.name: {WEIGHTS: v.weights, **v.slots} for v in self._tables},
-        }
+            "tables": {v.name: v.state() if hasattr(v, "state") else {WEIGHTS: v.weights, **v.slots}
+                       for v in self._tables},
+        }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Copy a state (``state_dict()``'s layout, arrays or ``TensorSource``s) into the
@@ -384,7 +387,8 @@ class EmbeddingEngine:
         (its gradients came from the tables before). If a TensorSource fails midway, a
         ``PartialLoadError`` says which tables hold the new values; the step is unchanged."""
         expected = {
-            v.name: {WEIGHTS: (tuple(v.weights.shape), np.dtype(np.float32)),
+            v.name: v.state_entries() if hasattr(v, "state_entries") else
+                    {WEIGHTS: (tuple(v.weights.shape), np.dtype(np.float32)),
                      **{s.name: ((v.vocabulary_size, s.width), np.dtype(s.dtype))
                         for s in v.slot_specs}}
             for v in self._tables
@@ -395,9 +399,21 @@ class EmbeddingEngine:
         views = {v.name: v for v in self._tables}
         # Everything is checked; from here on tables change.
         with self._state_lock():
+            # Keyed tables are read and checked whole first (a ValueError changes nothing),
+            # then installed after the dense copies.
+            now = self._step if step is None else step
+            installs = {
+                name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")
+                for name, pairs in copies
+                if hasattr(views[name], "prepare_state")
+            }
             done: list[str] = []
             for name, pairs in copies:
                 view = views[name]
+                if name in installs:
+                    installs[name]()
+                    done.append(name)
+                    continue
                 try:
                     with view.sequential_access():
                         for key, value in pairs:

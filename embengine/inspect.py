@@ -31,6 +31,19 @@ def _tensors(file: Path) -> list[str]:
             for name, info in header.items() if name != "__metadata__"]  # fmt: skip
 
 
+def _keyed_stats(keyed: dict) -> str:
+    """A keyed table's rows, pending keys and stats totals, as its manifest records them."""
+    out = f"{keyed['rows']} keys"
+    if "pending_keys" in keyed:
+        out += f" ({keyed['pending_keys']} pending admission"
+        total = keyed.get("total") or {}
+        out += "".join(f", {k} {v}" for k, v in total.items() if k not in ("lookups", "hits"))
+        if total.get("lookups"):
+            out += f", hit rate {total.get('hits', 0) / total['lookups']:.3f}"
+        out += ")"
+    return out
+
+
 def describe(path: str | Path, verify: bool = True) -> str:
     path = Path(path)
     fmt = _format_of(path)
@@ -51,7 +64,11 @@ def describe(path: str | Path, verify: bool = True) -> str:
     lines.append(f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "
                  + ("verified" if verify else "not checked"))  # fmt: skip
     for t in manifest["tables"]:
-        head = f"table {t['name']!r}: {t['vocabulary_size']} x {t['dim']}, combiner {t['combiner']}"
+        if t["vocabulary_size"] is None:  # keyed: its rows are its keys
+            head = f"table {t['name']!r}: keyed, {_keyed_stats(t['keyed'])} x {t['dim']}"
+        else:
+            head = f"table {t['name']!r}: {t['vocabulary_size']} x {t['dim']}"
+        head += f", combiner {t['combiner']}"
         if "optimizer" in t:
             opt = t["optimizer"]
             params = ", ".join(f"{k}={v}" for k, v in opt["params"].items() if v not in (None,))

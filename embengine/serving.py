@@ -14,7 +14,10 @@ An export is a folder: ``manifest.json`` (format, features, tables, each table's
 the SHA-256 and size of every file), ``manifest.sha256`` (the SHA-256 of manifest.json, as in
 checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-maps it and looks
 features up with the same combiners, sequence lengths and output shapes as the training engine;
-it is read-only and safe to call from many threads.
+it is read-only and safe to call from many threads. A keyed table (``vocabulary_size`` null,
+``keyed: {rows}``) stores its sorted int64 ``keys`` beside its weights (without the rows
+expired at the checkpoint's step); a lookup finds each key by binary search, and a key it does
+not hold looks up as zeros, as the training engine's ``lookup(..., training=False)`` does.
 
 Where an export is written (``export(..., replace=False)``, ``embengine export ... --replace``):
 
@@ -211,6 +214,18 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
         if x.size:
             worst = max(worst, float(np.abs(back.astype(np.float64) - x).max()))
     return out, worst
+
+
+def _live_keys(reader, t: dict, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A keyed table's (keys, weights) as an evaluation lookup at the checkpoint's step sees
+    them: without the rows expired by then (``expire_steps``), which the next training step
+    would remove."""
+    keys = np.asarray(reader.array(t["name"], "keys"))
+    expire = (t.get("dynamic") or {}).get("expire_steps")
+    if expire is None:
+        return keys, weights
+    live = reader.step - np.asarray(reader.array(t["name"], "last_touched")) <= expire
+    return keys[live], np.asarray(weights)[live]
 
 
 # -- where an export may be written ---------------------------------------------------------------
@@ -416,14 +431,20 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
         for i, t in enumerate(spec["tables"]):
             comp = per_table.get(t["name"], compress)
             weights = reader.weights(t["name"])  # memory-mapped
+            keys = None
+            if reader.is_keyed(t["name"]):
+                keys, weights = _live_keys(reader, t, weights)
             params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
             arrays, worst = _encode_table(weights, comp, params)
+            if keys is not None:
+                arrays = {"keys": keys, **arrays}
             file = f"table-{i:03d}.safetensors"
             # The table's name inside its file: a manifest whose files were swapped is refused.
             digest = write_safetensors(tmp / file, arrays, {"table": t["name"]})
             files[file] = {"sha256": digest}
             files[file]["bytes"] = (tmp / file).stat().st_size
             tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"],
+                           **({} if keys is None else {"keyed": {"rows": len(keys)}}),
                            "dim": t["dim"], "combiner": t["combiner"], "compression": comp,
                            "params": params, "quantization_config": t.get("quantization_config"),
                            "file": file})  # fmt: skip
@@ -518,8 +539,12 @@ def _check_schema(path: Path, manifest: dict) -> None:
         name = _take(t, "name", "name", where, file)
         if any(o.get("name") == name for o in tables[:i]):
             raise CheckpointError(f"{file}: {where}: table name {name!r} appears twice")
-        for key in ("vocabulary_size", "dim"):
-            _take(t, key, "size", where, file)
+        if t.get("vocabulary_size", 0) is None:  # keyed: its rows are its keys
+            _take(_take(t, "keyed", "object", where, file), "rows", "count", f"{where}['keyed']",
+                  file)  # fmt: skip
+        else:
+            _take(t, "vocabulary_size", "size", where, file)
+        _take(t, "dim", "size", where, file)
         if _take(t, "combiner", "name", where, file) not in COMBINERS:
             raise CheckpointError(
                 f"{file}: {where}['combiner'] must be one of {COMBINERS}, got {t['combiner']!r:.80}"
@@ -589,7 +614,7 @@ _STORED = {
     "int8_rowwise": {"weights": ("I8", lambda v, d: [v, d]), "scale": ("F32", lambda v, d: [v]),
                      "bias": ("F32", lambda v, d: [v])},
 }  # fmt: skip
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "I64": 8}
 
 
 def _check_files(path: Path, manifest: dict, verify: bool) -> None:
@@ -615,10 +640,13 @@ def _check_tensors(path: Path, manifest: dict) -> None:
     allocated from a header that disagrees with the manifest)."""
     for t in manifest["tables"]:
         file = path / t["file"]
-        v, d = t["vocabulary_size"], t["dim"]
+        keyed = t["vocabulary_size"] is None
+        v, d = t["keyed"]["rows"] if keyed else t["vocabulary_size"], t["dim"]
         expected = {n: (dt, shape(v, d)) for n, (dt, shape) in _STORED[t["compression"]].items()}
+        if keyed:
+            expected["keys"] = ("I64", [v])
         try:
-            header, _ = read_header(file)
+            header, start = read_header(file)
             stored = sorted(n for n in header if n != "__metadata__")
             # Exports before the table name was stored have no metadata.
             named = (header.get("__metadata__") or {}).get("table", t["name"])
@@ -636,6 +664,13 @@ def _check_tensors(path: Path, manifest: dict) -> None:
                 lo, hi = info["data_offsets"]
                 if hi - lo != math.prod(shape) * _ITEMSIZE[dtype]:
                     raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {shape}")
+            if keyed:  # lookups search them: sorted and distinct
+                keys = read_tensor(file, "keys", header=(header, start))
+                bad = np.flatnonzero(keys[1:] <= keys[:-1])
+                if len(bad):
+                    raise ValueError(f"key {keys[bad[0] + 1]} at position {bad[0] + 1} is not "
+                                     "greater than the one before; keys must be sorted and "
+                                     "distinct")  # fmt: skip
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
@@ -765,7 +800,7 @@ class ServingEngine:
         per_table = []
         for name, tb in zip(self._resolved.table_names, batch.tables, strict=True):
             arrays, comp, params, dim = self._tables[name]
-            rows, tb = _decoded_rows(arrays, comp, params, tb)
+            rows, tb = _decoded_rows(arrays, comp, params, dim, tb)
             quant = self._configs[name].quantization_config
             per_table.append(self._backend.lookup_rows(rows, dim, tb, quant))
         return {
@@ -774,7 +809,23 @@ class ServingEngine:
         }
 
 
-def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Mapping,
+def _decode_ids(
+    arrays: Mapping[str, np.ndarray], compression: str, ids: np.ndarray, params: Mapping, dim: int
+) -> np.ndarray:
+    """float32 rows of ``ids``: a dense table's rows by id; a keyed table's (``keys`` stored)
+    by binary search in its sorted keys, zeros for a key it does not hold (nothing inserted)."""
+    keys = arrays.get("keys")
+    if keys is None:
+        return decode(arrays, compression, ids, params)
+    at = np.minimum(np.searchsorted(keys, ids), max(len(keys) - 1, 0))
+    found = keys[at] == ids if len(keys) else np.zeros(len(ids), bool)
+    out = np.zeros((len(ids), dim), np.float32)
+    if found.any():
+        out[found] = decode(arrays, compression, at[found], params)
+    return out
+
+
+def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Mapping, dim: int,
                   tb: TableBatch | LookupOnlyTableBatch):  # fmt: skip
     """(float32 rows, the batch with its ids renumbered into them): the decoded rows of every
     id the batch reads, so that only those are decompressed.
@@ -782,12 +833,13 @@ def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Ma
     A lookup-only batch gets one row per id, in order (row ``k`` of the table is the ``k``-th
     id of its features, so no deduplication); a deduplicated batch one per unique id."""
     if isinstance(tb, TableBatch):  # an export is keyed by logical id: one table per batch table
-        rows = decode(arrays, compression, tb.unique_ids, params)
+        rows = _decode_ids(arrays, compression, tb.unique_ids, params, dim)
         renumbered = dataclasses.replace(tb, unique_rows=np.arange(len(rows), dtype=np.int64))
         return np.ascontiguousarray(rows, dtype=np.float32), renumbered
     ids = [p.ragged.ids for p in tb.parts]
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    rows = np.ascontiguousarray(decode(arrays, compression, all_ids, params), dtype=np.float32)
+    rows = np.ascontiguousarray(_decode_ids(arrays, compression, all_ids, params, dim),
+                                dtype=np.float32)  # fmt: skip
     parts, base = [], 0
     for p in tb.parts:
         r = p.ragged

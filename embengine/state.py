@@ -12,6 +12,26 @@ by logical row: row ``r`` is the table's id ``r``. ``weights`` is float32 ``[voc
 dim]``; each optimizer slot (TF's slot names) is ``[vocabulary_size, width]`` of the slot's dtype
 (float32, or int32 for step counters).
 
+A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED_ENTRIES`` besides
+``weights`` and the slots, a snapshot (copies, taken together under the engine's lock)::
+
+    keys             int64 [n]         the keys with rows, sorted, distinct
+    weights, slots   [n, dim], [n, w]  each key's row, aligned with ``keys``
+    last_touched     int64 [n]         the step each row was last touched (expiry, LRU)
+    touch_counts     int64 [n]         its occurrences in training lookups so far (LFU)
+    pending_keys     int64 [p]         keys waiting for admission, sorted, distinct, without rows
+    pending_earlier  int64 [p]         their occurrences in steps before ``pending_step``
+    pending_step     int64 [p]         the last step each was seen
+    pending_current  int64 [p]         their occurrences in that step
+    counters         int64 [2, 7]      ``KEYED_COUNTERS`` of the last step that trained the
+                                       table, then the totals before it
+    meta             int64 [2]         that step (-1: none yet), and ``max_pending``
+
+``n`` and ``p`` are each one length shared by their entries (``Expected`` writes them as the
+strings "n" and "p"). Rows are loaded in key order into a fresh arena (the free rows of the
+saved one are not kept): lookups, updates, eviction (ties broken by key) and stats counters
+continue exactly as in the engine that saved them; capacity and bytes describe the new arena.
+
 Learning rates hold no state of their own: a constant, a value the caller passes per step
 (``DynamicLearningRate``) or a callable of the step, so the step restores the schedule. The
 ``learning_rates`` entry lists the engine's dynamic tags (and each callable's name) so that
@@ -31,9 +51,41 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["WEIGHTS", "PartialLoadError", "Stateful", "TensorSource", "check_state"]
+__all__ = [
+    "KEYED_COUNTERS",
+    "KEYED_ENTRIES",
+    "WEIGHTS",
+    "PartialLoadError",
+    "Stateful",
+    "TensorSource",
+    "check_state",
+    "keyed_entries",
+]
 
 WEIGHTS = "weights"
+# A keyed table's stats counters, in the order of its state's ``counters`` rows.
+KEYED_COUNTERS = ("admitted", "filtered", "evicted", "expired", "forgotten", "lookups", "hits")
+# A keyed table's entries besides weights and slots: name -> (shape, dtype); see above.
+KEYED_ENTRIES: dict[str, tuple[tuple, str]] = {
+    "keys": (("n",), "int64"),
+    "last_touched": (("n",), "int64"),
+    "touch_counts": (("n",), "int64"),
+    "pending_keys": (("p",), "int64"),
+    "pending_earlier": (("p",), "int64"),
+    "pending_step": (("p",), "int64"),
+    "pending_current": (("p",), "int64"),
+    "counters": ((2, len(KEYED_COUNTERS)), "int64"),
+    "meta": ((2,), "int64"),
+}
+
+
+def keyed_entries(dim: int, slots: list[tuple[str, int, str]]) -> dict[str, tuple[tuple, np.dtype]]:
+    """A keyed table's state entries: name -> (shape, dtype), "n" / "p" standing for the
+    lengths of rows / pending keys; ``slots`` are the optimizer's (name, width, dtype)."""
+    out = {WEIGHTS: (("n", dim), np.dtype(np.float32))}
+    out.update({name: (("n", width), np.dtype(dtype)) for name, width, dtype in slots})
+    out.update({k: (shape, np.dtype(dtype)) for k, (shape, dtype) in KEYED_ENTRIES.items()})
+    return out
 
 
 @runtime_checkable
@@ -78,8 +130,9 @@ class PartialLoadError(RuntimeError):
         )
 
 
-# An entry the engine expects: name -> (shape, dtype).
-Expected = dict[str, dict[str, tuple[tuple[int, ...], np.dtype]]]
+# An entry the engine expects: name -> (shape, dtype); a str dimension is a length every entry
+# of the table that names it shares (a keyed table's rows "n" and pending keys "p").
+Expected = dict[str, dict[str, tuple[tuple[int | str, ...], np.dtype]]]
 
 
 def _describe(value: Any) -> str:
@@ -143,6 +196,7 @@ def check_state(
         if lacking and strict:
             raise ValueError(f"{at} has no {lacking} (strict=False leaves them as they are)")
         pairs = []
+        lengths: dict[str, tuple[int, str]] = {}  # a str dimension -> (its length, first entry)
         for key, (shape, dtype) in entries.items():
             if key not in given:
                 continue
@@ -150,10 +204,23 @@ def check_state(
             if not isinstance(value, np.ndarray | TensorSource):
                 raise TypeError(f"{at}[{key!r}] must be a NumPy array or a TensorSource, got "
                                 f"{type(value).__name__}")  # fmt: skip
-            if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
+            got = tuple(value.shape)
+            fits = len(got) == len(shape) and np.dtype(value.dtype) == dtype
+            for size, want in zip(got, shape, strict=False):
+                if isinstance(want, str):
+                    first = lengths.setdefault(want, (size, key))
+                    if first[0] != size and fits:
+                        raise ValueError(
+                            f"{at}[{key!r}] has {size} rows, {at}[{first[1]!r}] has {first[0]}: "
+                            f"table {name!r}'s entries of length {want!r} must agree"
+                        )
+                elif size != want:
+                    fits = False
+            if not fits:
+                shown = [d if isinstance(d, int) else f"<{d}>" for d in shape]
                 raise ValueError(
-                    f"{at}[{key!r}] is {np.dtype(value.dtype)} {list(value.shape)}, table "
-                    f"{name!r} holds {dtype} {list(shape)}"
+                    f"{at}[{key!r}] is {np.dtype(value.dtype)} {list(got)}, table "
+                    f"{name!r} holds {dtype} {shown}"
                 )
             pairs.append((key, value))
         copies.append((name, pairs))

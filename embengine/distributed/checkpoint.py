@@ -103,11 +103,24 @@ def _name_from_rank0(comm: Comm, name: str | None, what: str,
 
 
 def _agree(comm: Comm, ok: bool, what: str) -> None:
-    """A barrier that also says whether every rank succeeded so far."""
+    """A barrier that also says whether every rank succeeded so far: a CheckpointError on the
+    ranks that did, naming those that did not (which raise their own error)."""
     flags = comm.all_gather(np.array([int(ok)], dtype=np.int64), what)[:, 0]
     bad = [r for r, f in enumerate(flags) if not f]
-    if bad:
+    if bad and ok:
         raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
+
+
+def _refuse_keyed(tables: list[dict], where) -> None:
+    """A CheckpointError for a keyed table (``vocabulary_size`` null): its rows are keys, not
+    ids a plan can shard, so distributed checkpoints do not hold it."""
+    keyed = [t.get("name") for t in tables if t.get("vocabulary_size") is None]
+    if keyed:
+        raise ckpt.CheckpointError(
+            f"{where}: tables {keyed} are keyed (vocabulary_size=None); a ShardedEngine's "
+            "checkpoints hold only tables with a vocabulary: load a keyed checkpoint into an "
+            "EmbeddingEngine (EmbeddingEngine.load)"
+        )
 
 
 def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
@@ -121,6 +134,7 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     rank = comm.rank
     root = Path(root)
+    _refuse_keyed(spec["tables"], root)  # every rank has the same spec: all raise, none waits
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error = None, None, None
@@ -251,6 +265,7 @@ def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | 
     error, reader, extra = None, None, {}
     try:
         _, reader = ckpt.read_checkpoint(path, verify)
+        _refuse_keyed(reader.manifest["tables"], reader.path)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
     except (OSError, ValueError) as e:

@@ -123,6 +123,12 @@ class ShardedEngine:
         r, optimizers = engine_arguments(
             feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
         )
+        keyed = [n for n, t in zip(r.table_names, r.tables, strict=True) if t.keyed]
+        if keyed:
+            raise ValueError(
+                f"tables {keyed} are keyed (vocabulary_size=None): ShardedEngine shards tables "
+                "with a vocabulary only; use an EmbeddingEngine"
+            )
         self._resolved, self._optimizers = r, optimizers
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)

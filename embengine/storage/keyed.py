@@ -33,6 +33,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
+from ..state import KEYED_COUNTERS, WEIGHTS, TensorSource, keyed_entries
 from .dense import row_columns
 from .protocol import NO_ROW
 
@@ -206,7 +207,7 @@ class _Pending:
 class KeyedView:
     """A keyed table as ``storage.protocol.LogicalTable`` sees it: name, dim, slots, storage.
     Its rows are not ids, so it has no weights array by id: read it with
-    ``engine.table_contents(name)``; checkpoints of keyed tables are not written yet."""
+    ``engine.table_contents(name)``; its state (``state_dict``, checkpoints) is ``state()``."""
 
     def __init__(self, table: KeyedTable):
         self.table = table
@@ -219,8 +220,8 @@ class KeyedView:
     def _refuse(self):
         raise TypeError(
             f"table {self.name!r} is keyed (vocabulary_size=None): its rows are not ids, so it "
-            "has no weights or slot arrays by id (state_dict, embedding_tables, checkpoints); "
-            f"read it with engine.table_contents({self.name!r})"
+            "has no weights or slot arrays by id (embedding_tables, slots); read it with "
+            f"engine.table_contents({self.name!r}) or engine.state_dict()"
         )
 
     @property
@@ -241,6 +242,19 @@ class KeyedView:
     @property
     def storage(self) -> str:
         return self.table.storage
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The table's state entries (``embengine.state``, a keyed table): a snapshot."""
+        return self.table.state()
+
+    def state_entries(self) -> dict[str, tuple[tuple, np.dtype]]:
+        """Entry name -> (shape, dtype) of ``state()``, "n" / "p" for its two lengths."""
+        slots = [(s.name, s.width, s.dtype) for s in self.slot_specs]
+        return keyed_entries(self.dim, slots)
+
+    def prepare_state(self, entries: dict, step: int, at: str):
+        """See ``KeyedTable.prepare_state``."""
+        return self.table.prepare_state(entries, step, at)
 
     def flush(self) -> None:
         self.table.flush()
@@ -545,8 +559,7 @@ class KeyedTable:
 
     @staticmethod
     def _zero_counts() -> dict[str, int]:
-        return dict.fromkeys(("admitted", "filtered", "evicted", "expired", "forgotten",
-                              "lookups", "hits"), 0)  # fmt: skip
+        return dict.fromkeys(KEYED_COUNTERS, 0)
 
     def _roll_stats(self) -> None:
         """Start this step's counters at the step's first training resolution (the last
@@ -589,15 +602,113 @@ class KeyedTable:
 
     def contents(self) -> dict[str, np.ndarray]:
         """``keys`` (int64, sorted) and copies of ``weights`` and every slot, aligned with them."""
-        rows = np.flatnonzero(self._live[: self._high])
-        order = np.argsort(self._key[rows], kind="stable")
-        rows = rows[order]
+        rows = self._rows_by_key()
         out = {"keys": self._key[rows].copy(), "weights": self._data[rows, : self.dim].copy()}
         for spec in self.slot_specs:
             col = self.columns[spec.name]
             base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
             out[spec.name] = base[rows, col.start : col.start + col.width].copy()
         return out
+
+    # -- state: what checkpoints hold ----------------------------------------------------------
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The table's state (``embengine.state``: keys, rows with their slots, last-touched
+        steps, touch counts, pending admissions, counters), copies taken at one moment (the
+        caller holds the engine's lock): ``contents()`` gives weights and slots from the one
+        row array, so they are of one step."""
+        out = self.contents()
+        rows = self._rows_by_key()
+        out["last_touched"] = self._last[rows].copy()
+        out["touch_counts"] = self._touches[rows].copy()
+        p = self._pending
+        live = p._live_slots()
+        live = live[np.argsort(p.key[live], kind="stable")]
+        out["pending_keys"] = p.key[live].copy()
+        out["pending_earlier"] = p.earlier[live].copy()
+        out["pending_step"] = p.step[live].copy()
+        out["pending_current"] = p.current[live].copy()
+        this = [self._this[k] for k in KEYED_COUNTERS]
+        out["counters"] = np.array([this, [self._total[k] for k in KEYED_COUNTERS]], np.int64)
+        out["meta"] = np.array([self._stats_step, p.limit], np.int64)
+        return out
+
+    def _rows_by_key(self) -> np.ndarray:
+        """The rows holding keys, in key order."""
+        rows = np.flatnonzero(self._live[: self._high])
+        return rows[np.argsort(self._key[rows], kind="stable")]
+
+    def prepare_state(self, entries: dict, step: int, at: str):
+        """Read and check a state (``state()``'s entries, arrays or TensorSources whose names,
+        shapes and dtypes ``state.check_state`` checked) for the engine's ``step``; returns a
+        function that installs it. Nothing changes until it is called: a bad state is a
+        ValueError naming the entry (``at[entry]``) and the value, as is a source that cannot be
+        read. The rules (``dynamic``) are the engine's: a state with more rows than
+        ``max_rows`` is refused."""
+        wanted = [WEIGHTS, *self.slot_names, *keyed_entries(self.dim, [])]
+        missing = [k for k in dict.fromkeys(wanted) if k not in entries]
+        if missing:
+            raise ValueError(f"{at} has no {missing}: a keyed table's state is loaded whole")
+        a = {}
+        for k, v in entries.items():
+            if isinstance(v, TensorSource):
+                out = np.empty(tuple(v.shape), np.dtype(v.dtype).newbyteorder("="))
+                try:
+                    v.read_into(out)
+                except (OSError, ValueError) as e:
+                    raise ValueError(
+                        f"{at}[{k!r}] cannot be read ({e}); nothing was changed"
+                    ) from e
+                a[k] = out
+            else:
+                a[k] = np.asarray(v)
+        _check_keyed_state(a, self.dynamic.max_rows, step, at)
+        return lambda: self._install(a, step)
+
+    def _install(self, a: dict[str, np.ndarray], step: int) -> None:
+        """Replace the table's contents by a checked state (``prepare_state``): rows 0..n-1 in
+        key order, a fresh index, the pending counts and counters as saved."""
+        n = len(a["keys"])
+        self._index = KeyIndex()
+        # A fresh arena (the old mapping is released with its last view).
+        self._mapping, self._high, self._capacity = None, 0, 0
+        self._reserved = self.dynamic.max_rows or max(_RESERVE_BYTES // (4 * self.row_width),
+                                                      _FIRST_CAPACITY)  # fmt: skip
+        self._data = np.zeros((0, self.row_width), np.float32)
+        self._key = np.zeros(0, np.int64)
+        self._last = np.zeros(0, np.int64)
+        self._touches = np.zeros(0, np.int64)
+        self._live = np.zeros(0, bool)
+        self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
+        self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
+        data = self._data
+        data[:n, : self.dim] = a[WEIGHTS]
+        for spec in self.slot_specs:
+            col = self.columns[spec.name]
+            base = data if spec.dtype == "float32" else data.view(np.int32)
+            base[:n, col.start : col.start + col.width] = a[spec.name]
+        self._key[:n] = a["keys"]
+        self._live[:n] = True
+        self._last[:n] = a["last_touched"]
+        self._touches[:n] = a["touch_counts"]
+        self._index.insert(a["keys"], np.arange(n, dtype=np.int64))
+        limit = int(a["meta"][1])
+        pending = _Pending(limit)
+        p = len(a["pending_keys"])
+        pending.high = p
+        if p > len(pending.key):
+            for name in ("key", "earlier", "step", "current"):
+                setattr(pending, name, np.zeros(p, np.int64))
+        pending.key[:p] = a["pending_keys"]
+        pending.earlier[:p] = a["pending_earlier"]
+        pending.step[:p] = a["pending_step"]
+        pending.current[:p] = a["pending_current"]
+        pending.index.insert(a["pending_keys"], np.arange(p, dtype=np.int64))
+        self._pending = pending
+        self._this = dict(zip(KEYED_COUNTERS, map(int, a["counters"][0]), strict=True))
+        self._total = dict(zip(KEYED_COUNTERS, map(int, a["counters"][1]), strict=True))
+        self._stats_step = int(a["meta"][0])
+        self._step = int(step)
 
     @property
     def slot_names(self) -> tuple[str, ...]:
@@ -608,3 +719,50 @@ class KeyedTable:
 
     def sequential_access(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+
+def _first_bad(bad: np.ndarray) -> int | None:
+    """The first index where ``bad`` holds, or None."""
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if len(hits) else None
+
+
+def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int, at: str) -> None:
+    """The values of a keyed table's state (``embengine.state``) for an engine at ``step``:
+    keys and pending keys sorted and distinct and apart, counts and steps in range, at most
+    ``max_rows`` rows. A ValueError names the entry, the position and the value."""
+    for name in ("keys", "pending_keys"):
+        k = a[name]
+        i = _first_bad(k[1:] <= k[:-1])
+        if i is not None:
+            what = (
+                "appears twice" if k[i + 1] == k[i] else "comes after the larger key " + str(k[i])
+            )
+            raise ValueError(
+                f"{at}[{name!r}]: key {k[i + 1]} at position {i + 1} {what}; keys must be sorted "
+                "and distinct (as state_dict() writes them)"
+            )
+    n = len(a["keys"])
+    if max_rows is not None and n > max_rows:
+        raise ValueError(
+            f"{at}['keys'] holds {n:,} rows, more than the table's max_rows={max_rows:,}; "
+            "raise max_rows (DynamicVocabulary) to load it"
+        )
+    both = np.intersect1d(a["keys"], a["pending_keys"])
+    if len(both):
+        raise ValueError(f"{at}['pending_keys']: key {both[0]} has a row too (in {at}['keys']); "
+                         "a key waiting for admission has no row")  # fmt: skip
+    for name, lo, hi in (("last_touched", 0, step), ("pending_step", 0, step),
+                         ("touch_counts", 0, None), ("pending_earlier", 0, None),
+                         ("pending_current", 0, None), ("counters", 0, None)):  # fmt: skip
+        v = a[name].reshape(-1)
+        i = _first_bad((v < lo) | (v > hi if hi is not None else False))
+        if i is not None:
+            bound = f"in [{lo}, {hi}] (the step is {step})" if hi is not None else f">= {lo}"
+            raise ValueError(f"{at}[{name!r}][{i}] is {v[i]}; it must be {bound}")
+    stats_step, limit = (int(x) for x in a["meta"])
+    if not -1 <= stats_step <= step:
+        raise ValueError(f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "
+                         f"be in [-1, {step}] (the step is {step})")  # fmt: skip
+    if limit < 0:
+        raise ValueError(f"{at}['meta'][1] (max_pending) is {limit}; it must be >= 0")

@@ -1,0 +1,401 @@
+"""Keyed tables (issue 15, item 7) in the state API, checkpoints, export and serving.
+
+A keyed engine saved mid-stream and loaded into a fresh engine continues bit for bit like the
+engine that never stopped: keys, rows with their slots, stats counters, pending admissions and
+lookups, for admission, expiry, LRU and LFU capacity and insertion on apply, on both backends.
+Crafted keyed checkpoints are refused with a CheckpointError naming the entry, the engine
+unchanged. An export of a keyed table serves its keys (unknown keys: zeros) exactly as the
+training engine's evaluation lookup.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine import optimizers as O
+from embengine.checkpoint import CheckpointError
+from embengine.cli import main as cli_main
+from embengine.initializers import RandomUniform
+from embengine.inspect import describe
+from embengine.safetensors_io import read_header, read_tensor, write_safetensors
+from embengine.serving import ServingEngine, export
+
+BACKENDS = ["numba", "reference"]
+# (id, DynamicVocabulary arguments): each rule of a keyed table, mid-stream at the save.
+RULES = [
+    ("admit1", dict(occurrence_threshold=1)),
+    ("admit3-expire", dict(occurrence_threshold=3, expire_steps=2)),
+    ("lru", dict(max_rows=12, eviction="lru", occurrence_threshold=1)),
+    ("lfu", dict(max_rows=12, eviction="lfu")),
+    ("apply-expire", dict(insert_on="apply", expire_steps=3, occurrence_threshold=1)),
+]
+POOL = np.array([2**62 + 7 * i for i in range(10)] + list(range(-5, 15)), np.int64)
+
+
+def _engine(backend: str, **dynamic) -> ee.EmbeddingEngine:
+    """A keyed table "k" (Adam with a per-row int32 step slot; a bag and a sequence feature)
+    and a dense table "d"."""
+    k = ee.TableConfig(None, 3, name="k", combiner="sum", initializer=RandomUniform(-0.5, 0.5),
+                       optimizer=O.Adam(0.05, bias_correction="per_row"),
+                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
+    d = ee.TableConfig(9, 2, name="d", optimizer=O.Adagrad(0.2))
+    feats = {"f": ee.FeatureConfig(k), "s": ee.FeatureConfig(k, 2), "g": ee.FeatureConfig(d)}
+    return ee.EmbeddingEngine(feats, backend=backend, seed=5)
+
+
+def _stream(steps: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        f = rng.choice(POOL, (3, 2))
+        f[0, 1] = -1  # padding
+        out.append({"f": f, "s": rng.choice(POOL, (2, 2)), "g": rng.integers(0, 9, (3, 2))})
+    return out
+
+
+def _step(eng, batch) -> dict:
+    acts = eng.lookup(batch)
+    eng.apply_gradients({k: np.sin(3 * v) + 0.25 for k, v in acts.items()})
+    return acts
+
+
+def _stats(eng) -> dict:
+    """Stats without what describes the arena's memory (a restore compacts it)."""
+    st = eng.table_stats()["k"]
+    return {k: v for k, v in st.items() if k not in ("capacity", "load_factor", "bytes")}
+
+
+def _same(a, b) -> None:
+    for table in ("k", "d"):
+        ca, cb = a.table_contents(table), b.table_contents(table)
+        assert set(ca) == set(cb)
+        for key in ca:
+            assert ca[key].dtype == cb[key].dtype and ca[key].tobytes() == cb[key].tobytes(), key
+    assert _stats(a) == _stats(b)
+    assert a.step == b.step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rules", [r for _, r in RULES], ids=[i for i, _ in RULES])
+def test_save_load_mid_stream_continues_bit_identically(tmp_path, backend, rules):
+    stream, probe = _stream(14), _stream(1, seed=9)[0]
+    a = _engine(backend, **rules)
+    for batch in stream[:6]:
+        _step(a, batch)
+    st = a.table_stats()["k"]
+    assert st["rows"] > 0 and st["total"]["admitted"] > 0  # mid-stream: the rules are at work
+    if "max_rows" in rules:
+        assert st["total"]["evicted"] > 0
+    if rules.get("occurrence_threshold"):
+        assert st["pending_keys"] > 0
+    path = a.save(tmp_path / "ckpt")
+    loaded = ee.EmbeddingEngine.load(path)
+    restored = _engine(backend, **rules)
+    restored.restore(path)
+    copied = _engine(backend, **rules)
+    copied.load_state_dict(copy.deepcopy(a.state_dict()))
+    others = (loaded, restored, copied)
+    for eng in others:
+        _same(a, eng)
+    for batch in stream[6:]:
+        want = _step(a, batch)
+        for eng in others:
+            got = _step(eng, batch)
+            assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+        evaluated = a.lookup(probe, training=False)
+        for eng in others:
+            got = eng.lookup(probe, training=False)
+            assert all(got[k].tobytes() == evaluated[k].tobytes() for k in evaluated)
+    for eng in others:
+        _same(a, eng)
+    assert a.table_stats()["k"]["total"]["expired" if "expire_steps" in rules else "admitted"] > 0
+
+
+def test_state_dict_of_a_keyed_table_is_a_sorted_snapshot():
+    eng = _engine("numba", occurrence_threshold=2)
+    for batch in _stream(4):
+        _step(eng, batch)
+    state = eng.state_dict()["tables"]["k"]
+    contents = eng.table_contents("k")
+    keys = state["keys"]
+    assert keys.dtype == np.int64 and (np.diff(keys) > 0).all()
+    for key in ("keys", "weights", "momenta", "velocities", "steps"):
+        assert state[key].tobytes() == contents[key].tobytes()
+    assert state["steps"].dtype == np.int32
+    assert (np.diff(state["pending_keys"]) > 0).all()
+    assert not np.isin(state["pending_keys"], keys).any()
+    assert (state["touch_counts"] >= 1).all() and (state["last_touched"] < eng.step).all()
+    stats = eng.table_stats()["k"]
+    total = state["counters"].sum(axis=0)
+    assert dict(zip(ee.state.KEYED_COUNTERS, total.tolist(), strict=True)) == stats["total"]
+    assert state["meta"].tolist() == [stats["step"], 1 << 22]  # max_pending without max_rows
+    before = state["weights"].copy()
+    _step(eng, _stream(1, seed=3)[0])
+    assert state["weights"].tobytes() == before.tobytes()  # a snapshot, not a view
+
+
+def test_load_state_dict_checks_a_keyed_state_before_any_change():
+    eng = _engine("numba", max_rows=12)
+    for batch in _stream(5):
+        _step(eng, batch)
+    good = copy.deepcopy(eng.state_dict())
+    target = _engine("numba", max_rows=12)
+    _step(target, _stream(1, seed=4)[0])
+    before = copy.deepcopy(target.state_dict())
+    at = "state\\['tables'\\]\\['k'\\]"
+    n = len(good["tables"]["k"]["keys"])
+
+    def bad(**changes):
+        state = copy.deepcopy(good)
+        state["tables"]["k"].update(changes)
+        return state
+
+    keys = good["tables"]["k"]["keys"]
+    cases = [
+        (bad(keys=keys[::-1].copy()), f"{at}\\['keys'\\]: key .* comes after the larger key"),
+        (bad(keys=np.concatenate([keys[:1], keys[:-1]])), "appears twice"),
+        (
+            bad(touch_counts=-good["tables"]["k"]["touch_counts"]),
+            f"{at}\\['touch_counts'\\]\\[0\\] is -\\d+; it must be >= 0",
+        ),
+        (
+            bad(last_touched=good["tables"]["k"]["last_touched"] + 100),
+            f"{at}\\['last_touched'\\]\\[0\\] is \\d+; it must be in \\[0, 5\\]",
+        ),
+        (bad(keys=keys[:-1]), f"{at}\\['keys'\\] has {n - 1} rows, {at}\\['weights'\\] has {n}"),
+        (bad(meta=np.array([9, 5], np.int64)), "meta'\\]\\[0\\] .* is 9"),
+    ]
+    pend = dict(
+        pending_keys=keys[:1],
+        pending_earlier=np.ones(1, np.int64),
+        pending_step=np.zeros(1, np.int64),
+        pending_current=np.zeros(1, np.int64),
+    )
+    cases.append((bad(**pend), f"{at}\\['pending_keys'\\]: key {keys[0]} has a row too"))
+    partial = copy.deepcopy(good)
+    del partial["tables"]["k"]["meta"]
+    for state, match in cases:
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict(state)
+        _assert_state(target, before)
+    with pytest.raises(ValueError, match="a keyed table's state is loaded whole"):
+        target.load_state_dict(partial, strict=False)
+    small = _engine("numba", max_rows=n - 1)
+    with pytest.raises(ValueError, match=f"holds {n} rows, more than the table's max_rows={n - 1}"):
+        small.load_state_dict(good)
+    assert small.table_stats()["k"]["rows"] == 0
+
+
+def _assert_state(eng, want) -> None:
+    got = eng.state_dict()
+    assert got["step"] == want["step"]
+    for table, arrays in want["tables"].items():
+        assert set(got["tables"][table]) == set(arrays)
+        for key, a in arrays.items():
+            assert got["tables"][table][key].tobytes() == a.tobytes(), (table, key)
+
+
+# -- crafted checkpoints ------------------------------------------------------------------------
+
+
+def _rewrite(ckpt: Path, change_tensors=None, change_manifest=None) -> None:
+    """Rewrite the keyed table's file and the manifest of a checkpoint consistently (sizes and
+    hashes), as a crafted checkpoint would be."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = next(t for t in manifest["tables"] if t["name"] == "k")
+    file = ckpt / entry["file"]
+    if change_tensors is not None:
+        header = read_header(file)
+        tensors = {n: np.array(read_tensor(file, n, header=header))
+                   for n in header[0] if n != "__metadata__"}  # fmt: skip
+        change_tensors(tensors)
+        file.unlink()
+        digest = write_safetensors(file, tensors, {"table": "k"})
+        manifest["files"][entry["file"]] = {"sha256": digest, "bytes": file.stat().st_size}
+    if change_manifest is not None:
+        change_manifest(manifest, entry)
+    text = json.dumps(manifest, indent=1).encode()
+    (ckpt / "manifest.json").write_bytes(text)
+    (ckpt / "manifest.sha256").write_bytes(hashlib.sha256(text).hexdigest().encode())
+
+
+def _swap_first(name):
+    def change(t):
+        t[name][[0, 1]] = t[name][[1, 0]]
+
+    return change
+
+
+def _set(name, index, value):
+    def change(t):
+        t[name][index] = value
+
+    return change
+
+
+def _duplicate_key(t):
+    t["k/keys"][1] = t["k/keys"][0]
+
+
+def _more_rows_in_manifest(m, entry):
+    entry["keyed"]["rows"] += 1
+
+
+def _max_rows(n):
+    def change(m, entry):
+        entry["dynamic"]["max_rows"] = n
+
+    return change
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_crafted_keyed_checkpoints_are_refused_and_change_nothing(tmp_path, backend):
+    src = _engine(backend, occurrence_threshold=1)
+    for batch in _stream(6):
+        _step(src, batch)
+    n = src.table_stats()["k"]["rows"]
+    at = "state\\['tables'\\]\\['k'\\]"
+    cases = [
+        ("unsorted", _swap_first("k/keys"), None, f"{at}\\['keys'\\]: key .* comes after"),
+        ("duplicate", _duplicate_key, None, f"{at}\\['keys'\\]: key .* appears twice"),
+        (
+            "negative",
+            _set("k/touch_counts", 2, -1),
+            None,
+            f"{at}\\['touch_counts'\\]\\[2\\] is -1; it must be >= 0",
+        ),
+        ("pending", _set("k/pending_current", 0, -3), None, "pending_current'\\]\\[0\\] is -3"),
+        ("future", _set("k/last_touched", 0, 99), None, "last_touched'\\]\\[0\\] is 99"),
+        (
+            "rows",
+            None,
+            _more_rows_in_manifest,
+            f"tensor 'k' has dtype F32 and shape \\[{n}, 3\\], expected F32 and shape "
+            f"\\[{n + 1}, 3\\]",
+        ),
+        (
+            "max_rows",
+            None,
+            _max_rows(n - 1),
+            f"{at}\\['keys'\\] holds {n} rows, more than the table's max_rows={n - 1}",
+        ),
+    ]
+    for name, tensors, manifest, match in cases:
+        path = src.save(tmp_path / name)
+        _rewrite(path, tensors, manifest)
+        target = _engine(backend, occurrence_threshold=1, max_rows=n - 1 if name == "max_rows"
+                         else None)  # fmt: skip
+        _step(target, _stream(1, seed=8)[0])
+        before = copy.deepcopy(target.state_dict())
+        with pytest.raises(CheckpointError, match=match):
+            target.restore(path)
+        _assert_state(target, before)
+        with pytest.raises(CheckpointError, match=match):
+            ee.EmbeddingEngine.load(path)
+
+
+def test_a_keyed_checkpoint_does_not_restore_into_a_dense_table(tmp_path):
+    src = _engine("numba")
+    _step(src, _stream(1)[0])
+    path = src.save(tmp_path / "c")
+    k = ee.TableConfig(30, 3, name="k", combiner="sum", optimizer=O.Adam(0.05))
+    d = ee.TableConfig(9, 2, name="d", optimizer=O.Adagrad(0.2))
+    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(k), "g": ee.FeatureConfig(d)})
+    with pytest.raises(CheckpointError, match="table 'k': the checkpoint's table is keyed, the "
+                                              "engine's is dense"):  # fmt: skip
+        dense.restore(path)
+
+
+# -- export, serving, inspect -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rules", [{}, dict(expire_steps=1)], ids=["all", "expire"])
+def test_served_keyed_lookups_equal_the_training_engines_evaluation(tmp_path, rules):
+    eng = _engine("numba", **rules)
+    for batch in _stream(6):
+        _step(eng, batch)
+    path = eng.save(tmp_path / "ckpt")
+    probes = _stream(4, seed=11)
+    probes[0]["f"][1] = [2**40, -(2**63)]  # never seen: zeros
+    for comp in ("fp32", "fp16", "int8_rowwise"):
+        out = tmp_path / f"export-{comp}"
+        export(path, out, compress=comp)
+        served = ServingEngine.load(out)
+        rows = len(served._tables["k"][0]["keys"])
+        if rules:  # rows expired at the saved step are not exported
+            assert 0 < rows < eng.table_stats()["k"]["rows"]
+        for probe in probes:
+            want = eng.lookup(probe, training=False)
+            got = served.lookup(probe)
+            for name in want:
+                if comp == "fp32":
+                    assert got[name].tobytes() == want[name].tobytes(), name
+                else:
+                    np.testing.assert_allclose(got[name], want[name], atol=0.02)
+        assert not served.lookup(probes[0])["f"][1].any()
+
+
+def test_a_crafted_export_with_unsorted_keys_is_refused(tmp_path):
+    eng = _engine("numba")
+    for batch in _stream(3):
+        _step(eng, batch)
+    out = tmp_path / "export"
+    export(eng.save(tmp_path / "ckpt"), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = next(t for t in manifest["tables"] if t["name"] == "k")
+    file = out / entry["file"]
+    header = read_header(file)
+    tensors = {n: np.array(read_tensor(file, n, header=header))
+               for n in header[0] if n != "__metadata__"}  # fmt: skip
+    tensors["keys"][[0, 1]] = tensors["keys"][[1, 0]]
+    file.unlink()
+    digest = write_safetensors(file, tensors, {"table": "k"})
+    manifest["files"][entry["file"]] = {"sha256": digest, "bytes": file.stat().st_size}
+    text = json.dumps(manifest, indent=1).encode()
+    (out / "manifest.json").write_bytes(text)
+    (out / "manifest.sha256").write_bytes(hashlib.sha256(text).hexdigest().encode())
+    with pytest.raises(CheckpointError, match="table 'k' .*key .* at position 1 is not greater"):
+        ServingEngine.load(out)
+
+
+def test_inspect_and_the_cli_show_a_keyed_table(tmp_path, capsys):
+    eng = _engine("numba", occurrence_threshold=1, max_rows=12)
+    for batch in _stream(6):
+        _step(eng, batch)
+    st = eng.table_stats()["k"]
+    path = eng.save(tmp_path / "ckpt")
+    text = describe(path)
+    total = st["total"]
+    assert (f"table 'k': keyed, {st['rows']} keys ({st['pending_keys']} pending admission, "
+            f"admitted {total['admitted']}, filtered {total['filtered']}, evicted "
+            f"{total['evicted']}") in text  # fmt: skip
+    assert "k/pending_keys" in text and "table 'd': 9 x 2" in text
+    assert cli_main(["export", str(path), str(tmp_path / "out"), "--compress", "fp16"]) == 0
+    assert cli_main(["inspect", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert f"table 'k': keyed, {st['rows']} keys x 3, combiner sum, compression fp16" in shown
+
+
+def test_an_embedding_layer_of_a_keyed_table_round_trips_its_state_dict():
+    torch = pytest.importorskip("torch")
+    from embengine.torch import EmbeddingLayer
+
+    stream = _stream(8)
+    a = EmbeddingLayer(_engine("numba", occurrence_threshold=1))
+    for batch in stream[:4]:
+        sum(v.sum() for v in a(batch).values()).backward()
+    state = a.state_dict()
+    assert state["tables.k.keys"].dtype == torch.int64
+    b = EmbeddingLayer(_engine("numba", occurrence_threshold=1))
+    b.load_state_dict(state)
+    for batch in stream[4:]:
+        for layer in (a, b):
+            sum((v * v).sum() for v in layer(batch).values()).backward()
+    _same(a.engine, b.engine)
