@@ -9,7 +9,7 @@ so ``import embengine`` works, and stays light, without it.
 
 from . import initializers, optimizers
 from .batch import PreparedBatch
-from .config import DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
+from .config import Compressor, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
 from .engine import EmbeddingEngine, NonFiniteUpdateError
 from .inputs import Ragged
 from .optimizers import DynamicLearningRate
@@ -17,6 +17,7 @@ from .version import __version__
 
 __all__ = [
     "DynamicLearningRate",
+    "Compressor",
     "DynamicVocabulary",
     "EmbeddingEngine",
     "FeatureConfig",

@@ -104,6 +104,7 @@ from typing import Any
 import numpy as np
 
 from .backends.registry import BACKENDS
+from .config import COMPRESSIONS
 from .initializers import Zeros
 from .safetensors_io import DTYPES, NUMPY, read_header, read_tensor, sha256_file, write_safetensors
 from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
@@ -485,6 +486,17 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
         s.get(t, "quantization_config", at, lambda v: v is None or isinstance(v, dict),
               "null or an object", optional=True)  # fmt: skip
+        if "compressor" in t:
+            comp = s.obj(t, "compressor", at)
+            s.get(comp, "compression", f"{at}.compressor", lambda v: v in COMPRESSIONS,
+                  f"one of {COMPRESSIONS}")  # fmt: skip
+            s.get(
+                comp,
+                "fixed_range",
+                f"{at}.compressor",
+                lambda v: _is_number(v) and math.isfinite(v) and v > 0,
+                "a number > 0",
+            )
         init = s.obj(t, "initializer", at)
         s.get(init, "class", f"{at}.initializer", lambda v: isinstance(v, str), "a string")
         s.obj(init, "params", f"{at}.initializer", optional=True)

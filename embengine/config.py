@@ -16,6 +16,8 @@ from .initializers import Initializer, TruncatedNormal
 from .optimizers import Optimizer
 
 __all__ = [
+    "COMPRESSIONS",
+    "Compressor",
     "TableConfig",
     "FeatureConfig",
     "QuantizationConfig",
@@ -27,6 +29,8 @@ __all__ = [
 ]
 
 COMBINERS = ("sum", "mean", "sqrtn")
+# How ``embengine export`` can store a table's weights (embengine.serving has each one's rule).
+COMPRESSIONS = ("fp32", "fp16", "bf16", "fixed_r8", "int8_rowwise")
 EVICTION_POLICIES = ("lru", "lfu")
 INSERT_ON = ("lookup", "apply")
 
@@ -140,6 +144,33 @@ class DynamicVocabulary:
                 object.__setattr__(self, field_name, int(v))
 
 
+@dataclass(frozen=True)
+class Compressor:
+    """How ``embengine export`` stores a table's weights for serving (the table's own default;
+    the export's per-table argument still wins over it, the export's default only applies to
+    tables without one). ``compression``: one of COMPRESSIONS; ``fixed_range``: r of
+    "fixed_r8", whose codes are the 256 levels ``r k / 128`` for k in [-128, 127] (ignored by the
+    others). It changes nothing in training: simulated quantization of lookups is
+    ``TableConfig.quantization_config`` (``embengine.monolith.FixedR8Compressor`` makes one)."""
+
+    compression: str = "fp32"
+    fixed_range: float = 1.0
+
+    def __post_init__(self):
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"{type(self).__name__}: compression must be one of "
+                             f"{COMPRESSIONS}, got {self.compression!r}")  # fmt: skip
+        r = self.fixed_range
+        if (
+            isinstance(r, bool)
+            or not isinstance(r, int | float | np.floating | np.integer)
+            or not (math.isfinite(r) and r > 0)
+        ):
+            raise ValueError(f"{type(self).__name__}: fixed_range must be a finite number > 0, "
+                             f"got {r!r}")  # fmt: skip
+        object.__setattr__(self, "fixed_range", float(r))
+
+
 @dataclass(frozen=True, eq=False)
 class TableConfig:
     """One embedding table.
@@ -159,6 +190,8 @@ class TableConfig:
       dynamic: a keyed table's rules (``DynamicVocabulary``); only with
         ``vocabulary_size=None``, where None means ``DynamicVocabulary()``: admit every key at
         once, never evict, insert on the training lookup.
+      compressor: how ``embengine export`` stores this table (``Compressor``); None: the
+        export's default.
     """
 
     vocabulary_size: int | None
@@ -169,6 +202,7 @@ class TableConfig:
     name: str | None = None
     quantization_config: QuantizationConfig | None = None
     dynamic: DynamicVocabulary | None = None
+    compressor: Compressor | None = None
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
@@ -211,6 +245,11 @@ class TableConfig:
             raise TypeError(
                 f"{where}: quantization_config must be a QuantizationConfig, got "
                 f"{self.quantization_config!r}"
+            )
+        if self.compressor is not None and not isinstance(self.compressor, Compressor):
+            raise TypeError(
+                f"{where}: compressor must be an embengine.Compressor (or a Monolith "
+                f"compressor of embengine.monolith), got {self.compressor!r}"
             )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ValueError(

@@ -40,6 +40,7 @@ from .learning_rates import LearningRates
 from .optimizers import Optimizer
 from .spec import (
     NONFINITE_POLICIES,
+    compressor_entry,
     engine_options,
     feature_configs_from_spec,
     initializer_to_json,
@@ -315,6 +316,7 @@ class EmbeddingEngine:
                 "initializer": initializer_to_json(_initializer_for(cfg, opt)),
                 "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
                 "quantization_config": None if q is None else dataclasses.asdict(q),
+                **compressor_entry(cfg),
                 "storage": view.storage,
                 "slots": [dataclasses.asdict(s) for s in view.slot_specs],
             })  # fmt: skip

@@ -23,10 +23,14 @@ Where Monolith's C++ has a known defect we implement the intended math:
 - Adagrad's AVX path steps with the raw gradient when weight decay is on; embengine follows
   Monolith's scalar path (the decayed gradient feeds both the accumulator and the step).
 - ``hessian_compression_times`` is accepted but ignored by Monolith's C++; embengine implements
-  it: one accumulator per k dims, fed the mean of g^2 over the group.
+  it by default (one accumulator per k dims, fed the mean of g^2 over the group), and
+  ``AdagradOptimizer(..., hessian_compression="monolith")`` ignores it as Monolith does.
 
-Compressors describe how a table is stored for serving (``embengine export``); FixedR8 also
-simulates its 8-bit values in training lookups (gradients pass straight through).
+Compressors (``embengine.Compressor`` subclasses) attach to a table as in Monolith,
+``TableConfig(..., compressor=Fp16Compressor())``, and say how ``embengine export`` stores it
+(the export's per-table argument still wins, its default applies to tables without one);
+FixedR8's ``quantization_config()`` also simulates its 8-bit values in training lookups
+(gradients pass straight through).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import QuantizationConfig
+from .config import Compressor, QuantizationConfig
 
 __all__ = [
     "SgdOptimizer",
@@ -88,10 +92,33 @@ def SgdOptimizer(learning_rate=None) -> _opt.SGD:  # noqa: N802 (Monolith's name
     return _opt.SGD(_lr(learning_rate, 0.01))
 
 
+HESSIAN_COMPRESSION = ("embengine", "monolith")
+
+
 def AdagradOptimizer(learning_rate=None, initial_accumulator_value=None,  # noqa: N802
-                     hessian_compression_times=1, warmup_steps=0,
-                     weight_decay_factor=0.0) -> _opt.Adagrad:  # fmt: skip
-    """Adagrad without epsilon, decay added to the gradient; defaults lr 0.001, accumulator 0.1."""
+                     hessian_compression_times=1, warmup_steps=0, weight_decay_factor=0.0,
+                     hessian_compression="embengine") -> _opt.Adagrad:  # fmt: skip
+    """Adagrad without epsilon, decay added to the gradient; defaults lr 0.001, accumulator 0.1.
+
+    ``hessian_compression_times = k``: Monolith's proto documents it as one accumulator per k
+    dimensions, but its C++ never reads it (every dimension keeps its own accumulator).
+    ``hessian_compression="embengine"`` (default) implements the documented reading: the
+    accumulator of a group of k dims is fed the mean of g^2 over the group,
+    ``n += mean_group(g^2); w -= lr g / sqrt(n)`` (k = dim: row-wise Adagrad).
+    ``hessian_compression="monolith"`` does what Monolith's code does: k is accepted and
+    ignored, so results match a Monolith job bit for bit in its semantics (k = 1)."""
+    if hessian_compression not in HESSIAN_COMPRESSION:
+        raise ValueError(f"hessian_compression must be one of {HESSIAN_COMPRESSION}, got "
+                         f"{hessian_compression!r}")  # fmt: skip
+    if hessian_compression == "monolith":
+        if (
+            isinstance(hessian_compression_times, bool)
+            or not isinstance(hessian_compression_times, int)
+            or hessian_compression_times < 1
+        ):
+            raise ValueError(f"hessian_compression_times must be an int >= 1, got "
+                             f"{hessian_compression_times!r}")  # fmt: skip
+        hessian_compression_times = 1  # as Monolith's C++: accepted, never read
     return _opt.Adagrad(
         _lr(learning_rate, 0.001, warmup_steps),
         0.1 if initial_accumulator_value is None else initial_accumulator_value,
@@ -195,34 +222,32 @@ def BatchSoftmaxInitializer(init_step_interval: float) -> _init.Constant:  # noq
 
 
 @dataclass(frozen=True)
-class Fp32Compressor:
+class Fp32Compressor(Compressor):
     """Serve the table as float32 (no compression)."""
 
     compression: str = "fp32"
 
 
 @dataclass(frozen=True)
-class Fp16Compressor:
+class Fp16Compressor(Compressor):
     """Serve the table as float16 (round to nearest even)."""
 
     compression: str = "fp16"
 
 
 @dataclass(frozen=True)
-class FixedR8Compressor:
+class FixedR8Compressor(Compressor):
     """8-bit fixed point in ``[-r, 127 r / 128]``, step ``r / 128`` (``r = fixed_range``).
 
-    For serving, rows are stored as int8 codes; in training, ``quantization_config()`` makes
-    lookups return the quantized values (gradients unchanged), as Monolith does. (Monolith
-    rounds halves away from zero; TF's simulated quantization, used here, rounds them up.)
+    Attach it to a table as Monolith does (``TableConfig(..., compressor=c)``): ``embengine
+    export`` then stores the table's rows as int8 codes of range r. Monolith also quantizes the
+    training lookups to those values (gradients unchanged); here that is the table's
+    ``quantization_config=c.quantization_config()``, given beside it. (Monolith rounds halves
+    away from zero; TF's simulated quantization, used here, rounds them up.)
     """
 
     fixed_range: float = 1.0
     compression: str = "fixed_r8"
-
-    def __post_init__(self):
-        if not self.fixed_range > 0:
-            raise ValueError(f"FixedR8Compressor: fixed_range must be > 0, got {self.fixed_range}")
 
     def quantization_config(self) -> QuantizationConfig:
         r = float(self.fixed_range)

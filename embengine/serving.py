@@ -77,6 +77,7 @@ from .checkpoint import FORMAT as CHECKPOINT_FORMAT
 from .checkpoint import CheckpointError, read_checkpoint
 from .config import (
     COMBINERS,
+    COMPRESSIONS,
     FeatureConfig,
     QuantizationConfig,
     ResolvedFeatures,
@@ -90,7 +91,6 @@ __all__ = ["COMPRESSIONS", "export", "ServingEngine", "ExportReport", "SERVING_F
 
 SERVING_FORMAT = "embengine-serving"
 SERVING_VERSION = 1
-COMPRESSIONS = ("fp32", "fp16", "bf16", "fixed_r8", "int8_rowwise")
 _ROWS_PER_CHUNK = 1 << 16
 
 
@@ -429,12 +429,17 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
     try:
         tables, files, rows = [], {}, []
         for i, t in enumerate(spec["tables"]):
-            comp = per_table.get(t["name"], compress)
+            # The export's per-table choice, else the table's own compressor, else the default.
+            own = t.get("compressor")
+            if t["name"] in per_table or own is None:
+                comp, r = per_table.get(t["name"], compress), fixed_range
+            else:
+                comp, r = own["compression"], own["fixed_range"]
             weights = reader.weights(t["name"])  # memory-mapped
             keys = None
             if reader.is_keyed(t["name"]):
                 keys, weights = _live_keys(reader, t, weights)
-            params = {"fixed_range": fixed_range} if comp == "fixed_r8" else {}
+            params = {"fixed_range": r} if comp == "fixed_r8" else {}
             arrays, worst = _encode_table(weights, comp, params)
             if keys is not None:
                 arrays = {"keys": keys, **arrays}

@@ -5,8 +5,9 @@ A spec is a dict of JSON values::
 
     {"tables": [{"name", "vocabulary_size" (null: keyed), ["dynamic"], "dim", "combiner",
                  "initializer": {"class", "params"}, "optimizer": {"class", "params"},
-                 "quantization_config", "storage", "slots": [{"name", "width",
-                 "initial_value", "dtype"}]}, ...],          # in the engine's table order
+                 "quantization_config", ["compressor": {"compression", "fixed_range"}],
+                 "storage", "slots": [{"name", "width", "initial_value", "dtype"}]}, ...],
+                                                             # in the engine's table order
      "features": [{"name", "table", "max_sequence_length", "validate_weights_and_indices",
                    "output_shape"}, ...],                    # in the engine's feature order
      "learning_rate_tags": [{"tag", "callable"}, ...],
@@ -32,7 +33,7 @@ import numpy as np
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
+from .config import Compressor, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
 from .learning_rates import LearningRates
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "feature_configs_from_spec",
     "initializer_from_json",
     "initializer_to_json",
+    "compressor_entry",
     "optimizer_from_json",
     "optimizer_to_json",
 ]
@@ -142,17 +144,28 @@ def initializer_from_json(
     return cls(**data.get("params", {}))
 
 
+def compressor_entry(cfg: TableConfig) -> dict:
+    """A table's ``"compressor"`` key, only when it has one (specs and manifests of tables
+    without one stay as they were)."""
+    c = cfg.compressor
+    if c is None:
+        return {}
+    return {"compressor": {"compression": c.compression, "fixed_range": c.fixed_range}}
+
+
 def _table_config(t: Mapping, callables: Mapping[int, Callable],
                   initializers: Mapping[str, _init.Initializer]) -> TableConfig:  # fmt: skip
     opt = optimizer_from_json(t["optimizer"], callables)
     q = t.get("quantization_config")
     dynamic = t.get("dynamic")  # only a keyed table's spec has it
+    compressor = t.get("compressor")  # only a table that has one
     cfg = TableConfig(
         t["vocabulary_size"], t["dim"],
         initializer=initializer_from_json(t["initializer"], t["name"], initializers),
         optimizer=opt, combiner=t["combiner"], name=t["name"],
         quantization_config=None if q is None else QuantizationConfig(**q),
         dynamic=None if dynamic is None else DynamicVocabulary(**dynamic),
+        compressor=None if compressor is None else Compressor(**compressor),
     )  # fmt: skip
     return cfg
 

@@ -188,3 +188,98 @@ def test_fixed_r8_simulates_8_bit_lookups(backend):
         "fp16",
         "fp32",
     )
+
+
+# -- compressors attached to tables; hessian_compression_times as Monolith's code reads it -------
+
+
+def _compressed_engine(backend: str = "numba") -> ee.EmbeddingEngine:
+    r8 = mono.FixedR8Compressor(fixed_range=0.5)
+    tables = [
+        ee.TableConfig(20, 4, name="a", combiner="sum", compressor=mono.Fp16Compressor()),
+        ee.TableConfig(20, 4, name="b", combiner="sum", compressor=r8,
+                       quantization_config=r8.quantization_config()),
+        ee.TableConfig(20, 4, name="c", combiner="sum"),
+    ]  # fmt: skip
+    eng = ee.EmbeddingEngine({t.name: ee.FeatureConfig(t) for t in tables},
+                             optimizer=mono.AdagradOptimizer(0.1), backend=backend)  # fmt: skip
+    ids = {name: np.array([1, 2, 3]) for name in "abc"}
+    acts = eng.lookup(ids)
+    eng.apply_gradients({k: np.full_like(a, 0.5) for k, a in acts.items()})
+    return eng
+
+
+def _exported(path) -> dict:
+    import json
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    return {t["name"]: (t["compression"], t["params"]) for t in manifest["tables"]}
+
+
+def test_export_stores_each_table_as_its_compressor_says(tmp_path):
+    from embengine.serving import ServingEngine, export
+
+    eng = _compressed_engine()
+    eng.save(tmp_path / "ckpt")
+    export(tmp_path / "ckpt", tmp_path / "out", compress="fp32", fixed_range=3.0)
+    assert _exported(tmp_path / "out") == {"a": ("fp16", {}),
+                                           "b": ("fixed_r8", {"fixed_range": 0.5}),
+                                           "c": ("fp32", {})}  # fmt: skip
+    # The export's per-table choice wins over the table's compressor; its default and its
+    # fixed range apply to tables without one (and to a per-table choice).
+    export(tmp_path / "ckpt", tmp_path / "out2", compress="bf16",
+           per_table={"a": "fixed_r8"}, fixed_range=3.0)  # fmt: skip
+    assert _exported(tmp_path / "out2") == {"a": ("fixed_r8", {"fixed_range": 3.0}),
+                                            "b": ("fixed_r8", {"fixed_range": 0.5}),
+                                            "c": ("bf16", {})}  # fmt: skip
+    # Served rows of b are the training rows on b's own 8-bit grid (step 0.5 / 128, clipped to
+    # [-0.5, 0.5 * 127 / 128]).
+    ids = {name: np.arange(20) for name in "abc"}
+    served = ServingEngine.load(tmp_path / "out").lookup(ids)["b"]
+    want = np.clip(eng.embedding_tables["b"], -0.5, 0.5 * 127 / 128)
+    assert np.abs(served - want).max() <= 0.5 / 256 + 1e-7
+
+
+def test_a_table_s_compressor_survives_the_checkpoint_and_the_spec(tmp_path):
+    eng = _compressed_engine()
+    eng.save(tmp_path / "ckpt")
+    loaded = ee.EmbeddingEngine.load(tmp_path / "ckpt")
+    got = {t.name: t.compressor for t in loaded.table_configs.values()}
+    assert got == {"a": ee.Compressor("fp16"), "b": ee.Compressor("fixed_r8", 0.5), "c": None}
+    assert "compressor" not in eng.spec()["tables"][2]  # a table without one: as before
+
+
+def test_a_bad_compressor_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="compression must be one of .* got 'fp8'"):
+        ee.Compressor("fp8")
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="fixed_range must be a finite number > 0"):
+            mono.FixedR8Compressor(fixed_range=bad)
+    with pytest.raises(TypeError, match="compressor must be an embengine.Compressor"):
+        ee.TableConfig(10, 4, name="t", compressor="fp16")
+    # A crafted manifest naming an unknown compression is refused before anything is built.
+    import hashlib
+    import json
+
+    from embengine.checkpoint import CheckpointError
+
+    path = _compressed_engine().save(tmp_path / "ckpt")
+    m = json.loads((path / "manifest.json").read_text())
+    m["tables"][0]["compressor"]["compression"] = "zip"
+    text = json.dumps(m).encode()
+    (path / "manifest.json").write_bytes(text)
+    (path / "manifest.sha256").write_text(hashlib.sha256(text).hexdigest())
+    with pytest.raises(CheckpointError, match=r"tables\[0\]\.compressor\.compression"):
+        ee.EmbeddingEngine.load(path)
+
+
+def test_hessian_compression_times_as_monolith_s_code_reads_it():
+    ours = mono.AdagradOptimizer(0.1, hessian_compression_times=4)
+    theirs = mono.AdagradOptimizer(0.1, hessian_compression_times=4, hessian_compression="monolith")
+    plain = mono.AdagradOptimizer(0.1)
+    assert ours.hessian_compression_times == 4
+    assert theirs == plain  # Monolith's C++ never reads it: one accumulator per dim
+    with pytest.raises(ValueError, match="hessian_compression must be one of"):
+        mono.AdagradOptimizer(0.1, hessian_compression="tf")
+    with pytest.raises(ValueError, match="hessian_compression_times must be an int >= 1"):
+        mono.AdagradOptimizer(0.1, hessian_compression_times=0, hessian_compression="monolith")

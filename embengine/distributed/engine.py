@@ -49,7 +49,7 @@ from ..engine import NonFiniteUpdateError, engine_arguments
 from ..inputs import as_numpy
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..spec import initializer_to_json, optimizer_to_json
+from ..spec import compressor_entry, initializer_to_json, optimizer_to_json
 from ..state import WEIGHTS
 from ..storage import plan_storage
 from .comm import Comm
@@ -665,6 +665,7 @@ class ShardedEngine:
                 "initializer": initializer_to_json(_initializer_for(cfg, opt)),
                 "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
                 "quantization_config": None if q is None else dataclasses.asdict(q),
+                **compressor_entry(cfg),
                 "storage": "ram",
                 "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
             })  # fmt: skip
