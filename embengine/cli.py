@@ -66,8 +66,10 @@ def _train(args: argparse.Namespace) -> int:
         if args.baseline and cfg.embeddings != "engine":
             raise ValueError("--baseline compares the engine's run with the plain torch DLRM; "
                              "leave --embeddings at engine")  # fmt: skip
-        if args.baseline and cfg.nproc_per_node > 1:
-            raise ValueError("--baseline runs in one process; leave out --nproc-per-node")
+        world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+        if args.baseline and (cfg.nproc_per_node > 1 or world > 1):
+            raise ValueError("--baseline runs in one process; leave out --nproc-per-node "
+                             "(and torchrun)")  # fmt: skip
     except ValueError as e:
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2

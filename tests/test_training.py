@@ -495,16 +495,16 @@ def _run_cli(args: list[str], timeout: float = 600) -> str:
 def test_training_on_two_ranks_reports_the_single_process_run():
     """``--nproc-per-node 2`` (torchrun; a ShardedEngine; DDP summing the dense gradients; each
     rank on its slice of every batch) trains the single-process run: every epoch's validation
-    and test figures agree up to float rounding."""
+    and test figures and its running train loss agree up to float rounding."""
     args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad"]
-    figures = re.compile(r"(valid AUC|test AUC|test logloss) (\d\.\d+)")
+    figures = re.compile(r"(train loss|valid AUC|test AUC|test logloss) (\d\.\d+)")
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
     two = [ln for ln in _run_cli([*args, "--nproc-per-node", "2"]).splitlines()
            if ln.startswith("epoch ")]  # fmt: skip
     assert len(one) == len(two) >= 2, (one, two)
     for a, b in zip(one, two, strict=True):
         fa, fb = figures.findall(a), figures.findall(b)
-        assert len(fa) == len(fb) == 3, (a, b)
+        assert len(fa) == len(fb) == 4, (a, b)
         for (name, x), (_, y) in zip(fa, fb, strict=True):
             assert abs(float(x) - float(y)) <= 2e-4, (name, a, b)
 
@@ -596,3 +596,55 @@ def test_a_rank_killed_mid_run_restarts_and_ends_where_an_unbroken_run_ends(tmp_
     want = [ln for ln in unbroken.splitlines() if ln.startswith(("epoch 4:", "test AUC"))]
     strip = lambda ln: re.sub(r" in \d+\.\d s$", "", ln)  # noqa: E731 - the time differs
     assert [strip(ln) for ln in last] == [strip(ln) for ln in want], (out, unbroken)
+
+
+def test_baseline_inside_torchrun_ranks_is_refused(capsys, monkeypatch):
+    # torchrun -m embengine.cli train --baseline: each rank would train the twin alone.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", *SYN_ARGS, "--baseline"]) == 2
+    assert "--baseline runs in one process" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):
+    """torchrun's ranks run in sessions of their own: the launcher passes SIGTERM on, so no
+    rank outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(ee.__file__).parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", "train", *SYN_ARGS,
+                             "--epochs", "1000", "--patience", "0", "--nproc-per-node", "2"],
+                            cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    ranks = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(ranks) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            ranks = [p for p in (_rank_process(proc.pid, r) for r in (0, 1)) if p is not None]
+            time.sleep(0.1)
+        assert len(ranks) == 2, "the ranks did not start"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{p}").exists() for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [
+            p
+            for p in ranks
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
+        ]
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        _kill_tree(proc.pid)
+        for p in ranks:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -10,6 +10,7 @@ W - 1 others, as a ring or a tree would in total).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -30,8 +31,18 @@ class PeerError(RuntimeError):
 
 # Seconds a rank waits for the store when it asks which peers are behind (after a timeout).
 STORE_ANSWER = 2.0
-# Each Comm's keys in the store: every rank makes its engines in the same order.
-_COMMS = itertools.count()
+# Each Comm's keys in the store: per group (its global ranks), a count of the Comms made on
+# it; the members of a group make their engines on it in the same order (as every collective).
+_COMMS: dict[str, itertools.count] = {}
+
+
+def _global_ranks(group, world_size: int) -> list[int]:
+    """The default group's ranks of ``group``'s members (0..W-1 without a group)."""
+    if group is None:
+        return list(range(world_size))
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group))
 
 
 def _default_store():
@@ -67,7 +78,9 @@ class Comm:
             # torchrun) must not hold a post or a question for the store's 30 minutes.
             self._store = store.clone()
             self._store.set_timeout(timedelta(seconds=STORE_ANSWER))
-        self._prefix = f"embengine/comm{next(_COMMS)}/rank"
+        members = "-".join(map(str, _global_ranks(group, world_size)))
+        number = next(_COMMS.setdefault(members, itertools.count()))
+        self._prefix = f"embengine/group{members}/comm{number}/rank"
         self._calls = 0
         self._call = ""
 
@@ -104,8 +117,11 @@ class Comm:
         asking.start()
         asking.join(STORE_ANSWER + 1.0)
         if asking.is_alive() or len(answers) < self.world_size - 1:
-            return ("the store did not answer which rank it is (rank 0 serves it under "
-                    "torchrun and init_process_group: it may be the one that hangs)")  # fmt: skip
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                host = "torchrun's agent serves it: is the agent alive?"
+            else:
+                host = "rank 0 of the default group serves it: it may be the one that hangs"
+            return f"the store did not answer which rank it is ({host})"
         late = []
         for r, posted in sorted(answers.items()):
             calls, _, call = (posted or "0 ").partition(" ")

@@ -172,7 +172,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
         from .warmup import compile_kernels
 
         compile_seconds = compile_kernels(source, lambda rows: build_engine(source, cfg, rows),
-                                          cfg.batch_size, log, cfg.progress)  # fmt: skip
+                                          cfg.batch_size, log,
+                                          cfg.progress and ranks.rank == 0)  # fmt: skip
         engine = build_engine(source, cfg, sharded=ranks.distributed)
         embed = EmbeddingLayer(engine)
     else:
@@ -238,7 +239,10 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
     while not finished():
         trained = True
         bar = _progress(cfg, source, epoch) if ranks.rank == 0 else None
-        running = None
+        # The running (exponentially averaged) loss. On several ranks each averages its part of
+        # every global batch's mean loss; the average is linear, so the parts' sum at the end of
+        # the epoch is the single run's figure. The bar (rank 0) shows its own samples' loss.
+        running = shown = None
         for i, batch in enumerate(source.train_batches(cfg.batch_size, epoch, start_batch),
                                   start=start_batch):  # fmt: skip
             size = len(batch)
@@ -258,17 +262,18 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
                 sparse_optim.step()
             step += 1
             value = loss.item()
-            if ranks.distributed:  # shown: this rank's mean loss
-                value = value * size / max(len(batch), 1)
             running = value if running is None else 0.98 * running + 0.02 * value
             if bar is not None:
+                own = value * size / len(batch) if ranks.distributed and len(batch) else value
+                shown = own if shown is None else 0.98 * shown + 0.02 * own
                 bar.update(size)
-                bar.set_postfix(loss=f"{running:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{shown:.4f}", refresh=False)
             start_batch = i + 1
             if cfg.steps is not None and step >= cfg.steps:
                 break
         if bar is not None:
             bar.close()
+        running = ranks.total(running)
         if start_batch >= per_epoch:  # the epoch is complete (also when --steps ended it)
             epoch, start_batch = epoch + 1, 0
         valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model, ranks)

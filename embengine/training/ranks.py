@@ -19,6 +19,7 @@ run, so that the run is that run, up to float rounding:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
     Restarts are ours, not torchrun's ``--max-restarts``: torchrun's restarted ranks share
     the previous attempt's store, and read their peers' old addresses from it (gloo: connection
     refused; pytorch issue 167288), so each restart here gets a new port and a new store."""
-    status = 0
+    status, stopped = 0, []
     for attempt in range(max_restarts + 1):
         if attempt:
             print(f"embengine train: a rank failed (exit status {status}); restart {attempt} of "
@@ -59,10 +60,28 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
                f"--master-port={_free_port()}", "-m", "embengine.cli", *argv]  # fmt: skip
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
-        status = subprocess.call(cmd, env=env)
-        if status == 0:
-            return 0
+        status = _run_forwarding_signals(cmd, env, stopped)
+        if status == 0 or stopped:  # done, or asked to stop: no restart
+            return status
     return status
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict, stopped: list) -> int:
+    """Run torchrun, passing SIGTERM / SIGINT on to it (it stops its ranks, which run in
+    sessions of their own, out of reach of a signal to our process group); a signal received
+    is appended to ``stopped``. Returns its exit status."""
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        stopped.append(signum)
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass
@@ -84,7 +103,8 @@ class Ranks:
         import torch.distributed as dist
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        threads = max(1, (os.cpu_count() or 1) // local)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // local)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         torch.set_num_threads(threads)
         owns = not dist.is_initialized()
@@ -133,9 +153,21 @@ class Ranks:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(model)
+        # The models' buffers are constants: nothing to broadcast each step.
+        ddp = DistributedDataParallel(model, broadcast_buffers=False)
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
+
+    def total(self, value: float | None) -> float | None:
+        """The sum of every rank's ``value`` (None on every rank stays None)."""
+        if not self.distributed or value is None:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
 
     def gather(self, array: np.ndarray) -> np.ndarray:
         """Every rank's 1-D ``array``, concatenated in rank order."""
