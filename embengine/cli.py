@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         backend=args.backend, seed=args.seed,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, keep=args.keep, plot=args.plot,
         progress=not args.no_progress, nproc_per_node=args.nproc_per_node,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts, vocabulary=args.vocabulary,
         synthetic={"examples_per_epoch": args.epoch_examples,
                    "test_examples": args.test_examples,
                    "vocabulary_scale": args.vocabulary_scale},
@@ -89,6 +89,8 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") != "0":
             return 0  # rank 0 reports the run
         print(result.summary(), flush=True)
+        for line in result.stats_lines():
+            print(line)
         if args.baseline:
             print("the plain torch DLRM on the same data (--embeddings plain):", flush=True)
             twin = train(replace(cfg, embeddings="plain", checkpoint_dir=None, resume=False,
@@ -231,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on N processes of this machine (torchrun, gloo), tables "
                             "sharded, each rank on its slice of every batch: the same run as "
                             "one process, up to float rounding")  # fmt: skip
+    train.add_argument("--vocabulary", default="fixed", choices=["fixed", "dynamic"],
+                       help="dynamic: keyed tables (any int64 id; rows made as ids arrive) fed "
+                            "the raw ids, MovieLens' as in its files and its other tokens "
+                            "hashed to 64 bits; prints each table's stats at the end")  # fmt: skip
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="with --nproc-per-node: start every rank again, up to K times, "
                             "after one fails; with --checkpoint-dir DIR --resume they go on from "

@@ -97,6 +97,14 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
         (["--vocabulary-scale", "0"], "--vocabulary-scale must be > 0"),
         (["--baseline", "--embeddings", "torch", "--optimizer", "sgd"], "--baseline"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be an int >= 1, got 0"),
+        (
+            ["--vocabulary", "dynamic", "--embeddings", "torch", "--optimizer", "sgd"],
+            "--vocabulary dynamic makes the engine's keyed tables",
+        ),
+        (
+            ["--vocabulary", "dynamic", "--nproc-per-node", "2"],
+            "--vocabulary dynamic with 2 ranks: a ShardedEngine does not shard keyed tables",
+        ),
         (["--max-restarts", "1"], "--max-restarts restarts the ranks: give --nproc-per-node"),
         (["--nproc-per-node", "2", "--max-restarts", "1"], "--max-restarts without --resume"),
         (["--nproc-per-node", "2", "--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
@@ -648,3 +656,28 @@ def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_dynamic_vocabulary_trains_movielens_on_its_raw_ids(capsys):
+    """--vocabulary dynamic: keyed tables fed MovieLens' ids as in its files (other tokens
+    hashed to 64 bits); one row per distinct id of the training split, and the run learns as
+    the fixed-vocabulary one does."""
+    from embengine.data.movielens import load_movielens_100k
+
+    raw = load_movielens_100k(valid_fraction=0.05, raw_ids=True)
+    fixed = load_movielens_100k(valid_fraction=0.05)
+    users = np.unique(raw.train.features["user_id"])
+    assert users.min() == 1 and users.max() == 943 and len(users) == 943  # the files' ids
+    assert len(np.unique(raw.train.features["gender"])) == 2
+    assert np.abs(raw.train.features["gender"]).max() > 2**40  # hashed, not remapped
+    assert np.array_equal(raw.train.labels, fixed.train.labels)
+    args = ["train", "--dataset", "movielens-100k", "--epochs", "1", "--no-progress"]
+    assert cli.main([*args, "--vocabulary", "dynamic"]) == 0
+    out = capsys.readouterr().out
+    auc = float(re.search(r"^test AUC (\d\.\d+)", out, re.M)[1])
+    items = len(np.unique(raw.train.features["item_id"]))
+    assert "table user_id: 943 rows, 943 admitted, 0 evicted" in out, out
+    assert f"table item_id: {items} rows, {items} admitted" in out, out
+    assert cli.main(args) == 0
+    want = float(re.search(r"^test AUC (\d\.\d+)", capsys.readouterr().out, re.M)[1])
+    assert abs(auc - want) < 0.01, (auc, want)

@@ -7,6 +7,10 @@ file order) form the test set; with ``valid_fraction`` > 0, the latest ``valid_f
 rest (rounded) form a validation set, cut the same way, for choosing an epoch without the test.
 Token 0 of every vocabulary means "missing".
 
+With ``raw_ids=True`` nothing is remapped (for tables keyed by any int64, ``--vocabulary
+dynamic``): user and item ids are the ids of the files, every other token is a 64-bit hash of
+its feature name and text (BLAKE2b), and a missing value is key 0.
+
 The files are found without importing recbole (which pulls heavy dependencies): install it with
 ``pip install --no-deps recbole``, or point ``EMBENGINE_ML100K_DIR`` at a folder holding
 ``ml-100k.inter``, ``ml-100k.user`` and ``ml-100k.item``.
@@ -14,6 +18,7 @@ The files are found without importing recbole (which pulls heavy dependencies): 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -54,6 +59,31 @@ def _read_table(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+class _Raw:
+    """Token -> its raw key: the file's integer id for ``numeric`` features, else a 64-bit hash
+    of the feature name and the token; 0 for missing. ``len`` counts the distinct tokens seen."""
+
+    def __init__(self, name: str, numeric: bool):
+        self.name, self.numeric = name, numeric
+        self.index: dict[str, int] = {}
+
+    def __call__(self, token: str) -> int:
+        if not token:
+            return 0
+        key = self.index.get(token)
+        if key is None:
+            if self.numeric:
+                key = int(token)
+            else:
+                digest = hashlib.blake2b(f"{self.name}\x1f{token}".encode(), digest_size=8)
+                key = int.from_bytes(digest.digest(), "little", signed=True)
+            self.index[token] = key
+        return key
+
+    def __len__(self) -> int:
+        return len(self.index) + 1
+
+
 class _Vocab:
     """Token -> id, 0 reserved for missing."""
 
@@ -84,7 +114,10 @@ def _ragged(lists: list[list[int]]) -> Ragged:
 
 
 def load_movielens_100k(
-    folder: str | Path | None = None, test_fraction: float = 0.2, valid_fraction: float = 0.0
+    folder: str | Path | None = None,
+    test_fraction: float = 0.2,
+    valid_fraction: float = 0.0,
+    raw_ids: bool = False,
 ) -> MovieLens:
     folder = Path(folder) if folder is not None else find_movielens_100k()
     _, inter = _read_table(folder / "ml-100k.inter")
@@ -93,7 +126,10 @@ def load_movielens_100k(
 
     names = ("user_id", "item_id", "age", "gender", "occupation", "zip_prefix", "release_year",
              "genres", "title_words")  # fmt: skip
-    vocab = {name: _Vocab() for name in names}
+    if raw_ids:
+        vocab = {name: _Raw(name, name in ("user_id", "item_id")) for name in names}
+    else:
+        vocab = {name: _Vocab() for name in names}
     user_info = {}
     for row in users:
         rec = dict(zip(u_head, row, strict=False))

@@ -44,6 +44,19 @@ class TrainResult:
     valid_auc: float = float("nan")
     stopped_early: bool = False
     compile_seconds: float = 0.0
+    table_stats: dict | None = None  # the engine's, at the end (embeddings="engine")
+
+    def stats_lines(self) -> list[str]:
+        """One line per table of a keyed run: its rows and what was admitted."""
+        lines = []
+        for name, s in (self.table_stats or {}).items():
+            if s.get("kind") != "keyed":
+                continue
+            total = s.get("total", {})
+            mib = sum(s["bytes"].values()) / 2**20
+            lines.append(f"table {name}: {s['rows']} rows, {total.get('admitted', 0)} admitted, "
+                         f"{total.get('evicted', 0)} evicted, {mib:.1f} MiB")  # fmt: skip
+        return lines
 
     def summary(self) -> str:
         """The run in one line, naming the reported epoch."""
@@ -69,8 +82,11 @@ def build_engine(
     optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](cfg.learning_rate, width)
     features = {}
     for f in source.features:
-        rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
-        table = ee_config.TableConfig(rows, width, combiner=f.combiner, name=f.name)
+        if cfg.vocabulary == "dynamic":  # keyed: rows made for the raw ids as they arrive
+            table = ee_config.TableConfig(None, width, combiner=f.combiner, name=f.name)
+        else:
+            rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
+            table = ee_config.TableConfig(rows, width, combiner=f.combiner, name=f.name)
         features[f.name] = ee_config.FeatureConfig(table)
     if sharded:
         from ..distributed import ShardedEngine
@@ -162,7 +178,7 @@ def _silent(text: str) -> None:
 
 def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainResult:
     torch.manual_seed(cfg.seed)
-    source = make_source(cfg.dataset, **cfg.synthetic)
+    source = make_source(cfg.dataset, raw_ids=cfg.vocabulary == "dynamic", **cfg.synthetic)
     width = embedding_dim(cfg.model, cfg.dim)
     names = [f.name for f in source.features]
     model = MODELS[cfg.model](names, width, source.n_dense)
@@ -308,7 +324,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
     return TrainResult(chosen["test_auc"], chosen["test_logloss"], seconds, step, history,
                        source.oracle_auc, best_epoch=chosen["epoch"] + 1,
                        valid_auc=_valid_auc(chosen), stopped_early=stopped_early,
-                       compile_seconds=compile_seconds)  # fmt: skip
+                       compile_seconds=compile_seconds,
+                       table_stats=None if engine is None else engine.table_stats())  # fmt: skip
 
 
 def _has_checkpoint(path: Path) -> bool:

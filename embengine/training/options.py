@@ -44,6 +44,7 @@ MODEL_NAMES = ("dlrm", "fm")
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 TORCH_OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
 EMBEDDINGS = ("engine", "torch", "plain")
+VOCABULARIES = ("fixed", "dynamic")
 
 
 @dataclass
@@ -69,6 +70,9 @@ class TrainConfig:
     plot: str | None = None
     progress: bool = True
     synthetic: dict = field(default_factory=dict)  # SyntheticSource options
+    # "fixed": tables of the data's vocabularies; "dynamic": keyed tables (any int64 id, rows made
+    # as ids arrive) fed the raw ids.
+    vocabulary: str = "fixed"
     # Ranks on this machine, each a torchrun process training its slice of every batch.
     nproc_per_node: int = 1
     # Every rank is started again this many times after one fails (with --resume: from the
@@ -132,6 +136,12 @@ class TrainConfig:
             or (self.nproc_per_node < 1)
         ):
             raise ValueError(f"--nproc-per-node must be an int >= 1, got {self.nproc_per_node!r}")
+        if self.vocabulary not in VOCABULARIES:
+            raise ValueError(f"--vocabulary must be one of {', '.join(VOCABULARIES)}, got "
+                             f"{self.vocabulary!r}")  # fmt: skip
+        if self.vocabulary == "dynamic" and self.embeddings != "engine":
+            raise ValueError("--vocabulary dynamic makes the engine's keyed tables; leave "
+                             "--embeddings at engine")  # fmt: skip
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
         if (
@@ -151,6 +161,9 @@ class TrainConfig:
         if self.embeddings != "engine":
             raise ValueError(f"{world} ranks train the engine's tables sharded; "
                              f"--embeddings {self.embeddings} runs in one process")  # fmt: skip
+        if self.vocabulary == "dynamic":
+            raise ValueError(f"--vocabulary dynamic with {world} ranks: a ShardedEngine does "
+                             "not shard keyed tables yet; train in one process")  # fmt: skip
         if self.batch_size < world:
             raise ValueError(f"--batch-size {self.batch_size} is smaller than the {world} "
                              "ranks it is split over")  # fmt: skip

@@ -44,10 +44,10 @@ class MovieLensSource(DataSource):
     name = "movielens-100k"
     VALID_FRACTION = 0.05
 
-    def __init__(self):
+    def __init__(self, raw_ids: bool = False):
         from ..data.movielens import load_movielens_100k
 
-        data = load_movielens_100k(valid_fraction=self.VALID_FRACTION)
+        data = load_movielens_100k(valid_fraction=self.VALID_FRACTION, raw_ids=raw_ids)
         self._train, self._test, self._valid = data.train, data.test, data.valid
         self.features = data.features
         self.n_dense = 0
@@ -125,9 +125,11 @@ class SyntheticSource(DataSource):
 DATASETS = ("movielens-100k", "synthetic")
 
 
-def make_source(name: str, **kwargs) -> DataSource:
+def make_source(name: str, raw_ids: bool = False, **kwargs) -> DataSource:
+    """The dataset ``name``; ``raw_ids``: MovieLens ids as in its files, other tokens hashed to
+    64 bits (for keyed tables; the synthetic ids are raw already)."""
     if name == "movielens-100k":
-        return MovieLensSource()
+        return MovieLensSource(raw_ids)
     if name == "synthetic":
         return SyntheticSource(**kwargs)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
