@@ -154,6 +154,10 @@ class EmbeddingEngine:
         self.nonfinite_gradients = nonfinite_gradients
         self._learning_rates = LearningRates(self._optimizers, self._resolved.table_names)
         self._backend = _make_backend(backend)
+        for name, table, opt in zip(
+            self._resolved.table_names, self._resolved.tables, self._optimizers, strict=True
+        ):
+            self._backend.check_optimizer(name, opt, table.dim)
         self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
         self._build_storage()
         self._step = 0

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 import embengine as ee
@@ -71,7 +72,10 @@ def test_defaults_follow_tf():
             lambda: opt.Adam(lazy_adam=False, use_gradient_accumulation=False),
             "lazy_adam=False .* needs use_gradient_accumulation=True",
         ),
-        (lambda: opt.FTRL(learning_rate_power=0.5), "learning_rate_power must be <= 0, got 0.5"),
+        (
+            lambda: opt.FTRL(learning_rate_power=0.5),
+            "learning_rate_power must be a finite number <= 0, got 0.5",
+        ),
         (lambda: opt.FTRL(l1_regularization_strength=-1.0), "l1_regularization_strength must be"),
         (lambda: opt.FTRL(initial_accumulator_value=0.0), "initial_accumulator_value must be > 0"),
         (lambda: init.RandomUniform(1.0, 0.0), "minval=1.0 must not exceed maxval=0.0"),
@@ -92,6 +96,20 @@ def test_type_errors():
         ee.FeatureConfig("t")
     with pytest.raises(TypeError, match="use_gradient_accumulation must be a bool"):
         opt.SGD(use_gradient_accumulation="yes")
+
+
+def test_numpy_numbers_are_numbers_for_every_spec():
+    """One vocabulary (optimizers/_checks.py): NumPy scalars pass and fail the same checks as
+    Python's, whichever spec reads them."""
+    f32 = np.float32
+    assert opt.FTRL(learning_rate_power=f32(-0.5)).row_math(4).name == "ftrl_sqrt"
+    assert opt.FTRL(initial_accumulator_value=f32(0.2))
+    assert opt.Adam(beta_1=f32(0.8), beta_2=f32(0.99))
+    assert opt.Adagrad(hessian_compression_times=np.int64(2))
+    with pytest.raises(ValueError, match=r"learning_rate \(alpha\) must be in \[0, 1\], got"):
+        opt.BatchSoftmax(f32(2.0))
+    with pytest.raises(ValueError, match="hessian_compression_times must be an int >= 1"):
+        opt.Adagrad(hessian_compression_times=np.float32(2.0))
 
 
 def test_ftrl_allows_zero_accumulator_only_when_asked():

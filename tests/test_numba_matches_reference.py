@@ -242,6 +242,7 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
     gives the any-layout kernel's results: the same arithmetic in the same order, up to float
     rounding."""
     from embengine.backends import numba_backend as nbk
+    from embengine.kernels import row_math
     from embengine.kernels.fused import FIXED_KERNELS
 
     rng = np.random.default_rng(3)
@@ -264,8 +265,9 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
                                      optimizer=optimizer, seed=1)  # fmt: skip
             table = eng._physical[0]
             fused = nbk.kernels_for(optimizer, table)[0]
-            variant = nbk._variant(optimizer, 8)
-            assert (fused is not nbk.KERNELS[variant][0]) == (fixed and variant in FIXED_KERNELS)
+            rm = optimizer.row_math(8)
+            variant = rm.name
+            assert (fused is not row_math.kernels(rm)[0]) == (fixed and variant in FIXED_KERNELS)
             for step, (ids, lengths, weights) in enumerate(steps):
                 acts = eng.lookup({"f": ee.Ragged(ids, lengths=lengths, weights=weights),
                                    "g": ids[:batch]})  # fmt: skip
@@ -290,7 +292,7 @@ def test_fixed_layout_only_where_the_rows_fit():
     def layout(optimizer, dim):
         eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, dim, name="t"))},
                                  optimizer=optimizer)  # fmt: skip
-        return nbk.fixed_layout(nbk._variant(optimizer, dim), eng._physical[0])
+        return nbk.fixed_layout(optimizer.row_math(dim), eng._physical[0])
 
     assert layout(opt.Adam(0.1), 16) == (16, 2)
     assert layout(opt.AMSGrad(0.1, bias_correction="per_row"), 8) == (8, 3)  # int32 steps after

@@ -12,13 +12,12 @@ import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
-from ..kernels import FIXED_DIMS, pipeline, row_math, train_lookup
+from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, train_lookup
 from ..kernels import prepare as kp
-from ..kernels.fused import FIXED_KERNELS, KERNELS
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
-from ..optimizers import Optimizer
+from ..optimizers import Optimizer, RowMath
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
 
@@ -246,22 +245,54 @@ def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out) ->
          prefetch)  # fmt: skip
 
 
-def _variant(optimizer: Optimizer, dim: int) -> str:
-    """The kernel variant of an optimizer: its own class's row math, else its nearest embengine
-    base class's (embengine.tpu.Adam...)."""
-    for cls in type(optimizer).__mro__:
-        if cls.__name__ in row_math.OPTIMIZER_CLASSES and cls.__module__.startswith(
-            "embengine.optimizers"
-        ):
-            return row_math.variant(cls.__name__, optimizer.kernel_params(), dim)
-    raise TypeError(
-        f"the numba backend has no row math for {type(optimizer).__name__}; use "
-        "backend='reference' or add it to embengine/kernels/row_math.py"
-    )
+def check_optimizer(table_name: str, optimizer: Optimizer, dim: int) -> None:
+    """Raise unless the numba backend can run ``optimizer`` on a table of this dim: it has
+    registered row math (``Optimizer.row_math``) whose capabilities fit (optimizers/_row_math.py:
+    the float slots a prefix of its slots, accumulation, every-row sweeps). The engine calls
+    it for every table when it is built, so a limit shows before any step."""
+    where = f"table {table_name!r}"
+    name = type(optimizer).__name__
+    rm = optimizer.row_math(dim)
+    if rm is None:
+        raise TypeError(
+            f"{where}: the numba backend has no row math for {name}; register one "
+            "(embengine.optimizers.row_math) and name it in the spec's ROW_MATH, or use "
+            "backend='reference'"
+        )
+    try:
+        codegen.check_names(rm)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    floats = [s for s in optimizer.slot_specs(dim) if s.dtype == "float32"]
+    names = tuple(s.name for s in floats)
+    if names != rm.slots[: len(names)]:
+        raise ValueError(
+            f"{where}: {name} keeps the float slots {names}, but its row math {rm.name!r} "
+            f"takes {rm.slots}; a table must hold a prefix of them, in that order"
+        )
+    wide = [f"{s.name} ({s.width})" for s in floats if s.width > dim]
+    if wide:
+        raise ValueError(
+            f"{where}: the numba backend holds float slots of width <= dim={dim}, "
+            f"not {', '.join(wide)}"
+        )
+    if rm.needs_accumulation and not optimizer.use_gradient_accumulation:
+        raise ValueError(
+            f"{where}: the row math {rm.name!r} of {name} needs use_gradient_accumulation=True"
+        )
+    if optimizer.updates_every_row and not rm.every_row:
+        raise ValueError(
+            f"{where}: {name} updates every row each step, which its row math {rm.name!r} "
+            "cannot (every_row=False)"
+        )
+    missing = [n for n in (*rm.params, *rm.flags) if not hasattr(optimizer, n)]
+    if missing:
+        raise ValueError(f"{where}: the row math {rm.name!r} reads {missing}, which {name} lacks")
 
 
-def fixed_layout(variant: str, table: TableStorage) -> tuple[int, int] | None:
-    """(DIM, NS) if the variant has a fixed-layout kernel that fits this table's rows, else None.
+def fixed_layout(rm: RowMath, table: TableStorage) -> tuple[int, int] | None:
+    """(DIM, NS) if the row math has a fixed-layout kernel that fits this table's rows, else
+    None.
 
     It fits rows of DIM (one of FIXED_DIMS) weights, then the NS float slots from column DIM on,
     each DIM wide (row-wise variants read only the first slot's first column). With the row
@@ -269,10 +300,10 @@ def fixed_layout(variant: str, table: TableStorage) -> tuple[int, int] | None:
     of a row do not overlap and vectorises the update in place, where the any-layout kernel
     copies them to scratch arrays (W1 update: Adam 1.6x, SGD 1.25x faster)."""
     dim = table.dim
-    if variant not in FIXED_KERNELS or dim not in FIXED_DIMS:
+    if not rm.fixed_layout or dim not in FIXED_DIMS:
         return None
     float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
-    element = row_math.VARIANTS[variant][0] == "element"
+    element = rm.form == "element"
     for i, spec in enumerate(float_slots):
         column = table.columns[spec.name]
         if column.start != (i + 1) * dim or (element and column.width != dim):
@@ -281,18 +312,18 @@ def fixed_layout(variant: str, table: TableStorage) -> tuple[int, int] | None:
 
 
 @functools.cache  # one dispatcher per layout: numba compiles (or loads) it on its first call
-def _fixed_kernel(variant: str, dim: int, n_slots: int):
-    return FIXED_KERNELS[variant](dim, n_slots)
+def _fixed_kernel(rm: RowMath, dim: int, n_slots: int):
+    return row_math.kernels(rm)[2](dim, n_slots)
 
 
 def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
     fixed-layout fused update where it fits (fixed_layout), else the any-layout one."""
-    variant = _variant(optimizer, table.dim)
-    fused, every_row = KERNELS[variant]
-    layout = fixed_layout(variant, table)
+    rm = optimizer.row_math(table.dim)
+    fused, every_row, _ = row_math.kernels(rm)
+    layout = fixed_layout(rm, table)
     if layout is not None:
-        fused = _fixed_kernel(variant, *layout)
+        fused = _fixed_kernel(rm, *layout)
     return fused, every_row
 
 
@@ -312,19 +343,12 @@ def _table_constants(opt: Optimizer, table: TableStorage):
         meta[pipeline.M_WD_MODE] = pipeline.WD_DECOUPLED
     meta[pipeline.M_ACCUMULATE] = opt.use_gradient_accumulation
     float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
-    if len(float_slots) > pipeline.MAX_FLOAT_SLOTS or any(s.width > table.dim for s in float_slots):
-        raise ValueError(
-            f"table {table.name!r}: the numba backend holds at most {pipeline.MAX_FLOAT_SLOTS} "
-            "float slots of width <= dim per row"
-        )
     meta[pipeline.M_NF] = len(float_slots)
     for i, spec in enumerate(float_slots):
         meta[pipeline.M_F0 + 2 * i] = table.columns[spec.name].start
         meta[pipeline.M_F0 + 2 * i + 1] = spec.width
-    params = [float(x) for x in opt.kernel_params()]
-    if len(params) > pipeline.N_PARAMS:
-        raise ValueError(f"{type(opt).__name__} has more than {pipeline.N_PARAMS} kernel params")
-    params += [0.0] * (pipeline.N_PARAMS - len(params))
+    # The row math's params and flags, in its order: the kernel's locals of those names.
+    params = opt.row_math(table.dim).values(opt)
     common = [*(gclip or (0.0, 0.0)), *(wclip or (0.0, 0.0))]
     hp = np.array(common + params, dtype=np.float64)
     cols = np.array([table.columns[s.name].start for s in table.slot_specs] or [0], np.int64)
@@ -341,6 +365,11 @@ class NumbaBackend:
         # How far ahead the kernels prefetch table rows (tunable for a machine).
         self.lookup_prefetch = PREFETCH_LOOKUP
         self.update_prefetch = pipeline.PREFETCH_DISTANCE
+
+    def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
+        """Raise unless this backend can run ``optimizer`` on a table of this dim (Backend
+        protocol; ``check_optimizer`` above)."""
+        check_optimizer(table_name, optimizer, dim)
 
     def build_tables(self, parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
         return build_tables_numba(parts_per_table, self.batch_memory)

@@ -36,6 +36,11 @@ class Backend(Protocol):
 
     name: str
 
+    def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
+        """Raise (naming the table) unless this backend can run ``optimizer`` on a table of
+        this dim; the engine calls it for every table when it is built."""
+        ...
+
     def build_tables(self, parts_per_table: list[list[FeaturePart]]) -> list[TableBatch]:
         """Each table's deduplicated batch (equal to ``batch.build_tables_numpy``'s)."""
         ...

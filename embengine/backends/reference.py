@@ -147,6 +147,9 @@ class ReferenceBackend:
         np.add.at(out, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
         return out.astype(np.float32)
 
+    def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
+        """Every spec runs here: its ``reference_update`` is the oracle."""
+
     def apply(
         self,
         table: TableStorage,

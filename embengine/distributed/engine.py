@@ -134,6 +134,8 @@ class ShardedEngine:
         self.seed = int(seed)
         self.nonfinite_gradients = nonfinite_gradients
         self._backend = make_backend(backend)
+        for name, table, opt in zip(r.table_names, r.tables, optimizers, strict=True):
+            self._backend.check_optimizer(name, opt, table.dim)
         if group is None:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout)))
         self.rank = dist.get_rank(group)

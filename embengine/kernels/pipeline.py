@@ -6,19 +6,19 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from ..optimizers._row_math import MAX_SLOTS as MAX_FLOAT_SLOTS
 from . import kernel
 
 # Columns of the per-table metadata array: dim, flags, then the float slots that are copied
-# into scratch arrays (row_math.py): their number, and (start column, width) of each.
+# into scratch arrays (codegen.py): their number, and (start column, width) of each.
 M_DIM, M_GCLIP, M_WCLIP, M_WD_MODE, M_ACCUMULATE, M_NF = range(6)
 M_F0 = 6  # M_F0 + 2 * i: start column of float slot i; M_F0 + 2 * i + 1: its width
-MAX_FLOAT_SLOTS = 3
 M_COLS = M_F0 + 2 * MAX_FLOAT_SLOTS
 WD_NONE, WD_DECOUPLED, WD_L2 = 0, 1, 2
-# Common hyperparameters, then the optimizer's kernel_params() (padded to N_PARAMS).
+# Common hyperparameters, then the row math's params and flags (RowMath.values), which the
+# kernels read into locals of their names.
 H_GCLIP_LO, H_GCLIP_HI, H_WCLIP_LO, H_WCLIP_HI = range(4)
 H_COMMON = 4
-N_PARAMS = 6
 
 ROWS_PER_TASK = 64
 # Work balancing of the update: a row update costs about as much as this many occurrences.
@@ -81,3 +81,15 @@ def nonfinite_rows(unique_offsets, unique_gains, unique_segments, grad, accumula
                     )
         out[u] = bad
     return out
+
+
+def compiled(function):
+    """A registered row math function (plain Python, ``embengine.optimizers.row_math``)
+    compiled for the update kernels, which inline it: one dispatcher per function."""
+    found = _COMPILED.get(function)
+    if found is None:
+        found = _COMPILED[function] = kernel(inline="always")(function)
+    return found
+
+
+_COMPILED: dict = {}

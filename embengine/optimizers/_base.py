@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._checks import is_number
+
 __all__ = [
     "FLOAT32_MAX",
     "DynamicLearningRate",
@@ -78,8 +80,7 @@ class RowContext:
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+_is_number = is_number
 
 
 def learning_rate_arity(fn: Callable) -> int:
@@ -324,9 +325,15 @@ class Optimizer:
         """Per-row state, in TF's slot order and names."""
         return ()
 
-    def kernel_params(self) -> tuple[float, ...]:
-        """The hyperparameters the numba row math reads, in its order (kernels/row_math.py)."""
-        raise NotImplementedError(f"{type(self).__name__} has no kernel_params()")
+    # The registered row math the numba backend compiles for this optimizer (``row_math``
+    # decorator, optimizers/_row_math.py); a class attribute, so subclasses inherit it.
+    ROW_MATH = None
+
+    def row_math(self, dim: int):
+        """The ``RowMath`` serving this configuration on a table of this dim (``ROW_MATH``
+        unless a spec picks among several, like Adagrad's row-wise form); None: no numba
+        kernel (the reference backend runs any spec)."""
+        return self.ROW_MATH
 
     def reference_update(
         self,

@@ -1,4 +1,8 @@
-"""Hyperparameter checks shared by optimizer specs; each error names the parameter and value."""
+"""Hyperparameter checks shared by optimizer specs; each error names the parameter and value.
+
+One vocabulary: a number is an int or float, NumPy's included (``np.float32(0.9)``), never a
+bool; an integer is an int or NumPy integer, never a bool; a flag is a bool or NumPy bool.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,12 @@ import math
 import numpy as np
 
 
-def _number(value) -> bool:
+def is_number(value) -> bool:
+    """An int or float, NumPy's included, not a bool."""
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+_number = is_number
 
 
 def positive(owner: str, name: str, value) -> None:
@@ -19,6 +27,16 @@ def positive(owner: str, name: str, value) -> None:
 def non_negative(owner: str, name: str, value) -> None:
     if not (_number(value) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
+
+
+def non_positive(owner: str, name: str, value) -> None:
+    if not (_number(value) and math.isfinite(value) and value <= 0):
+        raise ValueError(f"{owner}: {name} must be a finite number <= 0, got {value!r}")
+
+
+def integer(owner: str, name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
 
 
 def unit_interval(owner: str, name: str, value, *, include_one: bool = False) -> None:

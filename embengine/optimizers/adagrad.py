@@ -8,6 +8,82 @@ import numpy as np
 
 from . import _checks as check
 from ._base import LearningRate, Optimizer, SlotSpec
+from ._row_math import row_math
+
+f32 = np.float32
+
+# Row math (numba kernels, optimizers/_row_math.py). Adagrad computes in float32 like the
+# storage (float64 square roots and divisions cost more than the memory traffic); the others,
+# whose results hinge on powers of tiny values or thresholds, in float64.
+
+
+@row_math("adagrad", slots=("accumulators",))
+def adagrad_update(w, accumulators, g, lr):
+    gf = f32(g)
+    acc = f32(accumulators) + gf * gf
+    return f32(w) - f32(lr) * gf / np.sqrt(acc), acc
+
+
+@row_math("adagrad_rowwise", form="scaled", slots=("accumulators",))
+def adagrad_rowwise(accumulators, sum_g2, lr, dim):
+    """One accumulator per row (k = dim): acc += mean(g^2); step = lr / sqrt(acc)."""
+    acc = accumulators + sum_g2 / dim
+    return acc, lr / np.sqrt(acc)
+
+
+@row_math(
+    "adagrad_grouped", form="row", params=("hessian_compression_times",), slots=("accumulators",)
+)
+def adagrad_groups(w, accumulators, g, lr, hessian_compression_times, dim):
+    """One accumulator per k dims, fed the mean of g^2 over its group."""
+    k = np.int64(hessian_compression_times)
+    for grp in range(dim // k):
+        s = 0.0
+        for j in range(grp * k, grp * k + k):
+            s += g[j] * g[j]
+        acc = np.float64(accumulators[grp]) + s / k
+        accumulators[grp] = acc
+        scale = lr / np.sqrt(acc)
+        for j in range(grp * k, grp * k + k):
+            w[j] = w[j] - scale * g[j]
+
+
+@row_math(
+    "adagrad_momentum",
+    params=("momentum", "exponent", "beta2", "epsilon"),
+    flags=("use_nesterov",),
+    slots=("accumulators", "momenta"),
+    constants={"square": False},
+)
+def adagrad_momentum_update(
+    w, accumulators, momenta, g, lr, momentum, use_nesterov, exponent, beta2, epsilon, square
+):
+    """``square``: exponent = 2, a square root instead of a power (a kernel of its own: a branch
+    between the two inside the loop would be if-converted into computing both)."""
+    acc = accumulators + g * g if beta2 == 1.0 else beta2 * accumulators + (1.0 - beta2) * g * g
+    s = g / np.sqrt(acc + epsilon) if square else (acc + epsilon) ** (-1.0 / exponent) * g
+    m = momentum * momenta + s
+    return w - lr * (momentum * m + s if use_nesterov else m), acc, m
+
+
+ADAGRAD_MOMENTUM_SQUARE = adagrad_momentum_update.variant(
+    "adagrad_momentum_square", constants={"square": True}
+)
+
+
+@row_math(
+    "proximal_adagrad",
+    params=("l1_regularization_strength", "l2_regularization_strength"),
+    slots=("accumulators",),
+)
+def proximal_adagrad_update(
+    w, accumulators, g, lr, l1_regularization_strength, l2_regularization_strength
+):
+    acc = accumulators + g * g
+    rate = lr / np.sqrt(acc)
+    v = w - rate * g
+    shrunk = max(abs(v) - rate * l1_regularization_strength, 0.0)
+    return np.sign(v) * shrunk / (1.0 + rate * l2_regularization_strength), acc
 
 
 def _group_mean(x: np.ndarray, k: int) -> np.ndarray:
@@ -41,9 +117,9 @@ class Adagrad(Optimizer):
 
     def _check(self):
         check.positive("Adagrad", "initial_accumulator_value", self.initial_accumulator_value)
-        k = self.hessian_compression_times
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            raise ValueError(f"Adagrad: hessian_compression_times must be an int >= 1, got {k!r}")
+        check.integer(
+            "Adagrad", "hessian_compression_times", self.hessian_compression_times, minimum=1
+        )
 
     def check_dim(self, dim):
         k = self.hessian_compression_times
@@ -56,8 +132,9 @@ class Adagrad(Optimizer):
         width = dim // self.hessian_compression_times
         return (SlotSpec("accumulators", width, float(self.initial_accumulator_value)),)
 
-    def kernel_params(self):
-        return (self.hessian_compression_times,)
+    def row_math(self, dim):
+        k = self.hessian_compression_times
+        return adagrad_update if k == 1 else adagrad_rowwise if k == dim else adagrad_groups
 
     def reference_update(self, w, slots, g, lr, ctx):
         k = self.hessian_compression_times
@@ -98,8 +175,8 @@ class AdagradMomentum(Optimizer):
     def slot_specs(self, dim):
         return (SlotSpec("accumulators", dim, 0.0), SlotSpec("momenta", dim, 0.0))
 
-    def kernel_params(self):
-        return (self.momentum, self.use_nesterov, self.exponent, self.beta2, self.epsilon)
+    def row_math(self, dim):
+        return ADAGRAD_MOMENTUM_SQUARE if self.exponent == 2 else adagrad_momentum_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         a, m = slots["accumulators"], slots["momenta"]
@@ -136,8 +213,7 @@ class ProximalAdagrad(Optimizer):
     def slot_specs(self, dim):
         return (SlotSpec("accumulators", dim, float(self.initial_accumulator_value)),)
 
-    def kernel_params(self):
-        return (self.l1_regularization_strength, self.l2_regularization_strength)
+    ROW_MATH = proximal_adagrad_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         a = slots["accumulators"]

@@ -8,8 +8,81 @@ import numpy as np
 
 from . import _checks as check
 from ._base import LearningRate, Optimizer, SlotSpec
+from ._row_math import row_math
 
 BIAS_CORRECTIONS = (None, "global", "per_row")
+
+f32 = np.float32
+
+# Row math (numba kernels, optimizers/_row_math.py). Adam computes in float32 like the storage
+# (float64 square roots and divisions cost more than the memory traffic); Lion, whose result
+# is a sign, in float64.
+
+
+def constant_step_size(lr):
+    """Without bias correction the step size is the learning rate."""
+    return lr
+
+
+def adam_step_size(data_i, r, cols, step, lr, beta_1, beta_2, bias_correction_per_row):
+    """lr * sqrt(1 - b2^t) / (1 - b1^t), t the 1-based global step, or this row's update count
+    (an int32 slot, the row's last, counted here)."""
+    if bias_correction_per_row:
+        col = cols[cols.shape[0] - 1]
+        data_i[r, col] += 1
+        t = np.float64(data_i[r, col])
+    else:
+        t = np.float64(step + 1)
+    return lr * np.sqrt(1.0 - beta_2**t) / (1.0 - beta_1**t)
+
+
+@row_math(
+    "adam",
+    params=("beta_1", "beta_2", "epsilon"),
+    flags=("sum_inside_sqrt", "use_nesterov", "bias_correction_per_row"),
+    slots=("momenta", "velocities", "vhats"),
+    constants={"amsgrad": False},
+    prologue=constant_step_size,
+    prologue_result="step_size",
+)
+def adam_update(
+    w,
+    momenta,
+    velocities,
+    vhats,
+    g,
+    step_size,
+    beta_1,
+    beta_2,
+    epsilon,
+    sum_inside_sqrt,
+    use_nesterov,
+    amsgrad,
+):
+    """``amsgrad``: divide by vhats, the running maximum of v (AMSGrad's kernels)."""
+    # 1 - beta in float64 before rounding: f32(1) - f32(0.999) is off by 1e-5 relative.
+    b1, b2, c1, c2 = f32(beta_1), f32(beta_2), f32(1.0 - beta_1), f32(1.0 - beta_2)
+    eps = f32(epsilon)
+    gf = f32(g)
+    m = b1 * f32(momenta) + c1 * gf
+    v = b2 * f32(velocities) + c2 * gf * gf
+    vhat = max(f32(vhats), v) if amsgrad else v
+    u = b1 * m + c1 * gf if use_nesterov else m
+    # sqrt(v + eps^2) or sqrt(v) + eps, with one square root and no branch in the loop
+    e_in, e_out = (eps, f32(0.0)) if sum_inside_sqrt else (f32(0.0), eps)
+    d = np.sqrt(vhat + e_in * e_in) + e_out
+    return f32(w) - f32(step_size) * u / d, m, v, vhat
+
+
+ADAM_BIAS = adam_update.variant("adam_bias", prologue=adam_step_size)
+AMSGRAD = adam_update.variant("amsgrad", constants={"amsgrad": True})
+AMSGRAD_BIAS = ADAM_BIAS.variant("amsgrad_bias", constants={"amsgrad": True})
+
+
+@row_math("lion", params=("beta_1", "beta_2"), slots=("momenta",))
+def lion_update(w, momenta, g, lr, beta_1, beta_2):
+    u = beta_1 * momenta + (1.0 - beta_1) * g
+    return w - lr * np.sign(u), beta_2 * momenta + (1.0 - beta_2) * g
 
 
 @dataclass(frozen=True)
@@ -83,10 +156,13 @@ class Adam(Optimizer):
             return np.sqrt(v + self.epsilon**2)
         return np.sqrt(v) + self.epsilon
 
-    def kernel_params(self):
-        bias = BIAS_CORRECTIONS.index(self.bias_correction)
-        return (self.beta_1, self.beta_2, self.epsilon, self.sum_inside_sqrt, self.use_nesterov,
-                bias)  # fmt: skip
+    @property
+    def bias_correction_per_row(self) -> bool:
+        """Whether the bias correction counts each row's own updates (slot "steps")."""
+        return self.bias_correction == "per_row"
+
+    def row_math(self, dim):
+        return ADAM_BIAS if self.bias_correction else adam_update
 
     def _second_moment(self, slots, v):
         """The v that divides: v itself (AMSGrad overrides)."""
@@ -114,6 +190,9 @@ class AMSGrad(Adam):
     def slot_specs(self, dim):
         base = super().slot_specs(dim)
         return base[:2] + (SlotSpec("vhats", dim, 0.0),) + base[2:]
+
+    def row_math(self, dim):
+        return AMSGRAD_BIAS if self.bias_correction else AMSGRAD
 
     def _second_moment(self, slots, v):
         vhat = slots["vhats"]
@@ -154,8 +233,7 @@ class Lion(Optimizer):
     def slot_specs(self, dim):
         return (SlotSpec("momenta", dim, 0.0),)
 
-    def kernel_params(self):
-        return (self.beta_1, self.beta_2)
+    ROW_MATH = lion_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         m = slots["momenta"]

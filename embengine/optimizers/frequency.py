@@ -14,6 +14,43 @@ import numpy as np
 from ..initializers import Constant
 from . import _checks as check
 from ._base import LearningRate, Optimizer, SlotSpec
+from ._row_math import row_math
+
+
+# Row math (numba kernels, optimizers/_row_math.py): the steps since the row was last seen come
+# from a prologue that also records this step; rows of dim 1, so no fixed-layout kernel.
+def steps_since_last_hit(data_i, r, cols, step):
+    """Steps since this row was last seen, and record this step (1-based) as its last."""
+    s = step + 1
+    delta = np.float64(s - data_i[r, cols[0]])
+    data_i[r, cols[0]] = s
+    return delta
+
+
+@row_math(
+    "frequency_estimator",
+    params=("tau", "max_delta", "outlier_threshold"),
+    prologue=steps_since_last_hit,
+    prologue_result="delta",
+    fixed_layout=False,
+    needs_accumulation=True,
+    every_row=False,
+)
+def frequency_estimate(w, delta, tau, max_delta, outlier_threshold):
+    clipped = min(delta, max_delta)
+    return clipped if delta >= outlier_threshold * w else (1.0 - tau) * w + tau * clipped
+
+
+@row_math(
+    "batch_softmax",
+    prologue=steps_since_last_hit,
+    prologue_result="delta",
+    fixed_layout=False,
+    needs_accumulation=True,
+    every_row=False,
+)
+def batch_softmax_update(w, lr, delta):
+    return (1.0 - lr) * w + lr * delta
 
 
 def _dim_one(owner: str, dim: int) -> None:
@@ -79,8 +116,7 @@ class FrequencyEstimator(_CountingOptimizer):
         """TF's documented transform of the estimate into a weight."""
         return (estimate / self.max_delta) ** self.weight_exponent
 
-    def kernel_params(self):
-        return (self.tau, self.max_delta, self.outlier_threshold)
+    ROW_MATH = frequency_estimate
 
     def reference_update(self, w, slots, g, lr, ctx):
         last = slots["last_hit_step"]
@@ -108,7 +144,7 @@ class BatchSoftmax(_CountingOptimizer):
 
     def _check(self):
         lr = self.learning_rate
-        if isinstance(lr, int | float) and not 0.0 <= lr <= 1.0:
+        if check.is_number(lr) and not 0.0 <= lr <= 1.0:
             raise ValueError(f"BatchSoftmax: learning_rate (alpha) must be in [0, 1], got {lr!r}")
         self._check_counting()
 
@@ -119,8 +155,7 @@ class BatchSoftmax(_CountingOptimizer):
     def slot_specs(self, dim):
         return (SlotSpec("last_seen_step", 1, 0, "int32"),)
 
-    def kernel_params(self):
-        return ()
+    ROW_MATH = batch_softmax_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         last = slots["last_seen_step"]

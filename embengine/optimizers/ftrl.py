@@ -9,6 +9,60 @@ import numpy as np
 
 from . import _checks as check
 from ._base import LearningRate, Optimizer, SlotSpec
+from ._row_math import row_math
+
+
+# Row math (numba kernels, optimizers/_row_math.py), in float64: the result hinges on a
+# threshold and on powers of small accumulators.
+@row_math(
+    "ftrl",
+    params=(
+        "learning_rate_power",
+        "l1_regularization_strength",
+        "l2_regularization_strength",
+        "beta",
+    ),
+    flags=("multiply_linear_by_learning_rate",),
+    slots=("accumulators", "linears"),
+    constants={"square_root": False},
+)
+def ftrl_update(
+    w,
+    accumulators,
+    linears,
+    g,
+    lr,
+    learning_rate_power,
+    l1_regularization_strength,
+    l2_regularization_strength,
+    beta,
+    multiply_linear_by_learning_rate,
+    square_root,
+):
+    """``square_root``: learning_rate_power = -0.5 (the default), square roots instead of
+    powers (a kernel of its own)."""
+    p, l1, l2 = -learning_rate_power, l1_regularization_strength, l2_regularization_strength
+    a = accumulators
+    acc = a + g * g
+    if square_root:
+        root = np.sqrt(acc)
+        growth = root - np.sqrt(a)
+    else:
+        root = acc**p
+        growth = root - a**p
+    if multiply_linear_by_learning_rate:
+        z = linears + lr * g - growth * w
+        q = root + 2.0 * l2 * lr + beta
+        threshold = l1 * lr
+    else:
+        z = linears + g - growth / lr * w
+        q = root / lr + 2.0 * l2 + beta / lr
+        threshold = l1
+    new_w = (np.sign(z) * threshold - z) / q if abs(z) > threshold else 0.0
+    return new_w, acc, z
+
+
+FTRL_SQRT = ftrl_update.variant("ftrl_sqrt", constants={"square_root": True})
 
 
 @dataclass(frozen=True)
@@ -43,15 +97,13 @@ class FTRL(Optimizer):
     allow_zero_accumulator: bool = False
 
     def _check(self):
-        p = self.learning_rate_power
-        if not (isinstance(p, int | float) and math.isfinite(p) and p <= 0):
-            raise ValueError(f"FTRL: learning_rate_power must be <= 0, got {p!r}")
+        check.non_positive("FTRL", "learning_rate_power", self.learning_rate_power)
         for name in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
             check.non_negative("FTRL", name, getattr(self, name))
         for name in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):
             check.flag("FTRL", name, getattr(self, name))
         a0 = self.initial_accumulator_value
-        ok = isinstance(a0, int | float) and math.isfinite(a0)
+        ok = check.is_number(a0) and math.isfinite(a0)
         if not ok or a0 < 0 or (a0 == 0 and not self.allow_zero_accumulator):
             raise ValueError(
                 "FTRL: initial_accumulator_value must be > 0 (or >= 0 with "
@@ -73,14 +125,8 @@ class FTRL(Optimizer):
             SlotSpec("linears", dim, 0.0),
         )
 
-    def kernel_params(self):
-        return (
-            -self.learning_rate_power,
-            self.l1_regularization_strength,
-            self.l2_regularization_strength,
-            self.beta,
-            self.multiply_linear_by_learning_rate,
-        )
+    def row_math(self, dim):
+        return FTRL_SQRT if self.learning_rate_power == -0.5 else ftrl_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         a, z = slots["accumulators"], slots["linears"]

@@ -8,6 +8,55 @@ import numpy as np
 
 from . import _checks as check
 from ._base import LearningRate, Optimizer, SlotSpec
+from ._row_math import row_math
+
+f32 = np.float32
+
+# Row math (numba kernels, optimizers/_row_math.py). RMSProp and Adadelta compute in float32
+# like the storage (float64 square roots and divisions cost more than the memory traffic);
+# Momentum in float64.
+
+
+@row_math(
+    "momentum",
+    params=("momentum",),
+    flags=("use_nesterov", "velocity_includes_learning_rate"),
+    slots=("momenta",),
+)
+def momentum_update(w, momenta, g, lr, momentum, use_nesterov, velocity_includes_learning_rate):
+    mu = momentum
+    if velocity_includes_learning_rate:
+        v = mu * momenta - lr * g
+        return w + ((1.0 + mu) * v - mu * momenta if use_nesterov else v), v
+    m = mu * momenta + g
+    return w - (lr * (g + mu * m) if use_nesterov else lr * m), m
+
+
+@row_math(
+    "rmsprop",
+    params=("rho", "momentum", "epsilon"),
+    flags=("centered", "sum_inside_sqrt"),
+    slots=("ms", "mom", "mg"),
+)
+def rmsprop_update(w, ms, mom, mg, g, lr, rho, momentum, epsilon, centered, sum_inside_sqrt):
+    """mg: centered only."""
+    r, mu, eps = f32(rho), f32(momentum), f32(epsilon)
+    gf, c_rho = f32(g), f32(1.0 - rho)
+    new_ms = r * f32(ms) + c_rho * gf * gf
+    new_mg = r * f32(mg) + c_rho * gf if centered else f32(mg)
+    d = new_ms - new_mg * new_mg if centered else new_ms
+    e_in, e_out = (eps, f32(0.0)) if sum_inside_sqrt else (f32(0.0), eps)
+    root = np.sqrt(d + e_in) + e_out
+    new_mom = mu * f32(mom) + f32(lr) * gf / root
+    return f32(w) - new_mom, new_ms, new_mom, new_mg
+
+
+@row_math("adadelta", params=("rho", "epsilon"), slots=("accumulators", "updates"))
+def adadelta_update(w, accumulators, updates, g, lr, rho, epsilon):
+    r, eps, c_rho, gf = f32(rho), f32(epsilon), f32(1.0 - rho), f32(g)
+    acc = r * f32(accumulators) + c_rho * gf * gf
+    u = np.sqrt(f32(updates) + eps) / np.sqrt(acc + eps) * gf
+    return f32(w) - f32(lr) * u, acc, r * f32(updates) + c_rho * u * u
 
 
 @dataclass(frozen=True)
@@ -42,8 +91,7 @@ class Momentum(Optimizer):
     def slot_specs(self, dim):
         return (SlotSpec("momenta", dim, 0.0),)
 
-    def kernel_params(self):
-        return (self.momentum, self.use_nesterov, self.velocity_includes_learning_rate)
+    ROW_MATH = momentum_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         m, mu = slots["momenta"], self.momentum
@@ -91,8 +139,7 @@ class RMSProp(Optimizer):
         slots = (SlotSpec("ms", dim, float(self.initial_ms_value)), SlotSpec("mom", dim, 0.0))
         return slots + (SlotSpec("mg", dim, 0.0),) if self.centered else slots
 
-    def kernel_params(self):
-        return (self.rho, self.momentum, self.epsilon, self.centered, self.sum_inside_sqrt)
+    ROW_MATH = rmsprop_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         ms, mom = slots["ms"], slots["mom"]
@@ -128,8 +175,7 @@ class Adadelta(Optimizer):
     def slot_specs(self, dim):
         return (SlotSpec("accumulators", dim, 0.0), SlotSpec("updates", dim, 0.0))
 
-    def kernel_params(self):
-        return (self.rho, self.epsilon)
+    ROW_MATH = adadelta_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         a, b = slots["accumulators"], slots["updates"]

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._base import LearningRate, Optimizer
+from ._row_math import row_math
+
+
+@row_math("sgd")
+def sgd_update(w, g, lr):
+    return w - lr * g
+
+
+@row_math("assign", needs_accumulation=True)
+def assign_update(g):
+    return g
 
 
 @dataclass(frozen=True)
@@ -18,8 +29,7 @@ class SGD(Optimizer):
 
     learning_rate: LearningRate = 0.01
 
-    def kernel_params(self):
-        return ()
+    ROW_MATH = sgd_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         w -= lr * g
@@ -40,8 +50,7 @@ class Assign(Optimizer):
     def _needs_accumulation(self):
         return "Assign (w = accumulated g)"
 
-    def kernel_params(self):
-        return ()
+    ROW_MATH = assign_update
 
     def reference_update(self, w, slots, g, lr, ctx):
         w[...] = g

@@ -1,0 +1,219 @@
+"""An optimizer's row math, registered for the numba backend: a plain function of named values.
+
+The numba backend compiles each registration into its own fused update kernels (the template
+of ``embengine/kernels/codegen.py``: gradient sum, clipping, weight decay, the result guard),
+calling the function where the update happens. Its arguments are matched by NAME, so the
+generated code reads like the formula; what each name is given:
+
+- ``w``, ``g``, ``lr``: the weight, its gradient (float64: accumulated, clipped, with l2 decay)
+  and the step's learning rate;
+- each name of ``slots``: the row's float slot of that name (the spec's ``slot_specs`` order);
+- each name of ``params`` / ``flags``: the spec's attribute of that name (``getattr(spec,
+  name)``), a float64 / a bool, the same for every row of a step;
+- each name of ``constants``: its value, a literal in the generated code, so the compiler drops
+  the branches it decides (one function serves two kernels: Adam and AMSGrad);
+- ``prologue_result``: what ``prologue`` returned for this row (see below);
+- ``dim``, ``sum_g2``: the row's width and sum of squared gradients (row and scaled forms).
+
+Forms (``form``):
+
+- ``"element"``: ``f(...) -> (w, *slots)`` on the scalars of one coordinate: the new weight and
+  the new value of every slot of ``slots``, in that order. Scalar functions inline into the
+  kernel's loop over coordinates, which LLVM vectorises. An optional ``prologue`` runs once per
+  row first, on ``data_i, r, cols, step, lr`` (the table as int32, the row, the slots' start
+  columns in ``slot_specs`` order, the 0-based global step) and named params; a prologue that
+  takes ``data_i`` may update the row's int32 slots (Adam's per-row step count), which the
+  result guard then restores with the row. Its result is passed as ``prologue_result``.
+- ``"scaled"``: ``f(slot, sum_g2, lr, dim, ...) -> (slot, step)``: row-wise preconditioning (one
+  slot value per row); every coordinate then moves by ``-step * g`` (row-wise Adagrad).
+- ``"row"``: ``f(w, slot, g, lr, dim, ...)`` updating the row's arrays in place, for updates
+  that mix coordinates (Adagrad with one accumulator per group of k dims).
+
+Capabilities, checked when an engine is built (``NumbaBackend.check_optimizer``): a table holds
+a prefix of ``slots`` as its float slots (at most ``MAX_SLOTS``, each at most dim wide);
+``fixed_layout``: the kernel also gets a variant for rows of a constant width with slots at
+constant offsets (vectorised in place); ``needs_accumulation``: the kernel needs one accumulated
+gradient per row (counting optimizers); ``every_row``: it can sweep every row of the table
+(non-lazy updates, ``Optimizer.updates_every_row``).
+
+A spec points at its registration (``Optimizer.row_math(dim)``; the class attribute
+``ROW_MATH`` by default), so subclasses (the TPU and Monolith ports) inherit it. This module
+imports no numba: the function is plain Python (NumPy scalars), compiled where the kernel is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+__all__ = ["MAX_SLOTS", "ROW_MATH", "RowMath", "row_math"]
+
+# Float slots a kernel carries per row (the template's scratch rows and metadata columns).
+MAX_SLOTS = 3
+FORMS = ("element", "scaled", "row")
+# What each form passes besides slots, params, flags and constants.
+_GIVEN = {
+    "element": ("w", "g", "lr"),
+    "scaled": ("sum_g2", "lr", "dim"),
+    "row": ("w", "g", "lr", "dim"),
+}
+_PROLOGUE_GIVEN = ("data_i", "r", "cols", "step", "lr")
+
+# Every registration by name: the numba backend's kernels, one pair per name.
+ROW_MATH: dict[str, RowMath] = {}
+
+
+def _arguments(fn: Callable) -> tuple[str, ...]:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        raise TypeError(f"row math {fn.__name__}: only plain positional arguments, no *args")
+    return tuple(p.name for p in params)
+
+
+@dataclass(frozen=True, eq=False)
+class RowMath:
+    """One registered row math: the function, what its arguments are, and what its kernel can
+    do (see the module docstring). Calling it calls the function (plain Python)."""
+
+    name: str
+    function: Callable
+    form: Literal["element", "scaled", "row"] = "element"
+    params: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    slots: tuple[str, ...] = ()
+    constants: Mapping[str, bool | float] = field(default_factory=dict)
+    prologue: Callable | None = None
+    prologue_result: str | None = None
+    fixed_layout: bool = True
+    needs_accumulation: bool = False
+    every_row: bool = True
+
+    def __post_init__(self):
+        where = f"row math {self.name!r}"
+        if not self.name.isidentifier():
+            raise ValueError(f"{where}: the name must be an identifier")
+        if self.form not in FORMS:
+            raise ValueError(f"{where}: form must be one of {FORMS}, got {self.form!r}")
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "flags", tuple(self.flags))
+        object.__setattr__(self, "slots", tuple(self.slots))
+        object.__setattr__(self, "constants", dict(self.constants))
+        if len(self.slots) > MAX_SLOTS:
+            raise ValueError(f"{where}: at most {MAX_SLOTS} float slots, got {self.slots}")
+        if self.form != "element" and len(self.slots) != 1:
+            raise ValueError(f"{where}: a {self.form} function takes one slot, got {self.slots}")
+        if self.form == "row" and self.fixed_layout:
+            raise ValueError(f"{where}: a row function has no fixed-layout kernel")
+        named = [*self.params, *self.flags, *self.slots, *self.constants]
+        if self.prologue_result:
+            named.append(self.prologue_result)
+        given = _GIVEN[self.form]
+        clash = sorted({n for n in named if named.count(n) > 1 or n in given})
+        if clash:
+            raise ValueError(f"{where}: names given twice: {clash}")
+        if (self.prologue is None) != (self.prologue_result is None):
+            raise ValueError(f"{where}: give both prologue and prologue_result, or neither")
+        if self.prologue is not None and self.form != "element":
+            raise ValueError(f"{where}: only an element function has a prologue")
+        known = set(given) | set(named)
+        self._check_arguments(self.function, known, where)
+        for slot in self.slots:
+            if slot not in self.arguments:
+                raise ValueError(f"{where}: slot {slot!r} is not an argument of the function")
+        if self.prologue is not None:
+            self._check_arguments(
+                self.prologue,
+                set(_PROLOGUE_GIVEN) | set(self.params) | set(self.flags) | set(self.constants),
+                f"{where} (prologue)",
+            )
+
+    @staticmethod
+    def _check_arguments(fn: Callable, known: set, where: str) -> None:
+        unknown = [a for a in _arguments(fn) if a not in known]
+        if unknown:
+            raise ValueError(
+                f"{where}: {fn.__name__} takes {unknown}, which are none of the names it is "
+                f"given ({sorted(known)}); name them in params, flags, slots or constants"
+            )
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The function's argument names, in order."""
+        return _arguments(self.function)
+
+    @property
+    def prologue_arguments(self) -> tuple[str, ...]:
+        return _arguments(self.prologue) if self.prologue is not None else ()
+
+    @property
+    def max_slots(self) -> int:
+        return len(self.slots)
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+    def variant(self, name: str, **changes) -> RowMath:
+        """A registration like this one under another name, with ``changes`` (fields)."""
+        return register(replace(self, name=name, **changes))
+
+    def values(self, optimizer) -> list[float]:
+        """The spec's params then flags as float64 values, in the kernel's order."""
+        return [float(getattr(optimizer, n)) for n in (*self.params, *self.flags)]
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    # A module imported twice (pytest's rewriting, importlib.reload) defines equal functions anew.
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+def register(rm: RowMath) -> RowMath:
+    """Add ``rm`` to ``ROW_MATH``; ValueError if another function holds its name."""
+    old = ROW_MATH.get(rm.name)
+    if old is not None and not _same_function(old.function, rm.function):
+        raise ValueError(
+            f"row math {rm.name!r} is registered already (by {old.function.__module__}."
+            f"{old.function.__qualname__}); choose another name"
+        )
+    ROW_MATH[rm.name] = rm
+    return rm
+
+
+def row_math(
+    name: str,
+    *,
+    form: Literal["element", "scaled", "row"] = "element",
+    params: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
+    slots: tuple[str, ...] = (),
+    constants: Mapping[str, bool | float] | None = None,
+    prologue: Callable | None = None,
+    prologue_result: str | None = None,
+    fixed_layout: bool | None = None,
+    needs_accumulation: bool = False,
+    every_row: bool = True,
+) -> Callable[[Callable], RowMath]:
+    """Register the decorated function as the row math ``name`` (see the module docstring);
+    returns its ``RowMath``, which a spec names as ``ROW_MATH`` (or returns from ``row_math``).
+    ``fixed_layout`` defaults to True except for the row form."""
+
+    def decorate(fn: Callable) -> RowMath:
+        return register(
+            RowMath(
+                name,
+                fn,
+                form,
+                params,
+                flags,
+                slots,
+                constants or {},
+                prologue,
+                prologue_result,
+                form != "row" if fixed_layout is None else fixed_layout,
+                needs_accumulation,
+                every_row,
+            )
+        )
+
+    return decorate

@@ -1,0 +1,195 @@
+"""An optimizer defined outside embengine (here, in this file) is a spec plus its registered row
+math, and gets a numba kernel equal to its reference; limits show when the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import embengine as ee
+from embengine import initializers as init
+from embengine.optimizers import LearningRate, Optimizer, SlotSpec, row_math
+
+
+@row_math(
+    "yogi_of_the_tests", params=("beta_1", "beta_2", "epsilon"), slots=("momenta", "velocities")
+)
+def yogi_update(w, momenta, velocities, g, lr, beta_1, beta_2, epsilon):
+    m = beta_1 * momenta + (1.0 - beta_1) * g
+    g2 = g * g
+    v = velocities - (1.0 - beta_2) * np.sign(velocities - g2) * g2
+    return w - lr * m / (np.sqrt(v) + epsilon), m, v
+
+
+@dataclass(frozen=True)
+class Yogi(Optimizer):
+    """Yogi (Zaheer et al. 2018)::
+
+    m <- beta_1 * m + (1 - beta_1) * g                 # slot "momenta"
+    v <- v - (1 - beta_2) * sign(v - g^2) * g^2        # slot "velocities", starts at 1e-6
+    w <- w - lr * m / (sqrt(v) + epsilon)
+    """
+
+    learning_rate: LearningRate = 0.01
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-3
+
+    ROW_MATH = yogi_update
+
+    def slot_specs(self, dim):
+        return (SlotSpec("momenta", dim, 0.0), SlotSpec("velocities", dim, 1e-6))
+
+    def reference_update(self, w, slots, g, lr, ctx):
+        m, v = slots["momenta"], slots["velocities"]
+        m[...] = self.beta_1 * m + (1.0 - self.beta_1) * g
+        v[...] = v - (1.0 - self.beta_2) * np.sign(v - g * g) * g * g
+        w -= lr * m / (np.sqrt(v) + self.epsilon)
+
+
+def _train(optimizer, backend, dim, steps=4):
+    t = ee.TableConfig(
+        30, dim, name="t", combiner="sqrtn", initializer=init.RandomUniform(-1.0, 1.0)
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
+        optimizer=optimizer,
+        backend=backend,
+        seed=2,
+    )
+    rng = np.random.default_rng(7)
+    for step in range(steps):
+        lengths = rng.integers(0, 4, 10)
+        ids = rng.zipf(1.5, lengths.sum()) % 30  # duplicates and empty bags
+        acts = eng.lookup({"f": ee.Ragged(ids, lengths=lengths), "g": ids[:10]})
+        eng.apply_gradients(
+            {
+                k: np.sin(np.arange(a.size) * 0.3 + step).reshape(a.shape).astype(np.float32)
+                for k, a in acts.items()
+            }
+        )
+    return eng.embedding_tables["t"].copy(), eng.slots("t")
+
+
+@pytest.mark.parametrize("dim", [8, 6])  # 8: the fixed-layout kernel; 6: the any-layout one
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        Yogi(0.05),
+        Yogi(0.05, use_gradient_accumulation=False, clip_weight_min=-0.8, clip_weight_max=0.9),
+        Yogi(0.05, beta_1=0.5, weight_decay_factor=0.1, weight_decay_mode="l2", clipvalue=0.5),
+    ],
+)
+def test_an_optimizer_defined_here_runs_on_numba_as_its_reference(optimizer, dim):
+    w_ref, s_ref = _train(optimizer, "reference", dim)
+    w_nb, s_nb = _train(optimizer, "numba", dim)
+    assert not np.allclose(w_ref, _train(optimizer, "reference", dim, steps=0)[0])  # it trained
+    np.testing.assert_allclose(w_nb, w_ref, rtol=1e-5, atol=1e-6)
+    for k in s_ref:
+        np.testing.assert_allclose(s_nb[k], s_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_its_kernels_are_rendered_into_a_file_named_by_their_hash():
+    from embengine.backends import numba_backend as nbk
+    from embengine.kernels import codegen
+    from embengine.kernels import row_math as kernels
+
+    fused, every_row, fixed = kernels.kernels(yogi_update)
+    path = fused.py_func.__code__.co_filename
+    assert "yogi_of_the_tests" in path and path.endswith(".py")
+    text = open(path).read()
+    assert text == codegen.render([yogi_update])
+    assert codegen.row_math_digest([yogi_update]) in text  # the template's and the source's hash
+    assert "wj, momenta, velocities = yogi_update(" in text and "    beta_2 = hp[" in text
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 16, name="t"))}, optimizer=Yogi(0.1)
+    )
+    assert nbk.fixed_layout(yogi_update, eng._physical[0]) == (16, 2)
+
+
+def _engine(optimizer, backend="numba", dim=4):
+    t = ee.TableConfig(10, dim, name="items")
+    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer, backend=backend)
+
+
+def test_a_spec_without_row_math_is_refused_by_numba_when_the_engine_is_built():
+    @dataclass(frozen=True)
+    class NoKernel(Optimizer):
+        def reference_update(self, w, slots, g, lr, ctx):
+            w -= lr * g
+
+    _engine(NoKernel(0.1), "reference")  # the reference backend runs any spec
+    with pytest.raises(
+        TypeError,
+        match="table 'items': the numba backend has no row math for NoKernel; register one",
+    ):
+        _engine(NoKernel(0.1))
+
+
+def test_capability_limits_are_checked_when_the_engine_is_built():
+    @dataclass(frozen=True)
+    class WrongSlots(Yogi):
+        def slot_specs(self, dim):
+            return (SlotSpec("velocities", dim, 1e-6), SlotSpec("momenta", dim, 0.0))
+
+    with pytest.raises(
+        ValueError,
+        match=r"table 'items': WrongSlots keeps the float slots "
+        r"\('velocities', 'momenta'\), but its row math",
+    ):
+        _engine(WrongSlots(0.1))
+
+    @row_math("counting_of_the_tests", needs_accumulation=True, every_row=False)
+    def count(w, lr):
+        return w + lr
+
+    @dataclass(frozen=True)
+    class Count(Optimizer):
+        lazy: bool = True
+        ROW_MATH = count
+
+        @property
+        def updates_every_row(self):
+            return not self.lazy
+
+    with pytest.raises(
+        ValueError,
+        match="table 'items': the row math 'counting_of_the_tests' "
+        "of Count needs use_gradient_accumulation=True",
+    ):
+        _engine(Count(0.1, use_gradient_accumulation=False))
+    with pytest.raises(ValueError, match="table 'items': Count updates every row each step"):
+        _engine(Count(0.1, lazy=False))
+
+
+def test_registration_checks_names():
+    def f(w, g, lr, rho):
+        return w
+
+    with pytest.raises(ValueError, match=r"f takes \['rho'\], which are none of the names"):
+        row_math("bad_of_the_tests")(f)
+    with pytest.raises(ValueError, match="'yogi_of_the_tests' is registered already"):
+        row_math("yogi_of_the_tests", params=("rho",))(f)
+    with pytest.raises(ValueError, match="slot 'momenta' is not an argument"):
+        row_math("bad_of_the_tests", params=("rho",), slots=("momenta",))(f)
+    with pytest.raises(ValueError, match="at most 3 float slots"):
+        row_math("bad_of_the_tests", slots=("a", "b", "c", "d"))(f)
+
+    @row_math("shadowing_of_the_tests", params=("data",))
+    def shadow(w, data):
+        return w + data
+
+    @dataclass(frozen=True)
+    class Shadow(Optimizer):
+        data: float = 1.0
+        ROW_MATH = shadow
+
+    # "data" is the kernel's table argument: the generated code could not use it as a param.
+    with pytest.raises(
+        ValueError,
+        match=r"table 'items': row math 'shadowing_of_the_tests': "
+        r"\['data'\] are names the update kernels use",
+    ):
+        _engine(Shadow(0.1))
