@@ -389,8 +389,10 @@ def test_a_stopped_rank_0_makes_the_others_raise_saying_its_store_did_not_answer
     for rank in (1, 2):
         seconds, text = _error_text(tmp_path, "hang_first", rank)
         assert text.startswith(f"PeerError: rank {rank}: a collective (header) with ranks"), text
-        said = ("in apply_gradients at step 0: the store did not answer which rank it is (rank 0 "
-                "of the default group serves it")
+        said = (
+            "in apply_gradients at step 0: the store did not answer which rank it is (rank 0 "
+            "of the default group serves it"
+        )
         assert said in text, text
         assert 2.5 < seconds < 30, (seconds, text)
 
