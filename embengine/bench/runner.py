@@ -169,6 +169,7 @@ def _time_configs(members: list[Member], warmup: int, steps: int, log,
     if untimed < 1 or block <= untimed:
         raise ValueError(f"block must be >= 2 and exceed untimed >= 1 (untimed steps, then timed "
                          f"ones), got block={block}, untimed={untimed}")  # fmt: skip
+    _release_memory()  # the base RSS without heap that earlier work freed but glibc kept
     memory = _Memory(len(members))
     runners = []
     for c, (make, _, _) in enumerate(members):
