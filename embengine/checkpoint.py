@@ -127,6 +127,8 @@ __all__ = [
 
 FORMAT = "embengine-checkpoint"
 FORMAT_VERSION = 1
+# The caller's extra tensors (a single engine's save, and a sharded engine's rank 0).
+EXTRA_FILE = "extra.safetensors"
 _NAME = re.compile(r"^ckpt-(\d{6})-step(\d{12})$")
 
 
@@ -333,10 +335,10 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
-        digest = write_safetensors(tmp / "extra.safetensors", dict(extra_tensors))
-        size = (tmp / "extra.safetensors").stat().st_size
-        files["extra.safetensors"] = {"sha256": digest, "bytes": size}
-        extra["file"] = "extra.safetensors"
+        digest = write_safetensors(tmp / EXTRA_FILE, dict(extra_tensors))
+        size = (tmp / EXTRA_FILE).stat().st_size
+        files[EXTRA_FILE] = {"sha256": digest, "bytes": size}
+        extra["file"] = EXTRA_FILE
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from . import initializers as _init
 from . import optimizers as _opt
 from .config import Compressor, QuantizationConfig
+from .optimizers import _checks
 
 __all__ = [
     "SgdOptimizer",
@@ -107,18 +108,13 @@ def AdagradOptimizer(learning_rate=None, initial_accumulator_value=None,  # noqa
     ``n += mean_group(g^2); w -= lr g / sqrt(n)`` (k = dim: row-wise Adagrad).
     ``hessian_compression="monolith"`` does what Monolith's code does: k is accepted and
     ignored, so results match a Monolith job bit for bit in its semantics (k = 1)."""
-    if hessian_compression not in HESSIAN_COMPRESSION:
-        raise ValueError(f"hessian_compression must be one of {HESSIAN_COMPRESSION}, got "
-                         f"{hessian_compression!r}")  # fmt: skip
+    _checks.choice("AdagradOptimizer", "hessian_compression", hessian_compression,
+                   HESSIAN_COMPRESSION)  # fmt: skip
     if hessian_compression == "monolith":
-        if (
-            isinstance(hessian_compression_times, bool)
-            or not isinstance(hessian_compression_times, int)
-            or hessian_compression_times < 1
-        ):
-            raise ValueError(f"hessian_compression_times must be an int >= 1, got "
-                             f"{hessian_compression_times!r}")  # fmt: skip
-        hessian_compression_times = 1  # as Monolith's C++: accepted, never read
+        # Checked as Adagrad checks it, then dropped: Monolith's C++ accepts it, never reads it.
+        _checks.integer("AdagradOptimizer", "hessian_compression_times",
+                        hessian_compression_times, minimum=1)  # fmt: skip
+        hessian_compression_times = 1
     return _opt.Adagrad(
         _lr(learning_rate, 0.001, warmup_steps),
         0.1 if initial_accumulator_value is None else initial_accumulator_value,

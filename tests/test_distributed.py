@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ pytest.importorskip("torch")
 
 import embengine as ee  # noqa: E402
 from embengine.distributed import ShardPlan, plan_shards  # noqa: E402
+from embengine.training.ranks import free_port  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
@@ -40,19 +40,13 @@ WORLDS = [1, 2, 3]
 SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:adam:row:nan"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(
     world: int, out: Path, scenarios: list[str], limit: float = LIMIT, env: dict | None = None
 ) -> list[int]:
     """Run ``world`` ranks of dist_worker on ``scenarios``; their exit codes. Children alive
     after ``limit`` seconds are killed (and the test fails)."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
            "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(HERE.parent), **(env or {})}  # fmt: skip
@@ -404,7 +398,7 @@ def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "NUMBA_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE.parent / "examples" /
+           "--master-port", str(free_port()), str(HERE.parent / "examples" /
                                                    "distributed_quickstart.py")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -416,7 +410,7 @@ def one_rank_group():
     """A real gloo process group of this process alone (destroyed after the test)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)  # fmt: skip
     try:
         yield

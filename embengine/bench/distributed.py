@@ -61,14 +61,16 @@ class DistResult:
 
 
 def _rank_batch(batch, rank: int, world: int, split: bool) -> dict:
-    """The features rank ``rank`` passes: its slice of ``batch`` (``split``) or all of it."""
+    """The features rank ``rank`` passes: its slice of ``batch`` (``split``, the training job's
+    slice) or all of it."""
     import embengine as ee
 
+    from ..training.ranks import Ranks, ragged_slice
+
     n = len(batch.offsets) - 1
-    lo, hi = (n * rank // world, n * (rank + 1) // world) if split else (0, n)
-    start, stop = batch.offsets[lo], batch.offsets[hi]
-    offsets = batch.offsets[lo : hi + 1] - start
-    return {f"f{t}": ee.Ragged(ids[start:stop], offsets=offsets) for t, ids in enumerate(batch.ids)}
+    lo, hi = Ranks(rank, world).bounds(n) if split else (0, n)
+    return {f"f{t}": ragged_slice(ee.Ragged(ids, offsets=batch.offsets), lo, hi)
+            for t, ids in enumerate(batch.ids)}  # fmt: skip
 
 
 def modelled_bytes(locals_: list[dict], dims: list[int], rank: int) -> tuple[int, int]:
@@ -141,10 +143,10 @@ def child(spec: dict) -> dict:
                    for r in range(world)]  # fmt: skip
         features = locals_[rank]
         before = _written()
-        t0 = _clock()
+        t0 = time.perf_counter()
         acts = engine.lookup(features)
         engine.apply_gradients({k: np.ones_like(a) for k, a in acts.items()})
-        elapsed = (_clock() - t0) * 1e3
+        elapsed = (time.perf_counter() - t0) * 1e3
         wrote = _written() - before
         if step > spec["warmup"]:
             times.append(elapsed)
@@ -160,26 +162,16 @@ def child(spec: dict) -> dict:
             "written": _mean(written), "modelled": _mean(modelled)}  # fmt: skip
 
 
-def _clock() -> float:
-    return time.perf_counter()
-
-
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(spec: dict, timeout: float) -> dict:
     """Run ``spec``'s ranks as child processes; rank 0's figures."""
     world = spec["world"]
-    port = _free_port()
+    from ..training.ranks import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="embengine-bench-dist-") as tmp:
         procs = []
         for rank in range(world):
@@ -191,11 +183,11 @@ def _launch(spec: dict, timeout: float) -> dict:
                                            args], env=env))  # fmt: skip
         # Poll every rank: one that fails (or the deadline) ends the others at once, instead of
         # leaving them to wait for it at the process group's timeout.
-        deadline = _clock() + timeout
+        deadline = time.perf_counter() + timeout
         try:
             while any(p.poll() is None for p in procs):
                 codes = [p.poll() for p in procs]
-                if any(c not in (None, 0) for c in codes) or _clock() > deadline:
+                if any(c not in (None, 0) for c in codes) or time.perf_counter() > deadline:
                     break
                 time.sleep(0.05)
         finally:

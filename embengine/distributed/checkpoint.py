@@ -43,8 +43,6 @@ from .sharding import ShardPlan, ShardTable
 
 __all__ = ["save", "restore"]
 
-EXTRA_FILE = "extra.safetensors"  # as a single engine's checkpoint names it
-
 
 def _tensors(shard) -> list[tuple[str, str, int, int, np.dtype]]:
     """(tensor name, entry, first column, width, dtype) of a table's file, in file order."""
@@ -149,7 +147,7 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
                     tmp_fd = os.open(tmp, os.O_RDONLY)
                     ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if extra_tensors:
-                    write_safetensors(tmp / EXTRA_FILE, dict(extra_tensors))
+                    write_safetensors(tmp / ckpt.EXTRA_FILE, dict(extra_tensors))
                 for shard, v, file in zip(shards, sizes, files, strict=True):
                     head, _ = _header(shard, v)
                     end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
@@ -228,10 +226,10 @@ def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
         entry["finite"] = bool(ok)
         listed[file] = {"sha256": sha256_file(tmp / file), "bytes": (tmp / file).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
-    if (tmp / EXTRA_FILE).exists():
-        extra["file"] = EXTRA_FILE
-        listed[EXTRA_FILE] = {"sha256": sha256_file(tmp / EXTRA_FILE),
-                              "bytes": (tmp / EXTRA_FILE).stat().st_size}  # fmt: skip
+    if (tmp / ckpt.EXTRA_FILE).exists():
+        extra["file"] = ckpt.EXTRA_FILE
+        listed[ckpt.EXTRA_FILE] = {"sha256": sha256_file(tmp / ckpt.EXTRA_FILE),
+                              "bytes": (tmp / ckpt.EXTRA_FILE).stat().st_size}  # fmt: skip
     manifest = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
                 "embengine_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

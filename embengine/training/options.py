@@ -130,12 +130,7 @@ class TrainConfig:
             self._check_plot(Path(self.plot))
         if self.dataset == "synthetic":
             self._check_synthetic()
-        if (
-            isinstance(self.nproc_per_node, bool)
-            or not isinstance(self.nproc_per_node, int)
-            or (self.nproc_per_node < 1)
-        ):
-            raise ValueError(f"--nproc-per-node must be an int >= 1, got {self.nproc_per_node!r}")
+        _int_at_least("--nproc-per-node", self.nproc_per_node, 1)
         if self.vocabulary not in VOCABULARIES:
             raise ValueError(f"--vocabulary must be one of {', '.join(VOCABULARIES)}, got "
                              f"{self.vocabulary!r}")  # fmt: skip
@@ -144,12 +139,7 @@ class TrainConfig:
                              "--embeddings at engine")  # fmt: skip
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
-        if (
-            isinstance(self.max_restarts, bool)
-            or not isinstance(self.max_restarts, int)
-            or (self.max_restarts < 0)
-        ):
-            raise ValueError(f"--max-restarts must be an int >= 0, got {self.max_restarts!r}")
+        _int_at_least("--max-restarts", self.max_restarts, 0)
         if self.max_restarts and self.nproc_per_node == 1:
             raise ValueError("--max-restarts restarts the ranks: give --nproc-per-node too")
         if self.max_restarts and not self.resume:
@@ -194,6 +184,11 @@ class TrainConfig:
         if largest > 10**8:
             raise ValueError(f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
                              "vocabularies up to 10^8 rows are supported")  # fmt: skip
+
+
+def _int_at_least(flag: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{flag} must be an int >= {minimum}, got {value!r}")
 
 
 def missing_packages(cfg: TrainConfig) -> list[str]:

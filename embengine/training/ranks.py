@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Ranks", "launch", "in_launched_rank"]
+__all__ = ["Ranks", "launch", "in_launched_rank", "free_port", "ragged_slice"]
 
 
 def in_launched_rank() -> bool:
@@ -35,7 +35,8 @@ def in_launched_rank() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks on this machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
                   f"{max_restarts}", file=sys.stderr, flush=True)  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run",
                f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port()}", "-m", "embengine.cli", *argv]  # fmt: skip
+               f"--master-port={free_port()}", "-m", "embengine.cli", *argv]  # fmt: skip
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
         status = _run_forwarding_signals(cmd, env, stopped)
@@ -82,6 +83,15 @@ def _run_forwarding_signals(cmd: list[str], env: dict, stopped: list) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def ragged_slice(col, lo: int, hi: int):
+    """Samples ``[lo, hi)`` of a Ragged, as a Ragged (views of its ids and weights)."""
+    from ..inputs import Ragged
+
+    start, stop = int(col.offsets[lo]), int(col.offsets[hi])
+    weights = None if col.weights is None else col.weights[start:stop]
+    return Ragged(col.ids[start:stop], offsets=col.offsets[lo : hi + 1] - start, weights=weights)
 
 
 @dataclass
@@ -139,10 +149,7 @@ class Ranks:
         sparse = {}
         for name, col in batch.sparse.items():
             if isinstance(col, Ragged):
-                start, stop = int(col.offsets[lo]), int(col.offsets[hi])
-                weights = None if col.weights is None else col.weights[start:stop]
-                sparse[name] = Ragged(col.ids[start:stop], offsets=col.offsets[lo : hi + 1] - start,
-                                      weights=weights)  # fmt: skip
+                sparse[name] = ragged_slice(col, lo, hi)
             else:
                 sparse[name] = col[lo:hi]
         return ClickBatch(sparse, batch.dense[lo:hi], batch.labels[lo:hi])
