@@ -497,16 +497,16 @@ def test_a_rank_s_slices_of_a_batch_are_the_batch_in_rank_order():
         assert lengths.tolist() == [2, 0, 3, 1, 0, 3, 0]
 
 
-def _run_cli(args: list[str], timeout: float = 600) -> str:
-    """``python -m embengine.cli *args`` in its own process group (killed whole on timeout):
-    its stdout; a failure shows stderr."""
+def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> str:
+    """``python -m embengine.cli *args`` in its own process group (killed whole on timeout),
+    ``env`` added to this process's environment: its stdout; a failure shows stderr."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(ee.__file__).parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", *args], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -521,15 +521,20 @@ def _run_cli(args: list[str], timeout: float = 600) -> str:
     return out
 
 
-def test_training_on_two_ranks_reports_the_single_process_run():
+def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
     """``--nproc-per-node 2`` (torchrun; a ShardedEngine; DDP summing the dense gradients; each
     rank on its slice of every batch) trains the single-process run: every epoch's validation
-    and test figures and its running train loss agree up to float rounding."""
+    and test figures and its running train loss agree up to float rounding. The run leaves
+    no torchrun log folders in the temp folder (by default torchrun leaves one a run)."""
     args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad"]
     figures = re.compile(r"(train loss|valid AUC|test AUC|test logloss) (\d\.\d+)")
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
-    two = [ln for ln in _run_cli([*args, "--nproc-per-node", "2"]).splitlines()
-           if ln.startswith("epoch ")]  # fmt: skip
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    two = [ln for ln in _run_cli([*args, "--nproc-per-node", "2"], env={"TMPDIR": str(temp)})
+           .splitlines() if ln.startswith("epoch ")]  # fmt: skip
+    runs = ("torchelastic_", "embengine-torchrun-")  # torchrun's own folder, ours for it
+    assert [p.name for p in temp.iterdir() if p.name.startswith(runs)] == []
     assert len(one) == len(two) >= 2, (one, two)
     for a, b in zip(one, two, strict=True):
         fa, fb = figures.findall(a), figures.findall(b)

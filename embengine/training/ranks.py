@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,18 +51,22 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
 
     Restarts are ours, not torchrun's ``--max-restarts``: torchrun's restarted ranks share
     the previous attempt's store, and read their peers' old addresses from it (gloo: connection
-    refused; pytorch issue 167288), so each restart here gets a new port and a new store."""
+    refused; pytorch issue 167288), so each restart here gets a new port and a new store.
+    torchrun's log folders go to a temporary folder of ours, removed after each attempt (by
+    default torchrun leaves an empty ``torchelastic_*`` tree in the temp folder every run)."""
     status, stopped = 0, []
     for attempt in range(max_restarts + 1):
         if attempt:
             print(f"embengine train: a rank failed (exit status {status}); restart {attempt} of "
                   f"{max_restarts}", file=sys.stderr, flush=True)  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run",
-               f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", "-m", "embengine.cli", *argv]  # fmt: skip
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
-        status = _run_forwarding_signals(cmd, env, stopped)
+        with tempfile.TemporaryDirectory(prefix="embengine-torchrun-") as logs:
+            cmd = [sys.executable, "-m", "torch.distributed.run",
+                   f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1",
+                   f"--master-port={free_port()}", f"--log-dir={logs}",
+                   "-m", "embengine.cli", *argv]  # fmt: skip
+            status = _run_forwarding_signals(cmd, env, stopped)
         if status == 0 or stopped:  # done, or asked to stop: no restart
             return status
     return status
