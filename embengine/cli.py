@@ -13,6 +13,7 @@ from dataclasses import replace
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.distributed import DIST_WORKLOADS, format_distributed, run_distributed
+    from .bench.floor import FLOOR_WORKLOADS, format_floor, run_floor
     from .bench.runner import format_results, format_vocabulary, run_vocabulary, run_workload
     from .bench.threads import describe_threads
 
@@ -23,6 +24,13 @@ def _bench(args: argparse.Namespace) -> int:
                                            engine_optimizers=tuple(args.optimizers))  # fmt: skip
             print()
             print(format_distributed(name, dist_results))
+            print(flush=True)
+            continue
+        if name in FLOOR_WORKLOADS:
+            floor_results = run_floor(steps=args.steps, warmup=args.warmup,
+                                      engine_optimizers=tuple(args.optimizers))  # fmt: skip
+            print()
+            print(format_floor(floor_results))
             print(flush=True)
             continue
         results = run_workload(
@@ -149,6 +157,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench.distributed import DIST_WORKLOADS
+    from .bench.floor import FLOOR_WORKLOADS
     from .bench.peers import ENGINE_OPTIMIZERS
     from .bench.workloads import WORKLOADS
 
@@ -163,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "first-step time, peak RSS and speed-ups.",
     )
     bench.add_argument(
-        "--workloads", nargs="+", default=list(WORKLOADS),
-        choices=[*WORKLOADS, *DIST_WORKLOADS],
-        help="workloads to run (default: all in one process; W1-dist: W1 on 1 process and on "
-        "2 ranks, in processes of its own)",
+        "--workloads", nargs="+", default=[*WORKLOADS, *FLOOR_WORKLOADS],
+        choices=[*WORKLOADS, *DIST_WORKLOADS, *FLOOR_WORKLOADS],
+        help="workloads to run (default: all but W1-dist, in one process; W1-dist: W1 on 1 "
+        "process and on 2 ranks, in processes of its own; W1-floor: each optimizer's update "
+        "kernel against the floor of its memory work)",
     )  # fmt: skip
     bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")

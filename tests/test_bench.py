@@ -252,3 +252,44 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
     table = format_distributed("W1-dist", results, small)
     assert table.splitlines()[0].startswith("host: ")
     assert "2 ranks / 1 process (batch split): " in table and "weak-scaling efficiency" in table
+
+
+def test_the_floor_kernel_writes_each_touched_row_once_and_changes_nothing():
+    """The floor (kernels/floor.py) reads and writes every column of the touched rows and no
+    other row; finite rows keep their bits. A NaN gradient shows which weights it wrote (x + 0 *
+    NaN), an infinite slot which slot columns (inf + 0 * inf)."""
+    from embengine.kernels.floor import fixed_touch_rows
+
+    rng = np.random.default_rng(3)
+    dim, width, rows = 4, 12, 10
+    data = rng.standard_normal((rows, width)).astype(np.float32)
+    # Unique rows 7, -1 (no row), 2, 5; occurrences 0-1 -> 7, 2 -> -1, 3-5 -> 2, 6 -> 5.
+    unique = np.array([7, -1, 2, 5], np.int64)
+    offsets = np.array([0, 2, 3, 6, 7], np.int64)
+    gains = np.ones(7, np.float32)
+    segments = np.array([0, 1, 1, 2, 0, 2, 3], np.int64)
+    grad = rng.standard_normal((4, dim)).astype(np.float32)
+    touch = fixed_touch_rows(dim, width)
+    before = data.copy()
+    touch(data, unique, offsets, gains, segments, grad, 0.0, 4)
+    np.testing.assert_array_equal(data.view(np.int32), before.view(np.int32))
+    grad[3] = np.nan  # only row 5's gradient
+    data[:, dim:] = np.inf  # every row's slots
+    touch(data, unique, offsets, gains, segments, grad, 0.0, 4)
+    assert np.isnan(data[5, :dim]).all() and not np.isnan(np.delete(data, 5, 0)[:, :dim]).any()
+    touched = np.isnan(data[:, dim:]).all(axis=1)
+    assert touched.tolist() == [r in (7, 2, 5) for r in range(rows)]
+    with pytest.raises(ValueError, match="DIM=5, WIDTH=4"):
+        fixed_touch_rows(5, 4)
+
+
+def test_the_floor_bench_times_each_update_against_its_floor():
+    from embengine.bench.floor import format_floor, run_floor
+
+    w = Workload("tiny-floor", "1 table x 3000 rows, dim 8", ((3000, 8),), 64, 5)
+    results = run_floor(steps=2, warmup=0, engine_optimizers=("SGD", "Adam"), workload=w,
+                        log=lambda _: None)  # fmt: skip
+    assert [(r.optimizer, r.width) for r in results] == [("SGD", 8), ("Adam", 24)]
+    assert all(r.update_ms > 0 and r.floor_ms > 0 for r in results)
+    table = format_floor(results)
+    assert table.startswith("host: ") and f"{results[1].ratio:.2f}" in table
