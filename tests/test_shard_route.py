@@ -244,3 +244,33 @@ def test_owner_batch_refuses_an_id_this_rank_does_not_hold(row):
               np.empty(3, np.int64), np.empty(2, np.float32), np.empty(2, np.int64)]  # fmt: skip
     got = sr.owner_batch(ints, gains, one, np.array([2]), one, one, row, 2, 0, 3, 1, *arrays)
     assert got == -1 - 1  # occurrence 1 (id 5)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_rows_layout_views_aligned_blocks_and_copies_others(data):
+    pytest.importorskip("torch")
+    from embengine.distributed.engine import _RowsLayout
+
+    dim = data.draw(st.integers(1, 4))
+    n_blocks = data.draw(st.integers(0, 4))
+    counts = np.array([data.draw(st.integers(0, 3)) for _ in range(n_blocks)], dtype=np.int64)
+    gaps = [data.draw(st.sampled_from([0, dim, 2 * dim, 1])) for _ in range(n_blocks)]
+    at, pos = [], 0
+    for c, gap in zip(counts, gaps, strict=True):  # blocks in order, with gaps between
+        pos += gap
+        at.append(pos)
+        pos += int(c) * dim
+    buffer = np.arange(pos, dtype=np.float32)
+    layout = _RowsLayout(np.array(at, dtype=np.int64), counts, dim)
+    matrix = layout.matrix(buffer)
+    for a, c, base in zip(at, counts, layout.row_base, strict=True):
+        want = buffer[a : a + c * dim].reshape(-1, dim)
+        np.testing.assert_array_equal(matrix[base : base + c], want)
+    live = counts > 0
+    aligned = not live.any() or all((a - min(np.array(at)[live])) % dim == 0
+                                    for a, c in zip(at, counts, strict=True) if c)  # fmt: skip
+    assert layout.view == aligned
+    if aligned and live.any():
+        assert np.shares_memory(matrix, buffer)  # read in place, not copied
+    assert matrix.flags.c_contiguous and matrix.dtype == np.float32

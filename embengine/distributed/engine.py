@@ -54,7 +54,7 @@ from ..spec import compressor_entry, initializer_to_json, optimizer_to_json
 from ..state import WEIGHTS
 from ..storage import plan_storage
 from .comm import Comm
-from .sharding import ShardPlan, ShardTable, plan_shards
+from .sharding import ShardPlan, ShardTable, TableLoad, expected_traffic, plan_shards
 
 __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 
@@ -89,8 +89,9 @@ class ShardedEngine:
     Args:
       feature_config, optimizer, seed: as ``EmbeddingEngine``; equal on every rank (checked).
       sharding: "row" (id r on rank r mod W), "table" (each table whole on one rank, largest
-        first to the least loaded rank), or a dict table name -> either (others "row").
-        ``plan`` says where each table went.
+        first to the least loaded rank), "auto" (per table by its size and expected traffic:
+        ``sharding.plan_auto``), or a dict table name -> one of them (others "row").
+        ``plan`` says where each table went (and, under "auto", why).
       group: the process group to shard over; None makes a new gloo group of every rank of the
         default group (``torch.distributed.init_process_group`` must have run), so the engine's
         collectives never interleave with DDP's.
@@ -145,10 +146,16 @@ class ShardedEngine:
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
         row_bytes = [4 * (t.dim + sum(s.width for s in specs))
                      for t, specs in zip(r.tables, slot_specs, strict=True)]  # fmt: skip
-        self._plan = plan_shards(sharding, r.table_names,
-                                 [t.vocabulary_size * b for t, b in zip(r.tables, row_bytes,
-                                                                        strict=True)],
-                                 self.world_size)  # fmt: skip
+        table_bytes = [t.vocabulary_size * b for t, b in zip(r.tables, row_bytes, strict=True)]
+        loads = [
+            TableLoad(t.vocabulary_size, t.dim, nbytes,
+                      expected_traffic(t.dim, [r.features[f].max_sequence_length or 1
+                                               for f in names]),
+                      opt.updates_every_row)
+            for t, nbytes, names, opt in zip(r.tables, table_bytes, r.table_features,
+                                             optimizers, strict=True)
+        ]  # fmt: skip
+        self._plan = plan_shards(sharding, r.table_names, table_bytes, self.world_size, loads)
         self._check_same_configuration()
         self._shards = tuple(
             ShardTable(name, t.vocabulary_size, t.dim, specs, _initializer_for(t, opt), self.seed,
@@ -199,7 +206,9 @@ class ShardedEngine:
 
     @property
     def plan(self) -> dict[str, str]:
-        """Table name -> how it is sharded: "row", or "table on rank k"."""
+        """Table name -> how it is sharded: "row", or "table on rank k"; under "auto" the
+        kind and why, e.g. "row: 1000000 rows x 64, hot ids spread (25% of the expected
+        traffic)" or "table: 100 rows x 8, on rank 1 (3% of the expected traffic)"."""
         return self._plan.describe(self.table_names)
 
     def optimizer(self, table_name: str) -> Optimizer:
