@@ -137,7 +137,10 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
     grad = np.random.default_rng(len(ids)).normal(size=(b - a, dim)).astype(np.float32)
     n = np.zeros(world, dtype=np.int64)
     m = np.zeros(world, dtype=np.int64)
-    sr.count_push(unique, inverse, segments, lo, hi, row, owner, world, n, m)
+    owners = np.full(len(unique), -1, dtype=np.int64)
+    sr.owners_of(unique, row, owner, world, owners)
+    np.testing.assert_array_equal(owners, owners_of(unique, world, row, owner))
+    sr.count_push(owners, inverse, segments, lo, hi, world, n, m)
     want = push_reference(unique, inverse, segments, gains, lo, hi, a, grad, world, row, owner)
     assert n.tolist() == [len(w[0]) for w in want]
     assert m.tolist() == [len(w[3]) for w in want]
@@ -152,7 +155,7 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
     ints = np.full(pi, -9, dtype=np.int64)
     gains_out = np.full(pg, np.nan, dtype=np.float32)
     rows_out = np.full(pr, np.nan, dtype=np.float32)
-    sr.fill_push(unique, inverse, segments, gains, lo, hi, a, grad, row, owner, world, n, ints,
+    sr.fill_push(unique, owners, inverse, segments, gains, lo, hi, a, grad, world, n, ints,
                  int_at, gains_out, gain_at, rows_out, row_at)  # fmt: skip
     for d, (w_ids, w_at, w_gains, w_rows) in enumerate(want):
         k = len(w_ids)

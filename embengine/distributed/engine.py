@@ -19,6 +19,10 @@ positions), builds the TableBatch the single engine would have built for its row
 ordinary fused update on its shard: one update per touched row per global step, its gradient
 summed in the single-process order, so tables and slots are bit-identical too.
 
+The bookkeeping of both (owner split, rows answered, occurrences pushed, the owner's batch)
+runs in numba, one pass per table or feature (``kernels/shard_route.py``); pulled and pushed
+rows are read where they arrived when they lie on one grid of their width (``_RowsLayout``).
+
 Every call begins with a header all-to-all (a fixed-size int64 row per rank: which call, the
 step, whether the rank's input was valid, its counts, its learning rates), so a rank whose input
 fails validation makes every rank raise instead of leaving them waiting, and a step counter or a
@@ -468,7 +472,7 @@ class ShardedEngine:
         error, lrs = None, None
         n = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: occurrences
         m = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: gradient rows
-        spans = []
+        spans, owners = [], {}
         try:
             batch = self._pending if given is None else given
             if given is not None:
@@ -495,10 +499,11 @@ class ShardedEngine:
                 tb = batch.tables[t]
                 # The feature's occurrences: those of its activation rows.
                 lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
-                row, owner = self._route[t]
-                sr.count_push(tb.unique_ids, tb.inverse, tb.segments, lo, hi, row, owner, w,
-                              n[f], m[f])  # fmt: skip
-                spans.append((tb, lo, hi, lay.start, row, owner))
+                if t not in owners:
+                    owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
+                    sr.owners_of(tb.unique_ids, *self._route[t], w, owners[t])
+                sr.count_push(owners[t], tb.inverse, tb.segments, lo, hi, w, n[f], m[f])
+                spans.append((tb, owners[t], lo, hi, lay.start))
         except (TypeError, ValueError) as e:
             error = e
         got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs)
@@ -511,9 +516,9 @@ class ShardedEngine:
         ints = np.empty(int(2 * n.sum()), dtype=np.int64)
         gains = np.empty(int(n.sum()), dtype=np.float32)
         rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
-        for f, (tb, lo, hi, start, row, owner) in enumerate(spans):
-            sr.fill_push(tb.unique_ids, tb.inverse, tb.segments, tb.gains, lo, hi, start,
-                         grads[self._features[f]], row, owner, w, n[f], ints,
+        for f, (tb, owner, lo, hi, start) in enumerate(spans):
+            sr.fill_push(tb.unique_ids, owner, tb.inverse, tb.segments, tb.gains, lo, hi, start,
+                         grads[self._features[f]], w, n[f], ints,
                          int_at[:, f].copy(), gains, gain_at[:, f].copy(), rows_g,
                          row_at[:, f].copy())  # fmt: skip
         int_recv = self._comm.all_to_all(ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1),

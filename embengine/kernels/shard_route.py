@@ -8,7 +8,8 @@ of first appearance within each owner's block, and give each unique id the row i
 the rows its owners send back (``row_base[d]`` + its place in owner d's block); the owner
 answers with ``gather_rows``.
 
-Push (update): ``count_push`` then ``fill_push`` cut one feature's occurrences by owner: per
+Push (update): ``owners_of`` (per unique id), then ``count_push`` and ``fill_push`` cut one
+feature's occurrences by owner: per
 owner the ids, the index of each occurrence's gradient row among those sent to that owner, the
 gains, and each activation-gradient row once per owner that needs it (segments are
 non-decreasing, so a row's occurrences are consecutive). ``owner_batch`` builds, from the
@@ -92,12 +93,20 @@ def gather_rows(data, dim, ids, starts, stops, row_sharded, world, rank, out, ou
 
 
 @kernel()
-def count_push(unique_ids, inverse, segments, lo, hi, row_sharded, owner, world, n, m):
-    """Occurrences ``lo:hi`` of a table batch (one feature's): ``n[d]`` += those rank d owns,
-    ``m[d]`` += the distinct activation rows among them."""
+def owners_of(ids, row_sharded, owner, world, out):
+    """``out[k]``: the rank owning ``ids[k]`` (once per unique id, not per occurrence: the
+    division by W costs more than the rest of an occurrence's bookkeeping)."""
+    for k in range(ids.shape[0]):
+        out[k] = owner_of(ids[k], row_sharded, owner, world)
+
+
+@kernel()
+def count_push(owners, inverse, segments, lo, hi, world, n, m):
+    """Occurrences ``lo:hi`` of a table batch (one feature's; ``owners``: per unique id):
+    ``n[d]`` += those rank d owns, ``m[d]`` += the distinct activation rows among them."""
     last = np.full(world, -1, dtype=np.int64)
     for k in range(lo, hi):
-        d = owner_of(unique_ids[inverse[k]], row_sharded, owner, world)
+        d = owners[inverse[k]]
         n[d] += 1
         if segments[k] != last[d]:
             m[d] += 1
@@ -105,8 +114,8 @@ def count_push(unique_ids, inverse, segments, lo, hi, row_sharded, owner, world,
 
 
 @kernel()
-def fill_push(unique_ids, inverse, segments, gains, lo, hi, out_start, grad, row_sharded, owner,
-              world, n, ints, int_at, gains_out, gain_at, rows_out, row_at):  # fmt: skip
+def fill_push(unique_ids, owners, inverse, segments, gains, lo, hi, out_start, grad, world, n,
+              ints, int_at, gains_out, gain_at, rows_out, row_at):  # fmt: skip
     """Occurrences ``lo:hi`` (``n[d]`` of them owned by rank d, as ``count_push`` counted) into
     owner d's blocks: ids at ``ints[int_at[d]:]``, then each one's gradient-row index (among the
     rows sent to d for this feature) at ``ints[int_at[d] + n[d]:]``; gains at
@@ -117,8 +126,8 @@ def fill_push(unique_ids, inverse, segments, gains, lo, hi, out_start, grad, row
     placed = np.zeros(world, dtype=np.int64)
     sent = np.zeros(world, dtype=np.int64)
     for k in range(lo, hi):
-        i = unique_ids[inverse[k]]
-        d = owner_of(i, row_sharded, owner, world)
+        u = inverse[k]
+        d = owners[u]
         s = segments[k]
         if s != last[d]:
             at = row_at[d] + sent[d] * dim
@@ -128,7 +137,7 @@ def fill_push(unique_ids, inverse, segments, gains, lo, hi, out_start, grad, row
             sent[d] += 1
             last[d] = s
         p = placed[d]
-        ints[int_at[d] + p] = i
+        ints[int_at[d] + p] = unique_ids[u]
         ints[int_at[d] + n[d] + p] = sent[d] - 1
         gains_out[gain_at[d] + p] = gains[k]
         placed[d] = p + 1
