@@ -9,7 +9,8 @@ single EmbeddingEngine the concatenation of every rank's batch.
 
 Scenarios:
   equal:<optimizer>:<sharding>[:nan]  three training steps; each rank's activations, and on
-                                every rank the gathered tables and the bytes sent; with
+                                every rank the gathered tables, the bytes sent and the
+                                plan; with
                                 ":nan", a NaN gradient and nonfinite_gradients="skip_row"
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
@@ -154,6 +155,7 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
             [sum(eng.bytes_sent["lookup"].values()),
              sum(eng.bytes_sent["apply_gradients"].values())], dtype=np.int64)  # fmt: skip
     stats = eng.table_stats()
+    saved["plan"] = np.array([eng.plan[t] for t in ("big", "small", "seq")])
     saved["rows"] = np.array([stats["tables"][t]["rows"] for t in ("big", "small", "seq")])
     last = stats["bytes_sent"]
     saved["stats_bytes"] = np.array([sum(last["lookup"].values()),

@@ -35,7 +35,7 @@ _spec.loader.exec_module(worker)
 
 OPTIMIZERS = ["sgd", "adagrad", "adam", "adam_dense", "ftrl", "rowwise_adagrad", "sgd_schedule",
               "adagrad_no_accumulation"]  # fmt: skip
-SHARDINGS = ["row", "table"]
+SHARDINGS = ["row", "table", "auto"]
 WORLDS = [1, 2, 3]
 SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:adam:row:nan"]
 
@@ -144,6 +144,17 @@ def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
         rows = got["rows"].tolist()
         if sharding == "row":
             assert rows == [len(range(rank, v, world)) for v in (37, 2, 11)]
+        if sharding == "auto" and world > 1:
+            # "big" holds most bytes, "seq" (3 positions a sample) much of the traffic, and
+            # non-lazy Adam sweeps every row: row sharded; "small" whole on rank 0.
+            plan = got["plan"].tolist()
+            if optimizer_name == "adam_dense":
+                assert all("its optimizer updates every row" in p for p in plan), plan
+            else:
+                assert plan[0].startswith("row: 37 rows x 8") and "% of the bytes" in plan[0]
+                assert plan[1].startswith("table: 2 rows x 4, on rank 0"), plan
+                assert plan[2].startswith("row: 11 rows x 6"), plan
+                assert rows[1] == (2 if rank == 0 else 0)
         assert got["stats_bytes"].tolist() == got[f"bytes{worker.STEPS - 1}"].tolist()
         if world == 1:
             assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
@@ -202,6 +213,44 @@ def test_shard_plan_rows_and_tables():
 def _error_text(out: Path, name: str, rank: int) -> tuple[float, str]:
     seconds, text = (out / f"{name}.rank{rank}.txt").read_text().split("\n", 1)
     return float(seconds), text
+
+
+def test_auto_sharding_plans_a_mixed_configuration_and_says_why():
+    from embengine.distributed.sharding import TableLoad, expected_traffic
+
+    mb = 1 << 20
+    loads = {
+        "huge": TableLoad(10_000_000, 64, 2560 * mb, expected_traffic(64, [1])),  # most bytes
+        "dense_adam": TableLoad(1000, 16, mb, expected_traffic(16, [1]), every_row=True),
+        "hot": TableLoad(50_000, 32, 6 * mb, expected_traffic(32, [20, 20])),  # 2 sequences
+        "user": TableLoad(200_000, 32, 25 * mb, expected_traffic(32, [1])),
+        "country": TableLoad(100, 8, 3200, expected_traffic(8, [1])),
+        "device": TableLoad(10, 4, 160, expected_traffic(4, [1])),
+    }
+    names, table_bytes = list(loads), [t.nbytes for t in loads.values()]
+    plan = plan_shards("auto", names, table_bytes, 2, list(loads.values()))
+    why = plan.describe(names)
+    assert plan.kinds == ("row", "row", "row", "table", "table", "table")
+    assert why["huge"] == ("row: 10000000 rows x 64, 99% of the bytes: more than 0.5 of a "
+                           "rank's share whole")  # fmt: skip
+    assert why["dense_adam"].startswith("row: 1000 rows x 16, its optimizer updates every row")
+    assert why["hot"] == "row: 50000 rows x 32, hot ids spread (91% of the expected traffic)"
+    # The whole tables, busiest first, each to the rank with the least traffic so far.
+    assert why["user"] == "table: 200000 rows x 32, on rank 0 (2% of the expected traffic)"
+    assert why["country"] == "table: 100 rows x 8, on rank 1 (1% of the expected traffic)"
+    assert why["device"] == "table: 10 rows x 4, on rank 1 (0% of the expected traffic)"
+    # Equal tables spread whole while they balance; at 64 ranks each is too big a share.
+    w1 = [TableLoad(1_000_000, 64, 256 * mb, expected_traffic(64, [1]))] * 8
+    assert plan_shards("auto", list("abcdefgh"), [256 * mb] * 8, 2, w1).owners == (0, 1) * 4
+    assert set(plan_shards("auto", list("abcdefgh"), [256 * mb] * 8, 64, w1).kinds) == {"row"}
+    # "auto" for some tables of a dict; explicit kinds keep their old description.
+    mixed = plan_shards({"huge": "auto", "device": "table"}, names, table_bytes, 3,
+                        list(loads.values()))  # fmt: skip
+    assert mixed.describe(names)["huge"].startswith("row: 10000000 rows x 64")
+    assert mixed.describe(names)["device"] == "table on rank 0"
+    assert mixed.describe(names)["user"] == "row"
+    with pytest.raises(ValueError, match="needs each table's load"):
+        plan_shards("auto", names, table_bytes, 2)
 
 
 def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):

@@ -102,7 +102,8 @@ def _written() -> int:
 
 def child(spec: dict) -> dict:
     """One rank of one configuration (``spec``: workload, optimizer, world, rank, threads,
-    split, steps, warmup, seed): its step times and bytes."""
+    split, steps, warmup, seed; optionally sharding, default "row"): its step times and
+    bytes."""
     import numba
 
     import embengine as ee
@@ -128,7 +129,7 @@ def child(spec: dict) -> dict:
     if world > 1:
         from ..distributed import ShardedEngine
 
-        engine = ShardedEngine(tables, sharding="row")
+        engine = ShardedEngine(tables, sharding=spec.get("sharding", "row"))
     else:
         engine = ee.EmbeddingEngine(tables)
     # Every rank draws the same global batches; with split=False each rank gets batches of its

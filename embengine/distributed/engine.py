@@ -19,6 +19,10 @@ positions), builds the TableBatch the single engine would have built for its row
 ordinary fused update on its shard: one update per touched row per global step, its gradient
 summed in the single-process order, so tables and slots are bit-identical too.
 
+The bookkeeping of both (owner split, rows answered, occurrences pushed, the owner's batch)
+runs in numba, one pass per table or feature (``kernels/shard_route.py``); pulled and pushed
+rows are read where they arrived when they lie on one grid of their width (``_RowsLayout``).
+
 Every call begins with a header all-to-all (a fixed-size int64 row per rank: which call, the
 step, whether the rank's input was valid, its counts, its learning rates), so a rank whose input
 fails validation makes every rank raise instead of leaving them waiting, and a step counter or a
@@ -42,18 +46,19 @@ import numpy as np
 import torch.distributed as dist
 
 from ..backends.registry import make_backend
-from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for, csr, dedup
+from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
 from ..engine import NonFiniteUpdateError, engine_arguments
 from ..inputs import as_numpy
+from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
 from ..spec import compressor_entry, initializer_to_json, optimizer_to_json
 from ..state import WEIGHTS
 from ..storage import plan_storage
 from .comm import Comm
-from .sharding import ShardPlan, ShardTable, plan_shards
+from .sharding import ShardPlan, ShardTable, TableLoad, expected_traffic, plan_shards
 
 __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 
@@ -88,8 +93,9 @@ class ShardedEngine:
     Args:
       feature_config, optimizer, seed: as ``EmbeddingEngine``; equal on every rank (checked).
       sharding: "row" (id r on rank r mod W), "table" (each table whole on one rank, largest
-        first to the least loaded rank), or a dict table name -> either (others "row").
-        ``plan`` says where each table went.
+        first to the least loaded rank), "auto" (per table by its size and expected traffic:
+        ``sharding.plan_auto``), or a dict table name -> one of them (others "row").
+        ``plan`` says where each table went (and, under "auto", why).
       group: the process group to shard over; None makes a new gloo group of every rank of the
         default group (``torch.distributed.init_process_group`` must have run), so the engine's
         collectives never interleave with DDP's.
@@ -144,10 +150,16 @@ class ShardedEngine:
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
         row_bytes = [4 * (t.dim + sum(s.width for s in specs))
                      for t, specs in zip(r.tables, slot_specs, strict=True)]  # fmt: skip
-        self._plan = plan_shards(sharding, r.table_names,
-                                 [t.vocabulary_size * b for t, b in zip(r.tables, row_bytes,
-                                                                        strict=True)],
-                                 self.world_size)  # fmt: skip
+        table_bytes = [t.vocabulary_size * b for t, b in zip(r.tables, row_bytes, strict=True)]
+        loads = [
+            TableLoad(t.vocabulary_size, t.dim, nbytes,
+                      expected_traffic(t.dim, [r.features[f].max_sequence_length or 1
+                                               for f in names]),
+                      opt.updates_every_row)
+            for t, nbytes, names, opt in zip(r.tables, table_bytes, r.table_features,
+                                             optimizers, strict=True)
+        ]  # fmt: skip
+        self._plan = plan_shards(sharding, r.table_names, table_bytes, self.world_size, loads)
         self._check_same_configuration()
         self._shards = tuple(
             ShardTable(name, t.vocabulary_size, t.dim, specs, _initializer_for(t, opt), self.seed,
@@ -160,6 +172,16 @@ class ShardedEngine:
         self._layout = [[(f, 0) for f in names] for names in r.table_features]
         self._fingerprint = batch_fingerprint(r, self._layout)
         self._features = tuple(r.features)
+        # Per table (row sharded?, owner of a whole table) and width; per feature its width
+        # and, per table, its features' indices (the single engine's occurrence order).
+        self._route = tuple((kind == "row", owner)
+                            for kind, owner in zip(self._plan.kinds, self._plan.owners,
+                                                   strict=True))  # fmt: skip
+        self._dims = np.array([t.dim for t in r.tables], dtype=np.int64)
+        self._feature_dims = np.array([r.features[f].table.dim for f in self._features],
+                                      dtype=np.int64)  # fmt: skip
+        self._table_feature_index = tuple(tuple(self._features.index(f) for f in names)
+                                          for names in r.table_features)  # fmt: skip
         self._step = 0
         self._pending: PreparedBatch | None = None
         self.lock = threading.RLock()
@@ -188,7 +210,9 @@ class ShardedEngine:
 
     @property
     def plan(self) -> dict[str, str]:
-        """Table name -> how it is sharded: "row", or "table on rank k"."""
+        """Table name -> how it is sharded: "row", or "table on rank k"; under "auto" the
+        kind and why, e.g. "row: 1000000 rows x 64, hot ids spread (25% of the expected
+        traffic)" or "table: 100 rows x 8, on rank 1 (3% of the expected traffic)"."""
         return self._plan.describe(self.table_names)
 
     def optimizer(self, table_name: str) -> Optimizer:
@@ -357,7 +381,8 @@ class ShardedEngine:
 
     def _lookup(self, features, weights, training: bool) -> dict[str, np.ndarray]:
         nt, w = len(self.table_names), self.world_size
-        error, counts, order = None, np.zeros((w, nt), dtype=np.int64), []
+        error = None
+        counts = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: unique ids to ask
         try:
             if isinstance(features, PreparedBatch):
                 if weights is not None:
@@ -370,57 +395,56 @@ class ShardedEngine:
             else:
                 batch = self.preprocess(features, weights)
             for t, tb in enumerate(batch.tables):
-                owners = self._plan.owner_of(t, tb.unique_ids)
-                by_owner = np.argsort(owners, kind="stable")
-                order.append((by_owner, np.bincount(owners, minlength=w)))
-                counts[:, t] = order[-1][1]
+                row, owner = self._route[t]
+                sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
         except (TypeError, ValueError) as e:
             error = e
         self._pending = None  # a failed or lookup-only call leaves nothing to update
-        got = self._header(_LOOKUP, error, counts)
-        # Unique ids to their owners: per destination, per table, in first-appearance order.
-        send = np.concatenate([np.zeros(0, np.int64)] + [
-            tb.unique_ids[by_owner] for tb, (by_owner, _) in zip(batch.tables, order, strict=True)
-        ]) if nt else np.zeros(0, np.int64)  # fmt: skip
-        # ``send`` is table-major; make it destination-major.
-        send, send_counts = self._dest_major(send, counts)
-        recv_counts = got[:, _FIXED : _FIXED + nt]
-        ids = self._comm.all_to_all(send, send_counts, recv_counts.sum(axis=1), "lookup ids")
+        got = self._header(_LOOKUP, error, counts.T)
+        dims = self._dims
+        # Unique ids to their owners, destination-major (each owner's block table by table, in
+        # first-appearance order); each id learns where its row will be among the rows pulled.
+        send_at = _starts(counts.T)  # [owner, table]
+        value_at = _starts(counts.T * dims)
+        send = np.empty(int(counts.sum()), dtype=np.int64)
+        layouts, rows = [], []
+        for t, tb in enumerate(batch.tables):
+            row, owner = self._route[t]
+            layout = _RowsLayout(value_at[:, t], counts[t], int(dims[t]))
+            rows.append(np.empty(len(tb.unique_ids), dtype=np.int64))
+            sr.route_ids(tb.unique_ids, row, owner, w, send, send_at[:, t].copy(), rows[t],
+                         layout.row_base)  # fmt: skip
+            layouts.append(layout)
+        recv_counts = got[:, _FIXED : _FIXED + nt]  # [sender, table]
+        ids = self._comm.all_to_all(send, counts.sum(axis=0), recv_counts.sum(axis=1),
+                                    "lookup ids")  # fmt: skip
         # Answer with the rows of the ids this rank owns, in the order asked.
-        dims = np.array([self._shards[t].dim for t in range(nt)], dtype=np.int64)
-        answer = []
-        pos = 0
-        for s in range(w):
-            for t in range(nt):
-                n = int(recv_counts[s, t])
-                shard = self._shards[t]
-                rows = shard.rows_for(0, ids[pos : pos + n])
-                answer.append(shard.data[rows, : shard.dim].reshape(-1))
-                pos += n
-        answer = np.concatenate(answer) if answer else np.zeros(0, np.float32)
+        recv_at = _starts(recv_counts)
+        answer_at = _starts(recv_counts * dims)
+        answer = np.empty(int((recv_counts * dims).sum()), dtype=np.float32)
+        for t in range(nt):
+            if not recv_counts[:, t].any():
+                continue
+            shard = self._shards[t]
+            starts = recv_at[:, t].copy()
+            bad = sr.gather_rows(shard.data, shard.dim, ids, starts, starts + recv_counts[:, t],
+                                 self._route[t][0], w,
+                                 self.rank, answer, answer_at[:, t].copy())  # fmt: skip
+            if bad >= 0:
+                raise DistributedError(
+                    f"rank {self.rank}: table {self.table_names[t]!r}: a rank asked for id "
+                    f"{int(ids[bad])}, which this rank does not hold (ranks disagree on the "
+                    "sharding)"
+                )
         values = self._comm.all_to_all(answer, (recv_counts * dims).sum(axis=1),
-                                       (counts * dims).sum(axis=1), "lookup rows")  # fmt: skip
-        # Place them: table t's unique id u gets row u of its own array; pool locally.
-        pulled = [np.empty((len(tb.unique_ids), dims[t]), dtype=np.float32)
-                  for t, tb in enumerate(batch.tables)]  # fmt: skip
-        pos = 0
-        starts = [np.concatenate([[0], np.cumsum(c)]) for _, c in order]
-        for d in range(w):
-            for t in range(nt):
-                n = int(counts[d, t])
-                at = order[t][0][starts[t][d] : starts[t][d] + n]
-                pulled[t][at] = values[pos : pos + n * dims[t]].reshape(n, dims[t])
-                pos += n * int(dims[t])
+                                       (counts.T * dims).sum(axis=1), "lookup rows")  # fmt: skip
+        # Pool locally from the pulled rows: each unique id reads its row where it arrived.
         per_table = []
         for t, tb in enumerate(batch.tables):
-            local = TableBatch(
-                **{
-                    **{f: getattr(tb, f) for f in _TB_FIELDS},
-                    "unique_rows": np.arange(len(tb.unique_ids), dtype=np.int64),
-                }
-            )
+            local = dataclasses.replace(tb, unique_rows=rows[t])
             q = self._resolved.tables[t].quantization_config
-            per_table.append(self._backend.lookup_rows(pulled[t], int(dims[t]), local, q))
+            per_table.append(self._backend.lookup_rows(layouts[t].matrix(values), int(dims[t]),
+                                                       local, q))  # fmt: skip
         if training:
             self._pending = batch
         acts = {
@@ -428,20 +452,6 @@ class ShardedEngine:
             for name, lay in batch.features.items()
         }
         return acts, batch
-
-    def _dest_major(self, table_major: np.ndarray, counts: np.ndarray):
-        """Reorder blocks laid out table by table (each table's blocks by destination) into
-        destination by destination (each destination's blocks by table); counts ``[W, T]``."""
-        w, nt = counts.shape
-        starts = np.zeros((nt, w + 1), dtype=np.int64)
-        base = 0
-        for t in range(nt):
-            starts[t] = base + np.concatenate([[0], np.cumsum(counts[:, t])])
-            base = starts[t, -1]
-        pieces = [table_major[starts[t, d] : starts[t, d + 1]] for d in range(w)
-                  for t in range(nt)]  # fmt: skip
-        out = np.concatenate(pieces) if pieces else table_major[:0]
-        return out, counts.sum(axis=1)
 
     def apply_gradients(self, gradients: Mapping, learning_rates: Sequence[float] | None = None,
                         batch: PreparedBatch | None = None) -> None:  # fmt: skip
@@ -460,8 +470,9 @@ class ShardedEngine:
         r, w = self._resolved, self.world_size
         nf, nt = len(self._features), len(self.table_names)
         error, lrs = None, None
-        counts = np.zeros((w, 2 * nf), dtype=np.int64)
-        ints, floats = [[] for _ in range(w)], [[] for _ in range(w)]
+        n = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: occurrences
+        m = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: gradient rows
+        spans, owners = [], {}
         try:
             batch = self._pending if given is None else given
             if given is not None:
@@ -486,61 +497,52 @@ class ShardedEngine:
                 lay = batch.features[name]
                 t = r.feature_table[name]
                 tb = batch.tables[t]
-                lo, hi = np.searchsorted(tb.segments, [lay.start, lay.stop])
-                ids = tb.unique_ids[tb.inverse[lo:hi]]
-                gains, segs = tb.gains[lo:hi], tb.segments[lo:hi]
-                owners = self._plan.owner_of(t, ids)
-                g = grads[name]
-                for d in range(w):
-                    sel = np.flatnonzero(owners == d)
-                    useg, at = np.unique(segs[sel], return_inverse=True)
-                    counts[d, f], counts[d, nf + f] = len(sel), len(useg)
-                    ints[d] += [ids[sel], at.reshape(-1).astype(np.int64)]
-                    floats[d] += [gains[sel], g[useg - lay.start].reshape(-1)]
+                # The feature's occurrences: those of its activation rows.
+                lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
+                if t not in owners:
+                    owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
+                    sr.owners_of(tb.unique_ids, *self._route[t], w, owners[t])
+                sr.count_push(owners[t], tb.inverse, tb.segments, lo, hi, w, n[f], m[f])
+                spans.append((tb, owners[t], lo, hi, lay.start))
         except (TypeError, ValueError) as e:
             error = e
-        got = self._header(_APPLY, error, counts, lrs)
+        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs)
         # Everything is validated on every rank; from here on tables change.
         got_n, got_m = got[:, _FIXED : _FIXED + nf], got[:, _FIXED + nf : _FIXED + 2 * nf]
-        dims = np.array([r.features[f].table.dim for f in self._features], dtype=np.int64)
-        int_recv = self._comm.all_to_all(
-            _cat(sum(ints, []), np.int64), 2 * counts[:, :nf].sum(axis=1),
-            2 * got_n.sum(axis=1), "gradient ids")  # fmt: skip
-        float_recv = self._comm.all_to_all(
-            _cat(sum(floats, []), np.float32), (counts[:, :nf] + counts[:, nf:] * dims).sum(axis=1),
-            (got_n + got_m * dims).sum(axis=1), "gradients")  # fmt: skip
-        # Cut what each rank sent into its features' blocks.
-        blocks = {}
-        ip = fp = 0
-        for s in range(w):
-            for f in range(nf):
-                n, m, dim = int(got_n[s, f]), int(got_m[s, f]), int(dims[f])
-                blocks[s, f] = (int_recv[ip : ip + n], int_recv[ip + n : ip + 2 * n],
-                                float_recv[fp : fp + n],
-                                float_recv[fp + n : fp + n + m * dim].reshape(m, dim))  # fmt: skip
-                ip += 2 * n
-                fp += n + m * dim
-        index = {name: f for f, name in enumerate(self._features)}
+        dims = self._feature_dims
+        # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
+        # indices), gains, gradient rows.
+        int_at, gain_at, row_at = _starts(2 * n.T), _starts(n.T), _starts(m.T * dims)
+        ints = np.empty(int(2 * n.sum()), dtype=np.int64)
+        gains = np.empty(int(n.sum()), dtype=np.float32)
+        rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
+        for f, (tb, owner, lo, hi, start) in enumerate(spans):
+            sr.fill_push(tb.unique_ids, owner, tb.inverse, tb.segments, tb.gains, lo, hi, start,
+                         grads[self._features[f]], w, n[f], ints,
+                         int_at[:, f].copy(), gains, gain_at[:, f].copy(), rows_g,
+                         row_at[:, f].copy())  # fmt: skip
+        int_recv = self._comm.all_to_all(ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1),
+                                         "gradient ids")  # fmt: skip
+        gain_recv = self._comm.all_to_all(gains, n.sum(axis=0), got_n.sum(axis=1),
+                                          "gradient gains")  # fmt: skip
+        rows_recv = self._comm.all_to_all(rows_g, (m.T * dims).sum(axis=1),
+                                          (got_m * dims).sum(axis=1), "gradients")  # fmt: skip
+        in_int_at, in_gain_at = _starts(2 * got_n), _starts(got_n)
+        in_row_at = _starts(got_m * dims)
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
         for t in range(nt):
             shard = self._shards[t]
             if shard.data.shape[0] == 0:
                 continue  # none of this table's rows lives here, so no rank sent any
-            ids, at, gains, rows_g = [], [], [], []
-            base = 0
-            # The single engine's occurrence order: features in order, then ranks in order.
-            for name in r.table_features[t]:
-                for s in range(w):
-                    b_ids, b_at, b_gains, b_rows = blocks[s, index[name]]
-                    ids.append(b_ids)
-                    at.append(b_at + base)
-                    gains.append(b_gains)
-                    rows_g.append(b_rows)
-                    base += len(b_rows)
-            grad = np.concatenate(rows_g) if rows_g else np.zeros((0, shard.dim), np.float32)
-            tb = self._owner_batch(shard, _cat(ids, np.int64), _cat(at, np.int64),
-                                   _cat(gains, np.float32), base)  # fmt: skip
+            # The single engine's occurrence order: the table's features in order, then ranks.
+            blocks = [(s, f) for f in self._table_feature_index[t] for s in range(w)]
+            fs = np.array([f for _, f in blocks], dtype=np.int64)
+            ss = np.array([s for s, _ in blocks], dtype=np.int64)
+            layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
+            grad = layout.matrix(rows_recv)
+            tb = self._owner_batch(t, int_recv, gain_recv, in_int_at[ss, fs], got_n[ss, fs],
+                                   in_gain_at[ss, fs], layout.row_base, len(grad))  # fmt: skip
             left = self._backend.apply(shard, tb, grad, self._optimizers[t], lrs[t], self._step,
                                        skip)  # fmt: skip
             if left is not None and len(left):
@@ -554,27 +556,46 @@ class ShardedEngine:
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
 
-    @staticmethod
-    def _owner_batch(shard: ShardTable, ids: np.ndarray, segments: np.ndarray,
-                     gains: np.ndarray, num_outputs: int) -> TableBatch:  # fmt: skip
-        """The TableBatch of one table's occurrences received by its owner, in the single
-        engine's order: ids deduplicated in order of first appearance, the occurrences grouped
-        by id stably (so each row's gradient sums in that order), rows from the shard."""
-        unique, inverse = dedup(ids)
-        output_offsets, _ = csr(segments, num_outputs)
-        unique_offsets, by_unique = csr(inverse, len(unique))
+    def _owner_batch(self, t: int, ints: np.ndarray, gains_in: np.ndarray, int_at: np.ndarray,
+                     counts: np.ndarray, gain_at: np.ndarray, row_base: np.ndarray,
+                     num_outputs: int) -> TableBatch:  # fmt: skip
+        """The TableBatch of table ``t``'s occurrences received by its owner, blocks in the
+        single engine's order (see ``shard_route.owner_batch``): ids deduplicated in order of
+        first appearance, the occurrences grouped by id stably (so each row's gradient sums in
+        that order), rows of the shard; segments index the received gradient rows."""
+        shard = self._shards[t]
+        total = int(counts.sum())
+        unique = np.empty(total, dtype=np.int64)
+        inverse = np.empty(total, dtype=np.int64)
+        gains = np.empty(total, dtype=np.float32)
+        segments = np.empty(total, dtype=np.int64)
+        unique_rows = np.empty(total, dtype=np.int64)
+        output_offsets = np.empty(num_outputs + 1, dtype=np.int64)
+        unique_offsets = np.empty(total + 1, dtype=np.int64)
+        unique_gains = np.empty(total, dtype=np.float32)
+        unique_segments = np.empty(total, dtype=np.int64)
+        u = sr.owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, self._route[t][0],
+                           self.world_size, self.rank, shard.data.shape[0], num_outputs, unique,
+                           inverse, gains, segments, unique_rows, output_offsets, unique_offsets,
+                           unique_gains, unique_segments)  # fmt: skip
+        if u < 0:
+            raise DistributedError(
+                f"rank {self.rank}: table {self.table_names[t]!r}: a gradient arrived for an id "
+                "this rank does not hold, or for a gradient row that was not sent (ranks "
+                "disagree on the sharding)"
+            )
         return TableBatch(
-            unique_ids=unique,
+            unique_ids=unique[:u],
             inverse=inverse,
             gains=gains,
             segments=segments,
             num_outputs=num_outputs,
             output_offsets=output_offsets,
-            unique_offsets=unique_offsets,
-            unique_gains=gains[by_unique],
-            unique_segments=segments[by_unique],
-            unique_bounds=np.array([0, len(unique)], dtype=np.int64),
-            unique_rows=shard.rows_for(0, unique, True),
+            unique_offsets=unique_offsets[: u + 1],
+            unique_gains=unique_gains,
+            unique_segments=unique_segments,
+            unique_bounds=np.array([0, u], dtype=np.int64),
+            unique_rows=unique_rows[:u],
         )
 
     def _report_unchanged(self, unchanged: dict[str, np.ndarray], everyone: np.ndarray) -> None:
@@ -747,12 +768,40 @@ class ShardedEngine:
         return engine
 
 
-_TB_FIELDS = ("unique_ids", "inverse", "gains", "segments", "num_outputs", "output_offsets",
-              "unique_offsets", "unique_gains", "unique_segments", "unique_bounds")  # fmt: skip
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    """Where each block starts when blocks of ``sizes`` (2-D) lie one after another in row-major
+    order: the exclusive prefix sums, same shape."""
+    flat = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    out = np.zeros(len(flat), dtype=np.int64)
+    np.cumsum(flat[:-1], out=out[1:])
+    return out.reshape(np.shape(sizes))
 
 
-def _cat(arrays: list[np.ndarray], dtype) -> np.ndarray:
-    """Concatenate 1-D views of ``arrays`` (none: an empty array of ``dtype``)."""
-    if not arrays:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+class _RowsLayout:
+    """Blocks of rows of ``dim`` floats in a received buffer (block b: ``count[b]`` rows from
+    float ``at[b]``) as one row matrix: ``row_base[b]``, block b's first row in ``matrix``.
+
+    When every non-empty block starts on one grid of ``dim`` floats (always, when every
+    table's rows are as wide), the matrix is a view of the buffer from the first block to the
+    end of the last (rows of other blocks in between are never read); otherwise the blocks are
+    copied together, in block order."""
+
+    def __init__(self, at: np.ndarray, count: np.ndarray, dim: int):
+        at, count = np.asarray(at, dtype=np.int64), np.asarray(count, dtype=np.int64)
+        self.at, self.count, self.dim = at, count, dim
+        live = count > 0
+        self.lo = int(at[live].min()) if live.any() else 0
+        self.view = bool(((at[live] - self.lo) % dim == 0).all())
+        if self.view:
+            self.row_base = np.where(live, (at - self.lo) // dim, 0)
+            self.hi = int((at + count * dim)[live].max()) if live.any() else 0
+        else:
+            self.row_base = _starts(count[None])[0]
+
+    def matrix(self, buffer: np.ndarray) -> np.ndarray:
+        """The rows, float32 ``[rows, dim]``, C-contiguous."""
+        if self.view:
+            return buffer[self.lo : self.hi].reshape(-1, self.dim)
+        return np.concatenate([buffer[a : a + c * self.dim]
+                               for a, c in zip(self.at, self.count, strict=True)]
+                              ).reshape(-1, self.dim)  # fmt: skip

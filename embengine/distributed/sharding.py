@@ -5,7 +5,12 @@ Two kinds, per logical table:
 - ``"row"``: id ``r`` lives on rank ``r mod W``, at local row ``r // W`` (hot rows, which are
   usually small ids, spread over every rank);
 - ``"table"``: the whole table on one rank (local row = id), tables given to ranks largest
-  first, each to the rank holding the fewest bytes so far (ties: the lowest rank).
+  first, each to the rank holding the fewest bytes so far (ties: the lowest rank);
+- ``"auto"``: per table, by its size and its expected traffic (``plan_auto``): ``"row"`` for a
+  table whose optimizer updates every row, or that would hold more than half a rank's fair
+  share of the bytes or of the expected traffic if whole on one rank; every other table whole,
+  the busiest first to the rank with the least expected traffic so far. ``ShardPlan.reasons``
+  says why, per table.
 
 A rank's share is a ``ShardTable``: a DenseTable over the ids it owns, whose ``rows_for`` maps
 global ids to local rows (``NO_ROW``, -1, for another rank's id) and whose rows start with the
@@ -27,9 +32,15 @@ from ..optimizers import SlotSpec
 from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
-__all__ = ["SHARDING_KINDS", "ShardPlan", "ShardTable", "plan_shards"]
+__all__ = ["SHARDING_KINDS", "ShardPlan", "ShardTable", "TableLoad", "expected_traffic",
+           "plan_auto", "plan_shards"]  # fmt: skip
 
 SHARDING_KINDS = ("row", "table")
+# What ``sharding=`` takes per table: a kind, or "auto" (the plan picks one).
+SHARDING_CHOICES = (*SHARDING_KINDS, "auto")
+# "auto" shards a table by row when, whole, it would take more than this share of one rank's
+# fair share (1 / W of every table's) of the bytes or of the expected traffic.
+AUTO_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class ShardPlan:
     world_size: int
     kinds: tuple[str, ...]
     owners: tuple[int, ...]
+    reasons: tuple[str, ...] = ()  # per table, why "auto" chose its kind (empty: not auto)
 
     def owner_of(self, table: int, ids: np.ndarray) -> np.ndarray:
         """The rank owning each of ``ids`` (int64) of logical table ``table``."""
@@ -61,11 +73,79 @@ class ShardPlan:
         return np.zeros(0, dtype=np.int64)
 
     def describe(self, table_names: Sequence[str]) -> dict[str, str]:
-        """Table name -> "row" or "table on rank k" (for ``ShardedEngine.plan``)."""
+        """Table name -> "row" or "table on rank k" (for ``ShardedEngine.plan``); a table
+        that "auto" placed: its reason, e.g. "row: 1000000 rows x 64, hot ids spread (...)"
+        or "table: 100 rows x 8, on rank 1 (...)"."""
         return {
-            name: kind if kind == "row" else f"table on rank {owner}"
-            for name, kind, owner in zip(table_names, self.kinds, self.owners, strict=True)
-        }
+            name: (self.reasons[t] if self.reasons and self.reasons[t]
+                   else kind if kind == "row" else f"table on rank {owner}")
+            for t, (name, kind, owner) in enumerate(zip(table_names, self.kinds, self.owners,
+                                                        strict=True))
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TableLoad:
+    """What "auto" weighs for one table: its shape, the bytes of its weights and slots, its
+    expected traffic (bytes a step per id slot of a sample, see ``expected_traffic``) and
+    whether its optimizer updates every row each step."""
+
+    rows: int
+    dim: int
+    nbytes: int
+    traffic: float
+    every_row: bool = False
+
+
+def expected_traffic(dim: int, positions: Sequence[int]) -> float:
+    """A table's expected bytes on the wire a step, per sample, by the cost model of
+    docs/design.md with one id per bag or sequence position (the data is not known when the
+    plan is made): per id, one pulled row and its id (``8 + 4 dim``), one pushed occurrence
+    (20) and its share of a gradient row (``4 dim``). ``positions``: per feature of the table,
+    its ids a sample (1 for a bag, ``max_sequence_length`` for a sequence feature)."""
+    return float(sum(positions)) * (28 + 8 * dim)
+
+
+def plan_auto(loads: Sequence[TableLoad], world_size: int) -> tuple[list[str], list[int],
+                                                                     list[str]]:  # fmt: skip
+    """Kinds, owners and reasons of "auto" for tables ``loads`` on ``world_size`` ranks.
+
+    Row sharding, in this order, for a table whose optimizer updates every row (each rank then
+    sweeps 1 / W of it a step), whose bytes exceed ``AUTO_SHARE`` of one rank's fair share
+    (every table's bytes / W), or whose expected traffic exceeds ``AUTO_SHARE`` of one rank's
+    fair share of the traffic (hot ids spread over every rank). Every other table whole on one
+    rank (its per-table work, the answer and the update, done once and by one rank), the
+    busiest first (ties: the larger, then the first) to the rank with the least expected
+    traffic so far (ties: the fewest bytes, the lowest rank)."""
+    w = int(world_size)
+    total_bytes = sum(t.nbytes for t in loads)
+    total_traffic = sum(t.traffic for t in loads)
+    kinds, owners, reasons = ["row"] * len(loads), [-1] * len(loads), [""] * len(loads)
+    whole = []
+    for i, t in enumerate(loads):
+        shape = f"{t.rows} rows x {t.dim}"
+        byte_share = t.nbytes / total_bytes if total_bytes else 0.0
+        traffic_share = t.traffic / total_traffic if total_traffic else 0.0
+        if w > 1 and t.every_row:
+            reasons[i] = f"row: {shape}, its optimizer updates every row: each rank sweeps 1/{w}"
+        elif w > 1 and byte_share * w > AUTO_SHARE:
+            reasons[i] = (f"row: {shape}, {100 * byte_share:.0f}% of the bytes: more than "
+                          f"{AUTO_SHARE:g} of a rank's share whole")  # fmt: skip
+        elif w > 1 and traffic_share * w > AUTO_SHARE:
+            reasons[i] = (f"row: {shape}, hot ids spread ({100 * traffic_share:.0f}% of the "
+                          "expected traffic)")  # fmt: skip
+        else:
+            whole.append(i)
+    traffic, held = [0.0] * w, [0] * w
+    for i in sorted(whole, key=lambda i: (-loads[i].traffic, -loads[i].nbytes, i)):
+        rank = min(range(w), key=lambda r: (traffic[r], held[r], r))
+        kinds[i], owners[i] = "table", rank
+        traffic[rank] += loads[i].traffic
+        held[rank] += loads[i].nbytes
+        share = loads[i].traffic / total_traffic if total_traffic else 0.0
+        reasons[i] = (f"table: {loads[i].rows} rows x {loads[i].dim}, on rank {rank} "
+                      f"({100 * share:.0f}% of the expected traffic)")  # fmt: skip
+    return kinds, owners, reasons
 
 
 def plan_shards(
@@ -73,14 +153,17 @@ def plan_shards(
     table_names: Sequence[str],
     table_bytes: Sequence[int],
     world_size: int,
+    loads: Sequence[TableLoad] | None = None,
 ) -> ShardPlan:
     """The shard plan of tables ``table_names`` (``table_bytes``: each one's weights and slots)
-    for ``sharding`` ("row", "table", or a dict table name -> either; tables not named are
-    "row"). "table" tables go largest first to the rank with the fewest bytes so far."""
+    for ``sharding`` ("row", "table", "auto", or a dict table name -> one of them; tables not
+    named are "row"). "table" tables go largest first to the rank with the fewest bytes so far;
+    "auto" ones are placed by ``plan_auto`` (which needs ``loads``, per table), among
+    themselves."""
     if isinstance(sharding, str):
-        if sharding not in SHARDING_KINDS:
+        if sharding not in SHARDING_CHOICES:
             raise ValueError(
-                f"sharding must be one of {SHARDING_KINDS} or a dict, got {sharding!r}"
+                f"sharding must be one of {SHARDING_CHOICES} or a dict, got {sharding!r}"
             )
         kinds = [sharding] * len(table_names)
     elif isinstance(sharding, Mapping):
@@ -90,20 +173,29 @@ def plan_shards(
                 f"sharding names unknown tables {unknown}; tables are {list(table_names)}"
             )
         for t, k in sharding.items():
-            if k not in SHARDING_KINDS:
-                raise ValueError(f"sharding[{t!r}] must be one of {SHARDING_KINDS}, got {k!r}")
+            if k not in SHARDING_CHOICES:
+                raise ValueError(f"sharding[{t!r}] must be one of {SHARDING_CHOICES}, got {k!r}")
         kinds = [sharding.get(t, "row") for t in table_names]
     else:
         raise TypeError(f"sharding must be a str or a dict of table -> kind, got {sharding!r}")
     owners = [-1] * len(table_names)
+    reasons = [""] * len(table_names)
+    auto = [t for t, k in enumerate(kinds) if k == "auto"]
+    if auto:
+        if loads is None:
+            raise ValueError('sharding "auto" needs each table\'s load (loads=)')
+        a_kinds, a_owners, a_reasons = plan_auto([loads[t] for t in auto], world_size)
+        for t, k, o, why in zip(auto, a_kinds, a_owners, a_reasons, strict=True):
+            kinds[t], owners[t], reasons[t] = k, o, why
     load = [0] * world_size
-    whole = sorted((t for t, k in enumerate(kinds) if k == "table"),
+    whole = sorted((t for t, k in enumerate(kinds) if k == "table" and owners[t] < 0),
                    key=lambda t: (-table_bytes[t], t))  # fmt: skip
     for t in whole:
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[t] = rank
         load[rank] += table_bytes[t]
-    return ShardPlan(int(world_size), tuple(kinds), tuple(owners))
+    return ShardPlan(int(world_size), tuple(kinds), tuple(owners),
+                     tuple(reasons) if auto else ())  # fmt: skip
 
 
 class ShardTable(DenseTable):

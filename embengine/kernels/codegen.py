@@ -67,6 +67,7 @@ CALLEES = {
     "prepare.py": ("__init__.py", "_intrinsics.py"),
     "lookup.py": ("__init__.py", "_intrinsics.py", "prepare.py"),
     "train_lookup.py": ("__init__.py", "_intrinsics.py", "prepare.py", "lookup.py"),
+    "shard_route.py": ("__init__.py", "_intrinsics.py", "prepare.py"),
 }
 CALLEES_LINE = "# Callees' hash (codegen.CALLEES; numba's cache watches only this file): "
 

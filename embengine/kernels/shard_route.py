@@ -1,0 +1,188 @@
+"""The bookkeeping of a sharded step (embengine.distributed), one pass per table or feature.
+
+Who owns an id: under row sharding (``row_sharded`` true) id ``i`` lives on rank ``i mod W`` at
+local row ``i // W``; a whole table lives on rank ``owner`` at local row ``i``.
+
+Pull (lookup): ``count_owners`` then ``route_ids`` split a table's unique ids by owner, in order
+of first appearance within each owner's block, and give each unique id the row it will have in
+the rows its owners send back (``row_base[d]`` + its place in owner d's block); the owner
+answers with ``gather_rows``.
+
+Push (update): ``owners_of`` (per unique id), then ``count_push`` and ``fill_push`` cut one
+feature's occurrences by owner: per
+owner the ids, the index of each occurrence's gradient row among those sent to that owner, the
+gains, and each activation-gradient row once per owner that needs it (segments are
+non-decreasing, so a row's occurrences are consecutive). ``owner_batch`` builds, from the
+blocks an owner received, the TableBatch arrays the single engine would have built for its rows:
+occurrences in the order of the blocks (the caller passes them in the single engine's order),
+ids deduplicated in order of first appearance (``prepare._dedup``), grouped stably by unique id
+(``prepare._csr``), so each row's gradient sums in the single engine's order.
+
+Ids here were validated by their rank's ``prepare``; what arrives over the wire is checked
+against this rank's shard (a wrong owner or row is an error code, not an out-of-bounds read).
+"""
+
+# Callees' hash (codegen.CALLEES; numba's cache watches only this file): a253a20ac1e069a4
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernel
+from ._intrinsics import prefetch_row
+from .prepare import _csr, _dedup, _offsets
+
+# Ids ahead whose row ``gather_rows`` requests while it copies the current one: the rows asked
+# for are scattered over the shard, so each is a cache miss without it.
+GATHER_PREFETCH = 8
+
+
+@kernel(inline="always")
+def owner_of(i, row_sharded, owner, world):
+    """The rank owning id ``i``."""
+    return i % world if row_sharded else owner
+
+
+@kernel(inline="always")
+def local_row(i, row_sharded, world):
+    """The owner's row of id ``i``."""
+    return i // world if row_sharded else i
+
+
+@kernel()
+def count_owners(ids, row_sharded, owner, world, counts):
+    """``counts[d]`` += the number of ``ids`` rank d owns."""
+    for k in range(ids.shape[0]):
+        counts[owner_of(ids[k], row_sharded, owner, world)] += 1
+
+
+@kernel()
+def route_ids(ids, row_sharded, owner, world, send, send_at, rows, row_base):
+    """Owner d's ids go to ``send[send_at[d]:]`` in order; ``rows[k]`` = ``row_base[d]`` + the
+    place of ``ids[k]`` in d's block (where its row will be among the rows pulled back)."""
+    placed = np.zeros(world, dtype=np.int64)
+    for k in range(ids.shape[0]):
+        d = owner_of(ids[k], row_sharded, owner, world)
+        send[send_at[d] + placed[d]] = ids[k]
+        rows[k] = row_base[d] + placed[d]
+        placed[d] += 1
+
+
+@kernel()
+def gather_rows(data, dim, ids, starts, stops, row_sharded, world, rank, out, out_at):
+    """Block b (ids ``starts[b]:stops[b]``, this rank's) answered with their rows' first
+    ``dim`` floats, row after row, from ``out[out_at[b]]``. Returns -1, or the position in
+    ``ids`` of an id this rank does not hold."""
+    n_rows = data.shape[0]
+    for b in range(starts.shape[0]):
+        at = out_at[b]
+        stop = stops[b]
+        for k in range(starts[b], stop):
+            if k + GATHER_PREFETCH < stop:
+                ahead = local_row(ids[k + GATHER_PREFETCH], row_sharded, world)
+                if 0 <= ahead < n_rows:
+                    prefetch_row(data, ahead, dim)
+            i = ids[k]
+            r = local_row(i, row_sharded, world)
+            if i < 0 or owner_of(i, row_sharded, rank, world) != rank or r >= n_rows:
+                return k
+            for j in range(dim):
+                out[at + j] = data[r, j]
+            at += dim
+    return -1
+
+
+@kernel()
+def owners_of(ids, row_sharded, owner, world, out):
+    """``out[k]``: the rank owning ``ids[k]`` (once per unique id, not per occurrence: the
+    division by W costs more than the rest of an occurrence's bookkeeping)."""
+    for k in range(ids.shape[0]):
+        out[k] = owner_of(ids[k], row_sharded, owner, world)
+
+
+@kernel()
+def count_push(owners, inverse, segments, lo, hi, world, n, m):
+    """Occurrences ``lo:hi`` of a table batch (one feature's; ``owners``: per unique id):
+    ``n[d]`` += those rank d owns, ``m[d]`` += the distinct activation rows among them."""
+    last = np.full(world, -1, dtype=np.int64)
+    for k in range(lo, hi):
+        d = owners[inverse[k]]
+        n[d] += 1
+        if segments[k] != last[d]:
+            m[d] += 1
+            last[d] = segments[k]
+
+
+@kernel()
+def fill_push(unique_ids, owners, inverse, segments, gains, lo, hi, out_start, grad, world, n,
+              ints, int_at, gains_out, gain_at, rows_out, row_at):  # fmt: skip
+    """Occurrences ``lo:hi`` (``n[d]`` of them owned by rank d, as ``count_push`` counted) into
+    owner d's blocks: ids at ``ints[int_at[d]:]``, then each one's gradient-row index (among the
+    rows sent to d for this feature) at ``ints[int_at[d] + n[d]:]``; gains at
+    ``gains_out[gain_at[d]:]``; activation-gradient rows (``grad[segment - out_start]``), once
+    each, at ``rows_out[row_at[d]:]``."""
+    dim = grad.shape[1]
+    last = np.full(world, -1, dtype=np.int64)
+    placed = np.zeros(world, dtype=np.int64)
+    sent = np.zeros(world, dtype=np.int64)
+    for k in range(lo, hi):
+        u = inverse[k]
+        d = owners[u]
+        s = segments[k]
+        if s != last[d]:
+            at = row_at[d] + sent[d] * dim
+            g = s - out_start
+            for j in range(dim):
+                rows_out[at + j] = grad[g, j]
+            sent[d] += 1
+            last[d] = s
+        p = placed[d]
+        ints[int_at[d] + p] = unique_ids[u]
+        ints[int_at[d] + n[d] + p] = sent[d] - 1
+        gains_out[gain_at[d] + p] = gains[k]
+        placed[d] = p + 1
+
+
+@kernel()
+def owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, row_sharded, world, rank,
+                n_rows, num_outputs, unique, inverse, gains, segments, unique_rows,
+                output_offsets, unique_offsets, unique_gains, unique_segments):  # fmt: skip
+    """One table's occurrences received by its owner, block after block (block b: ``counts[b]``
+    ids at ``ints[int_at[b]:]``, their gradient-row indices right after, gains at
+    ``gains_in[gain_at[b]:]``, gradient rows from ``row_base[b]``), as a TableBatch's arrays:
+    ``gains``, ``segments`` (gradient rows) in block order; ``unique`` ids in order of first
+    appearance with ``inverse``, their local ``unique_rows``; the CSR views ``output_offsets``
+    (over ``num_outputs`` gradient rows) and, grouped stably by unique id, ``unique_offsets``,
+    ``unique_gains``, ``unique_segments``. Returns the number of unique ids, or -1 - k for an
+    occurrence k whose id this rank does not hold (or whose gradient row is out of range)."""
+    total = 0
+    for b in range(counts.shape[0]):
+        total += counts[b]
+    ids = np.empty(total, dtype=np.int64)
+    k = 0
+    for b in range(counts.shape[0]):
+        c = counts[b]
+        for p in range(c):
+            i = ints[int_at[b] + p]
+            s = row_base[b] + ints[int_at[b] + c + p]
+            if (i < 0 or owner_of(i, row_sharded, rank, world) != rank
+                    or local_row(i, row_sharded, world) >= n_rows or s < 0
+                    or s >= num_outputs):  # fmt: skip
+                return -1 - k
+            ids[k] = i
+            segments[k] = s
+            gains[k] = gains_in[gain_at[b] + p]
+            k += 1
+    run_bounds = np.array([0, total], dtype=np.int64)
+    regions = np.zeros(1, dtype=np.int64)
+    ends = np.zeros(1, dtype=np.int64)
+    u = _dedup(ids, unique, inverse, run_bounds, regions, ends)
+    for q in range(u):
+        unique_rows[q] = local_row(unique[q], row_sharded, world)
+    _offsets(segments, num_outputs, output_offsets)
+    by_unique = np.empty(total, dtype=np.int64)
+    _csr(inverse, u, unique_offsets, by_unique)
+    for p in range(total):
+        unique_gains[p] = gains[by_unique[p]]
+        unique_segments[p] = segments[by_unique[p]]
+    return u

@@ -1,0 +1,279 @@
+"""The sharded step's bookkeeping kernels (embengine.kernels.shard_route) against NumPy: the
+owner split of unique ids, the rows an owner answers with, the occurrences pushed per owner,
+and the TableBatch an owner builds from what it received (duplicate ids, empty batches, ids of
+one owner only, row and table sharding, 1 to 3 ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embengine.batch import csr, dedup
+from embengine.kernels import shard_route as sr
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def routes(draw):
+    """(world, row_sharded, owner): a sharding of one table."""
+    world = draw(st.integers(1, 3))
+    return world, draw(st.booleans()), draw(st.integers(0, world - 1))
+
+
+def owners_of(ids: np.ndarray, world: int, row: bool, owner: int) -> np.ndarray:
+    return ids % world if row else np.full(len(ids), owner, dtype=np.int64)
+
+
+def local_rows(ids: np.ndarray, world: int, row: bool) -> np.ndarray:
+    return ids // world if row else ids.copy()
+
+
+@st.composite
+def id_lists(draw, size=30):
+    """int64 ids with duplicates (a small vocabulary), maybe empty, maybe all of one owner."""
+    v = draw(st.integers(1, 12))
+    ids = draw(st.lists(st.integers(0, v - 1), max_size=size))
+    if draw(st.booleans()):  # every id a multiple of 6: rank 0's alone under row sharding
+        ids = [6 * i for i in ids]
+    return np.array(ids, dtype=np.int64)
+
+
+@SETTINGS
+@given(route=routes(), ids=id_lists(), base=st.lists(st.integers(0, 50), min_size=3, max_size=3))
+def test_route_ids_splits_unique_ids_by_owner_in_order(route, ids, base):
+    world, row, owner = route
+    unique, _ = dedup(ids)
+    counts = np.zeros(world, dtype=np.int64)
+    sr.count_owners(unique, row, owner, world, counts)
+    owners = owners_of(unique, world, row, owner)
+    np.testing.assert_array_equal(counts, np.bincount(owners, minlength=world))
+    send_at = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    row_base = np.array(base[:world], dtype=np.int64)
+    send = np.full(len(unique), -7, dtype=np.int64)
+    rows = np.empty(len(unique), dtype=np.int64)
+    sr.route_ids(unique, row, owner, world, send, send_at.copy(), rows, row_base)
+    want_rows = np.empty(len(unique), dtype=np.int64)
+    for d in range(world):
+        sel = np.flatnonzero(owners == d)
+        # Owner d's block: its ids in order of first appearance.
+        np.testing.assert_array_equal(send[send_at[d] : send_at[d] + len(sel)], unique[sel])
+        want_rows[sel] = row_base[d] + np.arange(len(sel))
+    np.testing.assert_array_equal(rows, want_rows)
+
+
+@SETTINGS
+@given(route=routes(), data=st.data())
+def test_gather_rows_answers_with_the_owned_rows_and_names_a_stranger(route, data):
+    world, row, owner = route
+    rank = data.draw(st.integers(0, world - 1))
+    vocab = data.draw(st.integers(1, 20))
+    dim = data.draw(st.integers(1, 5))
+    owned = np.arange(vocab, dtype=np.int64)
+    owned = owned[owners_of(owned, world, row, owner) == rank]
+    table = np.random.default_rng(vocab).normal(size=(max(len(owned), 1), dim + 2))
+    table = table.astype(np.float32)[: len(owned)]
+    blocks = [data.draw(st.lists(st.sampled_from(owned.tolist()), max_size=6)) if len(owned)
+              else [] for _ in range(world)]  # fmt: skip
+    ids = np.array([i for b in blocks for i in b], dtype=np.int64)
+    starts = np.cumsum([0] + [len(b) for b in blocks])[:-1].astype(np.int64)
+    stops = starts + np.array([len(b) for b in blocks], dtype=np.int64)
+    # Blocks written in reverse order: the kernel must follow out_at.
+    sizes = (stops - starts) * dim
+    out_at = np.concatenate([[0], np.cumsum(sizes[::-1])[:-1]])[::-1].astype(np.int64).copy()
+    out = np.full(len(ids) * dim, np.nan, dtype=np.float32)
+    assert sr.gather_rows(table, dim, ids, starts, stops, row, world, rank, out, out_at) == -1
+    for b in range(world):
+        want = table[local_rows(ids[starts[b] : stops[b]], world, row), :dim].reshape(-1)
+        np.testing.assert_array_equal(out[out_at[b] : out_at[b] + sizes[b]], want)
+    # An id of another rank, or past this rank's rows, is refused by its position (here 1).
+    stranger = (rank + 1) % world if row and world > 1 else len(table)
+    ids = np.array([owned[0] if len(owned) else 0, stranger], dtype=np.int64)
+    zero, two = np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64)
+    start = zero if len(owned) else np.ones(1, dtype=np.int64)
+    got = sr.gather_rows(table, dim, ids, start, two, row, world, rank,
+                         np.empty(2 * dim, np.float32), zero)  # fmt: skip
+    assert got == 1
+
+
+@st.composite
+def table_batches(draw):
+    """A table batch's occurrences (ids, gains, non-decreasing segments), with a feature's
+    span: activation rows [a, b), occurrences [lo, hi)."""
+    ids = draw(id_lists(size=40))
+    n = len(ids)
+    num_outputs = draw(st.integers(1, 8))
+    segments = np.sort(np.array(draw(st.lists(st.integers(0, num_outputs - 1), min_size=n,
+                                              max_size=n)), dtype=np.int64))  # fmt: skip
+    gains = np.array(draw(st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n)),
+                     dtype=np.float32)  # fmt: skip
+    a = draw(st.integers(0, num_outputs))
+    b = draw(st.integers(a, num_outputs))
+    offsets, _ = csr(segments, num_outputs)
+    return ids, gains, segments, num_outputs, a, b, int(offsets[a]), int(offsets[b])
+
+
+def push_reference(unique, inverse, segments, gains, lo, hi, start, grad, world, row, owner):
+    """What the first ShardedEngine sent each owner for one feature (NumPy)."""
+    ids = unique[inverse[lo:hi]]
+    owners = owners_of(ids, world, row, owner)
+    out = []
+    for d in range(world):
+        sel = np.flatnonzero(owners == d)
+        useg, at = np.unique(segments[lo:hi][sel], return_inverse=True)
+        out.append((ids[sel], at.reshape(-1).astype(np.int64), gains[lo:hi][sel],
+                    grad[useg - start]))  # fmt: skip
+    return out
+
+
+@SETTINGS
+@given(route=routes(), batch=table_batches(), dim=st.integers(1, 4))
+def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
+    world, row, owner = route
+    ids, gains, segments, num_outputs, a, b, lo, hi = batch
+    unique, inverse = dedup(ids)
+    grad = np.random.default_rng(len(ids)).normal(size=(b - a, dim)).astype(np.float32)
+    n = np.zeros(world, dtype=np.int64)
+    m = np.zeros(world, dtype=np.int64)
+    owners = np.full(len(unique), -1, dtype=np.int64)
+    sr.owners_of(unique, row, owner, world, owners)
+    np.testing.assert_array_equal(owners, owners_of(unique, world, row, owner))
+    sr.count_push(owners, inverse, segments, lo, hi, world, n, m)
+    want = push_reference(unique, inverse, segments, gains, lo, hi, a, grad, world, row, owner)
+    assert n.tolist() == [len(w[0]) for w in want]
+    assert m.tolist() == [len(w[3]) for w in want]
+    # Blocks in reverse owner order, with a gap: the kernel must follow the offsets given.
+    int_at = np.zeros(world, dtype=np.int64)
+    gain_at = np.zeros(world, dtype=np.int64)
+    row_at = np.zeros(world, dtype=np.int64)
+    pi = pg = pr = 1
+    for d in reversed(range(world)):
+        int_at[d], gain_at[d], row_at[d] = pi, pg, pr
+        pi, pg, pr = pi + 2 * n[d] + 1, pg + n[d] + 1, pr + m[d] * dim + 1
+    ints = np.full(pi, -9, dtype=np.int64)
+    gains_out = np.full(pg, np.nan, dtype=np.float32)
+    rows_out = np.full(pr, np.nan, dtype=np.float32)
+    sr.fill_push(unique, owners, inverse, segments, gains, lo, hi, a, grad, world, n, ints,
+                 int_at, gains_out, gain_at, rows_out, row_at)  # fmt: skip
+    for d, (w_ids, w_at, w_gains, w_rows) in enumerate(want):
+        k = len(w_ids)
+        np.testing.assert_array_equal(ints[int_at[d] : int_at[d] + k], w_ids)
+        np.testing.assert_array_equal(ints[int_at[d] + k : int_at[d] + 2 * k], w_at)
+        np.testing.assert_array_equal(gains_out[gain_at[d] : gain_at[d] + k], w_gains)
+        got_rows = rows_out[row_at[d] : row_at[d] + len(w_rows) * dim].reshape(-1, dim)
+        np.testing.assert_array_equal(got_rows, w_rows)
+
+
+def owner_batch_reference(blocks):
+    """The first ShardedEngine's owner batch (NumPy: dedup, csr, stable sorts): ``blocks`` of
+    (ids, gradient-row index, gains, first gradient row)."""
+    ids = np.concatenate([b[0] for b in blocks] + [np.zeros(0, np.int64)])
+    segments = np.concatenate([b[1] + b[3] for b in blocks] + [np.zeros(0, np.int64)])
+    gains = np.concatenate([b[2] for b in blocks] + [np.zeros(0, np.float32)])
+    return ids, segments, gains
+
+
+@SETTINGS
+@given(route=routes(), data=st.data())
+def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data):
+    world, row, owner = route
+    rank = data.draw(st.integers(0, world - 1))
+    vocab = data.draw(st.integers(1, 15))
+    owned = np.arange(vocab, dtype=np.int64)
+    owned = owned[owners_of(owned, world, row, owner) == rank]
+    n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
+    # Blocks as they arrive (one per feature and sender), each with its own gradient rows.
+    blocks, base = [], 0
+    for _ in range(data.draw(st.integers(0, 4))):
+        k = data.draw(st.integers(0, 6)) if len(owned) else 0
+        ids = np.array([data.draw(st.sampled_from(owned.tolist())) for _ in range(k)], np.int64)
+        n_grad = data.draw(st.integers(k > 0, max(k, 1)))
+        at = np.array([data.draw(st.integers(0, n_grad - 1)) for _ in range(k)], np.int64)
+        gains = np.array([data.draw(st.floats(-2, 2, width=32)) for _ in range(k)], np.float32)
+        blocks.append((ids, at, gains, base))
+        base += n_grad + data.draw(st.integers(0, 2))  # rows of other tables between
+    num_outputs = base
+    # Lay the blocks out shuffled in the buffers: the kernel must follow the offsets.
+    order = data.draw(st.permutations(range(len(blocks))))
+    ints, gbuf = [np.zeros(1, np.int64)], [np.zeros(2, np.float32)]
+    int_at = np.zeros(len(blocks), np.int64)
+    gain_at = np.zeros(len(blocks), np.int64)
+    pi, pg = 1, 2
+    for b in order:
+        ids, at, gains, _ = blocks[b]
+        int_at[b], gain_at[b] = pi, pg
+        ints += [ids, at]
+        gbuf.append(gains)
+        pi, pg = pi + 2 * len(ids), pg + len(ids)
+    ints, gbuf = np.concatenate(ints), np.concatenate(gbuf)
+    counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
+    row_base = np.array([b[3] for b in blocks], dtype=np.int64)
+    total = int(counts.sum())
+    out = dict(unique=np.empty(total, np.int64), inverse=np.empty(total, np.int64),
+               gains=np.empty(total, np.float32), segments=np.empty(total, np.int64),
+               unique_rows=np.empty(total, np.int64),
+               output_offsets=np.empty(num_outputs + 1, np.int64),
+               unique_offsets=np.empty(total + 1, np.int64),
+               unique_gains=np.empty(total, np.float32),
+               unique_segments=np.empty(total, np.int64))  # fmt: skip
+    u = sr.owner_batch(ints, gbuf, int_at, counts, gain_at, row_base, row, world, rank, n_rows,
+                       num_outputs, *out.values())  # fmt: skip
+    ids, segments, gains = owner_batch_reference(blocks)
+    unique, inverse = dedup(ids)
+    output_offsets, _ = csr(segments, num_outputs)
+    unique_offsets, by_unique = csr(inverse, len(unique))
+    assert u == len(unique)
+    np.testing.assert_array_equal(out["unique"][:u], unique)
+    np.testing.assert_array_equal(out["inverse"], inverse)
+    np.testing.assert_array_equal(out["gains"], gains)
+    np.testing.assert_array_equal(out["segments"], segments)
+    np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
+    np.testing.assert_array_equal(out["output_offsets"], output_offsets)
+    np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
+    np.testing.assert_array_equal(out["unique_gains"], gains[by_unique])
+    np.testing.assert_array_equal(out["unique_segments"], segments[by_unique])
+
+
+@pytest.mark.parametrize("row", [True, False])
+def test_owner_batch_refuses_an_id_this_rank_does_not_hold(row):
+    # Rank 0 of 2 holds ids 0, 2, 4 (row) or the whole table of 3 rows; id 5 is neither.
+    ints = np.array([2, 5, 0, 0], dtype=np.int64)  # ids 2 and 5, both at gradient row 0
+    gains = np.ones(2, dtype=np.float32)
+    one = np.zeros(1, dtype=np.int64)
+    arrays = [np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.float32),
+              np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.int64),
+              np.empty(3, np.int64), np.empty(2, np.float32), np.empty(2, np.int64)]  # fmt: skip
+    got = sr.owner_batch(ints, gains, one, np.array([2]), one, one, row, 2, 0, 3, 1, *arrays)
+    assert got == -1 - 1  # occurrence 1 (id 5)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_rows_layout_views_aligned_blocks_and_copies_others(data):
+    pytest.importorskip("torch")
+    from embengine.distributed.engine import _RowsLayout
+
+    dim = data.draw(st.integers(1, 4))
+    n_blocks = data.draw(st.integers(0, 4))
+    counts = np.array([data.draw(st.integers(0, 3)) for _ in range(n_blocks)], dtype=np.int64)
+    gaps = [data.draw(st.sampled_from([0, dim, 2 * dim, 1])) for _ in range(n_blocks)]
+    at, pos = [], 0
+    for c, gap in zip(counts, gaps, strict=True):  # blocks in order, with gaps between
+        pos += gap
+        at.append(pos)
+        pos += int(c) * dim
+    buffer = np.arange(pos, dtype=np.float32)
+    layout = _RowsLayout(np.array(at, dtype=np.int64), counts, dim)
+    matrix = layout.matrix(buffer)
+    for a, c, base in zip(at, counts, layout.row_base, strict=True):
+        want = buffer[a : a + c * dim].reshape(-1, dim)
+        np.testing.assert_array_equal(matrix[base : base + c], want)
+    live = counts > 0
+    aligned = not live.any() or all((a - min(np.array(at)[live])) % dim == 0
+                                    for a, c in zip(at, counts, strict=True) if c)  # fmt: skip
+    assert layout.view == aligned
+    if aligned and live.any():
+        assert np.shares_memory(matrix, buffer)  # read in place, not copied
+    assert matrix.flags.c_contiguous and matrix.dtype == np.float32
