@@ -140,13 +140,18 @@ def test_a_numba_that_differs_is_an_import_error_naming_its_version(monkeypatch)
         cache_stamp._check_numba()
 
 
-def test_only_a_numba_function_cache_is_stamped():
+def test_stamped_replaces_only_numbas_own_caches():
     import numba
+    from numba.core import caching
 
-    from embengine.kernels.cache_stamp import stamped
+    from embengine.kernels.cache_stamp import StampedCache, stamped
 
-    with pytest.raises(TypeError, match="has no numba FunctionCache.*cache=True"):
-        stamped(numba.njit(lambda x: x))
+    for cache in (False, True):  # numba's NullCache, its FunctionCache
+        disp = numba.njit(cache=cache)(lambda x: x + 1)
+        assert isinstance(stamped(disp)._cache, StampedCache)
+    disp._cache = caching.make_library_cache("x")(disp.py_func)
+    with pytest.raises(TypeError, match="is not a numba function dispatcher with no cache or"):
+        stamped(disp)
 
 
 # -- the rendered modules ----------------------------------------------------------------------

@@ -32,6 +32,9 @@ def kernel(**options):
     from .compile_lock import locked
 
     def decorate(py_func):
-        return locked(stamped(numba.njit(**dict(NUMBA_OPTIONS, **options))(py_func)))
+        opts = dict(NUMBA_OPTIONS, **options)
+        # Made without numba's own cache (cache=True would build a FunctionCache to replace).
+        disp = numba.njit(**dict(opts, cache=False))(py_func)
+        return locked(stamped(disp) if opts["cache"] else disp)
 
     return decorate

@@ -13,7 +13,8 @@ source).
 
 numba internals used here, checked at import (a numba that differs is an ImportError naming
 its version, never a kernel cached under numba's stamp alone): ``Dispatcher.enable_caching``
-making ``FunctionCache(py_func)`` in ``Dispatcher._cache``; ``FunctionCache._impl_class``, a
+(what ``cache=True`` does) setting ``Dispatcher._cache = FunctionCache(py_func)``, which
+``stamped`` does with a subclass; ``FunctionCache._impl_class``, a
 ``CompileResultCacheImpl`` whose ``locator`` property returns its ``_locator``;
 ``Cache.__init__`` taking the index's stamp from ``locator.get_source_stamp()``, and the index
 loader dropping entries of another stamp.
@@ -114,14 +115,19 @@ class StampedCache(caching.FunctionCache):
 
 
 def stamped(disp):
-    """Give ``disp`` (made with ``cache=True``) a StampedCache; returns ``disp``."""
+    """Give the dispatcher ``disp`` an on-disk cache, a StampedCache, as numba's
+    ``enable_caching`` (``cache=True``) gives it a FunctionCache; returns ``disp``."""
     cache = getattr(disp, "_cache", None)
     if isinstance(cache, StampedCache):
         return disp
-    if not isinstance(disp, dispatcher.Dispatcher) or type(cache) is not caching.FunctionCache:
+    if not isinstance(disp, dispatcher.Dispatcher) or type(cache) not in _REPLACEABLE:
         raise TypeError(
-            f"cache stamp: {getattr(disp, '__name__', disp)!r} has no numba FunctionCache "
-            f"({type(cache).__name__}); make it with cache=True (numba {numba.__version__})"
+            f"cache stamp: {getattr(disp, '__name__', disp)!r} is not a numba function "
+            f"dispatcher with no cache or numba's FunctionCache ({type(cache).__name__}, "
+            f"numba {numba.__version__})"
         )
     disp._cache = StampedCache(disp.py_func)
     return disp
+
+
+_REPLACEABLE = (caching.NullCache, caching.FunctionCache)
