@@ -242,8 +242,7 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
     gives the any-layout kernel's results: the same arithmetic in the same order, up to float
     rounding."""
     from embengine.backends import numba_backend as nbk
-    from embengine.kernels import row_math
-    from embengine.kernels.fused import FIXED_KERNELS
+    from embengine.kernels import codegen, row_math
 
     rng = np.random.default_rng(3)
     vocab, batch = 40, 12
@@ -267,7 +266,7 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
             fused = nbk.kernels_for(optimizer, table)[0]
             rm = optimizer.row_math(8)
             variant = rm.name
-            assert (fused is not row_math.kernels(rm)[0]) == (fixed and variant in FIXED_KERNELS)
+            assert (fused is not row_math.kernels(rm)[0]) == (fixed and rm.fixed_layout)
             for step, (ids, lengths, weights) in enumerate(steps):
                 acts = eng.lookup({"f": ee.Ragged(ids, lengths=lengths, weights=weights),
                                    "g": ids[:batch]})  # fmt: skip
@@ -275,7 +274,7 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
                                      .reshape(a.shape).astype(np.float32)
                                      for k, a in acts.items()})  # fmt: skip
             states.append((eng.embedding_tables["t"].copy(), eng.slots("t")))
-        if variant in FIXED_KERNELS:
+        if rm.fixed_layout:
             covered.add(variant)
         (w1, s1), (w2, s2) = states
         # Not always bit-identical: with a constant width the compiler may vectorise a row sum
@@ -283,7 +282,8 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
         np.testing.assert_allclose(w1, w2, rtol=1e-6, atol=1e-7, err_msg=variant)
         for k in s1:
             np.testing.assert_allclose(s1[k], s2[k], rtol=1e-6, atol=1e-7, err_msg=f"{variant}/{k}")
-    assert covered == set(FIXED_KERNELS)
+    builtin = codegen.builtin_row_math()
+    assert covered == {rm.name for rm in builtin if rm.fixed_layout}
 
 
 def test_fixed_layout_only_where_the_rows_fit():

@@ -1,6 +1,7 @@
 """numba kernels: dedup, gather + combine, and the fused per-row update.
 
-Every kernel is compiled once per process type signature and cached on disk (``cache=True``);
+Every kernel is compiled once per process type signature and cached on disk (``cache=True``),
+the cache valid while no file of this folder changes (``cache_stamp``);
 the arrays they take have fixed dtypes (int64 indices, float32 tables), so each kernel has one
 specialisation whatever the optimizer, combiner or table shape. The exceptions are the kernels
 for common row widths (FIXED_DIMS): pooling, and the fused updates of rows laid out as weights
@@ -21,14 +22,19 @@ NUMBA_OPTIONS = dict(
 
 
 def kernel(**options):
-    """``numba.njit(**NUMBA_OPTIONS, **options)`` with the dispatcher's on-disk cache under a
-    cross-process lock (``compile_lock``): every kernel of embengine is made with it.
-    ``options`` override NUMBA_OPTIONS (e.g. ``fastmath=False``)."""
+    """``numba.njit(**NUMBA_OPTIONS, **options)`` with the dispatcher's on-disk cache stamped
+    with the digest of this folder (``cache_stamp``) and under a cross-process lock
+    (``compile_lock``): every kernel of embengine is made with it. ``options`` override
+    NUMBA_OPTIONS (e.g. ``fastmath=False``)."""
     import numba
 
+    from .cache_stamp import stamped
     from .compile_lock import locked
 
     def decorate(py_func):
-        return locked(numba.njit(**dict(NUMBA_OPTIONS, **options))(py_func))
+        opts = dict(NUMBA_OPTIONS, **options)
+        # Made without numba's own cache (cache=True would build a FunctionCache to replace).
+        disp = numba.njit(**dict(opts, cache=False))(py_func)
+        return locked(stamped(disp) if opts["cache"] else disp)
 
     return decorate

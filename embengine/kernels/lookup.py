@@ -13,8 +13,6 @@ feature straight from its rows (for a storage whose rows are ids at a base, the 
 the same arithmetic in the same order (so the same bits) as ``pool`` on the prepared batch.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): a253a20ac1e069a4
-
 from __future__ import annotations
 
 import numba as nb

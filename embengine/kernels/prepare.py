@@ -9,8 +9,6 @@ order, gains computed in float64 and rounded to float32. Ids stay ids here: whic
 id is the storage's business (``storage.protocol``), resolved after this pass.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 642644cbc4d203cb
-
 from __future__ import annotations
 
 import numba as nb

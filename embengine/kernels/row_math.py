@@ -1,13 +1,20 @@
 """The update kernels of a registered row math (``embengine.optimizers.row_math``).
 
-embengine's own optimizers' kernels are in ``fused.py`` (``python -m
-embengine.kernels.codegen`` writes it). Another module's row math (a user's optimizer) gets the
-same template rendered when it is first needed, into a module file whose name carries a hash
-of its text, which holds a hash of the template and of the function's source
-(``codegen.row_math_digest``): numba's on-disk cache watches only the file defining a kernel,
-so an edited row math gets a new file and compiles afresh. The files
-go to ``__pycache__/generated`` beside this module, or, where that is not writable, to a
-per-user folder under the system's temporary directory.
+No generated code is committed: every row math, embengine's own and a user's, gets the template
+of ``codegen.py`` rendered when its kernels are first needed, into a module file named
+``embengine_kernels_<name>_<hash>.py``, the hash that of its text, which holds the template's
+output and a hash of the row math's source (``codegen.row_math_digest``). An edited row math
+or template so gets a new file, and numba's cache of the kernels (stamped with their file and
+the kernels folder's digest, ``cache_stamp``) compiles afresh. Rendering per row math, on first
+use, keeps ``import embengine`` from building modules an engine may never use.
+
+The file is written whole under a temporary name, then renamed (``os.replace``): a process
+that reads it, or one killed while writing it, never leaves or sees half a module. An existing
+file of that name is used if it holds exactly the text, rewritten otherwise. The folder
+(``folder()``) is the first writable of: ``__pycache__/generated`` beside this module; for a
+read-only install, ``embengine-generated`` in numba's cache folder (``NUMBA_CACHE_DIR``) if one
+is set, the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``)
+``/embengine/generated``, and a per-user folder under the system's temporary directory.
 """
 
 from __future__ import annotations
@@ -23,38 +30,88 @@ from pathlib import Path
 from ..optimizers import RowMath
 from . import codegen
 
-__all__ = ["Kernels", "kernels"]
+__all__ = ["Kernels", "folder", "kernels"]
 
 # (fused_update, update_every_row or None, fixed-layout factory (DIM, NS) -> kernel, or None)
 Kernels = tuple
 
-_LOADED: dict[str, Kernels] = {}
+_LOADED: dict[str, tuple] = {}
 _LOCK = threading.Lock()
 
 
-def _folder() -> Path:
-    """Where rendered kernel modules go (numba caches their kernels beside them)."""
-    here = Path(__file__).resolve().parent / "__pycache__" / "generated"
+def _writable(path: Path) -> bool:
+    """Whether files can be made in ``path`` (made if missing): tried, not judged by mode bits
+    (a read-only mount refuses even root)."""
     try:
-        here.mkdir(parents=True, exist_ok=True)
-        if os.access(here, os.W_OK):
-            return here
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
     except OSError:
-        pass
-    there = Path(tempfile.gettempdir()) / f"embengine-kernels-{os.getuid()}"
-    there.mkdir(mode=0o700, exist_ok=True)
-    return there
+        return False
+
+
+def candidates() -> list[Path]:
+    """The folders rendered modules may go to, in order of preference (module docstring)."""
+    import numba
+
+    found = [Path(__file__).resolve().parent / "__pycache__" / "generated"]
+    if numba.config.CACHE_DIR:
+        found.append(Path(numba.config.CACHE_DIR) / "embengine-generated")
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    found.append(Path(user_cache) / "embengine" / "generated")
+    found.append(Path(tempfile.gettempdir()) / f"embengine-generated-{os.getuid()}")
+    return found
+
+
+def folder() -> Path:
+    """The first writable folder of ``candidates()``; OSError naming them if none is."""
+    tried = candidates()
+    for path in tried:
+        if _writable(path):
+            return path
+    raise OSError(
+        "embengine cannot write its generated kernels to any of "
+        f"{', '.join(map(str, tried))}; make one writable, or set NUMBA_CACHE_DIR to a "
+        "writable folder"
+    )
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or is left as it was: written to a temporary file in its
+    folder, flushed to disk, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _current(path: Path, text: str) -> bool:
+    try:
+        return path.read_text(encoding="utf-8") == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def module_path(rm: RowMath) -> tuple[str, Path, str]:
+    """(module name, file, text) of ``rm``'s rendered kernels module."""
+    text = codegen.render([rm])
+    name = f"embengine_kernels_{rm.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return name, folder() / f"{name}.py", text
 
 
 def _load(rm: RowMath) -> Kernels:
-    text = codegen.render([rm])  # its header holds the hash of the template and the source
-    name = f"embengine_kernels_{rm.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    path = _folder() / f"{name}.py"
-    if not path.exists():
-        # Written whole under another name, then renamed: another process may be reading it.
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    name, path, text = module_path(rm)
+    if not _current(path, text):
+        write_atomically(path, text)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -64,14 +121,9 @@ def _load(rm: RowMath) -> Kernels:
 
 
 def kernels(rm: RowMath) -> Kernels:
-    """``rm``'s (fused_update, update_every_row, fixed-layout factory): from ``fused.py`` for
-    embengine's own row math, else rendered and imported on first use (see the module
-    docstring). The kernels themselves compile (or load from numba's cache) on first call."""
-    from . import fused
-
-    if rm.name in fused.KERNELS and fused.ROW_MATH.get(rm.name) is rm:
-        f, e = fused.KERNELS[rm.name]
-        return f, e, fused.FIXED_KERNELS.get(rm.name)
+    """``rm``'s (fused_update, update_every_row, fixed-layout factory), rendered and imported
+    on first use (see the module docstring). The kernels themselves compile (or load from
+    numba's cache) on their first call."""
     with _LOCK:
         found = _LOADED.get(rm.name)
         if found is None or found[3] is not rm:

@@ -22,8 +22,6 @@ Ids here were validated by their rank's ``prepare``; what arrives over the wire 
 against this rank's shard (a wrong owner or row is an error code, not an out-of-bounds read).
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): a253a20ac1e069a4
-
 from __future__ import annotations
 
 import numpy as np

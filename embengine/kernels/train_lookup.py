@@ -19,8 +19,6 @@ many tables the threads move from preparing to pooling without a join in between
 table is pooled by one kernel call instead of one call each.
 """
 
-# Callees' hash (codegen.CALLEES; numba's cache watches only this file): 02f3744694756dd7
-
 from __future__ import annotations
 
 import numba as nb
