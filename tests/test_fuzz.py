@@ -118,7 +118,7 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
 
     from _fuzz.runner import locked_selftest_kernel
 
-    held = 3.0
+    held = 5.0  # the child's start-up (imports) comes out of it: 1-3 s on a loaded host
     limit = 0.5
     lock_path = locked_selftest_kernel()._cache.lock_path
     Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
             timer.cancel()
     outcomes = [r["outcome"] for r in results]
     assert outcomes == ["right_answer", "right_answer", "hang"], results
-    assert results[0]["seconds"] > held - 0.5, results[0]  # it did wait for the lock
+    assert results[0]["seconds"] > 2 * limit, results[0]  # it waited for the lock past the limit
     assert results[1]["seconds"] > limit, results[1]  # it did compile for longer than the limit
     assert "besides compiling" in results[2]["detail"]
 
