@@ -13,7 +13,8 @@ chunks) moves no row and leaves earlier views valid; only a table outgrowing its
 copied into a bigger one. Rows freed by eviction are reused, smallest first.
 
 Per row the table keeps its key, the step it was last touched and how often it was touched (for
-expiry, LRU and LFU); per key waiting for admission, its exact count of occurrences before the
+expiry, LRU and LFU), and with ``expire_seconds`` its data time (the newest timestamp that
+touched it); per key waiting for admission, its exact count of occurrences before the
 current step (``_Pending``). One writer per table: every change is serial (the index's probe is
 parallel but read-only), so the same batches and seed give the same rows at any thread count.
 
@@ -50,6 +51,10 @@ _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 _MAX_LOAD = 0.75
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
 DEFAULT_MAX_PENDING = 1 << 22
+# No data time (a table before its first timestamp; a row touched by no timestamped call).
+NO_TIME = int(np.iinfo(np.int64).min)
+# Timestamps are ints in [0, MAX_TIMESTAMP): differences of two never overflow int64.
+MAX_TIMESTAMP = 1 << 62
 
 
 class KeyIndex:
@@ -304,6 +309,11 @@ class KeyedTable:
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
         self._stats_step = -1
+        # Data time (``DynamicVocabulary.expire_seconds``): the newest timestamp of the training
+        # calls that resolved keys here, and the timestamp of the call under way (None: none).
+        self._clock = NO_TIME
+        self._call_time: int | None = None
+        self._time = np.zeros(0, np.int64)  # per row, with expire_seconds only
         self._this = self._zero_counts()
         self._total = self._zero_counts()
         self._grow(_FIRST_CAPACITY if dynamic.max_rows is None
@@ -355,7 +365,9 @@ class KeyedTable:
         self._data = self._full[:cap]
         self._capacity = cap
         for name, dtype in (("_key", np.int64), ("_last", np.int64), ("_touches", np.int64),
-                            ("_live", bool)):  # fmt: skip
+                            ("_live", bool), ("_time", np.int64)):  # fmt: skip
+            if name == "_time" and not self._keeps_time:
+                continue
             a = getattr(self, name)
             b = np.zeros(cap, dtype)
             b[: len(a)] = a
@@ -387,9 +399,36 @@ class KeyedTable:
         """Keys (rows) in the table."""
         return self._index.count
 
-    def begin_step(self, step: int) -> None:
-        """The engine's step, before each lookup and update (expiry and recency need it)."""
+    @property
+    def _keeps_time(self) -> bool:
+        return self.dynamic.expire_seconds is not None
+
+    @property
+    def needs_timestamp(self) -> bool:
+        """Whether training calls must carry a data time (``expire_seconds``)."""
+        return self._keeps_time
+
+    @property
+    def data_time(self) -> int | None:
+        """The newest timestamp of the training calls that resolved keys here (None: none)."""
+        return None if self._clock == NO_TIME else self._clock
+
+    def begin_step(self, step: int, timestamp: int | None = None) -> None:
+        """The engine's step, before each lookup and update (expiry and recency need it), and
+        the call's data time (a training call's timestamp, or its step's; None for an
+        evaluation lookup). The table's data time moves when a training resolution here
+        succeeds."""
         self._step = int(step)
+        self._call_time = None if timestamp is None else int(timestamp)
+
+    def _now(self) -> int:
+        """The data time the rules see: the table's, or the call's if newer."""
+        t = self._call_time
+        return self._clock if t is None else max(self._clock, t)
+
+    def _commit_time(self) -> None:
+        if self._call_time is not None:
+            self._clock = max(self._clock, self._call_time)
 
     def view(self, logical: int) -> KeyedView:
         return KeyedView(self)
@@ -430,6 +469,7 @@ class KeyedTable:
         victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
         # Everything is decided; from here on the table changes.
         self._roll_stats()
+        self._commit_time()
         self._remove_rows(expired)
         self._this["expired"] += len(expired)
         self._remove_rows(victims)
@@ -465,6 +505,7 @@ class KeyedTable:
         admit &= ~present
         victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
         self._roll_stats()
+        self._commit_time()
         self._remove_rows(victims)
         self._this["evicted"] += len(victims)
         out = np.array(rows, dtype=np.int64)
@@ -475,13 +516,21 @@ class KeyedTable:
     # -- the rules ---------------------------------------------------------------------------
 
     def _expired(self) -> np.ndarray:
-        """Live rows not touched for more than ``expire_steps`` steps, ascending."""
-        s = self.dynamic.expire_steps
-        if s is None or not self._index.count:
+        """Live rows not touched for more than ``expire_steps`` steps, or whose data time is
+        more than ``expire_seconds`` behind the call's (``_now``), ascending."""
+        s, d = self.dynamic.expire_steps, self.dynamic.expire_seconds
+        now = self._now()
+        by_time = d is not None and now != NO_TIME
+        if (s is None and not by_time) or not self._index.count:
             return np.zeros(0, np.int64)
         high = self._high
-        old = self._live[:high] & (self._step - self._last[:high] > s)
-        return np.flatnonzero(old).astype(np.int64)
+        old = np.zeros(high, bool)
+        if s is not None:
+            old |= self._step - self._last[:high] > s
+        if by_time:
+            t = self._time[:high]
+            old |= (t != NO_TIME) & (now - t > d)  # timestamps are < 2^62: no overflow
+        return np.flatnonzero(old & self._live[:high]).astype(np.int64)
 
     def _admissible(self, keys: np.ndarray) -> np.ndarray:
         """Which keys without a row are admitted now (occurrences before this step >= T)."""
@@ -521,6 +570,9 @@ class KeyedTable:
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
         self._last[rows] = self._step
         self._touches[rows] += counts
+        if self._keeps_time and self._call_time is not None:
+            # The newest timestamp that touched the row: an older call does not age it.
+            self._time[rows] = np.maximum(self._time[rows], self._call_time)
 
     def _remove_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
@@ -548,6 +600,8 @@ class KeyedTable:
         self._live[rows] = True
         self._last[rows] = self._step
         self._touches[rows] = counts
+        if self._keeps_time:
+            self._time[rows] = NO_TIME if self._call_time is None else self._call_time
         self._index.insert(keys, rows)
         if self.dynamic.occurrence_threshold > 0:
             self._pending.forget(keys)
@@ -572,11 +626,11 @@ class KeyedTable:
 
     def stats(self) -> dict:
         """rows, capacity, load factor (rows / capacity), bytes (index, rows, row metadata,
-        pending counts), pending keys, and the counters (admitted, filtered: lookups of keys
-        not admitted; evicted: for max_rows; expired; forgotten: pending keys dropped at the
-        bound; lookups and hits of unique keys in training lookups) of the last step that
-        trained the table (``this_step``, with its ``step``) and in total; hit rate = hits /
-        lookups in total."""
+        pending counts), pending keys, data time (None: no timestamp yet), and the counters
+        (admitted, filtered: lookups of keys not admitted; evicted: for max_rows; expired;
+        forgotten: pending keys dropped at the bound; lookups and hits of unique keys in
+        training lookups) of the last step that trained the table (``this_step``, with its
+        ``step``) and in total; hit rate = hits / lookups in total."""
         total = {k: self._total[k] + self._this[k] for k in self._total}
         return {
             "kind": "keyed",
@@ -584,6 +638,7 @@ class KeyedTable:
             "capacity": self._capacity,
             "load_factor": self._index.count / self._capacity if self._capacity else 0.0,
             "pending_keys": len(self._pending),
+            "data_time": self.data_time,
             "bytes": {
                 "rows": self.nbytes,
                 "index": self._index.nbytes,
@@ -591,6 +646,7 @@ class KeyedTable:
                 + self._last.nbytes
                 + self._touches.nbytes
                 + self._live.nbytes
+                + self._time.nbytes
                 + self._free.nbytes,
                 "pending": self._pending.nbytes,
             },
@@ -621,6 +677,9 @@ class KeyedTable:
         rows = self._rows_by_key()
         out["last_touched"] = self._last[rows].copy()
         out["touch_counts"] = self._touches[rows].copy()
+        out["last_time"] = (self._time[rows].copy() if self._keeps_time
+                            else np.full(len(rows), NO_TIME, np.int64))  # fmt: skip
+        out["data_time"] = np.array([self._clock], np.int64)
         p = self._pending
         live = p._live_slots()
         live = live[np.argsort(p.key[live], kind="stable")]
@@ -679,6 +738,7 @@ class KeyedTable:
         self._last = np.zeros(0, np.int64)
         self._touches = np.zeros(0, np.int64)
         self._live = np.zeros(0, bool)
+        self._time = np.zeros(0, np.int64)
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
         data = self._data
@@ -691,6 +751,9 @@ class KeyedTable:
         self._live[:n] = True
         self._last[:n] = a["last_touched"]
         self._touches[:n] = a["touch_counts"]
+        if self._keeps_time:
+            self._time[:n] = a["last_time"]
+        self._clock, self._call_time = int(a["data_time"][0]), None
         self._index.insert(a["keys"], np.arange(n, dtype=np.int64))
         limit = int(a["meta"][1])
         pending = _Pending(limit)
@@ -760,6 +823,17 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         if i is not None:
             bound = f"in [{lo}, {hi}] (the step is {step})" if hi is not None else f">= {lo}"
             raise ValueError(f"{at}[{name!r}][{i}] is {v[i]}; it must be {bound}")
+    clock = int(a["data_time"][0])
+    if clock != NO_TIME and not 0 <= clock < MAX_TIMESTAMP:
+        raise ValueError(f"{at}['data_time'][0] is {clock}; it must be in [0, 2^62) or "
+                         f"{NO_TIME} (no timestamp yet)")  # fmt: skip
+    t = a["last_time"]
+    i = _first_bad((t != NO_TIME) & ((t < 0) | (t > clock)))
+    if i is not None:
+        raise ValueError(
+            f"{at}['last_time'][{i}] is {t[i]}; it must be in [0, {clock}] (the table's data "
+            f"time) or {NO_TIME} (not touched with a timestamp)"
+        )
     stats_step, limit = (int(x) for x in a["meta"])
     if not -1 <= stats_step <= step:
         raise ValueError(f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "
