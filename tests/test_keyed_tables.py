@@ -482,3 +482,17 @@ def test_key_index_against_a_dict():
         assert got.tolist() == [ref.get(int(k), -1) for k in probe]
         assert index.count == len(ref) == int((index.values >= 0).sum())
     assert keyed_index.EMPTY == -1
+
+
+def test_eviction_order_by_partition_equals_a_full_sort():
+    """``_smallest`` (partitions, for eviction without sorting every row) against lexsort."""
+    from embengine.storage.keyed import _smallest
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n = int(rng.integers(1, 60))
+        k = int(rng.integers(1, n + 1))
+        key = rng.permutation(n).astype(np.int64) * 7 - 100
+        last, touches = rng.integers(0, 4, n), rng.integers(0, 3, n)
+        for cols in ([last, key], [touches, last, key]):
+            assert _smallest(cols, k).tolist() == np.lexsort(cols[::-1])[:k].tolist()

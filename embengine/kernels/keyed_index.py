@@ -116,3 +116,33 @@ def rehash(tkeys, tvals, new_keys, new_vals):
             t = (t + 1) & mask
         new_keys[t] = key
         new_vals[t] = tvals[s]
+
+
+@kernel(**_OPTIONS)
+def insert_rows(tkeys, tvals, keys, counts, free, high, step, key_of, last, touches, live, rows):
+    """Give each of ``keys`` (distinct, absent from the index) a row, in order: the smallest
+    unused of ``free`` (sorted), then ``high``, ``high + 1``, ...; record the row's key, step
+    and touch count, mark it live and index the key. One pass, so each new key costs one
+    probe of the index and one write of its metadata. Returns how many free rows were used.
+    The caller sized the index (load below one) and the metadata arrays."""
+    mask = tkeys.shape[0] - 1
+    used = 0
+    for i in range(keys.shape[0]):
+        if used < free.shape[0]:
+            r = free[used]
+            used += 1
+        else:
+            r = high
+            high += 1
+        rows[i] = r
+        key = keys[i]
+        key_of[r] = key
+        last[r] = step
+        touches[r] = counts[i]
+        live[r] = True
+        s = _home(key, mask)
+        while tvals[s] != EMPTY:
+            s = (s + 1) & mask
+        tkeys[s] = key
+        tvals[s] = r
+    return used

@@ -86,13 +86,11 @@ class KeyIndex:
             keyed_index.find(self.keys, self.values, keys, out)
         return out
 
-    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Add absent ``keys`` with ``values``."""
+    def reserve(self, need: int) -> None:
+        """Room for ``need`` keys: double the capacity (rehashing) while the load would pass
+        the limit."""
         from ..kernels import keyed_index
 
-        if not len(keys):
-            return
-        need = self.count + len(keys)
         if need > _MAX_LOAD * self.capacity:
             cap = self.capacity
             while need > _MAX_LOAD * cap:
@@ -100,6 +98,15 @@ class KeyIndex:
             keys_, values_ = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
             keyed_index.rehash(self.keys, self.values, keys_, values_)
             self.keys, self.values = keys_, values_
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add absent ``keys`` with ``values``."""
+        from ..kernels import keyed_index
+
+        if not len(keys):
+            return
+        need = self.count + len(keys)
+        self.reserve(need)
         keyed_index.insert(self.keys, self.values, np.ascontiguousarray(keys, dtype=np.int64),
                            np.ascontiguousarray(values, dtype=np.int64))  # fmt: skip
         self.count = need
@@ -118,6 +125,28 @@ def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.
     reused = free[:k]
     fresh = np.arange(high, high + k - len(reused), dtype=np.int64)
     return np.concatenate([reused, fresh]), free[len(reused) :], high + len(fresh)
+
+
+def _smallest(cols: list[np.ndarray], k: int) -> np.ndarray:
+    """The positions of the ``k`` smallest entries in the lexicographic order of ``cols``
+    (most significant first; the last column has no ties), in that order: what
+    ``np.lexsort(cols[::-1])[:k]`` gives, by one partition per column instead of a sort of all
+    (an eviction takes a few rows out of many)."""
+    n = len(cols[0])
+    idx, chosen = np.arange(n), []
+    for col in cols:
+        if k <= 0 or k >= len(idx):
+            break
+        v = col[idx]
+        kth = np.partition(v, k - 1)[k - 1]
+        below = idx[v < kth]
+        chosen.append(below)
+        k -= len(below)
+        idx = idx[v == kth]
+    if k > 0:
+        chosen.append(idx[:k] if len(idx) > k else idx)
+    sel = np.concatenate(chosen) if chosen else np.zeros(0, np.int64)
+    return sel[np.lexsort([c[sel] for c in cols[::-1]])]
 
 
 class _Pending:
@@ -560,12 +589,10 @@ class KeyedTable:
         cand[batch_rows] = False
         cand[self._expired()] = False
         cand = np.flatnonzero(cand)
-        key, last = self._key[cand], self._last[cand]
-        if self.dynamic.eviction == "lru":
-            order = np.lexsort((key, last))
-        else:
-            order = np.lexsort((key, last, self._touches[cand]))
-        return cand[order[:excess]]
+        cols = [self._last[cand], self._key[cand]]
+        if self.dynamic.eviction == "lfu":
+            cols.insert(0, self._touches[cand])
+        return cand[_smallest(cols, excess)]
 
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
         self._last[rows] = self._step
@@ -585,24 +612,33 @@ class KeyedTable:
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Rows for new ``keys`` (distinct, absent): smallest free rows first, initial weights
         (the initializer at each key) and slots; the keys leave the pending counts."""
+        from ..kernels import keyed_index
+
         if not len(keys):
             return np.zeros(0, np.int64)
-        rows, free, high = _take_smallest(self._free, len(keys), self._high)
-        self._grow(high)
-        self._free, self._high = free, high
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        k, free = len(keys), self._free
+        fresh = k - min(k, len(free))
+        self._grow(self._high + fresh)
+        self._index.reserve(self._index.count + k)
+        rows = np.empty(k, np.int64)
+        # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
+        used = keyed_index.insert_rows(self._index.keys, self._index.values, keys, counts, free,
+                                       self._high, self._step, self._key, self._last,
+                                       self._touches, self._live, rows)  # fmt: skip
+        self._index.count += k
+        self._free, self._high = free[used:], self._high + fresh
+        # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
+        where = slice(int(rows[0]), int(rows[0]) + k) if used == 0 else rows
         data = self._data
-        data[rows, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+        data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
         for spec in self.slot_specs:
             col = self.columns[spec.name]
             base = data if spec.dtype == "float32" else data.view(np.int32)
-            base[rows, col.start : col.start + col.width] = spec.initial_value
-        self._key[rows] = keys
-        self._live[rows] = True
-        self._last[rows] = self._step
-        self._touches[rows] = counts
+            base[where, col.start : col.start + col.width] = spec.initial_value
         if self._keeps_time:
-            self._time[rows] = NO_TIME if self._call_time is None else self._call_time
-        self._index.insert(keys, rows)
+            self._time[where] = NO_TIME if self._call_time is None else self._call_time
         if self.dynamic.occurrence_threshold > 0:
             self._pending.forget(keys)
         self._live_rows = None
