@@ -8,10 +8,11 @@ belongs to and the layout after any sequence of inserts and deletes depends only
 sequence.
 
 ``find`` is read-only and parallel (each key is probed by one thread, its result written to its
-own place); ``insert``, ``remove`` and ``rehash`` are serial: one writer per table, so the same
-calls give the same arrays at any thread count. The index is probed once per table per step, on
-the batch's unique keys, never inside pooling. This file calls nothing from another file
-(numba's cache watches only the file of a kernel).
+own place; ``find_serial`` for the usual batch); ``insert``, ``remove`` and ``rehash`` are
+serial: one writer per table, so the same calls give the same arrays at any thread count. The
+index is probed once per table per step, on the batch's unique keys, never inside pooling.
+``insert_rows`` inserts a batch's new keys and writes their rows' metadata in one pass. This
+file calls nothing from another file (numba's cache watches only the file of a kernel).
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def find(tkeys, tvals, keys, out):
     """``out[i]`` = the value of ``keys[i]``, or EMPTY if absent."""
     mask = tkeys.shape[0] - 1
     for i in nb.prange(keys.shape[0]):
+        s = _probe(tkeys, tvals, keys[i], mask)
+        out[i] = EMPTY if s < 0 else tvals[s]
+
+
+@kernel(**_OPTIONS)
+def find_serial(tkeys, tvals, keys, out):
+    """``find`` on the calling thread: a batch's unique keys take microseconds, less than
+    waking the other threads for a parallel region."""
+    mask = tkeys.shape[0] - 1
+    for i in range(keys.shape[0]):
         s = _probe(tkeys, tvals, keys[i], mask)
         out[i] = EMPTY if s < 0 else tvals[s]
 

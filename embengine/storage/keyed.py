@@ -49,6 +49,10 @@ _RESERVE_BYTES = 1 << 38
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 # The index grows (doubles) before its load passes this fraction.
 _MAX_LOAD = 0.75
+# Probes of fewer keys run on one thread: a probe costs nanoseconds, and a parallel region
+# waits for every thread to wake, which a loaded host can delay by milliseconds
+# (docs/performance.md, "Keyed tables").
+_PARALLEL_FIND = 1 << 18
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
 DEFAULT_MAX_PENDING = 1 << 22
 # No data time (a table before its first timestamp; a row touched by no timestamped call).
@@ -81,9 +85,11 @@ class KeyIndex:
 
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         out = np.empty(len(keys), dtype=np.int64)
-        if len(keys):
+        if len(keys) >= _PARALLEL_FIND:
             start_pool()  # find is parallel
             keyed_index.find(self.keys, self.values, keys, out)
+        elif len(keys):
+            keyed_index.find_serial(self.keys, self.values, keys, out)
         return out
 
     def reserve(self, need: int) -> None:
