@@ -249,3 +249,21 @@ def test_a_monolith_slot_expires_after_its_days_of_data_time(backend):
     assert _keys(eng) == [A, B]
     _train(eng, [[B]], t=t0 + 3 * day + 1)
     assert _keys(eng) == [B]
+
+
+def test_an_export_leaves_out_rows_stale_at_the_tables_data_time(tmp_path):
+    from embengine.serving import ServingEngine, export
+
+    eng = _engine("numba", expire_seconds=100)
+    _train(eng, [[A]], t=1000)
+    _train(eng, [[B]], t=1200)  # A (200 s behind) went before this lookup
+    _train(eng, [[C]], t=1050)  # late data: C's row is 150 s behind the table's 1200
+    assert _keys(eng) == [B, C]  # still held: removed before the next training lookup
+    probe = {"f": [[B], [C], [A]]}
+    want = eng.lookup(probe, training=False)["f"]
+    assert want[0].any() and not want[1:].any()  # evaluation already sees C as gone
+    out = tmp_path / "export"
+    export(eng.save(tmp_path / "ckpt"), out)
+    served = ServingEngine.load(out)
+    assert served._tables["k"][0]["keys"].tolist() == [B]
+    assert served.lookup(probe)["f"].tobytes() == want.tobytes()
