@@ -267,3 +267,20 @@ def test_an_export_leaves_out_rows_stale_at_the_tables_data_time(tmp_path):
     served = ServingEngine.load(out)
     assert served._tables["k"][0]["keys"].tolist() == [B]
     assert served.lookup(probe)["f"].tobytes() == want.tobytes()
+
+
+def test_an_embedding_layer_carries_the_timestamp_to_its_update():
+    torch = pytest.importorskip("torch")
+    from embengine.torch import EmbeddingLayer
+
+    layer = EmbeddingLayer(_engine("numba", expire_seconds=100, insert_on="apply"))
+    for t, bags in ((1000, [[A]]), (1050, [[B]]), (1101, [[B]])):
+        layer({"f": bags}, timestamp=t)["f"].sum().backward()
+    # The update (insert on apply) stamped A and B with their forward's time; A expired at 1101.
+    assert _keys(layer.engine) == [B] and _times(layer.engine) == {B: 1101}
+    layer.eval()
+    assert layer({"f": [[B]]}, timestamp=5)["f"].tolist() == [[B - 2.0, B - 2.0]]
+    layer.train()
+    with pytest.raises(ValueError, match="table 'k' expires rows by data time"):
+        layer({"f": [[C]]})
+    assert torch.is_grad_enabled()
