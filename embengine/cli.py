@@ -14,11 +14,14 @@ from dataclasses import replace
 def _bench(args: argparse.Namespace) -> int:
     from .bench.distributed import DIST_WORKLOADS, format_distributed, run_distributed
     from .bench.floor import FLOOR_WORKLOADS, format_floor, run_floor
+    from .bench.keyed import KEYED_WORKLOADS, format_keyed, run_keyed
     from .bench.runner import format_results, format_vocabulary, run_vocabulary, run_workload
     from .bench.threads import describe_threads
 
     print(describe_threads())
     for name in args.workloads:
+        if name in KEYED_WORKLOADS:
+            continue  # one table for all of them, below
         if name in DIST_WORKLOADS:
             dist_results = run_distributed(name, steps=args.steps, warmup=args.warmup,
                                            engine_optimizers=tuple(args.optimizers))  # fmt: skip
@@ -51,6 +54,11 @@ def _bench(args: argparse.Namespace) -> int:
             peers=tuple(p for p in ("fbgemm",) if p not in args.skip),
         )
         print(format_vocabulary(results))
+    keyed = [name for name in args.workloads if name in KEYED_WORKLOADS]
+    if keyed:
+        keyed_results = run_keyed(keyed, scale=args.scale, steps=args.steps, warmup=args.warmup)
+        print()
+        print(format_keyed(keyed_results, args.scale))
     return 0
 
 
@@ -158,6 +166,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .bench.distributed import DIST_WORKLOADS
     from .bench.floor import FLOOR_WORKLOADS
+    from .bench.keyed import KEYED_WORKLOADS
     from .bench.peers import ENGINE_OPTIMIZERS
     from .bench.workloads import WORKLOADS
 
@@ -173,10 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workloads", nargs="+", default=[*WORKLOADS, *FLOOR_WORKLOADS],
-        choices=[*WORKLOADS, *DIST_WORKLOADS, *FLOOR_WORKLOADS],
-        help="workloads to run (default: all but W1-dist, in one process; W1-dist: W1 on 1 "
-        "process and on 2 ranks, in processes of its own; W1-floor: each optimizer's update "
-        "kernel against the floor of its memory work)",
+        choices=[*WORKLOADS, *DIST_WORKLOADS, *FLOOR_WORKLOADS, *KEYED_WORKLOADS],
+        help="workloads to run (default: all but W1-dist and the keyed ones, in one process; "
+        "W1-dist: W1 on 1 process and on 2 ranks, in processes of its own; W1-floor: each "
+        "optimizer's update kernel against the floor of its memory work; W1-keyed, W1-new, W4, "
+        "insert: keyed tables against issue 15's targets, in one table)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--scale", type=float, default=1.0,
+        help="shrink the keyed workloads' vocabularies and batches by this factor (quick runs)",
     )  # fmt: skip
     bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")

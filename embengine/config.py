@@ -101,6 +101,18 @@ class DynamicVocabulary:
     - **expire_steps** ``S``: a row not touched for more than ``S`` steps (touched last at step
       ``t``, now step ``s > t + S``) is removed before step ``s``'s training lookup; an
       evaluation lookup at step ``s`` already sees it as absent (zeros).
+    - **expire_seconds** ``D`` (data time, Monolith's ``expire_time`` in days times 86400):
+      a training call may carry the time of its examples (``lookup(..., timestamp=t)``,
+      ``apply_gradients(..., timestamp=t)``, an int of seconds, e.g. Unix time; an update
+      without one has its step's lookup's). A table's data time is the newest timestamp of
+      the training calls that resolved its keys, so it never goes back; a row's time is the
+      newest timestamp of the calls that touched it (an older one does not make it older). A
+      row whose time is more than ``D`` seconds behind the data time of a call (its timestamp,
+      if newer) is removed before that call's lookup, as ``expire_steps`` removes; evaluation
+      lookups see the table at its data time. Wall time never counts. An engine with a table
+      that has ``expire_seconds`` needs a timestamp on every training call whose step has none
+      yet (a ValueError naming the table, nothing changed); without timestamps, use
+      ``expire_steps`` (steps count). Both may be set: a row goes when either rule says so.
     - **max_rows** ``N``: before a step would hold more than ``N`` rows, rows not in the
       current batch are removed: the least recently touched (``eviction="lru"``; ties: smaller
       key first) or the least often touched (``"lfu"``: fewest occurrences in training lookups
@@ -118,13 +130,14 @@ class DynamicVocabulary:
     max_rows: int | None = None
     eviction: str = "lru"
     insert_on: str = "lookup"
+    expire_seconds: int | None = None
 
     def __post_init__(self):
         where = "DynamicVocabulary"
         t = self.occurrence_threshold
         if not _is_int(t) or t < 0:
             raise ValueError(f"{where}: occurrence_threshold must be an int >= 0, got {t!r}")
-        for field_name in ("expire_steps", "max_rows"):
+        for field_name in ("expire_steps", "max_rows", "expire_seconds"):
             v = getattr(self, field_name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(
@@ -138,7 +151,7 @@ class DynamicVocabulary:
             raise ValueError(
                 f"{where}: insert_on must be one of {INSERT_ON}, got {self.insert_on!r}"
             )
-        for field_name in ("occurrence_threshold", "expire_steps", "max_rows"):
+        for field_name in ("occurrence_threshold", "expire_steps", "max_rows", "expire_seconds"):
             v = getattr(self, field_name)
             if v is not None:
                 object.__setattr__(self, field_name, int(v))

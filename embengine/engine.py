@@ -66,6 +66,20 @@ class NonFiniteUpdateError(FloatingPointError):
         self.rows = rows
 
 
+# Timestamps are ints in [0, 2^62): a difference of two never overflows int64.
+_MAX_TIMESTAMP = 1 << 62
+
+
+def _check_timestamp(t) -> int:
+    """A training call's data time: an int of seconds in [0, 2^62)."""
+    if isinstance(t, bool) or not isinstance(t, int | np.integer):
+        raise TypeError(f"timestamp must be an int (seconds of data time, e.g. Unix time), "
+                        f"got {t!r}")  # fmt: skip
+    if not 0 <= t < _MAX_TIMESTAMP:
+        raise ValueError(f"timestamp must be in [0, 2^62) (seconds of data time), got {t}")
+    return int(t)
+
+
 def _initializer_for(table: TableConfig, opt: Optimizer):
     """The table's own initializer, else the optimizer's (e.g. FrequencyEstimator), else TF's."""
     if table.initializer is None and opt.default_initializer is not None:
@@ -161,6 +175,8 @@ class EmbeddingEngine:
         self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
         self._build_storage()
         self._step = 0
+        # The data time of the step under way: (step, timestamp) of its training calls.
+        self._step_time: tuple[int, int | None] = (-1, None)
         self.nonfinite_rows_skipped = {name: 0 for name in self._resolved.table_names}
         self._init_threading()
 
@@ -434,6 +450,7 @@ class EmbeddingEngine:
                 done.append(name)
             if step is not None:
                 self._step = step
+            self._step_time = (-1, None)  # a new step's calls bring their data time
             self._forget_pending()
 
     def _learning_rate_tags(self) -> list[dict[str, Any]]:
@@ -533,6 +550,7 @@ class EmbeddingEngine:
         weights: Mapping | None = None,
         *,
         training: bool = True,
+        timestamp: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Activations per feature, float32 ``[*shape, dim]``.
 
@@ -545,8 +563,12 @@ class EmbeddingEngine:
         Given features (not a PreparedBatch), a training lookup on the numba backend builds the
         deduplication data and pools the activations in one parallel region: the pooling reads
         rows straight from the ids meanwhile (the same bits as pooling the prepared batch), so
-        a single big table is not deduplicated by one thread while the others wait."""
-        return self._lookup(features, weights, training)[0]
+        a single big table is not deduplicated by one thread while the others wait.
+
+        ``timestamp`` (training only): the data time of the batch's examples, an int of
+        seconds (e.g. Unix time), for keyed tables that expire rows by data time
+        (``DynamicVocabulary.expire_seconds``); the step's update takes it too."""
+        return self._lookup(features, weights, training, timestamp)[0]
 
     def lookup_with_batch(
         self,
@@ -554,20 +576,32 @@ class EmbeddingEngine:
         weights: Mapping | None = None,
         *,
         training: bool = True,
+        timestamp: int | None = None,
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``lookup``, and the PreparedBatch it looked up, for adapters that apply the gradients
         later with ``apply_gradients(grads, batch=batch)`` (EmbeddingLayer's backward): reading
         the engine's pending batch after the lookup could see another thread's lookup. A
         training batch is also left pending, as ``lookup`` leaves it."""
-        return self._lookup(features, weights, training)
+        return self._lookup(features, weights, training, timestamp)
 
     def _lookup(
-        self, features: Mapping | PreparedBatch, weights: Mapping | None, training: bool
+        self,
+        features: Mapping | PreparedBatch,
+        weights: Mapping | None,
+        training: bool,
+        timestamp: int | None = None,
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``lookup``, and the batch it looked up (EmbeddingLayer keeps it for its backward:
         reading the engine's pending batch afterwards could see another thread's)."""
         per_table = None  # each table's activation matrix
         resolve = False  # a prepared batch's rows, resolved under the lock with its pooling
+        if timestamp is not None:
+            if not training:
+                raise ValueError(
+                    "timestamp is the data time of a training batch; an evaluation lookup "
+                    "(training=False) changes nothing and sees each table at its data time"
+                )
+            timestamp = _check_timestamp(timestamp)
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -585,19 +619,21 @@ class EmbeddingEngine:
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             with self.lock:  # the pooling reads the tables
-                self._begin_step()
+                self._begin_step(timestamp, training=True)
                 tables, per_table = self._backend.build_tables_and_lookup(
                     parts, self._physical, self._quantizations()
                 )
+                self._end_call()
                 batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
                 self._set_pending(batch)
         else:
             batch = self.preprocess(features, weights, training=training)
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
-                self._begin_step()
+                self._begin_step(timestamp, training=training and resolve)
                 if resolve:  # a keyed table's rows change with every training resolution
                     batch = self._resolve(batch, insert=training)
+                    self._end_call()
                 per_table = [
                     self._backend.lookup(table, tb, quantization)
                     for table, tb, quantization in zip(
@@ -623,10 +659,38 @@ class EmbeddingEngine:
         )
         return dataclasses.replace(batch, tables=tables)
 
-    def _begin_step(self) -> None:
-        """Tell the storages that keep time (keyed tables: expiry, recency) the step."""
+    def _begin_step(self, timestamp: int | None = None, training: bool = False) -> None:
+        """Tell the storages that keep time (keyed tables: expiry, recency) the step, and a
+        training call its data time: its ``timestamp`` (checked), else its step's (an earlier
+        call of the step carried one). A table that expires by data time and gets none is a
+        ValueError naming it, before anything changes."""
+        if not self._timed:
+            return
+        if training and timestamp is None and self._step_time[0] == self._step:
+            timestamp = self._step_time[1]
+        if training and timestamp is None:
+            for table in self._timed:
+                if getattr(table, "needs_timestamp", False):
+                    raise ValueError(
+                        f"table {table.name!r} expires rows by data time (DynamicVocabulary."
+                        f"expire_seconds={table.dynamic.expire_seconds}): pass the batch's time "
+                        f"as lookup(..., timestamp=seconds) (or apply_gradients(..., "
+                        "timestamp=)); without timestamps use expire_steps. Nothing was changed"
+                    )
+        self._call_time = timestamp if training else None
         for table in self._timed:
-            table.begin_step(self._step)
+            if self._call_time is None:
+                table.begin_step(self._step)
+            else:
+                table.begin_step(self._step, timestamp=self._call_time)
+
+    def _end_call(self) -> None:
+        """A training call that carried a data time succeeded: the rest of its step (its
+        update) has that time unless it brings its own."""
+        t = self.__dict__.pop("_call_time", None)
+        if t is not None:
+            prev = self._step_time[1] if self._step_time[0] == self._step else None
+            self._step_time = (self._step, t if prev is None else max(prev, t))
 
     def _for_update(self, batch: PreparedBatch) -> PreparedBatch:
         """``batch`` with the rows its update writes (``TableBatch.for_update``: a keyed table
@@ -687,6 +751,8 @@ class EmbeddingEngine:
         gradients: Mapping,
         learning_rates: Sequence[float] | None = None,
         batch: PreparedBatch | None = None,
+        *,
+        timestamp: int | None = None,
     ) -> None:
         """Apply one optimizer step from the gradients of the activations of ``batch`` (default:
         the calling thread's last training lookup's).
@@ -697,6 +763,8 @@ class EmbeddingEngine:
           learning_rates: one value per dynamic learning-rate tag (see ``learning_rates``);
             required when a table uses ``DynamicLearningRate``, else an override of callables.
           batch: the PreparedBatch whose rows to update.
+          timestamp: the data time of the batch's examples (``lookup``'s); by default the
+            step's lookup's. Keyed tables with ``DynamicVocabulary.expire_seconds`` need one.
 
         Runs under ``lock``. Gradients and every table's learning rate (``Optimizer.
         check_learning_rate``) are validated before any table changes. A row whose result
@@ -721,10 +789,13 @@ class EmbeddingEngine:
             grads = self._check_gradients(gradients, batch)
             lrs = self._learning_rates.resolve(self._step, learning_rates)
             self._check_learning_rates(lrs)
+            if timestamp is not None:
+                timestamp = _check_timestamp(timestamp)
             pending = batch
-            self._begin_step()
+            self._begin_step(timestamp, training=True)
             batch = self._resolve(batch, insert=True)  # a batch given without its lookup
             batch = self._for_update(batch)  # keyed tables inserting on apply: their new rows
+            self._end_call()
             # Everything is validated; from here on tables change.
             unchanged = self._update(batch, grads, lrs)
             self._step += 1

@@ -31,6 +31,22 @@ Compressors (``embengine.Compressor`` subclasses) attach to a table as in Monoli
 (the export's per-table argument still wins, its default applies to tables without one);
 FixedR8's ``quantization_config()`` also simulates its 8-bit values in training lookups
 (gradients pass straight through).
+
+Monolith's per-slot ``occurrence_threshold`` and ``expire_time`` (days of data time) become a
+keyed table's rules with ``dynamic_vocabulary`` (``TableConfig(None, dim, dynamic=...)``), with
+Monolith's zero lookup before a key's first update (``insert_on="apply"``). Where we differ:
+
+- Admission counts are exact (earlier steps' occurrences, ``DynamicVocabulary``); Monolith
+  counts in a 4-bit sliding sketch whose counts cap at 15 and collide between keys.
+- A row expires when the data time is *more* than ``expire_time`` days past its last touch;
+  Monolith evicts at ``>=``. The data time is the newest timestamp a table has trained on
+  (Monolith's ``max_update_time``); a row's time is the newest timestamp that touched it,
+  where Monolith sets it to each update's time, so an out-of-order (older) batch makes a
+  Monolith row older, never ours. Expiry runs before every training lookup, where Monolith
+  evicts in a periodic pass (at checkpoints), so its stale rows serve until then.
+- Timestamps come per training call (``lookup(..., timestamp=)``, ``apply_gradients(...,
+  timestamp=)``: Monolith's ``req_time``), in seconds; without them, ``steps_per_day`` maps
+  days to steps.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from dataclasses import dataclass
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import Compressor, QuantizationConfig
+from .config import Compressor, DynamicVocabulary, QuantizationConfig
 from .optimizers import _checks
 
 __all__ = [
@@ -59,7 +75,36 @@ __all__ = [
     "Fp16Compressor",
     "Fp32Compressor",
     "FixedR8Compressor",
+    "DEFAULT_EXPIRE_TIME",
+    "dynamic_vocabulary",
 ]
+
+# Monolith's default expire_time: 100 years, in days.
+DEFAULT_EXPIRE_TIME = 36500
+SECONDS_PER_DAY = 86400
+
+
+def dynamic_vocabulary(occurrence_threshold: int = 0, expire_time: int = DEFAULT_EXPIRE_TIME, *,
+                       steps_per_day: int | None = None, max_rows: int | None = None,
+                       eviction: str = "lru") -> DynamicVocabulary:  # fmt: skip
+    """A keyed table's rules from a Monolith slot's ``occurrence_threshold`` and
+    ``expire_time`` (days of data time, default 36500), inserting on the update as Monolith
+    does (a new key looks up as zeros until its first update).
+
+    ``expire_time`` days become ``expire_seconds = expire_time * 86400``, counted in data
+    time: every training lookup then carries ``timestamp=`` (seconds). Without timestamps,
+    steps count: ``steps_per_day=k`` maps it to ``expire_steps = expire_time * k``.
+    ``max_rows`` and ``eviction`` are embengine's (Monolith has no row bound)."""
+    for name, v, low in (("occurrence_threshold", occurrence_threshold, 0),
+                         ("expire_time", expire_time, 1)):  # fmt: skip
+        _checks.integer("dynamic_vocabulary", name, v, minimum=low)
+    if steps_per_day is not None:
+        _checks.integer("dynamic_vocabulary", "steps_per_day", steps_per_day, minimum=1)
+        timing = dict(expire_steps=int(expire_time) * int(steps_per_day))
+    else:
+        timing = dict(expire_seconds=int(expire_time) * SECONDS_PER_DAY)
+    return DynamicVocabulary(occurrence_threshold=int(occurrence_threshold), max_rows=max_rows,
+                             eviction=eviction, insert_on="apply", **timing)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -218,13 +218,21 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
 
 def _live_keys(reader, t: dict, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A keyed table's (keys, weights) as an evaluation lookup at the checkpoint's step sees
-    them: without the rows expired by then (``expire_steps``), which the next training step
-    would remove."""
+    them: without the rows expired by then (``expire_steps``; ``expire_seconds`` at the table's
+    data time), which the next training step would remove."""
     keys = np.asarray(reader.array(t["name"], "keys"))
-    expire = (t.get("dynamic") or {}).get("expire_steps")
-    if expire is None:
+    dynamic = t.get("dynamic") or {}
+    live = np.ones(len(keys), bool)
+    expire = dynamic.get("expire_steps")
+    if expire is not None:
+        live &= reader.step - np.asarray(reader.array(t["name"], "last_touched")) <= expire
+    seconds = dynamic.get("expire_seconds")
+    clock = int(np.asarray(reader.array(t["name"], "data_time"))[0])
+    if seconds is not None and clock != np.iinfo(np.int64).min:
+        times = np.asarray(reader.array(t["name"], "last_time"))
+        live &= (times == np.iinfo(np.int64).min) | (clock - times <= seconds)
+    if live.all():
         return keys, weights
-    live = reader.step - np.asarray(reader.array(t["name"], "last_touched")) <= expire
     return keys[live], np.asarray(weights)[live]
 
 

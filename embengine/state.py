@@ -19,6 +19,8 @@ A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED
     weights, slots   [n, dim], [n, w]  each key's row, aligned with ``keys``
     last_touched     int64 [n]         the step each row was last touched (expiry, LRU)
     touch_counts     int64 [n]         its occurrences in training lookups so far (LFU)
+    last_time        int64 [n]         its data time: the newest timestamp that touched it
+                                       (``expire_seconds``; int64 min: none)
     pending_keys     int64 [p]         keys waiting for admission, sorted, distinct, without rows
     pending_earlier  int64 [p]         their occurrences in steps before ``pending_step``
     pending_step     int64 [p]         the last step each was seen
@@ -26,6 +28,7 @@ A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED
     counters         int64 [2, 7]      ``KEYED_COUNTERS`` of the last step that trained the
                                        table, then the totals before it
     meta             int64 [2]         that step (-1: none yet), and ``max_pending``
+    data_time        int64 [1]         the table's data time (int64 min: no timestamp yet)
 
 ``n`` and ``p`` are each one length shared by their entries (``Expected`` writes them as the
 strings "n" and "p"). Rows are loaded in key order into a fresh arena (the free rows of the
@@ -70,12 +73,14 @@ KEYED_ENTRIES: dict[str, tuple[tuple, str]] = {
     "keys": (("n",), "int64"),
     "last_touched": (("n",), "int64"),
     "touch_counts": (("n",), "int64"),
+    "last_time": (("n",), "int64"),
     "pending_keys": (("p",), "int64"),
     "pending_earlier": (("p",), "int64"),
     "pending_step": (("p",), "int64"),
     "pending_current": (("p",), "int64"),
     "counters": ((2, len(KEYED_COUNTERS)), "int64"),
     "meta": ((2,), "int64"),
+    "data_time": ((1,), "int64"),
 }
 
 

@@ -482,3 +482,32 @@ def test_key_index_against_a_dict():
         assert got.tolist() == [ref.get(int(k), -1) for k in probe]
         assert index.count == len(ref) == int((index.values >= 0).sum())
     assert keyed_index.EMPTY == -1
+
+
+def test_eviction_order_by_partition_equals_a_full_sort():
+    """``_smallest`` (partitions, for eviction without sorting every row) against lexsort."""
+    from embengine.storage.keyed import _smallest
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n = int(rng.integers(1, 60))
+        k = int(rng.integers(1, n + 1))
+        key = rng.permutation(n).astype(np.int64) * 7 - 100
+        last, touches = rng.integers(0, 4, n), rng.integers(0, 3, n)
+        for cols in ([last, key], [touches, last, key]):
+            assert _smallest(cols, k).tolist() == np.lexsort(cols[::-1])[:k].tolist()
+
+
+def test_key_index_finds_alike_on_one_thread_and_in_parallel():
+    """Small probes run serially (find_serial), large ones in parallel: the same answers."""
+    from embengine.storage import keyed as keyed_storage
+
+    rng = np.random.default_rng(3)
+    keys = np.unique(rng.integers(-(2**63), 2**63 - 1, keyed_storage._PARALLEL_FIND + 999))
+    index = KeyIndex()
+    index.insert(keys, np.arange(len(keys)))
+    probe = np.concatenate([keys[::-1], rng.integers(0, 2**40, 50)])  # absent ones too
+    big = index.find(probe)  # parallel
+    small = np.concatenate([index.find(probe[i : i + 4096]) for i in range(0, len(probe), 4096)])
+    want = np.concatenate([np.arange(len(keys))[::-1], np.full(50, -1)])
+    assert big.tolist() == small.tolist() == want.tolist()

@@ -8,10 +8,11 @@ belongs to and the layout after any sequence of inserts and deletes depends only
 sequence.
 
 ``find`` is read-only and parallel (each key is probed by one thread, its result written to its
-own place); ``insert``, ``remove`` and ``rehash`` are serial: one writer per table, so the same
-calls give the same arrays at any thread count. The index is probed once per table per step, on
-the batch's unique keys, never inside pooling. This file calls nothing from another file
-(numba's cache watches only the file of a kernel).
+own place; ``find_serial`` for the usual batch); ``insert``, ``remove`` and ``rehash`` are
+serial: one writer per table, so the same calls give the same arrays at any thread count. The
+index is probed once per table per step, on the batch's unique keys, never inside pooling.
+``insert_rows`` inserts a batch's new keys and writes their rows' metadata in one pass. This
+file calls nothing from another file (numba's cache watches only the file of a kernel).
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def find(tkeys, tvals, keys, out):
     """``out[i]`` = the value of ``keys[i]``, or EMPTY if absent."""
     mask = tkeys.shape[0] - 1
     for i in nb.prange(keys.shape[0]):
+        s = _probe(tkeys, tvals, keys[i], mask)
+        out[i] = EMPTY if s < 0 else tvals[s]
+
+
+@kernel(**_OPTIONS)
+def find_serial(tkeys, tvals, keys, out):
+    """``find`` on the calling thread: a batch's unique keys take microseconds, less than
+    waking the other threads for a parallel region."""
+    mask = tkeys.shape[0] - 1
+    for i in range(keys.shape[0]):
         s = _probe(tkeys, tvals, keys[i], mask)
         out[i] = EMPTY if s < 0 else tvals[s]
 
@@ -116,3 +127,33 @@ def rehash(tkeys, tvals, new_keys, new_vals):
             t = (t + 1) & mask
         new_keys[t] = key
         new_vals[t] = tvals[s]
+
+
+@kernel(**_OPTIONS)
+def insert_rows(tkeys, tvals, keys, counts, free, high, step, key_of, last, touches, live, rows):
+    """Give each of ``keys`` (distinct, absent from the index) a row, in order: the smallest
+    unused of ``free`` (sorted), then ``high``, ``high + 1``, ...; record the row's key, step
+    and touch count, mark it live and index the key. One pass, so each new key costs one
+    probe of the index and one write of its metadata. Returns how many free rows were used.
+    The caller sized the index (load below one) and the metadata arrays."""
+    mask = tkeys.shape[0] - 1
+    used = 0
+    for i in range(keys.shape[0]):
+        if used < free.shape[0]:
+            r = free[used]
+            used += 1
+        else:
+            r = high
+            high += 1
+        rows[i] = r
+        key = keys[i]
+        key_of[r] = key
+        last[r] = step
+        touches[r] = counts[i]
+        live[r] = True
+        s = _home(key, mask)
+        while tvals[s] != EMPTY:
+            s = (s + 1) & mask
+        tkeys[s] = key
+        tvals[s] = r
+    return used

@@ -13,7 +13,8 @@ chunks) moves no row and leaves earlier views valid; only a table outgrowing its
 copied into a bigger one. Rows freed by eviction are reused, smallest first.
 
 Per row the table keeps its key, the step it was last touched and how often it was touched (for
-expiry, LRU and LFU); per key waiting for admission, its exact count of occurrences before the
+expiry, LRU and LFU), and with ``expire_seconds`` its data time (the newest timestamp that
+touched it); per key waiting for admission, its exact count of occurrences before the
 current step (``_Pending``). One writer per table: every change is serial (the index's probe is
 parallel but read-only), so the same batches and seed give the same rows at any thread count.
 
@@ -48,8 +49,16 @@ _RESERVE_BYTES = 1 << 38
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 # The index grows (doubles) before its load passes this fraction.
 _MAX_LOAD = 0.75
+# Probes of fewer keys run on one thread: a probe costs nanoseconds, and a parallel region
+# waits for every thread to wake, which a loaded host can delay by milliseconds
+# (docs/performance.md, "Keyed tables").
+_PARALLEL_FIND = 1 << 18
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
 DEFAULT_MAX_PENDING = 1 << 22
+# No data time (a table before its first timestamp; a row touched by no timestamped call).
+NO_TIME = int(np.iinfo(np.int64).min)
+# Timestamps are ints in [0, MAX_TIMESTAMP): differences of two never overflow int64.
+MAX_TIMESTAMP = 1 << 62
 
 
 class KeyIndex:
@@ -76,10 +85,25 @@ class KeyIndex:
 
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         out = np.empty(len(keys), dtype=np.int64)
-        if len(keys):
+        if len(keys) >= _PARALLEL_FIND:
             start_pool()  # find is parallel
             keyed_index.find(self.keys, self.values, keys, out)
+        elif len(keys):
+            keyed_index.find_serial(self.keys, self.values, keys, out)
         return out
+
+    def reserve(self, need: int) -> None:
+        """Room for ``need`` keys: double the capacity (rehashing) while the load would pass
+        the limit."""
+        from ..kernels import keyed_index
+
+        if need > _MAX_LOAD * self.capacity:
+            cap = self.capacity
+            while need > _MAX_LOAD * cap:
+                cap *= 2
+            keys_, values_ = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+            keyed_index.rehash(self.keys, self.values, keys_, values_)
+            self.keys, self.values = keys_, values_
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add absent ``keys`` with ``values``."""
@@ -88,13 +112,7 @@ class KeyIndex:
         if not len(keys):
             return
         need = self.count + len(keys)
-        if need > _MAX_LOAD * self.capacity:
-            cap = self.capacity
-            while need > _MAX_LOAD * cap:
-                cap *= 2
-            keys_, values_ = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
-            keyed_index.rehash(self.keys, self.values, keys_, values_)
-            self.keys, self.values = keys_, values_
+        self.reserve(need)
         keyed_index.insert(self.keys, self.values, np.ascontiguousarray(keys, dtype=np.int64),
                            np.ascontiguousarray(values, dtype=np.int64))  # fmt: skip
         self.count = need
@@ -113,6 +131,28 @@ def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.
     reused = free[:k]
     fresh = np.arange(high, high + k - len(reused), dtype=np.int64)
     return np.concatenate([reused, fresh]), free[len(reused) :], high + len(fresh)
+
+
+def _smallest(cols: list[np.ndarray], k: int) -> np.ndarray:
+    """The positions of the ``k`` smallest entries in the lexicographic order of ``cols``
+    (most significant first; the last column has no ties), in that order: what
+    ``np.lexsort(cols[::-1])[:k]`` gives, by one partition per column instead of a sort of all
+    (an eviction takes a few rows out of many)."""
+    n = len(cols[0])
+    idx, chosen = np.arange(n), []
+    for col in cols:
+        if k <= 0 or k >= len(idx):
+            break
+        v = col[idx]
+        kth = np.partition(v, k - 1)[k - 1]
+        below = idx[v < kth]
+        chosen.append(below)
+        k -= len(below)
+        idx = idx[v == kth]
+    if k > 0:
+        chosen.append(idx[:k] if len(idx) > k else idx)
+    sel = np.concatenate(chosen) if chosen else np.zeros(0, np.int64)
+    return sel[np.lexsort([c[sel] for c in cols[::-1]])]
 
 
 class _Pending:
@@ -304,6 +344,11 @@ class KeyedTable:
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
         self._stats_step = -1
+        # Data time (``DynamicVocabulary.expire_seconds``): the newest timestamp of the training
+        # calls that resolved keys here, and the timestamp of the call under way (None: none).
+        self._clock = NO_TIME
+        self._call_time: int | None = None
+        self._time = np.zeros(0, np.int64)  # per row, with expire_seconds only
         self._this = self._zero_counts()
         self._total = self._zero_counts()
         self._grow(_FIRST_CAPACITY if dynamic.max_rows is None
@@ -355,7 +400,9 @@ class KeyedTable:
         self._data = self._full[:cap]
         self._capacity = cap
         for name, dtype in (("_key", np.int64), ("_last", np.int64), ("_touches", np.int64),
-                            ("_live", bool)):  # fmt: skip
+                            ("_live", bool), ("_time", np.int64)):  # fmt: skip
+            if name == "_time" and not self._keeps_time:
+                continue
             a = getattr(self, name)
             b = np.zeros(cap, dtype)
             b[: len(a)] = a
@@ -387,9 +434,36 @@ class KeyedTable:
         """Keys (rows) in the table."""
         return self._index.count
 
-    def begin_step(self, step: int) -> None:
-        """The engine's step, before each lookup and update (expiry and recency need it)."""
+    @property
+    def _keeps_time(self) -> bool:
+        return self.dynamic.expire_seconds is not None
+
+    @property
+    def needs_timestamp(self) -> bool:
+        """Whether training calls must carry a data time (``expire_seconds``)."""
+        return self._keeps_time
+
+    @property
+    def data_time(self) -> int | None:
+        """The newest timestamp of the training calls that resolved keys here (None: none)."""
+        return None if self._clock == NO_TIME else self._clock
+
+    def begin_step(self, step: int, timestamp: int | None = None) -> None:
+        """The engine's step, before each lookup and update (expiry and recency need it), and
+        the call's data time (a training call's timestamp, or its step's; None for an
+        evaluation lookup). The table's data time moves when a training resolution here
+        succeeds."""
         self._step = int(step)
+        self._call_time = None if timestamp is None else int(timestamp)
+
+    def _now(self) -> int:
+        """The data time the rules see: the table's, or the call's if newer."""
+        t = self._call_time
+        return self._clock if t is None else max(self._clock, t)
+
+    def _commit_time(self) -> None:
+        if self._call_time is not None:
+            self._clock = max(self._clock, self._call_time)
 
     def view(self, logical: int) -> KeyedView:
         return KeyedView(self)
@@ -430,6 +504,7 @@ class KeyedTable:
         victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
         # Everything is decided; from here on the table changes.
         self._roll_stats()
+        self._commit_time()
         self._remove_rows(expired)
         self._this["expired"] += len(expired)
         self._remove_rows(victims)
@@ -465,6 +540,7 @@ class KeyedTable:
         admit &= ~present
         victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
         self._roll_stats()
+        self._commit_time()
         self._remove_rows(victims)
         self._this["evicted"] += len(victims)
         out = np.array(rows, dtype=np.int64)
@@ -475,13 +551,21 @@ class KeyedTable:
     # -- the rules ---------------------------------------------------------------------------
 
     def _expired(self) -> np.ndarray:
-        """Live rows not touched for more than ``expire_steps`` steps, ascending."""
-        s = self.dynamic.expire_steps
-        if s is None or not self._index.count:
+        """Live rows not touched for more than ``expire_steps`` steps, or whose data time is
+        more than ``expire_seconds`` behind the call's (``_now``), ascending."""
+        s, d = self.dynamic.expire_steps, self.dynamic.expire_seconds
+        now = self._now()
+        by_time = d is not None and now != NO_TIME
+        if (s is None and not by_time) or not self._index.count:
             return np.zeros(0, np.int64)
         high = self._high
-        old = self._live[:high] & (self._step - self._last[:high] > s)
-        return np.flatnonzero(old).astype(np.int64)
+        old = np.zeros(high, bool)
+        if s is not None:
+            old |= self._step - self._last[:high] > s
+        if by_time:
+            t = self._time[:high]
+            old |= (t != NO_TIME) & (now - t > d)  # timestamps are < 2^62: no overflow
+        return np.flatnonzero(old & self._live[:high]).astype(np.int64)
 
     def _admissible(self, keys: np.ndarray) -> np.ndarray:
         """Which keys without a row are admitted now (occurrences before this step >= T)."""
@@ -511,16 +595,17 @@ class KeyedTable:
         cand[batch_rows] = False
         cand[self._expired()] = False
         cand = np.flatnonzero(cand)
-        key, last = self._key[cand], self._last[cand]
-        if self.dynamic.eviction == "lru":
-            order = np.lexsort((key, last))
-        else:
-            order = np.lexsort((key, last, self._touches[cand]))
-        return cand[order[:excess]]
+        cols = [self._last[cand], self._key[cand]]
+        if self.dynamic.eviction == "lfu":
+            cols.insert(0, self._touches[cand])
+        return cand[_smallest(cols, excess)]
 
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
         self._last[rows] = self._step
         self._touches[rows] += counts
+        if self._keeps_time and self._call_time is not None:
+            # The newest timestamp that touched the row: an older call does not age it.
+            self._time[rows] = np.maximum(self._time[rows], self._call_time)
 
     def _remove_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
@@ -533,22 +618,33 @@ class KeyedTable:
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Rows for new ``keys`` (distinct, absent): smallest free rows first, initial weights
         (the initializer at each key) and slots; the keys leave the pending counts."""
+        from ..kernels import keyed_index
+
         if not len(keys):
             return np.zeros(0, np.int64)
-        rows, free, high = _take_smallest(self._free, len(keys), self._high)
-        self._grow(high)
-        self._free, self._high = free, high
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        k, free = len(keys), self._free
+        fresh = k - min(k, len(free))
+        self._grow(self._high + fresh)
+        self._index.reserve(self._index.count + k)
+        rows = np.empty(k, np.int64)
+        # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
+        used = keyed_index.insert_rows(self._index.keys, self._index.values, keys, counts, free,
+                                       self._high, self._step, self._key, self._last,
+                                       self._touches, self._live, rows)  # fmt: skip
+        self._index.count += k
+        self._free, self._high = free[used:], self._high + fresh
+        # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
+        where = slice(int(rows[0]), int(rows[0]) + k) if used == 0 else rows
         data = self._data
-        data[rows, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+        data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
         for spec in self.slot_specs:
             col = self.columns[spec.name]
             base = data if spec.dtype == "float32" else data.view(np.int32)
-            base[rows, col.start : col.start + col.width] = spec.initial_value
-        self._key[rows] = keys
-        self._live[rows] = True
-        self._last[rows] = self._step
-        self._touches[rows] = counts
-        self._index.insert(keys, rows)
+            base[where, col.start : col.start + col.width] = spec.initial_value
+        if self._keeps_time:
+            self._time[where] = NO_TIME if self._call_time is None else self._call_time
         if self.dynamic.occurrence_threshold > 0:
             self._pending.forget(keys)
         self._live_rows = None
@@ -572,11 +668,11 @@ class KeyedTable:
 
     def stats(self) -> dict:
         """rows, capacity, load factor (rows / capacity), bytes (index, rows, row metadata,
-        pending counts), pending keys, and the counters (admitted, filtered: lookups of keys
-        not admitted; evicted: for max_rows; expired; forgotten: pending keys dropped at the
-        bound; lookups and hits of unique keys in training lookups) of the last step that
-        trained the table (``this_step``, with its ``step``) and in total; hit rate = hits /
-        lookups in total."""
+        pending counts), pending keys, data time (None: no timestamp yet), and the counters
+        (admitted, filtered: lookups of keys not admitted; evicted: for max_rows; expired;
+        forgotten: pending keys dropped at the bound; lookups and hits of unique keys in
+        training lookups) of the last step that trained the table (``this_step``, with its
+        ``step``) and in total; hit rate = hits / lookups in total."""
         total = {k: self._total[k] + self._this[k] for k in self._total}
         return {
             "kind": "keyed",
@@ -584,6 +680,7 @@ class KeyedTable:
             "capacity": self._capacity,
             "load_factor": self._index.count / self._capacity if self._capacity else 0.0,
             "pending_keys": len(self._pending),
+            "data_time": self.data_time,
             "bytes": {
                 "rows": self.nbytes,
                 "index": self._index.nbytes,
@@ -591,6 +688,7 @@ class KeyedTable:
                 + self._last.nbytes
                 + self._touches.nbytes
                 + self._live.nbytes
+                + self._time.nbytes
                 + self._free.nbytes,
                 "pending": self._pending.nbytes,
             },
@@ -621,6 +719,9 @@ class KeyedTable:
         rows = self._rows_by_key()
         out["last_touched"] = self._last[rows].copy()
         out["touch_counts"] = self._touches[rows].copy()
+        out["last_time"] = (self._time[rows].copy() if self._keeps_time
+                            else np.full(len(rows), NO_TIME, np.int64))  # fmt: skip
+        out["data_time"] = np.array([self._clock], np.int64)
         p = self._pending
         live = p._live_slots()
         live = live[np.argsort(p.key[live], kind="stable")]
@@ -679,6 +780,7 @@ class KeyedTable:
         self._last = np.zeros(0, np.int64)
         self._touches = np.zeros(0, np.int64)
         self._live = np.zeros(0, bool)
+        self._time = np.zeros(0, np.int64)
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
         data = self._data
@@ -691,6 +793,9 @@ class KeyedTable:
         self._live[:n] = True
         self._last[:n] = a["last_touched"]
         self._touches[:n] = a["touch_counts"]
+        if self._keeps_time:
+            self._time[:n] = a["last_time"]
+        self._clock, self._call_time = int(a["data_time"][0]), None
         self._index.insert(a["keys"], np.arange(n, dtype=np.int64))
         limit = int(a["meta"][1])
         pending = _Pending(limit)
@@ -760,6 +865,17 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         if i is not None:
             bound = f"in [{lo}, {hi}] (the step is {step})" if hi is not None else f">= {lo}"
             raise ValueError(f"{at}[{name!r}][{i}] is {v[i]}; it must be {bound}")
+    clock = int(a["data_time"][0])
+    if clock != NO_TIME and not 0 <= clock < MAX_TIMESTAMP:
+        raise ValueError(f"{at}['data_time'][0] is {clock}; it must be in [0, 2^62) or "
+                         f"{NO_TIME} (no timestamp yet)")  # fmt: skip
+    t = a["last_time"]
+    i = _first_bad((t != NO_TIME) & ((t < 0) | (t > clock)))
+    if i is not None:
+        raise ValueError(
+            f"{at}['last_time'][{i}] is {t[i]}; it must be in [0, {clock}] (the table's data "
+            f"time) or {NO_TIME} (not touched with a timestamp)"
+        )
     stats_step, limit = (int(x) for x in a["meta"])
     if not -1 <= stats_step <= step:
         raise ValueError(f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "

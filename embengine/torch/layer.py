@@ -32,14 +32,20 @@ class _Pending:
     ``learning_rates``: the values given to forward, else a LearningRateHandle read when the
     update runs, else None."""
 
-    __slots__ = ("engine", "batch", "names", "learning_rates", "applied")
+    __slots__ = ("engine", "batch", "names", "learning_rates", "timestamp", "applied")
 
-    def __init__(self, engine, batch, names, learning_rates):
+    def __init__(self, engine, batch, names, learning_rates, timestamp=None):
         self.engine = engine
         self.batch = batch
         self.names = names
         self.learning_rates = learning_rates
+        self.timestamp = timestamp
         self.applied = False
+
+
+def _timestamp(t) -> dict:
+    """``timestamp=t`` for the engine, if given (a ShardedEngine takes none)."""
+    return {} if t is None else {"timestamp": t}
 
 
 def _owner(a: np.ndarray) -> np.ndarray:
@@ -108,7 +114,8 @@ class _FusedLookup(torch.autograd.Function):
         lrs = pending.learning_rates
         if isinstance(lrs, LearningRateHandle):
             lrs = lrs.learning_rates()  # the scheduler's value now, at the update
-        pending.engine.apply_gradients(gradients, learning_rates=lrs, batch=pending.batch)
+        pending.engine.apply_gradients(gradients, learning_rates=lrs, batch=pending.batch,
+                                       **_timestamp(pending.timestamp))  # fmt: skip
         pending.applied = True
         return (None, None) + (None,) * len(grads)
 
@@ -131,7 +138,9 @@ class EmbeddingLayer(torch.nn.Module):
     mode with grad enabled they require grad; their backward updates every touched row once,
     whatever the number of branches they feed; calling backward again on the same graph does
     nothing. ``learning_rates`` (one per dynamic learning-rate tag) is used by that update;
-    without it, the ``lr_handle()``'s values are, if the layer has one. In eval mode or under
+    without it, the ``lr_handle()``'s values are, if the layer has one. ``timestamp``: the
+    batch's data time, passed to the training lookup and its update (keyed tables that expire by
+    data time need it; ignored in eval mode). In eval mode or under
     ``torch.no_grad()`` the lookup never updates anything and skips the deduplication (a
     lookup-only batch); a batch from ``preprocess(..., training=False)`` is refused in
     training mode.
@@ -196,8 +205,10 @@ class EmbeddingLayer(torch.nn.Module):
         features,
         weights: Mapping | None = None,
         learning_rates: Sequence[float] | None = None,
+        timestamp: int | None = None,
     ) -> dict[str, torch.Tensor] | KeyedTensor:
         training = self.training and torch.is_grad_enabled()
+        timestamp = timestamp if training else None  # evaluation sees the tables as they are
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -212,7 +223,8 @@ class EmbeddingLayer(torch.nn.Module):
             features = self._feature_dict(features)
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
-        acts, batch = self.engine.lookup_with_batch(features, weights, training=training)
+        acts, batch = self.engine.lookup_with_batch(features, weights, training=training,
+                                                    **_timestamp(timestamp))  # fmt: skip
         names = list(acts)
         if self.output == "keyed":
             self._check_keyed(acts)
@@ -221,7 +233,7 @@ class EmbeddingLayer(torch.nn.Module):
             anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
             if learning_rates is None:
                 learning_rates = self._lr_handle
-            pending = _Pending(self.engine, batch, names, learning_rates)
+            pending = _Pending(self.engine, batch, names, learning_rates, timestamp)
             tensors = _FusedLookup.apply(anchor, pending, *tensors)
         if self.output == "keyed":
             return KeyedTensor.from_tensor_list(names, tensors)
