@@ -127,6 +127,10 @@ __all__ = [
 
 FORMAT = "embengine-checkpoint"
 FORMAT_VERSION = 1
+# A keyed table's data-time entries (issue 15 item 8); checkpoints of keyed tables written
+# before them (manifest without ``keyed.times``) load with no time.
+TIME_ENTRIES = ("last_time", "data_time")
+NO_TIME = int(np.iinfo(np.int64).min)  # storage.keyed.NO_TIME: no timestamp seen
 # The caller's extra tensors (a single engine's save, and a sharded engine's rank 0).
 EXTRA_FILE = "extra.safetensors"
 _NAME = re.compile(r"^ckpt-(\d{6})-step(\d{12})$")
@@ -329,6 +333,7 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
             counters = np.asarray(arrays["counters"])
             entry["keyed"] = {
                 "rows": len(arrays["keys"]), "pending_keys": len(arrays["pending_keys"]),
+                "times": True,  # last_time / data_time present (older checkpoints: absent)
                 "total": {k: int(counters[0, i] + counters[1, i])
                           for i, k in enumerate(KEYED_COUNTERS)},
             }  # fmt: skip
@@ -477,6 +482,7 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             for key in ("rows", "pending_keys"):
                 s.get(k, key, f"{at}.keyed", lambda v: _is_int(v) and 0 <= v < 2**48,
                       "an int in [0, 2**48)")  # fmt: skip
+            s.get(k, "times", f"{at}.keyed", lambda v: v is True, "true", optional=True)
             total = s.obj(k, "total", f"{at}.keyed", optional=True) or {}
             for key, v in total.items():
                 if not (_is_int(v) and v >= 0):
@@ -720,6 +726,9 @@ def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
     if t["vocabulary_size"] is None:
         sizes = {"n": t["keyed"]["rows"], "p": t["keyed"]["pending_keys"]}
         entries = keyed_entries(t["dim"], slots)
+        if not t["keyed"].get("times", False):  # written before data time: none stored
+            for key in TIME_ENTRIES:
+                del entries[key]
     else:
         sizes = {}
         entries = {WEIGHTS: ((t["vocabulary_size"], t["dim"]), np.dtype(np.float32))}
@@ -850,8 +859,18 @@ class CheckpointReader:
             tables[name] = {WEIGHTS: self.tensor(name)}
             tables[name].update({s["name"]: self.tensor(name, s["name"]) for s in t["slots"]})
             if self.is_keyed(name):
-                tables[name].update({k: self.tensor(name, k) for k in KEYED_ENTRIES})
+                tables[name].update({k: self._keyed_entry(name, k) for k in KEYED_ENTRIES})
         return {"step": self.step, "tables": tables}
+
+    def _keyed_entry(self, table: str, entry: str):
+        """A keyed table's entry as a StoredTensor; a checkpoint written before data time
+        (no ``keyed.times``) has no ``last_time`` / ``data_time``: "no time" (NO_TIME) for
+        every row and the table, what a table that never saw a timestamp holds."""
+        t = self._tables[table]
+        if entry in TIME_ENTRIES and not t["keyed"].get("times", False):
+            n = 1 if entry == "data_time" else t["keyed"]["rows"]
+            return np.full(n, NO_TIME, np.int64)
+        return self.tensor(table, entry)
 
     def is_keyed(self, table: str) -> bool:
         """Whether ``table`` is keyed (``vocabulary_size`` null): its rows are its ``keys``."""
@@ -861,6 +880,9 @@ class CheckpointReader:
         """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
         such as "keys" or "last_touched"), memory-mapped read-only (no copy; for export)."""
         t = self._tables[table]
+        if (t["vocabulary_size"] is None and entry in TIME_ENTRIES
+                and not t["keyed"].get("times", False)):  # fmt: skip
+            return self._keyed_entry(table, entry)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
         return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
 

@@ -79,6 +79,7 @@ exact)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -224,3 +225,65 @@ def test_an_old_checkpoint_exports_and_inspects(tmp_path):
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6)  # numba's pooling
     assert "step 3" in describe(CKPT)
+
+
+# A keyed checkpoint written before data-time expiry (stop 16's tree, 6ec1dd3): its manifest
+# has no ``keyed.times`` and its files no ``last_time`` / ``data_time``. Made with
+#     git archive 6ec1dd3 | tar -x -C /tmp/old16
+#     cd /tmp/old16 && PYTHONPATH=. python $FIXTURE/make_fixture.py $FIXTURE
+# (FIXTURE: that folder; the script is kept in it), which builds a keyed table beside a dense
+# one (reference backend), trains the first three ``_keyed_batches``, saves, trains the last
+# two and records ``table_contents`` of both tables at both points in ``expected.json``.
+KEYED_FIXTURE = Path(__file__).parent / "fixtures" / "keyed_checkpoint_6ec1dd3"
+
+
+def _keyed_batches():
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        keys = rng.choice(np.array([3, 10**12 + 7, -(2**40), 2**62 + 1, 17, 99, 5], np.int64),
+                          size=(4, 3))  # fmt: skip
+        yield {"fk": keys, "fd": rng.integers(0, 6, size=(4, 2))}
+
+
+def _keyed_contents(engine):
+    return {name: {k: np.asarray(v).tolist() for k, v in engine.table_contents(name).items()}
+            for name in ("k", "d")}  # fmt: skip
+
+
+def test_a_keyed_checkpoint_written_before_data_time_loads_and_trains_on(tmp_path):
+    from embengine import checkpoint
+    from embengine.storage import keyed
+
+    assert checkpoint.NO_TIME == keyed.NO_TIME
+    expected = json.loads((KEYED_FIXTURE / "expected.json").read_text())
+    engine = ee.EmbeddingEngine.load(KEYED_FIXTURE / "ckpt", backend="reference")
+    assert engine.step == 3
+    assert _keyed_contents(engine) == expected["at_save"]
+    assert engine.table_stats()["k"]["data_time"] is None  # it never saw a timestamp
+    export(KEYED_FIXTURE / "ckpt", tmp_path / "served")
+    served = ServingEngine.load(tmp_path / "served")
+    batch = next(_keyed_batches())
+    np.testing.assert_allclose(served.lookup(batch)["fk"],
+                               engine.lookup(batch, training=False)["fk"], rtol=1e-6)  # fmt: skip
+    for batch in list(_keyed_batches())[3:]:
+        acts = engine.lookup(batch)
+        engine.apply_gradients({k: np.full_like(v, 0.25) for k, v in acts.items()})
+    assert _keyed_contents(engine) == expected["after"]
+
+
+def test_a_keyed_checkpoint_declaring_times_must_hold_them(tmp_path):
+    """``keyed.times`` is what tells an old checkpoint from a damaged one: a manifest that
+    declares the entries and a file without them is refused (checksums recomputed)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(next((KEYED_FIXTURE / "ckpt").iterdir()), ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for t in manifest["tables"]:
+        if t["vocabulary_size"] is None:
+            t["keyed"]["times"] = True
+    raw = json.dumps(manifest).encode()
+    (ckpt / "manifest.json").write_bytes(raw)
+    (ckpt / "manifest.sha256").write_text(hashlib.sha256(raw).hexdigest())
+    with pytest.raises(ckpt_mod.CheckpointError, match="no tensor 'k/last_time'"):
+        ee.EmbeddingEngine.load(ckpt, backend="reference")
