@@ -108,7 +108,16 @@ from .config import COMPRESSIONS
 from .initializers import Zeros
 from .safetensors_io import DTYPES, NUMPY, read_header, read_tensor, sha256_file, write_safetensors
 from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
-from .state import KEYED_COUNTERS, KEYED_ENTRIES, WEIGHTS, PartialLoadError, Stateful, keyed_entries
+from .state import (
+    KEYED_COUNTERS,
+    KEYED_ENTRIES,
+    NO_TIME,
+    TIME_ENTRIES,
+    WEIGHTS,
+    PartialLoadError,
+    Stateful,
+    keyed_entries,
+)
 from .version import __version__
 
 __all__ = [
@@ -127,10 +136,6 @@ __all__ = [
 
 FORMAT = "embengine-checkpoint"
 FORMAT_VERSION = 1
-# A keyed table's data-time entries (issue 15 item 8); checkpoints of keyed tables written
-# before them (manifest without ``keyed.times``) load with no time.
-TIME_ENTRIES = ("last_time", "data_time")
-NO_TIME = int(np.iinfo(np.int64).min)  # storage.keyed.NO_TIME: no timestamp seen
 # The caller's extra tensors (a single engine's save, and a sharded engine's rank 0).
 EXTRA_FILE = "extra.safetensors"
 _NAME = re.compile(r"^ckpt-(\d{6})-step(\d{12})$")

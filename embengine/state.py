@@ -57,6 +57,8 @@ import numpy as np
 __all__ = [
     "KEYED_COUNTERS",
     "KEYED_ENTRIES",
+    "NO_TIME",
+    "TIME_ENTRIES",
     "WEIGHTS",
     "PartialLoadError",
     "Stateful",
@@ -82,6 +84,10 @@ KEYED_ENTRIES: dict[str, tuple[tuple, str]] = {
     "meta": ((2,), "int64"),
     "data_time": ((1,), "int64"),
 }
+# The entries of data time (``expire_seconds``), and their value for "no timestamp seen".
+# Keyed checkpoints written before them lack them and load as NO_TIME (checkpoint.py).
+TIME_ENTRIES = ("last_time", "data_time")
+NO_TIME = int(np.iinfo(np.int64).min)
 
 
 def keyed_entries(dim: int, slots: list[tuple[str, int, str]]) -> dict[str, tuple[tuple, np.dtype]]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
-from ..state import KEYED_COUNTERS, WEIGHTS, TensorSource, keyed_entries
+from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
 from .dense import row_columns
 from .protocol import NO_ROW
 
@@ -55,8 +55,8 @@ _MAX_LOAD = 0.75
 _PARALLEL_FIND = 1 << 18
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
 DEFAULT_MAX_PENDING = 1 << 22
-# No data time (a table before its first timestamp; a row touched by no timestamped call).
-NO_TIME = int(np.iinfo(np.int64).min)
+# NO_TIME (state.py): no data time, a table before its first timestamp or a row touched by no
+# timestamped call.
 # Timestamps are ints in [0, MAX_TIMESTAMP): differences of two never overflow int64.
 MAX_TIMESTAMP = 1 << 62
 
