@@ -64,15 +64,21 @@ def test_route_ids_splits_unique_ids_by_owner_in_order(route, ids, base):
     np.testing.assert_array_equal(rows, want_rows)
 
 
+def _draw_owned(data, route, max_vocab: int) -> tuple[int, int, np.ndarray]:
+    """A rank, a vocabulary of 1..max_vocab ids and the ids of it that rank owns, ascending."""
+    world, row, owner = route
+    rank = data.draw(st.integers(0, world - 1))
+    vocab = data.draw(st.integers(1, max_vocab))
+    owned = np.arange(vocab, dtype=np.int64)
+    return rank, vocab, owned[owners_of(owned, world, row, owner) == rank]
+
+
 @SETTINGS
 @given(route=routes(), data=st.data())
 def test_gather_rows_answers_with_the_owned_rows_and_names_a_stranger(route, data):
-    world, row, owner = route
-    rank = data.draw(st.integers(0, world - 1))
-    vocab = data.draw(st.integers(1, 20))
+    world, row, _ = route
+    rank, vocab, owned = _draw_owned(data, route, max_vocab=20)
     dim = data.draw(st.integers(1, 5))
-    owned = np.arange(vocab, dtype=np.int64)
-    owned = owned[owners_of(owned, world, row, owner) == rank]
     table = np.random.default_rng(vocab).normal(size=(max(len(owned), 1), dim + 2))
     table = table.astype(np.float32)[: len(owned)]
     blocks = [data.draw(st.lists(st.sampled_from(owned.tolist()), max_size=6)) if len(owned)
@@ -178,11 +184,8 @@ def owner_batch_reference(blocks):
 @SETTINGS
 @given(route=routes(), data=st.data())
 def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data):
-    world, row, owner = route
-    rank = data.draw(st.integers(0, world - 1))
-    vocab = data.draw(st.integers(1, 15))
-    owned = np.arange(vocab, dtype=np.int64)
-    owned = owned[owners_of(owned, world, row, owner) == rank]
+    world, row, _ = route
+    rank, _, owned = _draw_owned(data, route, max_vocab=15)
     n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
     # Blocks as they arrive (one per feature and sender), each with its own gradient rows.
     blocks, base = [], 0
