@@ -287,3 +287,20 @@ def test_a_keyed_checkpoint_declaring_times_must_hold_them(tmp_path):
     (ckpt / "manifest.sha256").write_text(hashlib.sha256(raw).hexdigest())
     with pytest.raises(ckpt_mod.CheckpointError, match="no tensor 'k/last_time'"):
         ee.EmbeddingEngine.load(ckpt, backend="reference")
+
+
+def test_keyed_times_in_a_manifest_must_be_true(tmp_path):
+    """``keyed.times`` is true or absent; anything else is a schema error naming the field."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(next((KEYED_FIXTURE / "ckpt").iterdir()), ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for t in manifest["tables"]:
+        if t["vocabulary_size"] is None:
+            t["keyed"]["times"] = "yes"
+    raw = json.dumps(manifest).encode()
+    (ckpt / "manifest.json").write_bytes(raw)
+    (ckpt / "manifest.sha256").write_text(hashlib.sha256(raw).hexdigest())
+    with pytest.raises(ckpt_mod.CheckpointError, match="keyed.times"):
+        ee.EmbeddingEngine.load(ckpt, backend="reference")
