@@ -80,7 +80,8 @@ def fill_values(fill: Fill, seed: int, table_name: str, rows, dim: int) -> np.nd
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     out = np.empty((len(rows), dim), dtype=np.float32)
     kernel = fill_uniform if fill.kind == "uniform" else fill_truncated_normal
-    kernel(out, rows, table_key(seed, table_name), fill.a, fill.b)
+    # float(): one compiled kernel whether a spec's bounds are ints or floats.
+    kernel(out, rows, table_key(seed, table_name), float(fill.a), float(fill.b))
     return out
 
 

@@ -12,6 +12,7 @@ import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
+from ..inputs import read_only
 from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
@@ -23,9 +24,22 @@ from .block_pool import BlockPool, Carver
 
 __all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
 
-_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_EMPTY_F32 = read_only(np.zeros(0, dtype=np.float32))
 _NO_QUANT = np.zeros(3, dtype=np.float64)
-_NO_SKIP = np.zeros(0, dtype=np.uint8)
+_NO_SKIP = read_only(np.zeros(0, dtype=np.uint8))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only array (a view, no copy), for a kernel argument the kernel only reads.
+
+    numba compiles a kernel once per argument *type*, and an array's type includes whether it
+    is writable: the same call with a caller's read-only ids (a frozen batch, a memory-mapped
+    file, ``Ragged``) and with a fresh array compiled twice, and for the pooling kernels nine
+    times twice (one per row width). Every read-only input goes to the kernels read-only, so
+    each kernel compiles once whatever the caller's arrays are."""
+    return a if not a.flags.writeable else read_only(a)
+
+
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
@@ -107,7 +121,7 @@ class _BatchPlan:
                     offsets.append(p.row_offset)
             self.row_offsets.append(offsets)
             f += len(ps)
-        self.inputs = inp
+        self.inputs = [_frozen(a) for a in inp]  # read-only: see _frozen
         self.outputs = out
 
     def prepare_order(self) -> tuple[np.ndarray, np.ndarray]:
@@ -241,8 +255,9 @@ def build_tables_and_pool_numba(
 def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out) -> None:
     """``out`` = the activations of a deduplicated batch, through its resolved rows."""
     pool = pool_kernel(dim)
-    pool(data, dim, tb.unique_rows, tb.inverse, tb.gains, tb.output_offsets, out, quant,
-         prefetch)  # fmt: skip
+    f = _frozen
+    pool(data, dim, f(tb.unique_rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out,
+         quant, prefetch)  # fmt: skip
 
 
 def check_optimizer(table_name: str, optimizer: Optimizer, dim: int) -> None:
@@ -444,8 +459,11 @@ class NumbaBackend:
             r = p.ragged
             data, rows = source(p)
             weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
-            # Contiguous arrays (copies only of strided views): one compiled kernel per dim.
-            c = np.ascontiguousarray
+
+            # Contiguous read-only arrays (copies only of strided views): one compiled kernel.
+            def c(a, dtype=None):
+                return _frozen(np.ascontiguousarray(a, dtype=dtype))
+
             pool_bags(data, dim, c(rows, dtype=np.int64), c(r.offsets), c(weights),
                       kp.COMBINER_CODES[p.combiner], p.seq_len, out, p.out_start, quant,
                       self.lookup_prefetch)  # fmt: skip
@@ -460,12 +478,13 @@ class NumbaBackend:
             consts = (opt, kernels_for(opt, table), *_table_constants(opt, table))
             self._constants[id(table)] = consts
         _, (fused, every_row), meta, hp, cols = consts
-        grad = np.ascontiguousarray(grad, dtype=np.float32)
+        grad = _frozen(np.ascontiguousarray(grad, dtype=np.float32))
         skipped = _NO_SKIP
         if skip_nonfinite:
             skipped = pipeline.nonfinite_rows(tb.unique_offsets, tb.unique_gains,
                                               tb.unique_segments, grad,
                                               opt.use_gradient_accumulation)  # fmt: skip
+            skipped = _frozen(skipped)
         if tb.unique_rows is None:  # a storage that maps ids itself, not resolved yet
             tb = tb.resolved(table, insert=True)
         # One flag per unique row (per table row for every-row updates), set by the kernel.
@@ -473,11 +492,12 @@ class NumbaBackend:
                              dtype=np.uint8)  # fmt: skip
         args = (
             table.data, table.data.view(np.int32), meta, hp, cols, float(lr),
-            float(opt.weight_decay_rate(lr)), int(step), tb.unique_rows, tb.unique_offsets,
-            tb.unique_gains, tb.unique_segments, grad, skipped, unchanged, self.update_prefetch,
+            float(opt.weight_decay_rate(lr)), int(step), _frozen(tb.unique_rows),
+            _frozen(tb.unique_offsets), _frozen(tb.unique_gains), _frozen(tb.unique_segments),
+            grad, skipped, unchanged, self.update_prefetch,
         )  # fmt: skip
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
-            every_row(*args, np.ascontiguousarray(table.live_rows(), dtype=np.int64))
+            every_row(*args, _frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)))
         else:
             fused(*args)
         if not unchanged.any():
