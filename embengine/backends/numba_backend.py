@@ -40,6 +40,11 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a if not a.flags.writeable else read_only(a)
 
 
+def _contiguous_frozen(a: np.ndarray, dtype=None) -> np.ndarray:
+    """``_frozen(np.ascontiguousarray(a, dtype))``: a copy only of a strided view."""
+    return _frozen(np.ascontiguousarray(a, dtype=dtype))
+
+
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
@@ -459,11 +464,8 @@ class NumbaBackend:
             r = p.ragged
             data, rows = source(p)
             weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
-
             # Contiguous read-only arrays (copies only of strided views): one compiled kernel.
-            def c(a, dtype=None):
-                return _frozen(np.ascontiguousarray(a, dtype=dtype))
-
+            c = _contiguous_frozen
             pool_bags(data, dim, c(rows, dtype=np.int64), c(r.offsets), c(weights),
                       kp.COMBINER_CODES[p.combiner], p.seq_len, out, p.out_start, quant,
                       self.lookup_prefetch)  # fmt: skip
