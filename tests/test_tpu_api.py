@@ -1,5 +1,7 @@
 """embengine.tpu: the tf.tpu.experimental.embedding API, names, shapes and checks."""
 
+import dataclasses
+import inspect
 import logging
 
 import numpy as np
@@ -228,6 +230,60 @@ def test_optimizer_signatures_are_tfs():
         embedding.Adagrad(slot_variable_creation_fn=lambda *a: None)
     with pytest.raises(ValueError, match="When disabling lazy|lazy_adam=False"):
         embedding.Adam(lazy_adam=False, use_gradient_accumulation=False)
+
+
+TPU_OPTIMIZERS = [
+    embedding.SGD,
+    embedding.Adagrad,
+    embedding.AdagradMomentum,
+    embedding.Adam,
+    embedding.FTRL,
+]
+
+# Common knobs, each bad in one way: the error every class must raise, word for word its
+# embengine base's.
+BAD_COMMON_ARGUMENTS = [
+    ({"use_gradient_accumulation": "yes"}, TypeError),
+    ({"low_dimensional_packing_status": 1}, TypeError),
+    ({"clip_weight_min": 1.0, "clip_weight_max": 0.0}, ValueError),
+    ({"clip_weight_min": float("inf")}, ValueError),
+    ({"weight_decay_factor": -1.0}, ValueError),
+    ({"multiply_weight_decay_factor_by_learning_rate": True}, ValueError),
+    ({"clipvalue": -1.0}, ValueError),
+    ({"clipvalue": 1.0, "use_gradient_accumulation": False}, ValueError),
+]
+
+
+@pytest.mark.parametrize("cls", TPU_OPTIMIZERS, ids=lambda c: c.__name__)
+def test_common_arguments_are_checked_alike_in_every_class(cls):
+    """The five TPU classes pass the common knobs to their base by name: the same value is
+    refused with the base's message (naming the class), and accepted values reach the same
+    fields, in every class."""
+    base = cls.__mro__[1]
+    for kwargs, error in BAD_COMMON_ARGUMENTS:
+        with pytest.raises(error) as expected:
+            base(**kwargs)
+        with pytest.raises(error) as got:
+            cls(**kwargs)
+        assert str(got.value) == str(expected.value)
+        assert str(got.value).startswith(f"{cls.__name__}: ")
+    good = dict(
+        use_gradient_accumulation=True,
+        clip_weight_min=-2.0,
+        clip_weight_max=3.0,
+        weight_decay_factor=0.5,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        clipvalue=(None, 4.0),
+        low_dimensional_packing_status=True,
+    )
+    assert cls(**good).hyperparameters() == base(**good).hyperparameters()
+    # every TF argument is a field of the base (some base fields, like weight_decay_mode, are
+    # not TF's and keep their defaults)
+    params = set(inspect.signature(cls).parameters)
+    assert params - {"slot_variable_creation_fn"} <= {f.name for f in dataclasses.fields(base)}
+    if "slot_variable_creation_fn" in params:
+        with pytest.raises(ValueError, match=f"^{cls.__name__}: slot_variable_creation_fn"):
+            cls(slot_variable_creation_fn=lambda *a: None)
 
 
 def test_table_and_feature_checks():
