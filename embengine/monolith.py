@@ -120,10 +120,10 @@ class Warmup:
 
 def _lr(value, default: float, warmup_steps: int = 0):
     lr = default if value is None else value
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if warmup_steps and not callable(lr):
-        return Warmup(float(lr), warmup_steps)
+        return Warmup(float(lr), int(warmup_steps))
     return lr
 
 
