@@ -28,8 +28,9 @@ TIMEOUT = 300  # seconds for any one child (it compiles one small kernel at most
 
 def _copy_package(dest: Path) -> Path:
     """A copy of the embengine package under ``dest`` (no caches, no generated files)."""
-    shutil.copytree(REPO / "embengine", dest / "embengine",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(
+        REPO / "embengine", dest / "embengine", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return dest
 
 
@@ -37,8 +38,14 @@ def _run(script: str, root: Path, env: dict, prefix: tuple = ()) -> dict:
     """Run ``script`` with the package at ``root`` first on the path; its last stdout line,
     parsed as JSON."""
     env = {**os.environ, **env, "PYTHONPATH": str(root)}
-    proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
-                          text=True, env=env, timeout=TIMEOUT, cwd=root)  # fmt: skip
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -49,8 +56,13 @@ def _run(script: str, root: Path, env: dict, prefix: tuple = ()) -> dict:
 def test_no_generated_kernel_file_is_in_git():
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    listed = subprocess.run(["git", "ls-files", "embengine/kernels"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "embengine/kernels"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert "embengine/kernels/codegen.py" in listed
     generated = [p for p in listed if "GENERATED" in (REPO / p).read_text().split("\n", 1)[0]]
     assert not generated and "embengine/kernels/fused.py" not in listed, generated
@@ -218,13 +230,23 @@ print(json.dumps({"file": fused.py_func.__code__.co_filename}))
 def test_a_writer_killed_mid_write_leaves_no_module_and_the_next_process_writes_it(tmp_path):
     folder = tmp_path / "gen"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(folder)], env=env,
-                            capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not list(folder.glob("*.py"))  # only the abandoned temporary file
     assert [p.suffix for p in folder.iterdir()] == [".tmp"]
-    out = subprocess.run([sys.executable, "-c", LOAD, str(folder)], env=env,
-                         capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     path = Path(json.loads(out.stdout.splitlines()[-1])["file"])
     assert path.parent == folder and path.read_text().startswith('"""GENERATED from the template')
@@ -252,10 +274,21 @@ def _read_only_prefix(root: Path) -> tuple:
     if os.geteuid() != 0:
         subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
         return ()
-    prefix = ("unshare", "-m", "--propagation", "private", "sh", "-c",
-              'mount --bind -o ro "$0" "$0" && exec "$@"', str(root))  # fmt: skip
-    probe = subprocess.run([*prefix, "sh", "-c", f'! touch "{root}/probe" 2>/dev/null'],
-                           capture_output=True, timeout=60)  # fmt: skip
+    prefix = (
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount --bind -o ro "$0" "$0" && exec "$@"',
+        str(root),
+    )
+    probe = subprocess.run(
+        [*prefix, "sh", "-c", f'! touch "{root}/probe" 2>/dev/null'],
+        capture_output=True,
+        timeout=60,
+    )
     if probe.returncode != 0 or (root / "probe").exists():
         pytest.skip("running as root, and no read-only bind mount here (unshare -m)")
     return prefix

@@ -58,8 +58,11 @@ def _no_accumulation(o: opt.Optimizer) -> opt.Optimizer | None:
 
 # (optimizer, accumulation): every optimizer with accumulation, and without where allowed.
 CASES = [pytest.param(o, id=f"{type(o).__name__}{i}-accumulate") for i, o in enumerate(OPTIMIZERS)]
-CASES += [pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumulation")
-          for i, o in enumerate(OPTIMIZERS) if _no_accumulation(o) is not None]  # fmt: skip
+CASES += [
+    pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumulation")
+    for i, o in enumerate(OPTIMIZERS)
+    if _no_accumulation(o) is not None
+]
 
 
 def _pair(optimizer, backend, dims=(8, 6), seed=3):
@@ -67,10 +70,17 @@ def _pair(optimizer, backend, dims=(8, 6), seed=3):
     with weights and a sequence feature on table 0, a bag feature on table 1 (quantized)."""
     engines = []
     for size in (V, None):
-        tables = [ee.TableConfig(size, d, name=f"t{i}", combiner=("sum", "sqrtn")[i % 2],
-                                 initializer=RandomUniform(-0.3, 0.3),
-                                 quantization_config=None if i == 0 else QUANTIZATION)
-                  for i, d in enumerate(dims)]  # fmt: skip
+        tables = [
+            ee.TableConfig(
+                size,
+                d,
+                name=f"t{i}",
+                combiner=("sum", "sqrtn")[i % 2],
+                initializer=RandomUniform(-0.3, 0.3),
+                quantization_config=None if i == 0 else QUANTIZATION,
+            )
+            for i, d in enumerate(dims)
+        ]
         feats = {"a": ee.FeatureConfig(tables[0]), "seq": ee.FeatureConfig(tables[0], 3)}
         if len(tables) > 1:
             feats["b"] = ee.FeatureConfig(tables[1])
@@ -123,8 +133,10 @@ def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
         got = keyed.lookup(feats, weights)
         for k in want:
             assert got[k].tobytes() == want[k].tobytes(), (step, k)
-        grads = {k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
-                 for k, v in want.items()}  # fmt: skip
+        grads = {
+            k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
+            for k, v in want.items()
+        }
         dense.apply_gradients(grads)
         keyed.apply_gradients(grads)
         if step % 5 == 4:
@@ -144,7 +156,12 @@ def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
 def test_dynamic_vocabulary_defaults_and_validation():
     d = ee.DynamicVocabulary()
     assert (d.occurrence_threshold, d.expire_steps, d.max_rows, d.eviction, d.insert_on) == (
-        0, None, None, "lru", "lookup")  # fmt: skip
+        0,
+        None,
+        None,
+        "lru",
+        "lookup",
+    )
     with pytest.raises(AttributeError):
         d.max_rows = 3  # frozen
     # vocabulary_size=None without dynamic: the documented defaults.
@@ -171,12 +188,16 @@ def test_dynamic_vocabulary_defaults_and_validation():
 
 
 def test_keyed_spec_and_plan_round_trip_through_json():
-    dyn = ee.DynamicVocabulary(occurrence_threshold=2, expire_steps=5, max_rows=100,
-                               eviction="lfu", insert_on="apply")  # fmt: skip
+    dyn = ee.DynamicVocabulary(
+        occurrence_threshold=2, expire_steps=5, max_rows=100, eviction="lfu", insert_on="apply"
+    )
     t = ee.TableConfig(None, 4, name="k", dynamic=dyn)
     d = ee.TableConfig(10, 4, name="d")
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(d)},
-                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(d)},
+        optimizer=opt.Adagrad(0.1),
+        backend="reference",
+    )
     spec = json.loads(json.dumps(eng.spec()))
     tables = {x["name"]: x for x in spec["tables"]}
     assert tables["k"]["vocabulary_size"] is None and tables["k"]["storage"] == "keyed"
@@ -200,10 +221,17 @@ def test_keyed_spec_and_plan_round_trip_through_json():
 
 
 def _keyed(backend="numba", optimizer=None, dim=2, init=None, **dynamic):
-    t = ee.TableConfig(None, dim, name="k", combiner="sum", initializer=init or RowId(0),
-                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.SGD(1.0),
-                              backend=backend, seed=1)  # fmt: skip
+    t = ee.TableConfig(
+        None,
+        dim,
+        name="k",
+        combiner="sum",
+        initializer=init or RowId(0),
+        dynamic=ee.DynamicVocabulary(**dynamic),
+    )
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.SGD(1.0), backend=backend, seed=1
+    )
 
 
 BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
@@ -223,8 +251,9 @@ def test_keyed_tables_take_any_int64_key(backend):
     assert eng2.table_contents("k")["keys"].tolist() == [-5, 3, BIG]
     np.testing.assert_array_equal(acts[:, 0], [-5.0, 0.0, np.float32(BIG) + 3])
     # A dense table keeps its checks.
-    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 2))},
-                               optimizer=opt.SGD(0.1), backend=backend)  # fmt: skip
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 2))}, optimizer=opt.SGD(0.1), backend=backend
+    )
     with pytest.raises(ValueError, match="only -1 marks padding"):
         dense.lookup({"f": np.array([[-5, -1]])})
 
@@ -423,8 +452,15 @@ def test_evaluation_lookups_never_insert_or_refresh(backend):
 def _stream(threads: int):
     numba.set_num_threads(threads)
     try:
-        eng = _keyed("numba", optimizer=opt.Adam(0.1), dim=8, init=RandomUniform(-1, 1),
-                     occurrence_threshold=1, max_rows=100, expire_steps=6)  # fmt: skip
+        eng = _keyed(
+            "numba",
+            optimizer=opt.Adam(0.1),
+            dim=8,
+            init=RandomUniform(-1, 1),
+            occurrence_threshold=1,
+            max_rows=100,
+            expire_steps=6,
+        )
         rng = np.random.default_rng(5)
         for _ in range(12):
             keys = rng.zipf(1.3, 200) * np.int64(0x9E3779B97F4A7C15 % 2**61)  # wraps: any int64
@@ -446,9 +482,11 @@ def test_same_stream_at_one_and_two_threads_is_bit_identical():
 
 
 def test_dense_tables_have_contents_and_stats_too():
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d",
-                                                                   initializer=RowId(0)))},
-                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d", initializer=RowId(0)))},
+        optimizer=opt.Adagrad(0.1),
+        backend="reference",
+    )
     c = eng.table_contents("d")
     assert c["keys"].tolist() == [0, 1, 2, 3, 4]
     np.testing.assert_array_equal(c["weights"][:, 0], [0, 1, 2, 3, 4])

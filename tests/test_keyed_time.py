@@ -19,10 +19,17 @@ A, B, C, D = 11, 22, 33, 44
 
 
 def _engine(backend="numba", **dynamic):
-    t = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=RowId(0),
-                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0),
-                              backend=backend, seed=1)  # fmt: skip
+    t = ee.TableConfig(
+        None,
+        2,
+        name="k",
+        combiner="sum",
+        initializer=RowId(0),
+        dynamic=ee.DynamicVocabulary(**dynamic),
+    )
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend, seed=1
+    )
 
 
 def _train(eng, bags, t=None, grad=1.0):
@@ -93,8 +100,10 @@ def test_the_update_takes_its_steps_time_and_a_missing_one_is_an_error(backend):
     assert _times(eng) == {A: 500, B: 520}
     before, stats, step = eng.table_contents("k"), eng.table_stats(), eng.step
     # A training call of a step without a timestamp: an error naming the table, no change.
-    with pytest.raises(ValueError, match="table 'k' expires rows by data time .*"
-                                         "expire_seconds=50.*timestamp=seconds"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="table 'k' expires rows by data time .*expire_seconds=50.*timestamp=seconds",
+    ):
         eng.lookup({"f": [[C]]})
     batch = eng.preprocess({"f": [[C]]})
     with pytest.raises(ValueError, match="table 'k' expires rows by data time"):
@@ -138,8 +147,9 @@ def test_steps_and_data_time_together_and_tables_without_time(backend):
     _train(plain, [[A]], t=77)
     assert plain.table_stats()["k"]["data_time"] == 77
     assert plain.state_dict()["tables"]["k"]["last_time"].tolist() == [NO_TIME]
-    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(5, 2))},
-                               optimizer=opt.SGD(0.1), backend=backend)  # fmt: skip
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(5, 2))}, optimizer=opt.SGD(0.1), backend=backend
+    )
     acts = dense.lookup({"f": [[1]]}, timestamp=5)["f"]
     dense.apply_gradients({"f": acts}, timestamp=6)
     assert dense.step == 1
@@ -174,8 +184,9 @@ def test_a_checkpoint_keeps_the_data_times_and_continues_bit_identically(tmp_pat
     got = _stream(loaded, 9, start=5)
     assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
     arena = ("capacity", "load_factor", "bytes")  # a restore compacts the arena
-    stats = [{k: v for k, v in e.table_stats()["k"].items() if k not in arena}
-             for e in (loaded, whole)]  # fmt: skip
+    stats = [
+        {k: v for k, v in e.table_stats()["k"].items() if k not in arena} for e in (loaded, whole)
+    ]
     assert stats[0] == stats[1]
     got, want = loaded.state_dict()["tables"]["k"], whole.state_dict()["tables"]["k"]
     for k in want:
@@ -192,7 +203,7 @@ def test_a_state_with_bad_data_times_is_refused_and_changes_nothing():
             "last_time",
             np.array([100, 101]),
             "\\['last_time'\\]\\[1\\] is 101; it must be in \\[0, 100\\]",
-        ),  # fmt: skip
+        ),
         ("last_time", np.array([-5, 100]), "\\['last_time'\\]\\[0\\] is -5"),
         ("data_time", np.array([-3]), "\\['data_time'\\]\\[0\\] is -3"),
     ]:
@@ -217,8 +228,9 @@ def test_expire_seconds_is_validated_and_round_trips_through_the_spec():
 
 def test_monolith_slot_rules_map_to_a_dynamic_vocabulary():
     d = monolith.dynamic_vocabulary(occurrence_threshold=3, expire_time=2)
-    assert d == ee.DynamicVocabulary(occurrence_threshold=3, expire_seconds=2 * 86400,
-                                     insert_on="apply")  # fmt: skip
+    assert d == ee.DynamicVocabulary(
+        occurrence_threshold=3, expire_seconds=2 * 86400, insert_on="apply"
+    )
     assert monolith.dynamic_vocabulary().expire_seconds == monolith.DEFAULT_EXPIRE_TIME * 86400
     # Without timestamps, steps count.
     d = monolith.dynamic_vocabulary(expire_time=3, steps_per_day=100, max_rows=50)
@@ -238,8 +250,9 @@ def test_a_monolith_slot_expires_after_its_days_of_data_time(backend):
     day = 86400
     rules = monolith.dynamic_vocabulary(occurrence_threshold=1, expire_time=2)
     t = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=RowId(0), dynamic=rules)
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0),
-                             backend=backend)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0), backend=backend
+    )
     t0 = 1_700_000_000
     assert not _train(eng, [[A]], t=t0).any()  # seen once: filtered
     assert not _train(eng, [[A], [B]], t=t0 + 10).any()  # admitted: zeros, then its row

@@ -195,17 +195,30 @@ def test_lookup_only_batches_pool_straight_from_the_ids(dim, quantized):
     # A lookup-only batch keeps each feature's own arrays (no occurrence arrays): its lookup must
     # give the bits of the training lookup on the deduplicated batch, and the reference's values.
     q = ee.QuantizationConfig(num_buckets=9, lower=-0.5, upper=0.5) if quantized else None
-    tables = {c: ee.TableConfig(40, dim, combiner=c, name=c, quantization_config=q,
-                                initializer=init.RandomUniform(-1.0, 1.0))
-              for c in ("sum", "mean", "sqrtn")}  # fmt: skip
+    tables = {
+        c: ee.TableConfig(
+            40,
+            dim,
+            combiner=c,
+            name=c,
+            quantization_config=q,
+            initializer=init.RandomUniform(-1.0, 1.0),
+        )
+        for c in ("sum", "mean", "sqrtn")
+    }
     feats = {f"f_{c}": ee.FeatureConfig(t) for c, t in tables.items()}
     feats["g_mean"] = ee.FeatureConfig(tables["mean"])  # two features share a table
     feats["seq"] = ee.FeatureConfig(tables["sum"], max_sequence_length=3)
     rng = np.random.default_rng(dim)
     lengths = {f: rng.integers(0, 5, 150) for f in feats}  # empty bags; > 1 parallel task
-    values = {f: ee.Ragged(rng.integers(0, 40, int(n.sum())), lengths=n,
-                           weights=None if f == "seq" else rng.normal(size=int(n.sum())))
-              for f, n in lengths.items()}  # fmt: skip
+    values = {
+        f: ee.Ragged(
+            rng.integers(0, 40, int(n.sum())),
+            lengths=n,
+            weights=None if f == "seq" else rng.normal(size=int(n.sum())),
+        )
+        for f, n in lengths.items()
+    }
     engines = [_engine(feats, b, seed=3) for b in ("numba", "reference")]
     batch = engines[0].preprocess(values, training=False)
     assert all(isinstance(tb, ee.batch.LookupOnlyTableBatch) for tb in batch.tables)

@@ -13,17 +13,20 @@ import embengine.tpu as embedding  # the only line that differs from TF code
 
 def test_tf_docs_example_per_table_optimizer():
     # From the docs of tf.tpu.experimental.embedding.SGD: table one overrides the global SGD.
-    table_one = embedding.TableConfig(vocabulary_size=16, dim=4,
-                                      optimizer=embedding.SGD(0.2),
-                                      initializer=embedding.RowIdInitializer())  # fmt: skip
-    table_two = embedding.TableConfig(vocabulary_size=16, dim=4,
-                                      initializer=embedding.RowIdInitializer())  # fmt: skip
+    table_one = embedding.TableConfig(
+        vocabulary_size=16,
+        dim=4,
+        optimizer=embedding.SGD(0.2),
+        initializer=embedding.RowIdInitializer(),
+    )
+    table_two = embedding.TableConfig(
+        vocabulary_size=16, dim=4, initializer=embedding.RowIdInitializer()
+    )
     feature_config = (
         embedding.FeatureConfig(table=table_one),
         embedding.FeatureConfig(table=table_two),
     )
-    emb = embedding.TPUEmbedding(feature_config=feature_config,
-                                 optimizer=embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(feature_config=feature_config, optimizer=embedding.SGD(0.1))
     before = {t: w.copy() for t, w in emb.embedding_tables.items()}
     emb.enqueue((np.array([3, 5]), np.array([3, 5])), training=True)
     activations = emb.dequeue()
@@ -42,8 +45,10 @@ def test_tf_docs_example_per_table_optimizer():
 def test_nested_structure_is_kept_and_dicts_are_sorted():
     t_a = embedding.TableConfig(10, 2, initializer=embedding.RowIdInitializer())
     t_b = embedding.TableConfig(10, 3, initializer=embedding.RowIdInitializer())
-    config = {"z": embedding.FeatureConfig(t_a),
-              "a": [embedding.FeatureConfig(t_b), {"k": embedding.FeatureConfig(t_a)}]}  # fmt: skip
+    config = {
+        "z": embedding.FeatureConfig(t_a),
+        "a": [embedding.FeatureConfig(t_b), {"k": embedding.FeatureConfig(t_a)}],
+    }
     emb = embedding.TPUEmbedding(config, embedding.Adagrad(0.1))
     # tf.nest order: "a" before "z", so t_b is table_0.
     assert (t_b.name, t_a.name) == ("table_0", "table_1")
@@ -129,16 +134,18 @@ def test_weights_rules():
 
 def test_output_shape_must_divide_the_batch():
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, output_shape=[5])},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, output_shape=[5])}, embedding.SGD(0.1)
+    )
     with pytest.raises(ValueError, match="should be the factor of the input data batch size"):
         emb.enqueue({"f": [[1], [2]]})
 
 
 def test_inconsistent_shapes_and_build():
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, max_sequence_length=4)},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, max_sequence_length=4)}, embedding.SGD(0.1)
+    )
     emb.build(per_replica_batch_size=3)
     emb.enqueue({"f": [[1], [2], [3]]})
     assert emb.dequeue()["f"].shape == (3, 4, 2)
@@ -148,8 +155,9 @@ def test_inconsistent_shapes_and_build():
 
 def test_none_gradient_is_zero_with_a_warning(caplog):
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)},
-                                 embedding.SGD(0.5))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)}, embedding.SGD(0.5)
+    )
     before = emb.embedding_tables[t].copy()
     emb.enqueue({"a": np.array([1]), "b": np.array([2])})
     with caplog.at_level(logging.WARNING, logger="embengine.tpu"):
@@ -178,8 +186,9 @@ def test_gradient_checks_and_order_of_calls():
 def test_dynamic_learning_rate_callable():
     lr = {"value": 0.5}
     t = embedding.TableConfig(10, 1, initializer=embedding.RowIdInitializer())
-    emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t)},
-                                 embedding.SGD(learning_rate=lambda: lr["value"]))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"a": embedding.FeatureConfig(t)}, embedding.SGD(learning_rate=lambda: lr["value"])
+    )
     for value in (0.5, 0.25):
         lr["value"] = value
         emb.enqueue({"a": np.array([4])})
@@ -189,8 +198,9 @@ def test_dynamic_learning_rate_callable():
 
 def test_quantization_is_forward_only():
     q = embedding.QuantizationConfig(num_buckets=5, lower=-1.0, upper=1.0)  # levels every 0.5
-    t = embedding.TableConfig(4, 3, initializer=ee.initializers.Constant(0.3),
-                              quantization_config=q, combiner="sum")  # fmt: skip
+    t = embedding.TableConfig(
+        4, 3, initializer=ee.initializers.Constant(0.3), quantization_config=q, combiner="sum"
+    )
     emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t)}, embedding.SGD(0.1))
     emb.enqueue({"a": [[1, 1, 2]]}, training=False)  # lookup-only path, quantized as well
     np.testing.assert_allclose(emb.dequeue()["a"], [[1.5, 1.5, 1.5]])
@@ -214,9 +224,13 @@ def test_optimizer_signatures_are_tfs():
         False,
     )
     ftrl = embedding.FTRL(0.1, -0.3, 0.01, 0.02, 0.5, 0.2)
-    assert (ftrl.learning_rate_power, ftrl.l1_regularization_strength,
-            ftrl.l2_regularization_strength, ftrl.beta, ftrl.initial_accumulator_value) == (
-        -0.3, 0.01, 0.02, 0.5, 0.2)  # fmt: skip
+    assert (
+        ftrl.learning_rate_power,
+        ftrl.l1_regularization_strength,
+        ftrl.l2_regularization_strength,
+        ftrl.beta,
+        ftrl.initial_accumulator_value,
+    ) == (-0.3, 0.01, 0.02, 0.5, 0.2)
     am = embedding.AdagradMomentum(0.1, 0.9, True, 3, 0.99, 1e-5)
     assert (am.momentum, am.use_nesterov, am.exponent, am.beta2, am.epsilon) == (
         0.9,
@@ -296,8 +310,9 @@ def test_table_and_feature_checks():
     t1 = embedding.TableConfig(5, 2, name="same")
     t2 = embedding.TableConfig(5, 2, name="same")
     with pytest.raises(ValueError, match="Tables must have a unique name"):
-        embedding.TPUEmbedding([embedding.FeatureConfig(t1), embedding.FeatureConfig(t2)],
-                               embedding.SGD())  # fmt: skip
+        embedding.TPUEmbedding(
+            [embedding.FeatureConfig(t1), embedding.FeatureConfig(t2)], embedding.SGD()
+        )
     with pytest.raises(ValueError, match="unsupported optimizer class"):
         embedding.TPUEmbedding([embedding.FeatureConfig(embedding.TableConfig(5, 2))], None)
 

@@ -30,8 +30,9 @@ PREFETCH_DISTANCE = 16
 
 
 @kernel(inline="always")
-def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
-               stop, acc):  # fmt: skip
+def _pool_rows(
+    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop, acc
+):
     """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
     buckets = quant[0]
     lower = quant[1]
@@ -84,8 +85,20 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
     n_out = out.shape[0]
     for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
-        _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
-                   min(n_out, first + ROWS_PER_TASK), np.empty(dim, dtype=np.float32))  # fmt: skip
+        _pool_rows(
+            data,
+            dim,
+            rows,
+            inverse,
+            gains,
+            output_offsets,
+            out,
+            quant,
+            prefetch,
+            first,
+            min(n_out, first + ROWS_PER_TASK),
+            np.empty(dim, dtype=np.float32),
+        )
 
 
 def _fixed_dim_pool(fixed_dim: int):
@@ -99,9 +112,20 @@ def _fixed_dim_pool(fixed_dim: int):
         n_out = out.shape[0]
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             first = task * ROWS_PER_TASK
-            _pool_rows(data, fixed_dim, rows, inverse, gains, output_offsets, out, quant,
-                       prefetch, first, min(n_out, first + ROWS_PER_TASK),
-                       stack_row(fixed_dim))  # fmt: skip
+            _pool_rows(
+                data,
+                fixed_dim,
+                rows,
+                inverse,
+                gains,
+                output_offsets,
+                out,
+                quant,
+                prefetch,
+                first,
+                min(n_out, first + ROWS_PER_TASK),
+                stack_row(fixed_dim),
+            )
 
     return pool_fixed
 
@@ -116,8 +140,22 @@ def pool_kernel(dim: int):
 
 
 @kernel(inline="always")
-def _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                    quant, prefetch, first, stop, acc):  # fmt: skip
+def _pool_bag_range(
+    data,
+    dim,
+    rows,
+    offsets,
+    weights,
+    combiner,
+    seq_len,
+    out,
+    out_start,
+    quant,
+    prefetch,
+    first,
+    stop,
+    acc,
+):
     """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
     row (see _pool_rows)."""
     buckets = quant[0]
@@ -180,20 +218,72 @@ def _make_pool_range(fixed_dim: int):
     if fixed_dim:
 
         @kernel()
-        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                       quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, fixed_dim, rows, offsets, weights, combiner, seq_len, out,
-                            out_start, quant, prefetch, first, stop,
-                            stack_row(fixed_dim))  # fmt: skip
+        def pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        ):
+            _pool_bag_range(
+                data,
+                fixed_dim,
+                rows,
+                offsets,
+                weights,
+                combiner,
+                seq_len,
+                out,
+                out_start,
+                quant,
+                prefetch,
+                first,
+                stop,
+                stack_row(fixed_dim),
+            )
 
     else:
 
         @kernel()
-        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                       quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out,
-                            out_start, quant, prefetch, first, stop,
-                            np.empty(dim, dtype=np.float32))  # fmt: skip
+        def pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        ):
+            _pool_bag_range(
+                data,
+                dim,
+                rows,
+                offsets,
+                weights,
+                combiner,
+                seq_len,
+                out,
+                out_start,
+                quant,
+                prefetch,
+                first,
+                stop,
+                np.empty(dim, dtype=np.float32),
+            )
 
     return pool_range
 
@@ -212,8 +302,21 @@ assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch fo
 
 
 @kernel()
-def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-               prefetch, first, stop):  # fmt: skip
+def pool_range(
+    data,
+    dim,
+    rows,
+    offsets,
+    weights,
+    combiner,
+    seq_len,
+    out,
+    out_start,
+    quant,
+    prefetch,
+    first,
+    stop,
+):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
     width: the width a compile-time constant for FIXED_DIMS (W1-lookup: pooling ~1.35x
     faster at dim 64, and again ~1.5x on cached rows from the stack row), else any width.
@@ -221,8 +324,21 @@ def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_st
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop
     whose body inlines the pooling compiles very slowly (every width inlined: 87 s)."""
-    args = (data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-            prefetch, first, stop)  # fmt: skip
+    args = (
+        data,
+        dim,
+        rows,
+        offsets,
+        weights,
+        combiner,
+        seq_len,
+        out,
+        out_start,
+        quant,
+        prefetch,
+        first,
+        stop,
+    )
     if dim == 64:  # the most common first
         _pool_range_64(*args)
     elif dim == 32:
@@ -244,8 +360,9 @@ def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_st
 
 
 @kernel(parallel=True)
-def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-              prefetch):  # fmt: skip
+def pool_bags(
+    data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant, prefetch
+):
     """One feature's activations, straight from its occurrences' rows (a lookup-only batch).
 
     A bag feature (``seq_len == 0``): ``out[out_start + b] = sum over k in
@@ -257,5 +374,18 @@ def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_sta
     for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
         stop = min(n, first + ROWS_PER_TASK)
-        pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-                   prefetch, first, stop)  # fmt: skip
+        pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        )

@@ -230,10 +230,26 @@ def prepare_tables(
     tables' unique-id bounds ``f_t + t : f_t + t + members + 1`` (``f_t``: its first feature)."""
     for worker in nb.prange(bounds.shape[0] - 1):
         for i_table in range(bounds[worker], bounds[worker + 1]):
-            _prepare_table(order[i_table], fmeta, ids, offsets, weights, occ_base, out_base,
-                           occ_ids, gains, segments, unique, inverse, n_unique, unique_offsets,
-                           unique_gains, unique_segments, output_offsets,
-                           unique_bounds)  # fmt: skip
+            _prepare_table(
+                order[i_table],
+                fmeta,
+                ids,
+                offsets,
+                weights,
+                occ_base,
+                out_base,
+                occ_ids,
+                gains,
+                segments,
+                unique,
+                inverse,
+                n_unique,
+                unique_offsets,
+                unique_gains,
+                unique_segments,
+                output_offsets,
+                unique_bounds,
+            )
 
 
 @kernel()
@@ -261,15 +277,49 @@ def prepare_tables_serial(
     region, so it can run where OpenMP cannot: in a process forked from one whose OpenMP pool
     was running (a DataLoader worker; see numba_backend.build_tables_numba)."""
     for t in range(occ_base.shape[0] - 1):
-        _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains,
-                       segments, unique, inverse, n_unique, unique_offsets, unique_gains,
-                       unique_segments, output_offsets, unique_bounds)  # fmt: skip
+        _prepare_table(
+            t,
+            fmeta,
+            ids,
+            offsets,
+            weights,
+            occ_base,
+            out_base,
+            occ_ids,
+            gains,
+            segments,
+            unique,
+            inverse,
+            n_unique,
+            unique_offsets,
+            unique_gains,
+            unique_segments,
+            output_offsets,
+            unique_bounds,
+        )
 
 
 @kernel()
-def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains, segments,
-                   unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
-                   output_offsets, unique_bounds):  # fmt: skip
+def _prepare_table(
+    t,
+    fmeta,
+    ids,
+    offsets,
+    weights,
+    occ_base,
+    out_base,
+    occ_ids,
+    gains,
+    segments,
+    unique,
+    inverse,
+    n_unique,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+    output_offsets,
+    unique_bounds,
+):
     """Table t's share of prepare_tables."""
     lo = occ_base[t]
     hi = occ_base[t + 1]
@@ -300,8 +350,7 @@ def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids,
     # Segments are non-decreasing, so occurrences are already grouped by activation row.
     _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
     region_ends = np.zeros(n_regions, dtype=np.int64)
-    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions,
-               region_ends)  # fmt: skip
+    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions, region_ends)
     n_unique[t] = u
     if first_feature >= 0:
         b = first_feature + t

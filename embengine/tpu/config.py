@@ -36,9 +36,17 @@ class TableConfig:
     default is TruncatedNormal(mean=0, stddev=1/sqrt(dim)).
     """
 
-    def __init__(self, vocabulary_size: int, dim: int, initializer=None, optimizer=None,
-                 combiner: str = "mean", name: str | None = None,
-                 quantization_config: QuantizationConfig | None = None, layout=None):  # fmt: skip
+    def __init__(
+        self,
+        vocabulary_size: int,
+        dim: int,
+        initializer=None,
+        optimizer=None,
+        combiner: str = "mean",
+        name: str | None = None,
+        quantization_config: QuantizationConfig | None = None,
+        layout=None,
+    ):
         if not is_integer(vocabulary_size) or vocabulary_size < 1:
             raise ValueError(
                 "Argument `vocabulary_size` must be an int and must be >= 1. "
@@ -102,9 +110,14 @@ class FeatureConfig:
     """One input feature (TF's arguments): ``output_shape`` is the activation shape without the
     table dim; see TPUEmbedding for how input shapes map to outputs."""
 
-    def __init__(self, table: TableConfig, max_sequence_length: int = 0,
-                 validate_weights_and_indices: bool = True, output_shape=None,
-                 name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        table: TableConfig,
+        max_sequence_length: int = 0,
+        validate_weights_and_indices: bool = True,
+        output_shape=None,
+        name: str | None = None,
+    ):
         if not isinstance(table, TableConfig):
             raise ValueError(
                 f"Argument `table` has invalid type {type(table)}. Expected "
