@@ -192,6 +192,62 @@ def test_a_damaged_rendered_module_is_rewritten(generated):
     assert [p.name for p in generated.iterdir() if p.suffix != ".py"] == ["__pycache__"]
 
 
+def test_modules_of_other_digests_are_pruned_when_a_new_one_is_written(generated, monkeypatch):
+    """Writing adam's module removes adam's modules of other digests unused for
+    PRUNE_AFTER_SECONDS, with their caches; a recent one (a process may be importing it) and
+    other row maths' modules stay."""
+    import time
+
+    from embengine.kernels import row_math
+    from embengine.optimizers._row_math import ROW_MATH
+
+    rm = ROW_MATH["adam"]
+    _, path, _ = row_math.module_path(rm)
+    cache = generated / "__pycache__"
+    cache.mkdir(parents=True)
+    old = time.time() - 2 * row_math.PRUNE_AFTER_SECONDS
+
+    def module(stem: str, unused: bool) -> list[Path]:
+        """A module file and its cache entries (numba's index and data, Python's bytecode)."""
+        files = [
+            generated / f"{stem}.py",
+            cache / f"{stem}.fused_update_adam-51.py311.nbi",
+            cache / f"{stem}.fused_update_adam-51.py311.1.nbc",
+            cache / f"{stem}.cpython-311.pyc",
+        ]
+        for f in files:
+            f.write_text("KERNELS = {}\n")
+            if unused:
+                os.utime(f, (old, old))
+        return files
+
+    stale = module("embengine_kernels_adam_" + "0" * 16, unused=True)
+    recent = module("embengine_kernels_adam_" + "1" * 16, unused=False)
+    other = module("embengine_kernels_adam_bias_" + "2" * 16, unused=True)  # not adam's
+    row_math._load(rm)
+    assert path.exists()
+    assert not any(f.exists() for f in stale)
+    assert all(f.exists() for f in recent + other)
+
+    # Loading an existing module marks it in use: a process of other code, writing its own
+    # adam module, keeps it.
+    os.utime(path, (old, old))
+    row_math._load(rm)
+    assert (
+        row_math.prune("adam", generated / f"embengine_kernels_adam_{'3' * 16}.py", [cache]) == []
+    )
+    assert path.exists()
+
+    # A module pruned between this process's check and its import is written again.
+    def pruned_after_the_check(p, text):
+        p.unlink()
+        return True
+
+    monkeypatch.setattr(row_math, "_current", pruned_after_the_check)
+    fused, _, _ = row_math._load(rm)
+    assert path.exists() and fused.py_func.__code__.co_filename == str(path)
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     from embengine.kernels.row_math import write_atomically
 
