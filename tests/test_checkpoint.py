@@ -431,7 +431,9 @@ def _check_crash_checkpoint(eng: ee.EmbeddingEngine, path: Path) -> int:
 
 
 def test_sigkill_during_repeated_saves_never_leaves_a_bad_latest_checkpoint(tmp_path):
-    rows = 300_000  # 300k x (16 weights + 16 accumulators) floats = 38 MB: a save takes ~0.1-0.3 s
+    # 300k x (16 weights + 16 accumulators) floats = 38 MB: a save long enough to be killed in
+    # (its time: docs/performance.md, "Figures behind the code").
+    rows = 300_000
     script = tmp_path / "crash_child.py"
     script.write_text(CRASH_CHILD)
     root = tmp_path / "ck"

@@ -20,9 +20,9 @@ import embengine.batch
 from embengine.backends.reference import ReferenceBackend
 
 SEED = 0
-# Budget: ~900 cases, ~35 ms each on this 2-core machine, plus one child's start (~10 s). On
-# broken code each crash costs a restart and a rerun alone, and each hang twice CASE_TIMEOUT:
-# after MAX_FAULTS the test stops (and fails) rather than running on.
+# Budget: ~900 cases and one child's start (their times: docs/performance.md, "Figures behind
+# the code"). On broken code each crash costs a restart and a rerun alone, and each hang twice
+# CASE_TIMEOUT: after MAX_FAULTS the test stops (and fails) rather than running on.
 CASE_TIMEOUT = 20.0
 MAX_FAULTS = 4
 BUDGET = 150.0
@@ -141,7 +141,9 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
 
     from _fuzz.runner import locked_selftest_kernel
 
-    held = 5.0  # the child's start-up (imports) comes out of it: 1-3 s on a loaded host
+    # The child's start-up (imports) comes out of it: seconds on a loaded host (its time:
+    # docs/performance.md, "Figures behind the code").
+    held = 5.0
     limit = 0.5
     lock_path = locked_selftest_kernel()._cache.lock_path
     Path(lock_path).parent.mkdir(parents=True, exist_ok=True)

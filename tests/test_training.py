@@ -494,7 +494,7 @@ def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     root = Path(ee.__file__).parent.parent
     # The fresh cache gets the kernels of embengine/kernels the suite has compiled so far except
     # FIRST_RUN_COMPILES: the first run compiles only those and its update kernels, not every
-    # kernel again (~110 s of a fresh clone's run).
+    # kernel again (most of a fresh clone's run: docs/performance.md, "Figures behind the code").
     kernels = root / "embengine" / "kernels"
     seeded = (
         tmp_path

@@ -75,7 +75,7 @@ class Result:
 
 def _release_memory() -> None:
     """Free a finished group's memory and hand it back to the OS: glibc keeps freed heap
-    chunks (W2's hundreds of small tables left ~1.3 GiB resident), which the next group's
+    chunks (W2's hundreds of small tables left over a GiB resident), which the next group's
     peak RSS, measured from the process's RSS, would otherwise count as its own."""
     gc.collect()
     try:
@@ -149,9 +149,9 @@ Member = tuple[Callable, list, Workload]
 BLOCK = 3
 # The vocabulary group (W3 beside W1 and W3-small) runs longer blocks, their first half
 # untimed: members of very different footprints evict each other's rows, and the smallest
-# takes several steps to re-warm. Measured on a host with a 480 MiB L3, W3 SGD after a block
-# of W1 steps: 5.04, 4.80, 4.48, 4.32, 4.19, 4.07, 4.00, 3.93 ms for its next 8 steps
-# (alone, steadily ~3.7 ms); with blocks of 3 the ratio timed that recovery (1.48, not 1.2).
+# takes several steps to re-warm: W3 after a block of W1 steps needs about 8 to reach its
+# steady step time, and blocks of 3 timed that recovery instead of W3 (docs/performance.md,
+# "Figures behind the code").
 VOCABULARY_BLOCK = 10
 VOCABULARY_UNTIMED = 5
 
@@ -171,8 +171,9 @@ def _time_configs(
     order reversed every round so that none always goes first; the first ``untimed`` steps of
     each block are untimed. Alternating cancels the machine's drift; blocks keep each member's
     steps those of steady training (its hot rows cached), not of a member that follows
-    another's step (the effect grows as a step shrinks: W3 against W1 per id, 1.68x step by
-    step; see VOCABULARY_BLOCK for members that need several steps to re-warm)."""
+    another's step (the effect grows as a step shrinks: W3 against W1 per id, see
+    docs/performance.md, "Figures behind the code"; see VOCABULARY_BLOCK for members that need
+    several steps to re-warm)."""
     if untimed < 1 or block <= untimed:
         raise ValueError(
             f"block must be >= 2 and exceed untimed >= 1 (untimed steps, then timed "
@@ -342,8 +343,9 @@ def run_vocabulary(
     same system on the three workloads (embengine, and FBGEMM if available), interleaved.
 
     The ratios compare workloads, so they are timed together like any other ratio: taken from
-    the workloads' own groups, a minute apart, two runs of the same code gave W3 / W1 1.10x
-    and 2.31x. A group holds ~7 GiB of tables per system."""
+    the workloads' own groups, a minute apart, two runs of the same code gave W3 / W1 ratios
+    twice apart (docs/performance.md, "Figures behind the code"). A group holds ~7 GiB of
+    tables per system."""
     ws = [WORKLOADS[name] for name in VOCABULARY]
     w3 = WORKLOADS["W3"]
     log(f"W3 vs {', '.join(VOCABULARY[::2])}: per id, interleaved; generating batches")

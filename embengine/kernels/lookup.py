@@ -40,7 +40,8 @@ def _pool_rows(
     quantum = (upper - lower) / (buckets - 1.0) if buckets > 0 else 1.0
     last_k = output_offsets[stop]
     # The sum builds in a scratch row, not in ``out``: LLVM cannot rule out that ``out``
-    # aliases ``data``, so it would store and reload it after every occurrence (-20% on W1).
+    # aliases ``data``, so it would store and reload it after every occurrence (its cost on
+    # W1: docs/performance.md, "Figures behind the code").
     # For fixed dims the scratch row is on the stack and lives in registers (stack_row).
     # Indexed accesses, not row views: a view per occurrence costs atomic reference counts.
     # The quantization test sits outside the loops over occurrences: a branch inside them
@@ -103,8 +104,8 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
 
 def _fixed_dim_pool(fixed_dim: int):
     """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
-    the row and keeps the sum in registers, in a stack scratch row (W1-lookup: pooling ~1.35x
-    faster at dim 64, and again ~1.5x on cached rows from the stack row).
+    the row and keeps the sum in registers, in a stack scratch row (W1-lookup's gain from each:
+    docs/performance.md, "Figures behind the code").
     numba caches each closure under its own constant."""
 
     @kernel(parallel=True)
@@ -318,8 +319,8 @@ def pool_range(
     stop,
 ):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
-    width: the width a compile-time constant for FIXED_DIMS (W1-lookup: pooling ~1.35x
-    faster at dim 64, and again ~1.5x on cached rows from the stack row), else any width.
+    width: the width a compile-time constant for FIXED_DIMS (faster pooling, see
+    ``_fixed_dim_pool``), else any width.
 
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop

@@ -93,9 +93,9 @@ def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
     packing puts several in one). Each region gets its own hash table, sized to its
     occurrences, so equal ids of two regions stay apart, and a packed table probes tables as
     small as unpacked ones (one hash for all of them overflowed L2 and made packed
-    deduplication ~35% slower). Numbering stays global; ``region_ends[r]`` is the number of
-    unique ids after region r's last run (with each region's runs consecutive, its unique ids
-    are the block up to there).
+    deduplication slower: docs/performance.md, "Figures behind the code"). Numbering stays
+    global; ``region_ends[r]`` is the number of unique ids after region r's last run (with
+    each region's runs consecutive, its unique ids are the block up to there).
 
     Open addressing with linear probing; each slot holds (id, index) side by side so a probe
     reads one cache line, and the slot of the id ``HASH_PREFETCH`` ahead is prefetched. At most
@@ -189,7 +189,8 @@ def deal_tables(sizes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.ndarr
 
     Largest first, each to the least loaded worker (LPT), so a few big tables (packed ones)
     do not land on one thread: prange's static split of the tables in their own order gave one
-    thread ~3x the other's work on W2 packed."""
+    thread several times the other's work on W2 packed (docs/performance.md, "Figures behind
+    the code")."""
     loads = [0] * n_workers
     lists: list[list[int]] = [[] for _ in range(n_workers)]
     for t in np.argsort(-np.asarray(sizes), kind="stable"):
