@@ -5,29 +5,14 @@ batch from another engine (same names, bigger vocabulary) sent its ids to the ke
 read and wrote outside the table. The crashing calls run in a subprocess."""
 
 import pickle
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import embengine as ee
 from embengine import optimizers as opt
-
-ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ee.engine.BACKENDS
-
-
-def _run(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a crash or a hang must not take pytest with it)."""
-    try:
-        return subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the subprocess did not finish in {timeout} s")
 
 
 def _engine(
@@ -68,7 +53,6 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "call, training",
     [("lookup", True), ("lookup", False), ("apply_gradients", True)],
@@ -79,7 +63,7 @@ def test_a_batch_from_an_engine_with_a_bigger_table_is_refused(backend, call, tr
     code = SCRIPT.format(
         backend=backend, training=training, call=CALLS[call].format(training=training)
     )
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 1, (out.returncode, out.stdout, out.stderr[-2000:])
     assert "no error" not in out.stdout
     assert (
@@ -149,7 +133,6 @@ def test_other_features_are_named_without_repeating_the_same_list():
         third.lookup(batch)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_identical_engines_and_pickled_batches_are_accepted(backend):
     # A DataLoader worker prepares with a pickled copy of the engine; its batches come back
     # pickled. Same configs, same fingerprint: accepted, with the same results.
@@ -186,7 +169,6 @@ def test_a_batch_without_a_fingerprint_is_refused():
         eng.apply_gradients({}, batch={})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_arrays_are_read_only(backend):
     eng = _engine(backend=backend)
     for batch in (
@@ -270,7 +252,7 @@ batch = eng.preprocess({"u": ids}, training=False)
 ids[0] = 10**12
 print(eng.lookup(batch, training=False)["u"], flush=True)
 """
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "ValueError: feature 'u': id 1000000000000 at sample 0" in out.stderr
 

@@ -23,7 +23,6 @@ import embengine as ee
 from embengine import checkpoint as ckpt_mod
 from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from embengine.engine import BACKENDS
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +157,6 @@ def test_optimizer_cases_cover_every_optimizer_class():
     assert exported <= covered, f"not covered: {sorted(exported - covered)}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
 def test_every_optimizer_round_trips_bit_for_bit(tmp_path, backend, case):
     opt, dim = OPTIMIZER_CASES[case]
@@ -192,7 +190,6 @@ def test_every_optimizer_round_trips_bit_for_bit(tmp_path, backend, case):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
     """Dim-1 and dim-2 tables with equal optimizers are packed into one DenseTable."""
     fe = O.FrequencyEstimator(low_dimensional_packing_status=True)
@@ -211,7 +208,6 @@ def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_restore_into_fresh_engine_with_extra_tensors_and_metadata(tmp_path, backend):
     eng = _small_engine(backend)
     _run_steps(eng, 3)
@@ -795,7 +791,6 @@ def test_restore_of_a_structurally_bad_file_leaves_the_engine_untouched(saved):
 # -- 5. incompatible engines and learning rates ----------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_restore_into_engine_with_other_shape_names_the_table(saved, backend):
     _, path = saved
     for vocab, dim in ((21, 4), (20, 8)):
@@ -850,7 +845,6 @@ def _schedule(step):
     return 0.1 / (1 + step)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_callable_learning_rate_needs_callables_on_load(tmp_path, backend):
     eng = _small_engine(backend, optimizer=O.Adagrad(learning_rate=_schedule))
     _run_steps(eng, 2)
@@ -895,7 +889,6 @@ def test_two_callables_get_two_tags(tmp_path):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_learning_rate_loads_without_callables(tmp_path, backend):
     eng = _small_engine(backend, optimizer=O.Adagrad(learning_rate=ee.DynamicLearningRate(0)))
     _run_steps(eng, 2, lrs=[0.3])
@@ -1080,7 +1073,6 @@ def _mmap_features():
     }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("storage", ["mmap", {"a": "mmap", "c": "mmap"}], ids=["all", "dict"])
 def test_mmap_storage_matches_ram_and_saves_like_ram(tmp_path, backend, storage):
     ram = ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), seed=5, backend=backend)

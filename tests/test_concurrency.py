@@ -63,7 +63,6 @@ def _every_row_step(eng: ee.EmbeddingEngine) -> None:
     eng.apply_gradients({k: np.full_like(a, -1.0) for k, a in acts.items()})
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_save_while_another_thread_trains_holds_one_step(tmp_path, backend):
     eng = _counting_engine(backend)
     root = tmp_path / "ck"
@@ -140,7 +139,6 @@ def test_two_threads_training_through_embedding_layer_lose_no_update():
     )
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_each_thread_applies_gradients_to_its_own_lookup(backend):
     """Thread A looks up, then thread B, then A and B apply gradients without batch=: each
     update must land on the rows its own thread looked up."""

@@ -118,7 +118,6 @@ def test_the_main_process_is_not_forked():
     assert not pool.forked()
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 @pytest.mark.parametrize("training", [True, False])
 def test_preprocessor_batches_equal_preprocess_and_train_the_same(backend, training):
     from embengine.preprocessing import Preprocessor

@@ -21,7 +21,6 @@ import pytest
 
 import embengine as ee
 from embengine import optimizers as O
-from embengine.engine import BACKENDS
 from embengine.storage import DenseTable, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,7 +235,6 @@ def test_file_size_limit_is_an_oserror_naming_the_file_and_bytes(tmp_path):
 # -- 3. a file truncated under a live table -------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("when", ["before lookup", "before apply_gradients"])
 def test_file_truncated_under_a_running_engine_raises_not_sigbus(tmp_path, backend, when):
     out = _python(

@@ -22,9 +22,6 @@ def _step(eng, ids, grads):
     eng.apply_gradients({"f": np.asarray(grads, dtype=np.float32).reshape(acts["f"].shape)})
 
 
-BACKENDS = ee.engine.BACKENDS
-
-
 def test_defaults_follow_monolith_proto():
     assert mono.SgdOptimizer().learning_rate == 0.01
     a = mono.AdagradOptimizer()
@@ -46,7 +43,6 @@ def test_defaults_follow_monolith_proto():
         mono.AdagradOptimizer(warmup_steps=-1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("g", [1.0, -1.0])
 def test_ftrl_intended_math(backend, g):
     lr, l1, l2, beta, w0 = 0.5, 0.2, 0.4, 1.0, 0.3
@@ -69,7 +65,6 @@ def test_ftrl_intended_math(backend, g):
         np.testing.assert_allclose(eng.slots("t")["linears"][2, 0], z, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_adam_bias_correction_is_per_id(backend):
     lr, b1, b2, eps, wd = 0.1, 0.9, 0.99, 0.01, 0.05
     eng = _engine(
@@ -94,7 +89,6 @@ def test_adam_bias_correction_is_per_id(backend):
     assert eng.slots("t")["steps"][[1, 2], 0].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_momentum_velocity_with_warmup(backend, nesterov):
     lr, mu, wd, warm = 0.2, 0.9, 0.1, 2
@@ -121,7 +115,6 @@ def test_momentum_velocity_with_warmup(backend, nesterov):
     assert eng.num_learning_rate_tags == 1  # the warm-up schedule is a learning-rate callable
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_rmsprop_and_adagrad_and_adadelta(backend):
     cases = [
         (
@@ -170,7 +163,6 @@ def _adadelta(w, s, g, lr, wd, rho, eps):
     return w - u * lr, (acc, upd * rho + u * u * (1 - rho))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_softmax(backend):
     eng = _engine(
         mono.BatchSoftmaxOptimizer(learning_rate=0.2),
@@ -189,7 +181,6 @@ def test_batch_softmax(backend):
     assert abs(b - 3.0) < 0.01
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fixed_r8_simulates_8_bit_lookups(backend):
     comp = mono.FixedR8Compressor(fixed_range=2.0)
     q = comp.quantization_config()

@@ -70,7 +70,6 @@ def _step(eng, **kw):
     eng.apply_gradients({k: np.full_like(v, 0.5) for k, v in acts.items()}, **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_learning_rate_zero_from_a_tag_is_refused_before_any_change(backend):
     eng = ee.EmbeddingEngine(
         {
@@ -93,7 +92,6 @@ def test_ftrl_learning_rate_zero_from_a_tag_is_refused_before_any_change(backend
     assert _all_finite(eng)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_schedule_touching_zero_is_refused_at_that_step(backend):
     eng = _two_tables(backend, lambda step: 0.1 if step < 2 else 0.0)
     _step(eng)
@@ -111,7 +109,6 @@ def test_ftrl_learning_rate_zero_is_allowed_when_the_linear_is_multiplied_by_it(
         O.FTRL(0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lr", [1e300, 3.5e38, math.inf])
 def test_dynamic_learning_rates_beyond_float32_are_refused(backend, lr):
     t = ee.TableConfig(10, 4, name="a", optimizer=O.SGD(ee.DynamicLearningRate(0)))
@@ -303,7 +300,6 @@ def test_overflowing_rows_are_left_unchanged_and_reported(name, policy):
     assert counts["reference"] == counts["numba"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_skip_row_counts_across_steps_and_training_goes_on(backend):
     eng = _guard_engine("adagrad", backend, "skip_row", 4)
     for _ in range(3):
@@ -314,7 +310,6 @@ def test_skip_row_counts_across_steps_and_training_goes_on(backend):
     assert eng.step == 3 and _all_finite(eng)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_tiny_learning_rate_overflow_is_guarded(backend):
     """A learning rate of 1e-45 is finite and within range, but FTRL divides by it: every
     touched row's result overflows, and each is left as it was."""

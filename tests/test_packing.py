@@ -43,7 +43,6 @@ def _run(engines, steps=3, seed=0):
             e.apply_gradients(grads)
 
 
-@pytest.mark.parametrize("backend", ee.engine.BACKENDS)
 @pytest.mark.parametrize(
     "optimizer",
     [

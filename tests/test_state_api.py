@@ -272,7 +272,6 @@ def test_state_dict_is_live_views_keyed_by_logical_table_and_row():
     assert eng.state_dict()["step"] == 1
 
 
-@pytest.mark.parametrize("backend", ee.engine.BACKENDS)
 def test_load_state_dict_between_packed_and_unpacked_engines(backend):
     packed, plain = _packed_engine(backend), _packed_engine(backend, packing=False)
     _train_packed(packed, 3)

@@ -201,7 +201,6 @@ def test_the_test_storages_implement_the_protocol():
     np.testing.assert_array_equal(table.rows_for(0, [0, 9]), [PAD + 9, PAD])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS + COUNTING, ids=lambda o: type(o).__name__)
 def test_reversed_rows_train_like_dense_rows(backend, optimizer):
     dims = (1, 1, 1) if optimizer in COUNTING else (2, 2, 4, 8, 6)
@@ -233,7 +232,6 @@ def test_reversed_storage_without_accumulation_and_skip_row():
     assert _state_bytes(engines[0]) == _state_bytes(engines[1])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_reversed_storage_checkpoints_round_trip(backend, tmp_path):
     o = opt.Adam(0.05, lazy_adam=False)
     dense = _engine("ram", backend, o)
@@ -257,7 +255,6 @@ def test_reversed_storage_checkpoints_round_trip(backend, tmp_path):
         _spare_rows_untouched(e)
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_batch_prepared_for_dense_rows_is_refused_by_reversed_storage(backend):
     o = opt.SGD(0.1)
     dense, rev = _engine("ram", backend, o), _engine("reversed-test", backend, o)
@@ -274,7 +271,6 @@ def test_a_batch_prepared_for_dense_rows_is_refused_by_reversed_storage(backend)
         assert acts[k].tobytes() == want[k].tobytes()
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_ids_without_a_row_pool_zeros_and_get_no_update(backend):
     table = ee.TableConfig(10, 8, name="t", combiner="sum", initializer=ee.initializers.RowId(1))
     eng = ee.EmbeddingEngine(
@@ -343,7 +339,6 @@ def test_no_kernel_mentions_an_id_offset():
                 }, f"{path.name}: {name}"
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_rows_a_guard_left_unchanged_are_reported_by_id(backend):
     """A storage whose rows are not ids: the result guard's report names each table's ids
     (through the batch), and a row the batch did not touch (an every-row sweep) by its row."""
