@@ -193,9 +193,10 @@ def _lock(fd: int, path: Path, flags: int) -> None:
         raise
     except OSError as e:
         raise OSError(
-            e.errno, f"cannot lock {path} ({e.strerror}): saving checkpoints needs a file "
-            "system with flock (a local one)"
-        ) from e  # fmt: skip
+            e.errno,
+            f"cannot lock {path} ({e.strerror}): saving checkpoints needs a file "
+            "system with flock (a local one)",
+        ) from e
 
 
 def _unlock(fd: int) -> None:
@@ -284,9 +285,13 @@ class _FiniteCheck:
             self.finite = False
 
 
-def save(engine: Stateful, root: str | Path, keep: int | None = None,
-         extra_tensors: Mapping[str, np.ndarray] | None = None,
-         extra_metadata: Mapping[str, Any] | None = None) -> Path:  # fmt: skip
+def save(
+    engine: Stateful,
+    root: str | Path,
+    keep: int | None = None,
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Write a new checkpoint of ``engine`` under ``root``; see the module docstring. Reads the
     engine through ``spec()`` and ``state_dict()`` (live views): call it while no update runs,
     as ``engine.save`` does (it holds the engine's lock)."""
@@ -316,9 +321,15 @@ def save(engine: Stateful, root: str | Path, keep: int | None = None,
     return final
 
 
-def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
-           extra_tensors: Mapping[str, np.ndarray] | None,
-           extra_metadata: Mapping[str, Any] | None) -> Path:  # fmt: skip
+def _write(
+    engine: Stateful,
+    root: Path,
+    tmp: Path,
+    step: int,
+    keep: int | None,
+    extra_tensors: Mapping[str, np.ndarray] | None,
+    extra_metadata: Mapping[str, Any] | None,
+) -> Path:
     """Fill ``tmp`` (held locked by the caller), then number it and rename it into place."""
     spec = engine.spec()
     state = engine.state_dict()
@@ -331,17 +342,20 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
         tensors = {name if key == WEIGHTS else f"{name}/{key}": a for key, a in arrays.items()}
         check = _FiniteCheck()
         with engine.sequential_access(name):
-            digest = write_safetensors(tmp / entry["file"], tensors, {"table": name},
-                                       on_chunk=check)  # fmt: skip
+            digest = write_safetensors(
+                tmp / entry["file"], tensors, {"table": name}, on_chunk=check
+            )
         entry["finite"] = check.finite
         if entry["vocabulary_size"] is None:  # keyed: the lengths its tensors' shapes need
             counters = np.asarray(arrays["counters"])
             entry["keyed"] = {
-                "rows": len(arrays["keys"]), "pending_keys": len(arrays["pending_keys"]),
+                "rows": len(arrays["keys"]),
+                "pending_keys": len(arrays["pending_keys"]),
                 "times": True,  # last_time / data_time present (older checkpoints: absent)
-                "total": {k: int(counters[0, i] + counters[1, i])
-                          for i, k in enumerate(KEYED_COUNTERS)},
-            }  # fmt: skip
+                "total": {
+                    k: int(counters[0, i] + counters[1, i]) for i, k in enumerate(KEYED_COUNTERS)
+                },
+            }
         files[entry["file"]] = {"sha256": digest, "bytes": (tmp / entry["file"]).stat().st_size}
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if extra_tensors:
@@ -349,15 +363,22 @@ def _write(engine: Stateful, root: Path, tmp: Path, step: int, keep: int | None,
         size = (tmp / EXTRA_FILE).stat().st_size
         files[EXTRA_FILE] = {"sha256": digest, "bytes": size}
         extra["file"] = EXTRA_FILE
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "embengine_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "step": step, **spec,
-                "finite": all(t["finite"] for t in spec["tables"]),
-                "extra": extra, "files": files}  # fmt: skip
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "embengine_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "step": step,
+        **spec,
+        "finite": all(t["finite"] for t in spec["tables"]),
+        "extra": extra,
+        "files": files,
+    }
     text = json.dumps(manifest, indent=1, default=_json_default).encode()
-    for name, data in (("manifest.json", text),
-                       ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
+    for name, data in (
+        ("manifest.json", text),
+        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode()),
+    ):
         with open(tmp / name, "wb") as f:
             f.write(data)
             f.flush()
@@ -408,9 +429,11 @@ def _file_name_problem(name) -> str | None:
     if not isinstance(name, str):
         return f"is {type(name).__name__}, not a file name"
     if not _PLAIN_FILE.fullmatch(name) or ".." in name:
-        return (f"{name!r} is not a plain *.safetensors name inside the checkpoint folder "
-                "(letters, digits, '_', '-', '.'; no path, no '..', no leading dot): embengine "
-                "reads only the checkpoint's own safetensors files, never pickle")  # fmt: skip
+        return (
+            f"{name!r} is not a plain *.safetensors name inside the checkpoint folder "
+            "(letters, digits, '_', '-', '.'; no path, no '..', no leading dot): embengine "
+            "reads only the checkpoint's own safetensors files, never pickle"
+        )
     return None
 
 
@@ -424,8 +447,15 @@ class _Schema:
     def fail(self, key: str, problem: str) -> None:
         raise CheckpointError(f"{self.where}: {key} {problem}")
 
-    def get(self, obj: dict, key: str, at: str, ok: Callable[[Any], bool], what: str,
-            optional: bool = False) -> Any:  # fmt: skip
+    def get(
+        self,
+        obj: dict,
+        key: str,
+        at: str,
+        ok: Callable[[Any], bool],
+        what: str,
+        optional: bool = False,
+    ) -> Any:
         """``obj[key]`` if ``ok`` accepts it (``what`` describes what it accepts); None if
         ``optional`` and absent."""
         name = f"{at}.{key}" if at else key
@@ -446,8 +476,13 @@ class _Schema:
     def items(self, obj: dict, key: str, at: str, empty: bool = False) -> list[tuple[str, dict]]:
         """(path, entry) of each object in the list ``obj[key]`` (which may be empty only if
         ``empty``)."""
-        entries = self.get(obj, key, at, lambda v: isinstance(v, list) and (empty or len(v) > 0),
-                           "a list" if empty else "a non-empty list")  # fmt: skip
+        entries = self.get(
+            obj,
+            key,
+            at,
+            lambda v: isinstance(v, list) and (empty or len(v) > 0),
+            "a list" if empty else "a non-empty list",
+        )
         out = []
         for i, entry in enumerate(entries):
             path = f"{at}.{key}[{i}]" if at else f"{key}[{i}]"
@@ -466,10 +501,22 @@ def _check_schema(ckpt: Path, m: dict) -> None:
     s.get(m, "step", "", lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)")
     s.get(m, "seed", "", _is_int, "an int")
     s.get(m, "embengine_version", "", lambda v: isinstance(v, str), "a string")
-    s.get(m, "backend", "", lambda v: isinstance(v, str) and v in BACKENDS, f"one of {BACKENDS}",
-          optional=True)  # fmt: skip
-    s.get(m, "nonfinite_gradients", "", lambda v: isinstance(v, str) and v in NONFINITE_POLICIES,
-          f"one of {NONFINITE_POLICIES}", optional=True)  # fmt: skip
+    s.get(
+        m,
+        "backend",
+        "",
+        lambda v: isinstance(v, str) and v in BACKENDS,
+        f"one of {BACKENDS}",
+        optional=True,
+    )
+    s.get(
+        m,
+        "nonfinite_gradients",
+        "",
+        lambda v: isinstance(v, str) and v in NONFINITE_POLICIES,
+        f"one of {NONFINITE_POLICIES}",
+        optional=True,
+    )
     s.get(m, "finite", "", lambda v: isinstance(v, bool), "true or false", optional=True)
     names: set[str] = set()
     for at, t in s.items(m, "tables", ""):
@@ -479,14 +526,24 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         names.add(name)
         keyed = t.get("vocabulary_size") is None and "dynamic" in t
         size_ok = (lambda v: True) if keyed else (lambda v: _is_int(v) and v >= 1)
-        s.get(t, "vocabulary_size", at, size_ok,
-              "an int >= 1 (or null for a keyed table, which has 'dynamic')")  # fmt: skip
+        s.get(
+            t,
+            "vocabulary_size",
+            at,
+            size_ok,
+            "an int >= 1 (or null for a keyed table, which has 'dynamic')",
+        )
         s.get(t, "dim", at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         if keyed:
             k = s.obj(t, "keyed", at)
             for key in ("rows", "pending_keys"):
-                s.get(k, key, f"{at}.keyed", lambda v: _is_int(v) and 0 <= v < 2**48,
-                      "an int in [0, 2**48)")  # fmt: skip
+                s.get(
+                    k,
+                    key,
+                    f"{at}.keyed",
+                    lambda v: _is_int(v) and 0 <= v < 2**48,
+                    "an int in [0, 2**48)",
+                )
             s.get(k, "times", f"{at}.keyed", lambda v: v is True, "true", optional=True)
             total = s.obj(k, "total", f"{at}.keyed", optional=True) or {}
             for key, v in total.items():
@@ -497,12 +554,23 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         for key in ("combiner", "storage", "file"):
             s.get(t, key, at, lambda v: isinstance(v, str), "a string")
         s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
-        s.get(t, "quantization_config", at, lambda v: v is None or isinstance(v, dict),
-              "null or an object", optional=True)  # fmt: skip
+        s.get(
+            t,
+            "quantization_config",
+            at,
+            lambda v: v is None or isinstance(v, dict),
+            "null or an object",
+            optional=True,
+        )
         if "compressor" in t:
             comp = s.obj(t, "compressor", at)
-            s.get(comp, "compression", f"{at}.compressor", lambda v: v in COMPRESSIONS,
-                  f"one of {COMPRESSIONS}")  # fmt: skip
+            s.get(
+                comp,
+                "compression",
+                f"{at}.compressor",
+                lambda v: v in COMPRESSIONS,
+                f"one of {COMPRESSIONS}",
+            )
             s.get(
                 comp,
                 "fixed_range",
@@ -525,26 +593,44 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             s.get(lr, "tag", lr_at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
             s.get(lr, "callable", lr_at, lambda v: isinstance(v, str), "a string", optional=True)
         for slot_at, slot in s.items(t, "slots", at, empty=True):
-            s.get(slot, "name", slot_at, lambda v: isinstance(v, str) and v != "",
-                  "a non-empty string")  # fmt: skip
+            s.get(
+                slot,
+                "name",
+                slot_at,
+                lambda v: isinstance(v, str) and v != "",
+                "a non-empty string",
+            )
             s.get(slot, "width", slot_at, lambda v: _is_int(v) and v >= 1, "an int >= 1")
             s.get(slot, "initial_value", slot_at, _is_number, "a number")
-            s.get(slot, "dtype", slot_at, lambda v: isinstance(v, str) and v in _SLOT_DTYPES,
-                  f"one of {sorted(_SLOT_DTYPES)}")  # fmt: skip
+            s.get(
+                slot,
+                "dtype",
+                slot_at,
+                lambda v: isinstance(v, str) and v in _SLOT_DTYPES,
+                f"one of {sorted(_SLOT_DTYPES)}",
+            )
     features: set[str] = set()
     for at, f in s.items(m, "features", ""):
         name = s.get(f, "name", at, lambda v: isinstance(v, str) and v != "", "a non-empty string")
         if name in features:
             s.fail(f"{at}.name", f"{name!r} names an earlier feature too")
         features.add(name)
-        s.get(f, "table", at, lambda v: isinstance(v, str) and v in names,
-              f"one of the tables {sorted(names)}")  # fmt: skip
+        s.get(
+            f,
+            "table",
+            at,
+            lambda v: isinstance(v, str) and v in names,
+            f"one of the tables {sorted(names)}",
+        )
         s.get(f, "max_sequence_length", at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
-        s.get(f, "validate_weights_and_indices", at, lambda v: isinstance(v, bool),
-              "true or false")  # fmt: skip
-        s.get(f, "output_shape", at,
-              lambda v: v is None or (isinstance(v, list) and all(_is_int(d) for d in v)),
-              "null or a list of ints")  # fmt: skip
+        s.get(f, "validate_weights_and_indices", at, lambda v: isinstance(v, bool), "true or false")
+        s.get(
+            f,
+            "output_shape",
+            at,
+            lambda v: v is None or (isinstance(v, list) and all(_is_int(d) for d in v)),
+            "null or a list of ints",
+        )
     files = s.obj(m, "files", "")
     for name, info in files.items():
         problem = _file_name_problem(name)
@@ -553,8 +639,13 @@ def _check_schema(ckpt: Path, m: dict) -> None:
         at = f"files[{name!r}]"
         if not isinstance(info, dict):
             s.fail(at, f"must be an object, got {type(info).__name__}")
-        s.get(info, "sha256", at, lambda v: isinstance(v, str) and _SHA256.fullmatch(v),
-              "64 lowercase hex digits")  # fmt: skip
+        s.get(
+            info,
+            "sha256",
+            at,
+            lambda v: isinstance(v, str) and _SHA256.fullmatch(v),
+            "64 lowercase hex digits",
+        )
         s.get(info, "bytes", at, lambda v: _is_int(v) and v >= 0, "an int >= 0")
     extra = s.obj(m, "extra", "")
     s.get(extra, "file", "extra", lambda v: v is None or isinstance(v, str), "null or a string")
@@ -740,10 +831,11 @@ def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
         entries.update({s: ((t["vocabulary_size"], w), np.dtype(d)) for s, w, d in slots})
     return {
         name if key == WEIGHTS else f"{name}/{key}": (
-            DTYPES[np.dtype(dtype)], [sizes.get(d, d) for d in shape]
+            DTYPES[np.dtype(dtype)],
+            [sizes.get(d, d) for d in shape],
         )
         for key, (shape, dtype) in entries.items()
-    }  # fmt: skip
+    }
 
 
 def _check_name(ckpt: Path, manifest: dict) -> None:
@@ -766,8 +858,10 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
     for t in mine:
         s = stored[t["name"]]
         if (s["vocabulary_size"] is None) != (t["vocabulary_size"] is None):
-            kinds = ["keyed" if v is None else "dense" for v in (s["vocabulary_size"],
-                                                                 t["vocabulary_size"])]  # fmt: skip
+            kinds = [
+                "keyed" if v is None else "dense"
+                for v in (s["vocabulary_size"], t["vocabulary_size"])
+            ]
             raise CheckpointError(
                 f"table {t['name']!r}: the checkpoint's table is {kinds[0]}, the engine's is "
                 f"{kinds[1]} (vocabulary_size=None makes a keyed table)"
@@ -793,8 +887,16 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
 # -- loading: into an engine ----------------------------------------------------------------------
 
 # Manifest keys that describe the checkpoint, not the engine: the rest is the engine's spec.
-_CHECKPOINT_KEYS = ("format", "format_version", "embengine_version", "created", "step", "finite",
-                    "extra", "files")  # fmt: skip
+_CHECKPOINT_KEYS = (
+    "format",
+    "format_version",
+    "embengine_version",
+    "created",
+    "step",
+    "finite",
+    "extra",
+    "files",
+)
 _CHECKPOINT_TABLE_KEYS = ("file", "finite", "keyed")
 
 
@@ -885,8 +987,11 @@ class CheckpointReader:
         """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
         such as "keys" or "last_touched"), memory-mapped read-only (no copy; for export)."""
         t = self._tables[table]
-        if (t["vocabulary_size"] is None and entry in TIME_ENTRIES
-                and not t["keyed"].get("times", False)):  # fmt: skip
+        if (
+            t["vocabulary_size"] is None
+            and entry in TIME_ENTRIES
+            and not t["keyed"].get("times", False)
+        ):
             return self._keyed_entry(table, entry)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
         return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
@@ -934,8 +1039,9 @@ def _spec_of(manifest: dict) -> dict[str, Any]:
     """The engine spec a manifest holds (embengine.spec): the manifest without the
     checkpoint's own keys."""
     spec = {k: v for k, v in manifest.items() if k not in _CHECKPOINT_KEYS}
-    spec["tables"] = [{k: v for k, v in t.items() if k not in _CHECKPOINT_TABLE_KEYS}
-                      for t in manifest["tables"]]  # fmt: skip
+    spec["tables"] = [
+        {k: v for k, v in t.items() if k not in _CHECKPOINT_TABLE_KEYS} for t in manifest["tables"]
+    ]
     return spec
 
 

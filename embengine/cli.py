@@ -23,15 +23,17 @@ def _bench(args: argparse.Namespace) -> int:
         if name in KEYED_WORKLOADS:
             continue  # one table for all of them, below
         if name in DIST_WORKLOADS:
-            dist_results = run_distributed(name, steps=args.steps, warmup=args.warmup,
-                                           engine_optimizers=tuple(args.optimizers))  # fmt: skip
+            dist_results = run_distributed(
+                name, steps=args.steps, warmup=args.warmup, engine_optimizers=tuple(args.optimizers)
+            )
             print()
             print(format_distributed(name, dist_results))
             print(flush=True)
             continue
         if name in FLOOR_WORKLOADS:
-            floor_results = run_floor(steps=args.steps, warmup=args.warmup,
-                                      engine_optimizers=tuple(args.optimizers))  # fmt: skip
+            floor_results = run_floor(
+                steps=args.steps, warmup=args.warmup, engine_optimizers=tuple(args.optimizers)
+            )
             print()
             print(format_floor(floor_results))
             print(flush=True)
@@ -66,33 +68,55 @@ def _train(args: argparse.Namespace) -> int:
     from .training.options import TrainConfig, missing_packages
 
     cfg = TrainConfig(
-        dataset=args.dataset, model=args.model, optimizer=args.optimizer, lr=args.lr,
-        dense_lr=args.dense_lr, dim=args.dim, batch_size=args.batch_size, epochs=args.epochs,
-        patience=args.patience, steps=args.steps, embeddings=args.embeddings,
-        backend=args.backend, seed=args.seed,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume, keep=args.keep, plot=args.plot,
-        progress=not args.no_progress, nproc_per_node=args.nproc_per_node,
-        max_restarts=args.max_restarts, vocabulary=args.vocabulary,
-        synthetic={"examples_per_epoch": args.epoch_examples,
-                   "test_examples": args.test_examples,
-                   "vocabulary_scale": args.vocabulary_scale},
-    )  # fmt: skip
+        dataset=args.dataset,
+        model=args.model,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        dense_lr=args.dense_lr,
+        dim=args.dim,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        patience=args.patience,
+        steps=args.steps,
+        embeddings=args.embeddings,
+        backend=args.backend,
+        seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        keep=args.keep,
+        plot=args.plot,
+        progress=not args.no_progress,
+        nproc_per_node=args.nproc_per_node,
+        max_restarts=args.max_restarts,
+        vocabulary=args.vocabulary,
+        synthetic={
+            "examples_per_epoch": args.epoch_examples,
+            "test_examples": args.test_examples,
+            "vocabulary_scale": args.vocabulary_scale,
+        },
+    )
     try:
         cfg.check()  # every option, before torch is imported or any data read
         if args.baseline and cfg.embeddings != "engine":
-            raise ValueError("--baseline compares the engine's run with the plain torch DLRM; "
-                             "leave --embeddings at engine")  # fmt: skip
+            raise ValueError(
+                "--baseline compares the engine's run with the plain torch DLRM; "
+                "leave --embeddings at engine"
+            )
         world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
         if args.baseline and (cfg.nproc_per_node > 1 or world > 1):
-            raise ValueError("--baseline runs in one process; leave out --nproc-per-node "
-                             "(and torchrun)")  # fmt: skip
+            raise ValueError(
+                "--baseline runs in one process; leave out --nproc-per-node (and torchrun)"
+            )
     except ValueError as e:
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
     missing = missing_packages(cfg)
     if missing:
-        print(f"embengine train: error: needs {' and '.join(missing)}, not installed here: "
-              "pip install 'embengine[train]'", file=sys.stderr)  # fmt: skip
+        print(
+            f"embengine train: error: needs {' and '.join(missing)}, not installed here: "
+            "pip install 'embengine[train]'",
+            file=sys.stderr,
+        )
         return 2
     from .training.ranks import in_launched_rank, launch
 
@@ -109,8 +133,9 @@ def _train(args: argparse.Namespace) -> int:
             print(line)
         if args.baseline:
             print("the plain torch DLRM on the same data (--embeddings plain):", flush=True)
-            twin = train(replace(cfg, embeddings="plain", checkpoint_dir=None, resume=False,
-                                 plot=None))  # fmt: skip
+            twin = train(
+                replace(cfg, embeddings="plain", checkpoint_dir=None, resume=False, plot=None)
+            )
             print(twin.summary())
             print(format_comparison(cfg, result, twin))
     except (ValueError, FileNotFoundError) as e:
@@ -121,12 +146,12 @@ def _train(args: argparse.Namespace) -> int:
 
 def format_comparison(cfg, engine, twin) -> str:
     """The engine's run beside the plain torch DLRM's, each at its reported epoch."""
-    rows = [(f"embengine ({cfg.optimizer} tables)", engine),
-            ("plain torch DLRM (Adam)", twin)]  # fmt: skip
+    rows = [(f"embengine ({cfg.optimizer} tables)", engine), ("plain torch DLRM (Adam)", twin)]
     lines = [f"{'':28} {'test AUC':>8} {'logloss':>8} {'epoch':>5} {'seconds':>7}"]
     for name, r in rows:
-        lines.append(f"{name:28} {r.test_auc:8.4f} {r.test_logloss:8.4f} {r.best_epoch:5d} "
-                     f"{r.seconds:7.1f}")  # fmt: skip
+        lines.append(
+            f"{name:28} {r.test_auc:8.4f} {r.test_logloss:8.4f} {r.best_epoch:5d} {r.seconds:7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -137,13 +162,21 @@ def _export(args: argparse.Namespace) -> int:
     for item in args.table or []:
         name, _, comp = item.partition("=")
         if not comp:
-            print(f"embengine export: error: --table wants NAME=COMPRESSION, got {item!r}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"embengine export: error: --table wants NAME=COMPRESSION, got {item!r}",
+                file=sys.stderr,
+            )
             return 2
         per_table[name] = comp
     try:
-        report = export(args.checkpoint, args.out, args.compress, per_table, args.fixed_range,
-                        replace=args.replace)  # fmt: skip
+        report = export(
+            args.checkpoint,
+            args.out,
+            args.compress,
+            per_table,
+            args.fixed_range,
+            replace=args.replace,
+        )
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; OSError: disk full...
         print(f"embengine export: error: {e}", file=sys.stderr)
         return 2
@@ -181,23 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
         "first-step time, peak RSS and speed-ups.",
     )
     bench.add_argument(
-        "--workloads", nargs="+", default=[*WORKLOADS, *FLOOR_WORKLOADS],
+        "--workloads",
+        nargs="+",
+        default=[*WORKLOADS, *FLOOR_WORKLOADS],
         choices=[*WORKLOADS, *DIST_WORKLOADS, *FLOOR_WORKLOADS, *KEYED_WORKLOADS],
         help="workloads to run (default: all but W1-dist and the keyed ones, in one process; "
         "W1-dist: W1 on 1 process and on 2 ranks, in processes of its own; W1-floor: each "
         "optimizer's update kernel against the floor of its memory work; W1-keyed, W1-new, W4, "
         "insert: keyed tables against issue 15's targets, in one table)",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--scale", type=float, default=1.0,
+        "--scale",
+        type=float,
+        default=1.0,
         help="shrink the keyed workloads' vocabularies and batches by this factor (quick runs)",
-    )  # fmt: skip
+    )
     bench.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     bench.add_argument(
-        "--optimizers", nargs="+", default=list(ENGINE_OPTIMIZERS),
-        choices=list(ENGINE_OPTIMIZERS), help="embengine optimizers to time",
-    )  # fmt: skip
+        "--optimizers",
+        nargs="+",
+        default=list(ENGINE_OPTIMIZERS),
+        choices=list(ENGINE_OPTIMIZERS),
+        help="embengine optimizers to time",
+    )
     bench.add_argument(
         "--skip", nargs="*", default=[], choices=["torch", "fbgemm"], help="peers not to run"
     )
@@ -214,25 +254,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--dataset", default="movielens-100k", choices=DATASETS)
     train.add_argument("--model", default="dlrm", choices=list(MODEL_NAMES))
-    train.add_argument("--optimizer", default="ftrl", choices=list(ENGINE_OPTIMIZERS),
-                       help="the tables' optimizer (with --embeddings torch: sgd, adagrad, "
-                       "adam)")  # fmt: skip
-    train.add_argument("--lr", type=float, default=None,
-                       help="tables' learning rate (default, by optimizer: "
-                       + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")  # fmt: skip
+    train.add_argument(
+        "--optimizer",
+        default="ftrl",
+        choices=list(ENGINE_OPTIMIZERS),
+        help="the tables' optimizer (with --embeddings torch: sgd, adagrad, adam)",
+    )
+    train.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="tables' learning rate (default, by optimizer: "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
+        + ")",
+    )
     train.add_argument("--dense-lr", type=float, default=1e-3, help="torch Adam's learning rate")
     train.add_argument("--dim", type=int, default=16, help="embedding width")
     train.add_argument("--batch-size", type=int, default=256)
     what = train.add_mutually_exclusive_group()
     what.add_argument("--epochs", type=int, default=5, help="at most this many epochs")
     what.add_argument("--steps", type=int, default=None, help="stop after this many steps")
-    train.add_argument("--patience", type=int, default=2,
-                       help="stop after this many epochs without a better validation AUC (0: "
-                       "never); the summary reports the best validation epoch")  # fmt: skip
-    train.add_argument("--embeddings", default="engine", choices=list(EMBEDDINGS),
-                       help="engine (default); torch: nn.EmbeddingBag(sparse=True) + the torch "
-                       "optimizer of --optimizer; plain: the plain torch DLRM (dense "
-                       "nn.EmbeddingBag tables, one Adam at --dense-lr for all)")  # fmt: skip
+    train.add_argument(
+        "--patience",
+        type=int,
+        default=2,
+        help="stop after this many epochs without a better validation AUC (0: "
+        "never); the summary reports the best validation epoch",
+    )
+    train.add_argument(
+        "--embeddings",
+        default="engine",
+        choices=list(EMBEDDINGS),
+        help="engine (default); torch: nn.EmbeddingBag(sparse=True) + the torch "
+        "optimizer of --optimizer; plain: the plain torch DLRM (dense "
+        "nn.EmbeddingBag tables, one Adam at --dense-lr for all)",
+    )
     train.add_argument(
         "--baseline",
         action="store_true",
@@ -240,9 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--backend", default="numba", choices=["numba", "reference"])
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--checkpoint-dir", default=None,
-                       help="save a checkpoint (engine tables, dense model, optimizer, data "
-                       "position) after every epoch")  # fmt: skip
+    train.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save a checkpoint (engine tables, dense model, optimizer, data "
+        "position) after every epoch",
+    )
     train.add_argument(
         "--resume",
         action="store_true",
@@ -253,18 +312,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", default=None, metavar="FILE.png", help="write loss and AUC curves to this PNG"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                       help="train on N processes of this machine (torchrun, gloo), tables "
-                            "sharded, each rank on its slice of every batch: the same run as "
-                            "one process, up to float rounding")  # fmt: skip
-    train.add_argument("--vocabulary", default="fixed", choices=["fixed", "dynamic"],
-                       help="dynamic: keyed tables (any int64 id; rows made as ids arrive) fed "
-                            "the raw ids, MovieLens' as in its files and its other tokens "
-                            "hashed to 64 bits; prints each table's stats at the end")  # fmt: skip
-    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                       help="with --nproc-per-node: start every rank again, up to K times, "
-                            "after one fails; with --checkpoint-dir DIR --resume they go on from "
-                            "the newest checkpoint")  # fmt: skip
+    train.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train on N processes of this machine (torchrun, gloo), tables "
+        "sharded, each rank on its slice of every batch: the same run as "
+        "one process, up to float rounding",
+    )
+    train.add_argument(
+        "--vocabulary",
+        default="fixed",
+        choices=["fixed", "dynamic"],
+        help="dynamic: keyed tables (any int64 id; rows made as ids arrive) fed "
+        "the raw ids, MovieLens' as in its files and its other tokens "
+        "hashed to 64 bits; prints each table's stats at the end",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc-per-node: start every rank again, up to K times, "
+        "after one fails; with --checkpoint-dir DIR --resume they go on from "
+        "the newest checkpoint",
+    )
     syn = train.add_argument_group("synthetic data")
     syn.add_argument("--epoch-examples", type=int, default=1_000_000)
     syn.add_argument("--test-examples", type=int, default=100_000)

@@ -27,8 +27,11 @@ def _format_of(path: Path) -> str:
 
 def _tensors(file: Path) -> list[str]:
     header, _ = read_header(file)
-    return [f"    {name:36s} {info['dtype']:5s} {info['shape']}"
-            for name, info in header.items() if name != "__metadata__"]  # fmt: skip
+    return [
+        f"    {name:36s} {info['dtype']:5s} {info['shape']}"
+        for name, info in header.items()
+        if name != "__metadata__"
+    ]
 
 
 def _keyed_stats(keyed: dict) -> str:
@@ -54,15 +57,21 @@ def describe(path: str | Path, verify: bool = True) -> str:
         root = path
     else:
         root, manifest = read_manifest(path, verify)
-        lines.append(f"checkpoint {root}: step {manifest['step']}, seed {manifest['seed']}, "
-                     f"written by embengine {manifest['embengine_version']}")  # fmt: skip
+        lines.append(
+            f"checkpoint {root}: step {manifest['step']}, seed {manifest['seed']}, "
+            f"written by embengine {manifest['embengine_version']}"
+        )
         bad = [t["name"] for t in manifest["tables"] if t.get("finite") is False]
         if bad:
-            lines.append(f"NaN or Inf in tables {bad} when written (keep=N keeps the newest "
-                         "finite checkpoint besides this one)")  # fmt: skip
+            lines.append(
+                f"NaN or Inf in tables {bad} when written (keep=N keeps the newest "
+                "finite checkpoint besides this one)"
+            )
     total = sum(f["bytes"] for f in manifest["files"].values())
-    lines.append(f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "
-                 + ("verified" if verify else "not checked"))  # fmt: skip
+    lines.append(
+        f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "
+        + ("verified" if verify else "not checked")
+    )
     for t in manifest["tables"]:
         if t["vocabulary_size"] is None:  # keyed: its rows are its keys
             head = f"table {t['name']!r}: keyed, {_keyed_stats(t['keyed'])} x {t['dim']}"
@@ -77,8 +86,12 @@ def describe(path: str | Path, verify: bool = True) -> str:
             head += f", compression {t['compression']}"
         lines.append(head)
         lines.extend(_tensors(root / t["file"]))
-    lines.append("features: " + ", ".join(
-        f"{f['name']} -> {f['table']}" + (f" (sequence {f['max_sequence_length']})"
-                                          if f["max_sequence_length"] else "")
-        for f in manifest["features"]))  # fmt: skip
+    lines.append(
+        "features: "
+        + ", ".join(
+            f"{f['name']} -> {f['table']}"
+            + (f" (sequence {f['max_sequence_length']})" if f["max_sequence_length"] else "")
+            for f in manifest["features"]
+        )
+    )
     return "\n".join(lines)

@@ -84,9 +84,14 @@ DEFAULT_EXPIRE_TIME = 36500
 SECONDS_PER_DAY = 86400
 
 
-def dynamic_vocabulary(occurrence_threshold: int = 0, expire_time: int = DEFAULT_EXPIRE_TIME, *,
-                       steps_per_day: int | None = None, max_rows: int | None = None,
-                       eviction: str = "lru") -> DynamicVocabulary:  # fmt: skip
+def dynamic_vocabulary(
+    occurrence_threshold: int = 0,
+    expire_time: int = DEFAULT_EXPIRE_TIME,
+    *,
+    steps_per_day: int | None = None,
+    max_rows: int | None = None,
+    eviction: str = "lru",
+) -> DynamicVocabulary:
     """A keyed table's rules from a Monolith slot's ``occurrence_threshold`` and
     ``expire_time`` (days of data time, default 36500), inserting on the update as Monolith
     does (a new key looks up as zeros until its first update).
@@ -95,16 +100,23 @@ def dynamic_vocabulary(occurrence_threshold: int = 0, expire_time: int = DEFAULT
     time: every training lookup then carries ``timestamp=`` (seconds). Without timestamps,
     steps count: ``steps_per_day=k`` maps it to ``expire_steps = expire_time * k``.
     ``max_rows`` and ``eviction`` are embengine's (Monolith has no row bound)."""
-    for name, v, low in (("occurrence_threshold", occurrence_threshold, 0),
-                         ("expire_time", expire_time, 1)):  # fmt: skip
+    for name, v, low in (
+        ("occurrence_threshold", occurrence_threshold, 0),
+        ("expire_time", expire_time, 1),
+    ):
         _checks.integer("dynamic_vocabulary", name, v, minimum=low)
     if steps_per_day is not None:
         _checks.integer("dynamic_vocabulary", "steps_per_day", steps_per_day, minimum=1)
         timing = dict(expire_steps=int(expire_time) * int(steps_per_day))
     else:
         timing = dict(expire_seconds=int(expire_time) * SECONDS_PER_DAY)
-    return DynamicVocabulary(occurrence_threshold=int(occurrence_threshold), max_rows=max_rows,
-                             eviction=eviction, insert_on="apply", **timing)  # fmt: skip
+    return DynamicVocabulary(
+        occurrence_threshold=int(occurrence_threshold),
+        max_rows=max_rows,
+        eviction=eviction,
+        insert_on="apply",
+        **timing,
+    )
 
 
 @dataclass(frozen=True)
@@ -120,10 +132,10 @@ class Warmup:
 
 def _lr(value, default: float, warmup_steps: int = 0):
     lr = default if value is None else value
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if warmup_steps and not callable(lr):
-        return Warmup(float(lr), warmup_steps)
+        return Warmup(float(lr), int(warmup_steps))
     return lr
 
 
@@ -141,9 +153,14 @@ def SgdOptimizer(learning_rate=None) -> _opt.SGD:  # noqa: N802 (Monolith's name
 HESSIAN_COMPRESSION = ("embengine", "monolith")
 
 
-def AdagradOptimizer(learning_rate=None, initial_accumulator_value=None,  # noqa: N802
-                     hessian_compression_times=1, warmup_steps=0, weight_decay_factor=0.0,
-                     hessian_compression="embengine") -> _opt.Adagrad:  # fmt: skip
+def AdagradOptimizer(
+    learning_rate=None,
+    initial_accumulator_value=None,  # noqa: N802
+    hessian_compression_times=1,
+    warmup_steps=0,
+    weight_decay_factor=0.0,
+    hessian_compression="embengine",
+) -> _opt.Adagrad:
     """Adagrad without epsilon, decay added to the gradient; defaults lr 0.001, accumulator 0.1.
 
     ``hessian_compression_times = k``: Monolith's proto documents it as one accumulator per k
@@ -153,12 +170,14 @@ def AdagradOptimizer(learning_rate=None, initial_accumulator_value=None,  # noqa
     ``n += mean_group(g^2); w -= lr g / sqrt(n)`` (k = dim: row-wise Adagrad).
     ``hessian_compression="monolith"`` does what Monolith's code does: k is accepted and
     ignored, so results match a Monolith job bit for bit in its semantics (k = 1)."""
-    _checks.choice("AdagradOptimizer", "hessian_compression", hessian_compression,
-                   HESSIAN_COMPRESSION)  # fmt: skip
+    _checks.choice(
+        "AdagradOptimizer", "hessian_compression", hessian_compression, HESSIAN_COMPRESSION
+    )
     if hessian_compression == "monolith":
         # Checked as Adagrad checks it, then dropped: Monolith's C++ accepts it, never reads it.
-        _checks.integer("AdagradOptimizer", "hessian_compression_times",
-                        hessian_compression_times, minimum=1)  # fmt: skip
+        _checks.integer(
+            "AdagradOptimizer", "hessian_compression_times", hessian_compression_times, minimum=1
+        )
         hessian_compression_times = 1
     return _opt.Adagrad(
         _lr(learning_rate, 0.001, warmup_steps),
@@ -168,59 +187,111 @@ def AdagradOptimizer(learning_rate=None, initial_accumulator_value=None,  # noqa
     )
 
 
-def AdamOptimizer(learning_rate=None, beta1=0.9, beta2=0.99, use_beta1_warmup=False,  # noqa: N802
-                  weight_decay_factor=0.0, use_nesterov=False, epsilon=0.01,
-                  warmup_steps=0) -> _opt.Adam:  # fmt: skip
+def AdamOptimizer(
+    learning_rate=None,
+    beta1=0.9,
+    beta2=0.99,
+    use_beta1_warmup=False,  # noqa: N802
+    weight_decay_factor=0.0,
+    use_nesterov=False,
+    epsilon=0.01,
+    warmup_steps=0,
+) -> _opt.Adam:
     """Adam with per-id bias correction and epsilon outside the sqrt (lr default 0.01).
     ``use_beta1_warmup`` is accepted and, as in Monolith, has no effect."""
     return _opt.Adam(
-        _lr(learning_rate, 0.01, warmup_steps), beta1, beta2, epsilon,
-        sum_inside_sqrt=False, use_nesterov=use_nesterov, bias_correction="per_row",
+        _lr(learning_rate, 0.01, warmup_steps),
+        beta1,
+        beta2,
+        epsilon,
+        sum_inside_sqrt=False,
+        use_nesterov=use_nesterov,
+        bias_correction="per_row",
         **_decay(weight_decay_factor),
-    )  # fmt: skip
+    )
 
 
-def AmsgradOptimizer(learning_rate=None, beta1=0.9, beta2=0.99, weight_decay_factor=0.0,  # noqa: N802
-                     use_nesterov=False, epsilon=0.01, warmup_steps=0) -> _opt.AMSGrad:  # fmt: skip
+def AmsgradOptimizer(
+    learning_rate=None,
+    beta1=0.9,
+    beta2=0.99,
+    weight_decay_factor=0.0,  # noqa: N802
+    use_nesterov=False,
+    epsilon=0.01,
+    warmup_steps=0,
+) -> _opt.AMSGrad:
     """AMSGrad: Adam (as above) dividing by the running maximum of v."""
     return _opt.AMSGrad(
-        _lr(learning_rate, 0.01, warmup_steps), beta1, beta2, epsilon,
-        sum_inside_sqrt=False, use_nesterov=use_nesterov, bias_correction="per_row",
+        _lr(learning_rate, 0.01, warmup_steps),
+        beta1,
+        beta2,
+        epsilon,
+        sum_inside_sqrt=False,
+        use_nesterov=use_nesterov,
+        bias_correction="per_row",
         **_decay(weight_decay_factor),
-    )  # fmt: skip
+    )
 
 
-def MomentumOptimizer(learning_rate=None, weight_decay_factor=0.0, use_nesterov=False,  # noqa: N802
-                      momentum=0.9, warmup_steps=0) -> _opt.Momentum:  # fmt: skip
+def MomentumOptimizer(
+    learning_rate=None,
+    weight_decay_factor=0.0,
+    use_nesterov=False,  # noqa: N802
+    momentum=0.9,
+    warmup_steps=0,
+) -> _opt.Momentum:
     """Momentum with the learning rate inside the velocity (lr default 0.01)."""
     return _opt.Momentum(
-        _lr(learning_rate, 0.01, warmup_steps), momentum, use_nesterov,
-        velocity_includes_learning_rate=True, **_decay(weight_decay_factor),
-    )  # fmt: skip
+        _lr(learning_rate, 0.01, warmup_steps),
+        momentum,
+        use_nesterov,
+        velocity_includes_learning_rate=True,
+        **_decay(weight_decay_factor),
+    )
 
 
-def RmspropOptimizer(learning_rate=None, weight_decay_factor=0.0,  # noqa: N802
-                     momentum=0.9) -> _opt.RMSProp:  # fmt: skip
+def RmspropOptimizer(
+    learning_rate=None,
+    weight_decay_factor=0.0,  # noqa: N802
+    momentum=0.9,
+) -> _opt.RMSProp:
     """Monolith's RMSProp: ``n = m n + (1 - m) g^2; w -= lr g / (sqrt(n) + 1)`` with
     ``m = momentum``; its learning rate is static (lr default 0.01)."""
     return _opt.RMSProp(
-        _lr(learning_rate, 0.01), rho=momentum, momentum=0.0, epsilon=1.0,
-        sum_inside_sqrt=False, initial_ms_value=0.0, **_decay(weight_decay_factor),
-    )  # fmt: skip
+        _lr(learning_rate, 0.01),
+        rho=momentum,
+        momentum=0.0,
+        epsilon=1.0,
+        sum_inside_sqrt=False,
+        initial_ms_value=0.0,
+        **_decay(weight_decay_factor),
+    )
 
 
-def AdadeltaOptimizer(learning_rate=None, weight_decay_factor=0.0, averaging_ratio=0.9,  # noqa: N802
-                      epsilon=0.01, warmup_steps=0) -> _opt.Adadelta:  # fmt: skip
+def AdadeltaOptimizer(
+    learning_rate=None,
+    weight_decay_factor=0.0,
+    averaging_ratio=0.9,  # noqa: N802
+    epsilon=0.01,
+    warmup_steps=0,
+) -> _opt.Adadelta:
     """Adadelta with rho = averaging_ratio (lr default 0.01)."""
     return _opt.Adadelta(
-        _lr(learning_rate, 0.01, warmup_steps), averaging_ratio, epsilon,
+        _lr(learning_rate, 0.01, warmup_steps),
+        averaging_ratio,
+        epsilon,
         **_decay(weight_decay_factor),
-    )  # fmt: skip
+    )
 
 
-def FtrlOptimizer(learning_rate=None, initial_accumulator_value=None, beta=None,  # noqa: N802
-                  warmup_steps=0, l1_regularization=None,
-                  l2_regularization=None) -> _opt.FTRL:  # fmt: skip
+def FtrlOptimizer(
+    learning_rate=None,
+    initial_accumulator_value=None,
+    beta=None,  # noqa: N802
+    warmup_steps=0,
+    l1_regularization=None,
+    l2_regularization=None,
+) -> _opt.FTRL:
     """FTRL-proximal ``w = lr (sign(z) l1 - z) / (sqrt(n) + beta + l2 lr)`` (lr default 0.01;
     see the module docstring for the sign fix and the l2 mapping)."""
     l2 = 0.0 if l2_regularization is None else l2_regularization

@@ -83,8 +83,9 @@ class Preprocessor:
     ):
         self._resolved = _preparation_configs(resolved)
         # Per storage table, its features and the row at which their table starts in it.
-        self._storage_layout = [[(str(n), int(o)) for n, o in members]
-                                for members in storage_layout]  # fmt: skip
+        self._storage_layout = [
+            [(str(n), int(o)) for n, o in members] for members in storage_layout
+        ]
         self._backend_name = backend
         # The backend's own construction, as engine.preprocess calls it.
         self._build_tables = make_backend(backend).build_tables
@@ -116,8 +117,14 @@ class Preprocessor:
         lookup-only batch."""
         if not isinstance(features, Mapping) and is_keyed_jagged(features):
             features = keyed_jagged_to_features(features)
-        return prepare(self._resolved, features, weights, self._build_tables,
-                       self._storage_layout, deduplicate=training)  # fmt: skip
+        return prepare(
+            self._resolved,
+            features,
+            weights,
+            self._build_tables,
+            self._storage_layout,
+            deduplicate=training,
+        )
 
     # Pickled (spawned workers): the configs and the backend's name; the backend's batch
     # memory is a cache and starts empty in the copy.

@@ -141,8 +141,9 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     for name, info in header.items():
         if name == "__metadata__":
             if not isinstance(info, dict):
-                raise ValueError(f"{path}: corrupt safetensors header (__metadata__ is "
-                                 f"{type(info).__name__})")  # fmt: skip
+                raise ValueError(
+                    f"{path}: corrupt safetensors header (__metadata__ is {type(info).__name__})"
+                )
             continue
         problem = _entry_problem(info, size - start)
         if problem is not None:
@@ -150,8 +151,12 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return header, start
 
 
-def read_tensor(path: str | Path, name: str, out: np.ndarray | None = None,
-                header: tuple[dict, int] | None = None) -> np.ndarray:  # fmt: skip
+def read_tensor(
+    path: str | Path,
+    name: str,
+    out: np.ndarray | None = None,
+    header: tuple[dict, int] | None = None,
+) -> np.ndarray:
     """Tensor ``name`` of a file: copied chunk by chunk into ``out`` (any writable array or
     strided view of the right shape), or returned as a read-only memory map.
 

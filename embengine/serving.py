@@ -122,8 +122,9 @@ def _rowwise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes.astype(np.int8), scale.astype(np.float32), lo.astype(np.float32)
 
 
-def decode(arrays: Mapping[str, np.ndarray], compression: str, rows: np.ndarray,
-           params: Mapping) -> np.ndarray:  # fmt: skip
+def decode(
+    arrays: Mapping[str, np.ndarray], compression: str, rows: np.ndarray, params: Mapping
+) -> np.ndarray:
     """float32 values of ``rows`` of a stored table."""
     if compression == "fp32":
         return np.asarray(arrays["weights"][rows], dtype=np.float32)
@@ -166,8 +167,10 @@ class ExportReport:
     rows: list[dict]  # per table: name, compression, bytes before / after, max abs error
 
     def format(self) -> str:
-        lines = [f"{'table':20s} {'compression':12s} {'fp32 MiB':>10s} {'export MiB':>10s} "
-                 f"{'ratio':>6s} {'max abs error':>14s}"]  # fmt: skip
+        lines = [
+            f"{'table':20s} {'compression':12s} {'fp32 MiB':>10s} {'export MiB':>10s} "
+            f"{'ratio':>6s} {'max abs error':>14s}"
+        ]
         for r in self.rows:
             before, after = r["bytes_before"], r["bytes_after"]
             lines.append(
@@ -192,8 +195,12 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
         return {"weights": weights}, 0.0
     out: dict[str, np.ndarray] = {}
     if compression in ("fp16", "bf16", "fixed_r8", "int8_rowwise"):
-        dtype = {"fp16": np.float16, "bf16": np.uint16, "fixed_r8": np.int8,
-                 "int8_rowwise": np.int8}[compression]  # fmt: skip
+        dtype = {
+            "fp16": np.float16,
+            "bf16": np.uint16,
+            "fixed_r8": np.int8,
+            "int8_rowwise": np.int8,
+        }[compression]
         out["weights"] = np.empty((vocab, dim), dtype=dtype)
     if compression == "int8_rowwise":
         out["scale"] = np.empty(vocab, dtype=np.float32)
@@ -303,12 +310,16 @@ def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
     manifest = _read_json_dict(out / "manifest.json")
     fmt = None if manifest is None else manifest.get("format")
     if fmt == CHECKPOINT_FORMAT:
-        raise ValueError(f"export folder {out} holds a checkpoint (manifest.json of format "
-                         f"{CHECKPOINT_FORMAT!r}); a checkpoint is {never}")  # fmt: skip
+        raise ValueError(
+            f"export folder {out} holds a checkpoint (manifest.json of format "
+            f"{CHECKPOINT_FORMAT!r}); a checkpoint is {never}"
+        )
     ckpts = [e for e in entries if e.startswith("ckpt-")]
     if ckpts:
-        raise ValueError(f"export folder {out} holds checkpoints ({_some(ckpts)}); a folder of "
-                         f"checkpoints is {never}")  # fmt: skip
+        raise ValueError(
+            f"export folder {out} holds checkpoints ({_some(ckpts)}); a folder of "
+            f"checkpoints is {never}"
+        )
     if not replace:
         raise ValueError(
             f"export folder {out} is not empty (it holds {_some(entries)}); pass --replace "
@@ -324,10 +335,12 @@ def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
     files = manifest.get("files")
     listed = {n for n in files if _plain_name(n)} if isinstance(files, dict) else set()
     foreign = [
-        e for e in entries
+        e
+        for e in entries
         if (e not in _EXPORT_OWN_FILES and e not in listed)
-        or (out / e).is_symlink() or not (out / e).is_file()
-    ]  # fmt: skip
+        or (out / e).is_symlink()
+        or not (out / e).is_file()
+    ]
     if foreign:
         raise ValueError(
             f"export folder {out} holds {_some(foreign)}, which its export manifest does not "
@@ -398,9 +411,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
-           per_table: Mapping[str, str] | None = None, fixed_range: float = 1.0,
-           replace: bool = False) -> ExportReport:  # fmt: skip
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    compress: str = "fp32",
+    per_table: Mapping[str, str] | None = None,
+    fixed_range: float = 1.0,
+    replace: bool = False,
+) -> ExportReport:
     """Write the weights of a checkpoint (no slots) to ``out``, each table compressed with
     ``per_table.get(name, compress)``.
 
@@ -456,18 +474,36 @@ def export(checkpoint: str | Path, out: str | Path, compress: str = "fp32",
             digest = write_safetensors(tmp / file, arrays, {"table": t["name"]})
             files[file] = {"sha256": digest}
             files[file]["bytes"] = (tmp / file).stat().st_size
-            tables.append({"name": t["name"], "vocabulary_size": t["vocabulary_size"],
-                           **({} if keys is None else {"keyed": {"rows": len(keys)}}),
-                           "dim": t["dim"], "combiner": t["combiner"], "compression": comp,
-                           "params": params, "quantization_config": t.get("quantization_config"),
-                           "file": file})  # fmt: skip
-            rows.append({"table": t["name"], "compression": comp,
-                         "bytes_before": weights.nbytes,
-                         "bytes_after": sum(a.nbytes for a in arrays.values()),
-                         "max_abs_error": worst})  # fmt: skip
-        manifest_out = {"format": SERVING_FORMAT, "format_version": SERVING_VERSION,
-                        "source_step": reader.step, "features": spec["features"],
-                        "tables": tables, "files": files}  # fmt: skip
+            tables.append(
+                {
+                    "name": t["name"],
+                    "vocabulary_size": t["vocabulary_size"],
+                    **({} if keys is None else {"keyed": {"rows": len(keys)}}),
+                    "dim": t["dim"],
+                    "combiner": t["combiner"],
+                    "compression": comp,
+                    "params": params,
+                    "quantization_config": t.get("quantization_config"),
+                    "file": file,
+                }
+            )
+            rows.append(
+                {
+                    "table": t["name"],
+                    "compression": comp,
+                    "bytes_before": weights.nbytes,
+                    "bytes_after": sum(a.nbytes for a in arrays.values()),
+                    "max_abs_error": worst,
+                }
+            )
+        manifest_out = {
+            "format": SERVING_FORMAT,
+            "format_version": SERVING_VERSION,
+            "source_step": reader.step,
+            "features": spec["features"],
+            "tables": tables,
+            "files": files,
+        }
         text = json.dumps(manifest_out, indent=1).encode()
         digest = hashlib.sha256(text).hexdigest().encode()
         for name, data in (("manifest.json", text), ("manifest.sha256", digest)):
@@ -510,9 +546,11 @@ _KINDS = {
     "object": (lambda v: isinstance(v, dict), "an object"),
     "object?": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "shape?": (lambda v: v is None or isinstance(v, list), "a list of ints or null"),
-    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
-               "a SHA-256 (64 lowercase hex digits)"),
-}  # fmt: skip
+    "sha256": (
+        lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+        "a SHA-256 (64 lowercase hex digits)",
+    ),
+}
 
 
 def _take(obj: dict, key: str, kind: str, where: str, file: Path):
@@ -553,8 +591,9 @@ def _check_schema(path: Path, manifest: dict) -> None:
         if any(o.get("name") == name for o in tables[:i]):
             raise CheckpointError(f"{file}: {where}: table name {name!r} appears twice")
         if t.get("vocabulary_size", 0) is None:  # keyed: its rows are its keys
-            _take(_take(t, "keyed", "object", where, file), "rows", "count", f"{where}['keyed']",
-                  file)  # fmt: skip
+            _take(
+                _take(t, "keyed", "object", where, file), "rows", "count", f"{where}['keyed']", file
+            )
         else:
             _take(t, "vocabulary_size", "size", where, file)
         _take(t, "dim", "size", where, file)
@@ -570,8 +609,12 @@ def _check_schema(path: Path, manifest: dict) -> None:
         params = _take(t, "params", "object", where, file)
         if comp == "fixed_r8":
             r = params.get("fixed_range")
-            if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r)
-                    and r > 0):  # fmt: skip
+            if not (
+                isinstance(r, int | float)
+                and not isinstance(r, bool)
+                and math.isfinite(r)
+                and r > 0
+            ):
                 raise CheckpointError(
                     f"{file}: {where}['params']['fixed_range'] must be a finite number > 0 for "
                     f"fixed_r8, got {r!r:.80}"
@@ -581,8 +624,7 @@ def _check_schema(path: Path, manifest: dict) -> None:
             try:
                 if sorted(q) != ["lower", "num_buckets", "upper"]:
                     raise ValueError(f"keys {sorted(q)}, expected lower, num_buckets, upper")
-                if not all(isinstance(q[k], int | float) and not isinstance(q[k], bool)
-                           for k in q):  # fmt: skip
+                if not all(isinstance(q[k], int | float) and not isinstance(q[k], bool) for k in q):
                     raise ValueError(f"values must be numbers, got {q}")
                 QuantizationConfig(**q)
             except (ValueError, TypeError) as e:
@@ -624,9 +666,12 @@ _STORED = {
     "fp16": {"weights": ("F16", lambda v, d: [v, d])},
     "bf16": {"weights": ("BF16", lambda v, d: [v, d])},
     "fixed_r8": {"weights": ("I8", lambda v, d: [v, d])},
-    "int8_rowwise": {"weights": ("I8", lambda v, d: [v, d]), "scale": ("F32", lambda v, d: [v]),
-                     "bias": ("F32", lambda v, d: [v])},
-}  # fmt: skip
+    "int8_rowwise": {
+        "weights": ("I8", lambda v, d: [v, d]),
+        "scale": ("F32", lambda v, d: [v]),
+        "bias": ("F32", lambda v, d: [v]),
+    },
+}
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "I64": 8}
 
 
@@ -681,9 +726,11 @@ def _check_tensors(path: Path, manifest: dict) -> None:
                 keys = read_tensor(file, "keys", header=(header, start))
                 bad = np.flatnonzero(keys[1:] <= keys[:-1])
                 if len(bad):
-                    raise ValueError(f"key {keys[bad[0] + 1]} at position {bad[0] + 1} is not "
-                                     "greater than the one before; keys must be sorted and "
-                                     "distinct")  # fmt: skip
+                    raise ValueError(
+                        f"key {keys[bad[0] + 1]} at position {bad[0] + 1} is not "
+                        "greater than the one before; keys must be sorted and "
+                        "distinct"
+                    )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
@@ -699,9 +746,12 @@ def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], Resolv
         q = t.get("quantization_config")
         try:
             configs[t["name"]] = TableConfig(
-                t["vocabulary_size"], t["dim"], combiner=t["combiner"], name=t["name"],
+                t["vocabulary_size"],
+                t["dim"],
+                combiner=t["combiner"],
+                name=t["name"],
                 quantization_config=None if q is None else QuantizationConfig(**q),
-            )  # fmt: skip
+            )
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{file}: tables[{i}] ({t['name']!r}): {e}") from None
     features = {}
@@ -711,9 +761,12 @@ def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], Resolv
             raise CheckpointError(f"{where}: feature name {f['name']!r} appears twice")
         try:
             features[f["name"]] = FeatureConfig(
-                configs[f["table"]], f["max_sequence_length"], f["validate_weights_and_indices"],
-                None if f["output_shape"] is None else tuple(f["output_shape"]), name=f["name"],
-            )  # fmt: skip
+                configs[f["table"]],
+                f["max_sequence_length"],
+                f["validate_weights_and_indices"],
+                None if f["output_shape"] is None else tuple(f["output_shape"]),
+                name=f["name"],
+            )
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{where}: {e}") from None
     try:
@@ -777,8 +830,11 @@ class ServingEngine:
         for t in manifest["tables"]:
             file = path / t["file"]
             header = read_header(file)
-            arrays = {name: read_tensor(file, name, header=header)
-                      for name in header[0] if name != "__metadata__"}  # fmt: skip
+            arrays = {
+                name: read_tensor(file, name, header=header)
+                for name in header[0]
+                if name != "__metadata__"
+            }
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
         from .backends.numba_backend import NumbaBackend  # numba loads with a served engine
 
@@ -838,8 +894,13 @@ def _decode_ids(
     return out
 
 
-def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Mapping, dim: int,
-                  tb: TableBatch | LookupOnlyTableBatch):  # fmt: skip
+def _decoded_rows(
+    arrays: Mapping[str, np.ndarray],
+    compression: str,
+    params: Mapping,
+    dim: int,
+    tb: TableBatch | LookupOnlyTableBatch,
+):
     """(float32 rows, the batch with its ids renumbered into them): the decoded rows of every
     id the batch reads, so that only those are decompressed.
 
@@ -851,14 +912,16 @@ def _decoded_rows(arrays: Mapping[str, np.ndarray], compression: str, params: Ma
         return np.ascontiguousarray(rows, dtype=np.float32), renumbered
     ids = [p.ragged.ids for p in tb.parts]
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    rows = np.ascontiguousarray(_decode_ids(arrays, compression, all_ids, params, dim),
-                                dtype=np.float32)  # fmt: skip
+    rows = np.ascontiguousarray(
+        _decode_ids(arrays, compression, all_ids, params, dim), dtype=np.float32
+    )
     parts, base = [], 0
     for p in tb.parts:
         r = p.ragged
         n = len(r.ids)
-        local = Ragged(np.arange(base, base + n, dtype=np.int64), offsets=r.offsets,
-                       weights=r.weights)  # fmt: skip
+        local = Ragged(
+            np.arange(base, base + n, dtype=np.int64), offsets=r.offsets, weights=r.weights
+        )
         parts.append(dataclasses.replace(p, ragged=local, row_offset=0))
         base += n
     return rows, dataclasses.replace(tb, parts=tuple(parts))

@@ -153,20 +153,24 @@ def compressor_entry(cfg: TableConfig) -> dict:
     return {"compressor": {"compression": c.compression, "fixed_range": c.fixed_range}}
 
 
-def _table_config(t: Mapping, callables: Mapping[int, Callable],
-                  initializers: Mapping[str, _init.Initializer]) -> TableConfig:  # fmt: skip
+def _table_config(
+    t: Mapping, callables: Mapping[int, Callable], initializers: Mapping[str, _init.Initializer]
+) -> TableConfig:
     opt = optimizer_from_json(t["optimizer"], callables)
     q = t.get("quantization_config")
     dynamic = t.get("dynamic")  # only a keyed table's spec has it
     compressor = t.get("compressor")  # only a table that has one
     cfg = TableConfig(
-        t["vocabulary_size"], t["dim"],
+        t["vocabulary_size"],
+        t["dim"],
         initializer=initializer_from_json(t["initializer"], t["name"], initializers),
-        optimizer=opt, combiner=t["combiner"], name=t["name"],
+        optimizer=opt,
+        combiner=t["combiner"],
+        name=t["name"],
         quantization_config=None if q is None else QuantizationConfig(**q),
         dynamic=None if dynamic is None else DynamicVocabulary(**dynamic),
         compressor=None if compressor is None else Compressor(**compressor),
-    )  # fmt: skip
+    )
     return cfg
 
 
@@ -212,10 +216,11 @@ def feature_configs_from_spec(
                 raise SpecError(f"table {f['table']!r} is not one of {sorted(tables)}")
             shape = f.get("output_shape")
             features[name] = FeatureConfig(
-                tables[f["table"]], f.get("max_sequence_length", 0),
+                tables[f["table"]],
+                f.get("max_sequence_length", 0),
                 f.get("validate_weights_and_indices", True),
                 None if shape is None else tuple(shape),
-            )  # fmt: skip
+            )
         except KeyError as e:
             raise SpecError(f"features[{i}] ({name!r}): no key {e}") from None
         except (TypeError, ValueError) as e:
@@ -241,5 +246,8 @@ def engine_options(spec: Mapping[str, Any]) -> dict[str, Any]:
     nonfinite_gradients); specs of older checkpoints lack the last two (their defaults)."""
     if "seed" not in spec:
         raise SpecError("the spec has no 'seed'")
-    return {"seed": spec["seed"], "backend": spec.get("backend", "numba"),
-            "nonfinite_gradients": spec.get("nonfinite_gradients", "error")}  # fmt: skip
+    return {
+        "seed": spec["seed"],
+        "backend": spec.get("backend", "numba"),
+        "nonfinite_gradients": spec.get("nonfinite_gradients", "error"),
+    }

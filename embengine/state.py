@@ -168,8 +168,9 @@ def check_state(
         raise TypeError(f"state must be a dict (from state_dict()), got {type(state).__name__}")
     unknown = [k for k in state if k not in ("step", "learning_rates", "tables")]
     if unknown:
-        raise ValueError(f"state has unknown keys {unknown}; a state has 'step', "
-                         "'learning_rates' and 'tables'")  # fmt: skip
+        raise ValueError(
+            f"state has unknown keys {unknown}; a state has 'step', 'learning_rates' and 'tables'"
+        )
     step = state.get("step")
     if step is None:
         if strict:
@@ -181,15 +182,18 @@ def check_state(
     if tables is None and not strict:
         tables = {}
     if not isinstance(tables, Mapping):
-        raise TypeError(f"state['tables'] must be a dict of table name -> dict of arrays, got "
-                        f"{type(tables).__name__}")  # fmt: skip
+        raise TypeError(
+            f"state['tables'] must be a dict of table name -> dict of arrays, got "
+            f"{type(tables).__name__}"
+        )
     extra = [n for n in tables if n not in expected]
     if extra:
         raise ValueError(f"state has unknown tables {extra}; the engine has {list(expected)}")
     missing = [n for n in expected if n not in tables]
     if missing and strict:
-        raise ValueError(f"state has no entry for tables {missing} (strict=False leaves them "
-                         "as they are)")  # fmt: skip
+        raise ValueError(
+            f"state has no entry for tables {missing} (strict=False leaves them as they are)"
+        )
     copies = []
     for name, entries in expected.items():
         if name not in tables:
@@ -197,12 +201,14 @@ def check_state(
         given = tables[name]
         at = f"state['tables'][{name!r}]"
         if not isinstance(given, Mapping):
-            raise TypeError(f"{at} must be a dict of entry name -> array, got "
-                            f"{type(given).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{at} must be a dict of entry name -> array, got {type(given).__name__}"
+            )
         extra = [k for k in given if k not in entries]
         if extra:
-            raise ValueError(f"{at} has unknown entries {extra}; table {name!r} has "
-                             f"{list(entries)}")  # fmt: skip
+            raise ValueError(
+                f"{at} has unknown entries {extra}; table {name!r} has {list(entries)}"
+            )
         lacking = [k for k in entries if k not in given]
         if lacking and strict:
             raise ValueError(f"{at} has no {lacking} (strict=False leaves them as they are)")
@@ -213,8 +219,10 @@ def check_state(
                 continue
             value = given[key]
             if not isinstance(value, np.ndarray | TensorSource):
-                raise TypeError(f"{at}[{key!r}] must be a NumPy array or a TensorSource, got "
-                                f"{type(value).__name__}")  # fmt: skip
+                raise TypeError(
+                    f"{at}[{key!r}] must be a NumPy array or a TensorSource, got "
+                    f"{type(value).__name__}"
+                )
             got = tuple(value.shape)
             fits = len(got) == len(shape) and np.dtype(value.dtype) == dtype
             for size, want in zip(got, shape, strict=False):
@@ -245,8 +253,10 @@ def _check_learning_rates(lrs: Any, tag_is_callable: list[bool], strict: bool) -
         return  # optional: the tags come from the configuration, not from the state
     tags = lrs.get("tags") if isinstance(lrs, Mapping) else None
     if not isinstance(tags, list) or not all(isinstance(t, Mapping) for t in tags):
-        raise TypeError(f"state['learning_rates'] must be {{'tags': [{{'tag', 'callable'}}, "
-                        f"...]}}, got {lrs!r:.80}")  # fmt: skip
+        raise TypeError(
+            f"state['learning_rates'] must be {{'tags': [{{'tag', 'callable'}}, "
+            f"...]}}, got {lrs!r:.80}"
+        )
     if not strict:
         return
     theirs = [t.get("callable") is not None for t in tags]

@@ -87,10 +87,14 @@ def build(seed: int = 0) -> tuple[Model, torch.optim.Optimizer]:
     user = ee.TableConfig(N_USERS, DIM, name="user", combiner="sum")
     item = ee.TableConfig(N_ITEMS, DIM, name="item", combiner="mean")
     engine = ee.EmbeddingEngine(
-        {"user": ee.FeatureConfig(user), "item": ee.FeatureConfig(item),
-         "history": ee.FeatureConfig(item)},
-        optimizer=ee.optimizers.Adagrad(learning_rate=0.1), seed=seed,
-    )  # fmt: skip
+        {
+            "user": ee.FeatureConfig(user),
+            "item": ee.FeatureConfig(item),
+            "history": ee.FeatureConfig(item),
+        },
+        optimizer=ee.optimizers.Adagrad(learning_rate=0.1),
+        seed=seed,
+    )
     model = Model(engine)
     return model, torch.optim.Adam(model.top.parameters(), lr=0.01)
 
@@ -112,8 +116,11 @@ def train_epoch(model, dense_opt, batches) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--start-method", choices=multiprocessing.get_all_start_methods(),
-                   default=multiprocessing.get_start_method())  # fmt: skip
+    p.add_argument(
+        "--start-method",
+        choices=multiprocessing.get_all_start_methods(),
+        default=multiprocessing.get_start_method(),
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=20_000)
@@ -123,20 +130,27 @@ def main() -> None:
     data = Clicks(args.samples)
     model, dense_opt = build()
     pre = model.embeddings.preprocessor()
-    print(f"{pre!r}: {len(pickle.dumps(pre))} bytes pickled, the engine's tables "
-          f"{model.embeddings.engine.storage_bytes:,}")  # fmt: skip
+    print(
+        f"{pre!r}: {len(pickle.dumps(pre))} bytes pickled, the engine's tables "
+        f"{model.embeddings.engine.storage_bytes:,}"
+    )
     loader = torch.utils.data.DataLoader(
-        data, batch_size=args.batch_size, num_workers=args.workers,
+        data,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
         collate_fn=functools.partial(collate, pre=pre),
-        multiprocessing_context=args.start_method, timeout=300,
+        multiprocessing_context=args.start_method,
+        timeout=300,
         persistent_workers=args.workers > 0,  # a spawned worker takes seconds to start
-    )  # fmt: skip
+    )
 
     # The same model, same seed, with batches prepared in the main process.
     main_model, main_opt = build()
     main_pre = main_model.embeddings.preprocessor()
-    main_batches = [collate([data[i] for i in range(s, min(s + args.batch_size, len(data)))],
-                            main_pre) for s in range(0, len(data), args.batch_size)]  # fmt: skip
+    main_batches = [
+        collate([data[i] for i in range(s, min(s + args.batch_size, len(data)))], main_pre)
+        for s in range(0, len(data), args.batch_size)
+    ]
 
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
@@ -144,9 +158,11 @@ def main() -> None:
         t1 = time.perf_counter()
         main_loss = train_epoch(main_model, main_opt, main_batches)
         t2 = time.perf_counter()
-        print(f"epoch {epoch}: logloss {loss:.4f} with {args.workers} {args.start_method} "
-              f"workers ({t1 - t0:.2f} s), {main_loss:.4f} with batches prepared before "
-              f"({t2 - t1:.2f} s)")  # fmt: skip
+        print(
+            f"epoch {epoch}: logloss {loss:.4f} with {args.workers} {args.start_method} "
+            f"workers ({t1 - t0:.2f} s), {main_loss:.4f} with batches prepared before "
+            f"({t2 - t1:.2f} s)"
+        )
 
     same = all(
         np.array_equal(a, model.embeddings.engine.embedding_tables[name])

@@ -24,8 +24,13 @@ N_USERS, N_ITEMS, DIM, BATCH, STEPS = 2000, 500, 8, 512, 100
 
 
 def features():
-    user = ee.TableConfig(N_USERS, DIM, name="user", combiner="sum",
-                          optimizer=ee.optimizers.Adagrad(learning_rate=0.1))  # fmt: skip
+    user = ee.TableConfig(
+        N_USERS,
+        DIM,
+        name="user",
+        combiner="sum",
+        optimizer=ee.optimizers.Adagrad(learning_rate=0.1),
+    )
     item = ee.TableConfig(N_ITEMS, DIM, name="item", combiner="sum")
     return {"user_id": ee.FeatureConfig(user), "item_id": ee.FeatureConfig(item)}
 
@@ -65,8 +70,10 @@ def main() -> None:
         losses.append(train_step(engine, users[lo:hi], items[lo:hi], clicks[lo:hi]))
         if rank == 0 and (step % 25 == 0 or step == STEPS - 1):
             sent = sum(sum(c.values()) for c in engine.bytes_sent.values())
-            print(f"step {step:3d}  rank 0 logloss {np.mean(losses[-25:]) / (hi - lo):.4f}  "
-                  f"bytes sent by rank 0 this step {sent:,}")  # fmt: skip
+            print(
+                f"step {step:3d}  rank 0 logloss {np.mean(losses[-25:]) / (hi - lo):.4f}  "
+                f"bytes sent by rank 0 this step {sent:,}"
+            )
     contents = engine.table_contents()  # collective: every rank gathers the tables
     if rank == 0:
         single = ee.EmbeddingEngine(features(), optimizer=OPTIMIZER)
@@ -75,8 +82,10 @@ def main() -> None:
         for table, arrays in single.state_dict()["tables"].items():
             for key, want in arrays.items():
                 assert np.array_equal(contents["tables"][table][key], want), (table, key)
-        print(f"{world} ranks: every table and slot equals the single engine's after {STEPS} "
-              f"steps ({engine.plan})")  # fmt: skip
+        print(
+            f"{world} ranks: every table and slot equals the single engine's after {STEPS} "
+            f"steps ({engine.plan})"
+        )
     dist.destroy_process_group()
 
 

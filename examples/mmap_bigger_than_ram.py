@@ -30,15 +30,25 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/embengine-mmap")
     args = p.parse_args()
 
-    table = ee.TableConfig(args.rows, args.dim, name="big", combiner="sum",
-                           initializer=ee.initializers.RandomUniform(-0.01, 0.01))  # fmt: skip
+    table = ee.TableConfig(
+        args.rows,
+        args.dim,
+        name="big",
+        combiner="sum",
+        initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+    )
     t0 = time.perf_counter()
-    engine = ee.EmbeddingEngine({"ids": ee.FeatureConfig(table)},
-                                optimizer=ee.optimizers.Adagrad(0.05),
-                                storage="mmap", storage_dir=args.dir)  # fmt: skip
+    engine = ee.EmbeddingEngine(
+        {"ids": ee.FeatureConfig(table)},
+        optimizer=ee.optimizers.Adagrad(0.05),
+        storage="mmap",
+        storage_dir=args.dir,
+    )
     size = engine.storage_bytes
-    print(f"table + slots: {size / 2**30:.2f} GiB in {args.dir}/big.f32, "
-          f"initialised in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    print(
+        f"table + slots: {size / 2**30:.2f} GiB in {args.dir}/big.f32, "
+        f"initialised in {time.perf_counter() - t0:.1f} s"
+    )
     rng = np.random.default_rng(0)
     bag = 20
     offsets = np.arange(0, args.batch_size * bag + 1, bag)

@@ -37,8 +37,11 @@ def _progress(every: int, label: str):
         done = sum(counts.values())
         if done % every == 0 or done == n:
             parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-            print(f"  {label}: {done}/{n} in {time.monotonic() - start:.0f} s ({parts})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {label}: {done}/{n} in {time.monotonic() - start:.0f} s ({parts})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     return show
 
@@ -49,12 +52,19 @@ def run_fuzz(args) -> dict:
     else:
         todo = cases.generate(args.cases, args.seed)
     print(f"fuzz: {len(todo)} cases (seed {args.seed})", file=sys.stderr, flush=True)
-    runner = Runner("case", todo, case_timeout=args.case_timeout, attribute=args.attribute,
-                    progress=_progress(500, "fuzz"))  # fmt: skip
+    runner = Runner(
+        "case",
+        todo,
+        case_timeout=args.case_timeout,
+        attribute=args.attribute,
+        progress=_progress(500, "fuzz"),
+    )
     start = time.monotonic()
     results = runner.run()
-    print(f"\n== Input fuzzing: {len(todo)} cases, {time.monotonic() - start:.0f} s, "
-          f"{runner.children_started} child processes ==")  # fmt: skip
+    print(
+        f"\n== Input fuzzing: {len(todo)} cases, {time.monotonic() - start:.0f} s, "
+        f"{runner.children_started} child processes =="
+    )
     print(report.fuzz_table(todo, results))
     print("\nFailures (outcome, count, path (backends), fault kind: one example):")
     print(report.fuzz_findings(todo, results, args.findings) or "none")
@@ -66,12 +76,19 @@ def run_crafted(args) -> dict:
         base = crafted.make_base(Path(tmp))
         todo = crafted.tasks(base, seed=args.seed, flips=args.flips)
         print(f"crafted: {len(todo)} tasks", file=sys.stderr, flush=True)
-        runner = Runner("ckpt", todo, case_timeout=args.case_timeout, attribute="alone",
-                        progress=_progress(200, "crafted"))  # fmt: skip
+        runner = Runner(
+            "ckpt",
+            todo,
+            case_timeout=args.case_timeout,
+            attribute="alone",
+            progress=_progress(200, "crafted"),
+        )
         results = runner.run()
-    print(f"\n== Crafted checkpoints and exports: {len(todo)} (mutation, operation) pairs, "
-          f"{len({json.dumps(t['mutation'], sort_keys=True) + t['target'] for t in todo})} "
-          "mutations ==")  # fmt: skip
+    print(
+        f"\n== Crafted checkpoints and exports: {len(todo)} (mutation, operation) pairs, "
+        f"{len({json.dumps(t['mutation'], sort_keys=True) + t['target'] for t in todo})} "
+        "mutations =="
+    )
     print(report.crafted_table(todo, results))
     print("\nNot refused (controls: not accepted unchanged), or refused slowly:")
     print(report.crafted_findings(todo, results, args.findings * 2) or "none")
@@ -106,20 +123,33 @@ def replay(index: int, seed: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", type=int, default=10_000, help="random fuzz cases (default 10000)")
-    p.add_argument("--stratified", type=int, default=0, metavar="K",
-                   help="instead: K cases of every (path, backend, fault kind)")  # fmt: skip
+    p.add_argument(
+        "--stratified",
+        type=int,
+        default=0,
+        metavar="K",
+        help="instead: K cases of every (path, backend, fault kind)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--case-timeout", type=float, default=30.0, help="seconds before a hang")
-    p.add_argument("--attribute", choices=("none", "alone", "bisect"), default="alone",
-                   help="how to find the case behind a crash (see _fuzz/runner.py)")  # fmt: skip
+    p.add_argument(
+        "--attribute",
+        choices=("none", "alone", "bisect"),
+        default="alone",
+        help="how to find the case behind a crash (see _fuzz/runner.py)",
+    )
     p.add_argument("--no-fuzz", action="store_true")
     p.add_argument("--no-crafted", action="store_true")
     p.add_argument("--flips", type=int, default=3, help="random bit flips per file and region")
     p.add_argument("--kills", type=int, default=30, help="SIGKILL rounds (0: none)")
     p.add_argument("--findings", type=int, default=60, help="failure groups to print")
     p.add_argument("--json", type=Path, help="write every case and result here")
-    p.add_argument("--replay", type=int, metavar="I", help="rerun case I of test_fuzz.py alone "
-                   "(with --seed 0, the test's seed)")  # fmt: skip
+    p.add_argument(
+        "--replay",
+        type=int,
+        metavar="I",
+        help="rerun case I of test_fuzz.py alone (with --seed 0, the test's seed)",
+    )
     args = p.parse_args(argv)
     if args.replay is not None:
         return replay(args.replay, args.seed if "--seed" in (argv or sys.argv) else 0)

@@ -7,8 +7,6 @@ import embengine as ee
 from embengine import initializers as init
 from embengine import optimizers as opt
 
-BACKENDS = ee.engine.BACKENDS
-
 
 def _engine(backend, **kw):
     user = ee.TableConfig(10, 2, name="user", optimizer=opt.Adagrad(0.1), combiner="sum")
@@ -78,7 +76,6 @@ LOOKUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("features, exc, message", LOOKUP_CASES)
 def test_bad_lookup_input_changes_nothing(backend, features, exc, message):
     eng = _engine(backend)
@@ -92,7 +89,6 @@ def test_bad_lookup_input_changes_nothing(backend, features, exc, message):
     assert eng.step == 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("features, exc, message", LOOKUP_CASES)
 def test_bad_input_is_refused_by_lookup_only_batches_too(backend, features, exc, message):
     # A lookup-only batch pools straight from the given ids: they must be checked first.
@@ -142,7 +138,6 @@ def _grad_cases():
     ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mutate, exc, message", _grad_cases())
 def test_bad_gradients_change_nothing(backend, mutate, exc, message):
     eng = _engine(backend)
@@ -166,7 +161,6 @@ def test_apply_gradients_without_lookup():
         eng.apply_gradients(grads)  # one update per lookup
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_lookup_only_batches_cannot_update(backend):
     eng = _engine(backend)
     grads = _good_grads(eng)
@@ -185,7 +179,6 @@ def test_lookup_only_batches_cannot_update(backend):
     assert _snapshot(eng) == before and eng.step == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_batch_update_consumes_the_pending_lookup(backend):
     # EmbeddingLayer looks up, then applies with batch=: the same batch must not update twice.
     eng = _engine(backend)
@@ -198,7 +191,6 @@ def test_explicit_batch_update_consumes_the_pending_lookup(backend):
     assert eng.step == 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_skip_row_leaves_rows_with_nonfinite_gradients_untouched(backend):
     eng = _engine(backend, nonfinite_gradients="skip_row")
     acts = eng.lookup({"u": [[1, 2], [3]], "hist": [[1], [2]], "i": [4, 5]})

@@ -5,32 +5,19 @@ batch from another engine (same names, bigger vocabulary) sent its ids to the ke
 read and wrote outside the table. The crashing calls run in a subprocess."""
 
 import pickle
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import embengine as ee
 from embengine import optimizers as opt
 
-ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ee.engine.BACKENDS
 
-
-def _run(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a crash or a hang must not take pytest with it)."""
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the subprocess did not finish in {timeout} s")
-
-
-def _engine(vocab=100, dim=4, backend="reference", packing=False, combiner="mean", seq=0,
-            output_shape=None):  # fmt: skip
+def _engine(
+    vocab=100, dim=4, backend="reference", packing=False, combiner="mean", seq=0, output_shape=None
+):
     sgd = opt.SGD(0.1, low_dimensional_packing_status=packing)
     u = ee.TableConfig(vocab, dim, name="tu", combiner=combiner)
     v = ee.TableConfig(vocab, dim, name="tv")
@@ -66,7 +53,6 @@ CALLS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "call, training",
     [("lookup", True), ("lookup", False), ("apply_gradients", True)],
@@ -74,9 +60,10 @@ CALLS = {
 def test_a_batch_from_an_engine_with_a_bigger_table_is_refused(backend, call, training):
     # Before: numba read (lookup) and wrote (update) rows 10**7 - 1 of a 100-row table, or
     # crashed; the reference backend raised an IndexError naming no feature.
-    code = SCRIPT.format(backend=backend, training=training,
-                         call=CALLS[call].format(training=training))  # fmt: skip
-    out = _run(code)
+    code = SCRIPT.format(
+        backend=backend, training=training, call=CALLS[call].format(training=training)
+    )
+    out = run_python(code)
     assert out.returncode == 1, (out.returncode, out.stdout, out.stderr[-2000:])
     assert "no error" not in out.stdout
     assert (
@@ -88,18 +75,30 @@ def test_a_batch_from_an_engine_with_a_bigger_table_is_refused(backend, call, tr
 @pytest.mark.parametrize(
     "other, message",
     [
-        (dict(vocab=1000), r"feature 'u': prepared for a table of 100 rows, this engine's has 1000"
-                           r"; feature 'v': prepared for a table of 100 rows"),
+        (
+            dict(vocab=1000),
+            r"feature 'u': prepared for a table of 100 rows, this engine's has 1000"
+            r"; feature 'v': prepared for a table of 100 rows",
+        ),
         (dict(dim=8), r"feature 'u': prepared for a table of dim 4, this engine's has dim 8"),
-        (dict(combiner="sum"), r"feature 'u': prepared for combiner 'mean', this engine's table "
-                               r"has 'sum'"),
+        (
+            dict(combiner="sum"),
+            r"feature 'u': prepared for combiner 'mean', this engine's table "
+            r"has 'sum'",
+        ),
         (dict(seq=3), r"feature 'u': prepared with max_sequence_length 0, this engine's is 3"),
-        (dict(output_shape=(1, 2)), r"feature 'u': prepared for output_shape None, this engine's "
-                                    r"is \[1, 2\]"),
-        (dict(packing=True), r"it was prepared with the tables stored as \[\[u@0\], \[v@0\]\], "
-                             r"this engine stores them as \[\[u@0, v@100\]\]"),
+        (
+            dict(output_shape=(1, 2)),
+            r"feature 'u': prepared for output_shape None, this engine's "
+            r"is \[1, 2\]",
+        ),
+        (
+            dict(packing=True),
+            r"it was prepared with the tables stored as \[\[u@0\], \[v@0\]\], "
+            r"this engine stores them as \[\[u@0, v@100\]\]",
+        ),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("training", [True, False])
 def test_the_error_says_what_differs(other, message, training):
     batch = _engine().preprocess(FEATURES, training=training)
@@ -116,18 +115,24 @@ def test_the_error_says_what_differs(other, message, training):
 def test_other_features_are_named_without_repeating_the_same_list():
     batch = _engine().preprocess(FEATURES)
     t = ee.TableConfig(100, 4, name="t")
-    other = ee.EmbeddingEngine({"v": ee.FeatureConfig(t), "u": ee.FeatureConfig(t)},
-                               optimizer=opt.SGD(0.1), backend="reference")  # fmt: skip
-    with pytest.raises(ValueError, match=r"features in the order \['u', 'v'\], this engine in the "
-                                         r"order \['v', 'u'\]"):  # fmt: skip
+    other = ee.EmbeddingEngine(
+        {"v": ee.FeatureConfig(t), "u": ee.FeatureConfig(t)},
+        optimizer=opt.SGD(0.1),
+        backend="reference",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"features in the order \['u', 'v'\], this engine in the "
+        r"order \['v', 'u'\]",
+    ):
         other.lookup(batch)
-    third = ee.EmbeddingEngine({"u": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1),
-                               backend="reference")  # fmt: skip
+    third = ee.EmbeddingEngine(
+        {"u": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1), backend="reference"
+    )
     with pytest.raises(ValueError, match=r"it has features \['u', 'v'\], this engine has \['u'\]"):
         third.lookup(batch)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_identical_engines_and_pickled_batches_are_accepted(backend):
     # A DataLoader worker prepares with a pickled copy of the engine; its batches come back
     # pickled. Same configs, same fingerprint: accepted, with the same results.
@@ -151,8 +156,11 @@ def test_a_batch_without_a_fingerprint_is_refused():
     eng = _engine()
     batch = eng.preprocess(FEATURES)
     bare = ee.PreparedBatch(batch.tables, batch.features)  # put together by hand
-    with pytest.raises(ValueError, match=r"does not record what it was prepared for \(it was not "
-                                         r"made by preprocess\(\)\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"does not record what it was prepared for \(it was not "
+        r"made by preprocess\(\)\)",
+    ):
         eng.lookup(bare)
     forged = ee.PreparedBatch(batch.tables[:1], batch.features, fingerprint=batch.fingerprint)
     with pytest.raises(ValueError, match="does not agree with its own fingerprint"):
@@ -161,14 +169,24 @@ def test_a_batch_without_a_fingerprint_is_refused():
         eng.apply_gradients({}, batch={})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_arrays_are_read_only(backend):
     eng = _engine(backend=backend)
-    for batch in (eng.preprocess(FEATURES), eng._lookup(FEATURES, None, True)[1],
-                  pickle.loads(pickle.dumps(eng.preprocess(FEATURES)))):  # fmt: skip
+    for batch in (
+        eng.preprocess(FEATURES),
+        eng._lookup(FEATURES, None, True)[1],
+        pickle.loads(pickle.dumps(eng.preprocess(FEATURES))),
+    ):
         for tb in batch.tables:
-            for name in ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                         "unique_offsets", "unique_gains", "unique_segments"):  # fmt: skip
+            for name in (
+                "unique_ids",
+                "inverse",
+                "gains",
+                "segments",
+                "output_offsets",
+                "unique_offsets",
+                "unique_gains",
+                "unique_segments",
+            ):
                 with pytest.raises(ValueError, match="read-only"):
                     getattr(tb, name)[:1] = 0
     lookup_only = eng.preprocess(FEATURES, training=False)
@@ -208,9 +226,12 @@ def test_ids_changed_after_a_lookup_only_preprocess_are_refused():
     ids = np.array([1, 2, 3, 4])
     batch = eng.preprocess({"u": ee.Ragged(ids, lengths=[2, 2]), "v": [5, 6]}, training=False)
     ids[2] = 10**9
-    with pytest.raises(ValueError, match=r"feature 'u': id 1000000000 at sample 1, position 0 "
-                                         r"\(ids\[2\]\) is out of range \[0, 100\); the ids were "
-                                         r"in range when the batch was prepared"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'u': id 1000000000 at sample 1, position 0 "
+        r"\(ids\[2\]\) is out of range \[0, 100\); the ids were "
+        r"in range when the batch was prepared",
+    ):
         eng.lookup(batch, training=False)
     ids[2] = 7  # in range again: the lookup reads the array as it is now
     np.testing.assert_array_equal(
@@ -231,7 +252,7 @@ batch = eng.preprocess({"u": ids}, training=False)
 ids[0] = 10**12
 print(eng.lookup(batch, training=False)["u"], flush=True)
 """
-    out = _run(code)
+    out = run_python(code)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "ValueError: feature 'u': id 1000000000000 at sample 0" in out.stderr
 
@@ -239,11 +260,16 @@ print(eng.lookup(batch, training=False)["u"], flush=True)
 def test_the_lookup_only_recheck_is_cheap():
     # Two reductions per feature; W1-lookup's batch has 8 features of 4096 x 20 ids.
     tables = {f"t{i}": ee.TableConfig(10**6, 8, name=f"t{i}") for i in range(8)}
-    eng = ee.EmbeddingEngine({f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables.values())},
-                             optimizer=opt.SGD(0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables.values())},
+        optimizer=opt.SGD(0.1),
+        backend="reference",
+    )
     rng = np.random.default_rng(0)
-    feats = {f"f{i}": ee.Ragged(rng.integers(0, 10**6, 4096 * 20), lengths=np.full(4096, 20))
-             for i in range(8)}  # fmt: skip
+    feats = {
+        f"f{i}": ee.Ragged(rng.integers(0, 10**6, 4096 * 20), lengths=np.full(4096, 20))
+        for i in range(8)
+    }
     batch = eng.preprocess(feats, training=False)
     eng._check_batch(batch)
     t = time.perf_counter()

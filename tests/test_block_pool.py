@@ -178,8 +178,11 @@ def test_carving_from_a_block_that_starts_off_a_cache_line():
 
 def _engine(backend: str) -> ee.EmbeddingEngine:
     tables = [ee.TableConfig(50, d, name=f"t{d}", combiner=c) for d, c in ((4, "sum"), (8, "mean"))]
-    feats = {"a": ee.FeatureConfig(tables[0]), "b": ee.FeatureConfig(tables[1]),
-             "s": ee.FeatureConfig(tables[0], max_sequence_length=3)}  # fmt: skip
+    feats = {
+        "a": ee.FeatureConfig(tables[0]),
+        "b": ee.FeatureConfig(tables[1]),
+        "s": ee.FeatureConfig(tables[0], max_sequence_length=3),
+    }
     return ee.EmbeddingEngine(feats, optimizer=opt.Adam(0.05), backend=backend)
 
 
@@ -195,21 +198,26 @@ def test_batches_on_recycled_memory_are_the_same_batches(monkeypatch):
     pool = fast._backend.batch_memory
     rng = np.random.default_rng(0)
     kept = fast.preprocess(_features(np.random.default_rng(99)))
-    kept_copy = [{k: np.array(v) for k, v in vars(tb).items() if isinstance(v, np.ndarray)}
-                 for tb in kept.tables]  # fmt: skip
+    kept_copy = [
+        {k: np.array(v) for k, v in vars(tb).items() if isinstance(v, np.ndarray)}
+        for tb in kept.tables
+    ]
     for step in range(6):
         feats = _features(rng)
         acts = fast.lookup(feats)
         expected = ref.lookup(feats)
         for k in acts:
             np.testing.assert_allclose(acts[k], expected[k], rtol=1e-5, atol=1e-7)
-        grads = {k: np.cos(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
-                 for k, v in acts.items()}  # fmt: skip
+        grads = {
+            k: np.cos(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
+            for k, v in acts.items()
+        }
         fast.apply_gradients(grads)
         ref.apply_gradients(grads)
     for name in ref.table_names:
-        np.testing.assert_allclose(fast.embedding_tables[name], ref.embedding_tables[name],
-                                   rtol=1e-5, atol=1e-7)  # fmt: skip
+        np.testing.assert_allclose(
+            fast.embedding_tables[name], ref.embedding_tables[name], rtol=1e-5, atol=1e-7
+        )
     # The batch held all along was never written over by the later ones.
     for tb, saved in zip(kept.tables, kept_copy, strict=True):
         for k, v in saved.items():

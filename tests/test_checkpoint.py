@@ -23,7 +23,6 @@ import embengine as ee
 from embengine import checkpoint as ckpt_mod
 from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from embengine.engine import BACKENDS
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,44 +95,68 @@ def _small_engine(backend="reference", optimizer=None, vocab=20, dim=4, **kw):
 # -- 1. every optimizer's slots round trip ---------------------------------------------------------
 
 OPTIMIZER_CASES = {
-    "SGD": (O.SGD(learning_rate=0.1, clipvalue=(-0.5, None), weight_decay_factor=0.01,
-                  clip_weight_min=-2.0, clip_weight_max=2.0), 4),
+    "SGD": (
+        O.SGD(
+            learning_rate=0.1,
+            clipvalue=(-0.5, None),
+            weight_decay_factor=0.01,
+            clip_weight_min=-2.0,
+            clip_weight_max=2.0,
+        ),
+        4,
+    ),
     "Adagrad": (O.Adagrad(learning_rate=0.1), 4),
     "Adagrad-hct2": (O.Adagrad(learning_rate=0.1, hessian_compression_times=2), 4),
     "Adagrad-rowwise": (O.Adagrad(learning_rate=0.1, hessian_compression_times=4), 4),
-    "AdagradMomentum": (O.AdagradMomentum(learning_rate=0.1, momentum=0.9, use_nesterov=True,
-                                          beta2=0.99), 4),
-    "ProximalAdagrad": (O.ProximalAdagrad(learning_rate=0.1, l1_regularization_strength=0.01,
-                                          l2_regularization_strength=0.02), 4),
+    "AdagradMomentum": (
+        O.AdagradMomentum(learning_rate=0.1, momentum=0.9, use_nesterov=True, beta2=0.99),
+        4,
+    ),
+    "ProximalAdagrad": (
+        O.ProximalAdagrad(
+            learning_rate=0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.02
+        ),
+        4,
+    ),
     "Adam": (O.Adam(learning_rate=0.05), 4),
     "Adam-per_row": (O.Adam(learning_rate=0.05, bias_correction="per_row"), 4),
-    "Adam-global-nonlazy": (O.Adam(learning_rate=0.05, bias_correction="global",
-                                   lazy_adam=False, use_nesterov=True), 4),
+    "Adam-global-nonlazy": (
+        O.Adam(learning_rate=0.05, bias_correction="global", lazy_adam=False, use_nesterov=True),
+        4,
+    ),
     "AMSGrad": (O.AMSGrad(learning_rate=0.05), 4),
     "AMSGrad-per_row": (O.AMSGrad(learning_rate=0.05, bias_correction="per_row"), 4),
     "Lion": (O.Lion(learning_rate=0.01), 4),
-    "FTRL": (O.FTRL(learning_rate=0.1, l1_regularization_strength=0.01, beta=0.1,
-                    l2_regularization_strength=0.01), 4),
+    "FTRL": (
+        O.FTRL(
+            learning_rate=0.1,
+            l1_regularization_strength=0.01,
+            beta=0.1,
+            l2_regularization_strength=0.01,
+        ),
+        4,
+    ),
     "Momentum": (O.Momentum(learning_rate=0.1, momentum=0.9, use_nesterov=True), 4),
     "RMSProp-centered": (O.RMSProp(learning_rate=0.01, momentum=0.5, centered=True), 4),
     "Adadelta": (O.Adadelta(learning_rate=1.0), 4),
     "Assign": (O.Assign(), 4),
     "FrequencyEstimator": (O.FrequencyEstimator(tau=0.2, max_delta=50.0), 1),
     "BatchSoftmax": (O.BatchSoftmax(learning_rate=0.3), 1),
-}  # fmt: skip
+}
 
 
 def test_optimizer_cases_cover_every_optimizer_class():
     exported = {
-        name for name in O.__all__
-        if isinstance(getattr(O, name), type) and issubclass(getattr(O, name), O.Optimizer)
+        name
+        for name in O.__all__
+        if isinstance(getattr(O, name), type)
+        and issubclass(getattr(O, name), O.Optimizer)
         and getattr(O, name) is not O.Optimizer
-    }  # fmt: skip
+    }
     covered = {type(opt).__name__ for opt, _ in OPTIMIZER_CASES.values()}
     assert exported <= covered, f"not covered: {sorted(exported - covered)}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
 def test_every_optimizer_round_trips_bit_for_bit(tmp_path, backend, case):
     opt, dim = OPTIMIZER_CASES[case]
@@ -141,8 +164,10 @@ def test_every_optimizer_round_trips_bit_for_bit(tmp_path, backend, case):
     s = ee.TableConfig(10, 2, name="side")  # second table, global optimizer
     eng = ee.EmbeddingEngine(
         {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(t), "c": ee.FeatureConfig(s)},
-        optimizer=O.Momentum(learning_rate=0.05), seed=7, backend=backend,
-    )  # fmt: skip
+        optimizer=O.Momentum(learning_rate=0.05),
+        seed=7,
+        backend=backend,
+    )
     before = _state(eng)
     _run_steps(eng, 2)
     after = _state(eng)
@@ -165,15 +190,15 @@ def test_every_optimizer_round_trips_bit_for_bit(tmp_path, backend, case):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
     """Dim-1 and dim-2 tables with equal optimizers are packed into one DenseTable."""
     fe = O.FrequencyEstimator(low_dimensional_packing_status=True)
     ad = O.Adagrad(learning_rate=0.1, low_dimensional_packing_status=True)
     tables = [ee.TableConfig(9 + i, 1, name=f"fe{i}", optimizer=fe) for i in range(3)]
     tables += [ee.TableConfig(11 + i, 2, name=f"ad{i}", optimizer=ad) for i in range(2)]
-    eng = ee.EmbeddingEngine({f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)},
-                             backend=backend)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)}, backend=backend
+    )
     assert len(eng.storage_plan.physical_tables) == 2  # packing did happen
     _run_steps(eng, 3)
     loaded = ee.EmbeddingEngine.load(eng.save(tmp_path), backend=backend)
@@ -183,12 +208,13 @@ def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_restore_into_fresh_engine_with_extra_tensors_and_metadata(tmp_path, backend):
     eng = _small_engine(backend)
     _run_steps(eng, 3)
-    dense = {"mlp/w": np.arange(12, dtype=np.float32).reshape(3, 4),
-             "mlp/b": np.array([1, 2], dtype=np.int64)}  # fmt: skip
+    dense = {
+        "mlp/w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "mlp/b": np.array([1, 2], dtype=np.int64),
+    }
     meta = {"epoch": 2, "note": "hi", "nested": {"a": [1, 2]}}
     path = eng.save(tmp_path, extra_tensors=dense, extra_metadata=meta)
     fresh = _small_engine(backend)
@@ -294,9 +320,14 @@ def _run_py(script: Path, args, env_extra=None, **kw):
     env = dict(os.environ)
     env.update(env_extra or {})
     return subprocess.Popen(
-        [sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw,
-    )  # fmt: skip
+        [sys.executable, str(script), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _wait_ok(proc: subprocess.Popen, timeout=120) -> str:
@@ -328,10 +359,12 @@ def test_resume_in_fresh_process_equals_straight_run(tmp_path, backend, threads,
     b = np.load(tmp_path / "resumed.npz")
     assert sorted(a.files) == sorted(b.files)
     assert int(a["__step__"]) == int(b["__step__"]) == n + m
-    identical = all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes()
-                    for k in a.files)  # fmt: skip
-    worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64))))
-                for k in a.files if a[k].size)  # fmt: skip
+    identical = all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a.files)
+    worst = max(
+        float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64))))
+        for k in a.files
+        if a[k].size
+    )
     record_property("bit_identical", identical)
     record_property("max_abs_diff", worst)
     print(f"{backend} with {threads} thread(s): bit-identical={identical}, max abs diff={worst}")
@@ -394,7 +427,9 @@ def _check_crash_checkpoint(eng: ee.EmbeddingEngine, path: Path) -> int:
 
 
 def test_sigkill_during_repeated_saves_never_leaves_a_bad_latest_checkpoint(tmp_path):
-    rows = 300_000  # 300k x (16 weights + 16 accumulators) floats = 38 MB: a save takes ~0.1-0.3 s
+    # 300k x (16 weights + 16 accumulators) floats = 38 MB: a save long enough to be killed in
+    # (its time: docs/performance.md, "Figures behind the code").
+    rows = 300_000
     script = tmp_path / "crash_child.py"
     script.write_text(CRASH_CHILD)
     root = tmp_path / "ck"
@@ -437,8 +472,10 @@ def test_sigkill_during_repeated_saves_never_leaves_a_bad_latest_checkpoint(tmp_
         if latest is None:
             continue
         s = _check_crash_checkpoint(checker, latest)
-        assert s >= last_saved, f"trial {trial}: save of step {last_saved} was reported done, " \
-                                f"but the newest checkpoint is step {s}"  # fmt: skip
+        assert s >= last_saved, (
+            f"trial {trial}: save of step {last_saved} was reported done, "
+            f"but the newest checkpoint is step {s}"
+        )
     assert saved_any
     # The kills did land inside saves (a stale .tmp-* was left behind) at least sometimes.
     assert mid_save_kills >= 1, "no kill landed during a save; the test proved nothing"
@@ -524,8 +561,9 @@ def _load_error(path) -> str:
     return str(exc.value) + "\n" + str(exc2.value)
 
 
-@pytest.mark.parametrize("file", ["table-000.safetensors", "table-001.safetensors",
-                                  "extra.safetensors"])  # fmt: skip
+@pytest.mark.parametrize(
+    "file", ["table-000.safetensors", "table-001.safetensors", "extra.safetensors"]
+)
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_flipped_byte_is_a_checksum_mismatch_naming_the_file(saved, file, where):
     _, path = saved
@@ -593,19 +631,39 @@ def test_invalid_json_manifest(saved):
         ee.EmbeddingEngine.load(path)
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda m: m.__setitem__("format", "pickle"), "pickle"),
-    (lambda m: m.pop("format"), "not an embengine checkpoint"),
-    (lambda m: m.__setitem__("format_version", 2), "format version 2"),
-    (lambda m: m.__setitem__("format_version", "1"), "format version"),
-    (lambda m: m["files"].__setitem__("model.pkl", {"sha256": "0" * 64, "bytes": 1}), "model.pkl"),
-    (lambda m: m["tables"][0].__setitem__("file", "table-000.pkl")
-     or m["files"].__setitem__("table-000.pkl", m["files"].pop("table-000.safetensors")),
-     "table-000.pkl"),
-    (lambda m: m["files"].__setitem__("../outside.safetensors", {"sha256": "0", "bytes": 1}),
-     "outside"),
-], ids=["format-pickle", "no-format", "version-2", "version-str", "lists-pkl", "table-pkl",
-        "path-escape"])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.__setitem__("format", "pickle"), "pickle"),
+        (lambda m: m.pop("format"), "not an embengine checkpoint"),
+        (lambda m: m.__setitem__("format_version", 2), "format version 2"),
+        (lambda m: m.__setitem__("format_version", "1"), "format version"),
+        (
+            lambda m: m["files"].__setitem__("model.pkl", {"sha256": "0" * 64, "bytes": 1}),
+            "model.pkl",
+        ),
+        (
+            lambda m: (
+                m["tables"][0].__setitem__("file", "table-000.pkl")
+                or m["files"].__setitem__("table-000.pkl", m["files"].pop("table-000.safetensors"))
+            ),
+            "table-000.pkl",
+        ),
+        (
+            lambda m: m["files"].__setitem__("../outside.safetensors", {"sha256": "0", "bytes": 1}),
+            "outside",
+        ),
+    ],
+    ids=[
+        "format-pickle",
+        "no-format",
+        "version-2",
+        "version-str",
+        "lists-pkl",
+        "table-pkl",
+        "path-escape",
+    ],
+)
 def test_foreign_formats_and_versions_are_refused(saved, edit, words):
     _, path = saved
     _edit_manifest(path, edit)
@@ -627,9 +685,16 @@ def test_pickle_file_is_never_unpickled(saved, tmp_path):
             return (open, (str(marker), "w"))
 
     (path / "evil.pkl").write_bytes(pickle.dumps(Boom()))
-    _edit_manifest(path, lambda m: m["files"].__setitem__(
-        "evil.pkl", {"sha256": hashlib.sha256((path / "evil.pkl").read_bytes()).hexdigest(),
-                     "bytes": (path / "evil.pkl").stat().st_size}))  # fmt: skip
+    _edit_manifest(
+        path,
+        lambda m: m["files"].__setitem__(
+            "evil.pkl",
+            {
+                "sha256": hashlib.sha256((path / "evil.pkl").read_bytes()).hexdigest(),
+                "bytes": (path / "evil.pkl").stat().st_size,
+            },
+        ),
+    )
     with pytest.raises(CheckpointError, match="evil.pkl"):
         ee.EmbeddingEngine.load(path)
     assert not marker.exists()
@@ -637,9 +702,13 @@ def test_pickle_file_is_never_unpickled(saved, tmp_path):
 
 def _replace_with_rehash(path: Path, name: str, data: bytes) -> None:
     (path / name).write_bytes(data)
-    _edit_manifest(path, lambda m: m["files"].__setitem__(
-        name, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}),
-        resign=True)  # fmt: skip
+    _edit_manifest(
+        path,
+        lambda m: m["files"].__setitem__(
+            name, {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        ),
+        resign=True,
+    )
 
 
 def test_read_header_rejects_bad_header_length(tmp_path):
@@ -655,13 +724,17 @@ def test_read_header_rejects_bad_header_length(tmp_path):
         read_header(f)
 
 
-@pytest.mark.parametrize("payload", [
-    struct.pack("<Q", 10**12) + b"{}" + b"\0" * 30,            # header length past the file
-    struct.pack("<Q", 8) + b"not json",                         # header not JSON
-    struct.pack("<Q", 2) + b"[]",                               # header not a dict
-    struct.pack("<Q", 40) + b'{"t":{"dtype":"F32","shape":[20,4]}}    ',  # no data_offsets
-    struct.pack("<Q", 8) + b'{"t":5} ',                         # entry not a dict
-], ids=["bad-length", "not-json", "not-dict", "no-offsets", "entry-not-dict"])  # fmt: skip
+@pytest.mark.parametrize(
+    "payload",
+    [
+        struct.pack("<Q", 10**12) + b"{}" + b"\0" * 30,  # header length past the file
+        struct.pack("<Q", 8) + b"not json",  # header not JSON
+        struct.pack("<Q", 2) + b"[]",  # header not a dict
+        struct.pack("<Q", 40) + b'{"t":{"dtype":"F32","shape":[20,4]}}    ',  # no data_offsets
+        struct.pack("<Q", 8) + b'{"t":5} ',  # entry not a dict
+    ],
+    ids=["bad-length", "not-json", "not-dict", "no-offsets", "entry-not-dict"],
+)
 def test_foreign_safetensors_file_with_matching_checksum_is_a_checkpoint_error(saved, payload):
     """Even when the manifest's checksum matches (a foreign file put in place together with its
     hash), a file that is not valid safetensors is a CheckpointError naming it."""
@@ -671,11 +744,17 @@ def test_foreign_safetensors_file_with_matching_checksum_is_a_checkpoint_error(s
         ee.EmbeddingEngine.load(path)
 
 
-@pytest.mark.parametrize("tensors, words", [
-    ({"t": np.zeros((3, 3), np.float32), "t/accumulators": np.zeros((20, 4), np.float32)},
-     "shape"),
-    ({"t": np.zeros((20, 4), np.float32)}, "t/accumulators"),
-], ids=["wrong-shape", "missing-slot"])  # fmt: skip
+@pytest.mark.parametrize(
+    "tensors, words",
+    [
+        (
+            {"t": np.zeros((3, 3), np.float32), "t/accumulators": np.zeros((20, 4), np.float32)},
+            "shape",
+        ),
+        ({"t": np.zeros((20, 4), np.float32)}, "t/accumulators"),
+    ],
+    ids=["wrong-shape", "missing-slot"],
+)
 def test_foreign_safetensors_with_wrong_tensors_is_a_checkpoint_error(saved, tensors, words):
     """A well-formed safetensors file (checksum matching) that lacks a tensor or has one of the
     wrong shape: a CheckpointError naming the file and the tensor, and no table changes."""
@@ -712,7 +791,6 @@ def test_restore_of_a_structurally_bad_file_leaves_the_engine_untouched(saved):
 # -- 5. incompatible engines and learning rates ----------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_restore_into_engine_with_other_shape_names_the_table(saved, backend):
     _, path = saved
     for vocab, dim in ((21, 4), (20, 8)):
@@ -725,14 +803,18 @@ def test_restore_into_engine_with_other_shape_names_the_table(saved, backend):
         assert other.step == 0
 
 
-@pytest.mark.parametrize("optimizer", [
-    O.Adagrad(learning_rate=0.1, initial_accumulator_value=0.2),
-    O.Adagrad(learning_rate=0.1, hessian_compression_times=2),
-    O.Adagrad(learning_rate=0.1, clipvalue=1.0),
-    O.Adagrad(learning_rate=0.1, weight_decay_factor=0.1),
-    O.SGD(learning_rate=0.1),
-    O.ProximalAdagrad(learning_rate=0.1),
-], ids=["init-acc", "hct", "clipvalue", "weight-decay", "sgd", "proximal"])  # fmt: skip
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        O.Adagrad(learning_rate=0.1, initial_accumulator_value=0.2),
+        O.Adagrad(learning_rate=0.1, hessian_compression_times=2),
+        O.Adagrad(learning_rate=0.1, clipvalue=1.0),
+        O.Adagrad(learning_rate=0.1, weight_decay_factor=0.1),
+        O.SGD(learning_rate=0.1),
+        O.ProximalAdagrad(learning_rate=0.1),
+    ],
+    ids=["init-acc", "hct", "clipvalue", "weight-decay", "sgd", "proximal"],
+)
 def test_restore_into_engine_with_other_optimizer_names_the_table(saved, optimizer):
     _, path = saved
     other = _small_engine(optimizer=optimizer)
@@ -745,8 +827,9 @@ def test_restore_into_engine_with_other_tables(saved):
     _, path = saved
     t = ee.TableConfig(20, 4, name="renamed", combiner="sum")
     u = ee.TableConfig(15, 2, name="u", optimizer=O.FTRL(learning_rate=0.2))
-    other = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(u)},
-                               optimizer=O.Adagrad(learning_rate=0.1))  # fmt: skip
+    other = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(u)}, optimizer=O.Adagrad(learning_rate=0.1)
+    )
     with pytest.raises(CheckpointError, match="renamed"):
         other.restore(path)
 
@@ -762,7 +845,6 @@ def _schedule(step):
     return 0.1 / (1 + step)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_callable_learning_rate_needs_callables_on_load(tmp_path, backend):
     eng = _small_engine(backend, optimizer=O.Adagrad(learning_rate=_schedule))
     _run_steps(eng, 2)
@@ -794,8 +876,9 @@ def test_two_callables_get_two_tags(tmp_path):
 
     t = ee.TableConfig(10, 2, name="a", optimizer=O.SGD(learning_rate=lr_a))
     u = ee.TableConfig(10, 2, name="b", optimizer=O.SGD(learning_rate=lr_b))
-    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)},
-                             backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}, backend="reference"
+    )
     _run_steps(eng, 1)
     path = eng.save(tmp_path)
     with pytest.raises(CheckpointError, match=r"tag 1.*lr_b"):
@@ -806,7 +889,6 @@ def test_two_callables_get_two_tags(tmp_path):
     _assert_same_state(eng, loaded)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_dynamic_learning_rate_loads_without_callables(tmp_path, backend):
     eng = _small_engine(backend, optimizer=O.Adagrad(learning_rate=ee.DynamicLearningRate(0)))
     _run_steps(eng, 2, lrs=[0.3])
@@ -902,8 +984,10 @@ def test_files_load_with_the_safetensors_package(tmp_path):
     t = ee.TableConfig(25, 4, name="emb", optimizer=O.Adam(bias_correction="per_row"))
     c = ee.TableConfig(10, 1, name="cnt", optimizer=O.FrequencyEstimator())
     r = ee.TableConfig(12, 3, name="rms", optimizer=O.RMSProp(centered=True))
-    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(c),
-                              "c": ee.FeatureConfig(r)}, backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(c), "c": ee.FeatureConfig(r)},
+        backend="reference",
+    )
     _run_steps(eng, 2)
     path = eng.save(tmp_path, extra_tensors={"dense/w": np.eye(3, dtype=np.float64)})
     manifest = json.loads((path / "manifest.json").read_text())
@@ -934,9 +1018,12 @@ def test_files_load_with_the_safetensors_package(tmp_path):
 
 def test_files_written_by_the_safetensors_package_are_read(tmp_path):
     st = pytest.importorskip("safetensors.numpy")
-    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4),
-              "b": np.array([[1], [2]], dtype=np.int32), "c": np.zeros((0, 3), np.float32),
-              "d": np.float16([1.5, -2])}  # fmt: skip
+    arrays = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "b": np.array([[1], [2]], dtype=np.int32),
+        "c": np.zeros((0, 3), np.float32),
+        "d": np.float16([1.5, -2]),
+    }
     st.save_file(arrays, str(tmp_path / "x.safetensors"))
     header = read_header(tmp_path / "x.safetensors")
     for k, v in arrays.items():
@@ -978,16 +1065,25 @@ def _mmap_features():
     )
     b = ee.TableConfig(30, 4, name="b", optimizer=O.FTRL(learning_rate=0.1))
     c = ee.TableConfig(20, 1, name="c", optimizer=O.FrequencyEstimator())
-    return {"fa": ee.FeatureConfig(a), "fa2": ee.FeatureConfig(a, 3), "fb": ee.FeatureConfig(b),
-            "fc": ee.FeatureConfig(c)}  # fmt: skip
+    return {
+        "fa": ee.FeatureConfig(a),
+        "fa2": ee.FeatureConfig(a, 3),
+        "fb": ee.FeatureConfig(b),
+        "fc": ee.FeatureConfig(c),
+    }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("storage", ["mmap", {"a": "mmap", "c": "mmap"}], ids=["all", "dict"])
 def test_mmap_storage_matches_ram_and_saves_like_ram(tmp_path, backend, storage):
     ram = ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), seed=5, backend=backend)
-    mm = ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), seed=5, backend=backend,
-                            storage=storage, storage_dir=tmp_path / "store")  # fmt: skip
+    mm = ee.EmbeddingEngine(
+        _mmap_features(),
+        optimizer=O.SGD(0.1),
+        seed=5,
+        backend=backend,
+        storage=storage,
+        storage_dir=tmp_path / "store",
+    )
     mapped = ["a", "b", "c"] if storage == "mmap" else ["a", "c"]
     widths = {"a": 8 + 8 + 8 + 1, "b": 4 + 4 + 4, "c": 1 + 1}  # weights + slots, 4 bytes each
     for name in ["a", "b", "c"]:
@@ -1010,24 +1106,32 @@ def test_mmap_storage_matches_ram_and_saves_like_ram(tmp_path, backend, storage)
     mm.flush()
     np.testing.assert_array_equal(
         np.fromfile(tmp_path / "store" / "a.f32", dtype=np.float32).reshape(40, -1)[:, :8],
-        mm.embedding_tables["a"])  # fmt: skip
+        mm.embedding_tables["a"],
+    )
     # Save / load like RAM, into RAM or into mmap storage elsewhere.
     p_ram = ram.save(tmp_path / "ck_ram")
     p_mm = mm.save(tmp_path / "ck_mm")
     for f in ("table-000.safetensors", "table-001.safetensors", "table-002.safetensors"):
         assert (p_ram / f).read_bytes() == (p_mm / f).read_bytes()
-    storage_of = {t["name"]: t["storage"]
-                  for t in json.loads((p_mm / "manifest.json").read_text())["tables"]}  # fmt: skip
+    storage_of = {
+        t["name"]: t["storage"] for t in json.loads((p_mm / "manifest.json").read_text())["tables"]
+    }
     assert storage_of == {n: ("mmap" if n in mapped else "ram") for n in "abc"}
     back_ram = ee.EmbeddingEngine.load(p_mm, backend=backend)
-    back_mm = ee.EmbeddingEngine.load(p_ram, backend=backend, storage=storage,
-                                      storage_dir=tmp_path / "store2")  # fmt: skip
+    back_mm = ee.EmbeddingEngine.load(
+        p_ram, backend=backend, storage=storage, storage_dir=tmp_path / "store2"
+    )
     assert (tmp_path / "store2" / "a.f32").exists()
     _assert_same_state(ram, back_ram)
     _assert_same_state(ram, back_mm)
-    restored = ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), seed=5,
-                                  backend=backend, storage=storage,
-                                  storage_dir=tmp_path / "store3")  # fmt: skip
+    restored = ee.EmbeddingEngine(
+        _mmap_features(),
+        optimizer=O.SGD(0.1),
+        seed=5,
+        backend=backend,
+        storage=storage,
+        storage_dir=tmp_path / "store3",
+    )
     restored.restore(p_ram)
     _assert_same_state(ram, restored)
     for e in (ram, back_ram, back_mm, restored):
@@ -1075,11 +1179,13 @@ def test_mmap_storage_errors(tmp_path):
     with pytest.raises(ValueError, match="storage_dir"):
         ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), storage="mmap")
     with pytest.raises(ValueError, match="zzz"):
-        ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), storage={"zzz": "mmap"},
-                           storage_dir=tmp_path)  # fmt: skip
+        ee.EmbeddingEngine(
+            _mmap_features(), optimizer=O.SGD(0.1), storage={"zzz": "mmap"}, storage_dir=tmp_path
+        )
     with pytest.raises(ValueError, match="'a'"):
-        ee.EmbeddingEngine(_mmap_features(), optimizer=O.SGD(0.1), storage={"a": "disk"},
-                           storage_dir=tmp_path)  # fmt: skip
+        ee.EmbeddingEngine(
+            _mmap_features(), optimizer=O.SGD(0.1), storage={"a": "disk"}, storage_dir=tmp_path
+        )
 
 
 def test_manifest_describes_the_engine(saved):
@@ -1090,8 +1196,11 @@ def test_manifest_describes_the_engine(saved):
     assert [t["name"] for t in m["tables"]] == ["t", "u"]
     assert m["tables"][0]["optimizer"]["class"] == "Adagrad"
     assert m["tables"][1]["optimizer"]["params"]["learning_rate"] == {"constant": 0.2}
-    assert set(m["files"]) == {"table-000.safetensors", "table-001.safetensors",
-                               "extra.safetensors"}  # fmt: skip
+    assert set(m["files"]) == {
+        "table-000.safetensors",
+        "table-001.safetensors",
+        "extra.safetensors",
+    }
     for name, info in m["files"].items():
         data = (path / name).read_bytes()
         assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

@@ -106,13 +106,14 @@ def _features() -> dict[str, ee.FeatureConfig]:
     ada = opt.Adagrad(0.1, low_dimensional_packing_status=True)
     adam = opt.Adam(0.01, low_dimensional_packing_status=True)
     tables = {
-        "a": ee.TableConfig(7, 2, optimizer=ada, combiner="sum", name="a",
-                            initializer=init.RandomUniform(-0.5, 0.5)),
+        "a": ee.TableConfig(
+            7, 2, optimizer=ada, combiner="sum", name="a", initializer=init.RandomUniform(-0.5, 0.5)
+        ),
         "b": ee.TableConfig(5, 2, optimizer=ada, name="b"),
         "c": ee.TableConfig(6, 4, optimizer=adam, combiner="sqrtn", name="c"),
         "d": ee.TableConfig(4, 4, optimizer=adam, name="d", initializer=init.Constant(0.25)),
         "e": ee.TableConfig(5, 3, optimizer=opt.SGD(0.5), name="e", initializer=init.RowId()),
-    }  # fmt: skip
+    }
     return {
         "fa": ee.FeatureConfig(tables["a"]),
         "fb": ee.FeatureConfig(tables["b"]),
@@ -124,17 +125,25 @@ def _features() -> dict[str, ee.FeatureConfig]:
 
 
 def _batch(step: int) -> dict:
-    return {"fa": [[0, 6, 6], [step % 7]], "fb": [[1, 4], [2]], "fc": [[5], [0, 1, 5]],
-            "fd": [[3], [step % 4]], "fd2": [[0, 0], [1]], "fe": [[4, 2], [step % 5]]}  # fmt: skip
+    return {
+        "fa": [[0, 6, 6], [step % 7]],
+        "fb": [[1, 4], [2]],
+        "fc": [[5], [0, 1, 5]],
+        "fd": [[3], [step % 4]],
+        "fd2": [[0, 0], [1]],
+        "fe": [[4, 2], [step % 5]],
+    }
 
 
 def _train(engine: ee.EmbeddingEngine, steps: int) -> None:
     for _ in range(steps):
         acts = engine.lookup(_batch(engine.step))
-        engine.apply_gradients({
-            k: np.linspace(-1, 1, a.size, dtype=np.float32).reshape(a.shape) * (engine.step + 1)
-            for k, a in acts.items()
-        })  # fmt: skip
+        engine.apply_gradients(
+            {
+                k: np.linspace(-1, 1, a.size, dtype=np.float32).reshape(a.shape) * (engine.step + 1)
+                for k, a in acts.items()
+            }
+        )
 
 
 def _assert_state(engine: ee.EmbeddingEngine, expected: dict) -> None:
@@ -240,14 +249,17 @@ KEYED_FIXTURE = Path(__file__).parent / "fixtures" / "keyed_checkpoint_6ec1dd3"
 def _keyed_batches():
     rng = np.random.default_rng(5)
     for _ in range(5):
-        keys = rng.choice(np.array([3, 10**12 + 7, -(2**40), 2**62 + 1, 17, 99, 5], np.int64),
-                          size=(4, 3))  # fmt: skip
+        keys = rng.choice(
+            np.array([3, 10**12 + 7, -(2**40), 2**62 + 1, 17, 99, 5], np.int64), size=(4, 3)
+        )
         yield {"fk": keys, "fd": rng.integers(0, 6, size=(4, 2))}
 
 
 def _keyed_contents(engine):
-    return {name: {k: np.asarray(v).tolist() for k, v in engine.table_contents(name).items()}
-            for name in ("k", "d")}  # fmt: skip
+    return {
+        name: {k: np.asarray(v).tolist() for k, v in engine.table_contents(name).items()}
+        for name in ("k", "d")
+    }
 
 
 def test_a_keyed_checkpoint_written_before_data_time_loads_and_trains_on(tmp_path):
@@ -263,8 +275,9 @@ def test_a_keyed_checkpoint_written_before_data_time_loads_and_trains_on(tmp_pat
     export(KEYED_FIXTURE / "ckpt", tmp_path / "served")
     served = ServingEngine.load(tmp_path / "served")
     batch = next(_keyed_batches())
-    np.testing.assert_allclose(served.lookup(batch)["fk"],
-                               engine.lookup(batch, training=False)["fk"], rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        served.lookup(batch)["fk"], engine.lookup(batch, training=False)["fk"], rtol=1e-6
+    )
     for batch in list(_keyed_batches())[3:]:
         acts = engine.lookup(batch)
         engine.apply_gradients({k: np.full_like(v, 0.25) for k, v in acts.items()})

@@ -40,18 +40,23 @@ def _engine(seed: int = 3, vocab: int = 20, dim: int = 4) -> ee.EmbeddingEngine:
     u = ee.TableConfig(15, 2, name="u", optimizer=O.FTRL(learning_rate=0.2))
     return ee.EmbeddingEngine(
         {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(u)},
-        optimizer=O.Adagrad(learning_rate=0.1), seed=seed, backend="reference",
-    )  # fmt: skip
+        optimizer=O.Adagrad(learning_rate=0.1),
+        seed=seed,
+        backend="reference",
+    )
 
 
 def _train(eng: ee.EmbeddingEngine, steps: int = 2) -> None:
     rng = np.random.default_rng(eng.step)
     for _ in range(steps):
-        feats = {"f": ee.Ragged(rng.integers(0, 7, 6), lengths=[2, 2, 2]),
-                 "g": ee.Ragged(rng.integers(0, 7, 3), lengths=[1, 1, 1])}  # fmt: skip
+        feats = {
+            "f": ee.Ragged(rng.integers(0, 7, 6), lengths=[2, 2, 2]),
+            "g": ee.Ragged(rng.integers(0, 7, 3), lengths=[1, 1, 1]),
+        }
         acts = eng.lookup(feats)
-        eng.apply_gradients({k: rng.standard_normal(v.shape).astype(np.float32)
-                             for k, v in acts.items()})  # fmt: skip
+        eng.apply_gradients(
+            {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in acts.items()}
+        )
 
 
 def _state(eng: ee.EmbeddingEngine) -> dict[str, bytes]:
@@ -194,10 +199,14 @@ CORRUPT_MANIFESTS = {
     "table-string": (_set("tables", 0, "t"), rf"{T0} must be an object"),
     "table-name-missing": (_pop("tables", 0, "name"), rf"{T0}\.name is missing"),
     "table-name-duplicate": (_dup_table, r"tables\[2\]\.name 't' names an earlier table"),
-    "vocabulary-string": (_set("tables", 0, "vocabulary_size", "20"),
-                          rf"{T0}\.vocabulary_size must be an int >= 1"),
-    "vocabulary-zero": (_set("tables", 0, "vocabulary_size", 0),
-                        rf"{T0}\.vocabulary_size must be an int >= 1"),
+    "vocabulary-string": (
+        _set("tables", 0, "vocabulary_size", "20"),
+        rf"{T0}\.vocabulary_size must be an int >= 1",
+    ),
+    "vocabulary-zero": (
+        _set("tables", 0, "vocabulary_size", 0),
+        rf"{T0}\.vocabulary_size must be an int >= 1",
+    ),
     "dim-missing": (_pop("tables", 0, "dim"), rf"{T0}\.dim is missing"),
     "dim-float": (_set("tables", 0, "dim", 4.0), rf"{T0}\.dim must be an int >= 1"),
     "combiner-int": (_set("tables", 0, "combiner", 3), rf"{T0}\.combiner must be a string"),
@@ -206,52 +215,89 @@ CORRUPT_MANIFESTS = {
     "file-missing": (_pop("tables", 0, "file"), rf"{T0}\.file is missing"),
     "file-int": (_set("tables", 0, "file", 0), rf"{T0}\.file must be a string"),
     "slots-int": (_set("tables", 0, "slots", 5), rf"{T0}\.slots must be a list"),
-    "slot-width-missing": (_pop("tables", 0, "slots", 0, "width"),
-                           rf"{T0}\.slots\[0\]\.width is missing"),
-    "slot-dtype-unknown": (_set("tables", 0, "slots", 0, "dtype", "float64"),
-                           rf"{T0}\.slots\[0\]\.dtype must be one of"),
-    "slots-not-the-optimizers": (_set("tables", 1, "slots", []),
-                                 r"tables\[1\]\.slots \[\] are not the slots of its optimizer"),
-    "optimizer-params-missing": (_pop("tables", 0, "optimizer", "params"),
-                                 rf"{T0}\.optimizer\.params is missing"),
-    "optimizer-class-list": (_set("tables", 0, "optimizer", "class", []),
-                             rf"{T0}\.optimizer\.class must be a string"),
-    "optimizer-class-unknown": (_set("tables", 0, "optimizer", "class", "Nope"),
-                                "unknown optimizer class 'Nope'"),
-    "optimizer-param-unknown": (_set("tables", 0, "optimizer", "params", "bogus", 1),
-                                rf"{T0} \('t'\).*bogus"),
-    "learning-rate-number": (_set("tables", 0, "optimizer", "params", "learning_rate", 0.1),
-                             rf"{T0}\.optimizer\.params\.learning_rate must be an object"),
+    "slot-width-missing": (
+        _pop("tables", 0, "slots", 0, "width"),
+        rf"{T0}\.slots\[0\]\.width is missing",
+    ),
+    "slot-dtype-unknown": (
+        _set("tables", 0, "slots", 0, "dtype", "float64"),
+        rf"{T0}\.slots\[0\]\.dtype must be one of",
+    ),
+    "slots-not-the-optimizers": (
+        _set("tables", 1, "slots", []),
+        r"tables\[1\]\.slots \[\] are not the slots of its optimizer",
+    ),
+    "optimizer-params-missing": (
+        _pop("tables", 0, "optimizer", "params"),
+        rf"{T0}\.optimizer\.params is missing",
+    ),
+    "optimizer-class-list": (
+        _set("tables", 0, "optimizer", "class", []),
+        rf"{T0}\.optimizer\.class must be a string",
+    ),
+    "optimizer-class-unknown": (
+        _set("tables", 0, "optimizer", "class", "Nope"),
+        "unknown optimizer class 'Nope'",
+    ),
+    "optimizer-param-unknown": (
+        _set("tables", 0, "optimizer", "params", "bogus", 1),
+        rf"{T0} \('t'\).*bogus",
+    ),
+    "learning-rate-number": (
+        _set("tables", 0, "optimizer", "params", "learning_rate", 0.1),
+        rf"{T0}\.optimizer\.params\.learning_rate must be an object",
+    ),
     "learning-rate-tag-string": (
         _set("tables", 0, "optimizer", "params", "learning_rate", {"tag": "0"}),
-        rf"{T0}\.optimizer\.params\.learning_rate\.tag must be an int >= 0"),
-    "initializer-class-int": (_set("tables", 0, "initializer", "class", 5),
-                              rf"{T0}\.initializer\.class must be a string"),
-    "initializer-params-list": (_set("tables", 0, "initializer", "params", [1]),
-                                rf"{T0}\.initializer\.params must be an object"),
-    "quantization-unknown-key": (_set("tables", 0, "quantization_config", {"bits": 8}),
-                                 rf"{T0} \('t'\).*bits"),
+        rf"{T0}\.optimizer\.params\.learning_rate\.tag must be an int >= 0",
+    ),
+    "initializer-class-int": (
+        _set("tables", 0, "initializer", "class", 5),
+        rf"{T0}\.initializer\.class must be a string",
+    ),
+    "initializer-params-list": (
+        _set("tables", 0, "initializer", "params", [1]),
+        rf"{T0}\.initializer\.params must be an object",
+    ),
+    "quantization-unknown-key": (
+        _set("tables", 0, "quantization_config", {"bits": 8}),
+        rf"{T0} \('t'\).*bits",
+    ),
     "features-missing": (_pop("features"), "features is missing"),
-    "feature-table-unknown": (_set("features", 0, "table", "nope"),
-                              r"features\[0\]\.table must be one of the tables"),
-    "feature-table-list": (_set("features", 0, "table", ["t"]),
-                           r"features\[0\]\.table must be one of the tables"),
+    "feature-table-unknown": (
+        _set("features", 0, "table", "nope"),
+        r"features\[0\]\.table must be one of the tables",
+    ),
+    "feature-table-list": (
+        _set("features", 0, "table", ["t"]),
+        r"features\[0\]\.table must be one of the tables",
+    ),
     "feature-name-duplicate": (_dup_feature, r"features\[2\]\.name 'f' names an earlier"),
-    "feature-sequence-string": (_set("features", 0, "max_sequence_length", "0"),
-                                r"features\[0\]\.max_sequence_length must be an int >= 0"),
-    "feature-output-shape-string": (_set("features", 0, "output_shape", "ab"),
-                                    r"features\[0\]\.output_shape must be null or a list"),
+    "feature-sequence-string": (
+        _set("features", 0, "max_sequence_length", "0"),
+        r"features\[0\]\.max_sequence_length must be an int >= 0",
+    ),
+    "feature-output-shape-string": (
+        _set("features", 0, "output_shape", "ab"),
+        r"features\[0\]\.output_shape must be null or a list",
+    ),
     "files-list": (_set("files", []), "files must be an object"),
-    "file-entry-no-bytes": (_pop("files", "table-000.safetensors", "bytes"),
-                            r"files\['table-000.safetensors'\]\.bytes is missing"),
-    "file-entry-bytes-string": (_set("files", "table-000.safetensors", "bytes", "1"),
-                                r"files\['table-000.safetensors'\]\.bytes must be an int"),
-    "file-entry-sha-short": (_set("files", "table-000.safetensors", "sha256", "abc"),
-                             r"files\['table-000.safetensors'\]\.sha256 must be 64"),
+    "file-entry-no-bytes": (
+        _pop("files", "table-000.safetensors", "bytes"),
+        r"files\['table-000.safetensors'\]\.bytes is missing",
+    ),
+    "file-entry-bytes-string": (
+        _set("files", "table-000.safetensors", "bytes", "1"),
+        r"files\['table-000.safetensors'\]\.bytes must be an int",
+    ),
+    "file-entry-sha-short": (
+        _set("files", "table-000.safetensors", "sha256", "abc"),
+        r"files\['table-000.safetensors'\]\.sha256 must be 64",
+    ),
     "extra-string": (_set("extra", "x"), "extra must be an object"),
     "extra-metadata-list": (_set("extra", "metadata", []), r"extra\.metadata must be an object"),
     "extra-file-int": (_set("extra", "file", 1), r"extra\.file must be null or a string"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CORRUPT_MANIFESTS))
@@ -281,8 +327,13 @@ def outside(tmp_path) -> Path:
     """A real, well-formed safetensors file outside the checkpoint, holding what table "t" of
     the fixture needs (all 7.0)."""
     file = tmp_path / "outside.safetensors"
-    write_safetensors(file, {"t": np.full((20, 4), 7.0, np.float32),
-                             "t/accumulators": np.full((20, 4), 7.0, np.float32)})  # fmt: skip
+    write_safetensors(
+        file,
+        {
+            "t": np.full((20, 4), 7.0, np.float32),
+            "t/accumulators": np.full((20, 4), 7.0, np.float32),
+        },
+    )
     return file
 
 
@@ -383,17 +434,26 @@ BOMB_CHILD = textwrap.dedent(
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_tiny_checkpoint_declaring_a_huge_table_is_refused_before_allocation(tmp_path, verify):
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 64, name="big"))},
-                             optimizer=O.SGD(learning_rate=0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 64, name="big"))},
+        optimizer=O.SGD(learning_rate=0.1),
+        backend="reference",
+    )
     path = eng.save(tmp_path / "ck")
     vocab = 200_000_000
     # The header declares the 200M x 64 table the manifest says, over a 16-byte data range.
-    _replace_file(path, "table-000.safetensors",
-                  _raw_safetensors([("big", "F32", [vocab, 64], 16)], 16))  # fmt: skip
+    _replace_file(
+        path, "table-000.safetensors", _raw_safetensors([("big", "F32", [vocab, 64], 16)], 16)
+    )
     _edit_manifest(path, _set("tables", 0, "vocabulary_size", vocab))
     assert sum(f.stat().st_size for f in path.iterdir()) < 4096
-    proc = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(path), "1" if verify else "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", BOMB_CHILD, str(path), "1" if verify else "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     timing, result = proc.stdout.strip().split("\n", 1)
     seconds, grew_kib = float(timing.split()[0]), int(timing.split()[1])
@@ -420,9 +480,11 @@ def test_read_header_refuses_data_ranges_that_do_not_match_the_shape(tmp_path):
         with pytest.raises(ValueError, match=words):
             read_header(f)
     # Headers JSON cannot turn into objects: a ValueError too, never RecursionError/TypeError.
-    for raw, words in ((b"[" * 100_000, "corrupt"), (b'{"a": ' + b"9" * 5000 + b"}", "corrupt"),
-                       (b'{"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}',
-                        "dtype")):  # fmt: skip
+    for raw, words in (
+        (b"[" * 100_000, "corrupt"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "corrupt"),
+        (b'{"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}', "dtype"),
+    ):
         f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
         with pytest.raises(ValueError, match=words):
             read_header(f)
@@ -436,8 +498,14 @@ def test_restore_of_a_tensor_with_a_short_data_range_leaves_the_engine_untouched
     """The second table's file has the right header shapes but one data range too short (the
     file's hash matches): the restore used to overwrite table "t" and then fail on "u"."""
     _, path = saved
-    short = _raw_safetensors([("u", "F32", [15, 2], 120), ("u/accumulators", "F32", [15, 2], 120),
-                              ("u/linears", "F32", [15, 2], 64)], 304)  # fmt: skip
+    short = _raw_safetensors(
+        [
+            ("u", "F32", [15, 2], 120),
+            ("u/accumulators", "F32", [15, 2], 120),
+            ("u/linears", "F32", [15, 2], 64),
+        ],
+        304,
+    )
     _replace_file(path, "table-001.safetensors", short)
     eng = _engine(seed=11)
     _train(eng, 1)
@@ -508,8 +576,13 @@ TRUNCATE_CHILD = textwrap.dedent(
 def test_a_file_truncated_during_the_copy_is_an_error_not_a_crash(tmp_path):
     """read_tensor(out=...) reads with read(), so a file shrinking under it is a ValueError; a
     memory map would SIGBUS and kill the process (run in a subprocess)."""
-    proc = subprocess.run([sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path / "a.safetensors")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_CHILD, str(tmp_path / "a.safetensors")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, f"the reader crashed ({proc.returncode}): {proc.stderr[-500:]}"
     assert proc.stdout.startswith("ValueError") and "ends early" in proc.stdout, proc.stdout
 
@@ -518,9 +591,13 @@ def test_read_tensor_into_out_matches_the_memory_map(tmp_path):
     """The read() path copies every dtype and shape (0-d, empty, strided views) exactly."""
     from embengine import safetensors_io
 
-    tensors = {"a": np.arange(70, dtype=np.float32).reshape(7, 10),
-               "b": np.arange(5, dtype=np.int64), "s": np.array(3.5, np.float64),
-               "e": np.zeros((0, 3), np.float32), "h": np.arange(6, dtype=np.uint16)}  # fmt: skip
+    tensors = {
+        "a": np.arange(70, dtype=np.float32).reshape(7, 10),
+        "b": np.arange(5, dtype=np.int64),
+        "s": np.array(3.5, np.float64),
+        "e": np.zeros((0, 3), np.float32),
+        "h": np.arange(6, dtype=np.uint16),
+    }
     f = tmp_path / "x.safetensors"
     write_safetensors(f, tensors)
     header = read_header(f)
@@ -589,8 +666,9 @@ def test_two_processes_saving_to_one_root(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2, timeout=120)
     saves = 6
-    procs = [ctx.Process(target=_save_in_process, args=(str(root), s, saves, barrier))
-             for s in (1, 2)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_save_in_process, args=(str(root), s, saves, barrier)) for s in (1, 2)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 300

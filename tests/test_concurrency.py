@@ -51,8 +51,7 @@ def _counting_engine(backend: str = "numba") -> ee.EmbeddingEngine:
     row adds exactly 1 to every weight, so every row holds the step it was last saved at."""
     feats = {}
     for t in range(3):
-        table = ee.TableConfig(20_000, 16, name=f"t{t}", combiner="sum",
-                               initializer=I.Zeros())  # fmt: skip
+        table = ee.TableConfig(20_000, 16, name=f"t{t}", combiner="sum", initializer=I.Zeros())
         feats[f"f{t}"] = ee.FeatureConfig(table)
     return ee.EmbeddingEngine(feats, optimizer=O.SGD(1.0), backend=backend)
 
@@ -64,7 +63,6 @@ def _every_row_step(eng: ee.EmbeddingEngine) -> None:
     eng.apply_gradients({k: np.full_like(a, -1.0) for k, a in acts.items()})
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_save_while_another_thread_trains_holds_one_step(tmp_path, backend):
     eng = _counting_engine(backend)
     root = tmp_path / "ck"
@@ -115,8 +113,9 @@ def test_two_threads_training_through_embedding_layer_lose_no_update():
     # Thread k owns rows [k * n, (k + 1) * n); rows [2n, 3n) are shared. Sample i of thread k
     # hits its own row i and shared row i.
     shared = np.arange(2 * n, 3 * n, dtype=np.int64)
-    batches = [np.stack([np.arange(k * n, (k + 1) * n), shared], axis=1).reshape(-1)
-               for k in range(2)]  # fmt: skip
+    batches = [
+        np.stack([np.arange(k * n, (k + 1) * n), shared], axis=1).reshape(-1) for k in range(2)
+    ]
     barrier = threading.Barrier(2, timeout=TIMEOUT)
 
     def train(k):
@@ -140,13 +139,11 @@ def test_two_threads_training_through_embedding_layer_lose_no_update():
     )
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_each_thread_applies_gradients_to_its_own_lookup(backend):
     """Thread A looks up, then thread B, then A and B apply gradients without batch=: each
     update must land on the rows its own thread looked up."""
     table = ee.TableConfig(100, 4, name="t", combiner="sum", initializer=I.Zeros())
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=O.SGD(1.0),
-                             backend=backend)  # fmt: skip
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=O.SGD(1.0), backend=backend)
     looked_up = [threading.Event(), threading.Event()]
     applied_a = threading.Event()
 
@@ -175,8 +172,10 @@ def test_each_thread_applies_gradients_to_its_own_lookup(backend):
 def test_a_load_forgets_every_threads_pending_batch():
     table = ee.TableConfig(10, 2, name="t", combiner="sum")
     eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=O.SGD(0.1))
-    state = {"step": 0, "tables": {"t": {k: np.array(v) for k, v in
-                                         eng.state_dict()["tables"]["t"].items()}}}  # fmt: skip
+    state = {
+        "step": 0,
+        "tables": {"t": {k: np.array(v) for k, v in eng.state_dict()["tables"]["t"].items()}},
+    }
     looked_up, loaded = threading.Event(), threading.Event()
     errors = []
 

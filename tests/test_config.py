@@ -112,6 +112,34 @@ def test_numpy_numbers_are_numbers_for_every_spec():
         opt.Adagrad(hessian_compression_times=np.float32(2.0))
 
 
+def test_numpy_scalars_and_bools_alike_in_the_tpu_and_monolith_ports():
+    """The ports' specs read ints and flags as the core does (optimizers/_checks.py): a NumPy
+    int is an int, a bool is not, a NumPy bool is a flag."""
+    from embengine import monolith as mono
+    from embengine import tpu
+
+    t = tpu.TableConfig(np.int64(5), np.int32(2))
+    assert (t.vocabulary_size, t.dim) == (5, 2) and type(t.vocabulary_size) is int
+    f = tpu.FeatureConfig(t, np.int64(3), np.bool_(False))
+    assert (f.max_sequence_length, f.validate_weights_and_indices) == (3, False)
+    for make in (
+        lambda: tpu.TableConfig(True, 2),
+        lambda: tpu.TableConfig(5, True),
+        lambda: tpu.FeatureConfig(t, max_sequence_length=True),
+    ):
+        with pytest.raises(ValueError, match="must be an int and must be >= "):
+            make()
+    with pytest.raises(ValueError, match="must be a boolean. Received: 1"):
+        tpu.FeatureConfig(t, validate_weights_and_indices=1)
+    warm = mono.AdagradOptimizer(learning_rate=0.01, warmup_steps=np.int64(4)).learning_rate
+    assert warm(2) == pytest.approx(0.01 * 2 / 4)
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0, got True"):
+        mono.AdagradOptimizer(warmup_steps=True)
+    with pytest.raises(TypeError, match="DynamicLearningRate: tag must be an int, got True"):
+        opt.DynamicLearningRate(True)
+    assert opt.DynamicLearningRate(np.int64(1)).tag == 1
+
+
 def test_ftrl_allows_zero_accumulator_only_when_asked():
     assert opt.FTRL(initial_accumulator_value=0.0, allow_zero_accumulator=True)
 

@@ -21,8 +21,17 @@ from embengine.inputs import Ragged
 from embengine.training.metrics import auc, logloss
 from embengine.training.sources import SyntheticSource
 
-FEATURES = ("user_id", "item_id", "age", "gender", "occupation", "zip_prefix", "release_year",
-            "genres", "title_words")  # fmt: skip
+FEATURES = (
+    "user_id",
+    "item_id",
+    "age",
+    "gender",
+    "occupation",
+    "zip_prefix",
+    "release_year",
+    "genres",
+    "title_words",
+)
 MULTI = {"genres": "mean", "title_words": "sqrtn"}
 
 
@@ -115,8 +124,14 @@ def test_movielens_every_users_test_is_their_latest_20_percent(ml100k, raw_inter
     assert len(raw) == 100_000  # (user, item) pairs are unique in ML-100K
 
     def rows(split):
-        return list(zip(_column(split, "user_id").tolist(), _column(split, "item_id").tolist(),
-                        split.labels.tolist(), strict=True))  # fmt: skip
+        return list(
+            zip(
+                _column(split, "user_id").tolist(),
+                _column(split, "item_id").tolist(),
+                split.labels.tolist(),
+                strict=True,
+            )
+        )
 
     train_rows, test_rows = rows(ml100k.train), rows(ml100k.test)
     if {(u, i) for u, i, _ in train_rows + test_rows} != set(raw):
@@ -165,8 +180,10 @@ def test_movielens_features(ml100k):
         for name in ("user_id", "item_id", "gender", "occupation", "age", "zip_prefix"):
             assert _column(split, name).min() >= 1, name
     # Every token of a vocabulary has an id below its size and all ids are used.
-    both = {n: np.concatenate([_column(ml100k.train, n), _column(ml100k.test, n)])
-            for n in ("user_id", "item_id")}  # fmt: skip
+    both = {
+        n: np.concatenate([_column(ml100k.train, n), _column(ml100k.test, n)])
+        for n in ("user_id", "item_id")
+    }
     for name, ids in both.items():
         assert set(np.unique(ids)) == set(range(1, specs[name].vocabulary_size))
 
@@ -273,8 +290,9 @@ def test_movielens_split_rule_and_missing_values_on_a_small_file(tmp_path):
         genres = split.features["genres"].lengths
         for b in range(len(split)):
             n = len(train[int(users[b])]) + len(test[int(users[b])])
-            demo = [int(_column(split, f)[b]) for f in ("age", "gender", "occupation",
-                                                         "zip_prefix")]  # fmt: skip
+            demo = [
+                int(_column(split, f)[b]) for f in ("age", "gender", "occupation", "zip_prefix")
+            ]
             if n == 13:
                 assert demo == [0, 0, 0, 0]
             elif n == 10:
@@ -333,8 +351,9 @@ def _assert_same_batch(a: ClickBatch, b: ClickBatch):
 
 def _differs(a: ClickBatch, b: ClickBatch) -> bool:
     same_ids = all(np.array_equal(a.sparse[n].ids, b.sparse[n].ids) for n in a.sparse)
-    return not (same_ids and np.array_equal(a.dense, b.dense)
-                and np.array_equal(a.labels, b.labels))  # fmt: skip
+    return not (
+        same_ids and np.array_equal(a.dense, b.dense) and np.array_equal(a.labels, b.labels)
+    )
 
 
 def test_synthetic_shape():
@@ -419,8 +438,7 @@ top = max(int(r.ids.max()) for r in b.sparse.values())
 assert 0 <= min(int(r.ids.min()) for r in b.sparse.values()) and top < 10**8
 print(peak() - before, seconds, top)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     grown_kb, seconds, top = out.stdout.split()
     assert int(grown_kb) < 100 * 1024, f"peak RSS grew by {int(grown_kb) // 1024} MB"
@@ -434,8 +452,7 @@ def test_synthetic_test_set_does_not_depend_on_the_batch_size():
     with different batch sizes are comparable."""
     sets = {}
     for eval_batch in (2048, 4096, 800):
-        source = SyntheticSource(examples_per_epoch=5000, test_examples=5000,
-                                 vocabulary_scale=0.01)  # fmt: skip
+        source = SyntheticSource(examples_per_epoch=5000, test_examples=5000, vocabulary_scale=0.01)
         labels = np.concatenate([b.labels for b in source.test_batches(eval_batch)])
         sets[eval_batch] = (len(labels), source.oracle_auc, labels)
     for n, _, _ in sets.values():
@@ -464,8 +481,17 @@ def test_oracle_auc_bounds_a_trained_model():
     assert oracle == pytest.approx(auc(np.concatenate(labels), np.concatenate(probs)), abs=1e-12)
     assert oracle > 0.7  # well above chance
 
-    result = train(TrainConfig(dataset="synthetic", model="dlrm", steps=60, batch_size=256,
-                               progress=False, synthetic=syn), log=lambda s: None)  # fmt: skip
+    result = train(
+        TrainConfig(
+            dataset="synthetic",
+            model="dlrm",
+            steps=60,
+            batch_size=256,
+            progress=False,
+            synthetic=syn,
+        ),
+        log=lambda s: None,
+    )
     assert result.oracle_auc is not None and result.oracle_auc > 0.7
     assert 0.55 < result.test_auc <= result.oracle_auc + 0.005
 

@@ -39,8 +39,7 @@ def _engine() -> ee.EmbeddingEngine:
         "bag": ee.FeatureConfig(bag),
         "rows": ee.FeatureConfig(rows, max_sequence_length=2),
     }
-    eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(learning_rate=0.5), seed=3,
-                             backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(learning_rate=0.5), seed=3, backend="reference")
     acts = eng.lookup(_inputs())
     eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
     return eng
@@ -82,8 +81,11 @@ def _export(ckpt: Path, out: Path, **kwargs):
 
 def _snapshot(folder: Path) -> dict[str, str]:
     """Relative path -> SHA-256 of every file under ``folder``."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -132,8 +134,11 @@ def test_export_never_replaces_other_checkpoints(ckpt, tmp_path, replace):
     _engine().save(other_root)
     other, _ = read_manifest(other_root)
     before = _snapshot(other_root)
-    with pytest.raises(ValueError, match=r"holds a checkpoint \(manifest.json of format "
-                       r"'embengine-checkpoint'\); a checkpoint is never replaced"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds a checkpoint \(manifest.json of format "
+        r"'embengine-checkpoint'\); a checkpoint is never replaced",
+    ):
         _export(ckpt, other, replace=replace)
     with pytest.raises(ValueError, match=r"holds checkpoints \('ckpt-000001-.*never replaced"):
         _export(ckpt, other_root, replace=replace)
@@ -145,11 +150,17 @@ def test_export_refuses_a_folder_with_user_files(ckpt, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"out is not empty \(it holds 'notes.txt'\); pass "
-                       r"--replace \(replace=True\) to replace a previous export"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"out is not empty \(it holds 'notes.txt'\); pass "
+        r"--replace \(replace=True\) to replace a previous export",
+    ):
         _export(ckpt, out)
-    with pytest.raises(ValueError, match=r"out is not an embengine export .*only a previous "
-                       r"export, never other files"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"out is not an embengine export .*only a previous "
+        r"export, never other files",
+    ):
         _export(ckpt, out, replace=True)
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
@@ -166,8 +177,11 @@ def test_export_refuses_a_previous_export_with_user_files(ckpt, tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "sub").mkdir()
     before = _snapshot(out)
-    with pytest.raises(ValueError, match=r"holds 'notes.txt', 'sub', which its export manifest "
-                       r"does not list; .* never replaced"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds 'notes.txt', 'sub', which its export manifest "
+        r"does not list; .* never replaced",
+    ):
         _export(ckpt, out, replace=True)
     assert _snapshot(out) == before
     assert _leftovers(tmp_path) == []
@@ -240,8 +254,13 @@ except OSError as e:
 
 def _failing_export(ckpt: Path, out: Path, replace: bool, ignore_sigxfsz: bool):
     args = [str(ckpt), str(out), "1" if replace else "0", "1" if ignore_sigxfsz else "0"]
-    return subprocess.run([sys.executable, "-c", _FAILING_EXPORT, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", _FAILING_EXPORT, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("previous", [False, True], ids=["new", "replace"])
@@ -271,14 +290,19 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.1)
-        keep = [tmp_path / f".tmp-out-{live.pid}-0000abcd",
-                tmp_path / f".tmp-out-{os.getpid()}-0000abce",
-                tmp_path / f".tmp-other-{dead_pid}-0000abcf",
-                tmp_path / f".tmp-out-{dead_pid}-notours"]  # fmt: skip
+        keep = [
+            tmp_path / f".tmp-out-{live.pid}-0000abcd",
+            tmp_path / f".tmp-out-{os.getpid()}-0000abce",
+            tmp_path / f".tmp-other-{dead_pid}-0000abcf",
+            tmp_path / f".tmp-out-{dead_pid}-notours",
+        ]
         # Older than the process that has its pid now (pid reused), or unnamed and older than
         # this process (written by an embengine before pids were in the names): stale.
-        stale = [tmp_path / f".tmp-out-{os.getpid()}-0000abd0", tmp_path / ".tmp-out-0000abd1",
-                 tmp_path / f".old-out-{dead_pid}-0000abd2"]  # fmt: skip
+        stale = [
+            tmp_path / f".tmp-out-{os.getpid()}-0000abd0",
+            tmp_path / ".tmp-out-0000abd1",
+            tmp_path / f".old-out-{dead_pid}-0000abd2",
+        ]
         for p in keep + stale:
             p.mkdir()
             (p / "table-000.safetensors").write_bytes(b"partial")
@@ -393,8 +417,11 @@ def test_manifest_paths_outside_the_export_are_refused(ckpt, exported, tmp_path,
     target.write_bytes((exported / "table-000.safetensors").read_bytes())
     manifest = json.loads((exported / "manifest.json").read_text())
     info = manifest["files"].pop("table-000.safetensors")
-    name = {"absolute": str(target), "dotdot": "../elsewhere/table-000.safetensors",
-            "table-file-only": "../elsewhere/table-000.safetensors"}[how]  # fmt: skip
+    name = {
+        "absolute": str(target),
+        "dotdot": "../elsewhere/table-000.safetensors",
+        "table-file-only": "../elsewhere/table-000.safetensors",
+    }[how]
     manifest["files"]["table-000.safetensors" if how == "table-file-only" else name] = info
     manifest["tables"][0]["file"] = name
     _write_manifest(exported, manifest)

@@ -20,9 +20,9 @@ import embengine.batch
 from embengine.backends.reference import ReferenceBackend
 
 SEED = 0
-# Budget: ~900 cases, ~35 ms each on this 2-core machine, plus one child's start (~10 s). On
-# broken code each crash costs a restart and a rerun alone, and each hang twice CASE_TIMEOUT:
-# after MAX_FAULTS the test stops (and fails) rather than running on.
+# Budget: ~900 cases and one child's start (their times: docs/performance.md, "Figures behind
+# the code"). On broken code each crash costs a restart and a rerun alone, and each hang twice
+# CASE_TIMEOUT: after MAX_FAULTS the test stops (and fails) rather than running on.
 CASE_TIMEOUT = 20.0
 MAX_FAULTS = 4
 BUDGET = 150.0
@@ -39,8 +39,14 @@ def test_fuzz_every_input_path_and_backend():
     both backends, with every kind of malformed input and valid ones: each case must give a
     clear error naming the feature and change nothing, or the right answer."""
     todo = fuzz_cases()
-    results = Runner("case", todo, case_timeout=CASE_TIMEOUT, attribute="alone",
-                     max_faults=MAX_FAULTS, budget=BUDGET).run()  # fmt: skip
+    results = Runner(
+        "case",
+        todo,
+        case_timeout=CASE_TIMEOUT,
+        attribute="alone",
+        max_faults=MAX_FAULTS,
+        budget=BUDGET,
+    ).run()
     bad = [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
     assert not bad, (
         f"{len(bad)} of {len(todo)} fuzz cases failed "
@@ -59,8 +65,14 @@ def test_crafted_checkpoints_and_exports_are_refused():
     with tempfile.TemporaryDirectory(prefix="embengine-crafted-") as tmp:
         base = crafted.make_base(Path(tmp))
         todo = crafted.tasks(base, seed=SEED, flips=1)
-        results = Runner("ckpt", todo, case_timeout=CASE_TIMEOUT, attribute="none",
-                         max_faults=MAX_FAULTS, budget=BUDGET).run()  # fmt: skip
+        results = Runner(
+            "ckpt",
+            todo,
+            case_timeout=CASE_TIMEOUT,
+            attribute="none",
+            max_faults=MAX_FAULTS,
+            budget=BUDGET,
+        ).run()
     wrong = []
     for task, result in zip(todo, results, strict=True):
         group, outcome = task["mutation"]["group"], result["outcome"]
@@ -98,11 +110,22 @@ def test_the_runner_records_crashes_and_hangs_against_their_task():
     """A segfault and a hang are recorded against the task that ran (and reproduced alone); a
     task that corrupts the process so that a later one dies is found by bisection."""
     actions = ["ok", "segv", "ok", "hang", "ok", "poison", "ok", "ok", "segv_if_poisoned", "ok"]
-    results = Runner("selftest", [{"action": a} for a in actions], case_timeout=3.0,
-                     attribute="bisect").run()  # fmt: skip
+    results = Runner(
+        "selftest", [{"action": a} for a in actions], case_timeout=3.0, attribute="bisect"
+    ).run()
     outcomes = [r["outcome"] for r in results]
-    assert outcomes == ["right_answer", "crash", "right_answer", "hang", "right_answer", "crash",
-                        "right_answer", "right_answer", "right_answer", "right_answer"]  # fmt: skip
+    assert outcomes == [
+        "right_answer",
+        "crash",
+        "right_answer",
+        "hang",
+        "right_answer",
+        "crash",
+        "right_answer",
+        "right_answer",
+        "right_answer",
+        "right_answer",
+    ]
     assert "SIGSEGV" in results[1]["detail"] and "reproduced alone" in results[1]["detail"]
     assert "reproduced alone" in results[3]["detail"]
     assert "kills the process later (task 8 died after it" in results[5]["detail"]
@@ -118,7 +141,9 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
 
     from _fuzz.runner import locked_selftest_kernel
 
-    held = 5.0  # the child's start-up (imports) comes out of it: 1-3 s on a loaded host
+    # The child's start-up (imports) comes out of it: seconds on a loaded host (its time:
+    # docs/performance.md, "Figures behind the code").
+    held = 5.0
     limit = 0.5
     lock_path = locked_selftest_kernel()._cache.lock_path
     Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
@@ -127,9 +152,12 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
         timer = threading.Timer(held, fcntl.flock, (lock, fcntl.LOCK_UN))
         timer.start()
         try:
-            results = Runner("selftest", [{"action": "locked", "value": 2},
-                                          {"action": "compile"}, {"action": "hang"}],
-                             case_timeout=limit, attribute="none").run()  # fmt: skip
+            results = Runner(
+                "selftest",
+                [{"action": "locked", "value": 2}, {"action": "compile"}, {"action": "hang"}],
+                case_timeout=limit,
+                attribute="none",
+            ).run()
         finally:
             timer.cancel()
     outcomes = [r["outcome"] for r in results]
@@ -146,8 +174,16 @@ def _valid_case(**changes) -> dict:
         "hist": {"samples": [[1, 2, 3, 4], [5]], "weights": None, "form": "ragged_lengths"},
         "cat": {"samples": [[0, 1], [2]], "weights": None, "form": "ragged_offsets"},
     }
-    case = {"path": "train", "backend": "reference", "config": "mixed", "batch": batch,
-            "fault": None, "grad_seed": 3, "lrs": None, "i": 0}  # fmt: skip
+    case = {
+        "path": "train",
+        "backend": "reference",
+        "config": "mixed",
+        "batch": batch,
+        "fault": None,
+        "grad_seed": 3,
+        "lrs": None,
+        "i": 0,
+    }
     case.update(changes)
     return case
 
@@ -158,8 +194,9 @@ def test_the_oracle_tells_right_answers_from_wrong_ones_and_partial_updates(monk
     backend, in this process: nothing here can crash)."""
     assert execute.run_case(_valid_case())["outcome"] == "right_answer"
     gains = embengine.batch.combiner_gains
-    monkeypatch.setattr(embengine.batch, "combiner_gains",
-                        lambda r, c: gains(r, c) * np.float32(1.001))  # fmt: skip
+    monkeypatch.setattr(
+        embengine.batch, "combiner_gains", lambda r, c: gains(r, c) * np.float32(1.001)
+    )
     assert execute.run_case(_valid_case(path="lookup_eval"))["outcome"] == "wrong_answer"
     monkeypatch.undo()
 

@@ -51,8 +51,12 @@ def test_values_are_pinned():
 
     rows = np.concatenate([np.arange(1000), [2**40 + 3, 10**12, 7]])
     h = hashlib.sha256()
-    for i in [init.RandomUniform(-0.5, 0.25), init.RandomUniform(-1, 1),
-              init.TruncatedNormal(0.1, 0.3), init.TruncatedNormal()]:  # fmt: skip
+    for i in [
+        init.RandomUniform(-0.5, 0.25),
+        init.RandomUniform(-1, 1),
+        init.TruncatedNormal(0.1, 0.3),
+        init.TruncatedNormal(),
+    ]:
         for dim in (1, 3, 8):
             v = i.init(7, "tab", rows, dim)
             assert v.dtype == np.float32 and v.shape == (len(rows), dim)
@@ -84,8 +88,9 @@ def test_an_engine_initialises_with_custom_and_builtin_initializers():
             return np.repeat((np.asarray(rows, np.float32) ** 2)[:, None], dim, axis=1)
 
     tables = {"sq": Squares(), "u": init.RandomUniform(-0.5, 0.25), "z": init.TruncatedNormal()}
-    feats = {n: ee.FeatureConfig(ee.TableConfig(6, 3, name=n, initializer=i))
-             for n, i in tables.items()}  # fmt: skip
+    feats = {
+        n: ee.FeatureConfig(ee.TableConfig(6, 3, name=n, initializer=i)) for n, i in tables.items()
+    }
     eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(0.1), seed=4, backend="reference")
     for n, i in tables.items():
         np.testing.assert_array_equal(eng.embedding_tables[n], i.init(4, n, np.arange(6), 3))

@@ -3,13 +3,11 @@
 import copy
 import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -120,24 +118,16 @@ def test_three_d_ids_rejected():
 
 # -- lengths and offsets that would overflow, arrays that change after validation ----------------
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a crash or a hang must not take pytest with it)."""
-    try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the subprocess did not finish in {timeout} s")
-
 
 WRAPPING_LENGTHS = [2**63 - 1, 2**63 - 1, 5]  # int64 sum: 3, the number of ids
 
 
 def test_lengths_whose_sum_wraps_are_refused():
-    with pytest.raises(ValueError, match=r"lengths\[0\]=9223372036854775807 is more than the "
-                                         r"number of ids \(3\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lengths\[0\]=9223372036854775807 is more than the "
+        r"number of ids \(3\)",
+    ):
         Ragged([1, 2, 3], lengths=WRAPPING_LENGTHS)
     with pytest.raises(ValueError, match=r"lengths\[1\]=4 is more than the number of ids \(3\)"):
         Ragged(np.array([1, 2, 3], dtype=np.int32), lengths=np.array([0, 4], dtype=np.uint32))
@@ -149,22 +139,28 @@ def test_a_running_sum_that_wraps_is_refused_even_if_each_length_fits():
     # Each length fits in num_ids, but a batch of 2**62 ids... is too big to build: the check
     # is on the running sum, shown here with the number of ids given directly.
     n = 2**62
-    with pytest.raises(ValueError, match=r"lengths sum to more than the number of ids "
-                                         r"\(4611686018427387904\): the running sum overflows "
-                                         r"int64 at lengths\[1\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lengths sum to more than the number of ids "
+        r"\(4611686018427387904\): the running sum overflows "
+        r"int64 at lengths\[1\]",
+    ):
         offsets_from_lengths(np.array([n, n, n, n], dtype=np.int64), n)
-    np.testing.assert_array_equal(offsets_from_lengths(np.array([n // 2, n // 2]), n),
-                                  [0, n // 2, n])  # fmt: skip
+    np.testing.assert_array_equal(
+        offsets_from_lengths(np.array([n // 2, n // 2]), n), [0, n // 2, n]
+    )
 
 
 def test_offsets_near_the_int64_limits_are_compared_not_subtracted():
     # np.diff of these wraps to [2**63 - 1, 1, 2**63 - 2, 5]: all >= 0.
-    with pytest.raises(ValueError, match=r"offsets\[2\]=-9223372036854775808 is less than "
-                                         r"offsets\[1\]=9223372036854775807"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"offsets\[2\]=-9223372036854775808 is less than "
+        r"offsets\[1\]=9223372036854775807",
+    ):
         Ragged([1, 2, 3], offsets=[0, 2**63 - 1, -(2**63), -2, 3])
 
 
-@pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("training", [True, False])
 def test_wrapping_lengths_never_reach_the_kernels(backend, training):
     # Before: the reference backend segfaulted, the numba kernels never returned.
@@ -176,7 +172,7 @@ eng = ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, optimizer=ee.optimizers.S
 eng.lookup({{"f": ee.Ragged([1, 2, 3], lengths={WRAPPING_LENGTHS})}}, training={training})
 print("no error", flush=True)
 """
-    out = _run(code, timeout=180)
+    out = run_python(code, timeout=180)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "ValueError: lengths[0]=9223372036854775807 is more than the number of ids (3)" in (
         out.stderr
@@ -212,7 +208,6 @@ def test_an_unpickled_ragged_is_read_only_and_checked_again():
         pickle.loads(edited)
 
 
-@pytest.mark.parametrize("backend", ["reference", "numba"])
 @pytest.mark.parametrize("training", [True, False])
 def test_offsets_changed_after_the_ragged_was_built_never_reach_the_kernels(backend, training):
     # Before: the Ragged kept the caller's offsets; changed afterwards, they reached the kernels
@@ -228,7 +223,7 @@ r = ee.Ragged(np.array([1, 2, 3]), offsets=offsets)
 offsets[1] = 10**12
 print(eng.lookup({{"f": r}}, training={training})["f"][:, 0].tolist(), flush=True)
 """
-    out = _run(code, timeout=180)
+    out = run_python(code, timeout=180)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.strip() == "[1.5, 3.0]"  # mean of rows 1, 2 and row 3
 

@@ -28,8 +28,9 @@ TIMEOUT = 300  # seconds for any one child (it compiles one small kernel at most
 
 def _copy_package(dest: Path) -> Path:
     """A copy of the embengine package under ``dest`` (no caches, no generated files)."""
-    shutil.copytree(REPO / "embengine", dest / "embengine",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(
+        REPO / "embengine", dest / "embengine", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return dest
 
 
@@ -37,8 +38,14 @@ def _run(script: str, root: Path, env: dict, prefix: tuple = ()) -> dict:
     """Run ``script`` with the package at ``root`` first on the path; its last stdout line,
     parsed as JSON."""
     env = {**os.environ, **env, "PYTHONPATH": str(root)}
-    proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True,
-                          text=True, env=env, timeout=TIMEOUT, cwd=root)  # fmt: skip
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -49,8 +56,13 @@ def _run(script: str, root: Path, env: dict, prefix: tuple = ()) -> dict:
 def test_no_generated_kernel_file_is_in_git():
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    listed = subprocess.run(["git", "ls-files", "embengine/kernels"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "embengine/kernels"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert "embengine/kernels/codegen.py" in listed
     generated = [p for p in listed if "GENERATED" in (REPO / p).read_text().split("\n", 1)[0]]
     assert not generated and "embengine/kernels/fused.py" not in listed, generated
@@ -180,6 +192,62 @@ def test_a_damaged_rendered_module_is_rewritten(generated):
     assert [p.name for p in generated.iterdir() if p.suffix != ".py"] == ["__pycache__"]
 
 
+def test_modules_of_other_digests_are_pruned_when_a_new_one_is_written(generated, monkeypatch):
+    """Writing adam's module removes adam's modules of other digests unused for
+    PRUNE_AFTER_SECONDS, with their caches; a recent one (a process may be importing it) and
+    other row maths' modules stay."""
+    import time
+
+    from embengine.kernels import row_math
+    from embengine.optimizers._row_math import ROW_MATH
+
+    rm = ROW_MATH["adam"]
+    _, path, _ = row_math.module_path(rm)
+    cache = generated / "__pycache__"
+    cache.mkdir(parents=True)
+    old = time.time() - 2 * row_math.PRUNE_AFTER_SECONDS
+
+    def module(stem: str, unused: bool) -> list[Path]:
+        """A module file and its cache entries (numba's index and data, Python's bytecode)."""
+        files = [
+            generated / f"{stem}.py",
+            cache / f"{stem}.fused_update_adam-51.py311.nbi",
+            cache / f"{stem}.fused_update_adam-51.py311.1.nbc",
+            cache / f"{stem}.cpython-311.pyc",
+        ]
+        for f in files:
+            f.write_text("KERNELS = {}\n")
+            if unused:
+                os.utime(f, (old, old))
+        return files
+
+    stale = module("embengine_kernels_adam_" + "0" * 16, unused=True)
+    recent = module("embengine_kernels_adam_" + "1" * 16, unused=False)
+    other = module("embengine_kernels_adam_bias_" + "2" * 16, unused=True)  # not adam's
+    row_math._load(rm)
+    assert path.exists()
+    assert not any(f.exists() for f in stale)
+    assert all(f.exists() for f in recent + other)
+
+    # Loading an existing module marks it in use: a process of other code, writing its own
+    # adam module, keeps it.
+    os.utime(path, (old, old))
+    row_math._load(rm)
+    assert (
+        row_math.prune("adam", generated / f"embengine_kernels_adam_{'3' * 16}.py", [cache]) == []
+    )
+    assert path.exists()
+
+    # A module pruned between this process's check and its import is written again.
+    def pruned_after_the_check(p, text):
+        p.unlink()
+        return True
+
+    monkeypatch.setattr(row_math, "_current", pruned_after_the_check)
+    fused, _, _ = row_math._load(rm)
+    assert path.exists() and fused.py_func.__code__.co_filename == str(path)
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     from embengine.kernels.row_math import write_atomically
 
@@ -218,13 +286,23 @@ print(json.dumps({"file": fused.py_func.__code__.co_filename}))
 def test_a_writer_killed_mid_write_leaves_no_module_and_the_next_process_writes_it(tmp_path):
     folder = tmp_path / "gen"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(folder)], env=env,
-                            capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not list(folder.glob("*.py"))  # only the abandoned temporary file
     assert [p.suffix for p in folder.iterdir()] == [".tmp"]
-    out = subprocess.run([sys.executable, "-c", LOAD, str(folder)], env=env,
-                         capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     path = Path(json.loads(out.stdout.splitlines()[-1])["file"])
     assert path.parent == folder and path.read_text().startswith('"""GENERATED from the template')
@@ -252,10 +330,21 @@ def _read_only_prefix(root: Path) -> tuple:
     if os.geteuid() != 0:
         subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
         return ()
-    prefix = ("unshare", "-m", "--propagation", "private", "sh", "-c",
-              'mount --bind -o ro "$0" "$0" && exec "$@"', str(root))  # fmt: skip
-    probe = subprocess.run([*prefix, "sh", "-c", f'! touch "{root}/probe" 2>/dev/null'],
-                           capture_output=True, timeout=60)  # fmt: skip
+    prefix = (
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount --bind -o ro "$0" "$0" && exec "$@"',
+        str(root),
+    )
+    probe = subprocess.run(
+        [*prefix, "sh", "-c", f'! touch "{root}/probe" 2>/dev/null'],
+        capture_output=True,
+        timeout=60,
+    )
     if probe.returncode != 0 or (root / "probe").exists():
         pytest.skip("running as root, and no read-only bind mount here (unshare -m)")
     return prefix

@@ -47,15 +47,19 @@ def test_every_batch_of_w1_new_brings_keys_no_batch_had():
 
 
 def test_the_keyed_bench_runs_every_workload_and_prints_one_table():
-    results = keyed.run_keyed(list(keyed.KEYED_WORKLOADS), scale=0.0005, steps=2, warmup=0,
-                              log=lambda s: None)  # fmt: skip
+    results = keyed.run_keyed(
+        list(keyed.KEYED_WORKLOADS), scale=0.0005, steps=2, warmup=0, log=lambda s: None
+    )
     measures = [r.measure for r in results]
     assert measures == [
-        "W1-keyed step, keyed / dense", "W1-keyed lookup-only, keyed / dense",
-        "W1-new step, keyed / dense", "W4 step time, 2nd half / 1st half",
-        "W4 RSS, largest / smallest", "insertion, M new keys/s on 1 core",
+        "W1-keyed step, keyed / dense",
+        "W1-keyed lookup-only, keyed / dense",
+        "W1-new step, keyed / dense",
+        "W4 step time, 2nd half / 1st half",
+        "W4 RSS, largest / smallest",
+        "insertion, M new keys/s on 1 core",
         "bytes per key beyond the row",
-    ]  # fmt: skip
+    ]
     assert all(r.value > 0 and np.isfinite(r.value) for r in results)
     by = {r.measure: r for r in results}
     assert "to fill;" in by["W4 step time, 2nd half / 1st half"].detail  # the table filled

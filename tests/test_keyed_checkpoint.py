@@ -27,7 +27,6 @@ from embengine.inspect import describe
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
 from embengine.serving import ServingEngine, export
 
-BACKENDS = ["numba", "reference"]
 # (id, DynamicVocabulary arguments): each rule of a keyed table, mid-stream at the save.
 RULES = [
     ("admit1", dict(occurrence_threshold=1)),
@@ -82,7 +81,6 @@ def _same(a, b) -> None:
     assert a.step == b.step
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rules", [r for _, r in RULES], ids=[i for i, _ in RULES])
 def test_save_load_mid_stream_continues_bit_identically(tmp_path, backend, rules):
     stream, probe = _stream(14), _stream(1, seed=9)[0]
@@ -255,7 +253,6 @@ def _max_rows(n):
     return change
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_crafted_keyed_checkpoints_are_refused_and_change_nothing(tmp_path, backend):
     src = _engine(backend, occurrence_threshold=1)
     for batch in _stream(6):

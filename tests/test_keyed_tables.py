@@ -11,6 +11,7 @@ import json
 import numba
 import numpy as np
 import pytest
+from conftest import keyed_engine, keyed_keys, train_bags
 
 import embengine as ee
 from embengine import optimizers as opt
@@ -58,8 +59,11 @@ def _no_accumulation(o: opt.Optimizer) -> opt.Optimizer | None:
 
 # (optimizer, accumulation): every optimizer with accumulation, and without where allowed.
 CASES = [pytest.param(o, id=f"{type(o).__name__}{i}-accumulate") for i, o in enumerate(OPTIMIZERS)]
-CASES += [pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumulation")
-          for i, o in enumerate(OPTIMIZERS) if _no_accumulation(o) is not None]  # fmt: skip
+CASES += [
+    pytest.param(_no_accumulation(o), id=f"{type(o).__name__}{i}-no-accumulation")
+    for i, o in enumerate(OPTIMIZERS)
+    if _no_accumulation(o) is not None
+]
 
 
 def _pair(optimizer, backend, dims=(8, 6), seed=3):
@@ -67,10 +71,17 @@ def _pair(optimizer, backend, dims=(8, 6), seed=3):
     with weights and a sequence feature on table 0, a bag feature on table 1 (quantized)."""
     engines = []
     for size in (V, None):
-        tables = [ee.TableConfig(size, d, name=f"t{i}", combiner=("sum", "sqrtn")[i % 2],
-                                 initializer=RandomUniform(-0.3, 0.3),
-                                 quantization_config=None if i == 0 else QUANTIZATION)
-                  for i, d in enumerate(dims)]  # fmt: skip
+        tables = [
+            ee.TableConfig(
+                size,
+                d,
+                name=f"t{i}",
+                combiner=("sum", "sqrtn")[i % 2],
+                initializer=RandomUniform(-0.3, 0.3),
+                quantization_config=None if i == 0 else QUANTIZATION,
+            )
+            for i, d in enumerate(dims)
+        ]
         feats = {"a": ee.FeatureConfig(tables[0]), "seq": ee.FeatureConfig(tables[0], 3)}
         if len(tables) > 1:
             feats["b"] = ee.FeatureConfig(tables[1])
@@ -103,7 +114,6 @@ def _same_contents(dense, keyed, table):
     return keys
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 @pytest.mark.parametrize("o", CASES)
 def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
     dims = (1,) if isinstance(o, COUNTING) else (8, 6)
@@ -123,8 +133,10 @@ def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
         got = keyed.lookup(feats, weights)
         for k in want:
             assert got[k].tobytes() == want[k].tobytes(), (step, k)
-        grads = {k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
-                 for k, v in want.items()}  # fmt: skip
+        grads = {
+            k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
+            for k, v in want.items()
+        }
         dense.apply_gradients(grads)
         keyed.apply_gradients(grads)
         if step % 5 == 4:
@@ -144,7 +156,12 @@ def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
 def test_dynamic_vocabulary_defaults_and_validation():
     d = ee.DynamicVocabulary()
     assert (d.occurrence_threshold, d.expire_steps, d.max_rows, d.eviction, d.insert_on) == (
-        0, None, None, "lru", "lookup")  # fmt: skip
+        0,
+        None,
+        None,
+        "lru",
+        "lookup",
+    )
     with pytest.raises(AttributeError):
         d.max_rows = 3  # frozen
     # vocabulary_size=None without dynamic: the documented defaults.
@@ -171,12 +188,16 @@ def test_dynamic_vocabulary_defaults_and_validation():
 
 
 def test_keyed_spec_and_plan_round_trip_through_json():
-    dyn = ee.DynamicVocabulary(occurrence_threshold=2, expire_steps=5, max_rows=100,
-                               eviction="lfu", insert_on="apply")  # fmt: skip
+    dyn = ee.DynamicVocabulary(
+        occurrence_threshold=2, expire_steps=5, max_rows=100, eviction="lfu", insert_on="apply"
+    )
     t = ee.TableConfig(None, 4, name="k", dynamic=dyn)
     d = ee.TableConfig(10, 4, name="d")
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(d)},
-                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(d)},
+        optimizer=opt.Adagrad(0.1),
+        backend="reference",
+    )
     spec = json.loads(json.dumps(eng.spec()))
     tables = {x["name"]: x for x in spec["tables"]}
     assert tables["k"]["vocabulary_size"] is None and tables["k"]["storage"] == "keyed"
@@ -199,39 +220,31 @@ def test_keyed_spec_and_plan_round_trip_through_json():
         _ = eng.embedding_tables
 
 
-def _keyed(backend="numba", optimizer=None, dim=2, init=None, **dynamic):
-    t = ee.TableConfig(None, dim, name="k", combiner="sum", initializer=init or RowId(0),
-                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.SGD(1.0),
-                              backend=backend, seed=1)  # fmt: skip
-
-
 BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_keyed_tables_take_any_int64_key(backend):
-    eng = _keyed(backend, init=RandomUniform(-1, 1))
+    eng = keyed_engine(backend, init=RandomUniform(-1, 1))
     keys = [BIG, -(2**63), 2**63 - 1, -5, -1, 0]
     acts = eng.lookup({"f": np.array(keys, np.int64)})["f"]  # 1-D: -1 is a key here
     assert eng.table_contents("k")["keys"].tolist() == sorted(keys)
     want = RandomUniform(-1, 1).init(1, "k", np.array(keys), 2)
     assert acts.tobytes() == want.tobytes()
     # 2-D input: -1 is padding, other negative keys are keys.
-    eng2 = _keyed(backend)
+    eng2 = keyed_engine(backend)
     acts = eng2.lookup({"f": np.array([[-5, -1], [-1, -1], [BIG, 3]])})["f"]
     assert eng2.table_contents("k")["keys"].tolist() == [-5, 3, BIG]
     np.testing.assert_array_equal(acts[:, 0], [-5.0, 0.0, np.float32(BIG) + 3])
     # A dense table keeps its checks.
-    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 2))},
-                               optimizer=opt.SGD(0.1), backend=backend)  # fmt: skip
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 2))}, optimizer=opt.SGD(0.1), backend=backend
+    )
     with pytest.raises(ValueError, match="only -1 marks padding"):
         dense.lookup({"f": np.array([[-5, -1]])})
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_bad_keys_are_refused_and_change_nothing(backend):
-    eng = _keyed(backend)
+    eng = keyed_engine(backend)
     eng.lookup({"f": [[1, 2]]})
     eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
     before = eng.table_contents("k")
@@ -251,32 +264,21 @@ def test_bad_keys_are_refused_and_change_nothing(backend):
 # -- scripted streams ----------------------------------------------------------------------------
 
 
-def _train(eng, bags, grad=1.0):
-    acts = eng.lookup({"f": bags})["f"]
-    eng.apply_gradients({"f": np.full_like(acts, grad)})
-    return acts
-
-
-def _keys(eng):
-    return eng.table_contents("k")["keys"].tolist()
-
-
 # Sorted: B < D < A < C < E; A, B, C, D exact in float32 (RowId values are checked).
 A, B, C, D, E = 2**20 + 1, -7, 2**22 + 3, 5, BIG + 9
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_admission_threshold_1(backend):
-    eng = _keyed(backend, occurrence_threshold=1)
-    acts = _train(eng, [[A, B, A]])  # step 0: nothing seen before
-    assert _keys(eng) == [] and not acts.any()
+    eng = keyed_engine(backend, occurrence_threshold=1)
+    acts = train_bags(eng, [[A, B, A]])  # step 0: nothing seen before
+    assert keyed_keys(eng) == [] and not acts.any()
     s = eng.table_stats()["k"]
     assert (s["pending_keys"], s["this_step"]["filtered"], s["this_step"]["admitted"]) == (2, 2, 0)
-    acts = _train(eng, [[A], [C]])  # A: 2 earlier occurrences; C: none
-    assert _keys(eng) == [A]
+    acts = train_bags(eng, [[A], [C]])  # A: 2 earlier occurrences; C: none
+    assert keyed_keys(eng) == [A]
     np.testing.assert_array_equal(acts, [[A, A], [0, 0]])  # RowId: the row's values are its key
-    acts = _train(eng, [[B, C], [A]])  # B, C: 1 earlier occurrence each
-    assert _keys(eng) == [B, A, C]
+    acts = train_bags(eng, [[B, C], [A]])  # B, C: 1 earlier occurrence each
+    assert keyed_keys(eng) == [B, A, C]
     c = eng.table_contents("k")
     # SGD lr 1, gradient 1: a row moves by -1 per step it was trained in since its admission;
     # the occurrences before it were dropped, not added to any row.
@@ -286,32 +288,33 @@ def test_admission_threshold_1(backend):
     assert s["total"]["filtered"] == 3 and s["this_step"]["admitted"] == 2
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_admission_threshold_3(backend):
-    eng = _keyed(backend, occurrence_threshold=3)
-    _train(eng, [[A, B, B], [B]])  # step 0: A 1, B 3
-    _train(eng, [[A, B]])  # step 1: B admitted (3 earlier); A 2 earlier
-    assert _keys(eng) == [B]
-    _train(eng, [[A, A]])  # step 2: A has 2 earlier occurrences: not yet
-    assert _keys(eng) == [B]
-    _train(eng, [[A]])  # step 3: 4 earlier
-    assert _keys(eng) == [B, A]
+    eng = keyed_engine(backend, occurrence_threshold=3)
+    train_bags(eng, [[A, B, B], [B]])  # step 0: A 1, B 3
+    train_bags(eng, [[A, B]])  # step 1: B admitted (3 earlier); A 2 earlier
+    assert keyed_keys(eng) == [B]
+    train_bags(eng, [[A, A]])  # step 2: A has 2 earlier occurrences: not yet
+    assert keyed_keys(eng) == [B]
+    train_bags(eng, [[A]])  # step 3: 4 earlier
+    assert keyed_keys(eng) == [B, A]
     # Evaluation lookups never count: C looked up 5 times in evaluation stays at 0.
     for _ in range(5):
         assert not eng.lookup({"f": [[C]]}, training=False)["f"].any()
-    _train(eng, [[C]])
-    assert _keys(eng) == [B, A] and eng.table_stats()["k"]["pending_keys"] == 1
+    train_bags(eng, [[C]])
+    assert keyed_keys(eng) == [B, A] and eng.table_stats()["k"]["pending_keys"] == 1
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_pending_counts_are_bounded_oldest_first(backend):
-    bounded, free = _keyed(backend, occurrence_threshold=2), _keyed(backend, occurrence_threshold=2)
+    bounded, free = (
+        keyed_engine(backend, occurrence_threshold=2),
+        keyed_engine(backend, occurrence_threshold=2),
+    )
     bounded._physical[0].max_pending = 2
     for eng in (bounded, free):
-        _train(eng, [[A, A]])  # step 0: A 2
-        _train(eng, [[B, C]])  # step 1: the bound forgets A, seen longest ago
-        _train(eng, [[A]])  # step 2: A's 2 earlier occurrences count only where remembered
-    assert _keys(free) == [A] and _keys(bounded) == []
+        train_bags(eng, [[A, A]])  # step 0: A 2
+        train_bags(eng, [[B, C]])  # step 1: the bound forgets A, seen longest ago
+        train_bags(eng, [[A]])  # step 2: A's 2 earlier occurrences count only where remembered
+    assert keyed_keys(free) == [A] and keyed_keys(bounded) == []
     s = bounded.table_stats()["k"]
     # Step 1 forgot A; step 2 forgot B (seen at step 1 like C; the smaller key goes first).
     assert s["total"]["forgotten"] == 2 and s["pending_keys"] == 2
@@ -319,17 +322,16 @@ def test_pending_counts_are_bounded_oldest_first(backend):
         bounded._physical[0].max_pending = -1
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_expiry_and_readmission_with_fresh_row(backend):
-    eng = _keyed(backend, optimizer=opt.Adagrad(0.5), expire_steps=2)
+    eng = keyed_engine(backend, optimizer=opt.Adagrad(0.5), expire_steps=2)
     for step in range(3):  # A at step 0 only; B every step
-        _train(eng, [[A, B]] if step == 0 else [[B]])
-    assert _keys(eng) == [B, A]  # A last touched at step 0; now step 3
+        train_bags(eng, [[A, B]] if step == 0 else [[B]])
+    assert keyed_keys(eng) == [B, A]  # A last touched at step 0; now step 3
     # Step 3: 3 - 0 > 2, so A is gone before this step's lookup; evaluation already sees zeros.
     assert not eng.lookup({"f": [[A]]}, training=False)["f"].any()
-    assert _keys(eng) == [B, A]  # evaluation removed nothing
-    _train(eng, [[B]])
-    assert _keys(eng) == [B]
+    assert keyed_keys(eng) == [B, A]  # evaluation removed nothing
+    train_bags(eng, [[B]])
+    assert keyed_keys(eng) == [B]
     assert eng.table_stats()["k"]["this_step"]["expired"] == 1
     # A again: a new row, its initial values and fresh slots (Adagrad's initial accumulator).
     acts = eng.lookup({"f": [[A]]})["f"]
@@ -339,36 +341,33 @@ def test_expiry_and_readmission_with_fresh_row(backend):
     np.testing.assert_array_equal(c["accumulators"][c["keys"] == A], np.float32([[fresh, fresh]]))
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_lru_eviction(backend):
-    eng = _keyed(backend, max_rows=3)
-    _train(eng, [[A, B, C]])
-    _train(eng, [[A]])
-    _train(eng, [[D]])  # B and C last touched at step 0: the smaller key, B, goes
-    assert _keys(eng) == [D, A, C]
-    _train(eng, [[E, C]])  # A (step 1) is now the least recent; C is in the batch
-    assert _keys(eng) == [D, C, E]
+    eng = keyed_engine(backend, max_rows=3)
+    train_bags(eng, [[A, B, C]])
+    train_bags(eng, [[A]])
+    train_bags(eng, [[D]])  # B and C last touched at step 0: the smaller key, B, goes
+    assert keyed_keys(eng) == [D, A, C]
+    train_bags(eng, [[E, C]])  # A (step 1) is now the least recent; C is in the batch
+    assert keyed_keys(eng) == [D, C, E]
     assert eng.table_stats()["k"]["total"]["evicted"] == 2
     # An evicted key seen again is a new row: its initial value, not its trained one.
-    np.testing.assert_array_equal(_train(eng, [[B]]), [[B, B]])
+    np.testing.assert_array_equal(train_bags(eng, [[B]]), [[B, B]])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_lfu_eviction(backend):
-    eng = _keyed(backend, max_rows=3, eviction="lfu")
-    _train(eng, [[A, A, B, C]])  # touches: A 2, B 1, C 1
-    _train(eng, [[B], [B], [B]])  # B 4
-    _train(eng, [[D]])  # C has the fewest touches (1)
-    assert _keys(eng) == [B, D, A]
-    _train(eng, [[E]])  # D 1 (step 2) < A 2 < B 4: D goes (LRU would take A)
-    assert _keys(eng) == [B, A, E]
+    eng = keyed_engine(backend, max_rows=3, eviction="lfu")
+    train_bags(eng, [[A, A, B, C]])  # touches: A 2, B 1, C 1
+    train_bags(eng, [[B], [B], [B]])  # B 4
+    train_bags(eng, [[D]])  # C has the fewest touches (1)
+    assert keyed_keys(eng) == [B, D, A]
+    train_bags(eng, [[E]])  # D 1 (step 2) < A 2 < B 4: D goes (LRU would take A)
+    assert keyed_keys(eng) == [B, A, E]
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_batch_needing_more_than_max_rows_is_an_error_and_changes_nothing(backend):
-    eng = _keyed(backend, optimizer=opt.Adagrad(0.1), max_rows=2, occurrence_threshold=1)
-    _train(eng, [[A, B, C]])
-    _train(eng, [[A, B]])
+    eng = keyed_engine(backend, optimizer=opt.Adagrad(0.1), max_rows=2, occurrence_threshold=1)
+    train_bags(eng, [[A, B, C]])
+    train_bags(eng, [[A, B]])
     before, stats = eng.table_contents("k"), eng.table_stats()
     with pytest.raises(ValueError, match="table 'k': this batch needs 3 rows .* max_rows=2"):
         eng.lookup({"f": [[A, B, C]]})
@@ -377,15 +376,14 @@ def test_a_batch_needing_more_than_max_rows_is_an_error_and_changes_nothing(back
     assert eng.table_stats() == stats and eng.step == 2
     with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
         eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
-    _train(eng, [[A, B]])  # the table trains on
-    assert _keys(eng) == [B, A]
+    train_bags(eng, [[A, B]])  # the table trains on
+    assert keyed_keys(eng) == [B, A]
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_insert_on_apply(backend):
-    eng = _keyed(backend, optimizer=opt.SGD(0.5), insert_on="apply")
+    eng = keyed_engine(backend, optimizer=opt.SGD(0.5), insert_on="apply")
     acts = eng.lookup({"f": [[A], [A, B]]})["f"]
-    assert not acts.any() and _keys(eng) == []  # zeros before the first update
+    assert not acts.any() and keyed_keys(eng) == []  # zeros before the first update
     eng.apply_gradients({"f": np.float32([[1, 2], [3, 4]])})
     # The update made the rows and applied this step's gradient to them.
     c = eng.table_contents("k")
@@ -394,41 +392,47 @@ def test_insert_on_apply(backend):
     acts = eng.lookup({"f": [[A], [D]]})["f"]
     np.testing.assert_array_equal(acts, np.float32([[A - 2, A - 3], [0, 0]]))
     eng.apply_gradients({"f": np.zeros((2, 2), np.float32)})
-    assert _keys(eng) == [B, D, A]
+    assert keyed_keys(eng) == [B, D, A]
     # With a threshold: counted at the lookup, inserted at the update once admitted.
-    eng = _keyed(backend, insert_on="apply", occurrence_threshold=1)
-    _train(eng, [[C]])
-    assert _keys(eng) == []
-    assert not _train(eng, [[C]]).any()  # admitted at step 1: zeros, then the row
+    eng = keyed_engine(backend, insert_on="apply", occurrence_threshold=1)
+    train_bags(eng, [[C]])
+    assert keyed_keys(eng) == []
+    assert not train_bags(eng, [[C]]).any()  # admitted at step 1: zeros, then the row
     np.testing.assert_array_equal(eng.table_contents("k")["weights"], [[C - 1, C - 1]])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_evaluation_lookups_never_insert_or_refresh(backend):
-    eng = _keyed(backend, expire_steps=1, max_rows=2)
-    _train(eng, [[A, B]])
+    eng = keyed_engine(backend, expire_steps=1, max_rows=2)
+    train_bags(eng, [[A, B]])
     stats = eng.table_stats()
     acts = eng.lookup({"f": [[A, C], [D]]}, training=False)["f"]
     np.testing.assert_array_equal(acts, np.float32([[A - 1, A - 1], [0, 0]]))
     batch = eng.preprocess({"f": [[C]]})  # a deduplicated batch looked up for evaluation
     assert not eng.lookup(batch, training=False)["f"].any()
-    assert _keys(eng) == [B, A] and eng.table_stats() == stats
-    _train(eng, [[B]])  # step 1
+    assert keyed_keys(eng) == [B, A] and eng.table_stats() == stats
+    train_bags(eng, [[B]])  # step 1
     for _ in range(3):  # evaluation does not refresh A
         eng.lookup({"f": [[A]]}, training=False)
-    _train(eng, [[B]])  # step 2: A (step 0) expired
-    assert _keys(eng) == [B]
+    train_bags(eng, [[B]])  # step 2: A (step 0) expired
+    assert keyed_keys(eng) == [B]
 
 
 def _stream(threads: int):
     numba.set_num_threads(threads)
     try:
-        eng = _keyed("numba", optimizer=opt.Adam(0.1), dim=8, init=RandomUniform(-1, 1),
-                     occurrence_threshold=1, max_rows=100, expire_steps=6)  # fmt: skip
+        eng = keyed_engine(
+            "numba",
+            optimizer=opt.Adam(0.1),
+            dim=8,
+            init=RandomUniform(-1, 1),
+            occurrence_threshold=1,
+            max_rows=100,
+            expire_steps=6,
+        )
         rng = np.random.default_rng(5)
         for _ in range(12):
             keys = rng.zipf(1.3, 200) * np.int64(0x9E3779B97F4A7C15 % 2**61)  # wraps: any int64
-            _train(eng, [list(keys[i : i + 4]) for i in range(0, 200, 4)], grad=0.1)
+            train_bags(eng, [list(keys[i : i + 4]) for i in range(0, 200, 4)], grad=0.1)
         return eng.table_contents("k"), eng.table_stats()
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
@@ -446,9 +450,11 @@ def test_same_stream_at_one_and_two_threads_is_bit_identical():
 
 
 def test_dense_tables_have_contents_and_stats_too():
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d",
-                                                                   initializer=RowId(0)))},
-                             optimizer=opt.Adagrad(0.1), backend="reference")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d", initializer=RowId(0)))},
+        optimizer=opt.Adagrad(0.1),
+        backend="reference",
+    )
     c = eng.table_contents("d")
     assert c["keys"].tolist() == [0, 1, 2, 3, 4]
     np.testing.assert_array_equal(c["weights"][:, 0], [0, 1, 2, 3, 4])

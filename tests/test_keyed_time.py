@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import keyed_engine, keyed_keys, train_bags
 
 import embengine as ee
 from embengine import monolith
@@ -18,55 +19,36 @@ from embengine.storage.keyed import NO_TIME
 A, B, C, D = 11, 22, 33, 44
 
 
-def _engine(backend="numba", **dynamic):
-    t = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=RowId(0),
-                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0),
-                              backend=backend, seed=1)  # fmt: skip
-
-
-def _train(eng, bags, t=None, grad=1.0):
-    acts = eng.lookup({"f": bags}, timestamp=t)["f"]
-    eng.apply_gradients({"f": np.full_like(acts, grad)})
-    return acts
-
-
-def _keys(eng):
-    return eng.table_contents("k")["keys"].tolist()
-
-
 def _times(eng):
     s = eng.state_dict()["tables"]["k"]
     return dict(zip(s["keys"].tolist(), s["last_time"].tolist(), strict=True))
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_rows_expire_when_data_time_passes_not_steps_or_wall_time(backend):
-    eng = _engine(backend, expire_seconds=100)
-    _train(eng, [[A, B]], t=1000)
+    eng = keyed_engine(backend, expire_seconds=100)
+    train_bags(eng, [[A, B]], timestamp=1000)
     for _ in range(30):  # many steps (and wall time) at one data time: nothing expires
-        _train(eng, [[B]], t=1000)
-    assert _keys(eng) == [A, B]
-    _train(eng, [[B]], t=1100)  # exactly 100 s behind: A stays (more than D expires)
-    assert _keys(eng) == [A, B] and eng.table_stats()["k"]["data_time"] == 1100
+        train_bags(eng, [[B]], timestamp=1000)
+    assert keyed_keys(eng) == [A, B]
+    train_bags(eng, [[B]], timestamp=1100)  # exactly 100 s behind: A stays (more than D expires)
+    assert keyed_keys(eng) == [A, B] and eng.table_stats()["k"]["data_time"] == 1100
     # An evaluation lookup sees the table at its data time: A is still there.
     np.testing.assert_array_equal(eng.lookup({"f": [[A]]}, training=False)["f"], [[A - 1] * 2])
-    _train(eng, [[B]], t=1101)  # 101 s: A is removed before this lookup
-    assert _keys(eng) == [B]
+    train_bags(eng, [[B]], timestamp=1101)  # 101 s: A is removed before this lookup
+    assert keyed_keys(eng) == [B]
     s = eng.table_stats()["k"]
     assert s["this_step"]["expired"] == 1 and s["total"]["expired"] == 1
     assert not eng.lookup({"f": [[A]]}, training=False)["f"].any()
     # A again: a new row, its initial values.
-    np.testing.assert_array_equal(_train(eng, [[A]], t=1102), [[A, A]])
+    np.testing.assert_array_equal(train_bags(eng, [[A]], timestamp=1102), [[A, A]])
     assert _times(eng) == {A: 1102, B: 1101}
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_timestamps_going_backwards_move_nothing_back(backend):
-    eng = _engine(backend, expire_seconds=100)
-    _train(eng, [[A, B]], t=1000)
-    _train(eng, [[B]], t=1080)
-    _train(eng, [[A], [C]], t=900)  # an older batch: late data
+    eng = keyed_engine(backend, expire_seconds=100)
+    train_bags(eng, [[A, B]], timestamp=1000)
+    train_bags(eng, [[B]], timestamp=1080)
+    train_bags(eng, [[A], [C]], timestamp=900)  # an older batch: late data
     s = eng.table_stats()["k"]
     assert s["data_time"] == 1080  # the table's data time stays at the newest it has seen
     # A keeps 1000 (the newest time that touched it); C, new, has its batch's time.
@@ -74,15 +56,14 @@ def test_timestamps_going_backwards_move_nothing_back(backend):
     # The late call saw the table at 1080: C (180 s behind) goes before the next lookup,
     # an old batch's timestamp does not bring A closer to expiry (Monolith would set A to 900
     # and expire it here).
-    _train(eng, [[B]], t=1095)
-    assert _keys(eng) == [A, B]
-    _train(eng, [[B]], t=1101)
-    assert _keys(eng) == [B]
+    train_bags(eng, [[B]], timestamp=1095)
+    assert keyed_keys(eng) == [A, B]
+    train_bags(eng, [[B]], timestamp=1101)
+    assert keyed_keys(eng) == [B]
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_the_update_takes_its_steps_time_and_a_missing_one_is_an_error(backend):
-    eng = _engine(backend, expire_seconds=50, insert_on="apply")
+    eng = keyed_engine(backend, expire_seconds=50, insert_on="apply")
     acts = eng.lookup({"f": [[A]]}, timestamp=500)["f"]
     assert not acts.any()  # insert on apply: zeros before the update
     eng.apply_gradients({"f": np.ones_like(acts)})  # no timestamp: the step's lookup's
@@ -93,8 +74,10 @@ def test_the_update_takes_its_steps_time_and_a_missing_one_is_an_error(backend):
     assert _times(eng) == {A: 500, B: 520}
     before, stats, step = eng.table_contents("k"), eng.table_stats(), eng.step
     # A training call of a step without a timestamp: an error naming the table, no change.
-    with pytest.raises(ValueError, match="table 'k' expires rows by data time .*"
-                                         "expire_seconds=50.*timestamp=seconds"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="table 'k' expires rows by data time .*expire_seconds=50.*timestamp=seconds",
+    ):
         eng.lookup({"f": [[C]]})
     batch = eng.preprocess({"f": [[C]]})
     with pytest.raises(ValueError, match="table 'k' expires rows by data time"):
@@ -120,26 +103,26 @@ def test_the_update_takes_its_steps_time_and_a_missing_one_is_an_error(backend):
     assert _times(eng) == {A: 500, B: 520, C: 530}
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_steps_and_data_time_together_and_tables_without_time(backend):
-    both = _engine(backend, expire_seconds=1000, expire_steps=2)
-    _train(both, [[A, B]], t=10)
-    _train(both, [[B]], t=20)
-    _train(both, [[B]], t=30)
-    _train(both, [[B]], t=40)  # step 3: A last touched at step 0 (3 > 2 steps)
-    assert _keys(both) == [B]
-    _train(both, [[A, B]], t=50)
-    _train(both, [[B]], t=1051)  # A: 1001 s behind
-    assert _keys(both) == [B]
+    both = keyed_engine(backend, expire_seconds=1000, expire_steps=2)
+    train_bags(both, [[A, B]], timestamp=10)
+    train_bags(both, [[B]], timestamp=20)
+    train_bags(both, [[B]], timestamp=30)
+    train_bags(both, [[B]], timestamp=40)  # step 3: A last touched at step 0 (3 > 2 steps)
+    assert keyed_keys(both) == [B]
+    train_bags(both, [[A, B]], timestamp=50)
+    train_bags(both, [[B]], timestamp=1051)  # A: 1001 s behind
+    assert keyed_keys(both) == [B]
     # A table without expire_seconds takes timestamps (its data time shows in the stats)
     # and needs none; a dense table ignores them.
-    plain = _engine(backend, expire_steps=5)
-    _train(plain, [[A]])
-    _train(plain, [[A]], t=77)
+    plain = keyed_engine(backend, expire_steps=5)
+    train_bags(plain, [[A]])
+    train_bags(plain, [[A]], timestamp=77)
     assert plain.table_stats()["k"]["data_time"] == 77
     assert plain.state_dict()["tables"]["k"]["last_time"].tolist() == [NO_TIME]
-    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(5, 2))},
-                               optimizer=opt.SGD(0.1), backend=backend)  # fmt: skip
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(5, 2))}, optimizer=opt.SGD(0.1), backend=backend
+    )
     acts = dense.lookup({"f": [[1]]}, timestamp=5)["f"]
     dense.apply_gradients({"f": acts}, timestamp=6)
     assert dense.step == 1
@@ -153,16 +136,15 @@ def _stream(eng, steps, start=0):
         keys = rng.integers(0, 30, size=(4, 3))
         t = 1000 + 10 * s - (25 if s % 4 == 3 else 0)
         if s >= start:
-            out.append(_train(eng, keys.tolist(), t=t, grad=0.1))
+            out.append(train_bags(eng, keys.tolist(), timestamp=t, grad=0.1))
     return out
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_checkpoint_keeps_the_data_times_and_continues_bit_identically(tmp_path, backend):
     rules = dict(expire_seconds=35, occurrence_threshold=1, max_rows=25)
-    whole = _engine(backend, **rules)
+    whole = keyed_engine(backend, **rules)
     want = _stream(whole, 9)[5:]
-    half = _engine(backend, **rules)
+    half = keyed_engine(backend, **rules)
     _stream(half, 5)
     path = half.save(tmp_path / "ckpt")
     state = half.state_dict()["tables"]["k"]
@@ -174,8 +156,9 @@ def test_a_checkpoint_keeps_the_data_times_and_continues_bit_identically(tmp_pat
     got = _stream(loaded, 9, start=5)
     assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
     arena = ("capacity", "load_factor", "bytes")  # a restore compacts the arena
-    stats = [{k: v for k, v in e.table_stats()["k"].items() if k not in arena}
-             for e in (loaded, whole)]  # fmt: skip
+    stats = [
+        {k: v for k, v in e.table_stats()["k"].items() if k not in arena} for e in (loaded, whole)
+    ]
     assert stats[0] == stats[1]
     got, want = loaded.state_dict()["tables"]["k"], whole.state_dict()["tables"]["k"]
     for k in want:
@@ -184,15 +167,15 @@ def test_a_checkpoint_keeps_the_data_times_and_continues_bit_identically(tmp_pat
 
 
 def test_a_state_with_bad_data_times_is_refused_and_changes_nothing():
-    eng = _engine("reference", expire_seconds=10)
-    _train(eng, [[A, B]], t=100)
+    eng = keyed_engine("reference", expire_seconds=10)
+    train_bags(eng, [[A, B]], timestamp=100)
     before = eng.state_dict()
     for entry, value, match in [
         (
             "last_time",
             np.array([100, 101]),
             "\\['last_time'\\]\\[1\\] is 101; it must be in \\[0, 100\\]",
-        ),  # fmt: skip
+        ),
         ("last_time", np.array([-5, 100]), "\\['last_time'\\]\\[0\\] is -5"),
         ("data_time", np.array([-3]), "\\['data_time'\\]\\[0\\] is -3"),
     ]:
@@ -208,7 +191,7 @@ def test_expire_seconds_is_validated_and_round_trips_through_the_spec():
         ee.DynamicVocabulary(expire_seconds=0)
     with pytest.raises(ValueError, match="expire_seconds must be None .* got 2.5"):
         ee.DynamicVocabulary(expire_seconds=2.5)
-    eng = _engine("reference", expire_seconds=3600, expire_steps=9)
+    eng = keyed_engine("reference", expire_seconds=3600, expire_steps=9)
     spec = json.loads(json.dumps(eng.spec()))
     again = ee.EmbeddingEngine.from_spec(spec)
     assert again.table_configs["k"].dynamic == eng.table_configs["k"].dynamic
@@ -217,8 +200,9 @@ def test_expire_seconds_is_validated_and_round_trips_through_the_spec():
 
 def test_monolith_slot_rules_map_to_a_dynamic_vocabulary():
     d = monolith.dynamic_vocabulary(occurrence_threshold=3, expire_time=2)
-    assert d == ee.DynamicVocabulary(occurrence_threshold=3, expire_seconds=2 * 86400,
-                                     insert_on="apply")  # fmt: skip
+    assert d == ee.DynamicVocabulary(
+        occurrence_threshold=3, expire_seconds=2 * 86400, insert_on="apply"
+    )
     assert monolith.dynamic_vocabulary().expire_seconds == monolith.DEFAULT_EXPIRE_TIME * 86400
     # Without timestamps, steps count.
     d = monolith.dynamic_vocabulary(expire_time=3, steps_per_day=100, max_rows=50)
@@ -233,32 +217,32 @@ def test_monolith_slot_rules_map_to_a_dynamic_vocabulary():
             monolith.dynamic_vocabulary(**kwargs)
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_monolith_slot_expires_after_its_days_of_data_time(backend):
     day = 86400
     rules = monolith.dynamic_vocabulary(occurrence_threshold=1, expire_time=2)
     t = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=RowId(0), dynamic=rules)
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0),
-                             backend=backend)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0), backend=backend
+    )
     t0 = 1_700_000_000
-    assert not _train(eng, [[A]], t=t0).any()  # seen once: filtered
-    assert not _train(eng, [[A], [B]], t=t0 + 10).any()  # admitted: zeros, then its row
-    assert _keys(eng) == [A]
-    np.testing.assert_array_equal(_train(eng, [[A]], t=t0 + day), [[A - 1, A - 1]])
-    _train(eng, [[B]], t=t0 + 3 * day)  # A: exactly 2 days since t0 + day, so it stays
-    assert _keys(eng) == [A, B]
-    _train(eng, [[B]], t=t0 + 3 * day + 1)
-    assert _keys(eng) == [B]
+    assert not train_bags(eng, [[A]], timestamp=t0).any()  # seen once: filtered
+    assert not train_bags(eng, [[A], [B]], timestamp=t0 + 10).any()  # admitted: zeros, then its row
+    assert keyed_keys(eng) == [A]
+    np.testing.assert_array_equal(train_bags(eng, [[A]], timestamp=t0 + day), [[A - 1, A - 1]])
+    train_bags(eng, [[B]], timestamp=t0 + 3 * day)  # A: exactly 2 days since t0 + day, so it stays
+    assert keyed_keys(eng) == [A, B]
+    train_bags(eng, [[B]], timestamp=t0 + 3 * day + 1)
+    assert keyed_keys(eng) == [B]
 
 
 def test_an_export_leaves_out_rows_stale_at_the_tables_data_time(tmp_path):
     from embengine.serving import ServingEngine, export
 
-    eng = _engine("numba", expire_seconds=100)
-    _train(eng, [[A]], t=1000)
-    _train(eng, [[B]], t=1200)  # A (200 s behind) went before this lookup
-    _train(eng, [[C]], t=1050)  # late data: C's row is 150 s behind the table's 1200
-    assert _keys(eng) == [B, C]  # still held: removed before the next training lookup
+    eng = keyed_engine("numba", expire_seconds=100)
+    train_bags(eng, [[A]], timestamp=1000)
+    train_bags(eng, [[B]], timestamp=1200)  # A (200 s behind) went before this lookup
+    train_bags(eng, [[C]], timestamp=1050)  # late data: C's row is 150 s behind the table's 1200
+    assert keyed_keys(eng) == [B, C]  # still held: removed before the next training lookup
     probe = {"f": [[B], [C], [A]]}
     want = eng.lookup(probe, training=False)["f"]
     assert want[0].any() and not want[1:].any()  # evaluation already sees C as gone
@@ -273,11 +257,11 @@ def test_an_embedding_layer_carries_the_timestamp_to_its_update():
     torch = pytest.importorskip("torch")
     from embengine.torch import EmbeddingLayer
 
-    layer = EmbeddingLayer(_engine("numba", expire_seconds=100, insert_on="apply"))
+    layer = EmbeddingLayer(keyed_engine("numba", expire_seconds=100, insert_on="apply"))
     for t, bags in ((1000, [[A]]), (1050, [[B]]), (1101, [[B]])):
         layer({"f": bags}, timestamp=t)["f"].sum().backward()
     # The update (insert on apply) stamped A and B with their forward's time; A expired at 1101.
-    assert _keys(layer.engine) == [B] and _times(layer.engine) == {B: 1101}
+    assert keyed_keys(layer.engine) == [B] and _times(layer.engine) == {B: 1101}
     layer.eval()
     assert layer({"f": [[B]]}, timestamp=5)["f"].tolist() == [[B - 2.0, B - 2.0]]
     layer.train()

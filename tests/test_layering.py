@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import embengine as ee
 from embengine import optimizers as opt
@@ -102,7 +101,6 @@ def test_reference_training_lookup_goes_through_the_declared_fused_lookup(monkey
     eng.apply_gradients({k: np.ones_like(a) for k, a in acts.items()})
 
 
-@pytest.mark.parametrize("backend", ["reference", "numba"])
 def test_lookup_rows_equals_lookup_of_the_table(backend):
     # lookup_rows (serving's path) over a table's rows gives the table's lookup, bit for bit.
     eng = _engine(backend)

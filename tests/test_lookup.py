@@ -9,14 +9,11 @@ import embengine as ee
 from embengine import initializers as init
 from embengine import optimizers as opt
 
-BACKENDS = ee.engine.BACKENDS
-
 
 def _engine(features, backend="reference", **kw):
     return ee.EmbeddingEngine(features, optimizer=opt.SGD(0.1), backend=backend, **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_combiners_with_weights_and_empty_bags(backend, combiner):
     # Row r of a RowId table is [r, r]: the expected activation is the weighted sum of ids.
@@ -36,7 +33,6 @@ def test_combiners_with_weights_and_empty_bags(backend, combiner):
     np.testing.assert_allclose(out, np.repeat(np.array(expected)[:, None], 2, 1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_unweighted_mean_and_sqrtn(backend):
     t_mean = ee.TableConfig(10, 1, initializer=init.RowId(), combiner="mean", name="m")
     t_sqrtn = ee.TableConfig(10, 1, initializer=init.RowId(), combiner="sqrtn", name="s")
@@ -46,7 +42,6 @@ def test_unweighted_mean_and_sqrtn(backend):
     np.testing.assert_allclose(out["b"], [[9.0 / math.sqrt(3)]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_sequence_feature_truncates_and_pads(backend):
     t = ee.TableConfig(10, 2, initializer=init.RowId(offset=1))
     eng = _engine({"s": ee.FeatureConfig(t, max_sequence_length=3)}, backend)
@@ -57,7 +52,6 @@ def test_sequence_feature_truncates_and_pads(backend):
     np.testing.assert_array_equal(out[..., 1], expected)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_truncated_ids_are_not_updated(backend):
     t = ee.TableConfig(10, 1, initializer=init.Zeros())
     eng = _engine({"s": ee.FeatureConfig(t, max_sequence_length=2)}, backend)
@@ -66,7 +60,6 @@ def test_truncated_ids_are_not_updated(backend):
     np.testing.assert_allclose(eng.embedding_tables["table_0"][:4, 0], [0, -0.1, -0.1, 0])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_output_shape_reshapes_the_batch(backend):
     t = ee.TableConfig(10, 2, initializer=init.RowId(), combiner="sum")
     fc = {
@@ -195,17 +188,30 @@ def test_lookup_only_batches_pool_straight_from_the_ids(dim, quantized):
     # A lookup-only batch keeps each feature's own arrays (no occurrence arrays): its lookup must
     # give the bits of the training lookup on the deduplicated batch, and the reference's values.
     q = ee.QuantizationConfig(num_buckets=9, lower=-0.5, upper=0.5) if quantized else None
-    tables = {c: ee.TableConfig(40, dim, combiner=c, name=c, quantization_config=q,
-                                initializer=init.RandomUniform(-1.0, 1.0))
-              for c in ("sum", "mean", "sqrtn")}  # fmt: skip
+    tables = {
+        c: ee.TableConfig(
+            40,
+            dim,
+            combiner=c,
+            name=c,
+            quantization_config=q,
+            initializer=init.RandomUniform(-1.0, 1.0),
+        )
+        for c in ("sum", "mean", "sqrtn")
+    }
     feats = {f"f_{c}": ee.FeatureConfig(t) for c, t in tables.items()}
     feats["g_mean"] = ee.FeatureConfig(tables["mean"])  # two features share a table
     feats["seq"] = ee.FeatureConfig(tables["sum"], max_sequence_length=3)
     rng = np.random.default_rng(dim)
     lengths = {f: rng.integers(0, 5, 150) for f in feats}  # empty bags; > 1 parallel task
-    values = {f: ee.Ragged(rng.integers(0, 40, int(n.sum())), lengths=n,
-                           weights=None if f == "seq" else rng.normal(size=int(n.sum())))
-              for f, n in lengths.items()}  # fmt: skip
+    values = {
+        f: ee.Ragged(
+            rng.integers(0, 40, int(n.sum())),
+            lengths=n,
+            weights=None if f == "seq" else rng.normal(size=int(n.sum())),
+        )
+        for f, n in lengths.items()
+    }
     engines = [_engine(feats, b, seed=3) for b in ("numba", "reference")]
     batch = engines[0].preprocess(values, training=False)
     assert all(isinstance(tb, ee.batch.LookupOnlyTableBatch) for tb in batch.tables)

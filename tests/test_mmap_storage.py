@@ -21,7 +21,6 @@ import pytest
 
 import embengine as ee
 from embengine import optimizers as O
-from embengine.engine import BACKENDS
 from embengine.storage import DenseTable, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _engine(storage_dir, backend="reference", vocab=100, dim=4) -> ee.EmbeddingEngine:
     t = ee.TableConfig(vocab, dim, name="t", optimizer=O.Adagrad(0.1))
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, storage="mmap",
-                              storage_dir=storage_dir, backend=backend)  # fmt: skip
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, storage="mmap", storage_dir=storage_dir, backend=backend
+    )
 
 
 def _step(eng: ee.EmbeddingEngine) -> None:
@@ -39,8 +39,10 @@ def _step(eng: ee.EmbeddingEngine) -> None:
 
 
 def _state(eng: ee.EmbeddingEngine) -> dict[str, np.ndarray]:
-    return {"weights": np.array(eng.embedding_tables["t"]),
-            **{k: np.array(v) for k, v in eng.slots("t").items()}}  # fmt: skip
+    return {
+        "weights": np.array(eng.embedding_tables["t"]),
+        **{k: np.array(v) for k, v in eng.slots("t").items()},
+    }
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -51,8 +53,13 @@ def _assert_same(a: dict, b: dict) -> None:
 
 def _python(code: str, timeout: float, prefix: list[str] | None = None):
     """Run ``code`` in a fresh interpreter (this checkout's embengine); never waits forever."""
-    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*(prefix or []), sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # -- 1. one engine per table file -----------------------------------------------------------------
@@ -178,15 +185,20 @@ def test_full_disk_is_an_oserror_at_creation_not_sigbus(tmp_path):
     if unshare is None:
         pytest.skip("no unshare(1) to mount a small tmpfs")
     mount = f"mount -t tmpfs -o size=1m none '{small}'"
-    probe = subprocess.run([unshare, "-Urm", "sh", "-c", mount], capture_output=True, text=True,
-                           timeout=30)  # fmt: skip
+    probe = subprocess.run(
+        [unshare, "-Urm", "sh", "-c", mount], capture_output=True, text=True, timeout=30
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
     code = textwrap.dedent(_CREATE_ON_SMALL_DISK.format(dir=str(small)))
     # sh mounts, then execs Python with the code as its argument (no quoting of the code)
-    out = subprocess.run([unshare, "-Urm", "sh", "-c", f'{mount} && exec "$0" -c "$1"',
-                          sys.executable, code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [unshare, "-Urm", "sh", "-c", f'{mount} && exec "$0" -c "$1"', sys.executable, code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, f"returncode {out.returncode}:\n{out.stdout}\n{out.stderr}"
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"errno {errno.ENOSPC} |"), out.stdout
@@ -223,7 +235,6 @@ def test_file_size_limit_is_an_oserror_naming_the_file_and_bytes(tmp_path):
 # -- 3. a file truncated under a live table -------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("when", ["before lookup", "before apply_gradients"])
 def test_file_truncated_under_a_running_engine_raises_not_sigbus(tmp_path, backend, when):
     out = _python(

@@ -11,17 +11,15 @@ from embengine import monolith as mono
 
 
 def _engine(optimizer, initializer, dim=1, backend="numba"):
-    t = ee.TableConfig(8, dim, initializer=initializer, optimizer=optimizer, combiner="sum",
-                       name="t")  # fmt: skip
+    t = ee.TableConfig(
+        8, dim, initializer=initializer, optimizer=optimizer, combiner="sum", name="t"
+    )
     return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend)
 
 
 def _step(eng, ids, grads):
     acts = eng.lookup({"f": np.array(ids)})
     eng.apply_gradients({"f": np.asarray(grads, dtype=np.float32).reshape(acts["f"].shape)})
-
-
-BACKENDS = ee.engine.BACKENDS
 
 
 def test_defaults_follow_monolith_proto():
@@ -45,13 +43,14 @@ def test_defaults_follow_monolith_proto():
         mono.AdagradOptimizer(warmup_steps=-1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("g", [1.0, -1.0])
 def test_ftrl_intended_math(backend, g):
     lr, l1, l2, beta, w0 = 0.5, 0.2, 0.4, 1.0, 0.3
-    eng = _engine(mono.FtrlOptimizer(learning_rate=lr, l1_regularization=l1,
-                                     l2_regularization=l2, beta=beta),
-                  mono.ConstantsInitializer(w0), backend=backend)  # fmt: skip
+    eng = _engine(
+        mono.FtrlOptimizer(learning_rate=lr, l1_regularization=l1, l2_regularization=l2, beta=beta),
+        mono.ConstantsInitializer(w0),
+        backend=backend,
+    )
     n, z, w = 0.1, 0.0, w0
     for step in range(3):
         _step(eng, [2], [g * (step + 1)])
@@ -66,11 +65,13 @@ def test_ftrl_intended_math(backend, g):
         np.testing.assert_allclose(eng.slots("t")["linears"][2, 0], z, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_adam_bias_correction_is_per_id(backend):
     lr, b1, b2, eps, wd = 0.1, 0.9, 0.99, 0.01, 0.05
-    eng = _engine(mono.AdamOptimizer(learning_rate=lr, weight_decay_factor=wd),
-                  mono.ConstantsInitializer(1.0), backend=backend)  # fmt: skip
+    eng = _engine(
+        mono.AdamOptimizer(learning_rate=lr, weight_decay_factor=wd),
+        mono.ConstantsInitializer(1.0),
+        backend=backend,
+    )
     state = {i: dict(w=1.0, m=0.0, v=0.0, b1p=b1, b2p=b2) for i in (1, 2)}
     for ids, grads in (([1], [0.5]), ([1, 2], [0.25, -1.0]), ([2], [2.0])):
         _step(eng, ids, grads)
@@ -88,13 +89,20 @@ def test_adam_bias_correction_is_per_id(backend):
     assert eng.slots("t")["steps"][[1, 2], 0].tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_momentum_velocity_with_warmup(backend, nesterov):
     lr, mu, wd, warm = 0.2, 0.9, 0.1, 2
-    eng = _engine(mono.MomentumOptimizer(learning_rate=lr, weight_decay_factor=wd,
-                                         use_nesterov=nesterov, momentum=mu, warmup_steps=warm),
-                  mono.ConstantsInitializer(1.0), backend=backend)  # fmt: skip
+    eng = _engine(
+        mono.MomentumOptimizer(
+            learning_rate=lr,
+            weight_decay_factor=wd,
+            use_nesterov=nesterov,
+            momentum=mu,
+            warmup_steps=warm,
+        ),
+        mono.ConstantsInitializer(1.0),
+        backend=backend,
+    )
     w, n = 1.0, 0.0
     for step, g in enumerate([1.0, -0.5, 2.0, 0.3]):
         _step(eng, [3], [g])
@@ -107,7 +115,6 @@ def test_momentum_velocity_with_warmup(backend, nesterov):
     assert eng.num_learning_rate_tags == 1  # the warm-up schedule is a learning-rate callable
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_rmsprop_and_adagrad_and_adadelta(backend):
     cases = [
         (
@@ -129,8 +136,9 @@ def test_rmsprop_and_adagrad_and_adadelta(backend):
         for g in (1.0, -2.0, 0.5):
             _step(eng, [4], [g])
             w, s = update(w, s, g)
-            np.testing.assert_allclose(eng.embedding_tables["t"][4, 0], w, rtol=1e-5,
-                                       err_msg=repr(optimizer))  # fmt: skip
+            np.testing.assert_allclose(
+                eng.embedding_tables["t"][4, 0], w, rtol=1e-5, err_msg=repr(optimizer)
+            )
 
 
 def _rmsprop(w, n, g, lr, wd, mom):
@@ -155,10 +163,12 @@ def _adadelta(w, s, g, lr, wd, rho, eps):
     return w - u * lr, (acc, upd * rho + u * u * (1 - rho))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_softmax(backend):
-    eng = _engine(mono.BatchSoftmaxOptimizer(learning_rate=0.2),
-                  mono.BatchSoftmaxInitializer(5.0), backend=backend)  # fmt: skip
+    eng = _engine(
+        mono.BatchSoftmaxOptimizer(learning_rate=0.2),
+        mono.BatchSoftmaxInitializer(5.0),
+        backend=backend,
+    )
     b, last = 5.0, 0
     for step in range(90):
         ids = [1, 1] if step % 3 == 0 else [2]  # id 1: every 3 steps, twice per batch
@@ -171,14 +181,20 @@ def test_batch_softmax(backend):
     assert abs(b - 3.0) < 0.01
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fixed_r8_simulates_8_bit_lookups(backend):
     comp = mono.FixedR8Compressor(fixed_range=2.0)
     q = comp.quantization_config()
-    t = ee.TableConfig(4, 3, initializer=ee.initializers.Constant(0.123), combiner="sum",
-                       quantization_config=q, name="t")  # fmt: skip
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=mono.SgdOptimizer(0.1),
-                             backend=backend)  # fmt: skip
+    t = ee.TableConfig(
+        4,
+        3,
+        initializer=ee.initializers.Constant(0.123),
+        combiner="sum",
+        quantization_config=q,
+        name="t",
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=mono.SgdOptimizer(0.1), backend=backend
+    )
     acts = eng.lookup({"f": np.array([1])})["f"]
     step = 2.0 / 128
     np.testing.assert_allclose(acts, round(0.123 / step) * step, rtol=1e-6)
@@ -197,12 +213,21 @@ def _compressed_engine(backend: str = "numba") -> ee.EmbeddingEngine:
     r8 = mono.FixedR8Compressor(fixed_range=0.5)
     tables = [
         ee.TableConfig(20, 4, name="a", combiner="sum", compressor=mono.Fp16Compressor()),
-        ee.TableConfig(20, 4, name="b", combiner="sum", compressor=r8,
-                       quantization_config=r8.quantization_config()),
+        ee.TableConfig(
+            20,
+            4,
+            name="b",
+            combiner="sum",
+            compressor=r8,
+            quantization_config=r8.quantization_config(),
+        ),
         ee.TableConfig(20, 4, name="c", combiner="sum"),
-    ]  # fmt: skip
-    eng = ee.EmbeddingEngine({t.name: ee.FeatureConfig(t) for t in tables},
-                             optimizer=mono.AdagradOptimizer(0.1), backend=backend)  # fmt: skip
+    ]
+    eng = ee.EmbeddingEngine(
+        {t.name: ee.FeatureConfig(t) for t in tables},
+        optimizer=mono.AdagradOptimizer(0.1),
+        backend=backend,
+    )
     ids = {name: np.array([1, 2, 3]) for name in "abc"}
     acts = eng.lookup(ids)
     eng.apply_gradients({k: np.full_like(a, 0.5) for k, a in acts.items()})
@@ -222,16 +247,25 @@ def test_export_stores_each_table_as_its_compressor_says(tmp_path):
     eng = _compressed_engine()
     eng.save(tmp_path / "ckpt")
     export(tmp_path / "ckpt", tmp_path / "out", compress="fp32", fixed_range=3.0)
-    assert _exported(tmp_path / "out") == {"a": ("fp16", {}),
-                                           "b": ("fixed_r8", {"fixed_range": 0.5}),
-                                           "c": ("fp32", {})}  # fmt: skip
+    assert _exported(tmp_path / "out") == {
+        "a": ("fp16", {}),
+        "b": ("fixed_r8", {"fixed_range": 0.5}),
+        "c": ("fp32", {}),
+    }
     # The export's per-table choice wins over the table's compressor; its default and its
     # fixed range apply to tables without one (and to a per-table choice).
-    export(tmp_path / "ckpt", tmp_path / "out2", compress="bf16",
-           per_table={"a": "fixed_r8"}, fixed_range=3.0)  # fmt: skip
-    assert _exported(tmp_path / "out2") == {"a": ("fixed_r8", {"fixed_range": 3.0}),
-                                            "b": ("fixed_r8", {"fixed_range": 0.5}),
-                                            "c": ("bf16", {})}  # fmt: skip
+    export(
+        tmp_path / "ckpt",
+        tmp_path / "out2",
+        compress="bf16",
+        per_table={"a": "fixed_r8"},
+        fixed_range=3.0,
+    )
+    assert _exported(tmp_path / "out2") == {
+        "a": ("fixed_r8", {"fixed_range": 3.0}),
+        "b": ("fixed_r8", {"fixed_range": 0.5}),
+        "c": ("bf16", {}),
+    }
     # Served rows of b are the training rows on b's own 8-bit grid (step 0.5 / 128, clipped to
     # [-0.5, 0.5 * 127 / 128]).
     ids = {name: np.arange(20) for name in "abc"}

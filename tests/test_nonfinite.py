@@ -35,8 +35,12 @@ def _state(eng: ee.EmbeddingEngine) -> dict:
 
 
 def _all_finite(eng: ee.EmbeddingEngine) -> bool:
-    return all(np.isfinite(v).all() for arrays in eng.state_dict()["tables"].values()
-               for v in arrays.values() if v.dtype.kind == "f")  # fmt: skip
+    return all(
+        np.isfinite(v).all()
+        for arrays in eng.state_dict()["tables"].values()
+        for v in arrays.values()
+        if v.dtype.kind == "f"
+    )
 
 
 def _same(a: dict, b: dict, table: str, rows=None) -> bool:
@@ -56,8 +60,9 @@ def _two_tables(backend: str, ftrl_lr) -> ee.EmbeddingEngine:
     """An SGD table and an FTRL table (updated first: tables go last to first)."""
     a = ee.TableConfig(10, 4, name="a", optimizer=O.SGD(0.1))
     b = ee.TableConfig(10, 4, name="b", optimizer=O.FTRL(ftrl_lr))
-    return ee.EmbeddingEngine({"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)},
-                              backend=backend)  # fmt: skip
+    return ee.EmbeddingEngine(
+        {"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)}, backend=backend
+    )
 
 
 def _step(eng, **kw):
@@ -65,15 +70,18 @@ def _step(eng, **kw):
     eng.apply_gradients({k: np.full_like(v, 0.5) for k, v in acts.items()}, **kw)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_learning_rate_zero_from_a_tag_is_refused_before_any_change(backend):
     eng = ee.EmbeddingEngine(
-        {"fa": ee.FeatureConfig(ee.TableConfig(10, 4, name="a", optimizer=O.SGD(
-            ee.DynamicLearningRate(0)))),
-         "fb": ee.FeatureConfig(ee.TableConfig(10, 4, name="b", optimizer=O.FTRL(
-             ee.DynamicLearningRate(1))))},
+        {
+            "fa": ee.FeatureConfig(
+                ee.TableConfig(10, 4, name="a", optimizer=O.SGD(ee.DynamicLearningRate(0)))
+            ),
+            "fb": ee.FeatureConfig(
+                ee.TableConfig(10, 4, name="b", optimizer=O.FTRL(ee.DynamicLearningRate(1)))
+            ),
+        },
         backend=backend,
-    )  # fmt: skip
+    )
     _step(eng, learning_rates=[0.1, 0.1])
     before = _state(eng)
     with pytest.raises(ValueError, match=r"table 'b' \(learning-rate tag 1\), step 1: FTRL"):
@@ -84,7 +92,6 @@ def test_ftrl_learning_rate_zero_from_a_tag_is_refused_before_any_change(backend
     assert _all_finite(eng)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_schedule_touching_zero_is_refused_at_that_step(backend):
     eng = _two_tables(backend, lambda step: 0.1 if step < 2 else 0.0)
     _step(eng)
@@ -102,7 +109,6 @@ def test_ftrl_learning_rate_zero_is_allowed_when_the_linear_is_multiplied_by_it(
         O.FTRL(0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lr", [1e300, 3.5e38, math.inf])
 def test_dynamic_learning_rates_beyond_float32_are_refused(backend, lr):
     t = ee.TableConfig(10, 4, name="a", optimizer=O.SGD(ee.DynamicLearningRate(0)))
@@ -148,8 +154,14 @@ def test_infinite_clip_bounds_on_their_open_side_mean_no_bound():
     """As an unset bound of the TPU proto's ClippingLimits: the same as None."""
     g = {"f": np.full((2, 4), 7.0, np.float32)}
     results = []
-    for kw in ({}, {"clip_weight_min": -math.inf, "clip_weight_max": math.inf,
-                    "clipvalue": (-math.inf, math.inf)}):  # fmt: skip
+    for kw in (
+        {},
+        {
+            "clip_weight_min": -math.inf,
+            "clip_weight_max": math.inf,
+            "clipvalue": (-math.inf, math.inf),
+        },
+    ):
         t = ee.TableConfig(10, 4, name="a", optimizer=O.Adagrad(0.5, **kw))
         eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend="reference")
         eng.lookup({"f": [[1], [2]]})
@@ -160,17 +172,23 @@ def test_infinite_clip_bounds_on_their_open_side_mean_no_bound():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: I.Constant(1e300), lambda: I.Constant(-3.5e38), lambda: I.RandomUniform(-1e39, 0.0),
-     lambda: I.TruncatedNormal(mean=3e38, stddev=1e38), lambda: I.RowId(offset=10**39)],
-)  # fmt: skip
+    [
+        lambda: I.Constant(1e300),
+        lambda: I.Constant(-3.5e38),
+        lambda: I.RandomUniform(-1e39, 0.0),
+        lambda: I.TruncatedNormal(mean=3e38, stddev=1e38),
+        lambda: I.RowId(offset=10**39),
+    ],
+)
 def test_initializer_values_must_fit_float32(make):
     with pytest.raises(ValueError, match="float32 range"):
         make()
 
 
 def test_a_from_function_initializer_returning_non_finite_values_is_refused():
-    t = ee.TableConfig(10, 2, name="a", initializer=I.FromFunction(
-        lambda shape, dtype: np.full(shape, 1e39)))  # fmt: skip
+    t = ee.TableConfig(
+        10, 2, name="a", initializer=I.FromFunction(lambda shape, dtype: np.full(shape, 1e39))
+    )
     with pytest.raises(ValueError, match="non-finite values .* for table 'a'"):
         ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1))
 
@@ -180,8 +198,9 @@ def test_per_id_weights_beyond_float32_are_refused_at_validation():
     eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1))
     with pytest.raises(ValueError, match="not finite"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow in the cast
-        eng.lookup({"f": ee.Ragged(np.array([1, 2]), lengths=[1, 1],
-                                   weights=np.array([1e39, 1.0]))})  # fmt: skip
+        eng.lookup(
+            {"f": ee.Ragged(np.array([1, 2]), lengths=[1, 1], weights=np.array([1e39, 1.0]))}
+        )
 
 
 # -- the per-row result guard ---------------------------------------------------------------------
@@ -204,10 +223,12 @@ GUARDED = {
 
 
 def _guard_engine(name: str, backend: str, policy: str, dim: int) -> ee.EmbeddingEngine:
-    t = ee.TableConfig(12, dim, name="t", combiner="sum", optimizer=GUARDED[name](),
-                       initializer=I.RowId(1))  # fmt: skip
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend,
-                              nonfinite_gradients=policy)  # fmt: skip
+    t = ee.TableConfig(
+        12, dim, name="t", combiner="sum", optimizer=GUARDED[name](), initializer=I.RowId(1)
+    )
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, backend=backend, nonfinite_gradients=policy
+    )
 
 
 def _guard_step(eng, sign=1.0):
@@ -257,20 +278,28 @@ def test_overflowing_rows_are_left_unchanged_and_reported(name, policy):
             assert eng.nonfinite_rows_skipped["t"] == 0
         else:
             assert err is None
-            assert [w for w in caught if issubclass(w.category, RuntimeWarning)
-                    and "table 't': 2 rows (ids 1, 5)" in str(w.message)]  # fmt: skip
+            assert [
+                w
+                for w in caught
+                if issubclass(w.category, RuntimeWarning)
+                and "table 't': 2 rows (ids 1, 5)" in str(w.message)
+            ]
             assert eng.nonfinite_rows_skipped["t"] == 2
         states[backend] = after
         errors[backend] = err
         counts[backend] = eng.nonfinite_rows_skipped["t"]
     ref, fast = states["reference"], states["numba"]
     for key in ref["t"]:
-        np.testing.assert_allclose(fast["t"][key], ref["t"][key], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"numba != reference for {key}")  # fmt: skip
+        np.testing.assert_allclose(
+            fast["t"][key],
+            ref["t"][key],
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"numba != reference for {key}",
+        )
     assert counts["reference"] == counts["numba"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_skip_row_counts_across_steps_and_training_goes_on(backend):
     eng = _guard_engine("adagrad", backend, "skip_row", 4)
     for _ in range(3):
@@ -281,13 +310,13 @@ def test_skip_row_counts_across_steps_and_training_goes_on(backend):
     assert eng.step == 3 and _all_finite(eng)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ftrl_tiny_learning_rate_overflow_is_guarded(backend):
     """A learning rate of 1e-45 is finite and within range, but FTRL divides by it: every
     touched row's result overflows, and each is left as it was."""
     t = ee.TableConfig(10, 4, name="t", optimizer=O.FTRL(ee.DynamicLearningRate(0)))
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend,
-                             nonfinite_gradients="skip_row")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, backend=backend, nonfinite_gradients="skip_row"
+    )
     acts = eng.lookup({"f": [[1], [2]]})
     before = _state(eng)
     with pytest.warns(RuntimeWarning, match="2 rows"):
@@ -318,11 +347,20 @@ def _build_optimizer(kind: str, lr: float, decay: float, extra: float, clip: flo
     return O.RMSProp(lr, epsilon=extra or 1e-10, **kw)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
-@given(kind=_OPTIMIZERS, lr=_EXTREME, decay=_EXTREME, extra=_EXTREME, clip=_EXTREME,
-       weight=_EXTREME, grad=_EXTREME, backend=st.sampled_from(BACKENDS),
-       policy=st.sampled_from(["error", "skip_row"]))  # fmt: skip
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    kind=_OPTIMIZERS,
+    lr=_EXTREME,
+    decay=_EXTREME,
+    extra=_EXTREME,
+    clip=_EXTREME,
+    weight=_EXTREME,
+    grad=_EXTREME,
+    backend=st.sampled_from(BACKENDS),
+    policy=st.sampled_from(["error", "skip_row"]),
+)
 def test_random_extreme_settings_never_write_a_non_finite_value(
     kind, lr, decay, extra, clip, weight, grad, backend, policy
 ):
@@ -331,11 +369,15 @@ def test_random_extreme_settings_never_write_a_non_finite_value(
     except ValueError:
         return  # refused where it entered
     t = ee.TableConfig(8, 4, name="t", combiner="sum", optimizer=opt, initializer=I.RowId(1))
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend,
-                             nonfinite_gradients=policy)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, backend=backend, nonfinite_gradients=policy
+    )
     w = np.float32(weight) if math.isfinite(weight) and weight <= BIG else np.float32(1.0)
-    feats = {"f": ee.Ragged(np.array([1, 2, 2, 3]), lengths=[2, 2],
-                            weights=np.array([w, 1.0, -w, 0.5], np.float32))}  # fmt: skip
+    feats = {
+        "f": ee.Ragged(
+            np.array([1, 2, 2, 3]), lengths=[2, 2], weights=np.array([w, 1.0, -w, 0.5], np.float32)
+        )
+    }
     g = np.float32(grad) if math.isfinite(grad) and grad <= BIG else np.float32(1.0)
     for _ in range(2):
         with warnings.catch_warnings():
@@ -357,11 +399,17 @@ def test_rowwise_adagrad_near_float32_max_takes_the_guarded_path(dim):
     overflows must leave the row as it was (row 1, pushed up); as on the reference."""
     states = []
     for backend in BACKENDS:
-        t = ee.TableConfig(4, dim, name="t", combiner="sum", initializer=I.Constant(3.3e38),
-                           optimizer=O.Adagrad(1e38, hessian_compression_times=dim,
-                                               initial_accumulator_value=1.0))  # fmt: skip
-        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend,
-                                 nonfinite_gradients="skip_row")  # fmt: skip
+        t = ee.TableConfig(
+            4,
+            dim,
+            name="t",
+            combiner="sum",
+            initializer=I.Constant(3.3e38),
+            optimizer=O.Adagrad(1e38, hessian_compression_times=dim, initial_accumulator_value=1.0),
+        )
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t)}, backend=backend, nonfinite_gradients="skip_row"
+        )
         before = _state(eng)
         acts = eng.lookup({"f": ee.Ragged(np.array([1, 2]), lengths=[1, 1])})
         g = np.ones_like(acts["f"])

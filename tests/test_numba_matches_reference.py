@@ -80,8 +80,7 @@ def scenarios(draw):
             ids = [draw(st.integers(0, vocab[t] - 1)) for _ in range(sum(lengths))]
             weights = None
             if not seq and draw(st.booleans()):
-                weights = [draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.5, 0.3]))
-                           for _ in ids]  # fmt: skip
+                weights = [draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.5, 0.3])) for _ in ids]
             step.append((ids, lengths, weights))
         steps.append(step)
     grad_seed = draw(st.integers(0, 2**16))
@@ -91,10 +90,15 @@ def scenarios(draw):
 def _make_engine(scenario, optimizer, backend, **kwargs):
     dims, vocab, combiners, feats, _, _ = scenario
     tables = [
-        ee.TableConfig(vocab[i], dims[i], combiner=combiners[i], name=f"t{i}",
-                       initializer=init.RandomUniform(-1.0, 1.0))
+        ee.TableConfig(
+            vocab[i],
+            dims[i],
+            combiner=combiners[i],
+            name=f"t{i}",
+            initializer=init.RandomUniform(-1.0, 1.0),
+        )
         for i in range(len(dims))
-    ]  # fmt: skip
+    ]
     features = {
         f"f{k}": ee.FeatureConfig(tables[t], max_sequence_length=seq)
         for k, (t, seq) in enumerate(feats)
@@ -124,11 +128,13 @@ def _run(engine, scenario):
 
 def _assert_same_state(a, b, rtol=1e-5, atol=1e-6):
     for name in a.table_names:
-        np.testing.assert_allclose(a.embedding_tables[name], b.embedding_tables[name],
-                                   rtol=rtol, atol=atol, err_msg=name)  # fmt: skip
+        np.testing.assert_allclose(
+            a.embedding_tables[name], b.embedding_tables[name], rtol=rtol, atol=atol, err_msg=name
+        )
         for slot, arr in a.slots(name).items():
-            np.testing.assert_allclose(arr, b.slots(name)[slot], rtol=rtol, atol=atol,
-                                       err_msg=f"{name}/{slot}")  # fmt: skip
+            np.testing.assert_allclose(
+                arr, b.slots(name)[slot], rtol=rtol, atol=atol, err_msg=f"{name}/{slot}"
+            )
 
 
 def _check(scenario, optimizer):
@@ -140,8 +146,7 @@ def _check(scenario, optimizer):
     _assert_same_state(fast, slow)
 
 
-SETTINGS = settings(max_examples=25, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
@@ -204,8 +209,10 @@ def test_results_do_not_depend_on_thread_count():
             for step in range(3):
                 feats = {"f": ee.Ragged(ids, lengths=lengths), "g": ids[:batch]}
                 a = eng.lookup(feats)
-                grads = {k: np.sin(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
-                         for k, v in a.items()}  # fmt: skip
+                grads = {
+                    k: np.sin(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
+                    for k, v in a.items()
+                }
                 eng.apply_gradients(grads)
                 acts.append(a)
             results.append((acts, eng.embedding_tables["t"].copy(), eng.slots("t")))
@@ -232,7 +239,7 @@ FIXED_LAYOUT_OPTIMIZERS = OPTIMIZERS + [
         weight_decay_mode="l2",
         clip_weight_min=-0.5,
         clip_weight_max=0.5,
-    ),  # fmt: skip
+    ),
     opt.AMSGrad(0.05, weight_decay_factor=0.1),
 ]
 
@@ -258,21 +265,29 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
         states = []
         for fixed in (True, False):
             monkeypatch.setattr(nbk, "FIXED_DIMS", fixed_dims if fixed else ())
-            t = ee.TableConfig(vocab, 8, combiner="sqrtn", name="t",
-                               initializer=init.RandomUniform(-1.0, 1.0))  # fmt: skip
-            eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
-                                     optimizer=optimizer, seed=1)  # fmt: skip
+            t = ee.TableConfig(
+                vocab, 8, combiner="sqrtn", name="t", initializer=init.RandomUniform(-1.0, 1.0)
+            )
+            eng = ee.EmbeddingEngine(
+                {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)}, optimizer=optimizer, seed=1
+            )
             table = eng._physical[0]
             fused = nbk.kernels_for(optimizer, table)[0]
             rm = optimizer.row_math(8)
             variant = rm.name
             assert (fused is not row_math.kernels(rm)[0]) == (fixed and rm.fixed_layout)
             for step, (ids, lengths, weights) in enumerate(steps):
-                acts = eng.lookup({"f": ee.Ragged(ids, lengths=lengths, weights=weights),
-                                   "g": ids[:batch]})  # fmt: skip
-                eng.apply_gradients({k: np.cos(np.arange(a.size) * 0.7 + step)
-                                     .reshape(a.shape).astype(np.float32)
-                                     for k, a in acts.items()})  # fmt: skip
+                acts = eng.lookup(
+                    {"f": ee.Ragged(ids, lengths=lengths, weights=weights), "g": ids[:batch]}
+                )
+                eng.apply_gradients(
+                    {
+                        k: np.cos(np.arange(a.size) * 0.7 + step)
+                        .reshape(a.shape)
+                        .astype(np.float32)
+                        for k, a in acts.items()
+                    }
+                )
             states.append((eng.embedding_tables["t"].copy(), eng.slots("t")))
         if rm.fixed_layout:
             covered.add(variant)
@@ -290,8 +305,9 @@ def test_fixed_layout_only_where_the_rows_fit():
     from embengine.backends import numba_backend as nbk
 
     def layout(optimizer, dim):
-        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, dim, name="t"))},
-                                 optimizer=optimizer)  # fmt: skip
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(ee.TableConfig(10, dim, name="t"))}, optimizer=optimizer
+        )
         return nbk.fixed_layout(optimizer.row_math(dim), eng._physical[0])
 
     assert layout(opt.Adam(0.1), 16) == (16, 2)

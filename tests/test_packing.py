@@ -14,8 +14,10 @@ def _engine(packing, backend, optimizer=None, **kw):
     o = optimizer or opt.Adagrad(0.1, low_dimensional_packing_status=packing)
     if optimizer is not None:
         o = type(o)(**{**o.hyperparameters(), "low_dimensional_packing_status": packing})
-    tables = [ee.TableConfig(20 + i, d, name=f"t{i}", combiner=("mean", "sum", "sqrtn")[i % 3])
-              for i, d in enumerate(DIMS)]  # fmt: skip
+    tables = [
+        ee.TableConfig(20 + i, d, name=f"t{i}", combiner=("mean", "sum", "sqrtn")[i % 3])
+        for i, d in enumerate(DIMS)
+    ]
     feats = {f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)}
     feats["seq"] = ee.FeatureConfig(tables[0], max_sequence_length=3)
     return ee.EmbeddingEngine(feats, optimizer=o, backend=backend, **kw)
@@ -24,26 +26,34 @@ def _engine(packing, backend, optimizer=None, **kw):
 def _run(engines, steps=3, seed=0):
     rng = np.random.default_rng(seed)
     for step in range(steps):
-        feats = {f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 4))) for _ in range(6)]
-                 for i in range(len(DIMS))}  # fmt: skip
+        feats = {
+            f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 4))) for _ in range(6)]
+            for i in range(len(DIMS))
+        }
         feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(6)]
         for e in engines:
             inference = e.lookup(feats, training=False)  # packed lookup-only path too
             acts = e.lookup(feats)
             for k, a in acts.items():
                 np.testing.assert_array_equal(inference[k], a)
-            grads = {k: np.sin(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
-                     for k, v in acts.items()}  # fmt: skip
+            grads = {
+                k: np.sin(np.arange(v.size) + step).reshape(v.shape).astype(np.float32)
+                for k, v in acts.items()
+            }
             e.apply_gradients(grads)
 
 
-@pytest.mark.parametrize("backend", ee.engine.BACKENDS)
 @pytest.mark.parametrize(
     "optimizer",
-    [opt.Adagrad(0.1), opt.Adam(0.05, bias_correction="per_row"), opt.FTRL(0.1),
-     opt.SGD(0.2, use_gradient_accumulation=False), opt.Adam(0.05, lazy_adam=False)],
+    [
+        opt.Adagrad(0.1),
+        opt.Adam(0.05, bias_correction="per_row"),
+        opt.FTRL(0.1),
+        opt.SGD(0.2, use_gradient_accumulation=False),
+        opt.Adam(0.05, lazy_adam=False),
+    ],
     ids=lambda o: type(o).__name__,
-)  # fmt: skip
+)
 def test_packed_equals_unpacked(backend, optimizer):
     plain, packed = _engine(False, backend, optimizer), _engine(True, backend, optimizer)
     assert len(plain.storage_plan.physical_tables) == len(DIMS)
@@ -62,24 +72,38 @@ def test_packed_prepared_batches_are_canonical():
     # consecutive: f0, then "seq" last); the batch must still equal the reference's.
     fast, slow = _engine(True, "numba"), _engine(True, "reference")
     rng = np.random.default_rng(3)
-    feats = {f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
-             for i in range(len(DIMS))}  # fmt: skip
+    feats = {
+        f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
+        for i in range(len(DIMS))
+    }
     feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(7)]
     for a, b in zip(fast.preprocess(feats).tables, slow.preprocess(feats).tables, strict=True):
-        for field in ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                      "unique_offsets", "unique_gains", "unique_segments"):  # fmt: skip
+        for field in (
+            "unique_ids",
+            "inverse",
+            "gains",
+            "segments",
+            "output_offsets",
+            "unique_offsets",
+            "unique_gains",
+            "unique_segments",
+        ):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
 
 
 def test_packing_respects_optimizer_equality_and_initial_values():
     a = opt.SGD(0.1, low_dimensional_packing_status=True)
     b = opt.SGD(0.2, low_dimensional_packing_status=True)
-    t = [ee.TableConfig(10, 2, name="x", optimizer=a), ee.TableConfig(10, 2, name="y", optimizer=b),
-         ee.TableConfig(10, 2, name="z", optimizer=a)]  # fmt: skip
+    t = [
+        ee.TableConfig(10, 2, name="x", optimizer=a),
+        ee.TableConfig(10, 2, name="y", optimizer=b),
+        ee.TableConfig(10, 2, name="z", optimizer=a),
+    ]
     eng = ee.EmbeddingEngine({n.name: ee.FeatureConfig(n) for n in t})
     assert sorted(p.name for p in eng.storage_plan.physical_tables) == ["x+z", "y"]
-    alone = ee.EmbeddingEngine({"z": ee.FeatureConfig(ee.TableConfig(10, 2, name="z"))},
-                               optimizer=opt.SGD(0.1))  # fmt: skip
+    alone = ee.EmbeddingEngine(
+        {"z": ee.FeatureConfig(ee.TableConfig(10, 2, name="z"))}, optimizer=opt.SGD(0.1)
+    )
     np.testing.assert_array_equal(eng.embedding_tables["z"], alone.embedding_tables["z"])
 
 
@@ -120,8 +144,10 @@ def test_results_do_not_depend_on_how_tables_are_dealt(monkeypatch):
     from embengine.kernels import prepare as kp
 
     rng = np.random.default_rng(5)
-    feats = {f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
-             for i in range(len(DIMS))}  # fmt: skip
+    feats = {
+        f"f{i}": [list(rng.integers(0, 20, rng.integers(0, 6))) for _ in range(7)]
+        for i in range(len(DIMS))
+    }
     feats["seq"] = [list(rng.integers(0, 20, 4)) for _ in range(7)]
     expected = _engine(True, "numba").preprocess(feats)
     dealings = [
@@ -132,6 +158,14 @@ def test_results_do_not_depend_on_how_tables_are_dealt(monkeypatch):
         monkeypatch.setattr(kp, "deal_tables", deal)
         got = _engine(True, "numba").preprocess(feats)
         for a, b in zip(got.tables, expected.tables, strict=True):
-            for field in ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                          "unique_offsets", "unique_gains", "unique_segments"):  # fmt: skip
+            for field in (
+                "unique_ids",
+                "inverse",
+                "gains",
+                "segments",
+                "output_offsets",
+                "unique_offsets",
+                "unique_gains",
+                "unique_segments",
+            ):
                 np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)

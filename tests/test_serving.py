@@ -31,8 +31,7 @@ COMBINER = {"one": "sum", "bag": "mean", "wsum": "sum", "seq": "sum"}
 
 def _features():
     one = ee.TableConfig(60, 8, name="one", combiner="sum", optimizer=O.Adagrad(learning_rate=0.5))
-    bag = ee.TableConfig(50, 6, name="bag", combiner="mean",
-                         optimizer=O.Adam(learning_rate=0.05))  # fmt: skip
+    bag = ee.TableConfig(50, 6, name="bag", combiner="mean", optimizer=O.Adam(learning_rate=0.05))
     wsum = ee.TableConfig(30, 4, name="wsum", combiner="sum")
     seq = ee.TableConfig(40, 4, name="seq", combiner="sum")
     return {
@@ -66,14 +65,16 @@ def _inputs(seed: int):
 
 
 def _train(backend: str, steps: int = 3) -> ee.EmbeddingEngine:
-    eng = ee.EmbeddingEngine(_features(), optimizer=O.SGD(learning_rate=0.3), seed=1,
-                             backend=backend)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        _features(), optimizer=O.SGD(learning_rate=0.3), seed=1, backend=backend
+    )
     for s in range(steps):
         feats, weights = _inputs(100 + s)
         acts = eng.lookup(feats, weights)
         rng = np.random.default_rng(s)
-        eng.apply_gradients({k: rng.standard_normal(v.shape).astype(np.float32)
-                             for k, v in acts.items()})  # fmt: skip
+        eng.apply_gradients(
+            {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in acts.items()}
+        )
     return eng
 
 
@@ -153,12 +154,17 @@ def _compare(served, trained_acts, bound):
 
 # -- every compression, within its bound -----------------------------------------------------------
 
-CASES = [("fp32", 1.0), ("fp16", 1.0), ("bf16", 1.0), ("fixed_r8", 1.0), ("fixed_r8", 0.25),
-         ("int8_rowwise", 1.0)]  # fmt: skip
+CASES = [
+    ("fp32", 1.0),
+    ("fp16", 1.0),
+    ("bf16", 1.0),
+    ("fixed_r8", 1.0),
+    ("fixed_r8", 0.25),
+    ("int8_rowwise", 1.0),
+]
 
 
-@pytest.mark.parametrize("compression, fixed_range", CASES,
-                         ids=[f"{c}-{r}" for c, r in CASES])  # fmt: skip
+@pytest.mark.parametrize("compression, fixed_range", CASES, ids=[f"{c}-{r}" for c, r in CASES])
 def test_served_lookups_are_within_the_stated_bound(trained, tmp_path, compression, fixed_range):
     eng, path = trained
     report = export(path, tmp_path / "out", compress=compression, fixed_range=fixed_range)
@@ -192,14 +198,16 @@ def test_codec_round_trip_respects_error_bound(compression):
     from embengine.serving import _encode_table, decode
 
     rng = np.random.default_rng(0)
-    x = np.concatenate([
-        rng.standard_normal((50, 16)).astype(np.float32) * 0.3,
-        rng.uniform(-1, 0.99, (50, 16)).astype(np.float32),
-        np.zeros((2, 16), np.float32),                          # constant rows
-        np.full((2, 16), 0.123, np.float32),
-        (rng.standard_normal((4, 16)) * 1e-6).astype(np.float32),  # tiny values
-        rng.uniform(-3, 3, (4, 16)).astype(np.float32),          # outside fixed_r8's range
-    ])  # fmt: skip
+    x = np.concatenate(
+        [
+            rng.standard_normal((50, 16)).astype(np.float32) * 0.3,
+            rng.uniform(-1, 0.99, (50, 16)).astype(np.float32),
+            np.zeros((2, 16), np.float32),  # constant rows
+            np.full((2, 16), 0.123, np.float32),
+            (rng.standard_normal((4, 16)) * 1e-6).astype(np.float32),  # tiny values
+            rng.uniform(-3, 3, (4, 16)).astype(np.float32),  # outside fixed_r8's range
+        ]
+    )
     params = {"fixed_range": 1.0}
     arrays, worst = _encode_table(x, compression, params)
     back = decode(arrays, compression, np.arange(len(x)), params)
@@ -216,10 +224,12 @@ def test_export_report_sizes(trained, tmp_path):
     _, path = trained
     vocab_dim = {"one": (60, 8), "bag": (50, 6), "wsum": (30, 4), "seq": (40, 4)}
     expected = {
-        "fp32": lambda v, d: v * d * 4, "fp16": lambda v, d: v * d * 2,
-        "bf16": lambda v, d: v * d * 2, "fixed_r8": lambda v, d: v * d,
+        "fp32": lambda v, d: v * d * 4,
+        "fp16": lambda v, d: v * d * 2,
+        "bf16": lambda v, d: v * d * 2,
+        "fixed_r8": lambda v, d: v * d,
         "int8_rowwise": lambda v, d: v * d + 8 * v,
-    }  # fmt: skip
+    }
     disk = {}
     for comp in COMPRESSIONS:
         report = export(path, tmp_path / comp, compress=comp)
@@ -268,13 +278,17 @@ def test_per_table_overrides_apply(trained, tmp_path):
         np.testing.assert_array_equal(got["seq"], expect["seq"])  # fp32 table: exact
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"compress": "fp8"}, "fp8"),
-    ({"per_table": {"nope": "fp16"}}, "nope"),
-    ({"per_table": {"bag": "int4"}}, "int4"),
-    ({"compress": "fixed_r8", "fixed_range": 0.0}, "fixed_range"),
-    ({"compress": "fixed_r8", "fixed_range": float("nan")}, "fixed_range"),
-], ids=["compress", "unknown-table", "table-compress", "range-0", "range-nan"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"compress": "fp8"}, "fp8"),
+        ({"per_table": {"nope": "fp16"}}, "nope"),
+        ({"per_table": {"bag": "int4"}}, "int4"),
+        ({"compress": "fixed_r8", "fixed_range": 0.0}, "fixed_range"),
+        ({"compress": "fixed_r8", "fixed_range": float("nan")}, "fixed_range"),
+    ],
+    ids=["compress", "unknown-table", "table-compress", "range-0", "range-nan"],
+)
 def test_export_argument_errors(trained, tmp_path, kwargs, words):
     _, path = trained
     with pytest.raises(ValueError, match=words):
@@ -356,12 +370,16 @@ def test_serving_engine_refuses_a_tampered_export(exported, tamper):
         assert "checksum mismatch" in str(exc.value)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: m.__setitem__("format", "pickle"),
-    lambda m: m.__setitem__("format", "embengine-checkpoint"),
-    lambda m: m.__setitem__("format_version", 99),
-    lambda m: m["files"].__setitem__("model.pkl", {"sha256": "0", "bytes": 0}),
-], ids=["pickle", "checkpoint-format", "version", "pkl-file"])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.__setitem__("format", "pickle"),
+        lambda m: m.__setitem__("format", "embengine-checkpoint"),
+        lambda m: m.__setitem__("format_version", 99),
+        lambda m: m["files"].__setitem__("model.pkl", {"sha256": "0", "bytes": 0}),
+    ],
+    ids=["pickle", "checkpoint-format", "version", "pkl-file"],
+)
 def test_serving_engine_refuses_foreign_manifests(exported, edit):
     m = json.loads((exported / "manifest.json").read_text())
     edit(m)
@@ -417,8 +435,9 @@ def test_sequence_features_and_output_shape_in_serving(trained, tmp_path):
         assert not got["seq"][s, min(lengths[s], 3) :].any()
     # The empty bag of sample 0 gives zeros; "shaped" is "one"'s ids laid out as [3, 4].
     assert not got["bag"][0].any()
-    np.testing.assert_array_equal(got["shaped"].reshape(B, 8),
-                                  eng.embedding_tables["one"][feats["shaped"]])  # fmt: skip
+    np.testing.assert_array_equal(
+        got["shaped"].reshape(B, 8), eng.embedding_tables["one"][feats["shaped"]]
+    )
     # A PreparedBatch works too, and bad input is an error naming the feature.
     batch = serving.preprocess(feats, weights)
     again = serving.lookup(batch)
@@ -453,16 +472,31 @@ def test_cli_export_and_inspect(trained_ref, tmp_path):
     _flip(bad_ckpt / "table-000.safetensors")
     out = tmp_path / "out"
     commands = {
-        "export": ["export", str(path), str(out), "--compress", "fp16", "--table",
-                   "bag=int8_rowwise"],
+        "export": [
+            "export",
+            str(path),
+            str(out),
+            "--compress",
+            "fp16",
+            "--table",
+            "bag=int8_rowwise",
+        ],
         "inspect": ["inspect", str(path.parent)],
         "inspect-bad": ["inspect", str(bad_ckpt)],
-    }  # fmt: skip
+    }
     # PYTHONPATH: the command imports this checkout's embengine, not the one it was installed from
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = {k: subprocess.Popen([str(EMBENGINE), *args], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env)
-             for k, args in commands.items()}  # fmt: skip
+    procs = {
+        k: subprocess.Popen(
+            [str(EMBENGINE), *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k, args in commands.items()
+    }
     res = {k: (p.wait(timeout=120), *p.communicate()) for k, p in procs.items()}
 
     code, stdout, stderr = res["export"]
@@ -476,8 +510,11 @@ def test_cli_export_and_inspect(trained_ref, tmp_path):
     serving = ServingEngine.load(out)
     feats, weights = _inputs(3)
     bounds = {t: error_bound(comps[t], w, {}) for t, w in eng.embedding_tables.items()}
-    _compare(serving.lookup(feats, weights), eng.lookup(feats, weights),
-             _expected_bound(eng, feats, weights, bounds))  # fmt: skip
+    _compare(
+        serving.lookup(feats, weights),
+        eng.lookup(feats, weights),
+        _expected_bound(eng, feats, weights, bounds),
+    )
 
     code, stdout, stderr = res["inspect"]
     assert code == 0, stderr
@@ -505,8 +542,16 @@ def _cli(handler, capsys, **kwargs):
 def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     _, path = trained_ref
     out = tmp_path / "out"
-    code, stdout, _ = _cli("_export", capsys, checkpoint=str(path), out=str(out),
-                           compress="bf16", table=None, fixed_range=1.0, replace=False)  # fmt: skip
+    code, stdout, _ = _cli(
+        "_export",
+        capsys,
+        checkpoint=str(path),
+        out=str(out),
+        compress="bf16",
+        table=None,
+        fixed_range=1.0,
+        replace=False,
+    )
     assert code == 0 and "bf16" in stdout
     code, stdout, _ = _cli("_inspect", capsys, path=str(out), no_verify=False)
     assert code == 0
@@ -522,17 +567,39 @@ def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     bad_ckpt = tmp_path / "bad" / path.name
     shutil.copytree(path, bad_ckpt)
     _flip(bad_ckpt / "table-000.safetensors")
-    code, _, stderr = _cli("_export", capsys, checkpoint=str(bad_ckpt), out=str(tmp_path / "n"),
-                           compress="fp16", table=None, fixed_range=1.0, replace=False)  # fmt: skip
+    code, _, stderr = _cli(
+        "_export",
+        capsys,
+        checkpoint=str(bad_ckpt),
+        out=str(tmp_path / "n"),
+        compress="fp16",
+        table=None,
+        fixed_range=1.0,
+        replace=False,
+    )
     assert code != 0 and "checksum mismatch" in stderr
     assert not (tmp_path / "n").exists()
-    code, _, stderr = _cli("_export", capsys, checkpoint=str(path), out=str(tmp_path / "n"),
-                           compress="fp16", table=["bag"], fixed_range=1.0,
-                           replace=False)  # fmt: skip
+    code, _, stderr = _cli(
+        "_export",
+        capsys,
+        checkpoint=str(path),
+        out=str(tmp_path / "n"),
+        compress="fp16",
+        table=["bag"],
+        fixed_range=1.0,
+        replace=False,
+    )
     assert code == 2 and "NAME=COMPRESSION" in stderr
-    code, _, stderr = _cli("_export", capsys, checkpoint=str(path), out=str(tmp_path / "n"),
-                           compress="fp16", table=["zzz=fp16"], fixed_range=1.0,
-                           replace=False)  # fmt: skip
+    code, _, stderr = _cli(
+        "_export",
+        capsys,
+        checkpoint=str(path),
+        out=str(tmp_path / "n"),
+        compress="fp16",
+        table=["zzz=fp16"],
+        fixed_range=1.0,
+        replace=False,
+    )
     assert code == 2 and "zzz" in stderr
 
 
@@ -546,9 +613,12 @@ def test_serving_refuses_a_batch_prepared_for_other_tables(trained_ref, tmp_path
     for fc in _features().values():
         t = fc.table
         tables.setdefault(t.name, ee.TableConfig(10_000, t.dim, name=t.name, combiner=t.combiner))
-    bigger = {name: ee.FeatureConfig(tables[fc.table.name], fc.max_sequence_length,
-                                     output_shape=fc.output_shape)
-              for name, fc in _features().items()}  # fmt: skip
+    bigger = {
+        name: ee.FeatureConfig(
+            tables[fc.table.name], fc.max_sequence_length, output_shape=fc.output_shape
+        )
+        for name, fc in _features().items()
+    }
     other = ee.EmbeddingEngine(bigger, optimizer=O.SGD(learning_rate=0.1), backend="reference")
     far = dict(feats, one=np.full(B, 9_999))
     with pytest.raises(ValueError, match="feature 'one': prepared for a table of 10000 rows"):
@@ -577,17 +647,28 @@ def _deduplicated_lookup(serving, feats, weights):
         q = serving._configs[name].quantization_config
         quant = np.zeros(3) if q is None else np.array([q.num_buckets, q.lower, q.upper])
         out = np.empty((tb.num_outputs, dim), dtype=np.float32)
-        pool_kernel(dim)(compact.reshape(-1, dim), dim, np.arange(len(tb.unique_ids)),
-                         tb.inverse, tb.gains, tb.output_offsets, out, quant,
-                         PREFETCH_DISTANCE)  # fmt: skip
+        pool_kernel(dim)(
+            compact.reshape(-1, dim),
+            dim,
+            np.arange(len(tb.unique_ids)),
+            tb.inverse,
+            tb.gains,
+            tb.output_offsets,
+            out,
+            quant,
+            PREFETCH_DISTANCE,
+        )
         per_table.append(out)
-    return {name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
-            for name, lay in batch.features.items()}  # fmt: skip
+    return {
+        name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
+        for name, lay in batch.features.items()
+    }
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_serving_pools_decoded_rows_without_deduplicating(trained, tmp_path, compression,
-                                                          monkeypatch):  # fmt: skip
+def test_serving_pools_decoded_rows_without_deduplicating(
+    trained, tmp_path, compression, monkeypatch
+):
     from embengine.backends.numba_backend import NumbaBackend
 
     _, path = trained
@@ -602,8 +683,9 @@ def test_serving_pools_decoded_rows_without_deduplicating(trained, tmp_path, com
     calls = []
     real = NumbaBackend.lookup_rows
     monkeypatch.setattr(ee.batch, "dedup", no_dedup)
-    monkeypatch.setattr(NumbaBackend, "lookup_rows",
-                        lambda self, *a: calls.append(a[1]) or real(self, *a))  # fmt: skip
+    monkeypatch.setattr(
+        NumbaBackend, "lookup_rows", lambda self, *a: calls.append(a[1]) or real(self, *a)
+    )
     for (f, w), expected in zip(inputs, want, strict=True):
         got = serving.lookup(f, w)
         assert sorted(got) == sorted(expected)

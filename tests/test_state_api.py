@@ -43,21 +43,34 @@ OPTIMIZERS = [
     (O.Adagrad(0.1, low_dimensional_packing_status=True), 2),  # packed with the next one
     (O.Adagrad(0.1, low_dimensional_packing_status=True), 2),
 ]
-INITIALIZERS = [None, I.Zeros(), I.Constant(0.5), I.RandomUniform(-0.2, 0.3),
-                I.TruncatedNormal(0.1, 0.2), I.RowId(3)]  # fmt: skip
+INITIALIZERS = [
+    None,
+    I.Zeros(),
+    I.Constant(0.5),
+    I.RandomUniform(-0.2, 0.3),
+    I.TruncatedNormal(0.1, 0.2),
+    I.RowId(3),
+]
 
 
 def _every_kind_engine(backend: str = "reference", **kw) -> ee.EmbeddingEngine:
     tables = [
-        ee.TableConfig(12 + t, dim, name=f"t{t}", optimizer=opt, combiner=("sum", "mean")[t % 2],
-                       initializer=INITIALIZERS[t % len(INITIALIZERS)],
-                       quantization_config=ee.QuantizationConfig(8, -1.0, 1.0) if t == 3 else None)
+        ee.TableConfig(
+            12 + t,
+            dim,
+            name=f"t{t}",
+            optimizer=opt,
+            combiner=("sum", "mean")[t % 2],
+            initializer=INITIALIZERS[t % len(INITIALIZERS)],
+            quantization_config=ee.QuantizationConfig(8, -1.0, 1.0) if t == 3 else None,
+        )
         for t, (opt, dim) in enumerate(OPTIMIZERS)
-    ]  # fmt: skip
+    ]
     features = {f"f{t}": ee.FeatureConfig(table) for t, table in enumerate(tables)}
     features["seq"] = ee.FeatureConfig(tables[0], max_sequence_length=3)
-    features["shaped"] = ee.FeatureConfig(tables[2], output_shape=(2, 2),
-                                          validate_weights_and_indices=False)  # fmt: skip
+    features["shaped"] = ee.FeatureConfig(
+        tables[2], output_shape=(2, 2), validate_weights_and_indices=False
+    )
     return ee.EmbeddingEngine(features, seed=7, backend=backend, **kw)
 
 
@@ -79,8 +92,9 @@ def _train(eng: ee.EmbeddingEngine, steps: int) -> None:
 
 
 def _copy_state(eng: ee.EmbeddingEngine) -> dict[str, np.ndarray]:
-    return {f"{t}/{k}": np.array(a) for t, e in eng.state_dict()["tables"].items()
-            for k, a in e.items()}  # fmt: skip
+    return {
+        f"{t}/{k}": np.array(a) for t, e in eng.state_dict()["tables"].items() for k, a in e.items()
+    }
 
 
 def _assert_same_state(a: ee.EmbeddingEngine, b: ee.EmbeddingEngine) -> None:
@@ -142,8 +156,9 @@ def test_spec_round_trips_every_optimizer_and_initializer_through_json():
 
 def test_from_spec_takes_overrides():
     eng = _every_kind_engine()
-    rebuilt = ee.EmbeddingEngine.from_spec(eng.spec(), {1: _lr_schedule}, seed=8,
-                                           nonfinite_gradients="skip_row")  # fmt: skip
+    rebuilt = ee.EmbeddingEngine.from_spec(
+        eng.spec(), {1: _lr_schedule}, seed=8, nonfinite_gradients="skip_row"
+    )
     assert rebuilt.seed == 8 and rebuilt.nonfinite_gradients == "skip_row"
     assert rebuilt.backend == "reference"
 
@@ -167,14 +182,18 @@ def test_from_spec_names_what_it_cannot_rebuild():
         ee.EmbeddingEngine.from_spec(spec, {1: _lr_schedule})
     spec = eng.spec()
     spec["tables"][1]["slots"] = []
-    with pytest.raises(SpecError, match=r"tables\[1\]\.slots \[\] are not the slots of its "
-                                        "optimizer Adagrad"):  # fmt: skip
+    with pytest.raises(
+        SpecError,
+        match=r"tables\[1\]\.slots \[\] are not the slots of its "
+        "optimizer Adagrad",
+    ):
         ee.EmbeddingEngine.from_spec(spec, {1: _lr_schedule})
     # One function for two callable tags would renumber the tags: refused.
     a = ee.TableConfig(5, 2, name="a", optimizer=O.SGD(lambda: 0.1))
     b = ee.TableConfig(5, 2, name="b", optimizer=O.SGD(lambda: 0.2))
-    two = ee.EmbeddingEngine({"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)},
-                             backend="reference")  # fmt: skip
+    two = ee.EmbeddingEngine(
+        {"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)}, backend="reference"
+    )
     with pytest.raises(
         SpecError, match="2 learning-rate tags, its tables with the callables given have 1"
     ):
@@ -216,8 +235,9 @@ def _packed_engine(backend="reference", packing=True) -> ee.EmbeddingEngine:
     c = ee.TableConfig(4, 1, name="c", optimizer=O.FrequencyEstimator(), combiner="sum")
     return ee.EmbeddingEngine(
         {"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b), "fc": ee.FeatureConfig(c)},
-        seed=1, backend=backend,
-    )  # fmt: skip
+        seed=1,
+        backend=backend,
+    )
 
 
 def _train_packed(eng: ee.EmbeddingEngine, steps: int) -> None:
@@ -240,8 +260,9 @@ def test_state_dict_is_live_views_keyed_by_logical_table_and_row():
     assert w.shape == (7, 2) and w.dtype == np.float32
     # b is packed after a in one storage table, but its row r is its id r.
     np.testing.assert_array_equal(w[:, 0], 100 + np.arange(7))
-    np.testing.assert_array_equal(eng.lookup({"fa": [[0]], "fb": [[3]], "fc": [[0]]},
-                                             training=False)["fb"], [[103, 103]])  # fmt: skip
+    np.testing.assert_array_equal(
+        eng.lookup({"fa": [[0]], "fb": [[3]], "fc": [[0]]}, training=False)["fb"], [[103, 103]]
+    )
     # Live: an update shows in the views taken before it, and writes go to the engine.
     before = w.copy()
     _train_packed(eng, 1)
@@ -251,7 +272,6 @@ def test_state_dict_is_live_views_keyed_by_logical_table_and_row():
     assert eng.state_dict()["step"] == 1
 
 
-@pytest.mark.parametrize("backend", ee.engine.BACKENDS)
 def test_load_state_dict_between_packed_and_unpacked_engines(backend):
     packed, plain = _packed_engine(backend), _packed_engine(backend, packing=False)
     _train_packed(packed, 3)
@@ -301,28 +321,56 @@ def _pop(*path):
 # (what, edit of a copy of a good state, error, message). Each problem is in the last table or
 # after every table, so a copy made while checking would show in the earlier tables.
 BAD_STATES = [
-    ("shape", _set("tables", "c", "weights", np.zeros((5, 1), np.float32)), ValueError,
-     r"state\['tables'\]\['c'\]\['weights'\] is float32 \[5, 1\], table 'c' holds float32 "
-     r"\[4, 1\]"),
-    ("dtype", _set("tables", "c", "last_hit_step", np.zeros((4, 1), np.float32)), ValueError,
-     r"\['last_hit_step'\] is float32 \[4, 1\], table 'c' holds int32"),
-    ("not an array", _set("tables", "c", "weights", [[0.0]] * 4), TypeError,
-     r"\['c'\]\['weights'\] must be a NumPy array or a TensorSource, got list"),
-    ("unknown entry", _set("tables", "c", "momenta", np.zeros((4, 1))), ValueError,
-     r"\['c'\] has unknown entries \['momenta'\]"),
-    ("missing entry", _pop("tables", "c", "last_hit_step"), ValueError,
-     r"\['c'\] has no \['last_hit_step'\]"),
-    ("unknown table", _set("tables", "zz", {}), ValueError,
-     r"unknown tables \['zz'\]; the engine has \['a', 'b', 'c'\]"),
+    (
+        "shape",
+        _set("tables", "c", "weights", np.zeros((5, 1), np.float32)),
+        ValueError,
+        r"state\['tables'\]\['c'\]\['weights'\] is float32 \[5, 1\], table 'c' holds float32 "
+        r"\[4, 1\]",
+    ),
+    (
+        "dtype",
+        _set("tables", "c", "last_hit_step", np.zeros((4, 1), np.float32)),
+        ValueError,
+        r"\['last_hit_step'\] is float32 \[4, 1\], table 'c' holds int32",
+    ),
+    (
+        "not an array",
+        _set("tables", "c", "weights", [[0.0]] * 4),
+        TypeError,
+        r"\['c'\]\['weights'\] must be a NumPy array or a TensorSource, got list",
+    ),
+    (
+        "unknown entry",
+        _set("tables", "c", "momenta", np.zeros((4, 1))),
+        ValueError,
+        r"\['c'\] has unknown entries \['momenta'\]",
+    ),
+    (
+        "missing entry",
+        _pop("tables", "c", "last_hit_step"),
+        ValueError,
+        r"\['c'\] has no \['last_hit_step'\]",
+    ),
+    (
+        "unknown table",
+        _set("tables", "zz", {}),
+        ValueError,
+        r"unknown tables \['zz'\]; the engine has \['a', 'b', 'c'\]",
+    ),
     ("missing table", _pop("tables", "c"), ValueError, r"no entry for tables \['c'\]"),
     ("step", _set("step", -1), ValueError, r"state\['step'\] must be an int >= 0, got -1"),
     ("step bool", _set("step", True), ValueError, r"must be an int >= 0, got True"),
     ("no step", _pop("step"), ValueError, "state has no 'step'"),
     ("key", _set("optimizer", {}), ValueError, r"unknown keys \['optimizer'\]"),
-    ("tags", _set("learning_rates", {"tags": [{"tag": 0, "callable": "f"}]}), ValueError,
-     r"1 dynamic tags \(callables at \[0\]\), the engine has 0"),
+    (
+        "tags",
+        _set("learning_rates", {"tags": [{"tag": 0, "callable": "f"}]}),
+        ValueError,
+        r"1 dynamic tags \(callables at \[0\]\), the engine has 0",
+    ),
     ("tables", _set("tables", []), TypeError, r"state\['tables'\] must be a dict"),
-]  # fmt: skip
+]
 
 
 def test_load_state_dict_checks_every_entry_before_copying_any():
@@ -428,8 +476,9 @@ def test_lookup_with_batch_returns_the_batch_it_looked_up():
     np.testing.assert_array_equal(acts["fb"], eng.lookup(feats, training=False)["fb"])
     eng.lookup({"fa": [[4]], "fb": [[4]], "fc": [[0]]})  # another lookup in between
     eng.apply_gradients({k: np.ones_like(a) for k, a in acts.items()}, batch=batch)
-    changed = np.flatnonzero(np.any(eng.embedding_tables["b"] != 100 + np.arange(7)[:, None],
-                                    axis=1))  # fmt: skip
+    changed = np.flatnonzero(
+        np.any(eng.embedding_tables["b"] != 100 + np.arange(7)[:, None], axis=1)
+    )
     np.testing.assert_array_equal(changed, [2])  # the first lookup's rows, not the second's
     acts, batch = eng.lookup_with_batch(feats, training=False)
     assert not batch.deduplicated

@@ -33,8 +33,9 @@ class ReversedTable(DenseTable):
     def __init__(self, spec, slot_specs, segments, seed):
         n = spec.vocabulary_size
         shifted = [(name, first + PAD, rows, init) for name, first, rows, init in segments]
-        super().__init__(spec.name, n + PAD, spec.dim, slot_specs, segments[0][3], seed,
-                         segments=shifted)  # fmt: skip
+        super().__init__(
+            spec.name, n + PAD, spec.dim, slot_specs, segments[0][3], seed, segments=shifted
+        )
         data = self.data
         data[PAD:] = data[PAD:][::-1].copy()
         data[:PAD] = SENTINEL
@@ -68,7 +69,7 @@ class EvenOnlyTable(DenseTable):
     """One logical table that admits only even ids: id 2j is row j, odd ids have no row (-1)."""
 
     def __init__(self, spec, slot_specs, segments, seed):
-        (name, _, rows, init), = segments  # fmt: skip
+        ((name, _, rows, init),) = segments
         super().__init__(spec.name, (rows + 1) // 2, spec.dim, slot_specs, init, seed)
         # Row j holds id 2j, initialised as id 2j.
         self.data[:, : spec.dim] = init.init(seed, name, np.arange(0, rows, 2), spec.dim)
@@ -116,13 +117,19 @@ def _engine(storage, backend, optimizer, dims=(2, 2, 4, 8, 6), seed=0, **kw):
     """Tables of the given dims (2, 2 and 4 packed into one physical table, 8 the fixed-layout
     kernels, 6 the any-layout ones), combiners in turn, a sequence feature on table 0."""
     o = _packing(optimizer)
-    tables = [ee.TableConfig(17 + 3 * i, d, name=f"t{i}", combiner=("mean", "sum", "sqrtn")[i % 3],
-                             initializer=ee.initializers.RandomUniform(-0.3, 0.3))
-              for i, d in enumerate(dims)]  # fmt: skip
+    tables = [
+        ee.TableConfig(
+            17 + 3 * i,
+            d,
+            name=f"t{i}",
+            combiner=("mean", "sum", "sqrtn")[i % 3],
+            initializer=ee.initializers.RandomUniform(-0.3, 0.3),
+        )
+        for i, d in enumerate(dims)
+    ]
     feats = {f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)}
     feats["seq"] = ee.FeatureConfig(tables[0], max_sequence_length=3)
-    return ee.EmbeddingEngine(feats, optimizer=o, backend=backend, storage=storage, seed=seed,
-                              **kw)  # fmt: skip
+    return ee.EmbeddingEngine(feats, optimizer=o, backend=backend, storage=storage, seed=seed, **kw)
 
 
 def _features(eng, rng):
@@ -141,8 +148,11 @@ def _features(eng, rng):
 
 def _state_bytes(eng) -> dict:
     tables = eng.state_dict()["tables"]
-    return {(t, k): np.ascontiguousarray(a).tobytes()
-            for t, arrays in tables.items() for k, a in arrays.items()}  # fmt: skip
+    return {
+        (t, k): np.ascontiguousarray(a).tobytes()
+        for t, arrays in tables.items()
+        for k, a in arrays.items()
+    }
 
 
 def _steps(engines, steps, seed=0):
@@ -158,8 +168,10 @@ def _steps(engines, steps, seed=0):
             for k in acts:
                 assert inference[k].tobytes() == acts[k].tobytes(), k
                 assert pre[k].tobytes() == acts[k].tobytes(), k
-            grads = {k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
-                     for k, v in acts.items()}  # fmt: skip
+            grads = {
+                k: np.sin(np.arange(v.size) * 0.7 + step).reshape(v.shape).astype(np.float32)
+                for k, v in acts.items()
+            }
             e.apply_gradients(grads)
             results.append(acts)
         for acts in results[1:]:
@@ -175,9 +187,11 @@ def _spare_rows_untouched(eng):
 
 def test_the_test_storages_implement_the_protocol():
     spec = ee.EmbeddingEngine(
-        {"f": ee.FeatureConfig(ee.TableConfig(10, 2, name="t"))}, optimizer=opt.SGD(0.1),
-        storage="reversed-test", backend="reference",
-    )  # fmt: skip
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 2, name="t"))},
+        optimizer=opt.SGD(0.1),
+        storage="reversed-test",
+        backend="reference",
+    )
     table = spec._physical[0]
     assert isinstance(table, TableStorage)
     assert spec.storage_plan.physical_tables[0].storage == "reversed-test"
@@ -187,7 +201,6 @@ def test_the_test_storages_implement_the_protocol():
     np.testing.assert_array_equal(table.rows_for(0, [0, 9]), [PAD + 9, PAD])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS + COUNTING, ids=lambda o: type(o).__name__)
 def test_reversed_rows_train_like_dense_rows(backend, optimizer):
     dims = (1, 1, 1) if optimizer in COUNTING else (2, 2, 4, 8, 6)
@@ -206,8 +219,9 @@ def test_reversed_rows_train_like_dense_rows(backend, optimizer):
 def test_reversed_storage_without_accumulation_and_skip_row():
     # skip_row: the non-finite check reads the batch's rows too.
     o = opt.Adagrad(0.2)
-    engines = [_engine(s, "numba", o, nonfinite_gradients="skip_row")
-               for s in ("ram", "reversed-test")]  # fmt: skip
+    engines = [
+        _engine(s, "numba", o, nonfinite_gradients="skip_row") for s in ("ram", "reversed-test")
+    ]
     rng = np.random.default_rng(1)
     feats, weights = _features(engines[0], rng)
     for e in engines:
@@ -218,7 +232,6 @@ def test_reversed_storage_without_accumulation_and_skip_row():
     assert _state_bytes(engines[0]) == _state_bytes(engines[1])
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_reversed_storage_checkpoints_round_trip(backend, tmp_path):
     o = opt.Adam(0.05, lazy_adam=False)
     dense = _engine("ram", backend, o)
@@ -242,7 +255,6 @@ def test_reversed_storage_checkpoints_round_trip(backend, tmp_path):
         _spare_rows_untouched(e)
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_batch_prepared_for_dense_rows_is_refused_by_reversed_storage(backend):
     o = opt.SGD(0.1)
     dense, rev = _engine("ram", backend, o), _engine("reversed-test", backend, o)
@@ -259,14 +271,17 @@ def test_a_batch_prepared_for_dense_rows_is_refused_by_reversed_storage(backend)
         assert acts[k].tobytes() == want[k].tobytes()
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_ids_without_a_row_pool_zeros_and_get_no_update(backend):
-    table = ee.TableConfig(10, 8, name="t", combiner="sum",
-                           initializer=ee.initializers.RowId(1))  # fmt: skip
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=opt.Adagrad(0.5),
-                             storage="even-only-test", backend=backend)  # fmt: skip
-    dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=opt.Adagrad(0.5),
-                               backend=backend)  # fmt: skip
+    table = ee.TableConfig(10, 8, name="t", combiner="sum", initializer=ee.initializers.RowId(1))
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(table)},
+        optimizer=opt.Adagrad(0.5),
+        storage="even-only-test",
+        backend=backend,
+    )
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(table)}, optimizer=opt.Adagrad(0.5), backend=backend
+    )
     assert eng._physical[0].data.shape[0] == 5  # rows for ids 0, 2, 4, 6, 8 only
     before = eng._physical[0].data.copy()
     feats = {"f": [[1, 3], [2, 5, 2], [], [9], [4, 4, 7]]}
@@ -284,8 +299,9 @@ def test_ids_without_a_row_pool_zeros_and_get_no_update(backend):
     # Each even id moved as it would in a dense table (the same gradient sums).
     dense.lookup(feats)
     dense.apply_gradients({"f": np.ones((5, 8), np.float32)})
-    np.testing.assert_array_equal(eng.state_dict()["tables"]["t"]["weights"],
-                                  dense.embedding_tables["t"][::2])  # fmt: skip
+    np.testing.assert_array_equal(
+        eng.state_dict()["tables"]["t"]["weights"], dense.embedding_tables["t"][::2]
+    )
 
 
 def test_non_lazy_adam_sweeps_the_storage_live_rows_only():
@@ -314,19 +330,23 @@ def test_no_kernel_mentions_an_id_offset():
             if isinstance(node, ast.Name | ast.arg):
                 name = node.id if isinstance(node, ast.Name) else node.arg
                 assert "offset" not in name.lower() or name in {
-                    "offsets", "f_offsets", "output_offsets", "unique_offsets", "run_offsets",
+                    "offsets",
+                    "f_offsets",
+                    "output_offsets",
+                    "unique_offsets",
+                    "run_offsets",
                     "_offsets",
-                }, f"{path.name}: {name}"  # fmt: skip
+                }, f"{path.name}: {name}"
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_rows_a_guard_left_unchanged_are_reported_by_id(backend):
     """A storage whose rows are not ids: the result guard's report names each table's ids
     (through the batch), and a row the batch did not touch (an every-row sweep) by its row."""
     big = 3e38
     t = ee.TableConfig(12, 4, name="t", combiner="sum")
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.5), backend=backend,
-                             storage="reversed-test")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.5), backend=backend, storage="reversed-test"
+    )
     ids = np.array([1, 2, 5])
     acts = eng.lookup({"f": ee.Ragged(ids, lengths=[1, 1, 1], weights=[big, 1.0, -big])})
     g = np.full_like(acts["f"], big)
@@ -335,8 +355,12 @@ def test_rows_a_guard_left_unchanged_are_reported_by_id(backend):
     assert {k: v.tolist() for k, v in e.value.rows.items()} == {"t": [1, 5]}
 
     # Non-lazy Adam sweeps every live row; id 7's (outside the batch) overflows with g = 0.
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.5, lazy_adam=False),
-                             backend=backend, storage="reversed-test")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)},
+        optimizer=opt.Adam(0.5, lazy_adam=False),
+        backend=backend,
+        storage="reversed-test",
+    )
     table = eng._physical[0]
     row = int(table.rows_for(0, np.array([7]))[0])
     table.data[row, :4] = 3.3e38

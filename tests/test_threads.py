@@ -22,8 +22,13 @@ print(torch.get_num_threads())
 
 
 def _threads_after(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True,
-                         check=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 

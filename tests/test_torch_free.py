@@ -156,15 +156,21 @@ def test_ee_torch_is_the_torch_adapter_when_torch_is_installed():
         "except AttributeError as exc:\n"
         "    print('ERR', exc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     assert "ERR module 'embengine' has no attribute 'no_such_name'" in out.stdout
 
 
 def test_python_dash_m_embengine_runs_the_cli():
-    out = subprocess.run([sys.executable, "-m", "embengine", "inspect", "--help"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "embengine", "inspect", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "--no-verify" in out.stdout
 

@@ -18,10 +18,16 @@ VOCAB, DIM = 12, 3
 
 
 def _engine(optimizer, combiner="mean", backend="numba"):
-    t = ee.TableConfig(VOCAB, DIM, combiner=combiner, name="t",
-                       initializer=ee.initializers.RandomUniform(-0.5, 0.5))  # fmt: skip
-    return ee.EmbeddingEngine({"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(t)},
-                              optimizer=optimizer, backend=backend)  # fmt: skip
+    t = ee.TableConfig(
+        VOCAB,
+        DIM,
+        combiner=combiner,
+        name="t",
+        initializer=ee.initializers.RandomUniform(-0.5, 0.5),
+    )
+    return ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(t)}, optimizer=optimizer, backend=backend
+    )
 
 
 class TorchReference(torch.nn.Module):
@@ -73,8 +79,9 @@ OPTIMIZERS = {"sgd": opt.SGD(0.3), "adagrad": opt.Adagrad(0.3), "adam": opt.Adam
 def test_matches_hand_written_torch_model(kind, combiner):
     engine = _engine(OPTIMIZERS[kind], combiner)
     layer = EmbeddingLayer(engine)
-    ref = TorchReference(engine.embedding_tables["t"].copy(), kind, OPTIMIZERS[kind].learning_rate,
-                         combiner)  # fmt: skip
+    ref = TorchReference(
+        engine.embedding_tables["t"].copy(), kind, OPTIMIZERS[kind].learning_rate, combiner
+    )
     dense = torch.nn.Linear(DIM, 1)
     dense_ref = torch.nn.Linear(DIM, 1)
     dense_ref.load_state_dict(dense.state_dict())
@@ -104,8 +111,9 @@ def test_matches_hand_written_torch_model(kind, combiner):
         sgd_ref.step()
         ref.update(torch.cat([ids_a, ids_b]))
 
-        np.testing.assert_allclose(engine.embedding_tables["t"], ref.table.weight.detach().numpy(),
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(
+            engine.embedding_tables["t"], ref.table.weight.detach().numpy(), rtol=1e-5, atol=1e-6
+        )
         for p, q in zip(dense.parameters(), dense_ref.parameters(), strict=True):
             np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert engine.step == 4
@@ -161,8 +169,12 @@ def test_tables_are_not_parameters_and_inputs_can_be_prepared():
 def test_keyed_jagged_inputs():
     engine = _engine(opt.SGD(0.1), "sum")
     layer = EmbeddingLayer(engine)
-    kj = KeyedJagged(["a", "b"], torch.tensor([1, 2, 3, 1]), lengths=torch.tensor([2, 1, 1, 0]),
-                     weights=torch.tensor([1.0, 2.0, 1.0, 1.0]))  # fmt: skip
+    kj = KeyedJagged(
+        ["a", "b"],
+        torch.tensor([1, 2, 3, 1]),
+        lengths=torch.tensor([2, 1, 1, 0]),
+        weights=torch.tensor([1.0, 2.0, 1.0, 1.0]),
+    )
     out = layer(kj)
     table = torch.from_numpy(engine.embedding_tables["t"])
     torch.testing.assert_close(out["a"][0], table[1] + 2 * table[2])
@@ -198,12 +210,18 @@ WRAPPING = [2**63 - 1, 2**63 - 1, 5, 0]
 
 
 def test_keyed_jagged_lengths_that_wrap_are_refused_naming_key_and_sample():
-    with pytest.raises(ValueError, match=r"KeyedJagged key 'a', sample 0: length "
-                                         r"9223372036854775807 \(lengths\[0\]\) is more than "
-                                         r"the number of values \(3\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"KeyedJagged key 'a', sample 0: length "
+        r"9223372036854775807 \(lengths\[0\]\) is more than "
+        r"the number of values \(3\)",
+    ):
         KeyedJagged(["a", "b"], [1, 2, 3], lengths=WRAPPING)
-    with pytest.raises(ValueError, match=r"KeyedJagged key 'b', sample 1: length -1 "
-                                         r"\(lengths\[3\]\) is negative"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"KeyedJagged key 'b', sample 1: length -1 "
+        r"\(lengths\[3\]\) is negative",
+    ):
         KeyedJagged(["a", "b"], [1, 2, 3], lengths=[1, 1, 2, -1])
     # offsets whose np.diff wraps to lengths >= 0
     with pytest.raises(
@@ -247,20 +265,39 @@ def test_any_int64_keyed_jagged_lengths_are_accepted_exactly_when_valid(lengths,
 def test_torchrec_like_inputs_are_checked_when_split():
     layer = EmbeddingLayer(_engine(opt.SGD(0.1), backend="reference"))
     bad = [
-        (_TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor(WRAPPING)),
-         ValueError, r"KeyedJagged key 'a', sample 0: length 9223372036854775807"),
-        (_TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])),
-         ValueError, r"KeyedJagged has 3 lengths for 2 keys"),
-        (_TorchRecLike(["a", "b"], torch.tensor([1.0, 2.0]), torch.tensor([1, 0, 1, 0])),
-         TypeError, r"KeyedJagged values must be integers, got dtype float32"),
-        (_TorchRecLike(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1])),
-         ValueError, r"KeyedJagged keys must be unique"),
-        (_TorchRecLike(["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 0, 1, 0]),
-                       torch.tensor([1.0])),
-         ValueError, r"KeyedJagged weights must have one entry per value"),
-        (_TorchRecLike(["a", "b"], torch.tensor([1, 99]), torch.tensor([1, 0, 1, 0])),
-         ValueError, r"feature 'b': id 99 at sample 0, position 0 \(ids\[0\]\) is out of range"),
-    ]  # fmt: skip
+        (
+            _TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor(WRAPPING)),
+            ValueError,
+            r"KeyedJagged key 'a', sample 0: length 9223372036854775807",
+        ),
+        (
+            _TorchRecLike(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])),
+            ValueError,
+            r"KeyedJagged has 3 lengths for 2 keys",
+        ),
+        (
+            _TorchRecLike(["a", "b"], torch.tensor([1.0, 2.0]), torch.tensor([1, 0, 1, 0])),
+            TypeError,
+            r"KeyedJagged values must be integers, got dtype float32",
+        ),
+        (
+            _TorchRecLike(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1])),
+            ValueError,
+            r"KeyedJagged keys must be unique",
+        ),
+        (
+            _TorchRecLike(
+                ["a", "b"], torch.tensor([1, 2]), torch.tensor([1, 0, 1, 0]), torch.tensor([1.0])
+            ),
+            ValueError,
+            r"KeyedJagged weights must have one entry per value",
+        ),
+        (
+            _TorchRecLike(["a", "b"], torch.tensor([1, 99]), torch.tensor([1, 0, 1, 0])),
+            ValueError,
+            r"feature 'b': id 99 at sample 0, position 0 \(ids\[0\]\) is out of range",
+        ),
+    ]
     for kjt, exc, message in bad:
         with pytest.raises(exc, match=message):
             layer(kjt)
@@ -286,8 +323,13 @@ kjt = KeyedJagged(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor({WRA
 EmbeddingLayer(eng)(kjt)
 print("no error", flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=180, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     assert "ValueError: KeyedJagged key 'a', sample 0: length 9223372036854775807" in out.stderr
 
@@ -299,8 +341,14 @@ def test_missing_and_extra_features_are_named():
 
 
 def test_dynamic_learning_rates_pass_through():
-    t = ee.TableConfig(VOCAB, DIM, combiner="sum", name="t", initializer=ee.initializers.Zeros(),
-                       optimizer=opt.SGD(ee.DynamicLearningRate(0)))  # fmt: skip
+    t = ee.TableConfig(
+        VOCAB,
+        DIM,
+        combiner="sum",
+        name="t",
+        initializer=ee.initializers.Zeros(),
+        optimizer=opt.SGD(ee.DynamicLearningRate(0)),
+    )
     engine = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
     layer = EmbeddingLayer(engine)
     layer({"a": [[2]]}, learning_rates=[0.25])["a"].sum().backward()

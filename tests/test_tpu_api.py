@@ -1,5 +1,7 @@
 """embengine.tpu: the tf.tpu.experimental.embedding API, names, shapes and checks."""
 
+import dataclasses
+import inspect
 import logging
 
 import numpy as np
@@ -11,17 +13,20 @@ import embengine.tpu as embedding  # the only line that differs from TF code
 
 def test_tf_docs_example_per_table_optimizer():
     # From the docs of tf.tpu.experimental.embedding.SGD: table one overrides the global SGD.
-    table_one = embedding.TableConfig(vocabulary_size=16, dim=4,
-                                      optimizer=embedding.SGD(0.2),
-                                      initializer=embedding.RowIdInitializer())  # fmt: skip
-    table_two = embedding.TableConfig(vocabulary_size=16, dim=4,
-                                      initializer=embedding.RowIdInitializer())  # fmt: skip
+    table_one = embedding.TableConfig(
+        vocabulary_size=16,
+        dim=4,
+        optimizer=embedding.SGD(0.2),
+        initializer=embedding.RowIdInitializer(),
+    )
+    table_two = embedding.TableConfig(
+        vocabulary_size=16, dim=4, initializer=embedding.RowIdInitializer()
+    )
     feature_config = (
         embedding.FeatureConfig(table=table_one),
         embedding.FeatureConfig(table=table_two),
     )
-    emb = embedding.TPUEmbedding(feature_config=feature_config,
-                                 optimizer=embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(feature_config=feature_config, optimizer=embedding.SGD(0.1))
     before = {t: w.copy() for t, w in emb.embedding_tables.items()}
     emb.enqueue((np.array([3, 5]), np.array([3, 5])), training=True)
     activations = emb.dequeue()
@@ -40,8 +45,10 @@ def test_tf_docs_example_per_table_optimizer():
 def test_nested_structure_is_kept_and_dicts_are_sorted():
     t_a = embedding.TableConfig(10, 2, initializer=embedding.RowIdInitializer())
     t_b = embedding.TableConfig(10, 3, initializer=embedding.RowIdInitializer())
-    config = {"z": embedding.FeatureConfig(t_a),
-              "a": [embedding.FeatureConfig(t_b), {"k": embedding.FeatureConfig(t_a)}]}  # fmt: skip
+    config = {
+        "z": embedding.FeatureConfig(t_a),
+        "a": [embedding.FeatureConfig(t_b), {"k": embedding.FeatureConfig(t_a)}],
+    }
     emb = embedding.TPUEmbedding(config, embedding.Adagrad(0.1))
     # tf.nest order: "a" before "z", so t_b is table_0.
     assert (t_b.name, t_a.name) == ("table_0", "table_1")
@@ -127,16 +134,18 @@ def test_weights_rules():
 
 def test_output_shape_must_divide_the_batch():
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, output_shape=[5])},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, output_shape=[5])}, embedding.SGD(0.1)
+    )
     with pytest.raises(ValueError, match="should be the factor of the input data batch size"):
         emb.enqueue({"f": [[1], [2]]})
 
 
 def test_inconsistent_shapes_and_build():
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, max_sequence_length=4)},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, max_sequence_length=4)}, embedding.SGD(0.1)
+    )
     emb.build(per_replica_batch_size=3)
     emb.enqueue({"f": [[1], [2], [3]]})
     assert emb.dequeue()["f"].shape == (3, 4, 2)
@@ -146,8 +155,9 @@ def test_inconsistent_shapes_and_build():
 
 def test_none_gradient_is_zero_with_a_warning(caplog):
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)},
-                                 embedding.SGD(0.5))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)}, embedding.SGD(0.5)
+    )
     before = emb.embedding_tables[t].copy()
     emb.enqueue({"a": np.array([1]), "b": np.array([2])})
     with caplog.at_level(logging.WARNING, logger="embengine.tpu"):
@@ -176,8 +186,9 @@ def test_gradient_checks_and_order_of_calls():
 def test_dynamic_learning_rate_callable():
     lr = {"value": 0.5}
     t = embedding.TableConfig(10, 1, initializer=embedding.RowIdInitializer())
-    emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t)},
-                                 embedding.SGD(learning_rate=lambda: lr["value"]))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"a": embedding.FeatureConfig(t)}, embedding.SGD(learning_rate=lambda: lr["value"])
+    )
     for value in (0.5, 0.25):
         lr["value"] = value
         emb.enqueue({"a": np.array([4])})
@@ -187,8 +198,9 @@ def test_dynamic_learning_rate_callable():
 
 def test_quantization_is_forward_only():
     q = embedding.QuantizationConfig(num_buckets=5, lower=-1.0, upper=1.0)  # levels every 0.5
-    t = embedding.TableConfig(4, 3, initializer=ee.initializers.Constant(0.3),
-                              quantization_config=q, combiner="sum")  # fmt: skip
+    t = embedding.TableConfig(
+        4, 3, initializer=ee.initializers.Constant(0.3), quantization_config=q, combiner="sum"
+    )
     emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t)}, embedding.SGD(0.1))
     emb.enqueue({"a": [[1, 1, 2]]}, training=False)  # lookup-only path, quantized as well
     np.testing.assert_allclose(emb.dequeue()["a"], [[1.5, 1.5, 1.5]])
@@ -212,9 +224,13 @@ def test_optimizer_signatures_are_tfs():
         False,
     )
     ftrl = embedding.FTRL(0.1, -0.3, 0.01, 0.02, 0.5, 0.2)
-    assert (ftrl.learning_rate_power, ftrl.l1_regularization_strength,
-            ftrl.l2_regularization_strength, ftrl.beta, ftrl.initial_accumulator_value) == (
-        -0.3, 0.01, 0.02, 0.5, 0.2)  # fmt: skip
+    assert (
+        ftrl.learning_rate_power,
+        ftrl.l1_regularization_strength,
+        ftrl.l2_regularization_strength,
+        ftrl.beta,
+        ftrl.initial_accumulator_value,
+    ) == (-0.3, 0.01, 0.02, 0.5, 0.2)
     am = embedding.AdagradMomentum(0.1, 0.9, True, 3, 0.99, 1e-5)
     assert (am.momentum, am.use_nesterov, am.exponent, am.beta2, am.epsilon) == (
         0.9,
@@ -230,6 +246,60 @@ def test_optimizer_signatures_are_tfs():
         embedding.Adam(lazy_adam=False, use_gradient_accumulation=False)
 
 
+TPU_OPTIMIZERS = [
+    embedding.SGD,
+    embedding.Adagrad,
+    embedding.AdagradMomentum,
+    embedding.Adam,
+    embedding.FTRL,
+]
+
+# Common knobs, each bad in one way: the error every class must raise, word for word its
+# embengine base's.
+BAD_COMMON_ARGUMENTS = [
+    ({"use_gradient_accumulation": "yes"}, TypeError),
+    ({"low_dimensional_packing_status": 1}, TypeError),
+    ({"clip_weight_min": 1.0, "clip_weight_max": 0.0}, ValueError),
+    ({"clip_weight_min": float("inf")}, ValueError),
+    ({"weight_decay_factor": -1.0}, ValueError),
+    ({"multiply_weight_decay_factor_by_learning_rate": True}, ValueError),
+    ({"clipvalue": -1.0}, ValueError),
+    ({"clipvalue": 1.0, "use_gradient_accumulation": False}, ValueError),
+]
+
+
+@pytest.mark.parametrize("cls", TPU_OPTIMIZERS, ids=lambda c: c.__name__)
+def test_common_arguments_are_checked_alike_in_every_class(cls):
+    """The five TPU classes pass the common knobs to their base by name: the same value is
+    refused with the base's message (naming the class), and accepted values reach the same
+    fields, in every class."""
+    base = cls.__mro__[1]
+    for kwargs, error in BAD_COMMON_ARGUMENTS:
+        with pytest.raises(error) as expected:
+            base(**kwargs)
+        with pytest.raises(error) as got:
+            cls(**kwargs)
+        assert str(got.value) == str(expected.value)
+        assert str(got.value).startswith(f"{cls.__name__}: ")
+    good = dict(
+        use_gradient_accumulation=True,
+        clip_weight_min=-2.0,
+        clip_weight_max=3.0,
+        weight_decay_factor=0.5,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        clipvalue=(None, 4.0),
+        low_dimensional_packing_status=True,
+    )
+    assert cls(**good).hyperparameters() == base(**good).hyperparameters()
+    # every TF argument is a field of the base (some base fields, like weight_decay_mode, are
+    # not TF's and keep their defaults)
+    params = set(inspect.signature(cls).parameters)
+    assert params - {"slot_variable_creation_fn"} <= {f.name for f in dataclasses.fields(base)}
+    if "slot_variable_creation_fn" in params:
+        with pytest.raises(ValueError, match=f"^{cls.__name__}: slot_variable_creation_fn"):
+            cls(slot_variable_creation_fn=lambda *a: None)
+
+
 def test_table_and_feature_checks():
     with pytest.raises(ValueError, match="Argument `vocabulary_size` must be an int"):
         embedding.TableConfig(0, 2)
@@ -240,8 +310,9 @@ def test_table_and_feature_checks():
     t1 = embedding.TableConfig(5, 2, name="same")
     t2 = embedding.TableConfig(5, 2, name="same")
     with pytest.raises(ValueError, match="Tables must have a unique name"):
-        embedding.TPUEmbedding([embedding.FeatureConfig(t1), embedding.FeatureConfig(t2)],
-                               embedding.SGD())  # fmt: skip
+        embedding.TPUEmbedding(
+            [embedding.FeatureConfig(t1), embedding.FeatureConfig(t2)], embedding.SGD()
+        )
     with pytest.raises(ValueError, match="unsupported optimizer class"):
         embedding.TPUEmbedding([embedding.FeatureConfig(embedding.TableConfig(5, 2))], None)
 

@@ -77,9 +77,19 @@ _scalars = st.one_of(
     st.complex_numbers(),
 )
 _dtypes = st.sampled_from(
-    [np.int64, np.int32, np.uint64, np.int8, np.float32, np.float64, np.bool_, np.complex64,
-     object, "U2"]
-)  # fmt: skip
+    [
+        np.int64,
+        np.int32,
+        np.uint64,
+        np.int8,
+        np.float32,
+        np.float64,
+        np.bool_,
+        np.complex64,
+        object,
+        "U2",
+    ]
+)
 _shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3)
 _arrays = hnp.arrays(_dtypes, _shapes)
 _int_arrays = hnp.arrays(np.int64, _shapes, elements=st.integers(-3, 40))
@@ -131,8 +141,9 @@ def test_malformed_features_name_the_feature(path, value):
 @given(path=st.sampled_from(PATHS), value=MALFORMED)
 def test_malformed_weights_name_the_feature(path, value):
     emb = _training()
-    _clear_or_accepted(lambda: emb.enqueue(_features(), weights=_put(_no_weights(), path, value)),
-                       path)  # fmt: skip
+    _clear_or_accepted(
+        lambda: emb.enqueue(_features(), weights=_put(_no_weights(), path, value)), path
+    )
 
 
 @SETTINGS
@@ -159,29 +170,68 @@ def test_structures_that_do_not_match_the_config_name_where(path, value):
 @pytest.mark.parametrize(
     "path, value, exc, message",
     [
-        ("alpha", None, TypeError, "feature 'alpha': ids must be an integer array, a Ragged or a "
-                                   "list of lists of ints, got NoneType None"),
-        ("beta/0", "abc", TypeError, "feature 'beta/0': ids must be an integer array, a Ragged "
-                                     "or a list of lists of ints, got str 'abc'"),
+        (
+            "alpha",
+            None,
+            TypeError,
+            "feature 'alpha': ids must be an integer array, a Ragged or a "
+            "list of lists of ints, got NoneType None",
+        ),
+        (
+            "beta/0",
+            "abc",
+            TypeError,
+            "feature 'beta/0': ids must be an integer array, a Ragged "
+            "or a list of lists of ints, got str 'abc'",
+        ),
         ("beta/0", {"x": 1}, TypeError, "feature 'beta/0': ids must be an integer array"),
-        ("beta/0", np.array([1.5, 2.0]), TypeError, "feature 'beta/0': ids must be integers, "
-                                                    "got dtype float64"),
-        ("beta/0", [[1, 2], 3], TypeError, "feature 'beta/0': sample 1 is int 3: a list of lists "
-                                           "holds one list of ids per sample"),
-        ("beta/1/gamma", [[1], [None]], TypeError, "feature 'beta/1/gamma': ids must be "
-                                                   "integers, got None at sample 1"),
+        (
+            "beta/0",
+            np.array([1.5, 2.0]),
+            TypeError,
+            "feature 'beta/0': ids must be integers, got dtype float64",
+        ),
+        (
+            "beta/0",
+            [[1, 2], 3],
+            TypeError,
+            "feature 'beta/0': sample 1 is int 3: a list of lists holds one list of ids per sample",
+        ),
+        (
+            "beta/1/gamma",
+            [[1], [None]],
+            TypeError,
+            "feature 'beta/1/gamma': ids must be integers, got None at sample 1",
+        ),
         # The user's sample and position, not the engine's bag (sample 1 * 2 + position 0).
-        ("beta/1/gamma", [[1], [5, -1]], ValueError, r"feature 'beta/1/gamma': id -1 at sample 1, "
-                                                     r"position 1 \(ids\[2\]\) is out of range"),
-        ("alpha", np.array([[[1], [2]], [[3], [20]]]), ValueError,
-         r"feature 'alpha': id 20 at \[1, 1, 0\] is out of range \[0, 20\)"),
-        ("alpha", np.array([2**64 - 1], dtype=np.uint64), ValueError,
-         "feature 'alpha': ids\\[0\\]=18446744073709551615 does not fit in int64"),
+        (
+            "beta/1/gamma",
+            [[1], [5, -1]],
+            ValueError,
+            r"feature 'beta/1/gamma': id -1 at sample 1, "
+            r"position 1 \(ids\[2\]\) is out of range",
+        ),
+        (
+            "alpha",
+            np.array([[[1], [2]], [[3], [20]]]),
+            ValueError,
+            r"feature 'alpha': id 20 at \[1, 1, 0\] is out of range \[0, 20\)",
+        ),
+        (
+            "alpha",
+            np.array([2**64 - 1], dtype=np.uint64),
+            ValueError,
+            "feature 'alpha': ids\\[0\\]=18446744073709551615 does not fit in int64",
+        ),
         ("delta", [[1], [2], [3]], ValueError, "input data batch size 3 for input delta"),
-        ("delta", torch.tensor([0.5]), TypeError, "feature 'delta': ids must be integers, got "
-                                                  "dtype float32"),
+        (
+            "delta",
+            torch.tensor([0.5]),
+            TypeError,
+            "feature 'delta': ids must be integers, got dtype float32",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_features_examples(path, value, exc, message):
     for call in (_training().enqueue, _serving()):
         with pytest.raises(exc, match=message):
@@ -190,8 +240,11 @@ def test_malformed_features_examples(path, value, exc, message):
 
 def test_dense_input_whose_last_dim_is_not_one_names_the_feature():
     # Training only: serving takes a dense input of any shape.
-    with pytest.raises(ValueError, match=r"Instead got dense tensor as shape \[1, 2\] for input "
-                                         r"alpha"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Instead got dense tensor as shape \[1, 2\] for input "
+        r"alpha",
+    ):
         _training().enqueue(_put(_features(), "alpha", np.array([[1, 2]])))
 
 
@@ -199,16 +252,32 @@ def test_dense_input_whose_last_dim_is_not_one_names_the_feature():
     "path, value, exc, message",
     [
         ("beta/0", "ab", ValueError, "feature 'beta/0': weights must be a list of 2 lists"),
-        ("beta/0", np.array(1.5), ValueError, "feature 'beta/0': weights must be a list of 2 "
-                                              "lists"),
-        ("beta/0", [[1.0, "x"], [1.0]], TypeError, "feature 'beta/0': weights must be numbers, "
-                                                   "got 'x' at sample 0"),
-        ("beta/0", [[1.0, True], [1.0]], TypeError, "feature 'beta/0': weights must be numbers, "
-                                                    "got True at sample 0"),
-        ("delta", [[1.0], [np.nan, 1.0]], ValueError, "feature 'delta': weight nan at sample 1, "
-                                                      "position 0"),
+        (
+            "beta/0",
+            np.array(1.5),
+            ValueError,
+            "feature 'beta/0': weights must be a list of 2 lists",
+        ),
+        (
+            "beta/0",
+            [[1.0, "x"], [1.0]],
+            TypeError,
+            "feature 'beta/0': weights must be numbers, got 'x' at sample 0",
+        ),
+        (
+            "beta/0",
+            [[1.0, True], [1.0]],
+            TypeError,
+            "feature 'beta/0': weights must be numbers, got True at sample 0",
+        ),
+        (
+            "delta",
+            [[1.0], [np.nan, 1.0]],
+            ValueError,
+            "feature 'delta': weight nan at sample 1, position 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_weights_examples(path, value, exc, message):
     with pytest.raises(exc, match=message):
         _training().enqueue(_features(), weights=_put(_no_weights(), path, value))

@@ -51,9 +51,10 @@ def _batch(batch: int):
         vals = [v for s in lists for v in s]
         width = max([len(s) for s in lists] + [1])
         return tf.sparse.SparseTensor(
-            tf.constant(idx, tf.int64, shape=[len(idx), 2]), tf.constant(vals, dtype),
+            tf.constant(idx, tf.int64, shape=[len(idx), 2]),
+            tf.constant(vals, dtype),
             [len(lists), width],
-        )  # fmt: skip
+        )
 
     tf_in = {
         "dense": tf.constant(dense, tf.int32),
@@ -63,11 +64,12 @@ def _batch(batch: int):
     }
     tf_w = {
         "dense": None,
-        "ragged": tf.ragged.constant(ragged_w, tf.float32, row_splits_dtype=tf.int64,
-                                     ragged_rank=1),
+        "ragged": tf.ragged.constant(
+            ragged_w, tf.float32, row_splits_dtype=tf.int64, ragged_rank=1
+        ),
         "sparse": sparse_tensor(sparse_w, tf.float32),
         "seq": None,
-    }  # fmt: skip
+    }
     np_in = {"dense": dense, "ragged": ragged, "sparse": sparse, "seq": seq}
     np_w = {"dense": None, "ragged": ragged_w, "sparse": sparse_w, "seq": None}
     return tf_in, tf_w, np_in, np_w
@@ -86,8 +88,9 @@ def _loss_tf(acts):
 def test_gradient_tape_flow_matches_the_numpy_reference(watch):
     # Adagrad globally, FTRL on table b: per-table optimizers and slots both exercised.
     def make(backend):
-        return embedding.TPUEmbedding(_config(embedding.FTRL(0.05)), embedding.Adagrad(0.1),
-                                      backend=backend)  # fmt: skip
+        return embedding.TPUEmbedding(
+            _config(embedding.FTRL(0.05)), embedding.Adagrad(0.1), backend=backend
+        )
 
     tf_emb, np_emb = make("numba"), make("reference")
     for _ in range(4):
@@ -132,8 +135,9 @@ def test_indexed_slices_gradient_and_mixed_inputs():
     # A gather in the model gives tf.IndexedSlices; a NumPy input beside a TF one still makes
     # every activation a tf.Tensor (one rule per call).
     t = embedding.TableConfig(10, 2, initializer=embedding.RowIdInitializer())
-    emb = embedding.TPUEmbedding({"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)},
-                                 embedding.SGD(0.5))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"a": embedding.FeatureConfig(t), "b": embedding.FeatureConfig(t)}, embedding.SGD(0.5)
+    )
     emb.enqueue({"a": tf.constant([1, 2, 3]), "b": np.array([4])})
     with tf.GradientTape() as tape:
         acts = emb.dequeue()
@@ -155,9 +159,10 @@ def _tf_reference(config_np, tables: dict, inputs, weights=None):
                 t.vocabulary_size, t.dim, combiner=t.combiner, name=t.name
             )
         tf_features[path] = tf.tpu.experimental.embedding.FeatureConfig(
-            tf_tables[t.name], max_sequence_length=f.max_sequence_length,
+            tf_tables[t.name],
+            max_sequence_length=f.max_sequence_length,
             output_shape=f.output_shape,
-        )  # fmt: skip
+        )
     variables = {tf_tables[name]: tf.Variable(w) for name, w in tables.items()}
     return tf.tpu.experimental.embedding.serving_embedding_lookup(
         inputs, weights, variables, tf_features
@@ -165,10 +170,12 @@ def _tf_reference(config_np, tables: dict, inputs, weights=None):
 
 
 def test_serving_matches_tfs_own_cpu_lookup():
-    t = embedding.TableConfig(30, 3, combiner="sqrtn", name="t",
-                              initializer=ee.initializers.RandomUniform(-1.0, 1.0))  # fmt: skip
-    u = embedding.TableConfig(30, 2, combiner="mean", name="u",
-                              initializer=ee.initializers.RandomUniform(-1.0, 1.0))  # fmt: skip
+    t = embedding.TableConfig(
+        30, 3, combiner="sqrtn", name="t", initializer=ee.initializers.RandomUniform(-1.0, 1.0)
+    )
+    u = embedding.TableConfig(
+        30, 2, combiner="mean", name="u", initializer=ee.initializers.RandomUniform(-1.0, 1.0)
+    )
     config = {
         "dense": embedding.FeatureConfig(t),
         "dense2": embedding.FeatureConfig(u),
@@ -185,18 +192,19 @@ def test_serving_matches_tfs_own_cpu_lookup():
         "dense2": tf.constant([[1], [2]], tf.int64),
         "ragged": tf.ragged.constant([[1, 2, 3], [], [4]]),
         # Unsorted indices, an empty row and a value past column 3.
-        "sparse": tf.sparse.SparseTensor([[2, 1], [0, 0], [2, 0], [0, 3]], [7, 8, 9, 10],
-                                         [4, 5]),
+        "sparse": tf.sparse.SparseTensor([[2, 1], [0, 0], [2, 0], [0, 3]], [7, 8, 9, 10], [4, 5]),
         # Gaps: position 1 of row 0 and position 0 of row 1 look up zeros; column 4 is cut.
-        "sparse_seq": tf.sparse.SparseTensor([[0, 0], [0, 2], [1, 1], [1, 4]], [11, 12, 13, 14],
-                                             [2, 5]),
+        "sparse_seq": tf.sparse.SparseTensor(
+            [[0, 0], [0, 2], [1, 1], [1, 4]], [11, 12, 13, 14], [2, 5]
+        ),
         "ragged_seq": tf.ragged.constant([[1, 2, 3], [4]]),
         "ragged_shaped": tf.ragged.constant([[1], [2, 3], [], [4]]),
-    }  # fmt: skip
+    }
     weights = {k: None for k in inputs}
     weights["ragged"] = tf.ragged.constant([[0.5, 1.0, 2.0], [], [3.0]])
-    weights["sparse"] = tf.sparse.SparseTensor(inputs["sparse"].indices, [0.5, 1.5, 2.0, 4.0],
-                                               [4, 5])  # fmt: skip
+    weights["sparse"] = tf.sparse.SparseTensor(
+        inputs["sparse"].indices, [0.5, 1.5, 2.0, 4.0], [4, 5]
+    )
     tables = {"t": serving.engine.embedding_tables["t"], "u": serving.engine.embedding_tables["u"]}
     ours = serving.embedding_lookup(inputs, weights)
     # TF's serving reads the sparse tensors' indices in canonical (row-major) order.
@@ -206,22 +214,32 @@ def test_serving_matches_tfs_own_cpu_lookup():
     for k in inputs:
         assert is_tf(ours[k]), k
         assert ours[k].shape == theirs[k].shape, (k, ours[k].shape, theirs[k].shape)
-        np.testing.assert_allclose(ours[k].numpy(), theirs[k].numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=k)  # fmt: skip
+        np.testing.assert_allclose(
+            ours[k].numpy(), theirs[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k
+        )
     assert np.all(ours["sparse_seq"].numpy()[[0, 1], [1, 0]] == 0)
     # The layer call is embedding_lookup; NumPy in, NumPy out.
     np.testing.assert_array_equal(serving(inputs, weights)["dense"].numpy(), ours["dense"].numpy())
-    out = serving({**inputs, "dense": np.array([3, 4, 5]), "ragged": [[1, 2, 3], [], [4]],
-                   "sparse": [[8, 10], [], [9, 7], []], "sparse_seq": [[11], [13]],
-                   "ragged_seq": [[1, 2, 3], [4]], "ragged_shaped": [[1], [2, 3], [], [4]],
-                   "dense2": np.array([[1], [2]])})  # fmt: skip
+    out = serving(
+        {
+            **inputs,
+            "dense": np.array([3, 4, 5]),
+            "ragged": [[1, 2, 3], [], [4]],
+            "sparse": [[8, 10], [], [9, 7], []],
+            "sparse_seq": [[11], [13]],
+            "ragged_seq": [[1, 2, 3], [4]],
+            "ragged_shaped": [[1], [2, 3], [], [4]],
+            "dense2": np.array([[1], [2]]),
+        }
+    )
     assert all(type(v) is np.ndarray for v in out.values())
 
 
 def test_sparse_tensor_of_rank_3_gives_a_bag_per_leading_index(caplog):
     t = embedding.TableConfig(20, 2, initializer=embedding.RowIdInitializer(), combiner="sum")
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, max_sequence_length=4)},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, max_sequence_length=4)}, embedding.SGD(0.1)
+    )
     sp = tf.sparse.SparseTensor([[0, 0, 0], [0, 0, 1], [1, 1, 0]], [1, 2, 5], [2, 2, 3])
     with caplog.at_level(logging.WARNING, logger="embengine.tpu"):
         emb.enqueue({"f": sp})
@@ -245,8 +263,9 @@ def test_inputs_are_read_without_copies():
 
 def test_build_takes_tensor_shapes():
     t = embedding.TableConfig(10, 2)
-    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t, max_sequence_length=3)},
-                                 embedding.SGD(0.1))  # fmt: skip
+    emb = embedding.TPUEmbedding(
+        {"f": embedding.FeatureConfig(t, max_sequence_length=3)}, embedding.SGD(0.1)
+    )
     emb.build(per_replica_input_shapes={"f": tf.TensorShape([4, 5])})
     with pytest.raises(ValueError, match=r"Output shape is set to be \[4, 3\]"):
         emb.enqueue({"f": tf.ragged.constant([[1], [2]])})
@@ -255,44 +274,94 @@ def test_build_takes_tensor_shapes():
 
 
 def _features():
-    return {"alpha": tf.constant([1, 2]), "beta": tf.ragged.constant([[1, 2], [3]]),
-            "gamma": tf.sparse.SparseTensor([[0, 0], [1, 1]], [1, 2], [2, 3])}  # fmt: skip
+    return {
+        "alpha": tf.constant([1, 2]),
+        "beta": tf.ragged.constant([[1, 2], [3]]),
+        "gamma": tf.sparse.SparseTensor([[0, 0], [1, 1]], [1, 2], [2, 3]),
+    }
 
 
 def _config_for_errors():
     t = embedding.TableConfig(20, 2)
-    return {"alpha": embedding.FeatureConfig(t), "beta": embedding.FeatureConfig(t),
-            "gamma": embedding.FeatureConfig(t, max_sequence_length=3)}  # fmt: skip
+    return {
+        "alpha": embedding.FeatureConfig(t),
+        "beta": embedding.FeatureConfig(t),
+        "gamma": embedding.FeatureConfig(t, max_sequence_length=3),
+    }
 
 
 @pytest.mark.parametrize(
     "path, value, exc, message",
     [
-        ("alpha", tf.constant(["a", "b"]), TypeError,
-         "feature 'alpha': ids must be integers, got tf dtype string"),
-        ("alpha", tf.constant([1.0, 2.0]), TypeError,
-         "feature 'alpha': ids must be integers, got tf dtype float32"),
-        ("alpha", tf.constant([[1, 2], [3, 4]]), ValueError,
-         r"Instead got dense tensor as shape \[2, 2\] for input alpha"),
-        ("alpha", tf.constant([1, 25]), ValueError,
-         r"feature 'alpha': id 25 at \[1\] is out of range \[0, 20\)"),
-        ("beta", tf.ragged.constant([[1.5], [2.0]]), TypeError,
-         "feature 'beta': ids must be integers, got tf dtype float32"),
-        ("beta", tf.ragged.constant([[[1], [2]], [[3]]]), ValueError,
-         "Only rank 2 ragged tensor is supported, find rank 3 ragged tensor.*for input beta"),
-        ("beta", tf.ragged.constant([[1, 2], [30]]), ValueError,
-         r"feature 'beta': id 30 at sample 1, position 0 \(ids\[2\]\) is out of range"),
-        ("gamma", tf.sparse.SparseTensor([[0]], [1], [3]), ValueError,
-         "Only rank 2 and above sparse tensor is supported, find rank 1 sparse tensor for input "
-         "gamma"),
-        ("gamma", tf.sparse.SparseTensor([[0, 0], [1, 2]], [1, -4], [2, 3]), ValueError,
-         r"feature 'gamma': id -4 at \[1, 2\] \(values\[1\]\) is out of range \[0, 20\)"),
-        ("gamma", tf.sparse.SparseTensor([[0, 0], [0, 0]], [1, 2], [2, 3]), ValueError,
-         r"feature 'gamma': two ids at index \[0, 0\]; a sequence holds one id per position"),
-        ("gamma", tf.sparse.SparseTensor([[0, 0], [2, 0]], [1, 2], [2, 3]), ValueError,
-         r"feature 'gamma': indices\[1\] = \[2, 0\] is outside the dense_shape \[2, 3\]"),
+        (
+            "alpha",
+            tf.constant(["a", "b"]),
+            TypeError,
+            "feature 'alpha': ids must be integers, got tf dtype string",
+        ),
+        (
+            "alpha",
+            tf.constant([1.0, 2.0]),
+            TypeError,
+            "feature 'alpha': ids must be integers, got tf dtype float32",
+        ),
+        (
+            "alpha",
+            tf.constant([[1, 2], [3, 4]]),
+            ValueError,
+            r"Instead got dense tensor as shape \[2, 2\] for input alpha",
+        ),
+        (
+            "alpha",
+            tf.constant([1, 25]),
+            ValueError,
+            r"feature 'alpha': id 25 at \[1\] is out of range \[0, 20\)",
+        ),
+        (
+            "beta",
+            tf.ragged.constant([[1.5], [2.0]]),
+            TypeError,
+            "feature 'beta': ids must be integers, got tf dtype float32",
+        ),
+        (
+            "beta",
+            tf.ragged.constant([[[1], [2]], [[3]]]),
+            ValueError,
+            "Only rank 2 ragged tensor is supported, find rank 3 ragged tensor.*for input beta",
+        ),
+        (
+            "beta",
+            tf.ragged.constant([[1, 2], [30]]),
+            ValueError,
+            r"feature 'beta': id 30 at sample 1, position 0 \(ids\[2\]\) is out of range",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0]], [1], [3]),
+            ValueError,
+            "Only rank 2 and above sparse tensor is supported, find rank 1 sparse tensor for input "
+            "gamma",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0, 0], [1, 2]], [1, -4], [2, 3]),
+            ValueError,
+            r"feature 'gamma': id -4 at \[1, 2\] \(values\[1\]\) is out of range \[0, 20\)",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0, 0], [0, 0]], [1, 2], [2, 3]),
+            ValueError,
+            r"feature 'gamma': two ids at index \[0, 0\]; a sequence holds one id per position",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0, 0], [2, 0]], [1, 2], [2, 3]),
+            ValueError,
+            r"feature 'gamma': indices\[1\] = \[2, 0\] is outside the dense_shape \[2, 3\]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tf_inputs_name_the_feature(path, value, exc, message):
     train = embedding.TPUEmbedding(_config_for_errors(), embedding.SGD(0.1), backend="reference")
     serve = embedding.TPUEmbeddingForServing(_config_for_errors(), backend="reference")
@@ -308,18 +377,34 @@ def test_bad_tf_inputs_name_the_feature(path, value, exc, message):
     "path, weight, message",
     [
         ("alpha", tf.constant([1.0, 2.0]), "Weight specified for dense input alpha"),
-        ("beta", [[1.0, 2.0], [3.0]], "Weight for beta is type .*list.* which does not match type "
-                                      "input which is RaggedTensor"),
-        ("beta", tf.ragged.constant([[1.0], [2.0, 3.0]]), "feature 'beta': the weights' "
-                                                          "row_splits differ"),
-        ("beta", tf.ragged.constant([["x", "y"], ["z"]]), "feature 'beta': weights must be "
-                                                          "numbers, got tf dtype string"),
-        ("gamma", tf.sparse.SparseTensor([[0, 1], [1, 1]], [1.0, 2.0], [2, 3]),
-         "feature 'gamma': the weights' indices differ"),
-        ("gamma", tf.sparse.SparseTensor([[0, 0], [1, 1]], [1.0, 2.0], [2, 3]),
-         "Weight specified for gamma, but this is a sequence feature"),
+        (
+            "beta",
+            [[1.0, 2.0], [3.0]],
+            "Weight for beta is type .*list.* which does not match type "
+            "input which is RaggedTensor",
+        ),
+        (
+            "beta",
+            tf.ragged.constant([[1.0], [2.0, 3.0]]),
+            "feature 'beta': the weights' row_splits differ",
+        ),
+        (
+            "beta",
+            tf.ragged.constant([["x", "y"], ["z"]]),
+            "feature 'beta': weights must be numbers, got tf dtype string",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0, 1], [1, 1]], [1.0, 2.0], [2, 3]),
+            "feature 'gamma': the weights' indices differ",
+        ),
+        (
+            "gamma",
+            tf.sparse.SparseTensor([[0, 0], [1, 1]], [1.0, 2.0], [2, 3]),
+            "Weight specified for gamma, but this is a sequence feature",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tf_weights_name_the_feature(path, weight, message):
     emb = embedding.TPUEmbedding(_config_for_errors(), embedding.SGD(0.1), backend="reference")
     weights = {"alpha": None, "beta": None, "gamma": None, path: weight}
@@ -373,8 +458,11 @@ def _sparse(draw):
     shape = draw(st.lists(st.integers(0, 4), min_size=rank, max_size=rank))
     n = draw(st.integers(0, 4))
     idx = draw(hnp.arrays(np.int64, (n, rank), elements=st.integers(-1, 4)))
-    vals = draw(hnp.arrays(st.sampled_from([np.int64, np.int32, np.float32]), (n,),
-                           elements=st.integers(-3, 40)))  # fmt: skip
+    vals = draw(
+        hnp.arrays(
+            st.sampled_from([np.int64, np.int32, np.float32]), (n,), elements=st.integers(-3, 40)
+        )
+    )
     return tf.sparse.SparseTensor(idx, vals, shape)
 
 

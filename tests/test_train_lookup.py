@@ -10,8 +10,16 @@ from embengine.kernels import train_lookup
 from embengine.kernels._intrinsics import fetch_add, float32_rows_at
 
 opt = ee.optimizers
-FIELDS = ("unique_ids", "inverse", "gains", "segments", "output_offsets", "unique_offsets",
-          "unique_gains", "unique_segments")  # fmt: skip
+FIELDS = (
+    "unique_ids",
+    "inverse",
+    "gains",
+    "segments",
+    "output_offsets",
+    "unique_offsets",
+    "unique_gains",
+    "unique_segments",
+)
 
 
 def _features(packing: bool, quantized: bool):
@@ -89,8 +97,10 @@ def test_training_lookup_equals_preprocess_then_lookup(packing, quantized):
 
 def test_training_lookup_equals_the_reference_backend():
     feats = _features(packing=True, quantized=True)
-    engines = [ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), backend=b, seed=5)
-               for b in ("numba", "reference")]  # fmt: skip
+    engines = [
+        ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), backend=b, seed=5)
+        for b in ("numba", "reference")
+    ]
     values = _batch(feats, np.random.default_rng(9), 140)
     fast, slow = (e.lookup(values) for e in engines)
     for name in feats:
@@ -163,9 +173,12 @@ def test_float32_rows_at_views_the_given_memory():
 
 
 def _wide_engine(**kwargs):
-    tables = [ee.TableConfig(90, d, name=f"d{d}", combiner=c,
-                             initializer=ee.initializers.RandomUniform(-1.0, 1.0))
-              for d, c in ((64, "sum"), (16, "mean"), (5, "sqrtn"))]  # fmt: skip
+    tables = [
+        ee.TableConfig(
+            90, d, name=f"d{d}", combiner=c, initializer=ee.initializers.RandomUniform(-1.0, 1.0)
+        )
+        for d, c in ((64, "sum"), (16, "mean"), (5, "sqrtn"))
+    ]
     feats = {t.name: ee.FeatureConfig(t) for t in tables}
     return ee.EmbeddingEngine(feats, optimizer=opt.Adagrad(0.1), **kwargs), feats
 
@@ -227,8 +240,11 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
     from embengine.backends.numba_backend import build_tables_and_pool_numba
 
     eng, feats = _wide_engine()
-    parts, _ = ee.batch.plan_tables(eng._resolved, {name: [[1, 2], [3]] for name in feats},
-                                    storage_layout=eng.storage_plan.storage_layout())  # fmt: skip
+    parts, _ = ee.batch.plan_tables(
+        eng._resolved,
+        {name: [[1, 2], [3]] for name in feats},
+        storage_layout=eng.storage_plan.storage_layout(),
+    )
     table = eng._physical[0]
     good = table.data
     try:  # ``data`` is a property (it checks an mmap table's file): swap the array behind it

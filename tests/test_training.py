@@ -18,8 +18,19 @@ from embengine.training.models import MODELS
 from embengine.training.sources import DATASETS
 
 # Small and fast: 26 vocabularies of at most 1000 rows, 5000 examples an epoch.
-SYN_ARGS = ["--dataset", "synthetic", "--batch-size", "256", "--epoch-examples", "5000",
-            "--test-examples", "5000", "--vocabulary-scale", "0.01", "--no-progress"]  # fmt: skip
+SYN_ARGS = [
+    "--dataset",
+    "synthetic",
+    "--batch-size",
+    "256",
+    "--epoch-examples",
+    "5000",
+    "--test-examples",
+    "5000",
+    "--vocabulary-scale",
+    "0.01",
+    "--no-progress",
+]
 SYN = {"examples_per_epoch": 2048, "test_examples": 2048, "vocabulary_scale": 0.01}
 
 
@@ -28,8 +39,9 @@ def _quiet(_msg: str) -> None:
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(dataset="synthetic", model="dlrm", batch_size=256, dim=8, progress=False,
-                synthetic=SYN)  # fmt: skip
+    base = dict(
+        dataset="synthetic", model="dlrm", batch_size=256, dim=8, progress=False, synthetic=SYN
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -76,8 +88,20 @@ def test_cli_epochs_and_steps_are_exclusive(capsys):
 
 
 def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
-    assert cli.main(["train", *SYN_ARGS[:-3], "--vocabulary-scale", "20000", "--no-progress",
-                     "--steps", "1"]) == 2  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "train",
+                *SYN_ARGS[:-3],
+                "--vocabulary-scale",
+                "20000",
+                "--no-progress",
+                "--steps",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "10^8" in capsys.readouterr().err
 
 
@@ -182,8 +206,9 @@ def test_resume_by_epochs_equals_straight_run(tmp_path, model, optimizer):
     first = train(_cfg(epochs=2, checkpoint_dir=str(tmp_path), **kw), log=_quiet)
     assert first.steps == 16
     logs: list[str] = []
-    resumed = train(_cfg(epochs=3, checkpoint_dir=str(tmp_path), resume=True, **kw),
-                    log=logs.append)  # fmt: skip
+    resumed = train(
+        _cfg(epochs=3, checkpoint_dir=str(tmp_path), resume=True, **kw), log=logs.append
+    )
     assert any("resumed" in m for m in logs)
     assert sum(m.startswith("epoch ") for m in logs) == 1  # only epoch 3 was trained
     assert resumed.steps == straight.steps == 24
@@ -234,8 +259,7 @@ def test_resume_of_a_finished_run_reports_its_metrics(tmp_path):
 
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
     fresh = train(_cfg(steps=6), log=_quiet)
-    resumed = train(_cfg(steps=6, checkpoint_dir=str(tmp_path / "empty"), resume=True),
-                    log=_quiet)  # fmt: skip
+    resumed = train(_cfg(steps=6, checkpoint_dir=str(tmp_path / "empty"), resume=True), log=_quiet)
     assert resumed.test_auc == pytest.approx(fresh.test_auc, abs=1e-6)
 
 
@@ -275,8 +299,12 @@ def test_torch_baseline_matches_engine(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "ftrl", "lion"])
 def test_torch_baseline_rejects_engine_only_optimizers(capsys, optimizer):
-    assert cli.main(["train", *SYN_ARGS, "--steps", "1", "--embeddings", "torch",
-                     "--optimizer", optimizer]) == 2  # fmt: skip
+    assert (
+        cli.main(
+            ["train", *SYN_ARGS, "--steps", "1", "--embeddings", "torch", "--optimizer", optimizer]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert optimizer in err
     for name in ("sgd", "adagrad", "adam"):
@@ -367,8 +395,10 @@ def test_layer_eval_and_no_grad_do_not_update():
 def test_best_entry_is_the_first_best_validation_epoch_and_counts_the_epochs_after_it():
     from embengine.training.loop import best_entry
 
-    h = [{"epoch": i, "valid_auc": v, "test_auc": 0.5} for i, v in
-         enumerate([0.70, 0.75, 0.74, 0.75, 0.73])]  # fmt: skip
+    h = [
+        {"epoch": i, "valid_auc": v, "test_auc": 0.5}
+        for i, v in enumerate([0.70, 0.75, 0.74, 0.75, 0.73])
+    ]
     best, since = best_entry(h)
     assert best["epoch"] == 1 and since == 3
     assert best_entry(h[:2]) == (h[1], 0)
@@ -379,9 +409,26 @@ def test_early_stopping_reports_the_best_validation_epoch(capsys):
     """MovieLens overfits within a few epochs at this learning rate: the run stops once the
     validation AUC has not improved for --patience epochs, and the summary reports the best
     validation epoch's test figures, naming it."""
-    code = cli.main(["train", "--dataset", "movielens-100k", "--optimizer", "adam", "--lr",
-                     "0.02", "--dim", "8", "--batch-size", "1024", "--epochs", "12",
-                     "--patience", "1", "--no-progress"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--dataset",
+            "movielens-100k",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.02",
+            "--dim",
+            "8",
+            "--batch-size",
+            "1024",
+            "--epochs",
+            "12",
+            "--patience",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^epoch (\d+): .*valid AUC (\d\.\d+), test AUC (\d\.\d+)", out, re.M)
@@ -447,7 +494,7 @@ def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     root = Path(ee.__file__).parent.parent
     # The fresh cache gets the kernels of embengine/kernels the suite has compiled so far except
     # FIRST_RUN_COMPILES: the first run compiles only those and its update kernels, not every
-    # kernel again (~110 s of a fresh clone's run).
+    # kernel again (most of a fresh clone's run: docs/performance.md, "Figures behind the code").
     kernels = root / "embengine" / "kernels"
     seeded = (
         tmp_path
@@ -459,8 +506,19 @@ def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
         if not f.name.startswith(FIRST_RUN_COMPILES):
             shutil.copy2(f, seeded / f.name)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-m", "embengine", "train", *SYN_ARGS, "--steps", "2", "--optimizer",
-           "sgd", "--vocabulary-scale", "0.001"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "embengine",
+        "train",
+        *SYN_ARGS,
+        "--steps",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--vocabulary-scale",
+        "0.001",
+    ]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=root)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
@@ -482,13 +540,16 @@ def test_a_rank_s_slices_of_a_batch_are_the_batch_in_rank_order():
     from embengine.training.ranks import Ranks
 
     hist = Ragged(np.arange(9), lengths=[2, 0, 3, 1, 0, 3, 0], weights=np.linspace(0, 1, 9))
-    batch = ClickBatch({"user": np.arange(7) * 10, "hist": hist},
-                       np.arange(14, dtype=np.float32).reshape(7, 2),
-                       np.array([1, 0, 0, 1, 1, 0, 1], np.float32))  # fmt: skip
+    batch = ClickBatch(
+        {"user": np.arange(7) * 10, "hist": hist},
+        np.arange(14, dtype=np.float32).reshape(7, 2),
+        np.array([1, 0, 0, 1, 1, 0, 1], np.float32),
+    )
     for world in (1, 2, 3, 8):
         parts = [Ranks(rank, world).slice(batch) for rank in range(world)]
-        assert [len(p) for p in parts] == [len(range(*Ranks(r, world).bounds(7)))
-                                           for r in range(world)]  # fmt: skip
+        assert [len(p) for p in parts] == [
+            len(range(*Ranks(r, world).bounds(7))) for r in range(world)
+        ]
         assert np.array_equal(np.concatenate([p.labels for p in parts]), batch.labels)
         assert np.array_equal(np.concatenate([p.dense for p in parts]), batch.dense)
         assert np.array_equal(np.concatenate([p.sparse["user"] for p in parts]), np.arange(7) * 10)
@@ -509,9 +570,15 @@ def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> 
 
     root = Path(ee.__file__).parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", *args], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "embengine.cli", *args],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -533,8 +600,11 @@ def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
     temp = tmp_path / "temp"
     temp.mkdir()
-    two = [ln for ln in _run_cli([*args, "--nproc-per-node", "2"], env={"TMPDIR": str(temp)})
-           .splitlines() if ln.startswith("epoch ")]  # fmt: skip
+    two = [
+        ln
+        for ln in _run_cli([*args, "--nproc-per-node", "2"], env={"TMPDIR": str(temp)}).splitlines()
+        if ln.startswith("epoch ")
+    ]
     runs = ("torchelastic_", "embengine-torchrun-")  # torchrun's own folder, ours for it
     assert [p.name for p in temp.iterdir() if p.name.startswith(runs)] == []
     assert len(one) == len(two) >= 2, (one, two)
@@ -602,15 +672,40 @@ def test_a_rank_killed_mid_run_restarts_and_ends_where_an_unbroken_run_ends(tmp_
     import time
     from pathlib import Path
 
-    args = ["train", *SYN_ARGS, "--epochs", "4", "--patience", "0", "--optimizer", "adagrad",
-            "--nproc-per-node", "2", "--resume"]  # fmt: skip
+    args = [
+        "train",
+        *SYN_ARGS,
+        "--epochs",
+        "4",
+        "--patience",
+        "0",
+        "--optimizer",
+        "adagrad",
+        "--nproc-per-node",
+        "2",
+        "--resume",
+    ]
     unbroken = _run_cli([*args, "--checkpoint-dir", str(tmp_path / "a")])
     root = Path(ee.__file__).parent.parent
     ckpt = tmp_path / "b"
-    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", *args, "--checkpoint-dir",
-                             str(ckpt), "--max-restarts", "1"], cwd=root,
-                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "embengine.cli",
+            *args,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--max-restarts",
+            "1",
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         killed = None
         deadline = time.monotonic() + 600
@@ -653,11 +748,26 @@ def test_sigterm_to_the_launcher_ends_every_rank(tmp_path):
     from pathlib import Path
 
     root = Path(ee.__file__).parent.parent
-    proc = subprocess.Popen([sys.executable, "-m", "embengine.cli", "train", *SYN_ARGS,
-                             "--epochs", "1000", "--patience", "0", "--nproc-per-node", "2"],
-                            cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "embengine.cli",
+            "train",
+            *SYN_ARGS,
+            "--epochs",
+            "1000",
+            "--patience",
+            "0",
+            "--nproc-per-node",
+            "2",
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     ranks = []
     try:
         deadline = time.monotonic() + 300

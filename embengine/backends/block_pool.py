@@ -1,10 +1,10 @@
 """Memory for the arrays of prepared batches, reused once nothing uses it.
 
-A prepared batch holds about ten arrays of one entry per id (W2: 1.6M ids, ~105 MB a step).
-Allocated afresh every step, each came from glibc as new pages, which the first kernel to write
-them had to fault in and zero: on W2 ~1,000 faults and ~11 ms of system time in a 32 ms
-preparation (glibc hands big freed blocks back to the OS, and NumPy asks for huge pages, each
-zeroed on its first touch). Taking the arrays from blocks that outlive the batch keeps those
+A prepared batch holds about ten arrays of one entry per id. Allocated afresh every step, each
+came from glibc as new pages, which the first kernel to write them had to fault in and zero, a
+large share of W2's preparation (glibc hands big freed blocks back to the OS, and NumPy asks for
+huge pages, each zeroed on its first touch; figures: docs/performance.md, "Figures behind the
+code"). Taking the arrays from blocks that outlive the batch keeps those
 pages mapped and warm.
 
 A block is free when no array carved from it is alive. Every NumPy view keeps a reference to

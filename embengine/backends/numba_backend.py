@@ -49,10 +49,9 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 # Batches whose arrays take at least this many bytes come from the backend's BlockPool. Above
-# it glibc had handed the freed memory back to the OS and every step faulted it in again (W2,
-# 1.6M ids and 105 MB: ~1,000-2,700 faults and 11-30 ms of system time a step). Below it malloc
-# did not fault, and serves chunks the last step just freed, still in cache (W3, 5 MB: the
-# pooled block measured 5-15% slower in the preparation kernel, within this machine's noise).
+# it glibc had handed the freed memory back to the OS and every step faulted it in again (W2).
+# Below it malloc did not fault, and serves chunks the last step just freed, still in cache
+# (W3: a pooled block was no faster). Figures: docs/performance.md, "Figures behind the code".
 POOLED_BATCH_BYTES = 16 << 20
 
 
@@ -318,7 +317,8 @@ def fixed_layout(rm: RowMath, table: TableStorage) -> tuple[int, int] | None:
     each DIM wide (row-wise variants read only the first slot's first column). With the row
     width and the slots' offsets compile-time constants, LLVM knows that the weights and slots
     of a row do not overlap and vectorises the update in place, where the any-layout kernel
-    copies them to scratch arrays (W1 update: Adam 1.6x, SGD 1.25x faster)."""
+    copies them to scratch arrays (W1's update gains: docs/performance.md, "Figures behind
+    the code")."""
     dim = table.dim
     if not rm.fixed_layout or dim not in FIXED_DIMS:
         return None

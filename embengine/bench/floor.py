@@ -79,12 +79,26 @@ def run_floor(
                 if kind == "update":
                     backend.apply(tables[0], tb, grad, opt, 0.01, i + 1, False)
                 else:
-                    floor(tables[1].data, tb.unique_rows, tb.unique_offsets, tb.unique_gains,
-                          tb.unique_segments, grad, 0.0, backend.update_prefetch)  # fmt: skip
+                    floor(
+                        tables[1].data,
+                        tb.unique_rows,
+                        tb.unique_offsets,
+                        tb.unique_gains,
+                        tb.unique_segments,
+                        grad,
+                        0.0,
+                        backend.update_prefetch,
+                    )
                 if i > warmup:
                     times[kind].append(time.perf_counter() - t0)
-        results.append(FloorResult(name, width, 1e3 * float(np.median(times["update"])),
-                                   1e3 * float(np.median(times["floor"]))))  # fmt: skip
+        results.append(
+            FloorResult(
+                name,
+                width,
+                1e3 * float(np.median(times["update"])),
+                1e3 * float(np.median(times["floor"])),
+            )
+        )
     return results
 
 
@@ -96,6 +110,7 @@ def format_floor(results: list[FloorResult]) -> str:
         f"{'update / floor':>15s}",
     ]
     for r in results:
-        lines.append(f"{r.optimizer:20s} {r.width:10d} {r.update_ms:10.2f} {r.floor_ms:9.2f} "
-                     f"{r.ratio:15.2f}")  # fmt: skip
+        lines.append(
+            f"{r.optimizer:20s} {r.width:10d} {r.update_ms:10.2f} {r.floor_ms:9.2f} {r.ratio:15.2f}"
+        )
     return "\n".join(lines)

@@ -89,8 +89,14 @@ class KeyedRunner(EngineRunner):
     is inserted at build (resident). ``new=True``: each batch's ids become keys no earlier batch
     had (``expire_steps`` bounds the table)."""
 
-    def __init__(self, w: Workload, optimizer: str, new: bool = False,
-                 expire_steps: int | None = None, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        w: Workload,
+        optimizer: str,
+        new: bool = False,
+        expire_steps: int | None = None,
+        seed: int = 0,
+    ):
         import embengine as ee
 
         from .peers import ENGINE_OPTIMIZERS
@@ -101,10 +107,18 @@ class KeyedRunner(EngineRunner):
         self.new = new
         self._batches = 0
         dyn = ee.DynamicVocabulary(expire_steps=expire_steps)
-        tables = [ee.TableConfig(None, dim, combiner="sum", name=f"t{t}", dynamic=dyn,
-                                 optimizer=ENGINE_OPTIMIZERS[optimizer](dim, False),
-                                 initializer=ee.initializers.RandomUniform(-0.01, 0.01))
-                  for t, (_, dim) in enumerate(w.tables)]  # fmt: skip
+        tables = [
+            ee.TableConfig(
+                None,
+                dim,
+                combiner="sum",
+                name=f"t{t}",
+                dynamic=dyn,
+                optimizer=ENGINE_OPTIMIZERS[optimizer](dim, False),
+                initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+            )
+            for t, (_, dim) in enumerate(w.tables)
+        ]
         self.engine = ee.EmbeddingEngine(
             {f"f{t}": ee.FeatureConfig(tab) for t, tab in enumerate(tables)}
         )
@@ -125,8 +139,13 @@ class KeyedRunner(EngineRunner):
                 feats[f"f{t}"] = self._ragged(part, offsets=np.arange(len(part) + 1))
             self.engine.lookup(feats)
         empty = np.zeros(0, np.int64)
-        self.engine.lookup({f"f{t}": self._ragged(empty, offsets=np.zeros(1, np.int64))
-                            for t in range(len(self.maps))}, training=False)  # fmt: skip
+        self.engine.lookup(
+            {
+                f"f{t}": self._ragged(empty, offsets=np.zeros(1, np.int64))
+                for t in range(len(self.maps))
+            },
+            training=False,
+        )
 
     def keys(self, t: int, ids: np.ndarray) -> np.ndarray:
         if not self.new:
@@ -134,16 +153,22 @@ class KeyedRunner(EngineRunner):
         return _scramble(ids + (np.int64(self._batches + 1) << np.int64(32)))
 
     def prepare(self, batch: Batch):
-        out = {f"f{t}": self._ragged(self.keys(t, ids), offsets=batch.offsets)
-               for t, ids in enumerate(batch.ids)}  # fmt: skip
+        out = {
+            f"f{t}": self._ragged(self.keys(t, ids), offsets=batch.offsets)
+            for t, ids in enumerate(batch.ids)
+        }
         self._batches += 1
         return out
 
 
 def _ratio(results, keyed, dense, measure, target) -> KeyedResult:
     k, d = results[keyed], results[dense]
-    return KeyedResult(measure, k.ms_per_step / d.ms_per_step, target,
-                       f"keyed {k.ms_per_step:.1f} ms, dense {d.ms_per_step:.1f} ms")  # fmt: skip
+    return KeyedResult(
+        measure,
+        k.ms_per_step / d.ms_per_step,
+        target,
+        f"keyed {k.ms_per_step:.1f} ms, dense {d.ms_per_step:.1f} ms",
+    )
 
 
 def run_w1(scale: float, steps: int, warmup: int, new: bool, log) -> list[KeyedResult]:
@@ -155,9 +180,12 @@ def run_w1(scale: float, steps: int, warmup: int, new: bool, log) -> list[KeyedR
         batches = make_batches(w, batches_needed(warmup, steps))
         members = [
             (lambda w=w: EngineRunner(w, "SGD"), batches, w),
-            (lambda w=w: KeyedRunner(w, "SGD", new=new, expire_steps=2 if new else None),
-             batches, w),
-        ]  # fmt: skip
+            (
+                lambda w=w: KeyedRunner(w, "SGD", new=new, expire_steps=2 if new else None),
+                batches,
+                w,
+            ),
+        ]
         dense, keyed = _time_configs(members, warmup, steps, log)
         label = "W1-new step" if new else f"W1-keyed {what}"
         target = "<= 2" if new else ("<= 1.2" if what == "step" else "<= 1.25")
@@ -187,9 +215,14 @@ def run_w4(scale: float, steps: int, log, max_fill_steps: int = 2000) -> list[Ke
     rng = np.random.default_rng(4)
     keys = random_keys(spec.distinct_keys, rng)
     cdf = _zipf_cdf(spec.distinct_keys, spec.zipf)
-    table = ee.TableConfig(None, spec.dim, name="t", combiner="sum",
-                           dynamic=ee.DynamicVocabulary(max_rows=spec.max_rows),
-                           initializer=ee.initializers.RandomUniform(-0.01, 0.01))  # fmt: skip
+    table = ee.TableConfig(
+        None,
+        spec.dim,
+        name="t",
+        combiner="sum",
+        dynamic=ee.DynamicVocabulary(max_rows=spec.max_rows),
+        initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+    )
     engine = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=ee.optimizers.SGD(0.01))
 
     def step() -> float:
@@ -214,13 +247,23 @@ def run_w4(scale: float, steps: int, log, max_fill_steps: int = 2000) -> list[Ke
     evicted = engine.table_stats()["t"]["total"]["evicted"]
     note = "" if full else f" (not full after {fill} steps)"
     out = [
-        KeyedResult("W4 step time, 2nd half / 1st half", drift, "within 1.10",
-                    f"{len(ms)} steps after {fill} to fill{note}; median "
-                    f"{statistics.median(ms):.1f} ms; {evicted:,} evicted"),
-    ]  # fmt: skip
+        KeyedResult(
+            "W4 step time, 2nd half / 1st half",
+            drift,
+            "within 1.10",
+            f"{len(ms)} steps after {fill} to fill{note}; median "
+            f"{statistics.median(ms):.1f} ms; {evicted:,} evicted",
+        ),
+    ]
     if rss[0] > 0:
-        out.append(KeyedResult("W4 RSS, largest / smallest", max(rss) / min(rss), "within 1.05",
-                               f"{min(rss):.2f}-{max(rss):.2f} GiB"))  # fmt: skip
+        out.append(
+            KeyedResult(
+                "W4 RSS, largest / smallest",
+                max(rss) / min(rss),
+                "within 1.05",
+                f"{min(rss):.2f}-{max(rss):.2f} GiB",
+            )
+        )
     return out
 
 
@@ -254,16 +297,25 @@ def run_insert(scale: float, log, batches: int = 16) -> list[KeyedResult]:
     st = table.stats()
     per_key = (st["bytes"]["index"] + st["bytes"]["row_metadata"]) / st["rows"]
     return [
-        KeyedResult("insertion, M new keys/s on 1 core", len(keys) / elapsed / 1e6, ">= 25",
-                    f"{len(keys):,} keys in batches of {batch:,}, dim 16"),
-        KeyedResult("bytes per key beyond the row", per_key, "<= 24",
-                    f"index {st['bytes']['index'] / st['rows']:.1f} + row metadata "
-                    f"{st['bytes']['row_metadata'] / st['rows']:.1f}, {st['rows']:,} keys"),
-    ]  # fmt: skip
+        KeyedResult(
+            "insertion, M new keys/s on 1 core",
+            len(keys) / elapsed / 1e6,
+            ">= 25",
+            f"{len(keys):,} keys in batches of {batch:,}, dim 16",
+        ),
+        KeyedResult(
+            "bytes per key beyond the row",
+            per_key,
+            "<= 24",
+            f"index {st['bytes']['index'] / st['rows']:.1f} + row metadata "
+            f"{st['bytes']['row_metadata'] / st['rows']:.1f}, {st['rows']:,} keys",
+        ),
+    ]
 
 
-def run_keyed(names, *, scale: float = 1.0, steps: int = 10, warmup: int = 3,
-              log=print) -> list[KeyedResult]:  # fmt: skip
+def run_keyed(
+    names, *, scale: float = 1.0, steps: int = 10, warmup: int = 3, log=print
+) -> list[KeyedResult]:
     """The keyed measurements ``names`` (of KEYED_WORKLOADS) asks for, in that order."""
     if not (isinstance(scale, int | float) and 0 < scale <= 1):
         raise ValueError(f"scale must be in (0, 1] (1: the issue's sizes), got {scale!r}")

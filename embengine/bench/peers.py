@@ -44,9 +44,15 @@ class EngineRunner:
         for t, (rows, dim) in enumerate(w.tables):
             opt = ENGINE_OPTIMIZERS[optimizer](dim, packing)
             tables.append(
-                ee.TableConfig(rows, dim, combiner="sum", optimizer=opt, name=f"t{t}",
-                               initializer=ee.initializers.RandomUniform(-0.01, 0.01))
-            )  # fmt: skip
+                ee.TableConfig(
+                    rows,
+                    dim,
+                    combiner="sum",
+                    optimizer=opt,
+                    name=f"t{t}",
+                    initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+                )
+            )
         self.engine = ee.EmbeddingEngine(
             {f"f{t}": ee.FeatureConfig(tab) for t, tab in enumerate(tables)}, backend=backend
         )
@@ -132,8 +138,9 @@ class FbgemmRunner:
         self.name = f"fbgemm {optimizer}"
         self.lookup_only = w.lookup_only
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-                             for rows, dim in w.tables],
+            embedding_specs=[
+                (rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in w.tables
+            ],
             optimizer=getattr(OptimType, optimizer),
             learning_rate=0.01,
             eps=1e-8,
@@ -141,7 +148,7 @@ class FbgemmRunner:
             weights_precision=SparseType.FP32,
             output_dtype=SparseType.FP32,
             device=torch.device("cpu"),
-        )  # fmt: skip
+        )
 
     def prepare(self, batch: Batch):
         # Table-major: all bags of table 0, then table 1, ...; offsets over the concatenation.

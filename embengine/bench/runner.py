@@ -36,8 +36,14 @@ from .host import host
 from .peers import EngineRunner, FbgemmRunner, TorchRunner, fbgemm_available
 from .workloads import WORKLOADS, Workload, make_batches
 
-__all__ = ["Result", "run_workload", "format_results", "run_vocabulary", "format_vocabulary",
-           "PEERS"]  # fmt: skip
+__all__ = [
+    "Result",
+    "run_workload",
+    "format_results",
+    "run_vocabulary",
+    "format_vocabulary",
+    "PEERS",
+]
 
 # Which peers each embengine configuration is compared with (torch has no FTRL: its Adagrad
 # keeps the same per-row state size).
@@ -69,7 +75,7 @@ class Result:
 
 def _release_memory() -> None:
     """Free a finished group's memory and hand it back to the OS: glibc keeps freed heap
-    chunks (W2's hundreds of small tables left ~1.3 GiB resident), which the next group's
+    chunks (W2's hundreds of small tables left over a GiB resident), which the next group's
     peak RSS, measured from the process's RSS, would otherwise count as its own."""
     gc.collect()
     try:
@@ -143,9 +149,9 @@ Member = tuple[Callable, list, Workload]
 BLOCK = 3
 # The vocabulary group (W3 beside W1 and W3-small) runs longer blocks, their first half
 # untimed: members of very different footprints evict each other's rows, and the smallest
-# takes several steps to re-warm. Measured on a host with a 480 MiB L3, W3 SGD after a block
-# of W1 steps: 5.04, 4.80, 4.48, 4.32, 4.19, 4.07, 4.00, 3.93 ms for its next 8 steps
-# (alone, steadily ~3.7 ms); with blocks of 3 the ratio timed that recovery (1.48, not 1.2).
+# takes several steps to re-warm: W3 after a block of W1 steps needs about 8 to reach its
+# steady step time, and blocks of 3 timed that recovery instead of W3 (docs/performance.md,
+# "Figures behind the code").
 VOCABULARY_BLOCK = 10
 VOCABULARY_UNTIMED = 5
 
@@ -157,18 +163,22 @@ def batches_needed(warmup: int, steps: int, block: int = BLOCK, untimed: int = 1
     return 1 + warmup + rounds * block
 
 
-def _time_configs(members: list[Member], warmup: int, steps: int, log,
-                  block: int = BLOCK, untimed: int = 1) -> list[Result]:  # fmt: skip
+def _time_configs(
+    members: list[Member], warmup: int, steps: int, log, block: int = BLOCK, untimed: int = 1
+) -> list[Result]:
     """Time one configuration, or several interleaved. Each member runs its first step and
     its warm-up, then the members take turns in blocks of ``block`` consecutive steps, in an
     order reversed every round so that none always goes first; the first ``untimed`` steps of
     each block are untimed. Alternating cancels the machine's drift; blocks keep each member's
     steps those of steady training (its hot rows cached), not of a member that follows
-    another's step (the effect grows as a step shrinks: W3 against W1 per id, 1.68x step by
-    step; see VOCABULARY_BLOCK for members that need several steps to re-warm)."""
+    another's step (the effect grows as a step shrinks: W3 against W1 per id, see
+    docs/performance.md, "Figures behind the code"; see VOCABULARY_BLOCK for members that need
+    several steps to re-warm)."""
     if untimed < 1 or block <= untimed:
-        raise ValueError(f"block must be >= 2 and exceed untimed >= 1 (untimed steps, then timed "
-                         f"ones), got block={block}, untimed={untimed}")  # fmt: skip
+        raise ValueError(
+            f"block must be >= 2 and exceed untimed >= 1 (untimed steps, then timed "
+            f"ones), got block={block}, untimed={untimed}"
+        )
     _release_memory()  # the base RSS without heap that earlier work freed but glibc kept
     memory = _Memory(len(members))
     runners = []
@@ -207,10 +217,17 @@ def _time_configs(members: list[Member], warmup: int, steps: int, log,
         i += block
     first = dict(firsts)
     results = [
-        Result(runners[c].name, statistics.median(times[c]), times[c], first[c],
-               memory.peak[c], members[c][2].ids_per_step, workload=members[c][2].name)
+        Result(
+            runners[c].name,
+            statistics.median(times[c]),
+            times[c],
+            first[c],
+            memory.peak[c],
+            members[c][2].ids_per_step,
+            workload=members[c][2].name,
+        )
         for c in range(len(members))
-    ]  # fmt: skip
+    ]
     for runner in runners:
         runner.close()
     runners.clear()  # the tables go before the heap is trimmed
@@ -255,10 +272,12 @@ def run_workload(
             continue
         # Packed tables are compared with the same optimizer unpacked.
         group = [
-            (lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
-             (f"embengine {opt}",) if packing else PEERS.get(opt, ()))
+            (
+                lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
+                (f"embengine {opt}",) if packing else PEERS.get(opt, ()),
+            )
             for packing in w.packing
-        ]  # fmt: skip
+        ]
         for peer in PEERS.get(opt, ()):
             kind, peer_opt = peer.split(" ", 1)
             if not wanted(peer):
@@ -324,13 +343,16 @@ def run_vocabulary(
     same system on the three workloads (embengine, and FBGEMM if available), interleaved.
 
     The ratios compare workloads, so they are timed together like any other ratio: taken from
-    the workloads' own groups, a minute apart, two runs of the same code gave W3 / W1 1.10x
-    and 2.31x. A group holds ~7 GiB of tables per system."""
+    the workloads' own groups, a minute apart, two runs of the same code gave W3 / W1 ratios
+    twice apart (docs/performance.md, "Figures behind the code"). A group holds ~7 GiB of
+    tables per system."""
     ws = [WORKLOADS[name] for name in VOCABULARY]
     w3 = WORKLOADS["W3"]
     log(f"W3 vs {', '.join(VOCABULARY[::2])}: per id, interleaved; generating batches")
-    batches = {w.name: make_batches(w, batches_needed(warmup, steps, VOCABULARY_BLOCK,
-                                                      VOCABULARY_UNTIMED)) for w in ws}  # fmt: skip
+    batches = {
+        w.name: make_batches(w, batches_needed(warmup, steps, VOCABULARY_BLOCK, VOCABULARY_UNTIMED))
+        for w in ws
+    }
     use_fbgemm = "fbgemm" in peers and fbgemm_available() is None
     results = []
     for g, opt in enumerate(o for o in engine_optimizers if o in (w3.optimizers or ())):
@@ -340,10 +362,12 @@ def run_vocabulary(
         for peer in PEERS.get(opt, ()):
             kind, peer_opt = peer.split(" ", 1)
             if kind == "fbgemm" and use_fbgemm and peer in (w3.peers or (peer,)):
-                members += [(lambda w=w, o=peer_opt: FbgemmRunner(w, o), batches[w.name], w)
-                            for w in ws]  # fmt: skip
-        for r in _time_configs(members, warmup, steps, lambda s: None, VOCABULARY_BLOCK,
-                               VOCABULARY_UNTIMED):  # fmt: skip
+                members += [
+                    (lambda w=w, o=peer_opt: FbgemmRunner(w, o), batches[w.name], w) for w in ws
+                ]
+        for r in _time_configs(
+            members, warmup, steps, lambda s: None, VOCABULARY_BLOCK, VOCABULARY_UNTIMED
+        ):
             r.group = g
             results.append(r)
     return results

@@ -3,9 +3,10 @@
 What we measured (docs/performance.md): numba's "omp" threading layer and torch both end up in
 torch's libgomp, so the two share one OpenMP pool and do not fight by design. What does hurt is
 spin-waiting: after each parallel region GOMP spins for milliseconds, and when any other process
-needs a core the spinning worker steals the slice its partner needs (FBGEMM's step went from ~30
-to 80-900 ms that way). ``OMP_WAIT_POLICY=PASSIVE`` removes that at no measurable cost on a quiet
-machine. It must be set before libgomp starts, i.e. before torch is imported.
+needs a core the spinning worker steals the slice its partner needs (FBGEMM's step grew several
+times over that way: docs/performance.md, "Figures behind the code"). ``OMP_WAIT_POLICY=PASSIVE``
+removes that at no measurable cost on a quiet machine. It must be set before libgomp starts,
+i.e. before torch is imported.
 """
 
 from __future__ import annotations

@@ -43,23 +43,47 @@ def _w2_tables() -> tuple[tuple[int, int], ...]:
 
 
 WORKLOADS = {
-    "W1": Workload("W1", "8 tables x 1M rows x dim 64, batch 4096, 20 ids/bag, Zipf 1.05",
-                   ((1_000_000, 64),) * 8, 4096, 20),
-    "W1-lookup": Workload("W1-lookup", "W1, forward only", ((1_000_000, 64),) * 8, 4096, 20,
-                          lookup_only=True),
-    "W2": Workload("W2", "100 tables x 100K rows, dims 1/2/4/8/16, batch 4096, 4 ids/bag",
-                   _w2_tables(), 4096, 4, packing=(False, True)),
+    "W1": Workload(
+        "W1",
+        "8 tables x 1M rows x dim 64, batch 4096, 20 ids/bag, Zipf 1.05",
+        ((1_000_000, 64),) * 8,
+        4096,
+        20,
+    ),
+    "W1-lookup": Workload(
+        "W1-lookup", "W1, forward only", ((1_000_000, 64),) * 8, 4096, 20, lookup_only=True
+    ),
+    "W2": Workload(
+        "W2",
+        "100 tables x 100K rows, dims 1/2/4/8/16, batch 4096, 4 ids/bag",
+        _w2_tables(),
+        4096,
+        4,
+        packing=(False, True),
+    ),
     # W3 checks that the cost per id does not grow with the vocabulary; the optimizers with the
     # smallest state keep it within RAM (20M x 64 fp32 is 5 GiB before slots).
-    "W3": Workload("W3", "1 table x 20M rows x dim 64, batch 4096, 20 ids/bag, Zipf 1.05",
-                   ((20_000_000, 64),), 4096, 20, optimizers=("SGD", "rowwise Adagrad"),
-                   peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD")),
+    "W3": Workload(
+        "W3",
+        "1 table x 20M rows x dim 64, batch 4096, 20 ids/bag, Zipf 1.05",
+        ((20_000_000, 64),),
+        4096,
+        20,
+        optimizers=("SGD", "rowwise Adagrad"),
+        peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD"),
+    ),
     # W3's control: the same batches' shape on a 1M-row table. W1 has 8 tables to spread over
     # the threads and 8x the ids per step, so W3 / W3-small isolates the vocabulary's share.
-    "W3-small": Workload("W3-small", "W3 with 1M rows", ((1_000_000, 64),), 4096, 20,
-                         optimizers=("SGD", "rowwise Adagrad"),
-                         peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD")),
-}  # fmt: skip
+    "W3-small": Workload(
+        "W3-small",
+        "W3 with 1M rows",
+        ((1_000_000, 64),),
+        4096,
+        20,
+        optimizers=("SGD", "rowwise Adagrad"),
+        peers=("fbgemm EXACT_SGD", "fbgemm EXACT_ROWWISE_ADAGRAD"),
+    ),
+}
 
 
 @dataclass(frozen=True)

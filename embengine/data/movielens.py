@@ -109,8 +109,10 @@ class MovieLens:
 
 
 def _ragged(lists: list[list[int]]) -> Ragged:
-    return Ragged(np.array([x for s in lists for x in s], dtype=np.int64),
-                  lengths=np.array([len(s) for s in lists], dtype=np.int64))  # fmt: skip
+    return Ragged(
+        np.array([x for s in lists for x in s], dtype=np.int64),
+        lengths=np.array([len(s) for s in lists], dtype=np.int64),
+    )
 
 
 def load_movielens_100k(
@@ -124,8 +126,17 @@ def load_movielens_100k(
     u_head, users = _read_table(folder / "ml-100k.user")
     i_head, items = _read_table(folder / "ml-100k.item")
 
-    names = ("user_id", "item_id", "age", "gender", "occupation", "zip_prefix", "release_year",
-             "genres", "title_words")  # fmt: skip
+    names = (
+        "user_id",
+        "item_id",
+        "age",
+        "gender",
+        "occupation",
+        "zip_prefix",
+        "release_year",
+        "genres",
+        "title_words",
+    )
     if raw_ids:
         vocab = {name: _Raw(name, name in ("user_id", "item_id")) for name in names}
     else:
@@ -134,10 +145,11 @@ def load_movielens_100k(
     for row in users:
         rec = dict(zip(u_head, row, strict=False))
         user_info[rec["user_id"]] = (
-            vocab["age"](rec.get("age", "")), vocab["gender"](rec.get("gender", "")),
+            vocab["age"](rec.get("age", "")),
+            vocab["gender"](rec.get("gender", "")),
             vocab["occupation"](rec.get("occupation", "")),
             vocab["zip_prefix"](rec.get("zip_code", "")[:2]),
-        )  # fmt: skip
+        )
     item_info = {}
     for row in items:
         rec = dict(zip(i_head, row, strict=False))
@@ -145,8 +157,7 @@ def load_movielens_100k(
         genres = [vocab["genres"](g) for g in rec.get("class", "").split()]
         year = rec.get("release_year", "")
         year = year if year.isdigit() else ""  # the file has "unkonwn" for one movie
-        item_info[rec["item_id"]] = (vocab["release_year"](year), genres,
-                                     title)  # fmt: skip
+        item_info[rec["item_id"]] = (vocab["release_year"](year), genres, title)
 
     n = len(inter)
     user = np.empty(n, np.int64)
@@ -185,15 +196,19 @@ def load_movielens_100k(
         idx = np.flatnonzero(mask)
         return InMemoryClicks(
             features={
-                "user_id": user[idx], "item_id": item[idx], "age": uinfo[idx, 0],
-                "gender": uinfo[idx, 1], "occupation": uinfo[idx, 2], "zip_prefix": uinfo[idx, 3],
+                "user_id": user[idx],
+                "item_id": item[idx],
+                "age": uinfo[idx, 0],
+                "gender": uinfo[idx, 1],
+                "occupation": uinfo[idx, 2],
+                "zip_prefix": uinfo[idx, 3],
                 "release_year": year[idx],
                 "genres": _ragged([genres[j] for j in idx]),
                 "title_words": _ragged([titles[j] for j in idx]),
             },
             dense=np.zeros((len(idx), 0), np.float32),
             labels=label[idx],
-        )  # fmt: skip
+        )
 
     specs = [FeatureSpec(name, len(v)) for name, v in vocab.items()]
     specs = [

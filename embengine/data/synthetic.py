@@ -62,8 +62,9 @@ class SyntheticClicks:
         self.scales = 2.2 * raw / np.sqrt(np.sum(raw**2 / 3.0))
         self.dense_weights = rng.normal(0.0, 0.5 / max(1, n_dense) ** 0.5, n_dense)
         self.bias = -1.0
-        self._multipliers = [self._coprime(v, 2654435761 + 2 * i)
-                             for i, v in enumerate(self.vocabulary_sizes)]  # fmt: skip
+        self._multipliers = [
+            self._coprime(v, 2654435761 + 2 * i) for i, v in enumerate(self.vocabulary_sizes)
+        ]
 
     @staticmethod
     def _coprime(n: int, start: int) -> int:
@@ -108,7 +109,8 @@ class SyntheticClicks:
         rng = np.random.default_rng([self.seed, STREAMS.index(stream), index])
         return self._batch(rng, batch_size)
 
-    def batches(self, batch_size: int, count: int, stream: str = "train",
-                start: int = 0) -> Iterator[ClickBatch]:  # fmt: skip
+    def batches(
+        self, batch_size: int, count: int, stream: str = "train", start: int = 0
+    ) -> Iterator[ClickBatch]:
         for i in range(start, start + count):
             yield self.batch(i, batch_size, stream)

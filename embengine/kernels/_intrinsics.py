@@ -29,19 +29,30 @@ def _make_prefetch(write: int):
             aryty = sig.args[0]
             ary = context.make_array(aryty)(context, builder, args[0])
             ptr = cgutils.get_item_pointer2(
-                context, builder, data=ary.data,
+                context,
+                builder,
+                data=ary.data,
                 shape=cgutils.unpack_tuple(builder, ary.shape),
                 strides=cgutils.unpack_tuple(builder, ary.strides),
-                layout=aryty.layout, inds=[args[1], args[2]], wraparound=False,
+                layout=aryty.layout,
+                inds=[args[1], args[2]],
+                wraparound=False,
                 boundscheck=False,
-            )  # fmt: skip
+            )
             i8p = ir.IntType(8).as_pointer()
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
             # (address, read 0 / write 1, locality 3 = keep in all levels, data cache)
-            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, write),
-                              ir.Constant(i32, 3), ir.Constant(i32, 1)])  # fmt: skip
+            builder.call(
+                fn,
+                [
+                    builder.bitcast(ptr, i8p),
+                    ir.Constant(i32, write),
+                    ir.Constant(i32, 3),
+                    ir.Constant(i32, 1),
+                ],
+            )
             return context.get_dummy_value()
 
         return types.void(arr, types.intp, types.intp), codegen
@@ -85,9 +96,14 @@ def stack_row(typingctx, n):
         ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)  # in the entry block
         ary = context.make_array(aryty)(context, builder)
         intp = context.get_value_type(types.intp)
-        populate_array(ary, data=ptr, shape=[ir.Constant(intp, size)],
-                       strides=[ir.Constant(intp, 4)], itemsize=ir.Constant(intp, 4),
-                       meminfo=None)  # fmt: skip
+        populate_array(
+            ary,
+            data=ptr,
+            shape=[ir.Constant(intp, size)],
+            strides=[ir.Constant(intp, 4)],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
         return ary._getvalue()
 
     return aryty(n), codegen
@@ -106,10 +122,16 @@ def fetch_add(typingctx, arr, i, value):
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = cgutils.get_item_pointer2(
-            context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
-            strides=cgutils.unpack_tuple(builder, ary.strides), layout=sig.args[0].layout,
-            inds=[args[1]], wraparound=False, boundscheck=False,
-        )  # fmt: skip
+            context,
+            builder,
+            data=ary.data,
+            shape=cgutils.unpack_tuple(builder, ary.shape),
+            strides=cgutils.unpack_tuple(builder, ary.strides),
+            layout=sig.args[0].layout,
+            inds=[args[1]],
+            wraparound=False,
+            boundscheck=False,
+        )
         return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
 
     return types.int64(arr, types.intp, types.int64), codegen
@@ -129,9 +151,14 @@ def float32_rows_at(typingctx, address, rows, cols):
         ptr = builder.inttoptr(args[0], ir.FloatType().as_pointer())
         ary = context.make_array(aryty)(context, builder)
         stride = builder.mul(args[2], ir.Constant(intp, 4))
-        populate_array(ary, data=ptr, shape=[args[1], args[2]],
-                       strides=[stride, ir.Constant(intp, 4)], itemsize=ir.Constant(intp, 4),
-                       meminfo=None)  # fmt: skip
+        populate_array(
+            ary,
+            data=ptr,
+            shape=[args[1], args[2]],
+            strides=[stride, ir.Constant(intp, 4)],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
         return ary._getvalue()
 
     return aryty(types.int64, types.intp, types.intp), codegen

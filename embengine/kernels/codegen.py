@@ -27,7 +27,7 @@ Element and row-wise variants also get a *fixed-layout* kernel factory, ``fixed_
 NS)``: the same loop for rows of DIM weights followed by NS float slots at columns DIM, 2 DIM,
 3 DIM. With those offsets compile-time constants LLVM can tell that a row's weights and slots
 do not overlap, so the body works on the table row in place, vectorised, without the scratch
-copies (which cost more than the row math: W1 update, Adam 54 -> 32 ms, SGD 20 -> 16 ms). The
+copies (which cost more than the row math: docs/performance.md, "Figures behind the code"). The
 offsets must be literal inside the kernel: computed from DIM inside it, they reach the parallel
 loop as run-time values and the gain is lost. ``numba_backend.kernels_for`` picks a fixed
 kernel where the table's rows fit one. Working in place, the fixed kernels guard the result
@@ -160,7 +160,7 @@ RESTORE_INTS = """    for k in range(cols.shape[0]):
 """
 
 # Without clipping or weight decay (the usual case) a loop without their per-coordinate tests
-# (Adam on W1: ~5% of the update).
+# (what they cost Adam on W1: docs/performance.md, "Figures behind the code").
 ELEMENT_BODY = """{prologue}if gclip or wclip or mode != WD_NONE:
     for j in range(dim):
         gj = g[j]
@@ -184,8 +184,8 @@ else:
 
 # Clip the row's gradient and apply weight decay, in place: the first steps of the row-level
 # bodies (ELEMENT_BODY does the same per coordinate, inside its loop). The loop runs only when
-# there is something to do: with its stores to the row it does not vectorise (row-wise Adagrad
-# on W1: 6 ms of a ~30 ms update).
+# there is something to do: with its stores to the row it does not vectorise (its share of
+# row-wise Adagrad's W1 update: docs/performance.md, "Figures behind the code").
 ROW_PRELUDE = """if gclip or mode != WD_NONE:
     for j in range(dim):
         gj = g[j]
@@ -209,7 +209,8 @@ if wclip:
 # Row-wise preconditioning (row-wise Adagrad): a scalar function turns the row's first slot
 # value and its sum of squared gradients into the new slot value and a step size; every
 # coordinate then moves by -step * g. Scalars only, so the loops vectorise and hold no array
-# references (an array-taking row function cost ~25% of the W1 update).
+# references (an array-taking row function slowed the W1 update: docs/performance.md,
+# "Figures behind the code").
 SCALED_BODY = (
     ROW_PRELUDE
     + """

@@ -30,8 +30,9 @@ def fixed_touch_rows(DIM: int, WIDTH: int):
         raise ValueError(f"fixed_touch_rows: need 1 <= DIM <= WIDTH, got DIM={DIM}, WIDTH={WIDTH}")
 
     @kernel(parallel=True)
-    def touch_rows(data, unique, unique_offsets, unique_gains, unique_segments, grad, zero,
-                   prefetch):  # fmt: skip
+    def touch_rows(
+        data, unique, unique_offsets, unique_gains, unique_segments, grad, zero, prefetch
+    ):
         n_occurrences = unique_segments.shape[0]
         zero32 = np.float32(zero)
         bounds = balanced_tasks(unique_offsets)

@@ -30,8 +30,9 @@ PREFETCH_DISTANCE = 16
 
 
 @kernel(inline="always")
-def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
-               stop, acc):  # fmt: skip
+def _pool_rows(
+    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop, acc
+):
     """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
     buckets = quant[0]
     lower = quant[1]
@@ -39,7 +40,8 @@ def _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, pref
     quantum = (upper - lower) / (buckets - 1.0) if buckets > 0 else 1.0
     last_k = output_offsets[stop]
     # The sum builds in a scratch row, not in ``out``: LLVM cannot rule out that ``out``
-    # aliases ``data``, so it would store and reload it after every occurrence (-20% on W1).
+    # aliases ``data``, so it would store and reload it after every occurrence (its cost on
+    # W1: docs/performance.md, "Figures behind the code").
     # For fixed dims the scratch row is on the stack and lives in registers (stack_row).
     # Indexed accesses, not row views: a view per occurrence costs atomic reference counts.
     # The quantization test sits outside the loops over occurrences: a branch inside them
@@ -84,14 +86,26 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
     n_out = out.shape[0]
     for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
-        _pool_rows(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first,
-                   min(n_out, first + ROWS_PER_TASK), np.empty(dim, dtype=np.float32))  # fmt: skip
+        _pool_rows(
+            data,
+            dim,
+            rows,
+            inverse,
+            gains,
+            output_offsets,
+            out,
+            quant,
+            prefetch,
+            first,
+            min(n_out, first + ROWS_PER_TASK),
+            np.empty(dim, dtype=np.float32),
+        )
 
 
 def _fixed_dim_pool(fixed_dim: int):
     """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
-    the row and keeps the sum in registers, in a stack scratch row (W1-lookup: pooling ~1.35x
-    faster at dim 64, and again ~1.5x on cached rows from the stack row).
+    the row and keeps the sum in registers, in a stack scratch row (W1-lookup's gain from each:
+    docs/performance.md, "Figures behind the code").
     numba caches each closure under its own constant."""
 
     @kernel(parallel=True)
@@ -99,9 +113,20 @@ def _fixed_dim_pool(fixed_dim: int):
         n_out = out.shape[0]
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             first = task * ROWS_PER_TASK
-            _pool_rows(data, fixed_dim, rows, inverse, gains, output_offsets, out, quant,
-                       prefetch, first, min(n_out, first + ROWS_PER_TASK),
-                       stack_row(fixed_dim))  # fmt: skip
+            _pool_rows(
+                data,
+                fixed_dim,
+                rows,
+                inverse,
+                gains,
+                output_offsets,
+                out,
+                quant,
+                prefetch,
+                first,
+                min(n_out, first + ROWS_PER_TASK),
+                stack_row(fixed_dim),
+            )
 
     return pool_fixed
 
@@ -116,8 +141,22 @@ def pool_kernel(dim: int):
 
 
 @kernel(inline="always")
-def _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                    quant, prefetch, first, stop, acc):  # fmt: skip
+def _pool_bag_range(
+    data,
+    dim,
+    rows,
+    offsets,
+    weights,
+    combiner,
+    seq_len,
+    out,
+    out_start,
+    quant,
+    prefetch,
+    first,
+    stop,
+    acc,
+):
     """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
     row (see _pool_rows)."""
     buckets = quant[0]
@@ -180,20 +219,72 @@ def _make_pool_range(fixed_dim: int):
     if fixed_dim:
 
         @kernel()
-        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                       quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, fixed_dim, rows, offsets, weights, combiner, seq_len, out,
-                            out_start, quant, prefetch, first, stop,
-                            stack_row(fixed_dim))  # fmt: skip
+        def pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        ):
+            _pool_bag_range(
+                data,
+                fixed_dim,
+                rows,
+                offsets,
+                weights,
+                combiner,
+                seq_len,
+                out,
+                out_start,
+                quant,
+                prefetch,
+                first,
+                stop,
+                stack_row(fixed_dim),
+            )
 
     else:
 
         @kernel()
-        def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start,
-                       quant, prefetch, first, stop):  # fmt: skip
-            _pool_bag_range(data, dim, rows, offsets, weights, combiner, seq_len, out,
-                            out_start, quant, prefetch, first, stop,
-                            np.empty(dim, dtype=np.float32))  # fmt: skip
+        def pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        ):
+            _pool_bag_range(
+                data,
+                dim,
+                rows,
+                offsets,
+                weights,
+                combiner,
+                seq_len,
+                out,
+                out_start,
+                quant,
+                prefetch,
+                first,
+                stop,
+                np.empty(dim, dtype=np.float32),
+            )
 
     return pool_range
 
@@ -212,17 +303,43 @@ assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch fo
 
 
 @kernel()
-def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-               prefetch, first, stop):  # fmt: skip
+def pool_range(
+    data,
+    dim,
+    rows,
+    offsets,
+    weights,
+    combiner,
+    seq_len,
+    out,
+    out_start,
+    quant,
+    prefetch,
+    first,
+    stop,
+):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
-    width: the width a compile-time constant for FIXED_DIMS (W1-lookup: pooling ~1.35x
-    faster at dim 64, and again ~1.5x on cached rows from the stack row), else any width.
+    width: the width a compile-time constant for FIXED_DIMS (faster pooling, see
+    ``_fixed_dim_pool``), else any width.
 
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop
     whose body inlines the pooling compiles very slowly (every width inlined: 87 s)."""
-    args = (data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-            prefetch, first, stop)  # fmt: skip
+    args = (
+        data,
+        dim,
+        rows,
+        offsets,
+        weights,
+        combiner,
+        seq_len,
+        out,
+        out_start,
+        quant,
+        prefetch,
+        first,
+        stop,
+    )
     if dim == 64:  # the most common first
         _pool_range_64(*args)
     elif dim == 32:
@@ -244,8 +361,9 @@ def pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_st
 
 
 @kernel(parallel=True)
-def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-              prefetch):  # fmt: skip
+def pool_bags(
+    data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant, prefetch
+):
     """One feature's activations, straight from its occurrences' rows (a lookup-only batch).
 
     A bag feature (``seq_len == 0``): ``out[out_start + b] = sum over k in
@@ -257,5 +375,18 @@ def pool_bags(data, dim, rows, offsets, weights, combiner, seq_len, out, out_sta
     for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
         stop = min(n, first + ROWS_PER_TASK)
-        pool_range(data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant,
-                   prefetch, first, stop)  # fmt: skip
+        pool_range(
+            data,
+            dim,
+            rows,
+            offsets,
+            weights,
+            combiner,
+            seq_len,
+            out,
+            out_start,
+            quant,
+            prefetch,
+            first,
+            stop,
+        )

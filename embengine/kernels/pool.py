@@ -37,7 +37,7 @@ _started_before_fork = False  # in a forked child: the parent had started it
 
 def _after_fork_in_child() -> None:
     # A hook rather than a pid comparison in start_pool, which runs per table and per step
-    # (os.getpid() is a system call, ~0.7 us here).
+    # (os.getpid() is a system call; its cost: docs/performance.md, "Figures behind the code").
     global _started_before_fork
     _started_before_fork = _started
 

@@ -93,9 +93,9 @@ def _dedup(occ_ids, unique, inverse, run_bounds, run_regions, region_ends):
     packing puts several in one). Each region gets its own hash table, sized to its
     occurrences, so equal ids of two regions stay apart, and a packed table probes tables as
     small as unpacked ones (one hash for all of them overflowed L2 and made packed
-    deduplication ~35% slower). Numbering stays global; ``region_ends[r]`` is the number of
-    unique ids after region r's last run (with each region's runs consecutive, its unique ids
-    are the block up to there).
+    deduplication slower: docs/performance.md, "Figures behind the code"). Numbering stays
+    global; ``region_ends[r]`` is the number of unique ids after region r's last run (with
+    each region's runs consecutive, its unique ids are the block up to there).
 
     Open addressing with linear probing; each slot holds (id, index) side by side so a probe
     reads one cache line, and the slot of the id ``HASH_PREFETCH`` ahead is prefetched. At most
@@ -189,7 +189,8 @@ def deal_tables(sizes: np.ndarray, n_workers: int) -> tuple[np.ndarray, np.ndarr
 
     Largest first, each to the least loaded worker (LPT), so a few big tables (packed ones)
     do not land on one thread: prange's static split of the tables in their own order gave one
-    thread ~3x the other's work on W2 packed."""
+    thread several times the other's work on W2 packed (docs/performance.md, "Figures behind
+    the code")."""
     loads = [0] * n_workers
     lists: list[list[int]] = [[] for _ in range(n_workers)]
     for t in np.argsort(-np.asarray(sizes), kind="stable"):
@@ -230,10 +231,26 @@ def prepare_tables(
     tables' unique-id bounds ``f_t + t : f_t + t + members + 1`` (``f_t``: its first feature)."""
     for worker in nb.prange(bounds.shape[0] - 1):
         for i_table in range(bounds[worker], bounds[worker + 1]):
-            _prepare_table(order[i_table], fmeta, ids, offsets, weights, occ_base, out_base,
-                           occ_ids, gains, segments, unique, inverse, n_unique, unique_offsets,
-                           unique_gains, unique_segments, output_offsets,
-                           unique_bounds)  # fmt: skip
+            _prepare_table(
+                order[i_table],
+                fmeta,
+                ids,
+                offsets,
+                weights,
+                occ_base,
+                out_base,
+                occ_ids,
+                gains,
+                segments,
+                unique,
+                inverse,
+                n_unique,
+                unique_offsets,
+                unique_gains,
+                unique_segments,
+                output_offsets,
+                unique_bounds,
+            )
 
 
 @kernel()
@@ -261,15 +278,49 @@ def prepare_tables_serial(
     region, so it can run where OpenMP cannot: in a process forked from one whose OpenMP pool
     was running (a DataLoader worker; see numba_backend.build_tables_numba)."""
     for t in range(occ_base.shape[0] - 1):
-        _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains,
-                       segments, unique, inverse, n_unique, unique_offsets, unique_gains,
-                       unique_segments, output_offsets, unique_bounds)  # fmt: skip
+        _prepare_table(
+            t,
+            fmeta,
+            ids,
+            offsets,
+            weights,
+            occ_base,
+            out_base,
+            occ_ids,
+            gains,
+            segments,
+            unique,
+            inverse,
+            n_unique,
+            unique_offsets,
+            unique_gains,
+            unique_segments,
+            output_offsets,
+            unique_bounds,
+        )
 
 
 @kernel()
-def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids, gains, segments,
-                   unique, inverse, n_unique, unique_offsets, unique_gains, unique_segments,
-                   output_offsets, unique_bounds):  # fmt: skip
+def _prepare_table(
+    t,
+    fmeta,
+    ids,
+    offsets,
+    weights,
+    occ_base,
+    out_base,
+    occ_ids,
+    gains,
+    segments,
+    unique,
+    inverse,
+    n_unique,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+    output_offsets,
+    unique_bounds,
+):
     """Table t's share of prepare_tables."""
     lo = occ_base[t]
     hi = occ_base[t + 1]
@@ -300,8 +351,7 @@ def _prepare_table(t, fmeta, ids, offsets, weights, occ_base, out_base, occ_ids,
     # Segments are non-decreasing, so occurrences are already grouped by activation row.
     _offsets(segments[lo:hi], n_out, output_offsets[out_base[t] + t : out_base[t + 1] + t + 1])
     region_ends = np.zeros(n_regions, dtype=np.int64)
-    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions,
-               region_ends)  # fmt: skip
+    u = _dedup(occ_ids[lo:hi], unique[lo:hi], inverse[lo:hi], run_bounds, run_regions, region_ends)
     n_unique[t] = u
     if first_feature >= 0:
         b = first_feature + t

@@ -15,6 +15,12 @@ file of that name is used if it holds exactly the text, rewritten otherwise. The
 read-only install, ``embengine-generated`` in numba's cache folder (``NUMBA_CACHE_DIR``) if one
 is set, the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``)
 ``/embengine/generated``, and a per-user folder under the system's temporary directory.
+
+Files of older digests do not pile up: when a process writes a row math's module, it removes
+that row math's modules of other digests, with their compiled caches, that no process has
+loaded for ``PRUNE_AFTER_SECONDS`` (``prune``). Every load refreshes its file's modification
+time, so a process still running older code keeps its file; one that loses it to a pruning
+process between its check and its import writes it again.
 """
 
 from __future__ import annotations
@@ -22,21 +28,27 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from ..optimizers import RowMath
 from . import codegen
 
-__all__ = ["Kernels", "folder", "kernels"]
+__all__ = ["Kernels", "PRUNE_AFTER_SECONDS", "folder", "kernels", "prune"]
 
 # (fused_update, update_every_row or None, fixed-layout factory (DIM, NS) -> kernel, or None)
 Kernels = tuple
 
 _LOADED: dict[str, tuple] = {}
 _LOCK = threading.Lock()
+
+# A module of another digest is removed once unused for this long: longer than any process
+# takes from checking its file to importing it, short enough that edits do not pile up files.
+PRUNE_AFTER_SECONDS = 600.0
 
 
 def _writable(path: Path) -> bool:
@@ -108,15 +120,73 @@ def module_path(rm: RowMath) -> tuple[str, Path, str]:
     return name, folder() / f"{name}.py", text
 
 
-def _load(rm: RowMath) -> Kernels:
-    name, path, text = module_path(rm)
-    if not _current(path, text):
-        write_atomically(path, text)
+def _import(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def prune(rm_name: str, keep: Path, cache_dirs, max_age: float = PRUNE_AFTER_SECONDS) -> list[Path]:
+    """Remove the rendered modules of row math ``rm_name`` in ``keep``'s folder other than
+    ``keep`` whose file is older than ``max_age`` seconds (not loaded since, see ``_load``),
+    and their caches: files ``<module>.*`` in ``cache_dirs`` (numba's index and data, Python's
+    bytecode; numba reads a missing entry as a cache miss). Errors are ignored: another process
+    may prune, write or load the same files at once. Returns the modules removed."""
+    own = re.compile(rf"embengine_kernels_{re.escape(rm_name)}_[0-9a-f]{{16}}\.py")
+    now = time.time()
+    removed = []
+    try:
+        entries = list(keep.parent.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        if path.name == keep.name or not own.fullmatch(path.name):
+            continue
+        try:
+            if now - path.stat().st_mtime <= max_age:
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+        for cache_dir in cache_dirs:
+            try:
+                stale = list(Path(cache_dir).glob(f"{path.stem}.*"))
+            except OSError:
+                continue
+            for f in stale:
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+    return removed
+
+
+def _load(rm: RowMath) -> Kernels:
+    name, path, text = module_path(rm)
+    written = not _current(path, text)
+    if written:
+        write_atomically(path, text)
+    else:
+        try:
+            os.utime(path)  # in use: not prunable for PRUNE_AFTER_SECONDS
+        except OSError:
+            pass
+    try:
+        module = _import(name, path)
+    except FileNotFoundError:  # pruned by another process since the check above
+        write_atomically(path, text)
+        module = _import(name, path)
     fused, every_row = module.KERNELS[rm.name]
+    if written:
+        caches = {path.parent / "__pycache__"}
+        try:
+            caches.add(Path(fused.stats.cache_path))
+        except (AttributeError, TypeError):  # no numba cache (caching disabled)
+            pass
+        prune(rm.name, path, caches)
     return fused, every_row, module.FIXED_KERNELS.get(rm.name)
 
 

@@ -88,8 +88,21 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
     f_ids = ids[fmeta[f, F_ID_BASE] : fmeta[f, F_ID_BASE] + n_ids]
     w_base = fmeta[f, F_W_BASE]
     f_weights = weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0]
-    pool_range(data, dim, f_ids, f_offsets, f_weights, fmeta[f, F_COMBINER], fmeta[f, F_SEQ],
-               out, fmeta[f, F_OUT_START], quant[t], prefetch, first, stop)  # fmt: skip
+    pool_range(
+        data,
+        dim,
+        f_ids,
+        f_offsets,
+        f_weights,
+        fmeta[f, F_COMBINER],
+        fmeta[f, F_SEQ],
+        out,
+        fmeta[f, F_OUT_START],
+        quant[t],
+        prefetch,
+        first,
+        stop,
+    )
 
 
 @kernel(parallel=True)
@@ -132,11 +145,38 @@ def prepare_and_pool(
             if i >= n_tasks:
                 break
             if i < n_prep:
-                _prepare_table(prep_order[i], fmeta, ids, offsets, weights, occ_base, out_base,
-                               occ_ids, gains, segments, unique, inverse, n_unique,
-                               unique_offsets, unique_gains, unique_segments,
-                               output_offsets, unique_bounds)  # fmt: skip
+                _prepare_table(
+                    prep_order[i],
+                    fmeta,
+                    ids,
+                    offsets,
+                    weights,
+                    occ_base,
+                    out_base,
+                    occ_ids,
+                    gains,
+                    segments,
+                    unique,
+                    inverse,
+                    n_unique,
+                    unique_offsets,
+                    unique_gains,
+                    unique_segments,
+                    output_offsets,
+                    unique_bounds,
+                )
             else:
                 k = i - n_prep
-                _pool_task(tasks[k, 0], tasks[k, 1], tasks[k, 2], fmeta, ids, offsets, weights,
-                           tmeta, fdata, quant, prefetch)  # fmt: skip
+                _pool_task(
+                    tasks[k, 0],
+                    tasks[k, 1],
+                    tasks[k, 2],
+                    fmeta,
+                    ids,
+                    offsets,
+                    weights,
+                    tmeta,
+                    fdata,
+                    quant,
+                    prefetch,
+                )

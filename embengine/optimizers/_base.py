@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._checks import is_number
+from ._checks import flag, is_integer, is_number
 
 __all__ = [
     "FLOAT32_MAX",
@@ -50,7 +50,7 @@ class DynamicLearningRate:
     tag: int
 
     def __post_init__(self):
-        if isinstance(self.tag, bool) or not isinstance(self.tag, int | np.integer):
+        if not is_integer(self.tag):
             raise TypeError(f"DynamicLearningRate: tag must be an int, got {self.tag!r}")
         if self.tag < 0:
             raise ValueError(f"DynamicLearningRate: tag must be >= 0, got {self.tag}")
@@ -190,12 +190,8 @@ class Optimizer:
     def __post_init__(self):
         name = type(self).__name__
         self._check_learning_rate(name)
-        for flag in (
-            "use_gradient_accumulation",
-            "low_dimensional_packing_status",
-        ):
-            if not isinstance(getattr(self, flag), bool | np.bool_):
-                raise TypeError(f"{name}: {flag} must be a bool, got {getattr(self, flag)!r}")
+        flag(name, "use_gradient_accumulation", self.use_gradient_accumulation)
+        flag(name, "low_dimensional_packing_status", self.low_dimensional_packing_status)
         _check_bound(name, "clip_weight_min", self.clip_weight_min, "lo")
         _check_bound(name, "clip_weight_max", self.clip_weight_max, "hi")
         if (

@@ -16,6 +16,16 @@ def is_number(value) -> bool:
     return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
 
 
+def is_integer(value) -> bool:
+    """An int or NumPy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def is_flag(value) -> bool:
+    """A bool or NumPy bool."""
+    return isinstance(value, bool | np.bool_)
+
+
 _number = is_number
 
 
@@ -35,7 +45,7 @@ def non_positive(owner: str, name: str, value) -> None:
 
 
 def integer(owner: str, name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
 
 
@@ -48,7 +58,7 @@ def unit_interval(owner: str, name: str, value, *, include_one: bool = False) ->
 
 
 def flag(owner: str, name: str, value) -> None:
-    if not isinstance(value, bool | np.bool_):
+    if not is_flag(value):
         raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
 
 

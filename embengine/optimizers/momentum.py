@@ -85,8 +85,9 @@ class Momentum(Optimizer):
     def _check(self):
         check.non_negative("Momentum", "momentum", self.momentum)
         check.flag("Momentum", "use_nesterov", self.use_nesterov)
-        check.flag("Momentum", "velocity_includes_learning_rate",
-                   self.velocity_includes_learning_rate)  # fmt: skip
+        check.flag(
+            "Momentum", "velocity_includes_learning_rate", self.velocity_includes_learning_rate
+        )
 
     def slot_specs(self, dim):
         return (SlotSpec("momenta", dim, 0.0),)

@@ -36,7 +36,8 @@ __all__ = ["DenseTable", "Column", "TableView", "StorageError", "row_columns"]
 # Rows initialised per chunk: bounds the temporary memory of initialisation (~32 MB of float64).
 _INIT_VALUES_PER_CHUNK = 1 << 22
 # Start of a RAM table, in bytes: a cache line, so that a row of 64 floats spans 4 lines, not 5
-# (np.empty of a large array is only 16-byte aligned; measured: lookups 20% faster on W1).
+# (np.empty of a large array is only 16-byte aligned; W1's lookups gain: docs/performance.md,
+# "Figures behind the code").
 _ALIGNMENT = 64
 
 
@@ -51,7 +52,7 @@ def _aligned_empty(shape: tuple[int, int], dtype=np.float32) -> np.ndarray:
 def _advise(mapping: mmap.mmap, advice: str) -> None:
     """madvise a table file's mapping. Random access matters: with the default read-ahead a
     random row read pulls in ~128 KiB, which thrashes the page cache once the file is bigger
-    than memory (measured: 600 MB/s of reads for a few MB of rows)."""
+    than memory (docs/performance.md, "Figures behind the code")."""
     flag = getattr(mmap, advice, None)
     if flag is None:  # not on every platform (Windows)
         return

@@ -181,13 +181,20 @@ class StoragePlan:
         physical = []
         for i, p in enumerate(data["physical_tables"]):
             at = f"{where}: physical_tables[{i}]"
-            _take(p, at, {"name": _STR, "dim": _INT1, "storage": _KIND, "path": _PATH,
-                          "tables": _LIST})  # fmt: skip
+            _take(
+                p,
+                at,
+                {"name": _STR, "dim": _INT1, "storage": _KIND, "path": _PATH, "tables": _LIST},
+            )
             tables = []
             for j, t in enumerate(p["tables"]):
                 tat = f"{at}['tables'][{j}]"
-                schema = {"name": _STR, "row_offset": _INT0, "vocabulary_size": _INT1,
-                          "features": _STRS}  # fmt: skip
+                schema = {
+                    "name": _STR,
+                    "row_offset": _INT0,
+                    "vocabulary_size": _INT1,
+                    "features": _STRS,
+                }
                 dynamic = None
                 if isinstance(t, Mapping) and "dynamic" in t:  # a keyed table
                     schema = {**schema, "vocabulary_size": _NONE, "dynamic": _DICT}
@@ -199,16 +206,28 @@ class StoragePlan:
                         dynamic = DynamicVocabulary(**t["dynamic"])
                     except (TypeError, ValueError) as e:
                         raise ValueError(f"{tat}['dynamic']: {e}") from None
-                tables.append(TableInStack(t["name"], t["row_offset"], t["vocabulary_size"],
-                                           tuple(t["features"]), dynamic))  # fmt: skip
-            physical.append(PhysicalTableSpec(p["name"], p["dim"], p["storage"], p["path"],
-                                              tuple(tables)))  # fmt: skip
+                tables.append(
+                    TableInStack(
+                        t["name"],
+                        t["row_offset"],
+                        t["vocabulary_size"],
+                        tuple(t["features"]),
+                        dynamic,
+                    )
+                )
+            physical.append(
+                PhysicalTableSpec(p["name"], p["dim"], p["storage"], p["path"], tuple(tables))
+            )
         return cls(tuple(physical))
 
 
 def _table_json(t: TableInStack) -> dict[str, Any]:
-    out = {"name": t.name, "row_offset": t.row_offset, "vocabulary_size": t.vocabulary_size,
-           "features": list(t.features)}  # fmt: skip
+    out = {
+        "name": t.name,
+        "row_offset": t.row_offset,
+        "vocabulary_size": t.vocabulary_size,
+        "features": list(t.features),
+    }
     if t.dynamic is not None:  # only keyed tables carry the key: older plans read unchanged
         out["dynamic"] = dataclasses.asdict(t.dynamic)
     return out
@@ -226,14 +245,18 @@ _ANY = (lambda v: True, "anything")
 _STR = (lambda v: isinstance(v, str), "a str")
 _INT0 = (lambda v: _is_int(v) and v >= 0, "an int >= 0")
 _INT1 = (lambda v: _is_int(v) and v >= 1, "an int >= 1")
-_KIND = (lambda v: isinstance(v, str) and v in storage_kinds(),
-         "one of the registered storage kinds (storage.registry)")  # fmt: skip
+_KIND = (
+    lambda v: isinstance(v, str) and v in storage_kinds(),
+    "one of the registered storage kinds (storage.registry)",
+)
 _PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
 _NONE = (lambda v: v is None, "null (a keyed table)")
 _DICT = (lambda v: isinstance(v, Mapping), "an object")
 _LIST = (lambda v: isinstance(v, list | tuple), "a list")
-_STRS = (lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
-         "a list of str")  # fmt: skip
+_STRS = (
+    lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
+    "a list of str",
+)
 
 
 def _take(obj, where: str, schema: dict[str, tuple]) -> None:
@@ -291,8 +314,11 @@ def _check_plan(plan: StoragePlan) -> None:
                 f"{len(p.tables)} logical tables"
             )
         keyed = [t.name for t in p.tables if t.vocabulary_size is None or t.dynamic is not None]
-        if keyed and (p.storage != "keyed" or len(p.tables) > 1 or any(
-                t.vocabulary_size is not None or t.dynamic is None for t in p.tables)):  # fmt: skip
+        if keyed and (
+            p.storage != "keyed"
+            or len(p.tables) > 1
+            or any(t.vocabulary_size is not None or t.dynamic is None for t in p.tables)
+        ):
             raise ValueError(
                 f"{at}: a keyed table ({keyed[0]!r}) is stored alone, as storage 'keyed', with "
                 "vocabulary_size None and its dynamic vocabulary"
@@ -437,8 +463,11 @@ def plan_storage(
         members, row = [], 0
         for t in g:
             cfg = resolved.tables[t]
-            members.append(TableInStack(names[t], row, cfg.vocabulary_size,
-                                        resolved.table_features[t], cfg.dynamic))  # fmt: skip
+            members.append(
+                TableInStack(
+                    names[t], row, cfg.vocabulary_size, resolved.table_features[t], cfg.dynamic
+                )
+            )
             row += cfg.vocabulary_size or 0
         kind = kinds[names[g[0]]]
         path = _table_file(Path(storage_dir), names[g[0]]) if storage_kind(kind).file else None

@@ -40,8 +40,9 @@ __all__ = [
 # storage initialises logical row ``r`` of it as ``initializer.init(seed, name, [r], dim)``.
 Segment = tuple[str, int, int, "Initializer"]
 # factory(spec, slot_specs, segments, seed) -> the physical table's storage.
-StorageFactory = Callable[[PhysicalTableSpec, "tuple[SlotSpec, ...]", "Sequence[Segment]", int],
-                          "TableStorage"]  # fmt: skip
+StorageFactory = Callable[
+    [PhysicalTableSpec, "tuple[SlotSpec, ...]", "Sequence[Segment]", int], "TableStorage"
+]
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,16 @@ class StorageKind:
 def _dense(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableStorage:
     from .dense import DenseTable
 
-    return DenseTable(spec.name, spec.vocabulary_size, spec.dim, slot_specs, segments[0][3], seed,
-                      path=spec.path, segments=list(segments))  # fmt: skip
+    return DenseTable(
+        spec.name,
+        spec.vocabulary_size,
+        spec.dim,
+        slot_specs,
+        segments[0][3],
+        seed,
+        path=spec.path,
+        segments=list(segments),
+    )
 
 
 def _keyed(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableStorage:
@@ -128,8 +137,10 @@ def storage_kind(name: str) -> StorageKind:
 
 
 def make_storage(
-    spec: PhysicalTableSpec, slot_specs: tuple[SlotSpec, ...], segments: Sequence[Segment],
+    spec: PhysicalTableSpec,
+    slot_specs: tuple[SlotSpec, ...],
+    segments: Sequence[Segment],
     seed: int,
-) -> TableStorage:  # fmt: skip
+) -> TableStorage:
     """The physical table of ``spec``, built by its kind's factory."""
     return storage_kind(spec.storage).factory(spec, tuple(slot_specs), list(segments), seed)

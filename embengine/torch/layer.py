@@ -114,8 +114,9 @@ class _FusedLookup(torch.autograd.Function):
         lrs = pending.learning_rates
         if isinstance(lrs, LearningRateHandle):
             lrs = lrs.learning_rates()  # the scheduler's value now, at the update
-        pending.engine.apply_gradients(gradients, learning_rates=lrs, batch=pending.batch,
-                                       **_timestamp(pending.timestamp))  # fmt: skip
+        pending.engine.apply_gradients(
+            gradients, learning_rates=lrs, batch=pending.batch, **_timestamp(pending.timestamp)
+        )
         pending.applied = True
         return (None, None) + (None,) * len(grads)
 
@@ -223,8 +224,9 @@ class EmbeddingLayer(torch.nn.Module):
             features = self._feature_dict(features)
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
-        acts, batch = self.engine.lookup_with_batch(features, weights, training=training,
-                                                    **_timestamp(timestamp))  # fmt: skip
+        acts, batch = self.engine.lookup_with_batch(
+            features, weights, training=training, **_timestamp(timestamp)
+        )
         names = list(acts)
         if self.output == "keyed":
             self._check_keyed(acts)

@@ -13,6 +13,7 @@ import numpy as np
 from .. import initializers
 from ..config import COMBINERS, QuantizationConfig
 from ..optimizers import Optimizer
+from ..optimizers._checks import is_flag, is_integer
 
 __all__ = ["TableConfig", "FeatureConfig", "QuantizationConfig", "RowIdInitializer"]
 
@@ -35,15 +36,23 @@ class TableConfig:
     default is TruncatedNormal(mean=0, stddev=1/sqrt(dim)).
     """
 
-    def __init__(self, vocabulary_size: int, dim: int, initializer=None, optimizer=None,
-                 combiner: str = "mean", name: str | None = None,
-                 quantization_config: QuantizationConfig | None = None, layout=None):  # fmt: skip
-        if not isinstance(vocabulary_size, int) or vocabulary_size < 1:
+    def __init__(
+        self,
+        vocabulary_size: int,
+        dim: int,
+        initializer=None,
+        optimizer=None,
+        combiner: str = "mean",
+        name: str | None = None,
+        quantization_config: QuantizationConfig | None = None,
+        layout=None,
+    ):
+        if not is_integer(vocabulary_size) or vocabulary_size < 1:
             raise ValueError(
                 "Argument `vocabulary_size` must be an int and must be >= 1. "
                 f"Received: {vocabulary_size}"
             )
-        if not isinstance(dim, int) or dim < 1:
+        if not is_integer(dim) or dim < 1:
             raise ValueError(
                 f"Argument `dim` (embedding dimension) must be an int and must be >= 1. "
                 f"Received: {dim}"
@@ -71,8 +80,8 @@ class TableConfig:
             raise ValueError(
                 f"quantization_config must be a QuantizationConfig, got {quantization_config!r}"
             )
-        self.vocabulary_size = vocabulary_size
-        self.dim = dim
+        self.vocabulary_size = int(vocabulary_size)
+        self.dim = int(dim)
         self.initializer = initializer
         self.optimizer = optimizer
         self.combiner = combiner
@@ -101,20 +110,25 @@ class FeatureConfig:
     """One input feature (TF's arguments): ``output_shape`` is the activation shape without the
     table dim; see TPUEmbedding for how input shapes map to outputs."""
 
-    def __init__(self, table: TableConfig, max_sequence_length: int = 0,
-                 validate_weights_and_indices: bool = True, output_shape=None,
-                 name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        table: TableConfig,
+        max_sequence_length: int = 0,
+        validate_weights_and_indices: bool = True,
+        output_shape=None,
+        name: str | None = None,
+    ):
         if not isinstance(table, TableConfig):
             raise ValueError(
                 f"Argument `table` has invalid type {type(table)}. Expected "
                 "`embengine.tpu.TableConfig`."
             )
-        if not isinstance(max_sequence_length, int) or max_sequence_length < 0:
+        if not is_integer(max_sequence_length) or max_sequence_length < 0:
             raise ValueError(
                 "Argument `max_sequence_length` must be an int and must be >= 0. "
                 f"Received: {max_sequence_length}"
             )
-        if not isinstance(validate_weights_and_indices, bool):
+        if not is_flag(validate_weights_and_indices):
             raise ValueError(
                 "Argument `validate_weights_and_indices` must be a boolean. "
                 f"Received: {validate_weights_and_indices}"
@@ -127,8 +141,8 @@ class FeatureConfig:
                     f"Received: {output_shape}"
                 )
         self.table = table
-        self.max_sequence_length = max_sequence_length
-        self.validate_weights_and_indices = validate_weights_and_indices
+        self.max_sequence_length = int(max_sequence_length)
+        self.validate_weights_and_indices = bool(validate_weights_and_indices)
         self.output_shape = output_shape
         self.name = name
 

@@ -183,10 +183,14 @@ class _EmbeddingBase:
             engine_tables = {}
             for t in self._tables:
                 engine_tables[id(t)] = ee_config.TableConfig(
-                    t.vocabulary_size, t.dim, initializer=t.engine_initializer(),
+                    t.vocabulary_size,
+                    t.dim,
+                    initializer=t.engine_initializer(),
                     optimizer=t.optimizer if t.optimizer is not None else self._lookup_only_sgd(t),
-                    combiner=t.combiner, name=t.name, quantization_config=t.quantization_config,
-                )  # fmt: skip
+                    combiner=t.combiner,
+                    name=t.name,
+                    quantization_config=t.quantization_config,
+                )
             features = {
                 path: ee_config.FeatureConfig(
                     engine_tables[id(f.table)],
@@ -276,8 +280,9 @@ class _EmbeddingBase:
         if len(lead) > 1 and feature.max_sequence_length > 0 and not feature.output_shape:
             log.warning(
                 "Input tensor is rank %d which is above 2, the max_sequence_length setting will "
-                "be ignored.", len(lead) + 1,
-            )  # fmt: skip
+                "be ignored.",
+                len(lead) + 1,
+            )
         seq, shape = _layout(path, feature, lead)
         if seq and sp.weights is not None:
             raise ValueError(f"Weight specified for {path}, but this is a sequence feature.")
@@ -319,8 +324,15 @@ class TPUEmbedding(_EmbeddingBase):
       seed, backend: passed to the EmbeddingEngine.
     """
 
-    def __init__(self, feature_config, optimizer, pipeline_execution_with_tensor_core=False, *,
-                 seed: int = 0, backend: str = "numba"):  # fmt: skip
+    def __init__(
+        self,
+        feature_config,
+        optimizer,
+        pipeline_execution_with_tensor_core=False,
+        *,
+        seed: int = 0,
+        backend: str = "numba",
+    ):
         super().__init__(feature_config, optimizer, seed=seed, backend=backend)
         for table in self._tables:
             if table.optimizer is None:
@@ -358,8 +370,9 @@ class TPUEmbedding(_EmbeddingBase):
             for (_, shape), f in zip(flat, self._features, strict=True):
                 shape = list(shape.as_list() if hasattr(shape, "as_list") else shape)
                 if len(shape) < 1:
-                    raise ValueError(f"Received input tensor of shape {shape}. Rank must be 1 "
-                                     "and above")  # fmt: skip
+                    raise ValueError(
+                        f"Received input tensor of shape {shape}. Rank must be 1 and above"
+                    )
                 if len(shape) == 2 and shape[-1] != 1 and f.max_sequence_length > 0:
                     shape.insert(1, f.max_sequence_length)
                 shapes.append(tuple(shape) if len(shape) == 1 else tuple(shape[:-1]))
@@ -416,8 +429,9 @@ class TPUEmbedding(_EmbeddingBase):
             if g is None:
                 log.warning(
                     "No gradient passed for feature %s, sending zero gradient. This may not be "
-                    "correct behavior for certain optimizers like Adam.", path,
-                )  # fmt: skip
+                    "correct behavior for certain optimizers like Adam.",
+                    path,
+                )
                 g = np.zeros_like(act)
             elif not _is_array(g):
                 raise ValueError(f"found non-tensor type: {type(g)} at path {path}.")

@@ -54,8 +54,10 @@ class TrainResult:
                 continue
             total = s.get("total", {})
             mib = sum(s["bytes"].values()) / 2**20
-            lines.append(f"table {name}: {s['rows']} rows, {total.get('admitted', 0)} admitted, "
-                         f"{total.get('evicted', 0)} evicted, {mib:.1f} MiB")  # fmt: skip
+            lines.append(
+                f"table {name}: {s['rows']} rows, {total.get('admitted', 0)} admitted, "
+                f"{total.get('evicted', 0)} evicted, {mib:.1f} MiB"
+            )
         return lines
 
     def summary(self) -> str:
@@ -67,9 +69,11 @@ class TrainResult:
             where = f"; {why} at epoch {last['epoch'] + 1}: test AUC {last['test_auc']:.4f}"
         else:
             where = ""
-        return (f"test AUC {self.test_auc:.4f}{best}, test logloss {self.test_logloss:.4f} at "
-                f"epoch {self.best_epoch} (best validation AUC {self.valid_auc:.4f}{where}), "
-                f"{self.steps} steps in {self.seconds:.1f} s")  # fmt: skip
+        return (
+            f"test AUC {self.test_auc:.4f}{best}, test logloss {self.test_logloss:.4f} at "
+            f"epoch {self.best_epoch} (best validation AUC {self.valid_auc:.4f}{where}), "
+            f"{self.steps} steps in {self.seconds:.1f} s"
+        )
 
 
 def build_engine(
@@ -187,9 +191,13 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
     if cfg.embeddings == "engine":
         from .warmup import compile_kernels
 
-        compile_seconds = compile_kernels(source, lambda rows: build_engine(source, cfg, rows),
-                                          cfg.batch_size, log,
-                                          cfg.progress and ranks.rank == 0)  # fmt: skip
+        compile_seconds = compile_kernels(
+            source,
+            lambda rows: build_engine(source, cfg, rows),
+            cfg.batch_size,
+            log,
+            cfg.progress and ranks.rank == 0,
+        )
         engine = build_engine(source, cfg, sharded=ranks.distributed)
         embed = EmbeddingLayer(engine)
     else:
@@ -218,9 +226,13 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
                     f"--resume: the checkpoint in {ckpt_dir} was trained with {key}="
                     f"{saved[key]!r}, this run asks for {getattr(cfg, key)!r}"
                 )
-        model.load_state_dict({k[len("model/"):]: torch.from_numpy(np.array(v))
-                               for k, v in restored.extra_tensors.items()
-                               if k.startswith("model/")})  # fmt: skip
+        model.load_state_dict(
+            {
+                k[len("model/") :]: torch.from_numpy(np.array(v))
+                for k, v in restored.extra_tensors.items()
+                if k.startswith("model/")
+            }
+        )
         _load_optimizer_state(dense_optim, restored.extra_tensors, state["dense_optimizer"])
         step, start_epoch, start_batch = state["step"], state["epoch"], state["batch"]
         history = state["history"]
@@ -230,8 +242,14 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
         tensors = {f"model/{k}": v.detach().numpy() for k, v in model.state_dict().items()}
         optim_tensors, optim_meta = _optimizer_state(dense_optim)
         tensors.update(optim_tensors)
-        meta = {"step": step, "epoch": epoch, "batch": batch, "history": history,
-                "dense_optimizer": optim_meta, "config": asdict(cfg)}  # fmt: skip
+        meta = {
+            "step": step,
+            "epoch": epoch,
+            "batch": batch,
+            "history": history,
+            "dense_optimizer": optim_meta,
+            "config": asdict(cfg),
+        }
         engine.save(ckpt_dir, keep=cfg.keep, extra_tensors=tensors, extra_metadata=meta)
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -259,8 +277,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
         # every global batch's mean loss; the average is linear, so the parts' sum at the end of
         # the epoch is the single run's figure. The bar (rank 0) shows its own samples' loss.
         running = shown = None
-        for i, batch in enumerate(source.train_batches(cfg.batch_size, epoch, start_batch),
-                                  start=start_batch):  # fmt: skip
+        for i, batch in enumerate(
+            source.train_batches(cfg.batch_size, epoch, start_batch), start=start_batch
+        ):
             size = len(batch)
             batch = ranks.slice(batch)
             emb = embed(batch.sparse)
@@ -294,38 +313,66 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
             epoch, start_batch = epoch + 1, 0
         valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model, ranks)
         test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model, ranks)
-        history.append({"epoch": epoch if start_batch else epoch - 1, "step": step,
-                        "train_loss": running, "valid_auc": valid_auc, "valid_logloss": valid_ll,
-                        "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
+        history.append(
+            {
+                "epoch": epoch if start_batch else epoch - 1,
+                "step": step,
+                "train_loss": running,
+                "valid_auc": valid_auc,
+                "valid_logloss": valid_ll,
+                "test_auc": test_auc,
+                "test_logloss": test_ll,
+            }
+        )
         oracle = source.oracle_auc
         best = f" (best possible {oracle:.4f})" if oracle else ""
         loss_text = "n/a" if running is None else f"{running:.4f}"
-        log(f"epoch {history[-1]['epoch'] + 1}: step {step}, train loss {loss_text}, "
+        log(
+            f"epoch {history[-1]['epoch'] + 1}: step {step}, train loss {loss_text}, "
             f"valid AUC {valid_auc:.4f}, test AUC {test_auc:.4f}{best}, "
-            f"test logloss {test_ll:.4f}")  # fmt: skip
+            f"test logloss {test_ll:.4f}"
+        )
         if ckpt_dir is not None:
             save(epoch, start_batch)
     stopped_early = stale() and epoch < cfg.epochs
     if stopped_early and trained:
         best_epoch = best_entry(history)[0]["epoch"] + 1
-        log(f"stopping early: no better validation AUC in the {cfg.patience} epochs after "
-            f"epoch {best_epoch}")  # fmt: skip
+        log(
+            f"stopping early: no better validation AUC in the {cfg.patience} epochs after "
+            f"epoch {best_epoch}"
+        )
     if not history:  # nothing trained and nothing saved (--steps reached by a resumed run)
         valid_auc, valid_ll = evaluate(source.valid_batches(eval_size), embed, model, ranks)
         test_auc, test_ll = evaluate(source.test_batches(eval_size), embed, model, ranks)
-        history.append({"epoch": max(epoch - 1, 0), "step": step, "train_loss": None,
-                        "valid_auc": valid_auc, "valid_logloss": valid_ll,
-                        "test_auc": test_auc, "test_logloss": test_ll})  # fmt: skip
+        history.append(
+            {
+                "epoch": max(epoch - 1, 0),
+                "step": step,
+                "train_loss": None,
+                "valid_auc": valid_auc,
+                "valid_logloss": valid_ll,
+                "test_auc": test_auc,
+                "test_logloss": test_ll,
+            }
+        )
     seconds = time.perf_counter() - t_start
     if cfg.plot and ranks.rank == 0:
         _plot(history, cfg.plot)
         log(f"wrote {cfg.plot}")
     chosen = best_entry(history)[0]
-    return TrainResult(chosen["test_auc"], chosen["test_logloss"], seconds, step, history,
-                       source.oracle_auc, best_epoch=chosen["epoch"] + 1,
-                       valid_auc=_valid_auc(chosen), stopped_early=stopped_early,
-                       compile_seconds=compile_seconds,
-                       table_stats=None if engine is None else engine.table_stats())  # fmt: skip
+    return TrainResult(
+        chosen["test_auc"],
+        chosen["test_logloss"],
+        seconds,
+        step,
+        history,
+        source.oracle_auc,
+        best_epoch=chosen["epoch"] + 1,
+        valid_auc=_valid_auc(chosen),
+        stopped_early=stopped_early,
+        compile_seconds=compile_seconds,
+        table_stats=None if engine is None else engine.table_stats(),
+    )
 
 
 def _has_checkpoint(path: Path) -> bool:
@@ -342,8 +389,14 @@ def _progress(cfg: TrainConfig, source: DataSource, epoch: int):
     total = source.examples_per_epoch
     if cfg.steps is not None:
         total = min(total, cfg.steps * cfg.batch_size)
-    return tqdm(total=total, unit="ex", unit_scale=True, desc=f"epoch {epoch + 1}",
-                mininterval=0.5, dynamic_ncols=True)  # fmt: skip
+    return tqdm(
+        total=total,
+        unit="ex",
+        unit_scale=True,
+        desc=f"epoch {epoch + 1}",
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
 
 
 def _plot(history: list[dict], path: str) -> None:

@@ -30,9 +30,15 @@ class DLRM(nn.Module):
     needs no partner vector to pass through.
     """
 
-    def __init__(self, feature_names: list[str], dim: int, n_dense: int,
-                 bottom: tuple[int, ...] = (64,), top: tuple[int, ...] = (64, 32),
-                 first_order: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        feature_names: list[str],
+        dim: int,
+        n_dense: int,
+        bottom: tuple[int, ...] = (64,),
+        top: tuple[int, ...] = (64, 32),
+        first_order: bool = True,
+    ):
         super().__init__()
         self.names = list(feature_names)
         self.first_order = first_order

@@ -36,9 +36,20 @@ ENGINE_OPTIMIZERS: dict[str, Callable[[float, int], opt.Optimizer]] = {
 }
 # Learning rates for the mean logloss of a batch, tuned on MovieLens-100K with the demo's
 # settings (docs/performance.md has each one's test AUC).
-DEFAULT_LR = {"sgd": 20.0, "adagrad": 0.5, "rowwise_adagrad": 0.5, "adagrad_momentum": 0.05,
-              "proximal_adagrad": 0.5, "adam": 0.003, "amsgrad": 0.003, "lion": 1e-3,
-              "ftrl": 1.0, "momentum": 2.0, "rmsprop": 0.003, "adadelta": 10.0}  # fmt: skip
+DEFAULT_LR = {
+    "sgd": 20.0,
+    "adagrad": 0.5,
+    "rowwise_adagrad": 0.5,
+    "adagrad_momentum": 0.05,
+    "proximal_adagrad": 0.5,
+    "adam": 0.003,
+    "amsgrad": 0.003,
+    "lion": 1e-3,
+    "ftrl": 1.0,
+    "momentum": 2.0,
+    "rmsprop": 0.003,
+    "adadelta": 10.0,
+}
 MODEL_NAMES = ("dlrm", "fm")
 # The formats --plot writes (matplotlib's Agg canvas), by file suffix.
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
@@ -97,8 +108,9 @@ class TrainConfig:
                 f"unknown model {self.model!r}; choose one of {', '.join(MODEL_NAMES)}"
             )
         if self.embeddings not in EMBEDDINGS:
-            raise ValueError(f"embeddings must be one of {', '.join(EMBEDDINGS)}, got "
-                             f"{self.embeddings!r}")  # fmt: skip
+            raise ValueError(
+                f"embeddings must be one of {', '.join(EMBEDDINGS)}, got {self.embeddings!r}"
+            )
         names = TORCH_OPTIMIZER_NAMES if self.embeddings == "torch" else ENGINE_OPTIMIZERS
         if self.optimizer not in names:
             raise ValueError(
@@ -109,11 +121,11 @@ class TrainConfig:
             raise ValueError(f"backend must be 'numba' or 'reference', got {self.backend!r}")
         for name in ("batch_size", "epochs", "dim", "keep"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")  # fmt: skip
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.patience < 0:
-            raise ValueError(f"--patience must be >= 0 (0: no early stopping), got "
-                             f"{self.patience}")  # fmt: skip
+            raise ValueError(f"--patience must be >= 0 (0: no early stopping), got {self.patience}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         for name in ("lr", "dense_lr"):
@@ -132,37 +144,48 @@ class TrainConfig:
             self._check_synthetic()
         _int_at_least("--nproc-per-node", self.nproc_per_node, 1)
         if self.vocabulary not in VOCABULARIES:
-            raise ValueError(f"--vocabulary must be one of {', '.join(VOCABULARIES)}, got "
-                             f"{self.vocabulary!r}")  # fmt: skip
+            raise ValueError(
+                f"--vocabulary must be one of {', '.join(VOCABULARIES)}, got {self.vocabulary!r}"
+            )
         if self.vocabulary == "dynamic" and self.embeddings != "engine":
-            raise ValueError("--vocabulary dynamic makes the engine's keyed tables; leave "
-                             "--embeddings at engine")  # fmt: skip
+            raise ValueError(
+                "--vocabulary dynamic makes the engine's keyed tables; leave --embeddings at engine"
+            )
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
         _int_at_least("--max-restarts", self.max_restarts, 0)
         if self.max_restarts and self.nproc_per_node == 1:
             raise ValueError("--max-restarts restarts the ranks: give --nproc-per-node too")
         if self.max_restarts and not self.resume:
-            raise ValueError("--max-restarts without --resume would restart from scratch; add "
-                             "--checkpoint-dir DIR --resume")  # fmt: skip
+            raise ValueError(
+                "--max-restarts without --resume would restart from scratch; add "
+                "--checkpoint-dir DIR --resume"
+            )
 
     def check_distributed(self, world: int) -> None:
         """What a run of ``world`` ranks cannot do yet: ValueError saying so."""
         if self.embeddings != "engine":
-            raise ValueError(f"{world} ranks train the engine's tables sharded; "
-                             f"--embeddings {self.embeddings} runs in one process")  # fmt: skip
+            raise ValueError(
+                f"{world} ranks train the engine's tables sharded; "
+                f"--embeddings {self.embeddings} runs in one process"
+            )
         if self.vocabulary == "dynamic":
-            raise ValueError(f"--vocabulary dynamic with {world} ranks: a ShardedEngine does "
-                             "not shard keyed tables yet; train in one process")  # fmt: skip
+            raise ValueError(
+                f"--vocabulary dynamic with {world} ranks: a ShardedEngine does "
+                "not shard keyed tables yet; train in one process"
+            )
         if self.batch_size < world:
-            raise ValueError(f"--batch-size {self.batch_size} is smaller than the {world} "
-                             "ranks it is split over")  # fmt: skip
+            raise ValueError(
+                f"--batch-size {self.batch_size} is smaller than the {world} ranks it is split over"
+            )
 
     def _check_plot(self, path: Path) -> None:
         suffix = path.suffix.lower().lstrip(".")
         if suffix not in PLOT_FORMATS:
-            raise ValueError(f"--plot {path}: unknown image format {suffix or '(none)'!r}; end "
-                             f"the name with one of .{', .'.join(PLOT_FORMATS)}")  # fmt: skip
+            raise ValueError(
+                f"--plot {path}: unknown image format {suffix or '(none)'!r}; end "
+                f"the name with one of .{', .'.join(PLOT_FORMATS)}"
+            )
         if path.is_dir():
             raise ValueError(f"--plot {path}: is a folder; give a file name")
         folder = path.parent
@@ -171,8 +194,10 @@ class TrainConfig:
 
     def _check_synthetic(self) -> None:
         syn = self.synthetic
-        for key, flag in (("examples_per_epoch", "--epoch-examples"),
-                          ("test_examples", "--test-examples")):  # fmt: skip
+        for key, flag in (
+            ("examples_per_epoch", "--epoch-examples"),
+            ("test_examples", "--test-examples"),
+        ):
             if key in syn and syn[key] < 1:
                 raise ValueError(f"{flag} must be >= 1, got {syn[key]}")
         scale = syn.get("vocabulary_scale", 1.0)
@@ -182,8 +207,10 @@ class TrainConfig:
 
         largest = int(max(DEFAULT_VOCABULARIES) * scale)
         if largest > 10**8:
-            raise ValueError(f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
-                             "vocabularies up to 10^8 rows are supported")  # fmt: skip
+            raise ValueError(
+                f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
+                "vocabularies up to 10^8 rows are supported"
+            )
 
 
 def _int_at_least(flag: str, value, minimum: int) -> None:

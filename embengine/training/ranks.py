@@ -57,15 +57,27 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
     status, stopped = 0, []
     for attempt in range(max_restarts + 1):
         if attempt:
-            print(f"embengine train: a rank failed (exit status {status}); restart {attempt} of "
-                  f"{max_restarts}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"embengine train: a rank failed (exit status {status}); restart {attempt} of "
+                f"{max_restarts}",
+                file=sys.stderr,
+                flush=True,
+            )
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
         with tempfile.TemporaryDirectory(prefix="embengine-torchrun-") as logs:
-            cmd = [sys.executable, "-m", "torch.distributed.run",
-                   f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1",
-                   f"--master-port={free_port()}", f"--log-dir={logs}",
-                   "-m", "embengine.cli", *argv]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={nproc_per_node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}",
+                f"--log-dir={logs}",
+                "-m",
+                "embengine.cli",
+                *argv,
+            ]
             status = _run_forwarding_signals(cmd, env, stopped)
         if status == 0 or stopped:  # done, or asked to stop: no restart
             return status

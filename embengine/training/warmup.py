@@ -28,8 +28,9 @@ MINI_ROWS = 64
 
 
 def _mini_batch(sparse: dict[str, Ragged]) -> dict[str, Ragged]:
-    return {name: Ragged(np.asarray(r.ids) % MINI_ROWS, offsets=r.offsets)
-            for name, r in sparse.items()}  # fmt: skip
+    return {
+        name: Ragged(np.asarray(r.ids) % MINI_ROWS, offsets=r.offsets) for name, r in sparse.items()
+    }
 
 
 def compile_kernels(

@@ -57,11 +57,33 @@ ALL_PATHS = set(PATHS)
 LR_PATHS = {"train", "prepared", "torch", "torch_kjt", "torch_prepared"}
 
 # Forms of one feature's value. "single" forms hold exactly one id per sample.
-ENGINE_FORMS = ("ragged_offsets", "ragged_lengths", "lists", "tuple_lists", "list_of_arrays",
-                "padded", "torch2d", "array1d", "flat_list", "int32", "torch1d")  # fmt: skip
+ENGINE_FORMS = (
+    "ragged_offsets",
+    "ragged_lengths",
+    "lists",
+    "tuple_lists",
+    "list_of_arrays",
+    "padded",
+    "torch2d",
+    "array1d",
+    "flat_list",
+    "int32",
+    "torch1d",
+)
 SINGLE_FORMS = {"array1d", "flat_list", "int32", "torch1d", "dense1d", "dense2d", "torch_dense"}
-WEIGHT_FORMS = {"ragged_offsets", "ragged_lengths", "lists", "tuple_lists", "list_of_arrays",
-                "padded", "torch2d", "array1d", "flat_list", "torch1d", "int32"}  # fmt: skip
+WEIGHT_FORMS = {
+    "ragged_offsets",
+    "ragged_lengths",
+    "lists",
+    "tuple_lists",
+    "list_of_arrays",
+    "padded",
+    "torch2d",
+    "array1d",
+    "flat_list",
+    "torch1d",
+    "int32",
+}
 TPU_FORMS = ("ragged_offsets", "lists", "dense1d", "dense2d", "torch_dense")
 TPU_SEQ_FORMS = ("ragged_offsets", "lists")
 TPU_SERVING_FORMS = ("ragged_offsets", "lists", "dense1d", "torch_dense")
@@ -113,12 +135,28 @@ class Fault:
     params: dict = field(default_factory=dict)
 
 
-def _f(kind, expect, paths, target="any", forms=None, configs=None, needs_ids=True,
-       names="feature", **params) -> Fault:  # fmt: skip
-    return Fault(kind, expect, frozenset(paths), target,
-                 None if forms is None else frozenset(forms),
-                 None if configs is None else frozenset(configs), needs_ids, names,
-                 params)  # fmt: skip
+def _f(
+    kind,
+    expect,
+    paths,
+    target="any",
+    forms=None,
+    configs=None,
+    needs_ids=True,
+    names="feature",
+    **params,
+) -> Fault:
+    return Fault(
+        kind,
+        expect,
+        frozenset(paths),
+        target,
+        None if forms is None else frozenset(forms),
+        None if configs is None else frozenset(configs),
+        needs_ids,
+        names,
+        params,
+    )
 
 
 _ANY_INPUT = ALL_PATHS - {"torch_kjt"}
@@ -126,142 +164,364 @@ _DICT_INPUT = _ANY_INPUT - TPU_PATHS  # paths taking a dict of engine forms
 _PREPARED_ENGINE = {"prepared", "prepared_eval", "torch_prepared"}
 _GRAD_PATHS = {"train", "prepared", "tpu"}
 _BAD_BIG = st.sampled_from([0, 1, 3, 1 << 20, 1 << 40])
-_FLOAT_FORMS = {"array1d", "padded", "ragged_offsets", "torch1d", "torch2d", "dense1d",
-                "dense2d", "torch_dense"}  # fmt: skip
+_FLOAT_FORMS = {
+    "array1d",
+    "padded",
+    "ragged_offsets",
+    "torch1d",
+    "torch2d",
+    "dense1d",
+    "dense2d",
+    "torch_dense",
+}
 _NONFINITE = st.sampled_from(["nan", "inf", "-inf"])
 
-FAULTS: dict[str, Fault] = {f.kind: f for f in [
-    # ids out of range or not ids at all
-    _f("id_too_big", "error", _ANY_INPUT, extra=_BAD_BIG),
-    _f("id_int64_max", "error", _ANY_INPUT, forms=ENGINE_FORMS + TPU_FORMS),
-    _f("id_negative", "error", _ANY_INPUT, value=st.sampled_from([-2, -7, -(1 << 40), -(1 << 63)]),
-       forms=set(ENGINE_FORMS + TPU_FORMS) - {"int32"}),
-    _f("id_minus_one", "error", _ANY_INPUT,
-       forms={"ragged_offsets", "ragged_lengths", "lists", "tuple_lists", "list_of_arrays",
-              "array1d", "flat_list", "int32", "torch1d"}),
-    _f("id_beyond_int64", "error", _ANY_INPUT, forms={"lists", "tuple_lists", "flat_list"},
-       value=st.sampled_from([1 << 63, 1 << 64, -(1 << 63) - 1])),
-    _f("dtype_float", "error", _ANY_INPUT, forms=_FLOAT_FORMS,
-       fraction=st.sampled_from([0.0, 0.5])),
-    _f("dtype_float_element", "error", _ANY_INPUT, forms={"lists", "tuple_lists", "flat_list"},
-       value=st.sampled_from([1.0, 1.5, "nan"])),
-    _f("dtype_object", "error", _ANY_INPUT, forms={"array1d", "padded", "dense1d"}),
-    _f("dtype_str", "error", _ANY_INPUT, forms={"array1d", "dense1d", "lists", "flat_list"}),
-    _f("dtype_bool", "error", _ANY_INPUT,
-       forms={"array1d", "padded", "lists", "flat_list", "dense1d", "torch1d"}),
-    _f("dtype_complex", "error", _ANY_INPUT, forms={"array1d", "dense1d"}),
-    _f("uint64_big", "error", _ANY_INPUT,
-       forms={"array1d", "padded", "ragged_offsets", "dense1d", "dense2d"}),
-    _f("uint64_ok", "valid", _ANY_INPUT, forms={"array1d", "ragged_offsets", "dense1d"}),
-    _f("narrow_int_ok", "valid", _ANY_INPUT,
-       forms={"array1d", "padded", "ragged_offsets", "dense1d", "torch1d", "torch2d"},
-       dtype=st.sampled_from(["int8", "int16", "int32", "uint8", "uint16", "uint32"])),
-    _f("noncontiguous_ok", "valid", _ANY_INPUT,
-       forms={"array1d", "padded", "ragged_offsets", "dense1d", "torch1d"}, needs_ids=False),
-    _f("value_none", "error", _ANY_INPUT, forms=None, needs_ids=False),
-    _f("value_scalar", "error", _ANY_INPUT, needs_ids=False),
-    _f("value_3d", "error", _ANY_INPUT - {"tpu_serving"}, needs_ids=False),  # serving: any rank
-    _f("value_string", "error", _ANY_INPUT, needs_ids=False),
-    _f("value_object", "error", _ANY_INPUT, needs_ids=False),
-    _f("ragged_lists", "error", _ANY_INPUT - {"tpu", "tpu_serving"}, forms={"array1d"},
-       needs_ids=False),  # np.array of ragged lists (dtype object) where an array was meant
-    # Ragged structure
-    _f("lengths_mismatch", "error", _ANY_INPUT, forms={"ragged_lengths"}, delta=st.sampled_from(
-        [-1, 1, 5])),
-    _f("lengths_negative", "error", _ANY_INPUT, forms={"ragged_lengths"}),
-    _f("lengths_overflow", "error", _ANY_INPUT, forms={"ragged_lengths"}, needs_ids=False,
-       variant=st.sampled_from(["two_max", "quarters", "max_last"])),
-    _f("offsets_bad", "error", _ANY_INPUT, forms={"ragged_offsets"}, needs_ids=False,
-       variant=st.sampled_from(["start", "decreasing", "end", "2d", "huge", "empty"])),
-    _f("offsets_mutated", "either", _ANY_INPUT, forms={"ragged_offsets", "ragged_lengths"},
-       variant=st.sampled_from(["past_end", "negative", "decreasing", "huge"])),
-    _f("ids_mutated", "either", _ANY_INPUT, forms={"ragged_offsets", "ragged_lengths"},
-       value=st.sampled_from([1 << 20, -3, 1 << 62])),
-    _f("caller_ids_mutated", "either", _ANY_INPUT, forms=ARRAY_FORMS | {"ragged_offsets"},
-       value=st.sampled_from([1 << 20, -3, 1 << 62]),
-       when=st.sampled_from(["after_build", "after_preprocess"])),
-    # weights
-    _f("weights_nonfinite", "error", _ANY_INPUT, target="bag", value=_NONFINITE),
-    _f("weights_shape", "error", _ANY_INPUT, target="bag", delta=st.sampled_from([-1, 1])),
-    _f("weights_dtype", "error", _ANY_INPUT, target="bag", dtype=st.sampled_from(
-        ["str", "object", "complex"])),
-    _f("weights_huge", "either", _ANY_INPUT, target="bag", value=st.sampled_from(
-        [3e38, -3e38, 1e30])),
-    _f("weights_zero_sum_ok", "valid", _ANY_INPUT, target="bag"),
-    _f("weights_on_sequence", "error", _ANY_INPUT, target="seq"),
-    _f("weights_twice", "error", _ANY_INPUT - TPU_PATHS, target="bag",
-       forms={"ragged_offsets", "ragged_lengths"}),
-    _f("weights_mutated", "either", _ANY_INPUT, target="bag",
-       forms={"ragged_offsets", "ragged_lengths"}, value=_NONFINITE),
-    _f("weights_unknown_feature", "error", _ANY_INPUT - TPU_PATHS, target=None, names="extra"),
-    _f("weights_not_mapping", "error", _ANY_INPUT - TPU_PATHS, target=None, names=None),
-    # the feature dict
-    _f("missing_feature", "error", ALL_PATHS, names="missing", needs_ids=False),
-    _f("extra_feature", "error", ALL_PATHS - TPU_PATHS, target=None, names="extra"),
-    _f("features_not_mapping", "error", _DICT_INPUT | TPU_PATHS, target=None, names=None),
-    _f("wrong_nesting", "error", TPU_PATHS, target=None, names="missing",
-       variant=st.sampled_from(["flat", "list", "extra_key"])),
-    # prepared batches
-    _f("foreign_vocab_out", "error", PREPARED_PATHS, configs=ENGINE_CONFIGS, names="table",
-       target=None),
-    _f("foreign_vocab_in", "either", PREPARED_PATHS, configs=ENGINE_CONFIGS, names="table",
-       target=None),
-    _f("foreign_packing", "error", PREPARED_PATHS - {"serving"}, configs={"packed"},
-       names="table", target=None),
-    _f("foreign_features", "error", PREPARED_PATHS, names="table", target=None),
-    _f("twin_batch", "valid", PREPARED_PATHS - {"serving"}, target=None),
-    _f("batch_mutated", "either", PREPARED_PATHS, target=None, names=None,
-       array=st.integers(0, 7), value=st.sampled_from([1 << 20, -5, 1 << 62, "nan"])),
-    _f("lookup_only_batch_trained", "error", {"prepared", "torch_prepared"}, target=None,
-       names=None),
-    _f("batch_with_weights", "error", _PREPARED_ENGINE, target=None, names=None),
-    _f("not_a_batch", "error", {"prepared"}, target=None, names=None),
-    # gradients
-    _f("grad_shape", "error", _GRAD_PATHS, needs_ids=False,
-       variant=st.sampled_from(["row", "col", "flat", "transposed"])),
-    _f("grad_nonfinite", "error", _GRAD_PATHS, configs={"mixed", "packed", "tpu"},
-       value=_NONFINITE),
-    _f("grad_nonfinite_skip", "valid", _GRAD_PATHS, configs={"dynamic"}, value=_NONFINITE),
-    _f("grad_dtype", "error", _GRAD_PATHS, needs_ids=False,
-       dtype=st.sampled_from(["str", "object", "complex", "bool"])),
-    _f("grad_missing", "error", _GRAD_PATHS - {"tpu"}, names="missing", needs_ids=False),
-    _f("grad_none_tpu", "valid", {"tpu"}, needs_ids=False),
-    _f("grad_extra", "error", _GRAD_PATHS, target=None, names="extra"),
-    _f("grad_not_mapping", "error", _GRAD_PATHS, target=None, names=None),
-    _f("grad_list", "error", {"tpu"}, needs_ids=False),
-    _f("grad_representation_ok", "valid", _GRAD_PATHS - {"tpu"}, needs_ids=False,
-       variant=st.sampled_from(["float64", "int64", "list", "torch", "fortran", "strided"])),
-    _f("grad_huge", "either", _GRAD_PATHS, value=st.sampled_from([3e38, -1e38, 1e30])),
-    _f("grad_nan_backward", "error", {"torch", "torch_kjt", "torch_prepared"},
-       configs={"mixed", "packed"}),
-    # learning rates (the dynamic config's two tags)
-    _f("lr_bad", "error", LR_PATHS, configs={"dynamic"}, target=None, names=None,
-       value=st.sampled_from(["nan", "inf", -0.5, "str", None, "-inf"]), tag=st.integers(0, 1)),
-    _f("lr_count", "error", LR_PATHS, configs={"dynamic"}, target=None, names=None,
-       count=st.sampled_from([0, 1, 3])),
-    _f("lr_missing", "error", LR_PATHS, configs={"dynamic"}, target=None, names=None),
-    _f("lr_unexpected", "error", LR_PATHS, configs={"mixed", "packed"}, target=None, names=None),
-    _f("lr_extreme", "either", LR_PATHS, configs={"dynamic"}, target=None, names=None,
-       value=st.sampled_from([0.0, 1e300, 1e-320, 3e38]), tag=st.integers(0, 1)),
-    # KeyedJagged
-    _f("kjt_lengths_overflow", "error", {"torch_kjt"}, target=None, names=None),
-    _f("kjt_lengths_mismatch", "error", {"torch_kjt"}, target=None, names=None,
-       delta=st.sampled_from([-1, 1])),
-    _f("kjt_lengths_negative", "error", {"torch_kjt"}, names=None),
-    _f("kjt_offsets_bad", "error", {"torch_kjt"}, target=None, names=None,
-       variant=st.sampled_from(["start", "decreasing"])),
-    _f("kjt_unknown_key", "error", {"torch_kjt"}, target=None, names="extra"),
-    _f("kjt_duplicate_key", "error", {"torch_kjt"}, target=None, names=None),
-    _f("kjt_float_values", "error", {"torch_kjt"}, target=None, names=None,
-       fraction=st.sampled_from([0.0, 0.5])),
-    _f("kjt_weights_length", "error", {"torch_kjt"}, target=None, names=None),
-    _f("kjt_id_out_of_range", "error", {"torch_kjt"}, extra=_BAD_BIG),
-    # the TF port's own rules
-    _f("tpu_dense_weights", "error", TPU_PATHS, target="bag", forms={"dense1d", "torch_dense"}),
-    _f("tpu_dense_last_dim", "error", {"tpu"}, forms={"dense2d"}, needs_ids=False),
-    _f("tpu_dense_sequence", "error", {"tpu_serving"}, target="seq", needs_ids=False),
-    _f("tpu_grad_nested", "error", {"tpu"}, target=None, names="missing"),
-]}  # fmt: skip
+FAULTS: dict[str, Fault] = {
+    f.kind: f
+    for f in [
+        # ids out of range or not ids at all
+        _f("id_too_big", "error", _ANY_INPUT, extra=_BAD_BIG),
+        _f("id_int64_max", "error", _ANY_INPUT, forms=ENGINE_FORMS + TPU_FORMS),
+        _f(
+            "id_negative",
+            "error",
+            _ANY_INPUT,
+            value=st.sampled_from([-2, -7, -(1 << 40), -(1 << 63)]),
+            forms=set(ENGINE_FORMS + TPU_FORMS) - {"int32"},
+        ),
+        _f(
+            "id_minus_one",
+            "error",
+            _ANY_INPUT,
+            forms={
+                "ragged_offsets",
+                "ragged_lengths",
+                "lists",
+                "tuple_lists",
+                "list_of_arrays",
+                "array1d",
+                "flat_list",
+                "int32",
+                "torch1d",
+            },
+        ),
+        _f(
+            "id_beyond_int64",
+            "error",
+            _ANY_INPUT,
+            forms={"lists", "tuple_lists", "flat_list"},
+            value=st.sampled_from([1 << 63, 1 << 64, -(1 << 63) - 1]),
+        ),
+        _f(
+            "dtype_float",
+            "error",
+            _ANY_INPUT,
+            forms=_FLOAT_FORMS,
+            fraction=st.sampled_from([0.0, 0.5]),
+        ),
+        _f(
+            "dtype_float_element",
+            "error",
+            _ANY_INPUT,
+            forms={"lists", "tuple_lists", "flat_list"},
+            value=st.sampled_from([1.0, 1.5, "nan"]),
+        ),
+        _f("dtype_object", "error", _ANY_INPUT, forms={"array1d", "padded", "dense1d"}),
+        _f("dtype_str", "error", _ANY_INPUT, forms={"array1d", "dense1d", "lists", "flat_list"}),
+        _f(
+            "dtype_bool",
+            "error",
+            _ANY_INPUT,
+            forms={"array1d", "padded", "lists", "flat_list", "dense1d", "torch1d"},
+        ),
+        _f("dtype_complex", "error", _ANY_INPUT, forms={"array1d", "dense1d"}),
+        _f(
+            "uint64_big",
+            "error",
+            _ANY_INPUT,
+            forms={"array1d", "padded", "ragged_offsets", "dense1d", "dense2d"},
+        ),
+        _f("uint64_ok", "valid", _ANY_INPUT, forms={"array1d", "ragged_offsets", "dense1d"}),
+        _f(
+            "narrow_int_ok",
+            "valid",
+            _ANY_INPUT,
+            forms={"array1d", "padded", "ragged_offsets", "dense1d", "torch1d", "torch2d"},
+            dtype=st.sampled_from(["int8", "int16", "int32", "uint8", "uint16", "uint32"]),
+        ),
+        _f(
+            "noncontiguous_ok",
+            "valid",
+            _ANY_INPUT,
+            forms={"array1d", "padded", "ragged_offsets", "dense1d", "torch1d"},
+            needs_ids=False,
+        ),
+        _f("value_none", "error", _ANY_INPUT, forms=None, needs_ids=False),
+        _f("value_scalar", "error", _ANY_INPUT, needs_ids=False),
+        _f("value_3d", "error", _ANY_INPUT - {"tpu_serving"}, needs_ids=False),  # serving: any rank
+        _f("value_string", "error", _ANY_INPUT, needs_ids=False),
+        _f("value_object", "error", _ANY_INPUT, needs_ids=False),
+        _f(
+            "ragged_lists",
+            "error",
+            _ANY_INPUT - {"tpu", "tpu_serving"},
+            forms={"array1d"},
+            needs_ids=False,
+        ),  # np.array of ragged lists (dtype object) where an array was meant
+        # Ragged structure
+        _f(
+            "lengths_mismatch",
+            "error",
+            _ANY_INPUT,
+            forms={"ragged_lengths"},
+            delta=st.sampled_from([-1, 1, 5]),
+        ),
+        _f("lengths_negative", "error", _ANY_INPUT, forms={"ragged_lengths"}),
+        _f(
+            "lengths_overflow",
+            "error",
+            _ANY_INPUT,
+            forms={"ragged_lengths"},
+            needs_ids=False,
+            variant=st.sampled_from(["two_max", "quarters", "max_last"]),
+        ),
+        _f(
+            "offsets_bad",
+            "error",
+            _ANY_INPUT,
+            forms={"ragged_offsets"},
+            needs_ids=False,
+            variant=st.sampled_from(["start", "decreasing", "end", "2d", "huge", "empty"]),
+        ),
+        _f(
+            "offsets_mutated",
+            "either",
+            _ANY_INPUT,
+            forms={"ragged_offsets", "ragged_lengths"},
+            variant=st.sampled_from(["past_end", "negative", "decreasing", "huge"]),
+        ),
+        _f(
+            "ids_mutated",
+            "either",
+            _ANY_INPUT,
+            forms={"ragged_offsets", "ragged_lengths"},
+            value=st.sampled_from([1 << 20, -3, 1 << 62]),
+        ),
+        _f(
+            "caller_ids_mutated",
+            "either",
+            _ANY_INPUT,
+            forms=ARRAY_FORMS | {"ragged_offsets"},
+            value=st.sampled_from([1 << 20, -3, 1 << 62]),
+            when=st.sampled_from(["after_build", "after_preprocess"]),
+        ),
+        # weights
+        _f("weights_nonfinite", "error", _ANY_INPUT, target="bag", value=_NONFINITE),
+        _f("weights_shape", "error", _ANY_INPUT, target="bag", delta=st.sampled_from([-1, 1])),
+        _f(
+            "weights_dtype",
+            "error",
+            _ANY_INPUT,
+            target="bag",
+            dtype=st.sampled_from(["str", "object", "complex"]),
+        ),
+        _f(
+            "weights_huge",
+            "either",
+            _ANY_INPUT,
+            target="bag",
+            value=st.sampled_from([3e38, -3e38, 1e30]),
+        ),
+        _f("weights_zero_sum_ok", "valid", _ANY_INPUT, target="bag"),
+        _f("weights_on_sequence", "error", _ANY_INPUT, target="seq"),
+        _f(
+            "weights_twice",
+            "error",
+            _ANY_INPUT - TPU_PATHS,
+            target="bag",
+            forms={"ragged_offsets", "ragged_lengths"},
+        ),
+        _f(
+            "weights_mutated",
+            "either",
+            _ANY_INPUT,
+            target="bag",
+            forms={"ragged_offsets", "ragged_lengths"},
+            value=_NONFINITE,
+        ),
+        _f("weights_unknown_feature", "error", _ANY_INPUT - TPU_PATHS, target=None, names="extra"),
+        _f("weights_not_mapping", "error", _ANY_INPUT - TPU_PATHS, target=None, names=None),
+        # the feature dict
+        _f("missing_feature", "error", ALL_PATHS, names="missing", needs_ids=False),
+        _f("extra_feature", "error", ALL_PATHS - TPU_PATHS, target=None, names="extra"),
+        _f("features_not_mapping", "error", _DICT_INPUT | TPU_PATHS, target=None, names=None),
+        _f(
+            "wrong_nesting",
+            "error",
+            TPU_PATHS,
+            target=None,
+            names="missing",
+            variant=st.sampled_from(["flat", "list", "extra_key"]),
+        ),
+        # prepared batches
+        _f(
+            "foreign_vocab_out",
+            "error",
+            PREPARED_PATHS,
+            configs=ENGINE_CONFIGS,
+            names="table",
+            target=None,
+        ),
+        _f(
+            "foreign_vocab_in",
+            "either",
+            PREPARED_PATHS,
+            configs=ENGINE_CONFIGS,
+            names="table",
+            target=None,
+        ),
+        _f(
+            "foreign_packing",
+            "error",
+            PREPARED_PATHS - {"serving"},
+            configs={"packed"},
+            names="table",
+            target=None,
+        ),
+        _f("foreign_features", "error", PREPARED_PATHS, names="table", target=None),
+        _f("twin_batch", "valid", PREPARED_PATHS - {"serving"}, target=None),
+        _f(
+            "batch_mutated",
+            "either",
+            PREPARED_PATHS,
+            target=None,
+            names=None,
+            array=st.integers(0, 7),
+            value=st.sampled_from([1 << 20, -5, 1 << 62, "nan"]),
+        ),
+        _f(
+            "lookup_only_batch_trained",
+            "error",
+            {"prepared", "torch_prepared"},
+            target=None,
+            names=None,
+        ),
+        _f("batch_with_weights", "error", _PREPARED_ENGINE, target=None, names=None),
+        _f("not_a_batch", "error", {"prepared"}, target=None, names=None),
+        # gradients
+        _f(
+            "grad_shape",
+            "error",
+            _GRAD_PATHS,
+            needs_ids=False,
+            variant=st.sampled_from(["row", "col", "flat", "transposed"]),
+        ),
+        _f(
+            "grad_nonfinite",
+            "error",
+            _GRAD_PATHS,
+            configs={"mixed", "packed", "tpu"},
+            value=_NONFINITE,
+        ),
+        _f("grad_nonfinite_skip", "valid", _GRAD_PATHS, configs={"dynamic"}, value=_NONFINITE),
+        _f(
+            "grad_dtype",
+            "error",
+            _GRAD_PATHS,
+            needs_ids=False,
+            dtype=st.sampled_from(["str", "object", "complex", "bool"]),
+        ),
+        _f("grad_missing", "error", _GRAD_PATHS - {"tpu"}, names="missing", needs_ids=False),
+        _f("grad_none_tpu", "valid", {"tpu"}, needs_ids=False),
+        _f("grad_extra", "error", _GRAD_PATHS, target=None, names="extra"),
+        _f("grad_not_mapping", "error", _GRAD_PATHS, target=None, names=None),
+        _f("grad_list", "error", {"tpu"}, needs_ids=False),
+        _f(
+            "grad_representation_ok",
+            "valid",
+            _GRAD_PATHS - {"tpu"},
+            needs_ids=False,
+            variant=st.sampled_from(["float64", "int64", "list", "torch", "fortran", "strided"]),
+        ),
+        _f("grad_huge", "either", _GRAD_PATHS, value=st.sampled_from([3e38, -1e38, 1e30])),
+        _f(
+            "grad_nan_backward",
+            "error",
+            {"torch", "torch_kjt", "torch_prepared"},
+            configs={"mixed", "packed"},
+        ),
+        # learning rates (the dynamic config's two tags)
+        _f(
+            "lr_bad",
+            "error",
+            LR_PATHS,
+            configs={"dynamic"},
+            target=None,
+            names=None,
+            value=st.sampled_from(["nan", "inf", -0.5, "str", None, "-inf"]),
+            tag=st.integers(0, 1),
+        ),
+        _f(
+            "lr_count",
+            "error",
+            LR_PATHS,
+            configs={"dynamic"},
+            target=None,
+            names=None,
+            count=st.sampled_from([0, 1, 3]),
+        ),
+        _f("lr_missing", "error", LR_PATHS, configs={"dynamic"}, target=None, names=None),
+        _f(
+            "lr_unexpected", "error", LR_PATHS, configs={"mixed", "packed"}, target=None, names=None
+        ),
+        _f(
+            "lr_extreme",
+            "either",
+            LR_PATHS,
+            configs={"dynamic"},
+            target=None,
+            names=None,
+            value=st.sampled_from([0.0, 1e300, 1e-320, 3e38]),
+            tag=st.integers(0, 1),
+        ),
+        # KeyedJagged
+        _f("kjt_lengths_overflow", "error", {"torch_kjt"}, target=None, names=None),
+        _f(
+            "kjt_lengths_mismatch",
+            "error",
+            {"torch_kjt"},
+            target=None,
+            names=None,
+            delta=st.sampled_from([-1, 1]),
+        ),
+        _f("kjt_lengths_negative", "error", {"torch_kjt"}, names=None),
+        _f(
+            "kjt_offsets_bad",
+            "error",
+            {"torch_kjt"},
+            target=None,
+            names=None,
+            variant=st.sampled_from(["start", "decreasing"]),
+        ),
+        _f("kjt_unknown_key", "error", {"torch_kjt"}, target=None, names="extra"),
+        _f("kjt_duplicate_key", "error", {"torch_kjt"}, target=None, names=None),
+        _f(
+            "kjt_float_values",
+            "error",
+            {"torch_kjt"},
+            target=None,
+            names=None,
+            fraction=st.sampled_from([0.0, 0.5]),
+        ),
+        _f("kjt_weights_length", "error", {"torch_kjt"}, target=None, names=None),
+        _f("kjt_id_out_of_range", "error", {"torch_kjt"}, extra=_BAD_BIG),
+        # the TF port's own rules
+        _f("tpu_dense_weights", "error", TPU_PATHS, target="bag", forms={"dense1d", "torch_dense"}),
+        _f("tpu_dense_last_dim", "error", {"tpu"}, forms={"dense2d"}, needs_ids=False),
+        _f("tpu_dense_sequence", "error", {"tpu_serving"}, target="seq", needs_ids=False),
+        _f("tpu_grad_nested", "error", {"tpu"}, target=None, names="missing"),
+    ]
+}
 
 
 def applicable(fault: Fault, path: str, config: str) -> bool:
@@ -319,8 +579,9 @@ VALID = "valid"  # the stratum of cases without a fault
 
 
 @st.composite
-def recipes(draw, paths: tuple[str, ...] | None = None, backend: str | None = None,
-            kind: str | None = None) -> dict:  # fmt: skip
+def recipes(
+    draw, paths: tuple[str, ...] | None = None, backend: str | None = None, kind: str | None = None
+) -> dict:
     """One fuzz case (see the module docstring); ``backend`` and ``kind`` (a fault kind, or
     VALID) fix those choices."""
     path = draw(st.sampled_from(sorted(paths or PATHS)))
@@ -382,8 +643,15 @@ def recipes(draw, paths: tuple[str, ...] | None = None, backend: str | None = No
         for fb in batch.values():
             fb["weights"] = None  # a KeyedJagged carries all features' weights or none
     lrs = [draw(_LRS) for _ in range(spec.dynamic_tags)] if spec.dynamic_tags else None
-    return {"path": path, "backend": backend, "config": config, "batch": batch, "fault": fault,
-            "grad_seed": draw(st.integers(0, 2**32 - 1)), "lrs": lrs}  # fmt: skip
+    return {
+        "path": path,
+        "backend": backend,
+        "config": config,
+        "batch": batch,
+        "fault": fault,
+        "grad_seed": draw(st.integers(0, 2**32 - 1)),
+        "lrs": lrs,
+    }
 
 
 def _draw(strategy, n: int, seed: int) -> list[dict]:
@@ -395,8 +663,13 @@ def _draw(strategy, n: int, seed: int) -> list[dict]:
     out: list[dict] = []
 
     @hseed(seed)
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(case):
         out.append(case)
@@ -405,8 +678,7 @@ def _draw(strategy, n: int, seed: int) -> list[dict]:
     return out
 
 
-def generate(n: int, seed: int, paths: tuple[str, ...] | None = None,
-             run: int = 10) -> list[dict]:  # fmt: skip
+def generate(n: int, seed: int, paths: tuple[str, ...] | None = None, run: int = 10) -> list[dict]:
     """``n`` cases drawn at random over every path, backend and fault, in short hypothesis runs
     of ``run`` cases: a long run keeps mutating its recent cases (runs of cases alike), and
     each run's first, simplest case (no fault, no sample) is dropped."""
@@ -422,15 +694,17 @@ def strata(paths: tuple[str, ...] | None = None) -> list[tuple[str, str, str]]:
     """Every (path, backend, fault kind or VALID) the fuzzer can build."""
     out = []
     for path in sorted(paths or PATHS):
-        kinds = sorted({k for k, f in FAULTS.items() for c in configs_for(path)
-                        if applicable(f, path, c)})  # fmt: skip
+        kinds = sorted(
+            {k for k, f in FAULTS.items() for c in configs_for(path) if applicable(f, path, c)}
+        )
         for backend in backends_for(path):
             out += [(path, backend, k) for k in [VALID, *kinds]]
     return out
 
 
-def generate_stratified(per_stratum: int, seed: int,
-                        paths: tuple[str, ...] | None = None) -> list[dict]:  # fmt: skip
+def generate_stratified(
+    per_stratum: int, seed: int, paths: tuple[str, ...] | None = None
+) -> list[dict]:
     """``per_stratum`` cases of every stratum (``strata``): each path on each backend meets
     every fault that applies to it, and valid batches. Hypothesis's first example of a stratum
     is its simplest (the first feature, form and variant, one sample or none): it is dropped,

@@ -69,32 +69,47 @@ class ConfigSpec:
 
 F = FeatureSpec
 SPECS: dict[str, ConfigSpec] = {
-    "mixed": ConfigSpec("mixed", (
-        F("user", "t_user", 10, 3, "sum"),
-        F("item", "t_item", 8, 3, "mean"),
-        F("hist", "t_item", 8, 3, "mean", seq=3),
-        F("cat", "t_cat", 6, 2, "sqrtn"),
-    )),
-    "packed": ConfigSpec("packed", (
-        F("pa", "t_a", 7, 2, "sum"),
-        F("pa_seq", "t_a", 7, 2, "sum", seq=2),
-        F("pb", "t_b", 5, 2, "mean"),
-        F("pc", "t_c", 9, 4, "sqrtn"),
-        F("pd_seq", "t_d", 4, 4, "mean", seq=2),
-        F("pe", "t_e", 3, 1, "sum"),
-    )),
-    "dynamic": ConfigSpec("dynamic", (
-        F("dy_seq", "t_y", 6, 2, "sum", seq=2),
-        F("dx", "t_x", 12, 4, "mean"),
-        F("dx2", "t_x", 12, 4, "mean"),
-    ), dynamic_tags=2, skip_nonfinite=True),
-    "tpu": ConfigSpec("tpu", (
-        F("user", "t_user", 10, 3, "sum"),
-        F("item", "t_item", 8, 2, "mean"),
-        F("hist", "t_item", 8, 2, "mean", seq=3),
-        F("grp/cat", "t_cat", 5, 2, "sqrtn"),
-    ), tpu=True),
-}  # fmt: skip
+    "mixed": ConfigSpec(
+        "mixed",
+        (
+            F("user", "t_user", 10, 3, "sum"),
+            F("item", "t_item", 8, 3, "mean"),
+            F("hist", "t_item", 8, 3, "mean", seq=3),
+            F("cat", "t_cat", 6, 2, "sqrtn"),
+        ),
+    ),
+    "packed": ConfigSpec(
+        "packed",
+        (
+            F("pa", "t_a", 7, 2, "sum"),
+            F("pa_seq", "t_a", 7, 2, "sum", seq=2),
+            F("pb", "t_b", 5, 2, "mean"),
+            F("pc", "t_c", 9, 4, "sqrtn"),
+            F("pd_seq", "t_d", 4, 4, "mean", seq=2),
+            F("pe", "t_e", 3, 1, "sum"),
+        ),
+    ),
+    "dynamic": ConfigSpec(
+        "dynamic",
+        (
+            F("dy_seq", "t_y", 6, 2, "sum", seq=2),
+            F("dx", "t_x", 12, 4, "mean"),
+            F("dx2", "t_x", 12, 4, "mean"),
+        ),
+        dynamic_tags=2,
+        skip_nonfinite=True,
+    ),
+    "tpu": ConfigSpec(
+        "tpu",
+        (
+            F("user", "t_user", 10, 3, "sum"),
+            F("item", "t_item", 8, 2, "mean"),
+            F("hist", "t_item", 8, 2, "mean", seq=3),
+            F("grp/cat", "t_cat", 5, 2, "sqrtn"),
+        ),
+        tpu=True,
+    ),
+}
 
 ENGINE_CONFIGS = ("mixed", "packed", "dynamic")
 
@@ -111,8 +126,10 @@ def _optimizers(config: str, foreign: str | None):
         sgd_b = opt.SGD(0.05) if foreign == "packing" else sgd
         return {"t_a": sgd, "t_b": sgd_b, "t_c": ada, "t_d": ada, "t_e": sgd}, None
     if config == "dynamic":
-        return {"t_x": opt.Adagrad(opt.DynamicLearningRate(0)),
-                "t_y": opt.FTRL(opt.DynamicLearningRate(1))}, None  # fmt: skip
+        return {
+            "t_x": opt.Adagrad(opt.DynamicLearningRate(0)),
+            "t_y": opt.FTRL(opt.DynamicLearningRate(1)),
+        }, None
     raise ValueError(config)
 
 
@@ -130,16 +147,23 @@ def build_engine(config: str, backend: str, foreign: str | None = None):
             # RowId-like values would make wrong rows easy to spot but hide combiner mistakes on
             # equal rows; a seeded random initializer gives every row distinct values.
             tables[f.table] = ee.TableConfig(
-                f.vocab * scale, f.dim, name=f.table, combiner=f.combiner,
-                optimizer=per_table[f.table], initializer=init.RandomUniform(-1.0, 1.0),
-            )  # fmt: skip
+                f.vocab * scale,
+                f.dim,
+                name=f.table,
+                combiner=f.combiner,
+                optimizer=per_table[f.table],
+                initializer=init.RandomUniform(-1.0, 1.0),
+            )
     features = {
         f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
     }
     return ee.EmbeddingEngine(
-        features, optimizer=global_opt, seed=SEED, backend=backend,
+        features,
+        optimizer=global_opt,
+        seed=SEED,
+        backend=backend,
         nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
-    )  # fmt: skip
+    )
 
 
 def tpu_feature_config():

@@ -44,8 +44,16 @@ from pathlib import Path
 
 import numpy as np
 
-OUTCOMES = ("refused", "other_exception", "accepted_same", "accepted_wrong", "partial", "crash",
-            "hang", "harness_error")  # fmt: skip
+OUTCOMES = (
+    "refused",
+    "other_exception",
+    "accepted_same",
+    "accepted_wrong",
+    "partial",
+    "crash",
+    "hang",
+    "harness_error",
+)
 TABLE_FILES = ("table-000.safetensors", "table-001.safetensors", "table-002.safetensors")
 OPS = {"ckpt": ("load", "restore", "export"), "export": ("serve",)}
 HUGE_ROWS = 200_000_000
@@ -77,9 +85,11 @@ def make_base(workdir: Path) -> dict:
     for name, steps in (("base", 2), ("outside", 3)):
         engine = build_engine("mixed", "reference")
         _train(engine, steps)
-        ckpt = engine.save(workdir / name, extra_tensors={
-            "dense/w": np.arange(6, dtype=np.float32).reshape(2, 3) * steps},
-            extra_metadata={"epoch": steps})  # fmt: skip
+        ckpt = engine.save(
+            workdir / name,
+            extra_tensors={"dense/w": np.arange(6, dtype=np.float32).reshape(2, 3) * steps},
+            extra_metadata={"epoch": steps},
+        )
         serving.export(ckpt, workdir / f"{name}-export", "fp32")
         out[name] = str(ckpt)
         out[f"{name}_export"] = str(workdir / f"{name}-export")
@@ -145,14 +155,24 @@ def apply_mutation(folder: Path, m: dict, base: dict) -> None:
     if kind == "truncate":
         raw = file.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8]) if len(raw) >= 8 else (0,)
-        size = {"zero": 0, "short": 7, "mid_header": 8 + n // 2, "data_start": 8 + n,
-                "one_byte": 8 + n + 1, "minus_one": len(raw) - 1}[m["at"]]  # fmt: skip
+        size = {
+            "zero": 0,
+            "short": 7,
+            "mid_header": 8 + n // 2,
+            "data_start": 8 + n,
+            "one_byte": 8 + n + 1,
+            "minus_one": len(raw) - 1,
+        }[m["at"]]
         file.write_bytes(raw[: max(0, min(size, len(raw) - 1))])
     elif kind == "flip":
         raw = bytearray(file.read_bytes())
         (n,) = struct.unpack("<Q", raw[:8]) if file.suffix == ".safetensors" else (len(raw),)
-        lo, hi = {"length": (0, 8), "header": (8, 8 + n), "data": (8 + n, len(raw)),
-                  "any": (0, len(raw))}[m["region"]]  # fmt: skip
+        lo, hi = {
+            "length": (0, 8),
+            "header": (8, 8 + n),
+            "data": (8 + n, len(raw)),
+            "any": (0, len(raw)),
+        }[m["region"]]
         if hi > lo:
             pos = lo + m["pos"] % (hi - lo)
             raw[pos] ^= 1 << m["bit"]
@@ -258,13 +278,25 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
             add("accidental", "truncate", file=f, at=at)
         for region in ("length", "header", "data"):
             for _ in range(flips):
-                add("accidental", "flip", file=f, region=region, pos=rng.randrange(1 << 30),
-                    bit=rng.randrange(8))  # fmt: skip
+                add(
+                    "accidental",
+                    "flip",
+                    file=f,
+                    region=region,
+                    pos=rng.randrange(1 << 30),
+                    bit=rng.randrange(8),
+                )
         add("accidental", "delete", file=f)
         add("accidental", "append", file=f)
     for _ in range(flips * 2):
-        add("accidental", "flip", file="manifest.json", region="any", pos=rng.randrange(1 << 30),
-            bit=rng.randrange(8))  # fmt: skip
+        add(
+            "accidental",
+            "flip",
+            file="manifest.json",
+            region="any",
+            pos=rng.randrange(1 << 30),
+            bit=rng.randrange(8),
+        )
     add("accidental", "truncate", file="manifest.json", at="minus_one")
     add("accidental", "replace", file="manifest.json", content="")
     add("accidental", "replace", file="manifest.json", content="{not json")
@@ -274,13 +306,17 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
         add("accidental", "delete", file="manifest.sha256")
     # crafted: manifest keys deleted or of the wrong type
     man_keys = ["format", "format_version", "tables", "features", "files"]
-    man_keys += (["step", "seed", "extra", "learning_rate_tags"] if target == "ckpt"
-                 else ["source_step"])  # fmt: skip
+    man_keys += (
+        ["step", "seed", "extra", "learning_rate_tags"] if target == "ckpt" else ["source_step"]
+    )
     for k in man_keys:
         add("crafted", "manifest", keys=[k], value="<delete>")
     table_keys = ["name", "vocabulary_size", "dim", "combiner", "file"]
-    table_keys += (["optimizer", "initializer", "slots", "storage"] if target == "ckpt"
-                   else ["compression", "params"])  # fmt: skip
+    table_keys += (
+        ["optimizer", "initializer", "slots", "storage"]
+        if target == "ckpt"
+        else ["compression", "params"]
+    )
     for k in table_keys:
         add("crafted", "manifest", keys=["tables", 1, k], value="<delete>")
     for k in ("name", "table", "max_sequence_length", "output_shape"):
@@ -316,15 +352,17 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
             (["tables", 0, "slots"], [[], "x", [{"name": "accumulators"}]]),
             (["tables", 0, "optimizer", "class"], ["Nope", "Optimizer", None]),
             (["tables", 0, "optimizer", "params", "evil"], [1]),
-            (["tables", 0, "optimizer", "params", "learning_rate"], [{"tag": 99}, {"constant": "x"},
-                                                                     "x"]),
+            (
+                ["tables", 0, "optimizer", "params", "learning_rate"],
+                [{"tag": 99}, {"constant": "x"}, "x"],
+            ),
             (["tables", 0, "optimizer", "params", "initial_accumulator_value"], [-5, "x"]),
             (["tables", 0, "optimizer"], ["x", {}]),
             (["tables", 0, "initializer", "class"], ["Nope", None]),
             (["tables", 0, "initializer", "params"], [{"minval": 5, "maxval": 1}, "x"]),
             (["tables", 0, "storage"], ["disk"]),
             (["learning_rate_tags"], ["x"]),
-        ]:  # fmt: skip
+        ]:
             for v in values:
                 add("crafted", "manifest", keys=keys, value=v)
     else:
@@ -338,28 +376,64 @@ def _mutations(target: str, seed: int, flips: int) -> list[dict]:
     # path traversal: a real safetensors file outside the folder, with other values
     source = "outside" if target == "ckpt" else "outside_export"
     for how in ("relative", "absolute", "subdir", "unlisted"):
-        add("crafted", "traversal", how=how, keys=["tables", 0, "file"], source=source,
-            source_file="table-000.safetensors")  # fmt: skip
+        add(
+            "crafted",
+            "traversal",
+            how=how,
+            keys=["tables", 0, "file"],
+            source=source,
+            source_file="table-000.safetensors",
+        )
     if target == "ckpt":
         for how in ("relative", "absolute"):
-            add("crafted", "traversal", how=how, keys=["extra", "file"], source="outside",
-                source_file="extra.safetensors")  # fmt: skip
+            add(
+                "crafted",
+                "traversal",
+                how=how,
+                keys=["extra", "file"],
+                source="outside",
+                source_file="extra.safetensors",
+            )
     # huge declared shapes, tensors that do not match
     add("crafted", "huge")  # 200M x 3 (4.5 GiB with its slot)
     add("crafted", "huge", dim=64)  # 200M x 64 (95 GiB)
     add("crafted", "huge", rows=50_000_000)  # 1.1 GiB: allocated, then found short
-    for edit in ("dtype_f16", "short_data", "drop_tensor", "shape", "offsets_past_end",
-                 "overlap", "not_a_dict"):  # fmt: skip
+    for edit in (
+        "dtype_f16",
+        "short_data",
+        "drop_tensor",
+        "shape",
+        "offsets_past_end",
+        "overlap",
+        "not_a_dict",
+    ):
         for f in ("table-000.safetensors", "table-001.safetensors"):
             add("crafted", "header", file=f, edit=edit)
     if target == "ckpt":
-        add("crafted", "header", file="table-001.safetensors", edit="short_data",
-            tensor="t_item/linears")  # fmt: skip
-        add("crafted", "header", file="table-001.safetensors", edit="drop_tensor",
-            tensor="t_item/linears")  # fmt: skip
+        add(
+            "crafted",
+            "header",
+            file="table-001.safetensors",
+            edit="short_data",
+            tensor="t_item/linears",
+        )
+        add(
+            "crafted",
+            "header",
+            file="table-001.safetensors",
+            edit="drop_tensor",
+            tensor="t_item/linears",
+        )
     if target == "ckpt":  # a step the checkpoint's folder name contradicts
-        out.append({"group": "crafted", "kind": "manifest", "keys": ["step"], "value": 5,
-                    "dirname": "ckpt"})  # fmt: skip
+        out.append(
+            {
+                "group": "crafted",
+                "kind": "manifest",
+                "keys": ["step"],
+                "value": 5,
+                "dirname": "ckpt",
+            }
+        )
     add("crafted", "swap_files")
     add("crafted", "swap_names")
     # controls
@@ -380,8 +454,15 @@ def tasks(base: dict, seed: int = 0, flips: int = 2) -> list[dict]:
                 plain = target == "export" or rng.random() < 0.5
                 if m.get("dirname") == "ckpt":
                     plain = False
-                out.append({"target": target, "mutation": m, "op": op, "base": base,
-                            "dirname": "copy" if plain else None})  # fmt: skip
+                out.append(
+                    {
+                        "target": target,
+                        "mutation": m,
+                        "op": op,
+                        "base": base,
+                        "dirname": "copy" if plain else None,
+                    }
+                )
     for i, t in enumerate(out):
         t["i"] = i
     return out
@@ -433,9 +514,13 @@ def _original(base: dict) -> dict:
         lookup = serving.ServingEngine.load(base["base_export"]).lookup(
             _all_rows_batch(SPECS["mixed"])
         )
-        _ORIGINAL[key] = {"state": snapshot(engine), "spec": engine.spec(),
-                          "extra": info.extra_tensors, "metadata": info.extra_metadata,
-                          "lookup": lookup}  # fmt: skip
+        _ORIGINAL[key] = {
+            "state": snapshot(engine),
+            "spec": engine.spec(),
+            "extra": info.extra_tensors,
+            "metadata": info.extra_metadata,
+            "lookup": lookup,
+        }
     return _ORIGINAL[key]
 
 
@@ -493,14 +578,17 @@ def _run_task(task: dict, time) -> dict:
             error = None
         except Exception as e:  # noqa: BLE001 - judged below
             error = e
-        cost = {"seconds": round(time.perf_counter() - t0, 4),
-                "peak_mb": round(max(0.0, _maxrss_mb() - rss0), 1)}  # fmt: skip
+        cost = {
+            "seconds": round(time.perf_counter() - t0, 4),
+            "peak_mb": round(max(0.0, _maxrss_mb() - rss0), 1),
+        }
         if error is not None:
             text = f"{type(error).__name__}: {error}"[:500]
             if engine is not None and not same_bits(before, snapshot(engine)):
                 return {"outcome": "partial", "detail": text, **cost}
-            outcome = "refused" if isinstance(error, checkpoint.CheckpointError) else (
-                "other_exception")  # fmt: skip
+            outcome = (
+                "refused" if isinstance(error, checkpoint.CheckpointError) else ("other_exception")
+            )
             return {"outcome": outcome, "detail": text, **cost}
         # Accepted: is it the original?
         why = None
@@ -517,7 +605,7 @@ def _run_task(task: dict, time) -> dict:
                 and all(
                     np.array_equal(result.extra_tensors[k], original["extra"][k])
                     for k in original["extra"]
-                )  # fmt: skip
+                )
             ):
                 why = "other extra tensors or metadata"
         else:
@@ -527,8 +615,13 @@ def _run_task(task: dict, time) -> dict:
                 lookup = served.lookup(_declared_rows_batch(exported, SPECS["mixed"]))
             except Exception as e:  # noqa: BLE001
                 if op == "export":  # it exported a checkpoint it should have refused
-                    return {"outcome": "accepted_wrong", "detail": "the export it wrote does "
-                            f"not serve: {type(e).__name__}: {e}"[:500], **cost}  # fmt: skip
+                    return {
+                        "outcome": "accepted_wrong",
+                        "detail": f"the export it wrote does not serve: {type(e).__name__}: {e}"[
+                            :500
+                        ],
+                        **cost,
+                    }
                 return {
                     "outcome": "other_exception",
                     "detail": f"loaded, then lookup: {type(e).__name__}: {e}"[:500],

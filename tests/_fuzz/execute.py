@@ -51,8 +51,16 @@ from .cases import FAULTS, TPU_PATHS, TRAINING_PATHS
 from .configs import SPECS, build_engine, build_tpu
 from .inputs import ApiError, api, logical_batch, nest, unnest
 
-OUTCOMES = ("clear_error", "unclear_error", "right_answer", "wrong_answer", "partial_update",
-            "crash", "hang", "harness_error")  # fmt: skip
+OUTCOMES = (
+    "clear_error",
+    "unclear_error",
+    "right_answer",
+    "wrong_answer",
+    "partial_update",
+    "crash",
+    "hang",
+    "harness_error",
+)
 
 ACT_RTOL = ACT_ATOL = 1e-5
 STATE_RTOL, STATE_ATOL = 1e-5, 1e-6
@@ -95,9 +103,14 @@ def state_diff(a: dict, b: dict) -> str | None:
         if v.shape != b[k].shape:
             return f"{k}: shape {v.shape} vs {b[k].shape}"
         if not np.allclose(v, b[k], rtol=STATE_RTOL, atol=STATE_ATOL, equal_nan=True):
-            i = np.unravel_index(int(np.argmax(~np.isclose(v, b[k], rtol=STATE_RTOL,
-                                                           atol=STATE_ATOL, equal_nan=True))),
-                                 v.shape)  # fmt: skip
+            i = np.unravel_index(
+                int(
+                    np.argmax(
+                        ~np.isclose(v, b[k], rtol=STATE_RTOL, atol=STATE_ATOL, equal_nan=True)
+                    )
+                ),
+                v.shape,
+            )
             return f"{k}{list(map(int, i))}: {v[i]} vs reference {b[k][i]}"
     return None
 
@@ -125,8 +138,11 @@ def model_activation(fs, samples, weights, table: np.ndarray) -> np.ndarray:
     out = np.zeros((b, fs.dim))
     for i, s in enumerate(samples):
         # The engine holds weights as float32: so does the model, then computes in float64.
-        ws = np.ones(len(s)) if weights is None else (
-            np.asarray(weights[i], dtype=np.float32).astype(np.float64))  # fmt: skip
+        ws = (
+            np.ones(len(s))
+            if weights is None
+            else (np.asarray(weights[i], dtype=np.float32).astype(np.float64))
+        )
         if fs.combiner == "sum":
             gains = ws
         else:
@@ -170,8 +186,11 @@ def serving_engine():
         from embengine import serving
 
         eng = build_engine("mixed", "reference")
-        tmp = Path(tempfile.mkdtemp(prefix="embengine-fuzz-serving-",
-                                    dir=os.environ.get("EMBENGINE_FUZZ_TMP")))  # fmt: skip
+        tmp = Path(
+            tempfile.mkdtemp(
+                prefix="embengine-fuzz-serving-", dir=os.environ.get("EMBENGINE_FUZZ_TMP")
+            )
+        )
         ckpt = eng.save(tmp / "ckpt")
         serving.export(ckpt, tmp / "export", "fp32")
         _SERVING["engine"] = serving.ServingEngine.load(tmp / "export")
@@ -222,8 +241,9 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             if kind == "caller_ids_mutated" and inputs.late_mutation(view):
                 inputs.mutate_caller_ids(built[fault["feature"]], fault)
             if kind == "batch_with_weights":
-                acts = api("call", engine.lookup, batch, {spec.names[0]: [[1.0]]},
-                           training=training)  # fmt: skip
+                acts = api(
+                    "call", engine.lookup, batch, {spec.names[0]: [[1.0]]}, training=training
+                )
             else:
                 acts = api("call", engine.lookup, batch, training=training)
             if training:
@@ -249,8 +269,9 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             acts = {k: v.detach().numpy().copy() for k, v in out.items()}
             shapes_ok = all(k in grads and tuple(out[k].shape) == np.shape(grads[k]) for k in out)
             if shapes_ok:  # else the activations are wrong, and judged so
-                loss = sum((out[k] * torch.from_numpy(np.asarray(grads[k], np.float32))).sum()
-                           for k in out)  # fmt: skip
+                loss = sum(
+                    (out[k] * torch.from_numpy(np.asarray(grads[k], np.float32))).sum() for k in out
+                )
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     api("backward", loss.backward)
         elif path == "tpu":
@@ -372,8 +393,10 @@ def _judge_policed(recipe: dict, res: dict) -> dict:
         return {"outcome": "wrong_answer", "detail": f"non-finite state written: {bad}"}
     ref = drive(recipe, "reference", clean=True)
     if ref["error"] is None or not isinstance(ref["error"].error, NonFiniteUpdateError):
-        return {"outcome": "wrong_answer",
-                "detail": f"the reference does not refuse the same rows: {text}"}  # fmt: skip
+        return {
+            "outcome": "wrong_answer",
+            "detail": f"the reference does not refuse the same rows: {text}",
+        }
     d = state_diff(res["after"], ref["after"])
     if d:
         return {"outcome": "wrong_answer", "detail": d}
@@ -393,8 +416,10 @@ def warm_up() -> None:
     limit measures the case, not numba."""
     for config in ("mixed", "packed", "dynamic", "tpu"):
         spec = SPECS[config]
-        batch = {fs.name: {"samples": [[0], [1]], "weights": None, "form": "ragged_offsets"}
-                 for fs in spec.features}  # fmt: skip
+        batch = {
+            fs.name: {"samples": [[0], [1]], "weights": None, "form": "ragged_offsets"}
+            for fs in spec.features
+        }
         paths = ("tpu", "tpu_serving") if spec.tpu else ("train", "prepared_eval", "lookup_eval")
         if config == "mixed":
             paths += ("serving",)
@@ -406,7 +431,13 @@ def warm_up() -> None:
             faults += [{"kind": "noncontiguous_ok", "feature": name} for name in arrays]
         for path in paths:
             for fault in faults if path == "lookup_eval" else [None]:
-                recipe = {"path": path, "backend": "numba", "config": config,
-                          "batch": batch if fault is None else arrays, "fault": fault,
-                          "grad_seed": 0, "lrs": [0.1] * spec.dynamic_tags or None}  # fmt: skip
+                recipe = {
+                    "path": path,
+                    "backend": "numba",
+                    "config": config,
+                    "batch": batch if fault is None else arrays,
+                    "fault": fault,
+                    "grad_seed": 0,
+                    "lrs": [0.1] * spec.dynamic_tags or None,
+                }
                 run_case(recipe)

@@ -111,8 +111,11 @@ def _weights_array(ws: list, fault: dict | None, shape=None):
     if shape is not None:
         a = a.reshape(shape)
     if fault and fault["kind"] == "weights_dtype":
-        return {"str": a.astype(str), "object": a.astype(object),
-                "complex": a.astype(np.complex64)}[fault["dtype"]]  # fmt: skip
+        return {
+            "str": a.astype(str),
+            "object": a.astype(object),
+            "complex": a.astype(np.complex64),
+        }[fault["dtype"]]
     return a
 
 
@@ -192,8 +195,10 @@ def build_feature(fs, fb: dict, path: str, fault: dict | None):
             if kind == "weights_shape":
                 w[0] = w[0] + [1.0] if fault["delta"] > 0 else w[0][:-1]
             if kind == "weights_dtype":
-                w = [[{"str": "x", "object": object(), "complex": 1j}[fault["dtype"]]
-                      for _ in ws] for ws in w]  # fmt: skip
+                w = [
+                    [{"str": "x", "object": object(), "complex": 1j}[fault["dtype"]] for _ in ws]
+                    for ws in w
+                ]
         return Built(value, w)
     if form in ("padded", "torch2d"):
         pad = _padded(samples)
@@ -379,9 +384,12 @@ def subject_grads(logical: dict, fault: dict | None) -> dict:
         g = grads[f]
         g.reshape(-1)[0] = float(fault.get("value", "nan"))
     elif kind == "grad_dtype":
-        grads[f] = {"str": grads[f].astype(str), "object": grads[f].astype(object),
-                    "complex": grads[f].astype(np.complex64),
-                    "bool": grads[f] > 0}[fault["dtype"]]  # fmt: skip
+        grads[f] = {
+            "str": grads[f].astype(str),
+            "object": grads[f].astype(object),
+            "complex": grads[f].astype(np.complex64),
+            "bool": grads[f] > 0,
+        }[fault["dtype"]]
     elif kind == "grad_missing":
         del grads[f]
     elif kind == "grad_none_tpu":
@@ -393,10 +401,14 @@ def subject_grads(logical: dict, fault: dict | None) -> dict:
     elif kind == "grad_representation_ok":
         g = grads[f]
         v = fault["variant"]
-        grads[f] = {"float64": lambda: g.astype(np.float64), "int64": lambda: g.astype(np.int64),
-                    "list": lambda: g.tolist(), "torch": lambda: torch.from_numpy(g),
-                    "fortran": lambda: np.asfortranarray(g),
-                    "strided": lambda: np.repeat(g, 2, axis=-1)[..., ::2]}[v]()  # fmt: skip
+        grads[f] = {
+            "float64": lambda: g.astype(np.float64),
+            "int64": lambda: g.astype(np.int64),
+            "list": lambda: g.tolist(),
+            "torch": lambda: torch.from_numpy(g),
+            "fortran": lambda: np.asfortranarray(g),
+            "strided": lambda: np.repeat(g, 2, axis=-1)[..., ::2],
+        }[v]()
     if kind == "grad_not_mapping":
         return list(grads.values())
     return grads
@@ -488,8 +500,9 @@ def features(spec, recipe, clean: bool):
         elif ffault and ffault["kind"] == "ragged_lists":
             feats[fs.name] = np.array([[1, 2], [3]], dtype=object)
         elif ffault and ffault["kind"] == "tpu_dense_sequence":
-            feats[fs.name] = np.asarray([s[0] if s else 0 for s in fb["samples"]] or [0],
-                                        dtype=np.int64)  # fmt: skip
+            feats[fs.name] = np.asarray(
+                [s[0] if s else 0 for s in fb["samples"]] or [0], dtype=np.int64
+            )
     if fault and fault["kind"] == "caller_ids_mutated" and not late_mutation(recipe):
         mutate_caller_ids(built[fault["feature"]], fault)
     kind = fault["kind"] if fault else None
@@ -503,8 +516,7 @@ def features(spec, recipe, clean: bool):
     if path in TPU_PATHS:
         tw = None
         if weights:
-            tw = nest({fs.name: weights.get(fs.name) for fs in spec.features
-                       if fs.name in feats})  # fmt: skip
+            tw = nest({fs.name: weights.get(fs.name) for fs in spec.features if fs.name in feats})
         feats = nest(feats)
         if kind == "wrong_nesting":
             v = fault["variant"]
@@ -529,7 +541,10 @@ def late_mutation(recipe: dict) -> bool:
     right after the input was built."""
     fault = recipe["fault"]
     return fault["when"] == "after_preprocess" and recipe["path"] in (
-        "prepared", "prepared_eval", "torch_prepared")  # fmt: skip
+        "prepared",
+        "prepared_eval",
+        "torch_prepared",
+    )
 
 
 def mutate_caller_ids(b: Built, fault: dict) -> None:
@@ -592,8 +607,9 @@ def keyed_jagged(spec, recipe, clean: bool):
         return api("build", KeyedJagged, keys, values, offsets=offsets)
     import torch
 
-    return api("build", KeyedJagged, keys, torch.from_numpy(values), lengths=lengths,
-               weights=weights)  # fmt: skip
+    return api(
+        "build", KeyedJagged, keys, torch.from_numpy(values), lengths=lengths, weights=weights
+    )
 
 
 def prepared_batch(engine, spec, recipe, feats, weights, training: bool):
@@ -604,10 +620,18 @@ def prepared_batch(engine, spec, recipe, feats, weights, training: bool):
     fault = recipe["fault"]
     kind = fault["kind"] if fault else None
     path = recipe["path"]
-    prep = (lambda f, w, training: engine.preprocess(f, w)) if path == "serving" else (
-        engine.preprocess)  # fmt: skip
-    if kind in ("foreign_vocab_out", "foreign_vocab_in", "foreign_packing", "foreign_features",
-                "twin_batch"):  # fmt: skip
+    prep = (
+        (lambda f, w, training: engine.preprocess(f, w))
+        if path == "serving"
+        else (engine.preprocess)
+    )
+    if kind in (
+        "foreign_vocab_out",
+        "foreign_vocab_in",
+        "foreign_packing",
+        "foreign_features",
+        "twin_batch",
+    ):
         backend = recipe["backend"] if recipe["backend"] != "serving" else "reference"
         config = recipe["config"]
         if kind == "foreign_features":
@@ -619,11 +643,16 @@ def prepared_batch(engine, spec, recipe, feats, weights, training: bool):
         elif kind == "twin_batch":
             maker = build_engine(config, "numba" if backend == "reference" else "reference")
         else:
-            maker = build_engine(config, backend, "packing" if kind == "foreign_packing" else
-                                 "vocab")  # fmt: skip
+            maker = build_engine(
+                config, backend, "packing" if kind == "foreign_packing" else "vocab"
+            )
             if kind == "foreign_vocab_out":
-                first = next(fs for fs in spec.features if recipe["batch"][fs.name]["samples"]
-                             and recipe["batch"][fs.name]["samples"][0])  # fmt: skip
+                first = next(
+                    fs
+                    for fs in spec.features
+                    if recipe["batch"][fs.name]["samples"]
+                    and recipe["batch"][fs.name]["samples"][0]
+                )
                 samples = copy.deepcopy(recipe["batch"][first.name]["samples"])
                 samples[0][0] = first.vocab + 3
                 feats = dict(feats)
@@ -641,8 +670,16 @@ def _mutate_batch(batch, fault: dict) -> None:
     arrays = []
     for tb in batch.tables:
         if hasattr(tb, "unique_ids"):
-            names = ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                     "unique_offsets", "unique_gains", "unique_segments")  # fmt: skip
+            names = (
+                "unique_ids",
+                "inverse",
+                "gains",
+                "segments",
+                "output_offsets",
+                "unique_offsets",
+                "unique_gains",
+                "unique_segments",
+            )
             arrays.append([getattr(tb, n) for n in names])
         else:
             per = []

@@ -38,20 +38,29 @@ def build_engine():
     from embengine import initializers as init
     from embengine import optimizers as opt
 
-    big = ee.TableConfig(ROWS, DIM, name="big", combiner="sum", optimizer=opt.Adagrad(0.1),
-                         initializer=init.RandomUniform(-1.0, 1.0))  # fmt: skip
+    big = ee.TableConfig(
+        ROWS,
+        DIM,
+        name="big",
+        combiner="sum",
+        optimizer=opt.Adagrad(0.1),
+        initializer=init.RandomUniform(-1.0, 1.0),
+    )
     small = ee.TableConfig(50, 4, name="small", optimizer=opt.FTRL(0.1))
     return ee.EmbeddingEngine(
         {"big": ee.FeatureConfig(big), "small": ee.FeatureConfig(small, max_sequence_length=2)},
-        seed=3, backend="reference",
-    )  # fmt: skip
+        seed=3,
+        backend="reference",
+    )
 
 
 def train_step(engine) -> None:
     """One step on a batch that depends only on the step (so the parent can replay it)."""
     rng = np.random.default_rng(engine.step)
-    feats = {"big": [list(rng.integers(0, ROWS, 4)) for _ in range(64)],
-             "small": [list(rng.integers(0, 50, 3)) for _ in range(8)]}  # fmt: skip
+    feats = {
+        "big": [list(rng.integers(0, ROWS, 4)) for _ in range(64)],
+        "small": [list(rng.integers(0, 50, 3)) for _ in range(8)],
+    }
     acts = engine.lookup(feats)
     engine.apply_gradients(
         {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in acts.items()}
@@ -79,8 +88,13 @@ def _snapshot(engine) -> dict:
     return snapshot(engine)
 
 
-def campaign(kills: int = 30, seed: int = 0, workdir: Path | None = None,
-             max_delay: float = 1.5, progress=None) -> dict:  # fmt: skip
+def campaign(
+    kills: int = 30,
+    seed: int = 0,
+    workdir: Path | None = None,
+    max_delay: float = 1.5,
+    progress=None,
+) -> dict:
     """Run ``kills`` rounds; returns the figures and one line per round."""
     import embengine as ee
     from embengine import checkpoint
@@ -108,11 +122,21 @@ def campaign(kills: int = 30, seed: int = 0, workdir: Path | None = None,
     for r in range(kills):
         marker.write_text("")
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from _fuzz.kills import child_main; "
-             "child_main(sys.argv[1], sys.argv[2])", str(root), str(marker)],
-            cwd=REPO, env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                "import sys; from _fuzz.kills import child_main; "
+                "child_main(sys.argv[1], sys.argv[2])",
+                str(root),
+                str(marker),
+            ],
+            cwd=REPO,
+            env=_child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 300
         while "ready" not in marker.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -127,8 +151,13 @@ def campaign(kills: int = 30, seed: int = 0, workdir: Path | None = None,
         figures["kills"] += 1
         lines = marker.read_text().split()
         last = [ln for ln in marker.read_text().splitlines() if ln.startswith("sav")]
-        where = ("before_first_save" if not last else
-                 "during_save" if last[-1].startswith("saving") else "between_saves")  # fmt: skip
+        where = (
+            "before_first_save"
+            if not last
+            else "during_save"
+            if last[-1].startswith("saving")
+            else "between_saves"
+        )
         figures[where] += 1
         line = {"round": r, "killed": where, "last_marker": last[-1] if last else None}
         newest = checkpoint.latest_checkpoint(root)

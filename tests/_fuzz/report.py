@@ -5,15 +5,51 @@ from __future__ import annotations
 import collections
 import json
 
-FUZZ_COLUMNS = ("clear_error", "unclear_error", "right_answer", "wrong_answer", "partial_update",
-                "crash", "hang", "harness_error", "not_run")  # fmt: skip
-FUZZ_HEADERS = ("clear", "unclear", "right", "wrong", "partial", "crash", "hang", "harness",
-                "not run")  # fmt: skip
+FUZZ_COLUMNS = (
+    "clear_error",
+    "unclear_error",
+    "right_answer",
+    "wrong_answer",
+    "partial_update",
+    "crash",
+    "hang",
+    "harness_error",
+    "not_run",
+)
+FUZZ_HEADERS = (
+    "clear",
+    "unclear",
+    "right",
+    "wrong",
+    "partial",
+    "crash",
+    "hang",
+    "harness",
+    "not run",
+)
 GOOD_FUZZ = ("clear_error", "right_answer")
-CRAFTED_COLUMNS = ("refused", "other_exception", "accepted_same", "accepted_wrong", "partial",
-                   "crash", "hang", "harness_error", "not_run")  # fmt: skip
-CRAFTED_HEADERS = ("refused", "other exc", "acc same", "acc wrong", "partial", "crash", "hang",
-                   "harness", "not run")  # fmt: skip
+CRAFTED_COLUMNS = (
+    "refused",
+    "other_exception",
+    "accepted_same",
+    "accepted_wrong",
+    "partial",
+    "crash",
+    "hang",
+    "harness_error",
+    "not_run",
+)
+CRAFTED_HEADERS = (
+    "refused",
+    "other exc",
+    "acc same",
+    "acc wrong",
+    "partial",
+    "crash",
+    "hang",
+    "harness",
+    "not run",
+)
 
 
 def _table(rows: list[tuple[str, collections.Counter]], columns, headers, first: str) -> str:
@@ -22,10 +58,14 @@ def _table(rows: list[tuple[str, collections.Counter]], columns, headers, first:
     total: collections.Counter = collections.Counter()
     for name, counts in rows:
         total += counts
-        lines.append(f"{name:<{width}}{sum(counts.values()):>8}"
-                     + "".join(f"{counts.get(c, 0):>10}" for c in columns))  # fmt: skip
-    lines.append(f"{'all':<{width}}{sum(total.values()):>8}"
-                 + "".join(f"{total.get(c, 0):>10}" for c in columns))  # fmt: skip
+        lines.append(
+            f"{name:<{width}}{sum(counts.values()):>8}"
+            + "".join(f"{counts.get(c, 0):>10}" for c in columns)
+        )
+    lines.append(
+        f"{'all':<{width}}{sum(total.values()):>8}"
+        + "".join(f"{total.get(c, 0):>10}" for c in columns)
+    )
     return "\n".join(lines)
 
 
@@ -53,8 +93,9 @@ def fuzz_findings(cases: list[dict], results: list[dict], limit: int = 60) -> st
     for (outcome, path, kind), idx in order[:limit]:
         example = results[idx[0]]["detail"].replace("\n", " ")[:300]
         backends = sorted({cases[i]["backend"] for i in idx})
-        lines.append(f"{outcome:<14} {len(idx):>5} x {path} ({'/'.join(backends)}) {kind}: "
-                     f"{example}")  # fmt: skip
+        lines.append(
+            f"{outcome:<14} {len(idx):>5} x {path} ({'/'.join(backends)}) {kind}: {example}"
+        )
         lines.append(f"{'':<22}e.g. case {idx[0]}: {json.dumps(cases[idx[0]])[:400]}")
     if len(order) > limit:
         lines.append(f"... and {len(order) - limit} more groups")
@@ -85,8 +126,10 @@ def crafted_findings(tasks: list[dict], results: list[dict], limit: int = 80) ->
         if outcome == expected and not slow:
             continue
         cost = f"[{result.get('seconds', '?')} s, +{result.get('peak_mb', '?')} MiB]"
-        lines.append(f"{outcome:<16} {describe(task)[:150]} {cost}: "
-                     f"{result['detail'].replace(chr(10), ' ')[:200]}")  # fmt: skip
+        lines.append(
+            f"{outcome:<16} {describe(task)[:150]} {cost}: "
+            f"{result['detail'].replace(chr(10), ' ')[:200]}"
+        )
     if len(lines) > limit:
         lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
     return "\n".join(lines)
@@ -94,19 +137,24 @@ def crafted_findings(tasks: list[dict], results: list[dict], limit: int = 80) ->
 
 def kills_table(figures: dict) -> str:
     f = figures
-    return "\n".join([
-        f"SIGKILLs sent                      {f['kills']}",
-        f"  landed during a save             {f['during_save']}",
-        f"  landed between saves             {f['between_saves']}",
-        f"  landed before the first save     {f['before_first_save']}",
-        f"rounds with no checkpoint yet      {f['no_checkpoint']}",
-        f"newest checkpoint loads (verified) {f['newest_loads']}",
-        f"newest equals the replayed state   {f['newest_correct']}",
-        f"every listed checkpoint verifies   {f['all_load']}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"SIGKILLs sent                      {f['kills']}",
+            f"  landed during a save             {f['during_save']}",
+            f"  landed between saves             {f['between_saves']}",
+            f"  landed before the first save     {f['before_first_save']}",
+            f"rounds with no checkpoint yet      {f['no_checkpoint']}",
+            f"newest checkpoint loads (verified) {f['newest_loads']}",
+            f"newest equals the replayed state   {f['newest_correct']}",
+            f"every listed checkpoint verifies   {f['all_load']}",
+        ]
+    )
 
 
 def kills_ok(figures: dict) -> bool:
     with_ckpt = figures["kills"] - figures["no_checkpoint"]
-    return (figures["newest_loads"] == with_ckpt and figures["newest_correct"] == with_ckpt
-            and figures["all_load"] == with_ckpt)  # fmt: skip
+    return (
+        figures["newest_loads"] == with_ckpt
+        and figures["newest_correct"] == with_ckpt
+        and figures["all_load"] == with_ckpt
+    )

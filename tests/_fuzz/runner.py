@@ -63,11 +63,22 @@ class _Child:
         self.stderr_path = Path(index_file).with_suffix(".stderr")
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - closed in finish()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "_fuzz.runner", kind, str(tasks_file), index_file,
-             str(self.progress)],
-            cwd=REPO, env=_child_env(workdir), stdin=subprocess.DEVNULL, stdout=self._stderr,
-            stderr=self._stderr, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "_fuzz.runner",
+                kind,
+                str(tasks_file),
+                index_file,
+                str(self.progress),
+            ],
+            cwd=REPO,
+            env=_child_env(workdir),
+            stdin=subprocess.DEVNULL,
+            stdout=self._stderr,
+            stderr=self._stderr,
+            start_new_session=True,
+        )
         self._offset = 0
         self._partial = b""
         self.ready = False
@@ -154,10 +165,18 @@ def _stack(stderr_tail: str) -> str:
 class Runner:
     """Runs tasks of one kind ("case" or "ckpt") in children; see the module docstring."""
 
-    def __init__(self, kind: str, tasks: list[dict], *, case_timeout: float = 30.0,
-                 startup_timeout: float = 900.0, attribute: str = "alone",
-                 budget: float | None = None, max_faults: int | None = None,
-                 progress: Callable[[int, int, dict], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        kind: str,
+        tasks: list[dict],
+        *,
+        case_timeout: float = 30.0,
+        startup_timeout: float = 900.0,
+        attribute: str = "alone",
+        budget: float | None = None,
+        max_faults: int | None = None,
+        progress: Callable[[int, int, dict], None] | None = None,
+    ):
         if attribute not in ("none", "alone", "bisect"):
             raise ValueError(f"attribute must be 'none', 'alone' or 'bisect', got {attribute!r}")
         self.kind = kind
@@ -189,22 +208,27 @@ class Runner:
                 if len(child.results) < len(indices):
                     tail = child.finish()
                     if not child.ready:
-                        raise RuntimeError(f"the fuzz child died warming up ({_death(rc)}):\n"
-                                           f"{tail}")  # fmt: skip
+                        raise RuntimeError(
+                            f"the fuzz child died warming up ({_death(rc)}):\n{tail}"
+                        )
                     running = child.running
                     if running is None:  # died between tasks: blame the next one
                         done = set(child.results)
                         running = next(i for i in indices if i not in done)
-                    fault = {"index": running, "outcome": "crash",
-                             "detail": f"{_death(rc)}: {_stack(tail)}"}  # fmt: skip
+                    fault = {
+                        "index": running,
+                        "outcome": "crash",
+                        "detail": f"{_death(rc)}: {_stack(tail)}",
+                    }
                     return child, fault
                 child.finish()
                 return child, None
             if not child.ready and now - child.started_at > self.startup_timeout:
                 child.kill()
                 tail = child.finish()
-                raise RuntimeError(f"the fuzz child did not warm up in {self.startup_timeout} s:"
-                                   f"\n{tail}")  # fmt: skip
+                raise RuntimeError(
+                    f"the fuzz child did not warm up in {self.startup_timeout} s:\n{tail}"
+                )
             # A case's limit excludes numba compiling; compiling itself has the warm-up's.
             if (
                 child.ready
@@ -222,8 +246,8 @@ class Runner:
                     "index": running,
                     "outcome": "hang",
                     "detail": f"no result after {seconds:.0f} s (limit {self.case_timeout:.0f} s "
-                              f"besides compiling): {_stack(tail)}",
-                }  # fmt: skip
+                    f"besides compiling): {_stack(tail)}",
+                }
                 return child, fault
 
     def _faults_alone(self, indices: list[int], k: int) -> tuple[bool, dict | None, dict | None]:
@@ -299,10 +323,14 @@ class Runner:
                 }
                 self._report(culprit, results[culprit])
                 base = alone or {"outcome": "harness_error", "detail": "no result alone"}
-                return {**base, "detail": base.get("detail", "") + f" [{note}; culprit task "
-                        f"{culprit}]"}  # fmt: skip
-        return {"outcome": fault["outcome"], "detail": f"{fault['detail']} ({note}; alone: "
-                f"{(alone or {}).get('outcome')})"}  # fmt: skip
+                return {
+                    **base,
+                    "detail": base.get("detail", "") + f" [{note}; culprit task {culprit}]",
+                }
+        return {
+            "outcome": fault["outcome"],
+            "detail": f"{fault['detail']} ({note}; alone: {(alone or {}).get('outcome')})",
+        }
 
 
 # -- the child ------------------------------------------------------------------------------------
