@@ -171,11 +171,14 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
         eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
         train(eng, range(2), rank, world)
         eng.save(root)
+        saved = {}
     else:
         eng = ShardedEngine.load(root, timeout=60)
         assert eng.step == 2, eng.step
+        # The ranks' stats add up to the saved ones: rank 0 holds the counters.
+        stats = eng.table_stats()["tables"]["k"]["keyed"]["total"]
+        saved = {"stats": np.array([stats[k] for k in sorted(stats)])}
     train(eng, range(2, STEPS), rank, world)
-    saved = {}
     contents(eng, "end", saved)
     np.savez(os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), **saved)
 

@@ -953,6 +953,7 @@ class ShardedEngine:
                 self._header(_RESTORE, None)
                 info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
                 self._step = info.step
+                self._step_time = (-1, None)
                 self._pending = None  # its rows no longer hold what it looked up
                 return info
             finally:
