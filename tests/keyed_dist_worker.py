@@ -18,6 +18,7 @@ Scenarios:
   ckpt_restore:<folder>       load what another world size saved, the third step
   time_mismatch               the last rank passes another timestamp
   max_rows                    a keyed table with max_rows (refused)
+  eval_mismatch               the last rank looks up for evaluation while the others train
 """
 
 from __future__ import annotations
@@ -198,6 +199,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     when = timestamp(0) + (1 if rank == world - 1 else 0)
     try:
         eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+        if name == "eval_mismatch":  # the last rank looks up for evaluation, the others train
+            last = rank == world - 1
+            eng.lookup(feats, weights, training=not last, timestamp=None if last else when - 1)
         eng.lookup(feats, weights, timestamp=when)
         result = "ok"
     except Exception as e:  # the scenario's point: which error, and its message

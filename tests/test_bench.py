@@ -227,16 +227,17 @@ def test_host_reads_model_avx512_and_memory_from_proc_texts():
     assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"
 
 
-def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tmp_path):
+@pytest.mark.parametrize("name", ["W1-dist", "W1-keyed-dist"])
+def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tmp_path, name):
     """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split, batch
     per rank), one round; rank 0's counted bytes are the cost model's, and its sockets carried
-    at least as much."""
+    at least as much. W1-keyed-dist: the same with keyed tables (owners by mix64)."""
     from embengine.bench.distributed import format_distributed, run_distributed
     from embengine.bench.workloads import Workload
 
     small = Workload("small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag",
                      ((500, 8), (300, 4)), 64, 4)  # fmt: skip
-    results = run_distributed("W1-dist", steps=2, warmup=1, rounds=1, timeout=300,
+    results = run_distributed(name, steps=2, warmup=1, rounds=1, timeout=300,
                               workload=small, log=lambda _: None)  # fmt: skip
     assert [r.config for r in results] == [
         "1 process",
@@ -249,7 +250,7 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
         if r.world == 2:
             assert r.counted[0] == r.modelled[0] > 0, r
             assert r.written[0] >= r.counted[0], r
-    table = format_distributed("W1-dist", results, small)
+    table = format_distributed(name, results, small)
     assert table.splitlines()[0].startswith("host: ")
     assert "2 ranks / 1 process (batch split): " in table and "weak-scaling efficiency" in table
 

@@ -219,9 +219,14 @@ def test_a_keyed_table_is_keyed_whatever_the_sharding_asks():
         assert plan.describe(["k", "d"])["k"].startswith("keyed"), plan.describe(["k", "d"])
 
 
-def test_ranks_with_other_timestamps_fail_on_every_rank(tmp_path):
-    codes = spawn(2, tmp_path, ["time_mismatch", "max_rows"])
+def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_path):
+    codes = spawn(2, tmp_path, ["time_mismatch", "max_rows", "eval_mismatch"])
     assert codes == [0, 0], _logs(tmp_path, 2)
+    for r in range(2):  # the owners run the rules on a training lookup only: ranks must agree
+        text = (tmp_path / f"eval_mismatch.rank{r}.txt").read_text()
+        assert text.startswith(f"DistributedError: rank {r} called ") and (
+            "rank 0: lookup, rank 1: lookup(training=False)" in text
+        ), text
     for r in range(2):
         text = (tmp_path / f"time_mismatch.rank{r}.txt").read_text()
         assert text.startswith("DistributedError") and "timestamps are [1000000, 1000001]" in text

@@ -1,4 +1,5 @@
-"""``embengine bench --workloads W1-dist``: W1 on one process and on W ranks of this machine.
+"""``embengine bench --workloads W1-dist``: W1 on one process and on W ranks of this machine
+(``W1-keyed-dist``: the same with W1's tables keyed, fed W1's ids as keys).
 
 Four configurations per optimizer, each a fresh set of processes (the ranks on 127.0.0.1, gloo),
 taking turns over ``rounds`` rounds so that the machine's drift falls on all of them:
@@ -39,8 +40,10 @@ from .workloads import WORKLOADS, Workload, make_batches
 __all__ = ["DIST_WORKLOADS", "DistResult", "run_distributed", "format_distributed",
            "modelled_bytes"]  # fmt: skip
 
-# bench workload name -> (workload, ranks).
-DIST_WORKLOADS = {"W1-dist": ("W1", 2)}
+# bench workload name -> (workload, ranks). W1-keyed-dist: W1's tables keyed (vocabulary_size=
+# None, every key admitted at once, no expiry), fed W1's ids as keys.
+DIST_WORKLOADS = {"W1-dist": ("W1", 2), "W1-keyed-dist": ("W1", 2)}
+KEYED_DIST = ("W1-keyed-dist",)
 
 
 @dataclass
@@ -73,24 +76,33 @@ def _rank_batch(batch, rank: int, world: int, split: bool) -> dict:
             for t, ids in enumerate(batch.ids)}  # fmt: skip
 
 
-def modelled_bytes(locals_: list[dict], dims: list[int], rank: int) -> tuple[int, int]:
-    """Bytes rank ``rank`` sends in a lookup and in an update under row sharding, by the cost
-    model of docs/design.md, from every rank's features (``locals_[r]``: feature "f{t}" ->
-    Ragged of bags, table t of width ``dims[t]``, one feature per table, sum pooling)."""
+def modelled_bytes(locals_: list[dict], dims: list[int], rank: int,
+                   keyed: bool = False) -> tuple[int, int]:  # fmt: skip
+    """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
+    every table keyed, key k on rank ``mix64(k) mod W``), by the cost model of docs/design.md,
+    from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
+    width ``dims[t]``, one feature per table, sum pooling). Keyed, a lookup also sends each
+    asked key's occurrences (8 bytes) and a "has a row" byte per id answered."""
+    from ..distributed.sharding import mix64
+
     world, tables = len(locals_), len(dims)
-    header = 8 * (world - 1) * (4 + 2 * tables + tables)
+
+    def owner(ids):
+        return (mix64(ids) % np.uint64(world)).astype(np.int64) if keyed else ids % world
+
+    header = 8 * (world - 1) * (4 + 2 * tables + tables + (tables if keyed else 0))
     asked = answered = occurrences = rows = 0
     for t in range(tables):
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
-        asked += 8 * int(np.count_nonzero(unique[rank] % world != rank))
-        answered += 4 * dims[t] * sum(int(np.count_nonzero(unique[s] % world == rank))
-                                      for s in range(world) if s != rank)  # fmt: skip
+        asked += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
+        answered += (4 * dims[t] + keyed) * sum(int(np.count_nonzero(owner(unique[s]) == rank))
+                                                for s in range(world) if s != rank)  # fmt: skip
         bags = locals_[rank][f"f{t}"]
         ids = np.asarray(bags.ids)
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
-        remote = ids % world != rank
+        remote = owner(ids) != rank
         occurrences += int(np.count_nonzero(remote))
-        pairs = np.unique(bag_of[remote] * world + ids[remote] % world)  # (bag, owner)
+        pairs = np.unique(bag_of[remote] * world + owner(ids[remote]))  # (bag, owner)
         rows += 4 * dims[t] * len(pairs)
     return header + asked + answered, header + 20 * occurrences + rows + 8 * (world - 1)
 
@@ -102,8 +114,8 @@ def _written() -> int:
 
 def child(spec: dict) -> dict:
     """One rank of one configuration (``spec``: workload, optimizer, world, rank, threads,
-    split, steps, warmup, seed; optionally sharding, default "row"): its step times and
-    bytes."""
+    split, steps, warmup, seed; optionally sharding, default "row", and keyed: W1's tables
+    keyed): its step times and bytes."""
     import numba
 
     import embengine as ee
@@ -122,9 +134,11 @@ def child(spec: dict) -> dict:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     tables = {}
     for t, (rows, dim) in enumerate(w.tables):
-        table = ee.TableConfig(rows, dim, combiner="sum", name=f"t{t}",
+        keyed = spec.get("keyed", False)
+        table = ee.TableConfig(None if keyed else rows, dim, combiner="sum", name=f"t{t}",
                                optimizer=ENGINE_OPTIMIZERS[spec["optimizer"]](dim, False),
-                               initializer=ee.initializers.RandomUniform(-0.01, 0.01))  # fmt: skip
+                               initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+                               dynamic=ee.DynamicVocabulary() if keyed else None)  # fmt: skip
         tables[f"f{t}"] = ee.FeatureConfig(table)
     if world > 1:
         from ..distributed import ShardedEngine
@@ -154,7 +168,8 @@ def child(spec: dict) -> dict:
             if world > 1:
                 counted.append(sum(sum(c.values()) for c in engine.bytes_sent.values()))
                 written.append(wrote)
-                modelled.append(sum(modelled_bytes(locals_, dims, rank)))
+                modelled.append(sum(modelled_bytes(locals_, dims, rank,
+                                                   spec.get("keyed", False))))  # fmt: skip
     if world > 1:
         import torch.distributed as dist
 
@@ -232,7 +247,7 @@ def run_distributed(
             for label, n, threads, split in order:
                 spec = {"workload": dataclasses.asdict(w), "optimizer": opt, "world": n,
                         "threads": threads, "split": split, "steps": steps, "warmup": warmup,
-                        "seed": r}  # fmt: skip
+                        "seed": r, "keyed": name in KEYED_DIST}  # fmt: skip
                 got = _launch(spec, timeout)
                 res = next(m for m in mine if m.config == label)
                 res.ms.append(got["ms"])

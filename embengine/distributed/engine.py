@@ -68,13 +68,16 @@ __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 60.0
 
 # The header's call codes.
-_LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE = 1, 2, 3, 4, 5
-_CALLS = {_LOOKUP: "lookup", _APPLY: "apply_gradients", _CONTENTS: "table_contents",
+# An engine with keyed tables tells an evaluation lookup (``_EVAL``) from a training one: its
+# owners run the tables' rules on a training lookup only, so the ranks must agree.
+_LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE, _EVAL = 1, 2, 3, 4, 5, 6
+_CALLS = {_LOOKUP: "lookup", _EVAL: "lookup(training=False)", _APPLY: "apply_gradients",
+          _CONTENTS: "table_contents",
           _SAVE: "save", _RESTORE: "restore"}  # fmt: skip
-# Header columns: call, step, valid, the call's data time (NO_TIME: none), training (a lookup's
-# flag), then 2 * features counts, one learning rate per table (float64 bits), and per table the
-# caller's unique ids of it (a lookup: whether any rank brought keys of a keyed table).
-_FIXED = 5
+# Header columns: call, step, valid, the call's data time (NO_TIME: none), then 2 * features
+# counts, one learning rate per table (float64 bits), and, in an engine with keyed tables, per
+# table the caller's unique ids of it (a lookup: whether any rank brought keys of a keyed table).
+_FIXED = 4
 
 
 class DistributedError(RuntimeError):
@@ -308,25 +311,24 @@ class ShardedEngine:
 
     def _header(self, call: int, error: Exception | None, counts: np.ndarray | None = None,
                 lrs: Sequence[float] | None = None, timestamp: int | None = None,
-                training: bool = False,
                 totals: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """Exchange this call's header with every rank; raise ``error`` (this rank's own
         validation error) afterwards, or a DistributedError if ranks disagree (call, step,
-        learning rates, data time, training). Returns the headers received, int64 ``[W,
+        learning rates, data time). Returns the headers received, int64 ``[W,
         columns]`` (row s: what rank s sent this rank)."""
         w, nf, nt = self.world_size, len(self._features), len(self.table_names)
-        header = np.zeros((w, _FIXED + 2 * nf + 2 * nt), dtype=np.int64)
+        extra = nt if self._keyed else 0
+        header = np.zeros((w, _FIXED + 2 * nf + nt + extra), dtype=np.int64)
         header[:, 0] = call
         header[:, 1] = self._step
         header[:, 2] = error is None
         header[:, 3] = NO_TIME if timestamp is None else timestamp
-        header[:, 4] = training
         lr_at = _FIXED + 2 * nf
         if error is None and counts is not None:
             header[:, _FIXED : _FIXED + counts.shape[1]] = counts
         if error is None and lrs is not None:
             header[:, lr_at : lr_at + nt] = np.asarray(lrs, dtype=np.float64).view(np.int64)
-        if error is None and totals is not None:
+        if error is None and totals is not None and extra:
             header[:, lr_at + nt :] = totals
         width = header.shape[1]
         self._comm.enter(f"{_CALLS[call]} at step {self._step}")
@@ -353,12 +355,6 @@ class ShardedEngine:
             raise DistributedError(
                 f"rank {self.rank}: {name}: the ranks are at steps {steps.tolist()}; they must "
                 "be at the same step (did one rank restore another checkpoint?)"
-            )
-        if (got[:, 4] != training).any():
-            raise DistributedError(
-                f"rank {self.rank}: {name} at step {self._step}: training is "
-                f"{got[:, 4].astype(bool).tolist()} on ranks 0..{w - 1}; every rank must pass "
-                "the same training=; nothing was changed"
             )
         if (got[:, 3] != got[self.rank, 3]).any():
             said = ["none" if v == NO_TIME else int(v) for v in got[:, 3]]
@@ -483,7 +479,8 @@ class ShardedEngine:
         except (TypeError, ValueError) as e:
             error = e
         self._pending = None  # a failed or lookup-only call leaves nothing to update
-        got = self._header(_LOOKUP, error, counts.T, timestamp=when, training=training,
+        call = _EVAL if self._keyed and not training else _LOOKUP
+        got = self._header(call, error, counts.T, timestamp=when,
                            totals=counts.sum(axis=1))  # fmt: skip
         dims = self._dims
         # Unique ids to their owners, destination-major (each owner's block table by table, in
