@@ -506,8 +506,8 @@ class ShardedEngine:
         recv_at = _starts(recv_counts)
         keyed_rows = {}
         if self._keyed:
-            keyed_rows = self._resolve_keys(batch, ids, counts, recv_counts, recv_at, training,
-                                            when, got)  # fmt: skip
+            keyed_rows = self._resolve_keys(batch, ids, counts, recv_counts, recv_at, sent_at,
+                                            training, when, got)  # fmt: skip
         # Answer with the rows of the ids this rank owns, in the order asked.
         answer_at = _starts(recv_counts * dims)
         answer = np.empty(int((recv_counts * dims).sum()), dtype=np.float32)
@@ -565,33 +565,36 @@ class ShardedEngine:
         }
         return acts, batch
 
-    def _resolve_keys(self, batch, ids, counts, recv_counts, recv_at, training: bool,
+    def _resolve_keys(self, batch, ids, counts, recv_counts, recv_at, sent_at, training: bool,
                       when: int | None, got: np.ndarray) -> dict[int, np.ndarray]:  # fmt: skip
         """The rows of the keys every rank asked this rank for (keyed tables; -1: none), by
         this rank's keyed tables, after their step's rules: a training lookup sends each key's
         occurrences too, and the owner runs the rules once on its keys of the whole step with
         their summed occurrences, as the single engine runs them on the concatenated batch (in
-        which the same keys occur as often); admission and eviction depend on each key's own
+        which the same keys occur as often); admission and expiry depend on each key's own
         counts, steps and data time only, never on another key's or on the order of keys, so
         each owner decides for its keys what the single engine decides for them. Every owner
         runs them when any rank brought keys of the table (the single engine's rules run
-        then: expiry and the table's data time move on every owner alike)."""
+        then: expiry and the table's data time move on every owner alike). ``sent_at[t]``:
+        where each unique key of keyed table ``t`` went in the ids sent."""
         w = self.world_size
         self._begin_keyed(when if training else None)
-        occurrences = None
+        keyed = np.zeros(len(self.table_names), dtype=bool)
+        keyed[list(self._keyed)] = True
+        occurrences = k_recv_at = None
         if training:
-            # Each unique key's occurrences in this rank's batch, to its owner beside the key.
-            mine = np.zeros(int(counts.sum()), dtype=np.int64)
-            send_at = _starts(counts.T)
+            # Each unique key's occurrences in this rank's batch, to its owner: blocks of the
+            # keyed tables only, destination-major as the ids.
+            k_counts = counts * keyed[:, None]  # [table, owner]
+            k_send_at, send_at = _starts(k_counts.T), _starts(counts.T)
+            mine = np.empty(int(k_counts.sum()), dtype=np.int64)
             for t in self._keyed:
-                tb = batch.tables[t]
-                at = np.empty(len(tb.unique_ids), dtype=np.int64)
-                row, owner = self._route[t]
-                sr.route_ids(tb.unique_ids, row, owner, w, np.empty(len(mine), np.int64),
-                             send_at[:, t].copy(), at, send_at[:, t].copy())  # fmt: skip
-                mine[at] = np.diff(tb.unique_offsets)
-            occurrences = self._comm.all_to_all(mine, counts.sum(axis=0),
-                                                recv_counts.sum(axis=1),
+                owners = np.searchsorted(send_at[:, t], sent_at[t], side="right") - 1
+                at = sent_at[t] - send_at[owners, t] + k_send_at[owners, t]
+                mine[at] = np.diff(batch.tables[t].unique_offsets)
+            k_recv = recv_counts * keyed[None, :]  # [sender, table]
+            k_recv_at = _starts(k_recv)
+            occurrences = self._comm.all_to_all(mine, k_counts.sum(axis=0), k_recv.sum(axis=1),
                                                 "lookup occurrences")  # fmt: skip
         totals = got[:, _FIXED + 2 * len(self._features) + len(self.table_names) :]
         out = {}
@@ -604,7 +607,8 @@ class ShardedEngine:
             if training:
                 if not totals[:, t].any():
                     continue  # no rank brought keys: the single engine runs no rule either
-                n = np.concatenate([occurrences[a:b] for a, b in spans])
+                n = np.concatenate([occurrences[k_recv_at[s, t] : k_recv_at[s, t] + b - a]
+                                    for s, (a, b) in enumerate(spans)])  # fmt: skip
                 summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
                 found = shard.rows_for(0, keys, True, counts=summed)
             else:
