@@ -218,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[*WORKLOADS, *FLOOR_WORKLOADS],
         choices=[*WORKLOADS, *DIST_WORKLOADS, *FLOOR_WORKLOADS, *KEYED_WORKLOADS],
-        help="workloads to run (default: all but W1-dist and the keyed ones, in one process; "
-        "W1-dist: W1 on 1 process and on 2 ranks, in processes of its own; W1-floor: each "
+        help="workloads to run (default: all but the W1-dist ones and the keyed ones, in one "
+        "process; "
+        "W1-dist: W1 on 1 process and on 2 ranks, in processes of its own (W1-keyed-dist: its "
+        "tables keyed); W1-floor: each "
         "optimizer's update kernel against the floor of its memory work; W1-keyed, W1-new, W4, "
         "insert: keyed tables against issue 15's targets, in one table)",
     )

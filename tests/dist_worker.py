@@ -275,12 +275,6 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             eng.table_contents()
         if name == "save_fails":  # a file where the checkpoints' folder should be
             eng.save(os.path.join(out, "not-a-folder", "ckpt"))
-        if name == "keyed_restore":  # a plain engine's checkpoint of a keyed table
-            eng.restore(os.environ["KEYED_CKPT"])
-        if name == "keyed_engine":
-            import embengine as ee
-
-            ShardedEngine({"k": ee.FeatureConfig(ee.TableConfig(None, 2, name="k"))}, optimizer=lr)
         eng.lookup(feats, weights)
         if name == "kill" and rank == world - 1:
             os._exit(3)

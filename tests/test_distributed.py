@@ -281,25 +281,6 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
                            "folder"), text  # fmt: skip
 
 
-def test_keyed_tables_are_refused_by_sharded_engines_and_their_checkpoints(tmp_path):
-    # A keyed table's rows are keys, not ids a plan shards: a clear error, not a crash.
-    from embengine import optimizers as opt
-
-    keyed = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(None, 2, name="k"))},
-                               optimizer=opt.SGD(0.1))  # fmt: skip
-    keyed.lookup({"f": [[5, 2**40]]})
-    keyed.apply_gradients({"f": np.ones((1, 2), np.float32)})
-    path = keyed.save(tmp_path / "keyed")
-    out = tmp_path / "run"
-    codes = spawn(1, out, ["keyed_restore", "keyed_engine"], env={"KEYED_CKPT": str(path)})
-    assert codes == [0], _logs(out, 1)
-    _, text = _error_text(out, "keyed_restore", 0)
-    assert text.startswith("CheckpointError") and "tables ['k'] are keyed" in text, text
-    assert "EmbeddingEngine.load" in text, text
-    _, text = _error_text(out, "keyed_engine", 0)
-    assert text.startswith("ValueError: tables ['k'] are keyed"), text
-
-
 def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     # The group's timeout is 60 s: an error well before it is the dead connection, not a wait.
     codes = spawn(2, tmp_path, ["kill"], limit=120)

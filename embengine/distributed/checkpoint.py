@@ -3,7 +3,8 @@
 The format is ``embengine.checkpoint``'s: one safetensors file per logical table (tensors
 ``t`` and ``t/<slot>``, row r = id r) and a global manifest (the spec plus the checkpoint's
 keys), so a checkpoint written at W ranks loads at any W', and into or from a plain
-``EmbeddingEngine``.
+``EmbeddingEngine``. Keyed tables are written and read by key (``keyed_checkpoint``): the
+same file a plain engine writes, each rank writing a block of the sorted keys.
 
 Saving (collective; every rank must see the same folder, as on one host or a shared file
 system): rank 0 makes the temporary folder (under the root's lock, as ``checkpoint.save``
@@ -37,7 +38,9 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file, write_safetensors
 from ..state import WEIGHTS
+from ..storage.keyed import KeyedTable
 from ..version import __version__
+from . import keyed_checkpoint as kc
 from .comm import Comm
 from .sharding import ShardPlan, ShardTable
 
@@ -109,18 +112,6 @@ def _agree(comm: Comm, ok: bool, what: str) -> None:
         raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
 
 
-def _refuse_keyed(tables: list[dict], where) -> None:
-    """A CheckpointError for a keyed table (``vocabulary_size`` null): its rows are keys, not
-    ids a plan can shard, so distributed checkpoints do not hold it."""
-    keyed = [t.get("name") for t in tables if t.get("vocabulary_size") is None]
-    if keyed:
-        raise ckpt.CheckpointError(
-            f"{where}: tables {keyed} are keyed (vocabulary_size=None); a ShardedEngine's "
-            "checkpoints hold only tables with a vocabulary: load a keyed checkpoint into an "
-            "EmbeddingEngine (EmbeddingEngine.load)"
-        )
-
-
 def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
          root: str | Path, keep: int | None = None, extra_metadata: dict | None = None,
          extra_tensors: dict[str, np.ndarray] | None = None) -> Path:  # fmt: skip
@@ -132,8 +123,12 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     rank = comm.rank
     root = Path(root)
-    _refuse_keyed(spec["tables"], root)  # every rank has the same spec: all raise, none waits
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
+    # Keyed tables: every rank's keys first (they fix each key's place in the file).
+    keyed = {t: kc.layout(comm, shard) for t, shard in enumerate(shards)
+             if isinstance(shard, KeyedTable)}  # fmt: skip
+    for t, lay in keyed.items():
+        spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error = None, None, None
     try:
@@ -148,9 +143,12 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
                     ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if extra_tensors:
                     write_safetensors(tmp / ckpt.EXTRA_FILE, dict(extra_tensors))
-                for shard, v, file in zip(shards, sizes, files, strict=True):
-                    head, _ = _header(shard, v)
-                    end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
+                for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
+                    if t in keyed:
+                        head, end = keyed[t].header()[0], keyed[t].size()
+                    else:
+                        head, _ = _header(shard, v)
+                        end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
                     with open(tmp / file, "wb") as f:
                         f.write(head)
                         f.truncate(end)
@@ -159,6 +157,8 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
                 error = e
         tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error))
         finite = _write_rows(comm, shards, plan, tmp, files, sizes)
+        for t, lay in keyed.items():
+            finite[t] = kc.write(comm, lay, tmp / files[t])
         flags = comm.all_gather(finite.astype(np.int64), "checkpoint")
         final = None
         if rank == 0:
@@ -181,6 +181,8 @@ def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str]
     rank, world = comm.rank, comm.world_size
     finite = np.ones(len(sizes), dtype=bool)
     for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
+        if v is None:
+            continue  # a keyed table: keyed_checkpoint.write
         width = shard.row_width
         chunk = max(1, CHUNK_BYTES // (4 * width))
         blocks = [_block(v, world, r) for r in range(world)]
@@ -263,7 +265,6 @@ def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | 
     error, reader, extra = None, None, {}
     try:
         _, reader = ckpt.read_checkpoint(path, verify)
-        _refuse_keyed(reader.manifest["tables"], reader.path)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
     except (OSError, ValueError) as e:
@@ -278,7 +279,22 @@ def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | 
             f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
             "every rank must restore the same checkpoint"
         )
+    # Keyed tables: this rank's keys, read and checked before any table changes.
+    installs, error = [], None
+    try:
+        for shard in shards:
+            if isinstance(shard, KeyedTable):
+                installs.append(kc.prepare(comm, reader, shard, reader.step))
+    except (OSError, ValueError) as e:
+        error = e
+    _agree(comm, error is None, "restore")
+    if error is not None:
+        raise error
+    for install in installs:
+        install()
     for shard in shards:
+        if isinstance(shard, KeyedTable):
+            continue
         ids = shard.global_ids
         for _, entry, c, w, dtype in _tensors(shard):
             stored = reader.tensor(shard.name, entry)

@@ -49,16 +49,17 @@ from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
-from ..engine import NonFiniteUpdateError, engine_arguments
+from ..engine import NonFiniteUpdateError, _check_timestamp, engine_arguments
 from ..inputs import as_numpy
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
 from ..spec import compressor_entry, initializer_to_json, optimizer_to_json
-from ..state import WEIGHTS
+from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
+from ..storage.keyed import KeyedTable
 from .comm import Comm
-from .sharding import ShardPlan, ShardTable, TableLoad, expected_traffic, plan_shards
+from .sharding import KEYED, ShardPlan, ShardTable, TableLoad, expected_traffic, plan_shards
 
 __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 
@@ -67,11 +68,15 @@ __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 60.0
 
 # The header's call codes.
-_LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE = 1, 2, 3, 4, 5
-_CALLS = {_LOOKUP: "lookup", _APPLY: "apply_gradients", _CONTENTS: "table_contents",
+# An engine with keyed tables tells an evaluation lookup (``_EVAL``) from a training one: its
+# owners run the tables' rules on a training lookup only, so the ranks must agree.
+_LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE, _EVAL = 1, 2, 3, 4, 5, 6
+_CALLS = {_LOOKUP: "lookup", _EVAL: "lookup(training=False)", _APPLY: "apply_gradients",
+          _CONTENTS: "table_contents",
           _SAVE: "save", _RESTORE: "restore"}  # fmt: skip
-# Header columns: call, step, valid, reserved, then 2 * features counts, then one learning rate
-# per table (float64 bits).
+# Header columns: call, step, valid, the call's data time (NO_TIME: none), then 2 * features
+# counts, one learning rate per table (float64 bits), and, in an engine with keyed tables, per
+# table the caller's unique ids of it (a lookup: whether any rank brought keys of a keyed table).
 _FIXED = 4
 
 
@@ -129,12 +134,16 @@ class ShardedEngine:
         r, optimizers = engine_arguments(
             feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
         )
-        keyed = [n for n, t in zip(r.table_names, r.tables, strict=True) if t.keyed]
-        if keyed:
-            raise ValueError(
-                f"tables {keyed} are keyed (vocabulary_size=None): ShardedEngine shards tables "
-                "with a vocabulary only; use an EmbeddingEngine"
-            )
+        keyed = [t.keyed for t in r.tables]
+        for name, t in zip(r.table_names, r.tables, strict=True):
+            if t.keyed and t.dynamic.max_rows is not None:
+                raise ValueError(
+                    f"table {name!r}: DynamicVocabulary(max_rows={t.dynamic.max_rows}): a "
+                    "ShardedEngine does not bound a keyed table's rows (eviction for max_rows "
+                    "picks the least recently touched rows of the whole table, across ranks); "
+                    "leave max_rows=None (expire_steps / expire_seconds bound it by age) or "
+                    "train it in an EmbeddingEngine"
+                )
         self._resolved, self._optimizers = r, optimizers
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)
@@ -150,31 +159,44 @@ class ShardedEngine:
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
         row_bytes = [4 * (t.dim + sum(s.width for s in specs))
                      for t, specs in zip(r.tables, slot_specs, strict=True)]  # fmt: skip
-        table_bytes = [t.vocabulary_size * b for t, b in zip(r.tables, row_bytes, strict=True)]
+        # A keyed table's size is not known in advance; it is sharded by key anyway.
+        table_bytes = [0 if t.keyed else t.vocabulary_size * b
+                       for t, b in zip(r.tables, row_bytes, strict=True)]  # fmt: skip
         loads = [
-            TableLoad(t.vocabulary_size, t.dim, nbytes,
+            TableLoad(t.vocabulary_size or 0, t.dim, nbytes,
                       expected_traffic(t.dim, [r.features[f].max_sequence_length or 1
                                                for f in names]),
                       opt.updates_every_row)
             for t, nbytes, names, opt in zip(r.tables, table_bytes, r.table_features,
                                              optimizers, strict=True)
         ]  # fmt: skip
-        self._plan = plan_shards(sharding, r.table_names, table_bytes, self.world_size, loads)
+        self._plan = plan_shards(sharding, r.table_names, table_bytes, self.world_size, loads,
+                                 keyed)  # fmt: skip
         self._check_same_configuration()
+        # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
+        # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
+            KeyedTable(name, t.dim, specs, _initializer_for(t, opt), self.seed, t.dynamic)
+            if t.keyed else
             ShardTable(name, t.vocabulary_size, t.dim, specs, _initializer_for(t, opt), self.seed,
                        self._plan.owned_ids(i, t.vocabulary_size, self.rank), self.world_size,
                        self.rank, self._plan.kinds[i])
             for i, (name, t, opt, specs) in enumerate(zip(r.table_names, r.tables, optimizers,
                                                           slot_specs, strict=True))
         )  # fmt: skip
+        self._keyed = tuple(i for i, t in enumerate(r.tables) if t.keyed)
+        self._needs_time = [r.table_names[i] for i in self._keyed
+                            if r.tables[i].dynamic.expire_seconds is not None]  # fmt: skip
+        # The step's data time so far (step, timestamp), as EmbeddingEngine keeps it.
+        self._step_time: tuple[int, int | None] = (-1, None)
         # Batches are prepared as for a single engine with one storage table per table.
         self._layout = [[(f, 0) for f in names] for names in r.table_features]
         self._fingerprint = batch_fingerprint(r, self._layout)
         self._features = tuple(r.features)
         # Per table (row sharded?, owner of a whole table) and width; per feature its width
         # and, per table, its features' indices (the single engine's occurrence order).
-        self._route = tuple((kind == "row", owner)
+        kinds = {"row": sr.KIND_ROW, "table": sr.KIND_TABLE, KEYED: sr.KIND_KEYED}
+        self._route = tuple((kinds[kind], owner)
                             for kind, owner in zip(self._plan.kinds, self._plan.owners,
                                                    strict=True))  # fmt: skip
         self._dims = np.array([t.dim for t in r.tables], dtype=np.int64)
@@ -236,14 +258,17 @@ class ShardedEngine:
 
     def table_stats(self) -> dict[str, Any]:
         """What this rank holds and sends (local, no communication): per table its sharding,
-        the rows and bytes (weights and slots) on this rank; the bytes this rank sent in its
+        the rows and bytes (weights and slots) on this rank (a keyed table: its keys here,
+        and ``keyed``, this rank's ``KeyedTable.stats()``); the bytes this rank sent in its
         last call of each kind (``{call: {purpose: bytes}}``) and since construction. The
         cost model behind the bytes is in docs/design.md."""
         plan = self.plan
         return {
             "tables": {
-                name: {"sharding": plan[name], "rows": int(shard.data.shape[0]),
-                       "bytes": int(shard.nbytes)}
+                name: {"sharding": plan[name],
+                       **({"rows": shard.rows, "bytes": int(shard.nbytes),
+                           "keyed": shard.stats()} if isinstance(shard, KeyedTable) else
+                          {"rows": int(shard.data.shape[0]), "bytes": int(shard.nbytes)})}
                 for name, shard in zip(self.table_names, self._shards, strict=True)
             },
             "bytes_sent": {call: dict(c) for call, c in self.bytes_sent.items()},
@@ -259,7 +284,7 @@ class ShardedEngine:
         (different tables would pair the wrong rows; different optimizers diverge silently)."""
         r = self._resolved
         config = {
-            "tables": [[name, t.vocabulary_size, t.dim, t.combiner,
+            "tables": [[name, t.vocabulary_size, t.dim, t.combiner, repr(t.dynamic),
                         initializer_to_json(_initializer_for(t, opt)),
                         optimizer_to_json(opt, self._learning_rates.tag_of(i))]
                        for i, (name, t, opt) in enumerate(zip(r.table_names, r.tables,
@@ -285,19 +310,26 @@ class ShardedEngine:
     # -- the header: every call starts with it ---------------------------------------------------
 
     def _header(self, call: int, error: Exception | None, counts: np.ndarray | None = None,
-                lrs: Sequence[float] | None = None) -> np.ndarray:  # fmt: skip
+                lrs: Sequence[float] | None = None, timestamp: int | None = None,
+                totals: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """Exchange this call's header with every rank; raise ``error`` (this rank's own
-        validation error) afterwards, or a DistributedError if ranks disagree. Returns the
-        headers received, int64 ``[W, columns]`` (row s: what rank s sent this rank)."""
+        validation error) afterwards, or a DistributedError if ranks disagree (call, step,
+        learning rates, data time). Returns the headers received, int64 ``[W,
+        columns]`` (row s: what rank s sent this rank)."""
         w, nf, nt = self.world_size, len(self._features), len(self.table_names)
-        header = np.zeros((w, _FIXED + 2 * nf + nt), dtype=np.int64)
+        extra = nt if self._keyed else 0
+        header = np.zeros((w, _FIXED + 2 * nf + nt + extra), dtype=np.int64)
         header[:, 0] = call
         header[:, 1] = self._step
         header[:, 2] = error is None
+        header[:, 3] = NO_TIME if timestamp is None else timestamp
+        lr_at = _FIXED + 2 * nf
         if error is None and counts is not None:
             header[:, _FIXED : _FIXED + counts.shape[1]] = counts
         if error is None and lrs is not None:
-            header[:, _FIXED + 2 * nf :] = np.asarray(lrs, dtype=np.float64).view(np.int64)
+            header[:, lr_at : lr_at + nt] = np.asarray(lrs, dtype=np.float64).view(np.int64)
+        if error is None and totals is not None and extra:
+            header[:, lr_at + nt :] = totals
         width = header.shape[1]
         self._comm.enter(f"{_CALLS[call]} at step {self._step}")
         got = self._comm.all_to_all(header.reshape(-1), [width] * w, [width] * w, "header")
@@ -324,8 +356,15 @@ class ShardedEngine:
                 f"rank {self.rank}: {name}: the ranks are at steps {steps.tolist()}; they must "
                 "be at the same step (did one rank restore another checkpoint?)"
             )
+        if (got[:, 3] != got[self.rank, 3]).any():
+            said = ["none" if v == NO_TIME else int(v) for v in got[:, 3]]
+            raise DistributedError(
+                f"rank {self.rank}: {name} at step {self._step}: the ranks' timestamps are "
+                f"{said} (ranks 0..{w - 1}); every rank must pass the same timestamp= (the "
+                "step's data time); nothing was changed"
+            )
         if lrs is not None:
-            theirs = got[:, _FIXED + 2 * nf :].view(np.float64)
+            theirs = got[:, lr_at : lr_at + nt].view(np.float64)
             for t in range(nt):
                 if (theirs[:, t] != theirs[self.rank, t]).any():
                     raise DistributedError(
@@ -352,11 +391,15 @@ class ShardedEngine:
         weights: Mapping | None = None,
         *,
         training: bool = True,
+        timestamp: int | None = None,
     ) -> dict[str, np.ndarray]:
         """This rank's activations per feature, float32 ``[*shape, dim]``: bit-identical to the
         single engine's for these samples. Collective: every rank calls it (with its own
-        samples). ``training=True`` keeps the batch for ``apply_gradients``."""
-        return self.lookup_with_batch(features, weights, training=training)[0]
+        samples). ``training=True`` keeps the batch for ``apply_gradients``. ``timestamp``
+        (training only): the step's data time for keyed tables (``EmbeddingEngine.lookup``'s),
+        the same on every rank (checked)."""
+        return self.lookup_with_batch(features, weights, training=training,
+                                      timestamp=timestamp)[0]  # fmt: skip
 
     def lookup_with_batch(
         self,
@@ -364,13 +407,14 @@ class ShardedEngine:
         weights: Mapping | None = None,
         *,
         training: bool = True,
+        timestamp: int | None = None,
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``lookup``, and the PreparedBatch it looked up (``apply_gradients(batch=)``; what
         EmbeddingLayer's backward uses). Collective."""
         with self.lock:
             self._comm.reset()
             try:
-                return self._lookup(features, weights, training)
+                return self._lookup(features, weights, training, timestamp)
             finally:
                 self._count("lookup")
 
@@ -379,11 +423,46 @@ class ShardedEngine:
         self.bytes_sent[call] = sent
         self.bytes_sent_total.update(sent)
 
-    def _lookup(self, features, weights, training: bool) -> dict[str, np.ndarray]:
+    def _data_time(self, timestamp, training: bool) -> int | None:
+        """A training call's data time: its ``timestamp`` (checked), else its step's lookup's;
+        a keyed table that expires by data time and gets none is a ValueError (as
+        EmbeddingEngine's). None for an evaluation lookup."""
+        if timestamp is not None:
+            if not training:
+                raise ValueError(
+                    "timestamp is the data time of a training batch; an evaluation lookup "
+                    "(training=False) changes nothing and sees each table at its data time"
+                )
+            return _check_timestamp(timestamp)
+        if not training:
+            return None
+        if self._step_time[0] == self._step:
+            return self._step_time[1]
+        if self._needs_time:
+            t = self._resolved.tables[self.table_names.index(self._needs_time[0])]
+            raise ValueError(
+                f"table {self._needs_time[0]!r} expires rows by data time (DynamicVocabulary."
+                f"expire_seconds={t.dynamic.expire_seconds}): pass the batch's time as "
+                "lookup(..., timestamp=seconds) (or apply_gradients(..., timestamp=)), the same "
+                "on every rank; without timestamps use expire_steps. Nothing was changed"
+            )
+        return None
+
+    def _begin_keyed(self, timestamp: int | None) -> None:
+        """Tell this rank's keyed tables the step and the call's data time (as
+        EmbeddingEngine tells its storages)."""
+        for t in self._keyed:
+            if timestamp is None:
+                self._shards[t].begin_step(self._step)
+            else:
+                self._shards[t].begin_step(self._step, timestamp=timestamp)
+
+    def _lookup(self, features, weights, training: bool, timestamp=None):
         nt, w = len(self.table_names), self.world_size
-        error = None
+        error, when = None, None
         counts = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: unique ids to ask
         try:
+            when = self._data_time(timestamp, training)
             if isinstance(features, PreparedBatch):
                 if weights is not None:
                     raise ValueError("weights must be given to preprocess(), not with a batch")
@@ -400,14 +479,16 @@ class ShardedEngine:
         except (TypeError, ValueError) as e:
             error = e
         self._pending = None  # a failed or lookup-only call leaves nothing to update
-        got = self._header(_LOOKUP, error, counts.T)
+        call = _EVAL if self._keyed and not training else _LOOKUP
+        got = self._header(call, error, counts.T, timestamp=when,
+                           totals=counts.sum(axis=1))  # fmt: skip
         dims = self._dims
         # Unique ids to their owners, destination-major (each owner's block table by table, in
         # first-appearance order); each id learns where its row will be among the rows pulled.
         send_at = _starts(counts.T)  # [owner, table]
         value_at = _starts(counts.T * dims)
         send = np.empty(int(counts.sum()), dtype=np.int64)
-        layouts, rows = [], []
+        layouts, rows, sent_at = [], [], {}
         for t, tb in enumerate(batch.tables):
             row, owner = self._route[t]
             layout = _RowsLayout(value_at[:, t], counts[t], int(dims[t]))
@@ -415,17 +496,34 @@ class ShardedEngine:
             sr.route_ids(tb.unique_ids, row, owner, w, send, send_at[:, t].copy(), rows[t],
                          layout.row_base)  # fmt: skip
             layouts.append(layout)
+            if row == sr.KIND_KEYED:  # where each key went in ``send`` (its flag comes back)
+                sent_at[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
+                sr.route_ids(tb.unique_ids, row, owner, w, np.empty_like(send),
+                             send_at[:, t].copy(), sent_at[t], send_at[:, t].copy())  # fmt: skip
         recv_counts = got[:, _FIXED : _FIXED + nt]  # [sender, table]
         ids = self._comm.all_to_all(send, counts.sum(axis=0), recv_counts.sum(axis=1),
                                     "lookup ids")  # fmt: skip
-        # Answer with the rows of the ids this rank owns, in the order asked.
         recv_at = _starts(recv_counts)
+        keyed_rows = {}
+        if self._keyed:
+            keyed_rows = self._resolve_keys(batch, ids, counts, recv_counts, recv_at, sent_at,
+                                            training, when, got)  # fmt: skip
+        # Answer with the rows of the ids this rank owns, in the order asked.
         answer_at = _starts(recv_counts * dims)
         answer = np.empty(int((recv_counts * dims).sum()), dtype=np.float32)
         for t in range(nt):
             if not recv_counts[:, t].any():
                 continue
             shard = self._shards[t]
+            if t in keyed_rows:  # rows by key; a key without a row answers zeros
+                found = keyed_rows[t]
+                for s in range(w):
+                    a, n = int(answer_at[s, t]), int(recv_counts[s, t])
+                    at = found[int(recv_at[s, t]) : int(recv_at[s, t]) + n]
+                    block = answer[a : a + n * shard.dim].reshape(n, shard.dim)
+                    block[:] = shard.data[np.maximum(at, 0), : shard.dim]
+                    block[at < 0] = 0.0
+                continue
             starts = recv_at[:, t].copy()
             bad = sr.gather_rows(shard.data, shard.dim, ids, starts, starts + recv_counts[:, t],
                                  self._route[t][0], w,
@@ -438,6 +536,17 @@ class ShardedEngine:
                 )
         values = self._comm.all_to_all(answer, (recv_counts * dims).sum(axis=1),
                                        (counts.T * dims).sum(axis=1), "lookup rows")  # fmt: skip
+        if self._keyed:
+            # Whether each asked key has a row, in the order asked (dense ids: always).
+            has = np.ones(len(ids), dtype=np.uint8)
+            for t, found in keyed_rows.items():
+                for s in range(w):
+                    a, n = int(recv_at[s, t]), int(recv_counts[s, t])
+                    has[a : a + n] = found[a : a + n] >= 0
+            back = self._comm.all_to_all(has, recv_counts.sum(axis=1), counts.sum(axis=0),
+                                         "lookup rows found")  # fmt: skip
+            for t, at in sent_at.items():
+                rows[t][back[at] == 0] = -1  # no row: pools nothing, as the single engine
         # Pool locally from the pulled rows: each unique id reads its row where it arrived.
         per_table = []
         for t, tb in enumerate(batch.tables):
@@ -447,29 +556,92 @@ class ShardedEngine:
                                                        local, q))  # fmt: skip
         if training:
             self._pending = batch
+            if when is not None:
+                prev = self._step_time[1] if self._step_time[0] == self._step else None
+                self._step_time = (self._step, when if prev is None else max(prev, when))
         acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
         return acts, batch
 
+    def _resolve_keys(self, batch, ids, counts, recv_counts, recv_at, sent_at, training: bool,
+                      when: int | None, got: np.ndarray) -> dict[int, np.ndarray]:  # fmt: skip
+        """The rows of the keys every rank asked this rank for (keyed tables; -1: none), by
+        this rank's keyed tables, after their step's rules: a training lookup sends each key's
+        occurrences too, and the owner runs the rules once on its keys of the whole step with
+        their summed occurrences, as the single engine runs them on the concatenated batch (in
+        which the same keys occur as often); admission and expiry depend on each key's own
+        counts, steps and data time only, never on another key's or on the order of keys, so
+        each owner decides for its keys what the single engine decides for them. Every owner
+        runs them when any rank brought keys of the table (the single engine's rules run
+        then: expiry and the table's data time move on every owner alike). ``sent_at[t]``:
+        where each unique key of keyed table ``t`` went in the ids sent."""
+        w = self.world_size
+        self._begin_keyed(when if training else None)
+        keyed = np.zeros(len(self.table_names), dtype=bool)
+        keyed[list(self._keyed)] = True
+        occurrences = k_recv_at = None
+        if training:
+            # Each unique key's occurrences in this rank's batch, to its owner: blocks of the
+            # keyed tables only, destination-major as the ids.
+            k_counts = counts * keyed[:, None]  # [table, owner]
+            k_send_at, send_at = _starts(k_counts.T), _starts(counts.T)
+            mine = np.empty(int(k_counts.sum()), dtype=np.int64)
+            for t in self._keyed:
+                owners = np.searchsorted(send_at[:, t], sent_at[t], side="right") - 1
+                at = sent_at[t] - send_at[owners, t] + k_send_at[owners, t]
+                mine[at] = np.diff(batch.tables[t].unique_offsets)
+            k_recv = recv_counts * keyed[None, :]  # [sender, table]
+            k_recv_at = _starts(k_recv)
+            occurrences = self._comm.all_to_all(mine, k_counts.sum(axis=0), k_recv.sum(axis=1),
+                                                "lookup occurrences")  # fmt: skip
+        totals = got[:, _FIXED + 2 * len(self._features) + len(self.table_names) :]
+        out = {}
+        for t in self._keyed:
+            shard = self._shards[t]
+            spans = [(int(recv_at[s, t]), int(recv_at[s, t] + recv_counts[s, t]))
+                     for s in range(w)]  # fmt: skip
+            asked = np.concatenate([ids[a:b] for a, b in spans])
+            keys, inverse = np.unique(asked, return_inverse=True)
+            if training:
+                if not totals[:, t].any():
+                    continue  # no rank brought keys: the single engine runs no rule either
+                n = np.concatenate([occurrences[k_recv_at[s, t] : k_recv_at[s, t] + b - a]
+                                    for s, (a, b) in enumerate(spans)])  # fmt: skip
+                summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
+                found = shard.rows_for(0, keys, True, counts=summed)
+            else:
+                found = shard.rows_for(0, keys, False)
+            rows = np.full(len(ids), -1, dtype=np.int64)
+            pos = 0
+            for a, b in spans:
+                rows[a:b] = found[inverse[pos : pos + b - a]]
+                pos += b - a
+            out[t] = rows
+        return out
+
     def apply_gradients(self, gradients: Mapping, learning_rates: Sequence[float] | None = None,
-                        batch: PreparedBatch | None = None) -> None:  # fmt: skip
+                        batch: PreparedBatch | None = None, *,
+                        timestamp: int | None = None) -> None:  # fmt: skip
         """One optimizer step from the gradients of ``batch`` (default: this rank's last
         training lookup's): collectively, every row touched by any rank is updated once, by
         its owner, from the sum of every rank's contributions in the single engine's order.
-        Collective."""
+        ``timestamp``: as ``EmbeddingEngine.apply_gradients`` (default: the step's lookup's),
+        the same on every rank. With keyed tables ``batch`` must be this rank's last training
+        lookup's (its owners resolved the keys' rows then). Collective."""
         with self.lock:
             self._comm.reset()
             try:
-                self._apply(gradients, learning_rates, batch)
+                self._apply(gradients, learning_rates, batch, timestamp)
             finally:
                 self._count("apply_gradients")
 
-    def _apply(self, gradients, learning_rates, given: PreparedBatch | None) -> None:
+    def _apply(self, gradients, learning_rates, given: PreparedBatch | None,
+               timestamp: int | None = None) -> None:  # fmt: skip
         r, w = self._resolved, self.world_size
         nf, nt = len(self._features), len(self.table_names)
-        error, lrs = None, None
+        error, lrs, when = None, None, None
         n = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: occurrences
         m = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: gradient rows
         spans, owners = [], {}
@@ -485,7 +657,14 @@ class ShardedEngine:
                     "apply_gradients needs a lookup(..., training=True) first: there is no "
                     "batch whose rows to update"
                 )
+            if self._keyed and given is not None and given is not self._pending:
+                raise ValueError(
+                    f"tables {[self.table_names[t] for t in self._keyed]} are keyed: their "
+                    "owners resolved the step's keys at its training lookup, so apply_gradients "
+                    "takes that lookup's batch (batch=None, or the one lookup_with_batch gave)"
+                )
             grads = self._check_gradients(gradients, batch)
+            when = self._data_time(timestamp, True)
             lrs = self._learning_rates.resolve(self._step, learning_rates)
             for t, (opt, lr) in enumerate(zip(self._optimizers, lrs, strict=True)):
                 try:
@@ -506,8 +685,10 @@ class ShardedEngine:
                 spans.append((tb, owners[t], lo, hi, lay.start))
         except (TypeError, ValueError) as e:
             error = e
-        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs)
+        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs,
+                           timestamp=when)  # fmt: skip
         # Everything is validated on every rank; from here on tables change.
+        self._begin_keyed(when)
         got_n, got_m = got[:, _FIXED : _FIXED + nf], got[:, _FIXED + nf : _FIXED + 2 * nf]
         dims = self._feature_dims
         # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
@@ -543,10 +724,18 @@ class ShardedEngine:
             grad = layout.matrix(rows_recv)
             tb = self._owner_batch(t, int_recv, gain_recv, in_int_at[ss, fs], got_n[ss, fs],
                                    in_gain_at[ss, fs], layout.row_base, len(grad))  # fmt: skip
+            if t in self._keyed:
+                # The rows the step's lookup resolved (-1: not admitted, the gradient
+                # dropped); inserting on apply, the admitted new keys get theirs now.
+                keys = tb.unique_ids
+                found = shard.rows_for_update(0, keys, shard.rows_of(keys),
+                                              counts=np.diff(tb.unique_offsets))  # fmt: skip
+                tb = dataclasses.replace(tb, unique_rows=np.asarray(found, dtype=np.int64))
             left = self._backend.apply(shard, tb, grad, self._optimizers[t], lrs[t], self._step,
                                        skip)  # fmt: skip
             if left is not None and len(left):
-                unchanged[self.table_names[t]] = np.sort(shard.global_ids[left])
+                held = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
+                unchanged[self.table_names[t]] = np.sort(held)
         # Everyone learns how many rows any rank left unchanged, so every rank reports alike.
         mine = np.array([sum(len(v) for v in unchanged.values())], dtype=np.int64)
         everyone = self._comm.all_gather(mine, "nonfinite count")[:, 0]
@@ -648,7 +837,9 @@ class ShardedEngine:
     def table_contents(self) -> dict[str, Any]:
         """Every table whole, gathered on every rank: ``{"step": int, "tables": {table:
         {"weights": [vocabulary_size, dim], slot: ...}}}`` in logical row order, the layout of
-        ``EmbeddingEngine.state_dict()`` (copies). Collective."""
+        ``EmbeddingEngine.state_dict()`` (copies); a keyed table's entry is what
+        ``EmbeddingEngine.table_contents(name)`` gives: ``keys`` (sorted), ``weights`` and each
+        slot aligned with them. Collective."""
         with self.lock:
             self._comm.reset()
             try:
@@ -656,6 +847,9 @@ class ShardedEngine:
                 tables = {}
                 for shard, name, t in zip(self._shards, self.table_names, self._resolved.tables,
                                           strict=True):  # fmt: skip
+                    if t.keyed:
+                        tables[name] = self._keyed_contents(shard)
+                        continue
                     ids = self._comm.all_gather_ragged(shard.global_ids, "contents")
                     rows = self._comm.all_gather_ragged(shard.data.reshape(-1), "contents")
                     full = np.empty((t.vocabulary_size, shard.row_width), dtype=np.float32)
@@ -671,6 +865,20 @@ class ShardedEngine:
             finally:
                 self._count("table_contents")
 
+    def _keyed_contents(self, shard: KeyedTable) -> dict[str, np.ndarray]:
+        """A keyed table's ``contents()`` of every rank, gathered: ``keys`` sorted, and
+        ``weights`` and each slot aligned with them (``EmbeddingEngine.table_contents``'s)."""
+        mine = shard.contents()
+        keys = np.concatenate(self._comm.all_gather_ragged(mine["keys"], "contents"))
+        order = np.argsort(keys, kind="stable")
+        out = {"keys": keys[order]}
+        for name, a in mine.items():
+            if name == "keys":
+                continue
+            parts = self._comm.all_gather_ragged(a.reshape(-1), "contents")
+            out[name] = np.concatenate(parts).reshape(-1, *a.shape[1:])[order]
+        return out
+
     def spec(self) -> dict[str, Any]:
         """The configuration as JSON, as the single engine of the same arguments gives it
         (``EmbeddingEngine.spec``; tables in RAM): what a checkpoint's manifest holds, so a
@@ -682,14 +890,15 @@ class ShardedEngine:
             q = cfg.quantization_config
             tables.append({
                 "name": name,
-                "vocabulary_size": cfg.vocabulary_size,
+                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
                 "dim": cfg.dim,
                 "combiner": cfg.combiner,
                 "initializer": initializer_to_json(_initializer_for(cfg, opt)),
                 "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
                 "quantization_config": None if q is None else dataclasses.asdict(q),
                 **compressor_entry(cfg),
-                "storage": "ram",
+                "storage": "keyed" if cfg.keyed else "ram",
                 "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
             })  # fmt: skip
         features = [
@@ -745,6 +954,7 @@ class ShardedEngine:
                 self._header(_RESTORE, None)
                 info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
                 self._step = info.step
+                self._step_time = (-1, None)
                 self._pending = None  # its rows no longer hold what it looked up
                 return info
             finally:

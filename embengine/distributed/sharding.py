@@ -6,6 +6,10 @@ Two kinds, per logical table:
   usually small ids, spread over every rank);
 - ``"table"``: the whole table on one rank (local row = id), tables given to ranks largest
   first, each to the rank holding the fewest bytes so far (ties: the lowest rank);
+- ``"keyed"``: a keyed table (``vocabulary_size=None``, a dynamic vocabulary), whatever was
+  asked: key ``k`` lives on rank ``mix64(k) mod W`` (``mix64``: splitmix64's finaliser, not the
+  raw key, whose low bits may all be alike: Monolith's FIDs carry their slot in the high bits),
+  in that rank's own ``KeyedTable``;
 - ``"auto"``: per table, by its size and its expected traffic (``plan_auto``): ``"row"`` for a
   table whose optimizer updates every row, or that would hold more than half a rank's fair
   share of the bytes or of the expected traffic if whole on one rank; every other table whole,
@@ -32,15 +36,36 @@ from ..optimizers import SlotSpec
 from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
-__all__ = ["SHARDING_KINDS", "ShardPlan", "ShardTable", "TableLoad", "expected_traffic",
+__all__ = ["SHARDING_KINDS", "ShardPlan", "ShardTable", "TableLoad", "expected_traffic", "mix64",
            "plan_auto", "plan_shards"]  # fmt: skip
 
 SHARDING_KINDS = ("row", "table")
+# What a keyed table gets, whatever ``sharding=`` asks (its rows are keys, not ids a rank can
+# compute): owners by ``mix64(key) mod W``.
+KEYED = "keyed"
+KEYED_REASON = "keyed: key k on rank mix64(k) mod W (keys spread whatever their bits)"
 # What ``sharding=`` takes per table: a kind, or "auto" (the plan picks one).
 SHARDING_CHOICES = (*SHARDING_KINDS, "auto")
 # "auto" shards a table by row when, whole, it would take more than this share of one rank's
 # fair share (1 / W of every table's) of the bytes or of the expected traffic.
 AUTO_SHARE = 0.5
+
+
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def mix64(keys: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of int64 ``keys``, as uint64 (``kernels.shard_route.mix64``'s
+    NumPy twin; the owner of a keyed table's key ``k`` is ``mix64(k) % W``)::
+
+        z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31
+
+    (arithmetic mod 2^64)."""
+    z = np.asarray(keys, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,8 @@ class ShardPlan:
         """The rank owning each of ``ids`` (int64) of logical table ``table``."""
         if self.kinds[table] == "row":
             return ids % self.world_size
+        if self.kinds[table] == KEYED:
+            return (mix64(ids) % np.uint64(self.world_size)).astype(np.int64)
         return np.full(len(ids), self.owners[table], dtype=np.int64)
 
     def owned_ids(self, table: int, vocabulary_size: int, rank: int) -> np.ndarray:
@@ -73,12 +100,13 @@ class ShardPlan:
         return np.zeros(0, dtype=np.int64)
 
     def describe(self, table_names: Sequence[str]) -> dict[str, str]:
-        """Table name -> "row" or "table on rank k" (for ``ShardedEngine.plan``); a table
-        that "auto" placed: its reason, e.g. "row: 1000000 rows x 64, hot ids spread (...)"
-        or "table: 100 rows x 8, on rank 1 (...)"."""
+        """Table name -> "row", "keyed" or "table on rank k" (for ``ShardedEngine.plan``); a
+        table that "auto" placed: its reason, e.g. "row: 1000000 rows x 64, hot ids spread
+        (...)", "table: 100 rows x 8, on rank 1 (...)" or "keyed: key k on rank mix64(k) mod
+        W (...)"."""
         return {
             name: (self.reasons[t] if self.reasons and self.reasons[t]
-                   else kind if kind == "row" else f"table on rank {owner}")
+                   else kind if kind in ("row", KEYED) else f"table on rank {owner}")
             for t, (name, kind, owner) in enumerate(zip(table_names, self.kinds, self.owners,
                                                         strict=True))
         }  # fmt: skip
@@ -154,12 +182,15 @@ def plan_shards(
     table_bytes: Sequence[int],
     world_size: int,
     loads: Sequence[TableLoad] | None = None,
+    keyed: Sequence[bool] | None = None,
 ) -> ShardPlan:
     """The shard plan of tables ``table_names`` (``table_bytes``: each one's weights and slots)
     for ``sharding`` ("row", "table", "auto", or a dict table name -> one of them; tables not
     named are "row"). "table" tables go largest first to the rank with the fewest bytes so far;
     "auto" ones are placed by ``plan_auto`` (which needs ``loads``, per table), among
-    themselves."""
+    themselves. A keyed table (``keyed[t]``) is ``"keyed"`` whatever ``sharding`` says (its
+    reason under "auto" says so); it takes no part in the placement of the others."""
+    keyed = list(keyed) if keyed is not None else [False] * len(table_names)
     if isinstance(sharding, str):
         if sharding not in SHARDING_CHOICES:
             raise ValueError(
@@ -180,13 +211,16 @@ def plan_shards(
         raise TypeError(f"sharding must be a str or a dict of table -> kind, got {sharding!r}")
     owners = [-1] * len(table_names)
     reasons = [""] * len(table_names)
-    auto = [t for t, k in enumerate(kinds) if k == "auto"]
+    auto = [t for t, k in enumerate(kinds) if k == "auto" and not keyed[t]]
     if auto:
         if loads is None:
             raise ValueError('sharding "auto" needs each table\'s load (loads=)')
         a_kinds, a_owners, a_reasons = plan_auto([loads[t] for t in auto], world_size)
         for t, k, o, why in zip(auto, a_kinds, a_owners, a_reasons, strict=True):
             kinds[t], owners[t], reasons[t] = k, o, why
+    for t in range(len(table_names)):
+        if keyed[t]:
+            kinds[t], owners[t], reasons[t] = KEYED, -1, KEYED_REASON
     load = [0] * world_size
     whole = sorted((t for t, k in enumerate(kinds) if k == "table" and owners[t] < 0),
                    key=lambda t: (-table_bytes[t], t))  # fmt: skip
@@ -194,8 +228,10 @@ def plan_shards(
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[t] = rank
         load[rank] += table_bytes[t]
+    said = any(k == "auto" for k in (sharding.values() if isinstance(sharding, Mapping)
+                                      else [sharding]))  # fmt: skip
     return ShardPlan(int(world_size), tuple(kinds), tuple(owners),
-                     tuple(reasons) if auto else ())  # fmt: skip
+                     tuple(reasons) if said else ())  # fmt: skip
 
 
 class ShardTable(DenseTable):

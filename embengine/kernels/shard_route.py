@@ -1,7 +1,11 @@
 """The bookkeeping of a sharded step (embengine.distributed), one pass per table or feature.
 
-Who owns an id: under row sharding (``row_sharded`` true) id ``i`` lives on rank ``i mod W`` at
-local row ``i // W``; a whole table lives on rank ``owner`` at local row ``i``.
+Who owns an id (``kind``, per table): under row sharding (``KIND_ROW``) id ``i`` lives on rank
+``i mod W`` at local row ``i // W``; a whole table (``KIND_TABLE``) on rank ``owner`` at local
+row ``i``; a keyed table's key ``k`` (``KIND_KEYED``) on rank ``mix64(k) mod W``, at the row its
+owner's keyed table gives it (no arithmetic: ``owner_batch`` leaves it -1 for the caller).
+``mix64`` is splitmix64's finaliser (Steele, Lea and Flood 2014): keys whose raw values share
+their low bits, such as Monolith's FIDs (the slot in the high bits), still spread.
 
 Pull (lookup): ``count_owners`` then ``route_ids`` split a table's unique ids by owner, in order
 of first appearance within each owner's block, and give each unique id the row it will have in
@@ -35,39 +39,61 @@ from .prepare import _csr, _dedup, _offsets
 GATHER_PREFETCH = 8
 
 
+# Per table, how its ids map to ranks (``kind``; True and False work as ROW and TABLE).
+KIND_TABLE, KIND_ROW, KIND_KEYED = 0, 1, 2
+
+
 @kernel(inline="always")
-def owner_of(i, row_sharded, owner, world):
+def mix64(i):
+    """splitmix64's finaliser of int64 ``i``, as uint64: a bijection whose every output bit
+    depends on every input bit (``sharding.mix64`` is the NumPy twin)."""
+    z = np.uint64(i)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@kernel(inline="always")
+def owner_of(i, kind, owner, world):
     """The rank owning id ``i``."""
-    return i % world if row_sharded else owner
+    if kind == KIND_ROW:
+        return i % world
+    if kind == KIND_KEYED:
+        return np.int64(mix64(i) % np.uint64(world))
+    return owner
 
 
 @kernel(inline="always")
-def local_row(i, row_sharded, world):
-    """The owner's row of id ``i``."""
-    return i // world if row_sharded else i
+def local_row(i, kind, world):
+    """The owner's row of id ``i`` (a keyed table's: -1, its keyed table knows it)."""
+    if kind == KIND_ROW:
+        return i // world
+    if kind == KIND_KEYED:
+        return -1
+    return i
 
 
 @kernel()
-def count_owners(ids, row_sharded, owner, world, counts):
+def count_owners(ids, kind, owner, world, counts):
     """``counts[d]`` += the number of ``ids`` rank d owns."""
     for k in range(ids.shape[0]):
-        counts[owner_of(ids[k], row_sharded, owner, world)] += 1
+        counts[owner_of(ids[k], kind, owner, world)] += 1
 
 
 @kernel()
-def route_ids(ids, row_sharded, owner, world, send, send_at, rows, row_base):
+def route_ids(ids, kind, owner, world, send, send_at, rows, row_base):
     """Owner d's ids go to ``send[send_at[d]:]`` in order; ``rows[k]`` = ``row_base[d]`` + the
     place of ``ids[k]`` in d's block (where its row will be among the rows pulled back)."""
     placed = np.zeros(world, dtype=np.int64)
     for k in range(ids.shape[0]):
-        d = owner_of(ids[k], row_sharded, owner, world)
+        d = owner_of(ids[k], kind, owner, world)
         send[send_at[d] + placed[d]] = ids[k]
         rows[k] = row_base[d] + placed[d]
         placed[d] += 1
 
 
 @kernel()
-def gather_rows(data, dim, ids, starts, stops, row_sharded, world, rank, out, out_at):
+def gather_rows(data, dim, ids, starts, stops, kind, world, rank, out, out_at):
     """Block b (ids ``starts[b]:stops[b]``, this rank's) answered with their rows' first
     ``dim`` floats, row after row, from ``out[out_at[b]]``. Returns -1, or the position in
     ``ids`` of an id this rank does not hold."""
@@ -77,12 +103,12 @@ def gather_rows(data, dim, ids, starts, stops, row_sharded, world, rank, out, ou
         stop = stops[b]
         for k in range(starts[b], stop):
             if k + GATHER_PREFETCH < stop:
-                ahead = local_row(ids[k + GATHER_PREFETCH], row_sharded, world)
+                ahead = local_row(ids[k + GATHER_PREFETCH], kind, world)
                 if 0 <= ahead < n_rows:
                     prefetch_row(data, ahead, dim)
             i = ids[k]
-            r = local_row(i, row_sharded, world)
-            if i < 0 or owner_of(i, row_sharded, rank, world) != rank or r >= n_rows:
+            r = local_row(i, kind, world)
+            if i < 0 or owner_of(i, kind, rank, world) != rank or r >= n_rows:
                 return k
             for j in range(dim):
                 out[at + j] = data[r, j]
@@ -91,11 +117,11 @@ def gather_rows(data, dim, ids, starts, stops, row_sharded, world, rank, out, ou
 
 
 @kernel()
-def owners_of(ids, row_sharded, owner, world, out):
+def owners_of(ids, kind, owner, world, out):
     """``out[k]``: the rank owning ``ids[k]`` (once per unique id, not per occurrence: the
     division by W costs more than the rest of an occurrence's bookkeeping)."""
     for k in range(ids.shape[0]):
-        out[k] = owner_of(ids[k], row_sharded, owner, world)
+        out[k] = owner_of(ids[k], kind, owner, world)
 
 
 @kernel()
@@ -112,25 +138,8 @@ def count_push(owners, inverse, segments, lo, hi, world, n, m):
 
 
 @kernel()
-def fill_push(
-    unique_ids,
-    owners,
-    inverse,
-    segments,
-    gains,
-    lo,
-    hi,
-    out_start,
-    grad,
-    world,
-    n,
-    ints,
-    int_at,
-    gains_out,
-    gain_at,
-    rows_out,
-    row_at,
-):
+def fill_push(unique_ids, owners, inverse, segments, gains, lo, hi, out_start, grad, world, n,
+              ints, int_at, gains_out, gain_at, rows_out, row_at):  # fmt: skip
     """Occurrences ``lo:hi`` (``n[d]`` of them owned by rank d, as ``count_push`` counted) into
     owner d's blocks: ids at ``ints[int_at[d]:]``, then each one's gradient-row index (among the
     rows sent to d for this feature) at ``ints[int_at[d] + n[d]:]``; gains at
@@ -159,28 +168,9 @@ def fill_push(
 
 
 @kernel()
-def owner_batch(
-    ints,
-    gains_in,
-    int_at,
-    counts,
-    gain_at,
-    row_base,
-    row_sharded,
-    world,
-    rank,
-    n_rows,
-    num_outputs,
-    unique,
-    inverse,
-    gains,
-    segments,
-    unique_rows,
-    output_offsets,
-    unique_offsets,
-    unique_gains,
-    unique_segments,
-):
+def owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, kind, world, rank,
+                n_rows, num_outputs, unique, inverse, gains, segments, unique_rows,
+                output_offsets, unique_offsets, unique_gains, unique_segments):  # fmt: skip
     """One table's occurrences received by its owner, block after block (block b: ``counts[b]``
     ids at ``ints[int_at[b]:]``, their gradient-row indices right after, gains at
     ``gains_in[gain_at[b]:]``, gradient rows from ``row_base[b]``), as a TableBatch's arrays:
@@ -199,13 +189,10 @@ def owner_batch(
         for p in range(c):
             i = ints[int_at[b] + p]
             s = row_base[b] + ints[int_at[b] + c + p]
-            if (
-                i < 0
-                or owner_of(i, row_sharded, rank, world) != rank
-                or local_row(i, row_sharded, world) >= n_rows
-                or s < 0
-                or s >= num_outputs
-            ):
+            if ((i < 0 and kind != KIND_KEYED)
+                    or owner_of(i, kind, rank, world) != rank
+                    or local_row(i, kind, world) >= n_rows or s < 0
+                    or s >= num_outputs):  # fmt: skip
                 return -1 - k
             ids[k] = i
             segments[k] = s
@@ -216,7 +203,7 @@ def owner_batch(
     ends = np.zeros(1, dtype=np.int64)
     u = _dedup(ids, unique, inverse, run_bounds, regions, ends)
     for q in range(u):
-        unique_rows[q] = local_row(unique[q], row_sharded, world)
+        unique_rows[q] = local_row(unique[q], kind, world)
     _offsets(segments, num_outputs, output_offsets)
     by_unique = np.empty(total, dtype=np.int64)
     _csr(inverse, u, unique_offsets, by_unique)

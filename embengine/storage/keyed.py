@@ -522,6 +522,15 @@ class KeyedTable:
             self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
         return rows
 
+    def rows_of(self, keys: np.ndarray) -> np.ndarray:
+        """The rows ``keys`` hold in the index now, -1 for none: no rule runs and nothing
+        changes (a sharded update finds the rows its step's lookup resolved)."""
+        return self._index.find(np.ascontiguousarray(keys, dtype=np.int64))
+
+    def keys_at(self, rows: np.ndarray) -> np.ndarray:
+        """The keys of live ``rows``."""
+        return self._key[np.asarray(rows, dtype=np.int64)].copy()
+
     def rows_for_update(self, logical: int, ids: np.ndarray, rows: np.ndarray,
                         counts: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """The rows to update for ``ids`` (the batch's unique keys, ``rows`` as the lookup gave

@@ -1,0 +1,250 @@
+"""Checkpoints of a ShardedEngine's keyed tables, in the single engine's keyed format.
+
+A keyed table's file holds the tensors ``EmbeddingEngine`` writes (``embengine.state``: the keys
+sorted, each key's weights, slots, last-touched step, touch count and data time aligned with
+them; the pending keys sorted with their counts; counters, meta, data time), so a plain engine
+loads it and a ShardedEngine of any world size loads a plain engine's.
+
+Saving (collective): every rank gathers every rank's keys (8 bytes a key; the same for the
+pending keys), which fixes each key's place in the sorted file. Rank ``q`` writes the places
+``[n q / W, n (q + 1) / W)``: every rank sends it the rows it owns there (one
+``all_to_all_single`` of rows and one of their int64 metadata), and it writes each tensor's
+block with ``pwrite``. The counters are every rank's summed, meta and data time rank 0's (the
+ranks agree on them: every owner runs a table's rules when any runs them).
+
+Restoring (collective): every rank reads the keys and pending keys whole, keeps those it owns
+(``mix64(key) mod W``) and reads their rows chunk by chunk, then installs them through the
+table's own checks (``KeyedTable.prepare_state``). The summed counters go to rank 0 (the ranks'
+stats add up to the saved ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from ..safetensors_io import CHUNK_BYTES, DTYPES
+from ..state import KEYED_COUNTERS, WEIGHTS, keyed_entries
+from ..storage.keyed import KeyedTable
+from .comm import Comm
+from .sharding import mix64
+
+__all__ = ["KeyedLayout", "layout", "manifest_entry", "prepare", "write"]
+
+# Per-key entries besides the row (weights and slots), and per-pending-key entries.
+_ROW_META = ("last_touched", "touch_counts", "last_time")
+_PENDING = ("pending_earlier", "pending_step", "pending_current")
+
+
+class KeyedLayout:
+    """One keyed table's checkpoint file as this rank sees it while saving: its state
+    (``state()``), the sorted keys of every rank (``keys``, ``pending``), where each of this
+    rank's keys and pending keys lands in them, and the tensors (name, entry, shape, dtype)."""
+
+    def __init__(self, comm: Comm, shard: KeyedTable):
+        self.shard = shard
+        self.state = shard.state()
+        self.keys, self.place = _places(comm, self.state["keys"])
+        self.pending, self.pending_place = _places(comm, self.state["pending_keys"])
+        counters = comm.all_gather(self.state["counters"], "checkpoint")
+        self.counters = counters.sum(axis=0)
+        slots = [(s.name, s.width, s.dtype) for s in shard.slot_specs]
+        sizes = {"n": len(self.keys), "p": len(self.pending)}
+        # The order EmbeddingEngine's state gives: keys, weights, slots, then the rest.
+        entries = keyed_entries(shard.dim, slots)
+        order = ["keys", WEIGHTS, *[s[0] for s in slots]]
+        order += [k for k in entries if k not in order]
+        self.tensors = [
+            (shard.name if k == WEIGHTS else f"{shard.name}/{k}", k,
+             tuple(sizes.get(d, d) for d in entries[k][0]), np.dtype(entries[k][1]))
+            for k in order
+        ]  # fmt: skip
+
+    def header(self) -> tuple[bytes, dict[str, int]]:
+        """The file's safetensors header and each entry's first byte in the file."""
+        head, offset, starts = {}, 0, {}
+        for name, entry, shape, dtype in self.tensors:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            head[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                          "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            starts[entry] = offset
+            offset += nbytes
+        head["__metadata__"] = {"table": self.shard.name}
+        raw = json.dumps(head, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        start = 8 + len(raw)
+        return struct.pack("<Q", len(raw)) + raw, {k: start + v for k, v in starts.items()}
+
+    def size(self) -> int:
+        head, _ = self.header()
+        return len(head) + sum(int(np.prod(s, dtype=np.int64)) * d.itemsize
+                               for _, _, s, d in self.tensors)  # fmt: skip
+
+
+def _places(comm: Comm, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's sorted keys ``mine`` merged (sorted), and where each of ``mine`` is in it."""
+    every = comm.all_gather_ragged(mine, "checkpoint keys")
+    allk = np.concatenate(every) if every else np.zeros(0, np.int64)
+    order = np.argsort(allk, kind="stable")
+    where = np.empty(len(allk), dtype=np.int64)
+    where[order] = np.arange(len(allk), dtype=np.int64)
+    first = sum(len(e) for e in every[: comm.rank])
+    return allk[order], where[first : first + len(mine)]
+
+
+def layout(comm: Comm, shard: KeyedTable) -> KeyedLayout:
+    """Collective: the layout of ``shard``'s table in a checkpoint (see ``KeyedLayout``)."""
+    return KeyedLayout(comm, shard)
+
+
+def manifest_entry(lay: KeyedLayout) -> dict:
+    """The manifest's ``keyed`` entry of the table (as ``checkpoint.save`` writes it)."""
+    c = lay.counters
+    return {"rows": len(lay.keys), "pending_keys": len(lay.pending), "times": True,
+            "total": {k: int(c[0, i] + c[1, i]) for i, k in enumerate(KEYED_COUNTERS)}}  # fmt: skip
+
+
+def _block(n: int, world: int, rank: int) -> tuple[int, int]:
+    return n * rank // world, n * (rank + 1) // world
+
+
+def _send_to_writers(comm: Comm, place: np.ndarray, n: int, values: np.ndarray,
+                     what: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Rows ``values`` (one per ``place``, ascending) to the ranks writing their places; this
+    rank's block: (its places' values in place order, its [lo, hi))."""
+    world = comm.world_size
+    bounds = np.array([_block(n, world, r)[0] for r in range(world)] + [n])
+    to = np.searchsorted(bounds, place, side="right") - 1
+    send_counts = np.bincount(to, minlength=world)[:world]
+    recv = comm.all_gather(send_counts, what)[:, comm.rank]
+    width = values.shape[1] if values.ndim == 2 else 1
+    got = comm.all_to_all(values.reshape(-1), send_counts * width, recv * width, what)
+    places = comm.all_to_all(place, send_counts, recv, what)
+    lo, hi = _block(n, world, comm.rank)
+    out = np.empty((hi - lo, width), dtype=values.dtype)
+    out[places - lo] = got.reshape(-1, width)
+    return out, np.array([lo, hi])
+
+
+def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
+    """Collective: write this rank's block of the keyed table's file (made at full size with
+    its header by rank 0); whether its weights and float slots were all finite."""
+    shard, st = lay.shard, lay.state
+    _, starts = lay.header()
+    float_cols = [st[WEIGHTS]] + [st[s.name].view(np.float32) if s.dtype != "float32"
+                                  else st[s.name] for s in shard.slot_specs]  # fmt: skip
+    rows = np.concatenate([np.asarray(a, np.float32) for a in float_cols], axis=1)
+    meta = np.stack([st[k] for k in _ROW_META], axis=1).astype(np.int64)
+    n, p = len(lay.keys), len(lay.pending)
+    got_rows, (lo, hi) = _send_to_writers(comm, lay.place, n, rows, "checkpoint")
+    got_meta, _ = _send_to_writers(comm, lay.place, n, meta, "checkpoint")
+    pend = np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64)
+    got_pend, (plo, phi) = _send_to_writers(comm, lay.pending_place, p, pend, "checkpoint")
+    finite = bool(np.isfinite(got_rows[:, : shard.dim]).all())
+    fd = os.open(path, os.O_WRONLY)
+    try:
+
+        def put(entry: str, block: np.ndarray, first: int) -> None:
+            block = np.ascontiguousarray(block)
+            row = block.nbytes // max(len(block), 1)
+            os.pwrite(fd, block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes(),
+                      starts[entry] + first * row)  # fmt: skip
+
+        put("keys", lay.keys[lo:hi], lo)
+        put(WEIGHTS, got_rows[:, : shard.dim], lo)
+        c = shard.dim
+        for s in shard.slot_specs:
+            part = got_rows[:, c : c + s.width]
+            if s.dtype == "float32":
+                finite &= bool(np.isfinite(part).all())
+            else:
+                part = np.ascontiguousarray(part).view(np.dtype(s.dtype))
+            put(s.name, part, lo)
+            c += s.width
+        for i, k in enumerate(_ROW_META):
+            put(k, got_meta[:, i], lo)
+        put("pending_keys", lay.pending[plo:phi], plo)
+        for i, k in enumerate(_PENDING):
+            put(k, got_pend[:, i], plo)
+        if comm.rank == 0:
+            put("counters", lay.counters.astype(np.int64), 0)
+            put("meta", st["meta"], 0)
+            put("data_time", st["data_time"], 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return finite
+
+
+def _read_all(src) -> np.ndarray:
+    """A whole (small) entry: an array, or a StoredTensor read into memory."""
+    if isinstance(src, np.ndarray):
+        return src
+    out = np.empty(src.shape, np.dtype(src.dtype).newbyteorder("="))
+    src.read_into(out)
+    return out
+
+
+def _read_rows(src, keep: np.ndarray) -> np.ndarray:
+    """Rows ``keep`` (ascending) of an entry, read chunk by chunk (at most ``CHUNK_BYTES`` at
+    a time besides the rows kept)."""
+    if isinstance(src, np.ndarray):
+        return src[keep]
+    meta, data_start = src.header
+    first = data_start + meta[src.name]["data_offsets"][0]
+    shape = tuple(src.shape)
+    dtype = np.dtype(src.dtype)
+    width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    row_bytes = width * dtype.itemsize
+    out = np.empty((len(keep), *shape[1:]), dtype.newbyteorder("="))
+    chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
+    with open(src.file, "rb") as f:
+        done = 0
+        while done < len(keep):
+            a = int(keep[done])
+            upto = int(np.searchsorted(keep, a + chunk))
+            b = int(keep[upto - 1]) + 1
+            buf = np.empty((b - a, *shape[1:]), dtype)
+            f.seek(first + a * row_bytes)
+            if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
+                raise ckpt.CheckpointError(
+                    f"{src.file}: tensor {src.name!r} ends early (changed while being read?); "
+                    "restore again before using the engine"
+                )
+            out[done:upto] = buf[keep[done:upto] - a]
+            done = upto
+    return out
+
+
+def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
+    """This rank's share of a keyed table of the checkpoint ``reader``: the keys it owns with
+    their rows, checked by the table (``prepare_state``); returns the function that installs
+    them. A CheckpointError names a bad entry; nothing changes until the install."""
+    name, world = shard.name, comm.world_size
+    sources = reader.state_dict()["tables"][name]
+
+    def entry(k):
+        return sources[k]
+
+    keys = _read_all(entry("keys"))
+    pending = _read_all(entry("pending_keys"))
+    mine = np.flatnonzero((mix64(keys) % np.uint64(world)).astype(np.int64) == comm.rank)
+    theirs = np.flatnonzero((mix64(pending) % np.uint64(world)).astype(np.int64) == comm.rank)
+    state = {"keys": keys[mine], "pending_keys": pending[theirs]}
+    for k in (WEIGHTS, *[s.name for s in shard.slot_specs], *_ROW_META):
+        state[k] = _read_rows(entry(k), mine)
+    for k in _PENDING:
+        state[k] = _read_rows(entry(k), theirs)
+    for k in ("meta", "data_time"):
+        state[k] = _read_all(entry(k))
+    counters = _read_all(entry("counters"))
+    state["counters"] = counters if comm.rank == 0 else np.zeros_like(counters)
+    try:
+        return shard.prepare_state(state, step, f"{reader.path}: table {name!r}")
+    except ValueError as e:
+        raise ckpt.CheckpointError(str(e)) from e

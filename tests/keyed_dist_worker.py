@@ -1,0 +1,235 @@
+"""One rank of the keyed-table tests of tests/test_distributed_keyed.py (not a test module).
+
+    python tests/keyed_dist_worker.py RANK WORLD PORT OUTDIR SCENARIO [SCENARIO ...]
+
+joins a gloo process group on 127.0.0.1:PORT and runs each scenario, writing what it saw to
+OUTDIR/<scenario>.rank<RANK>.npz (or .txt for an error). The configuration, the global batches
+and the gradients are built here (``make_features``, ``global_batch``), so the test can feed one
+EmbeddingEngine the concatenation of every rank's batch.
+
+Scenarios:
+  keyed:<optimizer>:<threshold>:<expiry>  STEPS training steps on a keyed table (two features,
+                              one a sequence) beside a dense one; expiry "none", "steps"
+                              (expire_steps=1) or "seconds" (expire_seconds=150, timestamps
+                              100 s apart); each rank's activations, and the gathered tables
+                              after every step, plus an evaluation lookup at the end
+  apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
+  ckpt_save:<folder>          two steps, save, a third step (W ranks)
+  ckpt_restore:<folder>       load what another world size saved, the third step
+  time_mismatch               the last rank passes another timestamp
+  max_rows                    a keyed table with max_rows (refused)
+  eval_mismatch               the last rank looks up for evaluation while the others train
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+STEPS = 5
+BATCH = 7  # global samples per step
+# Keys: 64-bit values all = 0 mod 6 (so = 0 mod W for W in 2, 3: raw keys mod W would put every
+# key on rank 0), some negative, the slot in the high bits as Monolith's FIDs.
+POOL = (np.arange(1, 16, dtype=np.int64) * 6) | (np.int64(6) << np.int64(56))
+POOL[3] = -POOL[3]
+HOT = int(POOL[0])  # in every sample of feature "a", on every rank
+CKPT = "ftrl"
+
+
+def optimizers():
+    from embengine import optimizers as opt
+
+    return {
+        "sgd": opt.SGD(0.1),
+        "adagrad": opt.Adagrad(0.2),
+        "adam": opt.Adam(0.05),
+        "ftrl": opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5),
+    }
+
+
+def make_features(optimizer: str, threshold: int, expiry: str, insert_on: str = "lookup"):
+    """A keyed table "k" (features "a", bags with weights, and "s", a sequence) and a dense
+    table "d" (feature "c")."""
+    import embengine as ee
+
+    dyn = ee.DynamicVocabulary(
+        occurrence_threshold=threshold,
+        expire_steps=1 if expiry == "steps" else None,
+        expire_seconds=150 if expiry == "seconds" else None,
+        insert_on=insert_on,
+    )
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    keyed = ee.TableConfig(None, 4, name="k", combiner="mean", initializer=init, dynamic=dyn)
+    dense = ee.TableConfig(5, 3, name="d", combiner="sum", initializer=init)
+    features = {
+        "a": ee.FeatureConfig(keyed),
+        "s": ee.FeatureConfig(keyed, max_sequence_length=3),
+        "c": ee.FeatureConfig(dense),
+    }
+    return features, optimizers()[optimizer]
+
+
+def timestamp(step: int) -> int:
+    return 1_000_000 + 100 * step
+
+
+def split(step: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's samples [lo, hi) of the global batch: step 1 leaves the last rank empty,
+    step 2 the first."""
+    if world == 1:
+        return [(0, BATCH)]
+    sizes = [BATCH // world] * world
+    sizes[0] += BATCH - sum(sizes)
+    if step == 1:
+        sizes[0] += sizes[-1]
+        sizes[-1] = 0
+    elif step == 2:
+        sizes[-1] += sizes[0]
+        sizes[0] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [(int(bounds[r]), int(bounds[r + 1])) for r in range(world)]
+
+
+def global_batch(step: int):
+    """(features, weights, gradients) of the whole step: keys from a pool that drifts with the
+    step (so rows expire), the hot key in every sample of "a", duplicates and empty bags."""
+    rng = np.random.default_rng(200 + step)
+    pool = POOL[(step % 3) : (step % 3) + 9]
+    feats = {}
+    feats["a"] = [[HOT] + list(map(int, rng.choice(pool, rng.integers(0, 4))))
+                  for _ in range(BATCH)]  # fmt: skip
+    feats["a"][2] = feats["a"][2] + feats["a"][2]  # a key twice in a bag
+    feats["s"] = [list(map(int, rng.choice(pool, rng.integers(0, 4)))) for _ in range(BATCH)]
+    feats["c"] = [list(map(int, rng.integers(0, 5, rng.integers(0, 3)))) for _ in range(BATCH)]
+    weights = {"a": [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in feats["a"]]}
+    grads = {
+        "a": rng.normal(size=(BATCH, 4)).astype(np.float32),
+        "s": rng.normal(size=(BATCH, 3, 4)).astype(np.float32),
+        "c": rng.normal(size=(BATCH, 3)).astype(np.float32),
+    }
+    return feats, weights, grads
+
+
+def local(step: int, rank: int, world: int):
+    """This rank's share of the step's global batch."""
+    feats, weights, grads = global_batch(step)
+    lo, hi = split(step, world)[rank]
+    return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
+            {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
+
+
+def contents(eng, prefix: str, saved: dict) -> None:
+    got = eng.table_contents()
+    for table, arrays in got["tables"].items():
+        for key, a in arrays.items():
+            saved[f"{prefix}/{table}/{key}"] = a
+
+
+def run_keyed(rank: int, world: int, out: str, name: str) -> None:
+    from embengine.distributed import ShardedEngine
+
+    kind, optimizer, *rest = name.split(":")
+    if kind == "apply":
+        features, o = make_features(optimizer, 1, "none", insert_on="apply")
+    else:
+        features, o = make_features(optimizer, int(rest[0]), rest[1])
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    saved = {"plan": np.array(eng.plan["k"])}
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        acts = eng.lookup(feats, weights, timestamp=timestamp(step))
+        for k, v in acts.items():
+            saved[f"act{step}/{k}"] = v
+        eng.apply_gradients(grads)
+        contents(eng, f"step{step}", saved)
+        saved[f"rows{step}"] = np.array(eng.table_stats()["tables"]["k"]["rows"])
+    feats, weights, _ = local(0, rank, world)
+    for k, v in eng.lookup(feats, weights, training=False).items():
+        saved[f"eval/{k}"] = v
+    np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+def train(eng, steps, rank: int, world: int) -> None:
+    for step in steps:
+        feats, weights, grads = local(step, rank, world)
+        eng.lookup(feats, weights, timestamp=timestamp(step))
+        eng.apply_gradients(grads)
+
+
+def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
+    """ckpt_save:<folder>: two steps, save, the other steps; ckpt_restore:<folder>: load, the
+    other steps. Folders under $CKPT_ROOT."""
+    from embengine.distributed import ShardedEngine
+
+    kind, folder = name.split(":")
+    root = os.path.join(os.environ["CKPT_ROOT"], folder)
+    features, o = make_features(CKPT, 2, "seconds")
+    if kind == "ckpt_save":
+        eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+        train(eng, range(2), rank, world)
+        eng.save(root)
+        saved = {}
+    else:
+        eng = ShardedEngine.load(root, timeout=60)
+        assert eng.step == 2, eng.step
+        # The ranks' stats add up to the saved ones: rank 0 holds the counters.
+        stats = eng.table_stats()["tables"]["k"]["keyed"]["total"]
+        saved = {"stats": np.array([stats[k] for k in sorted(stats)])}
+    train(eng, range(2, STEPS), rank, world)
+    contents(eng, "end", saved)
+    np.savez(os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), **saved)
+
+
+def run_error(rank: int, world: int, out: str, name: str) -> None:
+    import dataclasses
+
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd", 1, "seconds")
+    if name == "max_rows":
+        table = features["a"].table
+        table = dataclasses.replace(table, dynamic=dataclasses.replace(table.dynamic, max_rows=100))
+        features = {k: dataclasses.replace(f, table=table) if k != "c" else f
+                    for k, f in features.items()}  # fmt: skip
+    feats, weights, _ = local(0, rank, world)
+    when = timestamp(0) + (1 if rank == world - 1 else 0)
+    try:
+        eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+        if name == "eval_mismatch":  # the last rank looks up for evaluation, the others train
+            last = rank == world - 1
+            eng.lookup(feats, weights, training=not last, timestamp=None if last else when - 1)
+        eng.lookup(feats, weights, timestamp=when)
+        result = "ok"
+    except Exception as e:  # the scenario's point: which error, and its message
+        result = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(result + "\n")
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        for name in sys.argv[5:]:
+            if name.startswith(("keyed:", "apply:")):
+                run_keyed(rank, world, out, name)
+            elif name.startswith("ckpt_"):
+                run_checkpoint(rank, world, out, name)
+            else:
+                run_error(rank, world, out, name)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)  # no destroy_process_group: a dead peer would make it wait
+
+
+if __name__ == "__main__":
+    main()

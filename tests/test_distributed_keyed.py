@@ -1,0 +1,301 @@
+"""Keyed tables (dynamic vocabularies) in a ShardedEngine, on real gloo process groups: W ranks,
+each with its own samples, train exactly as one EmbeddingEngine fed the concatenation of their
+batches in rank order: the same admitted keys, rows, slots, expiry and activations.
+
+The ranks are child processes (tests/keyed_dist_worker.py) on 127.0.0.1 with a free port; every
+wait has a hard limit (the process group's timeout is 60 s, and the test kills any child still
+alive after ``LIMIT`` seconds). Each world size runs all its scenarios in one process group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import embengine as ee  # noqa: E402
+from embengine.distributed import plan_shards  # noqa: E402
+from embengine.distributed.sharding import TableLoad, mix64  # noqa: E402
+from embengine.kernels import shard_route as sr  # noqa: E402
+from embengine.training.ranks import free_port  # noqa: E402
+
+HERE = Path(__file__).parent
+WORKER = HERE / "keyed_dist_worker.py"
+LIMIT = 240  # seconds for a whole group of ranks
+
+_spec = importlib.util.spec_from_file_location("keyed_dist_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+OPTIMIZERS = ["sgd", "adagrad", "adam", "ftrl"]
+EXPIRY = ["none", "steps", "seconds"]
+SCENARIOS = [f"keyed:{o}:{t}:{e}" for o in OPTIMIZERS for t in (1, 2) for e in EXPIRY]
+SCENARIOS += ["apply:sgd", "apply:adam"]
+
+
+def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) -> list[int]:
+    """Run ``world`` ranks of the worker on ``scenarios``; their exit codes. Children alive
+    after ``LIMIT`` seconds are killed (and the test fails)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+           "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(HERE.parent), **(env or {})}  # fmt: skip
+    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out),
+                          *scenarios], stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        for r in range(world)
+    ]  # fmt: skip
+    deadline = time.monotonic() + LIMIT
+    codes = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    if None in codes:
+        pytest.fail(
+            f"ranks still running after {LIMIT} s were killed: {codes}\n{_logs(out, world)}"
+        )
+    return codes
+
+
+def _logs(out: Path, world: int) -> str:
+    return "\n".join(f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:]
+                     for r in range(world))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """World size -> the folder of its ranks' results (spawned on first use)."""
+    done: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in done:
+            single_run(SCENARIOS[0])  # compile (or load) the kernels here, not in W children
+            out = tmp_path_factory.mktemp(f"w{world}")
+            codes = spawn(world, out, SCENARIOS)
+            assert codes == [0] * world, _logs(out, world)
+            done[world] = out
+        return done[world]
+
+    return get
+
+
+def single_run(name: str) -> dict:
+    """One EmbeddingEngine on the concatenated batches: the activations of every step, the
+    keyed and dense tables after every step, and the closing evaluation lookup."""
+    kind, optimizer, *rest = name.split(":")
+    if kind == "apply":
+        features, o = worker.make_features(optimizer, 1, "none", insert_on="apply")
+    else:
+        features, o = worker.make_features(optimizer, int(rest[0]), rest[1])
+    eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    out = {}
+    for step in range(worker.STEPS):
+        feats, weights, grads = worker.global_batch(step)
+        for k, v in eng.lookup(feats, weights, timestamp=worker.timestamp(step)).items():
+            out[f"act{step}/{k}"] = v
+        eng.apply_gradients(grads)
+        for table in ("k", "d"):
+            for key, a in eng.table_contents(table).items():
+                out[f"step{step}/{table}/{key}"] = a
+    feats, weights, _ = worker.global_batch(0)
+    for k, v in eng.lookup(feats, weights, training=False).items():
+        out[f"eval/{k}"] = v
+    out["stats"] = eng.table_stats()["k"]["total"]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs, world, name):
+    out = runs(world)
+    want = single_run(name)
+    ranks = [dict(np.load(out / f"{name.replace(':', '_')}.rank{r}.npz")) for r in range(world)]
+    # Tables after every step, gathered on every rank: bit-identical (each row's gradient sums
+    # in the single engine's order; admission and expiry decided per key on its owner).
+    for got in ranks:
+        assert str(got["plan"]).startswith("keyed"), got["plan"]
+        for step in range(worker.STEPS):
+            for key in ("keys", "weights", *[k.split("/")[-1] for k in want
+                                              if k.startswith(f"step{step}/k/")]):  # fmt: skip
+                w, g = want[f"step{step}/k/{key}"], got[f"step{step}/k/{key}"]
+                assert w.dtype == g.dtype and np.array_equal(w, g), (step, key, w, g)
+            # The dense table beside it, by its state_dict layout.
+            assert np.array_equal(want[f"step{step}/d/weights"], got[f"step{step}/d/weights"])
+    # Activations: each rank's samples, concatenated in rank order, as the single engine's.
+    for step in range(worker.STEPS):
+        for k in ("a", "s", "c"):
+            cat = np.concatenate([got[f"act{step}/{k}"] for got in ranks])
+            assert np.array_equal(cat, want[f"act{step}/{k}"]), (step, k)
+    # The closing evaluation lookup (each rank its share of step 0's samples): unknown and
+    # expired keys look up as zeros, as in the single engine.
+    for k in ("a", "s", "c"):
+        cat = np.concatenate([got[f"eval/{k}"] for got in ranks])
+        assert np.array_equal(cat, want[f"eval/{k}"]), k
+    # Every rank holds some keys although every raw key is 0 mod W (the mix spreads them), and
+    # the ranks' rows add up to the single table's.
+    rows = np.array([[int(got[f"rows{s}"]) for s in range(worker.STEPS)] for got in ranks])
+    assert (rows[:, -1] > 0).all(), rows
+    assert (rows.sum(axis=0) == [len(want[f"step{s}/k/keys"]) for s in range(worker.STEPS)]).all()
+
+
+def test_the_keyed_batches_hold_what_the_scenarios_need():
+    # The hot key in every sample of every rank's "a"; an empty local batch at steps 1 and 2;
+    # every raw key 0 mod 2 and mod 3; keys drifting so rows expire; admission by threshold 2
+    # leaving keys out at some step.
+    for step in range(worker.STEPS):
+        feats, _, _ = worker.global_batch(step)
+        assert all(worker.HOT in bag for bag in feats["a"])
+        keys = np.concatenate([np.array(b, np.int64) for b in feats["a"] + feats["s"]])
+        assert (keys % 6 == 0).all()
+    assert (worker.POOL < 0).any() and (worker.POOL >> 56 == 6).any()
+    for world in (2, 3):
+        assert any(lo == hi for lo, hi in worker.split(1, world))
+        assert any(lo == hi for lo, hi in worker.split(2, world))
+    seen = {int(k) for b in worker.global_batch(0)[0]["a"] for k in b}
+    later = {int(k) for b in worker.global_batch(worker.STEPS - 1)[0]["s"] for k in b}
+    assert later - seen and seen - later
+    one = single_run("keyed:sgd:2:steps")
+    assert len(one["step0/k/keys"]) == 0 and len(one[f"step{worker.STEPS - 1}/k/keys"]) > 0
+    assert one["stats"]["filtered"] > 0
+    for expiry in ("steps", "seconds"):  # rows do expire, either way
+        assert single_run(f"keyed:sgd:1:{expiry}")["stats"]["expired"] > 0, expiry
+    assert single_run("keyed:sgd:1:none")["stats"]["expired"] == 0
+
+
+def test_mix64_is_splitmix64_and_the_kernels_own_keys_by_it():
+    # splitmix64's finaliser: the known outputs of the generator's first steps from seed 0
+    # (state += 0x9E3779B97F4A7C15, then the finaliser) and the same owners in numba.
+    golden = 0x9E3779B97F4A7C15
+    states = np.array([(golden * k) % 2**64 for k in (1, 2, 3)], dtype=np.uint64).view(np.int64)
+    assert mix64(states).tolist() == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    keys = np.concatenate(
+        [
+            np.arange(-50, 50, dtype=np.int64) * 6,
+            worker.POOL,
+            [np.iinfo(np.int64).min, np.iinfo(np.int64).max],
+        ]
+    )
+    for world in (1, 2, 3, 7):
+        owners = np.empty(len(keys), dtype=np.int64)
+        sr.owners_of(keys, sr.KIND_KEYED, -1, world, owners)
+        assert (owners == (mix64(keys) % np.uint64(world)).astype(np.int64)).all()
+        plan = plan_shards("row", ["k", "d"], [0, 100], world, keyed=[True, False])
+        assert (plan.owner_of(0, keys) == owners).all()
+        # Keys all 0 mod W spread over every rank (raw keys mod W would all be on rank 0).
+        assert set(owners.tolist()) == set(range(world)), world
+
+
+def test_a_keyed_table_is_keyed_whatever_the_sharding_asks():
+    for sharding in ("row", "table", "auto", {"k": "table"}):
+        plan = plan_shards(
+            sharding,
+            ["k", "d"],
+            [0, 100],
+            2,
+            keyed=[True, False],
+            loads=[TableLoad(0, 4, 0, 1.0), TableLoad(5, 3, 100, 1.0)],
+        )
+        assert plan.kinds[0] == "keyed" and plan.owners[0] == -1, plan
+        assert plan.describe(["k", "d"])["k"].startswith("keyed"), plan.describe(["k", "d"])
+
+
+def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_path):
+    codes = spawn(2, tmp_path, ["time_mismatch", "max_rows", "eval_mismatch"])
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for r in range(2):  # the owners run the rules on a training lookup only: ranks must agree
+        text = (tmp_path / f"eval_mismatch.rank{r}.txt").read_text()
+        assert text.startswith(f"DistributedError: rank {r} called ") and (
+            "rank 0: lookup, rank 1: lookup(training=False)" in text
+        ), text
+    for r in range(2):
+        text = (tmp_path / f"time_mismatch.rank{r}.txt").read_text()
+        assert text.startswith("DistributedError") and "timestamps are [1000000, 1000001]" in text
+        text = (tmp_path / f"max_rows.rank{r}.txt").read_text()
+        assert text.startswith("ValueError: table 'k': DynamicVocabulary(max_rows=100)"), text
+
+
+def _ckpt_single(steps) -> ee.EmbeddingEngine:
+    features, o = worker.make_features(worker.CKPT, 2, "seconds")
+    eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    _train_single(eng, steps)
+    return eng
+
+
+def _train_single(eng, steps) -> None:
+    for step in steps:
+        feats, weights, grads = worker.global_batch(step)
+        eng.lookup(feats, weights, timestamp=worker.timestamp(step))
+        eng.apply_gradients(grads)
+
+
+def _assert_end(got: dict, want: ee.EmbeddingEngine, what: str) -> None:
+    for table in ("k", "d"):
+        for key, a in want.table_contents(table).items():
+            if table == "d" and key == "keys":
+                continue  # the dense table gathers by id: its rows are 0..V-1
+            g = got[f"end/{table}/{key}"]
+            assert a.dtype == g.dtype and np.array_equal(a, g), (what, table, key, a, g)
+
+
+def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path):
+    # Save at 3 ranks, at 1, and from a plain engine, after 2 steps; restore at 2 and at 1,
+    # and into a plain engine; every run continues to the end equal to an uninterrupted one.
+    import json
+
+    root = tmp_path / "ckpts"
+    env = {"CKPT_ROOT": str(root)}
+    whole = _ckpt_single(range(worker.STEPS))
+    plain = _ckpt_single(range(2))
+    plain_path = plain.save(root / "plain")
+    for world, folder in ((3, "w3"), (1, "w1")):
+        out = tmp_path / f"save{world}"
+        codes = spawn(world, out, [f"ckpt_save:{folder}"], env=env)
+        assert codes == [0] * world, _logs(out, world)
+        for r in range(world):
+            _assert_end(dict(np.load(out / f"ckpt_save_{folder}.rank{r}.npz")), whole, folder)
+    # The sharded checkpoints hold what the plain engine's holds (files by key, manifest).
+    (w3_path,) = (root / "w3").iterdir()
+    plain_manifest = json.loads((plain_path / "manifest.json").read_text())
+    w3_manifest = json.loads((w3_path / "manifest.json").read_text())
+    assert w3_manifest["tables"][0]["keyed"] == plain_manifest["tables"][0]["keyed"]
+    assert w3_manifest["tables"][0]["keyed"]["rows"] > 0
+    assert w3_manifest["tables"][0]["keyed"]["pending_keys"] > 0
+    loaded = ee.EmbeddingEngine.load(w3_path)
+    _, reader = ee.checkpoint.read_checkpoint(plain_path)
+    _, sharded = ee.checkpoint.read_checkpoint(w3_path)
+    for key in ("keys", "weights", "pending_keys", "pending_earlier", "last_time", "counters"):
+        assert np.array_equal(reader.array("k", key), sharded.array("k", key)), key
+    _train_single(loaded, range(2, worker.STEPS))
+    _assert_end({f"end/{t}/{k}": v for t in ("k", "d")
+                 for k, v in loaded.table_contents(t).items()}, whole, "plain from w3")  # fmt: skip
+    for world, folders in ((2, ["w3", "w1", "plain"]), (1, ["w3"])):
+        out = tmp_path / f"restore{world}"
+        codes = spawn(world, out, [f"ckpt_restore:{f}" for f in folders], env=env)
+        assert codes == [0] * world, _logs(out, world)
+        for folder in folders:
+            got = [dict(np.load(out / f"ckpt_restore_{folder}.rank{r}.npz")) for r in range(world)]
+            for g in got:
+                _assert_end(g, whole, f"{folder} -> {world}")
+            total = sum(g["stats"] for g in got)
+            want = plain_manifest["tables"][0]["keyed"]["total"]
+            assert total.tolist() == [want[k] for k in sorted(want)], (folder, world)
