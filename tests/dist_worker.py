@@ -71,8 +71,14 @@ def make_features(optimizer_name: str):
 
     def table(vocab, dim, name, combiner):
         own = opt.Adagrad(0.2, hessian_compression_times=dim) if o is None else None
-        return ee.TableConfig(vocab, dim, name=name, combiner=combiner, optimizer=own,
-                              initializer=ee.initializers.RandomUniform(-0.3, 0.3))  # fmt: skip
+        return ee.TableConfig(
+            vocab,
+            dim,
+            name=name,
+            combiner=combiner,
+            optimizer=own,
+            initializer=ee.initializers.RandomUniform(-0.3, 0.3),
+        )
 
     big = table(37, 8, "big", "mean")
     small = table(2, 4, "small", "sqrtn")
@@ -133,8 +139,11 @@ def local(step: int, rank: int, world: int, nan: bool = False):
     """This rank's share of the step's global batch."""
     feats, weights, grads = global_batch(step, nan)
     lo, hi = split(step, world)[rank]
-    return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
-            {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
+    return (
+        {k: v[lo:hi] for k, v in feats.items()},
+        {k: v[lo:hi] for k, v in weights.items()},
+        {k: v[lo:hi] for k, v in grads.items()},
+    )
 
 
 def run_equal(rank: int, world: int, out: str, name: str) -> None:
@@ -142,8 +151,14 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
 
     _, optimizer_name, sharding, *nan = name.split(":")
     features, o = make_features(optimizer_name)
-    eng = ShardedEngine(features, optimizer=o, seed=3, sharding=sharding, timeout=60,
-                        nonfinite_gradients="skip_row" if nan else "error")  # fmt: skip
+    eng = ShardedEngine(
+        features,
+        optimizer=o,
+        seed=3,
+        sharding=sharding,
+        timeout=60,
+        nonfinite_gradients="skip_row" if nan else "error",
+    )
     saved = {}
     for step in range(STEPS):
         feats, weights, grads = local(step, rank, world, nan=bool(nan))
@@ -152,14 +167,19 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
             saved[f"act{step}/{k}"] = v
         eng.apply_gradients(grads)
         saved[f"bytes{step}"] = np.array(
-            [sum(eng.bytes_sent["lookup"].values()),
-             sum(eng.bytes_sent["apply_gradients"].values())], dtype=np.int64)  # fmt: skip
+            [
+                sum(eng.bytes_sent["lookup"].values()),
+                sum(eng.bytes_sent["apply_gradients"].values()),
+            ],
+            dtype=np.int64,
+        )
     stats = eng.table_stats()
     saved["plan"] = np.array([eng.plan[t] for t in ("big", "small", "seq")])
     saved["rows"] = np.array([stats["tables"][t]["rows"] for t in ("big", "small", "seq")])
     last = stats["bytes_sent"]
-    saved["stats_bytes"] = np.array([sum(last["lookup"].values()),
-                                     sum(last["apply_gradients"].values())])  # fmt: skip
+    saved["stats_bytes"] = np.array(
+        [sum(last["lookup"].values()), sum(last["apply_gradients"].values())]
+    )
     contents = eng.table_contents()
     saved["step"] = np.array(contents["step"])
     for table, arrays in contents["tables"].items():
@@ -293,8 +313,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     if name.startswith("hang") and rank == (1 if hung == 0 else 0):
         # The default group's store lives in rank 0: stay until the other ranks that timed out
         # have asked it which rank is behind (their error written), then end the hung one.
-        others = [os.path.join(out, f"{name}.rank{r}.txt") for r in range(world)
-                  if r not in (rank, hung)]  # fmt: skip
+        others = [
+            os.path.join(out, f"{name}.rank{r}.txt") for r in range(world) if r not in (rank, hung)
+        ]
         deadline = time.monotonic() + 30
         while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -306,8 +327,13 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):

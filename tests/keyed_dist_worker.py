@@ -100,8 +100,9 @@ def global_batch(step: int):
     rng = np.random.default_rng(200 + step)
     pool = POOL[(step % 3) : (step % 3) + 9]
     feats = {}
-    feats["a"] = [[HOT] + list(map(int, rng.choice(pool, rng.integers(0, 4))))
-                  for _ in range(BATCH)]  # fmt: skip
+    feats["a"] = [
+        [HOT] + list(map(int, rng.choice(pool, rng.integers(0, 4)))) for _ in range(BATCH)
+    ]
     feats["a"][2] = feats["a"][2] + feats["a"][2]  # a key twice in a bag
     feats["s"] = [list(map(int, rng.choice(pool, rng.integers(0, 4)))) for _ in range(BATCH)]
     feats["c"] = [list(map(int, rng.integers(0, 5, rng.integers(0, 3)))) for _ in range(BATCH)]
@@ -118,8 +119,11 @@ def local(step: int, rank: int, world: int):
     """This rank's share of the step's global batch."""
     feats, weights, grads = global_batch(step)
     lo, hi = split(step, world)[rank]
-    return ({k: v[lo:hi] for k, v in feats.items()}, {k: v[lo:hi] for k, v in weights.items()},
-            {k: v[lo:hi] for k, v in grads.items()})  # fmt: skip
+    return (
+        {k: v[lo:hi] for k, v in feats.items()},
+        {k: v[lo:hi] for k, v in weights.items()},
+        {k: v[lo:hi] for k, v in grads.items()},
+    )
 
 
 def contents(eng, prefix: str, saved: dict) -> None:
@@ -193,8 +197,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     if name == "max_rows":
         table = features["a"].table
         table = dataclasses.replace(table, dynamic=dataclasses.replace(table.dynamic, max_rows=100))
-        features = {k: dataclasses.replace(f, table=table) if k != "c" else f
-                    for k, f in features.items()}  # fmt: skip
+        features = {
+            k: dataclasses.replace(f, table=table) if k != "c" else f for k, f in features.items()
+        }
     feats, weights, _ = local(0, rank, world)
     when = timestamp(0) + (1 if rank == world - 1 else 0)
     try:
@@ -214,8 +219,13 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         for name in sys.argv[5:]:
             if name.startswith(("keyed:", "apply:")):

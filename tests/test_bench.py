@@ -7,8 +7,9 @@ import pytest
 from embengine.bench import runner
 from embengine.bench.workloads import Workload, make_batches
 
-TINY = Workload("tiny", "2 tables x 500 rows, dims 2 and 4", ((500, 2), (500, 4)), 16, 3,
-                packing=(False, True))  # fmt: skip
+TINY = Workload(
+    "tiny", "2 tables x 500 rows, dims 2 and 4", ((500, 2), (500, 4)), 16, 3, packing=(False, True)
+)
 
 
 def test_batches_are_fresh_zipf_ids_within_each_table():
@@ -78,8 +79,9 @@ def test_longer_blocks_time_only_their_last_steps(monkeypatch):
     index = {id(b): k for k, b in enumerate(batches)}
     members = [(lambda n=n: _Clocked(n, log, clock, index), batches, TINY) for n in "ab"]
     monkeypatch.setattr(runner, "time", type("FakeTime", (), {"perf_counter": lambda: clock[0]}))
-    results = runner._time_configs(members, warmup=0, steps=4, log=lambda s: None, block=5,
-                                   untimed=3)  # fmt: skip
+    results = runner._time_configs(
+        members, warmup=0, steps=4, log=lambda s: None, block=5, untimed=3
+    )
     order = [name for name, x in log if x != "closed"]
     assert order == list("a" + "b" + "aaaaabbbbb" + "bbbbbaaaaa")
     # Batch 0 is the first step; blocks hold batches 1-5 and 6-10, of which 4, 5, 9, 10 are
@@ -91,8 +93,10 @@ def test_longer_blocks_time_only_their_last_steps(monkeypatch):
 
 def test_the_vocabulary_group_runs_long_blocks(monkeypatch):
     rows = {"W1": 400, "W3": 4000, "W3-small": 400}
-    tiny = {name: Workload(name, "", ((rows[name], 4),), 8, 2, optimizers=("SGD",), peers=())
-            for name in runner.VOCABULARY}  # fmt: skip
+    tiny = {
+        name: Workload(name, "", ((rows[name], 4),), 8, 2, optimizers=("SGD",), peers=())
+        for name in runner.VOCABULARY
+    }
     for name, w in tiny.items():
         monkeypatch.setitem(runner.WORKLOADS, name, w)
     seen = []
@@ -127,8 +131,10 @@ class _Holder(_Recorder):
 def test_each_member_of_a_group_gets_its_own_peak_rss():
     log = []
     batches = make_batches(TINY, runner.batches_needed(warmup=1, steps=2))
-    members = [(lambda: _Holder("big", log, 400, 0), batches, TINY),
-               (lambda: _Holder("small", log, 50, 100), batches, TINY)]  # fmt: skip
+    members = [
+        (lambda: _Holder("big", log, 400, 0), batches, TINY),
+        (lambda: _Holder("small", log, 50, 100), batches, TINY),
+    ]
     big, small = runner._time_configs(members, 1, 2, lambda s: None)
     # big: base + 400 MiB; small: base + 50 MiB + its 100 MiB spikes. Not the pair's total.
     assert abs((big.peak_rss_gb - small.peak_rss_gb) * 1024 - 250) < 40
@@ -142,12 +148,22 @@ def tiny(monkeypatch):
 
 
 def test_each_configuration_is_timed_with_its_peers_and_compared_in_the_table(tiny):
-    results = runner.run_workload(tiny, steps=3, warmup=1, engine_optimizers=("SGD", "Adam"),
-                                  peers=("torch",), log=lambda s: None)  # fmt: skip
+    results = runner.run_workload(
+        tiny,
+        steps=3,
+        warmup=1,
+        engine_optimizers=("SGD", "Adam"),
+        peers=("torch",),
+        log=lambda s: None,
+    )
     assert [(r.group, r.name) for r in results] == [
-        (0, "embengine SGD"), (0, "embengine SGD (packed)"), (0, "torch SGD"),
-        (1, "embengine Adam"), (1, "embengine Adam (packed)"), (1, "torch SparseAdam"),
-    ]  # fmt: skip
+        (0, "embengine SGD"),
+        (0, "embengine SGD (packed)"),
+        (0, "torch SGD"),
+        (1, "embengine Adam"),
+        (1, "embengine Adam (packed)"),
+        (1, "torch SparseAdam"),
+    ]
     by_name = {r.name: r for r in results}
     assert by_name["embengine SGD (packed)"].peers == ("embengine SGD",)
     assert by_name["embengine SGD"].peers == ("torch SGD", "fbgemm EXACT_SGD")
@@ -174,19 +190,29 @@ def test_w3_is_timed_beside_w1_and_w3_small_and_compared_per_id(monkeypatch):
     }
     for name, w in small.items():
         monkeypatch.setitem(runner.WORKLOADS, name, w)
-    results = runner.run_vocabulary(steps=3, warmup=1, engine_optimizers=("SGD", "Adam"),
-                                    peers=(), log=lambda s: None)  # fmt: skip
+    results = runner.run_vocabulary(
+        steps=3, warmup=1, engine_optimizers=("SGD", "Adam"), peers=(), log=lambda s: None
+    )
     # One group (W3 runs SGD only), the same system on the three workloads.
     assert [(r.group, r.name, r.workload) for r in results] == [
-        (0, "embengine SGD", "W1"), (0, "embengine SGD", "W3"), (0, "embengine SGD", "W3-small"),
-    ]  # fmt: skip
+        (0, "embengine SGD", "W1"),
+        (0, "embengine SGD", "W3"),
+        (0, "embengine SGD", "W3-small"),
+    ]
     assert [r.ids_per_step for r in results] == [48, 24, 24]
     ms = {r.workload: r.ms_per_step for r in results}
     line = runner.format_vocabulary(results).splitlines()[-1]
     w3_w1 = (ms["W3"] / 24) / (ms["W1"] / 48)
     w3_small = ms["W3"] / ms["W3-small"]
-    assert line.split() == ["embengine", "SGD", f"{ms['W1']:.1f}", f"{ms['W3']:.1f}",
-                            f"{ms['W3-small']:.1f}", f"{w3_w1:.2f}", f"{w3_small:.2f}"]  # fmt: skip
+    assert line.split() == [
+        "embengine",
+        "SGD",
+        f"{ms['W1']:.1f}",
+        f"{ms['W3']:.1f}",
+        f"{ms['W3-small']:.1f}",
+        f"{w3_w1:.2f}",
+        f"{w3_small:.2f}",
+    ]
 
 
 @pytest.mark.skipif(runner._status_gb("VmRSS") is None, reason="needs /proc/self/status")
@@ -209,19 +235,24 @@ def test_every_table_starts_with_the_host(tiny):
 
     line = host().describe()
     assert line.startswith("host: ") and " cores, " in line and "AVX-512" in line
-    results = runner.run_workload(tiny, steps=1, warmup=0, engine_optimizers=("SGD",),
-                                  peers=(), log=lambda s: None)  # fmt: skip
+    results = runner.run_workload(
+        tiny, steps=1, warmup=0, engine_optimizers=("SGD",), peers=(), log=lambda s: None
+    )
     assert runner.format_results(tiny, results).splitlines()[0] == line
 
 
 def test_host_reads_model_avx512_and_memory_from_proc_texts():
     from embengine.bench import host as h
 
-    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f\n\n"
-               "processor\t: 1\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n")  # fmt: skip
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512f\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n"
+    )
     assert h._cpuinfo(cpuinfo) == ("AMD EPYC 9B14", True)
     assert h._cpuinfo("model name : Intel Xeon\nflags : sse2 avx2 avx512_vnni\n") == (
-        "Intel Xeon", False)  # fmt: skip
+        "Intel Xeon",
+        False,
+    )
     assert h._memory_gib("MemTotal:       25165824 kB\n") == 24.0
     assert h._memory_gib("") is None
     assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"
@@ -235,10 +266,12 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
     from embengine.bench.distributed import format_distributed, run_distributed
     from embengine.bench.workloads import Workload
 
-    small = Workload("small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag",
-                     ((500, 8), (300, 4)), 64, 4)  # fmt: skip
-    results = run_distributed(name, steps=2, warmup=1, rounds=1, timeout=300,
-                              workload=small, log=lambda _: None)  # fmt: skip
+    small = Workload(
+        "small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag", ((500, 8), (300, 4)), 64, 4
+    )
+    results = run_distributed(
+        name, steps=2, warmup=1, rounds=1, timeout=300, workload=small, log=lambda _: None
+    )
     assert [r.config for r in results] == [
         "1 process",
         "2 ranks, batch split",
@@ -288,8 +321,9 @@ def test_the_floor_bench_times_each_update_against_its_floor():
     from embengine.bench.floor import format_floor, run_floor
 
     w = Workload("tiny-floor", "1 table x 3000 rows, dim 8", ((3000, 8),), 64, 5)
-    results = run_floor(steps=2, warmup=0, engine_optimizers=("SGD", "Adam"), workload=w,
-                        log=lambda _: None)  # fmt: skip
+    results = run_floor(
+        steps=2, warmup=0, engine_optimizers=("SGD", "Adam"), workload=w, log=lambda _: None
+    )
     assert [(r.optimizer, r.width) for r in results] == [("SGD", 8), ("Adam", 24)]
     assert all(r.update_ms > 0 and r.floor_ms > 0 for r in results)
     table = format_floor(results)

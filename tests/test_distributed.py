@@ -33,8 +33,16 @@ _spec = importlib.util.spec_from_file_location("dist_worker", WORKER)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-OPTIMIZERS = ["sgd", "adagrad", "adam", "adam_dense", "ftrl", "rowwise_adagrad", "sgd_schedule",
-              "adagrad_no_accumulation"]  # fmt: skip
+OPTIMIZERS = [
+    "sgd",
+    "adagrad",
+    "adam",
+    "adam_dense",
+    "ftrl",
+    "rowwise_adagrad",
+    "sgd_schedule",
+    "adagrad_no_accumulation",
+]
 SHARDINGS = ["row", "table", "auto"]
 WORLDS = [1, 2, 3]
 SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:adam:row:nan"]
@@ -47,15 +55,25 @@ def spawn(
     after ``limit`` seconds are killed (and the test fails)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-           "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(HERE.parent), **(env or {})}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NUMBA_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(HERE.parent),
+        **(env or {}),
+    }
     logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out),
-                          *scenarios], stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), *scenarios],
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     deadline = time.monotonic() + limit
     codes = []
     try:
@@ -78,8 +96,9 @@ def spawn(
 
 
 def _logs(out: Path, world: int) -> str:
-    return "\n".join(f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:]
-                     for r in range(world))  # fmt: skip
+    return "\n".join(
+        f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:] for r in range(world)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +124,19 @@ def single_engine_run(optimizer_name: str, world: int, nan: bool = False):
     """The single engine on the concatenated batches: its activations per step, cut per rank
     as the ranks saw them, and its final state."""
     features, o = worker.make_features(optimizer_name)
-    eng = ee.EmbeddingEngine(features, optimizer=o, seed=3,
-                             nonfinite_gradients="skip_row" if nan else "error")  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        features, optimizer=o, seed=3, nonfinite_gradients="skip_row" if nan else "error"
+    )
     acts = []
     for step in range(worker.STEPS):
         feats, weights, grads = worker.global_batch(step, nan)
         a = eng.lookup(feats, weights)
-        acts.append({r: {k: v[lo:hi] for k, v in a.items()}
-                     for r, (lo, hi) in enumerate(worker.split(step, world))})  # fmt: skip
+        acts.append(
+            {
+                r: {k: v[lo:hi] for k, v in a.items()}
+                for r, (lo, hi) in enumerate(worker.split(step, world))
+            }
+        )
         eng.apply_gradients(grads)
     return acts, eng
 
@@ -177,8 +201,10 @@ def test_a_nan_gradient_skips_the_same_rows_as_one_engine(runs, world):
 def test_table_stats_rows_add_up_to_every_table(runs):
     for world in (2, 3):
         for sharding in SHARDINGS:
-            rows = sum(np.load(runs(world) / f"equal_sgd_{sharding}.rank{r}.npz")["rows"]
-                       for r in range(world))  # fmt: skip
+            rows = sum(
+                np.load(runs(world) / f"equal_sgd_{sharding}.rank{r}.npz")["rows"]
+                for r in range(world)
+            )
             assert rows.tolist() == [37, 2, 11]
 
 
@@ -231,8 +257,9 @@ def test_auto_sharding_plans_a_mixed_configuration_and_says_why():
     plan = plan_shards("auto", names, table_bytes, 2, list(loads.values()))
     why = plan.describe(names)
     assert plan.kinds == ("row", "row", "row", "table", "table", "table")
-    assert why["huge"] == ("row: 10000000 rows x 64, 99% of the bytes: more than 0.5 of a "
-                           "rank's share whole")  # fmt: skip
+    assert why["huge"] == (
+        "row: 10000000 rows x 64, 99% of the bytes: more than 0.5 of a rank's share whole"
+    )
     assert why["dense_adam"].startswith("row: 1000 rows x 16, its optimizer updates every row")
     assert why["hot"] == "row: 50000 rows x 32, hot ids spread (91% of the expected traffic)"
     # The whole tables, busiest first, each to the rank with the least traffic so far.
@@ -244,8 +271,9 @@ def test_auto_sharding_plans_a_mixed_configuration_and_says_why():
     assert plan_shards("auto", list("abcdefgh"), [256 * mb] * 8, 2, w1).owners == (0, 1) * 4
     assert set(plan_shards("auto", list("abcdefgh"), [256 * mb] * 8, 64, w1).kinds) == {"row"}
     # "auto" for some tables of a dict; explicit kinds keep their old description.
-    mixed = plan_shards({"huge": "auto", "device": "table"}, names, table_bytes, 3,
-                        list(loads.values()))  # fmt: skip
+    mixed = plan_shards(
+        {"huge": "auto", "device": "table"}, names, table_bytes, 3, list(loads.values())
+    )
     assert mixed.describe(names)["huge"].startswith("row: 10000000 rows x 64")
     assert mixed.describe(names)["device"] == "table on rank 0"
     assert mixed.describe(names)["user"] == "row"
@@ -255,8 +283,9 @@ def test_auto_sharding_plans_a_mixed_configuration_and_says_why():
 
 def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
     (tmp_path / "not-a-folder").write_text("a file")
-    codes = spawn(2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch",
-                                "save_fails"])  # fmt: skip
+    codes = spawn(
+        2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch", "save_fails"]
+    )
     assert codes == [0, 0], _logs(tmp_path, 2)
     for rank in range(2):
         _, text = _error_text(tmp_path, "lr_mismatch", rank)
@@ -277,8 +306,9 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
     _, text = _error_text(tmp_path, "save_fails", 0)
     assert text.startswith(("NotADirectoryError", "FileExistsError")), text
     _, text = _error_text(tmp_path, "save_fails", 1)
-    assert text.startswith("CheckpointError: rank 1: rank 0 could not make the checkpoint's "
-                           "folder"), text  # fmt: skip
+    assert text.startswith(
+        "CheckpointError: rank 1: rank 0 could not make the checkpoint's folder"
+    ), text
 
 
 def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
@@ -287,8 +317,9 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert codes[1] == 3
     assert codes[0] == 0, _logs(tmp_path, 2)
     seconds, text = _error_text(tmp_path, "kill", 0)
-    assert text.startswith("PeerError: rank 0: a collective (header) with ranks [1] failed: "
-                           "one of them died"), text  # fmt: skip
+    assert text.startswith(
+        "PeerError: rank 0: a collective (header) with ranks [1] failed: one of them died"
+    ), text
     # gloo words a dead socket by timing ("Connection reset by peer", "Connection closed by
     # peer", ...): what holds is that it is not the group's timeout and that it came at once.
     assert "gloo says:" in text and "timed out" not in text.lower(), text
@@ -312,8 +343,9 @@ def modelled_bytes(step: int, rank: int, world: int) -> tuple[int, int]:
     unique = [{(tables[f][0], i) for f, _, i in occurrences(r)} for r in range(world)]
     dims = {t: d for t, d in tables.values()}
     asked = sum(8 for _, i in unique[rank] if i % world != rank)
-    answered = sum(4 * dims[t] for s in range(world) if s != rank for t, i in unique[s]
-                   if i % world == rank)  # fmt: skip
+    answered = sum(
+        4 * dims[t] for s in range(world) if s != rank for t, i in unique[s] if i % world == rank
+    )
     occ = [(f, o, i) for f, o, i in occurrences(rank) if i % world != rank]
     rows = {(f, o, i % world) for f, o, i in occ}
     apply = header + 20 * len(occ) + sum(4 * tables[f][1] for f, _, _ in rows) + 8 * (world - 1)
@@ -397,10 +429,12 @@ def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path
     assert codes == [0, 0, -9], _logs(tmp_path, 3)
     for rank, peers in ((0, "[1, 2]"), (1, "[0, 2]")):
         seconds, text = _error_text(tmp_path, "hang", rank)
-        assert text.startswith(f"PeerError: rank {rank}: a collective (header) with ranks "
-                               f"{peers} failed: no answer within the process group's timeout "
-                               "in apply_gradients at step 0: rank 2 (its last call: lookup at "
-                               "step 0) had not entered it"), text  # fmt: skip
+        assert text.startswith(
+            f"PeerError: rank {rank}: a collective (header) with ranks "
+            f"{peers} failed: no answer within the process group's timeout "
+            "in apply_gradients at step 0: rank 2 (its last call: lookup at "
+            "step 0) had not entered it"
+        ), text
         assert "Timed out" in text, text
         assert 2.5 < seconds < 30, (seconds, text)
 
@@ -425,11 +459,22 @@ def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("no torchrun beside this interpreter")
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "NUMBA_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(HERE.parent / "examples" /
-                                                   "distributed_quickstart.py")]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(HERE.parent),
+        "NUMBA_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(HERE.parent / "examples" / "distributed_quickstart.py"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 ranks: every table and slot equals the single engine's" in out.stdout
@@ -440,8 +485,9 @@ def one_rank_group():
     """A real gloo process group of this process alone (destroyed after the test)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         yield
     finally:
@@ -455,8 +501,9 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     features = {"f": ee.FeatureConfig(table)}
     with pytest.raises(TypeError, match="optimizer must be an embengine.optimizers.Optimizer"):
         ShardedEngine(features, optimizer="sgd")
-    with pytest.raises(ValueError, match="table 't' has no optimizer.*pass optimizer= to "
-                                         "ShardedEngine"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="table 't' has no optimizer.*pass optimizer= to ShardedEngine"
+    ):
         ShardedEngine(features)
     with pytest.raises(ValueError, match="nonfinite_gradients must be one of"):
         ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), nonfinite_gradients="ignore")

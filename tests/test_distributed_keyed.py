@@ -46,15 +46,25 @@ def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) 
     after ``LIMIT`` seconds are killed (and the test fails)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-           "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(HERE.parent), **(env or {})}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NUMBA_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(HERE.parent),
+        **(env or {}),
+    }
     logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out),
-                          *scenarios], stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), *scenarios],
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         for r in range(world)
-    ]  # fmt: skip
+    ]
     deadline = time.monotonic() + LIMIT
     codes = []
     try:
@@ -78,8 +88,9 @@ def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) 
 
 
 def _logs(out: Path, world: int) -> str:
-    return "\n".join(f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:]
-                     for r in range(world))  # fmt: skip
+    return "\n".join(
+        f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:] for r in range(world)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +146,11 @@ def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs
     for got in ranks:
         assert str(got["plan"]).startswith("keyed"), got["plan"]
         for step in range(worker.STEPS):
-            for key in ("keys", "weights", *[k.split("/")[-1] for k in want
-                                              if k.startswith(f"step{step}/k/")]):  # fmt: skip
+            for key in (
+                "keys",
+                "weights",
+                *[k.split("/")[-1] for k in want if k.startswith(f"step{step}/k/")],
+            ):
                 w, g = want[f"step{step}/k/{key}"], got[f"step{step}/k/{key}"]
                 assert w.dtype == g.dtype and np.array_equal(w, g), (step, key, w, g)
             # The dense table beside it, by its state_dict layout.
@@ -286,8 +300,11 @@ def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path)
     for key in ("keys", "weights", "pending_keys", "pending_earlier", "last_time", "counters"):
         assert np.array_equal(reader.array("k", key), sharded.array("k", key)), key
     _train_single(loaded, range(2, worker.STEPS))
-    _assert_end({f"end/{t}/{k}": v for t in ("k", "d")
-                 for k, v in loaded.table_contents(t).items()}, whole, "plain from w3")  # fmt: skip
+    _assert_end(
+        {f"end/{t}/{k}": v for t in ("k", "d") for k, v in loaded.table_contents(t).items()},
+        whole,
+        "plain from w3",
+    )
     for world, folders in ((2, ["w3", "w1", "plain"]), (1, ["w3"])):
         out = tmp_path / f"restore{world}"
         codes = spawn(world, out, [f"ckpt_restore:{f}" for f in folders], env=env)

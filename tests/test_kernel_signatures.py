@@ -36,8 +36,11 @@ class _Spy:
 
 def _engine(**table):
     t = ee.TableConfig(50, 8, name="t", **table)
-    return ee.EmbeddingEngine({"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
-                              optimizer=opt.Adagrad(0.1), backend="numba")  # fmt: skip
+    return ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
+        optimizer=opt.Adagrad(0.1),
+        backend="numba",
+    )
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -53,9 +56,15 @@ def test_lookup_only_pooling_gets_one_type_for_plain_weighted_and_read_only_inpu
     ids = np.array([1, 2, 2, 7])
     lengths = np.array([2, 0, 2])
     eng.lookup({"f": ee.Ragged(ids, lengths=lengths), "g": ids[:3]}, training=False)
-    eng.lookup({"f": ee.Ragged(_read_only(ids), lengths=lengths,
-                               weights=np.array([0.5, 1.0, 2.0, 1.0], np.float32)),
-                "g": _read_only(ids[:3])}, training=False)  # fmt: skip
+    eng.lookup(
+        {
+            "f": ee.Ragged(
+                _read_only(ids), lengths=lengths, weights=np.array([0.5, 1.0, 2.0, 1.0], np.float32)
+            ),
+            "g": _read_only(ids[:3]),
+        },
+        training=False,
+    )
     assert len(calls) == 4
     assert len(set(calls)) == 1, set(calls)
 
@@ -67,12 +76,16 @@ def test_training_and_lookup_only_pool_with_the_same_index_types(monkeypatch):
     bags: list = []
     train: list = []
     monkeypatch.setattr(nbk, "pool_bags", _Spy(nbk.pool_bags, bags))
-    monkeypatch.setattr(train_lookup, "prepare_and_pool",
-                        _Spy(train_lookup.prepare_and_pool, train))  # fmt: skip
+    monkeypatch.setattr(
+        train_lookup, "prepare_and_pool", _Spy(train_lookup.prepare_and_pool, train)
+    )
     eng = _engine()
-    feats = {"f": ee.Ragged([1, 2, 2, 7], lengths=[2, 0, 2],
-                            weights=np.array([0.5, 1.0, 2.0, 1.0], np.float32)),
-             "g": np.array([3, 3, 9])}  # fmt: skip
+    feats = {
+        "f": ee.Ragged(
+            [1, 2, 2, 7], lengths=[2, 0, 2], weights=np.array([0.5, 1.0, 2.0, 1.0], np.float32)
+        ),
+        "g": np.array([3, 3, 9]),
+    }
     eng.lookup(feats)
     eng.lookup(feats, training=False)
     assert train and bags
@@ -95,15 +108,19 @@ def test_the_update_gets_one_type_for_writable_and_read_only_gradients(monkeypat
         return _Spy(fused, calls), _Spy(every_row, calls)
 
     monkeypatch.setattr(nbk, "kernels_for", spied)
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(50, 8, name="t"))},
-                             optimizer=opt.Adagrad(0.1), backend="numba",
-                             nonfinite_gradients=policy)  # fmt: skip
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(50, 8, name="t"))},
+        optimizer=opt.Adagrad(0.1),
+        backend="numba",
+        nonfinite_gradients=policy,
+    )
     for grad_of in (np.array, _read_only):
         acts = eng.lookup({"f": np.array([1, 2, 2])})
         eng.apply_gradients({"f": grad_of(np.ones_like(acts["f"]))})
     assert len(calls) == 2
-    assert calls[0] == calls[1], [(i, a, b) for i, (a, b) in
-                                  enumerate(zip(*calls, strict=True)) if a != b]  # fmt: skip
+    assert calls[0] == calls[1], [
+        (i, a, b) for i, (a, b) in enumerate(zip(*calls, strict=True)) if a != b
+    ]
 
 
 def test_an_initializer_fills_with_one_type_for_int_and_float_bounds(monkeypatch):

@@ -41,9 +41,15 @@ POOL = np.array([2**62 + 7 * i for i in range(10)] + list(range(-5, 15)), np.int
 def _engine(backend: str, **dynamic) -> ee.EmbeddingEngine:
     """A keyed table "k" (Adam with a per-row int32 step slot; a bag and a sequence feature)
     and a dense table "d"."""
-    k = ee.TableConfig(None, 3, name="k", combiner="sum", initializer=RandomUniform(-0.5, 0.5),
-                       optimizer=O.Adam(0.05, bias_correction="per_row"),
-                       dynamic=ee.DynamicVocabulary(**dynamic))  # fmt: skip
+    k = ee.TableConfig(
+        None,
+        3,
+        name="k",
+        combiner="sum",
+        initializer=RandomUniform(-0.5, 0.5),
+        optimizer=O.Adam(0.05, bias_correction="per_row"),
+        dynamic=ee.DynamicVocabulary(**dynamic),
+    )
     d = ee.TableConfig(9, 2, name="d", optimizer=O.Adagrad(0.2))
     feats = {"f": ee.FeatureConfig(k), "s": ee.FeatureConfig(k, 2), "g": ee.FeatureConfig(d)}
     return ee.EmbeddingEngine(feats, backend=backend, seed=5)
@@ -211,8 +217,11 @@ def _rewrite(ckpt: Path, change_tensors=None, change_manifest=None) -> None:
     file = ckpt / entry["file"]
     if change_tensors is not None:
         header = read_header(file)
-        tensors = {n: np.array(read_tensor(file, n, header=header))
-                   for n in header[0] if n != "__metadata__"}  # fmt: skip
+        tensors = {
+            n: np.array(read_tensor(file, n, header=header))
+            for n in header[0]
+            if n != "__metadata__"
+        }
         change_tensors(tensors)
         file.unlink()
         digest = write_safetensors(file, tensors, {"table": "k"})
@@ -287,8 +296,9 @@ def test_crafted_keyed_checkpoints_are_refused_and_change_nothing(tmp_path, back
     for name, tensors, manifest, match in cases:
         path = src.save(tmp_path / name)
         _rewrite(path, tensors, manifest)
-        target = _engine(backend, occurrence_threshold=1, max_rows=n - 1 if name == "max_rows"
-                         else None)  # fmt: skip
+        target = _engine(
+            backend, occurrence_threshold=1, max_rows=n - 1 if name == "max_rows" else None
+        )
         _step(target, _stream(1, seed=8)[0])
         before = copy.deepcopy(target.state_dict())
         with pytest.raises(CheckpointError, match=match):
@@ -305,8 +315,9 @@ def test_a_keyed_checkpoint_does_not_restore_into_a_dense_table(tmp_path):
     k = ee.TableConfig(30, 3, name="k", combiner="sum", optimizer=O.Adam(0.05))
     d = ee.TableConfig(9, 2, name="d", optimizer=O.Adagrad(0.2))
     dense = ee.EmbeddingEngine({"f": ee.FeatureConfig(k), "g": ee.FeatureConfig(d)})
-    with pytest.raises(CheckpointError, match="table 'k': the checkpoint's table is keyed, the "
-                                              "engine's is dense"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match="table 'k': the checkpoint's table is keyed, the engine's is dense"
+    ):
         dense.restore(path)
 
 
@@ -349,8 +360,9 @@ def test_a_crafted_export_with_unsorted_keys_is_refused(tmp_path):
     entry = next(t for t in manifest["tables"] if t["name"] == "k")
     file = out / entry["file"]
     header = read_header(file)
-    tensors = {n: np.array(read_tensor(file, n, header=header))
-               for n in header[0] if n != "__metadata__"}  # fmt: skip
+    tensors = {
+        n: np.array(read_tensor(file, n, header=header)) for n in header[0] if n != "__metadata__"
+    }
     tensors["keys"][[0, 1]] = tensors["keys"][[1, 0]]
     file.unlink()
     digest = write_safetensors(file, tensors, {"table": "k"})
@@ -370,9 +382,11 @@ def test_inspect_and_the_cli_show_a_keyed_table(tmp_path, capsys):
     path = eng.save(tmp_path / "ckpt")
     text = describe(path)
     total = st["total"]
-    assert (f"table 'k': keyed, {st['rows']} keys ({st['pending_keys']} pending admission, "
-            f"admitted {total['admitted']}, filtered {total['filtered']}, evicted "
-            f"{total['evicted']}") in text  # fmt: skip
+    assert (
+        f"table 'k': keyed, {st['rows']} keys ({st['pending_keys']} pending admission, "
+        f"admitted {total['admitted']}, filtered {total['filtered']}, evicted "
+        f"{total['evicted']}"
+    ) in text
     assert "k/pending_keys" in text and "table 'd': 9 x 2" in text
     assert cli_main(["export", str(path), str(tmp_path / "out"), "--compress", "fp16"]) == 0
     assert cli_main(["inspect", str(tmp_path / "out")]) == 0

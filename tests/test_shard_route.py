@@ -81,8 +81,10 @@ def test_gather_rows_answers_with_the_owned_rows_and_names_a_stranger(route, dat
     dim = data.draw(st.integers(1, 5))
     table = np.random.default_rng(vocab).normal(size=(max(len(owned), 1), dim + 2))
     table = table.astype(np.float32)[: len(owned)]
-    blocks = [data.draw(st.lists(st.sampled_from(owned.tolist()), max_size=6)) if len(owned)
-              else [] for _ in range(world)]  # fmt: skip
+    blocks = [
+        data.draw(st.lists(st.sampled_from(owned.tolist()), max_size=6)) if len(owned) else []
+        for _ in range(world)
+    ]
     ids = np.array([i for b in blocks for i in b], dtype=np.int64)
     starts = np.cumsum([0] + [len(b) for b in blocks])[:-1].astype(np.int64)
     stops = starts + np.array([len(b) for b in blocks], dtype=np.int64)
@@ -99,8 +101,9 @@ def test_gather_rows_answers_with_the_owned_rows_and_names_a_stranger(route, dat
     ids = np.array([owned[0] if len(owned) else 0, stranger], dtype=np.int64)
     zero, two = np.zeros(1, dtype=np.int64), np.full(1, 2, dtype=np.int64)
     start = zero if len(owned) else np.ones(1, dtype=np.int64)
-    got = sr.gather_rows(table, dim, ids, start, two, row, world, rank,
-                         np.empty(2 * dim, np.float32), zero)  # fmt: skip
+    got = sr.gather_rows(
+        table, dim, ids, start, two, row, world, rank, np.empty(2 * dim, np.float32), zero
+    )
     assert got == 1
 
 
@@ -111,10 +114,14 @@ def table_batches(draw):
     ids = draw(id_lists(size=40))
     n = len(ids)
     num_outputs = draw(st.integers(1, 8))
-    segments = np.sort(np.array(draw(st.lists(st.integers(0, num_outputs - 1), min_size=n,
-                                              max_size=n)), dtype=np.int64))  # fmt: skip
-    gains = np.array(draw(st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n)),
-                     dtype=np.float32)  # fmt: skip
+    segments = np.sort(
+        np.array(
+            draw(st.lists(st.integers(0, num_outputs - 1), min_size=n, max_size=n)), dtype=np.int64
+        )
+    )
+    gains = np.array(
+        draw(st.lists(st.floats(-2, 2, width=32), min_size=n, max_size=n)), dtype=np.float32
+    )
     a = draw(st.integers(0, num_outputs))
     b = draw(st.integers(a, num_outputs))
     offsets, _ = csr(segments, num_outputs)
@@ -129,8 +136,9 @@ def push_reference(unique, inverse, segments, gains, lo, hi, start, grad, world,
     for d in range(world):
         sel = np.flatnonzero(owners == d)
         useg, at = np.unique(segments[lo:hi][sel], return_inverse=True)
-        out.append((ids[sel], at.reshape(-1).astype(np.int64), gains[lo:hi][sel],
-                    grad[useg - start]))  # fmt: skip
+        out.append(
+            (ids[sel], at.reshape(-1).astype(np.int64), gains[lo:hi][sel], grad[useg - start])
+        )
     return out
 
 
@@ -161,8 +169,25 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
     ints = np.full(pi, -9, dtype=np.int64)
     gains_out = np.full(pg, np.nan, dtype=np.float32)
     rows_out = np.full(pr, np.nan, dtype=np.float32)
-    sr.fill_push(unique, owners, inverse, segments, gains, lo, hi, a, grad, world, n, ints,
-                 int_at, gains_out, gain_at, rows_out, row_at)  # fmt: skip
+    sr.fill_push(
+        unique,
+        owners,
+        inverse,
+        segments,
+        gains,
+        lo,
+        hi,
+        a,
+        grad,
+        world,
+        n,
+        ints,
+        int_at,
+        gains_out,
+        gain_at,
+        rows_out,
+        row_at,
+    )
     for d, (w_ids, w_at, w_gains, w_rows) in enumerate(want):
         k = len(w_ids)
         np.testing.assert_array_equal(ints[int_at[d] : int_at[d] + k], w_ids)
@@ -214,15 +239,31 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     row_base = np.array([b[3] for b in blocks], dtype=np.int64)
     total = int(counts.sum())
-    out = dict(unique=np.empty(total, np.int64), inverse=np.empty(total, np.int64),
-               gains=np.empty(total, np.float32), segments=np.empty(total, np.int64),
-               unique_rows=np.empty(total, np.int64),
-               output_offsets=np.empty(num_outputs + 1, np.int64),
-               unique_offsets=np.empty(total + 1, np.int64),
-               unique_gains=np.empty(total, np.float32),
-               unique_segments=np.empty(total, np.int64))  # fmt: skip
-    u = sr.owner_batch(ints, gbuf, int_at, counts, gain_at, row_base, row, world, rank, n_rows,
-                       num_outputs, *out.values())  # fmt: skip
+    out = dict(
+        unique=np.empty(total, np.int64),
+        inverse=np.empty(total, np.int64),
+        gains=np.empty(total, np.float32),
+        segments=np.empty(total, np.int64),
+        unique_rows=np.empty(total, np.int64),
+        output_offsets=np.empty(num_outputs + 1, np.int64),
+        unique_offsets=np.empty(total + 1, np.int64),
+        unique_gains=np.empty(total, np.float32),
+        unique_segments=np.empty(total, np.int64),
+    )
+    u = sr.owner_batch(
+        ints,
+        gbuf,
+        int_at,
+        counts,
+        gain_at,
+        row_base,
+        row,
+        world,
+        rank,
+        n_rows,
+        num_outputs,
+        *out.values(),
+    )
     ids, segments, gains = owner_batch_reference(blocks)
     unique, inverse = dedup(ids)
     output_offsets, _ = csr(segments, num_outputs)
@@ -245,9 +286,17 @@ def test_owner_batch_refuses_an_id_this_rank_does_not_hold(row):
     ints = np.array([2, 5, 0, 0], dtype=np.int64)  # ids 2 and 5, both at gradient row 0
     gains = np.ones(2, dtype=np.float32)
     one = np.zeros(1, dtype=np.int64)
-    arrays = [np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.float32),
-              np.empty(2, np.int64), np.empty(2, np.int64), np.empty(2, np.int64),
-              np.empty(3, np.int64), np.empty(2, np.float32), np.empty(2, np.int64)]  # fmt: skip
+    arrays = [
+        np.empty(2, np.int64),
+        np.empty(2, np.int64),
+        np.empty(2, np.float32),
+        np.empty(2, np.int64),
+        np.empty(2, np.int64),
+        np.empty(2, np.int64),
+        np.empty(3, np.int64),
+        np.empty(2, np.float32),
+        np.empty(2, np.int64),
+    ]
     got = sr.owner_batch(ints, gains, one, np.array([2]), one, one, row, 2, 0, 3, 1, *arrays)
     assert got == -1 - 1  # occurrence 1 (id 5)
 
@@ -274,8 +323,9 @@ def test_rows_layout_views_aligned_blocks_and_copies_others(data):
         want = buffer[a : a + c * dim].reshape(-1, dim)
         np.testing.assert_array_equal(matrix[base : base + c], want)
     live = counts > 0
-    aligned = not live.any() or all((a - min(np.array(at)[live])) % dim == 0
-                                    for a, c in zip(at, counts, strict=True) if c)  # fmt: skip
+    aligned = not live.any() or all(
+        (a - min(np.array(at)[live])) % dim == 0 for a, c in zip(at, counts, strict=True) if c
+    )
     assert layout.view == aligned
     if aligned and live.any():
         assert np.shares_memory(matrix, buffer)  # read in place, not copied

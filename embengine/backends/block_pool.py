@@ -98,9 +98,10 @@ class BlockPool:
         with self._lock:
             free = self._free()
             fits = [
-                i for i in free
+                i
+                for i in free
                 if nbytes <= len(self._blocks[i]) <= self.max_slack * max(nbytes, _ALIGN)
-            ]  # fmt: skip
+            ]
             chosen = min(fits, key=lambda i: len(self._blocks[i])) if fits else None
             chosen = self._release_surplus(free, keep=chosen)
             if chosen is not None:

@@ -37,8 +37,13 @@ import numpy as np
 from .host import host
 from .workloads import WORKLOADS, Workload, make_batches
 
-__all__ = ["DIST_WORKLOADS", "DistResult", "run_distributed", "format_distributed",
-           "modelled_bytes"]  # fmt: skip
+__all__ = [
+    "DIST_WORKLOADS",
+    "DistResult",
+    "run_distributed",
+    "format_distributed",
+    "modelled_bytes",
+]
 
 # bench workload name -> (workload, ranks). W1-keyed-dist: W1's tables keyed (vocabulary_size=
 # None, every key admitted at once, no expiry), fed W1's ids as keys.
@@ -72,12 +77,15 @@ def _rank_batch(batch, rank: int, world: int, split: bool) -> dict:
 
     n = len(batch.offsets) - 1
     lo, hi = Ranks(rank, world).bounds(n) if split else (0, n)
-    return {f"f{t}": ragged_slice(ee.Ragged(ids, offsets=batch.offsets), lo, hi)
-            for t, ids in enumerate(batch.ids)}  # fmt: skip
+    return {
+        f"f{t}": ragged_slice(ee.Ragged(ids, offsets=batch.offsets), lo, hi)
+        for t, ids in enumerate(batch.ids)
+    }
 
 
-def modelled_bytes(locals_: list[dict], dims: list[int], rank: int,
-                   keyed: bool = False) -> tuple[int, int]:  # fmt: skip
+def modelled_bytes(
+    locals_: list[dict], dims: list[int], rank: int, keyed: bool = False
+) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
     every table keyed, key k on rank ``mix64(k) mod W``), by the cost model of docs/design.md,
     from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
@@ -95,8 +103,9 @@ def modelled_bytes(locals_: list[dict], dims: list[int], rank: int,
     for t in range(tables):
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
         asked += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
-        answered += (4 * dims[t] + keyed) * sum(int(np.count_nonzero(owner(unique[s]) == rank))
-                                                for s in range(world) if s != rank)  # fmt: skip
+        answered += (4 * dims[t] + keyed) * sum(
+            int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
+        )
         bags = locals_[rank][f"f{t}"]
         ids = np.asarray(bags.ids)
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
@@ -135,10 +144,15 @@ def child(spec: dict) -> dict:
     tables = {}
     for t, (rows, dim) in enumerate(w.tables):
         keyed = spec.get("keyed", False)
-        table = ee.TableConfig(None if keyed else rows, dim, combiner="sum", name=f"t{t}",
-                               optimizer=ENGINE_OPTIMIZERS[spec["optimizer"]](dim, False),
-                               initializer=ee.initializers.RandomUniform(-0.01, 0.01),
-                               dynamic=ee.DynamicVocabulary() if keyed else None)  # fmt: skip
+        table = ee.TableConfig(
+            None if keyed else rows,
+            dim,
+            combiner="sum",
+            name=f"t{t}",
+            optimizer=ENGINE_OPTIMIZERS[spec["optimizer"]](dim, False),
+            initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+            dynamic=ee.DynamicVocabulary() if keyed else None,
+        )
         tables[f"f{t}"] = ee.FeatureConfig(table)
     if world > 1:
         from ..distributed import ShardedEngine
@@ -154,8 +168,10 @@ def child(spec: dict) -> dict:
     times, counted, written, modelled = [], [], [], []
     for step in range(1 + spec["warmup"] + spec["steps"]):
         group = batches[step * per_step : (step + 1) * per_step]
-        locals_ = [_rank_batch(group[0 if spec["split"] else r], r, world, spec["split"])
-                   for r in range(world)]  # fmt: skip
+        locals_ = [
+            _rank_batch(group[0 if spec["split"] else r], r, world, spec["split"])
+            for r in range(world)
+        ]
         features = locals_[rank]
         before = _written()
         t0 = time.perf_counter()
@@ -168,14 +184,17 @@ def child(spec: dict) -> dict:
             if world > 1:
                 counted.append(sum(sum(c.values()) for c in engine.bytes_sent.values()))
                 written.append(wrote)
-                modelled.append(sum(modelled_bytes(locals_, dims, rank,
-                                                   spec.get("keyed", False))))  # fmt: skip
+                modelled.append(sum(modelled_bytes(locals_, dims, rank, spec.get("keyed", False))))
     if world > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return {"ms": statistics.median(times), "counted": _mean(counted),
-            "written": _mean(written), "modelled": _mean(modelled)}  # fmt: skip
+    return {
+        "ms": statistics.median(times),
+        "counted": _mean(counted),
+        "written": _mean(written),
+        "modelled": _mean(modelled),
+    }
 
 
 def _mean(values: list[float]) -> float:
@@ -191,12 +210,20 @@ def _launch(spec: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="embengine-bench-dist-") as tmp:
         procs = []
         for rank in range(world):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(spec["threads"]))  # fmt: skip
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS=str(spec["threads"]),
+            )
             out = Path(tmp) / f"rank{rank}.json"
             args = json.dumps(dict(spec, rank=rank, out=str(out)))
-            procs.append(subprocess.Popen([sys.executable, "-m", "embengine.bench.distributed",
-                                           args], env=env))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "embengine.bench.distributed", args], env=env
+                )
+            )
         # Poll every rank: one that fails (or the deadline) ends the others at once, instead of
         # leaving them to wait for it at the process group's timeout.
         deadline = time.perf_counter() + timeout
@@ -235,19 +262,29 @@ def run_distributed(
     w = workload if workload is not None else WORKLOADS[base]
     cores = host().cores
     per_rank = max(1, cores // world)
-    configs = [("1 process", 1, cores, True),
-               (f"{world} ranks, batch split", world, per_rank, True),
-               ("1 process, 1 thread", 1, 1, True),
-               (f"{world} ranks, batch per rank", world, 1, False)]  # fmt: skip
+    configs = [
+        ("1 process", 1, cores, True),
+        (f"{world} ranks, batch split", world, per_rank, True),
+        ("1 process, 1 thread", 1, 1, True),
+        (f"{world} ranks, batch per rank", world, 1, False),
+    ]
     results = []
     for opt in engine_optimizers:
         mine = [DistResult(opt, label, n) for label, n, _, _ in configs]
         for r in range(rounds):
             order = configs if r % 2 == 0 else configs[::-1]
             for label, n, threads, split in order:
-                spec = {"workload": dataclasses.asdict(w), "optimizer": opt, "world": n,
-                        "threads": threads, "split": split, "steps": steps, "warmup": warmup,
-                        "seed": r, "keyed": name in KEYED_DIST}  # fmt: skip
+                spec = {
+                    "workload": dataclasses.asdict(w),
+                    "optimizer": opt,
+                    "world": n,
+                    "threads": threads,
+                    "split": split,
+                    "steps": steps,
+                    "warmup": warmup,
+                    "seed": r,
+                    "keyed": name in KEYED_DIST,
+                }
                 got = _launch(spec, timeout)
                 res = next(m for m in mine if m.config == label)
                 res.ms.append(got["ms"])
@@ -259,29 +296,38 @@ def run_distributed(
     return results
 
 
-def format_distributed(name: str, results: list[DistResult],
-                       workload: Workload | None = None) -> str:  # fmt: skip
+def format_distributed(
+    name: str, results: list[DistResult], workload: Workload | None = None
+) -> str:
     """The table: per optimizer, each configuration's median ms/step over the rounds, rank 0's
     bytes per step (counted, written to sockets, modelled) and the two ratios."""
     base, world = DIST_WORKLOADS[name]
     w = workload if workload is not None else WORKLOADS[base]
-    lines = [host().describe(),
-             f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1); rank 0's "
-             "median ms/step, median of the rounds' medians",
-             f"{'optimizer':16s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
-             f"{'MB counted':>10s} {'MB written':>10s} {'MB model':>9s}"]  # fmt: skip
+    lines = [
+        host().describe(),
+        f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1); rank 0's "
+        "median ms/step, median of the rounds' medians",
+        f"{'optimizer':16s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
+        f"{'MB counted':>10s} {'MB written':>10s} {'MB model':>9s}",
+    ]
     for opt in dict.fromkeys(r.optimizer for r in results):
         mine = [r for r in results if r.optimizer == opt]
         for r in mine:
             rounds = " ".join(f"{m:.0f}" for m in r.ms)
-            mb = [f"{statistics.median(v) / 1e6:.2f}" if r.world > 1 else "-"
-                  for v in (r.counted, r.written, r.modelled)]  # fmt: skip
-            lines.append(f"{opt:16s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
-                         f"{mb[0]:>10s} {mb[1]:>10s} {mb[2]:>9s}")  # fmt: skip
+            mb = [
+                f"{statistics.median(v) / 1e6:.2f}" if r.world > 1 else "-"
+                for v in (r.counted, r.written, r.modelled)
+            ]
+            lines.append(
+                f"{opt:16s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
+                f"{mb[0]:>10s} {mb[1]:>10s} {mb[2]:>9s}"
+            )
         one, split, one_thread, per_rank = mine
-        lines.append(f"{opt:16s} {world} ranks / 1 process (batch split): "
-                     f"{split.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x); weak-scaling "
-                     f"efficiency {one_thread.ms_per_step / per_rank.ms_per_step:.2f}")  # fmt: skip
+        lines.append(
+            f"{opt:16s} {world} ranks / 1 process (batch split): "
+            f"{split.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x); weak-scaling "
+            f"efficiency {one_thread.ms_per_step / per_rank.ms_per_step:.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -52,8 +52,9 @@ def _tensors(shard) -> list[tuple[str, str, int, int, np.dtype]]:
     out = [(shard.name, WEIGHTS, 0, shard.dim, np.dtype(np.float32))]
     for spec in shard.slot_specs:
         col = shard.columns[spec.name]
-        out.append((f"{shard.name}/{spec.name}", spec.name, col.start, col.width,
-                    np.dtype(col.dtype)))  # fmt: skip
+        out.append(
+            (f"{shard.name}/{spec.name}", spec.name, col.start, col.width, np.dtype(col.dtype))
+        )
     return out
 
 
@@ -63,8 +64,11 @@ def _header(shard, vocabulary_size: int) -> tuple[bytes, dict[str, int]]:
     header, offset, starts = {}, 0, {}
     for name, _, _, width, dtype in _tensors(shard):
         nbytes = vocabulary_size * width * dtype.itemsize
-        header[name] = {"dtype": DTYPES[dtype], "shape": [vocabulary_size, width],
-                        "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        header[name] = {
+            "dtype": DTYPES[dtype],
+            "shape": [vocabulary_size, width],
+            "data_offsets": [offset, offset + nbytes],
+        }
         starts[name] = offset
         offset += nbytes
     header["__metadata__"] = {"table": shard.name}
@@ -89,8 +93,9 @@ def _owned_in(plan: ShardPlan, t: int, rank: int, lo: int, hi: int) -> np.ndarra
     return np.zeros(0, dtype=np.int64)
 
 
-def _name_from_rank0(comm: Comm, name: str | None, what: str,
-                     error: Exception | None = None) -> str:  # fmt: skip
+def _name_from_rank0(
+    comm: Comm, name: str | None, what: str, error: Exception | None = None
+) -> str:
     """Rank 0's string on every rank. None on rank 0 means it failed (``error``, which rank 0
     raises once the others know): every rank raises."""
     mine = np.frombuffer((name or "").encode(), dtype=np.uint8) if comm.rank == 0 else None
@@ -112,9 +117,17 @@ def _agree(comm: Comm, ok: bool, what: str) -> None:
         raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
 
 
-def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict, step: int,
-         root: str | Path, keep: int | None = None, extra_metadata: dict | None = None,
-         extra_tensors: dict[str, np.ndarray] | None = None) -> Path:  # fmt: skip
+def save(
+    comm: Comm,
+    shards: tuple[ShardTable, ...],
+    plan: ShardPlan,
+    spec: dict,
+    step: int,
+    root: str | Path,
+    keep: int | None = None,
+    extra_metadata: dict | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write a checkpoint of every rank's rows (``shards``, one per table of ``spec``, sharded
     by ``plan``) at ``step`` under ``root``; see the module docstring. ``extra_tensors`` and
     ``extra_metadata``: rank 0's are written (e.g. a DDP model, the same on every rank).
@@ -125,8 +138,9 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
     root = Path(root)
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
     # Keyed tables: every rank's keys first (they fix each key's place in the file).
-    keyed = {t: kc.layout(comm, shard) for t, shard in enumerate(shards)
-             if isinstance(shard, KeyedTable)}  # fmt: skip
+    keyed = {
+        t: kc.layout(comm, shard) for t, shard in enumerate(shards) if isinstance(shard, KeyedTable)
+    }
     for t, lay in keyed.items():
         spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
@@ -163,19 +177,24 @@ def save(comm: Comm, shards: tuple[ShardTable, ...], plan: ShardPlan, spec: dict
         final = None
         if rank == 0:
             try:
-                final = _commit(root, tmp, spec, files, flags.all(axis=0), step, keep,
-                                extra_metadata)  # fmt: skip
+                final = _commit(
+                    root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
+                )
             except OSError as e:
                 error = e
-        return Path(_name_from_rank0(comm, None if final is None else str(final),
-                                     "commit the checkpoint", error))  # fmt: skip
+        return Path(
+            _name_from_rank0(
+                comm, None if final is None else str(final), "commit the checkpoint", error
+            )
+        )
     finally:
         if tmp_fd is not None:
             ckpt._unlock(tmp_fd)
 
 
-def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str],
-                sizes: list[int]) -> np.ndarray:  # fmt: skip
+def _write_rows(
+    comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str], sizes: list[int]
+) -> np.ndarray:
     """Every rank writes its block of rows of every table; per table whether its float
     columns in this rank's block were all finite."""
     rank, world = comm.rank, comm.world_size
@@ -193,15 +212,20 @@ def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str]
         try:
             for k in range(rounds):
                 # What each destination writes this round, and which of those rows are mine.
-                spans = [(min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi))
-                         for lo, hi in blocks]  # fmt: skip
+                spans = [
+                    (min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi)) for lo, hi in blocks
+                ]
                 mine = [_owned_in(plan, t, rank, a, b) for a, b in spans]
                 send = np.concatenate(
                     [shard.data[shard.rows_for(0, ids)].reshape(-1) for ids in mine]
                 )
                 theirs = [_owned_in(plan, t, s, *spans[rank]) for s in range(world)]
-                got = comm.all_to_all(send, [len(i) * width for i in mine],
-                                      [len(i) * width for i in theirs], "checkpoint")  # fmt: skip
+                got = comm.all_to_all(
+                    send,
+                    [len(i) * width for i in mine],
+                    [len(i) * width for i in theirs],
+                    "checkpoint",
+                )
                 a, b = spans[rank]
                 rows = np.empty((b - a, width), dtype=np.float32)
                 pos = 0
@@ -219,8 +243,16 @@ def _write_rows(comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str]
     return finite
 
 
-def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
-            finite: np.ndarray, step: int, keep: int | None, extra_metadata) -> Path:  # fmt: skip
+def _commit(
+    root: Path,
+    tmp: Path,
+    spec: dict,
+    files: list[str],
+    finite: np.ndarray,
+    step: int,
+    keep: int | None,
+    extra_metadata,
+) -> Path:
     """Rank 0: hash the files, write the manifest, rename the folder into place."""
     listed = {}
     for entry, file, ok in zip(spec["tables"], files, finite, strict=True):
@@ -230,17 +262,26 @@ def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
     extra = {"file": None, "metadata": dict(extra_metadata or {})}
     if (tmp / ckpt.EXTRA_FILE).exists():
         extra["file"] = ckpt.EXTRA_FILE
-        listed[ckpt.EXTRA_FILE] = {"sha256": sha256_file(tmp / ckpt.EXTRA_FILE),
-                              "bytes": (tmp / ckpt.EXTRA_FILE).stat().st_size}  # fmt: skip
-    manifest = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
-                "embengine_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "step": step, **spec,
-                "finite": bool(finite.all()),
-                "extra": extra, "files": listed}  # fmt: skip
+        listed[ckpt.EXTRA_FILE] = {
+            "sha256": sha256_file(tmp / ckpt.EXTRA_FILE),
+            "bytes": (tmp / ckpt.EXTRA_FILE).stat().st_size,
+        }
+    manifest = {
+        "format": ckpt.FORMAT,
+        "format_version": ckpt.FORMAT_VERSION,
+        "embengine_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "step": step,
+        **spec,
+        "finite": bool(finite.all()),
+        "extra": extra,
+        "files": listed,
+    }
     text = json.dumps(manifest, indent=1, default=ckpt._json_default).encode()
-    for name, data in (("manifest.json", text),
-                       ("manifest.sha256", hashlib.sha256(text).hexdigest().encode())):  # fmt: skip
+    for name, data in (
+        ("manifest.json", text),
+        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode()),
+    ):
         with open(tmp / name, "wb") as f:
             f.write(data)
             f.flush()
@@ -256,8 +297,9 @@ def _commit(root: Path, tmp: Path, spec: dict, files: list[str],
     return final
 
 
-def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path,
-            verify: bool = True) -> ckpt.CheckpointInfo:  # fmt: skip
+def restore(
+    comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path, verify: bool = True
+) -> ckpt.CheckpointInfo:
     """Read this rank's rows of every table (``shards``, of an engine whose configuration is
     ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns a
     CheckpointInfo: the checkpoint's step (the caller's new step) and its extra data, read by
@@ -305,8 +347,9 @@ def restore(comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | 
             target = shard.data if dtype == np.float32 else shard.data.view(np.int32)
             with open(stored.file, "rb") as f:
                 # Chunks of at most ``chunk`` stored rows, each holding some of this rank's ids.
-                for a in range(int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids)
-                               else 0, chunk):  # fmt: skip
+                for a in range(
+                    int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids) else 0, chunk
+                ):
                     lo, hi = np.searchsorted(ids, [a, a + chunk])
                     if lo == hi:
                         continue

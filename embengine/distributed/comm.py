@@ -141,11 +141,15 @@ class Comm:
             peers = [r for r in range(self.world_size) if r != self.rank]
             said = str(e).strip()
             if "timed out" in said.lower():
-                why = (f"no answer within the process group's timeout in "
-                       f"{self._call or 'a call'}: {self.behind()}")  # fmt: skip
+                why = (
+                    f"no answer within the process group's timeout in "
+                    f"{self._call or 'a call'}: {self.behind()}"
+                )
             else:
-                why = ("one of them died (connection reset) or did not answer within the "
-                       "process group's timeout")  # fmt: skip
+                why = (
+                    "one of them died (connection reset) or did not answer within the "
+                    "process group's timeout"
+                )
             raise PeerError(
                 f"rank {self.rank}: a collective ({purpose}) with ranks {peers} failed: {why}; "
                 f"gloo says: {said}"
@@ -156,8 +160,9 @@ class Comm:
         sent, self.sent = self.sent, Counter()
         return sent
 
-    def all_to_all(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray,
-                   purpose: str) -> np.ndarray:  # fmt: skip
+    def all_to_all(
+        self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, purpose: str
+    ) -> np.ndarray:
         """1-D ``send``, its blocks of ``send_counts[d]`` elements for rank d in rank order ->
         the blocks every rank sent this one, ``recv_counts[s]`` from rank s, in rank order."""
         send = np.ascontiguousarray(send)
@@ -168,9 +173,16 @@ class Comm:
             out[:] = send
             return out
         self.sent[purpose] += (sum(send_counts) - send_counts[self.rank]) * send.itemsize
-        self._run(lambda: dist.all_to_all_single(torch.from_numpy(out), torch.from_numpy(send),
-                                                 recv_counts, send_counts, group=self.group),
-                  purpose)  # fmt: skip
+        self._run(
+            lambda: dist.all_to_all_single(
+                torch.from_numpy(out),
+                torch.from_numpy(send),
+                recv_counts,
+                send_counts,
+                group=self.group,
+            ),
+            purpose,
+        )
         return out
 
     def all_gather(self, block: np.ndarray, purpose: str) -> np.ndarray:
@@ -180,9 +192,12 @@ class Comm:
             return block[None].copy()
         self.sent[purpose] += block.nbytes * (self.world_size - 1)
         out = np.empty((self.world_size, *block.shape), dtype=block.dtype)
-        self._run(lambda: dist.all_gather([torch.from_numpy(o) for o in out],
-                                          torch.from_numpy(block), group=self.group),
-                  purpose)  # fmt: skip
+        self._run(
+            lambda: dist.all_gather(
+                [torch.from_numpy(o) for o in out], torch.from_numpy(block), group=self.group
+            ),
+            purpose,
+        )
         return out
 
     def all_gather_ragged(self, block: np.ndarray, purpose: str) -> list[np.ndarray]:

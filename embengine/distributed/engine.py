@@ -71,9 +71,14 @@ DEFAULT_TIMEOUT = 60.0
 # An engine with keyed tables tells an evaluation lookup (``_EVAL``) from a training one: its
 # owners run the tables' rules on a training lookup only, so the ranks must agree.
 _LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE, _EVAL = 1, 2, 3, 4, 5, 6
-_CALLS = {_LOOKUP: "lookup", _EVAL: "lookup(training=False)", _APPLY: "apply_gradients",
-          _CONTENTS: "table_contents",
-          _SAVE: "save", _RESTORE: "restore"}  # fmt: skip
+_CALLS = {
+    _LOOKUP: "lookup",
+    _EVAL: "lookup(training=False)",
+    _APPLY: "apply_gradients",
+    _CONTENTS: "table_contents",
+    _SAVE: "save",
+    _RESTORE: "restore",
+}
 # Header columns: call, step, valid, the call's data time (NO_TIME: none), then 2 * features
 # counts, one learning rate per table (float64 bits), and, in an engine with keyed tables, per
 # table the caller's unique ids of it (a lookup: whether any rank brought keys of a keyed table).
@@ -157,36 +162,56 @@ class ShardedEngine:
         self.world_size = dist.get_world_size(group)
         self._comm = Comm(group, self.rank, self.world_size)
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
-        row_bytes = [4 * (t.dim + sum(s.width for s in specs))
-                     for t, specs in zip(r.tables, slot_specs, strict=True)]  # fmt: skip
+        row_bytes = [
+            4 * (t.dim + sum(s.width for s in specs))
+            for t, specs in zip(r.tables, slot_specs, strict=True)
+        ]
         # A keyed table's size is not known in advance; it is sharded by key anyway.
-        table_bytes = [0 if t.keyed else t.vocabulary_size * b
-                       for t, b in zip(r.tables, row_bytes, strict=True)]  # fmt: skip
+        table_bytes = [
+            0 if t.keyed else t.vocabulary_size * b
+            for t, b in zip(r.tables, row_bytes, strict=True)
+        ]
         loads = [
-            TableLoad(t.vocabulary_size or 0, t.dim, nbytes,
-                      expected_traffic(t.dim, [r.features[f].max_sequence_length or 1
-                                               for f in names]),
-                      opt.updates_every_row)
-            for t, nbytes, names, opt in zip(r.tables, table_bytes, r.table_features,
-                                             optimizers, strict=True)
-        ]  # fmt: skip
-        self._plan = plan_shards(sharding, r.table_names, table_bytes, self.world_size, loads,
-                                 keyed)  # fmt: skip
+            TableLoad(
+                t.vocabulary_size or 0,
+                t.dim,
+                nbytes,
+                expected_traffic(t.dim, [r.features[f].max_sequence_length or 1 for f in names]),
+                opt.updates_every_row,
+            )
+            for t, nbytes, names, opt in zip(
+                r.tables, table_bytes, r.table_features, optimizers, strict=True
+            )
+        ]
+        self._plan = plan_shards(
+            sharding, r.table_names, table_bytes, self.world_size, loads, keyed
+        )
         self._check_same_configuration()
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
             KeyedTable(name, t.dim, specs, _initializer_for(t, opt), self.seed, t.dynamic)
-            if t.keyed else
-            ShardTable(name, t.vocabulary_size, t.dim, specs, _initializer_for(t, opt), self.seed,
-                       self._plan.owned_ids(i, t.vocabulary_size, self.rank), self.world_size,
-                       self.rank, self._plan.kinds[i])
-            for i, (name, t, opt, specs) in enumerate(zip(r.table_names, r.tables, optimizers,
-                                                          slot_specs, strict=True))
-        )  # fmt: skip
+            if t.keyed
+            else ShardTable(
+                name,
+                t.vocabulary_size,
+                t.dim,
+                specs,
+                _initializer_for(t, opt),
+                self.seed,
+                self._plan.owned_ids(i, t.vocabulary_size, self.rank),
+                self.world_size,
+                self.rank,
+                self._plan.kinds[i],
+            )
+            for i, (name, t, opt, specs) in enumerate(
+                zip(r.table_names, r.tables, optimizers, slot_specs, strict=True)
+            )
+        )
         self._keyed = tuple(i for i, t in enumerate(r.tables) if t.keyed)
-        self._needs_time = [r.table_names[i] for i in self._keyed
-                            if r.tables[i].dynamic.expire_seconds is not None]  # fmt: skip
+        self._needs_time = [
+            r.table_names[i] for i in self._keyed if r.tables[i].dynamic.expire_seconds is not None
+        ]
         # The step's data time so far (step, timestamp), as EmbeddingEngine keeps it.
         self._step_time: tuple[int, int | None] = (-1, None)
         # Batches are prepared as for a single engine with one storage table per table.
@@ -196,14 +221,17 @@ class ShardedEngine:
         # Per table (row sharded?, owner of a whole table) and width; per feature its width
         # and, per table, its features' indices (the single engine's occurrence order).
         kinds = {"row": sr.KIND_ROW, "table": sr.KIND_TABLE, KEYED: sr.KIND_KEYED}
-        self._route = tuple((kinds[kind], owner)
-                            for kind, owner in zip(self._plan.kinds, self._plan.owners,
-                                                   strict=True))  # fmt: skip
+        self._route = tuple(
+            (kinds[kind], owner)
+            for kind, owner in zip(self._plan.kinds, self._plan.owners, strict=True)
+        )
         self._dims = np.array([t.dim for t in r.tables], dtype=np.int64)
-        self._feature_dims = np.array([r.features[f].table.dim for f in self._features],
-                                      dtype=np.int64)  # fmt: skip
-        self._table_feature_index = tuple(tuple(self._features.index(f) for f in names)
-                                          for names in r.table_features)  # fmt: skip
+        self._feature_dims = np.array(
+            [r.features[f].table.dim for f in self._features], dtype=np.int64
+        )
+        self._table_feature_index = tuple(
+            tuple(self._features.index(f) for f in names) for names in r.table_features
+        )
         self._step = 0
         self._pending: PreparedBatch | None = None
         self.lock = threading.RLock()
@@ -265,15 +293,19 @@ class ShardedEngine:
         plan = self.plan
         return {
             "tables": {
-                name: {"sharding": plan[name],
-                       **({"rows": shard.rows, "bytes": int(shard.nbytes),
-                           "keyed": shard.stats()} if isinstance(shard, KeyedTable) else
-                          {"rows": int(shard.data.shape[0]), "bytes": int(shard.nbytes)})}
+                name: {
+                    "sharding": plan[name],
+                    **(
+                        {"rows": shard.rows, "bytes": int(shard.nbytes), "keyed": shard.stats()}
+                        if isinstance(shard, KeyedTable)
+                        else {"rows": int(shard.data.shape[0]), "bytes": int(shard.nbytes)}
+                    ),
+                }
                 for name, shard in zip(self.table_names, self._shards, strict=True)
             },
             "bytes_sent": {call: dict(c) for call, c in self.bytes_sent.items()},
             "bytes_sent_total": dict(self.bytes_sent_total),
-        }  # fmt: skip
+        }
 
     def shard(self, table_name: str) -> ShardTable:
         """This rank's share of a table (its ``global_ids``; rows ``[weights | slots]``)."""
@@ -284,17 +316,28 @@ class ShardedEngine:
         (different tables would pair the wrong rows; different optimizers diverge silently)."""
         r = self._resolved
         config = {
-            "tables": [[name, t.vocabulary_size, t.dim, t.combiner, repr(t.dynamic),
-                        initializer_to_json(_initializer_for(t, opt)),
-                        optimizer_to_json(opt, self._learning_rates.tag_of(i))]
-                       for i, (name, t, opt) in enumerate(zip(r.table_names, r.tables,
-                                                              self._optimizers, strict=True))],
-            "features": [[f, r.table_names[r.feature_table[f]], fc.max_sequence_length]
-                         for f, fc in r.features.items()],
+            "tables": [
+                [
+                    name,
+                    t.vocabulary_size,
+                    t.dim,
+                    t.combiner,
+                    repr(t.dynamic),
+                    initializer_to_json(_initializer_for(t, opt)),
+                    optimizer_to_json(opt, self._learning_rates.tag_of(i)),
+                ]
+                for i, (name, t, opt) in enumerate(
+                    zip(r.table_names, r.tables, self._optimizers, strict=True)
+                )
+            ],
+            "features": [
+                [f, r.table_names[r.feature_table[f]], fc.max_sequence_length]
+                for f, fc in r.features.items()
+            ],
             "seed": self.seed,
             "plan": [list(self._plan.kinds), list(self._plan.owners)],
             "nonfinite_gradients": self.nonfinite_gradients,
-        }  # fmt: skip
+        }
         text = json.dumps(config, sort_keys=True, default=str).encode()
         digest = np.frombuffer(hashlib.sha256(text).digest()[:8], dtype=np.int64).copy()
         self._comm.enter("ShardedEngine()")
@@ -309,9 +352,15 @@ class ShardedEngine:
 
     # -- the header: every call starts with it ---------------------------------------------------
 
-    def _header(self, call: int, error: Exception | None, counts: np.ndarray | None = None,
-                lrs: Sequence[float] | None = None, timestamp: int | None = None,
-                totals: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def _header(
+        self,
+        call: int,
+        error: Exception | None,
+        counts: np.ndarray | None = None,
+        lrs: Sequence[float] | None = None,
+        timestamp: int | None = None,
+        totals: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Exchange this call's header with every rank; raise ``error`` (this rank's own
         validation error) afterwards, or a DistributedError if ranks disagree (call, step,
         learning rates, data time). Returns the headers received, int64 ``[W,
@@ -377,13 +426,20 @@ class ShardedEngine:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def preprocess(self, features: Mapping, weights: Mapping | None = None, *,
-                   training: bool = True) -> PreparedBatch:  # fmt: skip
+    def preprocess(
+        self, features: Mapping, weights: Mapping | None = None, *, training: bool = True
+    ) -> PreparedBatch:
         """This rank's features validated and deduplicated per table, as ``EmbeddingEngine.
         preprocess`` does (pure, no communication; a DataLoader worker may call it). Always
         deduplicated, ``training`` or not: a lookup pulls each unique id's row once."""
-        return prepare_batch(self._resolved, features, weights, self._backend.build_tables,
-                             self._layout, fingerprint=self._fingerprint)  # fmt: skip
+        return prepare_batch(
+            self._resolved,
+            features,
+            weights,
+            self._backend.build_tables,
+            self._layout,
+            fingerprint=self._fingerprint,
+        )
 
     def lookup(
         self,
@@ -398,8 +454,7 @@ class ShardedEngine:
         samples). ``training=True`` keeps the batch for ``apply_gradients``. ``timestamp``
         (training only): the step's data time for keyed tables (``EmbeddingEngine.lookup``'s),
         the same on every rank (checked)."""
-        return self.lookup_with_batch(features, weights, training=training,
-                                      timestamp=timestamp)[0]  # fmt: skip
+        return self.lookup_with_batch(features, weights, training=training, timestamp=timestamp)[0]
 
     def lookup_with_batch(
         self,
@@ -468,8 +523,10 @@ class ShardedEngine:
                     raise ValueError("weights must be given to preprocess(), not with a batch")
                 check_prepared_for(features, self._fingerprint, self._resolved)
                 if not features.deduplicated:
-                    raise ValueError("this PreparedBatch was not deduplicated: build it with "
-                                     "ShardedEngine.preprocess")  # fmt: skip
+                    raise ValueError(
+                        "this PreparedBatch was not deduplicated: build it with "
+                        "ShardedEngine.preprocess"
+                    )
                 batch = features
             else:
                 batch = self.preprocess(features, weights)
@@ -480,8 +537,7 @@ class ShardedEngine:
             error = e
         self._pending = None  # a failed or lookup-only call leaves nothing to update
         call = _EVAL if self._keyed and not training else _LOOKUP
-        got = self._header(call, error, counts.T, timestamp=when,
-                           totals=counts.sum(axis=1))  # fmt: skip
+        got = self._header(call, error, counts.T, timestamp=when, totals=counts.sum(axis=1))
         dims = self._dims
         # Unique ids to their owners, destination-major (each owner's block table by table, in
         # first-appearance order); each id learns where its row will be among the rows pulled.
@@ -493,21 +549,30 @@ class ShardedEngine:
             row, owner = self._route[t]
             layout = _RowsLayout(value_at[:, t], counts[t], int(dims[t]))
             rows.append(np.empty(len(tb.unique_ids), dtype=np.int64))
-            sr.route_ids(tb.unique_ids, row, owner, w, send, send_at[:, t].copy(), rows[t],
-                         layout.row_base)  # fmt: skip
+            sr.route_ids(
+                tb.unique_ids, row, owner, w, send, send_at[:, t].copy(), rows[t], layout.row_base
+            )
             layouts.append(layout)
             if row == sr.KIND_KEYED:  # where each key went in ``send`` (its flag comes back)
                 sent_at[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
-                sr.route_ids(tb.unique_ids, row, owner, w, np.empty_like(send),
-                             send_at[:, t].copy(), sent_at[t], send_at[:, t].copy())  # fmt: skip
+                sr.route_ids(
+                    tb.unique_ids,
+                    row,
+                    owner,
+                    w,
+                    np.empty_like(send),
+                    send_at[:, t].copy(),
+                    sent_at[t],
+                    send_at[:, t].copy(),
+                )
         recv_counts = got[:, _FIXED : _FIXED + nt]  # [sender, table]
-        ids = self._comm.all_to_all(send, counts.sum(axis=0), recv_counts.sum(axis=1),
-                                    "lookup ids")  # fmt: skip
+        ids = self._comm.all_to_all(send, counts.sum(axis=0), recv_counts.sum(axis=1), "lookup ids")
         recv_at = _starts(recv_counts)
         keyed_rows = {}
         if self._keyed:
-            keyed_rows = self._resolve_keys(batch, ids, counts, recv_counts, recv_at, sent_at,
-                                            training, when, got)  # fmt: skip
+            keyed_rows = self._resolve_keys(
+                batch, ids, counts, recv_counts, recv_at, sent_at, training, when, got
+            )
         # Answer with the rows of the ids this rank owns, in the order asked.
         answer_at = _starts(recv_counts * dims)
         answer = np.empty(int((recv_counts * dims).sum()), dtype=np.float32)
@@ -525,17 +590,27 @@ class ShardedEngine:
                     block[at < 0] = 0.0
                 continue
             starts = recv_at[:, t].copy()
-            bad = sr.gather_rows(shard.data, shard.dim, ids, starts, starts + recv_counts[:, t],
-                                 self._route[t][0], w,
-                                 self.rank, answer, answer_at[:, t].copy())  # fmt: skip
+            bad = sr.gather_rows(
+                shard.data,
+                shard.dim,
+                ids,
+                starts,
+                starts + recv_counts[:, t],
+                self._route[t][0],
+                w,
+                self.rank,
+                answer,
+                answer_at[:, t].copy(),
+            )
             if bad >= 0:
                 raise DistributedError(
                     f"rank {self.rank}: table {self.table_names[t]!r}: a rank asked for id "
                     f"{int(ids[bad])}, which this rank does not hold (ranks disagree on the "
                     "sharding)"
                 )
-        values = self._comm.all_to_all(answer, (recv_counts * dims).sum(axis=1),
-                                       (counts.T * dims).sum(axis=1), "lookup rows")  # fmt: skip
+        values = self._comm.all_to_all(
+            answer, (recv_counts * dims).sum(axis=1), (counts.T * dims).sum(axis=1), "lookup rows"
+        )
         if self._keyed:
             # Whether each asked key has a row, in the order asked (dense ids: always).
             has = np.ones(len(ids), dtype=np.uint8)
@@ -543,8 +618,9 @@ class ShardedEngine:
                 for s in range(w):
                     a, n = int(recv_at[s, t]), int(recv_counts[s, t])
                     has[a : a + n] = found[a : a + n] >= 0
-            back = self._comm.all_to_all(has, recv_counts.sum(axis=1), counts.sum(axis=0),
-                                         "lookup rows found")  # fmt: skip
+            back = self._comm.all_to_all(
+                has, recv_counts.sum(axis=1), counts.sum(axis=0), "lookup rows found"
+            )
             for t, at in sent_at.items():
                 rows[t][back[at] == 0] = -1  # no row: pools nothing, as the single engine
         # Pool locally from the pulled rows: each unique id reads its row where it arrived.
@@ -552,8 +628,9 @@ class ShardedEngine:
         for t, tb in enumerate(batch.tables):
             local = dataclasses.replace(tb, unique_rows=rows[t])
             q = self._resolved.tables[t].quantization_config
-            per_table.append(self._backend.lookup_rows(layouts[t].matrix(values), int(dims[t]),
-                                                       local, q))  # fmt: skip
+            per_table.append(
+                self._backend.lookup_rows(layouts[t].matrix(values), int(dims[t]), local, q)
+            )
         if training:
             self._pending = batch
             if when is not None:
@@ -565,8 +642,18 @@ class ShardedEngine:
         }
         return acts, batch
 
-    def _resolve_keys(self, batch, ids, counts, recv_counts, recv_at, sent_at, training: bool,
-                      when: int | None, got: np.ndarray) -> dict[int, np.ndarray]:  # fmt: skip
+    def _resolve_keys(
+        self,
+        batch,
+        ids,
+        counts,
+        recv_counts,
+        recv_at,
+        sent_at,
+        training: bool,
+        when: int | None,
+        got: np.ndarray,
+    ) -> dict[int, np.ndarray]:
         """The rows of the keys every rank asked this rank for (keyed tables; -1: none), by
         this rank's keyed tables, after their step's rules: a training lookup sends each key's
         occurrences too, and the owner runs the rules once on its keys of the whole step with
@@ -594,21 +681,25 @@ class ShardedEngine:
                 mine[at] = np.diff(batch.tables[t].unique_offsets)
             k_recv = recv_counts * keyed[None, :]  # [sender, table]
             k_recv_at = _starts(k_recv)
-            occurrences = self._comm.all_to_all(mine, k_counts.sum(axis=0), k_recv.sum(axis=1),
-                                                "lookup occurrences")  # fmt: skip
+            occurrences = self._comm.all_to_all(
+                mine, k_counts.sum(axis=0), k_recv.sum(axis=1), "lookup occurrences"
+            )
         totals = got[:, _FIXED + 2 * len(self._features) + len(self.table_names) :]
         out = {}
         for t in self._keyed:
             shard = self._shards[t]
-            spans = [(int(recv_at[s, t]), int(recv_at[s, t] + recv_counts[s, t]))
-                     for s in range(w)]  # fmt: skip
+            spans = [(int(recv_at[s, t]), int(recv_at[s, t] + recv_counts[s, t])) for s in range(w)]
             asked = np.concatenate([ids[a:b] for a, b in spans])
             keys, inverse = np.unique(asked, return_inverse=True)
             if training:
                 if not totals[:, t].any():
                     continue  # no rank brought keys: the single engine runs no rule either
-                n = np.concatenate([occurrences[k_recv_at[s, t] : k_recv_at[s, t] + b - a]
-                                    for s, (a, b) in enumerate(spans)])  # fmt: skip
+                n = np.concatenate(
+                    [
+                        occurrences[k_recv_at[s, t] : k_recv_at[s, t] + b - a]
+                        for s, (a, b) in enumerate(spans)
+                    ]
+                )
                 summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
                 found = shard.rows_for(0, keys, True, counts=summed)
             else:
@@ -621,9 +712,14 @@ class ShardedEngine:
             out[t] = rows
         return out
 
-    def apply_gradients(self, gradients: Mapping, learning_rates: Sequence[float] | None = None,
-                        batch: PreparedBatch | None = None, *,
-                        timestamp: int | None = None) -> None:  # fmt: skip
+    def apply_gradients(
+        self,
+        gradients: Mapping,
+        learning_rates: Sequence[float] | None = None,
+        batch: PreparedBatch | None = None,
+        *,
+        timestamp: int | None = None,
+    ) -> None:
         """One optimizer step from the gradients of ``batch`` (default: this rank's last
         training lookup's): collectively, every row touched by any rank is updated once, by
         its owner, from the sum of every rank's contributions in the single engine's order.
@@ -637,8 +733,9 @@ class ShardedEngine:
             finally:
                 self._count("apply_gradients")
 
-    def _apply(self, gradients, learning_rates, given: PreparedBatch | None,
-               timestamp: int | None = None) -> None:  # fmt: skip
+    def _apply(
+        self, gradients, learning_rates, given: PreparedBatch | None, timestamp: int | None = None
+    ) -> None:
         r, w = self._resolved, self.world_size
         nf, nt = len(self._features), len(self.table_names)
         error, lrs, when = None, None, None
@@ -650,8 +747,10 @@ class ShardedEngine:
             if given is not None:
                 check_prepared_for(given, self._fingerprint, self._resolved)
                 if not given.deduplicated:
-                    raise ValueError("this PreparedBatch was not deduplicated: build it with "
-                                     "ShardedEngine.preprocess")  # fmt: skip
+                    raise ValueError(
+                        "this PreparedBatch was not deduplicated: build it with "
+                        "ShardedEngine.preprocess"
+                    )
             if batch is None:
                 raise ValueError(
                     "apply_gradients needs a lookup(..., training=True) first: there is no "
@@ -670,8 +769,10 @@ class ShardedEngine:
                 try:
                     opt.check_learning_rate(lr)
                 except ValueError as e:
-                    raise ValueError(f"table {self.table_names[t]!r}, step {self._step}: {e}; "
-                                     "nothing was updated") from None  # fmt: skip
+                    raise ValueError(
+                        f"table {self.table_names[t]!r}, step {self._step}: {e}; "
+                        "nothing was updated"
+                    ) from None
             for f, name in enumerate(self._features):
                 lay = batch.features[name]
                 t = r.feature_table[name]
@@ -685,8 +786,7 @@ class ShardedEngine:
                 spans.append((tb, owners[t], lo, hi, lay.start))
         except (TypeError, ValueError) as e:
             error = e
-        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs,
-                           timestamp=when)  # fmt: skip
+        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs, timestamp=when)
         # Everything is validated on every rank; from here on tables change.
         self._begin_keyed(when)
         got_n, got_m = got[:, _FIXED : _FIXED + nf], got[:, _FIXED + nf : _FIXED + 2 * nf]
@@ -698,16 +798,32 @@ class ShardedEngine:
         gains = np.empty(int(n.sum()), dtype=np.float32)
         rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
         for f, (tb, owner, lo, hi, start) in enumerate(spans):
-            sr.fill_push(tb.unique_ids, owner, tb.inverse, tb.segments, tb.gains, lo, hi, start,
-                         grads[self._features[f]], w, n[f], ints,
-                         int_at[:, f].copy(), gains, gain_at[:, f].copy(), rows_g,
-                         row_at[:, f].copy())  # fmt: skip
-        int_recv = self._comm.all_to_all(ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1),
-                                         "gradient ids")  # fmt: skip
-        gain_recv = self._comm.all_to_all(gains, n.sum(axis=0), got_n.sum(axis=1),
-                                          "gradient gains")  # fmt: skip
-        rows_recv = self._comm.all_to_all(rows_g, (m.T * dims).sum(axis=1),
-                                          (got_m * dims).sum(axis=1), "gradients")  # fmt: skip
+            sr.fill_push(
+                tb.unique_ids,
+                owner,
+                tb.inverse,
+                tb.segments,
+                tb.gains,
+                lo,
+                hi,
+                start,
+                grads[self._features[f]],
+                w,
+                n[f],
+                ints,
+                int_at[:, f].copy(),
+                gains,
+                gain_at[:, f].copy(),
+                rows_g,
+                row_at[:, f].copy(),
+            )
+        int_recv = self._comm.all_to_all(
+            ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient ids"
+        )
+        gain_recv = self._comm.all_to_all(gains, n.sum(axis=0), got_n.sum(axis=1), "gradient gains")
+        rows_recv = self._comm.all_to_all(
+            rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
+        )
         in_int_at, in_gain_at = _starts(2 * got_n), _starts(got_n)
         in_row_at = _starts(got_m * dims)
         skip = self.nonfinite_gradients == "skip_row"
@@ -722,17 +838,27 @@ class ShardedEngine:
             ss = np.array([s for s, _ in blocks], dtype=np.int64)
             layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
             grad = layout.matrix(rows_recv)
-            tb = self._owner_batch(t, int_recv, gain_recv, in_int_at[ss, fs], got_n[ss, fs],
-                                   in_gain_at[ss, fs], layout.row_base, len(grad))  # fmt: skip
+            tb = self._owner_batch(
+                t,
+                int_recv,
+                gain_recv,
+                in_int_at[ss, fs],
+                got_n[ss, fs],
+                in_gain_at[ss, fs],
+                layout.row_base,
+                len(grad),
+            )
             if t in self._keyed:
                 # The rows the step's lookup resolved (-1: not admitted, the gradient
                 # dropped); inserting on apply, the admitted new keys get theirs now.
                 keys = tb.unique_ids
-                found = shard.rows_for_update(0, keys, shard.rows_of(keys),
-                                              counts=np.diff(tb.unique_offsets))  # fmt: skip
+                found = shard.rows_for_update(
+                    0, keys, shard.rows_of(keys), counts=np.diff(tb.unique_offsets)
+                )
                 tb = dataclasses.replace(tb, unique_rows=np.asarray(found, dtype=np.int64))
-            left = self._backend.apply(shard, tb, grad, self._optimizers[t], lrs[t], self._step,
-                                       skip)  # fmt: skip
+            left = self._backend.apply(
+                shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip
+            )
             if left is not None and len(left):
                 held = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
                 unchanged[self.table_names[t]] = np.sort(held)
@@ -745,9 +871,17 @@ class ShardedEngine:
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
 
-    def _owner_batch(self, t: int, ints: np.ndarray, gains_in: np.ndarray, int_at: np.ndarray,
-                     counts: np.ndarray, gain_at: np.ndarray, row_base: np.ndarray,
-                     num_outputs: int) -> TableBatch:  # fmt: skip
+    def _owner_batch(
+        self,
+        t: int,
+        ints: np.ndarray,
+        gains_in: np.ndarray,
+        int_at: np.ndarray,
+        counts: np.ndarray,
+        gain_at: np.ndarray,
+        row_base: np.ndarray,
+        num_outputs: int,
+    ) -> TableBatch:
         """The TableBatch of table ``t``'s occurrences received by its owner, blocks in the
         single engine's order (see ``shard_route.owner_batch``): ids deduplicated in order of
         first appearance, the occurrences grouped by id stably (so each row's gradient sums in
@@ -763,10 +897,28 @@ class ShardedEngine:
         unique_offsets = np.empty(total + 1, dtype=np.int64)
         unique_gains = np.empty(total, dtype=np.float32)
         unique_segments = np.empty(total, dtype=np.int64)
-        u = sr.owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, self._route[t][0],
-                           self.world_size, self.rank, shard.data.shape[0], num_outputs, unique,
-                           inverse, gains, segments, unique_rows, output_offsets, unique_offsets,
-                           unique_gains, unique_segments)  # fmt: skip
+        u = sr.owner_batch(
+            ints,
+            gains_in,
+            int_at,
+            counts,
+            gain_at,
+            row_base,
+            self._route[t][0],
+            self.world_size,
+            self.rank,
+            shard.data.shape[0],
+            num_outputs,
+            unique,
+            inverse,
+            gains,
+            segments,
+            unique_rows,
+            output_offsets,
+            unique_offsets,
+            unique_gains,
+            unique_segments,
+        )
         if u < 0:
             raise DistributedError(
                 f"rank {self.rank}: table {self.table_names[t]!r}: a gradient arrived for an id "
@@ -801,8 +953,9 @@ class ShardedEngine:
             )
         for name, ids in unchanged.items():
             self.nonfinite_rows_skipped[name] += len(ids)
-        warnings.warn(f"step {step}: {what} (nonfinite_gradients='skip_row')", RuntimeWarning,
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"step {step}: {what} (nonfinite_gradients='skip_row')", RuntimeWarning, stacklevel=3
+        )
 
     def _check_gradients(self, gradients: Mapping, batch: PreparedBatch) -> dict[str, np.ndarray]:
         """Gradient per feature as float32 ``[rows, dim]``, after EmbeddingEngine's checks."""
@@ -813,8 +966,10 @@ class ShardedEngine:
         missing = [f for f in batch.features if f not in gradients]
         extra = [f for f in gradients if f not in batch.features]
         if extra or missing:
-            raise ValueError(f"gradients for features {sorted(gradients)}; the batch has "
-                             f"{list(batch.features)}, each needs one")  # fmt: skip
+            raise ValueError(
+                f"gradients for features {sorted(gradients)}; the batch has "
+                f"{list(batch.features)}, each needs one"
+            )
         out = {}
         for name, lay in batch.features.items():
             g = as_numpy(gradients[name])
@@ -845,8 +1000,9 @@ class ShardedEngine:
             try:
                 self._header(_CONTENTS, None)
                 tables = {}
-                for shard, name, t in zip(self._shards, self.table_names, self._resolved.tables,
-                                          strict=True):  # fmt: skip
+                for shard, name, t in zip(
+                    self._shards, self.table_names, self._resolved.tables, strict=True
+                ):
                     if t.keyed:
                         tables[name] = self._keyed_contents(shard)
                         continue
@@ -888,40 +1044,57 @@ class ShardedEngine:
         for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
             opt, shard = self._optimizers[t], self._shards[t]
             q = cfg.quantization_config
-            tables.append({
-                "name": name,
-                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
-                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
-                "dim": cfg.dim,
-                "combiner": cfg.combiner,
-                "initializer": initializer_to_json(_initializer_for(cfg, opt)),
-                "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
-                "quantization_config": None if q is None else dataclasses.asdict(q),
-                **compressor_entry(cfg),
-                "storage": "keyed" if cfg.keyed else "ram",
-                "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
-            })  # fmt: skip
+            tables.append(
+                {
+                    "name": name,
+                    "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                    **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
+                    "dim": cfg.dim,
+                    "combiner": cfg.combiner,
+                    "initializer": initializer_to_json(_initializer_for(cfg, opt)),
+                    "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
+                    "quantization_config": None if q is None else dataclasses.asdict(q),
+                    **compressor_entry(cfg),
+                    "storage": "keyed" if cfg.keyed else "ram",
+                    "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
+                }
+            )
         features = [
-            {"name": name, "table": r.table_names[r.feature_table[name]],
-             "max_sequence_length": fc.max_sequence_length,
-             "validate_weights_and_indices": fc.validate_weights_and_indices,
-             "output_shape": None if fc.output_shape is None else list(fc.output_shape)}
+            {
+                "name": name,
+                "table": r.table_names[r.feature_table[name]],
+                "max_sequence_length": fc.max_sequence_length,
+                "validate_weights_and_indices": fc.validate_weights_and_indices,
+                "output_shape": None if fc.output_shape is None else list(fc.output_shape),
+            }
             for name, fc in r.features.items()
-        ]  # fmt: skip
+        ]
         tags = []
         for tag in range(self._learning_rates.num_tags):
             fn = self._learning_rates.tag_callable(tag)
-            tags.append({"tag": tag, "callable": None if fn is None else
-                         getattr(fn, "__qualname__", "?")})  # fmt: skip
+            tags.append(
+                {"tag": tag, "callable": None if fn is None else getattr(fn, "__qualname__", "?")}
+            )
         plan = plan_storage(r, self._optimizers, "ram", None)
-        return {"tables": tables, "features": features, "storage_plan": plan.to_json(),
-                "learning_rate_tags": tags, "seed": self.seed, "backend": self._backend.name,
-                "nonfinite_gradients": self.nonfinite_gradients}  # fmt: skip
+        return {
+            "tables": tables,
+            "features": features,
+            "storage_plan": plan.to_json(),
+            "learning_rate_tags": tags,
+            "seed": self.seed,
+            "backend": self._backend.name,
+            "nonfinite_gradients": self.nonfinite_gradients,
+        }
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save(self, path, keep: int | None = None, extra_tensors: Mapping | None = None,
-             extra_metadata: Mapping | None = None):  # fmt: skip
+    def save(
+        self,
+        path,
+        keep: int | None = None,
+        extra_tensors: Mapping | None = None,
+        extra_metadata: Mapping | None = None,
+    ):
         """Write a checkpoint under the folder ``path`` in embengine's format (by logical table
         and row, one global manifest), each rank writing a block of every table's rows; it
         loads at any world size and into a plain ``EmbeddingEngine``. ``extra_tensors`` /
@@ -935,9 +1108,17 @@ class ShardedEngine:
             self._comm.reset()
             try:
                 self._header(_SAVE, None)
-                return checkpoint.save(self._comm, self._shards, self._plan, self.spec(),
-                                       self._step, path, keep, extra_metadata,
-                                       extra_tensors)  # fmt: skip
+                return checkpoint.save(
+                    self._comm,
+                    self._shards,
+                    self._plan,
+                    self.spec(),
+                    self._step,
+                    path,
+                    keep,
+                    extra_metadata,
+                    extra_tensors,
+                )
             finally:
                 self._count("save")
 
@@ -971,9 +1152,14 @@ class ShardedEngine:
         spec, _ = read_checkpoint(path, verify)
         features = feature_configs_from_spec(spec, callables)
         options = engine_options(spec)
-        engine = cls(features, **{"seed": options["seed"],
-                                  "nonfinite_gradients": options["nonfinite_gradients"],
-                                  **kwargs})  # fmt: skip
+        engine = cls(
+            features,
+            **{
+                "seed": options["seed"],
+                "nonfinite_gradients": options["nonfinite_gradients"],
+                **kwargs,
+            },
+        )
         engine.restore(path, verify=False)  # checked just now
         return engine
 
@@ -1012,6 +1198,6 @@ class _RowsLayout:
         """The rows, float32 ``[rows, dim]``, C-contiguous."""
         if self.view:
             return buffer[self.lo : self.hi].reshape(-1, self.dim)
-        return np.concatenate([buffer[a : a + c * self.dim]
-                               for a, c in zip(self.at, self.count, strict=True)]
-                              ).reshape(-1, self.dim)  # fmt: skip
+        return np.concatenate(
+            [buffer[a : a + c * self.dim] for a, c in zip(self.at, self.count, strict=True)]
+        ).reshape(-1, self.dim)

@@ -60,18 +60,25 @@ class KeyedLayout:
         order = ["keys", WEIGHTS, *[s[0] for s in slots]]
         order += [k for k in entries if k not in order]
         self.tensors = [
-            (shard.name if k == WEIGHTS else f"{shard.name}/{k}", k,
-             tuple(sizes.get(d, d) for d in entries[k][0]), np.dtype(entries[k][1]))
+            (
+                shard.name if k == WEIGHTS else f"{shard.name}/{k}",
+                k,
+                tuple(sizes.get(d, d) for d in entries[k][0]),
+                np.dtype(entries[k][1]),
+            )
             for k in order
-        ]  # fmt: skip
+        ]
 
     def header(self) -> tuple[bytes, dict[str, int]]:
         """The file's safetensors header and each entry's first byte in the file."""
         head, offset, starts = {}, 0, {}
         for name, entry, shape, dtype in self.tensors:
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            head[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
-                          "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            head[name] = {
+                "dtype": DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             starts[entry] = offset
             offset += nbytes
         head["__metadata__"] = {"table": self.shard.name}
@@ -82,8 +89,9 @@ class KeyedLayout:
 
     def size(self) -> int:
         head, _ = self.header()
-        return len(head) + sum(int(np.prod(s, dtype=np.int64)) * d.itemsize
-                               for _, _, s, d in self.tensors)  # fmt: skip
+        return len(head) + sum(
+            int(np.prod(s, dtype=np.int64)) * d.itemsize for _, _, s, d in self.tensors
+        )
 
 
 def _places(comm: Comm, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,16 +113,21 @@ def layout(comm: Comm, shard: KeyedTable) -> KeyedLayout:
 def manifest_entry(lay: KeyedLayout) -> dict:
     """The manifest's ``keyed`` entry of the table (as ``checkpoint.save`` writes it)."""
     c = lay.counters
-    return {"rows": len(lay.keys), "pending_keys": len(lay.pending), "times": True,
-            "total": {k: int(c[0, i] + c[1, i]) for i, k in enumerate(KEYED_COUNTERS)}}  # fmt: skip
+    return {
+        "rows": len(lay.keys),
+        "pending_keys": len(lay.pending),
+        "times": True,
+        "total": {k: int(c[0, i] + c[1, i]) for i, k in enumerate(KEYED_COUNTERS)},
+    }
 
 
 def _block(n: int, world: int, rank: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
-def _send_to_writers(comm: Comm, place: np.ndarray, n: int, values: np.ndarray,
-                     what: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def _send_to_writers(
+    comm: Comm, place: np.ndarray, n: int, values: np.ndarray, what: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``values`` (one per ``place``, ascending) to the ranks writing their places; this
     rank's block: (its places' values in place order, its [lo, hi))."""
     world = comm.world_size
@@ -136,8 +149,10 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
     its header by rank 0); whether its weights and float slots were all finite."""
     shard, st = lay.shard, lay.state
     _, starts = lay.header()
-    float_cols = [st[WEIGHTS]] + [st[s.name].view(np.float32) if s.dtype != "float32"
-                                  else st[s.name] for s in shard.slot_specs]  # fmt: skip
+    float_cols = [st[WEIGHTS]] + [
+        st[s.name].view(np.float32) if s.dtype != "float32" else st[s.name]
+        for s in shard.slot_specs
+    ]
     rows = np.concatenate([np.asarray(a, np.float32) for a in float_cols], axis=1)
     meta = np.stack([st[k] for k in _ROW_META], axis=1).astype(np.int64)
     n, p = len(lay.keys), len(lay.pending)
@@ -152,8 +167,11 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
         def put(entry: str, block: np.ndarray, first: int) -> None:
             block = np.ascontiguousarray(block)
             row = block.nbytes // max(len(block), 1)
-            os.pwrite(fd, block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes(),
-                      starts[entry] + first * row)  # fmt: skip
+            os.pwrite(
+                fd,
+                block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes(),
+                starts[entry] + first * row,
+            )
 
         put("keys", lay.keys[lo:hi], lo)
         put(WEIGHTS, got_rows[:, : shard.dim], lo)

@@ -36,8 +36,16 @@ from ..optimizers import SlotSpec
 from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
-__all__ = ["SHARDING_KINDS", "ShardPlan", "ShardTable", "TableLoad", "expected_traffic", "mix64",
-           "plan_auto", "plan_shards"]  # fmt: skip
+__all__ = [
+    "SHARDING_KINDS",
+    "ShardPlan",
+    "ShardTable",
+    "TableLoad",
+    "expected_traffic",
+    "mix64",
+    "plan_auto",
+    "plan_shards",
+]
 
 SHARDING_KINDS = ("row", "table")
 # What a keyed table gets, whatever ``sharding=`` asks (its rows are keys, not ids a rank can
@@ -105,11 +113,17 @@ class ShardPlan:
         (...)", "table: 100 rows x 8, on rank 1 (...)" or "keyed: key k on rank mix64(k) mod
         W (...)"."""
         return {
-            name: (self.reasons[t] if self.reasons and self.reasons[t]
-                   else kind if kind in ("row", KEYED) else f"table on rank {owner}")
-            for t, (name, kind, owner) in enumerate(zip(table_names, self.kinds, self.owners,
-                                                        strict=True))
-        }  # fmt: skip
+            name: (
+                self.reasons[t]
+                if self.reasons and self.reasons[t]
+                else kind
+                if kind in ("row", KEYED)
+                else f"table on rank {owner}"
+            )
+            for t, (name, kind, owner) in enumerate(
+                zip(table_names, self.kinds, self.owners, strict=True)
+            )
+        }
 
 
 @dataclass(frozen=True)
@@ -134,8 +148,9 @@ def expected_traffic(dim: int, positions: Sequence[int]) -> float:
     return float(sum(positions)) * (28 + 8 * dim)
 
 
-def plan_auto(loads: Sequence[TableLoad], world_size: int) -> tuple[list[str], list[int],
-                                                                     list[str]]:  # fmt: skip
+def plan_auto(
+    loads: Sequence[TableLoad], world_size: int
+) -> tuple[list[str], list[int], list[str]]:
     """Kinds, owners and reasons of "auto" for tables ``loads`` on ``world_size`` ranks.
 
     Row sharding, in this order, for a table whose optimizer updates every row (each rank then
@@ -157,11 +172,14 @@ def plan_auto(loads: Sequence[TableLoad], world_size: int) -> tuple[list[str], l
         if w > 1 and t.every_row:
             reasons[i] = f"row: {shape}, its optimizer updates every row: each rank sweeps 1/{w}"
         elif w > 1 and byte_share * w > AUTO_SHARE:
-            reasons[i] = (f"row: {shape}, {100 * byte_share:.0f}% of the bytes: more than "
-                          f"{AUTO_SHARE:g} of a rank's share whole")  # fmt: skip
+            reasons[i] = (
+                f"row: {shape}, {100 * byte_share:.0f}% of the bytes: more than "
+                f"{AUTO_SHARE:g} of a rank's share whole"
+            )
         elif w > 1 and traffic_share * w > AUTO_SHARE:
-            reasons[i] = (f"row: {shape}, hot ids spread ({100 * traffic_share:.0f}% of the "
-                          "expected traffic)")  # fmt: skip
+            reasons[i] = (
+                f"row: {shape}, hot ids spread ({100 * traffic_share:.0f}% of the expected traffic)"
+            )
         else:
             whole.append(i)
     traffic, held = [0.0] * w, [0] * w
@@ -171,8 +189,10 @@ def plan_auto(loads: Sequence[TableLoad], world_size: int) -> tuple[list[str], l
         traffic[rank] += loads[i].traffic
         held[rank] += loads[i].nbytes
         share = loads[i].traffic / total_traffic if total_traffic else 0.0
-        reasons[i] = (f"table: {loads[i].rows} rows x {loads[i].dim}, on rank {rank} "
-                      f"({100 * share:.0f}% of the expected traffic)")  # fmt: skip
+        reasons[i] = (
+            f"table: {loads[i].rows} rows x {loads[i].dim}, on rank {rank} "
+            f"({100 * share:.0f}% of the expected traffic)"
+        )
     return kinds, owners, reasons
 
 
@@ -222,16 +242,18 @@ def plan_shards(
         if keyed[t]:
             kinds[t], owners[t], reasons[t] = KEYED, -1, KEYED_REASON
     load = [0] * world_size
-    whole = sorted((t for t, k in enumerate(kinds) if k == "table" and owners[t] < 0),
-                   key=lambda t: (-table_bytes[t], t))  # fmt: skip
+    whole = sorted(
+        (t for t, k in enumerate(kinds) if k == "table" and owners[t] < 0),
+        key=lambda t: (-table_bytes[t], t),
+    )
     for t in whole:
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[t] = rank
         load[rank] += table_bytes[t]
-    said = any(k == "auto" for k in (sharding.values() if isinstance(sharding, Mapping)
-                                      else [sharding]))  # fmt: skip
-    return ShardPlan(int(world_size), tuple(kinds), tuple(owners),
-                     tuple(reasons) if said else ())  # fmt: skip
+    said = any(
+        k == "auto" for k in (sharding.values() if isinstance(sharding, Mapping) else [sharding])
+    )
+    return ShardPlan(int(world_size), tuple(kinds), tuple(owners), tuple(reasons) if said else ())
 
 
 class ShardTable(DenseTable):
@@ -258,14 +280,16 @@ class ShardTable(DenseTable):
         self.world_size, self.rank, self.kind = int(world_size), int(rank), kind
         super().__init__(name, len(self.global_ids), dim, slot_specs, initializer, seed)
 
-    def _initialise(self, initializer: Initializer, seed: int, name: str, first: int,
-                    count: int) -> None:  # fmt: skip
+    def _initialise(
+        self, initializer: Initializer, seed: int, name: str, first: int, count: int
+    ) -> None:
         # DenseTable initialises local row r as id r; a shard's row r holds global_ids[r].
         chunk = max(1, (1 << 22) // max(self.dim, 1))
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
-            values = initializer.init(seed, name, self.global_ids[first + lo : first + hi],
-                                      self.dim)  # fmt: skip
+            values = initializer.init(
+                seed, name, self.global_ids[first + lo : first + hi], self.dim
+            )
             self.data[first + lo : first + hi, : self.dim] = values
             for spec in self.slot_specs:
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value

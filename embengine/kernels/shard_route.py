@@ -138,8 +138,25 @@ def count_push(owners, inverse, segments, lo, hi, world, n, m):
 
 
 @kernel()
-def fill_push(unique_ids, owners, inverse, segments, gains, lo, hi, out_start, grad, world, n,
-              ints, int_at, gains_out, gain_at, rows_out, row_at):  # fmt: skip
+def fill_push(
+    unique_ids,
+    owners,
+    inverse,
+    segments,
+    gains,
+    lo,
+    hi,
+    out_start,
+    grad,
+    world,
+    n,
+    ints,
+    int_at,
+    gains_out,
+    gain_at,
+    rows_out,
+    row_at,
+):
     """Occurrences ``lo:hi`` (``n[d]`` of them owned by rank d, as ``count_push`` counted) into
     owner d's blocks: ids at ``ints[int_at[d]:]``, then each one's gradient-row index (among the
     rows sent to d for this feature) at ``ints[int_at[d] + n[d]:]``; gains at
@@ -168,9 +185,28 @@ def fill_push(unique_ids, owners, inverse, segments, gains, lo, hi, out_start, g
 
 
 @kernel()
-def owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, kind, world, rank,
-                n_rows, num_outputs, unique, inverse, gains, segments, unique_rows,
-                output_offsets, unique_offsets, unique_gains, unique_segments):  # fmt: skip
+def owner_batch(
+    ints,
+    gains_in,
+    int_at,
+    counts,
+    gain_at,
+    row_base,
+    kind,
+    world,
+    rank,
+    n_rows,
+    num_outputs,
+    unique,
+    inverse,
+    gains,
+    segments,
+    unique_rows,
+    output_offsets,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+):
     """One table's occurrences received by its owner, block after block (block b: ``counts[b]``
     ids at ``ints[int_at[b]:]``, their gradient-row indices right after, gains at
     ``gains_in[gain_at[b]:]``, gradient rows from ``row_base[b]``), as a TableBatch's arrays:
@@ -189,10 +225,13 @@ def owner_batch(ints, gains_in, int_at, counts, gain_at, row_base, kind, world, 
         for p in range(c):
             i = ints[int_at[b] + p]
             s = row_base[b] + ints[int_at[b] + c + p]
-            if ((i < 0 and kind != KIND_KEYED)
-                    or owner_of(i, kind, rank, world) != rank
-                    or local_row(i, kind, world) >= n_rows or s < 0
-                    or s >= num_outputs):  # fmt: skip
+            if (
+                (i < 0 and kind != KIND_KEYED)
+                or owner_of(i, kind, rank, world) != rank
+                or local_row(i, kind, world) >= n_rows
+                or s < 0
+                or s >= num_outputs
+            ):
                 return -1 - k
             ids[k] = i
             segments[k] = s

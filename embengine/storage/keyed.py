@@ -113,8 +113,12 @@ class KeyIndex:
             return
         need = self.count + len(keys)
         self.reserve(need)
-        keyed_index.insert(self.keys, self.values, np.ascontiguousarray(keys, dtype=np.int64),
-                           np.ascontiguousarray(values, dtype=np.int64))  # fmt: skip
+        keyed_index.insert(
+            self.keys,
+            self.values,
+            np.ascontiguousarray(keys, dtype=np.int64),
+            np.ascontiguousarray(values, dtype=np.int64),
+        )
         self.count = need
 
     def remove(self, keys: np.ndarray) -> None:
@@ -317,8 +321,15 @@ class KeyedTable:
 
     counts_occurrences = True
 
-    def __init__(self, name: str, dim: int, slot_specs: tuple[SlotSpec, ...],
-                 initializer: Initializer, seed: int, dynamic):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        slot_specs: tuple[SlotSpec, ...],
+        initializer: Initializer,
+        seed: int,
+        dynamic,
+    ):
         self.name = name
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
@@ -351,8 +362,9 @@ class KeyedTable:
         self._time = np.zeros(0, np.int64)  # per row, with expire_seconds only
         self._this = self._zero_counts()
         self._total = self._zero_counts()
-        self._grow(_FIRST_CAPACITY if dynamic.max_rows is None
-                   else min(_FIRST_CAPACITY, dynamic.max_rows))  # fmt: skip
+        self._grow(
+            _FIRST_CAPACITY if dynamic.max_rows is None else min(_FIRST_CAPACITY, dynamic.max_rows)
+        )
 
     @property
     def max_pending(self) -> int:
@@ -373,8 +385,12 @@ class KeyedTable:
         the system refuses it."""
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         try:
-            return mmap.mmap(-1, max(rows * self.row_width * 4, 1), flags=flags,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+            return mmap.mmap(
+                -1,
+                max(rows * self.row_width * 4, 1),
+                flags=flags,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except (OSError, OverflowError, ValueError):
             return None
 
@@ -399,8 +415,13 @@ class KeyedTable:
         cap = min(cap, self._reserved)
         self._data = self._full[:cap]
         self._capacity = cap
-        for name, dtype in (("_key", np.int64), ("_last", np.int64), ("_touches", np.int64),
-                            ("_live", bool), ("_time", np.int64)):  # fmt: skip
+        for name, dtype in (
+            ("_key", np.int64),
+            ("_last", np.int64),
+            ("_touches", np.int64),
+            ("_live", bool),
+            ("_time", np.int64),
+        ):
             if name == "_time" and not self._keeps_time:
                 continue
             a = getattr(self, name)
@@ -476,8 +497,9 @@ class KeyedTable:
             self._live_rows = edges.reshape(-1, 2).astype(np.int64)
         return self._live_rows
 
-    def rows_for(self, logical: int, ids: np.ndarray, insert: bool = True,
-                 counts: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def rows_for(
+        self, logical: int, ids: np.ndarray, insert: bool = True, counts: np.ndarray | None = None
+    ) -> np.ndarray:
         """Rows of ``ids``; -1 for a key without a row.
 
         ``insert=False`` (evaluation) changes nothing: a key without a row, or whose row has
@@ -493,8 +515,9 @@ class KeyedTable:
             if len(expired):
                 rows[np.isin(rows, expired)] = NO_ROW
             return rows
-        counts = (np.ones(len(ids), np.int64) if counts is None
-                  else np.asarray(counts, dtype=np.int64))  # fmt: skip
+        counts = (
+            np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
+        )
         if len(expired):
             rows[np.isin(rows, expired)] = NO_ROW
         hit = rows >= 0
@@ -515,8 +538,9 @@ class KeyedTable:
         waiting = missing.copy()
         if now:
             waiting[np.flatnonzero(missing)[admit]] = False
-            rows[np.flatnonzero(missing)[admit]] = self._insert(ids[missing][admit],
-                                                                counts[missing][admit])  # fmt: skip
+            rows[np.flatnonzero(missing)[admit]] = self._insert(
+                ids[missing][admit], counts[missing][admit]
+            )
         self._this["filtered"] += int(missing.sum() - admit.sum())
         if self.dynamic.occurrence_threshold > 0 and waiting.any():
             self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
@@ -531,8 +555,9 @@ class KeyedTable:
         """The keys of live ``rows``."""
         return self._key[np.asarray(rows, dtype=np.int64)].copy()
 
-    def rows_for_update(self, logical: int, ids: np.ndarray, rows: np.ndarray,
-                        counts: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def rows_for_update(
+        self, logical: int, ids: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None
+    ) -> np.ndarray:
         """The rows to update for ``ids`` (the batch's unique keys, ``rows`` as the lookup gave
         them): with ``insert_on="apply"`` the admitted keys without a row get one now (initial
         values, evicting for ``max_rows`` first); otherwise ``rows`` unchanged."""
@@ -542,8 +567,9 @@ class KeyedTable:
         if not len(missing):
             return rows
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        counts = (np.ones(len(ids), np.int64) if counts is None
-                  else np.asarray(counts, dtype=np.int64))  # fmt: skip
+        counts = (
+            np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
+        )
         admit = self._admissible(ids[missing])
         present = self._index.find(ids[missing]) >= 0  # inserted by an earlier update this step
         admit &= ~present
@@ -639,9 +665,20 @@ class KeyedTable:
         self._index.reserve(self._index.count + k)
         rows = np.empty(k, np.int64)
         # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
-        used = keyed_index.insert_rows(self._index.keys, self._index.values, keys, counts, free,
-                                       self._high, self._step, self._key, self._last,
-                                       self._touches, self._live, rows)  # fmt: skip
+        used = keyed_index.insert_rows(
+            self._index.keys,
+            self._index.values,
+            keys,
+            counts,
+            free,
+            self._high,
+            self._step,
+            self._key,
+            self._last,
+            self._touches,
+            self._live,
+            rows,
+        )
         self._index.count += k
         self._free, self._high = free[used:], self._high + fresh
         # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
@@ -728,8 +765,9 @@ class KeyedTable:
         rows = self._rows_by_key()
         out["last_touched"] = self._last[rows].copy()
         out["touch_counts"] = self._touches[rows].copy()
-        out["last_time"] = (self._time[rows].copy() if self._keeps_time
-                            else np.full(len(rows), NO_TIME, np.int64))  # fmt: skip
+        out["last_time"] = (
+            self._time[rows].copy() if self._keeps_time else np.full(len(rows), NO_TIME, np.int64)
+        )
         out["data_time"] = np.array([self._clock], np.int64)
         p = self._pending
         live = p._live_slots()
@@ -782,8 +820,9 @@ class KeyedTable:
         self._index = KeyIndex()
         # A fresh arena (the old mapping is released with its last view).
         self._mapping, self._high, self._capacity = None, 0, 0
-        self._reserved = self.dynamic.max_rows or max(_RESERVE_BYTES // (4 * self.row_width),
-                                                      _FIRST_CAPACITY)  # fmt: skip
+        self._reserved = self.dynamic.max_rows or max(
+            _RESERVE_BYTES // (4 * self.row_width), _FIRST_CAPACITY
+        )
         self._data = np.zeros((0, self.row_width), np.float32)
         self._key = np.zeros(0, np.int64)
         self._last = np.zeros(0, np.int64)
@@ -864,11 +903,18 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         )
     both = np.intersect1d(a["keys"], a["pending_keys"])
     if len(both):
-        raise ValueError(f"{at}['pending_keys']: key {both[0]} has a row too (in {at}['keys']); "
-                         "a key waiting for admission has no row")  # fmt: skip
-    for name, lo, hi in (("last_touched", 0, step), ("pending_step", 0, step),
-                         ("touch_counts", 0, None), ("pending_earlier", 0, None),
-                         ("pending_current", 0, None), ("counters", 0, None)):  # fmt: skip
+        raise ValueError(
+            f"{at}['pending_keys']: key {both[0]} has a row too (in {at}['keys']); "
+            "a key waiting for admission has no row"
+        )
+    for name, lo, hi in (
+        ("last_touched", 0, step),
+        ("pending_step", 0, step),
+        ("touch_counts", 0, None),
+        ("pending_earlier", 0, None),
+        ("pending_current", 0, None),
+        ("counters", 0, None),
+    ):
         v = a[name].reshape(-1)
         i = _first_bad((v < lo) | (v > hi if hi is not None else False))
         if i is not None:
@@ -876,8 +922,10 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
             raise ValueError(f"{at}[{name!r}][{i}] is {v[i]}; it must be {bound}")
     clock = int(a["data_time"][0])
     if clock != NO_TIME and not 0 <= clock < MAX_TIMESTAMP:
-        raise ValueError(f"{at}['data_time'][0] is {clock}; it must be in [0, 2^62) or "
-                         f"{NO_TIME} (no timestamp yet)")  # fmt: skip
+        raise ValueError(
+            f"{at}['data_time'][0] is {clock}; it must be in [0, 2^62) or "
+            f"{NO_TIME} (no timestamp yet)"
+        )
     t = a["last_time"]
     i = _first_bad((t != NO_TIME) & ((t < 0) | (t > clock)))
     if i is not None:
@@ -887,7 +935,9 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         )
     stats_step, limit = (int(x) for x in a["meta"])
     if not -1 <= stats_step <= step:
-        raise ValueError(f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "
-                         f"be in [-1, {step}] (the step is {step})")  # fmt: skip
+        raise ValueError(
+            f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "
+            f"be in [-1, {step}] (the step is {step})"
+        )
     if limit < 0:
         raise ValueError(f"{at}['meta'][1] (max_pending) is {limit}; it must be >= 0")
