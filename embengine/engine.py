@@ -41,6 +41,7 @@ from .optimizers import Optimizer
 from .spec import (
     NONFINITE_POLICIES,
     compressor_entry,
+    dtype_entries,
     engine_options,
     feature_configs_from_spec,
     initializer_to_json,
@@ -337,6 +338,7 @@ class EmbeddingEngine:
                 "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
                 "quantization_config": None if q is None else dataclasses.asdict(q),
                 **compressor_entry(cfg),
+                **dtype_entries(cfg),
                 "storage": view.storage,
                 "slots": [dataclasses.asdict(s) for s in view.slot_specs],
             })  # fmt: skip

@@ -18,6 +18,7 @@ from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
+from ..precision import KIND
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
 
@@ -212,8 +213,10 @@ def build_tables_and_pool_numba(
     for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table,
                                               strict=True)):  # fmt: skip
         data = table.data
-        if data.dtype != np.float32 or not data.flags.c_contiguous:
+        if data.dtype not in (np.float32, np.uint16) or not data.flags.c_contiguous:
             raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32")
+        if _half(table):  # pooled after the region, through its widened rows
+            data = data.view(np.float32)
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
         out = np.empty((n_out, table.dim), dtype=np.float32)
         outs.append(out)
@@ -222,7 +225,7 @@ def build_tables_and_pool_numba(
         quant[t] = _quantization_row(q)
         bases = table.row_bases
         for p in parts:
-            if bases is not None:  # the rows of its logical table, indexed by id
+            if bases is not None and not _half(table):  # its logical table's rows, by id
                 base = bases[p.member]
                 fdata[f] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
             f += 1
@@ -232,16 +235,39 @@ def build_tables_and_pool_numba(
                                   quant, prefetch)  # fmt: skip
     batches = plan.table_batches()
     for t, table in enumerate(tables):
-        if table.row_bases is None:  # rows_for once, then pooled through the rows
-            batches[t] = batches[t].resolved(table, insert=True)
-            _pool_prepared(table.data, table.dim, batches[t], quant[t], prefetch, outs[t])
+        if table.row_bases is None or _half(table):  # rows_for once, pooled through the rows
+            if batches[t].unique_rows is None:
+                batches[t] = batches[t].resolved(table, insert=True)
+            data, rows = _weights_at(table, batches[t].unique_rows)
+            _pool_prepared(data, table.dim, batches[t], quant[t], prefetch, outs[t], rows)
     return batches, outs
 
 
-def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out) -> None:
-    """``out`` = the activations of a deduplicated batch, through its resolved rows."""
+def _weights_at(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(an array whose row ``rows2[i]`` holds the float32 weights of table row ``rows[i]``,
+    rows2): ``(table.data, rows)`` for a float32 table; a table with 16-bit weights gets them
+    widened (``rounding.widen_rows``, exact), row -1 kept; float32 weights in a 16-bit row are
+    read through the row array's float32 view."""
+    if not _half(table):
+        return table.data, rows
+    data = table.data
+    if table.weights_dtype == "float32":  # the weights are the view's first dim columns
+        return data.view(np.float32), rows
+    from ..kernels.rounding import widen_rows
+
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out = np.empty((len(rows), table.dim), dtype=np.float32)
+    widen_rows(data, KIND[table.weights_dtype], table.dim, rows, out)
+    return out, np.where(rows >= 0, np.arange(len(rows), dtype=np.int64), -1)
+
+
+def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out,
+                   rows: np.ndarray | None = None) -> None:  # fmt: skip
+    """``out`` = the activations of a deduplicated batch, through its resolved rows (or
+    ``rows``, one per unique id, into ``data``)."""
     pool = pool_kernel(dim)
-    pool(data, dim, tb.unique_rows, tb.inverse, tb.gains, tb.output_offsets, out, quant,
+    rows = tb.unique_rows if rows is None else rows
+    pool(data, dim, rows, tb.inverse, tb.gains, tb.output_offsets, out, quant,
          prefetch)  # fmt: skip
 
 
@@ -318,8 +344,12 @@ def _fixed_kernel(rm: RowMath, dim: int, n_slots: int):
 
 def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
-    fixed-layout fused update where it fits (fixed_layout), else the any-layout one."""
+    fixed-layout fused update where it fits (fixed_layout), else the any-layout one; for a
+    table with 16-bit columns the ``half`` kernels (any layout: they widen on copy-in and round
+    on write-back, which the in-place fixed-layout kernels cannot)."""
     rm = optimizer.row_math(table.dim)
+    if _half(table):
+        return row_math.half_kernels(rm)
     fused, every_row, _ = row_math.kernels(rm)
     layout = fixed_layout(rm, table)
     if layout is not None:
@@ -327,8 +357,20 @@ def kernels_for(optimizer: Optimizer, table: TableStorage):
     return fused, every_row
 
 
+def _half(table: TableStorage) -> bool:
+    """A table whose row array is uint16 (16-bit weights or slots; storage/dense.py)."""
+    return table.data.dtype == np.uint16
+
+
+def _half_args(table: TableStorage) -> tuple:
+    """The extra arguments of the half kernels: rounding key, weights' and slots' dtype codes."""
+    return (np.uint64(table.rounding_key), np.int64(KIND[table.weights_dtype]),
+            np.int64(KIND[table.slots_dtype]))  # fmt: skip
+
+
 def _table_constants(opt: Optimizer, table: TableStorage):
-    """(meta int64, hyperparameters float64, slot columns int64) of one table's updates."""
+    """(meta int64, hyperparameters float64, slot columns int64) of one table's updates. Slot
+    columns are in the units of ``data_i`` (a 16-bit table's: two uint16 units each)."""
     meta = np.zeros(pipeline.M_COLS, dtype=np.int64)
     meta[pipeline.M_DIM] = table.dim
     gclip = opt.gradient_clip_bounds
@@ -351,7 +393,9 @@ def _table_constants(opt: Optimizer, table: TableStorage):
     params = opt.row_math(table.dim).values(opt)
     common = [*(gclip or (0.0, 0.0)), *(wclip or (0.0, 0.0))]
     hp = np.array(common + params, dtype=np.float64)
-    cols = np.array([table.columns[s.name].start for s in table.slot_specs] or [0], np.int64)
+    units = 2 if _half(table) else 1
+    cols = np.array([table.columns[s.name].start // units for s in table.slot_specs] or [0],
+                    np.int64)  # fmt: skip
     return meta, hp, cols
 
 
@@ -394,8 +438,22 @@ class NumbaBackend:
         if isinstance(tb, TableBatch):
             if tb.unique_rows is None:
                 tb = tb.resolved(table, insert=False)
+            if _half(table):
+                start_pool()
+                out = np.empty((tb.num_outputs, table.dim), dtype=np.float32)
+                data, rows = _weights_at(table, tb.unique_rows)
+                _pool_prepared(data, table.dim, tb, _quantization_row(quantization),
+                               self.lookup_prefetch, out, rows)  # fmt: skip
+                return out
             return self.lookup_rows(table.data, table.dim, tb, quantization)
         data = table.data
+        if _half(table):  # rows of the part's ids, widened
+            return self._pool_parts(
+                tb,
+                table.dim,
+                quantization,
+                lambda p: _weights_at(table, table.rows_for(p.member, p.ragged.ids, False)),
+            )
         return self._pool_parts(
             tb, table.dim, quantization,
             lambda p: ((data[bases[p.member]:], p.ragged.ids) if bases is not None
@@ -471,15 +529,18 @@ class NumbaBackend:
         # One flag per unique row (per table row for every-row updates), set by the kernel.
         unchanged = np.zeros(table.data.shape[0] if opt.updates_every_row else len(tb.unique_rows),
                              dtype=np.uint8)  # fmt: skip
+        data = table.data
+        rows = (data.view(np.float32), data) if _half(table) else (data,)
         args = (
-            table.data, table.data.view(np.int32), meta, hp, cols, float(lr),
+            *rows, data.view(np.int32), meta, hp, cols, float(lr),
             float(opt.weight_decay_rate(lr)), int(step), tb.unique_rows, tb.unique_offsets,
             tb.unique_gains, tb.unique_segments, grad, skipped, unchanged, self.update_prefetch,
         )  # fmt: skip
+        extra = _half_args(table) if _half(table) else ()
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
-            every_row(*args, np.ascontiguousarray(table.live_rows(), dtype=np.int64))
+            every_row(*args, np.ascontiguousarray(table.live_rows(), dtype=np.int64), *extra)
         else:
-            fused(*args)
+            fused(*args, *extra)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)

@@ -30,7 +30,7 @@ from pathlib import Path
 from ..optimizers import RowMath
 from . import codegen
 
-__all__ = ["Kernels", "folder", "kernels"]
+__all__ = ["Kernels", "folder", "half_kernels", "kernels"]
 
 # (fused_update, update_every_row or None, fixed-layout factory (DIM, NS) -> kernel, or None)
 Kernels = tuple
@@ -117,16 +117,26 @@ def _load(rm: RowMath) -> Kernels:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fused, every_row = module.KERNELS[rm.name]
-    return fused, every_row, module.FIXED_KERNELS.get(rm.name)
+    return fused, every_row, module.FIXED_KERNELS.get(rm.name), module.HALF_KERNELS[rm.name]
+
+
+def _loaded(rm: RowMath) -> tuple:
+    with _LOCK:
+        found = _LOADED.get(rm.name)
+        if found is None or found[-1] is not rm:
+            found = (*_load(rm), rm)
+            _LOADED[rm.name] = found
+    return found
 
 
 def kernels(rm: RowMath) -> Kernels:
     """``rm``'s (fused_update, update_every_row, fixed-layout factory), rendered and imported
     on first use (see the module docstring). The kernels themselves compile (or load from
     numba's cache) on their first call."""
-    with _LOCK:
-        found = _LOADED.get(rm.name)
-        if found is None or found[3] is not rm:
-            found = (*_load(rm), rm)
-            _LOADED[rm.name] = found
-    return found[:3]
+    return _loaded(rm)[:3]
+
+
+def half_kernels(rm: RowMath) -> tuple:
+    """``rm``'s (fused_update, update_every_row) for tables with 16-bit columns (codegen's
+    HALF_UPDATE), from the same rendered module as ``kernels``."""
+    return _loaded(rm)[3]
