@@ -412,8 +412,8 @@ class EmbeddingEngine:
         ``PartialLoadError`` says which tables hold the new values; the step is unchanged."""
         expected = {
             v.name: v.state_entries() if hasattr(v, "state_entries") else
-                    {WEIGHTS: (tuple(v.weights.shape), np.dtype(np.float32)),
-                     **{s.name: ((v.vocabulary_size, s.width), np.dtype(s.dtype))
+                    {WEIGHTS: (tuple(v.weights.shape), v.weights.dtype),
+                     **{s.name: ((v.vocabulary_size, s.width), v.slot(s.name).dtype)
                         for s in v.slot_specs}}
             for v in self._tables
         }  # fmt: skip

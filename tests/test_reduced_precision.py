@@ -41,11 +41,12 @@ def _steps(engines, scenario):
             f"f{k}": ee.Ragged(ids, lengths=lengths, weights=w)
             for k, (ids, lengths, w) in enumerate(step)
         }
+        # a lookup-only batch pools the same widened rows as the training lookup
+        inference = [e.lookup(features, training=False) for e in engines]
         acts = [e.lookup(features) for e in engines]
-        for e in engines:  # a lookup-only batch pools the same widened rows
-            inference = e.lookup(features, training=False)
-            for k, a in acts[engines.index(e)].items():
-                np.testing.assert_array_equal(inference[k], a)
+        for got, want in zip(inference, acts, strict=True):
+            for k, a in want.items():
+                np.testing.assert_array_equal(got[k], a)
         for k in acts[0]:
             np.testing.assert_allclose(acts[0][k], acts[1][k], rtol=1e-5, atol=1e-6)
         grads = {k: rng.normal(size=a.shape).astype(np.float32) for k, a in acts[0].items()}
@@ -183,3 +184,128 @@ def test_spec_round_trip_keeps_the_dtypes():
     plain = ee.EmbeddingEngine({"f": ee.FeatureConfig(ee.TableConfig(10, 4, name="t"))},
                                optimizer=opt.SGD(0.1))  # fmt: skip
     assert "weights_dtype" not in plain.spec()["tables"][0]
+
+
+def _trained(dtypes, backend="numba", optimizer=None, seed=3):
+    t = ee.TableConfig(20, 4, name="t", combiner="sum", weights_dtype=dtypes[0],
+                       slots_dtype=dtypes[1])  # fmt: skip
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.Adam(0.1),
+                             seed=seed, backend=backend)  # fmt: skip
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        acts = eng.lookup({"f": ee.Ragged(rng.integers(0, 20, 12), lengths=[4, 4, 4])})
+        eng.apply_gradients({"f": rng.normal(size=acts["f"].shape).astype(np.float32)})
+    return eng
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_checkpoints_store_the_stored_dtype_and_restore_its_bits(tmp_path, dtypes):
+    from embengine.safetensors_io import read_header
+
+    eng = _trained(dtypes)
+    ckpt = eng.save(tmp_path / "ck")
+    header, _ = read_header(next(ckpt.glob("*.safetensors")))
+    want = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+    assert header["t"]["dtype"] == want[dtypes[0]]
+    assert header["t/momenta"]["dtype"] == want[dtypes[1]]
+    assert header["t/momenta"]["shape"] == [20, 4]
+    other = _trained(dtypes, seed=9)  # other values, then the checkpoint's
+    other.restore(ckpt)
+    for again in (ee.EmbeddingEngine.load(ckpt), other):
+        np.testing.assert_array_equal(_bits(again.embedding_tables["t"]),
+                                      _bits(eng.embedding_tables["t"]))  # fmt: skip
+        for name, a in eng.slots("t").items():
+            assert again.slots("t")[name].dtype == a.dtype
+            np.testing.assert_array_equal(_bits(again.slots("t")[name]), _bits(a))
+    # training continues identically after the restore (same rounding stream: same seed)
+    a, b = _trained(dtypes), ee.EmbeddingEngine.load(ckpt)
+    for e in (a, b):
+        acts = e.lookup({"f": ee.Ragged([1, 2, 3], lengths=[3])})
+        e.apply_gradients({"f": np.ones_like(acts["f"])})
+    np.testing.assert_array_equal(_bits(a.embedding_tables["t"]), _bits(b.embedding_tables["t"]))
+
+
+def test_a_checkpoint_of_another_dtype_is_refused_not_cast(tmp_path):
+    ckpt = _trained(("float32", "float32")).save(tmp_path / "ck")
+    half = _trained(("bfloat16", "float32"))
+    before = np.array(half.embedding_tables["t"])
+    with pytest.raises(ee.checkpoint.CheckpointError,
+                       match=r"table 't': the checkpoint stores weights_dtype 'float32', the "
+                             r"engine 'bfloat16'.*astype"):  # fmt: skip
+        half.restore(ckpt)
+    np.testing.assert_array_equal(_bits(half.embedding_tables["t"]), _bits(before))
+    # the explicit cast: the caller converts the state's arrays
+    state = ee.EmbeddingEngine.load(ckpt).state_dict()
+    weights = state["tables"]["t"]["weights"]
+    state["tables"]["t"]["weights"] = weights.astype(half.embedding_tables["t"].dtype)
+    half.load_state_dict(state)
+    np.testing.assert_allclose(half.embedding_tables["t"].astype(np.float32), weights, rtol=2**-8)
+    with pytest.raises(ValueError, match=r"float32 .*bfloat16"):
+        state["tables"]["t"]["weights"] = weights
+        half.load_state_dict(state)
+
+
+@pytest.mark.parametrize("compress", ["fp32", "fp16", "bf16"])
+def test_export_and_serving_read_16_bit_tables(tmp_path, compress):
+    from embengine.serving import ServingEngine, export
+
+    eng = _trained(("bfloat16", "bfloat16"))
+    ckpt = eng.save(tmp_path / "ck")
+    export(ckpt, tmp_path / "out", compress=compress)
+    serving = ServingEngine.load(tmp_path / "out")
+    features = {"f": ee.Ragged([0, 3, 3, 7], lengths=[1, 3])}
+    got = serving.lookup(features)["f"]
+    want = eng.lookup(features, training=False)["f"]
+    # bfloat16 values are exact in float32 and float16 keeps bfloat16's 8 bits where in range
+    np.testing.assert_allclose(got, want, rtol=1e-6 if compress != "fp16" else 1e-3, atol=1e-6)
+
+
+# -- embengine train --weights-dtype -----------------------------------------------------------
+
+SYN_ARGS = ["--dataset", "synthetic", "--batch-size", "256", "--epoch-examples", "5000",
+            "--test-examples", "5000", "--vocabulary-scale", "0.01", "--no-progress"]  # fmt: skip
+
+
+def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
+    pytest.importorskip("torch")
+    from embengine import cli
+
+    ckpt = tmp_path / "ck"
+    code = cli.main(["train", *SYN_ARGS, "--steps", "40", "--weights-dtype", "bfloat16",
+                     "--slots-dtype", "bfloat16", "--checkpoint-dir", str(ckpt)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert "test AUC" in capsys.readouterr().out
+    spec = ee.EmbeddingEngine.load(ckpt).spec()
+    assert {t["weights_dtype"] for t in spec["tables"]} == {"bfloat16"}
+    assert {t["slots_dtype"] for t in spec["tables"]} == {"bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--weights-dtype", "bfloat16", "--vocabulary", "dynamic"], "keyed tables"),
+        (
+            ["--slots-dtype", "float16", "--embeddings", "torch", "--optimizer", "sgd"],
+            "leave --embeddings at engine",
+        ),
+        (["--weights-dtype", "float16", "--nproc-per-node", "2"], "train in one process"),
+    ],
+)
+def test_cli_refuses_16_bit_tables_where_they_are_not_supported(capsys, extra, message):
+    from embengine import cli
+
+    assert cli.main(["train", *SYN_ARGS, "--steps", "1", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unknown_dtype_exits_2_listing_the_choices(capsys):
+    from embengine import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *SYN_ARGS, "--weights-dtype", "fp8"])
+    assert exc.value.code == 2
+    assert "bfloat16" in capsys.readouterr().err
