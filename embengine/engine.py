@@ -297,7 +297,8 @@ class EmbeddingEngine:
 
     @property
     def embedding_tables(self) -> dict[str, np.ndarray]:
-        """Table name -> live ``[vocabulary_size, dim]`` float32 view of the weights."""
+        """Table name -> live ``[vocabulary_size, dim]`` view of the weights, in the stored
+        dtype (``TableConfig.weights_dtype``: float32 unless the table is 16-bit)."""
         return {t.name: t.weights for t in self._tables}
 
     def slots(self, table_name: str) -> dict[str, np.ndarray]:

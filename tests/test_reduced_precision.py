@@ -309,3 +309,19 @@ def test_cli_unknown_dtype_exits_2_listing_the_choices(capsys):
         cli.main(["train", *SYN_ARGS, "--weights-dtype", "fp8"])
     assert exc.value.code == 2
     assert "bfloat16" in capsys.readouterr().err
+
+
+def test_torch_layer_state_dict_round_trips_16_bit_tables():
+    torch = pytest.importorskip("torch")
+    from embengine.torch import EmbeddingLayer
+
+    a = EmbeddingLayer(_trained(("bfloat16", "float16")))
+    state = a.state_dict()
+    assert state["tables.t.weights"].dtype == torch.bfloat16
+    assert state["tables.t.momenta"].dtype == torch.float16
+    b = EmbeddingLayer(_trained(("bfloat16", "float16"), seed=11))
+    b.load_state_dict(state)
+    np.testing.assert_array_equal(_bits(b.engine.embedding_tables["t"]),
+                                  _bits(a.engine.embedding_tables["t"]))  # fmt: skip
+    np.testing.assert_array_equal(_bits(b.engine.slots("t")["velocities"]),
+                                  _bits(a.engine.slots("t")["velocities"]))  # fmt: skip
