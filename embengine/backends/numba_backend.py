@@ -214,7 +214,8 @@ def build_tables_and_pool_numba(
                                               strict=True)):  # fmt: skip
         data = table.data
         if data.dtype not in (np.float32, np.uint16) or not data.flags.c_contiguous:
-            raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32")
+            raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32 "
+                                 "(uint16: a 16-bit table)")  # fmt: skip
         if _half(table):  # pooled after the region, through its widened rows
             data = data.view(np.float32)
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
