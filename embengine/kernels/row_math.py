@@ -109,6 +109,13 @@ def module_path(rm: RowMath) -> tuple[str, Path, str]:
 
 
 def _load(rm: RowMath) -> Kernels:
+    """(fused_update, update_every_row, fixed-layout factory) of ``rm``'s module, rendered and
+    imported afresh."""
+    return _load_all(rm)[:3]
+
+
+def _load_all(rm: RowMath) -> tuple:
+    """``_load``'s kernels, then the half kernels of 16-bit tables."""
     name, path, text = module_path(rm)
     if not _current(path, text):
         write_atomically(path, text)
@@ -124,7 +131,7 @@ def _loaded(rm: RowMath) -> tuple:
     with _LOCK:
         found = _LOADED.get(rm.name)
         if found is None or found[-1] is not rm:
-            found = (*_load(rm), rm)
+            found = (*_load_all(rm), rm)
             _LOADED[rm.name] = found
     return found
 
