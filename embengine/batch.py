@@ -124,8 +124,9 @@ class TableBatch:
         for m in range(len(b) - 1):
             lo, hi = int(b[m]), int(b[m + 1])
             if hi > lo:
-                rows[lo:hi] = hook(m, self.unique_ids[lo:hi], self.unique_rows[lo:hi],
-                                   counts=self._counts(lo, hi))  # fmt: skip
+                rows[lo:hi] = hook(
+                    m, self.unique_ids[lo:hi], self.unique_rows[lo:hi], counts=self._counts(lo, hi)
+                )
         return dataclasses.replace(self, unique_rows=rows)
 
     # Rebuilt through __init__ when copied or unpickled (a DataLoader worker's batch): unpickled
@@ -138,13 +139,23 @@ class TableBatch:
         return len(self.inverse)
 
 
-_TABLE_BATCH_ARRAYS = ("unique_ids", "inverse", "gains", "segments", "output_offsets",
-                       "unique_offsets", "unique_gains", "unique_segments", "unique_bounds",
-                       "unique_rows")  # fmt: skip
+_TABLE_BATCH_ARRAYS = (
+    "unique_ids",
+    "inverse",
+    "gains",
+    "segments",
+    "output_offsets",
+    "unique_offsets",
+    "unique_gains",
+    "unique_segments",
+    "unique_bounds",
+    "unique_rows",
+)
 
 
-def identity_rows(unique_ids: np.ndarray, unique_bounds: np.ndarray,
-                  row_offsets: list[int]) -> np.ndarray | None:  # fmt: skip
+def identity_rows(
+    unique_ids: np.ndarray, unique_bounds: np.ndarray, row_offsets: list[int]
+) -> np.ndarray | None:
     """The rows of a storage whose rows are ids at fixed bases (``TableStorage.row_bases``,
     DenseTable): member i's ids plus ``row_offsets[i]``, its first row in the storage plan.
     An unpacked table's rows are its ids (the same array, no copy). None if an offset is
@@ -247,9 +258,13 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 
 def _storage(storage: tuple[tuple[tuple[str, int], ...], ...]) -> str:
-    return "[" + ", ".join(
-        "[" + ", ".join(f"{name}@{row}" for name, row in members) + "]" for members in storage
-    ) + "]"  # fmt: skip
+    return (
+        "["
+        + ", ".join(
+            "[" + ", ".join(f"{name}@{row}" for name, row in members) + "]" for members in storage
+        )
+        + "]"
+    )
 
 
 def batch_fingerprint(
@@ -264,9 +279,13 @@ def batch_fingerprint(
         t = fc.table
         shape = fc.output_shape
         signatures.append(
-            (name, FeatureSignature(t.vocabulary_size, t.dim, fc.max_sequence_length, t.combiner,
-                                    shape))
-        )  # fmt: skip
+            (
+                name,
+                FeatureSignature(
+                    t.vocabulary_size, t.dim, fc.max_sequence_length, t.combiner, shape
+                ),
+            )
+        )
     return BatchFingerprint(
         tuple(signatures),
         tuple(tuple((name, int(row)) for name, row in members) for members in storage_layout),
@@ -586,8 +605,18 @@ def plan_tables(
                         "features together (StoragePlan.storage_layout does)"
                     )
                 seen.append(table)
-            parts.append(FeaturePart(r, fc.max_sequence_length, fc.table.combiner, rows, n_out,
-                                     offset, name, len(seen) - 1))  # fmt: skip
+            parts.append(
+                FeaturePart(
+                    r,
+                    fc.max_sequence_length,
+                    fc.table.combiner,
+                    rows,
+                    n_out,
+                    offset,
+                    name,
+                    len(seen) - 1,
+                )
+            )
             rows += n_out
         parts_per_table.append(parts)
     return parts_per_table, {name: layouts[name] for name in resolved.features}

@@ -106,7 +106,17 @@ import numpy as np
 from .backends.registry import BACKENDS
 from .config import COMPRESSIONS
 from .initializers import Zeros
-from .safetensors_io import DTYPES, NUMPY, read_header, read_tensor, sha256_file, write_safetensors
+from .precision import DTYPES as PRECISIONS
+from .precision import numpy_dtype
+from .safetensors_io import (
+    BFLOAT16,
+    DTYPES,
+    NUMPY,
+    read_header,
+    read_tensor,
+    sha256_file,
+    write_safetensors,
+)
 from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
 from .state import (
     KEYED_COUNTERS,
@@ -281,7 +291,8 @@ class _FiniteCheck:
         self.finite = True
 
     def __call__(self, name: str, chunk: np.ndarray) -> None:
-        if self.finite and chunk.dtype.kind == "f" and not np.isfinite(chunk).all():
+        floating = chunk.dtype.kind == "f" or chunk.dtype == BFLOAT16
+        if self.finite and floating and not np.isfinite(chunk).all():
             self.finite = False
 
 
@@ -553,6 +564,10 @@ def _check_schema(ckpt: Path, m: dict) -> None:
             s.fail(f"{at}.keyed", "is only for a keyed table (vocabulary_size null, 'dynamic')")
         for key in ("combiner", "storage", "file"):
             s.get(t, key, at, lambda v: isinstance(v, str), "a string")
+        for key in ("weights_dtype", "slots_dtype"):  # only a 16-bit table's manifest has them
+            s.get(
+                t, key, at, lambda v: v in PRECISIONS, f"one of {list(PRECISIONS)}", optional=True
+            )
         s.get(t, "finite", at, lambda v: isinstance(v, bool), "true or false", optional=True)
         s.get(
             t,
@@ -827,8 +842,9 @@ def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
                 del entries[key]
     else:
         sizes = {}
-        entries = {WEIGHTS: ((t["vocabulary_size"], t["dim"]), np.dtype(np.float32))}
-        entries.update({s: ((t["vocabulary_size"], w), np.dtype(d)) for s, w, d in slots})
+        stored = _stored_dtypes(t)
+        entries = {WEIGHTS: ((t["vocabulary_size"], t["dim"]), stored[WEIGHTS])}
+        entries.update({s: ((t["vocabulary_size"], w), stored[s]) for s, w, _ in slots})
     return {
         name if key == WEIGHTS else f"{name}/{key}": (
             DTYPES[np.dtype(dtype)],
@@ -836,6 +852,18 @@ def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
         )
         for key, (shape, dtype) in entries.items()
     }
+
+
+def _stored_dtypes(t: dict) -> dict[str, np.dtype]:
+    """A manifest table's weights and slots -> the dtype they are stored in: its
+    ``weights_dtype`` / ``slots_dtype`` (float32 when absent) for weights and float slots."""
+    out = {WEIGHTS: numpy_dtype(t.get("weights_dtype", "float32"))}
+    for s in t["slots"]:
+        float_slot = s["dtype"] == "float32"
+        out[s["name"]] = (
+            numpy_dtype(t.get("slots_dtype", "float32")) if float_slot else (np.dtype(s["dtype"]))
+        )
+    return out
 
 
 def _check_name(ckpt: Path, manifest: dict) -> None:
@@ -871,6 +899,15 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
                 f"table {t['name']!r}: checkpoint shape ({s['vocabulary_size']}, {s['dim']}) "
                 f"differs from the engine's ({t['vocabulary_size']}, {t['dim']})"
             )
+        for key in ("weights_dtype", "slots_dtype"):  # no silent cast: docs/design.md
+            theirs, ours = s.get(key, "float32"), t.get(key, "float32")
+            if theirs != ours:
+                raise CheckpointError(
+                    f"table {t['name']!r}: the checkpoint stores {key} {theirs!r}, the engine "
+                    f"{ours!r}; restore into an engine built with TableConfig({key}={theirs!r}), "
+                    "or cast explicitly: load_state_dict(...) of the checkpoint's arrays "
+                    f"converted with .astype(...) to {ours!r}"
+                )
         # The learning rate may be a callable, and packing is a storage hint: neither changes
         # what the stored slots mean.
         free = ("learning_rate", "low_dimensional_packing_status")
@@ -951,12 +988,16 @@ class CheckpointReader:
         header = self._headers[t["file"]]
         info = header[0][name]
         dtype = NUMPY[info["dtype"]].newbyteorder("<")
+        if info["dtype"] == "BF16":  # a 16-bit table's bfloat16 values (read_tensor: bits)
+            dtype = BFLOAT16
         return StoredTensor(self.path / t["file"], name, tuple(info["shape"]), dtype, header)
 
     def weights(self, table: str) -> np.ndarray:
-        """``table``'s weights, memory-mapped read-only (no copy; for export)."""
+        """``table``'s weights, memory-mapped read-only (no copy; for export), in their stored
+        dtype (a bfloat16 table's as ``ml_dtypes.bfloat16``)."""
         t = self._tables[table]
-        return read_tensor(self.path / t["file"], table, header=self._headers[t["file"]])
+        out = read_tensor(self.path / t["file"], table, header=self._headers[t["file"]])
+        return out.view(BFLOAT16) if t.get("weights_dtype") == "bfloat16" else out
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint as an engine state (embengine.state) of StoredTensors, for

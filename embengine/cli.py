@@ -89,6 +89,8 @@ def _train(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node,
         max_restarts=args.max_restarts,
         vocabulary=args.vocabulary,
+        weights_dtype=args.weights_dtype,
+        slots_dtype=args.slots_dtype,
         synthetic={
             "examples_per_epoch": args.epoch_examples,
             "test_examples": args.test_examples,
@@ -340,6 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
         "after one fails; with --checkpoint-dir DIR --resume they go on from "
         "the newest checkpoint",
     )
+    for what in ("weights", "slots"):
+        train.add_argument(
+            f"--{what}-dtype",
+            default="float32",
+            choices=["float32", "float16", "bfloat16"],
+            help=f"how the tables store their {what}"
+            + (" (float slots; integer ones stay int32)" if what == "slots" else "")
+            + ": 16-bit halves the memory, math stays float32, updates are "
+            "rounded stochastically",
+        )
     syn = train.add_argument_group("synthetic data")
     syn.add_argument("--epoch-examples", type=int, default=1_000_000)
     syn.add_argument("--test-examples", type=int, default=100_000)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .initializers import Initializer, TruncatedNormal
 from .optimizers import Optimizer
+from .precision import check_dtype
 
 __all__ = [
     "COMPRESSIONS",
@@ -171,16 +172,19 @@ class Compressor:
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
-            raise ValueError(f"{type(self).__name__}: compression must be one of "
-                             f"{COMPRESSIONS}, got {self.compression!r}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: compression must be one of "
+                f"{COMPRESSIONS}, got {self.compression!r}"
+            )
         r = self.fixed_range
         if (
             isinstance(r, bool)
             or not isinstance(r, int | float | np.floating | np.integer)
             or not (math.isfinite(r) and r > 0)
         ):
-            raise ValueError(f"{type(self).__name__}: fixed_range must be a finite number > 0, "
-                             f"got {r!r}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: fixed_range must be a finite number > 0, got {r!r}"
+            )
         object.__setattr__(self, "fixed_range", float(r))
 
 
@@ -205,6 +209,11 @@ class TableConfig:
         once, never evict, insert on the training lookup.
       compressor: how ``embengine export`` stores this table (``Compressor``); None: the
         export's default.
+      weights_dtype: how the weights are stored: "float32" (default), "float16" or
+        "bfloat16". A 16-bit table computes in float32 and writes its updates back with
+        stochastic rounding (``embengine.precision``): half the memory per value.
+      slots_dtype: the same for the optimizer's float slots (integer slots, such as Adam's
+        per-row step count, stay int32).
     """
 
     vocabulary_size: int | None
@@ -216,9 +225,22 @@ class TableConfig:
     quantization_config: QuantizationConfig | None = None
     dynamic: DynamicVocabulary | None = None
     compressor: Compressor | None = None
+    weights_dtype: str = "float32"
+    slots_dtype: str = "float32"
 
     def __post_init__(self):
         where = f"TableConfig(name={self.name!r})"
+        check_dtype(where, "weights_dtype", self.weights_dtype)
+        check_dtype(where, "slots_dtype", self.slots_dtype)
+        if self.vocabulary_size is None and (self.weights_dtype, self.slots_dtype) != (
+            "float32",
+            "float32",
+        ):
+            raise ValueError(
+                f"{where}: a keyed table (vocabulary_size=None) stores float32 only for now, "
+                f"got weights_dtype={self.weights_dtype!r}, slots_dtype={self.slots_dtype!r}; "
+                "give it a vocabulary_size or keep float32"
+            )
         if self.vocabulary_size is None:
             if self.dynamic is None:
                 object.__setattr__(self, "dynamic", DynamicVocabulary())

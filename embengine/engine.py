@@ -41,6 +41,7 @@ from .optimizers import Optimizer
 from .spec import (
     NONFINITE_POLICIES,
     compressor_entry,
+    dtype_entries,
     engine_options,
     feature_configs_from_spec,
     initializer_to_json,
@@ -73,8 +74,9 @@ _MAX_TIMESTAMP = 1 << 62
 def _check_timestamp(t) -> int:
     """A training call's data time: an int of seconds in [0, 2^62)."""
     if isinstance(t, bool) or not isinstance(t, int | np.integer):
-        raise TypeError(f"timestamp must be an int (seconds of data time, e.g. Unix time), "
-                        f"got {t!r}")  # fmt: skip
+        raise TypeError(
+            f"timestamp must be an int (seconds of data time, e.g. Unix time), got {t!r}"
+        )
     if not 0 <= t < _MAX_TIMESTAMP:
         raise ValueError(f"timestamp must be in [0, 2^62) (seconds of data time), got {t}")
     return int(t)
@@ -220,11 +222,18 @@ class EmbeddingEngine:
         physical, views, members = [], [None] * len(r.table_names), []
         for spec in self._storage_plan.physical_tables:
             ts = tuple(index[m.name] for m in spec.tables)
-            segments = [(m.name, m.row_offset, m.vocabulary_size,
-                         _initializer_for(r.tables[t], self._optimizers[t]))
-                        for m, t in zip(spec.tables, ts, strict=True)]  # fmt: skip
-            table = make_storage(spec, self._optimizers[ts[0]].slot_specs(spec.dim), segments,
-                                 self.seed)  # fmt: skip
+            segments = [
+                (
+                    m.name,
+                    m.row_offset,
+                    m.vocabulary_size,
+                    _initializer_for(r.tables[t], self._optimizers[t]),
+                )
+                for m, t in zip(spec.tables, ts, strict=True)
+            ]
+            table = make_storage(
+                spec, self._optimizers[ts[0]].slot_specs(spec.dim), segments, self.seed
+            )
             # Batches resolve such a kind's rows from the plan: the storage must agree.
             offsets = tuple(m.row_offset for m in spec.tables)
             if storage_kind(spec.storage).row_ids and table.row_bases != offsets:
@@ -296,7 +305,8 @@ class EmbeddingEngine:
 
     @property
     def embedding_tables(self) -> dict[str, np.ndarray]:
-        """Table name -> live ``[vocabulary_size, dim]`` float32 view of the weights."""
+        """Table name -> live ``[vocabulary_size, dim]`` view of the weights, in the stored
+        dtype (``TableConfig.weights_dtype``: float32 unless the table is 16-bit)."""
         return {t.name: t.weights for t in self._tables}
 
     def slots(self, table_name: str) -> dict[str, np.ndarray]:
@@ -327,26 +337,32 @@ class EmbeddingEngine:
         for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
             opt, view = self._optimizers[t], self._tables[t]
             q = cfg.quantization_config
-            tables.append({
-                "name": name,
-                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
-                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
-                "dim": cfg.dim,
-                "combiner": cfg.combiner,
-                "initializer": initializer_to_json(_initializer_for(cfg, opt)),
-                "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
-                "quantization_config": None if q is None else dataclasses.asdict(q),
-                **compressor_entry(cfg),
-                "storage": view.storage,
-                "slots": [dataclasses.asdict(s) for s in view.slot_specs],
-            })  # fmt: skip
+            tables.append(
+                {
+                    "name": name,
+                    "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                    **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
+                    "dim": cfg.dim,
+                    "combiner": cfg.combiner,
+                    "initializer": initializer_to_json(_initializer_for(cfg, opt)),
+                    "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
+                    "quantization_config": None if q is None else dataclasses.asdict(q),
+                    **compressor_entry(cfg),
+                    **dtype_entries(cfg),
+                    "storage": view.storage,
+                    "slots": [dataclasses.asdict(s) for s in view.slot_specs],
+                }
+            )
         features = [
-            {"name": name, "table": r.table_names[r.feature_table[name]],
-             "max_sequence_length": fc.max_sequence_length,
-             "validate_weights_and_indices": fc.validate_weights_and_indices,
-             "output_shape": None if fc.output_shape is None else list(fc.output_shape)}
+            {
+                "name": name,
+                "table": r.table_names[r.feature_table[name]],
+                "max_sequence_length": fc.max_sequence_length,
+                "validate_weights_and_indices": fc.validate_weights_and_indices,
+                "output_shape": None if fc.output_shape is None else list(fc.output_shape),
+            }
             for name, fc in r.features.items()
-        ]  # fmt: skip
+        ]
         # Checkpoints store the plan too (their manifest is the spec plus their own keys), for
         # inspect; from_spec plans storage anew (where a table lives is the machine's business).
         return {
@@ -393,9 +409,11 @@ class EmbeddingEngine:
         return {
             "step": self._step,
             "learning_rates": {"tags": self._learning_rate_tags()},
-            "tables": {v.name: v.state() if hasattr(v, "state") else {WEIGHTS: v.weights, **v.slots}
-                       for v in self._tables},
-        }  # fmt: skip
+            "tables": {
+                v.name: v.state() if hasattr(v, "state") else {WEIGHTS: v.weights, **v.slots}
+                for v in self._tables
+            },
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Copy a state (``state_dict()``'s layout, arrays or ``TensorSource``s) into the
@@ -409,14 +427,21 @@ class EmbeddingEngine:
         (its gradients came from the tables before). If a TensorSource fails midway, a
         ``PartialLoadError`` says which tables hold the new values; the step is unchanged."""
         expected = {
-            v.name: v.state_entries() if hasattr(v, "state_entries") else
-                    {WEIGHTS: (tuple(v.weights.shape), np.dtype(np.float32)),
-                     **{s.name: ((v.vocabulary_size, s.width), np.dtype(s.dtype))
-                        for s in v.slot_specs}}
+            v.name: v.state_entries()
+            if hasattr(v, "state_entries")
+            else {
+                WEIGHTS: (tuple(v.weights.shape), v.weights.dtype),
+                **{
+                    s.name: ((v.vocabulary_size, s.width), v.slot(s.name).dtype)
+                    for s in v.slot_specs
+                },
+            }
             for v in self._tables
-        }  # fmt: skip
-        tag_is_callable = [self._learning_rates.tag_callable(t) is not None
-                           for t in range(self.num_learning_rate_tags)]  # fmt: skip
+        }
+        tag_is_callable = [
+            self._learning_rates.tag_callable(t) is not None
+            for t in range(self.num_learning_rate_tags)
+        ]
         step, copies = check_state(state, expected, tag_is_callable, strict)
         views = {v.name: v for v in self._tables}
         # Everything is checked; from here on tables change.
@@ -458,8 +483,9 @@ class EmbeddingEngine:
         out = []
         for t in range(self.num_learning_rate_tags):
             fn = self._learning_rates.tag_callable(t)
-            out.append({"tag": t, "callable": None if fn is None else
-                        getattr(fn, "__qualname__", "?")})  # fmt: skip
+            out.append(
+                {"tag": t, "callable": None if fn is None else getattr(fn, "__qualname__", "?")}
+            )
         return out
 
     def _state_lock(self) -> contextlib.AbstractContextManager:
@@ -475,8 +501,13 @@ class EmbeddingEngine:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save(self, path, keep: int | None = None, extra_tensors: Mapping | None = None,
-             extra_metadata: Mapping | None = None):  # fmt: skip
+    def save(
+        self,
+        path,
+        keep: int | None = None,
+        extra_tensors: Mapping | None = None,
+        extra_metadata: Mapping | None = None,
+    ):
         """Write a checkpoint (tables, slots, step, every config) under the folder ``path``:
         atomically, as ``path/ckpt-<step>-<n>/``, keeping the newest ``keep`` (all if None).
         ``extra_tensors`` (name -> array) and JSON ``extra_metadata`` are stored beside it.
@@ -510,8 +541,11 @@ class EmbeddingEngine:
         spec, reader = checkpoint.read_checkpoint(path, verify)
         # A FromFunction initializer's function is not stored; the checkpoint's values replace
         # what it would give, so the tables start at zero.
-        from_function = {t["name"]: Zeros() for t in spec["tables"]
-                         if t["initializer"]["class"] == "FromFunction"}  # fmt: skip
+        from_function = {
+            t["name"]: Zeros()
+            for t in spec["tables"]
+            if t["initializer"]["class"] == "FromFunction"
+        }
         try:
             engine = cls.from_spec(spec, callables, initializers=from_function, **kwargs)
         except (TypeError, ValueError) as e:
@@ -540,9 +574,15 @@ class EmbeddingEngine:
 
         ``training=False`` skips the deduplication, which only the update needs: the batch can
         be looked up (evaluation, inference) but not passed to ``apply_gradients``."""
-        return prepare(self._resolved, features, weights, self._backend.build_tables,
-                       self._storage_layout, deduplicate=training,
-                       fingerprint=self._batch_fingerprint())  # fmt: skip
+        return prepare(
+            self._resolved,
+            features,
+            weights,
+            self._backend.build_tables,
+            self._storage_layout,
+            deduplicate=training,
+            fingerprint=self._batch_fingerprint(),
+        )
 
     def lookup(
         self,
@@ -697,8 +737,9 @@ class EmbeddingEngine:
         with ``insert_on="apply"`` gives its admitted new keys rows now)."""
         if not self._update_rows:
             return batch
-        tables = tuple(tb.for_update(table)
-                       for table, tb in zip(self._physical, batch.tables, strict=True))  # fmt: skip
+        tables = tuple(
+            tb.for_update(table) for table, tb in zip(self._physical, batch.tables, strict=True)
+        )
         if all(a is b for a, b in zip(tables, batch.tables, strict=True)):
             return batch
         return dataclasses.replace(batch, tables=tables)
@@ -720,9 +761,13 @@ class EmbeddingEngine:
                         out[name] = stats()
                         continue
                     rows = self._tables[t].vocabulary_size
-                    out[name] = {"kind": table.storage, "rows": rows, "capacity": rows,
-                                 "load_factor": 1.0,
-                                 "bytes": {"rows": rows * table.row_width * 4}}  # fmt: skip
+                    out[name] = {
+                        "kind": table.storage,
+                        "rows": rows,
+                        "capacity": rows,
+                        "load_factor": 1.0,
+                        "bytes": {"rows": rows * table.row_width * 4},
+                    }
         return out
 
     def table_contents(self, table_name: str) -> dict[str, np.ndarray]:
@@ -736,8 +781,10 @@ class EmbeddingEngine:
             contents = getattr(self._physical[p], "contents", None)
             if contents is not None:
                 return contents()
-            out = {"keys": np.arange(view.vocabulary_size, dtype=np.int64),
-                   "weights": np.array(view.weights)}  # fmt: skip
+            out = {
+                "keys": np.arange(view.vocabulary_size, dtype=np.int64),
+                "weights": np.array(view.weights),
+            }
             for name, a in view.slots.items():
                 out[name] = np.array(a)
             return out

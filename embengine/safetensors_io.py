@@ -33,6 +33,13 @@ DTYPES = {
     np.dtype(np.uint16): "BF16",  # bfloat16 bits (numpy has no bfloat16)
 }
 NUMPY = {v: k for k, v in DTYPES.items()}
+try:  # bfloat16 arrays (a 16-bit table's views) are written as "BF16" too, and read as bits
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+    DTYPES[BFLOAT16] = "BF16"
+except ImportError:  # pragma: no cover - ml_dtypes ships with the install
+    BFLOAT16 = None
 CHUNK_BYTES = 64 << 20
 _MAX_HEADER = 100 << 20
 
@@ -83,6 +90,8 @@ def write_safetensors(
             for chunk in _chunks(array):
                 if on_chunk is not None:
                     on_chunk(name, chunk)
+                if chunk.dtype == BFLOAT16:  # its bits, as a "BF16" tensor holds them
+                    chunk = chunk.view(np.uint16)
                 data = chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tobytes()
                 f.write(data)
                 digest.update(data)
@@ -177,6 +186,8 @@ def read_tensor(
         return np.zeros(shape, dtype=dtype)
     if out.shape != shape:
         raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {out.shape}")
+    if out.dtype == BFLOAT16 and info["dtype"] == "BF16":  # copy the bits
+        out = out.view(np.uint16)
     if out.size == 0:
         return out
     target = out.reshape(1) if out.ndim == 0 else out  # a 0-d array: one row of one value

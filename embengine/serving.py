@@ -189,11 +189,14 @@ class ExportReport:
 
 
 def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
-    """(arrays to store, max abs error), chunk by chunk over rows."""
+    """(arrays to store, max abs error), chunk by chunk over rows. ``weights`` in the table's
+    stored dtype: a 16-bit table's are widened to float32 exactly, then compressed."""
     vocab, dim = weights.shape
-    if compression == "fp32":
+    if compression == "fp32" and weights.dtype == np.float32:
         return {"weights": weights}, 0.0
     out: dict[str, np.ndarray] = {}
+    if compression == "fp32":
+        out["weights"] = np.empty((vocab, dim), dtype=np.float32)
     if compression in ("fp16", "bf16", "fixed_r8", "int8_rowwise"):
         dtype = {
             "fp16": np.float16,
@@ -209,7 +212,9 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
     for lo in range(0, vocab, _ROWS_PER_CHUNK):
         hi = min(vocab, lo + _ROWS_PER_CHUNK)
         x = np.asarray(weights[lo:hi], dtype=np.float32)
-        if compression == "fp16":
+        if compression == "fp32":
+            out["weights"][lo:hi] = x
+        elif compression == "fp16":
             out["weights"][lo:hi] = x.astype(np.float16)
         elif compression == "bf16":
             out["weights"][lo:hi] = _to_bf16(x)

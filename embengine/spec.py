@@ -6,6 +6,7 @@ A spec is a dict of JSON values::
     {"tables": [{"name", "vocabulary_size" (null: keyed), ["dynamic"], "dim", "combiner",
                  "initializer": {"class", "params"}, "optimizer": {"class", "params"},
                  "quantization_config", ["compressor": {"compression", "fixed_range"}],
+                 ["weights_dtype"], ["slots_dtype"] (only when not "float32"),
                  "storage", "slots": [{"name", "width", "initial_value", "dtype"}]}, ...],
                                                              # in the engine's table order
      "features": [{"name", "table", "max_sequence_length", "validate_weights_and_indices",
@@ -44,6 +45,7 @@ __all__ = [
     "initializer_from_json",
     "initializer_to_json",
     "compressor_entry",
+    "dtype_entries",
     "optimizer_from_json",
     "optimizer_to_json",
 ]
@@ -144,6 +146,14 @@ def initializer_from_json(
     return cls(**data.get("params", {}))
 
 
+def dtype_entries(cfg: TableConfig) -> dict:
+    """A table's ``"weights_dtype"`` / ``"slots_dtype"`` keys, only those that are not float32
+    (specs and manifests of float32 tables stay as they were)."""
+    return {
+        k: getattr(cfg, k) for k in ("weights_dtype", "slots_dtype") if getattr(cfg, k) != "float32"
+    }
+
+
 def compressor_entry(cfg: TableConfig) -> dict:
     """A table's ``"compressor"`` key, only when it has one (specs and manifests of tables
     without one stay as they were)."""
@@ -170,6 +180,8 @@ def _table_config(
         quantization_config=None if q is None else QuantizationConfig(**q),
         dynamic=None if dynamic is None else DynamicVocabulary(**dynamic),
         compressor=None if compressor is None else Compressor(**compressor),
+        weights_dtype=t.get("weights_dtype", "float32"),
+        slots_dtype=t.get("slots_dtype", "float32"),
     )
     return cfg
 

@@ -8,9 +8,12 @@ A state is::
      "tables": {table name: {"weights": array, slot name: array, ...}, ...}}
 
 keyed by logical table (a packed table's rows are its own, from 0) and, within a table's arrays,
-by logical row: row ``r`` is the table's id ``r``. ``weights`` is float32 ``[vocabulary_size,
-dim]``; each optimizer slot (TF's slot names) is ``[vocabulary_size, width]`` of the slot's dtype
-(float32, or int32 for step counters).
+by logical row: row ``r`` is the table's id ``r``. ``weights`` is ``[vocabulary_size, dim]`` of
+the table's stored dtype (``TableConfig.weights_dtype``: float32, float16 or
+``ml_dtypes.bfloat16``); each optimizer slot (TF's slot names) is ``[vocabulary_size, width]`` of
+the slot's stored dtype (``slots_dtype`` for float slots, int32 for step counters).
+``load_state_dict`` takes exactly those dtypes: a value of another dtype is an error, never a
+silent cast (cast it yourself with ``astype``).
 
 A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED_ENTRIES`` besides
 ``weights`` and the slots, a snapshot (copies, taken together under the engine's lock)::

@@ -19,6 +19,7 @@ from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
+from ..precision import KIND
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
 
@@ -74,9 +75,17 @@ class _BatchPlan:
             for p in ps:
                 r = p.ragged
                 has_w = r.weights is not None and not p.seq_len
-                fmeta[f] = (t, id_base, off_base, r.num_samples, w_base if has_w else -1,
-                            kp.COMBINER_CODES[p.combiner], p.seq_len, p.out_start,
-                            p.member)  # fmt: skip
+                fmeta[f] = (
+                    t,
+                    id_base,
+                    off_base,
+                    r.num_samples,
+                    w_base if has_w else -1,
+                    kp.COMBINER_CODES[p.combiner],
+                    p.seq_len,
+                    p.out_start,
+                    p.member,
+                )
                 ids.append(r.ids)
                 offsets.append(r.offsets)
                 id_base += len(r.ids)
@@ -93,9 +102,19 @@ class _BatchPlan:
         i64, f32 = np.int64, np.float32
         # The inputs, concatenated, live for the kernel call; the outputs as long as the batch.
         inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
-        outputs = ((n, i64), (n, f32), (n, i64), (n, i64), (n, i64), (n_tables, i64),
-                   (n + n_tables, i64), (n, f32), (n, i64), (n_out + n_tables, i64),
-                   (n_features + n_tables, i64))  # fmt: skip
+        outputs = (
+            (n, i64),
+            (n, f32),
+            (n, i64),
+            (n, i64),
+            (n, i64),
+            (n_tables, i64),
+            (n + n_tables, i64),
+            (n, f32),
+            (n, i64),
+            (n_out + n_tables, i64),
+            (n_features + n_tables, i64),
+        )
         out_bytes = Carver.size(*outputs)
         if memory is None or out_bytes < POOLED_BATCH_BYTES:
             if memory is not None:
@@ -187,12 +206,14 @@ def build_tables_numba(
     if parallel:
         start_pool()
         order, bounds = plan.prepare_order()
-        kp.prepare_tables(order, bounds, plan.fmeta, *plan.inputs, plan.occ_base,
-                          plan.out_base, *plan.outputs)  # fmt: skip
+        kp.prepare_tables(
+            order, bounds, plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base, *plan.outputs
+        )
     else:
         # No start_pool, no nb.get_num_threads(): either would start numba's pool here.
-        kp.prepare_tables_serial(plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base,
-                                 *plan.outputs)  # fmt: skip
+        kp.prepare_tables_serial(
+            plan.fmeta, *plan.inputs, plan.occ_base, plan.out_base, *plan.outputs
+        )
     return plan.table_batches()
 
 
@@ -227,41 +248,84 @@ def build_tables_and_pool_numba(
     quant = np.empty((plan.n_tables, 3), dtype=np.float64)
     outs = []
     f = 0
-    for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table,
-                                              strict=True)):  # fmt: skip
+    for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table, strict=True)):
         data = table.data
-        if data.dtype != np.float32 or not data.flags.c_contiguous:
-            raise AssertionError(f"table {table.name!r}: storage must be C-contiguous float32")
+        if data.dtype not in (np.float32, np.uint16) or not data.flags.c_contiguous:
+            raise AssertionError(
+                f"table {table.name!r}: storage must be C-contiguous float32 "
+                "(uint16: a 16-bit table)"
+            )
+        if _half(table):  # pooled after the region, through its widened rows
+            data = data.view(np.float32)
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
         out = np.empty((n_out, table.dim), dtype=np.float32)
         outs.append(out)
-        tmeta[t] = (data.ctypes.data, data.shape[0], data.shape[1], table.dim, out.ctypes.data,
-                    n_out)  # fmt: skip
+        tmeta[t] = (
+            data.ctypes.data,
+            data.shape[0],
+            data.shape[1],
+            table.dim,
+            out.ctypes.data,
+            n_out,
+        )
         quant[t] = _quantization_row(q)
         bases = table.row_bases
         for p in parts:
-            if bases is not None:  # the rows of its logical table, indexed by id
+            if bases is not None and not _half(table):  # its logical table's rows, by id
                 base = bases[p.member]
                 fdata[f] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
-    train_lookup.prepare_and_pool(order, nb.get_num_threads(), plan.fmeta, *plan.inputs,
-                                  plan.occ_base, plan.out_base, *plan.outputs, tmeta, fdata,
-                                  quant, prefetch)  # fmt: skip
+    train_lookup.prepare_and_pool(
+        order,
+        nb.get_num_threads(),
+        plan.fmeta,
+        *plan.inputs,
+        plan.occ_base,
+        plan.out_base,
+        *plan.outputs,
+        tmeta,
+        fdata,
+        quant,
+        prefetch,
+    )
     batches = plan.table_batches()
     for t, table in enumerate(tables):
-        if table.row_bases is None:  # rows_for once, then pooled through the rows
-            batches[t] = batches[t].resolved(table, insert=True)
-            _pool_prepared(table.data, table.dim, batches[t], quant[t], prefetch, outs[t])
+        if table.row_bases is None or _half(table):  # rows_for once, pooled through the rows
+            if batches[t].unique_rows is None:
+                batches[t] = batches[t].resolved(table, insert=True)
+            data, rows = _weights_at(table, batches[t].unique_rows)
+            _pool_prepared(data, table.dim, batches[t], quant[t], prefetch, outs[t], rows)
     return batches, outs
 
 
-def _pool_prepared(data, dim: int, tb: TableBatch, quant, prefetch: int, out) -> None:
-    """``out`` = the activations of a deduplicated batch, through its resolved rows."""
+def _weights_at(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(an array whose row ``rows2[i]`` holds the float32 weights of table row ``rows[i]``,
+    rows2): ``(table.data, rows)`` for a float32 table; a table with 16-bit weights gets them
+    widened (``rounding.widen_rows``, exact), row -1 kept; float32 weights in a 16-bit row are
+    read through the row array's float32 view."""
+    if not _half(table):
+        return table.data, rows
+    data = table.data
+    if table.weights_dtype == "float32":  # the weights are the view's first dim columns
+        return data.view(np.float32), rows
+    from ..kernels.rounding import widen_rows
+
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out = np.empty((len(rows), table.dim), dtype=np.float32)
+    widen_rows(data, KIND[table.weights_dtype], table.dim, rows, out)
+    return out, np.where(rows >= 0, np.arange(len(rows), dtype=np.int64), -1)
+
+
+def _pool_prepared(
+    data, dim: int, tb: TableBatch, quant, prefetch: int, out, rows: np.ndarray | None = None
+) -> None:
+    """``out`` = the activations of a deduplicated batch, through its resolved rows (or
+    ``rows``, one per unique id, into ``data``)."""
     pool = pool_kernel(dim)
+    rows = tb.unique_rows if rows is None else rows
     f = _frozen
-    pool(data, dim, f(tb.unique_rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out,
-         quant, prefetch)  # fmt: skip
+    pool(data, dim, f(rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out, quant, prefetch)
 
 
 def check_optimizer(table_name: str, optimizer: Optimizer, dim: int) -> None:
@@ -338,8 +402,12 @@ def _fixed_kernel(rm: RowMath, dim: int, n_slots: int):
 
 def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
-    fixed-layout fused update where it fits (fixed_layout), else the any-layout one."""
+    fixed-layout fused update where it fits (fixed_layout), else the any-layout one; for a
+    table with 16-bit columns the ``half`` kernels (any layout: they widen on copy-in and round
+    on write-back, which the in-place fixed-layout kernels cannot)."""
     rm = optimizer.row_math(table.dim)
+    if _half(table):
+        return row_math.half_kernels(rm)
     fused, every_row, _ = row_math.kernels(rm)
     layout = fixed_layout(rm, table)
     if layout is not None:
@@ -347,8 +415,23 @@ def kernels_for(optimizer: Optimizer, table: TableStorage):
     return fused, every_row
 
 
+def _half(table: TableStorage) -> bool:
+    """A table whose row array is uint16 (16-bit weights or slots; storage/dense.py)."""
+    return table.data.dtype == np.uint16
+
+
+def _half_args(table: TableStorage) -> tuple:
+    """The extra arguments of the half kernels: rounding key, weights' and slots' dtype codes."""
+    return (
+        np.uint64(table.rounding_key),
+        np.int64(KIND[table.weights_dtype]),
+        np.int64(KIND[table.slots_dtype]),
+    )
+
+
 def _table_constants(opt: Optimizer, table: TableStorage):
-    """(meta int64, hyperparameters float64, slot columns int64) of one table's updates."""
+    """(meta int64, hyperparameters float64, slot columns int64) of one table's updates. Slot
+    columns are in the units of ``data_i`` (a 16-bit table's: two uint16 units each)."""
     meta = np.zeros(pipeline.M_COLS, dtype=np.int64)
     meta[pipeline.M_DIM] = table.dim
     gclip = opt.gradient_clip_bounds
@@ -371,7 +454,10 @@ def _table_constants(opt: Optimizer, table: TableStorage):
     params = opt.row_math(table.dim).values(opt)
     common = [*(gclip or (0.0, 0.0)), *(wclip or (0.0, 0.0))]
     hp = np.array(common + params, dtype=np.float64)
-    cols = np.array([table.columns[s.name].start for s in table.slot_specs] or [0], np.int64)
+    units = 2 if _half(table) else 1
+    cols = np.array(
+        [table.columns[s.name].start // units for s in table.slot_specs] or [0], np.int64
+    )
     return meta, hp, cols
 
 
@@ -400,8 +486,9 @@ class NumbaBackend:
         """``build_tables`` and ``lookup`` of every table, in one parallel region (a training
         lookup of features: see kernels/train_lookup.py); batches come back with their rows
         resolved (insert)."""
-        return build_tables_and_pool_numba(parts_per_table, tables, quantizations,
-                                           self.batch_memory, self.lookup_prefetch)  # fmt: skip
+        return build_tables_and_pool_numba(
+            parts_per_table, tables, quantizations, self.batch_memory, self.lookup_prefetch
+        )
 
     def lookup(
         self, table: TableStorage, tb: TableBatch | LookupOnlyTableBatch, quantization=None
@@ -414,13 +501,39 @@ class NumbaBackend:
         if isinstance(tb, TableBatch):
             if tb.unique_rows is None:
                 tb = tb.resolved(table, insert=False)
+            if _half(table):
+                start_pool()
+                out = np.empty((tb.num_outputs, table.dim), dtype=np.float32)
+                data, rows = _weights_at(table, tb.unique_rows)
+                _pool_prepared(
+                    data,
+                    table.dim,
+                    tb,
+                    _quantization_row(quantization),
+                    self.lookup_prefetch,
+                    out,
+                    rows,
+                )
+                return out
             return self.lookup_rows(table.data, table.dim, tb, quantization)
         data = table.data
+        if _half(table):  # rows of the part's ids, widened
+            return self._pool_parts(
+                tb,
+                table.dim,
+                quantization,
+                lambda p: _weights_at(table, table.rows_for(p.member, p.ragged.ids, False)),
+            )
         return self._pool_parts(
-            tb, table.dim, quantization,
-            lambda p: ((data[bases[p.member]:], p.ragged.ids) if bases is not None
-                       else (data, table.rows_for(p.member, p.ragged.ids, False))),
-        )  # fmt: skip
+            tb,
+            table.dim,
+            quantization,
+            lambda p: (
+                (data[bases[p.member] :], p.ragged.ids)
+                if bases is not None
+                else (data, table.rows_for(p.member, p.ragged.ids, False))
+            ),
+        )
 
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
@@ -430,8 +543,12 @@ class NumbaBackend:
         decoded from an export), read at the batch's rows: a deduplicated batch's
         ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``."""
         # The kernels read rows by index without bounds checks: refuse what they cannot read.
-        if (rows.dtype != np.float32 or rows.ndim != 2 or not rows.flags.c_contiguous
-                or rows.shape[1] < dim):  # fmt: skip
+        if (
+            rows.dtype != np.float32
+            or rows.ndim != 2
+            or not rows.flags.c_contiguous
+            or rows.shape[1] < dim
+        ):
             raise ValueError(
                 f"lookup_rows needs a C-contiguous float32 [rows, >= {dim}] array, got "
                 f"{rows.dtype} of shape {rows.shape}"
@@ -442,8 +559,9 @@ class NumbaBackend:
                     "lookup_rows: this batch's storage maps ids to rows itself; look it up "
                     "with lookup(table, batch)"
                 )
-            return self._pool_parts(tb, dim, quantization,
-                                    lambda p: (rows[p.row_offset:], p.ragged.ids))  # fmt: skip
+            return self._pool_parts(
+                tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids)
+            )
         if tb.unique_rows is None:
             raise ValueError(
                 "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
@@ -466,9 +584,19 @@ class NumbaBackend:
             weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
             # Contiguous read-only arrays (copies only of strided views): one compiled kernel.
             c = _contiguous_frozen
-            pool_bags(data, dim, c(rows, dtype=np.int64), c(r.offsets), c(weights),
-                      kp.COMBINER_CODES[p.combiner], p.seq_len, out, p.out_start, quant,
-                      self.lookup_prefetch)  # fmt: skip
+            pool_bags(
+                data,
+                dim,
+                c(rows, dtype=np.int64),
+                c(r.offsets),
+                c(weights),
+                kp.COMBINER_CODES[p.combiner],
+                p.seq_len,
+                out,
+                p.out_start,
+                quant,
+                self.lookup_prefetch,
+            )
         return out
 
     def apply(self, table, tb, grad, opt, lr, step, skip_nonfinite) -> np.ndarray:
@@ -483,25 +611,47 @@ class NumbaBackend:
         grad = _frozen(np.ascontiguousarray(grad, dtype=np.float32))
         skipped = _NO_SKIP
         if skip_nonfinite:
-            skipped = pipeline.nonfinite_rows(tb.unique_offsets, tb.unique_gains,
-                                              tb.unique_segments, grad,
-                                              opt.use_gradient_accumulation)  # fmt: skip
+            skipped = pipeline.nonfinite_rows(
+                tb.unique_offsets,
+                tb.unique_gains,
+                tb.unique_segments,
+                grad,
+                opt.use_gradient_accumulation,
+            )
             skipped = _frozen(skipped)
         if tb.unique_rows is None:  # a storage that maps ids itself, not resolved yet
             tb = tb.resolved(table, insert=True)
         # One flag per unique row (per table row for every-row updates), set by the kernel.
-        unchanged = np.zeros(table.data.shape[0] if opt.updates_every_row else len(tb.unique_rows),
-                             dtype=np.uint8)  # fmt: skip
+        unchanged = np.zeros(
+            table.data.shape[0] if opt.updates_every_row else len(tb.unique_rows), dtype=np.uint8
+        )
+        data = table.data
+        rows = (data.view(np.float32), data) if _half(table) else (data,)
         args = (
-            table.data, table.data.view(np.int32), meta, hp, cols, float(lr),
-            float(opt.weight_decay_rate(lr)), int(step), _frozen(tb.unique_rows),
-            _frozen(tb.unique_offsets), _frozen(tb.unique_gains), _frozen(tb.unique_segments),
-            grad, skipped, unchanged, self.update_prefetch,
-        )  # fmt: skip
+            *rows,
+            data.view(np.int32),
+            meta,
+            hp,
+            cols,
+            float(lr),
+            float(opt.weight_decay_rate(lr)),
+            int(step),
+            _frozen(tb.unique_rows),
+            _frozen(tb.unique_offsets),
+            _frozen(tb.unique_gains),
+            _frozen(tb.unique_segments),
+            grad,
+            skipped,
+            unchanged,
+            self.update_prefetch,
+        )
+        extra = _half_args(table) if _half(table) else ()
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
-            every_row(*args, _frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)))
+            every_row(
+                *args, _frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)), *extra
+            )
         else:
-            fused(*args)
+            fused(*args, *extra)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)

@@ -1,9 +1,10 @@
 """The reference backend: slow, obviously correct NumPy. Every faster backend must match it.
 
-All arithmetic is float64 (inputs are float32); results are rounded to float32 when stored.
-A row whose rounded results (weights or float slots) are not all finite is not stored: it keeps
-its old values, weights and slots alike, and ``apply`` returns its id (the engine's non-finite
-policy reports it).
+All arithmetic is float64 (inputs are float32); results are rounded to float32 when stored,
+and a 16-bit column's float32 results then to its dtype, stochastically, with the random
+stream of ``embengine.precision`` (the one the numba kernels draw). A row whose stored results
+(weights or float slots) are not all finite is not stored: it keeps its old values, weights and
+slots alike, and ``apply`` returns its id (the engine's non-finite policy reports it).
 """
 
 from __future__ import annotations
@@ -12,16 +13,37 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
+from ..precision import KIND, hash_bits, stochastic_round, widen
 from ..storage import TableStorage
+from ..storage.dense import column_view
 
 __all__ = ["ReferenceBackend", "update_rows"]
 
 
 def _column(table: TableStorage, name: str) -> np.ndarray:
-    """The weights (``name="weights"``) or a slot of every row, a view of ``table.data``."""
+    """The weights (``name="weights"``) or a slot of every row, a view of ``table.data`` in the
+    stored dtype."""
+    return column_view(table.data, table.columns[name])
+
+
+def _store(
+    table: TableStorage, name: str, rows: np.ndarray, values: np.ndarray, step: int, unit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(what ``values`` become in column ``name`` of ``rows``, as float32 / int32, and the
+    same in the stored representation): float32 as is, 16-bit rounded stochastically from
+    the value's hash (table key, step, row, ``unit``, its column in the row)."""
     col = table.columns[name]
-    base = table.data if col.dtype == "float32" else table.data.view(np.int32)
-    return base[:, col.start : col.start + col.width]
+    if col.dtype == "int32":
+        v = values.astype(np.int32)
+        return v, v
+    v32 = values.astype(np.float32)
+    if col.dtype == "float32":
+        return v32, v32
+    kind = KIND[col.dtype]
+    columns = col.start + np.arange(col.width)[None, :]
+    bits = hash_bits(table.rounding_key, step, rows[:, None], unit, columns)
+    stored = stochastic_round(v32.reshape(len(rows), col.width), kind, bits)
+    return widen(stored, kind), stored
 
 
 def _rows(table: TableStorage, tb: TableBatch, insert: bool) -> TableBatch:
@@ -36,32 +58,44 @@ def update_rows(
     opt: Optimizer,
     lr: float,
     step: int,
+    unit: int = 0,
 ) -> np.ndarray:
     """One update of each row in ``rows`` (distinct) with gradient ``g`` [len(rows), dim]:
     the common per-row pipeline around the optimizer's own math (see optimizers._base).
+    ``unit``: which of a row's updates this is in the step (its occurrence without gradient
+    accumulation, else 0), for the rounding stream of 16-bit columns.
 
     Returns the mask of rows left unchanged because a new value of theirs, rounded to its
     storage type, would not be finite."""
     if len(rows) == 0:
         return np.zeros(0, dtype=bool)
+    rows = np.asarray(rows, dtype=np.int64)
     with np.errstate(all="ignore"):  # overflows are found and refused below, per row
         w, slots = _updated(table, rows, g, opt, lr, step)
-        w32 = w.astype(np.float32)
-        ok = np.isfinite(w32).all(axis=1)
-        new_slots = {}
-        for spec in table.slot_specs:
-            v = slots[spec.name].astype(_column(table, spec.name).dtype)
-            if spec.dtype == "float32":
-                ok &= np.isfinite(v).reshape(len(rows), -1).all(axis=1)
-            new_slots[spec.name] = v
-    _column(table, "weights")[rows[ok]] = w32[ok]
-    for spec in table.slot_specs:
-        _column(table, spec.name)[rows[ok]] = new_slots[spec.name][ok]
+        new = {"weights": _store(table, "weights", rows, w, step, unit)}
+        new.update(
+            {
+                s.name: _store(table, s.name, rows, slots[s.name], step, unit)
+                for s in table.slot_specs
+            }
+        )
+        ok = np.ones(len(rows), dtype=bool)
+        for name, (value, _) in new.items():
+            if table.columns[name].dtype != "int32":
+                ok &= np.isfinite(value).reshape(len(rows), -1).all(axis=1)
+    half = table.data.dtype == np.uint16
+    for name, (_, stored) in new.items():
+        col = table.columns[name]
+        if half and col.stride == 1:  # 16-bit: the rounded bits
+            table.data[rows[ok], col.start : col.start + col.width] = stored[ok]
+        else:
+            _column(table, name)[rows[ok]] = stored.reshape(len(rows), -1)[ok]
     return ~ok
 
 
-def _updated(table: TableStorage, rows: np.ndarray, g: np.ndarray, opt: Optimizer, lr: float,
-             step: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:  # fmt: skip
+def _updated(
+    table: TableStorage, rows: np.ndarray, g: np.ndarray, opt: Optimizer, lr: float, step: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The rows' new weights and slots (float64; int64 for int slots), not stored."""
     g = np.asarray(g, dtype=np.float64)
     weights = _column(table, "weights")
@@ -112,8 +146,10 @@ class ReferenceBackend:
             _rows(table, tb, insert=True)
             for table, tb in zip(tables, self.build_tables(parts_per_table), strict=True)
         ]
-        acts = [self.lookup(table, tb, q)
-                for table, tb, q in zip(tables, batches, quantizations, strict=True)]  # fmt: skip
+        acts = [
+            self.lookup(table, tb, q)
+            for table, tb, q in zip(tables, batches, quantizations, strict=True)
+        ]
         return batches, acts
 
     def lookup(
@@ -123,8 +159,9 @@ class ReferenceBackend:
         were not)."""
         if isinstance(tb, LookupOnlyTableBatch):
             tb = tb.occurrences
-        return self.lookup_rows(table.data, table.dim, _rows(table, tb, insert=False),
-                                quantization)  # fmt: skip
+        # a 16-bit table's weights, widened exactly as they are read
+        rows = table.data if table.data.dtype == np.float32 else _column(table, "weights")
+        return self.lookup_rows(rows, table.dim, _rows(table, tb, insert=False), quantization)
 
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
@@ -176,9 +213,9 @@ class ReferenceBackend:
             keep &= has_row
             if opt.updates_every_row:
                 live = np.concatenate(
-                    [np.arange(a, b, dtype=np.int64) for a, b in table.live_rows()] or
-                    [np.zeros(0, np.int64)]
-                )  # fmt: skip
+                    [np.arange(a, b, dtype=np.int64) for a, b in table.live_rows()]
+                    or [np.zeros(0, np.int64)]
+                )
                 n_rows = table.data.shape[0]
                 full = np.zeros((n_rows, table.dim), dtype=np.float64)
                 full[rows[keep]] = summed[keep]
@@ -202,5 +239,5 @@ class ReferenceBackend:
         for r in range(int(rounds.max()) + 1 if len(rounds) else 0):
             sel = np.flatnonzero((rounds == r) & keep_row[tb.inverse])
             at = rows[tb.inverse[sel]]
-            refused_rows.append(at[update_rows(table, at, occ[sel], opt, lr, step)])
+            refused_rows.append(at[update_rows(table, at, occ[sel], opt, lr, step, r)])
         return np.unique(np.concatenate(refused_rows)) if refused_rows else np.zeros(0, np.int64)

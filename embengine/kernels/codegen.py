@@ -34,6 +34,11 @@ kernel where the table's rows fit one. Working in place, the fixed kernels guard
 by saving each value as they overwrite it and putting the row back if it is not finite
 (FIXED_UPDATE below).
 
+Tables with 16-bit weights or slots (``TableConfig.weights_dtype`` / ``slots_dtype``) get a
+third pair, ``half_<kernel>`` (HALF_UPDATE below): the any-layout loop on the uint16 row array,
+widening to float32 on copy-in and rounding stochastically on write-back
+(``kernels/rounding.py``; the rule and the random stream in ``embengine.precision``).
+
 Nothing generated is committed: ``row_math.kernels`` renders a row math's module when its
 kernels are first needed, into a cache folder, the file named by a hash of its text (the
 template's output and the row math's source hash). numba's cache of every kernel is stamped
@@ -105,7 +110,9 @@ from embengine.kernels.pipeline import (
 # ``embengine.optimizers`` (imported first) or by a user's module, already imported.
 IMPORTS = """from embengine import optimizers  # noqa: F401 (registers embengine's row math)
 from embengine.kernels.pipeline import compiled
+from embengine.kernels.rounding import load, round_bits, row_hash, store, value_bits, widen_bits
 from embengine.optimizers._row_math import ROW_MATH
+from embengine.precision import F32
 """
 
 # Scalars every kernel reads once per call.
@@ -134,6 +141,27 @@ for j in range(dim):
 {check_slots}if fin == 0.0:
     for j in range(dim):
         data[r, j] = w[j]
+{store_slots}else:
+{restore_ints}    unchanged[{at}] = 1"""
+
+# UPDATE for a 16-bit table (``half_<kernel>``): ``data_h`` is the uint16 row array, ``data``
+# its float32 view; the weights start at unit 0, each value ``wstride`` units wide (2 for
+# float32, else 1), float slot k at unit f{k}, ``sstride`` wide. Copy-in widens (``load``); the
+# results are rounded stochastically in the scratch rows (widened back: what will be stored)
+# before the guard checks them, so a value that overflows float16 leaves the row unchanged;
+# the store then takes their exact bits (``store`` with zero random bits).
+HALF_UPDATE = """rh = row_hash(key, step, r, {unit})
+for j in range(dim):
+    w[j] = load(data_h, data, r, j * wstride, wkind)
+{load_slots}{save_ints}{body}
+fin = np.float32(0.0)
+for j in range(dim):
+    if wkind != F32:
+        w[j] = widen_bits(round_bits(w[j], wkind, value_bits(rh, j)), wkind)
+    fin += w[j] - w[j]
+{check_slots}if fin == 0.0:
+    for j in range(dim):
+        store(data_h, data, r, j * wstride, wkind, w[j], np.uint64(0))
 {store_slots}else:
 {restore_ints}    unchanged[{at}] = 1"""
 
@@ -364,7 +392,16 @@ KERNELS = {{
 FIXED_KERNELS = {{
 {fixed_entries}
 }}
+
+# Row math name -> (fused_update, update_every_row or None) of 16-bit tables (HALF_UPDATE).
+HALF_KERNELS = {{
+{half_entries}
+}}
 """
+
+# The strides of a 16-bit table's weights and float slots, in uint16 units.
+_HALF_SETUP = """    wstride = 2 if wkind == F32 else 1
+    sstride = 2 if skind == F32 else 1"""
 
 # A store to the table row saves the value it overwrites to ``old`` (same column) and adds
 # ``x * 0`` of the stored float32 value to ``fin`` (0, or NaN iff x is not finite).
@@ -433,6 +470,8 @@ def reserved_names() -> frozenset[str]:
         KERNELS,
         FIXED_KERNEL,
         _GUARDED,
+        HALF_UPDATE,
+        _HALF_SETUP,
     )
     names = set()
     for text in texts:
@@ -547,6 +586,58 @@ def _generic_update(rm: RowMath, at: str) -> str:
     )
 
 
+def _half_update(rm: RowMath, at: str, unit: str) -> str:
+    """HALF_UPDATE of ``rm``; ``at``: the index of ``unchanged``, ``unit``: the update's index
+    among its row's updates this step (the rounding stream's counter)."""
+    ints = _writes_ints(rm)
+    check = "".join(
+        f"for j in range(n{k}):\n    if skind != F32:\n"
+        f"        s{k}[j] = widen_bits(round_bits(s{k}[j], skind, value_bits(rh, f{k} + j)), skind)\n"
+        f"    fin += s{k}[j] - s{k}[j]\n"
+        for k in range(len(rm.slots))
+    )
+    return HALF_UPDATE.format(
+        unit=unit,
+        body=_body(rm, GenericAccess),
+        at=at,
+        load_slots=_slot_loops(rm, "s{k}[j] = load(data_h, data, r, f{k} + j * sstride, skind)"),
+        check_slots=check,
+        store_slots=_indent(
+            _slot_loops(
+                rm, "store(data_h, data, r, f{k} + j * sstride, skind, s{k}[j], np.uint64(0))"
+            ),
+            4,
+        )
+        + ("\n" if rm.slots else ""),
+        save_ints=SAVE_INTS if ints else "",
+        restore_ints=RESTORE_INTS if ints else "",
+    )
+
+
+def _half_kernels(rm: RowMath, scratch: str) -> str:
+    """KERNELS for 16-bit tables: named ``half_<name>``, taking the uint16 rows ``data_h``
+    beside their float32 view ``data``, the table's rounding key and the weights' and slots'
+    dtype codes (``precision.KIND``), with HALF_UPDATE."""
+    row_loop = ROW_LOOP.format(
+        scratch=_indent(scratch, 4),
+        gradient_12=_indent(GRADIENT, 12),
+        update_12=_indent(_half_update(rm, "u", "unit"), 12),
+    )
+    text = KERNELS.format(
+        name=f"half_{rm.name}",
+        setup=_setup(rm) + "\n" + _HALF_SETUP,
+        scratch=_indent(scratch, 8),
+        row_loop=_indent(row_loop, 4),
+        every_gradient_12=_indent(GRADIENT, 12),
+        every_update_12=_indent(_half_update(rm, "r", "0"), 12),
+    )
+    if not rm.every_row:
+        text = text[: text.index("\n\n@kernel(parallel=True)\ndef update_every_row")] + "\n"
+    text = text.replace("(data, data_i, ", "(data, data_h, data_i, ")
+    text = text.replace("prefetch):", "prefetch, key, wkind, skind):")
+    return text.replace("prefetch, live):", "prefetch, live, key, wkind, skind):")
+
+
 def _fixed_update(rm: RowMath) -> str:
     ints = _writes_ints(rm)
     return FIXED_UPDATE.format(
@@ -586,7 +677,7 @@ def render(rms: list[RowMath] | None = None) -> str:
         check_names(rm)
     imports = IMPORTS + "\n" + "\n".join(_functions(rms).values())
     parts = [HEADER.format(digest=row_math_digest(rms), imports=imports)]
-    entries, fixed_entries = [], []
+    entries, fixed_entries, half_entries = [], [], []
     for rm in rms:
         name = rm.name
         scratch = _scratch(
@@ -600,16 +691,22 @@ def render(rms: list[RowMath] | None = None) -> str:
             update_12=_indent(_generic_update(rm, "u"), 12),
         )
         kernels = KERNELS.format(
-            name=name, setup=_setup(rm), scratch=_indent(scratch, 8), row_loop=_indent(row_loop, 4),
+            name=name,
+            setup=_setup(rm),
+            scratch=_indent(scratch, 8),
+            row_loop=_indent(row_loop, 4),
             every_gradient_12=_indent(GRADIENT, 12),
             every_update_12=_indent(_generic_update(rm, "r"), 12),
-        )  # fmt: skip
+        )
         if not rm.every_row:  # the fused update only
             kernels = kernels[: kernels.index("\n\n@kernel(parallel=True)\ndef update_every_row")]
             kernels += "\n"
         parts.append(kernels)
         every = f"update_every_row_{name}" if rm.every_row else "None"
         entries.append(f'    "{name}": (fused_update_{name}, {every}),')
+        parts.append(_half_kernels(rm, scratch))
+        every = f"update_every_row_half_{name}" if rm.every_row else "None"
+        half_entries.append(f'    "{name}": (fused_update_half_{name}, {every}),')
         if rm.fixed_layout:
             # No scratch rows: the body works on the table row (FixedAccess).
             scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
@@ -620,10 +717,19 @@ def render(rms: list[RowMath] | None = None) -> str:
                 update_12=_indent(_fixed_update(rm), 12),
             )
             rowlen = "DIM * (1 + NS)" if rm.form == "element" else "DIM"
-            parts.append(FIXED_KERNEL.format(name=name, setup=_fixed_setup(rm), rowlen=rowlen,
-                                             row_loop=_indent(row_loop, 8)))  # fmt: skip
+            parts.append(
+                FIXED_KERNEL.format(
+                    name=name, setup=_fixed_setup(rm), rowlen=rowlen, row_loop=_indent(row_loop, 8)
+                )
+            )
             fixed_entries.append(f'    "{name}": fixed_fused_update_{name},')
-    parts.append(FOOTER.format(entries="\n".join(entries), fixed_entries="\n".join(fixed_entries)))
+    parts.append(
+        FOOTER.format(
+            entries="\n".join(entries),
+            fixed_entries="\n".join(fixed_entries),
+            half_entries="\n".join(half_entries),
+        )
+    )
     return "".join(parts)
 
 
@@ -660,8 +766,9 @@ def main(argv: list[str] | None = None) -> int:
     out, names = Path(argv[0]), argv[1:]
     unknown = [n for n in names if n not in ROW_MATH]
     if unknown:
-        print(f"no row math registered as {unknown}; registered: {sorted(ROW_MATH)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"no row math registered as {unknown}; registered: {sorted(ROW_MATH)}", file=sys.stderr
+        )
         return 2
     rms = [ROW_MATH[n] for n in names] if names else builtin_row_math()
     out.write_text(render(rms))

@@ -38,7 +38,7 @@ from pathlib import Path
 from ..optimizers import RowMath
 from . import codegen
 
-__all__ = ["Kernels", "PRUNE_AFTER_SECONDS", "folder", "kernels", "prune"]
+__all__ = ["Kernels", "PRUNE_AFTER_SECONDS", "folder", "half_kernels", "kernels", "prune"]
 
 # (fused_update, update_every_row or None, fixed-layout factory (DIM, NS) -> kernel, or None)
 Kernels = tuple
@@ -165,6 +165,13 @@ def prune(rm_name: str, keep: Path, cache_dirs, max_age: float = PRUNE_AFTER_SEC
 
 
 def _load(rm: RowMath) -> Kernels:
+    """(fused_update, update_every_row, fixed-layout factory) of ``rm``'s module, rendered and
+    imported afresh."""
+    return _load_all(rm)[:3]
+
+
+def _load_all(rm: RowMath) -> tuple:
+    """``_load``'s kernels, then the half kernels of 16-bit tables."""
     name, path, text = module_path(rm)
     written = not _current(path, text)
     if written:
@@ -187,16 +194,26 @@ def _load(rm: RowMath) -> Kernels:
         except (AttributeError, TypeError):  # no numba cache (caching disabled)
             pass
         prune(rm.name, path, caches)
-    return fused, every_row, module.FIXED_KERNELS.get(rm.name)
+    return fused, every_row, module.FIXED_KERNELS.get(rm.name), module.HALF_KERNELS[rm.name]
+
+
+def _loaded(rm: RowMath) -> tuple:
+    with _LOCK:
+        found = _LOADED.get(rm.name)
+        if found is None or found[-1] is not rm:
+            found = (*_load_all(rm), rm)
+            _LOADED[rm.name] = found
+    return found
 
 
 def kernels(rm: RowMath) -> Kernels:
     """``rm``'s (fused_update, update_every_row, fixed-layout factory), rendered and imported
     on first use (see the module docstring). The kernels themselves compile (or load from
     numba's cache) on their first call."""
-    with _LOCK:
-        found = _LOADED.get(rm.name)
-        if found is None or found[3] is not rm:
-            found = (*_load(rm), rm)
-            _LOADED[rm.name] = found
-    return found[:3]
+    return _loaded(rm)[:3]
+
+
+def half_kernels(rm: RowMath) -> tuple:
+    """``rm``'s (fused_update, update_every_row) for tables with 16-bit columns (codegen's
+    HALF_UPDATE), from the same rendered module as ``kernels``."""
+    return _loaded(rm)[3]

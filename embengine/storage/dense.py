@@ -25,13 +25,14 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
+from ..precision import numpy_dtype, table_key
 
 try:  # POSIX; Windows has no flock, so no lock is taken there
     import fcntl
 except ImportError:  # pragma: no cover - not on Linux
     fcntl = None
 
-__all__ = ["DenseTable", "Column", "TableView", "StorageError", "row_columns"]
+__all__ = ["DenseTable", "Column", "TableView", "StorageError", "row_columns", "column_view"]
 
 # Rows initialised per chunk: bounds the temporary memory of initialisation (~32 MB of float64).
 _INIT_VALUES_PER_CHUNK = 1 << 22
@@ -141,25 +142,65 @@ def _reserve(fd: int, nbytes: int, path: Path, table: str) -> None:
 
 @dataclass(frozen=True)
 class Column:
-    """Where one named array lives inside a packed row."""
+    """Where one named array lives inside a packed row: from element ``start`` of the row
+    array, ``width`` values of ``dtype``, each ``stride`` elements wide (2 for a 32-bit value in
+    the uint16 row of a 16-bit table, else 1)."""
 
     name: str
     start: int
     width: int
     dtype: str
+    stride: int = 1
 
 
-def row_columns(table: str, dim: int, slot_specs: tuple[SlotSpec, ...]) -> tuple[dict, int]:
+def row_columns(
+    table: str,
+    dim: int,
+    slot_specs: tuple[SlotSpec, ...],
+    weights_dtype: str = "float32",
+    slots_dtype: str = "float32",
+) -> tuple[dict, int]:
     """The row layout ``[weights | slot 0 | slot 1 ...]`` every storage of rows shares: each
-    column's ``Column`` by name, and the row width (``dim`` plus the slots' widths)."""
-    columns = {"weights": Column("weights", 0, dim, "float32")}
-    start = dim
+    column's ``Column`` by name, and the row width in elements of the row array (float32 rows:
+    ``dim`` plus the slots' widths).
+
+    A table whose weights or float slots are 16-bit (``row_dtype`` uint16) is byte-packed in
+    uint16 units: a 16-bit value takes one unit, a float32 or int32 value two, starting at an
+    even unit (read through a 32-bit view of the row); the row is padded to an even width."""
+    half = row_dtype(weights_dtype, slots_dtype) == np.uint16
+    start = 0
+
+    def place(name: str, width: int, dtype: str) -> Column:
+        nonlocal start
+        stride = 2 if half and dtype in ("float32", "int32") else 1
+        start += start % stride  # a 32-bit value starts at an even unit
+        col = Column(name, start, width, dtype, stride)
+        start += width * stride
+        return col
+
+    columns = {"weights": place("weights", dim, weights_dtype)}
     for spec in slot_specs:
         if spec.name in columns:
             raise ValueError(f"table {table!r}: slot name {spec.name!r} is used twice")
-        columns[spec.name] = Column(spec.name, start, spec.width, spec.dtype)
-        start += spec.width
-    return columns, start
+        dtype = slots_dtype if spec.dtype == "float32" else spec.dtype
+        columns[spec.name] = place(spec.name, spec.width, dtype)
+    return columns, start + (start % 2 if half else 0)
+
+
+def row_dtype(weights_dtype: str = "float32", slots_dtype: str = "float32") -> type:
+    """The row array's dtype: float32, or uint16 if the weights or float slots are 16-bit."""
+    return np.float32 if weights_dtype == slots_dtype == "float32" else np.uint16
+
+
+def column_view(data: np.ndarray, col: Column) -> np.ndarray:
+    """A live view of one column of every row of ``data`` (a row array laid out by
+    ``row_columns``), in the column's dtype: float32, int32, float16 or ``ml_dtypes.bfloat16``."""
+    if data.dtype == np.float32:
+        base = data if col.dtype == "float32" else data.view(np.int32)
+        return base[:, col.start : col.start + col.width]
+    if col.stride == 2:
+        return data.view(col.dtype)[:, col.start // 2 : col.start // 2 + col.width]
+    return data[:, col.start : col.start + col.width].view(numpy_dtype(col.dtype))
 
 
 class DenseTable:
@@ -189,21 +230,31 @@ class DenseTable:
         seed: int,
         path: str | Path | None = None,
         segments: list[tuple[str, int, int, Initializer]] | None = None,
+        weights_dtype: str = "float32",
+        slots_dtype: str = "float32",
     ):
         """``segments``: for a table that packs several logical tables (low-dimensional packing),
         (name, first row, rows, initializer) of each; row ``r`` of a segment is initialised as row
-        ``r - first`` of that logical table, so values do not depend on the packing."""
+        ``r - first`` of that logical table, so values do not depend on the packing.
+        ``weights_dtype`` / ``slots_dtype``: the stored dtypes (``row_columns``); initial values
+        of a 16-bit column are rounded to nearest (they are not updates)."""
         self.name = name
         self.vocabulary_size = int(vocabulary_size)
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
-        self.columns, self.row_width = row_columns(name, self.dim, self.slot_specs)
+        self.weights_dtype, self.slots_dtype = weights_dtype, slots_dtype
+        # The key of this table's stochastic-rounding stream (embengine.precision).
+        self.rounding_key = table_key(seed, name)
+        self._dtype = row_dtype(weights_dtype, slots_dtype)
+        self.columns, self.row_width = row_columns(
+            name, self.dim, self.slot_specs, weights_dtype, slots_dtype
+        )
         shape = (self.vocabulary_size, self.row_width)
         self.path = None if path is None else Path(path)
-        self._nbytes = shape[0] * shape[1] * 4
+        self._nbytes = shape[0] * shape[1] * np.dtype(self._dtype).itemsize
         self._mapping: mmap.mmap | None = None
         if self.path is None:
-            self._data = _aligned_empty(shape)
+            self._data = _aligned_empty(shape, self._dtype)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             size = max(self._nbytes, 1)  # mmap of 0 bytes is an error
@@ -228,26 +279,28 @@ class DenseTable:
             for seg_name, first, rows, init in segments:
                 self._initialise(init, seed, seg_name, first, rows)
 
-    def _initialise(self, initializer: Initializer, seed: int, name: str, first: int,
-                    count: int) -> None:  # fmt: skip
+    def _initialise(
+        self, initializer: Initializer, seed: int, name: str, first: int, count: int
+    ) -> None:
         chunk = max(1, _INIT_VALUES_PER_CHUNK // max(self.dim, 1))
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
             rows = np.arange(lo, hi, dtype=np.int64)
             values = initializer.init(seed, name, rows, self.dim)
-            self.data[first + lo : first + hi, : self.dim] = values
+            self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
 
     def _view_mapping(self) -> np.ndarray:
         count = self.vocabulary_size * self.row_width
-        data = np.frombuffer(self._mapping, dtype=np.float32, count=count)
+        data = np.frombuffer(self._mapping, dtype=self._dtype, count=count)
         return data.reshape(self.vocabulary_size, self.row_width)
 
     @property
     def data(self) -> np.ndarray:
-        """The packed float32 ``[vocabulary_size, row_width]`` array. A memory-mapped table
-        checks its file first (``check_file``: one fstat, not per row)."""
+        """The packed ``[vocabulary_size, row_width]`` array: float32, or uint16 for a 16-bit
+        table (``row_columns``). A memory-mapped table checks its file first (``check_file``:
+        one fstat, not per row)."""
         if self._mapping is not None:
             self.check_file()
         return self._data
@@ -314,7 +367,8 @@ class DenseTable:
 
     @property
     def weights(self) -> np.ndarray:
-        return self.data[:, : self.dim]
+        """Live ``[rows, dim]`` view in the stored dtype (``column_view``)."""
+        return column_view(self.data, self.columns["weights"])
 
     def slot(self, name: str) -> np.ndarray:
         col = self.columns.get(name)
@@ -322,8 +376,7 @@ class DenseTable:
             raise KeyError(
                 f"table {self.name!r} has no slot {name!r}; it has {list(self.slot_names)}"
             )
-        base = self.data if col.dtype == "float32" else self.data.view(np.int32)
-        return base[:, col.start : col.start + col.width]
+        return column_view(self.data, col)
 
     @property
     def slot_names(self) -> tuple[str, ...]:
@@ -371,8 +424,9 @@ class TableView:
 
     A table that is not packed with others is a view of all of its DenseTable."""
 
-    def __init__(self, table, name: str, offset: int, vocabulary_size: int,
-                 rows: slice | None = None):  # fmt: skip
+    def __init__(
+        self, table, name: str, offset: int, vocabulary_size: int, rows: slice | None = None
+    ):
         self.table = table
         self.name = name
         self.offset = offset

@@ -12,6 +12,7 @@ share a physical table, one after the other, when both
 - have dim 1, 2 or 4, the same dim, and an optimizer with ``low_dimensional_packing_status``;
 - have equal optimizers (so one update kernel call with one learning rate serves both);
 - have equal ``quantization_config`` (one lookup kernel call serves both);
+- have equal ``weights_dtype`` and ``slots_dtype`` (one row layout);
 - are stored in RAM. A memory-mapped table is never packed: its file ``{storage_dir}/{table}.f32``
   holds that table alone, so a file is named after the one table it holds and a RAM table never
   ends up in a file.
@@ -90,6 +91,8 @@ class PhysicalTableSpec:
         ``storage.registry.register_storage_kind``.
       path: the file of an "mmap" table (``{storage_dir}/{table}.f32``); None in RAM.
       tables: the member tables, in row order; a table that is not packed is the only one.
+      weights_dtype, slots_dtype: the stored dtypes of the weights and the float slots
+        (``TableConfig``; tables of other dtypes are not packed together).
     """
 
     name: str
@@ -97,6 +100,8 @@ class PhysicalTableSpec:
     storage: str
     path: str | None
     tables: tuple[TableInStack, ...]
+    weights_dtype: str = "float32"
+    slots_dtype: str = "float32"
 
     @property
     def vocabulary_size(self) -> int:
@@ -162,6 +167,12 @@ class StoragePlan:
                     "storage": p.storage,
                     "path": p.path,
                     "tables": [_table_json(t) for t in p.tables],
+                    # only a 16-bit table has them: older plans read unchanged
+                    **{
+                        k: getattr(p, k)
+                        for k in ("weights_dtype", "slots_dtype")
+                        if getattr(p, k) != "float32"
+                    },
                 }
                 for p in self.physical_tables
             ],
@@ -181,11 +192,10 @@ class StoragePlan:
         physical = []
         for i, p in enumerate(data["physical_tables"]):
             at = f"{where}: physical_tables[{i}]"
-            _take(
-                p,
-                at,
-                {"name": _STR, "dim": _INT1, "storage": _KIND, "path": _PATH, "tables": _LIST},
-            )
+            schema = {"name": _STR, "dim": _INT1, "storage": _KIND, "path": _PATH, "tables": _LIST}
+            if isinstance(p, Mapping):
+                schema.update({k: _DTYPE for k in ("weights_dtype", "slots_dtype") if k in p})
+            _take(p, at, schema)
             tables = []
             for j, t in enumerate(p["tables"]):
                 tat = f"{at}['tables'][{j}]"
@@ -216,7 +226,15 @@ class StoragePlan:
                     )
                 )
             physical.append(
-                PhysicalTableSpec(p["name"], p["dim"], p["storage"], p["path"], tuple(tables))
+                PhysicalTableSpec(
+                    p["name"],
+                    p["dim"],
+                    p["storage"],
+                    p["path"],
+                    tuple(tables),
+                    p.get("weights_dtype", "float32"),
+                    p.get("slots_dtype", "float32"),
+                )
             )
         return cls(tuple(physical))
 
@@ -252,6 +270,7 @@ _KIND = (
 _PATH = (lambda v: v is None or isinstance(v, str), "a str or null")
 _NONE = (lambda v: v is None, "null (a keyed table)")
 _DICT = (lambda v: isinstance(v, Mapping), "an object")
+_DTYPE = (lambda v: v in ("float32", "float16", "bfloat16"), "'float32', 'float16' or 'bfloat16'")
 _LIST = (lambda v: isinstance(v, list | tuple), "a list")
 _STRS = (
     lambda v: isinstance(v, list | tuple) and all(isinstance(f, str) for f in v),
@@ -420,6 +439,8 @@ def packs_with(a: tuple, b: tuple) -> bool:
         and cfg_a.dim in PACKABLE_DIMS
         and opt_a == opt_b
         and cfg_a.quantization_config == cfg_b.quantization_config
+        and cfg_a.weights_dtype == cfg_b.weights_dtype
+        and cfg_a.slots_dtype == cfg_b.slots_dtype
     )
 
 
@@ -471,9 +492,16 @@ def plan_storage(
             row += cfg.vocabulary_size or 0
         kind = kinds[names[g[0]]]
         path = _table_file(Path(storage_dir), names[g[0]]) if storage_kind(kind).file else None
+        first = resolved.tables[g[0]]
         physical.append(
             PhysicalTableSpec(
-                "+".join(names[t] for t in g), resolved.tables[g[0]].dim, kind, path, tuple(members)
+                "+".join(names[t] for t in g),
+                first.dim,
+                kind,
+                path,
+                tuple(members),
+                first.weights_dtype,
+                first.slots_dtype,
             )
         )
     return StoragePlan(tuple(physical))

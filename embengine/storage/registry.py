@@ -80,6 +80,8 @@ def _dense(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableSto
         seed,
         path=spec.path,
         segments=list(segments),
+        weights_dtype=spec.weights_dtype,
+        slots_dtype=spec.slots_dtype,
     )
 
 
@@ -142,5 +144,13 @@ def make_storage(
     segments: Sequence[Segment],
     seed: int,
 ) -> TableStorage:
-    """The physical table of ``spec``, built by its kind's factory."""
+    """The physical table of ``spec``, built by its kind's factory. 16-bit tables
+    (``spec.weights_dtype`` / ``slots_dtype``) are DenseTables ("ram" or "mmap") only: a
+    ValueError for another kind, which would store float32 rows without saying so."""
+    sixteen = [d for d in (spec.weights_dtype, spec.slots_dtype) if d != "float32"]
+    if sixteen and spec.storage not in ("ram", "mmap"):
+        raise ValueError(
+            f"table {spec.name!r}: storage {spec.storage!r} stores float32 rows only; a "
+            f"{sixteen[0]} table is stored in 'ram' or 'mmap'"
+        )
     return storage_kind(spec.storage).factory(spec, tuple(slot_specs), list(segments), seed)

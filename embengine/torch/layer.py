@@ -19,6 +19,7 @@ import torch
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
 from ..keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
+from ..safetensors_io import BFLOAT16
 from .keyed_tensor import KeyedTensor
 from .lr_handle import LearningRateHandle
 
@@ -67,6 +68,8 @@ class _SharedTensors:
         self._storages: dict[int, tuple[np.ndarray, torch.UntypedStorage]] = {}
 
     def tensor(self, a: np.ndarray) -> torch.Tensor:
+        if a.dtype == BFLOAT16:  # a bfloat16 table's: torch.bfloat16, a copy (its bits)
+            return torch.from_numpy(np.array(a, copy=True).view(np.int16)).view(torch.bfloat16)
         if a.dtype != np.float32:
             return torch.from_numpy(np.array(a, copy=True))
         owner = _owner(a)
@@ -317,7 +320,9 @@ class EmbeddingLayer(torch.nn.Module):
             if where is None:
                 state["step"] = int(value.item() if isinstance(value, torch.Tensor) else value)
                 continue
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                value = value.detach().cpu().view(torch.int16).numpy().view(BFLOAT16)
+            elif isinstance(value, torch.Tensor):
                 value = value.detach().cpu().numpy()
             table, entry = where
             state["tables"].setdefault(table, {})[entry] = value

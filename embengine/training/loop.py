@@ -90,7 +90,14 @@ def build_engine(
             table = ee_config.TableConfig(None, width, combiner=f.combiner, name=f.name)
         else:
             rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
-            table = ee_config.TableConfig(rows, width, combiner=f.combiner, name=f.name)
+            table = ee_config.TableConfig(
+                rows,
+                width,
+                combiner=f.combiner,
+                name=f.name,
+                weights_dtype=cfg.weights_dtype,
+                slots_dtype=cfg.slots_dtype,
+            )
         features[f.name] = ee_config.FeatureConfig(table)
     if sharded:
         from ..distributed import ShardedEngine

@@ -89,6 +89,10 @@ class TrainConfig:
     # Every rank is started again this many times after one fails (with --resume: from the
     # newest checkpoint).
     max_restarts: int = 0
+    # How the engine's tables store weights and optimizer slots (TableConfig): "float32",
+    # "float16" or "bfloat16" (16-bit: stochastic rounding, embengine.precision).
+    weights_dtype: str = "float32"
+    slots_dtype: str = "float32"
 
     @property
     def learning_rate(self) -> float:
@@ -151,6 +155,7 @@ class TrainConfig:
             raise ValueError(
                 "--vocabulary dynamic makes the engine's keyed tables; leave --embeddings at engine"
             )
+        self._check_dtypes()
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
         _int_at_least("--max-restarts", self.max_restarts, 0)
@@ -160,6 +165,30 @@ class TrainConfig:
             raise ValueError(
                 "--max-restarts without --resume would restart from scratch; add "
                 "--checkpoint-dir DIR --resume"
+            )
+
+    def _check_dtypes(self) -> None:
+        from ..precision import DTYPES
+
+        sixteen = []
+        for name in ("weights_dtype", "slots_dtype"):
+            flag, value = f"--{name.replace('_', '-')}", getattr(self, name)
+            if value not in DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+            if value != "float32":
+                sixteen.append(f"{flag} {value}")
+        if sixteen and self.embeddings != "engine":
+            raise ValueError(
+                f"{sixteen[0]} is for the engine's tables; leave --embeddings at engine"
+            )
+        if sixteen and self.vocabulary == "dynamic":
+            raise ValueError(
+                f"{sixteen[0]}: keyed tables (--vocabulary dynamic) store float32 only for now"
+            )
+        if sixteen and self.nproc_per_node > 1:
+            raise ValueError(
+                f"{sixteen[0]} with --nproc-per-node: sharded tables store float32 "
+                "only for now; train in one process"
             )
 
     def check_distributed(self, world: int) -> None:

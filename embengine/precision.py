@@ -1,0 +1,168 @@
+"""Reduced-precision storage: the dtypes a table may store, and stochastic rounding in NumPy.
+
+A table stores its weights and its float slots as ``float32``, ``float16`` or ``bfloat16``
+(``TableConfig.weights_dtype`` / ``slots_dtype``); the math is float32 and every stored value is
+rounded *stochastically*: ``x`` between the neighbouring representable values ``lo < hi``
+becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so ``E[round(x)] = x`` and an update
+smaller than half a quantum is kept on average (round-to-nearest would drop it every step).
+
+The random bits are a counter-based hash (splitmix64's finaliser) of (the table's key, step,
+row, unit, column), so they depend on neither thread count nor scheduling. This module is the
+NumPy side (the reference backend's, vectorised); ``kernels/rounding.py`` holds the numba
+side, the same operations on scalars: the two give the same bits (tests/test_rounding.py).
+
+- bfloat16: add the hash's low 16 bits to the float32 bits and keep the upper half (a carry
+  into the exponent makes Inf at the top of the range; NaN stays a quiet NaN).
+- float16: in float16's normal range (``|x| >= 2**-14``) add 13 random bits to the float32
+  bits and keep the upper 10 mantissa bits; an exponent past float16's is Inf (the update's
+  result guard then refuses the row). Below, float16's quantum is ``2**-24``: the value
+  ``m = |x| * 2**24`` rounds up iff a 24-bit uniform ``u`` (bits 40..63 of the hash, times
+  ``2**-24``) is below ``m - floor(m)``.
+
+Importing this module does not import numba.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "KIND",
+    "F32",
+    "BF16",
+    "F16",
+    "check_dtype",
+    "numpy_dtype",
+    "table_key",
+    "hash_bits",
+    "round_bf16",
+    "round_f16",
+    "stochastic_round",
+    "widen",
+    "nearest",
+]
+
+# The stored dtypes a table may have, and their codes in the kernels.
+DTYPES = ("float32", "float16", "bfloat16")
+F32, F16, BF16 = 0, 1, 2
+KIND = {"float32": F32, "float16": F16, "bfloat16": BF16}
+
+_U = np.uint64
+# splitmix64's constants
+_GOLDEN = _U(0x9E3779B97F4A7C15)
+_M1 = _U(0xBF58476D1CE4E5B9)
+_M2 = _U(0x94D049BB133111EB)
+
+
+def check_dtype(where: str, field: str, value) -> str:
+    """``value`` if it names a stored dtype, else ValueError naming ``where`` and the value."""
+    if not isinstance(value, str) or value not in DTYPES:
+        raise ValueError(
+            f"{where}: {field} must be one of {list(DTYPES)}, got {value!r} (16-bit tables "
+            "store rows in half the memory; their updates round stochastically)"
+        )
+    return value
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a stored dtype's values (``ml_dtypes.bfloat16`` for bfloat16)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes ships with the install
+            raise ImportError(
+                "a bfloat16 table needs the ml_dtypes package for its arrays' dtype; "
+                "pip install ml_dtypes"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def table_key(seed: int, table: str) -> int:
+    """A table's key of the rounding stream: the engine seed and the physical table's name."""
+    z = (int(seed) & 0xFFFFFFFFFFFFFFFF) ^ (zlib.crc32(table.encode()) << 32)
+    return int(_mix(np.asarray(z, dtype=np.uint64)))
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> _U(30))) * _M1
+        z = (z ^ (z >> _U(27))) * _M2
+    return z ^ (z >> _U(31))
+
+
+def hash_bits(key: int, step: int, row, unit, column) -> np.ndarray:
+    """64 random bits per value: ``mix(mix(mix(key + step * G) + row * G + unit) + column * G)``
+    (uint64, wrapping; G = 0x9E3779B97F4A7C15). ``row``, ``unit``, ``column`` broadcast."""
+    with np.errstate(over="ignore"):
+        z = _mix(np.asarray(key, dtype=np.uint64) + np.asarray(step).astype(np.uint64) * _GOLDEN)
+        z = _mix(
+            z
+            + np.asarray(row).astype(np.int64).astype(np.uint64) * _GOLDEN
+            + np.asarray(unit).astype(np.uint64)
+        )
+        return _mix(z + np.asarray(column).astype(np.int64).astype(np.uint64) * _GOLDEN)
+
+
+def round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """float32 ``x`` stochastically rounded to bfloat16, as uint16 bit patterns."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    r = np.asarray(bits, dtype=np.uint64) & _U(0xFFFF)
+    out = ((u + r) >> _U(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    return np.where(nan, ((u >> _U(16)) & _U(0x8000)).astype(np.uint16) | 0x7FC0, out)
+
+
+def round_f16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """float32 ``x`` stochastically rounded to float16, as uint16 bit patterns."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    bits = np.asarray(bits, dtype=np.uint64)
+    sign = ((u >> _U(16)) & _U(0x8000)).astype(np.uint16)
+    mag = u & _U(0x7FFFFFFF)
+    # normal range: 13 random bits below float16's last mantissa bit
+    b = (mag + (bits & _U(0x1FFF))) & ~_U(0x1FFF)
+    e = (b >> _U(23)).astype(np.int64) - 112
+    normal = ((np.clip(e, 0, 31) << 10) | ((b >> _U(13)) & _U(0x3FF)).astype(np.int64)).astype(
+        np.uint16
+    )
+    normal = np.where(e >= 31, np.uint16(0x7C00), normal)
+    # below 2**-14: quantum 2**-24, up iff a 24-bit uniform is below the remainder
+    a = np.abs(x)
+    small = a < np.float32(2.0**-14)
+    m = np.where(small, a, np.float32(0.0)) * np.float32(16777216.0)
+    fl = np.floor(m)
+    uniform = ((bits >> _U(40)) & _U(0xFFFFFF)).astype(np.float32) * np.float32(2.0**-24)
+    sub = (fl.astype(np.int64) + (uniform < m - fl)).astype(np.uint16)
+    out = np.where(small, sub, normal)
+    out = np.where(np.isnan(x), np.uint16(0x7E00), np.where(np.isinf(x), np.uint16(0x7C00), out))
+    return out | sign
+
+
+def stochastic_round(x: np.ndarray, kind: int, bits: np.ndarray) -> np.ndarray:
+    """``x`` rounded to kind ``BF16`` or ``F16`` (uint16 bit patterns)."""
+    return round_bf16(x, bits) if kind == BF16 else round_f16(x, bits)
+
+
+def widen(h: np.ndarray, kind: int) -> np.ndarray:
+    """uint16 bit patterns of kind ``BF16`` or ``F16`` as float32 (exact)."""
+    h = np.asarray(h, dtype=np.uint16)
+    if kind == BF16:
+        return (h.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return h.view(np.float16).astype(np.float32)
+
+
+def nearest(x: np.ndarray, kind: int) -> np.ndarray:
+    """Round-to-nearest-even to kind ``BF16`` or ``F16`` (uint16 bits): only for values that
+    are not the result of an update (initial values, loaded checkpoints), never for stored
+    updates (it would lose every update below half a quantum)."""
+    x = np.asarray(x, dtype=np.float32)
+    if kind == F16:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).view(np.uint16)
+    return x.astype(numpy_dtype("bfloat16")).view(np.uint16)

@@ -1,0 +1,376 @@
+"""Reduced-precision tables (TableConfig weights_dtype / slots_dtype): stored in 16 bits, math in
+float32, updates written back with stochastic rounding from the same random stream in both
+backends."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_numba_matches_reference import COUNTING, OPTIMIZERS, scenarios
+
+import embengine as ee
+from embengine import initializers as init
+from embengine import optimizers as opt
+from embengine.storage import plan_storage
+from embengine.storage.plan import StoragePlan
+
+# (weights_dtype, slots_dtype): both 16-bit, and each mixed with float32
+DTYPES = [
+    ("bfloat16", "bfloat16"),
+    ("float16", "float16"),
+    ("bfloat16", "float32"),
+    ("float32", "float16"),
+]
+
+
+def _engine(scenario, optimizer, backend, dtypes, **kwargs):
+    dims, vocab, combiners, feats, _, _ = scenario
+    tables = [
+        ee.TableConfig(
+            vocab[i],
+            dims[i],
+            combiner=combiners[i],
+            name=f"t{i}",
+            initializer=init.RandomUniform(-1.0, 1.0),
+            weights_dtype=dtypes[0],
+            slots_dtype=dtypes[1],
+        )
+        for i in range(len(dims))
+    ]
+    features = {
+        f"f{k}": ee.FeatureConfig(tables[t], max_sequence_length=seq)
+        for k, (t, seq) in enumerate(feats)
+    }
+    return ee.EmbeddingEngine(features, optimizer=optimizer, seed=5, backend=backend, **kwargs)
+
+
+def _steps(engines, scenario):
+    rng = np.random.default_rng(scenario[-1])
+    for step in scenario[4]:
+        features = {
+            f"f{k}": ee.Ragged(ids, lengths=lengths, weights=w)
+            for k, (ids, lengths, w) in enumerate(step)
+        }
+        # a lookup-only batch pools the same widened rows as the training lookup
+        inference = [e.lookup(features, training=False) for e in engines]
+        acts = [e.lookup(features) for e in engines]
+        for got, want in zip(inference, acts, strict=True):
+            for k, a in want.items():
+                np.testing.assert_array_equal(got[k], a)
+        for k in acts[0]:
+            np.testing.assert_allclose(acts[0][k], acts[1][k], rtol=1e-5, atol=1e-6)
+        grads = {k: rng.normal(size=a.shape).astype(np.float32) for k, a in acts[0].items()}
+        for e in engines:
+            e.apply_gradients(grads)
+
+
+def _assert_same_state(fast, slow):
+    """16-bit arrays: the same bits. The float32 math of the two backends agrees to an ulp,
+    not bit for bit (tests/test_numba_matches_reference.py), so where a float32 result lies
+    within an ulp of a rounding threshold the two may round to neighbouring 16-bit values:
+    allowed, as adjacent bit patterns, for at most a few values. float32 arrays: as there."""
+    for name in fast.table_names:
+        pairs = [("weights", fast.embedding_tables[name], slow.embedding_tables[name])]
+        pairs += [(s, a, slow.slots(name)[s]) for s, a in fast.slots(name).items()]
+        for what, a, b in pairs:
+            assert a.dtype == b.dtype, (name, what)
+            if a.dtype.itemsize == 2:
+                ha, hb = a.view(np.uint16).astype(np.int64), b.view(np.uint16).astype(np.int64)
+                differ = ha != hb
+                assert np.all(np.abs(ha - hb)[differ] == 1), (name, what, a, b)
+                assert differ.sum() <= max(1, differ.size // 100), (name, what, a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{name}/{what}")
+
+
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@SETTINGS
+@given(scenario=scenarios(), dtypes=st.sampled_from(DTYPES))
+def test_reduced_precision_numba_equals_reference(optimizer, scenario, dtypes):
+    engines = [_engine(scenario, optimizer, b, dtypes) for b in ("numba", "reference")]
+    _steps(engines, scenario)
+    _assert_same_state(*engines)
+
+
+@pytest.mark.parametrize("optimizer", COUNTING, ids=lambda o: type(o).__name__)
+@SETTINGS
+@given(scenario=scenarios(), dtypes=st.sampled_from(DTYPES))
+def test_reduced_precision_counting_optimizers(optimizer, scenario, dtypes):
+    dims, *rest = scenario
+    scenario = ([1] * len(dims), *rest)
+    engines = [_engine(scenario, optimizer, b, dtypes) for b in ("numba", "reference")]
+    _steps(engines, scenario)
+    _assert_same_state(*engines)
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_updates_below_half_a_quantum_are_kept_on_average(backend, dtype):
+    # w = 1 and 200 steps of SGD move each weight by +2e-4: round-to-nearest would keep 1.0
+    # (half a quantum at 1 is 2**-9 in bfloat16, 2**-12 in float16).
+    vocab, steps = 64, 200
+    t = ee.TableConfig(
+        vocab, 8, name="t", combiner="sum", initializer=init.Constant(1.0), weights_dtype=dtype
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(2e-4), seed=1, backend=backend
+    )
+    ids = np.arange(vocab)
+    for _ in range(steps):
+        acts = eng.lookup({"f": ee.Ragged(ids, lengths=np.ones(vocab, np.int64))})
+        eng.apply_gradients({"f": -np.ones_like(acts["f"])})
+    w = eng.embedding_tables["t"].astype(np.float64)
+    assert eng.embedding_tables["t"].dtype == ee.precision.numpy_dtype(dtype)
+    assert abs(w.mean() - (1.0 + steps * 2e-4)) < 0.004, w.mean()
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_float16_overflow_leaves_the_row_unchanged(backend):
+    t = ee.TableConfig(
+        4, 2, name="t", combiner="sum", initializer=init.Constant(60000.0), weights_dtype="float16"
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), seed=1, backend=backend
+    )
+    acts = eng.lookup({"f": ee.Ragged([0, 1], lengths=[1, 1])})
+    grads = np.array([[-10000.0, 0.0], [1.0, 1.0]], np.float32)  # row 0 would pass 65504
+    with pytest.raises(ee.NonFiniteUpdateError):
+        eng.apply_gradients({"f": grads})
+    w = eng.embedding_tables["t"].astype(np.float32)
+    np.testing.assert_array_equal(w[0], [60000.0, 60000.0])
+    assert w[1, 0] in (np.float32(59968.0), np.float32(60000.0)), w[1]
+    assert acts["f"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "optimizer", [opt.SGD(0.1), opt.Adam(0.1), opt.Adagrad(0.1)], ids=lambda o: type(o).__name__
+)
+def test_table_bytes_halve(optimizer):
+    def nbytes(dtype):
+        t = ee.TableConfig(1000, 64, name="t", weights_dtype=dtype, slots_dtype=dtype)
+        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer)
+        storage = eng._tables[0].table  # the DenseTable: its row array's bytes
+        assert storage.nbytes == storage.data.nbytes
+        return storage.nbytes
+
+    assert nbytes("bfloat16") * 2 == nbytes("float32")
+    assert nbytes("float16") * 2 == nbytes("float32")
+
+
+def test_dtypes_are_checked_and_named():
+    with pytest.raises(
+        ValueError,
+        match=r"TableConfig\(name='t'\): weights_dtype must be one of "
+        r"\['float32', 'float16', 'bfloat16'\], got 'fp8'",
+    ):
+        ee.TableConfig(10, 4, name="t", weights_dtype="fp8")
+    with pytest.raises(ValueError, match=r"slots_dtype must be one of .* got 16"):
+        ee.TableConfig(10, 4, name="t", slots_dtype=16)
+    with pytest.raises(ValueError, match=r"keyed table .* float32 only"):
+        ee.TableConfig(None, 4, name="k", weights_dtype="bfloat16")
+
+
+def test_tables_of_other_dtypes_are_not_packed_and_the_plan_keeps_them():
+    a = ee.TableConfig(10, 2, name="a", weights_dtype="bfloat16", slots_dtype="bfloat16")
+    b = ee.TableConfig(10, 2, name="b")
+    c = ee.TableConfig(10, 2, name="c", weights_dtype="bfloat16", slots_dtype="bfloat16")
+    eng = ee.EmbeddingEngine(
+        {n: ee.FeatureConfig(t) for n, t in zip("abc", (a, b, c), strict=True)},
+        optimizer=opt.Adagrad(0.1, low_dimensional_packing_status=True),
+    )
+    plan = eng.storage_plan
+    assert [p.table_names for p in plan.physical_tables] == [("a", "c"), ("b",)]
+    assert plan.physical_tables[0].weights_dtype == "bfloat16"
+    assert StoragePlan.from_json(plan.to_json()) == plan
+    assert "weights_dtype" not in plan.to_json()["physical_tables"][1]  # float32: as before
+    packing = opt.Adagrad(0.1, low_dimensional_packing_status=True)
+    assert plan == plan_storage(eng._resolved, [packing] * 3)
+
+
+def test_spec_round_trip_keeps_the_dtypes():
+    t = ee.TableConfig(10, 4, name="t", weights_dtype="float16", slots_dtype="bfloat16")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.1))
+    spec = eng.spec()
+    assert spec["tables"][0]["weights_dtype"] == "float16"
+    assert spec["tables"][0]["slots_dtype"] == "bfloat16"
+    again = ee.EmbeddingEngine.from_spec(spec)
+    assert again.embedding_tables["t"].dtype == np.float16
+    assert again.slots("t")["momenta"].dtype == ee.precision.numpy_dtype("bfloat16")
+    plain = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(10, 4, name="t"))}, optimizer=opt.SGD(0.1)
+    )
+    assert "weights_dtype" not in plain.spec()["tables"][0]
+
+
+def _trained(dtypes, backend="numba", optimizer=None, seed=3):
+    t = ee.TableConfig(
+        20, 4, name="t", combiner="sum", weights_dtype=dtypes[0], slots_dtype=dtypes[1]
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=optimizer or opt.Adam(0.1), seed=seed, backend=backend
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        acts = eng.lookup({"f": ee.Ragged(rng.integers(0, 20, 12), lengths=[4, 4, 4])})
+        eng.apply_gradients({"f": rng.normal(size=acts["f"].shape).astype(np.float32)})
+    return eng
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_checkpoints_store_the_stored_dtype_and_restore_its_bits(tmp_path, dtypes):
+    from embengine.safetensors_io import read_header
+
+    eng = _trained(dtypes)
+    ckpt = eng.save(tmp_path / "ck")
+    header, _ = read_header(next(ckpt.glob("*.safetensors")))
+    want = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+    assert header["t"]["dtype"] == want[dtypes[0]]
+    assert header["t/momenta"]["dtype"] == want[dtypes[1]]
+    assert header["t/momenta"]["shape"] == [20, 4]
+    other = _trained(dtypes, seed=9)  # other values, then the checkpoint's
+    other.restore(ckpt)
+    for again in (ee.EmbeddingEngine.load(ckpt), other):
+        np.testing.assert_array_equal(
+            _bits(again.embedding_tables["t"]), _bits(eng.embedding_tables["t"])
+        )
+        for name, a in eng.slots("t").items():
+            assert again.slots("t")[name].dtype == a.dtype
+            np.testing.assert_array_equal(_bits(again.slots("t")[name]), _bits(a))
+    # training continues identically after the restore (same rounding stream: same seed)
+    a, b = _trained(dtypes), ee.EmbeddingEngine.load(ckpt)
+    for e in (a, b):
+        acts = e.lookup({"f": ee.Ragged([1, 2, 3], lengths=[3])})
+        e.apply_gradients({"f": np.ones_like(acts["f"])})
+    np.testing.assert_array_equal(_bits(a.embedding_tables["t"]), _bits(b.embedding_tables["t"]))
+
+
+def test_a_checkpoint_of_another_dtype_is_refused_not_cast(tmp_path):
+    ckpt = _trained(("float32", "float32")).save(tmp_path / "ck")
+    half = _trained(("bfloat16", "float32"))
+    before = np.array(half.embedding_tables["t"])
+    with pytest.raises(
+        ee.checkpoint.CheckpointError,
+        match=r"table 't': the checkpoint stores weights_dtype 'float32', the "
+        r"engine 'bfloat16'.*astype",
+    ):
+        half.restore(ckpt)
+    np.testing.assert_array_equal(_bits(half.embedding_tables["t"]), _bits(before))
+    # the explicit cast: the caller converts the state's arrays
+    state = ee.EmbeddingEngine.load(ckpt).state_dict()
+    weights = state["tables"]["t"]["weights"]
+    state["tables"]["t"]["weights"] = weights.astype(half.embedding_tables["t"].dtype)
+    half.load_state_dict(state)
+    np.testing.assert_allclose(half.embedding_tables["t"].astype(np.float32), weights, rtol=2**-8)
+    with pytest.raises(ValueError, match=r"float32 .*bfloat16"):
+        state["tables"]["t"]["weights"] = weights
+        half.load_state_dict(state)
+
+
+@pytest.mark.parametrize("compress", ["fp32", "fp16", "bf16"])
+def test_export_and_serving_read_16_bit_tables(tmp_path, compress):
+    from embengine.serving import ServingEngine, export
+
+    eng = _trained(("bfloat16", "bfloat16"))
+    ckpt = eng.save(tmp_path / "ck")
+    export(ckpt, tmp_path / "out", compress=compress)
+    serving = ServingEngine.load(tmp_path / "out")
+    features = {"f": ee.Ragged([0, 3, 3, 7], lengths=[1, 3])}
+    got = serving.lookup(features)["f"]
+    want = eng.lookup(features, training=False)["f"]
+    # bfloat16 values are exact in float32 and float16 keeps bfloat16's 8 bits where in range
+    np.testing.assert_allclose(got, want, rtol=1e-6 if compress != "fp16" else 1e-3, atol=1e-6)
+
+
+# -- embengine train --weights-dtype -----------------------------------------------------------
+
+SYN_ARGS = [
+    "--dataset",
+    "synthetic",
+    "--batch-size",
+    "256",
+    "--epoch-examples",
+    "5000",
+    "--test-examples",
+    "5000",
+    "--vocabulary-scale",
+    "0.01",
+    "--no-progress",
+]
+
+
+def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
+    pytest.importorskip("torch")
+    from embengine import cli
+
+    ckpt = tmp_path / "ck"
+    code = cli.main(
+        [
+            "train",
+            *SYN_ARGS,
+            "--steps",
+            "40",
+            "--weights-dtype",
+            "bfloat16",
+            "--slots-dtype",
+            "bfloat16",
+            "--checkpoint-dir",
+            str(ckpt),
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert "test AUC" in capsys.readouterr().out
+    spec = ee.EmbeddingEngine.load(ckpt).spec()
+    assert {t["weights_dtype"] for t in spec["tables"]} == {"bfloat16"}
+    assert {t["slots_dtype"] for t in spec["tables"]} == {"bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--weights-dtype", "bfloat16", "--vocabulary", "dynamic"], "keyed tables"),
+        (
+            ["--slots-dtype", "float16", "--embeddings", "torch", "--optimizer", "sgd"],
+            "leave --embeddings at engine",
+        ),
+        (["--weights-dtype", "float16", "--nproc-per-node", "2"], "train in one process"),
+    ],
+)
+def test_cli_refuses_16_bit_tables_where_they_are_not_supported(capsys, extra, message):
+    from embengine import cli
+
+    assert cli.main(["train", *SYN_ARGS, "--steps", "1", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unknown_dtype_exits_2_listing_the_choices(capsys):
+    from embengine import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *SYN_ARGS, "--weights-dtype", "fp8"])
+    assert exc.value.code == 2
+    assert "bfloat16" in capsys.readouterr().err
+
+
+def test_torch_layer_state_dict_round_trips_16_bit_tables():
+    torch = pytest.importorskip("torch")
+    from embengine.torch import EmbeddingLayer
+
+    a = EmbeddingLayer(_trained(("bfloat16", "float16")))
+    state = a.state_dict()
+    assert state["tables.t.weights"].dtype == torch.bfloat16
+    assert state["tables.t.momenta"].dtype == torch.float16
+    b = EmbeddingLayer(_trained(("bfloat16", "float16"), seed=11))
+    b.load_state_dict(state)
+    np.testing.assert_array_equal(
+        _bits(b.engine.embedding_tables["t"]), _bits(a.engine.embedding_tables["t"])
+    )
+    np.testing.assert_array_equal(
+        _bits(b.engine.slots("t")["velocities"]), _bits(a.engine.slots("t")["velocities"])
+    )

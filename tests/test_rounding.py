@@ -1,0 +1,143 @@
+"""Stochastic rounding to bfloat16 / float16: numba and NumPy give the same bits, each rounding
+is unbiased, the stream is reproducible, and updates below half a quantum survive on average."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embengine import precision as pr
+from embengine.kernels import rounding as kr
+
+KINDS = [pr.BF16, pr.F16]
+floats32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+def _numba_round(x, kind, key, step, rows, unit, columns):
+    out = np.zeros(len(x), dtype=np.uint16)
+    rows, columns = np.asarray(rows, np.int64), np.asarray(columns, np.int64)
+    kr.round_array(np.asarray(x, np.float32), kind, np.uint64(key), step, rows, unit, columns, out)
+    return out
+
+
+def _numpy_round(x, kind, key, step, rows, unit, columns):
+    bits = pr.hash_bits(key, step, np.asarray(rows), unit, np.asarray(columns))
+    return pr.stochastic_round(np.asarray(x, np.float32), kind, bits)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=60, deadline=None)
+@given(
+    xs=st.lists(floats32, min_size=1, max_size=40),
+    key=st.integers(0, 2**64 - 1),
+    step=st.integers(0, 2**40),
+    unit=st.integers(0, 1000),
+)
+def test_numba_and_numpy_round_to_the_same_bits(kind, xs, key, step, unit):
+    rows = np.arange(len(xs)) * 7919 % 1000
+    cols = np.arange(len(xs)) % 13
+    a = _numba_round(xs, kind, key, step, rows, unit, cols)
+    b = _numpy_round(xs, kind, key, step, rows, unit, cols)
+    np.testing.assert_array_equal(a, b)
+    # NaN stays NaN, and a finite value rounds to one of its two neighbours (or Inf past the top)
+    back = pr.widen(b, kind)
+    x = np.asarray(xs, np.float32)
+    np.testing.assert_array_equal(np.isnan(back), np.isnan(x))
+    lo, hi = _neighbours(x, kind)
+    fin = np.isfinite(x)
+    assert np.all((back[fin] == lo[fin]) | (back[fin] == hi[fin])), (x, back, lo, hi)
+
+
+def _neighbours(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray]:
+    """The representable values next to x towards zero and away from it (equal if x is
+    representable), Inf past the largest; from bit patterns, whose magnitudes are ordered."""
+    x = np.asarray(x, np.float32)
+    if kind == pr.BF16:
+        lo = (x.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        with np.errstate(over="ignore"):
+            lo = x.astype(np.float16).view(np.uint16)
+        too_far = np.abs(pr.widen(lo, kind).astype(np.float64)) > np.abs(x.astype(np.float64))
+        lo = np.where(too_far, lo - 1, lo).astype(np.uint16)
+    exact = pr.widen(lo, kind) == x
+    hi = np.where(exact, lo, lo + 1).astype(np.uint16)
+    return pr.widen(lo, kind), pr.widen(hi, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_widening_numba_equals_numpy_for_every_bit_pattern(kind):
+    h = np.arange(1 << 16, dtype=np.uint16)
+    out = np.zeros(len(h), np.float32)
+    kr.widen_array(h, kind, out)
+    want = pr.widen(h, kind)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    dt = np.float16 if kind == pr.F16 else pr.numpy_dtype("bfloat16")
+    ref = h.view(dt).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    np.testing.assert_array_equal(out[ok].view(np.uint32), ref[ok].view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=40, deadline=None)
+@given(x=st.floats(-60000.0, 60000.0, width=32, allow_subnormal=True))
+def test_rounding_is_unbiased(kind, x):
+    n = 40_000
+    xs = np.full(n, x, np.float32)
+    bits = pr.hash_bits(12345, 7, np.arange(n), 0, 3)
+    back = pr.widen(pr.stochastic_round(xs, kind, bits), kind).astype(np.float64)
+    lo, hi = _neighbours(np.float32([x]), kind)
+    quantum = abs(float(hi[0]) - float(lo[0]))
+    # a Bernoulli(p) mean over n draws: 6 standard deviations of quantum * sqrt(p(1-p)/n)
+    bound = 6 * quantum * 0.5 / np.sqrt(n) + quantum * 2.0**-23
+    assert abs(back.mean() - float(np.float32(x))) <= bound, (x, back.mean(), quantum)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_stream_is_reproducible_and_depends_on_each_counter(kind):
+    x = np.full(1000, 1.0 + 3 * 2.0**-12, np.float32)  # between two neighbours of either kind
+    args = (99, 5, np.arange(1000), 0, 2)
+    first = pr.stochastic_round(x, kind, pr.hash_bits(*args))
+    np.testing.assert_array_equal(first, pr.stochastic_round(x, kind, pr.hash_bits(*args)))
+    for i, other in enumerate([100, 6, np.arange(1, 1001), 1, 3]):
+        changed = list(args)
+        changed[i] = other
+        assert not np.array_equal(first, pr.stochastic_round(x, kind, pr.hash_bits(*changed)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tiny_update_that_round_to_nearest_loses_is_kept_on_average(kind):
+    # w = 1, and 1000 steps add 1e-4 each: far below half a quantum at 1 (bf16 2**-8, f16
+    # 2**-11), so round-to-nearest stays at 1.0 for ever; stochastic rounding ends near 1.1.
+    steps, rows, delta = 1000, 256, np.float32(1e-4)
+    w = np.full(rows, pr.nearest(np.float32(1.0), kind), np.uint16)
+    w_nearest = w.copy()
+    for step in range(steps):
+        x = pr.widen(w, kind) + delta
+        w = pr.stochastic_round(x, kind, pr.hash_bits(1, step, np.arange(rows), 0, 0))
+        w_nearest = pr.nearest(pr.widen(w_nearest, kind) + delta, kind)
+    assert np.all(pr.widen(w_nearest, kind) == 1.0)
+    mean = pr.widen(w, kind).astype(np.float64).mean()
+    assert abs(mean - (1.0 + steps * float(delta))) < 0.01, mean
+
+
+def test_overflow_to_infinity_and_nan():
+    big = np.float32([65519.0, 65520.0, 1e6, np.inf, -np.inf, np.nan, 3.4e38])
+    bits = pr.hash_bits(0, 0, np.arange(len(big)), 0, 0)
+    f16 = pr.widen(pr.round_f16(big, bits), pr.F16)
+    assert f16[1] in (65504.0, np.inf) and f16[2] == np.inf and f16[3] == np.inf
+    assert f16[4] == -np.inf and np.isnan(f16[5]) and f16[6] == np.inf
+    bf = pr.widen(pr.round_bf16(big, bits), pr.BF16)
+    assert bf[3] == np.inf and bf[4] == -np.inf and np.isnan(bf[5])
+    bf16_max = pr.widen(np.uint16(0x7F7F), pr.BF16)
+    assert bf[6] in (bf16_max, np.inf), bf[6]
+
+
+def test_dtype_names_are_checked():
+    assert pr.check_dtype("TableConfig(name='t')", "weights_dtype", "bfloat16") == "bfloat16"
+    with pytest.raises(
+        ValueError,
+        match=r"TableConfig\(name='t'\): weights_dtype must be one of"
+        r" \['float32', 'float16', 'bfloat16'\], got 'half'",
+    ):
+        pr.check_dtype("TableConfig(name='t')", "weights_dtype", "half")
