@@ -44,6 +44,7 @@ def _bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             engine_optimizers=tuple(args.optimizers),
             peers=tuple(p for p in ("torch", "fbgemm") if p not in args.skip),
+            dtypes=tuple(dict.fromkeys(args.dtypes)),
         )
         print()
         print(format_results(name, results))
@@ -244,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--skip", nargs="*", default=[], choices=["torch", "fbgemm"], help="peers not to run"
+    )
+    bench.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "float16", "bfloat16"],
+        help="time the engine with its tables' weights and float slots stored in each of these "
+        "dtypes (16-bit: stochastic rounding), each against the same peers (W1, W2 and the "
+        "other one-process workloads)",
     )
     bench.set_defaults(func=_bench)
 

@@ -181,6 +181,37 @@ def test_each_configuration_is_timed_with_its_peers_and_compared_in_the_table(ti
     assert "" in lines  # a blank line between the two groups
 
 
+def test_16_bit_tables_are_timed_beside_float32_against_the_same_peers(tiny):
+    results = runner.run_workload(
+        tiny,
+        steps=2,
+        warmup=1,
+        engine_optimizers=("Adam",),
+        peers=("torch",),
+        dtypes=("float32", "bfloat16"),
+        log=lambda s: None,
+    )
+    by_name = {r.name: r for r in results}
+    assert set(by_name) == {
+        "embengine Adam",
+        "embengine Adam (packed)",
+        "embengine Adam [bfloat16]",
+        "embengine Adam (packed) [bfloat16]",
+        "torch SparseAdam",
+    }
+    assert by_name["embengine Adam [bfloat16]"].peers == by_name["embengine Adam"].peers
+    assert by_name["embengine Adam (packed) [bfloat16]"].peers == ("embengine Adam [bfloat16]",)
+    line = next(
+        x
+        for x in runner.format_results(tiny, results).splitlines()
+        if x.startswith("embengine Adam [bfloat16]")
+    )
+    ratio = (
+        by_name["torch SparseAdam"].ms_per_step / by_name["embengine Adam [bfloat16]"].ms_per_step
+    )
+    assert line.endswith(f"torch SparseAdam: {ratio:.2f}x")
+
+
 def test_w3_is_timed_beside_w1_and_w3_small_and_compared_per_id(monkeypatch):
     # Stand-ins for W1, W3 and W3-small: the same shape of comparison on tiny tables.
     small = {

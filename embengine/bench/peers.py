@@ -33,12 +33,24 @@ def _opt():
 
 
 class EngineRunner:
-    """embengine with one optimizer for every table (``rowwise``: hessian_compression_times=dim)."""
+    """embengine with one optimizer for every table (``rowwise``: hessian_compression_times=dim),
+    its weights and float slots stored as ``dtype`` ("float32", "float16" or "bfloat16")."""
 
-    def __init__(self, w: Workload, optimizer: str, packing: bool = False, backend: str = "numba"):
+    def __init__(
+        self,
+        w: Workload,
+        optimizer: str,
+        packing: bool = False,
+        backend: str = "numba",
+        dtype: str = "float32",
+    ):
         import embengine as ee
 
-        self.name = f"embengine {optimizer}" + (" (packed)" if packing else "")
+        self.name = (
+            f"embengine {optimizer}"
+            + (" (packed)" if packing else "")
+            + ("" if dtype == "float32" else f" [{dtype}]")
+        )
         self.lookup_only = w.lookup_only
         tables = []
         for t, (rows, dim) in enumerate(w.tables):
@@ -51,6 +63,8 @@ class EngineRunner:
                     optimizer=opt,
                     name=f"t{t}",
                     initializer=ee.initializers.RandomUniform(-0.01, 0.01),
+                    weights_dtype=dtype,
+                    slots_dtype=dtype,
                 )
             )
         self.engine = ee.EmbeddingEngine(

@@ -245,9 +245,12 @@ def run_workload(
     warmup: int = 3,
     engine_optimizers: tuple[str, ...] = ("SGD", "Adagrad", "rowwise Adagrad", "Adam", "FTRL"),
     peers: tuple[str, ...] = ("torch", "fbgemm"),
+    dtypes: tuple[str, ...] = ("float32",),
     log=print,
 ) -> list[Result]:
-    """Time embengine and its peers on workload ``name`` (see workloads.WORKLOADS)."""
+    """Time embengine and its peers on workload ``name`` (see workloads.WORKLOADS), the engine
+    once per table dtype of ``dtypes`` (weights and float slots stored so), each compared with
+    the same peers."""
     w = WORKLOADS[name]
     log(f"{w.name}: {w.description} ({w.ids_per_step:,} ids/step); generating batches")
     batches = make_batches(w, batches_needed(warmup, steps))
@@ -273,9 +276,12 @@ def run_workload(
         # Packed tables are compared with the same optimizer unpacked.
         group = [
             (
-                lambda o=opt, p=packing: EngineRunner(w, o, packing=p),
-                (f"embengine {opt}",) if packing else PEERS.get(opt, ()),
+                lambda o=opt, p=packing, d=dtype: EngineRunner(w, o, packing=p, dtype=d),
+                (f"embengine {opt}{'' if dtype == 'float32' else f' [{dtype}]'}",)
+                if packing
+                else PEERS.get(opt, ()),
             )
+            for dtype in dtypes
             for packing in w.packing
         ]
         for peer in PEERS.get(opt, ()):
