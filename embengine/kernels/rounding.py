@@ -79,7 +79,9 @@ def value_bits(rh, column):
     return mix(rh + np.uint64(np.int64(column)) * _GOLDEN)
 
 
-@kernel(inline="always")
+# Not inlined into numba IR (LLVM may still inline it): every load and store site of a half
+# kernel would carry both dtypes' paths, and the parallel kernels compiled twice as slowly.
+@kernel()
 def round_bits(x, kind, bits):
     """float32 ``x`` stochastically rounded to ``kind`` (BF16 or F16): its uint16 bits."""
     x = np.float32(x)
@@ -106,7 +108,8 @@ def round_bits(x, kind, bits):
     return np.uint16((e << 10) | np.int64((b >> np.uint64(13)) & np.uint64(0x3FF))) | sign
 
 
-@kernel(inline="always")
+# Not inlined into numba IR, as round_bits.
+@kernel()
 def widen_bits(h, kind):
     """uint16 bits of kind BF16 or F16 as float32 (exact)."""
     h32 = np.uint32(h)
