@@ -72,10 +72,10 @@ def numpy_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         try:
             import ml_dtypes
-        except ImportError:  # pragma: no cover - ml_dtypes ships with the install
+        except ImportError:  # pragma: no cover - the bfloat16 and train extras install it
             raise ImportError(
                 "a bfloat16 table needs the ml_dtypes package for its arrays' dtype; "
-                "pip install ml_dtypes"
+                "pip install 'embengine[bfloat16]' (or ml_dtypes)"
             ) from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
