@@ -32,6 +32,16 @@ def _opt():
     return optimizers
 
 
+def engine_name(optimizer: str, packing: bool = False, dtype: str = "float32") -> str:
+    """An engine configuration's name in the bench tables, e.g. "embengine Adam (packed)
+    [bfloat16]"."""
+    return (
+        f"embengine {optimizer}"
+        + (" (packed)" if packing else "")
+        + ("" if dtype == "float32" else f" [{dtype}]")
+    )
+
+
 class EngineRunner:
     """embengine with one optimizer for every table (``rowwise``: hessian_compression_times=dim),
     its weights and float slots stored as ``dtype`` ("float32", "float16" or "bfloat16")."""
@@ -46,11 +56,7 @@ class EngineRunner:
     ):
         import embengine as ee
 
-        self.name = (
-            f"embengine {optimizer}"
-            + (" (packed)" if packing else "")
-            + ("" if dtype == "float32" else f" [{dtype}]")
-        )
+        self.name = engine_name(optimizer, packing, dtype)
         self.lookup_only = w.lookup_only
         tables = []
         for t, (rows, dim) in enumerate(w.tables):

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .host import host
-from .peers import EngineRunner, FbgemmRunner, TorchRunner, fbgemm_available
+from .peers import EngineRunner, FbgemmRunner, TorchRunner, engine_name, fbgemm_available
 from .workloads import WORKLOADS, Workload, make_batches
 
 __all__ = [
@@ -277,9 +277,7 @@ def run_workload(
         group = [
             (
                 lambda o=opt, p=packing, d=dtype: EngineRunner(w, o, packing=p, dtype=d),
-                (f"embengine {opt}{'' if dtype == 'float32' else f' [{dtype}]'}",)
-                if packing
-                else PEERS.get(opt, ()),
+                (engine_name(opt, dtype=dtype),) if packing else PEERS.get(opt, ()),
             )
             for dtype in dtypes
             for packing in w.packing
