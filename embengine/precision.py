@@ -7,17 +7,18 @@ becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so ``E[round(x)] = x``
 smaller than half a quantum is kept on average (round-to-nearest would drop it every step).
 
 The random bits are a counter-based hash (splitmix64's finaliser) of (the table's key, step,
-row, unit, column), so they depend on neither thread count nor scheduling. This module is the
+row, unit, column), 16 per value, one round for four neighbouring unit columns (``hash_bits``),
+so they depend on neither thread count nor scheduling. This module is the
 NumPy side (the reference backend's, vectorised); ``kernels/rounding.py`` holds the numba
 side, the same operations on scalars: the two give the same bits (tests/test_rounding.py).
 
 - bfloat16: add the hash's low 16 bits to the float32 bits and keep the upper half (a carry
   into the exponent makes Inf at the top of the range; NaN stays a quiet NaN).
-- float16: in float16's normal range (``|x| >= 2**-14``) add 13 random bits to the float32
-  bits and keep the upper 10 mantissa bits; an exponent past float16's is Inf (the update's
-  result guard then refuses the row). Below, float16's quantum is ``2**-24``: the value
-  ``m = |x| * 2**24`` rounds up iff a 24-bit uniform ``u`` (bits 40..63 of the hash, times
-  ``2**-24``) is below ``m - floor(m)``.
+- float16: in float16's normal range (``|x| >= 2**-14``) add 13 of the random bits to the
+  float32 bits and keep the upper 10 mantissa bits; an exponent past float16's is Inf (the
+  update's result guard then refuses the row). Below, float16's quantum is ``2**-24``: the
+  value ``m = |x| * 2**24`` rounds up iff the uniform ``u`` (the 16 bits times ``2**-16``) is
+  below ``m - floor(m)``: unbiased to within ``2**-16`` of a quantum.
 
 Importing this module does not import numba.
 """
@@ -96,8 +97,10 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 def hash_bits(key: int, step: int, row, unit, column) -> np.ndarray:
-    """64 random bits per value: ``mix(mix(mix(key + step * G) + row * G + unit) + column * G)``
-    (uint64, wrapping; G = 0x9E3779B97F4A7C15). ``row``, ``unit``, ``column`` broadcast."""
+    """16 random bits per value (uint64 holding them): bits ``16 * (column % 4)`` and up of
+    ``mix(mix(mix(key + step * G) + row * G + unit) + (column // 4) * G)`` (uint64, wrapping;
+    G = 0x9E3779B97F4A7C15): one splitmix64 round serves four unit columns of a row.
+    ``row``, ``unit``, ``column`` broadcast."""
     with np.errstate(over="ignore"):
         z = _mix(np.asarray(key, dtype=np.uint64) + np.asarray(step).astype(np.uint64) * _GOLDEN)
         z = _mix(
@@ -105,7 +108,9 @@ def hash_bits(key: int, step: int, row, unit, column) -> np.ndarray:
             + np.asarray(row).astype(np.int64).astype(np.uint64) * _GOLDEN
             + np.asarray(unit).astype(np.uint64)
         )
-        return _mix(z + np.asarray(column).astype(np.int64).astype(np.uint64) * _GOLDEN)
+        column = np.asarray(column).astype(np.int64)
+        word = _mix(z + (column >> 2).astype(np.uint64) * _GOLDEN)
+        return (word >> ((column & 3) * 16).astype(np.uint64)) & _U(0xFFFF)
 
 
 def round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
@@ -132,12 +137,12 @@ def round_f16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
         np.uint16
     )
     normal = np.where(e >= 31, np.uint16(0x7C00), normal)
-    # below 2**-14: quantum 2**-24, up iff a 24-bit uniform is below the remainder
+    # below 2**-14: quantum 2**-24, up iff a 16-bit uniform is below the remainder
     a = np.abs(x)
     small = a < np.float32(2.0**-14)
     m = np.where(small, a, np.float32(0.0)) * np.float32(16777216.0)
     fl = np.floor(m)
-    uniform = ((bits >> _U(40)) & _U(0xFFFFFF)).astype(np.float32) * np.float32(2.0**-24)
+    uniform = (bits & _U(0xFFFF)).astype(np.float32) * np.float32(2.0**-16)
     sub = (fl.astype(np.int64) + (uniform < m - fl)).astype(np.uint16)
     out = np.where(small, sub, normal)
     out = np.where(np.isnan(x), np.uint16(0x7E00), np.where(np.isinf(x), np.uint16(0x7C00), out))

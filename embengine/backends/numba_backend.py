@@ -19,7 +19,7 @@ from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
-from ..precision import KIND
+from ..precision import F32, KIND
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
 
@@ -407,7 +407,8 @@ def kernels_for(optimizer: Optimizer, table: TableStorage):
     on write-back, which the in-place fixed-layout kernels cannot)."""
     rm = optimizer.row_math(table.dim)
     if _half(table):
-        return row_math.half_kernels(rm)
+        slots = KIND[table.slots_dtype] if rm.slots else F32
+        return row_math.half_kernels(rm)[KIND[table.weights_dtype], slots]
     fused, every_row, _ = row_math.kernels(rm)
     layout = fixed_layout(rm, table)
     if layout is not None:
@@ -421,12 +422,9 @@ def _half(table: TableStorage) -> bool:
 
 
 def _half_args(table: TableStorage) -> tuple:
-    """The extra arguments of the half kernels: rounding key, weights' and slots' dtype codes."""
-    return (
-        np.uint64(table.rounding_key),
-        np.int64(KIND[table.weights_dtype]),
-        np.int64(KIND[table.slots_dtype]),
-    )
+    """The extra argument of the half kernels: the table's rounding key (the stored dtypes
+    are the kernel's own, ``kernels_for``)."""
+    return (np.uint64(table.rounding_key),)
 
 
 def _table_constants(opt: Optimizer, table: TableStorage):

@@ -35,9 +35,12 @@ by saving each value as they overwrite it and putting the row back if it is not 
 (FIXED_UPDATE below).
 
 Tables with 16-bit weights or slots (``TableConfig.weights_dtype`` / ``slots_dtype``) get a
-third pair, ``half_<kernel>`` (HALF_UPDATE below): the any-layout loop on the uint16 row array,
-widening to float32 on copy-in and rounding stochastically on write-back
-(``kernels/rounding.py``; the rule and the random stream in ``embengine.precision``).
+third pair per pair of stored dtypes, ``half_<kernel>_<weights>_<slots>`` (HALF_UPDATE below):
+the any-layout loop on the uint16 row array, widening to float32 on copy-in and rounding
+stochastically on write-back (``kernels/rounding.py``; the rule and the random stream in
+``embengine.precision``). One kernel per dtype pair, not one taking the dtypes as run-time
+codes: every load and store site then is one inlined expression, so the loops vectorise and
+each kernel compiles only the path it runs (docs/performance.md, "Figures behind the code").
 
 Nothing generated is committed: ``row_math.kernels`` renders a row math's module when its
 kernels are first needed, into a cache folder, the file named by a hash of its text (the
@@ -54,8 +57,11 @@ import hashlib
 import inspect
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..precision import BF16, F16, F32
 
 if TYPE_CHECKING:
     from ..optimizers import RowMath
@@ -110,9 +116,15 @@ from embengine.kernels.pipeline import (
 # ``embengine.optimizers`` (imported first) or by a user's module, already imported.
 IMPORTS = """from embengine import optimizers  # noqa: F401 (registers embengine's row math)
 from embengine.kernels.pipeline import compiled
-from embengine.kernels.rounding import load, round_bits, row_hash, store, value_bits, widen_bits
+from embengine.kernels.rounding import (
+    random_words,
+    round_bf16,
+    round_f16,
+    row_hash,
+    widen_bf16,
+    widen_f16,
+)
 from embengine.optimizers._row_math import ROW_MATH
-from embengine.precision import F32
 """
 
 # Scalars every kernel reads once per call.
@@ -144,24 +156,23 @@ for j in range(dim):
 {store_slots}else:
 {restore_ints}    unchanged[{at}] = 1"""
 
-# UPDATE for a 16-bit table (``half_<kernel>``): ``data_h`` is the uint16 row array, ``data``
-# its float32 view; the weights start at unit 0, each value ``wstride`` units wide (2 for
-# float32, else 1), float slot k at unit f{k}, ``sstride`` wide. Copy-in widens (``load``); the
-# results are rounded stochastically in the scratch rows (widened back: what will be stored)
-# before the guard checks them, so a value that overflows float16 leaves the row unchanged;
-# the store then takes their exact bits (``store`` with zero random bits).
-HALF_UPDATE = """rh = row_hash(key, step, r, {unit})
+# UPDATE for a 16-bit table (``half_<kernel>_<weights>_<slots>``, one pair of stored dtypes
+# per kernel, so every load, rounding and store below is one inlined expression and the loops
+# vectorise): ``data_h`` is the uint16 row array, ``data`` its float32 view; 16-bit values take
+# one unit each, a float32 one two (``data[r, c >> 1]`` for unit c). Copy-in widens; the
+# results are rounded stochastically into uint16 scratch rows (``h``-prefixed) with the row's
+# random bits (``rbits[c]`` for unit c), and the guard checks their widened values, so a value
+# that overflows float16 leaves the row unchanged; the store copies the rounded bits.
+HALF_UPDATE = """random_words(row_hash(key, step, r, {unit}), words)
 for j in range(dim):
-    w[j] = load(data_h, data, r, j * wstride, wkind)
+    w[j] = {load_w}
 {load_slots}{save_ints}{body}
 fin = np.float32(0.0)
 for j in range(dim):
-    if wkind != F32:
-        w[j] = widen_bits(round_bits(w[j], wkind, value_bits(rh, j)), wkind)
-    fin += w[j] - w[j]
+{check_w}
 {check_slots}if fin == 0.0:
     for j in range(dim):
-        store(data_h, data, r, j * wstride, wkind, w[j], np.uint64(0))
+        {store_w}
 {store_slots}else:
 {restore_ints}    unchanged[{at}] = 1"""
 
@@ -187,10 +198,8 @@ RESTORE_INTS = """    for k in range(cols.shape[0]):
         data_i[r, cols[k]] = old_i[k]
 """
 
-# Without clipping or weight decay (the usual case) a loop without their per-coordinate tests
-# (what they cost Adam on W1: docs/performance.md, "Figures behind the code").
-ELEMENT_BODY = """{prologue}if gclip or wclip or mode != WD_NONE:
-    for j in range(dim):
+# The element-wise row math with clipping and weight decay, per coordinate.
+ELEMENT_GENERAL = """    for j in range(dim):
         gj = g[j]
         if gclip:
             gj = min(max(gj, glo), ghi)
@@ -203,7 +212,14 @@ ELEMENT_BODY = """{prologue}if gclip or wclip or mode != WD_NONE:
         if wclip:
             wj = min(max(wj, wlo), whi)
         {store_w}
-{store_slots}
+{store_slots}"""
+
+# Without clipping or weight decay (the usual case) a loop without their per-coordinate tests
+# (what they cost Adam on W1: docs/performance.md, "Figures behind the code"). The 16-bit
+# kernels keep ELEMENT_GENERAL alone: there the tests cost nothing measurable, and a second
+# inlined copy of the row math a fifth of the compile time (same place).
+ELEMENT_BODY = """{prologue}if gclip or wclip or mode != WD_NONE:
+{general}
 else:
     for j in range(dim):
         {targets} = {call}
@@ -393,15 +409,23 @@ FIXED_KERNELS = {{
 {fixed_entries}
 }}
 
-# Row math name -> (fused_update, update_every_row or None) of 16-bit tables (HALF_UPDATE).
+# Row math name -> {{(weights kind, slots kind): (fused_update, update_every_row or None)}} of
+# 16-bit tables (HALF_UPDATE; kinds as precision.KIND; slots kind F32 for a row math without
+# float slots).
 HALF_KERNELS = {{
 {half_entries}
 }}
 """
 
-# The strides of a 16-bit table's weights and float slots, in uint16 units.
-_HALF_SETUP = """    wstride = 2 if wkind == F32 else 1
-    sstride = 2 if skind == F32 else 1"""
+# A 16-bit table's row: its random words (four unit columns each).
+_HALF_SETUP = """    n_words = (data_h.shape[1] + 3) >> 2"""
+
+# Per stored dtype: the short name in kernel names, the widening and the rounding function.
+HALF_KINDS = {
+    "f32": (F32, None, None),
+    "f16": (F16, "widen_f16", "round_f16"),
+    "bf16": (BF16, "widen_bf16", "round_bf16"),
+}
 
 # A store to the table row saves the value it overwrites to ``old`` (same column) and adds
 # ``x * 0`` of the stored float32 value to ``fin`` (0, or NaN iff x is not finite).
@@ -461,6 +485,7 @@ def reserved_names() -> frozenset[str]:
         FIXED_UPDATE,
         SAVE_INTS,
         RESTORE_INTS,
+        ELEMENT_GENERAL,
         ELEMENT_BODY,
         ROW_PRELUDE,
         SCALED_BODY,
@@ -472,13 +497,15 @@ def reserved_names() -> frozenset[str]:
         _GUARDED,
         HALF_UPDATE,
         _HALF_SETUP,
+        "rbits words v random_words widen_bf16 widen_f16 round_bf16 round_f16 data_h key",
     )
     names = set()
     for text in texts:
         code = re.sub(r'(\\?"){3}.*?(\\?"){3}', "", text, flags=re.S)  # docstrings
         code = re.sub(r"#.*|\{[a-z_0-9]*\}", "", code)  # comments, format fields
         names.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
-    return frozenset(names | {"f0", "f1", "f2", "n0", "n1", "n2", "s0", "s1", "s2"})
+    scratch = {"hw", "hs0", "hs1", "hs2"}  # the 16-bit kernels' rounded copies (_half_column)
+    return frozenset(names | scratch | {"f0", "f1", "f2", "n0", "n1", "n2", "s0", "s1", "s2"})
 
 
 def check_names(rm: RowMath) -> None:
@@ -519,7 +546,9 @@ def _writes_ints(rm: RowMath) -> bool:
     return "data_i" in rm.prologue_arguments
 
 
-def _body(rm: RowMath, access) -> str:
+def _body(rm: RowMath, access, one_path: bool = False) -> str:
+    """The row math's part of the update; ``one_path``: an element-wise one as ELEMENT_GENERAL
+    alone (the 16-bit kernels)."""
     if rm.form == "scaled":
         first = "data[r, f0]" if access is FixedAccess else access.s0_first
         call = _call(
@@ -533,14 +562,24 @@ def _body(rm: RowMath, access) -> str:
         return ROW_BODY.format(call=call, w=access.w)
     loads = {name: access.load(k) for k, name in enumerate(rm.slots)}
     targets = ", ".join(("wj", *rm.slots))
-    return ELEMENT_BODY.format(
-        prologue=_prologue(rm),
+    store_slots = "\n".join(access.store(k, name) for k, name in enumerate(rm.slots))
+    general = ELEMENT_GENERAL.format(
         w=access.w,
         store_w=access.store_w,
         targets=targets,
         call_decayed=_call(rm, {"w": "wj", "g": "gj", "lr": "lr", **loads}),
+        store_slots=store_slots,
+    )
+    if one_path:
+        return _prologue(rm) + textwrap.dedent(general)
+    return ELEMENT_BODY.format(
+        prologue=_prologue(rm),
+        general=general,
+        w=access.w,
+        store_w=access.store_w,
+        targets=targets,
         call=_call(rm, {"w": f"np.float64({access.w})", "g": "g[j]", "lr": "lr", **loads}),
-        store_slots="\n".join(access.store(k, name) for k, name in enumerate(rm.slots)),
+        store_slots=store_slots,
     )
 
 
@@ -586,56 +625,92 @@ def _generic_update(rm: RowMath, at: str) -> str:
     )
 
 
-def _half_update(rm: RowMath, at: str, unit: str) -> str:
-    """HALF_UPDATE of ``rm``; ``at``: the index of ``unchanged``, ``unit``: the update's index
-    among its row's updates this step (the rounding stream's counter)."""
+def _half_column(kind: str, name: str, first: str, width: str) -> tuple[str, str, str, str]:
+    """(copy-in, check, store, scratch) lines of one column of a 16-bit table's row, of stored
+    dtype ``kind``, into float32 scratch ``name`` from unit ``first`` (``name[j]`` for j in
+    ``range(width)``): float32 through the float32 view, 16-bit widened and rounded into the
+    uint16 scratch ``h<name>``."""
+    if kind == "f32":
+        at = f"data[r, ({first} >> 1) + j]" if first != "0" else "data[r, j]"
+        return at, f"fin += {name}[j] - {name}[j]", f"{at} = {name}[j]", ""
+    _, widen, round_ = HALF_KINDS[kind]
+    at = f"data_h[r, {first} + j]" if first != "0" else "data_h[r, j]"
+    unit = f"{first} + j" if first != "0" else "j"
+    check = (
+        f"h{name}[j] = {round_}({name}[j], rbits[{unit}])\nv = {widen}(h{name}[j])\nfin += v - v"
+    )
+    scratch = f"\nh{name} = np.zeros({width}, dtype=np.uint16)"
+    return f"{widen}({at})", check, f"{at} = h{name}[j]", scratch
+
+
+def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str:
+    """HALF_UPDATE of ``rm`` for weights of stored dtype ``wkind`` and float slots of
+    ``skind`` (HALF_KINDS' names); ``at``: the index of ``unchanged``, ``unit``: the update's
+    index among its row's updates this step (the rounding stream's counter)."""
     ints = _writes_ints(rm)
-    check = "".join(
-        f"for j in range(n{k}):\n    if skind != F32:\n"
-        f"        s{k}[j] = widen_bits(round_bits(s{k}[j], skind, value_bits(rh, f{k} + j)), skind)\n"
-        f"    fin += s{k}[j] - s{k}[j]\n"
-        for k in range(len(rm.slots))
+    load_w, check_w, store_w, _ = _half_column(wkind, "w", "0", "dim")
+    slots = [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
+
+    def loops(part: int, indent: int = 0) -> str:
+        lines = "".join(
+            f"for j in range(n{k}):\n{_indent(col[part], 4)}\n" for k, col in enumerate(slots)
+        )
+        return (_indent(lines, indent) + "\n") if lines and indent else lines
+
+    load_slots = "".join(
+        f"for j in range(n{k}):\n    s{k}[j] = {col[0]}\n" for k, col in enumerate(slots)
     )
     return HALF_UPDATE.format(
         unit=unit,
-        body=_body(rm, GenericAccess),
+        load_w=load_w,
+        body=_body(rm, GenericAccess, one_path=True),
         at=at,
-        load_slots=_slot_loops(rm, "s{k}[j] = load(data_h, data, r, f{k} + j * sstride, skind)"),
-        check_slots=check,
-        store_slots=_indent(
-            _slot_loops(
-                rm, "store(data_h, data, r, f{k} + j * sstride, skind, s{k}[j], np.uint64(0))"
-            ),
-            4,
-        )
-        + ("\n" if rm.slots else ""),
+        load_slots=load_slots,
+        check_w=_indent(check_w, 4),
+        check_slots=loops(1),
+        store_w=store_w,
+        store_slots=loops(2, 4),
         save_ints=SAVE_INTS if ints else "",
         restore_ints=RESTORE_INTS if ints else "",
     )
 
 
-def _half_kernels(rm: RowMath, scratch: str) -> str:
-    """KERNELS for 16-bit tables: named ``half_<name>``, taking the uint16 rows ``data_h``
-    beside their float32 view ``data``, the table's rounding key and the weights' and slots'
-    dtype codes (``precision.KIND``), with HALF_UPDATE."""
+def half_pairs(rm: RowMath) -> list[tuple[str, str]]:
+    """The (weights, slots) stored-dtype pairs ``rm`` gets 16-bit kernels for (HALF_KINDS'
+    names): any pair with a 16-bit member. A row math without float slots gets (w, "f32") for
+    every w: its table is 16-bit for its slots dtype alone (a uint16 row of float32 weights)."""
+    kinds = list(HALF_KINDS)
+    if not rm.slots:
+        return [(w, "f32") for w in kinds]
+    return [(w, s) for w in kinds for s in kinds if "f32" != w or "f32" != s]
+
+
+def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
+    """KERNELS for 16-bit tables of one stored dtype pair: named ``half_<name>_<w>_<s>``,
+    taking the uint16 rows ``data_h`` beside their float32 view ``data`` and the table's
+    rounding key, with HALF_UPDATE."""
+    columns = [_half_column(wkind, "w", "0", "dim")]
+    columns += [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
+    scratch += "".join(c[3] for c in columns)
+    scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
     row_loop = ROW_LOOP.format(
         scratch=_indent(scratch, 4),
         gradient_12=_indent(GRADIENT, 12),
-        update_12=_indent(_half_update(rm, "u", "unit"), 12),
+        update_12=_indent(_half_update(rm, wkind, skind, "u", "unit"), 12),
     )
     text = KERNELS.format(
-        name=f"half_{rm.name}",
+        name=f"half_{rm.name}_{wkind}_{skind}",
         setup=_setup(rm) + "\n" + _HALF_SETUP,
         scratch=_indent(scratch, 8),
         row_loop=_indent(row_loop, 4),
         every_gradient_12=_indent(GRADIENT, 12),
-        every_update_12=_indent(_half_update(rm, "r", "0"), 12),
+        every_update_12=_indent(_half_update(rm, wkind, skind, "r", "0"), 12),
     )
     if not rm.every_row:
         text = text[: text.index("\n\n@kernel(parallel=True)\ndef update_every_row")] + "\n"
     text = text.replace("(data, data_i, ", "(data, data_h, data_i, ")
-    text = text.replace("prefetch):", "prefetch, key, wkind, skind):")
-    return text.replace("prefetch, live):", "prefetch, live, key, wkind, skind):")
+    text = text.replace("prefetch):", "prefetch, key):")
+    return text.replace("prefetch, live):", "prefetch, live, key):")
 
 
 def _fixed_update(rm: RowMath) -> str:
@@ -704,9 +779,14 @@ def render(rms: list[RowMath] | None = None) -> str:
         parts.append(kernels)
         every = f"update_every_row_{name}" if rm.every_row else "None"
         entries.append(f'    "{name}": (fused_update_{name}, {every}),')
-        parts.append(_half_kernels(rm, scratch))
-        every = f"update_every_row_half_{name}" if rm.every_row else "None"
-        half_entries.append(f'    "{name}": (fused_update_half_{name}, {every}),')
+        pairs = []
+        for wkind, skind in half_pairs(rm):
+            parts.append(_half_kernels(rm, scratch, wkind, skind))
+            half = f"half_{name}_{wkind}_{skind}"
+            every = f"update_every_row_{half}" if rm.every_row else "None"
+            key = f"({HALF_KINDS[wkind][0]}, {HALF_KINDS[skind][0]})"
+            pairs.append(f"        {key}: (fused_update_{half}, {every}),")
+        half_entries.append(f'    "{name}": {{\n' + "\n".join(pairs) + "\n    },")
         if rm.fixed_layout:
             # No scratch rows: the body works on the table row (FixedAccess).
             scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")

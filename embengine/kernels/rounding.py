@@ -2,8 +2,12 @@
 ``embengine.precision`` (the rule and the random stream are documented there), giving the same
 bits (tests/test_rounding.py).
 
-The update kernels of a 16-bit table call ``load`` on copy-in (widen to float32) and
-``round_bits`` on write-back; ``row_hash`` is taken once per row and ``value_bits`` per value.
+The update kernels of a 16-bit table (rendered per stored dtype pair, codegen's HALF_UPDATE)
+call ``widen_bf16`` / ``widen_f16`` on copy-in and ``round_bf16`` / ``round_f16`` on
+write-back. These are called, not inlined into numba's IR: LLVM inlines them where it pays, and
+inlined into every site they made the kernels compile a fifth slower for no measurable speed
+(docs/performance.md, "Figures behind the code"). Random bits: ``row_hash`` once per row,
+then ``random_words`` (one splitmix64 round per four unit columns, 16 bits each).
 ``widen_rows`` gathers rows widened to float32 for the lookups.
 """
 
@@ -15,7 +19,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ..precision import BF16, F32
+from ..precision import BF16
 from . import kernel
 
 __all__ = [
@@ -23,11 +27,14 @@ __all__ = [
     "bits_from_f32",
     "mix",
     "row_hash",
-    "value_bits",
+    "random_words",
+    "unit_bits",
+    "widen_bf16",
+    "widen_f16",
+    "round_bf16",
+    "round_f16",
     "round_bits",
     "widen_bits",
-    "load",
-    "store",
     "widen_rows",
     "round_array",
     "widen_array",
@@ -74,47 +81,30 @@ def row_hash(key, step, row, unit):
 
 
 @kernel(inline="always")
-def value_bits(rh, column):
-    """64 random bits of one value: ``mix(row_hash + column * G)``."""
-    return mix(rh + np.uint64(np.int64(column)) * _GOLDEN)
+def random_words(rh, words):
+    """``words[q] = mix(rh + q * G)``: a row's random bits, 16 per unit column (unit ``c``
+    takes bits ``16 * (c % 4)`` and up of word ``c // 4``: ``words.view(np.uint16)[c]``)."""
+    for q in range(words.shape[0]):
+        words[q] = mix(rh + np.uint64(q) * _GOLDEN)
 
 
-# Not inlined into numba IR (LLVM may still inline it): every load and store site of a half
-# kernel would carry both dtypes' paths, and the parallel kernels compiled twice as slowly.
+@kernel(inline="always")
+def unit_bits(rh, column):
+    """The 16 random bits of unit column ``column`` of a row (``random_words``, one value)."""
+    word = mix(rh + np.uint64(np.int64(column) >> 2) * _GOLDEN)
+    return np.uint16((word >> np.uint64((np.int64(column) & 3) * 16)) & np.uint64(0xFFFF))
+
+
 @kernel()
-def round_bits(x, kind, bits):
-    """float32 ``x`` stochastically rounded to ``kind`` (BF16 or F16): its uint16 bits."""
-    x = np.float32(x)
-    u = bits_from_f32(x)
-    if kind == BF16:
-        if x != x:
-            return np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-        return np.uint16((np.uint64(u) + (bits & np.uint64(0xFFFF))) >> np.uint64(16))
-    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
-    if x != x:
-        return np.uint16(0x7E00) | sign
-    mag = np.uint64(u & np.uint32(0x7FFFFFFF))
-    a = abs(x)
-    if a < np.float32(2.0**-14):
-        m = a * np.float32(16777216.0)
-        fl = np.floor(m)
-        uniform = np.float32((bits >> np.uint64(40)) & np.uint64(0xFFFFFF)) * np.float32(2.0**-24)
-        up = 1 if uniform < m - fl else 0
-        return np.uint16(np.int64(fl) + up) | sign
-    b = (mag + (bits & np.uint64(0x1FFF))) & ~np.uint64(0x1FFF)
-    e = np.int64(b >> np.uint64(23)) - 112
-    if e >= 31:
-        return np.uint16(0x7C00) | sign
-    return np.uint16((e << 10) | np.int64((b >> np.uint64(13)) & np.uint64(0x3FF))) | sign
+def widen_bf16(h):
+    """bfloat16 bits ``h`` as float32 (exact: the bits shifted up)."""
+    return f32_from_bits(np.uint32(h) << np.uint32(16))
 
 
-# Not inlined into numba IR, as round_bits.
 @kernel()
-def widen_bits(h, kind):
-    """uint16 bits of kind BF16 or F16 as float32 (exact)."""
+def widen_f16(h):
+    """float16 bits ``h`` as float32 (exact)."""
     h32 = np.uint32(h)
-    if kind == BF16:
-        return f32_from_bits(h32 << np.uint32(16))
     sign = (h32 & np.uint32(0x8000)) << np.uint32(16)
     e = (h32 >> np.uint32(10)) & np.uint32(0x1F)
     m = h32 & np.uint32(0x3FF)
@@ -126,23 +116,53 @@ def widen_bits(h, kind):
     return f32_from_bits(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
 
 
-@kernel(inline="always")
-def load(h, f, r, c, kind):
-    """Value at unit column ``c`` of row ``r`` as float32: ``h`` the uint16 row array, ``f``
-    its float32 view (a float32 column starts at an even unit: ``f[r, c // 2]``)."""
-    if kind == F32:
-        return f[r, c >> 1]
-    return widen_bits(h[r, c], kind)
+@kernel()
+def round_bf16(x, bits):
+    """float32 ``x`` stochastically rounded to bfloat16 with the 16 random ``bits``: its bits.
+    32-bit arithmetic (it vectorises): only a NaN's bits could carry out, and NaN is set apart."""
+    u = bits_from_f32(np.float32(x))
+    rounded = np.uint16((u + (np.uint32(bits) & np.uint32(0xFFFF))) >> np.uint32(16))
+    nan = np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    return nan if x != x else rounded
 
 
-@kernel(inline="always")
-def store(h, f, r, c, kind, x, bits):
-    """Store float32 ``x`` at unit column ``c`` of row ``r`` (16-bit kinds rounded
-    stochastically with ``bits``)."""
-    if kind == F32:
-        f[r, c >> 1] = x
-    else:
-        h[r, c] = round_bits(x, kind, bits)
+@kernel()
+def round_f16(x, bits):
+    """float32 ``x`` stochastically rounded to float16 with the 16 random ``bits``: its bits."""
+    x = np.float32(x)
+    u = bits_from_f32(x)
+    b16 = np.uint32(bits) & np.uint32(0xFFFF)
+    sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
+    if x != x:
+        return np.uint16(0x7E00) | sign
+    a = abs(x)
+    if a < np.float32(2.0**-14):
+        m = a * np.float32(16777216.0)
+        fl = np.floor(m)
+        up = 1 if np.float32(b16) * np.float32(2.0**-16) < m - fl else 0
+        return np.uint16(np.int64(fl) + up) | sign
+    mag = u & np.uint32(0x7FFFFFFF)
+    b = (mag + (b16 & np.uint32(0x1FFF))) & ~np.uint32(0x1FFF)
+    e = np.int64(b >> np.uint32(23)) - 112
+    if e >= 31:
+        return np.uint16(0x7C00) | sign
+    return np.uint16((e << 10) | np.int64((b >> np.uint32(13)) & np.uint32(0x3FF))) | sign
+
+
+@kernel()
+def round_bits(x, kind, bits):
+    """float32 ``x`` stochastically rounded to ``kind`` (BF16 or F16): its uint16 bits."""
+    if kind == BF16:
+        return round_bf16(x, bits)
+    return round_f16(x, bits)
+
+
+@kernel()
+def widen_bits(h, kind):
+    """uint16 bits of kind BF16 or F16 as float32 (exact)."""
+    if kind == BF16:
+        return widen_bf16(h)
+    return widen_f16(h)
 
 
 @kernel(parallel=True)
@@ -153,18 +173,21 @@ def widen_rows(h, kind, dim, rows, out):
         if r < 0:
             for j in range(dim):
                 out[i, j] = 0.0
+        elif kind == BF16:
+            for j in range(dim):
+                out[i, j] = widen_bf16(h[r, j])
         else:
             for j in range(dim):
-                out[i, j] = widen_bits(h[r, j], kind)
+                out[i, j] = widen_f16(h[r, j])
 
 
 @kernel()
 def round_array(x, kind, key, step, rows, unit, columns, out):
-    """``out[i] = round_bits(x[i], kind, value_bits(row_hash(key, step, rows[i], unit),
+    """``out[i] = round_bits(x[i], kind, unit_bits(row_hash(key, step, rows[i], unit),
     columns[i]))``: for tests against ``precision.stochastic_round``."""
     for i in range(x.shape[0]):
         rh = row_hash(key, step, rows[i], unit)
-        out[i] = round_bits(x[i], kind, value_bits(rh, columns[i]))
+        out[i] = round_bits(x[i], kind, unit_bits(rh, columns[i]))
 
 
 @kernel()

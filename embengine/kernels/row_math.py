@@ -213,7 +213,9 @@ def kernels(rm: RowMath) -> Kernels:
     return _loaded(rm)[:3]
 
 
-def half_kernels(rm: RowMath) -> tuple:
-    """``rm``'s (fused_update, update_every_row) for tables with 16-bit columns (codegen's
-    HALF_UPDATE), from the same rendered module as ``kernels``."""
+def half_kernels(rm: RowMath) -> dict:
+    """``rm``'s kernels for tables with 16-bit columns (codegen's HALF_UPDATE), from the same
+    rendered module as ``kernels``: {(weights kind, slots kind): (fused_update,
+    update_every_row)}, kinds as ``precision.KIND`` (slots F32 for a row math without float
+    slots; ``codegen.half_pairs``)."""
     return _loaded(rm)[3]
