@@ -27,9 +27,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --no-deps "$(TORCHREC_SPEC)"
 	touch $@
 
-# One pytest worker per core, at most 4 (each loads torch and numba's kernels); the slowest
-# tests are listed at the end so that a slow one is seen.
-PYTEST_WORKERS ?= -n auto --maxprocesses=4
+# One pytest worker per core plus one, at most 4 (each loads torch and numba's kernels): in a
+# fresh clone a worker often waits while another compiles a kernel both need (compile_lock),
+# and multi-process tests wait on their ranks; the extra worker uses those cores. Work
+# stealing keeps the last slow tests from running on one worker while the others idle. The
+# slowest tests are listed at the end so that a slow one is seen.
+PYTEST_WORKERS ?= -n $(shell n=$$(nproc); [ $$n -ge 3 ] && echo 4 || echo $$((n + 1))) --dist worksteal
 
 test: setup
 	$(PY) -m pytest $(PYTEST_WORKERS) --durations=15
