@@ -12,7 +12,7 @@ so they depend on neither thread count nor scheduling. This module is the
 NumPy side (the reference backend's, vectorised); ``kernels/rounding.py`` holds the numba
 side, the same operations on scalars: the two give the same bits (tests/test_rounding.py).
 
-- bfloat16: add the hash's low 16 bits to the float32 bits and keep the upper half (a carry
+- bfloat16: add the value's 16 random bits to the float32 bits and keep the upper half (a carry
   into the exponent makes Inf at the top of the range; NaN stays a quiet NaN).
 - float16: in float16's normal range (``|x| >= 2**-14``) add 13 of the random bits to the
   float32 bits and keep the upper 10 mantissa bits; an exponent past float16's is Inf (the

@@ -67,3 +67,9 @@ def test_kernel_parameters_are_locals_named_like_the_specs_fields():
     assert "step_size = adam_step_size(data_i, r, cols, step, lr, beta_1, beta_2, " in text
     assert "wj, momenta, velocities, vhats = adam_update(" in text
     assert "h0" not in text and "h5" not in text
+
+
+def test_the_16_bit_kernels_locals_are_reserved_names():
+    # a row math param or slot of one of these names would shadow the 16-bit kernels' own
+    reserved = codegen.reserved_names()
+    assert {"words", "rbits", "key", "data_h", "hw", "hs0", "hs2", "n_words", "v"} <= reserved

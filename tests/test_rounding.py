@@ -148,7 +148,7 @@ def test_the_kernels_draw_a_rows_bits_four_values_to_a_hash_round_as_numpy_does(
     # columns; its uint16 view must be the NumPy stream, column for column
     key, step, row, unit = 0x0123456789ABCDEF, 9, 4321, 2
     words = np.zeros(7, np.uint64)
-    kr.random_words(kr.row_hash(np.uint64(key), step, row, unit), words)
+    kr.random_words(kr.row_hash(np.uint64(key), step, row, unit), words, 0)
     want = pr.hash_bits(key, step, row, unit, np.arange(28))
     np.testing.assert_array_equal(words.view(np.uint16), want.astype(np.uint16))
     # and the four values of a word are its four 16-bit pieces, not four rounds
@@ -157,19 +157,25 @@ def test_the_kernels_draw_a_rows_bits_four_values_to_a_hash_round_as_numpy_does(
 
 
 @pytest.mark.parametrize(
-    ("weights", "slots", "name"),
+    ("optimizer", "weights", "slots", "name"),
     [
-        ("bfloat16", "bfloat16", "fused_update_half_adam_bf16_bf16"),
-        ("float32", "float16", "fused_update_half_adam_f32_f16"),
-        ("float16", "float32", "fused_update_half_adam_f16_f32"),
+        ("adam", "bfloat16", "bfloat16", "half_adam_bf16_bf16"),
+        ("adam", "float32", "float16", "half_adam_f32_f16"),
+        ("adam", "float16", "float32", "half_adam_f16_f32"),
+        ("sgd", "float32", "float16", "half_sgd_f32_f32"),  # no float slot: a float32 row
+        ("sgd", "bfloat16", "float16", "half_sgd_bf16_f32"),
     ],
 )
-def test_a_16_bit_table_gets_the_kernel_of_its_dtype_pair(weights, slots, name):
+def test_a_16_bit_table_gets_the_kernels_of_its_dtype_pair(optimizer, weights, slots, name):
     import embengine as ee
     from embengine import optimizers as opt
     from embengine.backends.numba_backend import kernels_for
 
+    o = {"adam": opt.Adam(0.1, lazy_adam=False), "sgd": opt.SGD(0.1)}[optimizer]
     t = ee.TableConfig(10, 4, name="t", weights_dtype=weights, slots_dtype=slots)
-    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.1))
-    fused, _ = kernels_for(opt.Adam(0.1), eng._physical[0])
-    assert fused.py_func.__name__ == name
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=o)
+    assert eng._physical[0].data.dtype == np.uint16
+    fused, every_row = kernels_for(o, eng._physical[0])
+    assert fused.py_func.__name__ == f"fused_update_{name}"
+    if optimizer == "adam":  # non-lazy: every row's update too
+        assert every_row.py_func.__name__ == f"update_every_row_{name}"

@@ -39,8 +39,8 @@ third pair per pair of stored dtypes, ``half_<kernel>_<weights>_<slots>`` (HALF_
 the any-layout loop on the uint16 row array, widening to float32 on copy-in and rounding
 stochastically on write-back (``kernels/rounding.py``; the rule and the random stream in
 ``embengine.precision``). One kernel per dtype pair, not one taking the dtypes as run-time
-codes: every load and store site then is one inlined expression, so the loops vectorise and
-each kernel compiles only the path it runs (docs/performance.md, "Figures behind the code").
+codes: every load and store site then is one call of its dtype's helper, and each kernel
+compiles only the path it runs (docs/performance.md, "Figures behind the code").
 
 Nothing generated is committed: ``row_math.kernels`` renders a row math's module when its
 kernels are first needed, into a cache folder, the file named by a hash of its text (the
@@ -157,14 +157,14 @@ for j in range(dim):
 {restore_ints}    unchanged[{at}] = 1"""
 
 # UPDATE for a 16-bit table (``half_<kernel>_<weights>_<slots>``, one pair of stored dtypes
-# per kernel, so every load, rounding and store below is one inlined expression and the loops
-# vectorise): ``data_h`` is the uint16 row array, ``data`` its float32 view; 16-bit values take
-# one unit each, a float32 one two (``data[r, c >> 1]`` for unit c). Copy-in widens; the
-# results are rounded stochastically into uint16 scratch rows (``h``-prefixed) with the row's
-# random bits (``rbits[c]`` for unit c), and the guard checks their widened values, so a value
-# that overflows float16 leaves the row unchanged; the store copies the rounded bits.
-HALF_UPDATE = """random_words(row_hash(key, step, r, {unit}), words)
-for j in range(dim):
+# per kernel, so every load, rounding and store below is one call of its dtype's helper):
+# ``data_h`` is the uint16 row array, ``data`` its float32 view; 16-bit values take one unit
+# each, a float32 one two (``data[r, c >> 1]`` for unit c). Copy-in widens; the results are
+# rounded stochastically into uint16 scratch rows (``h``-prefixed) with the row's random bits
+# (``rbits[c]`` for unit c, drawn from the first 16-bit unit's word on), and the guard checks
+# their widened values, so a value that overflows float16 leaves the row unchanged; the store
+# copies the rounded bits.
+HALF_UPDATE = """{random_words}for j in range(dim):
     w[j] = {load_w}
 {load_slots}{save_ints}{body}
 fin = np.float32(0.0)
@@ -651,6 +651,9 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
     load_w, check_w, store_w, _ = _half_column(wkind, "w", "0", "dim")
     slots = [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
 
+    rounds = _rounded_from(rm, wkind, skind)
+    words = f"random_words(row_hash(key, step, r, {unit}), words, {rounds})\n" if rounds else ""
+
     def loops(part: int, indent: int = 0) -> str:
         lines = "".join(
             f"for j in range(n{k}):\n{_indent(col[part], 4)}\n" for k, col in enumerate(slots)
@@ -661,7 +664,7 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
         f"for j in range(n{k}):\n    s{k}[j] = {col[0]}\n" for k, col in enumerate(slots)
     )
     return HALF_UPDATE.format(
-        unit=unit,
+        random_words=words,
         load_w=load_w,
         body=_body(rm, GenericAccess, one_path=True),
         at=at,
@@ -673,6 +676,14 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
         save_ints=SAVE_INTS if ints else "",
         restore_ints=RESTORE_INTS if ints else "",
     )
+
+
+def _rounded_from(rm: RowMath, wkind: str, skind: str) -> str:
+    """The first word of random bits a row of this dtype pair uses (its first 16-bit unit's),
+    as an expression of the kernel; "" if it rounds nothing (float32 weights, no float slot)."""
+    if wkind != "f32":
+        return "0"
+    return "f0 >> 2" if rm.slots and skind != "f32" else ""
 
 
 def half_pairs(rm: RowMath) -> list[tuple[str, str]]:
@@ -692,7 +703,8 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     columns = [_half_column(wkind, "w", "0", "dim")]
     columns += [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
     scratch += "".join(c[3] for c in columns)
-    scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
+    if _rounded_from(rm, wkind, skind):
+        scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
     row_loop = ROW_LOOP.format(
         scratch=_indent(scratch, 4),
         gradient_12=_indent(GRADIENT, 12),

@@ -81,10 +81,12 @@ def row_hash(key, step, row, unit):
 
 
 @kernel(inline="always")
-def random_words(rh, words):
-    """``words[q] = mix(rh + q * G)``: a row's random bits, 16 per unit column (unit ``c``
-    takes bits ``16 * (c % 4)`` and up of word ``c // 4``: ``words.view(np.uint16)[c]``)."""
-    for q in range(words.shape[0]):
+def random_words(rh, words, first):
+    """``words[q] = mix(rh + q * G)`` for q from ``first`` on: a row's random bits, 16 per
+    unit column (unit ``c`` takes bits ``16 * (c % 4)`` and up of word ``c // 4``, which is
+    ``words.view(np.uint16)[c]`` on a little-endian host, the only kind numba targets here;
+    ``precision.hash_bits`` takes them by shifts). Words below ``first`` hold no 16-bit value."""
+    for q in range(first, words.shape[0]):
         words[q] = mix(rh + np.uint64(q) * _GOLDEN)
 
 
@@ -119,7 +121,7 @@ def widen_f16(h):
 @kernel()
 def round_bf16(x, bits):
     """float32 ``x`` stochastically rounded to bfloat16 with the 16 random ``bits``: its bits.
-    32-bit arithmetic (it vectorises): only a NaN's bits could carry out, and NaN is set apart."""
+    Only a NaN's bits could carry past 32 bits, and NaN is set apart."""
     u = bits_from_f32(np.float32(x))
     rounded = np.uint16((u + (np.uint32(bits) & np.uint32(0xFFFF))) >> np.uint32(16))
     nan = np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
