@@ -72,6 +72,18 @@ def read_only(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only array (``a`` itself if it is, else a view, no copy), for a kernel
+    argument the kernel only reads.
+
+    numba compiles a kernel once per argument *type*, and an array's type includes whether it
+    is writable: the same call with a caller's read-only ids (a frozen batch, a memory-mapped
+    file, ``Ragged``) and with a fresh array compiled twice, and for the pooling kernels nine
+    times twice (one per row width). Every read-only input goes to the kernels read-only, so
+    each kernel compiles once whatever the caller's arrays are."""
+    return a if not a.flags.writeable else read_only(a)
+
+
 def _check_offsets(offsets: np.ndarray, num_ids: int) -> None:
     """Offsets must run from 0 to ``num_ids``, never decreasing."""
     if offsets.ndim != 1 or len(offsets) < 1:

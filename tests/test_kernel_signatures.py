@@ -133,3 +133,16 @@ def test_an_initializer_fills_with_one_type_for_int_and_float_bounds(monkeypatch
     b = init.RandomUniform(-1.0, 1.0).init(0, "t", np.arange(4), 8)
     np.testing.assert_array_equal(a, b)
     assert len(calls) == 2 and calls[0] == calls[1], calls
+
+
+def test_a_keyed_tables_index_lookup_gets_one_type_for_writable_and_read_only_keys(monkeypatch):
+    from embengine.kernels import keyed_index
+    from embengine.storage.keyed import KeyIndex
+
+    calls: list = []
+    monkeypatch.setattr(keyed_index, "find_serial", _Spy(keyed_index.find_serial, calls))
+    index = KeyIndex()
+    index.insert(np.array([10**12, 5]), np.array([0, 1]))
+    for keys in (np.array([5, 7]), _read_only([5, 7]), np.array([5, 7, 9])[::2]):
+        np.testing.assert_array_equal(index.find(keys), [1, -1])
+    assert len(calls) == 3 and len(set(calls)) == 1, calls

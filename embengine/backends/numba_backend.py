@@ -12,7 +12,7 @@ import numba as nb
 import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
-from ..inputs import read_only
+from ..inputs import frozen, read_only
 from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
@@ -30,15 +30,7 @@ _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = read_only(np.zeros(0, dtype=np.uint8))
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    """``a`` as a read-only array (a view, no copy), for a kernel argument the kernel only reads.
-
-    numba compiles a kernel once per argument *type*, and an array's type includes whether it
-    is writable: the same call with a caller's read-only ids (a frozen batch, a memory-mapped
-    file, ``Ragged``) and with a fresh array compiled twice, and for the pooling kernels nine
-    times twice (one per row width). Every read-only input goes to the kernels read-only, so
-    each kernel compiles once whatever the caller's arrays are."""
-    return a if not a.flags.writeable else read_only(a)
+_frozen = frozen  # every input a kernel only reads goes to it read-only (inputs.frozen)
 
 
 def _contiguous_frozen(a: np.ndarray, dtype=None) -> np.ndarray:

@@ -50,7 +50,7 @@ from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
 from ..engine import NonFiniteUpdateError, _check_timestamp, engine_arguments
-from ..inputs import as_numpy
+from ..inputs import as_numpy, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
@@ -781,7 +781,7 @@ class ShardedEngine:
                 lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
                 if t not in owners:
                     owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
-                    sr.owners_of(tb.unique_ids, *self._route[t], w, owners[t])
+                    sr.owners_of(frozen(tb.unique_ids), *self._route[t], w, owners[t])
                 sr.count_push(owners[t], tb.inverse, tb.segments, lo, hi, w, n[f], m[f])
                 spans.append((tb, owners[t], lo, hi, lay.start))
         except (TypeError, ValueError) as e:

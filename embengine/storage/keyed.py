@@ -33,6 +33,7 @@ import sys
 import numpy as np
 
 from ..initializers import Initializer
+from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
 from .dense import row_columns
@@ -83,7 +84,9 @@ class KeyIndex:
         from ..kernels import keyed_index
         from ..kernels.pool import start_pool
 
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        # read-only whatever the caller's array (inputs.frozen): keys came both ways, and the
+        # kernels compiled twice
+        keys = frozen(np.ascontiguousarray(keys, dtype=np.int64))
         out = np.empty(len(keys), dtype=np.int64)
         if len(keys) >= _PARALLEL_FIND:
             start_pool()  # find is parallel
