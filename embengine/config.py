@@ -14,6 +14,7 @@ import numpy as np
 
 from .initializers import Initializer, TruncatedNormal
 from .optimizers import Optimizer
+from .optimizers._checks import is_integer as _is_int
 from .precision import check_dtype
 
 __all__ = [
@@ -34,10 +35,6 @@ COMBINERS = ("sum", "mean", "sqrtn")
 COMPRESSIONS = ("fp32", "fp16", "bf16", "fixed_r8", "int8_rowwise")
 EVICTION_POLICIES = ("lru", "lfu")
 INSERT_ON = ("lookup", "apply")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
