@@ -87,7 +87,9 @@ def scenarios(draw):
     return dims, vocab, combiners, feats, steps, grad_seed
 
 
-def _make_engine(scenario, optimizer, backend, **kwargs):
+def scenario_engine(scenario, optimizer, backend, table=None, **kwargs):
+    """The engine of a ``scenarios()`` draw: its tables (with ``table``'s extra TableConfig
+    arguments) and features; ``kwargs`` go to the engine."""
     dims, vocab, combiners, feats, _, _ = scenario
     tables = [
         ee.TableConfig(
@@ -96,6 +98,7 @@ def _make_engine(scenario, optimizer, backend, **kwargs):
             combiner=combiners[i],
             name=f"t{i}",
             initializer=init.RandomUniform(-1.0, 1.0),
+            **(table or {}),
         )
         for i in range(len(dims))
     ]
@@ -138,8 +141,8 @@ def _assert_same_state(a, b, rtol=1e-5, atol=1e-6):
 
 
 def _check(scenario, optimizer):
-    fast = _make_engine(scenario, optimizer, "numba")
-    slow = _make_engine(scenario, optimizer, "reference")
+    fast = scenario_engine(scenario, optimizer, "numba")
+    slow = scenario_engine(scenario, optimizer, "reference")
     for acts_fast, acts_slow in zip(_run(fast, scenario), _run(slow, scenario), strict=True):
         for k in acts_fast:
             np.testing.assert_allclose(acts_fast[k], acts_slow[k], rtol=1e-5, atol=1e-6)
@@ -169,7 +172,7 @@ def test_counting_optimizers_numba_equals_reference(optimizer, scenario):
 def test_skip_row_with_nonfinite_gradients(scenario, optimizer):
     """skip_row leaves the same rows untouched in both backends."""
     engines = [
-        _make_engine(scenario, optimizer, b, nonfinite_gradients="skip_row")
+        scenario_engine(scenario, optimizer, b, nonfinite_gradients="skip_row")
         for b in ("numba", "reference")
     ]
     rng = np.random.default_rng(scenario[-1])

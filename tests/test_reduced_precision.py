@@ -5,7 +5,8 @@ backends."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_numba_matches_reference import COUNTING, OPTIMIZERS, scenarios
+from test_numba_matches_reference import COUNTING, OPTIMIZERS, scenario_engine, scenarios
+from test_training import SYN_ARGS  # the small synthetic run's CLI arguments
 
 import embengine as ee
 from embengine import initializers as init
@@ -27,24 +28,8 @@ DTYPES = [
 
 
 def _engine(scenario, optimizer, backend, dtypes, **kwargs):
-    dims, vocab, combiners, feats, _, _ = scenario
-    tables = [
-        ee.TableConfig(
-            vocab[i],
-            dims[i],
-            combiner=combiners[i],
-            name=f"t{i}",
-            initializer=init.RandomUniform(-1.0, 1.0),
-            weights_dtype=dtypes[0],
-            slots_dtype=dtypes[1],
-        )
-        for i in range(len(dims))
-    ]
-    features = {
-        f"f{k}": ee.FeatureConfig(tables[t], max_sequence_length=seq)
-        for k, (t, seq) in enumerate(feats)
-    }
-    return ee.EmbeddingEngine(features, optimizer=optimizer, seed=5, backend=backend, **kwargs)
+    table = {"weights_dtype": dtypes[0], "slots_dtype": dtypes[1]}
+    return scenario_engine(scenario, optimizer, backend, table=table, **kwargs)
 
 
 def _steps(engines, scenario):
@@ -331,20 +316,6 @@ def test_export_and_serving_read_16_bit_tables(tmp_path, compress):
 
 
 # -- embengine train --weights-dtype -----------------------------------------------------------
-
-SYN_ARGS = [
-    "--dataset",
-    "synthetic",
-    "--batch-size",
-    "256",
-    "--epoch-examples",
-    "5000",
-    "--test-examples",
-    "5000",
-    "--vocabulary-scale",
-    "0.01",
-    "--no-progress",
-]
 
 
 def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):

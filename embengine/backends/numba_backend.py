@@ -30,12 +30,9 @@ _NO_QUANT = np.zeros(3, dtype=np.float64)
 _NO_SKIP = read_only(np.zeros(0, dtype=np.uint8))
 
 
-_frozen = frozen  # every input a kernel only reads goes to it read-only (inputs.frozen)
-
-
 def _contiguous_frozen(a: np.ndarray, dtype=None) -> np.ndarray:
-    """``_frozen(np.ascontiguousarray(a, dtype))``: a copy only of a strided view."""
-    return _frozen(np.ascontiguousarray(a, dtype=dtype))
+    """``frozen(np.ascontiguousarray(a, dtype))``: a copy only of a strided view."""
+    return frozen(np.ascontiguousarray(a, dtype=dtype))
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -136,7 +133,7 @@ class _BatchPlan:
                     offsets.append(p.row_offset)
             self.row_offsets.append(offsets)
             f += len(ps)
-        self.inputs = [_frozen(a) for a in inp]  # read-only: see _frozen
+        self.inputs = [frozen(a) for a in inp]  # read-only: see inputs.frozen
         self.outputs = out
 
     def prepare_order(self) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +313,7 @@ def _pool_prepared(
     ``rows``, one per unique id, into ``data``)."""
     pool = pool_kernel(dim)
     rows = tb.unique_rows if rows is None else rows
-    f = _frozen
+    f = frozen
     pool(data, dim, f(rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out, quant, prefetch)
 
 
@@ -598,7 +595,7 @@ class NumbaBackend:
             consts = (opt, kernels_for(opt, table), *_table_constants(opt, table))
             self._constants[id(table)] = consts
         _, (fused, every_row), meta, hp, cols = consts
-        grad = _frozen(np.ascontiguousarray(grad, dtype=np.float32))
+        grad = frozen(np.ascontiguousarray(grad, dtype=np.float32))
         skipped = _NO_SKIP
         if skip_nonfinite:
             skipped = pipeline.nonfinite_rows(
@@ -608,7 +605,7 @@ class NumbaBackend:
                 grad,
                 opt.use_gradient_accumulation,
             )
-            skipped = _frozen(skipped)
+            skipped = frozen(skipped)
         if tb.unique_rows is None:  # a storage that maps ids itself, not resolved yet
             tb = tb.resolved(table, insert=True)
         # One flag per unique row (per table row for every-row updates), set by the kernel.
@@ -626,10 +623,10 @@ class NumbaBackend:
             float(lr),
             float(opt.weight_decay_rate(lr)),
             int(step),
-            _frozen(tb.unique_rows),
-            _frozen(tb.unique_offsets),
-            _frozen(tb.unique_gains),
-            _frozen(tb.unique_segments),
+            frozen(tb.unique_rows),
+            frozen(tb.unique_offsets),
+            frozen(tb.unique_gains),
+            frozen(tb.unique_segments),
             grad,
             skipped,
             unchanged,
@@ -638,7 +635,7 @@ class NumbaBackend:
         extra = _half_args(table) if _half(table) else ()
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
             every_row(
-                *args, _frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)), *extra
+                *args, frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)), *extra
             )
         else:
             fused(*args, *extra)
