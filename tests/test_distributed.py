@@ -49,10 +49,16 @@ SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:
 
 
 def spawn(
-    world: int, out: Path, scenarios: list[str], limit: float = LIMIT, env: dict | None = None
+    world: int,
+    out: Path,
+    scenarios: list[str],
+    limit: float = LIMIT,
+    env: dict | None = None,
+    worker: Path = WORKER,
 ) -> list[int]:
-    """Run ``world`` ranks of dist_worker on ``scenarios``; their exit codes. Children alive
-    after ``limit`` seconds are killed (and the test fails)."""
+    """Run ``world`` ranks of ``worker`` (dist_worker; keyed_dist_worker for
+    test_distributed_keyed.py) on ``scenarios``; their exit codes. Children alive after
+    ``limit`` seconds are killed (and the test fails)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {
@@ -67,7 +73,7 @@ def spawn(
     logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), *scenarios],
+            [sys.executable, str(worker), str(r), str(world), str(port), str(out), *scenarios],
             stdout=logs[r],
             stderr=subprocess.STDOUT,
             env=env,
@@ -90,9 +96,17 @@ def spawn(
         for f in logs:
             f.close()
     if None in codes:
-        text = "\n".join((out / f"log.rank{r}").read_text()[-2000:] for r in range(world))
-        pytest.fail(f"ranks still running after {limit} s were killed: {codes}\n{text}")
+        pytest.fail(
+            f"ranks still running after {limit} s were killed: {codes}\n{rank_logs(out, world)}"
+        )
     return codes
+
+
+def rank_logs(out: Path, world: int) -> str:
+    """The tail of each rank's log, for a failure's message."""
+    return "\n".join(
+        f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:] for r in range(world)
+    )
 
 
 def _logs(out: Path, world: int) -> str:

@@ -10,10 +10,6 @@ alive after ``LIMIT`` seconds). Each world size runs all its scenarios in one pr
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +17,13 @@ import pytest
 
 pytest.importorskip("torch")
 
+from test_distributed import rank_logs  # noqa: E402
+from test_distributed import spawn as _spawn  # noqa: E402
+
 import embengine as ee  # noqa: E402
 from embengine.distributed import plan_shards  # noqa: E402
 from embengine.distributed.sharding import TableLoad, mix64  # noqa: E402
 from embengine.kernels import shard_route as sr  # noqa: E402
-from embengine.training.ranks import free_port  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = HERE / "keyed_dist_worker.py"
@@ -42,55 +40,8 @@ SCENARIOS += ["apply:sgd", "apply:adam"]
 
 
 def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) -> list[int]:
-    """Run ``world`` ranks of the worker on ``scenarios``; their exit codes. Children alive
-    after ``LIMIT`` seconds are killed (and the test fails)."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "NUMBA_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(HERE.parent),
-        **(env or {}),
-    }
-    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), *scenarios],
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + LIMIT
-    codes = []
-    try:
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    if None in codes:
-        pytest.fail(
-            f"ranks still running after {LIMIT} s were killed: {codes}\n{_logs(out, world)}"
-        )
-    return codes
-
-
-def _logs(out: Path, world: int) -> str:
-    return "\n".join(
-        f"--- rank {r}\n" + (out / f"log.rank{r}").read_text()[-3000:] for r in range(world)
-    )
+    """test_distributed's ``spawn`` of keyed_dist_worker's ranks (killed after ``LIMIT`` s)."""
+    return _spawn(world, out, scenarios, limit=LIMIT, env=env, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +54,7 @@ def runs(tmp_path_factory):
             single_run(SCENARIOS[0])  # compile (or load) the kernels here, not in W children
             out = tmp_path_factory.mktemp(f"w{world}")
             codes = spawn(world, out, SCENARIOS)
-            assert codes == [0] * world, _logs(out, world)
+            assert codes == [0] * world, rank_logs(out, world)
             done[world] = out
         return done[world]
 
@@ -235,7 +186,7 @@ def test_a_keyed_table_is_keyed_whatever_the_sharding_asks():
 
 def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_path):
     codes = spawn(2, tmp_path, ["time_mismatch", "max_rows", "eval_mismatch"])
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    assert codes == [0, 0], rank_logs(tmp_path, 2)
     for r in range(2):  # the owners run the rules on a training lookup only: ranks must agree
         text = (tmp_path / f"eval_mismatch.rank{r}.txt").read_text()
         assert text.startswith(f"DistributedError: rank {r} called ") and (
@@ -284,7 +235,7 @@ def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path)
     for world, folder in ((3, "w3"), (1, "w1")):
         out = tmp_path / f"save{world}"
         codes = spawn(world, out, [f"ckpt_save:{folder}"], env=env)
-        assert codes == [0] * world, _logs(out, world)
+        assert codes == [0] * world, rank_logs(out, world)
         for r in range(world):
             _assert_end(dict(np.load(out / f"ckpt_save_{folder}.rank{r}.npz")), whole, folder)
     # The sharded checkpoints hold what the plain engine's holds (files by key, manifest).
@@ -308,7 +259,7 @@ def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path)
     for world, folders in ((2, ["w3", "w1", "plain"]), (1, ["w3"])):
         out = tmp_path / f"restore{world}"
         codes = spawn(world, out, [f"ckpt_restore:{f}" for f in folders], env=env)
-        assert codes == [0] * world, _logs(out, world)
+        assert codes == [0] * world, rank_logs(out, world)
         for folder in folders:
             got = [dict(np.load(out / f"ckpt_restore_{folder}.rank{r}.npz")) for r in range(world)]
             for g in got:
