@@ -323,6 +323,7 @@ def test_the_floor_kernel_writes_each_touched_row_once_and_changes_nothing():
     """The floor (kernels/floor.py) reads and writes every column of the touched rows and no
     other row; finite rows keep their bits. A NaN gradient shows which weights it wrote (x + 0 *
     NaN), an infinite slot which slot columns (inf + 0 * inf)."""
+    from embengine.kernels import tasks
     from embengine.kernels.floor import fixed_touch_rows
 
     rng = np.random.default_rng(3)
@@ -334,7 +335,12 @@ def test_the_floor_kernel_writes_each_touched_row_once_and_changes_nothing():
     gains = np.ones(7, np.float32)
     segments = np.array([0, 1, 1, 2, 0, 2, 3], np.int64)
     grad = rng.standard_normal((4, dim)).astype(np.float32)
-    touch = fixed_touch_rows(dim, width)
+    bounds = np.array([0, 2, 4], np.int64)  # two tasks: on two threads where numba has two
+    kernel = fixed_touch_rows(dim, width)
+
+    def touch(*args):
+        tasks.run(kernel, 2, bounds, *args)
+
     before = data.copy()
     touch(data, unique, offsets, gains, segments, grad, 0.0, 4)
     np.testing.assert_array_equal(data.view(np.int32), before.view(np.int32))

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
 from ..inputs import frozen, read_only
-from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, train_lookup
+from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
@@ -634,11 +634,14 @@ class NumbaBackend:
         )
         extra = _half_args(table) if _half(table) else ()
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
-            every_row(
-                *args, frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64)), *extra
+            live = frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64))
+            task_start, where = pipeline.every_row_tasks(tb.unique_rows, live, data.shape[0])
+            tasks.run(
+                every_row, task_start[-1], frozen(task_start), frozen(where), *args, live, *extra
             )
         else:
-            fused(*args, *extra)
+            bounds = frozen(pipeline.balanced_tasks(tb.unique_offsets))
+            tasks.run(fused, len(bounds) - 1, bounds, *args, *extra)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)

@@ -47,7 +47,9 @@ def run_floor(
     import embengine as ee
     from embengine.backends.numba_backend import NumbaBackend
     from embengine.inputs import Ragged
+    from embengine.kernels import tasks
     from embengine.kernels.floor import fixed_touch_rows
+    from embengine.kernels.pipeline import balanced_tasks
     from embengine.storage.dense import DenseTable
 
     if steps < 1 or warmup < 0:
@@ -79,7 +81,11 @@ def run_floor(
                 if kind == "update":
                     backend.apply(tables[0], tb, grad, opt, 0.01, i + 1, False)
                 else:
-                    floor(
+                    bounds = balanced_tasks(tb.unique_offsets)
+                    tasks.run(
+                        floor,
+                        len(bounds) - 1,
+                        bounds,
                         tables[1].data,
                         tb.unique_rows,
                         tb.unique_offsets,

@@ -28,8 +28,8 @@ NS)``: the same loop for rows of DIM weights followed by NS float slots at colum
 3 DIM. With those offsets compile-time constants LLVM can tell that a row's weights and slots
 do not overlap, so the body works on the table row in place, vectorised, without the scratch
 copies (which cost more than the row math: docs/performance.md, "Figures behind the code"). The
-offsets must be literal inside the kernel: computed from DIM inside it, they reach the parallel
-loop as run-time values and the gain is lost. ``numba_backend.kernels_for`` picks a fixed
+offsets are literal inside the kernel (computed from DIM inside a ``prange`` kernel, they
+reached its loop as run-time values and the gain was lost). ``numba_backend.kernels_for`` picks a fixed
 kernel where the table's rows fit one. Working in place, the fixed kernels guard the result
 by saving each value as they overwrite it and putting the row back if it is not finite
 (FIXED_UPDATE below).
@@ -77,15 +77,17 @@ Per registered row math of embengine.optimizers (optimizers/_row_math.py):
   one update from the sum of its occurrences; without, one per occurrence, in order. Rows u
   with ``skipped[u]`` (skip_row policy; an empty array otherwise) are left alone. An update
   whose result would not be finite is not stored (the row keeps its old weights and slots)
-  and sets ``unchanged[u] = 1``. Tasks hold about equal work (hot rows have thousands of
-  occurrences).
+  and sets ``unchanged[u] = 1``. It runs the tasks ``[task_lo, task_hi)`` of ``bounds``
+  (``balanced_tasks``: about equal work each; hot rows have thousands of occurrences).
 - ``update_every_row_<name>``: every live row of the table (``live``: the storage's
   ``live_rows()``, ``[start, stop)`` ranges) gets an update (non-lazy Adam / Lion); rows the
-  batch did not touch get g = 0; ``unchanged[r]`` per table row.
+  batch did not touch get g = 0; ``unchanged[r]`` per table row. It runs the tasks
+  ``[task_lo, task_hi)`` of ``task_start`` and ``where`` (``every_row_tasks``).
+
+Every kernel is serial: ``embengine.kernels.tasks.run`` runs task ranges on threads.
 """
 
 # ruff: noqa: E501
-import numba as nb
 import numpy as np
 
 from embengine.kernels import kernel
@@ -107,7 +109,6 @@ from embengine.kernels.pipeline import (
     WD_DECOUPLED,
     WD_L2,
     WD_NONE,
-    balanced_tasks,
 )
 {imports}
 '''
@@ -321,8 +322,7 @@ for p in range(lo, hi):
 
 # The fused update's loop over touched rows (tasks of about equal work), with ``update`` run
 # on row ``r`` once its gradient is in ``g``; shared by the any-layout and fixed-layout kernels.
-ROW_LOOP = """bounds = balanced_tasks(unique_offsets)
-for task in nb.prange(bounds.shape[0] - 1):
+ROW_LOOP = """for task in range(task_lo, task_hi):
 {scratch}
     stop = bounds[task + 1]
     for u in range(bounds[task], stop):
@@ -343,26 +343,17 @@ for task in nb.prange(bounds.shape[0] - 1):
 
 KERNELS = """
 
-@kernel(parallel=True)
-def fused_update_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
+@kernel()
+def fused_update_{name}(task_lo, task_hi, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
 
-@kernel(parallel=True)
-def update_every_row_{name}(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
+@kernel()
+def update_every_row_{name}(task_lo, task_hi, task_start, where, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
 {setup}
-    n_rows = data.shape[0]
-    where = np.full(n_rows, -1, dtype=np.int64)
-    for u in range(unique.shape[0]):
-        if unique[u] >= 0:
-            where[unique[u]] = u
-    # Tasks of ROWS_PER_TASK rows within each live range; range i's are task_start[i]:task_start[i + 1].
     n_ranges = live.shape[0]
-    task_start = np.zeros(n_ranges + 1, dtype=np.int64)
-    for i in range(n_ranges):
-        task_start[i + 1] = task_start[i] + (live[i, 1] - live[i, 0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in nb.prange(task_start[n_ranges]):
+    for task in range(task_lo, task_hi):
 {scratch}
         a, b = 0, n_ranges  # the range holding this task: task_start[a] <= task < task_start[a + 1]
         while b - a > 1:
@@ -389,8 +380,8 @@ def fixed_fused_update_{name}(DIM, NS):
     F1, F2 = 2 * DIM, 3 * DIM  # computed here: numba inlines free variables as constants
     ROWLEN = {rowlen}  # the values saved before the in-place update
 
-    @kernel(parallel=True)
-    def fused_update_{name}_fixed(data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
+    @kernel()
+    def fused_update_{name}_fixed(task_lo, task_hi, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
@@ -719,8 +710,8 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
         every_update_12=_indent(_half_update(rm, wkind, skind, "r", "0"), 12),
     )
     if not rm.every_row:
-        text = text[: text.index("\n\n@kernel(parallel=True)\ndef update_every_row")] + "\n"
-    text = text.replace("(data, data_i, ", "(data, data_h, data_i, ")
+        text = text[: text.index("\n\n@kernel()\ndef update_every_row")] + "\n"
+    text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
     text = text.replace("prefetch):", "prefetch, key):")
     return text.replace("prefetch, live):", "prefetch, live, key):")
 
@@ -786,7 +777,7 @@ def render(rms: list[RowMath] | None = None) -> str:
             every_update_12=_indent(_generic_update(rm, "r"), 12),
         )
         if not rm.every_row:  # the fused update only
-            kernels = kernels[: kernels.index("\n\n@kernel(parallel=True)\ndef update_every_row")]
+            kernels = kernels[: kernels.index("\n\n@kernel()\ndef update_every_row")]
             kernels += "\n"
         parts.append(kernels)
         every = f"update_every_row_{name}" if rm.every_row else "None"

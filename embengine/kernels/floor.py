@@ -1,42 +1,51 @@
 """The update's floor: the memory work any fused update of a row must do, without its math.
 
-``fixed_touch_rows(DIM, WIDTH)`` walks the touched rows as the fixed-layout fused update does
-(the same balanced tasks, the same prefetching of table rows and of activation-gradient rows),
-sums each row's gradient from its occurrences in float64, and reads and writes every column of
-the row once (weights and slots: ``WIDTH``), leaving the values as they were (a finite ``x``
-stays ``x + 0 * g``; ``zero`` is an argument so that LLVM cannot drop the stores). Its time is
-what an update cannot avoid; ``embengine bench --workloads W1-floor`` prints each optimizer's
-update as a multiple of it (issue 17: "close to the limit" measured, not argued).
+``fixed_touch_rows(DIM, WIDTH)`` walks the touched rows as the fixed-layout fused update does (the
+same balanced tasks on the same threads, ``tasks.run``; the same prefetching of table rows and of
+activation-gradient rows), sums each row's gradient from its occurrences in float64, and reads and
+writes every column of the row once (weights and slots: ``WIDTH``), leaving the values as they were
+(a finite ``x`` stays ``x + 0 * g``; ``zero`` is an argument so that LLVM cannot drop the stores).
+Its time is what an update cannot avoid; ``embengine bench --workloads W1-floor`` prints each
+optimizer's update as a multiple of it (issue 17: "close to the limit" measured, not argued).
 """
 
 from __future__ import annotations
 
 import functools
 
-import numba as nb
 import numpy as np
 
 from . import kernel
 from ._intrinsics import prefetch_row, prefetch_row_for_write
-from .pipeline import GRAD_PREFETCH, balanced_tasks
+from .pipeline import GRAD_PREFETCH
 
 
 @functools.cache
 def fixed_touch_rows(DIM: int, WIDTH: int):
     """The floor kernel for rows of WIDTH float32 columns whose first DIM are the weights:
-    ``touch_rows(data, unique, unique_offsets, unique_gains, unique_segments, grad, zero,
-    prefetch)``, the arguments of the fused update's of the same names."""
+    ``touch_rows(task_lo, task_hi, bounds, data, unique, unique_offsets, unique_gains,
+    unique_segments, grad, zero, prefetch)``, the arguments of the fused update's of the same
+    names: run it with ``tasks.run(touch_rows, len(bounds) - 1, bounds, ...)``."""
     if not 1 <= DIM <= WIDTH:
         raise ValueError(f"fixed_touch_rows: need 1 <= DIM <= WIDTH, got DIM={DIM}, WIDTH={WIDTH}")
 
-    @kernel(parallel=True)
+    @kernel()
     def touch_rows(
-        data, unique, unique_offsets, unique_gains, unique_segments, grad, zero, prefetch
+        task_lo,
+        task_hi,
+        bounds,
+        data,
+        unique,
+        unique_offsets,
+        unique_gains,
+        unique_segments,
+        grad,
+        zero,
+        prefetch,
     ):
         n_occurrences = unique_segments.shape[0]
         zero32 = np.float32(zero)
-        bounds = balanced_tasks(unique_offsets)
-        for task in nb.prange(bounds.shape[0] - 1):
+        for task in range(task_lo, task_hi):
             g = np.zeros(DIM, dtype=np.float64)
             stop = bounds[task + 1]
             for u in range(bounds[task], stop):

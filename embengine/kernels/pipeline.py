@@ -36,7 +36,7 @@ def balanced_tasks(unique_offsets):
 
     A row costs its occurrences (gradient sums) plus ROW_COST for its update. Hot ids have
     thousands of occurrences and come first (rows are in order of first appearance), so equal
-    row counts per task would hand most of the work to the first thread of prange's static split.
+    row counts per task would hand most of the work to the first thread of ``tasks.run``.
     """
     n = unique_offsets.shape[0] - 1
     total = (unique_offsets[n] - unique_offsets[0]) + ROW_COST * n
@@ -54,6 +54,19 @@ def balanced_tasks(unique_offsets):
         bounds[t] = n
         t += 1
     return bounds
+
+
+def every_row_tasks(unique: np.ndarray, live: np.ndarray, n_rows: int):
+    """(task_start, where) of an every-row update (``update_every_row_<name>``): tasks of
+    ROWS_PER_TASK rows within each live range ``live[i]`` (``[start, stop)``), range i's tasks
+    ``task_start[i]:task_start[i + 1]``; ``where[r]``, the unique row u with ``unique[u] == r``,
+    or -1 for a row the batch did not touch."""
+    where = np.full(n_rows, -1, dtype=np.int64)
+    touched = unique >= 0
+    where[unique[touched]] = np.flatnonzero(touched)
+    task_start = np.zeros(live.shape[0] + 1, dtype=np.int64)
+    np.cumsum((live[:, 1] - live[:, 0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK, out=task_start[1:])
+    return task_start, where
 
 
 @kernel(parallel=True)
