@@ -71,3 +71,49 @@ def test_an_error_in_any_range_is_raised_after_every_range_ended():
     with pytest.raises(KeyError, match="range 5"):
         tasks.run(work, 10)
     assert ended == [0]
+
+
+_ONE_UPDATE = """
+import warnings
+import numba
+import numpy as np
+import embengine as ee
+numba.set_num_threads(2)
+t = ee.TableConfig(1000, 8, name="t")
+eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=ee.optimizers.SGD(0.1))
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        acts = eng.lookup({"f": np.arange(600)})  # 600 rows: 37 tasks, on two threads
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})
+print(numba.threading_layer(), [w.category.__name__ for w in seen])
+"""
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE", "PASSIVE"])
+def test_spinning_openmp_threads_are_named_once(policy):
+    """Under numba's omp layer an update on two threads warns once unless OMP_WAIT_POLICY is
+    PASSIVE (kernels/tasks.py: spinning OpenMP threads take the update threads' cores)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two numba threads")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_UPDATE],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    layer, seen = out.stdout.splitlines()[-1].split(" ", 1)
+    want = ["SpinningThreadsWarning"] if layer == "omp" and policy != "PASSIVE" else []
+    assert seen == str(want), out.stdout

@@ -13,20 +13,34 @@ row layout and 16-bit dtype pair (docs/design.md, "Update kernels run on Python 
 pool is numba's thread count less one (``numba.get_num_threads()``, the calling thread's), made
 when first needed, grown when that count grows, and made afresh in a forked child (a fork copies
 no threads).
+
+These threads are not OpenMP's: under numba's "omp" layer, OpenMP's threads (numba's pooling
+kernels', torch's) spin after each parallel region unless ``OMP_WAIT_POLICY=PASSIVE``, and
+the spinning takes the cores an update's threads need (an update then runs at about its
+one-thread speed: docs/performance.md, "Update kernels on Python threads"). The embengine CLI
+sets the policy; any other process is warned once (``SpinningThreadsWarning``) at its first
+update on more than one thread.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numba as nb
 
-__all__ = ["ranges", "run"]
+__all__ = ["SpinningThreadsWarning", "ranges", "run"]
+
+
+class SpinningThreadsWarning(RuntimeWarning):
+    """OpenMP threads spin beside the update's threads (``OMP_WAIT_POLICY`` is not PASSIVE)."""
+
 
 _lock = threading.Lock()
+_checked_wait_policy = False
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
@@ -52,6 +66,28 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def _check_wait_policy() -> None:
+    """Warn once if OpenMP's threads spin beside ours (module docstring)."""
+    global _checked_wait_policy
+    if _checked_wait_policy:
+        return
+    try:
+        layer = nb.threading_layer()
+    except ValueError:  # no parallel kernel has run yet: no OpenMP thread of numba's exists
+        return
+    _checked_wait_policy = True
+    policy = os.environ.get("OMP_WAIT_POLICY", "")
+    if layer == "omp" and policy.upper() != "PASSIVE":
+        warnings.warn(
+            f"OMP_WAIT_POLICY is {policy or 'unset'}: OpenMP's threads (numba's pooling, "
+            "torch's ops) spin after each parallel region and take the cores embengine's "
+            "update threads need, so updates run at about one thread's speed. Export "
+            "OMP_WAIT_POLICY=PASSIVE before Python starts (the embengine CLI sets it)",
+            SpinningThreadsWarning,
+            stacklevel=4,
+        )
+
+
 def ranges(n_tasks: int, n_threads: int) -> list[tuple[int, int]]:
     """``[0, n_tasks)`` as up to ``n_threads`` contiguous, non-empty ranges of sizes differing by
     at most one (thread i gets ``[i * n // T, (i + 1) * n // T)``)."""
@@ -70,6 +106,7 @@ def run(kernel: Callable, n_tasks: int, *args) -> None:
         if parts:
             kernel(*parts[0], *args)
         return
+    _check_wait_policy()
     pool = _executor(len(parts) - 1)
     futures = [pool.submit(kernel, lo, hi, *args) for lo, hi in parts[1:]]
     error: BaseException | None = None
