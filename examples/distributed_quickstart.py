@@ -14,11 +14,15 @@ table, bit for bit.
 
 import os
 
-import numpy as np
-import torch.distributed as dist
+# Idle OpenMP threads sleep instead of spinning beside embengine's update threads; it must be
+# set before libgomp loads (kernels/tasks.py; the embengine CLI does the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import embengine as ee
-from embengine.distributed import ShardedEngine
+import numpy as np  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import embengine as ee  # noqa: E402
+from embengine.distributed import ShardedEngine  # noqa: E402
 
 N_USERS, N_ITEMS, DIM, BATCH, STEPS = 2000, 500, 8, 512, 100
 

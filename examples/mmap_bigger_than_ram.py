@@ -14,11 +14,16 @@ the peak resident memory, e.g. (cgroup v1, as root)::
 """
 
 import argparse
+import os
 import time
 
-import numpy as np
+# Idle OpenMP threads sleep instead of spinning beside embengine's update threads; it must be
+# set before libgomp loads (kernels/tasks.py; the embengine CLI does the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import embengine as ee
+import numpy as np  # noqa: E402
+
+import embengine as ee  # noqa: E402
 
 
 def main() -> None:

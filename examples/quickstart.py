@@ -5,10 +5,16 @@ learn our own user and item tables (user: Adagrad, item: the global FTRL) with a
 computing the activation gradients by hand in NumPy; the engine applies the fused updates.
 """
 
-import numpy as np
+import os
 
-import embengine as ee
-from embengine.compile_notice import compile_notice
+# Idle OpenMP threads sleep instead of spinning beside embengine's update threads; it must be
+# set before libgomp loads (kernels/tasks.py; the embengine CLI does the same).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+
+import embengine as ee  # noqa: E402
+from embengine.compile_notice import compile_notice  # noqa: E402
 
 rng = np.random.default_rng(0)
 N_USERS, N_ITEMS, DIM, BATCH, STEPS = 2000, 500, 8, 512, 300
