@@ -46,8 +46,10 @@ STEPS = [
 ]
 
 
-def shared_case(backend, kind, kwargs, init_spec, combiner, dim=4, **kw):
-    """f1, f2 sharing table "a" over STEPS."""
+def shared_case(backend, kind, kwargs, init_spec, combiner, dim=8, **kw):
+    """f1, f2 sharing table "a" over STEPS. Dim 8, the fixed-layout row width of the suite's
+    other optimizer sweeps (tests/test_numba_matches_reference.py, test_keyed_tables.py): a
+    width of its own would compile every row math's kernels once more."""
     return _shared_case(backend, kind, kwargs, init_spec, combiner, STEPS, dim=dim, **kw)
 
 
