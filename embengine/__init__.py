@@ -24,6 +24,7 @@ __all__ = [
     "NonFiniteUpdateError",
     "PreparedBatch",
     "QuantizationConfig",
+    "SpinningThreadsWarning",
     "Ragged",
     "TableConfig",
     "__version__",
@@ -33,7 +34,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``embengine.torch`` on first use (PEP 562): importing embengine never imports torch."""
+    """``embengine.torch`` on first use (PEP 562): importing embengine never imports torch; nor
+    numba for ``SpinningThreadsWarning`` (``embengine.kernels.tasks``)."""
+    if name == "SpinningThreadsWarning":
+        from .kernels.tasks import SpinningThreadsWarning
+
+        return SpinningThreadsWarning
     if name == "torch":
         import importlib
 

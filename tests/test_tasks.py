@@ -19,6 +19,13 @@ def test_ranges_cover_the_tasks_once_in_order_and_evenly(n_tasks, n_threads):
     assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
 
 
+def test_the_warning_class_is_public_without_importing_numba_eagerly():
+    import embengine as ee
+
+    assert ee.SpinningThreadsWarning is tasks.SpinningThreadsWarning
+    assert issubclass(ee.SpinningThreadsWarning, RuntimeWarning)
+
+
 def test_ranges_name_bad_counts():
     with pytest.raises(ValueError, match="n_threads >= 1, got 4, 0"):
         tasks.ranges(4, 0)
@@ -27,10 +34,9 @@ def test_ranges_name_bad_counts():
 
 
 @kernel()
-def _mark(task_lo, task_hi, seen, thread_of, marker):
+def _mark(task_lo, task_hi, seen):
     for t in range(task_lo, task_hi):
         seen[t] += 1
-        thread_of[t] = marker[0]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -41,12 +47,12 @@ def test_a_numba_kernel_runs_every_task_once_on_numba_s_thread_count(threads):
     try:
         ranges_run: list[tuple[int, int, int]] = []
 
-        def spy(lo, hi, seen, thread_of):
+        def spy(lo, hi, seen):
             ranges_run.append((lo, hi, threading.get_ident()))
-            _mark(lo, hi, seen, thread_of, np.array([threading.get_ident() % 1000], np.int64))
+            _mark(lo, hi, seen)
 
-        seen, thread_of = np.zeros(100, np.int64), np.zeros(100, np.int64)
-        tasks.run(spy, 100, seen, thread_of)
+        seen = np.zeros(100, np.int64)
+        tasks.run(spy, 100, seen)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     np.testing.assert_array_equal(seen, 1)
@@ -57,20 +63,95 @@ def test_a_numba_kernel_runs_every_task_once_on_numba_s_thread_count(threads):
     assert len({ident for *_, ident in ranges_run}) == threads
 
 
-def test_an_error_in_any_range_is_raised_after_every_range_ended():
+@pytest.fixture
+def two_threads():
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs two numba threads")
+    numba.set_num_threads(2)
+    yield
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_an_error_is_raised_after_every_range_ended(two_threads):
     ended = []
 
     def work(lo, hi):
+        if lo == 0:
+            raise KeyError("the calling thread's range")
+        threading.Event().wait(0.3)  # the worker's range ends well after the error
+        ended.append(lo)
+
+    with pytest.raises(KeyError, match="calling thread"):
+        tasks.run(work, 10)
+    assert ended == [5]
+
+
+def test_a_worker_s_error_reaches_the_caller(two_threads):
+    def work(lo, hi):
         if lo > 0:
             raise KeyError(f"range {lo}")
-        threading.Event().wait(0.2)  # the failing range ends first
-        ended.append(lo)
 
     with pytest.raises(KeyError, match="range 5"):
         tasks.run(work, 10)
-    assert ended == [0]
+
+
+def test_an_interrupt_while_waiting_returns_only_after_the_ranges_ended(two_threads):
+    """A KeyboardInterrupt in the caller's wait (Ctrl-C) is raised once the workers' ranges
+    have ended, never while they still write the caller's arrays."""
+    import signal
+
+    ended = []
+
+    def work(lo, hi):
+        if lo == 0:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # SIGALRM while we wait for range 5
+            return
+        threading.Event().wait(0.4)
+        ended.append(lo)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tasks.run(work, 10)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert ended == [5]
+
+
+def test_a_forked_child_runs_ranges_on_its_own_workers(two_threads):
+    """The parent's workers do not exist in a fork; the child starts its own (else its first
+    run would wait forever on a queue nobody reads)."""
+    import os
+
+    seen = np.zeros(10, np.int64)
+    tasks.run(_mark, 10, seen)  # the parent's worker exists now
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, report, exit without pytest's teardown
+        try:
+            numba.set_num_threads(2)
+            child = np.zeros(10, np.int64)
+            tasks.run(_mark, 10, child)
+            os.write(w, bytes([int(child.sum())]))
+        finally:
+            os._exit(0)
+    os.close(w)
+    import select
+
+    ready = []
+    try:
+        ready, _, _ = select.select([r], [], [], 60)
+        assert ready, "the forked child did not finish its run in 60 s"
+        assert os.read(r, 1) == bytes([10])
+    finally:
+        if not ready:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
+    np.testing.assert_array_equal(seen, 1)
 
 
 _ONE_UPDATE = """
