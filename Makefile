@@ -12,9 +12,6 @@ FBGEMM_SPEC ?= fbgemm-gpu-cpu==1.8.0
 TORCHREC_SPEC ?= torchrec==1.8.0
 TORCHREC_DEPS ?= tensordict==0.15.3 pyre-extensions==0.0.32 torchmetrics==1.0.3 tqdm
 PIP := $(PY) -m pip --disable-pip-version-check -q
-# --no-compile: pip would byte-compile all ~12,000 files it installs, most never imported here;
-# Python compiles the ones a program imports at their first import (docs/performance.md).
-PIP_INSTALL := $(PIP) install --no-compile
 
 .PHONY: setup test demo lint bench clean
 
@@ -22,12 +19,12 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(PIP_INSTALL) -e ".[torch,train,dev,tf]"
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[torch,train,dev,tf]"
 	# MovieLens-100K ships inside recbole; --no-deps keeps its heavy dependencies out.
-	$(PIP_INSTALL) --no-deps "recbole==1.2.1"
-	$(PIP_INSTALL) "$(TORCH_SPEC)" "$(FBGEMM_SPEC)" $(TORCHREC_DEPS)
-	$(PIP_INSTALL) --no-deps "$(TORCHREC_SPEC)"
+	$(PIP) install --no-deps "recbole==1.2.1"
+	$(PIP) install "$(TORCH_SPEC)" "$(FBGEMM_SPEC)" $(TORCHREC_DEPS)
+	$(PIP) install --no-deps "$(TORCHREC_SPEC)"
 	touch $@
 
 # One pytest worker per core plus one, at most 4 (each loads torch and numba's kernels): in a
@@ -44,7 +41,7 @@ demo: setup
 	$(VENV)/bin/embengine train --dataset movielens-100k
 
 bench: setup
-	$(PIP_INSTALL) "$(FBGEMM_SPEC)"
+	$(PIP) install "$(FBGEMM_SPEC)"
 	$(PY) -m embengine.cli bench
 
 lint: setup
