@@ -640,8 +640,7 @@ class NumbaBackend:
                 every_row, task_start[-1], frozen(task_start), frozen(where), *args, live, *extra
             )
         else:
-            bounds = frozen(pipeline.balanced_tasks(tb.unique_offsets))
-            tasks.run(fused, len(bounds) - 1, bounds, *args, *extra)
+            pipeline.run_balanced(fused, tb.unique_offsets, *args, *extra)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)

@@ -47,9 +47,8 @@ def run_floor(
     import embengine as ee
     from embengine.backends.numba_backend import NumbaBackend
     from embengine.inputs import Ragged
-    from embengine.kernels import tasks
     from embengine.kernels.floor import fixed_touch_rows
-    from embengine.kernels.pipeline import balanced_tasks
+    from embengine.kernels.pipeline import run_balanced
     from embengine.storage.dense import DenseTable
 
     if steps < 1 or warmup < 0:
@@ -81,11 +80,9 @@ def run_floor(
                 if kind == "update":
                     backend.apply(tables[0], tb, grad, opt, 0.01, i + 1, False)
                 else:
-                    bounds = balanced_tasks(tb.unique_offsets)
-                    tasks.run(
+                    run_balanced(
                         floor,
-                        len(bounds) - 1,
-                        bounds,
+                        tb.unique_offsets,
                         tables[1].data,
                         tb.unique_rows,
                         tb.unique_offsets,

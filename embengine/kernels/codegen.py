@@ -29,10 +29,10 @@ NS)``: the same loop for rows of DIM weights followed by NS float slots at colum
 do not overlap, so the body works on the table row in place, vectorised, without the scratch
 copies (which cost more than the row math: docs/performance.md, "Figures behind the code"). The
 offsets are literal inside the kernel (computed from DIM inside a ``prange`` kernel, they
-reached its loop as run-time values and the gain was lost). ``numba_backend.kernels_for`` picks a fixed
-kernel where the table's rows fit one. Working in place, the fixed kernels guard the result
-by saving each value as they overwrite it and putting the row back if it is not finite
-(FIXED_UPDATE below).
+reached its loop as run-time values and the gain was lost). ``numba_backend.kernels_for``
+picks a fixed kernel where the table's rows fit one. Working in place, the fixed kernels guard
+the result by saving each value as they overwrite it and putting the row back if it is not
+finite (FIXED_UPDATE below).
 
 Tables with 16-bit weights or slots (``TableConfig.weights_dtype`` / ``slots_dtype``) get a
 third pair per pair of stored dtypes, ``half_<kernel>_<weights>_<slots>`` (HALF_UPDATE below):
@@ -372,6 +372,9 @@ def update_every_row_{name}(task_lo, task_hi, task_start, where, data, data_i, m
 {every_update_12}
 """
 
+# Where KERNELS' every-row kernel starts: a row math without one keeps the text before it.
+EVERY_ROW_START = "\n\n@kernel()\ndef update_every_row"
+
 FIXED_KERNEL = """
 
 def fixed_fused_update_{name}(DIM, NS):
@@ -710,7 +713,7 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
         every_update_12=_indent(_half_update(rm, wkind, skind, "r", "0"), 12),
     )
     if not rm.every_row:
-        text = text[: text.index("\n\n@kernel()\ndef update_every_row")] + "\n"
+        text = text[: text.index(EVERY_ROW_START)] + "\n"
     text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
     text = text.replace("prefetch):", "prefetch, key):")
     return text.replace("prefetch, live):", "prefetch, live, key):")
@@ -777,7 +780,7 @@ def render(rms: list[RowMath] | None = None) -> str:
             every_update_12=_indent(_generic_update(rm, "r"), 12),
         )
         if not rm.every_row:  # the fused update only
-            kernels = kernels[: kernels.index("\n\n@kernel()\ndef update_every_row")]
+            kernels = kernels[: kernels.index(EVERY_ROW_START)]
             kernels += "\n"
         parts.append(kernels)
         every = f"update_every_row_{name}" if rm.every_row else "None"

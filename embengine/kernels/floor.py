@@ -25,7 +25,7 @@ def fixed_touch_rows(DIM: int, WIDTH: int):
     """The floor kernel for rows of WIDTH float32 columns whose first DIM are the weights:
     ``touch_rows(task_lo, task_hi, bounds, data, unique, unique_offsets, unique_gains,
     unique_segments, grad, zero, prefetch)``, the arguments of the fused update's of the same
-    names: run it with ``tasks.run(touch_rows, len(bounds) - 1, bounds, ...)``."""
+    names: run it with ``pipeline.run_balanced(touch_rows, unique_offsets, data, ...)``."""
     if not 1 <= DIM <= WIDTH:
         raise ValueError(f"fixed_touch_rows: need 1 <= DIM <= WIDTH, got DIM={DIM}, WIDTH={WIDTH}")
 

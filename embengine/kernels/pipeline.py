@@ -7,7 +7,7 @@ import numba as nb
 import numpy as np
 
 from ..optimizers._row_math import MAX_SLOTS as MAX_FLOAT_SLOTS
-from . import kernel
+from . import kernel, tasks
 
 # Columns of the per-table metadata array: dim, flags, then the float slots that are copied
 # into scratch arrays (codegen.py): their number, and (start column, width) of each.
@@ -54,6 +54,15 @@ def balanced_tasks(unique_offsets):
         bounds[t] = n
         t += 1
     return bounds
+
+
+def run_balanced(kernel, unique_offsets: np.ndarray, *args) -> None:
+    """``kernel(task_lo, task_hi, bounds, *args)`` over the tasks ``bounds`` of
+    ``balanced_tasks(unique_offsets)``, on ``tasks.run``'s threads: how the fused updates and
+    the update's floor (kernels/floor.py) walk the touched rows."""
+    bounds = balanced_tasks(unique_offsets)
+    bounds.setflags(write=False)  # read-only like the other inputs: one kernel type (inputs.frozen)
+    tasks.run(kernel, len(bounds) - 1, bounds, *args)
 
 
 def every_row_tasks(unique: np.ndarray, live: np.ndarray, n_rows: int):
