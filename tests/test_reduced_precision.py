@@ -60,12 +60,13 @@ def _steps(engines, scenario):
         for k in acts[0]:
             np.testing.assert_allclose(acts[0][k], acts[1][k], rtol=1e-5, atol=1e-6)
         grads = {k: rng.normal(size=a.shape).astype(np.float32) for k, a in acts[0].items()}
-        before = {n: [(w, a.copy()) for w, a in arrays] for n, arrays in _state(slow).items()}
+        fast_state, slow_state = _state(fast), _state(slow)  # live views
+        before = {n: [(w, a.copy()) for w, a in arrays] for n, arrays in slow_state.items()}
         for e in engines:
             e.apply_gradients(grads)
-        _assert_same_step(_state(fast), _state(slow), before)
-        for name, arrays in _state(slow).items():
-            for (_, a), (_, b) in zip(_state(fast)[name], arrays, strict=True):
+        _assert_same_step(fast_state, slow_state, before)
+        for name, arrays in slow_state.items():
+            for (_, a), (_, b) in zip(fast_state[name], arrays, strict=True):
                 a[...] = b
 
 
