@@ -9,6 +9,17 @@ import pytest
 from embengine.kernels import kernel, tasks
 
 
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    """No test here may hang CI: a run whose workers never answer would wait forever, so the
+    process dumps its threads' stacks and exits after 120 s (xdist reports a crashed worker)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.mark.parametrize("n_tasks", [0, 1, 2, 3, 7, 512])
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 8])
 def test_ranges_cover_the_tasks_once_in_order_and_evenly(n_tasks, n_threads):
