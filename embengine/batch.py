@@ -89,12 +89,16 @@ class TableBatch:
             if a is not None and a.flags.writeable:
                 a.flags.writeable = False
 
-    def resolved(self, storage, insert: bool) -> TableBatch:
+    def resolved(
+        self, storage, insert: bool, found: np.ndarray | None = None, touched: bool = False
+    ) -> TableBatch:
         """This batch with ``unique_rows`` from ``storage.rows_for`` (a ``TableStorage``), one
         call per logical table on its unique ids: how the engine resolves a storage without
         ``row_bases``. ``insert``: training (ids may get new rows) or lookup only. A storage
         with ``counts_occurrences`` (a keyed table's admission) also gets, in training, each
-        unique id's occurrences in the batch (``counts=``)."""
+        unique id's occurrences in the batch (``counts=``); one with ``lookup_index`` gets the
+        rows its index gave the unique ids, when a kernel probed them already (``found=``),
+        and whether the kernel touched them too (``touched=``)."""
         rows = np.empty(len(self.unique_ids), dtype=np.int64)
         counted = insert and getattr(storage, "counts_occurrences", False)
         b = self.unique_bounds
@@ -102,10 +106,10 @@ class TableBatch:
             lo, hi = int(b[m]), int(b[m + 1])
             if hi > lo:
                 ids = self.unique_ids[lo:hi]
+                kw = {} if found is None else {"found": found[lo:hi], "touched": touched}
                 if counted:
-                    rows[lo:hi] = storage.rows_for(m, ids, insert, counts=self._counts(lo, hi))
-                else:
-                    rows[lo:hi] = storage.rows_for(m, ids, insert)
+                    kw["counts"] = self._counts(lo, hi)
+                rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
         return dataclasses.replace(self, unique_rows=rows)
 
     def _counts(self, lo: int, hi: int) -> np.ndarray:

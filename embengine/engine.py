@@ -674,12 +674,9 @@ class EmbeddingEngine:
                 if resolve:  # a keyed table's rows change with every training resolution
                     batch = self._resolve(batch, insert=training)
                     self._end_call()
-                per_table = [
-                    self._backend.lookup(table, tb, quantization)
-                    for table, tb, quantization in zip(
-                        self._physical, batch.tables, self._quantizations(), strict=True
-                    )
-                ]
+                per_table = self._backend.lookup_tables(
+                    list(self._physical), list(batch.tables), self._quantizations()
+                )
                 self._set_pending(batch if training else None)
         acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)

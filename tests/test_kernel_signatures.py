@@ -51,7 +51,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 def test_lookup_only_pooling_gets_one_type_for_plain_weighted_and_read_only_inputs(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(nbk, "pool_bags", _Spy(nbk.pool_bags, calls))
+    # Dense and keyed tables' lookup-only batches are pooled in one region (pool_features);
+    # pool_bags serves the others (a 16-bit table, a storage that maps ids itself).
+    monkeypatch.setattr(train_lookup, "pool_features", _Spy(train_lookup.pool_features, calls))
     eng = _engine()
     ids = np.array([1, 2, 2, 7])
     lengths = np.array([2, 0, 2])
@@ -65,17 +67,17 @@ def test_lookup_only_pooling_gets_one_type_for_plain_weighted_and_read_only_inpu
         },
         training=False,
     )
-    assert len(calls) == 4
+    assert len(calls) == 2
     assert len(set(calls)) == 1, set(calls)
 
 
 def test_training_and_lookup_only_pool_with_the_same_index_types(monkeypatch):
-    """The training lookup (``prepare_and_pool``) and the lookup-only one (``pool_bags``) call
-    the same pooling functions: their ids, offsets and weights arrive with the same types, so
-    each width compiles once for both."""
+    """The training lookup (``prepare_and_pool``) and the lookup-only one (``pool_features``)
+    call the same pooling task function: the arrays it reads arrive with the same types, so it
+    and each width's pooling compile once for both."""
     bags: list = []
     train: list = []
-    monkeypatch.setattr(nbk, "pool_bags", _Spy(nbk.pool_bags, bags))
+    monkeypatch.setattr(train_lookup, "pool_features", _Spy(train_lookup.pool_features, bags))
     monkeypatch.setattr(
         train_lookup, "prepare_and_pool", _Spy(train_lookup.prepare_and_pool, train)
     )
@@ -89,9 +91,11 @@ def test_training_and_lookup_only_pool_with_the_same_index_types(monkeypatch):
     eng.lookup(feats)
     eng.lookup(feats, training=False)
     assert train and bags
-    # prepare_and_pool(order, threads, fmeta, ids, offsets, weights, ...); pool_bags(data, dim,
-    # rows, offsets, weights, ...): the arrays pooling reads.
-    assert train[0][3:6] == bags[0][2:5], (train[0][3:6], bags[0][2:5])
+    # prepare_and_pool(order, threads, fmeta, ids, offsets, weights, ..., tmeta, fdata, quant,
+    # prefetch); pool_features(threads, fmeta, ids, offsets, weights, tmeta, fdata, quant,
+    # prefetch): the arrays the pooling tasks read.
+    assert train[0][2:6] == bags[0][1:5], (train[0][2:6], bags[0][1:5])
+    assert train[0][-4:] == bags[0][-4:], (train[0][-4:], bags[0][-4:])
     assert all(not t.mutable for t in train[0][3:6])
 
 

@@ -139,6 +139,11 @@ def test_keyed_table_of_ids_0_to_v_trains_like_the_dense_table(o, backend):
         }
         dense.apply_gradients(grads)
         keyed.apply_gradients(grads)
+        # Every key of the batch has a row now: evaluation lookups agree too.
+        want = dense.lookup(feats, weights, training=False)
+        got = keyed.lookup(feats, weights, training=False)
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (step, k, "evaluation")
         if step % 5 == 4:
             for table in seen:
                 keys = _same_contents(dense, keyed, table)
@@ -413,7 +418,12 @@ def test_evaluation_lookups_never_insert_or_refresh(backend):
     train_bags(eng, [[B]])  # step 1
     for _ in range(3):  # evaluation does not refresh A
         eng.lookup({"f": [[A]]}, training=False)
-    train_bags(eng, [[B]])  # step 2: A (step 0) expired
+    # Step 2: A (touched at step 0) has expired but keeps its row until the next training
+    # lookup; an evaluation lookup sees it as absent (numba: the expired rows' flags).
+    acts = eng.lookup({"f": [[A], [B], [A, B]]}, training=False)["f"]
+    assert not acts[0].any() and acts[1].any() and acts[2].tobytes() == acts[1].tobytes()
+    assert keyed_keys(eng) == [B, A]
+    train_bags(eng, [[B]])  # step 2: the training lookup removes A
     assert keyed_keys(eng) == [B]
 
 
@@ -502,6 +512,50 @@ def test_eviction_order_by_partition_equals_a_full_sort():
         last, touches = rng.integers(0, 4, n), rng.integers(0, 3, n)
         for cols in ([last, key], [touches, last, key]):
             assert _smallest(cols, k).tolist() == np.lexsort(cols[::-1])[:k].tolist()
+
+
+def test_touch_sets_the_step_and_adds_the_counts():
+    """``keyed_index.touch`` (the rows a training lookup hit) against NumPy's fancy indexing,
+    more rows than its prefetch distance."""
+    rng = np.random.default_rng(2)
+    rows = rng.permutation(500)[:300].astype(np.int64)
+    counts = rng.integers(1, 9, 300).astype(np.int64)
+    last, touches = rng.integers(0, 5, 500), rng.integers(0, 5, 500)
+    want_last, want_touches = last.copy(), touches.copy()
+    want_last[rows] = 17
+    want_touches[rows] += counts
+    assert len(rows) > keyed_index.PROBE_AHEAD
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    keyed_index.touch(rows, offsets, 17, last.reshape(-1, 1), touches.reshape(-1, 1))
+    assert last.tolist() == want_last.tolist() and touches.tolist() == want_touches.tolist()
+
+
+def test_the_row_arena_asks_for_huge_pages():
+    """A keyed table's rows live in an anonymous mapping that asks for transparent huge pages,
+    as NumPy's big arrays (a dense table's) do: without them W1's keyed update and pooling ran
+    1.2-1.4x slower (TLB misses; docs/performance.md, "Keyed tables")."""
+    mode = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(mode) as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off on this host")
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    eng = keyed_engine(dim=64)
+    train_bags(eng, [[k] for k in range(3000)])
+    table = eng._physical[0]
+    start = table.data.ctypes.data
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= start < hi:
+                flags = next(x for x in lines[i + 1 :] if x.startswith("VmFlags"))
+                assert " hg" in flags, flags  # hg: madvise(MADV_HUGEPAGE)
+                return
+    raise AssertionError("the arena's mapping is not in /proc/self/smaps")
 
 
 def test_key_index_finds_alike_on_one_thread_and_in_parallel():

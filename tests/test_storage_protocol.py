@@ -332,6 +332,7 @@ def test_no_kernel_mentions_an_id_offset():
                 assert "offset" not in name.lower() or name in {
                     "offsets",
                     "f_offsets",
+                    "task_offsets",
                     "output_offsets",
                     "unique_offsets",
                     "run_offsets",

@@ -255,3 +255,116 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
     finally:
         table._data = good
     build_tables_and_pool_numba(parts, eng._physical, [None] * len(parts))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pool_tables_equals_pool_table_by_table(threads):
+    """``pool_tables`` (the tables a training lookup pools after their rows are resolved, in one
+    region) gives each table's ``lookup.pool`` bits: widths fixed and any, rows of -1,
+    quantization, a table without outputs."""
+    from embengine.kernels import lookup
+
+    rng = np.random.default_rng(threads)
+    specs = [(64, 70, False), (5, 130, True), (8, 0, False), (8, 90, False)]  # dim, outputs, q
+    pmeta = np.zeros((len(specs), train_lookup.P_COLS), dtype=np.int64)
+    rows_all, inv_all, gains_all, offs_all = [], [], [], []
+    quant, datas, outs, want = [], [], [], []
+    row_base = occ_base = off_base = 0
+    for t, (dim, n_out, q) in enumerate(specs):
+        data = rng.normal(size=(40, dim + 2)).astype(np.float32)
+        lengths = rng.integers(0, 5, n_out)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        n = int(offsets[-1])
+        u = max(1, n // 2)
+        rows = rng.integers(-1, 40, u).astype(np.int64)  # -1: an id without a row
+        inverse = rng.integers(0, u, n).astype(np.int64)
+        gains = rng.normal(size=n).astype(np.float32)
+        qt = np.array([9.0, -1.0, 1.0]) if q else np.zeros(3)
+        expected = np.empty((n_out, dim), dtype=np.float32)
+        lookup.pool(data, dim, rows, inverse, gains, offsets, expected, qt, 4)
+        out = np.full((n_out, dim), np.nan, dtype=np.float32)
+        pmeta[t] = (
+            data.ctypes.data,
+            40,
+            dim + 2,
+            dim,
+            out.ctypes.data,
+            n_out,
+            row_base,
+            occ_base,
+            off_base,
+        )
+        row_base, occ_base, off_base = row_base + u, occ_base + n, off_base + n_out + 1
+        rows_all.append(rows), inv_all.append(inverse), gains_all.append(gains)
+        offs_all.append(offsets), quant.append(qt), datas.append(data), outs.append(out)
+        want.append(expected)
+    numba.set_num_threads(threads)
+    try:
+        train_lookup.pool_tables(
+            threads,
+            pmeta,
+            np.concatenate(rows_all),
+            np.concatenate(inv_all),
+            np.concatenate(gains_all),
+            np.concatenate(offs_all),
+            np.array(quant),
+            4,
+        )
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for got, expected in zip(outs, want, strict=True):
+        assert got.tobytes() == expected.tobytes()
+
+
+def test_lookup_only_batches_of_every_storage_equal_their_training_lookup(monkeypatch):
+    """An evaluation lookup pools the tables whose rows are ids and the keyed tables (each
+    key probed in its pooling task) in one region, a 16-bit table apart: the same bits as the
+    training lookup of the same batch, and one ``pool_features`` call."""
+    u = ee.initializers.RandomUniform(-1.0, 1.0)
+    q = ee.QuantizationConfig(num_buckets=7, lower=-0.5, upper=0.5)
+    tables = [
+        ee.TableConfig(60, 8, name="dense", combiner="mean", initializer=u),
+        ee.TableConfig(
+            None, 8, name="keyed", combiner="sqrtn", initializer=u, dynamic=ee.DynamicVocabulary()
+        ),
+        ee.TableConfig(
+            None,
+            5,
+            name="keyed_q",
+            quantization_config=q,
+            initializer=u,
+            dynamic=ee.DynamicVocabulary(),
+        ),
+        ee.TableConfig(50, 8, name="half", weights_dtype="bfloat16", initializer=u),
+    ]
+    feats = {
+        "d": ee.FeatureConfig(tables[0]),
+        "k": ee.FeatureConfig(tables[1]),
+        "k_seq": ee.FeatureConfig(tables[1], max_sequence_length=3),
+        "kq": ee.FeatureConfig(tables[2]),
+        "h": ee.FeatureConfig(tables[3]),
+    }
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1))
+    rng = np.random.default_rng(4)
+    values = {}
+    for name, fc in feats.items():
+        lengths = rng.integers(0, 6, 150)  # several pooling tasks a feature, empty bags
+        ids = rng.zipf(1.3, int(lengths.sum())) % 50
+        if fc.table.vocabulary_size is None:
+            ids = ids * np.int64(0x9E3779B97F4A7C15 % 2**61) - 7  # keys of any sign
+        weights = None if fc.is_sequence else rng.uniform(-1, 2, len(ids)).astype(np.float32)
+        values[name] = ee.Ragged(ids, lengths=lengths, weights=weights)
+    trained = eng.lookup(values)  # inserts the keys
+    eng.apply_gradients({k: np.ones_like(a) for k, a in trained.items()})
+    calls = []
+    kernel = train_lookup.pool_features
+    monkeypatch.setattr(train_lookup, "pool_features", lambda *a: calls.append(1) or kernel(*a))
+    evaluated = eng.lookup(values, training=False)
+    assert calls == [1]
+    trained = eng.lookup(values)
+    for name in feats:
+        assert evaluated[name].tobytes() == trained[name].tobytes(), name
+    absent = {name: ee.Ragged(np.array([123456789]), lengths=[1]) for name in feats}
+    absent["d"] = absent["h"] = ee.Ragged(np.array([3]), lengths=[1])
+    got = eng.lookup(absent, training=False)
+    assert not any(got[name].any() for name in ("k", "k_seq", "kq"))  # never inserted: zeros

@@ -16,7 +16,7 @@ from ..inputs import frozen, read_only
 from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool_bags, pool_kernel
+from ..kernels.lookup import pool, pool_bags
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
 from ..precision import F32, KIND
@@ -45,47 +45,58 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 POOLED_BATCH_BYTES = 16 << 20
 
 
+def _feature_inputs(parts_per_table: list[list[FeaturePart]]):
+    """The kernels' view of a batch's features: (fmeta [features, prepare.F_COLS], occ_base
+    [tables + 1], out_base [tables + 1], (ids, offsets, weights) as lists of the features'
+    arrays and their total lengths)."""
+    parts = [p for ps in parts_per_table for p in ps]
+    n_tables = len(parts_per_table)
+    fmeta = np.empty((len(parts), kp.F_COLS), dtype=np.int64)
+    occ_base = np.zeros(n_tables + 1, dtype=np.int64)
+    out_base = np.zeros(n_tables + 1, dtype=np.int64)
+    id_base = off_base = w_base = 0
+    ids, offsets, weights = [], [], []
+    f = 0
+    for t, ps in enumerate(parts_per_table):
+        n_occ = 0
+        for p in ps:
+            r = p.ragged
+            has_w = r.weights is not None and not p.seq_len
+            fmeta[f] = (
+                t,
+                id_base,
+                off_base,
+                r.num_samples,
+                w_base if has_w else -1,
+                kp.COMBINER_CODES[p.combiner],
+                p.seq_len,
+                p.out_start,
+                p.member,
+            )
+            ids.append(r.ids)
+            offsets.append(r.offsets)
+            id_base += len(r.ids)
+            off_base += len(r.offsets)
+            if has_w:
+                weights.append(r.weights)
+                w_base += len(r.weights)
+            n_occ += int(np.minimum(r.lengths, p.seq_len).sum()) if p.seq_len else len(r.ids)
+            f += 1
+        occ_base[t + 1] = occ_base[t] + n_occ
+        out_base[t + 1] = out_base[t] + sum(p.num_outputs for p in ps)
+    return fmeta, occ_base, out_base, (ids, offsets, weights), (id_base, off_base, w_base)
+
+
 class _BatchPlan:
     """One batch's kernel inputs (the features' arrays concatenated, per-feature metadata) and
     its output arrays, shared by ``prepare_tables`` and ``train_lookup.prepare_and_pool``."""
 
     def __init__(self, parts_per_table: list[list[FeaturePart]], memory: BlockPool | None):
-        parts = [p for ps in parts_per_table for p in ps]
         n_tables = len(parts_per_table)
-        n_features = len(parts)
-        fmeta = np.empty((n_features, kp.F_COLS), dtype=np.int64)
-        occ_base = np.zeros(n_tables + 1, dtype=np.int64)
-        out_base = np.zeros(n_tables + 1, dtype=np.int64)
-        id_base = off_base = w_base = 0
-        ids, offsets, weights = [], [], []
-        f = 0
-        for t, ps in enumerate(parts_per_table):
-            n_occ = 0
-            for p in ps:
-                r = p.ragged
-                has_w = r.weights is not None and not p.seq_len
-                fmeta[f] = (
-                    t,
-                    id_base,
-                    off_base,
-                    r.num_samples,
-                    w_base if has_w else -1,
-                    kp.COMBINER_CODES[p.combiner],
-                    p.seq_len,
-                    p.out_start,
-                    p.member,
-                )
-                ids.append(r.ids)
-                offsets.append(r.offsets)
-                id_base += len(r.ids)
-                off_base += len(r.offsets)
-                if has_w:
-                    weights.append(r.weights)
-                    w_base += len(r.weights)
-                n_occ += int(np.minimum(r.lengths, p.seq_len).sum()) if p.seq_len else len(r.ids)
-                f += 1
-            occ_base[t + 1] = occ_base[t] + n_occ
-            out_base[t + 1] = out_base[t] + sum(p.num_outputs for p in ps)
+        fmeta, occ_base, out_base, (ids, offsets, weights), (id_base, off_base, w_base) = (
+            _feature_inputs(parts_per_table)
+        )
+        n_features = fmeta.shape[0]
         n = int(occ_base[-1])
         n_out = int(out_base[-1])
         i64, f32 = np.int64, np.float32
@@ -232,10 +243,11 @@ def build_tables_and_pool_numba(
     plan = _BatchPlan(parts_per_table, memory)
     # Largest first; the threads claim the tables as they go, so no dealing (deal_tables).
     order = np.argsort(-np.diff(plan.occ_base), kind="stable")
-    tmeta = np.empty((plan.n_tables, train_lookup.T_COLS), dtype=np.int64)
+    tmeta = np.zeros((plan.n_tables, train_lookup.T_COLS), dtype=np.int64)
     fdata = np.zeros((plan.fmeta.shape[0], train_lookup.FD_COLS), dtype=np.int64)
     quant = np.empty((plan.n_tables, 3), dtype=np.float64)
     outs = []
+    held = []  # the keyed tables' indexes, which the kernel reaches by address
     f = 0
     for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table, strict=True)):
         data = table.data
@@ -249,7 +261,7 @@ def build_tables_and_pool_numba(
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
         out = np.empty((n_out, table.dim), dtype=np.float32)
         outs.append(out)
-        tmeta[t] = (
+        tmeta[t, :6] = (
             data.ctypes.data,
             data.shape[0],
             data.shape[1],
@@ -257,14 +269,23 @@ def build_tables_and_pool_numba(
             out.ctypes.data,
             n_out,
         )
+        probe = getattr(table, "lookup_index", None)
+        if probe is not None and not _half(table) and data.ctypes.data:  # keyed: probed in there
+            index = probe()
+            held.append(index)
+            tmeta[t, train_lookup.T_INDEX :] = _index_columns(index)
         quant[t] = _quantization_row(q)
         bases = table.row_bases
         for p in parts:
             if bases is not None and not _half(table):  # its logical table's rows, by id
                 base = bases[p.member]
-                fdata[f] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
+                fdata[f, :2] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
+    # Where the region writes a keyed table's probed rows (at its unique keys' places) and
+    # whether it found them all (train_lookup.PROBED_*).
+    found = np.empty(int(plan.occ_base[-1]) if held else 0, dtype=np.int64)
+    ready = np.zeros(plan.n_tables, dtype=np.int64)
     train_lookup.prepare_and_pool(
         order,
         nb.get_num_threads(),
@@ -273,19 +294,81 @@ def build_tables_and_pool_numba(
         plan.occ_base,
         plan.out_base,
         *plan.outputs,
+        found,
+        ready,
         tmeta,
         fdata,
         quant,
         prefetch,
     )
+    del held
     batches = plan.table_batches()
-    for t, table in enumerate(tables):
-        if table.row_bases is None or _half(table):  # rows_for once, pooled through the rows
+    # A keyed table's rows: its rules run on the rows the region found (rows_for(found=)).
+    # If every key had one, the region pooled it (and touched its rows, if it could).
+    pooled = ready == train_lookup.PROBED_ALL_FOUND
+    for t in np.flatnonzero(ready):
+        lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
+        touched = bool(pooled[t] and tmeta[t, train_lookup.T_LAST])
+        batches[t] = batches[t].resolved(
+            tables[t], insert=True, found=found[lo : lo + u], touched=touched
+        )
+    # The other tables: rows_for once each, then all pooled through their rows in one region.
+    later = [
+        t
+        for t, table in enumerate(tables)
+        if (table.row_bases is None or _half(table)) and not pooled[t]
+    ]
+    if later:
+        pmeta = np.empty((len(later), train_lookup.P_COLS), dtype=np.int64)
+        sources, row_lists, row_base = [], [], 0
+        for i, t in enumerate(later):
+            table = tables[t]
             if batches[t].unique_rows is None:
                 batches[t] = batches[t].resolved(table, insert=True)
             data, rows = _weights_at(table, batches[t].unique_rows)
-            _pool_prepared(data, table.dim, batches[t], quant[t], prefetch, outs[t], rows)
+            sources.append(data)
+            row_lists.append(rows)
+            pmeta[i] = (
+                data.ctypes.data,
+                data.shape[0],
+                data.shape[1],
+                table.dim,
+                outs[t].ctypes.data,
+                outs[t].shape[0],
+                row_base,
+                plan.occ_base[t],
+                plan.out_base[t] + t,
+            )
+            row_base += len(rows)
+        rows = np.concatenate(row_lists) if row_lists else _NO_ROWS
+        # The kernel reaches the row arrays and outputs by address: ``sources``, ``outs`` hold them.
+        train_lookup.pool_tables(
+            nb.get_num_threads(),
+            pmeta,
+            frozen(rows.astype(np.int64, copy=False)),
+            frozen(plan.outputs[4]),
+            frozen(plan.outputs[1]),
+            frozen(plan.outputs[9]),
+            quant[later],
+            prefetch,
+        )
+        del sources
     return batches, outs
+
+
+def _index_columns(index) -> tuple[int, ...]:
+    """A keyed table's ``IndexView`` as ``train_lookup.prepare_and_pool`` reads it: its
+    ``tmeta`` columns from T_INDEX on (addresses; 0: none)."""
+    dead, last, touches = index.dead, index.last, index.touches
+    return (
+        index.slots.ctypes.data,
+        len(index.slots),
+        0 if dead is None else dead.ctypes.data,
+        0 if dead is None else len(dead),
+        0 if last is None else last.ctypes.data,
+        0 if touches is None else touches.ctypes.data,
+        index.step,
+    )
 
 
 def _weights_at(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -311,7 +394,6 @@ def _pool_prepared(
 ) -> None:
     """``out`` = the activations of a deduplicated batch, through its resolved rows (or
     ``rows``, one per unique id, into ``data``)."""
-    pool = pool_kernel(dim)
     rows = tb.unique_rows if rows is None else rows
     f = frozen
     pool(data, dim, f(rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out, quant, prefetch)
@@ -521,6 +603,84 @@ class NumbaBackend:
                 else (data, table.rows_for(p.member, p.ragged.ids, False))
             ),
         )
+
+    def lookup_tables(
+        self,
+        tables: list[TableStorage],
+        batches: list[TableBatch | LookupOnlyTableBatch],
+        quantizations: list,
+    ) -> list[np.ndarray]:
+        """Every table's activation matrix (``lookup`` of each, the same bits). The lookup-only
+        batches of float32 tables whose rows are ids (``row_bases``) or keys of an index
+        (``lookup_index``) are pooled in one parallel region (``train_lookup.pool_features``);
+        the others by ``lookup``, table by table."""
+        outs: list[np.ndarray | None] = [None] * len(tables)
+        together = []  # (table index, its float32 rows, its index or None)
+        for t, (table, tb) in enumerate(zip(tables, batches, strict=True)):
+            probe = getattr(table, "lookup_index", None)
+            # (An address of 0 tells the kernel "not pooled here": a table without memory yet.)
+            if isinstance(tb, LookupOnlyTableBatch) and not _half(table) and table.data.ctypes.data:
+                if table.row_bases is not None:
+                    together.append((t, None))
+                    continue
+                if probe is not None:
+                    together.append((t, probe()))
+                    continue
+            outs[t] = self.lookup(table, tb, quantizations[t])
+        if together:
+            self._pool_together(tables, batches, quantizations, together, outs)
+        return outs
+
+    def _pool_together(self, tables, batches, quantizations, together, outs) -> None:
+        """``lookup_tables``' one region: the lookup-only batches of ``together``'s tables."""
+        parts_per_table = [list(batches[t].parts) for t, _ in together]
+        fmeta, _, _, inputs, _ = _feature_inputs(parts_per_table)
+        ids, offsets, weights = (
+            frozen(np.concatenate(a).astype(dt, copy=False) if a else np.zeros(0, dt))
+            for a, dt in zip(inputs, (np.int64, np.int64, np.float32), strict=True)
+        )
+        tmeta = np.zeros((len(together), train_lookup.T_COLS), dtype=np.int64)
+        fdata = np.zeros((fmeta.shape[0], train_lookup.FD_COLS), dtype=np.int64)
+        quant = np.empty((len(together), 3), dtype=np.float64)
+        held = []  # what the kernel reaches by address
+        f = 0
+        for i, (t, index) in enumerate(together):
+            table, data = tables[t], tables[t].data
+            out = np.empty((batches[t].num_outputs, table.dim), dtype=np.float32)
+            outs[t] = out
+            tmeta[i, :6] = (
+                data.ctypes.data,
+                data.shape[0],
+                data.shape[1],
+                table.dim,
+                out.ctypes.data,
+                out.shape[0],
+            )
+            quant[i] = _quantization_row(quantizations[t])
+            for p in batches[t].parts:
+                if index is None:  # rows are ids from the logical table's base row
+                    base = table.row_bases[p.member]
+                    fdata[f, :2] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
+                else:
+                    slots, dead = index.slots, index.dead
+                    fdata[f, :4] = (data.ctypes.data, data.shape[0], slots.ctypes.data, len(slots))
+                    if dead is not None:
+                        fdata[f, 4:] = (dead.ctypes.data, len(dead))
+                    held.append(index)
+                f += 1
+        start_pool()
+        train_lookup.pool_features(
+            nb.get_num_threads(),
+            fmeta,
+            ids,
+            offsets,
+            weights,
+            tmeta,
+            fdata,
+            quant,
+            self.lookup_prefetch,
+        )
+        del held
 
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None

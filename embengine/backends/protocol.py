@@ -66,6 +66,16 @@ class Backend(Protocol):
         """One table's activation matrix."""
         ...
 
+    def lookup_tables(
+        self,
+        tables: list[TableStorage],
+        batches: list[TableBatch | LookupOnlyTableBatch],
+        quantizations: list[QuantizationConfig | None],
+    ) -> list[np.ndarray]:
+        """``lookup`` of every table, the same results (the numba backend pools the lookup-only
+        batches of most storages in one parallel region)."""
+        ...
+
     def lookup_rows(
         self,
         rows: np.ndarray,

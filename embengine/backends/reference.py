@@ -163,6 +163,13 @@ class ReferenceBackend:
         rows = table.data if table.data.dtype == np.float32 else _column(table, "weights")
         return self.lookup_rows(rows, table.dim, _rows(table, tb, insert=False), quantization)
 
+    def lookup_tables(self, tables, batches, quantizations) -> list[np.ndarray]:
+        """``lookup`` of every table, in order."""
+        return [
+            self.lookup(table, tb, q)
+            for table, tb, q in zip(tables, batches, quantizations, strict=True)
+        ]
+
     def lookup_rows(
         self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
     ) -> np.ndarray:

@@ -137,28 +137,40 @@ def fetch_add(typingctx, arr, i, value):
     return types.int64(arr, types.intp, types.int64), codegen
 
 
-@intrinsic
-def float32_rows_at(typingctx, address, rows, cols):
-    """A float32 ``[rows, cols]`` C-contiguous view of the memory at ``address`` (an int64).
+def _make_rows_at(dtype, llvm_type, itemsize: int):
+    @intrinsic
+    def rows_at(typingctx, address, rows, cols):
+        """A C-contiguous ``[rows, cols]`` view of the memory at ``address`` (an int64).
 
-    Lets one kernel reach several tables of different widths, whose arrays a numba list would
-    hand over only with a reference count per access. No ownership: the caller keeps the memory
-    alive for the call (the engine holds its tables; outputs are allocated before the call)."""
-    aryty = types.Array(types.float32, 2, "C")
+        Lets one kernel reach several tables of different widths, whose arrays a numba list
+        would hand over only with a reference count per access. No ownership: the caller keeps
+        the memory alive for the call (the engine holds its tables; outputs are allocated
+        before the call)."""
+        aryty = types.Array(dtype, 2, "C")
 
-    def codegen(context, builder, sig, args):
-        intp = context.get_value_type(types.intp)
-        ptr = builder.inttoptr(args[0], ir.FloatType().as_pointer())
-        ary = context.make_array(aryty)(context, builder)
-        stride = builder.mul(args[2], ir.Constant(intp, 4))
-        populate_array(
-            ary,
-            data=ptr,
-            shape=[args[1], args[2]],
-            strides=[stride, ir.Constant(intp, 4)],
-            itemsize=ir.Constant(intp, 4),
-            meminfo=None,
-        )
-        return ary._getvalue()
+        def codegen(context, builder, sig, args):
+            intp = context.get_value_type(types.intp)
+            ptr = builder.inttoptr(args[0], llvm_type.as_pointer())
+            ary = context.make_array(aryty)(context, builder)
+            stride = builder.mul(args[2], ir.Constant(intp, itemsize))
+            populate_array(
+                ary,
+                data=ptr,
+                shape=[args[1], args[2]],
+                strides=[stride, ir.Constant(intp, itemsize)],
+                itemsize=ir.Constant(intp, itemsize),
+                meminfo=None,
+            )
+            return ary._getvalue()
 
-    return aryty(types.int64, types.intp, types.intp), codegen
+        return aryty(types.int64, types.intp, types.intp), codegen
+
+    return rows_at
+
+
+# float32_rows_at(address, rows, cols): a table's rows, an activation matrix.
+float32_rows_at = _make_rows_at(types.float32, ir.FloatType(), 4)
+# int64_rows_at(address, rows, cols): a keyed table's index (kernels/keyed_index.py).
+int64_rows_at = _make_rows_at(types.int64, ir.IntType(64), 8)
+# uint8_rows_at(address, rows, cols): per-row flags.
+uint8_rows_at = _make_rows_at(types.uint8, ir.IntType(8), 1)

@@ -75,44 +75,17 @@ def _pool_rows(
             out[o, j] = acc[j]
 
 
-@kernel(parallel=True)
-def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
-    """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
-    (terms with a row of -1 left out).
+def _make_pool_rows_range(fixed_dim: int):
+    """Activation rows ``first:stop`` of a prepared batch (see ``pool``), with the row width the
+    constant ``fixed_dim`` (LLVM unrolls the loops over the row and keeps the sum in registers,
+    in a stack scratch row: W1-lookup's gain, docs/performance.md, "Figures behind the code"),
+    or, for ``fixed_dim == 0``, any width."""
+    if fixed_dim:
 
-    ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no quantization.
-    ``pool_kernel(dim)`` gives a faster kernel for common dims.
-    """
-    n_out = out.shape[0]
-    for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        first = task * ROWS_PER_TASK
-        _pool_rows(
-            data,
-            dim,
-            rows,
-            inverse,
-            gains,
-            output_offsets,
-            out,
-            quant,
-            prefetch,
-            first,
-            min(n_out, first + ROWS_PER_TASK),
-            np.empty(dim, dtype=np.float32),
-        )
-
-
-def _fixed_dim_pool(fixed_dim: int):
-    """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
-    the row and keeps the sum in registers, in a stack scratch row (W1-lookup's gain from each:
-    docs/performance.md, "Figures behind the code").
-    numba caches each closure under its own constant."""
-
-    @kernel(parallel=True)
-    def pool_fixed(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
-        n_out = out.shape[0]
-        for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-            first = task * ROWS_PER_TASK
+        @kernel()
+        def pool_rows_range(
+            data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
+        ):
             _pool_rows(
                 data,
                 fixed_dim,
@@ -124,20 +97,100 @@ def _fixed_dim_pool(fixed_dim: int):
                 quant,
                 prefetch,
                 first,
-                min(n_out, first + ROWS_PER_TASK),
+                stop,
                 stack_row(fixed_dim),
             )
 
-    return pool_fixed
+    else:
+
+        @kernel()
+        def pool_rows_range(
+            data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
+        ):
+            _pool_rows(
+                data,
+                dim,
+                rows,
+                inverse,
+                gains,
+                output_offsets,
+                out,
+                quant,
+                prefetch,
+                first,
+                stop,
+                np.empty(dim, dtype=np.float32),
+            )
+
+    return pool_rows_range
 
 
-# Common dims get their own kernel, each compiled on first use; other dims use ``pool``.
-_FIXED_DIMS = {d: _fixed_dim_pool(d) for d in FIXED_DIMS}
+# One per width of FIXED_DIMS, and any width. Named globals: pool_rows_range chooses.
+_pool_rows_range_1 = _make_pool_rows_range(1)
+_pool_rows_range_2 = _make_pool_rows_range(2)
+_pool_rows_range_4 = _make_pool_rows_range(4)
+_pool_rows_range_8 = _make_pool_rows_range(8)
+_pool_rows_range_16 = _make_pool_rows_range(16)
+_pool_rows_range_32 = _make_pool_rows_range(32)
+_pool_rows_range_64 = _make_pool_rows_range(64)
+_pool_rows_range_128 = _make_pool_rows_range(128)
+_pool_rows_range_any = _make_pool_rows_range(0)
 
 
-def pool_kernel(dim: int):
-    """The pooling kernel for rows of ``dim`` floats (same arguments and results as ``pool``)."""
-    return _FIXED_DIMS.get(int(dim), pool)
+@kernel()
+def pool_rows_range(
+    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
+):
+    """Activation rows ``first:stop`` of a prepared batch (see ``pool``), by the function for
+    the row width (a compile-time constant for FIXED_DIMS). A serial function of its own,
+    called once per task by ``pool`` and by ``train_lookup.pool_tables``: each width compiles
+    once for both (as ``pool_range`` does for lookup-only batches)."""
+    args = (data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop)
+    if dim == 64:  # the most common first
+        _pool_rows_range_64(*args)
+    elif dim == 32:
+        _pool_rows_range_32(*args)
+    elif dim == 128:
+        _pool_rows_range_128(*args)
+    elif dim == 16:
+        _pool_rows_range_16(*args)
+    elif dim == 8:
+        _pool_rows_range_8(*args)
+    elif dim == 4:
+        _pool_rows_range_4(*args)
+    elif dim == 2:
+        _pool_rows_range_2(*args)
+    elif dim == 1:
+        _pool_rows_range_1(*args)
+    else:
+        _pool_rows_range_any(*args)
+
+
+@kernel(parallel=True)
+def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
+    """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
+    (terms with a row of -1 left out).
+
+    ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no
+    quantization. Tasks of ROWS_PER_TASK output rows, each by ``pool_rows_range`` (common
+    widths compiled as constants).
+    """
+    n_out = out.shape[0]
+    for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        first = task * ROWS_PER_TASK
+        pool_rows_range(
+            data,
+            dim,
+            rows,
+            inverse,
+            gains,
+            output_offsets,
+            out,
+            quant,
+            prefetch,
+            first,
+            min(n_out, first + ROWS_PER_TASK),
+        )
 
 
 @kernel(inline="always")
@@ -299,7 +352,8 @@ _pool_range_32 = _make_pool_range(32)
 _pool_range_64 = _make_pool_range(64)
 _pool_range_128 = _make_pool_range(128)
 _pool_range_any = _make_pool_range(0)
-assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch for each
+# pool_rows_range and pool_range have a branch for each
+assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @kernel()
@@ -320,7 +374,7 @@ def pool_range(
 ):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
     width: the width a compile-time constant for FIXED_DIMS (faster pooling, see
-    ``_fixed_dim_pool``), else any width.
+    ``_make_pool_rows_range``), else any width.
 
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop

@@ -25,8 +25,9 @@ import numba as nb
 import numpy as np
 
 from . import kernel
-from ._intrinsics import fetch_add, float32_rows_at
-from .lookup import pool_range
+from ._intrinsics import fetch_add, float32_rows_at, int64_rows_at, uint8_rows_at
+from .keyed_index import find_range, touch
+from .lookup import ROWS_PER_TASK, pool_range, pool_rows_range
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -42,11 +43,28 @@ from .prepare import (
 # Columns of the per-table array ``tmeta``: the table's memory (address, rows, row width in
 # floats, dim) and its activation matrix (address, rows).
 T_DATA, T_ROWS, T_WIDTH, T_DIM, T_OUT, T_N_OUT = range(6)
-T_COLS = 6
+# A keyed table's (``prepare_and_pool``): the address of its index's slots (0: not keyed) and
+# their number, the address of its rows' "looks up as absent" bytes (0: none) and their number,
+# the addresses of its rows' last-touched steps and touch counts (0: not touched here) and the
+# step (``storage.keyed.IndexView``).
+T_INDEX, T_INDEX_SLOTS, T_DEAD, T_DEAD_ROWS, T_LAST, T_TOUCHES, T_STEP = range(6, 13)
+T_COLS = 13
+# ``ready[t]`` of a keyed table after its preparation (``prepare_and_pool``): every unique key
+# had a live row (pooled in the region), or not (pooled after the storage resolved its rows).
+PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
 # Columns of the per-feature array ``fdata``: the address of the row of its logical table's id 0
-# (0: not pooled here) and the rows from there on.
-FD_DATA, FD_ROWS = range(2)
-FD_COLS = 2
+# (0: not pooled here) and the rows from there on; for a feature whose ids are keys (a keyed
+# table, ``pool_features``), the address of its index's slots (0: ids are rows) and their
+# number, and the address of a byte per row, 1 for a row that pools as absent (0: none) and
+# their number.
+FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_DEAD, FD_DEAD_ROWS = range(6)
+FD_COLS = 6
+# Columns of the per-table array ``pmeta`` of ``pool_tables``: the float32 rows pooled from
+# (address, rows, row width, dim), the activation matrix (address, rows), where the table's
+# rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, and its CSR in
+# ``output_offsets``.
+P_DATA, P_ROWS, P_WIDTH, P_DIM, P_OUT, P_N_OUT, P_ROW_BASE, P_OCC_BASE, P_OFF_BASE = range(9)
+P_COLS = 9
 # Samples per pooling task: small enough to balance two threads' tails, large enough that the
 # claim (one atomic add) is noise.
 POOL_TASK = 64
@@ -77,7 +95,11 @@ def pool_tasks(fmeta, fdata):
 def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
     """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
     the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
-    logical table from its base address on."""
+    logical table from its base address on; keys through the index (``_pool_keyed_task``)."""
+    if fdata[f, FD_INDEX] != 0:
+        args = (fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch)
+        _pool_keyed_task(f, first, stop, *args)
+        return
     t = fmeta[f, F_TABLE]
     dim = tmeta[t, T_DIM]
     data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
@@ -98,6 +120,170 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
         fmeta[f, F_SEQ],
         out,
         fmeta[f, F_OUT_START],
+        quant[t],
+        prefetch,
+        first,
+        stop,
+    )
+
+
+@kernel()
+def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """``_pool_task`` for a feature whose ids are keys: the task's keys are probed first, all of
+    them, into a row array of the task's own (``keyed_index.find_range``, its misses
+    overlapped by prefetching), rows flagged in ``FD_DEAD`` dropped; then pooled from those
+    rows. An evaluation lookup has no deduplication pass that could have probed them, and a
+    task's probes keep both threads busy where a probe of the whole batch ran on one."""
+    t = fmeta[f, F_TABLE]
+    dim = tmeta[t, T_DIM]
+    data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
+    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
+    slots = int64_rows_at(fdata[f, FD_INDEX], fdata[f, FD_INDEX_SLOTS], 2)
+    n = fmeta[f, F_SAMPLES]
+    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
+    lo = f_offsets[first]
+    hi = f_offsets[stop]
+    id_base = fmeta[f, F_ID_BASE]
+    rows = np.empty(hi - lo, dtype=np.int64)
+    find_range(slots, ids[id_base + lo : id_base + hi], rows, 0, hi - lo)
+    if fdata[f, FD_DEAD] != 0:
+        dead = uint8_rows_at(fdata[f, FD_DEAD], fdata[f, FD_DEAD_ROWS], 1)
+        for i in range(hi - lo):
+            if rows[i] >= 0 and dead[rows[i], 0] != 0:
+                rows[i] = -1
+    task_offsets = f_offsets[first : stop + 1] - lo
+    w_base = fmeta[f, F_W_BASE]
+    f_weights = weights[w_base + lo : w_base + hi] if w_base >= 0 else weights[:0]
+    seq = fmeta[f, F_SEQ]
+    pool_range(
+        data,
+        dim,
+        rows,
+        task_offsets,
+        f_weights,
+        fmeta[f, F_COMBINER],
+        seq,
+        out,
+        fmeta[f, F_OUT_START] + first * (seq if seq > 0 else 1),
+        quant[t],
+        prefetch,
+        0,
+        stop - first,
+    )
+
+
+@kernel(parallel=True)
+def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """A lookup-only batch of every table with an address in ``fdata``: ``prepare_and_pool``'s
+    pooling tasks alone, claimed from one counter by ``n_workers`` workers; features whose
+    ids are keys resolved through their index (``_pool_keyed_task``)."""
+    tasks = pool_tasks(fmeta, fdata)
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in nb.prange(n_workers):
+        while True:
+            i = fetch_add(counter, 0, 1)
+            if i >= tasks.shape[0]:
+                break
+            _pool_task(
+                tasks[i, 0],
+                tasks[i, 1],
+                tasks[i, 2],
+                fmeta,
+                ids,
+                offsets,
+                weights,
+                tmeta,
+                fdata,
+                quant,
+                prefetch,
+            )
+
+
+@kernel()
+def _keyed_tasks(tmeta, out_base):
+    """``prepare_and_pool``'s pooling tasks of keyed tables (``T_INDEX``): rows ``(table, first
+    activation row, stop)``, ROWS_PER_TASK each."""
+    n = 0
+    for t in range(tmeta.shape[0]):
+        if tmeta[t, T_INDEX] != 0:
+            n += (out_base[t + 1] - out_base[t] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    tasks = np.empty((n, 3), dtype=np.int64)
+    i = 0
+    for t in range(tmeta.shape[0]):
+        if tmeta[t, T_INDEX] == 0:
+            continue
+        n_out = out_base[t + 1] - out_base[t]
+        for first in range(0, n_out, ROWS_PER_TASK):
+            tasks[i, 0] = t
+            tasks[i, 1] = first
+            tasks[i, 2] = min(first + ROWS_PER_TASK, n_out)
+            i += 1
+    return tasks
+
+
+@kernel()
+def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready):
+    """Right after keyed table ``t``'s preparation: its unique keys' rows into ``found`` (at the
+    keys' places), then ``ready[t]`` published (an atomic add, after the rows are written):
+    PROBED_ALL_FOUND if every key has a row that does not look up as absent. Then, if so and
+    the table lets the kernel touch (``T_LAST``), each row's step and count, as the storage's
+    ``rows_for`` would (one writer: the task that prepared the table)."""
+    lo = occ_base[t]
+    u = n_unique[t]
+    slots = int64_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 2)
+    rows = found[lo : lo + u]
+    find_range(slots, unique[lo : lo + u], rows, 0, u)
+    status = PROBED_ALL_FOUND
+    dead = uint8_rows_at(tmeta[t, T_DEAD], tmeta[t, T_DEAD_ROWS], 1)
+    for i in range(u):
+        if rows[i] < 0 or (tmeta[t, T_DEAD] != 0 and dead[rows[i], 0] != 0):
+            status = PROBED_SOME_MISSING
+            break
+    fetch_add(ready, t, status)
+    if status == PROBED_ALL_FOUND and tmeta[t, T_LAST] != 0:
+        n_rows = tmeta[t, T_ROWS]  # the row metadata arrays are as long as the row array
+        last = int64_rows_at(tmeta[t, T_LAST], n_rows, 1)
+        touches = int64_rows_at(tmeta[t, T_TOUCHES], n_rows, 1)
+        touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], last, touches)
+
+
+@kernel()
+def _pool_keyed_table_task(
+    t,
+    first,
+    stop,
+    tmeta,
+    occ_base,
+    out_base,
+    found,
+    inverse,
+    gains,
+    output_offsets,
+    ready,
+    quant,
+    prefetch,
+):
+    """Activation rows ``first:stop`` of keyed table ``t`` through the rows its preparation
+    found, once ``ready[t]`` says it probed (spinning on an atomic read until then: the task
+    that prepares ``t`` was claimed before this one, so it is running); nothing if a key had
+    no row (the engine pools that table after resolving its rows)."""
+    status = fetch_add(ready, t, 0)
+    while status == 0:
+        status = fetch_add(ready, t, 0)
+    if status != PROBED_ALL_FOUND:
+        return
+    dim = tmeta[t, T_DIM]
+    data = float32_rows_at(tmeta[t, T_DATA], tmeta[t, T_ROWS], tmeta[t, T_WIDTH])
+    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
+    occ = occ_base[t]
+    pool_rows_range(
+        data,
+        dim,
+        found[occ:],
+        inverse[occ:],
+        gains[occ:],
+        output_offsets[out_base[t] + t :],
+        out,
         quant[t],
         prefetch,
         first,
@@ -126,6 +312,8 @@ def prepare_and_pool(
     unique_segments,
     output_offsets,
     unique_bounds,
+    found,
+    ready,
     tmeta,
     fdata,
     quant,
@@ -134,10 +322,16 @@ def prepare_and_pool(
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
     ``quant[t]`` as in ``lookup.pool``), by ``n_workers`` workers claiming tasks from one
-    counter. The outputs are those of the two kernels run one after the other."""
+    counter. The outputs are those of the two kernels run one after the other.
+
+    A keyed table (``tmeta[t, T_INDEX]``) has its unique keys probed right after its
+    preparation (``found``, ``ready[t]``: ``_probe_table``), and if every key had a row, its
+    pooling tasks (claimed after every other task) pool it through those rows here."""
     n_prep = prep_order.shape[0]
     tasks = pool_tasks(fmeta, fdata)
-    n_tasks = n_prep + tasks.shape[0]
+    keyed = _keyed_tasks(tmeta, out_base)
+    n_features = n_prep + tasks.shape[0]
+    n_tasks = n_features + keyed.shape[0]
     counter = np.zeros(1, dtype=np.int64)
     for _ in nb.prange(n_workers):
         while True:
@@ -165,6 +359,34 @@ def prepare_and_pool(
                     output_offsets,
                     unique_bounds,
                 )
+                if tmeta[prep_order[i], T_INDEX] != 0:
+                    _probe_table(
+                        prep_order[i],
+                        tmeta,
+                        occ_base,
+                        unique,
+                        n_unique,
+                        unique_offsets,
+                        found,
+                        ready,
+                    )
+            elif i >= n_features:
+                k = i - n_features
+                _pool_keyed_table_task(
+                    keyed[k, 0],
+                    keyed[k, 1],
+                    keyed[k, 2],
+                    tmeta,
+                    occ_base,
+                    out_base,
+                    found,
+                    inverse,
+                    gains,
+                    output_offsets,
+                    ready,
+                    quant,
+                    prefetch,
+                )
             else:
                 k = i - n_prep
                 _pool_task(
@@ -180,3 +402,55 @@ def prepare_and_pool(
                     quant,
                     prefetch,
                 )
+
+
+@kernel()
+def _table_tasks(pmeta):
+    """``pool_tables``' tasks: rows ``(table, first output row, stop)``, ROWS_PER_TASK each."""
+    n = 0
+    for t in range(pmeta.shape[0]):
+        n += (pmeta[t, P_N_OUT] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    tasks = np.empty((n, 3), dtype=np.int64)
+    i = 0
+    for t in range(pmeta.shape[0]):
+        for first in range(0, pmeta[t, P_N_OUT], ROWS_PER_TASK):
+            tasks[i, 0] = t
+            tasks[i, 1] = first
+            tasks[i, 2] = min(first + ROWS_PER_TASK, pmeta[t, P_N_OUT])
+            i += 1
+    return tasks
+
+
+@kernel(parallel=True)
+def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
+    """Every table of ``pmeta`` pooled through its prepared batch, by ``n_workers`` workers
+    claiming tasks of ROWS_PER_TASK activation rows from one counter: for table ``t`` (a
+    ``pmeta`` row), ``lookup.pool`` of its rows ``rows[P_ROW_BASE:]``, occurrences
+    ``inverse[P_OCC_BASE:]`` / ``gains[P_OCC_BASE:]``, CSR ``output_offsets[P_OFF_BASE:]``
+    and ``quant[t]``. One parallel region for the tables a training lookup pools after the
+    storage resolved their rows, where a region per table waited for the threads each time."""
+    tasks = _table_tasks(pmeta)
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in nb.prange(n_workers):
+        while True:
+            i = fetch_add(counter, 0, 1)
+            if i >= tasks.shape[0]:
+                break
+            t = tasks[i, 0]
+            dim = pmeta[t, P_DIM]
+            data = float32_rows_at(pmeta[t, P_DATA], pmeta[t, P_ROWS], pmeta[t, P_WIDTH])
+            out = float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], dim)
+            occ = pmeta[t, P_OCC_BASE]
+            pool_rows_range(
+                data,
+                dim,
+                rows[pmeta[t, P_ROW_BASE] :],
+                inverse[occ:],
+                gains[occ:],
+                output_offsets[pmeta[t, P_OFF_BASE] :],
+                out,
+                quant[t],
+                prefetch,
+                tasks[i, 1],
+                tasks[i, 2],
+            )

@@ -27,6 +27,7 @@ The storage protocol's optional parts this kind uses (``storage/protocol.py``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import sys
 
@@ -39,7 +40,7 @@ from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entrie
 from .dense import row_columns
 from .protocol import NO_ROW
 
-__all__ = ["KeyedTable", "KeyedView", "KeyIndex"]
+__all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
 
 # Rows of a new table's first capacity; capacity then doubles.
 _FIRST_CAPACITY = 1024
@@ -48,6 +49,9 @@ _RESERVE_BYTES = 1 << 38
 # Linux: do not count the reservation against the overcommit limit (mmap.MAP_NORESERVE is not
 # exported by Python 3.11's mmap module).
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+# Ask for transparent huge pages, as NumPy does for its big arrays (a dense table's): random
+# rows over a 4 KiB-page arena miss the TLB on nearly every row.
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 # The index grows (doubles) before its load passes this fraction.
 _MAX_LOAD = 0.75
 # Probes of fewer keys run on one thread: a probe costs nanoseconds, and a parallel region
@@ -64,21 +68,26 @@ MAX_TIMESTAMP = 1 << 62
 
 class KeyIndex:
     """int64 key -> int64 value (>= 0), an open-addressing hash table of numba kernels
-    (``kernels/keyed_index.py``). ``find`` gives -1 for an absent key."""
+    (``kernels/keyed_index.py``): ``slots[s] = (key, value)``, value -1 for a free slot.
+    ``find`` gives -1 for an absent key."""
 
     def __init__(self, capacity: int = 1024):
         cap = 1 << max(int(capacity) - 1, 1).bit_length()
-        self.keys = np.zeros(cap, dtype=np.int64)
-        self.values = np.full(cap, -1, dtype=np.int64)
+        self.slots = _empty_slots(cap)
         self.count = 0
 
     @property
     def capacity(self) -> int:
-        return len(self.keys)
+        return len(self.slots)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.slots.nbytes
+
+    @property
+    def values(self) -> np.ndarray:
+        """Every slot's value (-1: free), a view."""
+        return self.slots[:, 1]
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         from ..kernels import keyed_index
@@ -90,9 +99,9 @@ class KeyIndex:
         out = np.empty(len(keys), dtype=np.int64)
         if len(keys) >= _PARALLEL_FIND:
             start_pool()  # find is parallel
-            keyed_index.find(self.keys, self.values, keys, out)
+            keyed_index.find(self.slots, keys, out)
         elif len(keys):
-            keyed_index.find_serial(self.keys, self.values, keys, out)
+            keyed_index.find_serial(self.slots, keys, out)
         return out
 
     def reserve(self, need: int) -> None:
@@ -104,9 +113,9 @@ class KeyIndex:
             cap = self.capacity
             while need > _MAX_LOAD * cap:
                 cap *= 2
-            keys_, values_ = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
-            keyed_index.rehash(self.keys, self.values, keys_, values_)
-            self.keys, self.values = keys_, values_
+            slots = _empty_slots(cap)
+            keyed_index.rehash(self.slots, slots)
+            self.slots = slots
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add absent ``keys`` with ``values``."""
@@ -117,8 +126,7 @@ class KeyIndex:
         need = self.count + len(keys)
         self.reserve(need)
         keyed_index.insert(
-            self.keys,
-            self.values,
+            self.slots,
             np.ascontiguousarray(keys, dtype=np.int64),
             np.ascontiguousarray(values, dtype=np.int64),
         )
@@ -129,7 +137,14 @@ class KeyIndex:
 
         if len(keys):
             keys = np.ascontiguousarray(keys, dtype=np.int64)
-            self.count -= int(keyed_index.remove(self.keys, self.values, keys))
+            self.count -= int(keyed_index.remove(self.slots, keys))
+
+
+def _empty_slots(capacity: int) -> np.ndarray:
+    """A free index of ``capacity`` slots: keys 0, values -1."""
+    slots = np.zeros((capacity, 2), dtype=np.int64)
+    slots[:, 1] = -1
+    return slots
 
 
 def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -249,6 +264,24 @@ class _Pending:
         used = np.ones(self.high, bool)
         used[self.free] = False
         return np.flatnonzero(used)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexView:
+    """A keyed table's index as a kernel probes it (``KeyedTable.lookup_index``).
+
+    ``slots``: the index (``kernels/keyed_index.py``), so ``rows_for(logical, keys, False)`` is
+    the probe of ``slots`` with the rows flagged in ``dead`` (a uint8 per row of ``data``, 1 for
+    a row that has expired and looks up as absent; None when none has) taken as absent. A
+    training lookup whose unique keys all had live rows may touch them in the kernel too, as
+    ``rows_for`` would: ``last[row] = step`` and ``touches[row] += occurrences`` (None: not
+    in the kernel; ``rows_for(..., touched=False)`` does it)."""
+
+    slots: np.ndarray
+    dead: np.ndarray | None
+    last: np.ndarray | None
+    touches: np.ndarray | None
+    step: int
 
 
 class KeyedView:
@@ -388,7 +421,7 @@ class KeyedTable:
         the system refuses it."""
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         try:
-            return mmap.mmap(
+            mapping = mmap.mmap(
                 -1,
                 max(rows * self.row_width * 4, 1),
                 flags=flags,
@@ -396,6 +429,10 @@ class KeyedTable:
             )
         except (OSError, OverflowError, ValueError):
             return None
+        if _MADV_HUGEPAGE is not None:
+            with contextlib.suppress(OSError):
+                mapping.madvise(_MADV_HUGEPAGE)
+        return mapping
 
     def _grow(self, rows: int) -> None:
         """Capacity for at least ``rows`` rows: double within the reservation (no row moves),
@@ -501,7 +538,13 @@ class KeyedTable:
         return self._live_rows
 
     def rows_for(
-        self, logical: int, ids: np.ndarray, insert: bool = True, counts: np.ndarray | None = None
+        self,
+        logical: int,
+        ids: np.ndarray,
+        insert: bool = True,
+        counts: np.ndarray | None = None,
+        found: np.ndarray | None = None,
+        touched: bool = False,
     ) -> np.ndarray:
         """Rows of ``ids``; -1 for a key without a row.
 
@@ -510,9 +553,11 @@ class KeyedTable:
         occurrences in the batch, 1 each if None) runs the step's rules (``DynamicVocabulary``):
         expiry, admission, eviction for ``max_rows``, the new keys' rows (``insert_on=
         "lookup"``), recency and counts. A batch needing more than ``max_rows`` rows is a
-        ValueError naming the table, raised before anything changes."""
+        ValueError naming the table, raised before anything changes. ``found``: what the index
+        gives ``ids`` now, when a kernel probed it already (``lookup_index``); ``touched``: the
+        kernel found a live row for every id and touched them (``IndexView``)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows = self._index.find(ids)
+        rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
         expired = self._expired()
         if not insert:
             if len(expired):
@@ -535,7 +580,11 @@ class KeyedTable:
         self._this["expired"] += len(expired)
         self._remove_rows(victims)
         self._this["evicted"] += len(victims)
-        self._touch(rows[hit], counts[hit])
+        if touched:
+            if not hit.all():
+                raise AssertionError(f"table {self.name!r}: touched, but not every key was found")
+        else:
+            self._touch(rows[hit], counts[hit])
         self._this["lookups"] += len(ids)
         self._this["hits"] += int(hit.sum())
         waiting = missing.copy()
@@ -548,6 +597,25 @@ class KeyedTable:
         if self.dynamic.occurrence_threshold > 0 and waiting.any():
             self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
         return rows
+
+    def lookup_index(self) -> IndexView:
+        """What a kernel may probe in place of ``rows_for`` (``IndexView``): the numba backend
+        probes every key of a lookup-only batch in its pooling region, and a training batch's
+        unique keys right after their deduplication (then ``rows_for(found=, touched=)``)."""
+        expired = self._expired()
+        dead = None
+        if len(expired):
+            dead = np.zeros(self._capacity, dtype=np.uint8)
+            dead[expired] = 1
+        # Touching needs the call's data time when the table keeps one: left to rows_for.
+        touch = not self._keeps_time
+        return IndexView(
+            self._index.slots,
+            dead,
+            self._last if touch else None,
+            self._touches if touch else None,
+            self._step,
+        )
 
     def rows_of(self, keys: np.ndarray) -> np.ndarray:
         """The rows ``keys`` hold in the index now, -1 for none: no rule runs and nothing
@@ -639,8 +707,17 @@ class KeyedTable:
         return cand[_smallest(cols, excess)]
 
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        self._last[rows] = self._step
-        self._touches[rows] += counts
+        from ..kernels import keyed_index
+
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        keyed_index.touch(
+            frozen(np.ascontiguousarray(rows, dtype=np.int64)),
+            frozen(offsets),
+            self._step,
+            self._last.reshape(-1, 1),
+            self._touches.reshape(-1, 1),
+        )
         if self._keeps_time and self._call_time is not None:
             # The newest timestamp that touched the row: an older call does not age it.
             self._time[rows] = np.maximum(self._time[rows], self._call_time)
@@ -669,8 +746,7 @@ class KeyedTable:
         rows = np.empty(k, np.int64)
         # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
         used = keyed_index.insert_rows(
-            self._index.keys,
-            self._index.values,
+            self._index.slots,
             keys,
             counts,
             free,

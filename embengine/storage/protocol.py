@@ -78,7 +78,10 @@ class TableStorage(Protocol):
     each unique id's occurrences in the batch; ``begin_step(step)`` is called with the engine's
     step before every lookup and update; ``rows_for_update(logical, ids, rows, counts=)`` gives
     the rows an update writes (``rows`` as the lookup resolved them), once per table per update,
-    after its gradients are validated (``TableBatch.for_update``).
+    after its gradients are validated (``TableBatch.for_update``); ``lookup_index()`` gives
+    the index a kernel may probe instead of calling ``rows_for(logical, ids, False)``
+    (``KeyedTable.lookup_index``: the same rows), and then ``rows_for`` of a training lookup
+    takes what the index gave (``found=``) instead of probing it again.
 
     Attributes:
       name: the physical table's name (its members' names joined by "+").
