@@ -385,6 +385,30 @@ def test_a_batch_needing_more_than_max_rows_is_an_error_and_changes_nothing(back
     assert keyed_keys(eng) == [B, A]
 
 
+def test_a_refused_batch_leaves_the_other_keyed_tables_untouched(backend):
+    """Table "a" refuses the batch (max_rows) after the numba region probed table "b", whose
+    keys all had rows: b's recency and counts must stay as they were (the region touches no
+    table when one may refuse)."""
+    dyn = [ee.DynamicVocabulary(max_rows=2), ee.DynamicVocabulary()]
+    tables = [
+        ee.TableConfig(None, 2, name=n, initializer=RowId(0), dynamic=d)
+        for n, d in zip("ab", dyn, strict=True)
+    ]
+    eng = ee.EmbeddingEngine(
+        {"fa": ee.FeatureConfig(tables[0]), "fb": ee.FeatureConfig(tables[1])},
+        optimizer=opt.SGD(1.0),
+        backend=backend,
+    )
+    acts = eng.lookup({"fa": [[1, 2]], "fb": [[5, 6, 6]]})
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    before = {n: t.state() for n, t in zip("ab", eng._physical, strict=True)}
+    with pytest.raises(ValueError, match="table 'a': this batch needs 3 rows"):
+        eng.lookup({"fa": [[1, 2, 3]], "fb": [[5, 6]]})
+    for n, t in zip("ab", eng._physical, strict=True):
+        after = t.state()
+        assert all(after[k].tobytes() == before[n][k].tobytes() for k in before[n]), n
+
+
 def test_insert_on_apply(backend):
     eng = keyed_engine(backend, optimizer=opt.SGD(0.5), insert_on="apply")
     acts = eng.lookup({"f": [[A], [A, B]]})["f"]

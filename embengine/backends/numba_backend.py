@@ -282,6 +282,10 @@ def build_tables_and_pool_numba(
                 fdata[f, :2] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
+    if any(index.refuses for index in held):
+        # A table's rows_for may refuse the batch after the region: then the region touches
+        # no table's rows (their rows_for do), so a refused batch leaves every table as it was.
+        tmeta[:, train_lookup.T_LAST] = tmeta[:, train_lookup.T_TOUCHES] = 0
     # Where the region writes a keyed table's probed rows (at its unique keys' places) and
     # whether it found them all (train_lookup.PROBED_*).
     found = np.empty(int(plan.occ_base[-1]) if held else 0, dtype=np.int64)

@@ -282,6 +282,9 @@ class IndexView:
     last: np.ndarray | None
     touches: np.ndarray | None
     step: int
+    # rows_for may refuse a training batch (max_rows): then no table of the batch may be
+    # touched before every table's rows_for has run (a refusal changes nothing after it).
+    refuses: bool = False
 
 
 class KeyedView:
@@ -615,6 +618,7 @@ class KeyedTable:
             self._last if touch else None,
             self._touches if touch else None,
             self._step,
+            refuses=self.dynamic.max_rows is not None,
         )
 
     def rows_of(self, keys: np.ndarray) -> np.ndarray:
