@@ -139,8 +139,9 @@ class EmbeddingEngine:
         ``nonfinite_rows_skipped[table]``. Across rows a step is thus not atomic for results.
       storage: "ram" (default) or "mmap" for every table, or a dict of table name -> either
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
-        ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache.
-        Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
+        ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache;
+        for a keyed table (``vocabulary_size=None``) its rows (kind "keyed-mmap"; its index and
+        row metadata stay in RAM). Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
         Any kind registered with ``embengine.storage.register_storage_kind`` is accepted too.
       storage_dir: folder of the "mmap" tables' files (required if any table uses "mmap").
 

@@ -7,6 +7,7 @@ with exact expected outcomes; the same stream at 1 and 2 numba threads gives the
 """
 
 import json
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -192,7 +193,7 @@ def test_dynamic_vocabulary_defaults_and_validation():
         ee.TableConfig(0, 4)
 
 
-def test_keyed_spec_and_plan_round_trip_through_json():
+def test_keyed_spec_and_plan_round_trip_through_json(tmp_path):
     dyn = ee.DynamicVocabulary(
         occurrence_threshold=2, expire_steps=5, max_rows=100, eviction="lfu", insert_on="apply"
     )
@@ -214,10 +215,10 @@ def test_keyed_spec_and_plan_round_trip_through_json():
     plan = StoragePlan.from_json(json.loads(json.dumps(eng.storage_plan.to_json())))
     assert plan == eng.storage_plan
     assert plan.physical_tables[0].tables[0].dynamic == dyn
-    # A keyed table is stored as 'keyed' only; 'keyed' holds keyed tables only.
+    # A keyed table is stored as 'keyed', or 'keyed-mmap' in a file; those hold keyed tables only.
     feats = {"f": ee.FeatureConfig(t)}
-    with pytest.raises(ValueError, match="table 'k' is keyed .* storage 'mmap' does not hold"):
-        ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), storage="mmap", storage_dir="/tmp/x")
+    mapped = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), storage="mmap", storage_dir=tmp_path)
+    assert mapped.storage_plan.physical_tables[0].storage == "keyed-mmap"
     with pytest.raises(ValueError, match="storage 'keyed' is for keyed tables; table 'd'"):
         ee.EmbeddingEngine({"g": ee.FeatureConfig(d)}, optimizer=opt.SGD(0.1), storage="keyed")
     # Its rows are not ids: no weights by id (its state is by key: tests/test_keyed_checkpoint.py).
@@ -595,3 +596,92 @@ def test_key_index_finds_alike_on_one_thread_and_in_parallel():
     small = np.concatenate([index.find(probe[i : i + 4096]) for i in range(0, len(probe), 4096)])
     want = np.concatenate([np.arange(len(keys))[::-1], np.full(50, -1)])
     assert big.tolist() == small.tolist() == want.tolist()
+
+
+# -- keyed tables in a file (storage="mmap": kind "keyed-mmap") ----------------------------------
+
+
+def _file_pair(tmp_path, backend, **dynamic):
+    """The same engine twice: a keyed table "k" (Adam, dim 8) and a dense table "d", in RAM
+    and with storage="mmap" (the keyed table's rows in k.f32, the dense one's in d.f32)."""
+    engines = []
+    for storage in ("ram", "mmap"):
+        k = ee.TableConfig(
+            None,
+            8,
+            name="k",
+            initializer=RandomUniform(-0.5, 0.5),
+            optimizer=opt.Adam(0.05, bias_correction="per_row"),
+            dynamic=ee.DynamicVocabulary(**dynamic),
+        )
+        d = ee.TableConfig(20, 4, name="d", optimizer=opt.Adagrad(0.2))
+        kw = dict(storage="mmap", storage_dir=tmp_path / "rows") if storage == "mmap" else {}
+        feats = {"f": ee.FeatureConfig(k), "s": ee.FeatureConfig(k, 2), "g": ee.FeatureConfig(d)}
+        engines.append(ee.EmbeddingEngine(feats, backend=backend, seed=4, **kw))
+    return engines
+
+
+def _file_batch(rng, step):
+    keys = rng.integers(0, 3000, (64, 3)) * np.int64(0x9E3779B97F4A7C15 % 2**61) - step % 2
+    return {"f": keys, "s": keys[:, :2] + 1, "g": rng.integers(0, 20, (64, 2))}
+
+
+@pytest.mark.parametrize("dynamic", [{}, {"expire_steps": 3, "max_rows": 2500}])
+def test_a_keyed_table_in_a_file_trains_like_one_in_ram(tmp_path, backend, dynamic):
+    ram, mapped = _file_pair(tmp_path, backend, **dynamic)
+    table = mapped.storage_plan.physical_tables[0]
+    assert (table.storage, Path(table.path).name) == ("keyed-mmap", "k.f32")
+    assert mapped.storage_plan.physical_tables[1].storage == "mmap"
+    rng = np.random.default_rng(1)
+    for step in range(12):  # past the first capacity (1024 rows): the file grows
+        batch = _file_batch(rng, step)
+        want, got = ram.lookup(batch), mapped.lookup(batch)
+        assert all(got[k].tobytes() == want[k].tobytes() for k in want), step
+        grads = {k: np.cos(v + step).astype(np.float32) for k, v in want.items()}
+        ram.apply_gradients(grads)
+        mapped.apply_gradients(grads)
+    for name in ("k", "d"):
+        a, b = ram.table_contents(name), mapped.table_contents(name)
+        assert all(a[x].tobytes() == b[x].tobytes() for x in a), name
+    st = mapped.table_stats()["k"]
+    assert st["kind"] == "keyed-mmap" and st["capacity"] > 1024
+    assert (tmp_path / "rows" / "k.f32").stat().st_size >= st["capacity"] * 4 * (8 + 8 + 1)
+    assert mapped.spec()["tables"][0]["storage"] == "keyed-mmap"
+    evaluated = mapped.lookup(batch, training=False)
+    want = ram.lookup(batch, training=False)
+    assert all(evaluated[k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_a_keyed_tables_file_is_locked_and_checkpoints_restore_anywhere(tmp_path):
+    from embengine.storage import StorageError
+
+    ram, mapped = _file_pair(tmp_path, "numba")
+    with pytest.raises(StorageError, match="table 'k' \\(file 'k.f32'\\) is in use"):
+        _file_pair(tmp_path, "numba")
+    rng = np.random.default_rng(2)
+    stream = [_file_batch(rng, s) for s in range(8)]
+    for batch in stream[:4]:
+        for eng in (ram, mapped):
+            acts = eng.lookup(batch)
+            eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    path = mapped.save(tmp_path / "ckpt")
+    in_ram = ee.EmbeddingEngine.load(path)  # RAM unless told otherwise
+    assert in_ram.storage_plan.physical_tables[0].storage == "keyed"
+    again = ee.EmbeddingEngine.load(path, storage="mmap", storage_dir=tmp_path / "other")
+    assert (tmp_path / "other" / "k.f32").exists()
+    for batch in stream[4:]:
+        want = ram.lookup(batch)
+        for eng in (mapped, in_ram, again):
+            got = eng.lookup(batch)
+            assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+            eng.apply_gradients({k: np.ones_like(v) for k, v in got.items()})
+        ram.apply_gradients({k: np.ones_like(v) for k, v in want.items()})
+
+
+def test_keyed_mmap_is_for_keyed_tables_only(tmp_path):
+    d = ee.TableConfig(9, 2, name="d", optimizer=opt.SGD(0.1))
+    with pytest.raises(ValueError, match="storage 'keyed-mmap' is for keyed tables; table 'd'"):
+        ee.EmbeddingEngine({"g": ee.FeatureConfig(d)}, storage="keyed-mmap", storage_dir=tmp_path)
+    k = ee.TableConfig(None, 2, name="k", dynamic=ee.DynamicVocabulary(), optimizer=opt.SGD(0.1))
+    with pytest.raises(ValueError, match="storage_dir"):
+        ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, storage="mmap")

@@ -10,7 +10,13 @@ The rows live in an arena: one anonymous memory mapping reserved for ``max_rows`
 bytes of address space without a limit), of which the first ``capacity`` rows are the ``data``
 array. Reserved pages cost no memory until written, so growing the capacity (doubling, in
 chunks) moves no row and leaves earlier views valid; only a table outgrowing its reservation is
-copied into a bigger one. Rows freed by eviction are reused, smallest first.
+copied into a bigger one. Rows freed by eviction are reused, smallest first. A keyed table
+stored as "keyed-mmap" (``storage="mmap"``) keeps its rows in the file ``{storage_dir}/{name}.f32``
+instead, locked as a DenseTable's file is: growing the capacity reserves the file's new blocks
+(``posix_fallocate``: a full disk is an OSError naming the file, not a SIGBUS later) and maps
+the longer file again (the rows stay in the file; only the mapping's address moves). The
+page cache is then the rows' cache, for tables bigger than RAM. The file holds rows only:
+the index and row metadata stay in RAM, and a restart restores the table from a checkpoint.
 
 Per row the table keeps its key, the step it was last touched and how often it was touched (for
 expiry, LRU and LFU), and with ``expire_seconds`` its data time (the newest timestamp that
@@ -28,8 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import mmap
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -37,7 +46,7 @@ from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
-from .dense import row_columns
+from .dense import StorageError, _advise, _lock, row_columns
 from .protocol import NO_ROW
 
 __all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
@@ -356,6 +365,7 @@ class KeyedTable:
       dim, slot_specs: the row layout (weights, then the optimizer's slots).
       initializer, seed: a new key's weights.
       dynamic: the table's ``DynamicVocabulary``.
+      path: the file of its rows (storage "keyed-mmap"); None: in RAM ("keyed").
     """
 
     counts_occurrences = True
@@ -368,8 +378,11 @@ class KeyedTable:
         initializer: Initializer,
         seed: int,
         dynamic,
+        path: str | os.PathLike | None = None,
     ):
         self.name = name
+        self.path = None if path is None else Path(path)
+        self._fd: int | None = None  # the locked file's descriptor (keyed-mmap)
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
         self.columns, self.row_width = row_columns(name, self.dim, self.slot_specs)
@@ -437,13 +450,78 @@ class KeyedTable:
                 mapping.madvise(_MADV_HUGEPAGE)
         return mapping
 
+    def _grow_file(self, cap: int) -> None:
+        """keyed-mmap: the file (opened and locked on first use) grown to ``cap`` rows, its new
+        blocks reserved, and mapped again; the rows already written stay where they are in it."""
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # No O_TRUNC: the file may be another engine's live table until the lock is ours.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                _lock(fd, self.path, self.name)
+                os.ftruncate(fd, 0)  # a previous run's rows: the index that named them is gone
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+        old, new = self._capacity * self.row_width * 4, cap * self.row_width * 4
+        fallocate = getattr(os, "posix_fallocate", None)
+        try:
+            if fallocate is None:
+                raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+            fallocate(self._fd, old, new - old)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise OSError(
+                    e.errno,
+                    f"table {self.name!r}: cannot grow its file {str(self.path)!r} to "
+                    f"{new:,} bytes ({cap:,} rows): {e.strerror}",
+                ) from e
+            os.ftruncate(self._fd, new)  # sparse: blocks come as rows are written
+        mapping = mmap.mmap(self._fd, new)
+        _advise(mapping, "MADV_RANDOM")
+        self._mapping = mapping
+        self._full = np.frombuffer(mapping, np.float32).reshape(cap, self.row_width)
+        self._reserved = cap
+
+    def check_file(self) -> None:
+        """keyed-mmap: raise StorageError if the table was closed or its file is now shorter
+        than its rows (truncated by another program: touching the rows past its end would
+        kill the process with SIGBUS). One fstat; nothing for a table in RAM."""
+        if self.path is None:
+            return
+        if self._mapping is None or self._mapping.closed:
+            raise StorageError(f"table {self.name!r} is closed (its file {str(self.path)!r})")
+        need = self._capacity * self.row_width * 4
+        if self._mapping.size() < need:
+            raise StorageError(
+                f"table {self.name!r}: its file {str(self.path)!r} is {self._mapping.size():,} "
+                f"bytes, the table needs {need:,}: it was truncated while in use (not by "
+                "embengine, which locks it); restore the engine from a checkpoint"
+            )
+
+    def close(self) -> None:
+        """keyed-mmap: unmap the rows and release the file's lock (a no-op in RAM or when
+        closed); the table is unusable afterwards (StorageError)."""
+        if self._fd is None:
+            return
+        self._data = self._full = np.zeros((0, self.row_width), np.float32)
+        with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive
+            self._mapping.close()
+        os.close(self._fd)  # the mapping's own descriptor keeps the lock while it lives
+        self._fd = None
+
     def _grow(self, rows: int) -> None:
         """Capacity for at least ``rows`` rows: double within the reservation (no row moves),
-        or copy into a bigger reservation."""
+        or copy into a bigger reservation; keyed-mmap: grow the file (``_grow_file``)."""
         if rows <= self._capacity:
             return
         cap = max(rows, 2 * self._capacity, _FIRST_CAPACITY)
-        if self._mapping is None or cap > self._reserved:
+        if self.path is not None:
+            if self.dynamic.max_rows is not None:
+                cap = min(cap, max(rows, self.dynamic.max_rows))
+            self._grow_file(cap)
+        elif self._mapping is None or cap > self._reserved:
             reserve = max(self._reserved, cap)
             mapping = self._map(reserve)
             while mapping is None and reserve > cap:  # a smaller reservation, then
@@ -476,7 +554,10 @@ class KeyedTable:
 
     @property
     def data(self) -> np.ndarray:
-        """float32 ``[capacity, row_width]``: rows ``rows_for`` gave, and unused ones."""
+        """float32 ``[capacity, row_width]``: rows ``rows_for`` gave, and unused ones (a
+        keyed-mmap table checks its file first: ``check_file``)."""
+        if self._fd is not None:
+            self.check_file()
         return self._data
 
     @property
@@ -486,7 +567,7 @@ class KeyedTable:
 
     @property
     def storage(self) -> str:
-        return "keyed"
+        return "keyed" if self.path is None else "keyed-mmap"
 
     @property
     def nbytes(self) -> int:
@@ -804,7 +885,7 @@ class KeyedTable:
         ``step``) and in total; hit rate = hits / lookups in total."""
         total = {k: self._total[k] + self._this[k] for k in self._total}
         return {
-            "kind": "keyed",
+            "kind": self.storage,
             "rows": self._index.count,
             "capacity": self._capacity,
             "load_factor": self._index.count / self._capacity if self._capacity else 0.0,
@@ -951,10 +1032,24 @@ class KeyedTable:
         return tuple(s.name for s in self.slot_specs)
 
     def flush(self) -> None:
-        """Nothing: the rows are in RAM."""
+        """keyed-mmap: write the rows' dirty pages to the file; nothing in RAM."""
+        if self.path is not None:
+            self.check_file()
+            self._mapping.flush()
 
-    def sequential_access(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def sequential_access(self):
+        """keyed-mmap: read ahead while the rows are read in order (checkpoints)."""
+        if self.path is None:
+            yield
+            return
+        self.check_file()
+        _advise(self._mapping, "MADV_SEQUENTIAL")
+        try:
+            yield
+        finally:
+            if not self._mapping.closed:
+                _advise(self._mapping, "MADV_RANDOM")
 
 
 def _first_bad(bad: np.ndarray) -> int | None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .registry import storage_kind, storage_kinds
+from .registry import KEYED_KINDS, storage_kind, storage_kinds
 
 if TYPE_CHECKING:
     from ..config import ResolvedFeatures
@@ -334,16 +334,16 @@ def _check_plan(plan: StoragePlan) -> None:
             )
         keyed = [t.name for t in p.tables if t.vocabulary_size is None or t.dynamic is not None]
         if keyed and (
-            p.storage != "keyed"
+            p.storage not in KEYED_KINDS
             or len(p.tables) > 1
             or any(t.vocabulary_size is not None or t.dynamic is None for t in p.tables)
         ):
             raise ValueError(
-                f"{at}: a keyed table ({keyed[0]!r}) is stored alone, as storage 'keyed', with "
-                "vocabulary_size None and its dynamic vocabulary"
+                f"{at}: a keyed table ({keyed[0]!r}) is stored alone, as storage 'keyed' or "
+                "'keyed-mmap', with vocabulary_size None and its dynamic vocabulary"
             )
-        if p.storage == "keyed" and not keyed:
-            raise ValueError(f"{at}: storage 'keyed' holds a keyed table only")
+        if p.storage in KEYED_KINDS and not keyed:
+            raise ValueError(f"{at}: storage {p.storage!r} holds a keyed table only")
         row = 0
         for j, t in enumerate(p.tables):
             if t.name in tables:
@@ -408,18 +408,21 @@ def _table_file(storage_dir: Path, name: str) -> str:
 
 def _keyed_kind(name: str, cfg, kind: str) -> str:
     """The storage kind of a table given ``storage=`` said ``kind``: a keyed table is "keyed"
-    ("ram", the default, means that for it); only keyed tables are."""
+    ("ram", the default, means that for it) or "keyed-mmap" ("mmap": its rows in a file of
+    storage_dir); only keyed tables are."""
     if cfg.vocabulary_size is None:
         if kind in ("ram", "keyed"):
             return "keyed"
+        if kind in ("mmap", "keyed-mmap"):
+            return "keyed-mmap"
         raise ValueError(
-            f"table {name!r} is keyed (vocabulary_size=None), which is stored as 'keyed' in RAM; "
-            f"storage {kind!r} does not hold keyed tables yet: leave it out of storage= or say "
-            "'ram'"
+            f"table {name!r} is keyed (vocabulary_size=None), which is stored as 'keyed' in RAM "
+            f"or 'keyed-mmap' in a file; storage {kind!r} does not hold keyed tables: leave it "
+            "out of storage= or say 'ram' or 'mmap'"
         )
-    if kind == "keyed":
+    if kind in KEYED_KINDS:
         raise ValueError(
-            f"storage 'keyed' is for keyed tables; table {name!r} has vocabulary_size "
+            f"storage {kind!r} is for keyed tables; table {name!r} has vocabulary_size "
             f"{cfg.vocabulary_size}: make it TableConfig(vocabulary_size=None, ...) or store it "
             "in 'ram' or 'mmap'"
         )

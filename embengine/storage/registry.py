@@ -5,9 +5,9 @@ exists: whether tables of the kind may be packed together (low-dimensional packi
 table of the kind lives in a file of ``storage_dir`` (then it is never packed: the file is
 named after its one table), and whether its rows are its ids at the plan's row offsets (then
 batches resolve rows without the table, and the training lookup pools straight from the ids).
-"ram" and "mmap" are DenseTables, "keyed" the KeyedTable of a dynamic vocabulary
-(``storage/keyed.py``); ``register_storage_kind`` adds one (a sharded table, a test's own
-layout).
+"ram" and "mmap" are DenseTables, "keyed" and "keyed-mmap" the KeyedTable of a dynamic
+vocabulary, its rows in RAM or in a file (``storage/keyed.py``); ``register_storage_kind``
+adds one (a sharded table, a test's own layout).
 
 Import this module without numba (tests/test_layering.py).
 """
@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # not .plan: the plan imports this module
 PhysicalTableSpec = Any
 
 __all__ = [
+    "KEYED_KINDS",
     "Segment",
     "StorageFactory",
     "StorageKind",
@@ -90,15 +91,18 @@ def _keyed(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableSto
 
     (member,) = spec.tables
     (name, _, _, initializer) = segments[0]
-    return KeyedTable(name, spec.dim, slot_specs, initializer, seed, member.dynamic)
+    return KeyedTable(name, spec.dim, slot_specs, initializer, seed, member.dynamic, spec.path)
 
 
-_BUILT_IN = ("ram", "mmap", "keyed")
+# The kinds of keyed tables: rows in RAM, or in a file of storage_dir ("mmap" for a keyed table).
+KEYED_KINDS = ("keyed", "keyed-mmap")
+_BUILT_IN = ("ram", "mmap", *KEYED_KINDS)
 _KINDS: dict[str, StorageKind] = {
     "ram": StorageKind("ram", _dense, packable=True, row_ids=True),
     "mmap": StorageKind("mmap", _dense, file=True, row_ids=True),
     # A keyed table (dynamic vocabulary): rows are not ids; alone in its physical table.
     "keyed": StorageKind("keyed", _keyed),
+    "keyed-mmap": StorageKind("keyed-mmap", _keyed, file=True),
 }
 
 
@@ -111,7 +115,7 @@ def register_storage_kind(
     row_ids: bool = False,
 ) -> StorageKind:
     """Make ``storage=name`` build tables with ``factory`` (see ``StorageKind``); registering a
-    name again replaces its kind, except the built-in "ram", "mmap" and "keyed"."""
+    name again replaces its kind, except the built-in ones (``_BUILT_IN``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a storage kind's name must be a non-empty str, got {name!r}")
     if name in _BUILT_IN:

@@ -50,7 +50,7 @@ class TrainResult:
         """One line per table of a keyed run: its rows and what was admitted."""
         lines = []
         for name, s in (self.table_stats or {}).items():
-            if s.get("kind") != "keyed":
+            if s.get("kind") not in ("keyed", "keyed-mmap"):
                 continue
             total = s.get("total", {})
             mib = sum(s["bytes"].values()) / 2**20
