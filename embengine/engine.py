@@ -141,7 +141,8 @@ class EmbeddingEngine:
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
         ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache;
         for a keyed table (``vocabulary_size=None``) its rows (kind "keyed-mmap"; its index and
-        row metadata stay in RAM). Which tables share storage (low-dimensional packing) and where is ``storage_plan``.
+        row metadata stay in RAM). Which tables share storage (low-dimensional packing) and
+        where is ``storage_plan``.
         Any kind registered with ``embengine.storage.register_storage_kind`` is accepted too.
       storage_dir: folder of the "mmap" tables' files (required if any table uses "mmap").
 

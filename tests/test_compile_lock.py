@@ -278,7 +278,7 @@ def test_every_kernel_of_embengine_is_locked():
     from embengine.kernels.compile_lock import LockedCache
     from embengine.optimizers._row_math import ROW_MATH
 
-    found = [row_math.kernels(ROW_MATH["sgd"])[2](8, 0), lookup.pool]
+    found = [row_math.kernels(ROW_MATH["sgd"])[2](8, 0), lookup.pool_kernel(8)]
     for rm in codegen.builtin_row_math():  # the rendered update kernels, as the folder's
         found += [k for k in row_math.kernels(rm)[:2] if k is not None]
     for info in pkgutil.iter_modules(kernels.__path__):

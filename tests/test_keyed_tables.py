@@ -556,9 +556,10 @@ def test_touch_sets_the_step_and_adds_the_counts():
 
 
 def test_the_row_arena_asks_for_huge_pages():
-    """A keyed table's rows live in an anonymous mapping that asks for transparent huge pages,
-    as NumPy's big arrays (a dense table's) do: without them W1's keyed update and pooling ran
-    1.2-1.4x slower (TLB misses; docs/performance.md, "Keyed tables")."""
+    """A keyed table's rows live in an anonymous mapping that asks for transparent huge pages
+    once its capacity reaches 4 MiB, as NumPy's big arrays (a dense table's) do: without them
+    W1's keyed update and pooling ran 1.2-1.4x slower (TLB misses; docs/performance.md, "Keyed
+    tables"); below, a small table would pay 2 MiB for a few rows."""
     mode = "/sys/kernel/mm/transparent_hugepage/enabled"
     try:
         with open(mode) as f:
@@ -566,20 +567,24 @@ def test_the_row_arena_asks_for_huge_pages():
                 pytest.skip("transparent huge pages are off on this host")
     except OSError:
         pytest.skip("no transparent huge pages here")
+    small = keyed_engine(dim=64)
+    train_bags(small, [[k] for k in range(3000)])  # 0.75 MiB of rows: 4 KiB pages
     eng = keyed_engine(dim=64)
-    train_bags(eng, [[k] for k in range(3000)])
-    table = eng._physical[0]
-    start = table.data.ctypes.data
+    train_bags(eng, [[k] for k in range(20000)])  # 5 MiB of rows: huge pages
+    assert "hg" not in _vm_flags(small._physical[0].data.ctypes.data)
+    assert "hg" in _vm_flags(eng._physical[0].data.ctypes.data)
+
+
+def _vm_flags(start: int) -> list[str]:
+    """The VmFlags of the mapping holding address ``start`` (/proc/self/smaps)."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
     for i, line in enumerate(lines):
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
-            if lo <= start < hi:
-                flags = next(x for x in lines[i + 1 :] if x.startswith("VmFlags"))
-                assert " hg" in flags, flags  # hg: madvise(MADV_HUGEPAGE)
-                return
+            if lo <= start < hi:  # hg: madvise(MADV_HUGEPAGE)
+                return next(x for x in lines[i + 1 :] if x.startswith("VmFlags")).split()[1:]
     raise AssertionError("the arena's mapping is not in /proc/self/smaps")
 
 

@@ -154,10 +154,9 @@ def test_prepared_batch_is_deduplicated_in_order_of_first_appearance():
 @pytest.mark.parametrize("dim", [8, 16])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_fixed_dim_pooling_kernels_equal_the_generic_one(dim, quantized):
-    """``pool`` runs the width's own range function (a constant width); the any-width one, over
-    the same rows, and the sums in float64 agree."""
-    from embengine.kernels import lookup
+    from embengine.kernels.lookup import pool, pool_kernel
 
+    assert pool_kernel(dim) is not pool and pool_kernel(dim + 1) is pool
     rng = np.random.default_rng(dim)
     data = rng.normal(size=(50, dim + 3)).astype(np.float32)  # rows wider than dim (slots)
     lengths = rng.integers(0, 5, 70)  # more than one parallel task, empty bags included
@@ -167,11 +166,12 @@ def test_fixed_dim_pooling_kernels_equal_the_generic_one(dim, quantized):
     inverse = rng.permutation(n).astype(np.int64)
     gains = rng.normal(size=n).astype(np.float32)
     quant = np.array([9.0, -1.0, 1.0]) if quantized else np.zeros(3)
-    outs = [np.full((70, dim), np.nan, dtype=np.float32) for _ in range(2)]
-    lookup.pool(data, dim, unique, inverse, gains, offsets, outs[0], quant, 4)
-    any_width = lookup._pool_rows_range_any
-    any_width(data, dim, unique, inverse, gains, offsets, outs[1], quant, 4, 0, 70)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    outs = []
+    for kernel in (pool, pool_kernel(dim)):
+        out = np.full((70, dim), np.nan, dtype=np.float32)
+        kernel(data, dim, unique, inverse, gains, offsets, out, quant, 4)
+        outs.append(out)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     expected = np.zeros((70, dim))
     for o in range(70):
         for k in range(offsets[o], offsets[o + 1]):

@@ -636,7 +636,7 @@ def _deduplicated_lookup(serving, feats, weights):
     """Serving's lookup as it was before it used the backend: deduplicate (NumPy), decode the
     unique rows, pool them with the training lookup's kernel."""
     from embengine.batch import build_tables_numpy, prepare
-    from embengine.kernels.lookup import PREFETCH_DISTANCE, pool
+    from embengine.kernels.lookup import PREFETCH_DISTANCE, pool_kernel
     from embengine.serving import decode
 
     batch = prepare(serving._resolved, feats, weights, build_tables_numpy)
@@ -647,7 +647,7 @@ def _deduplicated_lookup(serving, feats, weights):
         q = serving._configs[name].quantization_config
         quant = np.zeros(3) if q is None else np.array([q.num_buckets, q.lower, q.upper])
         out = np.empty((tb.num_outputs, dim), dtype=np.float32)
-        pool(
+        pool_kernel(dim)(
             compact.reshape(-1, dim),
             dim,
             np.arange(len(tb.unique_ids)),

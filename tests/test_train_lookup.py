@@ -319,7 +319,7 @@ def test_pool_tables_equals_pool_table_by_table(threads):
 def test_lookup_only_batches_of_every_storage_equal_their_training_lookup(monkeypatch):
     """An evaluation lookup pools the tables whose rows are ids and the keyed tables (each
     key probed in its pooling task) in one region, a 16-bit table apart: the same bits as the
-    training lookup of the same batch, and one ``pool_features`` call."""
+    training lookup of the same batch, and one ``pool_keyed_features`` call."""
     u = ee.initializers.RandomUniform(-1.0, 1.0)
     q = ee.QuantizationConfig(num_buckets=7, lower=-0.5, upper=0.5)
     tables = [
@@ -357,8 +357,10 @@ def test_lookup_only_batches_of_every_storage_equal_their_training_lookup(monkey
     trained = eng.lookup(values)  # inserts the keys
     eng.apply_gradients({k: np.ones_like(a) for k, a in trained.items()})
     calls = []
-    kernel = train_lookup.pool_features
-    monkeypatch.setattr(train_lookup, "pool_features", lambda *a: calls.append(1) or kernel(*a))
+    kernel = train_lookup.pool_keyed_features
+    monkeypatch.setattr(
+        train_lookup, "pool_keyed_features", lambda *a: calls.append(1) or kernel(*a)
+    )
     evaluated = eng.lookup(values, training=False)
     assert calls == [1]
     trained = eng.lookup(values)

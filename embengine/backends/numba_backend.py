@@ -16,7 +16,7 @@ from ..inputs import frozen, read_only
 from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool, pool_bags
+from ..kernels.lookup import pool_bags, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
 from ..precision import F32, KIND
@@ -307,21 +307,16 @@ def build_tables_and_pool_numba(
     )
     del held
     batches = plan.table_batches()
-    # A keyed table's rows: its rules run on the rows the region found (rows_for(found=)).
-    # If every key had one, the region pooled it (and touched its rows, if it could).
-    pooled = ready == train_lookup.PROBED_ALL_FOUND
+    # A keyed table's rows: its rules run on the rows the region found (rows_for(found=)),
+    # which it touched if every key had one and it could.
     for t in np.flatnonzero(ready):
         lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
-        touched = bool(pooled[t] and tmeta[t, train_lookup.T_LAST])
+        touched = bool(ready[t] == train_lookup.PROBED_ALL_FOUND and tmeta[t, train_lookup.T_LAST])
         batches[t] = batches[t].resolved(
             tables[t], insert=True, found=found[lo : lo + u], touched=touched
         )
     # The other tables: rows_for once each, then all pooled through their rows in one region.
-    later = [
-        t
-        for t, table in enumerate(tables)
-        if (table.row_bases is None or _half(table)) and not pooled[t]
-    ]
+    later = [t for t, table in enumerate(tables) if table.row_bases is None or _half(table)]
     if later:
         pmeta = np.empty((len(later), train_lookup.P_COLS), dtype=np.int64)
         sources, row_lists, row_base = [], [], 0
@@ -398,6 +393,7 @@ def _pool_prepared(
 ) -> None:
     """``out`` = the activations of a deduplicated batch, through its resolved rows (or
     ``rows``, one per unique id, into ``data``)."""
+    pool = pool_kernel(dim)
     rows = tb.unique_rows if rows is None else rows
     f = frozen
     pool(data, dim, f(rows), f(tb.inverse), f(tb.gains), f(tb.output_offsets), out, quant, prefetch)
@@ -616,7 +612,8 @@ class NumbaBackend:
     ) -> list[np.ndarray]:
         """Every table's activation matrix (``lookup`` of each, the same bits). The lookup-only
         batches of float32 tables whose rows are ids (``row_bases``) or keys of an index
-        (``lookup_index``) are pooled in one parallel region (``train_lookup.pool_features``);
+        (``lookup_index``) are pooled in one parallel region (``train_lookup.pool_features``,
+        ``pool_keyed_features`` with keyed tables);
         the others by ``lookup``, table by table."""
         outs: list[np.ndarray | None] = [None] * len(tables)
         together = []  # (table index, its float32 rows, its index or None)
@@ -673,7 +670,9 @@ class NumbaBackend:
                     held.append(index)
                 f += 1
         start_pool()
-        train_lookup.pool_features(
+        keyed = any(index is not None for _, index in together)
+        kernel = train_lookup.pool_keyed_features if keyed else train_lookup.pool_features
+        kernel(
             nb.get_num_threads(),
             fmeta,
             ids,

@@ -143,8 +143,8 @@ def pool_rows_range(
 ):
     """Activation rows ``first:stop`` of a prepared batch (see ``pool``), by the function for
     the row width (a compile-time constant for FIXED_DIMS). A serial function of its own,
-    called once per task by ``pool`` and by ``train_lookup.pool_tables``: each width compiles
-    once for both (as ``pool_range`` does for lookup-only batches)."""
+    called once per task by ``train_lookup.pool_tables`` (all widths compile with it, on its
+    first call; ``pool_kernel(dim)`` compiles one width's parallel kernel)."""
     args = (data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop)
     if dim == 64:  # the most common first
         _pool_rows_range_64(*args)
@@ -171,14 +171,13 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
     """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
     (terms with a row of -1 left out).
 
-    ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no
-    quantization. Tasks of ROWS_PER_TASK output rows, each by ``pool_rows_range`` (common
-    widths compiled as constants).
+    ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no quantization.
+    ``pool_kernel(dim)`` gives a faster kernel for common dims.
     """
     n_out = out.shape[0]
     for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         first = task * ROWS_PER_TASK
-        pool_rows_range(
+        _pool_rows(
             data,
             dim,
             rows,
@@ -190,7 +189,46 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
             prefetch,
             first,
             min(n_out, first + ROWS_PER_TASK),
+            np.empty(dim, dtype=np.float32),
         )
+
+
+def _fixed_dim_pool(fixed_dim: int):
+    """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
+    the row and keeps the sum in registers, in a stack scratch row (W1-lookup's gain from each:
+    docs/performance.md, "Figures behind the code").
+    numba caches each closure under its own constant."""
+
+    @kernel(parallel=True)
+    def pool_fixed(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
+        n_out = out.shape[0]
+        for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            first = task * ROWS_PER_TASK
+            _pool_rows(
+                data,
+                fixed_dim,
+                rows,
+                inverse,
+                gains,
+                output_offsets,
+                out,
+                quant,
+                prefetch,
+                first,
+                min(n_out, first + ROWS_PER_TASK),
+                stack_row(fixed_dim),
+            )
+
+    return pool_fixed
+
+
+# Common dims get their own kernel, each compiled on first use; other dims use ``pool``.
+_FIXED_DIMS = {d: _fixed_dim_pool(d) for d in FIXED_DIMS}
+
+
+def pool_kernel(dim: int):
+    """The pooling kernel for rows of ``dim`` floats (same arguments and results as ``pool``)."""
+    return _FIXED_DIMS.get(int(dim), pool)
 
 
 @kernel(inline="always")

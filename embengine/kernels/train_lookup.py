@@ -50,7 +50,7 @@ T_DATA, T_ROWS, T_WIDTH, T_DIM, T_OUT, T_N_OUT = range(6)
 T_INDEX, T_INDEX_SLOTS, T_DEAD, T_DEAD_ROWS, T_LAST, T_TOUCHES, T_STEP = range(6, 13)
 T_COLS = 13
 # ``ready[t]`` of a keyed table after its preparation (``prepare_and_pool``): every unique key
-# had a live row (pooled in the region), or not (pooled after the storage resolved its rows).
+# had a live row (touched in the region, if the table allows), or not.
 PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
 # Columns of the per-feature array ``fdata``: the address of the row of its logical table's id 0
 # (0: not pooled here) and the rows from there on; for a feature whose ids are keys (a keyed
@@ -95,11 +95,7 @@ def pool_tasks(fmeta, fdata):
 def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
     """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
     the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
-    logical table from its base address on; keys through the index (``_pool_keyed_task``)."""
-    if fdata[f, FD_INDEX] != 0:
-        args = (fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch)
-        _pool_keyed_task(f, first, stop, *args)
-        return
+    logical table from its base address on."""
     t = fmeta[f, F_TABLE]
     dim = tmeta[t, T_DIM]
     data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
@@ -174,9 +170,9 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
 
 @kernel(parallel=True)
 def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
-    """A lookup-only batch of every table with an address in ``fdata``: ``prepare_and_pool``'s
-    pooling tasks alone, claimed from one counter by ``n_workers`` workers; features whose
-    ids are keys resolved through their index (``_pool_keyed_task``)."""
+    """A lookup-only batch of every table with an address in ``fdata`` (their ids are rows):
+    ``prepare_and_pool``'s pooling tasks alone, claimed from one counter by ``n_workers``
+    workers."""
     tasks = pool_tasks(fmeta, fdata)
     counter = np.zeros(1, dtype=np.int64)
     for _ in nb.prange(n_workers):
@@ -199,35 +195,32 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
             )
 
 
-@kernel()
-def _keyed_tasks(tmeta, out_base):
-    """``prepare_and_pool``'s pooling tasks of keyed tables (``T_INDEX``): rows ``(table, first
-    activation row, stop)``, ROWS_PER_TASK each."""
-    n = 0
-    for t in range(tmeta.shape[0]):
-        if tmeta[t, T_INDEX] != 0:
-            n += (out_base[t + 1] - out_base[t] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    tasks = np.empty((n, 3), dtype=np.int64)
-    i = 0
-    for t in range(tmeta.shape[0]):
-        if tmeta[t, T_INDEX] == 0:
-            continue
-        n_out = out_base[t + 1] - out_base[t]
-        for first in range(0, n_out, ROWS_PER_TASK):
-            tasks[i, 0] = t
-            tasks[i, 1] = first
-            tasks[i, 2] = min(first + ROWS_PER_TASK, n_out)
-            i += 1
-    return tasks
+@kernel(parallel=True)
+def pool_keyed_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """``pool_features`` for a batch with keyed features too (``fdata[f, FD_INDEX]``), whose
+    tasks probe their keys first (``_pool_keyed_task``). A kernel of its own, so that an engine
+    without keyed tables never compiles the keyed pooling (its row arrays are writable, so
+    ``lookup.pool_range`` compiles again for them)."""
+    tasks = pool_tasks(fmeta, fdata)
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in nb.prange(n_workers):
+        while True:
+            i = fetch_add(counter, 0, 1)
+            if i >= tasks.shape[0]:
+                break
+            args = (fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch)
+            if fdata[tasks[i, 0], FD_INDEX] != 0:
+                _pool_keyed_task(tasks[i, 0], tasks[i, 1], tasks[i, 2], *args)
+            else:
+                _pool_task(tasks[i, 0], tasks[i, 1], tasks[i, 2], *args)
 
 
 @kernel()
 def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready):
     """Right after keyed table ``t``'s preparation: its unique keys' rows into ``found`` (at the
-    keys' places), then ``ready[t]`` published (an atomic add, after the rows are written):
-    PROBED_ALL_FOUND if every key has a row that does not look up as absent. Then, if so and
-    the table lets the kernel touch (``T_LAST``), each row's step and count, as the storage's
-    ``rows_for`` would (one writer: the task that prepared the table)."""
+    keys' places) and ``ready[t]``: PROBED_ALL_FOUND if every key has a row that does not look
+    up as absent. Then, if so and the table lets the kernel touch (``T_LAST``), each row's step
+    and count, as the storage's ``rows_for`` would (one writer: the task that prepared it)."""
     lo = occ_base[t]
     u = n_unique[t]
     slots = int64_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 2)
@@ -239,56 +232,12 @@ def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, re
         if rows[i] < 0 or (tmeta[t, T_DEAD] != 0 and dead[rows[i], 0] != 0):
             status = PROBED_SOME_MISSING
             break
-    fetch_add(ready, t, status)
+    ready[t] = status
     if status == PROBED_ALL_FOUND and tmeta[t, T_LAST] != 0:
         n_rows = tmeta[t, T_ROWS]  # the row metadata arrays are as long as the row array
         last = int64_rows_at(tmeta[t, T_LAST], n_rows, 1)
         touches = int64_rows_at(tmeta[t, T_TOUCHES], n_rows, 1)
         touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], last, touches)
-
-
-@kernel()
-def _pool_keyed_table_task(
-    t,
-    first,
-    stop,
-    tmeta,
-    occ_base,
-    out_base,
-    found,
-    inverse,
-    gains,
-    output_offsets,
-    ready,
-    quant,
-    prefetch,
-):
-    """Activation rows ``first:stop`` of keyed table ``t`` through the rows its preparation
-    found, once ``ready[t]`` says it probed (spinning on an atomic read until then: the task
-    that prepares ``t`` was claimed before this one, so it is running); nothing if a key had
-    no row (the engine pools that table after resolving its rows)."""
-    status = fetch_add(ready, t, 0)
-    while status == 0:
-        status = fetch_add(ready, t, 0)
-    if status != PROBED_ALL_FOUND:
-        return
-    dim = tmeta[t, T_DIM]
-    data = float32_rows_at(tmeta[t, T_DATA], tmeta[t, T_ROWS], tmeta[t, T_WIDTH])
-    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
-    occ = occ_base[t]
-    pool_rows_range(
-        data,
-        dim,
-        found[occ:],
-        inverse[occ:],
-        gains[occ:],
-        output_offsets[out_base[t] + t :],
-        out,
-        quant[t],
-        prefetch,
-        first,
-        stop,
-    )
 
 
 @kernel(parallel=True)
@@ -325,13 +274,14 @@ def prepare_and_pool(
     counter. The outputs are those of the two kernels run one after the other.
 
     A keyed table (``tmeta[t, T_INDEX]``) has its unique keys probed right after its
-    preparation (``found``, ``ready[t]``: ``_probe_table``), and if every key had a row, its
-    pooling tasks (claimed after every other task) pool it through those rows here."""
+    preparation, and its rows touched if every key had one (``found``, ``ready[t]``:
+    ``_probe_table``); it is pooled after this region, once the storage resolved its rows
+    (``pool_tables``). Pooling it here, its tasks waiting for its preparation, spun on threads
+    that a loaded or oversubscribed host needed elsewhere (up to 3x slower at 8 threads on 2
+    cores) and made every training lookup compile the keyed pooling (docs/design.md)."""
     n_prep = prep_order.shape[0]
     tasks = pool_tasks(fmeta, fdata)
-    keyed = _keyed_tasks(tmeta, out_base)
-    n_features = n_prep + tasks.shape[0]
-    n_tasks = n_features + keyed.shape[0]
+    n_tasks = n_prep + tasks.shape[0]
     counter = np.zeros(1, dtype=np.int64)
     for _ in nb.prange(n_workers):
         while True:
@@ -370,23 +320,6 @@ def prepare_and_pool(
                         found,
                         ready,
                     )
-            elif i >= n_features:
-                k = i - n_features
-                _pool_keyed_table_task(
-                    keyed[k, 0],
-                    keyed[k, 1],
-                    keyed[k, 2],
-                    tmeta,
-                    occ_base,
-                    out_base,
-                    found,
-                    inverse,
-                    gains,
-                    output_offsets,
-                    ready,
-                    quant,
-                    prefetch,
-                )
             else:
                 k = i - n_prep
                 _pool_task(

@@ -58,9 +58,9 @@ _RESERVE_BYTES = 1 << 38
 # Linux: do not count the reservation against the overcommit limit (mmap.MAP_NORESERVE is not
 # exported by Python 3.11's mmap module).
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
-# Ask for transparent huge pages, as NumPy does for its big arrays (a dense table's): random
-# rows over a 4 KiB-page arena miss the TLB on nearly every row.
+# Transparent huge pages for a RAM arena from this many bytes of capacity on (_advise_huge_pages).
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_HUGE_PAGES_FROM = 4 << 20
 # The index grows (doubles) before its load passes this fraction.
 _MAX_LOAD = 0.75
 # Probes of fewer keys run on one thread: a probe costs nanoseconds, and a parallel region
@@ -445,10 +445,18 @@ class KeyedTable:
             )
         except (OSError, OverflowError, ValueError):
             return None
-        if _MADV_HUGEPAGE is not None:
-            with contextlib.suppress(OSError):
-                mapping.madvise(_MADV_HUGEPAGE)
         return mapping
+
+    def _advise_huge_pages(self) -> None:
+        """Ask for transparent huge pages over the rows' capacity once it reaches 4 MiB (as
+        NumPy does for its big arrays, a dense table's): random rows on 4 KiB pages miss the
+        TLB on nearly every row (docs/performance.md, "Keyed tables"); a smaller table would
+        pay a 2 MiB page for a few rows."""
+        nbytes = self._capacity * self.row_width * 4
+        if _MADV_HUGEPAGE is None or nbytes < _HUGE_PAGES_FROM or self.path is not None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._mapping.madvise(_MADV_HUGEPAGE, 0, nbytes)
 
     def _grow_file(self, cap: int) -> None:
         """keyed-mmap: the file (opened and locked on first use) grown to ``cap`` rows, its new
@@ -536,6 +544,7 @@ class KeyedTable:
         cap = min(cap, self._reserved)
         self._data = self._full[:cap]
         self._capacity = cap
+        self._advise_huge_pages()
         for name, dtype in (
             ("_key", np.int64),
             ("_last", np.int64),
