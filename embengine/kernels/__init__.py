@@ -8,10 +8,9 @@ for common row widths (FIXED_DIMS): pooling, and the fused updates of rows laid 
 then full-width slots, compiled with the width a constant (each on first use).
 """
 
-# Row widths with kernels of their own (lookup.pool_kernel, pool_rows_range and pool_range,
-# numba_backend.fixed_layout). The small ones serve packed and other low-dimensional tables,
-# whose steps they make faster than the any-layout kernels do (W2: docs/performance.md,
-# "Figures behind the code").
+# Row widths with kernels of their own (lookup.pool_kernel, numba_backend.fixed_layout). The
+# small ones serve packed and other low-dimensional tables, whose steps they make faster than
+# the any-layout kernels do (W2: docs/performance.md, "Figures behind the code").
 FIXED_DIMS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 # error_model="numpy": division by zero gives inf/nan like NumPy instead of a checked branch.

@@ -75,97 +75,6 @@ def _pool_rows(
             out[o, j] = acc[j]
 
 
-def _make_pool_rows_range(fixed_dim: int):
-    """Activation rows ``first:stop`` of a prepared batch (see ``pool``), with the row width the
-    constant ``fixed_dim`` (LLVM unrolls the loops over the row and keeps the sum in registers,
-    in a stack scratch row: W1-lookup's gain, docs/performance.md, "Figures behind the code"),
-    or, for ``fixed_dim == 0``, any width."""
-    if fixed_dim:
-
-        @kernel()
-        def pool_rows_range(
-            data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
-        ):
-            _pool_rows(
-                data,
-                fixed_dim,
-                rows,
-                inverse,
-                gains,
-                output_offsets,
-                out,
-                quant,
-                prefetch,
-                first,
-                stop,
-                stack_row(fixed_dim),
-            )
-
-    else:
-
-        @kernel()
-        def pool_rows_range(
-            data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
-        ):
-            _pool_rows(
-                data,
-                dim,
-                rows,
-                inverse,
-                gains,
-                output_offsets,
-                out,
-                quant,
-                prefetch,
-                first,
-                stop,
-                np.empty(dim, dtype=np.float32),
-            )
-
-    return pool_rows_range
-
-
-# One per width of FIXED_DIMS, and any width. Named globals: pool_rows_range chooses.
-_pool_rows_range_1 = _make_pool_rows_range(1)
-_pool_rows_range_2 = _make_pool_rows_range(2)
-_pool_rows_range_4 = _make_pool_rows_range(4)
-_pool_rows_range_8 = _make_pool_rows_range(8)
-_pool_rows_range_16 = _make_pool_rows_range(16)
-_pool_rows_range_32 = _make_pool_rows_range(32)
-_pool_rows_range_64 = _make_pool_rows_range(64)
-_pool_rows_range_128 = _make_pool_rows_range(128)
-_pool_rows_range_any = _make_pool_rows_range(0)
-
-
-@kernel()
-def pool_rows_range(
-    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
-):
-    """Activation rows ``first:stop`` of a prepared batch (see ``pool``), by the function for
-    the row width (a compile-time constant for FIXED_DIMS). A serial function of its own,
-    called once per task by ``train_lookup.pool_tables`` (all widths compile with it, on its
-    first call; ``pool_kernel(dim)`` compiles one width's parallel kernel)."""
-    args = (data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop)
-    if dim == 64:  # the most common first
-        _pool_rows_range_64(*args)
-    elif dim == 32:
-        _pool_rows_range_32(*args)
-    elif dim == 128:
-        _pool_rows_range_128(*args)
-    elif dim == 16:
-        _pool_rows_range_16(*args)
-    elif dim == 8:
-        _pool_rows_range_8(*args)
-    elif dim == 4:
-        _pool_rows_range_4(*args)
-    elif dim == 2:
-        _pool_rows_range_2(*args)
-    elif dim == 1:
-        _pool_rows_range_1(*args)
-    else:
-        _pool_rows_range_any(*args)
-
-
 @kernel(parallel=True)
 def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
     """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
@@ -390,8 +299,7 @@ _pool_range_32 = _make_pool_range(32)
 _pool_range_64 = _make_pool_range(64)
 _pool_range_128 = _make_pool_range(128)
 _pool_range_any = _make_pool_range(0)
-# pool_rows_range and pool_range have a branch for each
-assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)
+assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch for each
 
 
 @kernel()
@@ -412,7 +320,7 @@ def pool_range(
 ):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
     width: the width a compile-time constant for FIXED_DIMS (faster pooling, see
-    ``_make_pool_rows_range``), else any width.
+    ``_fixed_dim_pool``), else any width.
 
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop

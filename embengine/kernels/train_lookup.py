@@ -24,10 +24,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import kernel
-from ._intrinsics import fetch_add, float32_rows_at, int64_rows_at, uint8_rows_at
+from . import FIXED_DIMS, kernel
+from ._intrinsics import fetch_add, float32_rows_at, int64_rows_at, stack_row, uint8_rows_at
 from .keyed_index import find_range, touch
-from .lookup import ROWS_PER_TASK, pool_range, pool_rows_range
+from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -354,36 +354,115 @@ def _table_tasks(pmeta):
     return tasks
 
 
-@kernel(parallel=True)
+@kernel(inline="always")
+def _pool_table_task(
+    t, first, stop, dim, pmeta, rows, inverse, gains, output_offsets, quant, prefetch, acc
+):
+    """Activation rows ``first:stop`` of table ``t`` of ``pool_tables`` (``lookup._pool_rows``
+    on its slices of the shared arrays)."""
+    data = float32_rows_at(pmeta[t, P_DATA], pmeta[t, P_ROWS], pmeta[t, P_WIDTH])
+    out = float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], pmeta[t, P_DIM])
+    occ = pmeta[t, P_OCC_BASE]
+    _pool_rows(
+        data,
+        dim,
+        rows[pmeta[t, P_ROW_BASE] :],
+        inverse[occ:],
+        gains[occ:],
+        output_offsets[pmeta[t, P_OFF_BASE] :],
+        out,
+        quant[t],
+        prefetch,
+        first,
+        stop,
+        acc,
+    )
+
+
+def _make_pool_tables(fixed_dim: int):
+    """``pool_tables`` for tables of width ``fixed_dim`` (a compile-time constant: the sum in
+    registers, as ``lookup.pool_kernel`` gives one table), or of any width for 0. One kernel
+    per width, compiled on first use: a kernel dispatching over every width compiled all nine
+    in each process that pooled a keyed or 16-bit table (the fresh clone's tests: minutes)."""
+
+    if fixed_dim:
+
+        @kernel(parallel=True)
+        def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
+            tasks = _table_tasks(pmeta)
+            counter = np.zeros(1, dtype=np.int64)
+            for _ in nb.prange(n_workers):
+                while True:
+                    i = fetch_add(counter, 0, 1)
+                    if i >= tasks.shape[0]:
+                        break
+                    _pool_table_task(
+                        tasks[i, 0],
+                        tasks[i, 1],
+                        tasks[i, 2],
+                        fixed_dim,
+                        pmeta,
+                        rows,
+                        inverse,
+                        gains,
+                        output_offsets,
+                        quant,
+                        prefetch,
+                        stack_row(fixed_dim),
+                    )
+
+    else:
+
+        @kernel(parallel=True)
+        def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
+            tasks = _table_tasks(pmeta)
+            counter = np.zeros(1, dtype=np.int64)
+            for _ in nb.prange(n_workers):
+                while True:
+                    i = fetch_add(counter, 0, 1)
+                    if i >= tasks.shape[0]:
+                        break
+                    dim = pmeta[tasks[i, 0], P_DIM]
+                    _pool_table_task(
+                        tasks[i, 0],
+                        tasks[i, 1],
+                        tasks[i, 2],
+                        dim,
+                        pmeta,
+                        rows,
+                        inverse,
+                        gains,
+                        output_offsets,
+                        quant,
+                        prefetch,
+                        np.empty(dim, dtype=np.float32),
+                    )
+
+    return pool_tables
+
+
+_POOL_TABLES = {d: _make_pool_tables(d) for d in (*FIXED_DIMS, 0)}
+
+
 def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
     """Every table of ``pmeta`` pooled through its prepared batch, by ``n_workers`` workers
     claiming tasks of ROWS_PER_TASK activation rows from one counter: for table ``t`` (a
     ``pmeta`` row), ``lookup.pool`` of its rows ``rows[P_ROW_BASE:]``, occurrences
     ``inverse[P_OCC_BASE:]`` / ``gains[P_OCC_BASE:]``, CSR ``output_offsets[P_OFF_BASE:]``
-    and ``quant[t]``. One parallel region for the tables a training lookup pools after the
-    storage resolved their rows, where a region per table waited for the threads each time."""
-    tasks = _table_tasks(pmeta)
-    counter = np.zeros(1, dtype=np.int64)
-    for _ in nb.prange(n_workers):
-        while True:
-            i = fetch_add(counter, 0, 1)
-            if i >= tasks.shape[0]:
-                break
-            t = tasks[i, 0]
-            dim = pmeta[t, P_DIM]
-            data = float32_rows_at(pmeta[t, P_DATA], pmeta[t, P_ROWS], pmeta[t, P_WIDTH])
-            out = float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], dim)
-            occ = pmeta[t, P_OCC_BASE]
-            pool_rows_range(
-                data,
-                dim,
-                rows[pmeta[t, P_ROW_BASE] :],
-                inverse[occ:],
-                gains[occ:],
-                output_offsets[pmeta[t, P_OFF_BASE] :],
-                out,
-                quant[t],
-                prefetch,
-                tasks[i, 1],
-                tasks[i, 2],
-            )
+    and ``quant[t]``: one parallel region per row width among the tables (one kernel each,
+    ``_make_pool_tables``), where a region per table waited for the threads each time. For
+    the tables a training lookup pools after the storage resolved their rows."""
+    dims = pmeta[:, P_DIM]
+    for d in np.unique(dims):
+        kernel = _POOL_TABLES.get(int(d), _POOL_TABLES[0])
+        at = np.flatnonzero(dims == d)
+        kernel(
+            n_workers,
+            np.ascontiguousarray(pmeta[at]),
+            rows,
+            inverse,
+            gains,
+            output_offsets,
+            np.ascontiguousarray(quant[at]),
+            prefetch,
+        )
