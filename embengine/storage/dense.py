@@ -63,6 +63,19 @@ def _advise(mapping: mmap.mmap, advice: str) -> None:
         pass
 
 
+@contextlib.contextmanager
+def read_ahead(mapping: mmap.mmap):
+    """A table file's mapping advised for sequential reads while the block runs (a whole
+    table read or written in order), for random access again after it (unless the block
+    closed the mapping)."""
+    _advise(mapping, "MADV_SEQUENTIAL")
+    try:
+        yield
+    finally:
+        if not mapping.closed:  # close() inside the block
+            _advise(mapping, "MADV_RANDOM")
+
+
 class StorageError(ValueError):
     """A memory-mapped table's file cannot be used: another engine holds it, it was truncated
     under the table, or the table was closed."""
@@ -408,12 +421,8 @@ class DenseTable:
             yield
             return
         self.check_file()
-        _advise(self._mapping, "MADV_SEQUENTIAL")
-        try:
+        with read_ahead(self._mapping):
             yield
-        finally:
-            if not self._mapping.closed:  # close() inside the block
-                _advise(self._mapping, "MADV_RANDOM")
 
 
 class TableView:

@@ -46,7 +46,7 @@ from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
-from .dense import StorageError, _advise, _lock, row_columns
+from .dense import StorageError, _advise, _lock, read_ahead, row_columns
 from .protocol import NO_ROW
 
 __all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
@@ -1053,12 +1053,8 @@ class KeyedTable:
             yield
             return
         self.check_file()
-        _advise(self._mapping, "MADV_SEQUENTIAL")
-        try:
+        with read_ahead(self._mapping):
             yield
-        finally:
-            if not self._mapping.closed:
-                _advise(self._mapping, "MADV_RANDOM")
 
 
 def _first_bad(bad: np.ndarray) -> int | None:
