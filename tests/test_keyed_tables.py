@@ -347,6 +347,32 @@ def test_expiry_and_readmission_with_fresh_row(backend):
     np.testing.assert_array_equal(c["accumulators"][c["keys"] == A], np.float32([[fresh, fresh]]))
 
 
+def test_a_training_lookup_scans_for_expired_rows_once(backend):
+    """The scan of every row's metadata for expired rows runs once per training lookup, not in
+    each rule that asks (the numba backend's probe, expiry, eviction: 2M rows took 14.9 ms a
+    lookup with two scans, 9.1 ms with one); a lookup after rows changed, or at another step,
+    scans again."""
+    eng = keyed_engine(backend, expire_steps=1, max_rows=2)
+    table = eng._physical[0]
+    scans = []
+    scan = table._scan_expired
+    table._scan_expired = lambda: scans.append(table._step) or scan()
+    train_bags(eng, [[A, B]])
+    train_bags(eng, [[C, D]])
+    scans.clear()
+    train_bags(eng, [[E, C]])  # step 2: A and B expired (2 - 0 > 1), E evicts D (max_rows)
+    assert keyed_keys(eng) == sorted([C, E])
+    assert eng.table_stats()["k"]["this_step"]["evicted"] == 1
+    assert scans == [2]
+    eng.lookup({"f": [[A]]}, training=False)  # step 3
+    eng.lookup({"f": [[C]]}, training=False)  # nothing changed since the last scan
+    assert scans == [2, 3]
+    train_bags(eng, [[C]])
+    assert scans == [2, 3]
+    train_bags(eng, [[C]])  # the step before inserted nothing but touched C
+    assert scans == [2, 3, 4]
+
+
 def test_lru_eviction(backend):
     eng = keyed_engine(backend, max_rows=3)
     train_bags(eng, [[A, B, C]])

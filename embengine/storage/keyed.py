@@ -406,6 +406,9 @@ class KeyedTable:
         self._high = 0  # rows handed out so far (live or free)
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
+        # cached _expired(): ((step, data time), rows), dropped by every change of the rows'
+        # metadata (a training lookup asks in lookup_index, rows_for and _victims)
+        self._expired_memo = None
         self._stats_step = -1
         # Data time (``DynamicVocabulary.expire_seconds``): the newest timestamp of the training
         # calls that resolved keys here, and the timestamp of the call under way (None: none).
@@ -752,7 +755,17 @@ class KeyedTable:
 
     def _expired(self) -> np.ndarray:
         """Live rows not touched for more than ``expire_steps`` steps, or whose data time is
-        more than ``expire_seconds`` behind the call's (``_now``), ascending."""
+        more than ``expire_seconds`` behind the call's (``_now``), ascending (read-only).
+        Computed once per step, data time and state of the rows: a scan of every row's
+        metadata costs milliseconds on millions of rows."""
+        when = (self._step, self._now())
+        memo = self._expired_memo
+        if memo is None or memo[0] != when:
+            self._expired_memo = memo = (when, frozen(self._scan_expired()))
+        return memo[1]
+
+    def _scan_expired(self) -> np.ndarray:
+        """``_expired()``, computed."""
         s, d = self.dynamic.expire_steps, self.dynamic.expire_seconds
         now = self._now()
         by_time = d is not None and now != NO_TIME
@@ -803,6 +816,7 @@ class KeyedTable:
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
         from ..kernels import keyed_index
 
+        self._expired_memo = None
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         keyed_index.touch(
@@ -822,7 +836,7 @@ class KeyedTable:
         self._index.remove(self._key[rows])
         self._live[rows] = False
         self._free = np.sort(np.concatenate([self._free, rows]))
-        self._live_rows = None
+        self._live_rows = self._expired_memo = None
 
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Rows for new ``keys`` (distinct, absent): smallest free rows first, initial weights
@@ -866,7 +880,7 @@ class KeyedTable:
             self._time[where] = NO_TIME if self._call_time is None else self._call_time
         if self.dynamic.occurrence_threshold > 0:
             self._pending.forget(keys)
-        self._live_rows = None
+        self._live_rows = self._expired_memo = None
         self._this["admitted"] += len(keys)
         return rows
 
@@ -1004,6 +1018,7 @@ class KeyedTable:
         self._time = np.zeros(0, np.int64)
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
+        self._expired_memo = None
         data = self._data
         data[:n, : self.dim] = a[WEIGHTS]
         for spec in self.slot_specs:
