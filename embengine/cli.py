@@ -225,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         "process; "
         "W1-dist: W1 on 1 process and on 2 ranks, in processes of its own (W1-keyed-dist: its "
         "tables keyed); W1-floor: each "
-        "optimizer's update kernel against the floor of its memory work; W1-keyed, W1-new, W4, "
-        "insert: keyed tables against issue 15's targets, in one table)",
+        "optimizer's update kernel against the floor of its memory work; W1-keyed, W1-new, "
+        "W3-keyed, W4, insert: keyed tables against issue 15's targets, in one table)",
     )
     bench.add_argument(
         "--scale",

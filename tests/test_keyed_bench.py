@@ -55,6 +55,7 @@ def test_the_keyed_bench_runs_every_workload_and_prints_one_table():
         "W1-keyed step, keyed / dense",
         "W1-keyed lookup-only, keyed / dense",
         "W1-new step, keyed / dense",
+        "W3-keyed per id, W3 / W1 (keyed)",
         "W4 step time, 2nd half / 1st half",
         "W4 RSS, largest / smallest",
         "insertion, M new keys/s on 1 core",
@@ -63,6 +64,7 @@ def test_the_keyed_bench_runs_every_workload_and_prints_one_table():
     assert all(r.value > 0 and np.isfinite(r.value) for r in results)
     by = {r.measure: r for r in results}
     assert "to fill;" in by["W4 step time, 2nd half / 1st half"].detail  # the table filled
+    assert "; dense W3 / W1 " in by["W3-keyed per id, W3 / W1 (keyed)"].detail
     assert by["bytes per key beyond the row"].value > 8  # an index slot at least
     lines = keyed.format_keyed(results, 0.0005).splitlines()
     assert lines[0] == host().describe()

@@ -1,5 +1,5 @@
-"""``embengine bench --workloads W1-keyed W1-new W4 insert``: keyed tables against issue 15's
-targets, printed in one table.
+"""``embengine bench --workloads W1-keyed W1-new W3-keyed W4 insert``: keyed tables against issue
+15's targets, printed in one table.
 
 - **W1-keyed**: W1's batches with every id replaced by a random 64-bit key (a fixed random
   map per table), all keys resident before timing; the keyed engine and the dense engine
@@ -8,6 +8,11 @@ targets, printed in one table.
 - **W1-new**: W1's batches with every key new at every step (the step's ids moved to an
   unused key range, scrambled); ``expire_steps=2`` hands earlier steps' rows back, so memory
   stays bounded. Training step, keyed against dense, interleaved.
+- **W3-keyed**: W3 (one table of 20M rows) with random 64-bit keys, all resident, against
+  W1-keyed per id: the keyed and dense engines on W1 and on W3, four members interleaved in
+  one group (``runner.run_vocabulary``'s blocks); the dense W3 / W1 ratio is printed beside
+  the keyed one, so that what the vocabulary and the single table cost a dense table too is
+  told apart from what the keys add.
 - **W4**: one table (dim 64, SGD) of ``max_rows = 10^6`` fed Zipf(1.05) keys over 10^7
   distinct random 64-bit keys (batch 4096 x 20): once the table is full (every step evicts),
   ``3 * steps`` (at least 30) steps are timed; the step time (median of their second half
@@ -31,12 +36,18 @@ import numpy as np
 
 from .host import host
 from .peers import EngineRunner
-from .runner import _status_gb, _time_configs, batches_needed
+from .runner import (
+    VOCABULARY_BLOCK,
+    VOCABULARY_UNTIMED,
+    _status_gb,
+    _time_configs,
+    batches_needed,
+)
 from .workloads import WORKLOADS, Batch, Workload, make_batches
 
 __all__ = ["KEYED_WORKLOADS", "KeyedResult", "run_keyed", "format_keyed", "W4"]
 
-KEYED_WORKLOADS = ("W1-keyed", "W1-new", "W4", "insert")
+KEYED_WORKLOADS = ("W1-keyed", "W1-new", "W3-keyed", "W4", "insert")
 
 
 @dataclass(frozen=True)
@@ -193,6 +204,37 @@ def run_w1(scale: float, steps: int, warmup: int, new: bool, log) -> list[KeyedR
     return out
 
 
+def run_w3(scale: float, steps: int, warmup: int, log) -> list[KeyedResult]:
+    """W3-keyed: the time per id of keyed W3 against keyed W1, and of dense W3 against dense
+    W1, the four engines (SGD) interleaved in one group."""
+    ws = [_scaled(WORKLOADS[name], scale) for name in ("W1", "W3")]
+    log(f"W3-keyed: W3 ({ws[1].tables[0][0]:,} keys) against W1, per id; generating batches")
+    n = batches_needed(warmup, steps, VOCABULARY_BLOCK, VOCABULARY_UNTIMED)
+    batches = [make_batches(w, n) for w in ws]
+    members = []
+    for w, b in zip(ws, batches, strict=True):
+        members += [
+            (lambda w=w: EngineRunner(w, "SGD"), b, w),
+            (lambda w=w: KeyedRunner(w, "SGD"), b, w),
+        ]
+    d1, k1, d3, k3 = _time_configs(
+        members, warmup, steps, log, VOCABULARY_BLOCK, VOCABULARY_UNTIMED
+    )
+
+    def per_id(r) -> float:
+        return r.ms_per_step / r.ids_per_step
+
+    return [
+        KeyedResult(
+            "W3-keyed per id, W3 / W1 (keyed)",
+            per_id(k3) / per_id(k1),
+            "<= 1.3",
+            f"keyed W3 {k3.ms_per_step:.1f} ms, W1 {k1.ms_per_step:.1f} ms; dense W3 / W1 "
+            f"{per_id(d3) / per_id(d1):.2f} (W3 {d3.ms_per_step:.1f}, W1 {d1.ms_per_step:.1f} ms)",
+        )
+    ]
+
+
 def _w4_batches(spec: W4Spec, rng: np.random.Generator, keys: np.ndarray, cdf: np.ndarray):
     n = spec.batch_size * spec.bag_size
     ranks = np.minimum(np.searchsorted(cdf, rng.random(n)), len(keys) - 1)
@@ -330,6 +372,8 @@ def run_keyed(
             out += run_w1(scale, steps, warmup, new=False, log=log)
         elif name == "W1-new":
             out += run_w1(scale, steps, warmup, new=True, log=log)
+        elif name == "W3-keyed":
+            out += run_w3(scale, steps, warmup, log)
         elif name == "W4":
             out += run_w4(scale, max(3 * steps, 30), log)
         elif name == "insert":
