@@ -40,12 +40,10 @@ from .learning_rates import LearningRates
 from .optimizers import Optimizer
 from .spec import (
     NONFINITE_POLICIES,
-    compressor_entry,
-    dtype_entries,
     engine_options,
     feature_configs_from_spec,
-    initializer_to_json,
-    optimizer_to_json,
+    feature_entries,
+    table_entry,
 )
 from .state import WEIGHTS, PartialLoadError, check_state
 from .storage import StoragePlan, make_storage, plan_storage
@@ -335,36 +333,19 @@ class EmbeddingEngine:
         learning-rate tags, seed, backend and non-finite policy. ``from_spec`` rebuilds the
         engine from it; a checkpoint's manifest is this plus the checkpoint's own keys."""
         r = self._resolved
-        tables = []
-        for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
-            opt, view = self._optimizers[t], self._tables[t]
-            q = cfg.quantization_config
-            tables.append(
-                {
-                    "name": name,
-                    "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
-                    **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
-                    "dim": cfg.dim,
-                    "combiner": cfg.combiner,
-                    "initializer": initializer_to_json(_initializer_for(cfg, opt)),
-                    "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
-                    "quantization_config": None if q is None else dataclasses.asdict(q),
-                    **compressor_entry(cfg),
-                    **dtype_entries(cfg),
-                    "storage": view.storage,
-                    "slots": [dataclasses.asdict(s) for s in view.slot_specs],
-                }
+        tables = [
+            table_entry(
+                name,
+                cfg,
+                self._optimizers[t],
+                _initializer_for(cfg, self._optimizers[t]),
+                self._learning_rates.tag_of(t),
+                self._tables[t].storage,
+                self._tables[t].slot_specs,
             )
-        features = [
-            {
-                "name": name,
-                "table": r.table_names[r.feature_table[name]],
-                "max_sequence_length": fc.max_sequence_length,
-                "validate_weights_and_indices": fc.validate_weights_and_indices,
-                "output_shape": None if fc.output_shape is None else list(fc.output_shape),
-            }
-            for name, fc in r.features.items()
+            for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True))
         ]
+        features = feature_entries(r)
         # Checkpoints store the plan too (their manifest is the spec plus their own keys), for
         # inspect; from_spec plans storage anew (where a table lives is the machine's business).
         return {

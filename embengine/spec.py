@@ -163,6 +163,50 @@ def compressor_entry(cfg: TableConfig) -> dict:
     return {"compressor": {"compression": c.compression, "fixed_range": c.fixed_range}}
 
 
+def table_entry(
+    name: str,
+    cfg: TableConfig,
+    optimizer: _opt.Optimizer,
+    initializer: _init.Initializer,
+    tag: int | None,
+    storage: str,
+    slot_specs,
+) -> dict:
+    """One table of a spec's ``"tables"``: its configuration, the initializer and optimizer it
+    trains with (learning-rate ``tag``), where its rows live and its slots."""
+    q = cfg.quantization_config
+    return {
+        "name": name,
+        "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+        **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
+        "dim": cfg.dim,
+        "combiner": cfg.combiner,
+        "initializer": initializer_to_json(initializer),
+        "optimizer": optimizer_to_json(optimizer, tag),
+        "quantization_config": None if q is None else dataclasses.asdict(q),
+        **compressor_entry(cfg),
+        **dtype_entries(cfg),
+        "storage": storage,
+        "slots": [dataclasses.asdict(s) for s in slot_specs],
+    }
+
+
+def feature_entries(resolved) -> list[dict]:
+    """A spec's ``"features"``: each feature of a resolved configuration
+    (``config.resolve``) with its table and options."""
+    r = resolved
+    return [
+        {
+            "name": name,
+            "table": r.table_names[r.feature_table[name]],
+            "max_sequence_length": fc.max_sequence_length,
+            "validate_weights_and_indices": fc.validate_weights_and_indices,
+            "output_shape": None if fc.output_shape is None else list(fc.output_shape),
+        }
+        for name, fc in r.features.items()
+    ]
+
+
 def _table_config(
     t: Mapping, callables: Mapping[int, Callable], initializers: Mapping[str, _init.Initializer]
 ) -> TableConfig:

@@ -523,5 +523,12 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
         ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), nonfinite_gradients="ignore")
     with pytest.raises(TypeError, match="seed must be an int, got 1.5"):
         ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), seed=1.5)
+    half = ee.TableConfig(10, 4, name="h", weights_dtype="bfloat16")
+    with pytest.raises(ValueError, match="table 'h': weights_dtype='bfloat16', slots_dtype="):
+        ShardedEngine({"f": ee.FeatureConfig(half)}, optimizer=ee.optimizers.SGD(0.1))
     engine = ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1))
     assert engine.world_size == 1 and engine.plan == {"t": "row"}
+    single = ee.EmbeddingEngine(features, optimizer=ee.optimizers.SGD(0.1)).spec()
+    assert {k: engine.spec()[k] for k in ("tables", "features")} == {
+        k: single[k] for k in ("tables", "features")
+    }

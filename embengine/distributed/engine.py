@@ -54,7 +54,7 @@ from ..inputs import as_numpy, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..spec import compressor_entry, initializer_to_json, optimizer_to_json
+from ..spec import feature_entries, initializer_to_json, optimizer_to_json, table_entry
 from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
 from ..storage.keyed import KeyedTable
@@ -141,6 +141,12 @@ class ShardedEngine:
         )
         keyed = [t.keyed for t in r.tables]
         for name, t in zip(r.table_names, r.tables, strict=True):
+            if (t.weights_dtype, t.slots_dtype) != ("float32", "float32"):
+                raise ValueError(
+                    f"table {name!r}: weights_dtype={t.weights_dtype!r}, slots_dtype="
+                    f"{t.slots_dtype!r}: a ShardedEngine keeps its tables in float32 (16-bit "
+                    "tables train in an EmbeddingEngine); leave both 'float32'"
+                )
             if t.keyed and t.dynamic.max_rows is not None:
                 raise ValueError(
                     f"table {name!r}: DynamicVocabulary(max_rows={t.dynamic.max_rows}): a "
@@ -1040,35 +1046,19 @@ class ShardedEngine:
         (``EmbeddingEngine.spec``; tables in RAM): what a checkpoint's manifest holds, so a
         plain engine loads a ShardedEngine's checkpoint and back."""
         r = self._resolved
-        tables = []
-        for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
-            opt, shard = self._optimizers[t], self._shards[t]
-            q = cfg.quantization_config
-            tables.append(
-                {
-                    "name": name,
-                    "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
-                    **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
-                    "dim": cfg.dim,
-                    "combiner": cfg.combiner,
-                    "initializer": initializer_to_json(_initializer_for(cfg, opt)),
-                    "optimizer": optimizer_to_json(opt, self._learning_rates.tag_of(t)),
-                    "quantization_config": None if q is None else dataclasses.asdict(q),
-                    **compressor_entry(cfg),
-                    "storage": "keyed" if cfg.keyed else "ram",
-                    "slots": [dataclasses.asdict(s) for s in shard.slot_specs],
-                }
+        tables = [
+            table_entry(
+                name,
+                cfg,
+                self._optimizers[t],
+                _initializer_for(cfg, self._optimizers[t]),
+                self._learning_rates.tag_of(t),
+                "keyed" if cfg.keyed else "ram",
+                self._shards[t].slot_specs,
             )
-        features = [
-            {
-                "name": name,
-                "table": r.table_names[r.feature_table[name]],
-                "max_sequence_length": fc.max_sequence_length,
-                "validate_weights_and_indices": fc.validate_weights_and_indices,
-                "output_shape": None if fc.output_shape is None else list(fc.output_shape),
-            }
-            for name, fc in r.features.items()
+            for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True))
         ]
+        features = feature_entries(r)
         tags = []
         for tag in range(self._learning_rates.num_tags):
             fn = self._learning_rates.tag_callable(tag)
