@@ -130,6 +130,61 @@ def test_float32_weights_in_a_16_bit_row_without_float_slots(scenario):
     _steps(engines, scenario)
 
 
+# Row math whose 16-bit tables of widths in HALF_FIXED_DIMS get a fused update compiled for
+# their row layout (numba_backend.half_layout), each with a dtype pair of its own.
+LAYOUT_CASES = [
+    (opt.Adam(0.05), ("bfloat16", "bfloat16")),
+    (opt.Adagrad(0.2, clipvalue=0.5), ("float32", "float16")),
+    (opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5), ("bfloat16", "float32")),
+]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "dtypes"), LAYOUT_CASES, ids=[type(o).__name__ for o, _ in LAYOUT_CASES]
+)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_a_16_bit_row_layout_kernel_equals_the_reference(optimizer, dtypes, scenario):
+    from embengine.backends.numba_backend import half_layout, kernels_for
+    from embengine.kernels import HALF_FIXED_DIMS, row_math
+
+    dims, *rest = scenario
+    scenario = ([32] * len(dims), *rest)
+    assert 32 in HALF_FIXED_DIMS
+    engines = [_engine(scenario, optimizer, b, dtypes) for b in ("numba", "reference")]
+    table = engines[0]._physical[0]
+    rm = optimizer.row_math(32)
+    any_layout = {fused for fused, _ in row_math.half_kernels(rm).values()}
+    assert half_layout(rm, table)[0] == 32
+    assert kernels_for(optimizer, table)[0] not in any_layout  # the row layout's own kernel
+    _steps(engines, scenario)
+
+
+def test_16_bit_row_layout_kernels_only_where_they_pay():
+    """Short rows, SGD (no slots) and row-wise Adagrad (a scalar slot) keep the any-layout
+    16-bit kernel: a kernel per layout measured slower for the latter two."""
+    from embengine.backends.numba_backend import half_layout
+
+    def table(dim, optimizer):
+        t = ee.TableConfig(4, dim, name="t", weights_dtype="bfloat16", slots_dtype="bfloat16")
+        engine = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer)
+        return optimizer.row_math(dim), engine._physical[0]
+
+    assert half_layout(*table(8, opt.Adam(0.1))) is None
+    assert half_layout(*table(64, opt.SGD(0.1))) is None
+    assert half_layout(*table(64, opt.Adagrad(0.1, hessian_compression_times=64))) is None
+    rm, t = table(64, opt.Adam(0.1))
+    assert half_layout(rm, t) == (
+        64,
+        *[t.columns[n].start for n in ("momenta",)],
+        64,
+        t.columns["velocities"].start,
+        64,
+        0,
+        0,
+    )
+
+
 @_with_dtypes(COUNTING)
 @SETTINGS
 @given(scenario=scenarios())

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, identity_rows
 from ..inputs import frozen, read_only
-from ..kernels import FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
+from ..kernels import FIXED_DIMS, HALF_FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
 from ..kernels.lookup import pool_bags, pool_kernel
@@ -471,15 +471,42 @@ def _fixed_kernel(rm: RowMath, dim: int, n_slots: int):
     return row_math.kernels(rm)[2](dim, n_slots)
 
 
+def half_layout(rm: RowMath, table: TableStorage) -> tuple[int, ...] | None:
+    """The row layout a 16-bit table's fused update is compiled for (``codegen``'s
+    FIXED_HALF_KERNEL: ``(dim, f0, n0, f1, n1, f2, n2)``, the values ``_table_constants`` puts
+    in ``meta``), or None: for widths in HALF_FIXED_DIMS only (each layout is a kernel of its
+    own to compile, worth it where a row is long), and for element-wise row math with slots,
+    where it measured faster (Adam, Adagrad, FTRL; SGD's and row-wise Adagrad's measured
+    slower: docs/performance.md, "16-bit update kernels for a row layout")."""
+    if table.dim not in HALF_FIXED_DIMS or rm.form != "element" or not rm.slots:
+        return None
+    layout = [table.dim] + [0] * (2 * pipeline.MAX_FLOAT_SLOTS)
+    float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
+    for i, spec in enumerate(float_slots):
+        layout[1 + 2 * i] = table.columns[spec.name].start
+        layout[2 + 2 * i] = spec.width
+    return tuple(layout)
+
+
+@functools.cache  # one dispatcher per layout and dtype pair, as _fixed_kernel
+def _fixed_half_kernel(rm: RowMath, kinds: tuple[int, int], layout: tuple[int, ...]):
+    return row_math.fixed_half_kernels(rm)[kinds](layout)
+
+
 def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
     fixed-layout fused update where it fits (fixed_layout), else the any-layout one; for a
-    table with 16-bit columns the ``half`` kernels (any layout: they widen on copy-in and round
-    on write-back, which the in-place fixed-layout kernels cannot)."""
+    table with 16-bit columns the ``half`` kernels (they widen on copy-in and round on
+    write-back, which the in-place fixed-layout kernels cannot), their fused update compiled
+    for the table's row layout from HALF_FIXED_DIMS on (``half_layout``)."""
     rm = optimizer.row_math(table.dim)
     if _half(table):
-        slots = KIND[table.slots_dtype] if rm.slots else F32
-        return row_math.half_kernels(rm)[KIND[table.weights_dtype], slots]
+        kinds = (KIND[table.weights_dtype], KIND[table.slots_dtype] if rm.slots else F32)
+        fused, every_row = row_math.half_kernels(rm)[kinds]
+        layout = half_layout(rm, table)
+        if layout is not None:
+            fused = _fixed_half_kernel(rm, kinds, layout)
+        return fused, every_row
     fused, every_row, _ = row_math.kernels(rm)
     layout = fixed_layout(rm, table)
     if layout is not None:

@@ -5,13 +5,18 @@ the cache valid while no file of this folder changes (``cache_stamp``);
 the arrays they take have fixed dtypes (int64 indices, float32 tables), so each kernel has one
 specialisation whatever the optimizer, combiner or table shape. The exceptions are the kernels
 for common row widths (FIXED_DIMS): pooling, and the fused updates of rows laid out as weights
-then full-width slots, compiled with the width a constant (each on first use).
+then full-width slots, compiled with the width a constant (each on first use), and the fused
+updates of long 16-bit rows (HALF_FIXED_DIMS), compiled for their row layout.
 """
 
 # Row widths with kernels of their own (lookup.pool_kernel, numba_backend.fixed_layout). The
 # small ones serve packed and other low-dimensional tables, whose steps they make faster than
 # the any-layout kernels do (W2: docs/performance.md, "Figures behind the code").
 FIXED_DIMS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Row widths whose 16-bit tables get a fused update compiled for their row layout
+# (numba_backend.half_layout): a kernel per row math, dtype pair and layout, so only where a
+# row is long enough to pay for it (docs/performance.md, "16-bit update kernels").
+HALF_FIXED_DIMS = (32, 64, 128)
 
 # error_model="numpy": division by zero gives inf/nan like NumPy instead of a checked branch.
 # fastmath: only the flags that let LLVM vectorise sums and fuse multiply-adds; none that assumes

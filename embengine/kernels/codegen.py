@@ -391,6 +391,26 @@ def fixed_fused_update_{name}(DIM, NS):
     return fused_update_{name}_fixed
 """
 
+# A 16-bit table's fused update for one row layout (HALF_KERNELS' kernel with the row width
+# and the float slots' columns as the factory's constants): LLVM then unrolls and vectorises
+# the per-row loops of the widening, the row math and the rounding, which a run-time width
+# leaves as loops with alias checks (docs/performance.md, "16-bit update kernels").
+FIXED_HALF_KERNEL = """
+
+def fixed_fused_update_{name}(LAYOUT):
+    \"\"\"``fused_update_{name}`` for one row layout, ``LAYOUT = (dim, f0, n0, f1, n1, f2, n2)``
+    (the start column and width of each float slot, 0 for none; the kernel's ``meta`` holds the
+    same values): compile-time constants.\"\"\"
+    DIM, F0, N0, F1, N1, F2, N2 = LAYOUT  # free variables: numba inlines them as constants
+
+    @kernel()
+    def fused_update_{name}_fixed(task_lo, task_hi, bounds, data, data_h, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, key):
+{setup}
+{row_loop}
+
+    return fused_update_{name}_fixed
+"""
+
 FOOTER = """
 
 # Row math name -> (fused_update, update_every_row or None).
@@ -408,6 +428,12 @@ FIXED_KERNELS = {{
 # float slots).
 HALF_KERNELS = {{
 {half_entries}
+}}
+
+# Row math name -> {{(weights kind, slots kind): factory of the fused update of 16-bit tables
+# for one row layout}} (FIXED_HALF_KERNEL).
+FIXED_HALF_KERNELS = {{
+{fixed_half_entries}
 }}
 """
 
@@ -690,10 +716,27 @@ def half_pairs(rm: RowMath) -> list[tuple[str, str]]:
     return [(w, s) for w in kinds for s in kinds if "f32" != w or "f32" != s]
 
 
+def _fixed_half_setup(rm: RowMath) -> str:
+    """The half kernels' setup with the row layout taken from FIXED_HALF_KERNEL's constants."""
+    text = _setup(rm) + "\n" + _HALF_SETUP
+    for old, new in (
+        ("dim = meta[M_DIM]", "dim = DIM"),
+        (
+            "f0, n0, f1, n1 = meta[M_F0], meta[M_F0 + 1], meta[M_F0 + 2], meta[M_F0 + 3]",
+            "f0, n0, f1, n1 = F0, N0, F1, N1",
+        ),
+        ("f2, n2 = meta[M_F0 + 4], meta[M_F0 + 5]", "f2, n2 = F2, N2"),
+    ):
+        if old not in text:
+            raise AssertionError(f"the setup has no {old!r}: FIXED_HALF_KERNEL needs it")
+        text = text.replace(old, new)
+    return _indent(text, 4)
+
+
 def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     """KERNELS for 16-bit tables of one stored dtype pair: named ``half_<name>_<w>_<s>``,
     taking the uint16 rows ``data_h`` beside their float32 view ``data`` and the table's
-    rounding key, with HALF_UPDATE."""
+    rounding key, with HALF_UPDATE; then FIXED_HALF_KERNEL's factory of the fused one."""
     columns = [_half_column(wkind, "w", "0", "dim")]
     columns += [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
     scratch += "".join(c[3] for c in columns)
@@ -716,7 +759,12 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
         text = text[: text.index(EVERY_ROW_START)] + "\n"
     text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
     text = text.replace("prefetch):", "prefetch, key):")
-    return text.replace("prefetch, live):", "prefetch, live, key):")
+    text = text.replace("prefetch, live):", "prefetch, live, key):")
+    return text + FIXED_HALF_KERNEL.format(
+        name=f"half_{rm.name}_{wkind}_{skind}",
+        setup=_fixed_half_setup(rm),
+        row_loop=_indent(row_loop, 8),
+    )
 
 
 def _fixed_update(rm: RowMath) -> str:
@@ -758,7 +806,7 @@ def render(rms: list[RowMath] | None = None) -> str:
         check_names(rm)
     imports = IMPORTS + "\n" + "\n".join(_functions(rms).values())
     parts = [HEADER.format(digest=row_math_digest(rms), imports=imports)]
-    entries, fixed_entries, half_entries = [], [], []
+    entries, fixed_entries, half_entries, fixed_half_entries = [], [], [], []
     for rm in rms:
         name = rm.name
         scratch = _scratch(
@@ -785,14 +833,16 @@ def render(rms: list[RowMath] | None = None) -> str:
         parts.append(kernels)
         every = f"update_every_row_{name}" if rm.every_row else "None"
         entries.append(f'    "{name}": (fused_update_{name}, {every}),')
-        pairs = []
+        pairs, fixed_pairs = [], []
         for wkind, skind in half_pairs(rm):
             parts.append(_half_kernels(rm, scratch, wkind, skind))
             half = f"half_{name}_{wkind}_{skind}"
             every = f"update_every_row_{half}" if rm.every_row else "None"
             key = f"({HALF_KINDS[wkind][0]}, {HALF_KINDS[skind][0]})"
             pairs.append(f"        {key}: (fused_update_{half}, {every}),")
+            fixed_pairs.append(f"        {key}: fixed_fused_update_{half},")
         half_entries.append(f'    "{name}": {{\n' + "\n".join(pairs) + "\n    },")
+        fixed_half_entries.append(f'    "{name}": {{\n' + "\n".join(fixed_pairs) + "\n    },")
         if rm.fixed_layout:
             # No scratch rows: the body works on the table row (FixedAccess).
             scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
@@ -814,6 +864,7 @@ def render(rms: list[RowMath] | None = None) -> str:
             entries="\n".join(entries),
             fixed_entries="\n".join(fixed_entries),
             half_entries="\n".join(half_entries),
+            fixed_half_entries="\n".join(fixed_half_entries),
         )
     )
     return "".join(parts)

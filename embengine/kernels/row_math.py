@@ -38,7 +38,15 @@ from pathlib import Path
 from ..optimizers import RowMath
 from . import codegen
 
-__all__ = ["Kernels", "PRUNE_AFTER_SECONDS", "folder", "half_kernels", "kernels", "prune"]
+__all__ = [
+    "Kernels",
+    "PRUNE_AFTER_SECONDS",
+    "fixed_half_kernels",
+    "folder",
+    "half_kernels",
+    "kernels",
+    "prune",
+]
 
 # (fused_update, update_every_row or None, fixed-layout factory (DIM, NS) -> kernel, or None)
 Kernels = tuple
@@ -194,7 +202,13 @@ def _load_all(rm: RowMath) -> tuple:
         except (AttributeError, TypeError):  # no numba cache (caching disabled)
             pass
         prune(rm.name, path, caches)
-    return fused, every_row, module.FIXED_KERNELS.get(rm.name), module.HALF_KERNELS[rm.name]
+    return (
+        fused,
+        every_row,
+        module.FIXED_KERNELS.get(rm.name),
+        module.HALF_KERNELS[rm.name],
+        module.FIXED_HALF_KERNELS[rm.name],
+    )
 
 
 def _loaded(rm: RowMath) -> tuple:
@@ -219,3 +233,10 @@ def half_kernels(rm: RowMath) -> dict:
     update_every_row)}, kinds as ``precision.KIND`` (slots F32 for a row math without float
     slots; ``codegen.half_pairs``)."""
     return _loaded(rm)[3]
+
+
+def fixed_half_kernels(rm: RowMath) -> dict:
+    """``rm``'s factories of the fused update of 16-bit tables for one row layout (codegen's
+    FIXED_HALF_KERNEL): {(weights kind, slots kind): factory of ``(dim, f0, n0, f1, n1, f2,
+    n2)``}, kinds as ``half_kernels``."""
+    return _loaded(rm)[4]
