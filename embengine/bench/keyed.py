@@ -12,7 +12,7 @@
   W1-keyed per id: the keyed and dense engines on W1 and on W3, four members interleaved in
   one group (``runner.run_vocabulary``'s blocks); the dense W3 / W1 ratio is printed beside
   the keyed one, so that what the vocabulary and the single table cost a dense table too is
-  told apart from what the keys add.
+  told apart from what the keys add. The four are resident at once: ~15 GiB at scale 1.
 - **W4**: one table (dim 64, SGD) of ``max_rows = 10^6`` fed Zipf(1.05) keys over 10^7
   distinct random 64-bit keys (batch 4096 x 20): once the table is full (every step evicts),
   ``3 * steps`` (at least 30) steps are timed; the step time (median of their second half

@@ -145,7 +145,9 @@ class ShardedEngine:
                 raise ValueError(
                     f"table {name!r}: weights_dtype={t.weights_dtype!r}, slots_dtype="
                     f"{t.slots_dtype!r}: a ShardedEngine keeps its tables in float32 (16-bit "
-                    "tables train in an EmbeddingEngine); leave both 'float32'"
+                    "tables train in an EmbeddingEngine); leave both 'float32' (a checkpoint of "
+                    "16-bit tables: load it in an EmbeddingEngine, cast its state_dict's arrays "
+                    "to float32 and save them into a float32 configuration)"
                 )
             if t.keyed and t.dynamic.max_rows is not None:
                 raise ValueError(
