@@ -494,6 +494,20 @@ def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
     assert "2 ranks: every table and slot equals the single engine's" in out.stdout
 
 
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """A rendezvous port outside the kernel's ephemeral ports: one it picked itself was once
+    taken by another connection before the store bound it (EADDRINUSE)."""
+    import socket
+
+    from embengine.training.ranks import _PORTS_FROM, _ephemeral_low
+
+    ports = {free_port() for _ in range(20)}
+    assert all(_PORTS_FROM <= p < _ephemeral_low() for p in ports), ports
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+
+
 @pytest.fixture
 def one_rank_group():
     """A real gloo process group of this process alone (destroyed after the test)."""

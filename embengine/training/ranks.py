@@ -36,8 +36,39 @@ def in_launched_rank() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+# Where free_port draws from: below the kernel's ephemeral ports (ip_local_port_range), above
+# the well-known and most registered services.
+_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to connections and port-0 listeners."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks on this machine)."""
+    """A TCP port free on 127.0.0.1 now (for a rendezvous of ranks on this machine), drawn
+    at random below the ephemeral range: a port the kernel picked itself (bind to port 0)
+    could be handed out again, to an outgoing connection or to gloo's own listeners, before
+    the store binds it (EADDRINUSE, seen once in a fresh clone's test run with its ranks
+    and connections of several tests at once). From the ephemeral range only if no port
+    below it is free."""
+    import random
+
+    low, draw = _ephemeral_low(), random.SystemRandom()
+    for _ in range(64) if low - _PORTS_FROM > 1000 else ():
+        port = draw.randrange(_PORTS_FROM, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
