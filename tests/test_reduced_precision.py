@@ -185,6 +185,30 @@ def test_16_bit_row_layout_kernels_only_where_they_pay():
     )
 
 
+def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():
+    """A training lookup pools a table of 16-bit weights straight from its uint16 rows, each
+    value widened as it is read (the same values as a widened copy, so the same activations:
+    the reference tests above); float32 weights in a 16-bit row through the row's float32
+    view."""
+    from embengine.backends.numba_backend import _pooled_rows
+    from embengine.precision import BF16, F16, F32
+
+    rows = np.array([3, -1, 5], dtype=np.int64)
+    for weights, slots, kind in (
+        ("bfloat16", "float32", BF16),
+        ("float16", "bfloat16", F16),
+        ("float32", "bfloat16", F32),
+    ):
+        t = ee.TableConfig(10, 8, name="t", weights_dtype=weights, slots_dtype=slots)
+        table = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.1))._physical[0]
+        data, got, k = _pooled_rows(table, rows)
+        assert k == kind
+        if kind == F32:
+            assert data.dtype == np.float32 and data.base is not None  # a view, no copy
+        else:
+            assert data is table.data and got is rows
+
+
 @_with_dtypes(COUNTING)
 @SETTINGS
 @given(scenario=scenarios())

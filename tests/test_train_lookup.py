@@ -261,17 +261,33 @@ def test_tables_are_read_by_address_only_when_c_contiguous_float32():
 def test_pool_tables_equals_pool_table_by_table(threads):
     """``pool_tables`` (the tables a training lookup pools after their rows are resolved, in one
     region) gives each table's ``lookup.pool`` bits: widths fixed and any, rows of -1,
-    quantization, a table without outputs."""
+    quantization, a table without outputs, tables of bfloat16 and float16 rows (uint16 units
+    read and widened: the bits of pooling their widened copy)."""
     from embengine.kernels import lookup
+    from embengine.precision import BF16, F16, F32
 
     rng = np.random.default_rng(threads)
-    specs = [(64, 70, False), (5, 130, True), (8, 0, False), (8, 90, False)]  # dim, outputs, q
+    specs = [  # dim, outputs, quantized, kind of the rows
+        (64, 70, False, F32),
+        (5, 130, True, F32),
+        (8, 0, False, F32),
+        (8, 90, False, F32),
+        (64, 50, False, BF16),
+        (8, 60, True, F16),
+        (5, 40, False, BF16),
+    ]
     pmeta = np.zeros((len(specs), train_lookup.P_COLS), dtype=np.int64)
     rows_all, inv_all, gains_all, offs_all = [], [], [], []
     quant, datas, outs, want = [], [], [], []
     row_base = occ_base = off_base = 0
-    for t, (dim, n_out, q) in enumerate(specs):
+    for t, (dim, n_out, q, kind) in enumerate(specs):
         data = rng.normal(size=(40, dim + 2)).astype(np.float32)
+        if kind == BF16:  # the top half of each float32: bfloat16 bits
+            bits = (data.view(np.uint32) >> 16).astype(np.uint16)
+            data = (bits.astype(np.uint32) << 16).view(np.float32)
+        elif kind == F16:
+            bits = data.astype(np.float16).view(np.uint16)
+            data = bits.view(np.float16).astype(np.float32)
         lengths = rng.integers(0, 5, n_out)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         n = int(offsets[-1])
@@ -283,6 +299,8 @@ def test_pool_tables_equals_pool_table_by_table(threads):
         expected = np.empty((n_out, dim), dtype=np.float32)
         lookup.pool(data, dim, rows, inverse, gains, offsets, expected, qt, 4)
         out = np.full((n_out, dim), np.nan, dtype=np.float32)
+        if kind != F32:
+            data = bits  # pooled from the 16-bit rows; expected from their widened copy
         pmeta[t] = (
             data.ctypes.data,
             40,
@@ -293,6 +311,7 @@ def test_pool_tables_equals_pool_table_by_table(threads):
             row_base,
             occ_base,
             off_base,
+            kind,
         )
         row_base, occ_base, off_base = row_base + u, occ_base + n, off_base + n_out + 1
         rows_all.append(rows), inv_all.append(inverse), gains_all.append(gains)

@@ -324,7 +324,7 @@ def build_tables_and_pool_numba(
             table = tables[t]
             if batches[t].unique_rows is None:
                 batches[t] = batches[t].resolved(table, insert=True)
-            data, rows = _weights_at(table, batches[t].unique_rows)
+            data, rows, kind = _pooled_rows(table, batches[t].unique_rows)
             sources.append(data)
             row_lists.append(rows)
             pmeta[i] = (
@@ -337,6 +337,7 @@ def build_tables_and_pool_numba(
                 row_base,
                 plan.occ_base[t],
                 plan.out_base[t] + t,
+                kind,
             )
             row_base += len(rows)
         rows = np.concatenate(row_lists) if row_lists else _NO_ROWS
@@ -368,6 +369,15 @@ def _index_columns(index) -> tuple[int, ...]:
         0 if touches is None else touches.ctypes.data,
         index.step,
     )
+
+
+def _pooled_rows(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(row array, rows, kind) that ``train_lookup.pool_tables`` pools ``rows`` of ``table``
+    from: a table with 16-bit weights gives its uint16 rows and their kind (widened as they
+    are read: no gathered copy), any other its float32 rows (``_weights_at``)."""
+    if _half(table) and table.weights_dtype != "float32":
+        return table.data, rows, KIND[table.weights_dtype]
+    return (*_weights_at(table, rows), F32)
 
 
 def _weights_at(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

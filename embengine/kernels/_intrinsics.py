@@ -174,3 +174,5 @@ float32_rows_at = _make_rows_at(types.float32, ir.FloatType(), 4)
 int64_rows_at = _make_rows_at(types.int64, ir.IntType(64), 8)
 # uint8_rows_at(address, rows, cols): per-row flags.
 uint8_rows_at = _make_rows_at(types.uint8, ir.IntType(8), 1)
+# uint16_rows_at(address, rows, units): a 16-bit table's rows (its units, precision.py).
+uint16_rows_at = _make_rows_at(types.uint16, ir.IntType(16), 2)

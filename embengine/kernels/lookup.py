@@ -18,9 +18,11 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from ..precision import F32
 from . import FIXED_DIMS, kernel
 from ._intrinsics import prefetch_row, stack_row
 from .prepare import SUM, bag_denominator, bag_gain
+from .rounding import as_f32
 
 # Output rows per parallel task: enough work to amortise scheduling, small enough to balance.
 ROWS_PER_TASK = 64
@@ -31,9 +33,11 @@ PREFETCH_DISTANCE = 16
 
 @kernel(inline="always")
 def _pool_rows(
-    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop, acc
+    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop, acc, kind
 ):
-    """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row."""
+    """Activation rows ``first:stop`` (one task); see ``pool``. ``acc``: a scratch row.
+    ``data``: float32 rows, or a 16-bit table's uint16 rows of weights of ``kind`` (BF16 or
+    F16, ``rounding.as_f32``), widened as they are read (the same values as widened rows)."""
     buckets = quant[0]
     lower = quant[1]
     upper = quant[2]
@@ -58,7 +62,7 @@ def _pool_rows(
                     continue
                 gk = gains[k]
                 for j in range(dim):
-                    x = min(max(np.float64(data[r, j]), lower), upper)
+                    x = min(max(np.float64(as_f32(data[r, j], kind)), lower), upper)
                     x = np.floor((x - lower) / quantum + 0.5) * quantum + lower
                     acc[j] += np.float32(gk * x)
         else:
@@ -70,7 +74,7 @@ def _pool_rows(
                     continue
                 gk = gains[k]
                 for j in range(dim):
-                    acc[j] += gk * data[r, j]
+                    acc[j] += gk * as_f32(data[r, j], kind)
         for j in range(dim):
             out[o, j] = acc[j]
 
@@ -99,6 +103,7 @@ def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
             first,
             min(n_out, first + ROWS_PER_TASK),
             np.empty(dim, dtype=np.float32),
+            F32,
         )
 
 
@@ -126,6 +131,7 @@ def _fixed_dim_pool(fixed_dim: int):
                 first,
                 min(n_out, first + ROWS_PER_TASK),
                 stack_row(fixed_dim),
+                F32,
             )
 
     return pool_fixed

@@ -17,12 +17,13 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ..precision import BF16
 from . import kernel
 
 __all__ = [
+    "as_f32",
     "f32_from_bits",
     "bits_from_f32",
     "mix",
@@ -165,6 +166,29 @@ def widen_bits(h, kind):
     if kind == BF16:
         return widen_bf16(h)
     return widen_f16(h)
+
+
+def as_f32(x, kind):
+    """A table value as float32: a float32 as it is, uint16 bits of ``kind`` (BF16 or F16)
+    widened (exact). For kernels that read float32 and 16-bit rows alike (``lookup._pool_rows``):
+    the float32 specialisation is the plain load, and with ``kind`` a constant the other
+    compiles to one widening."""
+    raise NotImplementedError("as_f32 is for numba kernels")
+
+
+@overload(as_f32, inline="always")
+def _as_f32(x, kind):
+    if isinstance(x, types.Float):
+        return lambda x, kind: x
+    if x == types.uint16:
+
+        def widen(x, kind):
+            if kind == BF16:
+                return widen_bf16(x)
+            return widen_f16(x)
+
+        return widen
+    return None
 
 
 @kernel(parallel=True)

@@ -24,8 +24,16 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from ..precision import BF16, F16, F32
 from . import FIXED_DIMS, kernel
-from ._intrinsics import fetch_add, float32_rows_at, int64_rows_at, stack_row, uint8_rows_at
+from ._intrinsics import (
+    fetch_add,
+    float32_rows_at,
+    int64_rows_at,
+    stack_row,
+    uint8_rows_at,
+    uint16_rows_at,
+)
 from .keyed_index import find_range, touch
 from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
 from .prepare import (
@@ -59,12 +67,14 @@ PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
 # their number.
 FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_DEAD, FD_DEAD_ROWS = range(6)
 FD_COLS = 6
-# Columns of the per-table array ``pmeta`` of ``pool_tables``: the float32 rows pooled from
-# (address, rows, row width, dim), the activation matrix (address, rows), where the table's
-# rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, and its CSR in
-# ``output_offsets``.
+# Columns of the per-table array ``pmeta`` of ``pool_tables``: the rows pooled from (address,
+# rows, row width in elements, dim), the activation matrix (address, rows), where the table's
+# rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, its CSR in
+# ``output_offsets``, and its rows' kind (precision.F32: float32; F16 / BF16: uint16 units,
+# the weights 16-bit values widened as they are read).
 P_DATA, P_ROWS, P_WIDTH, P_DIM, P_OUT, P_N_OUT, P_ROW_BASE, P_OCC_BASE, P_OFF_BASE = range(9)
-P_COLS = 9
+P_KIND = 9
+P_COLS = 10
 # Samples per pooling task: small enough to balance two threads' tails, large enough that the
 # claim (one atomic add) is noise.
 POOL_TASK = 64
@@ -356,11 +366,23 @@ def _table_tasks(pmeta):
 
 @kernel(inline="always")
 def _pool_table_task(
-    t, first, stop, dim, pmeta, rows, inverse, gains, output_offsets, quant, prefetch, acc
+    t,
+    first,
+    stop,
+    dim,
+    data,
+    pmeta,
+    rows,
+    inverse,
+    gains,
+    output_offsets,
+    quant,
+    prefetch,
+    acc,
+    kind,
 ):
-    """Activation rows ``first:stop`` of table ``t`` of ``pool_tables`` (``lookup._pool_rows``
-    on its slices of the shared arrays)."""
-    data = float32_rows_at(pmeta[t, P_DATA], pmeta[t, P_ROWS], pmeta[t, P_WIDTH])
+    """Activation rows ``first:stop`` of table ``t`` of ``pool_tables`` from its rows ``data``
+    (``lookup._pool_rows`` on its slices of the shared arrays)."""
     out = float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], pmeta[t, P_DIM])
     occ = pmeta[t, P_OCC_BASE]
     _pool_rows(
@@ -376,72 +398,63 @@ def _pool_table_task(
         first,
         stop,
         acc,
+        kind,
     )
 
 
-def _make_pool_tables(fixed_dim: int):
+def _make_pool_tables(fixed_dim: int, kind: int):
     """``pool_tables`` for tables of width ``fixed_dim`` (a compile-time constant: the sum in
-    registers, as ``lookup.pool_kernel`` gives one table), or of any width for 0. One kernel
-    per width, compiled on first use: a kernel dispatching over every width compiled all nine
-    in each process that pooled a keyed or 16-bit table (the fresh clone's tests: minutes)."""
+    registers, as ``lookup.pool_kernel`` gives one table), or of any width for 0, whose rows
+    are float32 (``kind`` F32) or 16-bit weights of ``kind``, widened as they are read. One
+    kernel per width and kind, compiled on first use: a kernel dispatching over every width
+    compiled all nine in each process that pooled a keyed or 16-bit table (the fresh clone's
+    tests: minutes). ``fixed_dim`` and ``kind`` are constants of the closure, so numba prunes
+    the branches on them before typing: each kernel types one scratch row and one row array."""
 
-    if fixed_dim:
-
-        @kernel(parallel=True)
-        def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
-            tasks = _table_tasks(pmeta)
-            counter = np.zeros(1, dtype=np.int64)
-            for _ in nb.prange(n_workers):
-                while True:
-                    i = fetch_add(counter, 0, 1)
-                    if i >= tasks.shape[0]:
-                        break
-                    _pool_table_task(
-                        tasks[i, 0],
-                        tasks[i, 1],
-                        tasks[i, 2],
-                        fixed_dim,
-                        pmeta,
-                        rows,
-                        inverse,
-                        gains,
-                        output_offsets,
-                        quant,
-                        prefetch,
-                        stack_row(fixed_dim),
-                    )
-
-    else:
-
-        @kernel(parallel=True)
-        def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
-            tasks = _table_tasks(pmeta)
-            counter = np.zeros(1, dtype=np.int64)
-            for _ in nb.prange(n_workers):
-                while True:
-                    i = fetch_add(counter, 0, 1)
-                    if i >= tasks.shape[0]:
-                        break
-                    dim = pmeta[tasks[i, 0], P_DIM]
-                    _pool_table_task(
-                        tasks[i, 0],
-                        tasks[i, 1],
-                        tasks[i, 2],
-                        dim,
-                        pmeta,
-                        rows,
-                        inverse,
-                        gains,
-                        output_offsets,
-                        quant,
-                        prefetch,
-                        np.empty(dim, dtype=np.float32),
-                    )
+    @kernel(parallel=True)
+    def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
+        tasks = _table_tasks(pmeta)
+        counter = np.zeros(1, dtype=np.int64)
+        for _ in nb.prange(n_workers):
+            while True:
+                i = fetch_add(counter, 0, 1)
+                if i >= tasks.shape[0]:
+                    break
+                t = tasks[i, 0]
+                if fixed_dim:
+                    dim = fixed_dim
+                    acc = stack_row(fixed_dim)
+                else:
+                    dim = pmeta[t, P_DIM]
+                    acc = np.empty(dim, dtype=np.float32)
+                address, n_rows, width = pmeta[t, P_DATA], pmeta[t, P_ROWS], pmeta[t, P_WIDTH]
+                if kind == F32:
+                    data = float32_rows_at(address, n_rows, width)
+                else:
+                    data = uint16_rows_at(address, n_rows, width)
+                _pool_table_task(
+                    t,
+                    tasks[i, 1],
+                    tasks[i, 2],
+                    dim,
+                    data,
+                    pmeta,
+                    rows,
+                    inverse,
+                    gains,
+                    output_offsets,
+                    quant,
+                    prefetch,
+                    acc,
+                    kind,
+                )
 
     return pool_tables
 
 
-_POOL_TABLES = {d: _make_pool_tables(d) for d in (*FIXED_DIMS, 0)}
+_POOL_TABLES = {
+    (d, kind): _make_pool_tables(d, kind) for d in (*FIXED_DIMS, 0) for kind in (F32, F16, BF16)
+}
 
 
 def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, prefetch):
@@ -452,10 +465,10 @@ def pool_tables(n_workers, pmeta, rows, inverse, gains, output_offsets, quant, p
     and ``quant[t]``: one parallel region per row width among the tables (one kernel each,
     ``_make_pool_tables``), where a region per table waited for the threads each time. For
     the tables a training lookup pools after the storage resolved their rows."""
-    dims = pmeta[:, P_DIM]
-    for d in np.unique(dims):
-        kernel = _POOL_TABLES.get(int(d), _POOL_TABLES[0])
-        at = np.flatnonzero(dims == d)
+    groups = pmeta[:, [P_DIM, P_KIND]]
+    for d, kind in np.unique(groups, axis=0):
+        kernel = _POOL_TABLES.get((int(d), int(kind)), _POOL_TABLES[0, int(kind)])
+        at = np.flatnonzero((groups[:, 0] == d) & (groups[:, 1] == kind))
         kernel(
             n_workers,
             np.ascontiguousarray(pmeta[at]),
