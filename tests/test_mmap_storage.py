@@ -232,6 +232,41 @@ def test_file_size_limit_is_an_oserror_naming_the_file_and_bytes(tmp_path):
     assert (tmp_path / "t.f32").stat().st_size == 0
 
 
+def test_a_keyed_tables_file_that_cannot_grow_is_an_oserror_and_keeps_its_rows(tmp_path):
+    """keyed-mmap grows its file as keys come: a growth refused (RLIMIT_FSIZE: EFBIG) is an
+    OSError naming the table, the file and the bytes; the rows already in the file stay."""
+    out = _python(
+        f"""
+        import resource, signal
+        import numpy as np
+        import embengine as ee
+        t = ee.TableConfig(None, 16, name="k", combiner="sum",
+                           initializer=ee.initializers.RowId(0),
+                           dynamic=ee.DynamicVocabulary())
+        eng = ee.EmbeddingEngine({{"f": ee.FeatureConfig(t)}}, optimizer=ee.optimizers.SGD(0.1),
+                                 storage="mmap", storage_dir={str(tmp_path)!r})
+        eng.lookup({{"f": [[k] for k in range(1000)]}})  # 1024 rows of 64 bytes: 65,536
+        eng.lookup({{"f": [[7]]}}, training=False)  # numba's caches written before the limit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        try:
+            eng.lookup({{"f": [[k] for k in range(1000, 3000)]}})
+            print("grown")
+        except OSError as e:
+            print("errno", e.errno, "|", e)
+        print(eng.lookup({{"f": [[7]]}}, training=False)["f"][0, 0])
+        """,
+        timeout=600,  # a fresh clone may compile the keyed kernels here
+    )
+    assert out.returncode == 0, f"returncode {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    first, value = out.stdout.splitlines()
+    assert first.startswith(f"errno {errno.EFBIG} |"), out.stdout
+    assert "table 'k'" in first and str(tmp_path / "k.f32") in first, first
+    assert "growing it to" in first, first
+    assert float(value) == 7.0  # RowId(0): key 7's row is 7.0, still in the file
+    assert (tmp_path / "k.f32").stat().st_size >= 65_536
+
+
 # -- 3. a file truncated under a live table -------------------------------------------------------
 
 

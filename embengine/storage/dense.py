@@ -121,36 +121,53 @@ def _lock(fd: int, path: Path, table: str) -> None:
         ) from None
 
 
-def _reserve(fd: int, nbytes: int, path: Path, table: str) -> None:
-    """Give an empty, locked table file its size, its blocks reserved with posix_fallocate so
-    that a full disk fails here, with an OSError (ENOSPC) naming the file and the bytes, rather
-    than as SIGBUS on a later write into the mapping.
+def open_locked(path: Path, table: str) -> int:
+    """The descriptor of ``table``'s file, created if missing (with its folder), locked for
+    this process (``_lock``: a StorageError naming the holder if another has it) and emptied:
+    once the lock is ours, its old contents belong to no live table. Opened without O_TRUNC,
+    which would empty another engine's live table before the lock is tried."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        _lock(fd, path, table)
+        os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def reserve(fd: int, start: int, end: int, path: Path, table: str) -> None:
+    """Extend a locked table file to ``end`` bytes, the blocks of ``start:end`` reserved with
+    posix_fallocate, so that a full disk fails here, with an OSError (ENOSPC) naming the file
+    and the bytes, rather than as SIGBUS on a later write into the mapping. The bytes before
+    ``start`` (rows already written) are left alone, also on failure.
 
     Where posix_fallocate does not exist (macOS, Windows) or the file system refuses it
     (EOPNOTSUPP / EINVAL; glibc otherwise emulates it by writing), the file is only truncated
-    to its size: it is then sparse, its blocks allocated as initialisation writes the rows, and
-    a full disk kills the process with SIGBUS during initialisation. Copy-on-write file systems
-    (btrfs, ZFS) may also need new blocks when a reserved block is rewritten."""
+    to ``end``: it is then sparse, its blocks allocated as the rows are written, and a full
+    disk kills the process with SIGBUS then. Copy-on-write file systems (btrfs, ZFS) may also
+    need new blocks when a reserved block is rewritten."""
     fallocate = getattr(os, "posix_fallocate", None)
     if fallocate is not None:
         try:
-            fallocate(fd, 0, nbytes)
+            fallocate(fd, start, end - start)
             return
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)  # give back whatever was reserved
                 try:
                     vfs = os.fstatvfs(fd)
                     free = f"; {vfs.f_bavail * vfs.f_frsize:,} bytes are free there"
                 except OSError:
                     free = ""
+                n = end - start
+                grow = f" (growing it to {end:,} bytes)" if start else ""
                 raise OSError(
                     e.errno,
-                    f"table {table!r}: cannot reserve {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB) "
-                    f"for its file {str(path)!r}: {e.strerror}{free}",
+                    f"table {table!r}: cannot reserve {n:,} bytes ({n / 2**20:.1f} MiB) for "
+                    f"its file {str(path)!r}{grow}: {e.strerror}{free}",
                 ) from e
-    os.ftruncate(fd, nbytes)
+    os.ftruncate(fd, end)
 
 
 @dataclass(frozen=True)
@@ -269,14 +286,15 @@ class DenseTable:
         if self.path is None:
             self._data = _aligned_empty(shape, self._dtype)
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             size = max(self._nbytes, 1)  # mmap of 0 bytes is an error
-            # No O_TRUNC: the file may be another engine's live table until the lock is ours.
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+            fd = open_locked(self.path, name)  # the old contents are re-initialised below
             try:
-                _lock(fd, self.path, name)
-                os.ftruncate(fd, 0)  # the old contents are re-initialised below
-                _reserve(fd, size, self.path, name)
+                try:
+                    reserve(fd, 0, size, self.path, name)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)  # give back whatever was reserved
+                    raise
                 # mmap keeps a dup of fd (same open file description): the lock lives as long
                 # as the mapping, i.e. until close() or the last view of the table is freed.
                 self._mapping = mmap.mmap(fd, size)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import mmap
 import os
 import sys
@@ -46,7 +45,7 @@ from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
-from .dense import StorageError, _advise, _lock, read_ahead, row_columns
+from .dense import StorageError, _advise, open_locked, read_ahead, reserve, row_columns
 from .protocol import NO_ROW
 
 __all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
@@ -465,30 +464,10 @@ class KeyedTable:
         """keyed-mmap: the file (opened and locked on first use) grown to ``cap`` rows, its new
         blocks reserved, and mapped again; the rows already written stay where they are in it."""
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # No O_TRUNC: the file may be another engine's live table until the lock is ours.
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-            try:
-                _lock(fd, self.path, self.name)
-                os.ftruncate(fd, 0)  # a previous run's rows: the index that named them is gone
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
+            # the old contents: the index that named their rows is gone
+            self._fd = open_locked(self.path, self.name)
         old, new = self._capacity * self.row_width * 4, cap * self.row_width * 4
-        fallocate = getattr(os, "posix_fallocate", None)
-        try:
-            if fallocate is None:
-                raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
-            fallocate(self._fd, old, new - old)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-                raise OSError(
-                    e.errno,
-                    f"table {self.name!r}: cannot grow its file {str(self.path)!r} to "
-                    f"{new:,} bytes ({cap:,} rows): {e.strerror}",
-                ) from e
-            os.ftruncate(self._fd, new)  # sparse: blocks come as rows are written
+        reserve(self._fd, old, new, self.path, self.name)
         mapping = mmap.mmap(self._fd, new)
         _advise(mapping, "MADV_RANDOM")
         self._mapping = mapping
