@@ -261,14 +261,7 @@ def build_tables_and_pool_numba(
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
         out = np.empty((n_out, table.dim), dtype=np.float32)
         outs.append(out)
-        tmeta[t, :6] = (
-            data.ctypes.data,
-            data.shape[0],
-            data.shape[1],
-            table.dim,
-            out.ctypes.data,
-            n_out,
-        )
+        tmeta[t, :6] = _table_columns(data, table.dim, out)
         probe = getattr(table, "lookup_index", None)
         if probe is not None and not _half(table) and data.ctypes.data:  # keyed: probed in there
             index = probe()
@@ -278,8 +271,7 @@ def build_tables_and_pool_numba(
         bases = table.row_bases
         for p in parts:
             if bases is not None and not _half(table):  # its logical table's rows, by id
-                base = bases[p.member]
-                fdata[f, :2] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
+                fdata[f, :2] = _rows_from(data, bases[p.member])
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
     if any(index.refuses for index in held):
@@ -354,6 +346,18 @@ def build_tables_and_pool_numba(
         )
         del sources
     return batches, outs
+
+
+def _table_columns(data: np.ndarray, dim: int, out: np.ndarray) -> tuple[int, ...]:
+    """A table's ``tmeta`` columns up to T_INDEX (``train_lookup``): its rows (address, rows,
+    width) and dim, its activation matrix (address, rows)."""
+    return (data.ctypes.data, data.shape[0], data.shape[1], dim, out.ctypes.data, out.shape[0])
+
+
+def _rows_from(data: np.ndarray, base: int) -> tuple[int, int]:
+    """A feature's ``fdata`` FD_DATA and FD_ROWS: the address of row ``base`` of ``data`` (its
+    logical table's id 0) and the rows from there on."""
+    return data.ctypes.data + base * data.strides[0], data.shape[0] - base
 
 
 def _index_columns(index) -> tuple[int, ...]:
@@ -686,19 +690,11 @@ class NumbaBackend:
             table, data = tables[t], tables[t].data
             out = np.empty((batches[t].num_outputs, table.dim), dtype=np.float32)
             outs[t] = out
-            tmeta[i, :6] = (
-                data.ctypes.data,
-                data.shape[0],
-                data.shape[1],
-                table.dim,
-                out.ctypes.data,
-                out.shape[0],
-            )
+            tmeta[i, :6] = _table_columns(data, table.dim, out)
             quant[i] = _quantization_row(quantizations[t])
             for p in batches[t].parts:
                 if index is None:  # rows are ids from the logical table's base row
-                    base = table.row_bases[p.member]
-                    fdata[f, :2] = (data.ctypes.data + base * data.strides[0], data.shape[0] - base)
+                    fdata[f, :2] = _rows_from(data, table.row_bases[p.member])
                 else:
                     slots, dead = index.slots, index.dead
                     fdata[f, :4] = (data.ctypes.data, data.shape[0], slots.ctypes.data, len(slots))
