@@ -494,18 +494,27 @@ def test_the_distributed_quickstart_runs_under_torchrun(tmp_path):
     assert "2 ranks: every table and slot equals the single engine's" in out.stdout
 
 
-def test_free_ports_come_from_below_the_ephemeral_range():
+def test_free_ports_come_from_below_the_ephemeral_range(tmp_path, monkeypatch):
     """A rendezvous port outside the kernel's ephemeral ports: one it picked itself was once
-    taken by another connection before the store bound it (EADDRINUSE)."""
+    taken by another connection before the store bound it (EADDRINUSE). Where the ephemeral
+    range leaves no room below it, the kernel's pick."""
     import socket
 
-    from embengine.training.ranks import _PORTS_FROM, _ephemeral_low
+    from embengine.training import ranks
 
-    ports = {free_port() for _ in range(20)}
-    assert all(_PORTS_FROM <= p < _ephemeral_low() for p in ports), ports
-    for p in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", p))
+    real_low = ranks._ephemeral_low()
+
+    def ports(ephemeral: str) -> set[int]:
+        (tmp_path / "range").write_text(ephemeral)
+        monkeypatch.setattr(ranks, "_EPHEMERAL_RANGE", str(tmp_path / "range"))
+        got = {free_port() for _ in range(20)}
+        for p in got:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", p))
+        return got
+
+    assert all(ranks._PORTS_FROM <= p < 32768 for p in ports("32768\t60999\n"))
+    assert all(p >= real_low for p in ports("1024\t65535\n"))  # no room: the kernel's pick
 
 
 @pytest.fixture
