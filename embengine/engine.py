@@ -43,7 +43,8 @@ from .spec import (
     engine_options,
     feature_configs_from_spec,
     feature_entries,
-    table_entry,
+    initializer_for,
+    table_entries,
 )
 from .state import WEIGHTS, PartialLoadError, check_state
 from .storage import StoragePlan, make_storage, plan_storage
@@ -78,13 +79,6 @@ def _check_timestamp(t) -> int:
     if not 0 <= t < _MAX_TIMESTAMP:
         raise ValueError(f"timestamp must be in [0, 2^62) (seconds of data time), got {t}")
     return int(t)
-
-
-def _initializer_for(table: TableConfig, opt: Optimizer):
-    """The table's own initializer, else the optimizer's (e.g. FrequencyEstimator), else TF's."""
-    if table.initializer is None and opt.default_initializer is not None:
-        return opt.default_initializer
-    return table.effective_initializer
 
 
 def engine_arguments(
@@ -227,7 +221,7 @@ class EmbeddingEngine:
                     m.name,
                     m.row_offset,
                     m.vocabulary_size,
-                    _initializer_for(r.tables[t], self._optimizers[t]),
+                    initializer_for(r.tables[t], self._optimizers[t]),
                 )
                 for m, t in zip(spec.tables, ts, strict=True)
             ]
@@ -333,18 +327,13 @@ class EmbeddingEngine:
         learning-rate tags, seed, backend and non-finite policy. ``from_spec`` rebuilds the
         engine from it; a checkpoint's manifest is this plus the checkpoint's own keys."""
         r = self._resolved
-        tables = [
-            table_entry(
-                name,
-                cfg,
-                self._optimizers[t],
-                _initializer_for(cfg, self._optimizers[t]),
-                self._learning_rates.tag_of(t),
-                self._tables[t].storage,
-                self._tables[t].slot_specs,
-            )
-            for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True))
-        ]
+        tables = table_entries(
+            r,
+            self._optimizers,
+            self._learning_rates,
+            [view.storage for view in self._tables],
+            [view.slot_specs for view in self._tables],
+        )
         features = feature_entries(r)
         # Checkpoints store the plan too (their manifest is the spec plus their own keys), for
         # inspect; from_spec plans storage anew (where a table lives is the machine's business).

@@ -163,32 +163,39 @@ def compressor_entry(cfg: TableConfig) -> dict:
     return {"compressor": {"compression": c.compression, "fixed_range": c.fixed_range}}
 
 
-def table_entry(
-    name: str,
-    cfg: TableConfig,
-    optimizer: _opt.Optimizer,
-    initializer: _init.Initializer,
-    tag: int | None,
-    storage: str,
-    slot_specs,
-) -> dict:
-    """One table of a spec's ``"tables"``: its configuration, the initializer and optimizer it
-    trains with (learning-rate ``tag``), where its rows live and its slots."""
-    q = cfg.quantization_config
-    return {
-        "name": name,
-        "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
-        **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
-        "dim": cfg.dim,
-        "combiner": cfg.combiner,
-        "initializer": initializer_to_json(initializer),
-        "optimizer": optimizer_to_json(optimizer, tag),
-        "quantization_config": None if q is None else dataclasses.asdict(q),
-        **compressor_entry(cfg),
-        **dtype_entries(cfg),
-        "storage": storage,
-        "slots": [dataclasses.asdict(s) for s in slot_specs],
-    }
+def initializer_for(table: TableConfig, optimizer: _opt.Optimizer) -> _init.Initializer:
+    """The table's own initializer, else the optimizer's (e.g. FrequencyEstimator), else TF's."""
+    if table.initializer is None and optimizer.default_initializer is not None:
+        return optimizer.default_initializer
+    return table.effective_initializer
+
+
+def table_entries(resolved, optimizers, learning_rates: LearningRates, storages, slot_specs):
+    """A spec's ``"tables"``: each table of a resolved configuration (``config.resolve``) with
+    the initializer and optimizer it trains with (``optimizers[t]``, its learning-rate tag in
+    ``learning_rates``), where its rows live (``storages[t]``) and its slots
+    (``slot_specs[t]``)."""
+    r = resolved
+    out = []
+    for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True)):
+        opt, q = optimizers[t], cfg.quantization_config
+        out.append(
+            {
+                "name": name,
+                "vocabulary_size": cfg.vocabulary_size,  # None: a keyed table
+                **({} if cfg.dynamic is None else {"dynamic": dataclasses.asdict(cfg.dynamic)}),
+                "dim": cfg.dim,
+                "combiner": cfg.combiner,
+                "initializer": initializer_to_json(initializer_for(cfg, opt)),
+                "optimizer": optimizer_to_json(opt, learning_rates.tag_of(t)),
+                "quantization_config": None if q is None else dataclasses.asdict(q),
+                **compressor_entry(cfg),
+                **dtype_entries(cfg),
+                "storage": storages[t],
+                "slots": [dataclasses.asdict(s) for s in slot_specs[t]],
+            }
+        )
+    return out
 
 
 def feature_entries(resolved) -> list[dict]:

@@ -54,7 +54,13 @@ from ..inputs import as_numpy, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..spec import feature_entries, initializer_to_json, optimizer_to_json, table_entry
+from ..spec import (
+    feature_entries,
+    initializer_for,
+    initializer_to_json,
+    optimizer_to_json,
+    table_entries,
+)
 from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
 from ..storage.keyed import KeyedTable
@@ -88,13 +94,6 @@ _FIXED = 4
 class DistributedError(RuntimeError):
     """Ranks disagree (another call, step or learning rate), or another rank's input was
     invalid: raised on every rank, naming the ranks; nothing was updated."""
-
-
-def _initializer_for(table, opt: Optimizer):
-    """The table's initializer, else the optimizer's, else TF's (as EmbeddingEngine does)."""
-    if table.initializer is None and opt.default_initializer is not None:
-        return opt.default_initializer
-    return table.effective_initializer
 
 
 class ShardedEngine:
@@ -198,14 +197,14 @@ class ShardedEngine:
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
-            KeyedTable(name, t.dim, specs, _initializer_for(t, opt), self.seed, t.dynamic)
+            KeyedTable(name, t.dim, specs, initializer_for(t, opt), self.seed, t.dynamic)
             if t.keyed
             else ShardTable(
                 name,
                 t.vocabulary_size,
                 t.dim,
                 specs,
-                _initializer_for(t, opt),
+                initializer_for(t, opt),
                 self.seed,
                 self._plan.owned_ids(i, t.vocabulary_size, self.rank),
                 self.world_size,
@@ -331,7 +330,7 @@ class ShardedEngine:
                     t.dim,
                     t.combiner,
                     repr(t.dynamic),
-                    initializer_to_json(_initializer_for(t, opt)),
+                    initializer_to_json(initializer_for(t, opt)),
                     optimizer_to_json(opt, self._learning_rates.tag_of(i)),
                 ]
                 for i, (name, t, opt) in enumerate(
@@ -1048,18 +1047,13 @@ class ShardedEngine:
         (``EmbeddingEngine.spec``; tables in RAM): what a checkpoint's manifest holds, so a
         plain engine loads a ShardedEngine's checkpoint and back."""
         r = self._resolved
-        tables = [
-            table_entry(
-                name,
-                cfg,
-                self._optimizers[t],
-                _initializer_for(cfg, self._optimizers[t]),
-                self._learning_rates.tag_of(t),
-                "keyed" if cfg.keyed else "ram",
-                self._shards[t].slot_specs,
-            )
-            for t, (name, cfg) in enumerate(zip(r.table_names, r.tables, strict=True))
-        ]
+        tables = table_entries(
+            r,
+            self._optimizers,
+            self._learning_rates,
+            ["keyed" if cfg.keyed else "ram" for cfg in r.tables],
+            [shard.slot_specs for shard in self._shards],
+        )
         features = feature_entries(r)
         tags = []
         for tag in range(self._learning_rates.num_tags):
