@@ -233,7 +233,30 @@ def column_view(data: np.ndarray, col: Column) -> np.ndarray:
     return data[:, col.start : col.start + col.width].view(numpy_dtype(col.dtype))
 
 
-class DenseTable:
+class MappedRows:
+    """``flush`` and ``sequential_access`` of a table whose rows may live in a mapped file
+    (DenseTable, KeyedTable): ``path`` (None: in RAM), ``_mapping``, and ``check_file()``,
+    which raises for a closed or truncated file."""
+
+    def flush(self) -> None:
+        """Write a file-backed table's dirty pages to its file (no-op in RAM)."""
+        if self.path is not None:
+            self.check_file()
+            self._mapping.flush()
+
+    @contextlib.contextmanager
+    def sequential_access(self):
+        """While reading or writing the whole table in order (checkpoints), let the kernel read
+        ahead; training's random row accesses otherwise read only the pages they touch."""
+        if self.path is None:
+            yield
+            return
+        self.check_file()
+        with read_ahead(self._mapping):
+            yield
+
+
+class DenseTable(MappedRows):
     """Weights ``[vocabulary_size, dim]`` plus slots, stored packed (see module docstring).
 
     A memory-mapped table (``path=``):
@@ -424,23 +447,6 @@ class DenseTable:
     @property
     def storage(self) -> str:
         return "ram" if self.path is None else "mmap"
-
-    def flush(self) -> None:
-        """Write a file-backed table's dirty pages to its file (no-op in RAM)."""
-        if self.path is not None:
-            self.check_file()
-            self._mapping.flush()
-
-    @contextlib.contextmanager
-    def sequential_access(self):
-        """While reading or writing the whole table in order (checkpoints), let the kernel read
-        ahead; training's random row accesses otherwise read only the pages they touch."""
-        if self.path is None:
-            yield
-            return
-        self.check_file()
-        with read_ahead(self._mapping):
-            yield
 
 
 class TableView:

@@ -45,7 +45,7 @@ from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
-from .dense import StorageError, _advise, open_locked, read_ahead, reserve, row_columns
+from .dense import MappedRows, StorageError, _advise, open_locked, reserve, row_columns
 from .protocol import NO_ROW
 
 __all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
@@ -354,7 +354,7 @@ class KeyedView:
         return self.table.sequential_access()
 
 
-class KeyedTable:
+class KeyedTable(MappedRows):
     """One keyed table (a ``TableStorage`` of kind "keyed"); see the module docstring and
     ``config.DynamicVocabulary`` for the rules.
 
@@ -1033,22 +1033,6 @@ class KeyedTable:
     @property
     def slot_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.slot_specs)
-
-    def flush(self) -> None:
-        """keyed-mmap: write the rows' dirty pages to the file; nothing in RAM."""
-        if self.path is not None:
-            self.check_file()
-            self._mapping.flush()
-
-    @contextlib.contextmanager
-    def sequential_access(self):
-        """keyed-mmap: read ahead while the rows are read in order (checkpoints)."""
-        if self.path is None:
-            yield
-            return
-        self.check_file()
-        with read_ahead(self._mapping):
-            yield
 
 
 def _first_bad(bad: np.ndarray) -> int | None:
