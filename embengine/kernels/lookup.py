@@ -79,48 +79,33 @@ def _pool_rows(
             out[o, j] = acc[j]
 
 
-@kernel(parallel=True)
-def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
-    """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]], :dim])
-    (terms with a row of -1 left out).
-
-    ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no quantization.
-    ``pool_kernel(dim)`` gives a faster kernel for common dims.
-    """
-    n_out = out.shape[0]
-    for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        first = task * ROWS_PER_TASK
-        _pool_rows(
-            data,
-            dim,
-            rows,
-            inverse,
-            gains,
-            output_offsets,
-            out,
-            quant,
-            prefetch,
-            first,
-            min(n_out, first + ROWS_PER_TASK),
-            np.empty(dim, dtype=np.float32),
-            F32,
-        )
-
-
-def _fixed_dim_pool(fixed_dim: int):
-    """``pool`` with the row width a compile-time constant: LLVM then unrolls the loops over
-    the row and keeps the sum in registers, in a stack scratch row (W1-lookup's gain from each:
-    docs/performance.md, "Figures behind the code").
-    numba caches each closure under its own constant."""
+def _make_pool(fixed_dim: int):
+    """``pool`` with the row width ``fixed_dim`` a compile-time constant (0: any width, the
+    ``dim`` argument): LLVM then unrolls the loops over the row and keeps the sum in
+    registers, in a stack scratch row (W1-lookup's gain from each: docs/performance.md,
+    "Figures behind the code"). numba caches each closure under its own constant, and prunes
+    the branch on it before typing."""
 
     @kernel(parallel=True)
-    def pool_fixed(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
+    def pool(data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch):
+        """out[o, :] = sum over k in occurrences(o) of gains[k] * q(data[rows[inverse[k]],
+        :dim]) (terms with a row of -1 left out).
+
+        ``quant`` is float64 [3]: (num_buckets, lower, upper); num_buckets == 0 means no
+        quantization. ``pool_kernel(dim)`` gives a faster kernel for common dims.
+        """
         n_out = out.shape[0]
         for task in nb.prange((n_out + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
             first = task * ROWS_PER_TASK
+            if fixed_dim:
+                width = fixed_dim
+                acc = stack_row(fixed_dim)
+            else:
+                width = dim
+                acc = np.empty(dim, dtype=np.float32)
             _pool_rows(
                 data,
-                fixed_dim,
+                width,
                 rows,
                 inverse,
                 gains,
@@ -130,15 +115,18 @@ def _fixed_dim_pool(fixed_dim: int):
                 prefetch,
                 first,
                 min(n_out, first + ROWS_PER_TASK),
-                stack_row(fixed_dim),
+                acc,
                 F32,
             )
 
-    return pool_fixed
+    return pool
+
+
+pool = _make_pool(0)
 
 
 # Common dims get their own kernel, each compiled on first use; other dims use ``pool``.
-_FIXED_DIMS = {d: _fixed_dim_pool(d) for d in FIXED_DIMS}
+_FIXED_DIMS = {d: _make_pool(d) for d in FIXED_DIMS}
 
 
 def pool_kernel(dim: int):
@@ -326,7 +314,7 @@ def pool_range(
 ):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), by the function for the row
     width: the width a compile-time constant for FIXED_DIMS (faster pooling, see
-    ``_fixed_dim_pool``), else any width.
+    ``_make_pool``), else any width.
 
     A function of its own, called once per task by ``pool_bags`` and by
     ``train_lookup.prepare_and_pool``: each width compiles once for both, and a parallel loop

@@ -364,44 +364,6 @@ def _table_tasks(pmeta):
     return tasks
 
 
-@kernel(inline="always")
-def _pool_table_task(
-    t,
-    first,
-    stop,
-    dim,
-    data,
-    pmeta,
-    rows,
-    inverse,
-    gains,
-    output_offsets,
-    quant,
-    prefetch,
-    acc,
-    kind,
-):
-    """Activation rows ``first:stop`` of table ``t`` of ``pool_tables`` from its rows ``data``
-    (``lookup._pool_rows`` on its slices of the shared arrays)."""
-    out = float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], pmeta[t, P_DIM])
-    occ = pmeta[t, P_OCC_BASE]
-    _pool_rows(
-        data,
-        dim,
-        rows[pmeta[t, P_ROW_BASE] :],
-        inverse[occ:],
-        gains[occ:],
-        output_offsets[pmeta[t, P_OFF_BASE] :],
-        out,
-        quant[t],
-        prefetch,
-        first,
-        stop,
-        acc,
-        kind,
-    )
-
-
 def _make_pool_tables(fixed_dim: int, kind: int):
     """``pool_tables`` for tables of width ``fixed_dim`` (a compile-time constant: the sum in
     registers, as ``lookup.pool_kernel`` gives one table), or of any width for 0, whose rows
@@ -432,19 +394,20 @@ def _make_pool_tables(fixed_dim: int, kind: int):
                     data = float32_rows_at(address, n_rows, width)
                 else:
                     data = uint16_rows_at(address, n_rows, width)
-                _pool_table_task(
-                    t,
+                # lookup._pool_rows on the table's slices of the shared arrays
+                occ = pmeta[t, P_OCC_BASE]
+                _pool_rows(
+                    data,
+                    dim,
+                    rows[pmeta[t, P_ROW_BASE] :],
+                    inverse[occ:],
+                    gains[occ:],
+                    output_offsets[pmeta[t, P_OFF_BASE] :],
+                    float32_rows_at(pmeta[t, P_OUT], pmeta[t, P_N_OUT], pmeta[t, P_DIM]),
+                    quant[t],
+                    prefetch,
                     tasks[i, 1],
                     tasks[i, 2],
-                    dim,
-                    data,
-                    pmeta,
-                    rows,
-                    inverse,
-                    gains,
-                    output_offsets,
-                    quant,
-                    prefetch,
                     acc,
                     kind,
                 )
