@@ -494,12 +494,17 @@ def half_layout(rm: RowMath, table: TableStorage) -> tuple[int, ...] | None:
     slower: docs/performance.md, "16-bit update kernels for a row layout")."""
     if table.dim not in HALF_FIXED_DIMS or rm.form != "element" or not rm.slots:
         return None
-    layout = [table.dim] + [0] * (2 * pipeline.MAX_FLOAT_SLOTS)
+    return (table.dim, *(int(c) for c in _float_slot_columns(table)))
+
+
+def _float_slot_columns(table: TableStorage) -> np.ndarray:
+    """``meta[M_F0:]``: the start column and width of each float32 slot of the table's rows,
+    0 for slots it does not have."""
+    out = np.zeros(2 * pipeline.MAX_FLOAT_SLOTS, dtype=np.int64)
     float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
     for i, spec in enumerate(float_slots):
-        layout[1 + 2 * i] = table.columns[spec.name].start
-        layout[2 + 2 * i] = spec.width
-    return tuple(layout)
+        out[2 * i : 2 * i + 2] = (table.columns[spec.name].start, spec.width)
+    return out
 
 
 @functools.cache  # one dispatcher per layout and dtype pair, as _fixed_kernel
@@ -555,11 +560,8 @@ def _table_constants(opt: Optimizer, table: TableStorage):
     else:
         meta[pipeline.M_WD_MODE] = pipeline.WD_DECOUPLED
     meta[pipeline.M_ACCUMULATE] = opt.use_gradient_accumulation
-    float_slots = [s for s in table.slot_specs if s.dtype == "float32"]
-    meta[pipeline.M_NF] = len(float_slots)
-    for i, spec in enumerate(float_slots):
-        meta[pipeline.M_F0 + 2 * i] = table.columns[spec.name].start
-        meta[pipeline.M_F0 + 2 * i + 1] = spec.width
+    meta[pipeline.M_NF] = sum(s.dtype == "float32" for s in table.slot_specs)
+    meta[pipeline.M_F0 :] = _float_slot_columns(table)
     # The row math's params and flags, in its order: the kernel's locals of those names.
     params = opt.row_math(table.dim).values(opt)
     common = [*(gclip or (0.0, 0.0)), *(wclip or (0.0, 0.0))]
