@@ -247,6 +247,18 @@ FIXED_LAYOUT_OPTIMIZERS = OPTIMIZERS + [
 ]
 
 
+def weighted_steps(rng, vocab: int, batch: int, n: int = 3) -> list[tuple]:
+    """``n`` steps of (ids, lengths, weights) for one feature: Zipf ids with duplicates, empty
+    bags, weights of both signs."""
+    steps = []
+    for _ in range(n):
+        lengths = rng.integers(0, 5, batch)
+        ids = rng.zipf(1.5, lengths.sum()) % vocab  # duplicates, empty bags
+        weights = rng.choice([0.5, 1.0, 2.0, -1.0], lengths.sum()).astype(np.float32)
+        steps.append((ids, lengths, weights))
+    return steps
+
+
 def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
     """Each variant's fixed-layout update (rows of 8, slots at constant offsets, updated in place)
     gives the any-layout kernel's results: the same arithmetic in the same order, up to float
@@ -254,14 +266,8 @@ def test_fixed_layout_kernels_equal_the_any_layout_ones(monkeypatch):
     from embengine.backends import numba_backend as nbk
     from embengine.kernels import codegen, row_math
 
-    rng = np.random.default_rng(3)
     vocab, batch = 40, 12
-    steps = []
-    for _ in range(3):
-        lengths = rng.integers(0, 5, batch)
-        ids = rng.zipf(1.5, lengths.sum()) % vocab  # duplicates, empty bags
-        weights = rng.choice([0.5, 1.0, 2.0, -1.0], lengths.sum()).astype(np.float32)
-        steps.append((ids, lengths, weights))
+    steps = weighted_steps(np.random.default_rng(3), vocab, batch)
     covered = set()
     fixed_dims = nbk.FIXED_DIMS
     for optimizer in FIXED_LAYOUT_OPTIMIZERS:

@@ -2,10 +2,18 @@
 float32, updates written back with stochastic rounding from the same random stream in both
 backends."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_numba_matches_reference import COUNTING, OPTIMIZERS, scenario_engine, scenarios
+from test_numba_matches_reference import (
+    COUNTING,
+    OPTIMIZERS,
+    scenario_engine,
+    scenarios,
+    weighted_steps,
+)
 from test_training import SYN_ARGS  # the small synthetic run's CLI arguments
 
 import embengine as ee
@@ -160,6 +168,92 @@ def test_a_16_bit_row_layout_kernel_equals_the_reference(optimizer, dtypes, scen
     _steps(engines, scenario)
 
 
+# (optimizer, dtypes) of the row layout kernels against the any-layout one, in place but for
+# float16 beside bfloat16 (codegen.in_place): int32 steps saved with the row (per-row bias, no
+# accumulation: one update per occurrence), three slots, clipping and weight decay, float32
+# members of a 16-bit row, and rows whose rounded result overflows float16 (left unchanged).
+IN_PLACE_CASES = [
+    (opt.Adam(0.05, bias_correction="per_row", use_gradient_accumulation=False), DTYPES[0]),
+    (opt.AMSGrad(0.05, bias_correction="per_row", sum_inside_sqrt=False), DTYPES[7]),
+    (opt.RMSProp(0.05, rho=0.8, momentum=0.5, centered=True, epsilon=1e-3), DTYPES[2]),
+    (opt.Adam(0.05, weight_decay_factor=0.01, weight_decay_mode="l2", clipvalue=0.5), DTYPES[3]),
+    (opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5), DTYPES[4]),  # in passes
+    (opt.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True), DTYPES[5]),
+    (opt.Adagrad(1e5, clip_weight_min=-1e9), DTYPES[7]),  # float16 weights overflow
+]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "dtypes"),
+    IN_PLACE_CASES,
+    ids=[f"{type(o).__name__}-{w}-{s}" for o, (w, s) in IN_PLACE_CASES],
+)
+def test_16_bit_row_layout_kernels_equal_the_any_layout_ones(monkeypatch, optimizer, dtypes):
+    """The row layout's kernel updates a 16-bit row in place, a coordinate at a time; the
+    any-layout kernel copies it out, computes and rounds in passes over scratch rows. The same
+    arithmetic and random bits: the same results up to float rounding, and the same rows left
+    unchanged by the guard."""
+    from embengine.backends import numba_backend as nbk
+    from embengine.kernels import row_math
+
+    vocab, batch, dim = 50, 16, 32
+    steps = weighted_steps(np.random.default_rng(5), vocab, batch)
+    results = []
+    for in_place in (True, False):
+        monkeypatch.setattr(nbk, "HALF_FIXED_DIMS", (dim,) if in_place else ())
+        t = ee.TableConfig(
+            vocab,
+            dim,
+            combiner="sqrtn",
+            name="t",
+            initializer=init.RandomUniform(-1.0, 1.0),
+            weights_dtype=dtypes[0],
+            slots_dtype=dtypes[1],
+        )
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)},
+            optimizer=optimizer,
+            seed=1,
+            nonfinite_gradients="skip_row",
+        )
+        table = eng._physical[0]
+        rm = optimizer.row_math(dim)
+        any_layout = {fused for fused, _ in row_math.half_kernels(rm).values()}
+        assert (nbk.kernels_for(optimizer, table)[0] not in any_layout) == in_place
+        for step, (ids, lengths, weights) in enumerate(steps):
+            acts = eng.lookup(
+                {"f": ee.Ragged(ids, lengths=lengths, weights=weights), "g": ids[:batch]}
+            )
+            grads = {
+                k: (np.cos(np.arange(a.size) * 0.7 + step) * 3.0)
+                .reshape(a.shape)
+                .astype(np.float32)
+                for k, a in acts.items()
+            }
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the overflow case's rows
+                eng.apply_gradients(grads)
+        state = [eng.embedding_tables["t"].copy(), *(a.copy() for a in eng.slots("t").values())]
+        results.append((state, dict(eng.nonfinite_rows_skipped)))
+    (fixed, skipped_fixed), (any_, skipped_any) = results
+    assert skipped_fixed == skipped_any
+    for a, b in zip(fixed, any_, strict=True):
+        # Not always the same bits: with the row's layout constant, the compiler may fuse
+        # other multiply-adds (fastmath "contract"; the float32 kernels' test allows the same),
+        # and a float32 result an ulp apart may round to the neighbouring 16-bit value.
+        if a.dtype.itemsize == 2:
+            ha, hb = a.view(np.uint16).astype(np.int64), b.view(np.uint16).astype(np.int64)
+            differ = ha != hb
+            assert np.all(np.abs(ha - hb)[differ] == 1), (a, b)
+            assert differ.sum() <= max(1, differ.size // 100), (a, b)
+        elif a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(a, b)
+    if dtypes[0] == "float16" and optimizer.learning_rate == 1e5:
+        assert skipped_fixed["t"] > 0  # the guard did leave rows unchanged
+
+
 def test_16_bit_row_layout_kernels_only_where_they_pay():
     """Short rows, SGD (no slots) and row-wise Adagrad (a scalar slot) keep the any-layout
     16-bit kernel: a kernel per layout measured slower for the latter two."""
@@ -183,6 +277,34 @@ def test_16_bit_row_layout_kernels_only_where_they_pay():
         0,
         0,
     )
+
+
+def test_row_layout_kernels_update_in_place_but_for_float16_beside_another_16_bit_type():
+    from embengine.kernels import codegen
+
+    rendered = codegen.render([opt.Adam(0.1).row_math(64)])
+    for w, s in codegen.half_pairs(opt.Adam(0.1).row_math(64)):
+        factory = rendered.split(f"def fixed_fused_update_half_adam_{w}_{s}(LAYOUT):")[1]
+        factory = factory.split("return fused_update_half_")[0]
+        in_place = "old_h[" in factory
+        assert in_place == codegen.in_place(w, s), (w, s)
+        assert in_place == (w == s == "bf16" or "f32" in (w, s)), (w, s)
+
+
+def test_no_row_layout_kernel_for_slots_narrower_than_the_row(monkeypatch):
+    """The in-place kernel updates a coordinate's weight and slot values together, so a float
+    slot must hold a value per coordinate (or be absent) for it to serve the table."""
+    from embengine.backends import numba_backend as nbk
+
+    t = ee.TableConfig(4, 64, name="t", weights_dtype="bfloat16", slots_dtype="bfloat16")
+    table = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.1))._physical[0]
+    rm = opt.Adam(0.1).row_math(64)
+    columns = nbk._float_slot_columns(table)
+    assert nbk.half_layout(rm, table) == (64, *columns)
+    narrow = columns.copy()
+    narrow[3] = 32  # the second slot half as wide as the row
+    monkeypatch.setattr(nbk, "_float_slot_columns", lambda _: narrow)
+    assert nbk.half_layout(rm, table) is None
 
 
 def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():

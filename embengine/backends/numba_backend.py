@@ -491,10 +491,14 @@ def half_layout(rm: RowMath, table: TableStorage) -> tuple[int, ...] | None:
     in ``meta``), or None: for widths in HALF_FIXED_DIMS only (each layout is a kernel of its
     own to compile, worth it where a row is long), and for element-wise row math with slots,
     where it measured faster (Adam, Adagrad, FTRL; SGD's and row-wise Adagrad's measured
-    slower: docs/performance.md, "16-bit update kernels for a row layout")."""
+    slower: docs/performance.md, "16-bit update kernels for a row layout"), whose float slots
+    are a value per coordinate (the kernel updates a row's columns in one loop over them)."""
     if table.dim not in HALF_FIXED_DIMS or rm.form != "element" or not rm.slots:
         return None
-    return (table.dim, *(int(c) for c in _float_slot_columns(table)))
+    columns = tuple(int(c) for c in _float_slot_columns(table))
+    if any(n not in (0, table.dim) for n in columns[1::2]):  # the kernel's loop: one per coordinate
+        return None
+    return (table.dim, *columns)
 
 
 def _float_slot_columns(table: TableStorage) -> np.ndarray:

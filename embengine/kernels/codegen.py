@@ -177,6 +177,32 @@ for j in range(dim):
 {store_slots}else:
 {restore_ints}    unchanged[{at}] = 1"""
 
+# HALF_UPDATE in place, for FIXED_HALF_KERNEL's element-wise row math with slots: one loop
+# over the row's coordinates widens each column's value, computes, rounds and stores it
+# (HalfFixedAccess), saving the value it overwrites to ``old_h`` (16-bit columns, by unit) or
+# ``old_f`` (float32 ones, by float32 column) as FIXED_UPDATE does; a row whose rounded
+# values are not all finite gets its saved values back. The same values as HALF_UPDATE, in
+# one pass over the row instead of a copy-in, a compute and a round pass over scratch rows
+# (docs/performance.md, "16-bit update kernels in place").
+HALF_FIXED_UPDATE = """{random_words}fin = np.float32(0.0)
+{save_ints}{body}
+if fin != 0.0:
+    for j in range(dim):
+        {restore_w}
+{restore_slots}{restore_ints}    unchanged[{at}] = 1"""
+
+# A guarded in-place store to a 16-bit unit column ``{c}``: the old bits saved, ``{x}``
+# rounded with the column's random bits, its widened value checked.
+_HALF_GUARDED = (
+    "old_h[{c}] = data_h[r, {c}]\n{ind}h = {round}(np.float32({x}), rbits[{c}])\n"
+    "{ind}data_h[r, {c}] = h\n{ind}v = {widen}(h)\n{ind}fin += v - v"
+)
+# The same for a float32 column of a 16-bit table's row (float32 column ``{c}`` of ``data``).
+_HALF_F32_GUARDED = (
+    "old_f[{c}] = data[r, {c}]\n{ind}v = np.float32({x})\n{ind}data[r, {c}] = v\n"
+    "{ind}fin += v * np.float32(0.0)"
+)
+
 # The fixed-layout kernels update the row in place. The body's stores (FixedAccess) save each
 # value they overwrite to a per-task scratch row ``old`` and add ``x * 0`` of the stored float32
 # value to ``fin``, in the loop that computes it: no extra pass over the row (separate save and
@@ -489,6 +515,54 @@ class FixedAccess:
         return f"        if NS > {k}:\n            {guarded}"
 
 
+class HalfFixedAccess:
+    """FIXED_HALF_KERNEL's element-wise row math works in the 16-bit table row itself: each
+    column's value widened where it is read, rounded and stored in place (HALF_FIXED_UPDATE);
+    slot k from unit column f{k} (its width n{k} is 0 or the row's, constants of the layout).
+    A float32 column of the row (a dtype pair with one float32 member) is read and written
+    through the float32 view ``data`` at float32 column ``(unit >> 1) + j``."""
+
+    def __init__(self, wkind: str, skind: str):
+        self.wkind, self.skind = wkind, skind
+        self.w = self._value(wkind, "0")
+        self.store_w = self._store(wkind, "0", "wj", 8)
+
+    @staticmethod
+    def _column(kind: str, first: str) -> str:
+        """The index of coordinate j of the column from unit ``first``, in ``data_h`` units
+        (16-bit) or ``data`` floats (float32)."""
+        if kind == "f32":
+            return "j" if first == "0" else f"({first} >> 1) + j"
+        return "j" if first == "0" else f"{first} + j"
+
+    def _value(self, kind: str, first: str) -> str:
+        at = self._column(kind, first)
+        if kind == "f32":
+            return f"data[r, {at}]"
+        return f"{HALF_KINDS[kind][1]}(data_h[r, {at}])"
+
+    def _store(self, kind: str, first: str, x: str, indent: int) -> str:
+        at = self._column(kind, first)
+        if kind == "f32":
+            return _HALF_F32_GUARDED.format(c=at, x=x, ind=" " * indent)
+        _, widen, round_ = HALF_KINDS[kind]
+        return _HALF_GUARDED.format(c=at, x=x, ind=" " * indent, round=round_, widen=widen)
+
+    def restore(self, kind: str, first: str) -> str:
+        """The statement putting coordinate j's saved value back."""
+        at = self._column(kind, first)
+        if kind == "f32":
+            return f"data[r, {at}] = old_f[{at}]"
+        return f"data_h[r, {at}] = old_h[{at}]"
+
+    def load(self, k: int) -> str:
+        return f"np.float64({self._value(self.skind, f'f{k}')}) if n{k} > 0 else 0.0"
+
+    def store(self, k: int, name: str) -> str:
+        guarded = self._store(self.skind, f"f{k}", name, 12)
+        return f"        if n{k} > 0:\n            {guarded}"
+
+
 def _indent(text: str, spaces: int) -> str:
     return "\n".join((" " * spaces + line) if line else line for line in text.splitlines())
 
@@ -516,6 +590,9 @@ def reserved_names() -> frozenset[str]:
         FIXED_KERNEL,
         _GUARDED,
         HALF_UPDATE,
+        HALF_FIXED_UPDATE,
+        _HALF_GUARDED,
+        _HALF_F32_GUARDED,
         _HALF_SETUP,
         "rbits words v random_words widen_bf16 widen_f16 round_bf16 round_f16 data_h key",
     )
@@ -698,6 +775,38 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
     )
 
 
+def in_place(wkind: str, skind: str) -> bool:
+    """Whether the row layout kernel of this stored dtype pair (HALF_KINDS' names) updates a
+    row in place (HALF_FIXED_UPDATE) or in passes over scratch rows (HALF_UPDATE): in place
+    for bfloat16 rows and rows with a float32 member, which it made 12-40% faster; float16
+    with another 16-bit member measured 0-10% slower in place (docs/performance.md, "16-bit
+    update kernels in place")."""
+    return (wkind, skind) == ("bf16", "bf16") or "f32" in (wkind, skind)
+
+
+def _half_fixed_update(rm: RowMath, wkind: str, skind: str) -> str:
+    """HALF_FIXED_UPDATE of an element-wise ``rm`` with slots for the stored dtype pair
+    (``_half_update``'s arguments; the fused update's ``u`` and ``unit``)."""
+    ints = _writes_ints(rm)
+    access = HalfFixedAccess(wkind, skind)
+    rounds = _rounded_from(rm, wkind, skind)
+    words = f"random_words(row_hash(key, step, r, unit), words, {rounds})\n" if rounds else ""
+    restore_slots = "".join(
+        f"    if n{k} > 0:\n        for j in range(n{k}):\n"
+        f"            {access.restore(skind, f'f{k}')}\n"
+        for k in range(len(rm.slots))
+    )
+    return HALF_FIXED_UPDATE.format(
+        random_words=words,
+        save_ints=SAVE_INTS if ints else "",
+        body=_body(rm, access, one_path=True),
+        restore_w=access.restore(wkind, "0"),
+        restore_slots=restore_slots,
+        restore_ints=RESTORE_INTS if ints else "",
+        at="u",
+    )
+
+
 def _rounded_from(rm: RowMath, wkind: str, skind: str) -> str:
     """The first word of random bits a row of this dtype pair uses (its first 16-bit unit's),
     as an expression of the kernel; "" if it rounds nothing (float32 weights, no float slot)."""
@@ -760,6 +869,17 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
     text = text.replace("prefetch):", "prefetch, key):")
     text = text.replace("prefetch, live):", "prefetch, live, key):")
+    if rm.form == "element" and rm.slots and in_place(wkind, skind):
+        scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
+        scratch += "\nold_h = np.zeros(data_h.shape[1], dtype=np.uint16)"
+        scratch += "\nold_f = np.zeros(data.shape[1], dtype=np.float32)"
+        if _rounded_from(rm, wkind, skind):
+            scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
+        row_loop = ROW_LOOP.format(
+            scratch=_indent(scratch, 4),
+            gradient_12=_indent(GRADIENT, 12),
+            update_12=_indent(_half_fixed_update(rm, wkind, skind), 12),
+        )
     return text + FIXED_HALF_KERNEL.format(
         name=f"half_{rm.name}_{wkind}_{skind}",
         setup=_fixed_half_setup(rm),
