@@ -1,4 +1,4 @@
-"""kernels/tasks.py: the update kernels' task ranges, run on threads."""
+"""kernels/tasks.py: the update kernels' tasks, claimed by threads as they go."""
 
 import threading
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from embengine.kernels import kernel, tasks
+from embengine.kernels._intrinsics import fetch_add
 
 
 @pytest.fixture(autouse=True)
@@ -20,16 +21,6 @@ def hard_timeout():
     faulthandler.cancel_dump_traceback_later()
 
 
-@pytest.mark.parametrize("n_tasks", [0, 1, 2, 3, 7, 512])
-@pytest.mark.parametrize("n_threads", [1, 2, 3, 8])
-def test_ranges_cover_the_tasks_once_in_order_and_evenly(n_tasks, n_threads):
-    parts = tasks.ranges(n_tasks, n_threads)
-    assert len(parts) == min(n_tasks, n_threads)
-    assert [t for lo, hi in parts for t in range(lo, hi)] == list(range(n_tasks))
-    sizes = [hi - lo for lo, hi in parts]
-    assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
-
-
 def test_the_warning_class_is_public_without_importing_numba_eagerly():
     import embengine as ee
 
@@ -37,17 +28,35 @@ def test_the_warning_class_is_public_without_importing_numba_eagerly():
     assert issubclass(ee.SpinningThreadsWarning, RuntimeWarning)
 
 
-def test_ranges_name_bad_counts():
-    with pytest.raises(ValueError, match="n_threads >= 1, got 4, 0"):
-        tasks.ranges(4, 0)
-    with pytest.raises(ValueError, match="n_tasks >= 0"):
-        tasks.ranges(-1, 2)
+def test_a_negative_task_count_is_refused():
+    with pytest.raises(ValueError, match="n_tasks >= 0, got -1"):
+        tasks.run(lambda claims, n: None, -1)
 
 
 @kernel()
-def _mark(task_lo, task_hi, seen):
-    for t in range(task_lo, task_hi):
+def _mark(claims, n_tasks, seen):
+    while True:
+        t = fetch_add(claims, 0, 1)
+        if t >= n_tasks:
+            break
         seen[t] += 1
+
+
+@kernel()
+def _slow_first_half(claims, n_tasks, seen, who, me):
+    """Tasks below n_tasks / 2 spin a while (cold rows), the others are quick."""
+    while True:
+        t = fetch_add(claims, 0, 1)
+        if t >= n_tasks:
+            break
+        if t < n_tasks // 2:
+            x = 0.0
+            for i in range(1_000_000):
+                x += np.sqrt(i + t)
+            seen[t] += 1 if x > 0 else 2
+        else:
+            seen[t] += 1
+        who[t] = me[0]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -56,22 +65,44 @@ def test_a_numba_kernel_runs_every_task_once_on_numba_s_thread_count(threads):
         pytest.skip(f"numba has {numba.config.NUMBA_NUM_THREADS} thread(s)")
     numba.set_num_threads(threads)
     try:
-        ranges_run: list[tuple[int, int, int]] = []
+        calls: list[tuple[int, int]] = []
 
-        def spy(lo, hi, seen):
-            ranges_run.append((lo, hi, threading.get_ident()))
-            _mark(lo, hi, seen)
+        def spy(claims, n_tasks, seen):
+            calls.append((n_tasks, threading.get_ident()))
+            _mark(claims, n_tasks, seen)
 
         seen = np.zeros(100, np.int64)
         tasks.run(spy, 100, seen)
+        few = np.zeros(1, np.int64)
+        tasks.run(spy, 1, few)  # one task: one thread
+        tasks.run(spy, 0, few)  # none: no call
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     np.testing.assert_array_equal(seen, 1)
-    assert sorted((lo, hi) for lo, hi, _ in ranges_run) == tasks.ranges(100, threads)
-    # the first range in the calling thread, the others on the pool's threads
-    first = next(ident for lo, _, ident in ranges_run if lo == 0)
-    assert first == threading.get_ident()
-    assert len({ident for *_, ident in ranges_run}) == threads
+    np.testing.assert_array_equal(few, 1)
+    # one call per thread, the first in the calling thread, the others on the pool's threads
+    assert [n for n, _ in calls] == [100] * threads + [1]
+    assert calls[0][1] == threading.get_ident()
+    assert len({ident for _, ident in calls[:threads]}) == threads
+
+
+def test_threads_take_tasks_as_they_go(two_threads):
+    """A thread held up by costly tasks takes fewer of them: with the first half of the tasks
+    slow, a static split would give one thread all of them; claimed one at a time, the other
+    thread takes its share of the slow ones too and all of the quick ones."""
+    n = 64
+    seen = np.zeros(n, np.int64)
+    who = np.full(n, -1, np.int64)
+    marks = {}
+
+    def spy(claims, n_tasks, seen, who):
+        me = marks.setdefault(threading.get_ident(), np.array([len(marks)], np.int64))
+        _slow_first_half(claims, n_tasks, seen, who, me)
+
+    tasks.run(spy, n, seen, who)
+    np.testing.assert_array_equal(seen, 1)
+    slow = who[: n // 2]
+    assert set(slow.tolist()) == {0, 1}, slow  # both threads ran slow tasks
 
 
 @pytest.fixture
@@ -83,42 +114,48 @@ def two_threads():
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
-def test_an_error_is_raised_after_every_range_ended(two_threads):
+def _caller(work):
+    """``work(in_caller)`` as a task kernel: is this call the calling thread's?"""
+    caller = threading.get_ident()
+    return lambda claims, n: work(threading.get_ident() == caller)
+
+
+def test_an_error_is_raised_after_every_thread_ended(two_threads):
     ended = []
 
-    def work(lo, hi):
-        if lo == 0:
-            raise KeyError("the calling thread's range")
-        threading.Event().wait(0.3)  # the worker's range ends well after the error
-        ended.append(lo)
+    def work(in_caller):
+        if in_caller:
+            raise KeyError("the calling thread's call")
+        threading.Event().wait(0.3)  # the worker's call ends well after the error
+        ended.append("worker")
 
     with pytest.raises(KeyError, match="calling thread"):
-        tasks.run(work, 10)
-    assert ended == [5]
+        tasks.run(_caller(work), 10)
+    assert ended == ["worker"]
 
 
 def test_a_worker_s_error_reaches_the_caller(two_threads):
-    def work(lo, hi):
-        if lo > 0:
-            raise KeyError(f"range {lo}")
+    def work(in_caller):
+        if not in_caller:
+            raise KeyError("the worker's call")
 
-    with pytest.raises(KeyError, match="range 5"):
-        tasks.run(work, 10)
+    with pytest.raises(KeyError, match="worker's call"):
+        tasks.run(_caller(work), 10)
 
 
 def test_an_interrupt_while_waiting_returns_only_after_the_ranges_ended(two_threads):
-    """A KeyboardInterrupt in the caller's wait (Ctrl-C) is raised once the workers' ranges
+    """A KeyboardInterrupt in the caller's wait (Ctrl-C) is raised once the workers' calls
     have ended, never while they still write the caller's arrays."""
     import signal
 
     ended = []
 
-    def work(lo, hi):
-        if lo == 0:
-            signal.setitimer(signal.ITIMER_REAL, 0.05)  # SIGALRM while we wait for range 5
+    def work(in_caller):
+        if in_caller:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # SIGALRM while we wait for the worker
             return
         threading.Event().wait(0.4)
-        ended.append(lo)
+        ended.append("worker")
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -126,13 +163,13 @@ def test_an_interrupt_while_waiting_returns_only_after_the_ranges_ended(two_thre
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
-            tasks.run(work, 10)
+            tasks.run(_caller(work), 10)
     finally:
         signal.signal(signal.SIGALRM, previous)
-    assert ended == [5]
+    assert ended == ["worker"]
 
 
-def test_a_forked_child_runs_ranges_on_its_own_workers(two_threads):
+def test_a_forked_child_runs_tasks_on_its_own_workers(two_threads):
     """The parent's workers do not exist in a fork; the child starts its own (else its first
     run would wait forever on a queue nobody reads)."""
     import os

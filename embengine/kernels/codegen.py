@@ -77,21 +77,22 @@ Per registered row math of embengine.optimizers (optimizers/_row_math.py):
   one update from the sum of its occurrences; without, one per occurrence, in order. Rows u
   with ``skipped[u]`` (skip_row policy; an empty array otherwise) are left alone. An update
   whose result would not be finite is not stored (the row keeps its old weights and slots)
-  and sets ``unchanged[u] = 1``. It runs the tasks ``[task_lo, task_hi)`` of ``bounds``
-  (``balanced_tasks``: about equal work each; hot rows have thousands of occurrences).
+  and sets ``unchanged[u] = 1``. It runs tasks of ``bounds`` (``balanced_tasks``: about
+  equal work each; hot rows have thousands of occurrences), each claimed from ``claims``.
 - ``update_every_row_<name>``: every live row of the table (``live``: the storage's
   ``live_rows()``, ``[start, stop)`` ranges) gets an update (non-lazy Adam / Lion); rows the
-  batch did not touch get g = 0; ``unchanged[r]`` per table row. It runs the tasks
-  ``[task_lo, task_hi)`` of ``task_start`` and ``where`` (``every_row_tasks``).
+  batch did not touch get g = 0; ``unchanged[r]`` per table row. It runs tasks of
+  ``task_start`` and ``where`` (``every_row_tasks``), each claimed from ``claims``.
 
-Every kernel is serial: ``embengine.kernels.tasks.run`` runs task ranges on threads.
+Every kernel is serial: ``embengine.kernels.tasks.run`` runs it on several threads at once,
+which take the tasks ``0 .. n_tasks - 1`` one at a time from the shared counter ``claims``.
 """
 
 # ruff: noqa: E501
 import numpy as np
 
 from embengine.kernels import kernel
-from embengine.kernels._intrinsics import prefetch_row, prefetch_row_for_write
+from embengine.kernels._intrinsics import fetch_add, prefetch_row, prefetch_row_for_write
 from embengine.kernels.pipeline import (
     H_COMMON,
     H_GCLIP_HI,
@@ -348,7 +349,10 @@ for p in range(lo, hi):
 
 # The fused update's loop over touched rows (tasks of about equal work), with ``update`` run
 # on row ``r`` once its gradient is in ``g``; shared by the any-layout and fixed-layout kernels.
-ROW_LOOP = """for task in range(task_lo, task_hi):
+ROW_LOOP = """while True:
+    task = fetch_add(claims, 0, 1)  # the next task no thread has taken (kernels/tasks.py)
+    if task >= n_tasks:
+        break
 {scratch}
     stop = bounds[task + 1]
     for u in range(bounds[task], stop):
@@ -370,16 +374,19 @@ ROW_LOOP = """for task in range(task_lo, task_hi):
 KERNELS = """
 
 @kernel()
-def fused_update_{name}(task_lo, task_hi, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
+def fused_update_{name}(claims, n_tasks, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
 
 @kernel()
-def update_every_row_{name}(task_lo, task_hi, task_start, where, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
+def update_every_row_{name}(claims, n_tasks, task_start, where, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, live):
 {setup}
     n_ranges = live.shape[0]
-    for task in range(task_lo, task_hi):
+    while True:
+        task = fetch_add(claims, 0, 1)
+        if task >= n_tasks:
+            break
 {scratch}
         a, b = 0, n_ranges  # the range holding this task: task_start[a] <= task < task_start[a + 1]
         while b - a > 1:
@@ -410,7 +417,7 @@ def fixed_fused_update_{name}(DIM, NS):
     ROWLEN = {rowlen}  # the values saved before the in-place update
 
     @kernel()
-    def fused_update_{name}_fixed(task_lo, task_hi, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
+    def fused_update_{name}_fixed(claims, n_tasks, bounds, data, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch):
 {setup}
 {row_loop}
 
@@ -430,7 +437,7 @@ def fixed_fused_update_{name}(LAYOUT):
     DIM, F0, N0, F1, N1, F2, N2 = LAYOUT  # free variables: numba inlines them as constants
 
     @kernel()
-    def fused_update_{name}_fixed(task_lo, task_hi, bounds, data, data_h, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, key):
+    def fused_update_{name}_fixed(claims, n_tasks, bounds, data, data_h, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, key):
 {setup}
 {row_loop}
 

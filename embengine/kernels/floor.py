@@ -16,14 +16,14 @@ import functools
 import numpy as np
 
 from . import kernel
-from ._intrinsics import prefetch_row, prefetch_row_for_write
+from ._intrinsics import fetch_add, prefetch_row, prefetch_row_for_write
 from .pipeline import GRAD_PREFETCH
 
 
 @functools.cache
 def fixed_touch_rows(DIM: int, WIDTH: int):
     """The floor kernel for rows of WIDTH float32 columns whose first DIM are the weights:
-    ``touch_rows(task_lo, task_hi, bounds, data, unique, unique_offsets, unique_gains,
+    ``touch_rows(claims, n_tasks, bounds, data, unique, unique_offsets, unique_gains,
     unique_segments, grad, zero, prefetch)``, the arguments of the fused update's of the same
     names: run it with ``pipeline.run_balanced(touch_rows, unique_offsets, data, ...)``."""
     if not 1 <= DIM <= WIDTH:
@@ -31,8 +31,8 @@ def fixed_touch_rows(DIM: int, WIDTH: int):
 
     @kernel()
     def touch_rows(
-        task_lo,
-        task_hi,
+        claims,
+        n_tasks,
         bounds,
         data,
         unique,
@@ -45,7 +45,10 @@ def fixed_touch_rows(DIM: int, WIDTH: int):
     ):
         n_occurrences = unique_segments.shape[0]
         zero32 = np.float32(zero)
-        for task in range(task_lo, task_hi):
+        while True:
+            task = fetch_add(claims, 0, 1)
+            if task >= n_tasks:
+                break
             g = np.zeros(DIM, dtype=np.float64)
             stop = bounds[task + 1]
             for u in range(bounds[task], stop):

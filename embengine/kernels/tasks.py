@@ -1,11 +1,16 @@
-"""Run a serial kernel over a range of tasks on several threads: the update kernels' parallelism.
+"""Run a serial kernel over tasks on several threads: the update kernels' parallelism.
 
 The update kernels (``codegen.py``) are serial numba functions whose first two arguments are a
-task range, ``kernel(task_lo, task_hi, ...)``, compiled without the GIL (``nogil``). ``run``
-splits ``[0, n_tasks)`` into one contiguous range per thread, as the static schedule of numba's
-``prange`` does, runs the first range in the calling thread and the others on embengine's
-worker threads, and returns when all are done. A task's rows are its own, so the result does
-not depend on the thread count.
+task counter and a task count, ``kernel(claims, n_tasks, ...)``, compiled without the GIL
+(``nogil``). ``run`` runs the kernel on several threads at once (``numba.get_num_threads()``,
+at most one per task), the calling thread and embengine's worker threads, all with the same
+counter ``claims`` (an int64 array of one element, from 0): each thread takes the next task
+with one atomic add (``_intrinsics.fetch_add``) until ``n_tasks``, so a thread whose tasks cost
+more (cold rows, read from memory) takes fewer of them. A static split (one contiguous range
+per thread, as numba's ``prange`` schedules) kept the thread with a batch's cold rows about a
+third longer than the other on W1's updates, whatever the tasks' estimated costs
+(docs/performance.md, "Update tasks claimed as they go"). A task's rows are its own, so the
+result depends neither on the thread count nor on which thread ran which task.
 
 Why not ``prange`` inside the kernel: numba's parallel compile (parfor lowering) of an update
 kernel took about four times its serial compile, and embengine compiles one kernel per row math,
@@ -15,9 +20,9 @@ The workers are daemon threads taking jobs from one queue, started when a call n
 them than exist (the calling thread's ``numba.get_num_threads()`` less one) and never stopped,
 so a call never meets a pool being replaced or shut down (``concurrent.futures`` refuses new
 work once the interpreter begins to exit, while other threads may still train). A forked child
-starts its own (a fork copies no threads). ``run`` returns or raises only once every range has
-ended, also when interrupted (KeyboardInterrupt) while waiting: the ranges write the caller's
-arrays.
+starts its own (a fork copies no threads). ``run`` returns or raises only once every thread's
+call has ended, also when interrupted (KeyboardInterrupt) while waiting: the calls write the
+caller's arrays.
 
 These threads are not OpenMP's: OpenMP's threads (numba's pooling kernels' under its "omp"
 layer, torch's ops') spin after each parallel region unless ``OMP_WAIT_POLICY=PASSIVE``, and the
@@ -37,8 +42,9 @@ import warnings
 from collections.abc import Callable
 
 import numba as nb
+import numpy as np
 
-__all__ = ["SpinningThreadsWarning", "ranges", "run"]
+__all__ = ["SpinningThreadsWarning", "run"]
 
 
 class SpinningThreadsWarning(RuntimeWarning):
@@ -46,7 +52,7 @@ class SpinningThreadsWarning(RuntimeWarning):
 
 
 class _Job:
-    """One range of one call: run by a worker, waited for by the caller."""
+    """One thread's share of one call: run by a worker, waited for by the caller."""
 
     __slots__ = ("args", "done", "error", "kernel")
 
@@ -114,33 +120,28 @@ def _check_wait_policy() -> None:
         )
 
 
-def ranges(n_tasks: int, n_threads: int) -> list[tuple[int, int]]:
-    """``[0, n_tasks)`` as up to ``n_threads`` contiguous, non-empty ranges of sizes differing by
-    at most one (thread i gets ``[i * n // T, (i + 1) * n // T)``)."""
-    if n_tasks < 0 or n_threads < 1:
-        raise ValueError(f"need n_tasks >= 0 and n_threads >= 1, got {n_tasks}, {n_threads}")
-    t = min(n_tasks, n_threads)
-    return [(i * n_tasks // t, (i + 1) * n_tasks // t) for i in range(t)]
-
-
 def run(kernel: Callable, n_tasks: int, *args) -> None:
-    """``kernel(lo, hi, *args)`` for ranges ``[lo, hi)`` covering ``[0, n_tasks)``, one per
-    thread (``numba.get_num_threads()``), the first in this thread. Returns or raises once every
-    range has ended; raises this thread's error first, else a worker's, else an interruption
-    that came while waiting."""
-    parts = ranges(int(n_tasks), nb.get_num_threads())
-    if len(parts) <= 1:
-        if parts:
-            kernel(*parts[0], *args)
+    """``kernel(claims, n_tasks, *args)`` on up to ``numba.get_num_threads()`` threads at once
+    (not more than ``n_tasks``), the first in this thread, ``claims`` a fresh counter they share
+    (module docstring). Returns or raises once every thread's call has ended; raises this
+    thread's error first, else a worker's, else an interruption that came while waiting."""
+    n_tasks = int(n_tasks)
+    if n_tasks < 0:
+        raise ValueError(f"need n_tasks >= 0, got {n_tasks}")
+    claims = np.zeros(1, dtype=np.int64)
+    n_threads = min(n_tasks, nb.get_num_threads())
+    if n_threads <= 1:
+        if n_threads:
+            kernel(claims, n_tasks, *args)
         return
     _check_wait_policy()
-    _ensure_workers(len(parts) - 1)
-    jobs = [_Job(kernel, (lo, hi, *args)) for lo, hi in parts[1:]]
+    _ensure_workers(n_threads - 1)
+    jobs = [_Job(kernel, (claims, n_tasks, *args)) for _ in range(n_threads - 1)]
     for job in jobs:
         _jobs.put(job)
     error: BaseException | None = None
     try:
-        kernel(*parts[0], *args)
+        kernel(claims, n_tasks, *args)
     except BaseException as e:
         error = e
     interrupted: BaseException | None = None
