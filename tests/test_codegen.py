@@ -73,3 +73,7 @@ def test_the_16_bit_kernels_locals_are_reserved_names():
     # a row math param or slot of one of these names would shadow the 16-bit kernels' own
     reserved = codegen.reserved_names()
     assert {"words", "rbits", "key", "data_h", "hw", "hs0", "hs2", "n_words", "v"} <= reserved
+    # the in-place row layout kernels' scratch and the layout's constants
+    assert {"old_h", "old_f", "h", "LAYOUT", "DIM", "F0", "N0", "F2", "N2"} <= reserved
+    # the task counter of every update kernel (kernels/tasks.py)
+    assert {"claims", "n_tasks", "fetch_add", "task"} <= reserved

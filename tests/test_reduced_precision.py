@@ -2,6 +2,7 @@
 float32, updates written back with stochastic rounding from the same random stream in both
 backends."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -293,7 +294,8 @@ def test_row_layout_kernels_update_in_place_but_for_float16_beside_another_16_bi
 
 def test_no_row_layout_kernel_for_slots_narrower_than_the_row(monkeypatch):
     """The in-place kernel updates a coordinate's weight and slot values together, so a float
-    slot must hold a value per coordinate (or be absent) for it to serve the table."""
+    slot must hold a value per coordinate (or be absent) for it to serve the table; and a row
+    math that declares no kernel for a constant layout (``fixed_layout=False``) gets none."""
     from embengine.backends import numba_backend as nbk
 
     t = ee.TableConfig(4, 64, name="t", weights_dtype="bfloat16", slots_dtype="bfloat16")
@@ -303,6 +305,7 @@ def test_no_row_layout_kernel_for_slots_narrower_than_the_row(monkeypatch):
     assert nbk.half_layout(rm, table) == (64, *columns)
     narrow = columns.copy()
     narrow[3] = 32  # the second slot half as wide as the row
+    assert nbk.half_layout(dataclasses.replace(rm, fixed_layout=False), table) is None
     monkeypatch.setattr(nbk, "_float_slot_columns", lambda _: narrow)
     assert nbk.half_layout(rm, table) is None
 

@@ -495,6 +495,8 @@ def half_layout(rm: RowMath, table: TableStorage) -> tuple[int, ...] | None:
     are a value per coordinate (the kernel updates a row's columns in one loop over them)."""
     if table.dim not in HALF_FIXED_DIMS or rm.form != "element" or not rm.slots:
         return None
+    if not rm.fixed_layout:  # the row math declares no kernel for a constant layout
+        return None
     columns = tuple(int(c) for c in _float_slot_columns(table))
     if any(n not in (0, table.dim) for n in columns[1::2]):  # the kernel's loop: one per coordinate
         return None
@@ -519,8 +521,8 @@ def _fixed_half_kernel(rm: RowMath, kinds: tuple[int, int], layout: tuple[int, .
 def kernels_for(optimizer: Optimizer, table: TableStorage):
     """The (fused_update, update_every_row) kernels serving an optimizer on this table: the
     fixed-layout fused update where it fits (fixed_layout), else the any-layout one; for a
-    table with 16-bit columns the ``half`` kernels (they widen on copy-in and round on
-    write-back, which the in-place fixed-layout kernels cannot), their fused update compiled
+    table with 16-bit columns the ``half`` kernels (they widen each value read and round each
+    value stored, which the float32 fixed-layout kernels do not), their fused update compiled
     for the table's row layout from HALF_FIXED_DIMS on (``half_layout``)."""
     rm = optimizer.row_math(table.dim)
     if _half(table):

@@ -595,6 +595,7 @@ def reserved_names() -> frozenset[str]:
         ROW_LOOP,
         KERNELS,
         FIXED_KERNEL,
+        FIXED_HALF_KERNEL,
         _GUARDED,
         HALF_UPDATE,
         HALF_FIXED_UPDATE,

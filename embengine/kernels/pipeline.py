@@ -57,9 +57,9 @@ def balanced_tasks(unique_offsets):
 
 
 def run_balanced(kernel, unique_offsets: np.ndarray, *args) -> None:
-    """``kernel(task_lo, task_hi, bounds, *args)`` over the tasks ``bounds`` of
-    ``balanced_tasks(unique_offsets)``, on ``tasks.run``'s threads: how the fused updates and
-    the update's floor (kernels/floor.py) walk the touched rows."""
+    """``kernel(claims, n_tasks, bounds, *args)`` over the tasks ``bounds`` of
+    ``balanced_tasks(unique_offsets)``, claimed by ``tasks.run``'s threads as they go: how the
+    fused updates and the update's floor (kernels/floor.py) walk the touched rows."""
     bounds = balanced_tasks(unique_offsets)
     bounds.setflags(write=False)  # read-only like the other inputs: one kernel type (inputs.frozen)
     tasks.run(kernel, len(bounds) - 1, bounds, *args)
