@@ -310,6 +310,43 @@ def test_no_row_layout_kernel_for_slots_narrower_than_the_row(monkeypatch):
     assert nbk.half_layout(rm, table) is None
 
 
+@pytest.mark.parametrize("weights", ["bfloat16", "float16"])
+def test_a_lookup_only_batch_pools_16_bit_weights_from_the_table_rows(monkeypatch, weights):
+    """A lookup-only batch of a table of 16-bit weights is pooled from its uint16 rows, each
+    value widened as it is read, as a training lookup pools: the same activations, and no
+    widened copy of the occurrences' rows (``rounding.widen_rows``)."""
+    from embengine.kernels import rounding
+
+    t = ee.TableConfig(
+        50,
+        64,
+        name="t",
+        combiner="sum",
+        initializer=init.RandomUniform(-1.0, 1.0),
+        weights_dtype=weights,
+    )
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adam(0.1), seed=2)
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(0, 6, 40)
+    ids = rng.integers(0, 50, lengths.sum())
+    w = rng.choice([0.5, 2.0, -1.0], lengths.sum()).astype(np.float32)
+    features = {"f": ee.Ragged(ids, lengths=lengths, weights=w)}
+
+    def no_copy(*args):
+        raise AssertionError("a lookup-only batch widened a copy of its rows")
+
+    monkeypatch.setattr(rounding, "widen_rows", no_copy)
+    got = eng.lookup(features, training=False)["f"]
+    want = eng.lookup(features)["f"]  # the training lookup: pool_tables on the uint16 rows
+    np.testing.assert_array_equal(got, want)
+    table = eng.embedding_tables["t"].astype(np.float64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for b in range(40):
+        k = slice(starts[b], starts[b + 1])
+        expect = (w[k, None] * table[ids[k]]).sum(0)
+        np.testing.assert_allclose(got[b], expect, rtol=1e-5, atol=1e-5)
+
+
 def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():
     """A training lookup pools a table of 16-bit weights straight from its uint16 rows, each
     value widened as it is read (the same values as a widened copy, so the same activations:

@@ -16,7 +16,7 @@ from ..inputs import frozen, read_only
 from ..kernels import FIXED_DIMS, HALF_FIXED_DIMS, codegen, pipeline, row_math, tasks, train_lookup
 from ..kernels import prepare as kp
 from ..kernels.lookup import PREFETCH_DISTANCE as PREFETCH_LOOKUP
-from ..kernels.lookup import pool_bags, pool_kernel
+from ..kernels.lookup import pool_bags_kernel, pool_kernel
 from ..kernels.pool import forked, start_pool
 from ..optimizers import Optimizer, RowMath
 from ..precision import F32, KIND
@@ -635,21 +635,21 @@ class NumbaBackend:
                 return out
             return self.lookup_rows(table.data, table.dim, tb, quantization)
         data = table.data
-        if _half(table):  # rows of the part's ids, widened
+        if _half(table):  # rows of the part's ids, 16-bit weights widened as they are read
             return self._pool_parts(
                 tb,
                 table.dim,
                 quantization,
-                lambda p: _weights_at(table, table.rows_for(p.member, p.ragged.ids, False)),
+                lambda p: _pooled_rows(table, table.rows_for(p.member, p.ragged.ids, False)),
             )
         return self._pool_parts(
             tb,
             table.dim,
             quantization,
             lambda p: (
-                (data[bases[p.member] :], p.ragged.ids)
+                (data[bases[p.member] :], p.ragged.ids, F32)
                 if bases is not None
-                else (data, table.rows_for(p.member, p.ragged.ids, False))
+                else (data, table.rows_for(p.member, p.ragged.ids, False), F32)
             ),
         )
 
@@ -751,7 +751,7 @@ class NumbaBackend:
                     "with lookup(table, batch)"
                 )
             return self._pool_parts(
-                tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids)
+                tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids, F32)
             )
         if tb.unique_rows is None:
             raise ValueError(
@@ -765,17 +765,18 @@ class NumbaBackend:
 
     def _pool_parts(self, tb: LookupOnlyTableBatch, dim: int, quantization, source) -> np.ndarray:
         """A lookup-only batch's activations, feature by feature: ``source(part)`` gives the
-        (row array, rows of the part's occurrences) to pool from."""
+        (row array, rows of the part's occurrences, the row array's kind: ``_pooled_rows``) to
+        pool from."""
         start_pool()
         out = np.empty((tb.num_outputs, dim), dtype=np.float32)
         quant = _quantization_row(quantization)
         for p in tb.parts:
             r = p.ragged
-            data, rows = source(p)
+            data, rows, kind = source(p)
             weights = r.weights if r.weights is not None and not p.seq_len else _EMPTY_F32
             # Contiguous read-only arrays (copies only of strided views): one compiled kernel.
             c = _contiguous_frozen
-            pool_bags(
+            pool_bags_kernel(dim, kind)(
                 data,
                 dim,
                 c(rows, dtype=np.int64),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from ..precision import F32
+from ..precision import BF16, F16, F32
 from . import FIXED_DIMS, kernel
 from ._intrinsics import prefetch_row, stack_row
 from .prepare import SUM, bag_denominator, bag_gain
@@ -150,9 +150,11 @@ def _pool_bag_range(
     first,
     stop,
     acc,
+    kind,
 ):
     """Samples ``first:stop`` of one feature (one task); see ``pool_bags``. ``acc``: a scratch
-    row (see _pool_rows)."""
+    row (see _pool_rows); ``kind``: the rows' values, as ``_pool_rows``'s (a constant of the
+    caller, so the widening compiles to one path)."""
     buckets = quant[0]
     lower = quant[1]
     upper = quant[2]
@@ -187,7 +189,7 @@ def _pool_bag_range(
                     wk = 1.0 if w_base < 0 else np.float64(weights[k])
                     gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
-                        x = min(max(np.float64(data[r, j]), lower), upper)
+                        x = min(max(np.float64(as_f32(data[r, j], kind)), lower), upper)
                         x = np.floor((x - lower) / quantum + 0.5) * quantum + lower
                         acc[j] += np.float32(gk * x)
             else:
@@ -200,7 +202,7 @@ def _pool_bag_range(
                     wk = 1.0 if w_base < 0 else np.float64(weights[k])
                     gk = np.float32(bag_gain(wk, comb, denom))
                     for j in range(dim):
-                        acc[j] += gk * data[r, j]
+                        acc[j] += gk * as_f32(data[r, j], kind)
             o = out_start + (b * seq_len + pos if seq_len > 0 else b)
             for j in range(dim):
                 out[o, j] = acc[j]
@@ -243,6 +245,7 @@ def _make_pool_range(fixed_dim: int):
                 first,
                 stop,
                 stack_row(fixed_dim),
+                F32,
             )
 
     else:
@@ -278,6 +281,7 @@ def _make_pool_range(fixed_dim: int):
                 first,
                 stop,
                 np.empty(dim, dtype=np.float32),
+                F32,
             )
 
     return pool_range
@@ -384,3 +388,58 @@ def pool_bags(
             first,
             stop,
         )
+
+
+def _make_pool_bags_16(fixed_dim: int, kind: int):
+    """``pool_bags`` for a table of 16-bit weights of ``kind`` (BF16 or F16): its uint16 rows,
+    each value widened as it is read (no widened copy of the occurrences' rows). Width and kind
+    are constants of the closure, as in ``train_lookup.pool_tables``, whose pooling of the same
+    rows gives the same bits; one kernel per width and kind, compiled on first use, so float32
+    lookups compile nothing more."""
+
+    @kernel(parallel=True)
+    def pool_bags_16(
+        data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant, prefetch
+    ):
+        n = offsets.shape[0] - 1
+        for task in nb.prange((n + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+            first = task * ROWS_PER_TASK
+            if fixed_dim:
+                width = fixed_dim
+                acc = stack_row(fixed_dim)
+            else:
+                width = dim
+                acc = np.empty(dim, dtype=np.float32)
+            _pool_bag_range(
+                data,
+                width,
+                rows,
+                offsets,
+                weights,
+                combiner,
+                seq_len,
+                out,
+                out_start,
+                quant,
+                prefetch,
+                first,
+                min(n, first + ROWS_PER_TASK),
+                acc,
+                kind,
+            )
+
+    return pool_bags_16
+
+
+_POOL_BAGS_16 = {
+    (d, kind): _make_pool_bags_16(d, kind) for d in (*FIXED_DIMS, 0) for kind in (F16, BF16)
+}
+
+
+def pool_bags_kernel(dim: int, kind: int):
+    """The lookup-only pooling of rows of ``kind`` (precision.F32: ``pool_bags``; F16 / BF16:
+    a 16-bit table's uint16 rows of weights, ``_make_pool_bags_16``), ``pool_bags``'s
+    arguments."""
+    if kind == F32:
+        return pool_bags
+    return _POOL_BAGS_16[(int(dim) if int(dim) in FIXED_DIMS else 0, kind)]

@@ -8,7 +8,7 @@ write-back. These are called, not inlined into numba's IR: LLVM inlines them whe
 inlined into every site they made the kernels compile a fifth slower for no measurable speed
 (docs/performance.md, "Figures behind the code"). Random bits: ``row_hash`` once per row,
 then ``random_words`` (one splitmix64 round per four unit columns, 16 bits each).
-``widen_rows`` gathers rows widened to float32 for the lookups.
+``widen_rows`` gathers rows widened to float32 for deduplicated evaluation lookups.
 """
 
 from __future__ import annotations
