@@ -212,6 +212,28 @@ def test_16_bit_tables_are_timed_beside_float32_against_the_same_peers(tiny):
     assert line.endswith(f"torch SparseAdam: {ratio:.2f}x")
 
 
+def test_a_lookup_only_workload_times_each_table_dtype(monkeypatch):
+    lookup = Workload("tiny-lookup", "", ((500, 8),) * 2, 16, 3, lookup_only=True)
+    monkeypatch.setitem(runner.WORKLOADS, "tiny-lookup", lookup)
+    results = runner.run_workload(
+        "tiny-lookup",
+        steps=2,
+        warmup=1,
+        peers=("torch",),
+        dtypes=("float32", "bfloat16", "float16"),
+        log=lambda s: None,
+    )
+    by_name = {r.name: r for r in results}
+    assert set(by_name) == {
+        "embengine SGD",
+        "embengine SGD [bfloat16]",
+        "embengine SGD [float16]",
+        "torch F.embedding_bag",
+    }
+    for name in ("embengine SGD [bfloat16]", "embengine SGD [float16]"):
+        assert by_name[name].peers == ("torch F.embedding_bag",)
+
+
 def test_w3_is_timed_beside_w1_and_w3_small_and_compared_per_id(monkeypatch):
     # Stand-ins for W1, W3 and W3-small: the same shape of comparison on tiny tables.
     small = {

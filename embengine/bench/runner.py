@@ -256,8 +256,11 @@ def run_workload(
     batches = make_batches(w, batches_needed(warmup, steps))
     # Groups of configurations timed together (see the module docstring): (factory, peers).
     groups: list[list[tuple[Callable, tuple[str, ...]]]] = []
-    if w.lookup_only:
-        group = [(lambda: EngineRunner(w, "SGD"), ("torch F.embedding_bag",))]
+    if w.lookup_only:  # one engine per table dtype, each against torch's lookup
+        group = [
+            (lambda d=dtype: EngineRunner(w, "SGD", dtype=d), ("torch F.embedding_bag",))
+            for dtype in dtypes
+        ]
         if "torch" in peers:
             group.append((lambda: TorchRunner(w, "SGD"), ()))
         groups.append(group)
