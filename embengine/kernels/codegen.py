@@ -530,7 +530,7 @@ class HalfFixedAccess:
     through the float32 view ``data`` at float32 column ``(unit >> 1) + j``."""
 
     def __init__(self, wkind: str, skind: str):
-        self.wkind, self.skind = wkind, skind
+        self.skind = skind
         self.w = self._value(wkind, "0")
         self.store_w = self._store(wkind, "0", "wj", 8)
 
@@ -756,8 +756,7 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
     load_w, check_w, store_w, _ = _half_column(wkind, "w", "0", "dim")
     slots = [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
 
-    rounds = _rounded_from(rm, wkind, skind)
-    words = f"random_words(row_hash(key, step, r, {unit}), words, {rounds})\n" if rounds else ""
+    words = _random_bits(rm, wkind, skind, unit)[1]
 
     def loops(part: int, indent: int = 0) -> str:
         lines = "".join(
@@ -797,8 +796,7 @@ def _half_fixed_update(rm: RowMath, wkind: str, skind: str) -> str:
     (``_half_update``'s arguments; the fused update's ``u`` and ``unit``)."""
     ints = _writes_ints(rm)
     access = HalfFixedAccess(wkind, skind)
-    rounds = _rounded_from(rm, wkind, skind)
-    words = f"random_words(row_hash(key, step, r, unit), words, {rounds})\n" if rounds else ""
+    words = _random_bits(rm, wkind, skind, "unit")[1]
     restore_slots = "".join(
         f"    if n{k} > 0:\n        for j in range(n{k}):\n"
         f"            {access.restore(skind, f'f{k}')}\n"
@@ -812,6 +810,18 @@ def _half_fixed_update(rm: RowMath, wkind: str, skind: str) -> str:
         restore_slots=restore_slots,
         restore_ints=RESTORE_INTS if ints else "",
         at="u",
+    )
+
+
+def _random_bits(rm: RowMath, wkind: str, skind: str, unit: str) -> tuple[str, str]:
+    """(the per-task scratch line of a row's random words, the statement drawing them for
+    update ``unit`` of row ``r``) of this dtype pair's kernels; both "" if it rounds nothing."""
+    rounds = _rounded_from(rm, wkind, skind)
+    if not rounds:
+        return "", ""
+    return (
+        "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)",
+        f"random_words(row_hash(key, step, r, {unit}), words, {rounds})\n",
     )
 
 
@@ -856,9 +866,7 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     rounding key, with HALF_UPDATE; then FIXED_HALF_KERNEL's factory of the fused one."""
     columns = [_half_column(wkind, "w", "0", "dim")]
     columns += [_half_column(skind, f"s{k}", f"f{k}", "dim") for k in range(len(rm.slots))]
-    scratch += "".join(c[3] for c in columns)
-    if _rounded_from(rm, wkind, skind):
-        scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
+    scratch += "".join(c[3] for c in columns) + _random_bits(rm, wkind, skind, "unit")[0]
     row_loop = ROW_LOOP.format(
         scratch=_indent(scratch, 4),
         gradient_12=_indent(GRADIENT, 12),
@@ -881,8 +889,7 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
         scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
         scratch += "\nold_h = np.zeros(data_h.shape[1], dtype=np.uint16)"
         scratch += "\nold_f = np.zeros(data.shape[1], dtype=np.float32)"
-        if _rounded_from(rm, wkind, skind):
-            scratch += "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)"
+        scratch += _random_bits(rm, wkind, skind, "unit")[0]
         row_loop = ROW_LOOP.format(
             scratch=_indent(scratch, 4),
             gradient_12=_indent(GRADIENT, 12),
