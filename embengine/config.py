@@ -34,6 +34,9 @@ COMBINERS = ("sum", "mean", "sqrtn")
 # How ``embengine export`` can store a table's weights (embengine.serving has each one's rule).
 COMPRESSIONS = ("fp32", "fp16", "bf16", "fixed_r8", "int8_rowwise")
 EVICTION_POLICIES = ("lru", "lfu")
+# Rows of one keyed table in one engine (or one shard): its index keeps int32 rows
+# (kernels/keyed_index.py).
+MAX_KEYED_ROWS = 2**31 - 1
 INSERT_ON = ("lookup", "apply")
 
 
@@ -141,6 +144,11 @@ class DynamicVocabulary:
                 raise ValueError(
                     f"{where}: {field_name} must be None (no limit) or an int >= 1, got {v!r}"
                 )
+        if self.max_rows is not None and self.max_rows > MAX_KEYED_ROWS:
+            raise ValueError(
+                f"{where}: max_rows must be at most {MAX_KEYED_ROWS:,} (2^31 - 1, the rows one "
+                f"keyed table holds in one engine; shard a bigger one), got {self.max_rows!r}"
+            )
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(
                 f"{where}: eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}"

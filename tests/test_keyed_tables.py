@@ -179,6 +179,7 @@ def test_dynamic_vocabulary_defaults_and_validation():
         (dict(occurrence_threshold=True), "got True"),
         (dict(expire_steps=0), "expire_steps must be None .* got 0"),
         (dict(max_rows=-2), "max_rows must be None .* got -2"),
+        (dict(max_rows=2**31), "max_rows must be at most 2,147,483,647 .* got 2147483648"),
         (dict(eviction="fifo"), "eviction must be one of \\('lru', 'lfu'\\), got 'fifo'"),
         (dict(insert_on="update"), "insert_on must be one of .* got 'update'"),
     ]
@@ -529,26 +530,62 @@ def test_dense_tables_have_contents_and_stats_too():
 # -- the index -----------------------------------------------------------------------------------
 
 
-def test_key_index_against_a_dict():
-    """Random inserts and deletes (backward-shift deletion, growth) agree with a dict."""
+@pytest.mark.parametrize("row_bits", [12, 20, 29])
+def test_key_index_against_a_dict(row_bits):
+    """Random inserts and deletes (by key and by value: tombstones, their reuse and the
+    rebuilds that clear them; growth) agree with a dict. ``row_bits`` 12: the values outgrow
+    the entries' value bits (a rebuild with more); 29: two-bit tags, so most probes compare
+    keys whose tags match in vain."""
     rng = np.random.default_rng(0)
     index, ref = KeyIndex(8), {}
+    index.row_bits = row_bits  # an empty index: no entry encoded yet
     pool = rng.integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64)
     pool[:50] = np.arange(50)  # clustered keys too
-    for _ in range(40):
+    by_value = {}
+    for step in range(60):
         new = np.array([k for k in rng.choice(pool, 100) if k not in ref], np.int64)
         new = np.unique(new)
-        index.insert(new, np.arange(len(new)) + len(ref) * 7)
-        ref.update(zip(new.tolist(), (np.arange(len(new)) + len(ref) * 7).tolist(), strict=True))
+        values = np.arange(len(new)) + step * 500
+        index.insert(new, values)
+        ref.update(zip(new.tolist(), values.tolist(), strict=True))
+        by_value.update(zip(values.tolist(), new.tolist(), strict=True))
         gone = rng.choice(np.array(list(ref), np.int64), min(len(ref), 40), replace=False)
-        index.remove(gone)
+        if step % 2:
+            index.remove(gone)
+        else:  # by value, as a keyed table removes its rows
+            index.remove_values(np.sort([ref[int(k)] for k in gone]))
         for k in gone.tolist():
-            del ref[k]
+            del by_value[ref.pop(k)]
         probe = rng.choice(pool, 500)
         got = index.find(probe)
         assert got.tolist() == [ref.get(int(k), -1) for k in probe]
         assert index.count == len(ref) == int((index.values >= 0).sum())
+        assert index.tombs == int((index.values == keyed_index.TOMB).sum())
+        assert index.count + index.tombs <= 0.75 * index.capacity
+    assert index.row_bits >= (60 * 500).bit_length()
     assert keyed_index.EMPTY == -1
+
+
+def test_a_steady_stream_of_keys_keeps_the_index_capacity():
+    """Keys coming and going at a steady count (W1-new: every key new, expiring) leave
+    tombstones that rebuilds clear: the capacity stays put."""
+    rng = np.random.default_rng(1)
+    index = KeyIndex()
+    live, next_value, caps = [], 0, set()
+    for step in range(200):
+        keys = np.unique(rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64))
+        if step >= 3:
+            old_keys, old_values = live.pop(0)
+            index.remove_values(old_values)
+            np.testing.assert_array_equal(index.find(old_keys), -1)
+        values = np.arange(next_value, next_value + len(keys)) % 4096
+        next_value += len(keys)
+        index.insert(keys, values)
+        live.append((keys, values))
+        np.testing.assert_array_equal(index.find(keys), values)
+        if step >= 10:
+            caps.add(index.capacity)
+    assert caps == {2048}, caps
 
 
 def test_eviction_order_by_partition_equals_a_full_sort():
@@ -567,18 +604,68 @@ def test_eviction_order_by_partition_equals_a_full_sort():
 
 def test_touch_sets_the_step_and_adds_the_counts():
     """``keyed_index.touch`` (the rows a training lookup hit) against NumPy's fancy indexing,
-    more rows than its prefetch distance."""
+    more rows than its prefetch distance; a count saturates at int32's maximum."""
     rng = np.random.default_rng(2)
     rows = rng.permutation(500)[:300].astype(np.int64)
     counts = rng.integers(1, 9, 300).astype(np.int64)
-    last, touches = rng.integers(0, 5, 500), rng.integers(0, 5, 500)
-    want_last, want_touches = last.copy(), touches.copy()
-    want_last[rows] = 17
-    want_touches[rows] += counts
+    records = rng.integers(0, 5, (500, keyed_index.RECORD_COLS)).astype(np.int32)
+    records[rows[0], keyed_index.TOUCHES] = keyed_index.MAX_TOUCHES - 1
+    want = records.astype(np.int64)
+    want[rows, keyed_index.LAST] = 17
+    want[rows, keyed_index.TOUCHES] += counts
+    want[rows[0], keyed_index.TOUCHES] = keyed_index.MAX_TOUCHES
     assert len(rows) > keyed_index.PROBE_AHEAD
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    keyed_index.touch(rows, offsets, 17, last.reshape(-1, 1), touches.reshape(-1, 1))
-    assert last.tolist() == want_last.tolist() and touches.tolist() == want_touches.tolist()
+    keyed_index.touch(rows, offsets, 17, records)
+    assert records.tolist() == want.tolist()
+
+
+def test_a_key_costs_24_bytes_beside_its_row():
+    """Issue 15's memory target, as ``table_stats`` reports it: at 2^15 keys (row capacity
+    2^15, index slots 2^16 at load one half) a key costs a 16-byte record and two 4-byte
+    slots."""
+    eng = keyed_engine(dim=4)
+    keys = np.random.default_rng(0).integers(-(2**62), 2**62, 2**15)
+    assert len(np.unique(keys)) == 2**15
+    train_bags(eng, ee.Ragged(keys, offsets=np.arange(2**15 + 1)))
+    st = eng.table_stats()["k"]
+    assert st["rows"] == st["capacity"] == 2**15
+    assert st["bytes"]["row_metadata"] / st["rows"] == 16
+    assert st["bytes"]["index"] / st["rows"] == 8
+
+
+def test_last_touched_steps_survive_a_step_past_int32():
+    """Rows keep their last-touched step as int32 from a base: a step 2^31 past it moves the
+    base (``_rebase``), and the steps the state reports, expiry and LRU order stay exact."""
+    from embengine.storage.keyed import KeyedTable
+
+    dyn = ee.DynamicVocabulary(expire_steps=2**31 + 10)
+    t = KeyedTable("k", 2, (), ee.initializers.Zeros(), 0, dyn)
+    t.begin_step(1)
+    t.rows_for(0, np.array([10, 11]), insert=True)
+    big = 2**31 + 5
+    t.begin_step(big)
+    assert t._base > 0
+    t.rows_for(0, np.array([11, 12]), insert=True)
+    st = t.state()
+    assert st["keys"].tolist() == [10, 11, 12]
+    assert st["last_touched"].tolist() == [1, big, big]
+    t.begin_step(2**31 + 12)  # key 10 is 2^31 + 11 steps old now: past expire_steps
+    t.rows_for(0, np.array([12]), insert=True)
+    assert t.state()["keys"].tolist() == [11, 12]
+
+
+def test_the_record_layout_is_the_kernels():
+    """storage/keyed.py and kernels/keyed_index.py name the same record columns."""
+    from embengine.storage import keyed as keyed_storage
+
+    assert (keyed_storage._RECORD_COLS, keyed_storage._LAST, keyed_storage._TOUCHES) == (
+        keyed_index.RECORD_COLS,
+        keyed_index.LAST,
+        keyed_index.TOUCHES,
+    )
+    assert ee.config.MAX_KEYED_ROWS == keyed_index.MAX_VALUE
+    assert keyed_storage._ENTRY_BITS == keyed_index.ENTRY_BITS
 
 
 def test_the_row_arena_asks_for_huge_pages():

@@ -277,7 +277,7 @@ def build_tables_and_pool_numba(
     if any(index.refuses for index in held):
         # A table's rows_for may refuse the batch after the region: then the region touches
         # no table's rows (their rows_for do), so a refused batch leaves every table as it was.
-        tmeta[:, train_lookup.T_LAST] = tmeta[:, train_lookup.T_TOUCHES] = 0
+        tmeta[:, train_lookup.T_TOUCH] = 0
     # Where the region writes a keyed table's probed rows (at its unique keys' places) and
     # whether it found them all (train_lookup.PROBED_*).
     found = np.empty(int(plan.occ_base[-1]) if held else 0, dtype=np.int64)
@@ -303,7 +303,7 @@ def build_tables_and_pool_numba(
     # which it touched if every key had one and it could.
     for t in np.flatnonzero(ready):
         lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
-        touched = bool(ready[t] == train_lookup.PROBED_ALL_FOUND and tmeta[t, train_lookup.T_LAST])
+        touched = bool(ready[t] == train_lookup.PROBED_ALL_FOUND and tmeta[t, train_lookup.T_TOUCH])
         batches[t] = batches[t].resolved(
             tables[t], insert=True, found=found[lo : lo + u], touched=touched
         )
@@ -363,14 +363,15 @@ def _rows_from(data: np.ndarray, base: int) -> tuple[int, int]:
 def _index_columns(index) -> tuple[int, ...]:
     """A keyed table's ``IndexView`` as ``train_lookup.prepare_and_pool`` reads it: its
     ``tmeta`` columns from T_INDEX on (addresses; 0: none)."""
-    dead, last, touches = index.dead, index.last, index.touches
+    dead = index.dead
     return (
         index.slots.ctypes.data,
         len(index.slots),
+        index.row_bits,
+        index.records.ctypes.data,
         0 if dead is None else dead.ctypes.data,
         0 if dead is None else len(dead),
-        0 if last is None else last.ctypes.data,
-        0 if touches is None else touches.ctypes.data,
+        int(index.touch),
         index.step,
     )
 
@@ -704,10 +705,17 @@ class NumbaBackend:
                 if index is None:  # rows are ids from the logical table's base row
                     fdata[f, :2] = _rows_from(data, table.row_bases[p.member])
                 else:
-                    slots, dead = index.slots, index.dead
-                    fdata[f, :4] = (data.ctypes.data, data.shape[0], slots.ctypes.data, len(slots))
+                    slots, records, dead = index.slots, index.records, index.dead
+                    fdata[f, :6] = (
+                        data.ctypes.data,
+                        data.shape[0],
+                        slots.ctypes.data,
+                        len(slots),
+                        index.row_bits,
+                        records.ctypes.data,
+                    )
                     if dead is not None:
-                        fdata[f, 4:] = (dead.ctypes.data, len(dead))
+                        fdata[f, 6:] = (dead.ctypes.data, len(dead))
                     held.append(index)
                 f += 1
         start_pool()

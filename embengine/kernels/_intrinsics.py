@@ -170,8 +170,10 @@ def _make_rows_at(dtype, llvm_type, itemsize: int):
 
 # float32_rows_at(address, rows, cols): a table's rows, an activation matrix.
 float32_rows_at = _make_rows_at(types.float32, ir.FloatType(), 4)
-# int64_rows_at(address, rows, cols): a keyed table's index (kernels/keyed_index.py).
+# int64_rows_at(address, rows, cols): a keyed table's keys by row (kernels/keyed_index.py).
 int64_rows_at = _make_rows_at(types.int64, ir.IntType(64), 8)
+# int32_rows_at(address, rows, cols): a keyed table's index slots and row metadata.
+int32_rows_at = _make_rows_at(types.int32, ir.IntType(32), 4)
 # uint8_rows_at(address, rows, cols): per-row flags.
 uint8_rows_at = _make_rows_at(types.uint8, ir.IntType(8), 1)
 # uint16_rows_at(address, rows, units): a 16-bit table's rows (its units, precision.py).

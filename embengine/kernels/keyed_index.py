@@ -1,20 +1,41 @@
-"""An open-addressing hash index from int64 keys to int64 values (a keyed table's rows).
+"""An open-addressing hash index from int64 keys to int32 values (a keyed table's rows).
 
-One array of one power-of-two capacity, ``slots[s] = (key, value)``: a probe reads one 16-byte
-slot, one cache line, where separate key and value arrays cost two misses. A slot whose value
-is ``EMPTY`` (-1) is free, so every int64 is a valid key. A key's home slot is the top bits of
-splitmix64(key) masked to the capacity; collisions probe linearly. Deletion shifts the later
-members of the probe run back (no tombstones), so a lookup never walks more than the run it
-belongs to and the layout after any sequence of inserts and deletes depends only on that
-sequence.
+Two arrays: ``slots[s, 0]``, the entry in slot ``s`` of one power-of-two capacity (``EMPTY``,
+-1, for a free slot), and ``keys[v, 0]``, the key value ``v`` holds. An entry is a value's
+``bits`` low bits and, above them, the top ``31 - bits`` bits of its key's hash (a tag), so a
+probe reads a record only where the tag matches: the one it looks for, and 2^-(31 - bits) of
+the others. ``bits`` is the owner's (enough for its values, ``KeyIndex.row_bits``), passed to
+every kernel. A keyed table's ``keys``
+are its row records, 16 bytes a row: the key, then (as int32 columns ``LAST`` and
+``TOUCHES`` of the same memory) the step the row was last touched and its touch count, so the
+line a probe reads to compare the key is the line the training lookup's touch writes. A slot
+is 4 bytes: at the usual load of one half a key costs 8 bytes of slots and 16 of record
+(docs/design.md, "Keyed tables": 57 bytes with 16-byte ``(key, row)`` slots and int64 row
+metadata in four arrays). Every int64 is a valid key. A key's home slot is splitmix64(key)
+masked to the capacity; collisions probe linearly, each probe comparing the key its slot's
+value holds.
+
+Deletion leaves a tombstone (``TOMB``), or frees the slot if the next one is free (and the
+tombstones just before it with it): a backward shift would read the record of every later
+member of the run to find its home, a random line each, where a tombstone costs the one slot
+(docs/performance.md, "Keyed tables"). Probes pass tombstones without reading a record;
+inserts reuse them; ``KeyIndex`` rebuilds the slots when keys and tombstones together pass its
+load limit. The layout after any sequence of calls depends only on that sequence.
+
+A probe that finds its key reads two lines, the slot and then the key of its value: the probe
+loops prefetch the home slot of the key ``PROBE_AHEAD`` places ahead and, ``KEY_AHEAD`` places
+ahead, the record of the (by then cached) home slot's value if its tag matches, so both misses
+overlap with earlier probes' instead of queueing behind them.
 
 ``find`` is read-only and parallel (each key is probed by one thread, its result written to its
-own place; ``find_serial`` for the usual batch); both prefetch the home slot of the key
-``PROBE_AHEAD`` places ahead, so the index's cache misses overlap instead of queueing.
-``insert``, ``remove`` and ``rehash`` are serial: one writer per table, so the same calls give
-the same array at any thread count. The index is probed once per table per step, on the batch's
-unique keys, never inside pooling. ``insert_rows`` inserts a batch's new keys and writes their
-rows' metadata in one pass.
+own place; ``find_serial`` for the usual batch). ``insert``, ``remove``, ``remove_values``
+and ``rehash`` are serial: one writer per table, so the same calls give the same arrays at any
+thread count. The index is probed once per table per step, on the batch's unique keys, never
+inside pooling.
+``insert_rows`` inserts a batch's new keys and writes their rows' metadata in one pass.
+
+Arrays are ``[n, 1]`` (one column): the shape a kernel reaching them by address sees
+(``_intrinsics.int32_rows_at``), so each kernel compiles once.
 """
 
 from __future__ import annotations
@@ -29,11 +50,22 @@ from ._intrinsics import prefetch_line
 _OPTIONS = dict(fastmath=False, error_model="python")
 
 EMPTY = -1
-# Columns of the slot array.
-KEY, VALUE = 0, 1
+# A deleted slot: probes go on past it, inserts may take it.
+TOMB = -2
 # Keys ahead whose home slot a probe loop prefetches (a miss costs ~100 ns here, a probe of a
-# cached slot a few; docs/performance.md, "Keyed tables").
+# cached slot a few; docs/performance.md, "Keyed tables"), and keys ahead whose home slot's
+# record it prefetches (half-way: the slot has arrived by then).
 PROBE_AHEAD = 16
+KEY_AHEAD = 8
+# Values are int32: a keyed table holds at most this many rows (config.MAX_KEYED_ROWS).
+MAX_VALUE = np.iinfo(np.int32).max
+# An entry's bits below the sign: value bits plus tag bits.
+ENTRY_BITS = 31
+# Touch counts saturate here (int32 row metadata).
+MAX_TOUCHES = np.iinfo(np.int32).max
+# A row record as int32 columns: the key (two columns), last-touched step, touch count
+# (storage/keyed.py keeps the same numbers).
+RECORD_COLS, LAST, TOUCHES = 4, 2, 3
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -41,36 +73,62 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 @kernel(inline="always", **_OPTIONS)
-def _home(key, mask):
-    """The key's first slot: splitmix64 of its bits, masked (capacity is a power of two)."""
+def _hash(key):
+    """splitmix64's finalizer of the key's bits (a bijection of uint64)."""
     z = np.uint64(key) + _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
-    z = z ^ (z >> np.uint64(31))
-    return np.int64(z & np.uint64(mask))
+    return z ^ (z >> np.uint64(31))
 
 
 @kernel(inline="always", **_OPTIONS)
-def _probe(slots, key, mask):
+def _where(key, mask, bits):
+    """(home slot, tag): the hash's low bits masked to the capacity (a power of two), and its
+    top ``ENTRY_BITS - bits`` bits shifted above the value's ``bits``, as an entry holds them."""
+    z = _hash(key)
+    home = np.int64(z & np.uint64(mask))
+    tag_bits = ENTRY_BITS - bits
+    if tag_bits <= 0:
+        return home, np.int64(0)
+    return home, np.int64(z >> np.uint64(64 - tag_bits)) << bits
+
+
+@kernel(inline="always", **_OPTIONS)
+def _probe(slots, keys, key, mask, bits):
     """The slot holding ``key``, or -1."""
-    s = _home(key, mask)
+    s, tag = _where(key, mask, bits)
+    low = (np.int64(1) << bits) - 1
     while True:
-        if slots[s, VALUE] == EMPTY:
+        e = np.int64(slots[s, 0])
+        if e == EMPTY:
             return -1
-        if slots[s, KEY] == key:
+        if e >= 0 and (e & ~low) == tag and keys[e & low, 0] == key:
             return s
         s = (s + 1) & mask
 
 
 @kernel(inline="always", **_OPTIONS)
-def find_range(slots, keys, out, lo, hi):
-    """``out[i]`` for ``i`` in ``lo:hi``, the home slot of key ``i + PROBE_AHEAD`` prefetched."""
+def _prefetch_probes(slots, keys, queries, i, hi, mask, bits):
+    """The two prefetches of a probe loop at place ``i`` (module docstring)."""
+    if i + PROBE_AHEAD < hi:
+        prefetch_line(slots, _where(queries[i + PROBE_AHEAD], mask, bits)[0], 0)
+    if i + KEY_AHEAD < hi:
+        s, tag = _where(queries[i + KEY_AHEAD], mask, bits)
+        e = np.int64(slots[s, 0])
+        low = (np.int64(1) << bits) - 1
+        if e >= 0 and (e & ~low) == tag:
+            prefetch_line(keys, e & low, 0)
+
+
+@kernel(inline="always", **_OPTIONS)
+def find_range(slots, keys, bits, queries, out, lo, hi):
+    """``out[i]`` for ``i`` in ``lo:hi``: the value holding ``queries[i]``, or EMPTY."""
     mask = slots.shape[0] - 1
+    low = (np.int64(1) << bits) - 1
     for i in range(lo, hi):
-        if i + PROBE_AHEAD < hi:
-            prefetch_line(slots, _home(keys[i + PROBE_AHEAD], mask), 0)
-        s = _probe(slots, keys[i], mask)
-        out[i] = EMPTY if s < 0 else slots[s, VALUE]
+        _prefetch_probes(slots, keys, queries, i, hi, mask, bits)
+        s = _probe(slots, keys, queries[i], mask, bits)
+        out[i] = EMPTY if s < 0 else slots[s, 0] & low
 
 
 # Keys per task of the parallel find.
@@ -78,92 +136,141 @@ _FIND_TASK = 4096
 
 
 @kernel(parallel=True, **_OPTIONS)
-def find(slots, keys, out):
-    """``out[i]`` = the value of ``keys[i]``, or EMPTY if absent."""
-    n = keys.shape[0]
+def find(slots, keys, bits, queries, out):
+    """``out[i]`` = the value of ``queries[i]``, or EMPTY if absent."""
+    n = queries.shape[0]
     for t in nb.prange((n + _FIND_TASK - 1) // _FIND_TASK):
-        find_range(slots, keys, out, t * _FIND_TASK, min(n, (t + 1) * _FIND_TASK))
+        find_range(slots, keys, bits, queries, out, t * _FIND_TASK, min(n, (t + 1) * _FIND_TASK))
 
 
 @kernel(**_OPTIONS)
-def find_serial(slots, keys, out):
+def find_serial(slots, keys, bits, queries, out):
     """``find`` on the calling thread: a batch's unique keys take microseconds, less than
     waking the other threads for a parallel region."""
-    find_range(slots, keys, out, 0, keys.shape[0])
+    find_range(slots, keys, bits, queries, out, 0, queries.shape[0])
+
+
+@kernel(inline="always", **_OPTIONS)
+def _place(slots, entry, home, mask):
+    """Put ``entry`` in the first free or deleted slot from ``home`` on (its key is absent);
+    returns 1 if that slot was a tombstone, else 0."""
+    s = home
+    while slots[s, 0] >= 0:
+        s = (s + 1) & mask
+    reused = 1 if slots[s, 0] == TOMB else 0
+    slots[s, 0] = entry
+    return reused
+
+
+@kernel(inline="always", **_OPTIONS)
+def _place_value(slots, keys, v, mask, bits):
+    """``_place`` value ``v`` (its key is ``keys[v, 0]``)."""
+    home, tag = _where(keys[v, 0], mask, bits)
+    return _place(slots, tag | v, home, mask)
+
+
+@kernel(inline="always", **_OPTIONS)
+def _unplace(slots, s, mask):
+    """Delete slot ``s``'s entry: a tombstone, or, if the next slot is free, a free slot and
+    the tombstones just before it freed too (no probe run passes them any more). Returns the
+    change in the number of tombstones."""
+    if slots[(s + 1) & mask, 0] != EMPTY:
+        slots[s, 0] = TOMB
+        return 1
+    slots[s, 0] = EMPTY
+    freed = 0
+    t = (s - 1) & mask
+    while slots[t, 0] == TOMB:
+        slots[t, 0] = EMPTY
+        freed += 1
+        t = (t - 1) & mask
+    return -freed
 
 
 @kernel(**_OPTIONS)
-def insert(slots, keys, vals):
-    """Set ``keys[i] -> vals[i]`` in order (a present key's value is replaced). The caller keeps
-    the load below one (``KeyIndex`` grows it first)."""
+def insert(slots, keys, bits, values):
+    """Index ``values`` (whose keys, ``keys[v]``, the caller wrote and are absent), in order;
+    returns how many tombstones they took. The caller keeps the load below one (``KeyIndex``
+    grows it first)."""
     mask = slots.shape[0] - 1
-    for i in range(keys.shape[0]):
-        key = keys[i]
-        s = _home(key, mask)
-        while slots[s, VALUE] != EMPTY and slots[s, KEY] != key:
-            s = (s + 1) & mask
-        slots[s, KEY] = key
-        slots[s, VALUE] = vals[i]
-
-
-@kernel(**_OPTIONS)
-def remove(slots, keys):
-    """Delete ``keys`` (absent ones are skipped), shifting each probe run back over the hole:
-    a member moves into the hole unless its home lies cyclically in (hole, its slot] (Knuth's
-    algorithm R)."""
-    mask = slots.shape[0] - 1
-    removed = 0
-    n = keys.shape[0]
-    for i in range(n):
-        if i + PROBE_AHEAD < n:  # a read hint: later removals may shift that run first
-            prefetch_line(slots, _home(keys[i + PROBE_AHEAD], mask), 0)
-        hole = _probe(slots, keys[i], mask)
-        if hole < 0:
-            continue
-        removed += 1
-        s = hole
-        while True:
-            s = (s + 1) & mask
-            if slots[s, VALUE] == EMPTY:
-                break
-            home = _home(slots[s, KEY], mask)
-            # Its distance from home against the hole's distance behind it, around the ring.
-            if ((s - home) & mask) >= ((s - hole) & mask):
-                slots[hole, KEY] = slots[s, KEY]
-                slots[hole, VALUE] = slots[s, VALUE]
-                hole = s
-        slots[hole, VALUE] = EMPTY
-    return removed
-
-
-@kernel(**_OPTIONS)
-def rehash(slots, new_slots):
-    """Insert every entry of the old array into the new (empty) one, in slot order."""
-    mask = new_slots.shape[0] - 1
-    for s in range(slots.shape[0]):
-        if slots[s, VALUE] == EMPTY:
-            continue
-        key = slots[s, KEY]
-        t = _home(key, mask)
-        while new_slots[t, VALUE] != EMPTY:
-            t = (t + 1) & mask
-        new_slots[t, KEY] = key
-        new_slots[t, VALUE] = slots[s, VALUE]
-
-
-@kernel(**_OPTIONS)
-def insert_rows(slots, keys, counts, free, high, step, key_of, last, touches, live, rows):
-    """Give each of ``keys`` (distinct, absent from the index) a row, in order: the smallest
-    unused of ``free`` (sorted), then ``high``, ``high + 1``, ...; record the row's key, step
-    and touch count, mark it live and index the key. One pass, so each new key costs one
-    probe of the index and one write of its metadata. Returns how many free rows were used.
-    The caller sized the index (load below one) and the metadata arrays."""
-    mask = slots.shape[0] - 1
-    used = 0
-    n = keys.shape[0]
+    n = values.shape[0]
+    reused = 0
     for i in range(n):
         if i + PROBE_AHEAD < n:
-            prefetch_line(slots, _home(keys[i + PROBE_AHEAD], mask), 0)
+            prefetch_line(slots, _where(keys[values[i + PROBE_AHEAD], 0], mask, bits)[0], 0)
+        reused += _place_value(slots, keys, values[i], mask, bits)
+    return reused
+
+
+@kernel(**_OPTIONS)
+def remove(slots, keys, bits, queries):
+    """Unindex ``queries`` (absent ones are skipped). Returns (how many were present, the
+    change in the number of tombstones)."""
+    mask = slots.shape[0] - 1
+    removed = 0
+    tombs = 0
+    n = queries.shape[0]
+    for i in range(n):
+        _prefetch_probes(slots, keys, queries, i, n, mask, bits)
+        s = _probe(slots, keys, queries[i], mask, bits)
+        if s >= 0:
+            removed += 1
+            tombs += _unplace(slots, s, mask)
+    return removed, tombs
+
+
+@kernel(**_OPTIONS)
+def remove_values(slots, keys, bits, values):
+    """Unindex ``values`` (each indexed, distinct): the slot holding each is found by its
+    entry from its key's home, so no other record is read (ascending values read their keys
+    in order). Returns the change in the number of tombstones."""
+    mask = slots.shape[0] - 1
+    tombs = 0
+    n = values.shape[0]
+    for i in range(n):
+        if i + PROBE_AHEAD < n:
+            prefetch_line(slots, _where(keys[values[i + PROBE_AHEAD], 0], mask, bits)[0], 0)
+        v = values[i]
+        s, tag = _where(keys[v, 0], mask, bits)
+        entry = tag | v
+        while slots[s, 0] != entry:
+            s = (s + 1) & mask
+        tombs += _unplace(slots, s, mask)
+    return tombs
+
+
+@kernel(**_OPTIONS)
+def rehash(slots, keys, bits, new_slots, new_bits):
+    """Index every value of the old slots in the new (free) ones, whose entries keep
+    ``new_bits`` value bits, in ascending order of value: the values are marked in a byte
+    array first, so their keys are read in order, not at random."""
+    mask = new_slots.shape[0] - 1
+    low = (np.int64(1) << bits) - 1
+    present = np.zeros(keys.shape[0], dtype=np.uint8)
+    for s in range(slots.shape[0]):
+        e = np.int64(slots[s, 0])
+        if e >= 0:
+            present[e & low] = 1
+    for v in range(keys.shape[0]):
+        if present[v]:
+            _place_value(new_slots, keys, v, mask, new_bits)
+
+
+@kernel(**_OPTIONS)
+def insert_rows(slots, keys, bits, queries, counts, free, high, step, records, rows):
+    """Give each of ``queries`` (distinct, absent from the index) a row, in order: the
+    smallest unused of ``free`` (sorted), then ``high``, ``high + 1``, ...; record the row's
+    key (``keys``), step and touch count (saturating; ``records``, the int32 view of the same
+    memory) and index it. One pass, so each new key costs one probe of the index's slots and
+    one write of its record. Returns (how many free rows were used, how many tombstones the
+    keys took). The caller sized the index (load below one) and the row arrays."""
+    mask = slots.shape[0] - 1
+    used = 0
+    reused = 0
+    n = queries.shape[0]
+    for i in range(n):
+        if i + PROBE_AHEAD < n:
+            prefetch_line(slots, _where(queries[i + PROBE_AHEAD], mask, bits)[0], 0)
         if used < free.shape[0]:
             r = free[used]
             used += 1
@@ -171,31 +278,26 @@ def insert_rows(slots, keys, counts, free, high, step, key_of, last, touches, li
             r = high
             high += 1
         rows[i] = r
-        key = keys[i]
-        key_of[r] = key
-        last[r] = step
-        touches[r] = counts[i]
-        live[r] = True
-        s = _home(key, mask)
-        while slots[s, VALUE] != EMPTY:
-            s = (s + 1) & mask
-        slots[s, KEY] = key
-        slots[s, VALUE] = r
-    return used
+        key = queries[i]
+        keys[r, 0] = key
+        records[r, LAST] = step
+        records[r, TOUCHES] = min(counts[i], MAX_TOUCHES)
+        home, tag = _where(key, mask, bits)
+        reused += _place(slots, tag | r, home, mask)
+    return used, reused
 
 
 @kernel(**_OPTIONS)
-def touch(rows, offsets, step, last, touches):
-    """``last[r, 0] = step`` and ``touches[r, 0] += offsets[i + 1] - offsets[i]`` for each
-    ``r = rows[i]`` (distinct; ``offsets``: a CSR of the rows' occurrences, whose counts are
-    added), the rows ``PROBE_AHEAD`` places ahead prefetched: a batch's rows lie anywhere in
-    the metadata arrays (``[rows, 1]`` views of a keyed table's)."""
+def touch(rows, offsets, step, records):
+    """``records[r, LAST] = step`` and ``records[r, TOUCHES] += offsets[i + 1] - offsets[i]``
+    (saturating at MAX_TOUCHES) for each ``r = rows[i]`` (distinct; ``offsets``: a CSR of the
+    rows' occurrences, whose counts are added), the records ``PROBE_AHEAD`` places ahead
+    prefetched (a probe that found the rows read them already; one that did not, did not)."""
     n = rows.shape[0]
     for i in range(n):
         if i + PROBE_AHEAD < n:
-            r = rows[i + PROBE_AHEAD]
-            prefetch_line(last, r, 0)
-            prefetch_line(touches, r, 0)
+            prefetch_line(records, rows[i + PROBE_AHEAD], 0)
         r = rows[i]
-        last[r, 0] = step
-        touches[r, 0] += offsets[i + 1] - offsets[i]
+        records[r, LAST] = step
+        t = np.int64(records[r, TOUCHES]) + (offsets[i + 1] - offsets[i])
+        records[r, TOUCHES] = min(t, MAX_TOUCHES)

@@ -29,12 +29,13 @@ from . import FIXED_DIMS, kernel
 from ._intrinsics import (
     fetch_add,
     float32_rows_at,
+    int32_rows_at,
     int64_rows_at,
     stack_row,
     uint8_rows_at,
     uint16_rows_at,
 )
-from .keyed_index import find_range, touch
+from .keyed_index import RECORD_COLS, find_range, touch
 from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
 from .prepare import (
     F_COMBINER,
@@ -51,22 +52,24 @@ from .prepare import (
 # Columns of the per-table array ``tmeta``: the table's memory (address, rows, row width in
 # floats, dim) and its activation matrix (address, rows).
 T_DATA, T_ROWS, T_WIDTH, T_DIM, T_OUT, T_N_OUT = range(6)
-# A keyed table's (``prepare_and_pool``): the address of its index's slots (0: not keyed) and
-# their number, the address of its rows' "looks up as absent" bytes (0: none) and their number,
-# the addresses of its rows' last-touched steps and touch counts (0: not touched here) and the
-# step (``storage.keyed.IndexView``).
-T_INDEX, T_INDEX_SLOTS, T_DEAD, T_DEAD_ROWS, T_LAST, T_TOUCHES, T_STEP = range(6, 13)
-T_COLS = 13
+# A keyed table's (``prepare_and_pool``): the address of its index's slots (0: not keyed),
+# their number and their entries' value bits, the address of its row records (``keyed_index``:
+# key, last-touched step, touch count; as many as the rows, T_ROWS), the address of its rows'
+# "looks up as absent" bytes (0: none) and their number, whether the kernel touches its rows
+# (1) or not (0), and the step (``storage.keyed.IndexView``).
+T_INDEX, T_INDEX_SLOTS, T_ROW_BITS, T_RECORDS, T_DEAD, T_DEAD_ROWS, T_TOUCH, T_STEP = range(6, 14)
+T_COLS = 14
 # ``ready[t]`` of a keyed table after its preparation (``prepare_and_pool``): every unique key
 # had a live row (touched in the region, if the table allows), or not.
 PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
 # Columns of the per-feature array ``fdata``: the address of the row of its logical table's id 0
 # (0: not pooled here) and the rows from there on; for a feature whose ids are keys (a keyed
-# table, ``pool_features``), the address of its index's slots (0: ids are rows) and their
-# number, and the address of a byte per row, 1 for a row that pools as absent (0: none) and
-# their number.
-FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_DEAD, FD_DEAD_ROWS = range(6)
-FD_COLS = 6
+# table, ``pool_features``), the address of its index's slots (0: ids are rows), their number
+# and their entries' value bits, the address of its row records (as many as FD_ROWS), and the
+# address of a byte per row, 1 for a row that pools as absent (0: none) and their number.
+FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_ROW_BITS, FD_RECORDS = range(6)
+FD_DEAD, FD_DEAD_ROWS = 6, 7
+FD_COLS = 8
 # Columns of the per-table array ``pmeta`` of ``pool_tables``: the rows pooled from (address,
 # rows, row width in elements, dim), the activation matrix (address, rows), where the table's
 # rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, its CSR in
@@ -144,14 +147,16 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
     dim = tmeta[t, T_DIM]
     data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
     out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
-    slots = int64_rows_at(fdata[f, FD_INDEX], fdata[f, FD_INDEX_SLOTS], 2)
+    slots = int32_rows_at(fdata[f, FD_INDEX], fdata[f, FD_INDEX_SLOTS], 1)
+    keys = int64_rows_at(fdata[f, FD_RECORDS], fdata[f, FD_ROWS], RECORD_COLS // 2)
     n = fmeta[f, F_SAMPLES]
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
     lo = f_offsets[first]
     hi = f_offsets[stop]
     id_base = fmeta[f, F_ID_BASE]
     rows = np.empty(hi - lo, dtype=np.int64)
-    find_range(slots, ids[id_base + lo : id_base + hi], rows, 0, hi - lo)
+    bits = fdata[f, FD_ROW_BITS]
+    find_range(slots, keys, bits, ids[id_base + lo : id_base + hi], rows, 0, hi - lo)
     if fdata[f, FD_DEAD] != 0:
         dead = uint8_rows_at(fdata[f, FD_DEAD], fdata[f, FD_DEAD_ROWS], 1)
         for i in range(hi - lo):
@@ -229,13 +234,14 @@ def pool_keyed_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, q
 def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready):
     """Right after keyed table ``t``'s preparation: its unique keys' rows into ``found`` (at the
     keys' places) and ``ready[t]``: PROBED_ALL_FOUND if every key has a row that does not look
-    up as absent. Then, if so and the table lets the kernel touch (``T_LAST``), each row's step
+    up as absent. Then, if so and the table lets the kernel touch (``T_TOUCH``), each row's step
     and count, as the storage's ``rows_for`` would (one writer: the task that prepared it)."""
     lo = occ_base[t]
     u = n_unique[t]
-    slots = int64_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 2)
+    slots = int32_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 1)
+    keys = int64_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS // 2)
     rows = found[lo : lo + u]
-    find_range(slots, unique[lo : lo + u], rows, 0, u)
+    find_range(slots, keys, tmeta[t, T_ROW_BITS], unique[lo : lo + u], rows, 0, u)
     status = PROBED_ALL_FOUND
     dead = uint8_rows_at(tmeta[t, T_DEAD], tmeta[t, T_DEAD_ROWS], 1)
     for i in range(u):
@@ -243,11 +249,9 @@ def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, re
             status = PROBED_SOME_MISSING
             break
     ready[t] = status
-    if status == PROBED_ALL_FOUND and tmeta[t, T_LAST] != 0:
-        n_rows = tmeta[t, T_ROWS]  # the row metadata arrays are as long as the row array
-        last = int64_rows_at(tmeta[t, T_LAST], n_rows, 1)
-        touches = int64_rows_at(tmeta[t, T_TOUCHES], n_rows, 1)
-        touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], last, touches)
+    if status == PROBED_ALL_FOUND and tmeta[t, T_TOUCH] != 0:
+        records = int32_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS)
+        touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
 
 
 @kernel(parallel=True)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import MAX_KEYED_ROWS
 from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
@@ -66,6 +67,16 @@ _MAX_LOAD = 0.75
 # waits for every thread to wake, which a loaded host can delay by milliseconds
 # (docs/performance.md, "Keyed tables").
 _PARALLEL_FIND = 1 << 18
+# An entry's value bits while the values fit (the other 31 - bits are the tag: 11 below 2^20
+# rows, where probes pass few entries' records), and the bits of value and tag together
+# (kernels/keyed_index.py's ENTRY_BITS).
+_MIN_ROW_BITS, _ENTRY_BITS = 20, 31
+# A row record's int32 columns: key (two), last-touched step, touch count (the numbers of
+# kernels/keyed_index.py's RECORD_COLS, LAST, TOUCHES).
+_RECORD_COLS, _LAST, _TOUCHES = 4, 2, 3
+# int32 row metadata (last-touched steps, counts): a rebase leaves the step this far past _base.
+_INT32 = np.iinfo(np.int32)
+_STEP_SPAN = 1 << 30
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
 DEFAULT_MAX_PENDING = 1 << 22
 # NO_TIME (state.py): no data time, a table before its first timestamp or a row touched by no
@@ -75,14 +86,23 @@ MAX_TIMESTAMP = 1 << 62
 
 
 class KeyIndex:
-    """int64 key -> int64 value (>= 0), an open-addressing hash table of numba kernels
-    (``kernels/keyed_index.py``): ``slots[s] = (key, value)``, value -1 for a free slot.
-    ``find`` gives -1 for an absent key."""
+    """int64 key -> int32 value in ``[0, MAX_KEYED_ROWS)``, an open-addressing hash table of
+    numba kernels (``kernels/keyed_index.py``): ``slots[s]`` holds a value (-1 for a free slot)
+    and ``keys[v, 0]`` the key value ``v`` holds, so a key costs a 4-byte slot and its 8 bytes.
+    ``keys`` is the index's own ``[n, 1]`` array, grown as values come (``hold``), or its
+    owner's (a keyed table's row records, ``[rows, 2]``: the key is column 0), which the owner
+    sizes and sets. ``find`` gives -1 for an absent key. A removed value's key is left in
+    ``keys`` (its owner reuses the value); its slot becomes a tombstone (``tombs`` of them)
+    until the slots are rebuilt."""
 
     def __init__(self, capacity: int = 1024):
         cap = 1 << max(int(capacity) - 1, 1).bit_length()
         self.slots = _empty_slots(cap)
+        self.keys = np.zeros((0, 1), np.int64)
+        self._own_keys = True
+        self.row_bits = _MIN_ROW_BITS  # an entry's value bits (kernels/keyed_index.py)
         self.count = 0
+        self.tombs = 0
 
     @property
     def capacity(self) -> int:
@@ -90,12 +110,53 @@ class KeyIndex:
 
     @property
     def nbytes(self) -> int:
+        """The slots' bytes (the keys are counted by their owner)."""
         return self.slots.nbytes
 
     @property
     def values(self) -> np.ndarray:
         """Every slot's value (-1: free), a view."""
-        return self.slots[:, 1]
+        return self.slots
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(slots, keys, row_bits) as the kernels take them: ``[capacity, 1]``, ``[n, k]``."""
+        return self.slots.reshape(-1, 1), self.keys, self.row_bits
+
+    def use_keys(self, keys: np.ndarray) -> None:
+        """Take ``keys`` (int64 ``[n, k]``, C-contiguous, the key in column 0: its owner's, who
+        sizes it for every value before inserting it, holding the keys of the values in use)
+        as the keys by value."""
+        self.keys, self._own_keys = keys, False
+        self._fit_bits()
+
+    def _fit_bits(self) -> None:
+        """Enough value bits for every value ``keys`` can hold: if it needs more, two more than
+        it needs, rebuilding the slots at their capacity (so every other doubling of the
+        values rebuilds, not every one; a probe reads the record of an entry it passes with
+        probability 2^-(31 - bits), so each bit taken from the tag doubles those reads)."""
+        from ..kernels import keyed_index
+
+        need = max(1, (len(self.keys) - 1).bit_length())
+        if need > self.row_bits:
+            bits = min(_ENTRY_BITS, need + 2)
+            slots = _empty_slots(self.capacity)
+            keyed_index.rehash(*self.columns(), slots.reshape(-1, 1), bits)
+            self.slots, self.tombs, self.row_bits = slots, 0, bits
+
+    def hold(self, values: int) -> None:
+        """Room in the index's own ``keys`` for values ``0 .. values - 1`` (grown by copy,
+        doubling)."""
+        if values > len(self.keys):
+            if not self._own_keys:
+                raise AssertionError(f"{values:,} values, the owner's keys hold {len(self.keys):,}")
+            if values > MAX_KEYED_ROWS:
+                raise ValueError(
+                    f"a keyed index holds at most {MAX_KEYED_ROWS:,} values, asked for {values:,}"
+                )
+            keys = np.zeros((min(max(values, 2 * len(self.keys)), MAX_KEYED_ROWS), 1), np.int64)
+            keys[: len(self.keys)] = self.keys
+            self.keys = keys
+            self._fit_bits()
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         from ..kernels import keyed_index
@@ -107,52 +168,74 @@ class KeyIndex:
         out = np.empty(len(keys), dtype=np.int64)
         if len(keys) >= _PARALLEL_FIND:
             start_pool()  # find is parallel
-            keyed_index.find(self.slots, keys, out)
+            keyed_index.find(*self.columns(), keys, out)
         elif len(keys):
-            keyed_index.find_serial(self.slots, keys, out)
+            keyed_index.find_serial(*self.columns(), keys, out)
         return out
 
     def reserve(self, need: int) -> None:
-        """Room for ``need`` keys: double the capacity (rehashing) while the load would pass
-        the limit."""
+        """Room for ``need`` keys: if they and the tombstones would pass the load limit,
+        rebuild the slots without tombstones, doubling the capacity while ``need`` keys would
+        pass the limit, or fill more than half of it (a rebuild then leaves room for as many
+        keys again before the next)."""
         from ..kernels import keyed_index
 
-        if need > _MAX_LOAD * self.capacity:
+        if need + self.tombs > _MAX_LOAD * self.capacity:
             cap = self.capacity
             while need > _MAX_LOAD * cap:
                 cap *= 2
+            if cap == self.capacity and need > cap // 2:
+                cap *= 2
             slots = _empty_slots(cap)
-            keyed_index.rehash(self.slots, slots)
-            self.slots = slots
+            keyed_index.rehash(*self.columns(), slots.reshape(-1, 1), self.row_bits)
+            self.slots, self.tombs = slots, 0
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Add absent ``keys`` with ``values``."""
+        """Add absent ``keys`` with distinct ``values`` not in use (``keys[values, 0] = keys``;
+        the index's own keys grow to hold them)."""
         from ..kernels import keyed_index
 
         if not len(keys):
             return
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        self.hold(int(values.max()) + 1)
+        self.keys[values, 0] = keys
         need = self.count + len(keys)
         self.reserve(need)
-        keyed_index.insert(
-            self.slots,
-            np.ascontiguousarray(keys, dtype=np.int64),
-            np.ascontiguousarray(values, dtype=np.int64),
-        )
+        self.tombs -= int(keyed_index.insert(*self.columns(), values))
         self.count = need
 
     def remove(self, keys: np.ndarray) -> None:
+        """Remove ``keys`` (absent ones are skipped)."""
         from ..kernels import keyed_index
 
         if len(keys):
             keys = np.ascontiguousarray(keys, dtype=np.int64)
-            self.count -= int(keyed_index.remove(self.slots, keys))
+            removed, tombs = keyed_index.remove(*self.columns(), keys)
+            self.count -= int(removed)
+            self.tombs += int(tombs)
+
+    def remove_values(self, values: np.ndarray) -> None:
+        """Remove the keys of ``values`` (distinct, each in the index; ascending is fastest:
+        their keys are read in order)."""
+        from ..kernels import keyed_index
+
+        if len(values):
+            values = np.ascontiguousarray(values, dtype=np.int64)
+            self.tombs += int(keyed_index.remove_values(*self.columns(), values))
+            self.count -= len(values)
+
+
+def _empty_records(rows: int) -> np.ndarray:
+    """Row records (``KeyedTable``) of rows without keys: int32 ``[rows, 4]``, touches -1."""
+    records = np.zeros((rows, _RECORD_COLS), np.int32)
+    records[:, _TOUCHES] = -1
+    return records
 
 
 def _empty_slots(capacity: int) -> np.ndarray:
-    """A free index of ``capacity`` slots: keys 0, values -1."""
-    slots = np.zeros((capacity, 2), dtype=np.int64)
-    slots[:, 1] = -1
-    return slots
+    """A free index of ``capacity`` slots (-1)."""
+    return np.full(capacity, -1, dtype=np.int32)
 
 
 def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -194,7 +277,7 @@ class _Pending:
         self.limit = int(limit)
         self.index = KeyIndex()
         n = 1024
-        self.key = np.zeros(n, np.int64)
+        self.index.hold(n)
         self.earlier = np.zeros(n, np.int64)
         self.step = np.zeros(n, np.int64)
         self.current = np.zeros(n, np.int64)
@@ -205,8 +288,13 @@ class _Pending:
         return self.index.count
 
     @property
+    def key(self) -> np.ndarray:
+        """The key of each pending slot (the index's keys by value)."""
+        return self.index.keys[:, 0]
+
+    @property
     def nbytes(self) -> int:
-        return self.index.nbytes + 4 * self.key.nbytes
+        return self.index.nbytes + self.index.keys.nbytes + 3 * self.earlier.nbytes
 
     def counts_before(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Each key's occurrences in steps before ``step`` (0 if not pending)."""
@@ -244,14 +332,13 @@ class _Pending:
                 forgotten += len(new_keys) - len(keep)
                 new_keys, new_counts = new_keys[keep], new_counts[keep]
         slots, self.free, self.high = _take_smallest(self.free, len(new_keys), self.high)
-        if self.high > len(self.key):
-            n = max(self.high, 2 * len(self.key))
-            for name in ("key", "earlier", "step", "current"):
+        if self.high > len(self.earlier):
+            n = max(self.high, 2 * len(self.earlier))
+            for name in ("earlier", "step", "current"):
                 a = getattr(self, name)
                 b = np.zeros(n, np.int64)
                 b[: len(a)] = a
                 setattr(self, name, b)
-        self.key[slots] = new_keys
         self.earlier[slots] = 0
         self.step[slots] = step
         self.current[slots] = new_counts
@@ -265,7 +352,8 @@ class _Pending:
 
     def remove_slots(self, slots: np.ndarray) -> None:
         if len(slots):
-            self.index.remove(self.key[slots])
+            slots = np.sort(slots)
+            self.index.remove_values(slots)
             self.free = np.sort(np.concatenate([self.free, slots]))
 
     def _live_slots(self) -> np.ndarray:
@@ -278,17 +366,21 @@ class _Pending:
 class IndexView:
     """A keyed table's index as a kernel probes it (``KeyedTable.lookup_index``).
 
-    ``slots``: the index (``kernels/keyed_index.py``), so ``rows_for(logical, keys, False)`` is
-    the probe of ``slots`` with the rows flagged in ``dead`` (a uint8 per row of ``data``, 1 for
-    a row that has expired and looks up as absent; None when none has) taken as absent. A
-    training lookup whose unique keys all had live rows may touch them in the kernel too, as
-    ``rows_for`` would: ``last[row] = step`` and ``touches[row] += occurrences`` (None: not
-    in the kernel; ``rows_for(..., touched=False)`` does it)."""
+    ``slots``, ``row_bits`` and ``records``: the index (``kernels/keyed_index.py``: int32
+    entries of a row and a tag; per row its record, int32 ``[rows, 4]``: the int64 key, the
+    last-touched step, the touch count), so ``rows_for(logical, keys, False)`` is the probe of
+    the index with the rows flagged in ``dead`` (a uint8 per row of ``data``, 1 for a row that
+    has expired and looks up as absent; None when none has) taken as absent. A training lookup
+    whose unique keys all had live rows may touch them in the kernel too (``touch``), as
+    ``rows_for`` would: the record's step set to ``step`` (counted from the table's base, as
+    the records count) and its count raised by the occurrences, saturating (``touch`` False:
+    not in the kernel; ``rows_for(..., touched=False)`` does it)."""
 
     slots: np.ndarray
+    row_bits: int
+    records: np.ndarray
     dead: np.ndarray | None
-    last: np.ndarray | None
-    touches: np.ndarray | None
+    touch: bool
     step: int
     # rows_for may refuse a training batch (max_rows): then no table of the batch may be
     # touched before every table's rows_for has run (a refusal changes nothing after it).
@@ -392,16 +484,15 @@ class KeyedTable(MappedRows):
         self._pending = _Pending(4 * dynamic.max_rows if dynamic.max_rows else DEFAULT_MAX_PENDING)
         self._step = 0
         # The arena (module docstring).
-        row_bytes = 4 * self.row_width
-        self._reserved = dynamic.max_rows or max(_RESERVE_BYTES // row_bytes, _FIRST_CAPACITY)
+        self._reserved = self._default_reservation()
         self._mapping = None
         self._data = np.zeros((0, self.row_width), np.float32)
         self._capacity = 0
-        # Per row: its key, last step touched, touches; whether it holds a key.
-        self._key = np.zeros(0, np.int64)
-        self._last = np.zeros(0, np.int64)
-        self._touches = np.zeros(0, np.int64)
-        self._live = np.zeros(0, bool)
+        # Per row, a record of 16 bytes (int32 columns, kernels/keyed_index.py): its key (the
+        # index's keys), the step it was last touched (from _base: _rel_step) and how often
+        # (saturating; -1: the row holds no key).
+        self._base = 0
+        self._records = _empty_records(0)
         self._high = 0  # rows handed out so far (live or free)
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
@@ -433,6 +524,14 @@ class KeyedTable(MappedRows):
         self._pending.limit = int(n)
 
     # -- the arena ------------------------------------------------------------------------------
+
+    def _default_reservation(self) -> int:
+        """Rows reserved for the arena: max_rows, or 2^38 bytes' worth (at most
+        MAX_KEYED_ROWS)."""
+        if self.dynamic.max_rows:
+            return self.dynamic.max_rows
+        rows = max(_RESERVE_BYTES // (4 * self.row_width), _FIRST_CAPACITY)
+        return min(rows, MAX_KEYED_ROWS)
 
     def _map(self, rows: int) -> mmap.mmap | None:
         """An anonymous mapping of ``rows`` rows, reserved without committing memory; None if
@@ -506,7 +605,13 @@ class KeyedTable(MappedRows):
         or copy into a bigger reservation; keyed-mmap: grow the file (``_grow_file``)."""
         if rows <= self._capacity:
             return
-        cap = max(rows, 2 * self._capacity, _FIRST_CAPACITY)
+        if rows > MAX_KEYED_ROWS:
+            raise ValueError(
+                f"table {self.name!r}: {rows:,} rows, more than one keyed table holds in one "
+                f"engine ({MAX_KEYED_ROWS:,}, 2^31 - 1: its index keeps int32 rows); nothing "
+                "was changed. Shard the table over ranks (ShardedEngine) or set max_rows"
+            )
+        cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
         if self.path is not None:
             if self.dynamic.max_rows is not None:
                 cap = min(cap, max(rows, self.dynamic.max_rows))
@@ -527,19 +632,14 @@ class KeyedTable(MappedRows):
         self._data = self._full[:cap]
         self._capacity = cap
         self._advise_huge_pages()
-        for name, dtype in (
-            ("_key", np.int64),
-            ("_last", np.int64),
-            ("_touches", np.int64),
-            ("_live", bool),
-            ("_time", np.int64),
-        ):
-            if name == "_time" and not self._keeps_time:
-                continue
-            a = getattr(self, name)
-            b = np.zeros(cap, dtype)
-            b[: len(a)] = a
-            setattr(self, name, b)
+        records = _empty_records(cap)
+        records[: len(self._records)] = self._records
+        self._records = records
+        self._index.use_keys(records.view(np.int64))
+        if self._keeps_time:
+            t = np.zeros(cap, np.int64)
+            t[: len(self._time)] = self._time
+            self._time = t
 
     # -- the storage protocol --------------------------------------------------------------------
 
@@ -591,6 +691,24 @@ class KeyedTable(MappedRows):
         succeeds."""
         self._step = int(step)
         self._call_time = None if timestamp is None else int(timestamp)
+        if not _INT32.min < self._step - self._base <= _INT32.max:
+            self._rebase()
+
+    @property
+    def _rel_step(self) -> int:
+        """The step as the int32 last-touched steps count it (from ``_base``)."""
+        return self._step - self._base
+
+    def _rebase(self) -> None:
+        """Move ``_base`` so the step is ``_STEP_SPAN`` past it, shifting every row's
+        last-touched step; steps further back than int32 reaches are clamped to its minimum
+        (more than 2^31 steps ago: older than any expire_steps but the largest, and LRU's
+        order among them goes by key)."""
+        delta = self._step - self._base - _STEP_SPAN
+        last = self._last.astype(np.int64) - delta
+        self._records[:, _LAST] = np.clip(last, _INT32.min, _INT32.max)
+        self._base += delta
+        self._expired_memo = None
 
     def _now(self) -> int:
         """The data time the rules see: the table's, or the call's if newer."""
@@ -607,7 +725,7 @@ class KeyedTable(MappedRows):
     def live_rows(self) -> np.ndarray:
         """The rows holding keys, as ``[k, 2]`` ranges (an every-row sweep goes over these)."""
         if self._live_rows is None:
-            live = np.concatenate([[False], self._live[: self._high], [False]]).astype(np.int8)
+            live = np.concatenate([[False], self._live(), [False]]).astype(np.int8)
             edges = np.flatnonzero(np.diff(live))
             self._live_rows = edges.reshape(-1, 2).astype(np.int64)
         return self._live_rows
@@ -686,10 +804,11 @@ class KeyedTable(MappedRows):
         touch = not self._keeps_time
         return IndexView(
             self._index.slots,
+            self._index.row_bits,
+            self._records,
             dead,
-            self._last if touch else None,
-            self._touches if touch else None,
-            self._step,
+            touch,
+            self._rel_step,
             refuses=self.dynamic.max_rows is not None,
         )
 
@@ -700,7 +819,7 @@ class KeyedTable(MappedRows):
 
     def keys_at(self, rows: np.ndarray) -> np.ndarray:
         """The keys of live ``rows``."""
-        return self._key[np.asarray(rows, dtype=np.int64)].copy()
+        return self._keys[np.asarray(rows, dtype=np.int64)]
 
     def rows_for_update(
         self, logical: int, ids: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None
@@ -753,11 +872,11 @@ class KeyedTable(MappedRows):
         high = self._high
         old = np.zeros(high, bool)
         if s is not None:
-            old |= self._step - self._last[:high] > s
+            old |= self._rel_step - self._last[:high].astype(np.int64) > s
         if by_time:
             t = self._time[:high]
             old |= (t != NO_TIME) & (now - t > d)  # timestamps are < 2^62: no overflow
-        return np.flatnonzero(old & self._live[:high]).astype(np.int64)
+        return np.flatnonzero(old & self._live()).astype(np.int64)
 
     def _admissible(self, keys: np.ndarray) -> np.ndarray:
         """Which keys without a row are admitted now (occurrences before this step >= T)."""
@@ -782,12 +901,11 @@ class KeyedTable(MappedRows):
                 f"its keys have rows, {new:,} are admitted now), more than max_rows={n:,}; "
                 "nothing was changed. Raise max_rows or send smaller batches"
             )
-        high = self._high
-        cand = self._live[:high].copy()
+        cand = self._live()
         cand[batch_rows] = False
         cand[self._expired()] = False
         cand = np.flatnonzero(cand)
-        cols = [self._last[cand], self._key[cand]]
+        cols = [self._last[cand], self._keys[cand]]
         if self.dynamic.eviction == "lfu":
             cols.insert(0, self._touches[cand])
         return cand[_smallest(cols, excess)]
@@ -801,9 +919,8 @@ class KeyedTable(MappedRows):
         keyed_index.touch(
             frozen(np.ascontiguousarray(rows, dtype=np.int64)),
             frozen(offsets),
-            self._step,
-            self._last.reshape(-1, 1),
-            self._touches.reshape(-1, 1),
+            self._rel_step,
+            self._records,
         )
         if self._keeps_time and self._call_time is not None:
             # The newest timestamp that touched the row: an older call does not age it.
@@ -812,9 +929,10 @@ class KeyedTable(MappedRows):
     def _remove_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
-        self._index.remove(self._key[rows])
-        self._live[rows] = False
-        self._free = np.sort(np.concatenate([self._free, rows]))
+        rows = np.sort(rows, kind="stable")  # timsort: expired rows come sorted, in O(n)
+        self._index.remove_values(rows)
+        self._records[rows, _TOUCHES] = -1
+        self._free = np.sort(np.concatenate([self._free, rows]), kind="stable")  # two runs
         self._live_rows = self._expired_memo = None
 
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -832,20 +950,18 @@ class KeyedTable(MappedRows):
         self._index.reserve(self._index.count + k)
         rows = np.empty(k, np.int64)
         # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
-        used = keyed_index.insert_rows(
-            self._index.slots,
+        used, reused = keyed_index.insert_rows(
+            *self._index.columns(),
             keys,
             counts,
             free,
             self._high,
-            self._step,
-            self._key,
-            self._last,
-            self._touches,
-            self._live,
+            self._rel_step,
+            self._records,
             rows,
         )
         self._index.count += k
+        self._index.tombs -= int(reused)
         self._free, self._high = free[used:], self._high + fresh
         # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
         where = slice(int(rows[0]), int(rows[0]) + k) if used == 0 else rows
@@ -896,12 +1012,7 @@ class KeyedTable(MappedRows):
             "bytes": {
                 "rows": self.nbytes,
                 "index": self._index.nbytes,
-                "row_metadata": self._key.nbytes
-                + self._last.nbytes
-                + self._touches.nbytes
-                + self._live.nbytes
-                + self._time.nbytes
-                + self._free.nbytes,
+                "row_metadata": self._records.nbytes + self._time.nbytes + self._free.nbytes,
                 "pending": self._pending.nbytes,
             },
             "step": self._stats_step,
@@ -913,7 +1024,7 @@ class KeyedTable(MappedRows):
     def contents(self) -> dict[str, np.ndarray]:
         """``keys`` (int64, sorted) and copies of ``weights`` and every slot, aligned with them."""
         rows = self._rows_by_key()
-        out = {"keys": self._key[rows].copy(), "weights": self._data[rows, : self.dim].copy()}
+        out = {"keys": self._keys[rows], "weights": self._data[rows, : self.dim].copy()}
         for spec in self.slot_specs:
             col = self.columns[spec.name]
             base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
@@ -929,8 +1040,8 @@ class KeyedTable(MappedRows):
         row array, so they are of one step."""
         out = self.contents()
         rows = self._rows_by_key()
-        out["last_touched"] = self._last[rows].copy()
-        out["touch_counts"] = self._touches[rows].copy()
+        out["last_touched"] = self._last[rows] + np.int64(self._base)
+        out["touch_counts"] = self._touches[rows].astype(np.int64)
         out["last_time"] = (
             self._time[rows].copy() if self._keeps_time else np.full(len(rows), NO_TIME, np.int64)
         )
@@ -949,8 +1060,27 @@ class KeyedTable(MappedRows):
 
     def _rows_by_key(self) -> np.ndarray:
         """The rows holding keys, in key order."""
-        rows = np.flatnonzero(self._live[: self._high])
-        return rows[np.argsort(self._key[rows], kind="stable")]
+        rows = np.flatnonzero(self._live())
+        return rows[np.argsort(self._keys[rows], kind="stable")]
+
+    @property
+    def _last(self) -> np.ndarray:
+        """Each row's last-touched step, from ``_base`` (a view of the records)."""
+        return self._records[:, _LAST]
+
+    @property
+    def _touches(self) -> np.ndarray:
+        """Each row's touch count, -1 for a row without a key (a view of the records)."""
+        return self._records[:, _TOUCHES]
+
+    @property
+    def _keys(self) -> np.ndarray:
+        """Each row's key (a view of the records)."""
+        return self._index.keys[:, 0]
+
+    def _live(self) -> np.ndarray:
+        """Whether each row below the high-water mark holds a key."""
+        return self._touches[: self._high] >= 0
 
     def prepare_state(self, entries: dict, step: int, at: str):
         """Read and check a state (``state()``'s entries, arrays or TensorSources whose names,
@@ -986,14 +1116,9 @@ class KeyedTable(MappedRows):
         self._index = KeyIndex()
         # A fresh arena (the old mapping is released with its last view).
         self._mapping, self._high, self._capacity = None, 0, 0
-        self._reserved = self.dynamic.max_rows or max(
-            _RESERVE_BYTES // (4 * self.row_width), _FIRST_CAPACITY
-        )
+        self._reserved = self._default_reservation()
         self._data = np.zeros((0, self.row_width), np.float32)
-        self._key = np.zeros(0, np.int64)
-        self._last = np.zeros(0, np.int64)
-        self._touches = np.zeros(0, np.int64)
-        self._live = np.zeros(0, bool)
+        self._records = _empty_records(0)
         self._time = np.zeros(0, np.int64)
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
@@ -1004,10 +1129,13 @@ class KeyedTable(MappedRows):
             col = self.columns[spec.name]
             base = data if spec.dtype == "float32" else data.view(np.int32)
             base[:n, col.start : col.start + col.width] = a[spec.name]
-        self._key[:n] = a["keys"]
-        self._live[:n] = True
-        self._last[:n] = a["last_touched"]
-        self._touches[:n] = a["touch_counts"]
+        # int32 metadata (_rebase): steps from a base the step is at most _STEP_SPAN past,
+        # counts saturated
+        self._step = int(step)
+        self._base = max(0, self._step - _STEP_SPAN)
+        last = a["last_touched"].astype(np.int64) - self._base
+        self._records[:n, _LAST] = np.clip(last, _INT32.min, _INT32.max)
+        self._records[:n, _TOUCHES] = np.minimum(a["touch_counts"], _INT32.max)
         if self._keeps_time:
             self._time[:n] = a["last_time"]
         self._clock, self._call_time = int(a["data_time"][0]), None
@@ -1016,10 +1144,9 @@ class KeyedTable(MappedRows):
         pending = _Pending(limit)
         p = len(a["pending_keys"])
         pending.high = p
-        if p > len(pending.key):
-            for name in ("key", "earlier", "step", "current"):
+        if p > len(pending.earlier):
+            for name in ("earlier", "step", "current"):
                 setattr(pending, name, np.zeros(p, np.int64))
-        pending.key[:p] = a["pending_keys"]
         pending.earlier[:p] = a["pending_earlier"]
         pending.step[:p] = a["pending_step"]
         pending.current[:p] = a["pending_current"]
