@@ -20,8 +20,10 @@ A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED
 
     keys             int64 [n]         the keys with rows, sorted, distinct
     weights, slots   [n, dim], [n, w]  each key's row, aligned with ``keys``
-    last_touched     int64 [n]         the step each row was last touched (expiry, LRU)
-    touch_counts     int64 [n]         its occurrences in training lookups so far (LFU)
+    last_touched     int64 [n]         the step each row was last touched (expiry, LRU; exact
+                                       up to 3 * 2^30 steps back, older ones read as newer)
+    touch_counts     int64 [n]         its occurrences in training lookups so far (LFU;
+                                       saturating at 2^31 - 1)
     last_time        int64 [n]         its data time: the newest timestamp that touched it
                                        (``expire_seconds``; int64 min: none)
     pending_keys     int64 [p]         keys waiting for admission, sorted, distinct, without rows

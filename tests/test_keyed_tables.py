@@ -325,7 +325,9 @@ def test_pending_counts_are_bounded_oldest_first(backend):
     s = bounded.table_stats()["k"]
     # Step 1 forgot A; step 2 forgot B (seen at step 1 like C; the smaller key goes first).
     assert s["total"]["forgotten"] == 2 and s["pending_keys"] == 2
-    with pytest.raises(ValueError, match="max_pending must be an int >= 0, got -1"):
+    with pytest.raises(
+        ValueError, match="max_pending must be an int in \\[0, 2,147,483,647\\], got -1"
+    ):
         bounded._physical[0].max_pending = -1
 
 
@@ -653,6 +655,51 @@ def test_last_touched_steps_survive_a_step_past_int32():
     t.begin_step(2**31 + 12)  # key 10 is 2^31 + 11 steps old now: past expire_steps
     t.rows_for(0, np.array([12]), insert=True)
     assert t.state()["keys"].tolist() == [11, 12]
+
+
+def test_rows_past_the_int32_limit_are_refused_before_anything_changes(monkeypatch):
+    """A keyed table holds at most MAX_KEYED_ROWS rows (int32 rows in its index; patched to
+    1500 here): a training batch that would pass it, or a state holding more, is a ValueError
+    naming the table or entry, and the table is as it was."""
+    from embengine.storage import keyed as keyed_storage
+    from embengine.storage.keyed import KeyedTable
+
+    monkeypatch.setattr(keyed_storage, "MAX_KEYED_ROWS", 1500)
+    t = KeyedTable("k", 2, (), ee.initializers.Zeros(), 0, ee.DynamicVocabulary(expire_steps=1))
+    t.begin_step(1)
+    t.rows_for(0, np.arange(1000), insert=True)
+    t.begin_step(2)
+    t.rows_for(0, np.arange(600), insert=True)  # 400 rows expire at step 3
+    before = t.state()
+    t.begin_step(3)
+    with pytest.raises(ValueError, match="'k': 1,600 rows, more than one keyed table holds"):
+        t.rows_for(0, np.arange(2000, 3000), insert=True)  # 1000 new, 400 freed: 1600 rows
+    after = t.state()
+    assert before.keys() == after.keys()
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+    t.rows_for(0, np.arange(2000, 2900), insert=True)  # 900 new, 400 freed: 1500 rows fit
+    assert t.rows == 1500
+    big = {k: v for k, v in before.items()}
+    big["keys"] = np.arange(1501, dtype=np.int64)
+    for name in ("last_touched", "touch_counts", "last_time"):
+        big[name] = np.resize(before[name], 1501)
+    big["weights"] = np.zeros((1501, 2), np.float32)
+    with pytest.raises(ValueError, match=r"\['keys'\] holds 1,501 rows, more than one keyed"):
+        t.prepare_state(big, 3, "state")
+    assert t.rows == 1500
+
+
+def test_removing_a_value_the_index_does_not_hold_is_an_error_not_a_hang():
+    index = KeyIndex()
+    index.insert(np.array([10, 20]), np.array([0, 1]))
+    index.hold(8)
+    index.keys[5, 0] = 30
+    with pytest.raises(AssertionError, match="1 of the values to remove were not indexed"):
+        index.remove_values(np.array([5]))
+    with pytest.raises(AssertionError, match="1 of the values to remove were not indexed"):
+        index.remove_values(np.array([0, 0]))
+    assert index.count == 1 and index.find(np.array([10, 20])).tolist() == [-1, 1]
 
 
 def test_the_record_layout_is_the_kernels():

@@ -223,9 +223,11 @@ def remove(slots, keys, bits, queries):
 def remove_values(slots, keys, bits, values):
     """Unindex ``values`` (each indexed, distinct): the slot holding each is found by its
     entry from its key's home, so no other record is read (ascending values read their keys
-    in order). Returns the change in the number of tombstones."""
+    in order). Returns (the change in the number of tombstones, how many values were not
+    indexed: a caller's error, skipped)."""
     mask = slots.shape[0] - 1
     tombs = 0
+    missing = 0
     n = values.shape[0]
     for i in range(n):
         if i + PROBE_AHEAD < n:
@@ -233,10 +235,13 @@ def remove_values(slots, keys, bits, values):
         v = values[i]
         s, tag = _where(keys[v, 0], mask, bits)
         entry = tag | v
-        while slots[s, 0] != entry:
+        while slots[s, 0] != entry and slots[s, 0] != EMPTY:
             s = (s + 1) & mask
-        tombs += _unplace(slots, s, mask)
-    return tombs
+        if slots[s, 0] == EMPTY:
+            missing += 1
+        else:
+            tombs += _unplace(slots, s, mask)
+    return tombs, missing
 
 
 @kernel(**_OPTIONS)

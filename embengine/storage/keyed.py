@@ -87,8 +87,9 @@ MAX_TIMESTAMP = 1 << 62
 
 class KeyIndex:
     """int64 key -> int32 value in ``[0, MAX_KEYED_ROWS)``, an open-addressing hash table of
-    numba kernels (``kernels/keyed_index.py``): ``slots[s]`` holds a value (-1 for a free slot)
-    and ``keys[v, 0]`` the key value ``v`` holds, so a key costs a 4-byte slot and its 8 bytes.
+    numba kernels (``kernels/keyed_index.py``): ``slots[s]`` holds an entry (a value in its low
+    ``row_bits`` bits, a tag of its key's hash above them; -1 a free slot, -2 a tombstone) and
+    ``keys[v, 0]`` the key value ``v`` holds, so a key costs a 4-byte slot and its 8 bytes.
     ``keys`` is the index's own ``[n, 1]`` array, grown as values come (``hold``), or its
     owner's (a keyed table's row records, ``[rows, 2]``: the key is column 0), which the owner
     sizes and sets. ``find`` gives -1 for an absent key. A removed value's key is left in
@@ -115,8 +116,9 @@ class KeyIndex:
 
     @property
     def values(self) -> np.ndarray:
-        """Every slot's value (-1: free), a view."""
-        return self.slots
+        """Every slot's value (-1: free, -2: a tombstone), a copy."""
+        low = (1 << self.row_bits) - 1
+        return np.where(self.slots >= 0, self.slots & low, self.slots)
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(slots, keys, row_bits) as the kernels take them: ``[capacity, 1]``, ``[n, k]``."""
@@ -131,7 +133,7 @@ class KeyIndex:
 
     def _fit_bits(self) -> None:
         """Enough value bits for every value ``keys`` can hold: if it needs more, two more than
-        it needs, rebuilding the slots at their capacity (so every other doubling of the
+        it needs, rebuilding the slots at their capacity (so every third doubling of the
         values rebuilds, not every one; a probe reads the record of an entry it passes with
         probability 2^-(31 - bits), so each bit taken from the tag doubles those reads)."""
         from ..kernels import keyed_index
@@ -222,8 +224,11 @@ class KeyIndex:
 
         if len(values):
             values = np.ascontiguousarray(values, dtype=np.int64)
-            self.tombs += int(keyed_index.remove_values(*self.columns(), values))
-            self.count -= len(values)
+            tombs, missing = keyed_index.remove_values(*self.columns(), values)
+            self.tombs += int(tombs)
+            self.count -= len(values) - int(missing)
+            if missing:
+                raise AssertionError(f"{int(missing)} of the values to remove were not indexed")
 
 
 def _empty_records(rows: int) -> np.ndarray:
@@ -481,7 +486,9 @@ class KeyedTable(MappedRows):
         self._initializer = initializer
         self._seed = int(seed)
         self._index = KeyIndex()
-        self._pending = _Pending(4 * dynamic.max_rows if dynamic.max_rows else DEFAULT_MAX_PENDING)
+        self._pending = _Pending(
+            min(4 * dynamic.max_rows, MAX_KEYED_ROWS) if dynamic.max_rows else DEFAULT_MAX_PENDING
+        )
         self._step = 0
         # The arena (module docstring).
         self._reserved = self._default_reservation()
@@ -514,13 +521,21 @@ class KeyedTable(MappedRows):
     @property
     def max_pending(self) -> int:
         """At most this many keys wait for admission with their counts (``DynamicVocabulary``:
-        the ones seen longest ago are forgotten first); 4 * max_rows, or 2^22 without it."""
+        the ones seen longest ago are forgotten first); 4 * max_rows (at most 2^31 - 1), or
+        2^22 without it."""
         return self._pending.limit
 
     @max_pending.setter
     def max_pending(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
-            raise ValueError(f"table {self.name!r}: max_pending must be an int >= 0, got {n!r}")
+        if (
+            isinstance(n, bool)
+            or not isinstance(n, int | np.integer)
+            or not 0 <= n <= MAX_KEYED_ROWS
+        ):
+            raise ValueError(
+                f"table {self.name!r}: max_pending must be an int in [0, {MAX_KEYED_ROWS:,}], "
+                f"got {n!r}"
+            )
         self._pending.limit = int(n)
 
     # -- the arena ------------------------------------------------------------------------------
@@ -605,12 +620,8 @@ class KeyedTable(MappedRows):
         or copy into a bigger reservation; keyed-mmap: grow the file (``_grow_file``)."""
         if rows <= self._capacity:
             return
-        if rows > MAX_KEYED_ROWS:
-            raise ValueError(
-                f"table {self.name!r}: {rows:,} rows, more than one keyed table holds in one "
-                f"engine ({MAX_KEYED_ROWS:,}, 2^31 - 1: its index keeps int32 rows); nothing "
-                "was changed. Shard the table over ranks (ShardedEngine) or set max_rows"
-            )
+        if rows > MAX_KEYED_ROWS:  # rows_for and prepare_state refuse first (_check_room)
+            raise AssertionError(f"table {self.name!r}: {rows:,} rows, past MAX_KEYED_ROWS")
         cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
         if self.path is not None:
             if self.dynamic.max_rows is not None:
@@ -700,10 +711,11 @@ class KeyedTable(MappedRows):
         return self._step - self._base
 
     def _rebase(self) -> None:
-        """Move ``_base`` so the step is ``_STEP_SPAN`` past it, shifting every row's
-        last-touched step; steps further back than int32 reaches are clamped to its minimum
-        (more than 2^31 steps ago: older than any expire_steps but the largest, and LRU's
-        order among them goes by key)."""
+        """Move ``_base`` so the step is ``_STEP_SPAN`` (2^30) past it, shifting every row's
+        last-touched step; a step further back than int32 reaches (more than 3 * 2^30 steps
+        before this one) is clamped to its minimum, so ``state()`` reports it newer than it
+        was, expiry stays exact for ``expire_steps`` below 3 * 2^30 (a clamped row expires
+        later above that), and LRU orders clamped rows by key."""
         delta = self._step - self._base - _STEP_SPAN
         last = self._last.astype(np.int64) - delta
         self._records[:, _LAST] = np.clip(last, _INT32.min, _INT32.max)
@@ -766,6 +778,7 @@ class KeyedTable(MappedRows):
         admit = self._admissible(ids[missing])
         now = self.dynamic.insert_on == "lookup"
         victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
+        self._check_room(int(admit.sum()) if now else 0, len(expired) + len(victims))
         # Everything is decided; from here on the table changes.
         self._roll_stats()
         self._commit_time()
@@ -840,6 +853,7 @@ class KeyedTable(MappedRows):
         present = self._index.find(ids[missing]) >= 0  # inserted by an earlier update this step
         admit &= ~present
         victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
+        self._check_room(int(admit.sum()), len(victims))
         self._roll_stats()
         self._commit_time()
         self._remove_rows(victims)
@@ -877,6 +891,18 @@ class KeyedTable(MappedRows):
             t = self._time[:high]
             old |= (t != NO_TIME) & (now - t > d)  # timestamps are < 2^62: no overflow
         return np.flatnonzero(old & self._live()).astype(np.int64)
+
+    def _check_room(self, new: int, freed: int) -> None:
+        """ValueError (nothing changed yet) if ``new`` rows, after ``freed`` rows are freed,
+        would take rows past MAX_KEYED_ROWS (the index keeps int32 rows)."""
+        fresh = new - min(new, len(self._free) + freed)
+        if self._high + fresh > MAX_KEYED_ROWS:
+            raise ValueError(
+                f"table {self.name!r}: {self._high + fresh:,} rows, more than one keyed table "
+                f"holds in one engine ({MAX_KEYED_ROWS:,}, 2^31 - 1: its index keeps int32 "
+                "rows); nothing was changed. Shard the table over ranks (ShardedEngine) or set "
+                "max_rows"
+            )
 
     def _admissible(self, keys: np.ndarray) -> np.ndarray:
         """Which keys without a row are admitted now (occurrences before this step >= T)."""
@@ -1040,7 +1066,7 @@ class KeyedTable(MappedRows):
         row array, so they are of one step."""
         out = self.contents()
         rows = self._rows_by_key()
-        out["last_touched"] = self._last[rows] + np.int64(self._base)
+        out["last_touched"] = self._last[rows].astype(np.int64) + self._base
         out["touch_counts"] = self._touches[rows].astype(np.int64)
         out["last_time"] = (
             self._time[rows].copy() if self._keeps_time else np.full(len(rows), NO_TIME, np.int64)
@@ -1184,6 +1210,11 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
                 "and distinct (as state_dict() writes them)"
             )
     n = len(a["keys"])
+    if n > MAX_KEYED_ROWS:
+        raise ValueError(
+            f"{at}['keys'] holds {n:,} rows, more than one keyed table holds in one engine "
+            f"({MAX_KEYED_ROWS:,}, 2^31 - 1); load it into a ShardedEngine"
+        )
     if max_rows is not None and n > max_rows:
         raise ValueError(
             f"{at}['keys'] holds {n:,} rows, more than the table's max_rows={max_rows:,}; "
