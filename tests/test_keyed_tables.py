@@ -625,7 +625,7 @@ def test_touch_sets_the_step_and_adds_the_counts():
 def test_a_key_costs_24_bytes_beside_its_row():
     """Issue 15's memory target, as ``table_stats`` reports it: at 2^15 keys (row capacity
     2^15, index slots 2^16 at load one half) a key costs a 16-byte record and two 4-byte
-    slots."""
+    slots; past a doubling of the capacity the records still cost what their rows use."""
     eng = keyed_engine(dim=4)
     keys = np.random.default_rng(0).integers(-(2**62), 2**62, 2**15)
     assert len(np.unique(keys)) == 2**15
@@ -634,6 +634,15 @@ def test_a_key_costs_24_bytes_beside_its_row():
     assert st["rows"] == st["capacity"] == 2**15
     assert st["bytes"]["row_metadata"] / st["rows"] == 16
     assert st["bytes"]["index"] / st["rows"] == 8
+    # One key more doubles the row capacity: the records are reserved, not copied, and cost
+    # the pages written (16 bytes a key), not the capacity.
+    table = eng._physical[0]
+    address = table._records_full.ctypes.data
+    train_bags(eng, [[2**62 + 1]])
+    st = eng.table_stats()["k"]
+    assert (st["rows"], st["capacity"]) == (2**15 + 1, 2**16)
+    assert 16 < st["bytes"]["row_metadata"] / st["rows"] < 16.2
+    assert table._records_full.ctypes.data == address
 
 
 def test_last_touched_steps_survive_a_step_past_int32():

@@ -231,11 +231,22 @@ class KeyIndex:
                 raise AssertionError(f"{int(missing)} of the values to remove were not indexed")
 
 
-def _empty_records(rows: int) -> np.ndarray:
-    """Row records (``KeyedTable``) of rows without keys: int32 ``[rows, 4]``, touches -1."""
-    records = np.zeros((rows, _RECORD_COLS), np.int32)
-    records[:, _TOUCHES] = -1
-    return records
+def _anonymous(nbytes: int) -> mmap.mmap | None:
+    """An anonymous mapping of ``nbytes``, reserved without committing memory; None if the
+    system refuses it."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    try:
+        return mmap.mmap(-1, max(nbytes, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, OverflowError, ValueError):
+        return None
+
+
+def _advise_huge(mapping: mmap.mmap | None, nbytes: int) -> None:
+    """Transparent huge pages over a mapping's first ``nbytes`` from 4 MiB on."""
+    if mapping is None or _MADV_HUGEPAGE is None or nbytes < _HUGE_PAGES_FROM:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(_MADV_HUGEPAGE, 0, min(nbytes, len(mapping)))
 
 
 def _empty_slots(capacity: int) -> np.ndarray:
@@ -499,7 +510,8 @@ class KeyedTable(MappedRows):
         # index's keys), the step it was last touched (from _base: _rel_step) and how often
         # (saturating; -1: the row holds no key).
         self._base = 0
-        self._records = _empty_records(0)
+        self._records_map = None
+        self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
         self._high = 0  # rows handed out so far (live or free)
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
@@ -551,28 +563,35 @@ class KeyedTable(MappedRows):
     def _map(self, rows: int) -> mmap.mmap | None:
         """An anonymous mapping of ``rows`` rows, reserved without committing memory; None if
         the system refuses it."""
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        try:
-            mapping = mmap.mmap(
-                -1,
-                max(rows * self.row_width * 4, 1),
-                flags=flags,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            )
-        except (OSError, OverflowError, ValueError):
-            return None
-        return mapping
+        return _anonymous(rows * self.row_width * 4)
 
     def _advise_huge_pages(self) -> None:
         """Ask for transparent huge pages over the rows' capacity once it reaches 4 MiB (as
         NumPy does for its big arrays, a dense table's): random rows on 4 KiB pages miss the
         TLB on nearly every row (docs/performance.md, "Keyed tables"); a smaller table would
-        pay a 2 MiB page for a few rows."""
-        nbytes = self._capacity * self.row_width * 4
-        if _MADV_HUGEPAGE is None or nbytes < _HUGE_PAGES_FROM or self.path is not None:
+        pay a 2 MiB page for a few rows. The records too (``_records_room``)."""
+        if self.path is None:
+            _advise_huge(self._mapping, self._capacity * self.row_width * 4)
+        _advise_huge(self._records_map, self._capacity * 4 * _RECORD_COLS)
+
+    def _records_room(self, cap: int) -> None:
+        """Records for ``cap`` rows: the first call reserves them for MAX_KEYED_ROWS rows in
+        an anonymous mapping (32 GiB of address space, no memory until written), so they
+        never move and cost what the rows written use; only if the system refuses that is a
+        smaller reservation copied into a bigger one when outgrown."""
+        if cap <= len(self._records_full):
             return
-        with contextlib.suppress(OSError, ValueError):
-            self._mapping.madvise(_MADV_HUGEPAGE, 0, nbytes)
+        reserve = MAX_KEYED_ROWS
+        mapping = _anonymous(reserve * 4 * _RECORD_COLS)
+        while mapping is None and reserve > cap:
+            reserve = max(cap, reserve // 4)
+            mapping = _anonymous(reserve * 4 * _RECORD_COLS)
+        if mapping is None:
+            raise MemoryError(f"table {self.name!r}: cannot map the records of {cap:,} rows")
+        full = np.frombuffer(mapping, np.int32, count=reserve * _RECORD_COLS)
+        full = full.reshape(reserve, _RECORD_COLS)
+        full[: self._high] = self._records_full[: self._high]  # only when outgrowing one
+        self._records_map, self._records_full = mapping, full
 
     def _grow_file(self, cap: int) -> None:
         """keyed-mmap: the file (opened and locked on first use) grown to ``cap`` rows, its new
@@ -642,11 +661,10 @@ class KeyedTable(MappedRows):
         cap = min(cap, self._reserved)
         self._data = self._full[:cap]
         self._capacity = cap
+        self._records_room(cap)
+        self._records = self._records_full[:cap]  # rows from _high on: zeros, never read
+        self._index.use_keys(self._records.view(np.int64))
         self._advise_huge_pages()
-        records = _empty_records(cap)
-        records[: len(self._records)] = self._records
-        self._records = records
-        self._index.use_keys(records.view(np.int64))
         if self._keeps_time:
             t = np.zeros(cap, np.int64)
             t[: len(self._time)] = self._time
@@ -717,8 +735,9 @@ class KeyedTable(MappedRows):
         was, expiry stays exact for ``expire_steps`` below 3 * 2^30 (a clamped row expires
         later above that), and LRU orders clamped rows by key."""
         delta = self._step - self._base - _STEP_SPAN
-        last = self._last.astype(np.int64) - delta
-        self._records[:, _LAST] = np.clip(last, _INT32.min, _INT32.max)
+        high = self._high
+        last = self._last[:high].astype(np.int64) - delta
+        self._records[:high, _LAST] = np.clip(last, _INT32.min, _INT32.max)
         self._base += delta
         self._expired_memo = None
 
@@ -1038,7 +1057,7 @@ class KeyedTable(MappedRows):
             "bytes": {
                 "rows": self.nbytes,
                 "index": self._index.nbytes,
-                "row_metadata": self._records.nbytes + self._time.nbytes + self._free.nbytes,
+                "row_metadata": self._records_bytes() + self._time.nbytes + self._free.nbytes,
                 "pending": self._pending.nbytes,
             },
             "step": self._stats_step,
@@ -1088,6 +1107,14 @@ class KeyedTable(MappedRows):
         """The rows holding keys, in key order."""
         rows = np.flatnonzero(self._live())
         return rows[np.argsort(self._keys[rows], kind="stable")]
+
+    def _records_bytes(self) -> int:
+        """The memory the records take: the pages of the rows written so far (reserved
+        records cost nothing until written), or the whole array if it is not a reservation."""
+        if self._records_map is None:
+            return self._records_full.nbytes
+        page = mmap.PAGESIZE
+        return -(-self._high * 4 * _RECORD_COLS // page) * page
 
     @property
     def _last(self) -> np.ndarray:
@@ -1144,7 +1171,8 @@ class KeyedTable(MappedRows):
         self._mapping, self._high, self._capacity = None, 0, 0
         self._reserved = self._default_reservation()
         self._data = np.zeros((0, self.row_width), np.float32)
-        self._records = _empty_records(0)
+        self._records_map = None
+        self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
         self._time = np.zeros(0, np.int64)
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
