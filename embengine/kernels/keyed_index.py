@@ -24,8 +24,8 @@ load limit. The layout after any sequence of calls depends only on that sequence
 
 A probe that finds its key reads two lines, the slot and then the key of its value: the probe
 loops prefetch the home slot of the key ``PROBE_AHEAD`` places ahead and, ``KEY_AHEAD`` places
-ahead, the record of the (by then cached) home slot's value if its tag matches, so both misses
-overlap with earlier probes' instead of queueing behind them.
+ahead, the record of the first entry from the (by then cached) home slot whose tag matches, so
+both misses overlap with earlier probes' instead of queueing behind them.
 
 ``find`` is read-only and parallel (each key is probed by one thread, its result written to its
 own place; ``find_serial`` for the usual batch). ``insert``, ``remove``, ``remove_values``
@@ -57,6 +57,8 @@ TOMB = -2
 # record it prefetches (half-way: the slot has arrived by then).
 PROBE_AHEAD = 16
 KEY_AHEAD = 8
+# Slots from home the record prefetch looks through for a matching tag.
+KEY_SCAN = 8
 # Values are int32: a keyed table holds at most this many rows (config.MAX_KEYED_ROWS).
 MAX_VALUE = np.iinfo(np.int32).max
 # An entry's bits below the sign: value bits plus tag bits.
@@ -113,11 +115,18 @@ def _prefetch_probes(slots, keys, queries, i, hi, mask, bits):
     if i + PROBE_AHEAD < hi:
         prefetch_line(slots, _where(queries[i + PROBE_AHEAD], mask, bits)[0], 0)
     if i + KEY_AHEAD < hi:
+        # the record of the first entry whose tag matches, within KEY_SCAN slots of home (a
+        # third of the keys sit past their home at load one half)
         s, tag = _where(queries[i + KEY_AHEAD], mask, bits)
-        e = np.int64(slots[s, 0])
         low = (np.int64(1) << bits) - 1
-        if e >= 0 and (e & ~low) == tag:
-            prefetch_line(keys, e & low, 0)
+        for _ in range(KEY_SCAN):
+            e = np.int64(slots[s, 0])
+            if e == EMPTY:
+                break
+            if e >= 0 and (e & ~low) == tag:
+                prefetch_line(keys, e & low, 0)
+                break
+            s = (s + 1) & mask
 
 
 @kernel(inline="always", **_OPTIONS)
