@@ -711,6 +711,37 @@ def test_removing_a_value_the_index_does_not_hold_is_an_error_not_a_hang():
     assert index.count == 1 and index.find(np.array([10, 20])).tolist() == [-1, 1]
 
 
+def test_lookups_stay_right_when_the_index_entries_take_more_row_bits(monkeypatch):
+    """The kernels read an index whose entries' row bits grow as the rows do (row bits start
+    at 1 here, not 20: 12 for the first 1024 rows' capacity, 15 once it reaches 8192): the
+    numba backend's training and evaluation lookups, which probe the index in their kernels,
+    equal a dense table's before and after."""
+    from embengine.storage import keyed as keyed_storage
+
+    monkeypatch.setattr(keyed_storage, "_MIN_ROW_BITS", 1)
+    n = 9000
+    engines = []
+    for size in (n, None):
+        t = ee.TableConfig(size, 4, name="t", combiner="sum", initializer=RandomUniform(-1, 1))
+        engines.append(ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.5)))
+    dense, keyed = engines
+    rng = np.random.default_rng(5)
+    bits = []
+    for step in range(4):
+        ids = rng.permutation(n)[: 3000 * (step + 1)] if step < 3 else rng.integers(0, n, 4000)
+        bags = ee.Ragged(ids.astype(np.int64), offsets=np.arange(0, len(ids) + 1, 4))
+        want = dense.lookup({"f": bags})["f"]
+        got = keyed.lookup({"f": bags})["f"]
+        assert got.tobytes() == want.tobytes(), step
+        grad = {"f": rng.standard_normal(want.shape).astype(np.float32)}
+        dense.apply_gradients(grad)
+        keyed.apply_gradients(grad)
+        bits.append(keyed._physical[0]._index.row_bits)
+        evaluated = keyed.lookup({"f": bags}, training=False)["f"]
+        assert evaluated.tobytes() == dense.lookup({"f": bags}, training=False)["f"].tobytes()
+    assert bits == [12, 15, 15, 15], bits
+
+
 def test_the_record_layout_is_the_kernels():
     """storage/keyed.py and kernels/keyed_index.py name the same record columns."""
     from embengine.storage import keyed as keyed_storage
