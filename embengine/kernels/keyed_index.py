@@ -257,15 +257,20 @@ def remove_values(slots, keys, bits, values):
 def rehash(slots, keys, bits, new_slots, new_bits):
     """Index every value of the old slots in the new (free) ones, whose entries keep
     ``new_bits`` value bits, in ascending order of value: the values are marked in a byte
-    array first, so their keys are read in order, not at random."""
+    array first, so their keys are read in order, not at random; the new home slot of the
+    value ``PROBE_AHEAD`` places on is prefetched."""
     mask = new_slots.shape[0] - 1
     low = (np.int64(1) << bits) - 1
-    present = np.zeros(keys.shape[0], dtype=np.uint8)
+    n = keys.shape[0]
+    present = np.zeros(n, dtype=np.uint8)
     for s in range(slots.shape[0]):
         e = np.int64(slots[s, 0])
         if e >= 0:
             present[e & low] = 1
-    for v in range(keys.shape[0]):
+    for v in range(n):
+        ahead = v + PROBE_AHEAD
+        if ahead < n and present[ahead]:
+            prefetch_line(new_slots, _where(keys[ahead, 0], mask, new_bits)[0], 0)
         if present[v]:
             _place_value(new_slots, keys, v, mask, new_bits)
 
