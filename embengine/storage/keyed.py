@@ -208,14 +208,9 @@ class KeyIndex:
         self.count = need
 
     def remove(self, keys: np.ndarray) -> None:
-        """Remove ``keys`` (absent ones are skipped)."""
-        from ..kernels import keyed_index
-
-        if len(keys):
-            keys = np.ascontiguousarray(keys, dtype=np.int64)
-            removed, tombs = keyed_index.remove(*self.columns(), keys)
-            self.count -= int(removed)
-            self.tombs += int(tombs)
+        """Remove ``keys`` (absent ones are skipped): their values, found, removed by value."""
+        values = self.find(keys)
+        self.remove_values(np.unique(values[values >= 0]))
 
     def remove_values(self, values: np.ndarray) -> None:
         """Remove the keys of ``values`` (distinct, each in the index; ascending is fastest:
