@@ -236,6 +236,31 @@ def _anonymous(nbytes: int) -> mmap.mmap | None:
         return None
 
 
+def _reserve(want: int, need: int, row_bytes: int, what: str) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping reserved for ``want`` rows of ``row_bytes``, or, if the system
+    refuses it, for fewer (a quarter each time) down to ``need``: (mapping, rows). A
+    MemoryError naming ``what`` if not even ``need`` rows can be mapped."""
+    reserve = want
+    mapping = _anonymous(reserve * row_bytes)
+    while mapping is None and reserve > need:
+        reserve = max(need, reserve // 4)
+        mapping = _anonymous(reserve * row_bytes)
+    if mapping is None:
+        raise MemoryError(f"{what}: cannot map {need:,} rows")
+    return mapping, reserve
+
+
+def _release(
+    index: KeyIndex, free: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Remove ``values`` (distinct, each indexed) from ``index`` and add them to the sorted
+    free list ``free``: (the values sorted, the new free list). Timsort, so values that come
+    sorted (expired rows) and the two sorted runs merge in O(n)."""
+    values = np.sort(values, kind="stable")
+    index.remove_values(values)
+    return values, np.sort(np.concatenate([free, values]), kind="stable")
+
+
 def _advise_huge(mapping: mmap.mmap | None, nbytes: int) -> None:
     """Transparent huge pages over a mapping's first ``nbytes`` from 4 MiB on."""
     if mapping is None or _MADV_HUGEPAGE is None or nbytes < _HUGE_PAGES_FROM:
@@ -363,9 +388,7 @@ class _Pending:
 
     def remove_slots(self, slots: np.ndarray) -> None:
         if len(slots):
-            slots = np.sort(slots)
-            self.index.remove_values(slots)
-            self.free = np.sort(np.concatenate([self.free, slots]))
+            _, self.free = _release(self.index, self.free, slots)
 
     def _live_slots(self) -> np.ndarray:
         used = np.ones(self.high, bool)
@@ -491,23 +514,12 @@ class KeyedTable(MappedRows):
         self.dynamic = dynamic
         self._initializer = initializer
         self._seed = int(seed)
-        self._index = KeyIndex()
         self._pending = _Pending(
             min(4 * dynamic.max_rows, MAX_KEYED_ROWS) if dynamic.max_rows else DEFAULT_MAX_PENDING
         )
         self._step = 0
-        # The arena (module docstring).
-        self._reserved = self._default_reservation()
-        self._mapping = None
-        self._data = np.zeros((0, self.row_width), np.float32)
-        self._capacity = 0
-        # Per row, a record of 16 bytes (int32 columns, kernels/keyed_index.py): its key (the
-        # index's keys), the step it was last touched (from _base: _rel_step) and how often
-        # (saturating; -1: the row holds no key).
-        self._base = 0
-        self._records_map = None
-        self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
-        self._high = 0  # rows handed out so far (live or free)
+        self._empty_arena()
+        self._base = 0  # of the records' last-touched steps (_rel_step)
         self._free = np.zeros(0, np.int64)  # freed rows below _high, sorted
         self._live_rows = None  # cached live_rows()
         # cached _expired(): ((step, data time), rows), dropped by every change of the rows'
@@ -518,7 +530,6 @@ class KeyedTable(MappedRows):
         # calls that resolved keys here, and the timestamp of the call under way (None: none).
         self._clock = NO_TIME
         self._call_time: int | None = None
-        self._time = np.zeros(0, np.int64)  # per row, with expire_seconds only
         self._this = self._zero_counts()
         self._total = self._zero_counts()
         self._grow(
@@ -547,6 +558,20 @@ class KeyedTable(MappedRows):
 
     # -- the arena ------------------------------------------------------------------------------
 
+    def _empty_arena(self) -> None:
+        """No rows: a fresh index, arena (module docstring) and row records, of no capacity
+        (``_grow`` gives it; old mappings are released with their last views). Per row a record
+        of 16 bytes (int32 columns, kernels/keyed_index.py): its key (the index's keys), the
+        step it was last touched (from ``_base``: ``_rel_step``) and how often (saturating;
+        -1: the row holds no key); with expire_seconds, its data time (``_time``)."""
+        self._index = KeyIndex()
+        self._mapping, self._high, self._capacity = None, 0, 0  # _high: rows handed out
+        self._reserved = self._default_reservation()
+        self._data = np.zeros((0, self.row_width), np.float32)
+        self._records_map = None
+        self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
+        self._time = np.zeros(0, np.int64)
+
     def _default_reservation(self) -> int:
         """Rows reserved for the arena: max_rows, or 2^38 bytes' worth (at most
         MAX_KEYED_ROWS)."""
@@ -554,11 +579,6 @@ class KeyedTable(MappedRows):
             return self.dynamic.max_rows
         rows = max(_RESERVE_BYTES // (4 * self.row_width), _FIRST_CAPACITY)
         return min(rows, MAX_KEYED_ROWS)
-
-    def _map(self, rows: int) -> mmap.mmap | None:
-        """An anonymous mapping of ``rows`` rows, reserved without committing memory; None if
-        the system refuses it."""
-        return _anonymous(rows * self.row_width * 4)
 
     def _advise_huge_pages(self) -> None:
         """Ask for transparent huge pages over the rows' capacity once it reaches 4 MiB (as
@@ -576,13 +596,8 @@ class KeyedTable(MappedRows):
         smaller reservation copied into a bigger one when outgrown."""
         if cap <= len(self._records_full):
             return
-        reserve = MAX_KEYED_ROWS
-        mapping = _anonymous(reserve * 4 * _RECORD_COLS)
-        while mapping is None and reserve > cap:
-            reserve = max(cap, reserve // 4)
-            mapping = _anonymous(reserve * 4 * _RECORD_COLS)
-        if mapping is None:
-            raise MemoryError(f"table {self.name!r}: cannot map the records of {cap:,} rows")
+        what = f"table {self.name!r}'s records"
+        mapping, reserve = _reserve(MAX_KEYED_ROWS, cap, 4 * _RECORD_COLS, what)
         full = np.frombuffer(mapping, np.int32, count=reserve * _RECORD_COLS)
         full = full.reshape(reserve, _RECORD_COLS)
         full[: self._high] = self._records_full[: self._high]  # only when outgrowing one
@@ -642,13 +657,8 @@ class KeyedTable(MappedRows):
                 cap = min(cap, max(rows, self.dynamic.max_rows))
             self._grow_file(cap)
         elif self._mapping is None or cap > self._reserved:
-            reserve = max(self._reserved, cap)
-            mapping = self._map(reserve)
-            while mapping is None and reserve > cap:  # a smaller reservation, then
-                reserve = max(cap, reserve // 4)
-                mapping = self._map(reserve)
-            if mapping is None:
-                raise MemoryError(f"table {self.name!r}: cannot map {cap:,} rows")
+            want = max(self._reserved, cap)
+            mapping, reserve = _reserve(want, cap, 4 * self.row_width, f"table {self.name!r}")
             new = np.frombuffer(mapping, np.float32, count=reserve * self.row_width)
             new = new.reshape(reserve, self.row_width)
             new[: self._high] = self._data[: self._high]  # only when outgrowing a reservation
@@ -969,10 +979,8 @@ class KeyedTable(MappedRows):
     def _remove_rows(self, rows: np.ndarray) -> None:
         if not len(rows):
             return
-        rows = np.sort(rows, kind="stable")  # timsort: expired rows come sorted, in O(n)
-        self._index.remove_values(rows)
+        rows, self._free = _release(self._index, self._free, rows)
         self._records[rows, _TOUCHES] = -1
-        self._free = np.sort(np.concatenate([self._free, rows]), kind="stable")  # two runs
         self._live_rows = self._expired_memo = None
 
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -1161,14 +1169,7 @@ class KeyedTable(MappedRows):
         """Replace the table's contents by a checked state (``prepare_state``): rows 0..n-1 in
         key order, a fresh index, the pending counts and counters as saved."""
         n = len(a["keys"])
-        self._index = KeyIndex()
-        # A fresh arena (the old mapping is released with its last view).
-        self._mapping, self._high, self._capacity = None, 0, 0
-        self._reserved = self._default_reservation()
-        self._data = np.zeros((0, self.row_width), np.float32)
-        self._records_map = None
-        self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
-        self._time = np.zeros(0, np.int64)
+        self._empty_arena()
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
         self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
         self._expired_memo = None
