@@ -5,15 +5,14 @@ Two arrays: ``slots[s, 0]``, the entry in slot ``s`` of one power-of-two capacit
 ``bits`` low bits and, above them, the top ``31 - bits`` bits of its key's hash (a tag), so a
 probe reads a record only where the tag matches: the one it looks for, and 2^-(31 - bits) of
 the others. ``bits`` is the owner's (enough for its values, ``KeyIndex.row_bits``), passed to
-every kernel. A keyed table's ``keys``
-are its row records, 16 bytes a row: the key, then (as int32 columns ``LAST`` and
-``TOUCHES`` of the same memory) the step the row was last touched and its touch count, so the
-line a probe reads to compare the key is the line the training lookup's touch writes. A slot
-is 4 bytes: at the usual load of one half a key costs 8 bytes of slots and 16 of record
-(docs/design.md, "Keyed tables": 57 bytes with 16-byte ``(key, row)`` slots and int64 row
-metadata in four arrays). Every int64 is a valid key. A key's home slot is splitmix64(key)
-masked to the capacity; collisions probe linearly, each probe comparing the key its slot's
-value holds.
+every kernel. A keyed table's ``keys`` are its row records, 16 bytes a row: the key, then (as
+int32 columns ``LAST`` and ``TOUCHES`` of the same memory) the step the row was last touched
+and its touch count, so the line a probe reads to compare the key is the line the training
+lookup's touch writes. A slot is 4 bytes: at the usual load of one half a key costs 8 bytes of
+slots and 16 of record (docs/design.md, "A keyed table's key costs 24 bytes"; it was 57 with
+16-byte ``(key, row)`` slots and int64 row metadata in four arrays). Every int64 is a valid
+key. A key's home slot is splitmix64(key) masked to the capacity; collisions probe linearly,
+each probe comparing the key its slot's value holds.
 
 Deletion leaves a tombstone (``TOMB``), or frees the slot if the next one is free (and the
 tombstones just before it with it): a backward shift would read the record of every later
@@ -29,13 +28,14 @@ both misses overlap with earlier probes' instead of queueing behind them.
 
 ``find`` is read-only and parallel (each key is probed by one thread, its result written to its
 own place; ``find_serial`` for the usual batch). ``insert``, ``remove_values`` and ``rehash``
-are serial: one writer per table, so the same calls give the same arrays at any
-thread count. The index is probed once per table per step, on the batch's unique keys, never
-inside pooling.
-``insert_rows`` inserts a batch's new keys and writes their rows' metadata in one pass.
+are serial: one writer per table, so the same calls give the same arrays at any thread count.
+A training lookup probes a table's unique keys once, after their deduplication; an evaluation
+lookup probes each pooling task's keys before pooling them (``train_lookup``). ``insert_rows``
+inserts a batch's new keys and writes their rows' records in one pass.
 
-Arrays are ``[n, 1]`` (one column): the shape a kernel reaching them by address sees
-(``_intrinsics.int32_rows_at``), so each kernel compiles once.
+Arrays are 2-D: slots ``[capacity, 1]``, keys ``[n, 1]`` or a table's records viewed as
+``[rows, 2]`` int64, the shapes a kernel reaching them by address sees
+(``_intrinsics.int32_rows_at``, ``int64_rows_at``), so each kernel compiles once.
 """
 
 from __future__ import annotations
