@@ -8,10 +8,11 @@ and the gradients are built here (``make_features``, ``global_batch``), so the t
 single EmbeddingEngine the concatenation of every rank's batch.
 
 Scenarios:
-  equal:<optimizer>:<sharding>[:nan]  three training steps; each rank's activations, and on
-                                every rank the gathered tables, the bytes sent and the
-                                plan; with
-                                ":nan", a NaN gradient and nonfinite_gradients="skip_row"
+  equal:<optimizer>:<sharding>:<exchange>[:nan]
+                                three training steps; each rank's activations and what each
+                                table's lookup exchanged, and on every rank the gathered
+                                tables, the bytes sent and the plan; with ":nan", a NaN
+                                gradient and nonfinite_gradients="skip_row"
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
@@ -43,6 +44,7 @@ STEPS = 3
 BATCH = 7  # global samples per step
 HOT = 5  # an id of table "big" in every sample of feature "a", on every rank
 CKPT_OPTIMIZER = "ftrl"  # two slots
+TABLES = ("big", "small", "seq")
 
 
 def optimizers():
@@ -149,7 +151,7 @@ def local(step: int, rank: int, world: int, nan: bool = False):
 def run_equal(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
-    _, optimizer_name, sharding, *nan = name.split(":")
+    _, optimizer_name, sharding, exchange, *nan = name.split(":")
     features, o = make_features(optimizer_name)
     eng = ShardedEngine(
         features,
@@ -158,6 +160,7 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
         sharding=sharding,
         timeout=60,
         nonfinite_gradients="skip_row" if nan else "error",
+        exchange=exchange,
     )
     saved = {}
     for step in range(STEPS):
@@ -165,6 +168,8 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
         acts = eng.lookup(feats, weights)
         for k, v in acts.items():
             saved[f"act{step}/{k}"] = v
+        tables = eng.table_stats()["tables"]
+        saved[f"exchanged{step}"] = np.array([tables[t]["exchange"] for t in TABLES])
         eng.apply_gradients(grads)
         saved[f"bytes{step}"] = np.array(
             [
@@ -174,8 +179,8 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
             dtype=np.int64,
         )
     stats = eng.table_stats()
-    saved["plan"] = np.array([eng.plan[t] for t in ("big", "small", "seq")])
-    saved["rows"] = np.array([stats["tables"][t]["rows"] for t in ("big", "small", "seq")])
+    saved["plan"] = np.array([eng.plan[t] for t in TABLES])
+    saved["rows"] = np.array([stats["tables"][t]["rows"] for t in TABLES])
     last = stats["bytes_sent"]
     saved["stats_bytes"] = np.array(
         [sum(last["lookup"].values()), sum(last["apply_gradients"].values())]

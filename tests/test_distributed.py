@@ -44,8 +44,14 @@ OPTIMIZERS = [
     "adagrad_no_accumulation",
 ]
 SHARDINGS = ["row", "table", "auto"]
+EXCHANGES = ["rows", "sums", "auto"]
 WORLDS = [1, 2, 3]
-SCENARIOS = [f"equal:{o}:{s}" for o in OPTIMIZERS for s in SHARDINGS] + ["equal:adam:row:nan"]
+SCENARIOS = [f"equal:{o}:{s}:{x}" for o in OPTIMIZERS for s in SHARDINGS for x in EXCHANGES] + [
+    "equal:adam:row:auto:nan"
+]
+# Per feature: its table, the table's width, the positions a sample keeps (sequences cut).
+FEATURES = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
+SEQUENCE = {"s": 3}
 
 
 def spawn(
@@ -155,22 +161,98 @@ def single_engine_run(optimizer_name: str, world: int, nan: bool = False):
     return acts, eng
 
 
+def owner_function(plan: str, world: int):
+    """The owner of an id of a table whose ``engine.plan`` entry is ``plan`` ("row", "table on
+    rank k", or an "auto" reason: "row: ..." / "table: ..., on rank k (...)")."""
+    if plan.startswith("row"):
+        return lambda i: i % world
+    rank = int(plan.split("on rank ")[1].split()[0])
+    return lambda i: rank
+
+
+def occurrences(step: int, rank: int, world: int):
+    """(feature, activation row, id) of each occurrence in rank ``rank``'s batch of ``step``,
+    in order (sequences cut to their length; an activation row is a sample, or a (sample,
+    position) of a sequence feature)."""
+    feats, _, _ = worker.local(step, rank, world)
+    for f, bags in feats.items():
+        for b, bag in enumerate(bags):
+            for p, i in enumerate(bag[: SEQUENCE.get(f, len(bag))]):
+                yield f, (b, p) if f in SEQUENCE else b, i
+
+
+def exchange_counts(step: int, rank: int, world: int, owners: dict) -> dict:
+    """Per table, what rank ``rank`` sends other ranks in ``step`` by the cost model of
+    docs/design.md: its unique ids they own (R), its occurrences of them (N), and its
+    (activation row, owner) pairs among those (G)."""
+    occ = [(f, o, i) for f, o, i in occurrences(step, rank, world)]
+    counts = {}
+    for table in {t for t, _ in FEATURES.values()}:
+        remote = [
+            (f, o, i) for f, o, i in occ if FEATURES[f][0] == table and owners[table](i) != rank
+        ]
+        counts[table] = (
+            len({i for _, _, i in remote}),
+            len(remote),
+            len({(f, o, owners[table](i)) for f, o, i in remote}),
+        )
+    return counts
+
+
+def chosen_exchange(step: int, world: int, owners: dict) -> dict:
+    """Per table, what "auto" must pick in ``step``: "sums" when the ranks' savings
+    (``sharding.sums_saving``, from ``exchange_counts``) add up to zero or more."""
+    dims = {t: d for t, d in FEATURES.values()}
+    saving = {t: 0 for t in dims}
+    for r in range(world):
+        for t, (remote_ids, remote_occ, rows) in exchange_counts(step, r, world, owners).items():
+            saving[t] += (8 + 4 * dims[t]) * remote_ids + 4 * remote_occ - 4 * dims[t] * rows
+    return {t: "sums" if v >= 0 else "rows" for t, v in saving.items()}
+
+
+def one_owner_rows(step: int, rank: int, world: int, feature: str, owners: dict) -> np.ndarray:
+    """Per activation row of ``feature`` in rank ``rank``'s batch: whether all its ids live on
+    one rank (a "sums" lookup then equals the single engine's bit for bit)."""
+    feats, _, _ = worker.local(step, rank, world)
+    table = FEATURES[feature][0]
+    bags = feats[feature]
+    if feature in SEQUENCE:
+        return np.ones((len(bags), SEQUENCE[feature]), dtype=bool)
+    return np.array([len({owners[table](i) for i in bag}) <= 1 for bag in bags], dtype=bool)
+
+
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("sharding", SHARDINGS)
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
-    runs, world, sharding, optimizer_name
+    runs, world, sharding, exchange, optimizer_name
 ):
     out = runs(world)
     acts, single = single_engine_run(optimizer_name, world)
     state = single.state_dict()
-    name = f"equal_{optimizer_name}_{sharding}"
+    name = f"equal_{optimizer_name}_{sharding}_{exchange}"
+    plans = np.load(out / f"{name}.rank0.npz")["plan"].tolist()
+    owners = {t: owner_function(p, world) for t, p in zip(worker.TABLES, plans, strict=True)}
     for rank in range(world):
         got = np.load(out / f"{name}.rank{rank}.npz")
-        # Lookups: bit-identical (the bags are pooled by their own rank from the same rows).
         for step in range(worker.STEPS):
+            exchanged = dict(zip(worker.TABLES, got[f"exchanged{step}"].tolist(), strict=True))
+            if exchange == "auto":  # by the cost model, from every rank's batch
+                assert exchanged == chosen_exchange(step, world, owners), (rank, step)
+            else:
+                assert set(exchanged.values()) == {exchange}, exchanged
             for k, want in acts[step][rank].items():
-                assert got[f"act{step}/{k}"].tobytes() == want.tobytes(), (rank, step, k)
+                have = got[f"act{step}/{k}"]
+                if exchanged[FEATURES[k][0]] == "rows":
+                    # Bit-identical: the bags are pooled by their own rank from the same rows.
+                    assert have.tobytes() == want.tobytes(), (rank, step, k)
+                    continue
+                # Partial sums added in rank order: a bag on one rank is its owner's sum, bit
+                # for bit; any other equals up to float32 rounding.
+                one = one_owner_rows(step, rank, world, k, owners)
+                assert have[one].tobytes() == want[one].tobytes(), (rank, step, k)
+                np.testing.assert_allclose(have, want, rtol=1e-6, atol=1e-7)
         # Tables and slots after 3 steps, gathered on every rank: bit-identical.
         assert int(got["step"]) == state["step"] == worker.STEPS
         for table, arrays in state["tables"].items():
@@ -200,6 +282,32 @@ def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
             assert (got["bytes0"] > 0).all()
 
 
+def test_the_exchanges_differ_where_the_test_says_they_do(runs):
+    # The premise of the lookup checks above: at 2 and 3 ranks some bags span ranks (so "sums"
+    # rounds them differently), "auto" picks each exchange somewhere, and a "sums" lookup of
+    # such a bag is not bit-identical to the single engine's.
+    picked = set()
+    for world in (2, 3):
+        owners = {t: (lambda i, w=world: i % w) for t in worker.TABLES}
+        assert not all(
+            one_owner_rows(step, r, world, "a", owners).all()
+            for step in range(worker.STEPS)
+            for r in range(world)
+        )
+        for step in range(worker.STEPS):
+            got = np.load(runs(world) / "equal_sgd_row_auto.rank0.npz")
+            picked.update(got[f"exchanged{step}"].tolist())
+    assert picked == {"rows", "sums"}, picked
+    acts, _ = single_engine_run("sgd", 2)
+    differ = [
+        np.load(runs(2) / f"equal_sgd_row_sums.rank{r}.npz")[f"act{step}/a"].tobytes()
+        != acts[step][r]["a"].tobytes()
+        for step in range(worker.STEPS)
+        for r in range(2)
+    ]
+    assert any(differ)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_nan_gradient_skips_the_same_rows_as_one_engine(runs, world):
     # skip_row: every row that a NaN gradient reaches, from any rank, is left alone that step.
@@ -209,14 +317,14 @@ def test_a_nan_gradient_skips_the_same_rows_as_one_engine(runs, world):
     hot = worker.HOT
     assert (want["tables"]["big"]["weights"][hot] != clean.embedding_tables["big"][hot]).any()
     for rank in range(world):
-        _assert_state(runs(world) / f"equal_adam_row_nan.rank{rank}.npz", want)
+        _assert_state(runs(world) / f"equal_adam_row_auto_nan.rank{rank}.npz", want)
 
 
 def test_table_stats_rows_add_up_to_every_table(runs):
     for world in (2, 3):
         for sharding in SHARDINGS:
             rows = sum(
-                np.load(runs(world) / f"equal_sgd_{sharding}.rank{r}.npz")["rows"]
+                np.load(runs(world) / f"equal_sgd_{sharding}_auto.rank{r}.npz")["rows"]
                 for r in range(world)
             )
             assert rows.tolist() == [37, 2, 11]
@@ -232,6 +340,20 @@ def test_the_batches_hold_a_hot_id_everywhere_and_empty_local_batches():
         assert sum(sizes) == worker.BATCH
     assert [hi - lo for lo, hi in worker.split(1, 2)][1] == 0  # an empty local batch
     assert [hi - lo for lo, hi in worker.split(2, 3)][0] == 0
+
+
+def test_sums_saving_is_the_cost_models_difference():
+    from embengine.distributed.sharding import sums_saving
+
+    # rows: (8 + 4 dim) R + 20 N + 4 dim G; sums: 16 N + 8 dim G.
+    dim, r, n, g = 64, 100, 300, 120
+    rows, sums = (8 + 4 * dim) * r + 20 * n + 4 * dim * g, 16 * n + 8 * dim * g
+    assert sums_saving(dim, r, n, g) == rows - sums
+    assert sums_saving(8, 0, 0, 0) == 0  # nothing remote: a tie, which "auto" gives to sums
+    # One-id bags whose ids repeat: pulling each row once is cheaper than a sum per bag.
+    assert sums_saving(16, remote_ids=10, remote_occurrences=100, gradient_rows=100) < 0
+    # Long bags: one partial sum per bag beats pulling every id's row.
+    assert sums_saving(16, remote_ids=100, remote_occurrences=100, gradient_rows=5) > 0
 
 
 def test_shard_plan_rows_and_tables():
@@ -340,39 +462,53 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert seconds < 20, (seconds, text)
 
 
-def modelled_bytes(step: int, rank: int, world: int) -> tuple[int, int]:
+def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in the lookup and in the update of ``step`` under row
-    sharding, from the cost model of docs/design.md, counted from the global batch."""
-    tables = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
-    seq = {"s": 3}
-    header = 8 * (world - 1) * (4 + 2 * len(tables) + 3)
-
-    def occurrences(r):  # (feature, output row, id) of rank r's batch, sequences cut
-        feats, _, _ = worker.local(step, r, world)
-        for f, bags in feats.items():
-            for b, bag in enumerate(bags):
-                for p, i in enumerate(bag[: seq.get(f, len(bag))]):
-                    yield f, (b, p) if f in seq else b, i
-
-    unique = [{(tables[f][0], i) for f, _, i in occurrences(r)} for r in range(world)]
-    dims = {t: d for t, d in tables.values()}
-    asked = sum(8 for _, i in unique[rank] if i % world != rank)
-    answered = sum(
-        4 * dims[t] for s in range(world) if s != rank for t, i in unique[s] if i % world == rank
-    )
-    occ = [(f, o, i) for f, o, i in occurrences(rank) if i % world != rank]
-    rows = {(f, o, i % world) for f, o, i in occ}
-    apply = header + 20 * len(occ) + sum(4 * tables[f][1] for f, _, _ in rows) + 8 * (world - 1)
-    return header + asked + answered, apply
+    sharding, each table exchanging what ``exchanged`` says, by the cost model of
+    docs/design.md, counted from the global batch."""
+    header = 8 * (world - 1) * (4 + 2 * len(FEATURES) + 2 * len(worker.TABLES))
+    dims = {t: d for t, d in FEATURES.values()}
+    occ = [list(occurrences(step, r, world)) for r in range(world)]
+    lookup = apply = header
+    for f, (table, dim) in FEATURES.items():
+        remote = [(o, i) for g, o, i in occ[rank] if g == f and i % world != rank]
+        rows = {(o, i % world) for o, i in remote}  # (activation row, owner): a gradient row
+        if exchanged[table] == "sums":
+            # Occurrences to their owners; partial sums of the rows this rank owns to the
+            # other ranks; then only the gradient rows.
+            answered = {
+                (s, o)
+                for s in range(world)
+                if s != rank
+                for g, o, i in occ[s]
+                if g == f and i % world == rank
+            }
+            lookup += 16 * len(remote) + 4 * dim * len(answered)
+            apply += 4 * dim * len(rows)
+        else:
+            apply += 20 * len(remote) + 4 * dim * len(rows)
+    for table, dim in dims.items():
+        if exchanged[table] == "rows":  # unique ids asked, rows answered
+            unique = [{i for f, _, i in occ[r] if FEATURES[f][0] == table} for r in range(world)]
+            lookup += 8 * sum(1 for i in unique[rank] if i % world != rank)
+            lookup += (
+                4
+                * dim
+                * sum(1 for s in range(world) if s != rank for i in unique[s] if i % world == rank)
+            )
+    return lookup, apply + 8 * (world - 1)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_bytes_sent_are_the_cost_model(runs, world):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_bytes_sent_are_the_cost_model(runs, world, exchange):
     out = runs(world)
     for rank in range(world):
-        got = np.load(out / f"equal_sgd_row.rank{rank}.npz")
+        got = np.load(out / f"equal_sgd_row_{exchange}.rank{rank}.npz")
         for step in range(worker.STEPS):
-            assert tuple(got[f"bytes{step}"]) == modelled_bytes(step, rank, world), (rank, step)
+            exchanged = dict(zip(worker.TABLES, got[f"exchanged{step}"].tolist(), strict=True))
+            want = modelled_bytes(step, rank, world, exchanged)
+            assert tuple(got[f"bytes{step}"]) == want, (rank, step, exchanged)
 
 
 def _assert_state(path: Path, want: dict) -> None:
@@ -549,8 +685,25 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     half = ee.TableConfig(10, 4, name="h", weights_dtype="bfloat16")
     with pytest.raises(ValueError, match="table 'h': weights_dtype='bfloat16', slots_dtype="):
         ShardedEngine({"f": ee.FeatureConfig(half)}, optimizer=ee.optimizers.SGD(0.1))
-    engine = ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1))
+    sgd = ee.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match=r"exchange must be one of \('rows', 'sums', 'auto'\)"):
+        ShardedEngine(features, optimizer=sgd, exchange="partial")
+    with pytest.raises(ValueError, match=r"exchange names unknown tables \['u'\]"):
+        ShardedEngine(features, optimizer=sgd, exchange={"u": "rows"})
+    with pytest.raises(ValueError, match=r"exchange\['t'\] must be one of"):
+        ShardedEngine(features, optimizer=sgd, exchange={"t": "pull"})
+    with pytest.raises(TypeError, match="exchange must be a str or a dict"):
+        ShardedEngine(features, optimizer=sgd, exchange=["rows"])
+    keyed = {
+        "k": ee.FeatureConfig(ee.TableConfig(None, 4, name="k", dynamic=ee.DynamicVocabulary()))
+    }
+    with pytest.raises(ValueError, match="table 'k' is keyed, and a keyed table exchanges rows"):
+        ShardedEngine(keyed, optimizer=sgd, exchange={"k": "sums"})
+    assert ShardedEngine(keyed, optimizer=sgd, exchange="sums").exchange == {"k": "rows"}
+    engine = ShardedEngine(features, optimizer=sgd)
     assert engine.world_size == 1 and engine.plan == {"t": "row"}
+    assert engine.exchange == {"t": "auto"}
+    assert engine.table_stats()["tables"]["t"]["exchange"] is None  # no lookup yet
     single = ee.EmbeddingEngine(features, optimizer=ee.optimizers.SGD(0.1)).spec()
     assert {k: engine.spec()[k] for k in ("tables", "features")} == {
         k: single[k] for k in ("tables", "features")

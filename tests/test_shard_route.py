@@ -1,7 +1,9 @@
 """The sharded step's bookkeeping kernels (embengine.kernels.shard_route) against NumPy: the
 owner split of unique ids, the rows an owner answers with, the occurrences pushed per owner,
-and the TableBatch an owner builds from what it received (duplicate ids, empty batches, ids of
-one owner only, row and table sharding, 1 to 3 ranks)."""
+and the TableBatch an owner builds from what it received; for the "sums" exchange, the
+occurrences packed per owner, the owner's batch of them and the partial sums added in rank
+order (duplicate ids, empty batches, ids of one owner only, row and table sharding, 1 to 3
+ranks)."""
 
 from __future__ import annotations
 
@@ -305,6 +307,175 @@ def test_owner_batch_refuses_an_id_this_rank_does_not_hold(row):
     ]
     got = sr.owner_batch(ints, gains, one, np.array([2]), one, one, row, 2, 0, 3, 1, *arrays)
     assert got == -1 - 1  # occurrence 1 (id 5)
+
+
+def _blocks_out(total: int, num_outputs: int) -> dict[str, np.ndarray]:
+    """The arrays an owner's TableBatch kernel fills (``owner_batch``'s order)."""
+    return dict(
+        unique=np.empty(total, np.int64),
+        inverse=np.empty(total, np.int64),
+        gains=np.empty(total, np.float32),
+        segments=np.empty(total, np.int64),
+        unique_rows=np.empty(total, np.int64),
+        output_offsets=np.empty(num_outputs + 1, np.int64),
+        unique_offsets=np.empty(total + 1, np.int64),
+        unique_gains=np.empty(total, np.float32),
+        unique_segments=np.empty(total, np.int64),
+    )
+
+
+def _sums_batch(packed, at, counts, block_rows, row, world, rank, n_rows, out):
+    """``owner_sums_batch`` on ``out`` (``_blocks_out``), gains as their int32 bits."""
+    o = list(out.values())
+    o[2], o[7] = o[2].view(np.int32), o[7].view(np.int32)
+    return sr.owner_sums_batch(packed, at, counts, block_rows, row, world, rank, n_rows, *o)
+
+
+@SETTINGS
+@given(route=routes(), batch=table_batches())
+def test_pull_packs_a_features_occurrences_for_their_owners(route, batch):
+    world, row, owner = route
+    ids, gains, segments, num_outputs, a, b, lo, hi = batch
+    unique, inverse = dedup(ids)
+    n = np.zeros(world, dtype=np.int64)
+    m = np.zeros(world, dtype=np.int64)
+    owners = owners_of(unique, world, row, owner)
+    unique, inverse, segments, gains = map(read_only, (unique, inverse, segments, gains))
+    sr.count_push(owners, inverse, segments, lo, hi, world, n, m)
+    grad = np.zeros((b - a, 1), dtype=np.float32)
+    want = push_reference(unique, inverse, segments, gains, lo, hi, a, grad, world, row, owner)
+    # Blocks in reverse owner order, with gaps: the kernel must follow the offsets given.
+    at = np.zeros(world, dtype=np.int64)
+    target_at = np.zeros(world, dtype=np.int64)
+    pp = pt = 1
+    for d in reversed(range(world)):
+        at[d], target_at[d] = pp, pt
+        pp, pt = pp + 2 * n[d] + 2, pt + m[d] + 1
+    packed = np.full(pp, -9, dtype=np.int64)
+    targets = np.full(pt, -9, dtype=np.int64)
+    sr.fill_pull(
+        unique,
+        owners,
+        inverse,
+        segments,
+        gains.view(np.int32),
+        lo,
+        hi,
+        world,
+        packed,
+        at,
+        targets,
+        target_at,
+    )
+    for d, (w_ids, w_at, w_gains, _) in enumerate(want):
+        k = len(w_ids)
+        pairs = packed[at[d] : at[d] + 2 * k].reshape(k, 2)
+        np.testing.assert_array_equal(pairs[:, 0], w_ids)
+        np.testing.assert_array_equal(pairs[:, 1] >> 32, w_at)
+        bits = (pairs[:, 1] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+        assert bits.tobytes() == w_gains.tobytes()
+        rows = segments[lo:hi][owners_of(unique[inverse[lo:hi]], world, row, owner) == d]
+        np.testing.assert_array_equal(targets[target_at[d] : target_at[d] + m[d]], np.unique(rows))
+
+
+@SETTINGS
+@given(route=routes(), data=st.data())
+def test_owner_sums_batch_is_the_single_engines_batch_of_the_owners_rows(route, data):
+    world, row, _ = route
+    rank, _, owned = _draw_owned(data, route, max_vocab=15)
+    n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
+    # Blocks in the single engine's order (feature, sender), each pooled into its own rows.
+    blocks, base = [], 0
+    for _ in range(data.draw(st.integers(0, 4))):
+        k = data.draw(st.integers(0, 6)) if len(owned) else 0
+        ids = np.array([data.draw(st.sampled_from(owned.tolist())) for _ in range(k)], np.int64)
+        rows = data.draw(st.integers(k > 0, max(k, 1)))
+        at = np.sort(np.array([data.draw(st.integers(0, rows - 1)) for _ in range(k)], np.int64))
+        gains = np.array([data.draw(st.floats(-2, 2, width=32)) for _ in range(k)], np.float32)
+        blocks.append((ids, at, gains, base, rows))
+        base += rows
+    # Laid out shuffled in the buffer, gains as fill_pull packs them.
+    order = data.draw(st.permutations(range(len(blocks))))
+    parts, starts, pos = [np.zeros(3, np.int64)], np.zeros(len(blocks), np.int64), 3
+    for b in order:
+        ids, at, gains, _, _ = blocks[b]
+        pairs = np.stack([ids, (at << 32) | gains.view(np.uint32).astype(np.int64)], axis=1)
+        parts.append(pairs.reshape(-1))
+        starts[b], pos = pos, pos + 2 * len(ids)
+    packed = np.concatenate(parts)
+    counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
+    block_rows = np.array([b[4] for b in blocks], dtype=np.int64)
+    out = _blocks_out(int(counts.sum()), base)
+    u = _sums_batch(packed, starts, counts, block_rows, row, world, rank, n_rows, out)
+    ids, segments, gains = owner_batch_reference([b[:4] for b in blocks])
+    unique, inverse = dedup(ids)
+    output_offsets, _ = csr(segments, base)
+    unique_offsets, by_unique = csr(inverse, len(unique))
+    assert u == len(unique)
+    np.testing.assert_array_equal(out["unique"][:u], unique)
+    np.testing.assert_array_equal(out["inverse"], inverse)
+    assert out["gains"].tobytes() == gains.tobytes()
+    np.testing.assert_array_equal(out["segments"], segments)
+    np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
+    np.testing.assert_array_equal(out["output_offsets"], output_offsets)
+    np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
+    assert out["unique_gains"].tobytes() == gains[by_unique].tobytes()
+    np.testing.assert_array_equal(out["unique_segments"], segments[by_unique])
+
+
+@pytest.mark.parametrize(
+    ("pairs", "bad"),
+    [
+        ([(2, 0), (5, 1)], 1),  # id 5: neither rank 0's row (ids 0, 2, 4) nor in its 3 rows
+        ([(2, 0), (4, 2)], 1),  # row 2 of a block of 2 rows
+        ([(2, 1), (4, 0)], 1),  # rows go backwards: the bag order is broken
+        ([(-1, 0)], 0),  # a negative id
+    ],
+)
+@pytest.mark.parametrize("row", [sr.KIND_ROW, sr.KIND_TABLE])
+def test_owner_sums_batch_refuses_what_this_rank_cannot_take(pairs, bad, row):
+    packed = np.array([v for i, j in pairs for v in (i, (j << 32) | 0x3F800000)], np.int64)
+    counts = np.array([len(pairs)], np.int64)
+    out = _blocks_out(len(pairs), 2)
+    got = _sums_batch(packed, np.zeros(1, np.int64), counts, np.array([2]), row, 2, 0, 3, out)
+    assert got == -1 - bad
+
+
+@SETTINGS
+@given(data=st.data())
+def test_add_partials_stores_each_rows_first_sum_and_adds_the_others_in_rank_order(data):
+    world = data.draw(st.integers(1, 3))
+    dim = data.draw(st.integers(1, 3))
+    n_out = data.draw(st.integers(1, 6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    counts = np.zeros(world, np.int64)
+    blocks = []
+    for d in range(world):  # owner d pooled a sorted subset of the rows
+        rows = np.flatnonzero(rng.random(n_out) < 0.6)
+        counts[d] = len(rows)
+        blocks.append((rows, rng.normal(size=(len(rows), dim)).astype(np.float32)))
+    # Owners' blocks in reverse order in the buffers, with gaps.
+    part_at, target_at = np.zeros(world, np.int64), np.zeros(world, np.int64)
+    partials, targets = [np.zeros(1, np.float32)], [np.zeros(2, np.int64)]
+    pp, pt = 1, 2
+    for d in reversed(range(world)):
+        part_at[d], target_at[d] = pp, pt
+        partials.append(blocks[d][1].reshape(-1))
+        targets.append(blocks[d][0])
+        pp, pt = pp + counts[d] * dim, pt + counts[d]
+    partials, targets = np.concatenate(partials), np.concatenate(targets)
+    out = np.full((n_out, dim), np.nan, dtype=np.float32)
+    out[:] = 0  # the engine's zeros: rows no owner pooled (empty bags)
+    seen = np.zeros(n_out, np.uint8)
+    sr.add_partials(out, partials, part_at, targets, target_at, counts, dim, seen)
+    want = np.zeros((n_out, dim), np.float32)
+    first = np.ones(n_out, bool)
+    for rows, values in blocks:  # rank order, float32 arithmetic
+        for r, v in zip(rows, values, strict=True):
+            want[r] = v if first[r] else want[r] + v
+            first[r] = False
+    assert out.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(seen.astype(bool), ~first)
 
 
 @SETTINGS

@@ -84,36 +84,54 @@ def _rank_batch(batch, rank: int, world: int, split: bool) -> dict:
 
 
 def modelled_bytes(
-    locals_: list[dict], dims: list[int], rank: int, keyed: bool = False
+    locals_: list[dict],
+    dims: list[int],
+    rank: int,
+    keyed: bool = False,
+    exchanged: list[str] | None = None,
 ) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
     every table keyed, key k on rank ``mix64(k) mod W``), by the cost model of docs/design.md,
     from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
-    width ``dims[t]``, one feature per table, sum pooling). Keyed, a lookup also sends each
+    width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
+    ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
     asked key's occurrences (8 bytes) and a "has a row" byte per id answered."""
     from ..distributed.sharding import mix64
 
     world, tables = len(locals_), len(dims)
+    exchanged = exchanged or ["rows"] * tables
 
     def owner(ids):
         return (mix64(ids) % np.uint64(world)).astype(np.int64) if keyed else ids % world
 
-    header = 8 * (world - 1) * (4 + 2 * tables + tables + (tables if keyed else 0))
-    asked = answered = occurrences = rows = 0
-    for t in range(tables):
-        unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
-        asked += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
-        answered += (4 * dims[t] + keyed) * sum(
-            int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
-        )
-        bags = locals_[rank][f"f{t}"]
+    def remote_rows(r, t):  # rank r's (bag, owner) pairs of ids rank ``rank`` does not own
+        bags = locals_[r][f"f{t}"]
         ids = np.asarray(bags.ids)
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
+        return ids, bag_of
+
+    header = 8 * (world - 1) * (4 + 2 * tables + 2 * tables + (tables if keyed else 0))
+    lookup = apply = header
+    for t in range(tables):
+        ids, bag_of = remote_rows(rank, t)
         remote = owner(ids) != rank
-        occurrences += int(np.count_nonzero(remote))
-        pairs = np.unique(bag_of[remote] * world + owner(ids[remote]))  # (bag, owner)
-        rows += 4 * dims[t] * len(pairs)
-    return header + asked + answered, header + 20 * occurrences + rows + 8 * (world - 1)
+        pairs = len(np.unique(bag_of[remote] * world + owner(ids[remote])))  # (bag, owner)
+        if exchanged[t] == "sums":
+            answered = 0
+            for s in range(world):
+                if s != rank:
+                    other, other_bag = remote_rows(s, t)
+                    answered += len(np.unique(other_bag[owner(other) == rank]))
+            lookup += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * answered
+            apply += 4 * dims[t] * pairs
+            continue
+        unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
+        lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
+        lookup += (4 * dims[t] + keyed) * sum(
+            int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
+        )
+        apply += 20 * int(np.count_nonzero(remote)) + 4 * dims[t] * pairs
+    return lookup, apply + 8 * (world - 1)
 
 
 def _written() -> int:
@@ -184,7 +202,10 @@ def child(spec: dict) -> dict:
             if world > 1:
                 counted.append(sum(sum(c.values()) for c in engine.bytes_sent.values()))
                 written.append(wrote)
-                modelled.append(sum(modelled_bytes(locals_, dims, rank, spec.get("keyed", False))))
+                exchanged = [s["exchange"] for s in engine.table_stats()["tables"].values()]
+                modelled.append(
+                    sum(modelled_bytes(locals_, dims, rank, spec.get("keyed", False), exchanged))
+                )
     if world > 1:
         import torch.distributed as dist
 

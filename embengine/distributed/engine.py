@@ -65,7 +65,16 @@ from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
 from ..storage.keyed import KeyedTable
 from .comm import Comm
-from .sharding import KEYED, ShardPlan, ShardTable, TableLoad, expected_traffic, plan_shards
+from .sharding import (
+    KEYED,
+    ShardPlan,
+    ShardTable,
+    TableLoad,
+    expected_traffic,
+    plan_exchange,
+    plan_shards,
+    sums_saving,
+)
 
 __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 
@@ -73,9 +82,9 @@ __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
 # rank is an error soon (torch's default is 30 minutes).
 DEFAULT_TIMEOUT = 60.0
 
-# The header's call codes.
-# An engine with keyed tables tells an evaluation lookup (``_EVAL``) from a training one: its
-# owners run the tables' rules on a training lookup only, so the ranks must agree.
+# The header's call codes. A training lookup and an evaluation one (``_EVAL``) are calls of
+# their own: owners keep a training lookup's occurrences for the update ("sums" exchange) and
+# run a keyed table's rules on it, so the ranks must agree on which it is.
 _LOOKUP, _APPLY, _CONTENTS, _SAVE, _RESTORE, _EVAL = 1, 2, 3, 4, 5, 6
 _CALLS = {
     _LOOKUP: "lookup",
@@ -85,10 +94,71 @@ _CALLS = {
     _SAVE: "save",
     _RESTORE: "restore",
 }
-# Header columns: call, step, valid, the call's data time (NO_TIME: none), then 2 * features
-# counts, one learning rate per table (float64 bits), and, in an engine with keyed tables, per
-# table the caller's unique ids of it (a lookup: whether any rank brought keys of a keyed table).
+# Header columns: call, step, valid, the call's data time (NO_TIME: none); then ``_Columns``.
 _FIXED = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """Where a header's counts lie (int64 columns after the ``_FIXED`` ones), per destination.
+
+    lookup: ``n`` / ``m``, per feature, its occurrences and distinct activation rows among them
+    owned by the destination (the "sums" exchange's counts; the update's push reuses them);
+    ``a``, per table, the unique ids owned by the destination ("rows" exchange); ``b``, per
+    table, this rank's ``sums_saving`` (the same to every destination, so that every rank
+    sums the same figures and picks the same exchange); ``k`` (engines with keyed tables),
+    per table, this rank's unique ids of it (whether any rank brought keys).
+    apply_gradients: ``n`` / ``m`` as the lookup's (the occurrences pushed, the gradient rows);
+    ``a``, each table's learning rate (float64 bits); ``b``, per table, whether this rank
+    updates from its last training lookup's batch, whose occurrences the owners kept."""
+
+    n: int
+    m: int
+    a: int
+    b: int
+    k: int
+    width: int
+
+    @classmethod
+    def of(cls, features: int, tables: int, keyed: bool) -> _Columns:
+        n = _FIXED
+        m, a = n + features, n + 2 * features
+        b, k = a + tables, a + 2 * tables
+        return cls(n, m, a, b, k, k + (tables if keyed else 0))
+
+
+@dataclasses.dataclass
+class _Push:
+    """A batch's occurrences cut by owner (``_push_counts``): per table the owner of each
+    unique id; per feature its occurrences (``n``) and distinct activation rows among them
+    (``m``) per owner, and its span ``(table batch, owners, first occurrence, end, first
+    activation row)``."""
+
+    owners: dict[int, np.ndarray]
+    n: np.ndarray  # int64 [feature, owner]
+    m: np.ndarray  # int64 [feature, owner]
+    spans: list[tuple[TableBatch, np.ndarray, int, int, int]]
+
+    @classmethod
+    def empty(cls, features: int, world: int) -> _Push:
+        zeros = np.zeros((features, world), dtype=np.int64)
+        return cls({}, zeros, zeros.copy(), [])
+
+
+@dataclasses.dataclass
+class _Lookup:
+    """What a training lookup leaves its update: the batch, its ``_Push``, which tables
+    exchanged "sums" and, for those, the activation row of each partial sum received
+    (``targets``, owner d's block of feature f from ``target_at[d, f]``) and the batches of
+    the occurrences this rank owns with their blocks' rows (table -> (TableBatch, rows per
+    (feature, sender) block))."""
+
+    batch: PreparedBatch
+    push: _Push
+    sums: np.ndarray
+    targets: np.ndarray | None
+    target_at: np.ndarray | None
+    owned: dict[int, tuple[TableBatch, np.ndarray]]
 
 
 class DistributedError(RuntimeError):
@@ -105,6 +175,17 @@ class ShardedEngine:
         first to the least loaded rank), "auto" (per table by its size and expected traffic:
         ``sharding.plan_auto``), or a dict table name -> one of them (others "row").
         ``plan`` says where each table went (and, under "auto", why).
+      exchange: what crosses the wire for a table's lookup and update: "rows" (each rank
+        pulls the rows of its unique ids from their owners and pools its bags itself:
+        activations bit-identical to the single engine's), "sums" (each rank sends every
+        occurrence to the owner of its id; each owner pools its rows' part of every bag and
+        sends the partial sums back, which the rank adds in rank order, so a bag whose ids
+        all live on one rank is bit-identical and any other equal up to float32 rounding;
+        the owners keep the occurrences, so the update sends only gradient rows), "auto"
+        (per step and table, whichever sends fewer bytes by the cost model of
+        docs/design.md, from every rank's counts: ``sharding.sums_saving``), or a dict table
+        name -> one of them (others "auto"). Tables and slots are bit-identical either way.
+        Keyed tables exchange rows. ``table_stats()`` says what each table's last lookup used.
       group: the process group to shard over; None makes a new gloo group of every rank of the
         default group (``torch.distributed.init_process_group`` must have run), so the engine's
         collectives never interleave with DDP's.
@@ -128,6 +209,7 @@ class ShardedEngine:
         timeout: float = DEFAULT_TIMEOUT,
         backend: str = "numba",
         nonfinite_gradients: str = "error",
+        exchange: str | Mapping[str, str] = "auto",
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -156,6 +238,7 @@ class ShardedEngine:
                     "leave max_rows=None (expire_steps / expire_seconds bound it by age) or "
                     "train it in an EmbeddingEngine"
                 )
+        self._exchange = plan_exchange(exchange, r.table_names, keyed)
         self._resolved, self._optimizers = r, optimizers
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)
@@ -239,8 +322,14 @@ class ShardedEngine:
         self._table_feature_index = tuple(
             tuple(self._features.index(f) for f in names) for names in r.table_features
         )
+        self._cols = _Columns.of(len(self._features), len(r.tables), bool(self._keyed))
         self._step = 0
         self._pending: PreparedBatch | None = None
+        # The last training lookup's bookkeeping (its batch, owners, counts, the "sums"
+        # tables' targets and the occurrences this rank owns): its update reuses it.
+        self._last: _Lookup | None = None
+        # Per table, what its last lookup exchanged ("rows" or "sums"; None before any).
+        self._exchanged: list[str | None] = [None] * len(r.tables)
         self.lock = threading.RLock()
         self.bytes_sent: dict[str, Counter[str]] = {}
         self.bytes_sent_total: Counter[str] = Counter()
@@ -272,6 +361,12 @@ class ShardedEngine:
         traffic)" or "table: 100 rows x 8, on rank 1 (3% of the expected traffic)"."""
         return self._plan.describe(self.table_names)
 
+    @property
+    def exchange(self) -> dict[str, str]:
+        """Table name -> its exchange setting: "rows", "sums" or "auto" (what each table's last
+        lookup used: ``table_stats()``)."""
+        return dict(zip(self.table_names, self._exchange, strict=True))
+
     def optimizer(self, table_name: str) -> Optimizer:
         return self._optimizers[self.table_names.index(table_name)]
 
@@ -293,8 +388,9 @@ class ShardedEngine:
 
     def table_stats(self) -> dict[str, Any]:
         """What this rank holds and sends (local, no communication): per table its sharding,
-        the rows and bytes (weights and slots) on this rank (a keyed table: its keys here,
-        and ``keyed``, this rank's ``KeyedTable.stats()``); the bytes this rank sent in its
+        what its last lookup exchanged (``"rows"`` or ``"sums"``, None before any), the rows
+        and bytes (weights and slots) on this rank (a keyed table: its keys here, and
+        ``keyed``, this rank's ``KeyedTable.stats()``); the bytes this rank sent in its
         last call of each kind (``{call: {purpose: bytes}}``) and since construction. The
         cost model behind the bytes is in docs/design.md."""
         plan = self.plan
@@ -302,13 +398,16 @@ class ShardedEngine:
             "tables": {
                 name: {
                     "sharding": plan[name],
+                    "exchange": exchanged,
                     **(
                         {"rows": shard.rows, "bytes": int(shard.nbytes), "keyed": shard.stats()}
                         if isinstance(shard, KeyedTable)
                         else {"rows": int(shard.data.shape[0]), "bytes": int(shard.nbytes)}
                     ),
                 }
-                for name, shard in zip(self.table_names, self._shards, strict=True)
+                for name, shard, exchanged in zip(
+                    self.table_names, self._shards, self._exchanged, strict=True
+                )
             },
             "bytes_sent": {call: dict(c) for call, c in self.bytes_sent.items()},
             "bytes_sent_total": dict(self.bytes_sent_total),
@@ -343,6 +442,7 @@ class ShardedEngine:
             ],
             "seed": self.seed,
             "plan": [list(self._plan.kinds), list(self._plan.owners)],
+            "exchange": list(self._exchange),
             "nonfinite_gradients": self.nonfinite_gradients,
         }
         text = json.dumps(config, sort_keys=True, default=str).encode()
@@ -363,33 +463,32 @@ class ShardedEngine:
         self,
         call: int,
         error: Exception | None,
-        counts: np.ndarray | None = None,
+        blocks: Mapping[int, np.ndarray] | None = None,
         lrs: Sequence[float] | None = None,
         timestamp: int | None = None,
-        totals: np.ndarray | None = None,
     ) -> np.ndarray:
         """Exchange this call's header with every rank; raise ``error`` (this rank's own
         validation error) afterwards, or a DistributedError if ranks disagree (call, step,
-        learning rates, data time). Returns the headers received, int64 ``[W,
+        learning rates, data time). ``blocks``: column (``_Columns``) -> int64 counts, ``[W,
+        k]`` (row d: for rank d) or ``[k]`` (the same for every rank); ``lrs``: each table's
+        learning rate, in the ``a`` columns. Returns the headers received, int64 ``[W,
         columns]`` (row s: what rank s sent this rank)."""
-        w, nf, nt = self.world_size, len(self._features), len(self.table_names)
-        extra = nt if self._keyed else 0
-        header = np.zeros((w, _FIXED + 2 * nf + nt + extra), dtype=np.int64)
+        w, nt, cols = self.world_size, len(self.table_names), self._cols
+        header = np.zeros((w, cols.width), dtype=np.int64)
         header[:, 0] = call
         header[:, 1] = self._step
         header[:, 2] = error is None
         header[:, 3] = NO_TIME if timestamp is None else timestamp
-        lr_at = _FIXED + 2 * nf
-        if error is None and counts is not None:
-            header[:, _FIXED : _FIXED + counts.shape[1]] = counts
-        if error is None and lrs is not None:
-            header[:, lr_at : lr_at + nt] = np.asarray(lrs, dtype=np.float64).view(np.int64)
-        if error is None and totals is not None and extra:
-            header[:, lr_at + nt :] = totals
-        width = header.shape[1]
+        if error is None:
+            for at, block in (blocks or {}).items():
+                block = np.asarray(block, dtype=np.int64)
+                header[:, at : at + block.shape[-1]] = block
+            if lrs is not None:
+                header[:, cols.a : cols.a + nt] = np.asarray(lrs, dtype=np.float64).view(np.int64)
         self._comm.enter(f"{_CALLS[call]} at step {self._step}")
-        got = self._comm.all_to_all(header.reshape(-1), [width] * w, [width] * w, "header")
-        got = got.reshape(w, width)
+        got = self._comm.all_to_all(
+            header.reshape(-1), [cols.width] * w, [cols.width] * w, "header"
+        ).reshape(w, cols.width)
         if error is not None:
             raise error
         name = _CALLS[call]
@@ -420,7 +519,7 @@ class ShardedEngine:
                 "step's data time); nothing was changed"
             )
         if lrs is not None:
-            theirs = got[:, lr_at : lr_at + nt].view(np.float64)
+            theirs = got[:, cols.a : cols.a + nt].view(np.float64)
             for t in range(nt):
                 if (theirs[:, t] != theirs[self.rank, t]).any():
                     raise DistributedError(
@@ -520,9 +619,11 @@ class ShardedEngine:
                 self._shards[t].begin_step(self._step, timestamp=timestamp)
 
     def _lookup(self, features, weights, training: bool, timestamp=None):
-        nt, w = len(self.table_names), self.world_size
-        error, when = None, None
+        nt, nf, w, cols = len(self.table_names), len(self._features), self.world_size, self._cols
+        error, when, batch = None, None, None
         counts = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: unique ids to ask
+        saving = np.zeros(nt, dtype=np.int64)  # per table: this rank's bytes saved by "sums"
+        push = _Push.empty(nf, w)
         try:
             when = self._data_time(timestamp, training)
             if isinstance(features, PreparedBatch):
@@ -537,14 +638,92 @@ class ShardedEngine:
                 batch = features
             else:
                 batch = self.preprocess(features, weights)
+            push = self._push_counts(batch)
             for t, tb in enumerate(batch.tables):
                 row, owner = self._route[t]
                 sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
+                if self._exchange[t] == "auto":
+                    saving[t] = self._sums_saving(t, counts[t], push)
         except (TypeError, ValueError) as e:
             error = e
-        self._pending = None  # a failed or lookup-only call leaves nothing to update
-        call = _EVAL if self._keyed and not training else _LOOKUP
-        got = self._header(call, error, counts.T, timestamp=when, totals=counts.sum(axis=1))
+        self._pending = self._last = None  # a failed or lookup-only call leaves no update
+        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
+        if self._keyed:
+            blocks[cols.k] = counts.sum(axis=1)
+        got = self._header(_LOOKUP if training else _EVAL, error, blocks, timestamp=when)
+        # Every rank got every rank's savings, so every rank picks the same exchange.
+        sums = np.array(
+            [
+                kind == "sums" or (kind == "auto" and int(got[:, cols.b + t].sum()) >= 0)
+                for t, kind in enumerate(self._exchange)
+            ],
+            dtype=bool,
+        )
+        self._exchanged = ["sums" if s else "rows" for s in sums]
+        per_table: list[np.ndarray | None] = [None] * nt
+        if not sums.all():
+            self._pull_rows(batch, counts * ~sums[:, None], got, sums, training, when, per_table)
+        held = None
+        if sums.any():
+            held = self._pool_sums(batch, push, got, sums, training, per_table)
+        if training:
+            self._pending = batch
+            self._last = _Lookup(batch, push, sums, *(held or (None, None, {})))
+            if when is not None:
+                prev = self._step_time[1] if self._step_time[0] == self._step else None
+                self._step_time = (self._step, when if prev is None else max(prev, when))
+        acts = {
+            name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
+            for name, lay in batch.features.items()
+        }
+        return acts, batch
+
+    def _push_counts(self, batch: PreparedBatch) -> _Push:
+        """``batch``'s occurrences cut by owner, feature by feature (``count_push``): what the
+        "sums" lookup sends and the update pushes."""
+        r, w = self._resolved, self.world_size
+        push = _Push.empty(len(self._features), w)
+        for f, name in enumerate(self._features):
+            lay = batch.features[name]
+            t = r.feature_table[name]
+            tb = batch.tables[t]
+            # The feature's occurrences: those of its activation rows.
+            lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
+            if t not in push.owners:
+                push.owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
+                sr.owners_of(frozen(tb.unique_ids), *self._route[t], w, push.owners[t])
+            owners = push.owners[t]
+            sr.count_push(owners, tb.inverse, tb.segments, lo, hi, w, push.n[f], push.m[f])
+            push.spans.append((tb, owners, lo, hi, lay.start))
+        return push
+
+    def _sums_saving(self, t: int, counts: np.ndarray, push: _Push) -> int:
+        """This rank's bytes saved by the "sums" exchange of table ``t`` this step
+        (``sharding.sums_saving``): ``counts``, its unique ids per owner."""
+        fs = list(self._table_feature_index[t])
+        me = self.rank
+        return sums_saving(
+            int(self._dims[t]),
+            int(counts.sum() - counts[me]),
+            int(push.n[fs].sum() - push.n[fs, me].sum()),
+            int(push.m[fs].sum() - push.m[fs, me].sum()),
+        )
+
+    def _pull_rows(
+        self,
+        batch: PreparedBatch,
+        counts: np.ndarray,
+        got: np.ndarray,
+        sums: np.ndarray,
+        training: bool,
+        when: int | None,
+        per_table: list,
+    ) -> None:
+        """The "rows" exchange of the tables not in ``sums``: each rank sends the owners its
+        unique ids (``counts``: [table, owner], zero for the other tables), they answer with
+        the rows (a keyed table's after its step's rules), and the rank pools its bags from
+        them into ``per_table[t]``: the single engine's arithmetic on the same rows."""
+        nt, w, cols = len(self.table_names), self.world_size, self._cols
         dims = self._dims
         # Unique ids to their owners, destination-major (each owner's block table by table, in
         # first-appearance order); each id learns where its row will be among the rows pulled.
@@ -553,6 +732,10 @@ class ShardedEngine:
         send = np.empty(int(counts.sum()), dtype=np.int64)
         layouts, rows, sent_at = [], [], {}
         for t, tb in enumerate(batch.tables):
+            if sums[t]:
+                layouts.append(None)
+                rows.append(None)
+                continue
             row, owner = self._route[t]
             layout = _RowsLayout(value_at[:, t], counts[t], int(dims[t]))
             rows.append(np.empty(len(tb.unique_ids), dtype=np.int64))
@@ -572,7 +755,7 @@ class ShardedEngine:
                     sent_at[t],
                     send_at[:, t].copy(),
                 )
-        recv_counts = got[:, _FIXED : _FIXED + nt]  # [sender, table]
+        recv_counts = got[:, cols.a : cols.a + nt] * ~sums[None, :]  # [sender, table]
         ids = self._comm.all_to_all(send, counts.sum(axis=0), recv_counts.sum(axis=1), "lookup ids")
         recv_at = _starts(recv_counts)
         keyed_rows = {}
@@ -631,23 +814,113 @@ class ShardedEngine:
             for t, at in sent_at.items():
                 rows[t][back[at] == 0] = -1  # no row: pools nothing, as the single engine
         # Pool locally from the pulled rows: each unique id reads its row where it arrived.
-        per_table = []
         for t, tb in enumerate(batch.tables):
+            if sums[t]:
+                continue
             local = dataclasses.replace(tb, unique_rows=rows[t])
             q = self._resolved.tables[t].quantization_config
-            per_table.append(
-                self._backend.lookup_rows(layouts[t].matrix(values), int(dims[t]), local, q)
+            per_table[t] = self._backend.lookup_rows(
+                layouts[t].matrix(values), int(dims[t]), local, q
             )
-        if training:
-            self._pending = batch
-            if when is not None:
-                prev = self._step_time[1] if self._step_time[0] == self._step else None
-                self._step_time = (self._step, when if prev is None else max(prev, when))
-        acts = {
-            name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
-            for name, lay in batch.features.items()
-        }
-        return acts, batch
+
+    def _pool_sums(
+        self,
+        batch: PreparedBatch,
+        push: _Push,
+        got: np.ndarray,
+        sums: np.ndarray,
+        training: bool,
+        per_table: list,
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[TableBatch, np.ndarray]]]:
+        """The "sums" exchange of the tables in ``sums``: each rank sends every occurrence to
+        the owner of its id (``fill_pull``); each owner builds the TableBatch of its rows'
+        occurrences in the single engine's order (the table's features, then ranks), pools
+        its rows' part of every bag from its shard and answers each rank with its partial
+        sums, which the rank adds into ``per_table[t]`` in rank order (``add_partials``).
+        Returns what the update reuses: the activation row of each partial sum received
+        (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the owner's
+        batch of a training lookup with its blocks' rows."""
+        nf, w, cols = len(self._features), self.world_size, self._cols
+        mine = np.zeros(nf, dtype=bool)  # the features of the "sums" tables
+        for t in np.flatnonzero(sums):
+            mine[list(self._table_feature_index[t])] = True
+        n, m = push.n * mine[:, None], push.m * mine[:, None]  # [feature, owner]
+        got_n = got[:, cols.n : cols.n + nf] * mine[None, :]  # [sender, feature]
+        got_m = got[:, cols.m : cols.m + nf] * mine[None, :]
+        dims = self._feature_dims
+        # Occurrences to their owners: destination-major, each destination's feature by feature.
+        pack_at, target_at = _starts(2 * n.T), _starts(m.T)  # [owner, feature]
+        packed = np.empty(int(2 * n.sum()), dtype=np.int64)
+        targets = np.empty(int(m.sum()), dtype=np.int64)
+        for f in np.flatnonzero(mine):
+            tb, owners, lo, hi, _ = push.spans[f]
+            sr.fill_pull(
+                tb.unique_ids,
+                owners,
+                tb.inverse,
+                tb.segments,
+                tb.gains.view(np.int32),
+                lo,
+                hi,
+                w,
+                packed,
+                pack_at[:, f].copy(),
+                targets,
+                target_at[:, f].copy(),
+            )
+        occurrences = self._comm.all_to_all(
+            packed, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "lookup occurrences"
+        )
+        in_at = _starts(2 * got_n)  # [sender, feature]
+        # This rank's rows' part of every bag, each rank's blocks to it feature by feature.
+        answer_at = _starts(got_m * dims)  # [sender, feature]
+        answer = np.empty(int((got_m * dims).sum()), dtype=np.float32)
+        owned = {}
+        for t in np.flatnonzero(sums):
+            fs, ss = self._blocks(t)
+            block_rows = got_m[ss, fs]
+            if not block_rows.any():
+                continue  # no rank has ids of it here
+            shard, dim = self._shards[t], int(self._dims[t])
+            tb = self._owner_sums_batch(t, occurrences, in_at[ss, fs], got_n[ss, fs], block_rows)
+            q = self._resolved.tables[t].quantization_config
+            part = self._backend.lookup_rows(shard.data, dim, tb, q)
+            first = 0
+            for f, sender, c in zip(fs, ss, block_rows.tolist(), strict=True):
+                a = int(answer_at[sender, f])
+                answer[a : a + c * dim] = part[first : first + c].reshape(-1)
+                first += c
+            if training:
+                owned[int(t)] = (tb, block_rows)
+        partials = self._comm.all_to_all(
+            answer, (got_m * dims).sum(axis=1), (m.T * dims).sum(axis=1), "lookup sums"
+        )
+        part_at = _starts(m.T * dims)  # [owner, feature]
+        for t in np.flatnonzero(sums):
+            tb, dim = batch.tables[t], int(self._dims[t])
+            out = np.zeros((tb.num_outputs, dim), dtype=np.float32)  # empty bags: zeros
+            seen = np.zeros(tb.num_outputs, dtype=np.uint8)
+            for f in self._table_feature_index[t]:
+                sr.add_partials(
+                    out,
+                    partials,
+                    part_at[:, f].copy(),
+                    targets,
+                    target_at[:, f].copy(),
+                    m[f].copy(),
+                    dim,
+                    seen,
+                )
+            per_table[t] = out
+        return targets, target_at, owned
+
+    def _blocks(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Table ``t``'s blocks of a step in the single engine's occurrence order, its features
+        in order, then ranks: (feature, sender) index arrays."""
+        w = self.world_size
+        fs = np.repeat(np.asarray(self._table_feature_index[t], dtype=np.int64), w)
+        ss = np.tile(np.arange(w, dtype=np.int64), len(self._table_feature_index[t]))
+        return fs, ss
 
     def _resolve_keys(
         self,
@@ -691,7 +964,7 @@ class ShardedEngine:
             occurrences = self._comm.all_to_all(
                 mine, k_counts.sum(axis=0), k_recv.sum(axis=1), "lookup occurrences"
             )
-        totals = got[:, _FIXED + 2 * len(self._features) + len(self.table_names) :]
+        totals = got[:, self._cols.k :]
         out = {}
         for t in self._keyed:
             shard = self._shards[t]
@@ -743,12 +1016,11 @@ class ShardedEngine:
     def _apply(
         self, gradients, learning_rates, given: PreparedBatch | None, timestamp: int | None = None
     ) -> None:
-        r, w = self._resolved, self.world_size
-        nf, nt = len(self._features), len(self.table_names)
+        nf, nt, w, cols = len(self._features), len(self.table_names), self.world_size, self._cols
         error, lrs, when = None, None, None
-        n = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: occurrences
-        m = np.zeros((nf, w), dtype=np.int64)  # [feature, owner]: gradient rows
-        spans, owners = [], {}
+        push = _Push.empty(nf, w)
+        held = np.zeros(nt, dtype=np.int64)  # per table: the owners kept this batch's occurrences
+        last = None
         try:
             batch = self._pending if given is None else given
             if given is not None:
@@ -780,23 +1052,27 @@ class ShardedEngine:
                         f"table {self.table_names[t]!r}, step {self._step}: {e}; "
                         "nothing was updated"
                     ) from None
-            for f, name in enumerate(self._features):
-                lay = batch.features[name]
-                t = r.feature_table[name]
-                tb = batch.tables[t]
-                # The feature's occurrences: those of its activation rows.
-                lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
-                if t not in owners:
-                    owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
-                    sr.owners_of(frozen(tb.unique_ids), *self._route[t], w, owners[t])
-                sr.count_push(owners[t], tb.inverse, tb.segments, lo, hi, w, n[f], m[f])
-                spans.append((tb, owners[t], lo, hi, lay.start))
+            if self._last is not None and self._last.batch is batch:
+                last = self._last
+                push = last.push
+                held[:] = last.sums
+            else:
+                push = self._push_counts(batch)
         except (TypeError, ValueError) as e:
             error = e
-        got = self._header(_APPLY, error, np.concatenate([n.T, m.T], axis=1), lrs, timestamp=when)
+        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: held}
+        got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
         # Everything is validated on every rank; from here on tables change.
         self._begin_keyed(when)
-        got_n, got_m = got[:, _FIXED : _FIXED + nf], got[:, _FIXED + nf : _FIXED + 2 * nf]
+        # A table's occurrences stay with their owners when every rank updates from the
+        # batch of its last training lookup, which exchanged "sums" (else they are pushed).
+        kept = got[:, cols.b : cols.b + nt].all(axis=0)
+        pushed = np.ones(nf, dtype=bool)
+        for t in np.flatnonzero(kept):
+            pushed[list(self._table_feature_index[t])] = False
+        n, m = push.n * pushed[:, None], push.m  # [feature, owner]
+        got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
+        got_m = got[:, cols.m : cols.m + nf]
         dims = self._feature_dims
         # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
         # indices), gains, gradient rows.
@@ -804,7 +1080,11 @@ class ShardedEngine:
         ints = np.empty(int(2 * n.sum()), dtype=np.int64)
         gains = np.empty(int(n.sum()), dtype=np.float32)
         rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
-        for f, (tb, owner, lo, hi, start) in enumerate(spans):
+        for f, (tb, owner, lo, hi, start) in enumerate(push.spans):
+            g = grads[self._features[f]]
+            if not pushed[f]:  # the gradient rows of the activation rows the owners pooled
+                _take_rows(g, last.targets, last.target_at[:, f], m[f], start, rows_g, row_at[:, f])
+                continue
             sr.fill_push(
                 tb.unique_ids,
                 owner,
@@ -814,7 +1094,7 @@ class ShardedEngine:
                 lo,
                 hi,
                 start,
-                grads[self._features[f]],
+                g,
                 w,
                 n[f],
                 ints,
@@ -824,10 +1104,13 @@ class ShardedEngine:
                 rows_g,
                 row_at[:, f].copy(),
             )
-        int_recv = self._comm.all_to_all(
-            ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient ids"
-        )
-        gain_recv = self._comm.all_to_all(gains, n.sum(axis=0), got_n.sum(axis=1), "gradient gains")
+        if pushed.any():
+            int_recv = self._comm.all_to_all(
+                ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient ids"
+            )
+            gain_recv = self._comm.all_to_all(
+                gains, n.sum(axis=0), got_n.sum(axis=1), "gradient gains"
+            )
         rows_recv = self._comm.all_to_all(
             rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
         )
@@ -839,22 +1122,35 @@ class ShardedEngine:
             shard = self._shards[t]
             if shard.data.shape[0] == 0:
                 continue  # none of this table's rows lives here, so no rank sent any
-            # The single engine's occurrence order: the table's features in order, then ranks.
-            blocks = [(s, f) for f in self._table_feature_index[t] for s in range(w)]
-            fs = np.array([f for _, f in blocks], dtype=np.int64)
-            ss = np.array([s for s, _ in blocks], dtype=np.int64)
-            layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
-            grad = layout.matrix(rows_recv)
-            tb = self._owner_batch(
-                t,
-                int_recv,
-                gain_recv,
-                in_int_at[ss, fs],
-                got_n[ss, fs],
-                in_gain_at[ss, fs],
-                layout.row_base,
-                len(grad),
-            )
+            fs, ss = self._blocks(t)
+            if kept[t]:
+                # The owner's batch from the lookup, its rows in block order: the gradient rows
+                # received, block by block, must be as many.
+                tb, block_rows = last.owned.get(t, (None, np.zeros(len(fs), dtype=np.int64)))
+                if (got_m[ss, fs] != block_rows).any():
+                    raise DistributedError(
+                        f"rank {self.rank}: table {self.table_names[t]!r}: gradient rows "
+                        f"{got_m[ss, fs].tolist()} arrived for the {block_rows.tolist()} "
+                        "partial sums this rank pooled (ranks disagree on the batch)"
+                    )
+                if tb is None:
+                    continue  # no rank had ids of it here
+                grad = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim)).blocks(
+                    rows_recv
+                )
+            else:
+                layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
+                grad = layout.matrix(rows_recv)
+                tb = self._owner_batch(
+                    t,
+                    int_recv,
+                    gain_recv,
+                    in_int_at[ss, fs],
+                    got_n[ss, fs],
+                    in_gain_at[ss, fs],
+                    layout.row_base,
+                    len(grad),
+                )
             if t in self._keyed:
                 # The rows the step's lookup resolved (-1: not admitted, the gradient
                 # dropped); inserting on apply, the admitted new keys get theirs now.
@@ -867,16 +1163,52 @@ class ShardedEngine:
                 shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip
             )
             if left is not None and len(left):
-                held = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
-                unchanged[self.table_names[t]] = np.sort(held)
+                ids = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
+                unchanged[self.table_names[t]] = np.sort(ids)
         # Everyone learns how many rows any rank left unchanged, so every rank reports alike.
         mine = np.array([sum(len(v) for v in unchanged.values())], dtype=np.int64)
         everyone = self._comm.all_gather(mine, "nonfinite count")[:, 0]
         self._step += 1
         if given is None or given is self._pending:  # one update per lookup
-            self._pending = None
+            self._pending = self._last = None
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
+
+    def _owner_sums_batch(
+        self,
+        t: int,
+        occurrences: np.ndarray,
+        at: np.ndarray,
+        counts: np.ndarray,
+        block_rows: np.ndarray,
+    ) -> TableBatch:
+        """The TableBatch of table ``t``'s occurrences received in a "sums" lookup, blocks in
+        the single engine's order (``shard_route.owner_sums_batch``): block b, ``counts[b]``
+        occurrences from ``occurrences[at[b]]``, pooled into ``block_rows[b]`` rows."""
+
+        def build(unique, inverse, gains, segments, rows, out_offsets, offsets, u_gains, u_segs):
+            return sr.owner_sums_batch(
+                occurrences,
+                at,
+                counts,
+                block_rows,
+                self._route[t][0],
+                self.world_size,
+                self.rank,
+                self._shards[t].data.shape[0],
+                unique,
+                inverse,
+                gains.view(np.int32),
+                segments,
+                rows,
+                out_offsets,
+                offsets,
+                u_gains.view(np.int32),
+                u_segs,
+            )
+
+        total, outputs = int(counts.sum()), int(block_rows.sum())
+        return self._owner_table_batch(t, total, outputs, "an occurrence arrived", build)
 
     def _owner_batch(
         self,
@@ -889,12 +1221,45 @@ class ShardedEngine:
         row_base: np.ndarray,
         num_outputs: int,
     ) -> TableBatch:
-        """The TableBatch of table ``t``'s occurrences received by its owner, blocks in the
-        single engine's order (see ``shard_route.owner_batch``): ids deduplicated in order of
-        first appearance, the occurrences grouped by id stably (so each row's gradient sums in
-        that order), rows of the shard; segments index the received gradient rows."""
-        shard = self._shards[t]
+        """The TableBatch of table ``t``'s occurrences pushed to its owner by an update,
+        blocks in the single engine's order (see ``shard_route.owner_batch``): ids
+        deduplicated in order of first appearance, the occurrences grouped by id stably (so
+        each row's gradient sums in that order), rows of the shard; segments index the
+        received gradient rows."""
+
+        def build(unique, inverse, gains, segments, rows, out_offsets, offsets, u_gains, u_segs):
+            return sr.owner_batch(
+                ints,
+                gains_in,
+                int_at,
+                counts,
+                gain_at,
+                row_base,
+                self._route[t][0],
+                self.world_size,
+                self.rank,
+                self._shards[t].data.shape[0],
+                num_outputs,
+                unique,
+                inverse,
+                gains,
+                segments,
+                rows,
+                out_offsets,
+                offsets,
+                u_gains,
+                u_segs,
+            )
+
         total = int(counts.sum())
+        return self._owner_table_batch(t, total, num_outputs, "a gradient arrived", build)
+
+    def _owner_table_batch(self, t: int, total: int, num_outputs: int, what: str, build):
+        """A TableBatch of ``total`` occurrences of table ``t`` over ``num_outputs`` rows, its
+        arrays filled by ``build(unique, inverse, gains, segments, unique_rows,
+        output_offsets, unique_offsets, unique_gains, unique_segments)`` (a ``shard_route``
+        kernel returning the number of unique ids, or below 0 for an occurrence this rank
+        cannot take: a DistributedError saying ``what``)."""
         unique = np.empty(total, dtype=np.int64)
         inverse = np.empty(total, dtype=np.int64)
         gains = np.empty(total, dtype=np.float32)
@@ -904,18 +1269,7 @@ class ShardedEngine:
         unique_offsets = np.empty(total + 1, dtype=np.int64)
         unique_gains = np.empty(total, dtype=np.float32)
         unique_segments = np.empty(total, dtype=np.int64)
-        u = sr.owner_batch(
-            ints,
-            gains_in,
-            int_at,
-            counts,
-            gain_at,
-            row_base,
-            self._route[t][0],
-            self.world_size,
-            self.rank,
-            shard.data.shape[0],
-            num_outputs,
+        u = build(
             unique,
             inverse,
             gains,
@@ -928,9 +1282,8 @@ class ShardedEngine:
         )
         if u < 0:
             raise DistributedError(
-                f"rank {self.rank}: table {self.table_names[t]!r}: a gradient arrived for an id "
-                "this rank does not hold, or for a gradient row that was not sent (ranks "
-                "disagree on the sharding)"
+                f"rank {self.rank}: table {self.table_names[t]!r}: {what} for an id this rank "
+                "does not hold, or for a row that was not sent (ranks disagree on the sharding)"
             )
         return TableBatch(
             unique_ids=unique[:u],
@@ -1122,7 +1475,7 @@ class ShardedEngine:
                 info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
                 self._step = info.step
                 self._step_time = (-1, None)
-                self._pending = None  # its rows no longer hold what it looked up
+                self._pending = self._last = None  # its rows no longer hold what it looked up
                 return info
             finally:
                 self._count("restore")
@@ -1159,6 +1512,26 @@ def _starts(sizes: np.ndarray) -> np.ndarray:
     return out.reshape(np.shape(sizes))
 
 
+def _take_rows(
+    grad: np.ndarray,
+    targets: np.ndarray,
+    target_at: np.ndarray,
+    counts: np.ndarray,
+    first: int,
+    out: np.ndarray,
+    out_at: np.ndarray,
+) -> None:
+    """One feature's gradient rows for the owners that pooled its bags: owner d's
+    ``counts[d]`` activation rows (``targets[target_at[d]:]``, rows of the table's activation
+    matrix, the feature's from ``first``) copied from ``grad`` to ``out[out_at[d]:]``."""
+    dim = grad.shape[1]
+    for d, c in enumerate(counts.tolist()):
+        if c:
+            rows = targets[int(target_at[d]) : int(target_at[d]) + c] - first
+            at = int(out_at[d])
+            np.take(grad, rows, axis=0, out=out[at : at + c * dim].reshape(c, dim))
+
+
 class _RowsLayout:
     """Blocks of rows of ``dim`` floats in a received buffer (block b: ``count[b]`` rows from
     float ``at[b]``) as one row matrix: ``row_base[b]``, block b's first row in ``matrix``.
@@ -1184,6 +1557,11 @@ class _RowsLayout:
         """The rows, float32 ``[rows, dim]``, C-contiguous."""
         if self.view:
             return buffer[self.lo : self.hi].reshape(-1, self.dim)
+        return self.blocks(buffer)
+
+    def blocks(self, buffer: np.ndarray) -> np.ndarray:
+        """The blocks' rows copied together in block order (block b's first row at the sum
+        of the counts before it), float32 ``[rows, dim]``."""
         return np.concatenate(
             [buffer[a : a + c * self.dim] for a, c in zip(self.at, self.count, strict=True)]
         ).reshape(-1, self.dim)

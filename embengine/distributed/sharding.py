@@ -16,6 +16,14 @@ Two kinds, per logical table:
   the busiest first to the rank with the least expected traffic so far. ``ShardPlan.reasons``
   says why, per table.
 
+What crosses the wire for a table each step (``exchange=``, ``plan_exchange``) is a choice of its
+own: ``"rows"`` (each rank pulls the rows of its unique ids and pools its bags itself; lookups
+bit-identical to the single engine's), ``"sums"`` (each rank sends the owners its occurrences,
+each owner pools its rows' part of every bag and sends these partial sums back, and keeps the
+occurrences for the update, which then sends only gradient rows), or ``"auto"`` (per step,
+whichever sends fewer bytes by ``sums_saving``, from every rank's counts). Keyed tables
+exchange rows.
+
 A rank's share is a ``ShardTable``: a DenseTable over the ids it owns, whose ``rows_for`` maps
 global ids to local rows (``NO_ROW``, -1, for another rank's id) and whose rows start with the
 values the single-process engine gives those ids (initializers are pure functions of (seed,
@@ -37,6 +45,7 @@ from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
 __all__ = [
+    "EXCHANGE_CHOICES",
     "SHARDING_KINDS",
     "ShardPlan",
     "ShardTable",
@@ -44,7 +53,9 @@ __all__ = [
     "expected_traffic",
     "mix64",
     "plan_auto",
+    "plan_exchange",
     "plan_shards",
+    "sums_saving",
 ]
 
 SHARDING_KINDS = ("row", "table")
@@ -57,6 +68,65 @@ SHARDING_CHOICES = (*SHARDING_KINDS, "auto")
 # "auto" shards a table by row when, whole, it would take more than this share of one rank's
 # fair share (1 / W of every table's) of the bytes or of the expected traffic.
 AUTO_SHARE = 0.5
+
+
+# What ``exchange=`` takes per table (see the module docstring).
+EXCHANGE_CHOICES = ("rows", "sums", "auto")
+
+
+def plan_exchange(
+    exchange: str | Mapping[str, str], table_names: Sequence[str], keyed: Sequence[bool]
+) -> tuple[str, ...]:
+    """Per table, ``"rows"``, ``"sums"`` or ``"auto"``, from ``exchange`` (one of them, or a
+    dict table name -> one of them; tables not named are "auto"). A keyed table exchanges
+    rows (its owner resolves keys to rows once per step, before anyone pools): "auto" gives it
+    "rows", and "sums" asked for it by name is a ValueError."""
+    if isinstance(exchange, str):
+        if exchange not in EXCHANGE_CHOICES:
+            raise ValueError(
+                f"exchange must be one of {EXCHANGE_CHOICES} or a dict, got {exchange!r}"
+            )
+        kinds = [exchange] * len(table_names)
+    elif isinstance(exchange, Mapping):
+        unknown = [t for t in exchange if t not in table_names]
+        if unknown:
+            raise ValueError(
+                f"exchange names unknown tables {unknown}; tables are {list(table_names)}"
+            )
+        for t, k in exchange.items():
+            if k not in EXCHANGE_CHOICES:
+                raise ValueError(f"exchange[{t!r}] must be one of {EXCHANGE_CHOICES}, got {k!r}")
+        kinds = [exchange.get(t, "auto") for t in table_names]
+    else:
+        raise TypeError(f"exchange must be a str or a dict of table -> kind, got {exchange!r}")
+    for t, name in enumerate(table_names):
+        if keyed[t] and kinds[t] == "sums" and isinstance(exchange, Mapping):
+            raise ValueError(
+                f'exchange[{name!r}] = "sums": table {name!r} is keyed, and a keyed table '
+                'exchanges rows (its owner resolves the keys first); leave it "rows" or "auto"'
+            )
+        if keyed[t]:
+            kinds[t] = "rows"
+    return tuple(kinds)
+
+
+def sums_saving(dim: int, remote_ids: int, remote_occurrences: int, gradient_rows: int) -> int:
+    """Bytes one rank sends in a step of one table under "rows" minus under "sums", by the
+    cost model of docs/design.md: ``remote_ids``, its unique ids owned by other ranks (R);
+    ``remote_occurrences``, their occurrences (N); ``gradient_rows``, its (activation row,
+    other owner) pairs (G)::
+
+        rows: (8 + 4 dim) R + 20 N + 4 dim G    (ids and pulled rows; occurrences and
+                                                 gradient rows pushed in the update)
+        sums: 16 N + 8 dim G                    (occurrences; partial sums back, gradient
+                                                 rows in the update)
+
+    (a rank answers others' ids and partial sums as they answer its own, so summed over the
+    ranks this is the step's saving.) "auto" takes "sums" when the ranks' savings add up to
+    zero or more: ties (nothing remote, e.g. one rank) go to "sums", whose owners pool from
+    their own rows without copying them."""
+    d = int(dim)
+    return (8 + 4 * d) * int(remote_ids) + 4 * int(remote_occurrences) - 4 * d * int(gradient_rows)
 
 
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -22,6 +22,12 @@ occurrences in the order of the blocks (the caller passes them in the single eng
 ids deduplicated in order of first appearance (``prepare._dedup``), grouped stably by unique id
 (``prepare._csr``), so each row's gradient sums in the single engine's order.
 
+"Sums" exchange (lookup; ``ShardedEngine(exchange=)``): ``count_push`` counts, ``fill_pull``
+packs each occurrence for its owner (id; its activation row's index among those the owner
+pools for the feature, and its gain), ``owner_sums_batch`` builds the owner's TableBatch of
+them as ``owner_batch`` does (the owner pools its rows' part of every bag from it and keeps it
+for the update), and ``add_partials`` adds the owners' partial sums into the activations.
+
 Ids here were validated by their rank's ``prepare``; what arrives over the wire is checked
 against this rank's shard (a wrong owner or row is an error code, not an out-of-bounds read).
 """
@@ -237,6 +243,45 @@ def owner_batch(
             segments[k] = s
             gains[k] = gains_in[gain_at[b] + p]
             k += 1
+    return _grouped(
+        ids,
+        segments,
+        gains,
+        kind,
+        world,
+        num_outputs,
+        unique,
+        inverse,
+        unique_rows,
+        output_offsets,
+        unique_offsets,
+        unique_gains,
+        unique_segments,
+    )
+
+
+@kernel()
+def _grouped(
+    ids,
+    segments,
+    gains,
+    kind,
+    world,
+    num_outputs,
+    unique,
+    inverse,
+    unique_rows,
+    output_offsets,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+):
+    """The TableBatch arrays of an owner's occurrences (``ids``, ``segments``, ``gains`` in
+    the single engine's order): ``unique`` ids in order of first appearance with ``inverse``,
+    their local ``unique_rows``, the CSR views by output and, grouped stably by unique id, by
+    row. Returns the number of unique ids. ``gains`` may be float32 or its int32 bits (copied
+    as they are)."""
+    total = ids.shape[0]
     run_bounds = np.array([0, total], dtype=np.int64)
     regions = np.zeros(1, dtype=np.int64)
     ends = np.zeros(1, dtype=np.int64)
@@ -250,3 +295,132 @@ def owner_batch(
         unique_gains[p] = gains[by_unique[p]]
         unique_segments[p] = segments[by_unique[p]]
     return u
+
+
+@kernel()
+def fill_pull(
+    unique_ids,
+    owners,
+    inverse,
+    segments,
+    gain_bits,
+    lo,
+    hi,
+    world,
+    packed,
+    at,
+    targets,
+    target_at,
+):
+    """Occurrences ``lo:hi`` of a table batch (one feature's) into owner d's block of the
+    "sums" exchange: two int64 each from ``packed[at[d]]``, the id, then the index of its
+    activation row among the rows d pools for this feature (the high 32 bits) over its gain's
+    float32 bits (``gain_bits``: the gains viewed as int32; the low 32 bits).
+    ``targets[target_at[d] + j]``: the activation row (segment) of the j-th row owner d pools
+    for this feature, where its partial sum goes and whose gradient the update sends d."""
+    last = np.full(world, -1, dtype=np.int64)
+    placed = np.zeros(world, dtype=np.int64)
+    sent = np.zeros(world, dtype=np.int64)
+    for k in range(lo, hi):
+        u = inverse[k]
+        d = owners[u]
+        s = segments[k]
+        if s != last[d]:
+            targets[target_at[d] + sent[d]] = s
+            sent[d] += 1
+            last[d] = s
+        p = at[d] + 2 * placed[d]
+        packed[p] = unique_ids[u]
+        packed[p + 1] = ((sent[d] - 1) << 32) | (np.int64(gain_bits[k]) & 0xFFFFFFFF)
+        placed[d] += 1
+
+
+@kernel()
+def owner_sums_batch(
+    packed,
+    at,
+    counts,
+    block_rows,
+    kind,
+    world,
+    rank,
+    n_rows,
+    unique,
+    inverse,
+    gain_bits,
+    segments,
+    unique_rows,
+    output_offsets,
+    unique_offsets,
+    unique_gain_bits,
+    unique_segments,
+):
+    """One table's occurrences received by its owner in a "sums" lookup (``fill_pull``'s
+    pairs), block after block in the single engine's order (block b: ``counts[b]`` pairs from
+    ``packed[at[b]]``, pooled into ``block_rows[b]`` rows numbered after the previous blocks'),
+    as a TableBatch's arrays (``owner_batch``'s; the gains as int32 bits). Returns the number
+    of unique ids, or -1 - k for an occurrence k whose id this rank does not hold or whose
+    row index is out of its block or smaller than the one before it."""
+    total = 0
+    num_outputs = 0
+    for b in range(counts.shape[0]):
+        total += counts[b]
+        num_outputs += block_rows[b]
+    ids = np.empty(total, dtype=np.int64)
+    k = 0
+    base = 0
+    for b in range(counts.shape[0]):
+        previous = 0
+        for p in range(counts[b]):
+            i = packed[at[b] + 2 * p]
+            v = packed[at[b] + 2 * p + 1]
+            j = v >> 32
+            if (
+                (i < 0 and kind != KIND_KEYED)
+                or owner_of(i, kind, rank, world) != rank
+                or local_row(i, kind, world) >= n_rows
+                or j < previous
+                or j >= block_rows[b]
+            ):
+                return -1 - k
+            previous = j
+            ids[k] = i
+            segments[k] = base + j
+            gain_bits[k] = np.int32(v & 0xFFFFFFFF)
+            k += 1
+        base += block_rows[b]
+    return _grouped(
+        ids,
+        segments,
+        gain_bits,
+        kind,
+        world,
+        num_outputs,
+        unique,
+        inverse,
+        unique_rows,
+        output_offsets,
+        unique_offsets,
+        unique_gain_bits,
+        unique_segments,
+    )
+
+
+@kernel()
+def add_partials(out, partials, part_at, targets, target_at, counts, dim, seen):
+    """One feature's partial sums from its owners, in rank order, into its activation rows:
+    owner d's j-th row (``dim`` floats from ``partials[part_at[d] + j * dim]``) goes to row
+    ``targets[target_at[d] + j]`` of ``out``, stored when it is the row's first (``seen``)
+    and added otherwise, so a bag whose ids all live on one rank gets its owner's sum bit for
+    bit."""
+    for d in range(counts.shape[0]):
+        for j in range(counts[d]):
+            o = targets[target_at[d] + j]
+            a = part_at[d] + j * dim
+            if seen[o]:
+                for c in range(dim):
+                    out[o, c] += partials[a + c]
+            else:
+                for c in range(dim):
+                    out[o, c] = partials[a + c]
+                seen[o] = 1
