@@ -324,11 +324,28 @@ def _blocks_out(total: int, num_outputs: int) -> dict[str, np.ndarray]:
     )
 
 
-def _sums_batch(packed, at, counts, block_rows, row, world, rank, n_rows, out):
-    """``owner_sums_batch`` on ``out`` (``_blocks_out``), gains as their int32 bits."""
-    o = list(out.values())
-    o[2], o[7] = o[2].view(np.int32), o[7].view(np.int32)
-    return sr.owner_sums_batch(packed, at, counts, block_rows, row, world, rank, n_rows, *o)
+def _decode(packed, at, counts, block_rows, row, world, rank, n_rows):
+    """``decode_pull``'s result and arrays (ids, rows, gains, segments, output_offsets)."""
+    total = int(counts.sum())
+    ids, rows, segments = (np.empty(total, np.int64) for _ in range(3))
+    gains = np.empty(total, np.float32)
+    offsets = np.empty(int(block_rows.sum()) + 1, np.int64)
+    bad = sr.decode_pull(
+        packed,
+        at,
+        counts,
+        block_rows,
+        row,
+        world,
+        rank,
+        n_rows,
+        ids,
+        rows,
+        gains.view(np.int32),
+        segments,
+        offsets,
+    )
+    return bad, ids, rows, gains, segments, offsets
 
 
 @SETTINGS
@@ -380,7 +397,7 @@ def test_pull_packs_a_features_occurrences_for_their_owners(route, batch):
 
 @SETTINGS
 @given(route=routes(), data=st.data())
-def test_owner_sums_batch_is_the_single_engines_batch_of_the_owners_rows(route, data):
+def test_an_owner_pools_from_the_occurrences_and_updates_from_their_batch(route, data):
     world, row, _ = route
     rank, _, owned = _draw_owned(data, route, max_vocab=15)
     n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
@@ -405,22 +422,49 @@ def test_owner_sums_batch_is_the_single_engines_batch_of_the_owners_rows(route, 
     packed = np.concatenate(parts)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     block_rows = np.array([b[4] for b in blocks], dtype=np.int64)
-    out = _blocks_out(int(counts.sum()), base)
-    u = _sums_batch(packed, starts, counts, block_rows, row, world, rank, n_rows, out)
-    ids, segments, gains = owner_batch_reference([b[:4] for b in blocks])
-    unique, inverse = dedup(ids)
-    output_offsets, _ = csr(segments, base)
+    bad, ids, rows, gains, segments, offsets = _decode(
+        packed, starts, counts, block_rows, row, world, rank, n_rows
+    )
+    want_ids, want_segments, want_gains = owner_batch_reference([b[:4] for b in blocks])
+    assert bad == -1
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(rows, local_rows(want_ids, world, row))
+    assert gains.tobytes() == want_gains.tobytes()
+    np.testing.assert_array_equal(segments, want_segments)
+    np.testing.assert_array_equal(offsets, csr(want_segments, base)[0])
+    # The update's batch: the gradient rows arrive in another layout (blocks shuffled, gaps).
+    grad_order = data.draw(st.permutations(range(len(blocks))))
+    row_base, first = np.zeros(len(blocks), np.int64), data.draw(st.integers(0, 2))
+    for b in grad_order:
+        row_base[b], first = first, first + blocks[b][4] + data.draw(st.integers(0, 2))
+    num_outputs = first
+    out = _blocks_out(len(ids), num_outputs)
+    del out["gains"]  # the kept gains serve the batch
+    u = sr.kept_batch(
+        ids,
+        segments,
+        gains,
+        counts,
+        block_rows,
+        row_base,
+        row,
+        world,
+        num_outputs,
+        *out.values(),
+    )
+    moved = [(b[0], b[1], b[2], row_base[i]) for i, b in enumerate(blocks)]
+    _, grad_rows, _ = owner_batch_reference(moved)
+    unique, inverse = dedup(want_ids)
     unique_offsets, by_unique = csr(inverse, len(unique))
     assert u == len(unique)
     np.testing.assert_array_equal(out["unique"][:u], unique)
     np.testing.assert_array_equal(out["inverse"], inverse)
-    assert out["gains"].tobytes() == gains.tobytes()
-    np.testing.assert_array_equal(out["segments"], segments)
+    np.testing.assert_array_equal(out["segments"], grad_rows)
     np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
-    np.testing.assert_array_equal(out["output_offsets"], output_offsets)
+    np.testing.assert_array_equal(out["output_offsets"], csr(grad_rows, num_outputs)[0])
     np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
-    assert out["unique_gains"].tobytes() == gains[by_unique].tobytes()
-    np.testing.assert_array_equal(out["unique_segments"], segments[by_unique])
+    assert out["unique_gains"].tobytes() == want_gains[by_unique].tobytes()
+    np.testing.assert_array_equal(out["unique_segments"], grad_rows[by_unique])
 
 
 @pytest.mark.parametrize(
@@ -433,12 +477,11 @@ def test_owner_sums_batch_is_the_single_engines_batch_of_the_owners_rows(route, 
     ],
 )
 @pytest.mark.parametrize("row", [sr.KIND_ROW, sr.KIND_TABLE])
-def test_owner_sums_batch_refuses_what_this_rank_cannot_take(pairs, bad, row):
+def test_an_owner_refuses_occurrences_it_cannot_take(pairs, bad, row):
     packed = np.array([v for i, j in pairs for v in (i, (j << 32) | 0x3F800000)], np.int64)
     counts = np.array([len(pairs)], np.int64)
-    out = _blocks_out(len(pairs), 2)
-    got = _sums_batch(packed, np.zeros(1, np.int64), counts, np.array([2]), row, 2, 0, 3, out)
-    assert got == -1 - bad
+    got = _decode(packed, np.zeros(1, np.int64), counts, np.array([2]), row, 2, 0, 3)[0]
+    assert got == bad
 
 
 @SETTINGS

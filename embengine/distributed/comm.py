@@ -165,25 +165,39 @@ class Comm:
     ) -> np.ndarray:
         """1-D ``send``, its blocks of ``send_counts[d]`` elements for rank d in rank order ->
         the blocks every rank sent this one, ``recv_counts[s]`` from rank s, in rank order."""
+        return self.all_to_all_start(send, send_counts, recv_counts, purpose)()
+
+    def all_to_all_start(
+        self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, purpose: str
+    ) -> Callable[[], np.ndarray]:
+        """``all_to_all`` started: returns the function that waits for it and gives what it
+        received, so that this rank can work while the blocks travel (``send`` must stay
+        unchanged until then; a failure is raised by the wait)."""
         send = np.ascontiguousarray(send)
         send_counts = [int(c) for c in send_counts]
         recv_counts = [int(c) for c in recv_counts]
         out = np.empty(sum(recv_counts), dtype=send.dtype)
         if self.world_size == 1:
             out[:] = send
-            return out
+            return lambda: out
         self.sent[purpose] += (sum(send_counts) - send_counts[self.rank]) * send.itemsize
+        # The buffers stay referenced until the wait: gloo writes and reads them meanwhile.
+        pending = [torch.from_numpy(out), torch.from_numpy(send)]
         self._run(
-            lambda: dist.all_to_all_single(
-                torch.from_numpy(out),
-                torch.from_numpy(send),
-                recv_counts,
-                send_counts,
-                group=self.group,
+            lambda: pending.append(
+                dist.all_to_all_single(
+                    *pending[:2], recv_counts, send_counts, group=self.group, async_op=True
+                )
             ),
             purpose,
         )
-        return out
+
+        def wait() -> np.ndarray:
+            self._run(pending[2].wait, purpose)
+            pending.clear()
+            return out
+
+        return wait
 
     def all_gather(self, block: np.ndarray, purpose: str) -> np.ndarray:
         """Every rank's ``block`` (same shape and dtype on every rank), stacked in rank order."""

@@ -149,16 +149,50 @@ class _Push:
 class _Lookup:
     """What a training lookup leaves its update: the batch, its ``_Push``, which tables
     exchanged "sums" and, for those, the activation row of each partial sum received
-    (``targets``, owner d's block of feature f from ``target_at[d, f]``) and the batches of
-    the occurrences this rank owns with their blocks' rows (table -> (TableBatch, rows per
-    (feature, sender) block))."""
+    (``targets``, owner d's block of feature f from ``target_at[d, f]``) and the occurrences
+    this rank owns (table -> ``_Kept``)."""
 
     batch: PreparedBatch
     push: _Push
     sums: np.ndarray
     targets: np.ndarray | None
     target_at: np.ndarray | None
-    owned: dict[int, tuple[TableBatch, np.ndarray]]
+    owned: dict[int, _Kept]
+
+
+@dataclasses.dataclass
+class _Kept:
+    """The occurrences of a table's rows an owner got in a "sums" lookup (``decode_pull``),
+    blocks in the single engine's order: per occurrence its id, local row, gain and
+    activation row among the blocks' rows (``segments``, non-decreasing, with their CSR
+    ``output_offsets``); per block its occurrences (``counts``) and rows (``block_rows``)."""
+
+    ids: np.ndarray
+    rows: np.ndarray
+    gains: np.ndarray
+    segments: np.ndarray
+    output_offsets: np.ndarray
+    counts: np.ndarray
+    block_rows: np.ndarray
+
+    def occurrence_batch(self) -> TableBatch:
+        """A TableBatch with each occurrence its own entry (no deduplication: pooling needs
+        none), its rows resolved: what ``Backend.lookup_rows`` pools the blocks' rows from."""
+        n = len(self.ids)
+        each = np.arange(n + 1, dtype=np.int64)
+        return TableBatch(
+            unique_ids=self.ids,
+            inverse=each[:n],
+            gains=self.gains,
+            segments=self.segments,
+            num_outputs=len(self.output_offsets) - 1,
+            output_offsets=self.output_offsets,
+            unique_offsets=each,
+            unique_gains=self.gains,
+            unique_segments=self.segments,
+            unique_bounds=np.array([0, n], dtype=np.int64),
+            unique_rows=self.rows,
+        )
 
 
 class DistributedError(RuntimeError):
@@ -321,6 +355,15 @@ class ShardedEngine:
         )
         self._table_feature_index = tuple(
             tuple(self._features.index(f) for f in names) for names in r.table_features
+        )
+        # Per table, its blocks of a step in the single engine's occurrence order (its features
+        # in order, then ranks): (feature, sender) index arrays.
+        self._table_blocks = tuple(
+            (
+                np.repeat(np.asarray(fs, dtype=np.int64), self.world_size),
+                np.tile(np.arange(self.world_size, dtype=np.int64), len(fs)),
+            )
+            for fs in self._table_feature_index
         )
         self._cols = _Columns.of(len(self._features), len(r.tables), bool(self._keyed))
         self._step = 0
@@ -831,15 +874,15 @@ class ShardedEngine:
         sums: np.ndarray,
         training: bool,
         per_table: list,
-    ) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[TableBatch, np.ndarray]]]:
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, _Kept]]:
         """The "sums" exchange of the tables in ``sums``: each rank sends every occurrence to
-        the owner of its id (``fill_pull``); each owner builds the TableBatch of its rows'
-        occurrences in the single engine's order (the table's features, then ranks), pools
-        its rows' part of every bag from its shard and answers each rank with its partial
-        sums, which the rank adds into ``per_table[t]`` in rank order (``add_partials``).
-        Returns what the update reuses: the activation row of each partial sum received
-        (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the owner's
-        batch of a training lookup with its blocks' rows."""
+        the owner of its id (``fill_pull``); each owner unpacks its rows' occurrences in the
+        single engine's order (the table's features, then ranks: ``decode_pull``), pools its
+        rows' part of every bag from its shard and answers each rank with its partial sums,
+        which the rank adds into ``per_table[t]`` in rank order (``add_partials``). Returns
+        what the update reuses: the activation row of each partial sum received
+        (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the
+        occurrences this rank owns (a training lookup's)."""
         nf, w, cols = len(self._features), self.world_size, self._cols
         mine = np.zeros(nf, dtype=bool)  # the features of the "sums" tables
         for t in np.flatnonzero(sums):
@@ -877,21 +920,21 @@ class ShardedEngine:
         answer = np.empty(int((got_m * dims).sum()), dtype=np.float32)
         owned = {}
         for t in np.flatnonzero(sums):
-            fs, ss = self._blocks(t)
+            fs, ss = self._table_blocks[t]
             block_rows = got_m[ss, fs]
             if not block_rows.any():
                 continue  # no rank has ids of it here
             shard, dim = self._shards[t], int(self._dims[t])
-            tb = self._owner_sums_batch(t, occurrences, in_at[ss, fs], got_n[ss, fs], block_rows)
+            kept = self._decode_pull(t, occurrences, in_at[ss, fs], got_n[ss, fs], block_rows)
             q = self._resolved.tables[t].quantization_config
-            part = self._backend.lookup_rows(shard.data, dim, tb, q)
+            part = self._backend.lookup_rows(shard.data, dim, kept.occurrence_batch(), q)
             first = 0
             for f, sender, c in zip(fs, ss, block_rows.tolist(), strict=True):
                 a = int(answer_at[sender, f])
                 answer[a : a + c * dim] = part[first : first + c].reshape(-1)
                 first += c
             if training:
-                owned[int(t)] = (tb, block_rows)
+                owned[int(t)] = kept
         partials = self._comm.all_to_all(
             answer, (got_m * dims).sum(axis=1), (m.T * dims).sum(axis=1), "lookup sums"
         )
@@ -913,14 +956,6 @@ class ShardedEngine:
                 )
             per_table[t] = out
         return targets, target_at, owned
-
-    def _blocks(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """Table ``t``'s blocks of a step in the single engine's occurrence order, its features
-        in order, then ranks: (feature, sender) index arrays."""
-        w = self.world_size
-        fs = np.repeat(np.asarray(self._table_feature_index[t], dtype=np.int64), w)
-        ss = np.tile(np.arange(w, dtype=np.int64), len(self._table_feature_index[t]))
-        return fs, ss
 
     def _resolve_keys(
         self,
@@ -1111,36 +1146,32 @@ class ShardedEngine:
             gain_recv = self._comm.all_to_all(
                 gains, n.sum(axis=0), got_n.sum(axis=1), "gradient gains"
             )
-        rows_recv = self._comm.all_to_all(
-            rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
-        )
         in_int_at, in_gain_at = _starts(2 * got_n), _starts(got_n)
         in_row_at = _starts(got_m * dims)
+        # The gradient rows travel while this rank builds the update's batches of the
+        # occurrences it kept (deduplication and grouping by row, which the lookup skipped).
+        arrived = self._comm.all_to_all_start(
+            rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
+        )
+        try:
+            batches = self._kept_batches(np.flatnonzero(kept), last, got_m, in_row_at)
+        finally:
+            rows_recv = arrived()
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
-        for t in range(nt):
+        # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
+        for t in reversed(range(nt)):
             shard = self._shards[t]
             if shard.data.shape[0] == 0:
                 continue  # none of this table's rows lives here, so no rank sent any
-            fs, ss = self._blocks(t)
+            fs, ss = self._table_blocks[t]
+            layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
+            grad = layout.matrix(rows_recv)
             if kept[t]:
-                # The owner's batch from the lookup, its rows in block order: the gradient rows
-                # received, block by block, must be as many.
-                tb, block_rows = last.owned.get(t, (None, np.zeros(len(fs), dtype=np.int64)))
-                if (got_m[ss, fs] != block_rows).any():
-                    raise DistributedError(
-                        f"rank {self.rank}: table {self.table_names[t]!r}: gradient rows "
-                        f"{got_m[ss, fs].tolist()} arrived for the {block_rows.tolist()} "
-                        "partial sums this rank pooled (ranks disagree on the batch)"
-                    )
+                tb = batches.get(t)
                 if tb is None:
                     continue  # no rank had ids of it here
-                grad = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim)).blocks(
-                    rows_recv
-                )
             else:
-                layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
-                grad = layout.matrix(rows_recv)
                 tb = self._owner_batch(
                     t,
                     int_recv,
@@ -1174,41 +1205,104 @@ class ShardedEngine:
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
 
-    def _owner_sums_batch(
+    def _kept_batches(
+        self, tables: np.ndarray, last: _Lookup, got_m: np.ndarray, in_row_at: np.ndarray
+    ) -> dict[int, TableBatch]:
+        """The update's TableBatch of each table in ``tables`` (every rank updates from its
+        last training lookup, which exchanged "sums" for them) from the occurrences this rank
+        kept, numbered by the gradient rows arriving (``got_m[sender, feature]`` of them, from
+        float ``in_row_at[sender, feature]``), which must be as many as it pooled, block by
+        block."""
+        batches = {}
+        for t in tables.tolist():
+            shard = self._shards[t]
+            fs, ss = self._table_blocks[t]
+            kept = last.owned.get(t)
+            pooled = kept.block_rows if kept is not None else np.zeros(len(fs), dtype=np.int64)
+            if shard.data.shape[0] and (got_m[ss, fs] != pooled).any():
+                raise DistributedError(
+                    f"rank {self.rank}: table {self.table_names[t]!r}: gradient rows "
+                    f"{got_m[ss, fs].tolist()} are coming for the {pooled.tolist()} partial "
+                    "sums this rank pooled (ranks disagree on the batch)"
+                )
+            if kept is not None:
+                layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
+                batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows)
+        return batches
+
+    def _decode_pull(
         self,
         t: int,
         occurrences: np.ndarray,
         at: np.ndarray,
         counts: np.ndarray,
         block_rows: np.ndarray,
-    ) -> TableBatch:
-        """The TableBatch of table ``t``'s occurrences received in a "sums" lookup, blocks in
-        the single engine's order (``shard_route.owner_sums_batch``): block b, ``counts[b]``
-        occurrences from ``occurrences[at[b]]``, pooled into ``block_rows[b]`` rows."""
+    ) -> _Kept:
+        """Table ``t``'s occurrences received in a "sums" lookup, blocks in the single
+        engine's order (``shard_route.decode_pull``): block b, ``counts[b]`` occurrences from
+        ``occurrences[at[b]]``, pooled into ``block_rows[b]`` rows."""
+        total, outputs = int(counts.sum()), int(block_rows.sum())
+        kept = _Kept(
+            ids=np.empty(total, dtype=np.int64),
+            rows=np.empty(total, dtype=np.int64),
+            gains=np.empty(total, dtype=np.float32),
+            segments=np.empty(total, dtype=np.int64),
+            output_offsets=np.empty(outputs + 1, dtype=np.int64),
+            counts=counts,
+            block_rows=block_rows,
+        )
+        bad = sr.decode_pull(
+            occurrences,
+            at,
+            counts,
+            block_rows,
+            self._route[t][0],
+            self.world_size,
+            self.rank,
+            self._shards[t].data.shape[0],
+            kept.ids,
+            kept.rows,
+            kept.gains.view(np.int32),
+            kept.segments,
+            kept.output_offsets,
+        )
+        if bad >= 0:
+            raise DistributedError(
+                f"rank {self.rank}: table {self.table_names[t]!r}: an occurrence arrived for id "
+                f"{int(occurrences[_occurrence_at(at, counts, bad)])}, which this rank does not "
+                "hold, or for a row out of its bag order (ranks disagree on the sharding)"
+            )
+        return kept
+
+    def _kept_batch(self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int):
+        """The update's TableBatch of the occurrences kept from table ``t``'s "sums" lookup,
+        its gradient rows block b's from ``row_base[b]`` of the ``num_outputs`` received
+        (``shard_route.kept_batch``)."""
 
         def build(unique, inverse, gains, segments, rows, out_offsets, offsets, u_gains, u_segs):
-            return sr.owner_sums_batch(
-                occurrences,
-                at,
-                counts,
-                block_rows,
+            gains[:] = kept.gains
+            return sr.kept_batch(
+                kept.ids,
+                kept.segments,
+                kept.gains,
+                kept.counts,
+                kept.block_rows,
+                row_base,
                 self._route[t][0],
                 self.world_size,
-                self.rank,
-                self._shards[t].data.shape[0],
+                num_outputs,
                 unique,
                 inverse,
-                gains.view(np.int32),
                 segments,
                 rows,
                 out_offsets,
                 offsets,
-                u_gains.view(np.int32),
+                u_gains,
                 u_segs,
             )
 
-        total, outputs = int(counts.sum()), int(block_rows.sum())
-        return self._owner_table_batch(t, total, outputs, "an occurrence arrived", build)
+        total = len(kept.ids)
+        return self._owner_table_batch(t, total, num_outputs, "an occurrence was kept", build)
 
     def _owner_batch(
         self,
@@ -1512,6 +1606,15 @@ def _starts(sizes: np.ndarray) -> np.ndarray:
     return out.reshape(np.shape(sizes))
 
 
+def _occurrence_at(at: np.ndarray, counts: np.ndarray, k: int) -> int:
+    """Where occurrence ``k`` of blocks (``counts[b]`` pairs from ``at[b]``) lies in the buffer."""
+    for a, c in zip(at.tolist(), counts.tolist(), strict=True):
+        if k < c:
+            return a + 2 * k
+        k -= c
+    raise IndexError(k)
+
+
 def _take_rows(
     grad: np.ndarray,
     targets: np.ndarray,
@@ -1550,18 +1653,15 @@ class _RowsLayout:
         if self.view:
             self.row_base = np.where(live, (at - self.lo) // dim, 0)
             self.hi = int((at + count * dim)[live].max()) if live.any() else 0
+            self.rows = (self.hi - self.lo) // dim  # of ``matrix``
         else:
             self.row_base = _starts(count[None])[0]
+            self.rows = int(count.sum())
 
     def matrix(self, buffer: np.ndarray) -> np.ndarray:
         """The rows, float32 ``[rows, dim]``, C-contiguous."""
         if self.view:
             return buffer[self.lo : self.hi].reshape(-1, self.dim)
-        return self.blocks(buffer)
-
-    def blocks(self, buffer: np.ndarray) -> np.ndarray:
-        """The blocks' rows copied together in block order (block b's first row at the sum
-        of the counts before it), float32 ``[rows, dim]``."""
         return np.concatenate(
             [buffer[a : a + c * self.dim] for a, c in zip(self.at, self.count, strict=True)]
         ).reshape(-1, self.dim)

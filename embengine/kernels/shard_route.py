@@ -24,9 +24,10 @@ ids deduplicated in order of first appearance (``prepare._dedup``), grouped stab
 
 "Sums" exchange (lookup; ``ShardedEngine(exchange=)``): ``count_push`` counts, ``fill_pull``
 packs each occurrence for its owner (id; its activation row's index among those the owner
-pools for the feature, and its gain), ``owner_sums_batch`` builds the owner's TableBatch of
-them as ``owner_batch`` does (the owner pools its rows' part of every bag from it and keeps it
-for the update), and ``add_partials`` adds the owners' partial sums into the activations.
+pools for the feature, and its gain), ``decode_pull`` checks and unpacks what an owner got into
+arrays it pools its rows' part of every bag from (no deduplication: pooling needs none),
+``add_partials`` adds the owners' partial sums into the activations, and ``kept_batch`` builds
+the update's TableBatch from the occurrences the owner kept (``owner_batch``'s arrays).
 
 Ids here were validated by their rank's ``prepare``; what arrives over the wire is checked
 against this rank's shard (a wrong owner or row is an error code, not an out-of-bounds read).
@@ -336,7 +337,7 @@ def fill_pull(
 
 
 @kernel()
-def owner_sums_batch(
+def decode_pull(
     packed,
     at,
     counts,
@@ -345,28 +346,19 @@ def owner_sums_batch(
     world,
     rank,
     n_rows,
-    unique,
-    inverse,
+    ids,
+    rows,
     gain_bits,
     segments,
-    unique_rows,
     output_offsets,
-    unique_offsets,
-    unique_gain_bits,
-    unique_segments,
 ):
     """One table's occurrences received by its owner in a "sums" lookup (``fill_pull``'s
     pairs), block after block in the single engine's order (block b: ``counts[b]`` pairs from
     ``packed[at[b]]``, pooled into ``block_rows[b]`` rows numbered after the previous blocks'),
-    as a TableBatch's arrays (``owner_batch``'s; the gains as int32 bits). Returns the number
-    of unique ids, or -1 - k for an occurrence k whose id this rank does not hold or whose
-    row index is out of its block or smaller than the one before it."""
-    total = 0
-    num_outputs = 0
-    for b in range(counts.shape[0]):
-        total += counts[b]
-        num_outputs += block_rows[b]
-    ids = np.empty(total, dtype=np.int64)
+    as arrays a pooling kernel reads: each occurrence's id, local row, gain (int32 bits) and
+    activation row (``segments``, non-decreasing), and the CSR ``output_offsets`` over all
+    the blocks' rows. Returns -1, or the index of an occurrence whose id this rank does not
+    hold or whose row index is out of its block or smaller than the one before it."""
     k = 0
     base = 0
     for b in range(counts.shape[0]):
@@ -375,24 +367,64 @@ def owner_sums_batch(
             i = packed[at[b] + 2 * p]
             v = packed[at[b] + 2 * p + 1]
             j = v >> 32
+            r = local_row(i, kind, world)
             if (
                 (i < 0 and kind != KIND_KEYED)
                 or owner_of(i, kind, rank, world) != rank
-                or local_row(i, kind, world) >= n_rows
+                or r >= n_rows
                 or j < previous
                 or j >= block_rows[b]
             ):
-                return -1 - k
+                return k
             previous = j
             ids[k] = i
-            segments[k] = base + j
+            rows[k] = r
             gain_bits[k] = np.int32(v & 0xFFFFFFFF)
+            segments[k] = base + j
+            k += 1
+        base += block_rows[b]
+    _offsets(segments, base, output_offsets)
+    return -1
+
+
+@kernel()
+def kept_batch(
+    ids,
+    segments,
+    gains,
+    counts,
+    block_rows,
+    row_base,
+    kind,
+    world,
+    num_outputs,
+    unique,
+    inverse,
+    grad_rows,
+    unique_rows,
+    output_offsets,
+    unique_offsets,
+    unique_gains,
+    unique_segments,
+):
+    """The update's TableBatch arrays of the occurrences an owner kept from a "sums" lookup
+    (``decode_pull``'s ``ids``, ``segments``, ``gains``, blocks of ``counts[b]`` occurrences
+    over ``block_rows[b]`` rows): their activation rows moved to the gradient rows that
+    arrived for them (block b's from row ``row_base[b]`` of the ``num_outputs`` received, as
+    ``grad_rows``), then ``owner_batch``'s dedup and CSR views. Returns the number of unique
+    ids."""
+    k = 0
+    base = 0
+    for b in range(counts.shape[0]):
+        shift = row_base[b] - base
+        for _ in range(counts[b]):
+            grad_rows[k] = segments[k] + shift
             k += 1
         base += block_rows[b]
     return _grouped(
         ids,
-        segments,
-        gain_bits,
+        grad_rows,
+        gains,
         kind,
         world,
         num_outputs,
@@ -401,7 +433,7 @@ def owner_sums_batch(
         unique_rows,
         output_offsets,
         unique_offsets,
-        unique_gain_bits,
+        unique_gains,
         unique_segments,
     )
 
