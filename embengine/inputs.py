@@ -351,8 +351,13 @@ def check_values(r: Ragged, vocabulary_size: int | None, check_weights: bool = T
     """Range-check ids (not for a keyed table: ``vocabulary_size`` None, any int64 is a key)
     and (optionally) finite-check weights, naming the first bad position."""
     ids = r.ids
-    # Two reductions and no temporaries in the common, valid case; the position only on error.
-    if vocabulary_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocabulary_size):
+    # One reduction and no temporary in the common, valid case (a negative id read as uint64 is
+    # above any vocabulary); the position only on error.
+    if (
+        vocabulary_size is not None
+        and ids.size
+        and int(ids.view(np.uint64).max()) >= vocabulary_size
+    ):
         bad = (ids < 0) | (ids >= vocabulary_size)
         if bad.any():
             k = int(np.argmax(bad))

@@ -55,6 +55,17 @@ LOOKUP_CASES = [
         r"feature 'i': id -2 at \[0, 1\] is negative; only -1 marks padding",
     ),
     (_with(u=np.array([1, -1])), ValueError, r"feature 'u': id -1 at sample 1, position 0"),
+    # The extremes of int64 (the range check reads ids as uint64: a negative one is huge).
+    (
+        _with(u=np.array([1, np.iinfo(np.int64).min])),
+        ValueError,
+        r"feature 'u': id -9223372036854775808 at sample 1, position 0 .* out of range",
+    ),
+    (
+        _with(u=np.array([np.iinfo(np.int64).max, 1])),
+        ValueError,
+        r"feature 'u': id 9223372036854775807 at sample 0, position 0 .* out of range",
+    ),
     (_with(u=np.array([1.0, 2.0])), TypeError, r"feature 'u': ids must be integers, got dtype"),
     (
         _with(u=ee.Ragged([1, 2, 3], offsets=[0, 2, 3], weights=[1.0, np.nan, 1.0])),
