@@ -13,6 +13,11 @@ Scenarios:
                                 table's lookup exchanged, and on every rank the gathered
                                 tables, the bytes sent and the plan; with ":nan", a NaN
                                 gradient and nonfinite_gradients="skip_row"
+  sweep:<optimizer>:<sharding>:<exchange>
+                                an optimizer that updates every row (adam_dense, lion_dense)
+                                over steps in which some owner gets no id of a table, one
+                                table gets none at all, and every rank's batch is empty
+                                (``sweep_batch``); the gathered tables at the end
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
@@ -146,6 +151,61 @@ def local(step: int, rank: int, world: int, nan: bool = False):
         {k: v[lo:hi] for k, v in weights.items()},
         {k: v[lo:hi] for k, v in grads.items()},
     )
+
+
+SWEEP_STEPS = 4
+SWEEP_BATCH = 6  # global samples per step, split as evenly as the ranks allow
+
+
+def sweep_features(optimizer_name: str):
+    """Two tables ("t": 8 rows, "u": 5 rows) under an optimizer that updates every row."""
+    import embengine as ee
+    from embengine import optimizers as opt
+
+    o = {
+        "adam_dense": opt.Adam(0.05, lazy_adam=False),
+        "lion_dense": opt.Lion(0.05, lazy_lion=False),
+    }[optimizer_name]
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    t = ee.TableConfig(8, 4, name="t", combiner="sum", initializer=init)
+    u = ee.TableConfig(5, 2, name="u", combiner="mean", initializer=init)
+    return {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}, o
+
+
+def sweep_batch(step: int):
+    """(features, gradients) of a whole step: step 0 touches every row; step 1 only even ids
+    of "t" and nothing of "u" (an odd-id owner of "t" and every owner of "u" get no id); step
+    2 every bag empty; step 3 ids 1 and 3 of "t" and 4 of "u"."""
+    rng = np.random.default_rng(50 + step)
+    pools = {0: ([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4]), 1: ([0, 2, 4, 6], []), 2: ([], [])}
+    ta, ub = pools.get(step, ([1, 3], [4]))
+    feats = {
+        "a": [list(map(int, rng.choice(ta, 2))) if ta else [] for _ in range(SWEEP_BATCH)],
+        "b": [list(map(int, rng.choice(ub, 2))) if ub else [] for _ in range(SWEEP_BATCH)],
+    }
+    if step == 0:  # every row at least once
+        feats["a"][0], feats["b"][0] = ta, ub
+    grads = {
+        "a": rng.normal(size=(SWEEP_BATCH, 4)).astype(np.float32),
+        "b": rng.normal(size=(SWEEP_BATCH, 2)).astype(np.float32),
+    }
+    return feats, grads
+
+
+def run_sweep(rank: int, world: int, out: str, name: str) -> None:
+    from embengine.distributed import ShardedEngine
+
+    _, optimizer_name, sharding, exchange = name.split(":")
+    features, o = sweep_features(optimizer_name)
+    eng = ShardedEngine(
+        features, optimizer=o, seed=3, sharding=sharding, timeout=60, exchange=exchange
+    )
+    lo, hi = rank * SWEEP_BATCH // world, (rank + 1) * SWEEP_BATCH // world
+    for step in range(SWEEP_STEPS):
+        feats, grads = sweep_batch(step)
+        eng.lookup({k: v[lo:hi] for k, v in feats.items()})
+        eng.apply_gradients({k: v[lo:hi] for k, v in grads.items()})
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"))
 
 
 def run_equal(rank: int, world: int, out: str, name: str) -> None:
@@ -343,6 +403,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):
                 run_equal(rank, world, out, name)
+            elif name.startswith("sweep:"):
+                run_sweep(rank, world, out, name)
             elif name == "layer":
                 run_layer(rank, world, out, name)
             elif name.startswith("ckpt_"):

@@ -46,9 +46,12 @@ OPTIMIZERS = [
 SHARDINGS = ["row", "table", "auto"]
 EXCHANGES = ["rows", "sums", "auto"]
 WORLDS = [1, 2, 3]
-SCENARIOS = [f"equal:{o}:{s}:{x}" for o in OPTIMIZERS for s in SHARDINGS for x in EXCHANGES] + [
-    "equal:adam:row:auto:nan"
-]
+SWEEPERS = ["adam_dense", "lion_dense"]  # optimizers that update every row each step
+SCENARIOS = (
+    [f"equal:{o}:{s}:{x}" for o in OPTIMIZERS for s in SHARDINGS for x in EXCHANGES]
+    + ["equal:adam:row:auto:nan"]
+    + [f"sweep:{o}:{s}:{x}" for o in SWEEPERS for s in ("row", "table") for x in EXCHANGES]
+)
 # Per feature: its table, the table's width, the positions a sample keeps (sequences cut).
 FEATURES = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
 SEQUENCE = {"s": 3}
@@ -280,6 +283,38 @@ def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
             assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
         else:
             assert (got["bytes0"] > 0).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("sharding", ["row", "table"])
+@pytest.mark.parametrize("optimizer_name", SWEEPERS)
+def test_every_owner_sweeps_its_rows_when_no_id_of_them_came(
+    runs, world, sharding, exchange, optimizer_name
+):
+    # Steps in which an owner gets no id of a table, a table gets none, every batch is empty:
+    # each owner still updates its rows from their slots, as the single engine updates all.
+    features, o = worker.sweep_features(optimizer_name)
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    for step in range(worker.SWEEP_STEPS):
+        feats, grads = worker.sweep_batch(step)
+        single.lookup(feats)
+        single.apply_gradients(grads)
+    state = single.state_dict()
+    for rank in range(world):
+        _assert_state(
+            runs(world) / f"sweep_{optimizer_name}_{sharding}_{exchange}.rank{rank}.npz", state
+        )
+
+
+def test_the_sweep_batches_leave_owners_without_ids():
+    # The premise above: at step 1 no odd id of "t" and no id of "u"; at step 2 nothing at all.
+    feats, _ = worker.sweep_batch(1)
+    assert all(i % 2 == 0 for bag in feats["a"] for i in bag) and not any(feats["b"])
+    feats, _ = worker.sweep_batch(2)
+    assert not any(feats["a"]) and not any(feats["b"])
+    feats, _ = worker.sweep_batch(0)
+    assert set(feats["a"][0]) == set(range(8)) and set(feats["b"][0]) == set(range(5))
 
 
 def test_the_exchanges_differ_where_the_test_says_they_do(runs):

@@ -324,27 +324,40 @@ def _blocks_out(total: int, num_outputs: int) -> dict[str, np.ndarray]:
     )
 
 
-def _decode(packed, at, counts, block_rows, row, world, rank, n_rows):
-    """``decode_pull``'s result and arrays (ids, rows, gains, segments, output_offsets)."""
+def _starts(sizes: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def _decode(packed, at, counts, block_rows, row, world, rank, n_rows, parts=None):
+    """``decode_pull``'s result and arrays (ids, rows, gains, segments, output_offsets), its
+    blocks decoded in the calls ``parts`` (lists of block indices; default: one call)."""
     total = int(counts.sum())
     ids, rows, segments = (np.empty(total, np.int64) for _ in range(3))
     gains = np.empty(total, np.float32)
     offsets = np.empty(int(block_rows.sum()) + 1, np.int64)
-    bad = sr.decode_pull(
-        packed,
-        at,
-        counts,
-        block_rows,
-        row,
-        world,
-        rank,
-        n_rows,
-        ids,
-        rows,
-        gains.view(np.int32),
-        segments,
-        offsets,
-    )
+    first_occ, first_row = _starts(counts), _starts(block_rows)
+    bad = -1
+    for part in parts or [list(range(len(counts)))]:
+        got = sr.decode_pull(
+            packed,
+            at[part],
+            counts[part],
+            block_rows[part],
+            first_occ[part],
+            first_row[part],
+            row,
+            world,
+            rank,
+            n_rows,
+            ids,
+            rows,
+            gains.view(np.int32),
+            segments,
+            offsets,
+        )
+        bad = got if bad < 0 else bad
+    if not len(counts):
+        offsets[0] = 0  # no block writes the end of an empty table's CSR
     return bad, ids, rows, gains, segments, offsets
 
 
@@ -422,8 +435,12 @@ def test_an_owner_pools_from_the_occurrences_and_updates_from_their_batch(route,
     packed = np.concatenate(parts)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     block_rows = np.array([b[4] for b in blocks], dtype=np.int64)
+    # In two calls, blocks out of order (an owner decodes the blocks it sent itself first).
+    indices = list(range(len(counts)))
+    first = data.draw(st.lists(st.sampled_from(indices), unique=True)) if indices else []
+    parts = [first, [b for b in indices if b not in first]]
     bad, ids, rows, gains, segments, offsets = _decode(
-        packed, starts, counts, block_rows, row, world, rank, n_rows
+        packed, starts, counts, block_rows, row, world, rank, n_rows, parts
     )
     want_ids, want_segments, want_gains = owner_batch_reference([b[:4] for b in blocks])
     assert bad == -1
@@ -482,6 +499,19 @@ def test_an_owner_refuses_occurrences_it_cannot_take(pairs, bad, row):
     counts = np.array([len(pairs)], np.int64)
     got = _decode(packed, np.zeros(1, np.int64), counts, np.array([2]), row, 2, 0, 3)[0]
     assert got == bad
+    # In a second block (the first good), the place counts the first block's occurrences.
+    good = np.array([2, 0x3F800000], np.int64)
+    got = _decode(
+        np.concatenate([good, packed]),
+        np.array([0, 2], np.int64),
+        np.array([1, len(pairs)], np.int64),
+        np.array([1, 2]),
+        row,
+        2,
+        0,
+        3,
+    )[0]
+    assert got == 1 + bad
 
 
 @SETTINGS

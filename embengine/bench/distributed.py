@@ -104,7 +104,7 @@ def modelled_bytes(
     def owner(ids):
         return (mix64(ids) % np.uint64(world)).astype(np.int64) if keyed else ids % world
 
-    def remote_rows(r, t):  # rank r's (bag, owner) pairs of ids rank ``rank`` does not own
+    def ids_and_bags(r, t):  # rank r's ids of table t and the bag of each
         bags = locals_[r][f"f{t}"]
         ids = np.asarray(bags.ids)
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
@@ -113,14 +113,14 @@ def modelled_bytes(
     header = 8 * (world - 1) * (4 + 2 * tables + 2 * tables + (tables if keyed else 0))
     lookup = apply = header
     for t in range(tables):
-        ids, bag_of = remote_rows(rank, t)
+        ids, bag_of = ids_and_bags(rank, t)
         remote = owner(ids) != rank
         pairs = len(np.unique(bag_of[remote] * world + owner(ids[remote])))  # (bag, owner)
         if exchanged[t] == "sums":
             answered = 0
             for s in range(world):
                 if s != rank:
-                    other, other_bag = remote_rows(s, t)
+                    other, other_bag = ids_and_bags(s, t)
                     answered += len(np.unique(other_bag[owner(other) == rank]))
             lookup += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * answered
             apply += 4 * dims[t] * pairs

@@ -3,23 +3,31 @@ one EmbeddingEngine trains on the concatenation of every rank's batch, in rank o
 
 Each rank passes its own samples. One training step::
 
-    acts = engine.lookup(features)        # this rank's samples; rows pulled from their owners
-    engine.apply_gradients(grads)         # contributions pushed to the owners, one update per row
+    acts = engine.lookup(features)        # this rank's samples, from the rows' owners
+    engine.apply_gradients(grads)         # contributions to the owners, one update per row
 
-Lookup ("pull rows"): each rank deduplicates its ids per table, sends each owner the unique ids
-it owns (``all_to_all_single``), gets their rows back (another), and pools its bags locally with
-the backend's ``lookup_rows``. A bag is pooled by one rank from the same rows in the same order
-as the single engine pools it, so activations are bit-identical to the single engine's.
+What crosses the wire is chosen per table (``exchange=``; "auto" per step, by the cost model):
 
-Update ("push occurrences"): for every occurrence of an id, its rank sends the owner the id, its
-gain and the activation-gradient row it multiplies (each gradient row once per owner, the
-occurrences pointing at it). The owner concatenates what it received in the single engine's
-occurrence order (a table's features in order, then ranks in order, then each rank's samples and
-positions), builds the TableBatch the single engine would have built for its rows, and runs the
-ordinary fused update on its shard: one update per touched row per global step, its gradient
-summed in the single-process order, so tables and slots are bit-identical too.
+"rows": each rank deduplicates its ids per table, sends each owner the unique ids it owns
+(``all_to_all_single``), gets their rows back (another), and pools its bags locally with the
+backend's ``lookup_rows``: a bag is pooled by one rank from the same rows in the same order as
+the single engine pools it, so activations are bit-identical to the single engine's. The
+update pushes, for every occurrence of an id, the id, its gain and the activation-gradient row
+it multiplies to the owner (each gradient row once per owner, the occurrences pointing at it).
 
-The bookkeeping of both (owner split, rows answered, occurrences pushed, the owner's batch)
+"sums": each rank sends every occurrence to the owner of its id; the owner pools its rows'
+part of every bag and sends these partial sums back, which the rank adds in rank order (a bag
+whose ids all live on one rank is bit-identical; any other equal up to float32 rounding). The
+owner keeps the occurrences, so an update from that lookup's batch on every rank sends only
+the gradient rows (any other batch is pushed as under "rows").
+
+Either way the owner puts the occurrences of its rows in the single engine's occurrence order
+(a table's features in order, then ranks in order, then each rank's samples and positions),
+builds the TableBatch the single engine would have built for its rows, and runs the ordinary
+fused update on its shard: one update per touched row per global step, its gradient summed in
+the single-process order, so tables and slots are bit-identical.
+
+The bookkeeping (owner split, rows answered, occurrences packed and pushed, the owner's batch)
 runs in numba, one pass per table or feature (``kernels/shard_route.py``); pulled and pushed
 rows are read where they arrived when they lie on one grid of their width (``_RowsLayout``).
 
@@ -150,14 +158,14 @@ class _Lookup:
     """What a training lookup leaves its update: the batch, its ``_Push``, which tables
     exchanged "sums" and, for those, the activation row of each partial sum received
     (``targets``, owner d's block of feature f from ``target_at[d, f]``) and the occurrences
-    this rank owns (table -> ``_Kept``)."""
+    of this rank's rows it kept (table -> ``_Kept``)."""
 
     batch: PreparedBatch
     push: _Push
-    sums: np.ndarray
+    exchanged_sums: np.ndarray  # bool per table
     targets: np.ndarray | None
     target_at: np.ndarray | None
-    owned: dict[int, _Kept]
+    kept: dict[int, _Kept]
 
 
 @dataclasses.dataclass
@@ -165,7 +173,8 @@ class _Kept:
     """The occurrences of a table's rows an owner got in a "sums" lookup (``decode_pull``),
     blocks in the single engine's order: per occurrence its id, local row, gain and
     activation row among the blocks' rows (``segments``, non-decreasing, with their CSR
-    ``output_offsets``); per block its occurrences (``counts``) and rows (``block_rows``)."""
+    ``output_offsets``); per block its occurrences (``counts``) and rows (``block_rows``),
+    from place ``first_occ[b]`` and row ``first_row[b]``."""
 
     ids: np.ndarray
     rows: np.ndarray
@@ -174,24 +183,45 @@ class _Kept:
     output_offsets: np.ndarray
     counts: np.ndarray
     block_rows: np.ndarray
+    first_occ: np.ndarray
+    first_row: np.ndarray
 
-    def occurrence_batch(self) -> TableBatch:
-        """A TableBatch with each occurrence its own entry (no deduplication: pooling needs
-        none), its rows resolved: what ``Backend.lookup_rows`` pools the blocks' rows from."""
+    @classmethod
+    def empty(cls, counts: np.ndarray, block_rows: np.ndarray) -> _Kept:
+        total, outputs = int(counts.sum()), int(block_rows.sum())
+        return cls(
+            ids=np.empty(total, dtype=np.int64),
+            rows=np.empty(total, dtype=np.int64),
+            gains=np.empty(total, dtype=np.float32),
+            segments=np.empty(total, dtype=np.int64),
+            output_offsets=np.empty(outputs + 1, dtype=np.int64),
+            counts=counts,
+            block_rows=block_rows,
+            first_occ=_starts(counts[None])[0],
+            first_row=_starts(block_rows[None])[0],
+        )
+
+    def block_batch(self, b: int) -> TableBatch:
+        """Block ``b``'s rows as a TableBatch with each occurrence its own entry (no
+        deduplication: pooling needs none), its rows resolved: what ``Backend.lookup_rows``
+        pools them from (its CSR places index the table's arrays)."""
         n = len(self.ids)
         each = np.arange(n + 1, dtype=np.int64)
+        first, rows = int(self.first_row[b]), int(self.block_rows[b])
+        # Views: a TableBatch makes its arrays read-only, and the later blocks still arrive.
+        ids, gains, segments = self.ids.view(), self.gains.view(), self.segments.view()
         return TableBatch(
-            unique_ids=self.ids,
+            unique_ids=ids,
             inverse=each[:n],
-            gains=self.gains,
-            segments=self.segments,
-            num_outputs=len(self.output_offsets) - 1,
-            output_offsets=self.output_offsets,
+            gains=gains,
+            segments=segments,
+            num_outputs=rows,
+            output_offsets=self.output_offsets[first : first + rows + 1],
             unique_offsets=each,
-            unique_gains=self.gains,
-            unique_segments=self.segments,
+            unique_gains=gains,
+            unique_segments=segments,
             unique_bounds=np.array([0, n], dtype=np.int64),
-            unique_rows=self.rows,
+            unique_rows=self.rows.view(),
         )
 
 
@@ -215,7 +245,8 @@ class ShardedEngine:
         occurrence to the owner of its id; each owner pools its rows' part of every bag and
         sends the partial sums back, which the rank adds in rank order, so a bag whose ids
         all live on one rank is bit-identical and any other equal up to float32 rounding;
-        the owners keep the occurrences, so the update sends only gradient rows), "auto"
+        the owners keep the occurrences, so an update from that lookup's batch on every rank
+        sends only gradient rows; any other batch is pushed as under "rows"), "auto"
         (per step and table, whichever sends fewer bytes by the cost model of
         docs/design.md, from every rank's counts: ``sharding.sums_saving``), or a dict table
         name -> one of them (others "auto"). Tables and slots are bit-identical either way.
@@ -272,7 +303,6 @@ class ShardedEngine:
                     "leave max_rows=None (expire_steps / expire_seconds bound it by age) or "
                     "train it in an EmbeddingEngine"
                 )
-        self._exchange = plan_exchange(exchange, r.table_names, keyed)
         self._resolved, self._optimizers = r, optimizers
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)
@@ -310,6 +340,9 @@ class ShardedEngine:
         self._plan = plan_shards(
             sharding, r.table_names, table_bytes, self.world_size, loads, keyed
         )
+        # Checked once the group exists, as sharding: a rank that raises here closes its
+        # connections, so the others fail at once instead of waiting for it in new_group.
+        self._exchange = plan_exchange(exchange, r.table_names, keyed)
         self._check_same_configuration()
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
@@ -496,8 +529,8 @@ class ShardedEngine:
         if other:
             raise DistributedError(
                 f"rank {self.rank}: ranks {other} built a ShardedEngine with another "
-                "configuration (tables, features, optimizers, seed or sharding) than rank 0; "
-                "every rank must pass the same arguments"
+                "configuration (tables, features, optimizers, seed, sharding or exchange) than "
+                "rank 0; every rank must pass the same arguments"
             )
 
     # -- the header: every call starts with it ---------------------------------------------------
@@ -522,6 +555,8 @@ class ShardedEngine:
         header[:, 1] = self._step
         header[:, 2] = error is None
         header[:, 3] = NO_TIME if timestamp is None else timestamp
+        # The a columns carry a lookup's counts or an update's learning rates, never both.
+        assert lrs is None or cols.a not in (blocks or {}), "learning rates go in the a columns"
         if error is None:
             for at, block in (blocks or {}).items():
                 block = np.asarray(block, dtype=np.int64)
@@ -681,7 +716,10 @@ class ShardedEngine:
                 batch = features
             else:
                 batch = self.preprocess(features, weights)
-            push = self._push_counts(batch)
+            # The occurrences per owner: a "sums" lookup sends them, "auto" weighs them, and a
+            # training batch's update pushes them (it reuses these counts).
+            if training or any(x != "rows" for x in self._exchange):
+                push = self._push_counts(batch)
             for t, tb in enumerate(batch.tables):
                 row, owner = self._route[t]
                 sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
@@ -706,12 +744,12 @@ class ShardedEngine:
         per_table: list[np.ndarray | None] = [None] * nt
         if not sums.all():
             self._pull_rows(batch, counts * ~sums[:, None], got, sums, training, when, per_table)
-        held = None
+        pooled = None
         if sums.any():
-            held = self._pool_sums(batch, push, got, sums, training, per_table)
+            pooled = self._pool_sums(batch, push, got, sums, training, per_table)
         if training:
             self._pending = batch
-            self._last = _Lookup(batch, push, sums, *(held or (None, None, {})))
+            self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})))
             if when is not None:
                 prev = self._step_time[1] if self._step_time[0] == self._step else None
                 self._step_time = (self._step, when if prev is None else max(prev, when))
@@ -911,30 +949,34 @@ class ShardedEngine:
                 targets,
                 target_at[:, f].copy(),
             )
-        occurrences = self._comm.all_to_all(
+        # The other ranks' occurrences travel while this rank pools the blocks it sent itself.
+        arrived = self._comm.all_to_all_start(
             packed, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "lookup occurrences"
         )
         in_at = _starts(2 * got_n)  # [sender, feature]
         # This rank's rows' part of every bag, each rank's blocks to it feature by feature.
         answer_at = _starts(got_m * dims)  # [sender, feature]
         answer = np.empty(int((got_m * dims).sum()), dtype=np.float32)
-        owned = {}
+        kept_tables = {}
         for t in np.flatnonzero(sums):
             fs, ss = self._table_blocks[t]
-            block_rows = got_m[ss, fs]
-            if not block_rows.any():
-                continue  # no rank has ids of it here
-            shard, dim = self._shards[t], int(self._dims[t])
-            kept = self._decode_pull(t, occurrences, in_at[ss, fs], got_n[ss, fs], block_rows)
-            q = self._resolved.tables[t].quantization_config
-            part = self._backend.lookup_rows(shard.data, dim, kept.occurrence_batch(), q)
-            first = 0
-            for f, sender, c in zip(fs, ss, block_rows.tolist(), strict=True):
-                a = int(answer_at[sender, f])
-                answer[a : a + c * dim] = part[first : first + c].reshape(-1)
-                first += c
-            if training:
-                owned[int(t)] = kept
+            if got_m[ss, fs].any():  # some rank has ids of it here
+                kept_tables[int(t)] = _Kept.empty(got_n[ss, fs], got_m[ss, fs])
+        try:
+            for t, kept in kept_tables.items():
+                fs, ss = self._table_blocks[t]
+                own = np.flatnonzero(ss == self.rank)
+                at = pack_at[self.rank, fs[own]]
+                self._pool_blocks(t, kept, own, packed, at, answer, answer_at)
+        finally:
+            occurrences = arrived()
+        for t, kept in kept_tables.items():
+            fs, ss = self._table_blocks[t]
+            others = np.flatnonzero(ss != self.rank)
+            at = in_at[ss[others], fs[others]]
+            self._pool_blocks(t, kept, others, occurrences, at, answer, answer_at)
+        if not training:
+            kept_tables = {}
         partials = self._comm.all_to_all(
             answer, (got_m * dims).sum(axis=1), (m.T * dims).sum(axis=1), "lookup sums"
         )
@@ -955,7 +997,7 @@ class ShardedEngine:
                     seen,
                 )
             per_table[t] = out
-        return targets, target_at, owned
+        return targets, target_at, kept_tables
 
     def _resolve_keys(
         self,
@@ -1054,7 +1096,8 @@ class ShardedEngine:
         nf, nt, w, cols = len(self._features), len(self.table_names), self.world_size, self._cols
         error, lrs, when = None, None, None
         push = _Push.empty(nf, w)
-        held = np.zeros(nt, dtype=np.int64)  # per table: the owners kept this batch's occurrences
+        # Per table: whether this rank updates from the batch whose occurrences the owners kept.
+        from_lookup = np.zeros(nt, dtype=np.int64)
         last = None
         try:
             batch = self._pending if given is None else given
@@ -1090,20 +1133,20 @@ class ShardedEngine:
             if self._last is not None and self._last.batch is batch:
                 last = self._last
                 push = last.push
-                held[:] = last.sums
+                from_lookup[:] = last.exchanged_sums
             else:
                 push = self._push_counts(batch)
         except (TypeError, ValueError) as e:
             error = e
-        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: held}
+        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: from_lookup}
         got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
         # Everything is validated on every rank; from here on tables change.
         self._begin_keyed(when)
         # A table's occurrences stay with their owners when every rank updates from the
         # batch of its last training lookup, which exchanged "sums" (else they are pushed).
-        kept = got[:, cols.b : cols.b + nt].all(axis=0)
+        kept_tables = got[:, cols.b : cols.b + nt].all(axis=0)
         pushed = np.ones(nf, dtype=bool)
-        for t in np.flatnonzero(kept):
+        for t in np.flatnonzero(kept_tables):
             pushed[list(self._table_feature_index[t])] = False
         n, m = push.n * pushed[:, None], push.m  # [feature, owner]
         got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
@@ -1148,30 +1191,33 @@ class ShardedEngine:
             )
         in_int_at, in_gain_at = _starts(2 * got_n), _starts(got_n)
         in_row_at = _starts(got_m * dims)
+        layouts = {}  # per table whose rows live here: where its gradient rows land
+        for t in range(nt):
+            if self._shards[t].data.shape[0]:
+                fs, ss = self._table_blocks[t]
+                dim = int(self._shards[t].dim)
+                layouts[t] = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], dim)
         # The gradient rows travel while this rank builds the update's batches of the
         # occurrences it kept (deduplication and grouping by row, which the lookup skipped).
         arrived = self._comm.all_to_all_start(
             rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
         )
         try:
-            batches = self._kept_batches(np.flatnonzero(kept), last, got_m, in_row_at)
+            batches = self._kept_batches(np.flatnonzero(kept_tables), last, got_m, layouts)
         finally:
             rows_recv = arrived()
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
         # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
         for t in reversed(range(nt)):
-            shard = self._shards[t]
-            if shard.data.shape[0] == 0:
+            if t not in layouts:
                 continue  # none of this table's rows lives here, so no rank sent any
-            fs, ss = self._table_blocks[t]
-            layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
+            shard, layout = self._shards[t], layouts[t]
             grad = layout.matrix(rows_recv)
-            if kept[t]:
-                tb = batches.get(t)
-                if tb is None:
-                    continue  # no rank had ids of it here
+            if kept_tables[t]:
+                tb = batches[t]
             else:
+                fs, ss = self._table_blocks[t]
                 tb = self._owner_batch(
                     t,
                     int_recv,
@@ -1206,56 +1252,56 @@ class ShardedEngine:
             self._report_unchanged(unchanged, everyone)
 
     def _kept_batches(
-        self, tables: np.ndarray, last: _Lookup, got_m: np.ndarray, in_row_at: np.ndarray
+        self, tables: np.ndarray, last: _Lookup, got_m: np.ndarray, layouts: dict
     ) -> dict[int, TableBatch]:
-        """The update's TableBatch of each table in ``tables`` (every rank updates from its
-        last training lookup, which exchanged "sums" for them) from the occurrences this rank
-        kept, numbered by the gradient rows arriving (``got_m[sender, feature]`` of them, from
-        float ``in_row_at[sender, feature]``), which must be as many as it pooled, block by
-        block."""
+        """The update's TableBatch of each table in ``tables`` whose shard here has rows (every
+        rank updates from its last training lookup, which exchanged "sums" for them), from the
+        occurrences this rank kept, numbered by the gradient rows arriving (``got_m[sender,
+        feature]`` of them, laid out as ``layouts[t]``), which must be as many as it pooled,
+        block by block. A shard that got no occurrence gets an empty batch: its optimizer may
+        update every row each step (non-lazy Adam), as the single engine's does."""
         batches = {}
         for t in tables.tolist():
-            shard = self._shards[t]
+            if t not in layouts:
+                continue  # none of this table's rows lives here
             fs, ss = self._table_blocks[t]
-            kept = last.owned.get(t)
-            pooled = kept.block_rows if kept is not None else np.zeros(len(fs), dtype=np.int64)
-            if shard.data.shape[0] and (got_m[ss, fs] != pooled).any():
+            kept = last.kept.get(t)
+            if kept is None:  # no rank had ids of it here
+                none = np.zeros(len(fs), dtype=np.int64)
+                kept = _Kept.empty(none, none)
+            if (got_m[ss, fs] != kept.block_rows).any():
                 raise DistributedError(
                     f"rank {self.rank}: table {self.table_names[t]!r}: gradient rows "
-                    f"{got_m[ss, fs].tolist()} are coming for the {pooled.tolist()} partial "
-                    "sums this rank pooled (ranks disagree on the batch)"
+                    f"{got_m[ss, fs].tolist()} are coming for the {kept.block_rows.tolist()} "
+                    "partial sums this rank pooled (ranks disagree on the batch)"
                 )
-            if kept is not None:
-                layout = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], int(shard.dim))
-                batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows)
+            layout = layouts[t]
+            batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows)
         return batches
 
-    def _decode_pull(
+    def _pool_blocks(
         self,
         t: int,
-        occurrences: np.ndarray,
+        kept: _Kept,
+        blocks: np.ndarray,
+        buffer: np.ndarray,
         at: np.ndarray,
-        counts: np.ndarray,
-        block_rows: np.ndarray,
-    ) -> _Kept:
-        """Table ``t``'s occurrences received in a "sums" lookup, blocks in the single
-        engine's order (``shard_route.decode_pull``): block b, ``counts[b]`` occurrences from
-        ``occurrences[at[b]]``, pooled into ``block_rows[b]`` rows."""
-        total, outputs = int(counts.sum()), int(block_rows.sum())
-        kept = _Kept(
-            ids=np.empty(total, dtype=np.int64),
-            rows=np.empty(total, dtype=np.int64),
-            gains=np.empty(total, dtype=np.float32),
-            segments=np.empty(total, dtype=np.int64),
-            output_offsets=np.empty(outputs + 1, dtype=np.int64),
-            counts=counts,
-            block_rows=block_rows,
-        )
+        answer: np.ndarray,
+        answer_at: np.ndarray,
+    ) -> None:
+        """Blocks ``blocks`` of table ``t``'s "sums" lookup (their occurrences from
+        ``buffer[at[i]]``) unpacked into ``kept`` (``shard_route.decode_pull``) and pooled
+        from this rank's shard, each block's partial sums into ``answer`` at ``answer_at[sender,
+        feature]``."""
+        if not len(blocks):
+            return
         bad = sr.decode_pull(
-            occurrences,
+            buffer,
             at,
-            counts,
-            block_rows,
+            kept.counts[blocks],
+            kept.block_rows[blocks],
+            kept.first_occ[blocks],
+            kept.first_row[blocks],
             self._route[t][0],
             self.world_size,
             self.rank,
@@ -1267,12 +1313,22 @@ class ShardedEngine:
             kept.output_offsets,
         )
         if bad >= 0:
+            b = int(np.searchsorted(kept.first_occ[blocks], bad, side="right")) - 1
+            i = int(buffer[int(at[b]) + 2 * (bad - int(kept.first_occ[blocks[b]]))])
             raise DistributedError(
                 f"rank {self.rank}: table {self.table_names[t]!r}: an occurrence arrived for id "
-                f"{int(occurrences[_occurrence_at(at, counts, bad)])}, which this rank does not "
-                "hold, or for a row out of its bag order (ranks disagree on the sharding)"
+                f"{i}, which this rank does not hold, or for a row out of its bag order (ranks "
+                "disagree on the sharding)"
             )
-        return kept
+        shard, dim = self._shards[t], int(self._dims[t])
+        q = self._resolved.tables[t].quantization_config
+        fs, ss = self._table_blocks[t]
+        for b in blocks.tolist():
+            rows = int(kept.block_rows[b])
+            if rows:
+                part = self._backend.lookup_rows(shard.data, dim, kept.block_batch(b), q)
+                a = int(answer_at[ss[b], fs[b]])
+                answer[a : a + rows * dim] = part.reshape(-1)
 
     def _kept_batch(self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int):
         """The update's TableBatch of the occurrences kept from table ``t``'s "sums" lookup,
@@ -1604,15 +1660,6 @@ def _starts(sizes: np.ndarray) -> np.ndarray:
     out = np.zeros(len(flat), dtype=np.int64)
     np.cumsum(flat[:-1], out=out[1:])
     return out.reshape(np.shape(sizes))
-
-
-def _occurrence_at(at: np.ndarray, counts: np.ndarray, k: int) -> int:
-    """Where occurrence ``k`` of blocks (``counts[b]`` pairs from ``at[b]``) lies in the buffer."""
-    for a, c in zip(at.tolist(), counts.tolist(), strict=True):
-        if k < c:
-            return a + 2 * k
-        k -= c
-    raise IndexError(k)
 
 
 def _take_rows(

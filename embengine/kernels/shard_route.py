@@ -25,7 +25,8 @@ ids deduplicated in order of first appearance (``prepare._dedup``), grouped stab
 "Sums" exchange (lookup; ``ShardedEngine(exchange=)``): ``count_push`` counts, ``fill_pull``
 packs each occurrence for its owner (id; its activation row's index among those the owner
 pools for the feature, and its gain), ``decode_pull`` checks and unpacks what an owner got into
-arrays it pools its rows' part of every bag from (no deduplication: pooling needs none),
+arrays it pools its rows' part of every bag from (no deduplication: pooling needs none; block
+by block, so that an owner pools the blocks it sent itself while the others travel),
 ``add_partials`` adds the owners' partial sums into the activations, and ``kept_batch`` builds
 the update's TableBatch from the occurrences the owner kept (``owner_batch``'s arrays).
 
@@ -342,6 +343,8 @@ def decode_pull(
     at,
     counts,
     block_rows,
+    first_occ,
+    first_row,
     kind,
     world,
     rank,
@@ -352,18 +355,20 @@ def decode_pull(
     segments,
     output_offsets,
 ):
-    """One table's occurrences received by its owner in a "sums" lookup (``fill_pull``'s
-    pairs), block after block in the single engine's order (block b: ``counts[b]`` pairs from
-    ``packed[at[b]]``, pooled into ``block_rows[b]`` rows numbered after the previous blocks'),
-    as arrays a pooling kernel reads: each occurrence's id, local row, gain (int32 bits) and
-    activation row (``segments``, non-decreasing), and the CSR ``output_offsets`` over all
-    the blocks' rows. Returns -1, or the index of an occurrence whose id this rank does not
-    hold or whose row index is out of its block or smaller than the one before it."""
-    k = 0
-    base = 0
+    """Blocks of one table's occurrences received by its owner in a "sums" lookup
+    (``fill_pull``'s pairs; block b: ``counts[b]`` pairs from ``packed[at[b]]``, pooled into
+    ``block_rows[b]`` rows), as arrays a pooling kernel reads: occurrence p of block b goes to
+    place ``first_occ[b] + p`` of each occurrence's id, local row, gain (int32 bits) and
+    activation row (``segments``: ``first_row[b]`` + its index in the block), and the block's
+    rows get their CSR in ``output_offsets[first_row[b]:first_row[b] + block_rows[b] + 1]``
+    (places, not counts). Returns -1, or the place of an occurrence whose id this rank does
+    not hold or whose row index is out of its block or smaller than the one before it."""
     for b in range(counts.shape[0]):
         previous = 0
+        filled = 0  # the block's rows whose first place is written
+        base = first_row[b]
         for p in range(counts[b]):
+            k = first_occ[b] + p
             i = packed[at[b] + 2 * p]
             v = packed[at[b] + 2 * p + 1]
             j = v >> 32
@@ -377,13 +382,16 @@ def decode_pull(
             ):
                 return k
             previous = j
+            while filled <= j:
+                output_offsets[base + filled] = k
+                filled += 1
             ids[k] = i
             rows[k] = r
             gain_bits[k] = np.int32(v & 0xFFFFFFFF)
             segments[k] = base + j
-            k += 1
-        base += block_rows[b]
-    _offsets(segments, base, output_offsets)
+        while filled <= block_rows[b]:
+            output_offsets[base + filled] = first_occ[b] + counts[b]
+            filled += 1
     return -1
 
 
