@@ -360,8 +360,12 @@ def _feature_occurrences(r: Ragged, seq_len: int, combiner: str):
     return r.ids, combiner_gains(r, combiner), bag, r.num_samples
 
 
-def normalise_features(resolved: ResolvedFeatures, features, weights) -> dict[str, Ragged]:
-    """Validate the feature dict and every feature's values; name the culprit on error."""
+def normalise_features(
+    resolved: ResolvedFeatures, features, weights, check_ids: bool = True
+) -> dict[str, Ragged]:
+    """Validate the feature dict and every feature's values; name the culprit on error.
+    ``check_ids=False`` leaves the ids' range to the caller (a backend that checks a
+    lookup-only batch's ids while it pools them: ``Backend.checks_lookup_ids``)."""
     if not isinstance(features, Mapping):
         raise TypeError(f"features must be a dict of feature name -> ids, got {type(features)}")
     missing = [f for f in resolved.features if f not in features]
@@ -386,7 +390,8 @@ def normalise_features(resolved: ResolvedFeatures, features, weights) -> dict[st
             r = to_ragged(features[name], weights.get(name), keyed=fc.table.vocabulary_size is None)
             if fc.is_sequence and r.weights is not None:
                 raise ValueError("a sequence feature (max_sequence_length > 0) takes no weights")
-            check_values(r, fc.table.vocabulary_size, fc.validate_weights_and_indices)
+            vocabulary = fc.table.vocabulary_size if check_ids else None
+            check_values(r, vocabulary, fc.validate_weights_and_indices)
         except (TypeError, ValueError) as e:
             raise type(e)(f"feature {name!r}: {e}") from None
         out[name] = r
@@ -407,6 +412,9 @@ class FeaturePart:
     row_offset: int = 0
     name: str = ""  # the feature's name (error messages, the ids' check at lookup)
     member: int = 0  # its logical table's index in the physical table (rows_for's ``logical``)
+    # Its table's vocabulary, the range of its ids (None: a keyed table's keys, any int64):
+    # what a backend that checks a lookup-only batch's ids itself checks them against.
+    vocabulary_size: int | None = None
 
 
 def csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -579,14 +587,15 @@ def plan_tables(
     features,
     weights=None,
     storage_layout: list[list[tuple[str, int]]] | None = None,
+    check_ids: bool = True,
 ) -> tuple[list[list[FeaturePart]], dict[str, FeatureLayout]]:
     """Validate features and split them by storage table: (each table's feature parts, each
     feature's place in its table's activation matrix). ``storage_layout`` lists, per storage
     table, its features with the row offset of their table in it (low-dimensional packing puts
     several tables in one; -1: the storage maps ids to rows itself, so the batch leaves its
     rows to the engine), each table's features together; by default each table is its own
-    storage."""
-    ragged = normalise_features(resolved, features, weights)
+    storage. ``check_ids``: as ``normalise_features``'s."""
+    ragged = normalise_features(resolved, features, weights, check_ids)
     if storage_layout is None:
         storage_layout = _default_layout(resolved)
     layouts: dict[str, FeatureLayout] = {}
@@ -619,6 +628,7 @@ def plan_tables(
                     offset,
                     name,
                     len(seen) - 1,
+                    fc.table.vocabulary_size,
                 )
             )
             rows += n_out
@@ -634,6 +644,7 @@ def prepare(
     storage_layout: list[list[tuple[str, int]]] | None = None,
     deduplicate: bool = True,
     fingerprint: BatchFingerprint | None = None,
+    check_ids: bool = True,
 ) -> PreparedBatch:
     """Validate features and build the per-table deduplication data (pure).
 
@@ -644,9 +655,12 @@ def prepare(
     ``build_tables(parts_per_table)`` turns each table's feature parts into its
     TableBatch; backends pass a faster construction with identical results. ``storage_layout``:
     see ``plan_tables``. ``fingerprint``: ``batch_fingerprint(resolved, storage_layout)``,
-    computed here if not given (an engine passes its own, computed once).
+    computed here if not given (an engine passes its own, computed once). ``check_ids=False``
+    (a lookup-only batch only) leaves the ids' range to the backend that looks it up.
     """
-    parts_per_table, layouts = plan_tables(resolved, features, weights, storage_layout)
+    if not check_ids and deduplicate:
+        raise ValueError("a deduplicated batch's ids are checked when it is prepared")
+    parts_per_table, layouts = plan_tables(resolved, features, weights, storage_layout, check_ids)
     if deduplicate:
         tables = build_tables(parts_per_table)
     else:

@@ -638,8 +638,17 @@ class EmbeddingEngine:
                 self._end_call()
                 batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
                 self._set_pending(batch)
-        else:
-            batch = self.preprocess(features, weights, training=training)
+        else:  # lookup-only; a backend that range-checks ids as it pools them checks them
+            batch = prepare(
+                self._resolved,
+                features,
+                weights,
+                self._backend.build_tables,
+                self._storage_layout,
+                deduplicate=False,
+                fingerprint=self._batch_fingerprint(),
+                check_ids=not getattr(self._backend, "checks_lookup_ids", False),
+            )
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
                 self._begin_step(timestamp, training=training and resolve)

@@ -100,6 +100,37 @@ def test_bad_lookup_input_changes_nothing(backend, features, exc, message):
     assert eng.step == 1
 
 
+@pytest.mark.parametrize("storage", ["ram", "mmap", "bfloat16", "packed"])
+def test_lookup_only_ids_are_range_checked_in_every_storage(backend, storage, tmp_path):
+    # The numba backend checks a lookup-only batch's ids as it pools them, in its one region
+    # (ram, mmap, packed tables) or before pooling a table there is none for (16-bit rows);
+    # keys of a keyed table beside them are any int64.
+    if storage == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    kw = {"weights_dtype": "bfloat16"} if storage == "bfloat16" else {}
+    dim = 4 if storage == "packed" else 8
+    a = ee.TableConfig(10, dim, name="a", combiner="sum", **kw)
+    b = ee.TableConfig(6, dim, name="b", combiner="sum", **kw)
+    keyed = ee.TableConfig(None, 4, name="k", dynamic=ee.DynamicVocabulary())
+    features = {"x": ee.FeatureConfig(a), "y": ee.FeatureConfig(b), "z": ee.FeatureConfig(keyed)}
+    extra = {}
+    if storage == "mmap":
+        extra = {"storage": {"a": "mmap", "b": "mmap"}, "storage_dir": tmp_path}
+    sgd = opt.SGD(0.1, low_dimensional_packing_status=storage == "packed")
+    eng = ee.EmbeddingEngine(features, optimizer=sgd, backend=backend, **extra)
+    packed = len(eng.storage_plan.physical_tables) < 3
+    assert packed == (storage == "packed"), eng.storage_plan
+    good = {"x": [[1, 9], [0]], "y": [[5], [0, 1]], "z": [[-7, 2**62], [3]]}
+    eng.lookup(good, training=False)
+    for bad, message in (
+        ({"y": [[5], [0, 6]]}, r"feature 'y': id 6 at sample 1, position 1 .* \[0, 6\)"),
+        ({"x": [[-1, 1], [0]]}, r"feature 'x': id -1 at sample 0, position 0"),
+        ({"x": [[1], [0, 2**63 - 1]]}, r"feature 'x': id 9223372036854775807 at sample 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            eng.lookup({**good, **bad}, training=False)
+
+
 @pytest.mark.parametrize("features, exc, message", LOOKUP_CASES)
 def test_bad_input_is_refused_by_lookup_only_batches_too(backend, features, exc, message):
     # A lookup-only batch pools straight from the given ids: they must be checked first.

@@ -73,7 +73,11 @@ class Backend(Protocol):
         quantizations: list[QuantizationConfig | None],
     ) -> list[np.ndarray]:
         """``lookup`` of every table, the same results (the numba backend pools the lookup-only
-        batches of most storages in one parallel region)."""
+        batches of most storages in one parallel region). A backend whose class sets
+        ``checks_lookup_ids = True`` range-checks every lookup-only feature's ids against its
+        part's ``vocabulary_size`` here, raising ``check_values``'s error with the feature
+        named, before it returns anything; the engine then prepares direct lookup-only calls
+        without that check (``prepare(..., check_ids=False)``)."""
         ...
 
     def lookup_rows(

@@ -168,6 +168,31 @@ def _make_rows_at(dtype, llvm_type, itemsize: int):
     return rows_at
 
 
+@intrinsic
+def readonly_int64_at(typingctx, address, n):
+    """A read-only ``[n]`` int64 view of the memory at ``address`` (an int64): the type of a
+    slice of a frozen array (``inputs.frozen``), so that a kernel given a feature's ids by
+    address compiles as for the same ids concatenated into one array. No ownership, as
+    ``rows_at``."""
+    aryty = types.Array(types.int64, 1, "C", readonly=True)
+
+    def codegen(context, builder, sig, args):
+        intp = context.get_value_type(types.intp)
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        ary = context.make_array(aryty)(context, builder)
+        populate_array(
+            ary,
+            data=ptr,
+            shape=[args[1]],
+            strides=[ir.Constant(intp, 8)],
+            itemsize=ir.Constant(intp, 8),
+            meminfo=None,
+        )
+        return ary._getvalue()
+
+    return aryty(types.int64, types.intp), codegen
+
+
 # float32_rows_at(address, rows, cols): a table's rows, an activation matrix.
 float32_rows_at = _make_rows_at(types.float32, ir.FloatType(), 4)
 # int64_rows_at(address, rows, cols): a keyed table's keys by row (kernels/keyed_index.py).

@@ -31,6 +31,7 @@ from ._intrinsics import (
     float32_rows_at,
     int32_rows_at,
     int64_rows_at,
+    readonly_int64_at,
     stack_row,
     uint8_rows_at,
     uint16_rows_at,
@@ -69,7 +70,11 @@ PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
 # address of a byte per row, 1 for a row that pools as absent (0: none) and their number.
 FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_ROW_BITS, FD_RECORDS = range(6)
 FD_DEAD, FD_DEAD_ROWS = 6, 7
-FD_COLS = 8
+# A lookup-only batch's feature (``pool_features``): the address of its ids (0: they are in the
+# concatenated ``ids``, from its F_ID_BASE), and its logical table's vocabulary size, against
+# which the kernel range-checks its ids (0: no check, e.g. keys).
+FD_IDS, FD_VOCAB = 8, 9
+FD_COLS = 10
 # Columns of the per-table array ``pmeta`` of ``pool_tables``: the rows pooled from (address,
 # rows, row width in elements, dim), the activation matrix (address, rows), where the table's
 # rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, its CSR in
@@ -105,6 +110,31 @@ def pool_tasks(fmeta, fdata):
 
 
 @kernel()
+def _feature_ids(f, fmeta, ids, n_ids, fdata):
+    """Feature ``f``'s ``n_ids`` ids: at their own address (``FD_IDS``), or in ``ids``."""
+    if fdata[f, FD_IDS] != 0:
+        return readonly_int64_at(fdata[f, FD_IDS], n_ids)
+    return ids[fmeta[f, F_ID_BASE] : fmeta[f, F_ID_BASE] + n_ids]
+
+
+@kernel()
+def _ids_in_range(f, first, stop, fmeta, ids, offsets, fdata):
+    """Whether the ids of samples ``first:stop`` of feature ``f`` lie in ``[0, FD_VOCAB)``
+    (the vocabulary of its logical table; 0: no check). Read just before they are pooled, so
+    the pass costs no extra trip to memory."""
+    vocab = fdata[f, FD_VOCAB]
+    if vocab <= 0:
+        return True
+    n = fmeta[f, F_SAMPLES]
+    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
+    f_ids = _feature_ids(f, fmeta, ids, f_offsets[n], fdata)
+    bad = False
+    for k in range(f_offsets[first], f_offsets[stop]):
+        bad |= np.uint64(f_ids[k]) >= np.uint64(vocab)  # a negative id is huge as uint64
+    return not bad
+
+
+@kernel()
 def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
     """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
     the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
@@ -116,7 +146,7 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
     n = fmeta[f, F_SAMPLES]
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
     n_ids = f_offsets[n]
-    f_ids = ids[fmeta[f, F_ID_BASE] : fmeta[f, F_ID_BASE] + n_ids]
+    f_ids = _feature_ids(f, fmeta, ids, n_ids, fdata)
     w_base = fmeta[f, F_W_BASE]
     f_weights = weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0]
     pool_range(
@@ -153,10 +183,10 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
     lo = f_offsets[first]
     hi = f_offsets[stop]
-    id_base = fmeta[f, F_ID_BASE]
+    f_ids = _feature_ids(f, fmeta, ids, f_offsets[n], fdata)
     rows = np.empty(hi - lo, dtype=np.int64)
     bits = fdata[f, FD_ROW_BITS]
-    find_range(slots, keys, bits, ids[id_base + lo : id_base + hi], rows, 0, hi - lo)
+    find_range(slots, keys, bits, f_ids[lo:hi], rows, 0, hi - lo)
     if fdata[f, FD_DEAD] != 0:
         dead = uint8_rows_at(fdata[f, FD_DEAD], fdata[f, FD_DEAD_ROWS], 1)
         for i in range(hi - lo):
@@ -184,10 +214,11 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
 
 
 @kernel(parallel=True)
-def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch, bad):
     """A lookup-only batch of every table with an address in ``fdata`` (their ids are rows):
     ``prepare_and_pool``'s pooling tasks alone, claimed from one counter by ``n_workers``
-    workers."""
+    workers. A task whose ids are not all in their feature's vocabulary (``FD_VOCAB``) pools
+    nothing and sets ``bad[f]`` (the caller raises)."""
     tasks = pool_tasks(fmeta, fdata)
     counter = np.zeros(1, dtype=np.int64)
     for _ in nb.prange(n_workers):
@@ -195,6 +226,10 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
             i = fetch_add(counter, 0, 1)
             if i >= tasks.shape[0]:
                 break
+            f = tasks[i, 0]
+            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, ids, offsets, fdata):
+                bad[f] = 1
+                continue
             _pool_task(
                 tasks[i, 0],
                 tasks[i, 1],
@@ -211,7 +246,9 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
 
 
 @kernel(parallel=True)
-def pool_keyed_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+def pool_keyed_features(
+    n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch, bad
+):
     """``pool_features`` for a batch with keyed features too (``fdata[f, FD_INDEX]``), whose
     tasks probe their keys first (``_pool_keyed_task``). A kernel of its own, so that an engine
     without keyed tables never compiles the keyed pooling (its row arrays are writable, so
@@ -224,6 +261,10 @@ def pool_keyed_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, q
             if i >= tasks.shape[0]:
                 break
             args = (fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch)
+            f = tasks[i, 0]
+            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, ids, offsets, fdata):
+                bad[f] = 1
+                continue
             if fdata[tasks[i, 0], FD_INDEX] != 0:
                 _pool_keyed_task(tasks[i, 0], tasks[i, 1], tasks[i, 2], *args)
             else:
