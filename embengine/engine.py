@@ -546,6 +546,11 @@ class EmbeddingEngine:
 
         ``training=False`` skips the deduplication, which only the update needs: the batch can
         be looked up (evaluation, inference) but not passed to ``apply_gradients``."""
+        return self._prepare(features, weights, training)
+
+    def _prepare(self, features, weights, training: bool, check_ids: bool = True):
+        """``preprocess``; ``check_ids=False`` leaves a lookup-only batch's ids unchecked (a
+        backend that checks them while pooling: ``Backend.checks_lookup_ids``)."""
         return prepare(
             self._resolved,
             features,
@@ -554,6 +559,7 @@ class EmbeddingEngine:
             self._storage_layout,
             deduplicate=training,
             fingerprint=self._batch_fingerprint(),
+            check_ids=check_ids,
         )
 
     def lookup(
@@ -639,16 +645,8 @@ class EmbeddingEngine:
                 batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
                 self._set_pending(batch)
         else:  # lookup-only; a backend that range-checks ids as it pools them checks them
-            batch = prepare(
-                self._resolved,
-                features,
-                weights,
-                self._backend.build_tables,
-                self._storage_layout,
-                deduplicate=False,
-                fingerprint=self._batch_fingerprint(),
-                check_ids=not getattr(self._backend, "checks_lookup_ids", False),
-            )
+            checks = getattr(self._backend, "checks_lookup_ids", False)
+            batch = self._prepare(features, weights, training=False, check_ids=not checks)
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
                 self._begin_step(timestamp, training=training and resolve)

@@ -214,6 +214,42 @@ def owner_batch_reference(blocks):
     return ids, segments, gains
 
 
+def _draw_blocks(data, owned: np.ndarray, in_order: bool, gaps: bool) -> tuple[list, int]:
+    """(blocks, rows): up to 4 blocks of an owner's occurrences as they arrive (one per feature
+    and sender), each ``(ids, row index of each occurrence, gains, first row, rows)``, its rows
+    after the blocks before it (``gaps``: with rows of other tables between); ``in_order``:
+    row indices non-decreasing, as a bag's occurrences come."""
+    blocks, base = [], 0
+    for _ in range(data.draw(st.integers(0, 4))):
+        k = data.draw(st.integers(0, 6)) if len(owned) else 0
+        ids = np.array([data.draw(st.sampled_from(owned.tolist())) for _ in range(k)], np.int64)
+        rows = data.draw(st.integers(k > 0, max(k, 1)))
+        at = np.array([data.draw(st.integers(0, rows - 1)) for _ in range(k)], np.int64)
+        gains = np.array([data.draw(st.floats(-2, 2, width=32)) for _ in range(k)], np.float32)
+        blocks.append((ids, np.sort(at) if in_order else at, gains, base, rows))
+        base += rows + (data.draw(st.integers(0, 2)) if gaps else 0)
+    return blocks, base
+
+
+def _assert_owner_batch(out, u, ids, segments, gains, num_outputs, world, row) -> None:
+    """``out`` (``_blocks_out``'s arrays, ``u`` unique ids) is the single engine's TableBatch of
+    occurrences ``ids`` / ``segments`` / ``gains``: dedup in order of first appearance, CSR
+    views by output and, stably, by unique id."""
+    unique, inverse = dedup(ids)
+    unique_offsets, by_unique = csr(inverse, len(unique))
+    assert u == len(unique)
+    np.testing.assert_array_equal(out["unique"][:u], unique)
+    np.testing.assert_array_equal(out["inverse"], inverse)
+    if "gains" in out:
+        assert out["gains"].tobytes() == gains.tobytes()
+    np.testing.assert_array_equal(out["segments"], segments)
+    np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
+    np.testing.assert_array_equal(out["output_offsets"], csr(segments, num_outputs)[0])
+    np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
+    assert out["unique_gains"].tobytes() == gains[by_unique].tobytes()
+    np.testing.assert_array_equal(out["unique_segments"], segments[by_unique])
+
+
 @SETTINGS
 @given(route=routes(), data=st.data())
 def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data):
@@ -221,16 +257,7 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     rank, _, owned = _draw_owned(data, route, max_vocab=15)
     n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
     # Blocks as they arrive (one per feature and sender), each with its own gradient rows.
-    blocks, base = [], 0
-    for _ in range(data.draw(st.integers(0, 4))):
-        k = data.draw(st.integers(0, 6)) if len(owned) else 0
-        ids = np.array([data.draw(st.sampled_from(owned.tolist())) for _ in range(k)], np.int64)
-        n_grad = data.draw(st.integers(k > 0, max(k, 1)))
-        at = np.array([data.draw(st.integers(0, n_grad - 1)) for _ in range(k)], np.int64)
-        gains = np.array([data.draw(st.floats(-2, 2, width=32)) for _ in range(k)], np.float32)
-        blocks.append((ids, at, gains, base))
-        base += n_grad + data.draw(st.integers(0, 2))  # rows of other tables between
-    num_outputs = base
+    blocks, num_outputs = _draw_blocks(data, owned, in_order=False, gaps=True)
     # Lay the blocks out shuffled in the buffers: the kernel must follow the offsets.
     order = data.draw(st.permutations(range(len(blocks))))
     ints, gbuf = [np.zeros(1, np.int64)], [np.zeros(2, np.float32)]
@@ -238,7 +265,7 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     gain_at = np.zeros(len(blocks), np.int64)
     pi, pg = 1, 2
     for b in order:
-        ids, at, gains, _ = blocks[b]
+        ids, at, gains, _, _ = blocks[b]
         int_at[b], gain_at[b] = pi, pg
         ints += [ids, at]
         gbuf.append(gains)
@@ -246,18 +273,7 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     ints, gbuf = np.concatenate(ints), np.concatenate(gbuf)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     row_base = np.array([b[3] for b in blocks], dtype=np.int64)
-    total = int(counts.sum())
-    out = dict(
-        unique=np.empty(total, np.int64),
-        inverse=np.empty(total, np.int64),
-        gains=np.empty(total, np.float32),
-        segments=np.empty(total, np.int64),
-        unique_rows=np.empty(total, np.int64),
-        output_offsets=np.empty(num_outputs + 1, np.int64),
-        unique_offsets=np.empty(total + 1, np.int64),
-        unique_gains=np.empty(total, np.float32),
-        unique_segments=np.empty(total, np.int64),
-    )
+    out = _blocks_out(int(counts.sum()), num_outputs)
     u = sr.owner_batch(
         ints,
         gbuf,
@@ -272,20 +288,8 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
         num_outputs,
         *out.values(),
     )
-    ids, segments, gains = owner_batch_reference(blocks)
-    unique, inverse = dedup(ids)
-    output_offsets, _ = csr(segments, num_outputs)
-    unique_offsets, by_unique = csr(inverse, len(unique))
-    assert u == len(unique)
-    np.testing.assert_array_equal(out["unique"][:u], unique)
-    np.testing.assert_array_equal(out["inverse"], inverse)
-    np.testing.assert_array_equal(out["gains"], gains)
-    np.testing.assert_array_equal(out["segments"], segments)
-    np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
-    np.testing.assert_array_equal(out["output_offsets"], output_offsets)
-    np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
-    np.testing.assert_array_equal(out["unique_gains"], gains[by_unique])
-    np.testing.assert_array_equal(out["unique_segments"], segments[by_unique])
+    ids, segments, gains = owner_batch_reference([b[:4] for b in blocks])
+    _assert_owner_batch(out, u, ids, segments, gains, num_outputs, world, row)
 
 
 @pytest.mark.parametrize("row", [sr.KIND_ROW, sr.KIND_TABLE])
@@ -415,15 +419,7 @@ def test_an_owner_pools_from_the_occurrences_and_updates_from_their_batch(route,
     rank, _, owned = _draw_owned(data, route, max_vocab=15)
     n_rows = int(local_rows(owned, world, row).max()) + 1 if len(owned) else 0
     # Blocks in the single engine's order (feature, sender), each pooled into its own rows.
-    blocks, base = [], 0
-    for _ in range(data.draw(st.integers(0, 4))):
-        k = data.draw(st.integers(0, 6)) if len(owned) else 0
-        ids = np.array([data.draw(st.sampled_from(owned.tolist())) for _ in range(k)], np.int64)
-        rows = data.draw(st.integers(k > 0, max(k, 1)))
-        at = np.sort(np.array([data.draw(st.integers(0, rows - 1)) for _ in range(k)], np.int64))
-        gains = np.array([data.draw(st.floats(-2, 2, width=32)) for _ in range(k)], np.float32)
-        blocks.append((ids, at, gains, base, rows))
-        base += rows
+    blocks, base = _draw_blocks(data, owned, in_order=True, gaps=False)
     # Laid out shuffled in the buffer, gains as fill_pull packs them.
     order = data.draw(st.permutations(range(len(blocks))))
     parts, starts, pos = [np.zeros(3, np.int64)], np.zeros(len(blocks), np.int64), 3
@@ -471,17 +467,7 @@ def test_an_owner_pools_from_the_occurrences_and_updates_from_their_batch(route,
     )
     moved = [(b[0], b[1], b[2], row_base[i]) for i, b in enumerate(blocks)]
     _, grad_rows, _ = owner_batch_reference(moved)
-    unique, inverse = dedup(want_ids)
-    unique_offsets, by_unique = csr(inverse, len(unique))
-    assert u == len(unique)
-    np.testing.assert_array_equal(out["unique"][:u], unique)
-    np.testing.assert_array_equal(out["inverse"], inverse)
-    np.testing.assert_array_equal(out["segments"], grad_rows)
-    np.testing.assert_array_equal(out["unique_rows"][:u], local_rows(unique, world, row))
-    np.testing.assert_array_equal(out["output_offsets"], csr(grad_rows, num_outputs)[0])
-    np.testing.assert_array_equal(out["unique_offsets"][: u + 1], unique_offsets)
-    assert out["unique_gains"].tobytes() == want_gains[by_unique].tobytes()
-    np.testing.assert_array_equal(out["unique_segments"], grad_rows[by_unique])
+    _assert_owner_batch(out, u, want_ids, grad_rows, want_gains, num_outputs, world, row)
 
 
 @pytest.mark.parametrize(

@@ -1335,8 +1335,8 @@ class ShardedEngine:
         its gradient rows block b's from ``row_base[b]`` of the ``num_outputs`` received
         (``shard_route.kept_batch``)."""
 
-        def build(unique, inverse, gains, segments, rows, out_offsets, offsets, u_gains, u_segs):
-            gains[:] = kept.gains
+        def build(unique, inverse, gains, *rest):
+            gains[:] = kept.gains  # the kernel reads the kept ones
             return sr.kept_batch(
                 kept.ids,
                 kept.segments,
@@ -1349,12 +1349,7 @@ class ShardedEngine:
                 num_outputs,
                 unique,
                 inverse,
-                segments,
-                rows,
-                out_offsets,
-                offsets,
-                u_gains,
-                u_segs,
+                *rest,
             )
 
         total = len(kept.ids)
@@ -1377,7 +1372,7 @@ class ShardedEngine:
         each row's gradient sums in that order), rows of the shard; segments index the
         received gradient rows."""
 
-        def build(unique, inverse, gains, segments, rows, out_offsets, offsets, u_gains, u_segs):
+        def build(*arrays):
             return sr.owner_batch(
                 ints,
                 gains_in,
@@ -1390,15 +1385,7 @@ class ShardedEngine:
                 self.rank,
                 self._shards[t].data.shape[0],
                 num_outputs,
-                unique,
-                inverse,
-                gains,
-                segments,
-                rows,
-                out_offsets,
-                offsets,
-                u_gains,
-                u_segs,
+                *arrays,
             )
 
         total = int(counts.sum())

@@ -74,6 +74,32 @@ AUTO_SHARE = 0.5
 EXCHANGE_CHOICES = ("rows", "sums", "auto")
 
 
+def per_table(
+    value: str | Mapping[str, str],
+    what: str,
+    choices: Sequence[str],
+    default: str,
+    table_names: Sequence[str],
+) -> list[str]:
+    """Per table, the kind ``value`` gives it: one of ``choices`` for every table, or a dict
+    table name -> one of them (tables not named get ``default``); errors name ``what``."""
+    if isinstance(value, str):
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {tuple(choices)} or a dict, got {value!r}")
+        return [value] * len(table_names)
+    if isinstance(value, Mapping):
+        unknown = [t for t in value if t not in table_names]
+        if unknown:
+            raise ValueError(
+                f"{what} names unknown tables {unknown}; tables are {list(table_names)}"
+            )
+        for t, k in value.items():
+            if k not in choices:
+                raise ValueError(f"{what}[{t!r}] must be one of {tuple(choices)}, got {k!r}")
+        return [value.get(t, default) for t in table_names]
+    raise TypeError(f"{what} must be a str or a dict of table -> kind, got {value!r}")
+
+
 def plan_exchange(
     exchange: str | Mapping[str, str], table_names: Sequence[str], keyed: Sequence[bool]
 ) -> tuple[str, ...]:
@@ -81,24 +107,7 @@ def plan_exchange(
     dict table name -> one of them; tables not named are "auto"). A keyed table exchanges
     rows (its owner resolves keys to rows once per step, before anyone pools): "auto" gives it
     "rows", and "sums" asked for it by name is a ValueError."""
-    if isinstance(exchange, str):
-        if exchange not in EXCHANGE_CHOICES:
-            raise ValueError(
-                f"exchange must be one of {EXCHANGE_CHOICES} or a dict, got {exchange!r}"
-            )
-        kinds = [exchange] * len(table_names)
-    elif isinstance(exchange, Mapping):
-        unknown = [t for t in exchange if t not in table_names]
-        if unknown:
-            raise ValueError(
-                f"exchange names unknown tables {unknown}; tables are {list(table_names)}"
-            )
-        for t, k in exchange.items():
-            if k not in EXCHANGE_CHOICES:
-                raise ValueError(f"exchange[{t!r}] must be one of {EXCHANGE_CHOICES}, got {k!r}")
-        kinds = [exchange.get(t, "auto") for t in table_names]
-    else:
-        raise TypeError(f"exchange must be a str or a dict of table -> kind, got {exchange!r}")
+    kinds = per_table(exchange, "exchange", EXCHANGE_CHOICES, "auto", table_names)
     for t, name in enumerate(table_names):
         if keyed[t] and kinds[t] == "sums" and isinstance(exchange, Mapping):
             raise ValueError(
@@ -281,24 +290,7 @@ def plan_shards(
     themselves. A keyed table (``keyed[t]``) is ``"keyed"`` whatever ``sharding`` says (its
     reason under "auto" says so); it takes no part in the placement of the others."""
     keyed = list(keyed) if keyed is not None else [False] * len(table_names)
-    if isinstance(sharding, str):
-        if sharding not in SHARDING_CHOICES:
-            raise ValueError(
-                f"sharding must be one of {SHARDING_CHOICES} or a dict, got {sharding!r}"
-            )
-        kinds = [sharding] * len(table_names)
-    elif isinstance(sharding, Mapping):
-        unknown = [t for t in sharding if t not in table_names]
-        if unknown:
-            raise ValueError(
-                f"sharding names unknown tables {unknown}; tables are {list(table_names)}"
-            )
-        for t, k in sharding.items():
-            if k not in SHARDING_CHOICES:
-                raise ValueError(f"sharding[{t!r}] must be one of {SHARDING_CHOICES}, got {k!r}")
-        kinds = [sharding.get(t, "row") for t in table_names]
-    else:
-        raise TypeError(f"sharding must be a str or a dict of table -> kind, got {sharding!r}")
+    kinds = per_table(sharding, "sharding", SHARDING_CHOICES, "row", table_names)
     owners = [-1] * len(table_names)
     reasons = [""] * len(table_names)
     auto = [t for t, k in enumerate(kinds) if k == "auto" and not keyed[t]]
