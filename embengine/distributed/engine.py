@@ -185,6 +185,7 @@ class _Kept:
     block_rows: np.ndarray
     first_occ: np.ndarray
     first_row: np.ndarray
+    each: np.ndarray  # 0..occurrences: each occurrence its own entry (``block_batch``)
 
     @classmethod
     def empty(cls, counts: np.ndarray, block_rows: np.ndarray) -> _Kept:
@@ -199,14 +200,14 @@ class _Kept:
             block_rows=block_rows,
             first_occ=_starts(counts[None])[0],
             first_row=_starts(block_rows[None])[0],
+            each=np.arange(total + 1, dtype=np.int64),
         )
 
     def block_batch(self, b: int) -> TableBatch:
         """Block ``b``'s rows as a TableBatch with each occurrence its own entry (no
         deduplication: pooling needs none), its rows resolved: what ``Backend.lookup_rows``
         pools them from (its CSR places index the table's arrays)."""
-        n = len(self.ids)
-        each = np.arange(n + 1, dtype=np.int64)
+        n, each = len(self.ids), self.each.view()
         first, rows = int(self.first_row[b]), int(self.block_rows[b])
         # Views: a TableBatch makes its arrays read-only, and the later blocks still arrive.
         ids, gains, segments = self.ids.view(), self.gains.view(), self.segments.view()
@@ -759,6 +760,13 @@ class ShardedEngine:
         }
         return acts, batch
 
+    def _features_of(self, tables: np.ndarray) -> np.ndarray:
+        """Per feature, whether its table is one of ``tables`` (a bool per table)."""
+        out = np.zeros(len(self._features), dtype=bool)
+        for t in np.flatnonzero(tables):
+            out[list(self._table_feature_index[t])] = True
+        return out
+
     def _push_counts(self, batch: PreparedBatch) -> _Push:
         """``batch``'s occurrences cut by owner, feature by feature (``count_push``): what the
         "sums" lookup sends and the update pushes."""
@@ -922,9 +930,7 @@ class ShardedEngine:
         (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the
         occurrences this rank owns (a training lookup's)."""
         nf, w, cols = len(self._features), self.world_size, self._cols
-        mine = np.zeros(nf, dtype=bool)  # the features of the "sums" tables
-        for t in np.flatnonzero(sums):
-            mine[list(self._table_feature_index[t])] = True
+        mine = self._features_of(sums)
         n, m = push.n * mine[:, None], push.m * mine[:, None]  # [feature, owner]
         got_n = got[:, cols.n : cols.n + nf] * mine[None, :]  # [sender, feature]
         got_m = got[:, cols.m : cols.m + nf] * mine[None, :]
@@ -1145,9 +1151,7 @@ class ShardedEngine:
         # A table's occurrences stay with their owners when every rank updates from the
         # batch of its last training lookup, which exchanged "sums" (else they are pushed).
         kept_tables = got[:, cols.b : cols.b + nt].all(axis=0)
-        pushed = np.ones(nf, dtype=bool)
-        for t in np.flatnonzero(kept_tables):
-            pushed[list(self._table_feature_index[t])] = False
+        pushed = ~self._features_of(kept_tables)
         n, m = push.n * pushed[:, None], push.m  # [feature, owner]
         got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
         got_m = got[:, cols.m : cols.m + nf]
