@@ -154,7 +154,11 @@ def test_a_case_s_time_limit_leaves_out_numba_compiling_and_waiting_for_a_compil
         try:
             results = Runner(
                 "selftest",
-                [{"action": "locked", "value": 2}, {"action": "compile"}, {"action": "hang"}],
+                [
+                    {"action": "locked", "value": 2},
+                    {"action": "compile", "seconds": 3 * limit},
+                    {"action": "hang"},
+                ],
                 case_timeout=limit,
                 attribute="none",
             ).run()

@@ -353,15 +353,19 @@ def _selftest(task: dict) -> dict:
     """Tasks that misbehave on purpose, to test the runner itself: "ok", "segv" (a real
     segfault), "hang", "poison" (passes, but makes every later "segv_if_poisoned" crash: memory
     corruption that kills an innocent later task) and "segv_if_poisoned"; and tasks that are
-    slow only in numba: "compile" (compiles a new function) and "locked" (calls a kernel whose
-    compile lock the test holds)."""
+    slow only in numba: "compile" (compiles new functions for ``seconds``) and "locked" (calls
+    a kernel whose compile lock the test holds)."""
     global _POISONED
     action = task["action"]
     if action == "compile":
         import numba
         import numpy as np
 
-        for power in range(1, 9):  # eight new functions: longer than a test's limit
+        # New functions until the given time has passed: a count of them is too short on a
+        # fast host (eight took 0.498 s on CI against a 0.5 s limit).
+        start, power = time.monotonic(), 0
+        while time.monotonic() - start < task["seconds"]:
+            power += 1
 
             @numba.njit(cache=False)
             def total(x, power=power):
