@@ -143,6 +143,10 @@ def test_float32_weights_in_a_16_bit_row_without_float_slots(scenario):
 # their row layout (numba_backend.half_layout), each with a dtype pair of its own.
 LAYOUT_CASES = [
     (opt.Adam(0.05), ("bfloat16", "bfloat16")),
+    (
+        opt.SGD(0.3, weight_decay_factor=0.01, weight_decay_mode="decoupled"),
+        ("bfloat16", "float32"),
+    ),
     (opt.Adagrad(0.2, clipvalue=0.5), ("float32", "float16")),
     (opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5), ("bfloat16", "float32")),
 ]
@@ -181,6 +185,8 @@ IN_PLACE_CASES = [
     (opt.FTRL(0.2, l1_regularization_strength=0.05, beta=0.5), DTYPES[4]),  # in passes
     (opt.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True), DTYPES[5]),
     (opt.Adagrad(1e5, clip_weight_min=-1e9), DTYPES[7]),  # float16 weights overflow
+    (opt.SGD(0.05, clipvalue=0.5, weight_decay_factor=0.01, weight_decay_mode="l2"), DTYPES[0]),
+    (opt.SGD(3e38), DTYPES[5]),  # no slots: a uint16 row of float32 weights, which overflow
 ]
 
 
@@ -251,22 +257,24 @@ def test_16_bit_row_layout_kernels_equal_the_any_layout_ones(monkeypatch, optimi
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
         else:
             np.testing.assert_array_equal(a, b)
-    if dtypes[0] == "float16" and optimizer.learning_rate == 1e5:
+    if optimizer.learning_rate >= 1e5:  # the overflow cases
         assert skipped_fixed["t"] > 0  # the guard did leave rows unchanged
 
 
 def test_16_bit_row_layout_kernels_only_where_they_pay():
-    """Short rows, SGD (no slots) and row-wise Adagrad (a scalar slot) keep the any-layout
-    16-bit kernel: a kernel per layout measured slower for the latter two."""
+    """Short rows, SGD's float16 weights and row-wise Adagrad (a scalar slot) keep the
+    any-layout 16-bit kernel: a kernel per layout measured slower for the latter two; SGD's
+    bfloat16 weights get one, in place."""
     from embengine.backends.numba_backend import half_layout
 
-    def table(dim, optimizer):
-        t = ee.TableConfig(4, dim, name="t", weights_dtype="bfloat16", slots_dtype="bfloat16")
+    def table(dim, optimizer, weights="bfloat16"):
+        t = ee.TableConfig(4, dim, name="t", weights_dtype=weights, slots_dtype="bfloat16")
         engine = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer)
         return optimizer.row_math(dim), engine._physical[0]
 
     assert half_layout(*table(8, opt.Adam(0.1))) is None
-    assert half_layout(*table(64, opt.SGD(0.1))) is None
+    assert half_layout(*table(64, opt.SGD(0.1))) == (64, 0, 0, 0, 0, 0, 0)
+    assert half_layout(*table(64, opt.SGD(0.1), "float16")) is None
     assert half_layout(*table(64, opt.Adagrad(0.1, hessian_compression_times=64))) is None
     rm, t = table(64, opt.Adam(0.1))
     assert half_layout(rm, t) == (
@@ -290,6 +298,12 @@ def test_row_layout_kernels_update_in_place_but_for_float16_beside_another_16_bi
         in_place = "old_h[" in factory
         assert in_place == codegen.in_place(w, s), (w, s)
         assert in_place == (w == s == "bf16" or "f32" in (w, s)), (w, s)
+    rendered = codegen.render([opt.SGD(0.1).row_math(64)])  # no slots: in place but float16
+    for w, s in codegen.half_pairs(opt.SGD(0.1).row_math(64)):
+        factory = rendered.split(f"def fixed_fused_update_half_sgd_{w}_{s}(LAYOUT):")[1]
+        factory = factory.split("return fused_update_half_")[0]
+        in_place = "old_h[" in factory or "old_f[" in factory  # a 16-bit or float32 column
+        assert in_place == codegen.in_place(w, s, slots=False) == (w != "f16"), (w, s)
 
 
 def test_no_row_layout_kernel_for_slots_narrower_than_the_row(monkeypatch):

@@ -499,11 +499,14 @@ def half_layout(rm: RowMath, table: TableStorage) -> tuple[int, ...] | None:
     """The row layout a 16-bit table's fused update is compiled for (``codegen``'s
     FIXED_HALF_KERNEL: ``(dim, f0, n0, f1, n1, f2, n2)``, the values ``_table_constants`` puts
     in ``meta``), or None: for widths in HALF_FIXED_DIMS only (each layout is a kernel of its
-    own to compile, worth it where a row is long), and for element-wise row math with slots,
-    where it measured faster (Adam, Adagrad, FTRL; SGD's and row-wise Adagrad's measured
-    slower: docs/performance.md, "16-bit update kernels for a row layout"), whose float slots
-    are a value per coordinate (the kernel updates a row's columns in one loop over them)."""
-    if table.dim not in HALF_FIXED_DIMS or rm.form != "element" or not rm.slots:
+    own to compile, worth it where a row is long), and for element-wise row math, where it
+    measured faster (Adam, Adagrad, FTRL; SGD in place, ``codegen.in_place``; SGD in passes
+    and row-wise Adagrad measured slower: docs/performance.md, "16-bit update kernels for a
+    row layout"), whose float slots are a value per coordinate (the kernel updates a row's
+    columns in one loop over them)."""
+    if table.dim not in HALF_FIXED_DIMS or rm.form != "element":
+        return None
+    if not rm.slots and not codegen.in_place(_SHORT[table.weights_dtype], "f32", slots=False):
         return None
     if not rm.fixed_layout:  # the row math declares no kernel for a constant layout
         return None
@@ -521,6 +524,15 @@ def _float_slot_columns(table: TableStorage) -> np.ndarray:
     for i, spec in enumerate(float_slots):
         out[2 * i : 2 * i + 2] = (table.columns[spec.name].start, spec.width)
     return out
+
+
+# Stored dtype -> codegen's short name of it ("bfloat16" -> "bf16").
+_SHORT = {
+    dtype: short
+    for short, (kind, _, _) in codegen.HALF_KINDS.items()
+    for dtype, code in KIND.items()
+    if code == kind
+}
 
 
 @functools.cache  # one dispatcher per layout and dtype pair, as _fixed_kernel

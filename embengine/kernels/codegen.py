@@ -782,12 +782,16 @@ def _half_update(rm: RowMath, wkind: str, skind: str, at: str, unit: str) -> str
     )
 
 
-def in_place(wkind: str, skind: str) -> bool:
+def in_place(wkind: str, skind: str, slots: bool = True) -> bool:
     """Whether the row layout kernel of this stored dtype pair (HALF_KINDS' names) updates a
     row in place (HALF_FIXED_UPDATE) or in passes over scratch rows (HALF_UPDATE): in place
     for bfloat16 rows and rows with a float32 member, which it made 12-40% faster; float16
     with another 16-bit member measured 0-10% slower in place (docs/performance.md, "16-bit
-    update kernels in place")."""
+    update kernels in place"). A row math without float slots (``slots=False``: SGD) runs in
+    place but for float16 weights, which measured 23% slower so (docs/performance.md,
+    "SGD's 16-bit update in place")."""
+    if not slots:
+        return wkind != "f16"
     return (wkind, skind) == ("bf16", "bf16") or "f32" in (wkind, skind)
 
 
@@ -885,7 +889,7 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
     text = text.replace("prefetch):", "prefetch, key):")
     text = text.replace("prefetch, live):", "prefetch, live, key):")
-    if rm.form == "element" and rm.slots and in_place(wkind, skind):
+    if rm.form == "element" and in_place(wkind, skind, bool(rm.slots)):
         scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
         scratch += "\nold_h = np.zeros(data_h.shape[1], dtype=np.uint16)"
         scratch += "\nold_f = np.zeros(data.shape[1], dtype=np.float32)"
