@@ -1,6 +1,8 @@
 """The benchmark harness: workloads, interleaved timing of groups, each member's own peak RSS,
 and the printed table."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -316,8 +318,9 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
     """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split, batch
     per rank), one round; rank 0's counted bytes are the cost model's, and its sockets carried
     at least as much. W1-keyed-dist: the same with keyed tables (owners by mix64)."""
-    from embengine.bench.distributed import format_distributed, run_distributed
+    from embengine.bench.distributed import binds, format_distributed, run_distributed
     from embengine.bench.workloads import Workload
+    from embengine.distributed.cores import core_share
 
     small = Workload(
         "small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag", ((500, 8), (300, 4)), 64, 4
@@ -336,7 +339,10 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
         if r.world == 2:
             assert r.counted[0] == r.modelled[0] > 0, r
             assert r.written[0] >= r.counted[0], r
+            if binds(2):  # each rank on its own cores, as embengine train's ranks
+                assert r.cores == core_share(0, 2, sorted(os.sched_getaffinity(0))), r
     table = format_distributed(name, results, small)
+    assert ("each bound to its own cores" in table) == binds(2)
     assert table.splitlines()[0].startswith("host: ")
     assert "2 ranks / 1 process (batch split): " in table and "weak-scaling efficiency" in table
 

@@ -6,8 +6,10 @@ taking turns over ``rounds`` rounds so that the machine's drift falls on all of 
 
 - ``1 process``: an EmbeddingEngine on the global batch, every core's thread;
 - ``W ranks, batch split``: a ShardedEngine (row sharding), the cores shared out (cores / W
-  threads a rank: one each on a 2-core host), each rank on its slice of the same global batch:
-  the same work as ``1 process``, split (the issue's target: at most 1.5x);
+  threads a rank, each rank bound to its own cores as ``embengine train`` binds them:
+  ``embengine.distributed.bind_cores``; one each on a 2-core host), each rank on its slice of
+  the same global batch: the same work as ``1 process``, split (the issue's target: at most
+  1.5x);
 - ``1 process, 1 thread`` and ``W ranks, per-rank batch``: each rank on a whole W1 batch of its
   own (global batch W times larger), one thread each: weak scaling, efficiency = the first's
   step time / the second's (1.0: perfect).
@@ -62,6 +64,7 @@ class DistResult:
     counted: list[float] = field(default_factory=list)  # bytes rank 0 counted per step
     written: list[float] = field(default_factory=list)  # bytes rank 0 wrote per step
     modelled: list[float] = field(default_factory=list)  # the cost model's bytes for rank 0
+    cores: list[int] = field(default_factory=list)  # the cores rank 0 could run on
 
     @property
     def ms_per_step(self) -> float:
@@ -141,8 +144,14 @@ def _written() -> int:
 
 def child(spec: dict) -> dict:
     """One rank of one configuration (``spec``: workload, optimizer, world, rank, threads,
-    split, steps, warmup, seed; optionally sharding, default "row", and keyed: W1's tables
-    keyed): its step times and bytes."""
+    split, steps, warmup, seed; optionally sharding, default "row"; keyed: W1's tables keyed;
+    bind: this rank bound to its own cores, ``bind_cores``): its step times and bytes."""
+    world, rank = spec["world"], spec["rank"]
+    if world > 1 and spec.get("bind", False):
+        from ..distributed.cores import bind_cores
+
+        bind_cores(rank, world)  # first: every thread started later stays on the rank's cores
+
     import numba
 
     import embengine as ee
@@ -152,7 +161,6 @@ def child(spec: dict) -> dict:
     numba.set_num_threads(spec["threads"])
     fields = dict(spec["workload"], tables=tuple(map(tuple, spec["workload"]["tables"])))
     w = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    world, rank = spec["world"], spec["rank"]
     if world > 1:
         import torch
         import torch.distributed as dist
@@ -215,7 +223,14 @@ def child(spec: dict) -> dict:
         "counted": _mean(counted),
         "written": _mean(written),
         "modelled": _mean(modelled),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
     }
+
+
+def binds(world: int) -> bool:
+    """Whether the ranks of a ``world``-rank configuration are bound to cores of their own:
+    where this process may use at least ``world`` cores (Linux)."""
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world
 
 
 def _mean(values: list[float]) -> float:
@@ -305,6 +320,7 @@ def run_distributed(
                     "warmup": warmup,
                     "seed": r,
                     "keyed": name in KEYED_DIST,
+                    "bind": n > 1 and binds(n),
                 }
                 got = _launch(spec, timeout)
                 res = next(m for m in mine if m.config == label)
@@ -312,6 +328,7 @@ def run_distributed(
                 res.counted.append(got["counted"])
                 res.written.append(got["written"])
                 res.modelled.append(got["modelled"])
+                res.cores = got["cores"]
                 log(f"  {opt} {label}: {got['ms']:.1f} ms/step")
         results.extend(mine)
     return results
@@ -326,8 +343,9 @@ def format_distributed(
     w = workload if workload is not None else WORKLOADS[base]
     lines = [
         host().describe(),
-        f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1); rank 0's "
-        "median ms/step, median of the rounds' medians",
+        f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1, "
+        + ("each bound to its own cores" if binds(world) else "not bound: fewer cores than ranks")
+        + "); rank 0's median ms/step, median of the rounds' medians",
         f"{'optimizer':16s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
         f"{'MB counted':>10s} {'MB written':>10s} {'MB model':>9s}",
     ]

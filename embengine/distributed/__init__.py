@@ -2,6 +2,7 @@
 one big batch (``ShardedEngine``). Imports torch; ``import embengine`` does not import this."""
 
 from .comm import PeerError
+from .cores import bind_cores, core_share
 from .engine import DEFAULT_TIMEOUT, DistributedError, ShardedEngine
 from .sharding import SHARDING_KINDS, ShardPlan, ShardTable, plan_shards
 
@@ -13,5 +14,7 @@ __all__ = [
     "ShardPlan",
     "ShardTable",
     "ShardedEngine",
+    "bind_cores",
+    "core_share",
     "plan_shards",
 ]

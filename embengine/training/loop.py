@@ -173,7 +173,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     slice of every batch (embengine.training.ranks); rank 0 logs and returns the result, the
     others return it silently."""
     cfg.check()
-    ranks = Ranks.join()
+    ranks = Ranks.join(cfg.bind_cores, log)
     if ranks.distributed:
         cfg.check_distributed(ranks.world)
     result = _train(cfg, log if ranks.rank == 0 else _silent, ranks)

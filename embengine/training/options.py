@@ -89,6 +89,8 @@ class TrainConfig:
     # Every rank is started again this many times after one fails (with --resume: from the
     # newest checkpoint).
     max_restarts: int = 0
+    # Each rank bound to its share of this machine's cores (embengine.distributed.bind_cores).
+    bind_cores: bool = True
     # How the engine's tables store weights and optimizer slots (TableConfig): "float32",
     # "float16" or "bfloat16" (16-bit: stochastic rounding, embengine.precision).
     weights_dtype: str = "float32"

@@ -151,18 +151,27 @@ class Ranks:
     _owns_group: bool = False
 
     @classmethod
-    def join(cls) -> Ranks:
-        """Join the run torchrun started (gloo), giving each rank its share of the cores; a
-        process not started by torchrun is the only rank."""
+    def join(cls, bind_cores: bool = True, log=print) -> Ranks:
+        """Join the run torchrun started (gloo), giving each rank its share of the cores
+        (``bind_cores``: bound to them, ``embengine.distributed.bind_cores``, where each rank
+        can have one; ``log`` says where a rank could not be); a process not started by
+        torchrun is the only rank."""
         if not in_launched_rank() or int(os.environ["WORLD_SIZE"]) == 1:
             return cls()
         import numba
         import torch
         import torch.distributed as dist
 
+        from ..distributed.cores import bind_cores as bind
+
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, (cores or 1) // local)
+        if bind_cores:
+            try:  # before any thread starts: gloo's, numba's and torch's inherit the binding
+                threads = len(bind(int(os.environ.get("LOCAL_RANK", 0)), local))
+            except (ValueError, RuntimeError) as e:
+                log(f"rank {os.environ.get('RANK')}: not bound to cores: {e}")
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         torch.set_num_threads(threads)
         owns = not dist.is_initialized()
