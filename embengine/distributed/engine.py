@@ -40,6 +40,7 @@ the same collectives each step, empty local batches included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -104,6 +105,8 @@ _CALLS = {
 }
 # Header columns: call, step, valid, the call's data time (NO_TIME: none); then ``_Columns``.
 _FIXED = 4
+# Groups of "sums" tables whose partial sums travel apart, each while the next is pooled.
+_SUMS_GROUPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -960,9 +963,16 @@ class ShardedEngine:
             packed, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "lookup occurrences"
         )
         in_at = _starts(2 * got_n)  # [sender, feature]
-        # This rank's rows' part of every bag, each rank's blocks to it feature by feature.
-        answer_at = _starts(got_m * dims)  # [sender, feature]
-        answer = np.empty(int((got_m * dims).sum()), dtype=np.float32)
+        # The answers go in groups of tables, each sent while the next is pooled (every rank
+        # forms the same groups from ``sums``, which the header made the same everywhere).
+        groups = [g for g in np.array_split(np.flatnonzero(sums), _SUMS_GROUPS) if len(g)]
+        in_group = [self._features_of(np.isin(np.arange(len(sums)), g)) for g in groups]
+        # This rank's rows' part of every bag: per group, each rank's blocks to it feature by
+        # feature; ``answer_at[i][sender, feature]`` in group i's buffer.
+        answer_sizes = [got_m * dims * g[None, :] for g in in_group]
+        answer_at = [_starts(a) for a in answer_sizes]
+        answers = [np.empty(int(a.sum()), dtype=np.float32) for a in answer_sizes]
+        group_of = {int(t): i for i, g in enumerate(groups) for t in g}
         kept_tables = {}
         for t in np.flatnonzero(sums):
             fs, ss = self._table_blocks[t]
@@ -973,36 +983,55 @@ class ShardedEngine:
                 fs, ss = self._table_blocks[t]
                 own = np.flatnonzero(ss == self.rank)
                 at = pack_at[self.rank, fs[own]]
-                self._pool_blocks(t, kept, own, packed, at, answer, answer_at)
+                i = group_of[t]
+                self._pool_blocks(t, kept, own, packed, at, answers[i], answer_at[i])
         finally:
             occurrences = arrived()
-        for t, kept in kept_tables.items():
-            fs, ss = self._table_blocks[t]
-            others = np.flatnonzero(ss != self.rank)
-            at = in_at[ss[others], fs[others]]
-            self._pool_blocks(t, kept, others, occurrences, at, answer, answer_at)
+        sent = []  # per group: the wait for the partial sums the owners send this rank
+        waited = 0
+        try:
+            for i, group in enumerate(groups):
+                for t in group.tolist():
+                    if t not in kept_tables:
+                        continue
+                    fs, ss = self._table_blocks[t]
+                    others = np.flatnonzero(ss != self.rank)
+                    at = in_at[ss[others], fs[others]]
+                    kept = kept_tables[t]
+                    self._pool_blocks(t, kept, others, occurrences, at, answers[i], answer_at[i])
+                asked = m.T * dims * in_group[i][None, :]  # [owner, feature]
+                sent.append(
+                    self._comm.all_to_all_start(
+                        answers[i], answer_sizes[i].sum(axis=1), asked.sum(axis=1), "lookup sums"
+                    )
+                )
+            # Each group's sums added while the later groups' travel.
+            for i, group in enumerate(groups):
+                partials = sent[i]()
+                waited += 1
+                part_at = _starts(m.T * dims * in_group[i][None, :])  # [owner, feature]
+                for t in group.tolist():
+                    tb, dim = batch.tables[t], int(self._dims[t])
+                    out = np.zeros((tb.num_outputs, dim), dtype=np.float32)  # empty bags: 0
+                    seen = np.zeros(tb.num_outputs, dtype=np.uint8)
+                    for f in self._table_feature_index[t]:
+                        sr.add_partials(
+                            out,
+                            partials,
+                            part_at[:, f].copy(),
+                            targets,
+                            target_at[:, f].copy(),
+                            m[f].copy(),
+                            dim,
+                            seen,
+                        )
+                    per_table[t] = out
+        finally:  # on an error, the collectives started are still waited for: gloo uses
+            for wait in sent[waited:]:  # their buffers until they end
+                with contextlib.suppress(Exception):
+                    wait()
         if not training:
             kept_tables = {}
-        partials = self._comm.all_to_all(
-            answer, (got_m * dims).sum(axis=1), (m.T * dims).sum(axis=1), "lookup sums"
-        )
-        part_at = _starts(m.T * dims)  # [owner, feature]
-        for t in np.flatnonzero(sums):
-            tb, dim = batch.tables[t], int(self._dims[t])
-            out = np.zeros((tb.num_outputs, dim), dtype=np.float32)  # empty bags: zeros
-            seen = np.zeros(tb.num_outputs, dtype=np.uint8)
-            for f in self._table_feature_index[t]:
-                sr.add_partials(
-                    out,
-                    partials,
-                    part_at[:, f].copy(),
-                    targets,
-                    target_at[:, f].copy(),
-                    m[f].copy(),
-                    dim,
-                    seen,
-                )
-            per_table[t] = out
         return targets, target_at, kept_tables
 
     def _resolve_keys(
