@@ -743,3 +743,33 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     assert {k: engine.spec()[k] for k in ("tables", "features")} == {
         k: single[k] for k in ("tables", "features")
     }
+
+
+def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
+    """A "sums" update builds each table's batch from the occurrences its owner kept, in
+    arrays from the engine's block pool: the same blocks every step (fresh arrays faulted their
+    pages in every step), and the tables stay the single engine's."""
+    from embengine.distributed import ShardedEngine
+
+    def features():
+        return {
+            f"f{t}": ee.FeatureConfig(ee.TableConfig(500, 8, name=f"t{t}", combiner="sum"))
+            for t in range(3)
+        }
+
+    sgd = ee.optimizers.SGD(0.1)
+    sharded = ShardedEngine(features(), optimizer=sgd, exchange="sums")
+    single = ee.EmbeddingEngine(features(), optimizer=sgd)
+    rng = np.random.default_rng(0)
+    held = []
+    for _ in range(5):
+        batch = {f"f{t}": rng.integers(0, 500, size=(64, 5)) for t in range(3)}
+        for eng in (sharded, single):
+            acts = eng.lookup(batch)
+            eng.apply_gradients({k: np.ones_like(a) for k, a in acts.items()})
+        held.append(sharded._memory.nbytes)
+    assert held[1] > 0 and held[1:] == [held[1]] * 4, held  # no new block after the first steps
+    tables = sharded.table_contents()["tables"]
+    for name in single.table_names:
+        want = single.table_contents(name)["weights"]
+        assert tables[name]["weights"].tobytes() == want.tobytes()

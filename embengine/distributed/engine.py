@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from ..backends.block_pool import BlockPool, Carver
 from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
 from ..batch import prepare as prepare_batch
@@ -319,6 +320,10 @@ class ShardedEngine:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._comm = Comm(group, self.rank, self.world_size)
+        # The update's per-table batch arrays, one block a step, reused once unused: fresh
+        # arrays faulted their pages in every step (docs/performance.md, "Distributed W1:
+        # pages faulted in every step").
+        self._memory = BlockPool(max_free=2)
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
         row_bytes = [
             4 * (t.dim + sum(s.width for s in specs))
@@ -1309,7 +1314,13 @@ class ShardedEngine:
                     "partial sums this rank pooled (ranks disagree on the batch)"
                 )
             layout = layouts[t]
-            batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows)
+            batches[t] = (kept, layout)
+        # Every table's arrays from one block (see __init__).
+        sizes = [_batch_arrays(len(k.ids), lay.rows) for k, lay in batches.values()]
+        carve = Carver(self._memory.take(Carver.size(*[a for s in sizes for a in s])))
+        for (t, (kept, layout)), spec in zip(list(batches.items()), sizes, strict=True):
+            arrays = [carve.empty(n, dt) for n, dt in spec]
+            batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows, arrays)
         return batches
 
     def _pool_blocks(
@@ -1363,10 +1374,12 @@ class ShardedEngine:
                 a = int(answer_at[ss[b], fs[b]])
                 answer[a : a + rows * dim] = part.reshape(-1)
 
-    def _kept_batch(self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int):
+    def _kept_batch(
+        self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int, arrays: list
+    ):
         """The update's TableBatch of the occurrences kept from table ``t``'s "sums" lookup,
         its gradient rows block b's from ``row_base[b]`` of the ``num_outputs`` received
-        (``shard_route.kept_batch``)."""
+        (``shard_route.kept_batch``), in ``arrays`` (``_batch_arrays``' shapes)."""
 
         def build(unique, inverse, gains, *rest):
             gains[:] = kept.gains  # the kernel reads the kept ones
@@ -1386,7 +1399,8 @@ class ShardedEngine:
             )
 
         total = len(kept.ids)
-        return self._owner_table_batch(t, total, num_outputs, "an occurrence was kept", build)
+        what = "an occurrence was kept"
+        return self._owner_table_batch(t, total, num_outputs, what, build, arrays)
 
     def _owner_batch(
         self,
@@ -1424,21 +1438,28 @@ class ShardedEngine:
         total = int(counts.sum())
         return self._owner_table_batch(t, total, num_outputs, "a gradient arrived", build)
 
-    def _owner_table_batch(self, t: int, total: int, num_outputs: int, what: str, build):
+    def _owner_table_batch(
+        self, t: int, total: int, num_outputs: int, what: str, build, arrays: list | None = None
+    ):
         """A TableBatch of ``total`` occurrences of table ``t`` over ``num_outputs`` rows, its
-        arrays filled by ``build(unique, inverse, gains, segments, unique_rows,
-        output_offsets, unique_offsets, unique_gains, unique_segments)`` (a ``shard_route``
-        kernel returning the number of unique ids, or below 0 for an occurrence this rank
-        cannot take: a DistributedError saying ``what``)."""
-        unique = np.empty(total, dtype=np.int64)
-        inverse = np.empty(total, dtype=np.int64)
-        gains = np.empty(total, dtype=np.float32)
-        segments = np.empty(total, dtype=np.int64)
-        unique_rows = np.empty(total, dtype=np.int64)
-        output_offsets = np.empty(num_outputs + 1, dtype=np.int64)
-        unique_offsets = np.empty(total + 1, dtype=np.int64)
-        unique_gains = np.empty(total, dtype=np.float32)
-        unique_segments = np.empty(total, dtype=np.int64)
+        arrays (``arrays``, shaped as ``_batch_arrays`` says, or new ones) filled by
+        ``build(unique, inverse, gains, segments, unique_rows, output_offsets, unique_offsets,
+        unique_gains, unique_segments)`` (a ``shard_route`` kernel returning the number of
+        unique ids, or below 0 for an occurrence this rank cannot take: a DistributedError
+        saying ``what``)."""
+        if arrays is None:
+            arrays = [np.empty(n, dtype=dt) for n, dt in _batch_arrays(total, num_outputs)]
+        (
+            unique,
+            inverse,
+            gains,
+            segments,
+            unique_rows,
+            output_offsets,
+            unique_offsets,
+            unique_gains,
+            unique_segments,
+        ) = arrays
         u = build(
             unique,
             inverse,
@@ -1671,6 +1692,14 @@ class ShardedEngine:
         )
         engine.restore(path, verify=False)  # checked just now
         return engine
+
+
+def _batch_arrays(total: int, num_outputs: int) -> list[tuple[int, type]]:
+    """(length, dtype) of an owner's TableBatch arrays (``_owner_table_batch``'s order) for
+    ``total`` occurrences over ``num_outputs`` rows."""
+    i64, f32, n = np.int64, np.float32, total
+    per_occurrence = [(n, i64), (n, i64), (n, f32), (n, i64), (n, i64)]
+    return [*per_occurrence, (num_outputs + 1, i64), (n + 1, i64), (n, f32), (n, i64)]
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:
