@@ -53,9 +53,10 @@ def test_a_share_that_cannot_be_is_refused_naming_the_values(rank, world, allowe
 
 def _run(code: str, env: dict | None = None) -> dict:
     """``code`` (which prints one JSON line last) in a fresh interpreter; its result."""
+    base = {k: v for k, v in os.environ.items() if k != "EMBENGINE_JOB_CORES"}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        env=dict(os.environ, **(env or {})),
+        env=dict(base, **(env or {})),
         capture_output=True,
         text=True,
         timeout=LIMIT,
@@ -112,8 +113,9 @@ print(json.dumps(out))
 """
 
 
-def _join(world: int, bind: bool) -> list[dict]:
-    """``world`` real gloo ranks on 127.0.0.1 joining as torchrun's would; what each saw."""
+def _join(world: int, bind: bool, local: bool = True) -> list[dict]:
+    """``world`` real gloo ranks on 127.0.0.1 joining as torchrun's would (``local=False``: as
+    a launcher that sets no LOCAL_RANK / LOCAL_WORLD_SIZE); what each saw."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -124,9 +126,11 @@ def _join(world: int, bind: bool) -> list[dict]:
             GLOO_SOCKET_IFNAME="lo",
             WORLD_SIZE=str(world),
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
         )
+        for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "EMBENGINE_JOB_CORES"):
+            env.pop(name, None)
+        if local:
+            env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", JOIN.format(bind=bind)],
@@ -157,6 +161,53 @@ def test_training_ranks_join_bound_each_to_its_share_with_a_thread_per_core():
         assert out["cores"] == share and out["threads"] == len(share) and not out["said"]
     outs = _join(2, False)  # --no-bind-cores: every rank may use every core
     assert all(out["cores"] == CORES and not out["said"] for out in outs)
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores this process may use")
+def test_ranks_whose_launcher_names_no_local_rank_stay_unbound_and_say_so():
+    # Not every rank on rank 0's share: without LOCAL_RANK a rank cannot know its own.
+    outs = _join(2, True, local=False)
+    for out in outs:
+        assert out["cores"] == CORES
+        assert out["said"] == [
+            f"rank {out['rank']}: not bound to cores: LOCAL_RANK is not set: pass it, or start "
+            "the rank with torchrun"
+        ]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores this process may use")
+def test_binding_twice_gives_the_same_share_and_the_job_cores_variable_is_obeyed():
+    code = """
+        import json, os
+        from embengine.distributed import bind_cores, job_cores
+        first = bind_cores(0, 2)
+        second = bind_cores(0, 2)  # a second train() in one rank: not a share of the share
+        print(json.dumps({"first": first, "second": second, "job": job_cores(),
+                          "now": sorted(os.sched_getaffinity(0))}))
+        """
+    got = _run(code)
+    share = core_share(0, 2, CORES)
+    assert got == {"first": share, "second": share, "job": CORES, "now": share}
+    # The launcher's list of the job's cores, not the process's own, is what is cut up.
+    got = _run(code.replace("(0, 2)", "(0, 1)"), {"EMBENGINE_JOB_CORES": f" {CORES[-1]}"})
+    want = [CORES[-1]]
+    assert got == {"first": want, "second": want, "job": want, "now": want}
+
+
+@pytest.mark.parametrize("value", ["", "1,x", "-1", " "])
+def test_a_job_cores_variable_that_is_no_list_of_cores_is_refused(monkeypatch, value):
+    from embengine.distributed import job_cores
+
+    monkeypatch.setenv("EMBENGINE_JOB_CORES", value)
+    with pytest.raises(ValueError, match="EMBENGINE_JOB_CORES=.* is not a comma-separated list"):
+        job_cores()
+
+
+def test_the_launcher_names_the_job_cores_variable_as_cores_reads_it():
+    from embengine.distributed import cores
+    from embengine.training import ranks
+
+    assert ranks.JOB_CORES == cores.JOB_CORES == "EMBENGINE_JOB_CORES"
 
 
 @pytest.mark.skipif(not HAS_AFFINITY, reason="binding is Linux's")

@@ -2,7 +2,7 @@
 one big batch (``ShardedEngine``). Imports torch; ``import embengine`` does not import this."""
 
 from .comm import PeerError
-from .cores import bind_cores, core_share
+from .cores import bind_cores, core_share, job_cores
 from .engine import DEFAULT_TIMEOUT, DistributedError, ShardedEngine
 from .sharding import SHARDING_KINDS, ShardPlan, ShardTable, plan_shards
 
@@ -16,5 +16,6 @@ __all__ = [
     "ShardedEngine",
     "bind_cores",
     "core_share",
+    "job_cores",
     "plan_shards",
 ]

@@ -5,6 +5,12 @@ Ranks started side by side (torchrun ``--nproc-per-node N``) each run their kern
 for its collectives, wander onto the cores of the other ranks, and a collective then waits
 for a rank whose core was lent out. Bound, each rank's threads stay on its own cores
 (docs/performance.md, "Ranks bound to their cores"). Linux only (``os.sched_setaffinity``).
+
+The shares are cut from the job's cores: ``EMBENGINE_JOB_CORES`` (a comma-separated list,
+which ``embengine train --nproc-per-node`` sets for its ranks and ``bind_cores`` sets on its
+first call), else the cores the process may use. So binding twice gives the same share, not a
+share of a share. Ranks a launcher pins already (``srun --cpu-bind``, NUMA binding) are best
+left unbound: each sees only its own cores, and would take a share of those.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["bind_cores", "core_share"]
+__all__ = ["JOB_CORES", "bind_cores", "core_share", "job_cores"]
+
+# The environment variable naming the job's cores (module docstring).
+JOB_CORES = "EMBENGINE_JOB_CORES"
 
 
 def core_share(local_rank: int, local_world: int, allowed: Sequence[int]) -> list[int]:
@@ -37,13 +46,30 @@ def core_share(local_rank: int, local_world: int, allowed: Sequence[int]) -> lis
     return cores[local_rank * each : (local_rank + 1) * each]
 
 
+def job_cores() -> list[int]:
+    """The job's cores: ``EMBENGINE_JOB_CORES`` if set, else the cores this process may use.
+
+    Raises ValueError for a variable that is not a comma-separated list of core numbers."""
+    value = os.environ.get(JOB_CORES)
+    if value is None:
+        return sorted(os.sched_getaffinity(0))
+    try:
+        cores = sorted({int(c) for c in value.split(",")})
+    except ValueError:
+        cores = []
+    if not cores or cores[0] < 0:
+        raise ValueError(f"{JOB_CORES}={value!r} is not a comma-separated list of core numbers")
+    return cores
+
+
 def bind_cores(local_rank: int | None = None, local_world: int | None = None) -> list[int]:
-    """Bind this process to its share of the cores it may use (``core_share`` of
-    ``os.sched_getaffinity(0)``) and return them. The calling thread and every thread it starts
-    afterwards stay there: call it first in a rank, before ``init_process_group`` (gloo's
-    threads) and before any kernel runs (numba's and torch's thread pools); then give numba
-    and torch ``len(cores)`` threads. ``local_rank`` / ``local_world`` default to torchrun's
-    ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``.
+    """Bind this process to its share of the job's cores (``core_share`` of ``job_cores()``)
+    and return them. The calling thread and every thread it starts afterwards stay there:
+    call it first in a rank, before ``init_process_group`` (gloo's threads) and before any
+    kernel runs (numba's and torch's thread pools); then give numba and torch ``len(cores)``
+    threads. Threads started earlier keep their cores (OpenBLAS starts its own when NumPy is
+    imported if ``OMP_NUM_THREADS`` > 1; torchrun sets it to 1). ``local_rank`` /
+    ``local_world`` default to torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``.
 
     Raises ValueError as ``core_share``, or when a default is asked for and the variable is
     not set; RuntimeError where the platform cannot bind (no ``os.sched_setaffinity``)."""
@@ -51,8 +77,10 @@ def bind_cores(local_rank: int | None = None, local_world: int | None = None) ->
         raise RuntimeError("binding ranks to cores needs os.sched_setaffinity (Linux)")
     local_rank = _from_env("LOCAL_RANK") if local_rank is None else local_rank
     local_world = _from_env("LOCAL_WORLD_SIZE") if local_world is None else local_world
-    cores = core_share(local_rank, local_world, sorted(os.sched_getaffinity(0)))
+    job = job_cores()
+    cores = core_share(local_rank, local_world, job)
     os.sched_setaffinity(0, cores)
+    os.environ.setdefault(JOB_CORES, ",".join(map(str, job)))  # a second call: the same share
     return cores
 
 

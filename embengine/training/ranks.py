@@ -30,6 +30,9 @@ import numpy as np
 
 __all__ = ["Ranks", "launch", "in_launched_rank", "free_port", "ragged_slice"]
 
+# embengine.distributed.cores.JOB_CORES, named here so that the launcher does not import torch.
+JOB_CORES = "EMBENGINE_JOB_CORES"
+
 
 def in_launched_rank() -> bool:
     """Whether this process is a rank started by torchrun (its environment names a world)."""
@@ -96,6 +99,8 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
             )
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
+        if hasattr(os, "sched_getaffinity"):  # the ranks' shares are cut from these
+            env.setdefault(JOB_CORES, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
         with tempfile.TemporaryDirectory(prefix="embengine-torchrun-") as logs:
             cmd = [
                 sys.executable,
@@ -168,8 +173,11 @@ class Ranks:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, (cores or 1) // local)
         if bind_cores:
-            try:  # before any thread starts: gloo's, numba's and torch's inherit the binding
-                threads = len(bind(int(os.environ.get("LOCAL_RANK", 0)), local))
+            # Before any thread starts: gloo's, numba's and torch's inherit the binding. From
+            # LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun's): a launcher that sets neither
+            # leaves the ranks unbound, rather than every one on rank 0's share.
+            try:
+                threads = len(bind())
             except (ValueError, RuntimeError) as e:
                 log(f"rank {os.environ.get('RANK')}: not bound to cores: {e}")
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
