@@ -932,8 +932,9 @@ class ShardedEngine:
         """The "sums" exchange of the tables in ``sums``: each rank sends every occurrence to
         the owner of its id (``fill_pull``); each owner unpacks its rows' occurrences in the
         single engine's order (the table's features, then ranks: ``decode_pull``), pools its
-        rows' part of every bag from its shard and answers each rank with its partial sums,
-        which the rank adds into ``per_table[t]`` in rank order (``add_partials``). Returns
+        rows' part of every bag from its shard and answers each rank with its partial sums
+        (in ``_SUMS_GROUPS`` groups of tables, each sent while the next is pooled), which the
+        rank adds into ``per_table[t]`` in rank order (``add_partials``). Returns
         what the update reuses: the activation row of each partial sum received
         (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the
         occurrences this rank owns (a training lookup's)."""
