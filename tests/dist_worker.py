@@ -366,7 +366,14 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
         if name.startswith("hang") and rank == (0 if name == "hang_first" else world - 1):
             with open(os.path.join(out, "hung.pid"), "w") as f:
                 f.write(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
+
+            def stop(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
+
+            if name == "hang_inside":  # stopped inside the update, after its header
+                eng._kept_batches = stop
+            else:
+                stop()
         eng.apply_gradients(grads)
         result = f"ok step={eng.step}"
     except Exception as e:  # the scenario's point: record which error and its message

@@ -624,6 +624,22 @@ def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path
         assert 2.5 < seconds < 30, (seconds, text)
 
 
+def test_a_rank_stopped_inside_a_call_makes_the_others_say_every_rank_entered_it(tmp_path):
+    # Rank 2 stops inside its update, after the update's header: every rank entered the call,
+    # so the store cannot name a late one; the others say a rank is stuck or failed inside it.
+    codes = spawn(3, tmp_path, ["hang_inside"], limit=120)
+    assert codes == [0, 0, -9], _logs(tmp_path, 3)
+    for rank in (0, 1):
+        seconds, text = _error_text(tmp_path, "hang_inside", rank)
+        assert text.startswith(f"PeerError: rank {rank}: a collective ("), text
+        assert (
+            "no answer within the process group's timeout in apply_gradients at step 0: every "
+            "rank had entered it, so one is stuck or failed inside it (see the other ranks' "
+            "errors)"
+        ) in text, text
+        assert 2.5 < seconds < 30, (seconds, text)
+
+
 def test_a_stopped_rank_0_makes_the_others_raise_saying_its_store_did_not_answer(tmp_path):
     # Rank 0 serves the store the ranks post their calls in: stopped, it cannot say who is
     # behind, and the others say so within the timeout plus the store's 2 s.

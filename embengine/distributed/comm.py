@@ -128,7 +128,10 @@ class Comm:
             if int(calls) < self._calls:
                 late.append(f"rank {r} (its last call: {call or 'none'})")
         if not late:
-            return "every rank had entered it"
+            return (
+                "every rank had entered it, so one is stuck or failed inside it (see the other "
+                "ranks' errors)"
+            )
         return f"{' and '.join(late)} had not entered it"
 
     def _run(self, collective: Callable[[], object], purpose: str) -> None:
