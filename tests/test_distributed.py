@@ -209,7 +209,8 @@ def chosen_exchange(step: int, world: int, owners: dict) -> dict:
     saving = {t: 0 for t in dims}
     for r in range(world):
         for t, (remote_ids, remote_occ, rows) in exchange_counts(step, r, world, owners).items():
-            saving[t] += (8 + 4 * dims[t]) * remote_ids + 4 * remote_occ - 4 * dims[t] * rows
+            rows_bytes = (8 + 4 * dims[t]) * remote_ids + 16 * remote_occ + 4 * dims[t] * rows
+            saving[t] += rows_bytes - (16 * remote_occ + 8 * dims[t] * rows)
     return {t: "sums" if v >= 0 else "rows" for t, v in saving.items()}
 
 
@@ -380,9 +381,9 @@ def test_the_batches_hold_a_hot_id_everywhere_and_empty_local_batches():
 def test_sums_saving_is_the_cost_models_difference():
     from embengine.distributed.sharding import sums_saving
 
-    # rows: (8 + 4 dim) R + 20 N + 4 dim G; sums: 16 N + 8 dim G.
+    # rows: (8 + 4 dim) R + 16 N + 4 dim G; sums: 16 N + 8 dim G.
     dim, r, n, g = 64, 100, 300, 120
-    rows, sums = (8 + 4 * dim) * r + 20 * n + 4 * dim * g, 16 * n + 8 * dim * g
+    rows, sums = (8 + 4 * dim) * r + 16 * n + 4 * dim * g, 16 * n + 8 * dim * g
     assert sums_saving(dim, r, n, g) == rows - sums
     assert sums_saving(8, 0, 0, 0) == 0  # nothing remote: a tie, which "auto" gives to sums
     # One-id bags whose ids repeat: pulling each row once is cheaper than a sum per bag.
@@ -521,7 +522,7 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
             lookup += 16 * len(remote) + 4 * dim * len(answered)
             apply += 4 * dim * len(rows)
         else:
-            apply += 20 * len(remote) + 4 * dim * len(rows)
+            apply += 16 * len(remote) + 4 * dim * len(rows)
     for table, dim in dims.items():
         if exchanged[table] == "rows":  # unique ids asked, rows answered
             unique = [{i for f, _, i in occ[r] if FEATURES[f][0] == table} for r in range(world)]

@@ -168,21 +168,19 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
     assert m.tolist() == [len(w[3]) for w in want]
     # Blocks in reverse owner order, with a gap: the kernel must follow the offsets given.
     int_at = np.zeros(world, dtype=np.int64)
-    gain_at = np.zeros(world, dtype=np.int64)
     row_at = np.zeros(world, dtype=np.int64)
-    pi = pg = pr = 1
+    pi = pr = 1
     for d in reversed(range(world)):
-        int_at[d], gain_at[d], row_at[d] = pi, pg, pr
-        pi, pg, pr = pi + 2 * n[d] + 1, pg + n[d] + 1, pr + m[d] * dim + 1
+        int_at[d], row_at[d] = pi, pr
+        pi, pr = pi + 2 * n[d] + 1, pr + m[d] * dim + 1
     ints = np.full(pi, -9, dtype=np.int64)
-    gains_out = np.full(pg, np.nan, dtype=np.float32)
     rows_out = np.full(pr, np.nan, dtype=np.float32)
     sr.fill_push(
         unique,
         owners,
         inverse,
         segments,
-        gains,
+        gains.view(np.int32),
         lo,
         hi,
         a,
@@ -191,16 +189,16 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
         n,
         ints,
         int_at,
-        gains_out,
-        gain_at,
         rows_out,
         row_at,
     )
     for d, (w_ids, w_at, w_gains, w_rows) in enumerate(want):
         k = len(w_ids)
         np.testing.assert_array_equal(ints[int_at[d] : int_at[d] + k], w_ids)
-        np.testing.assert_array_equal(ints[int_at[d] + k : int_at[d] + 2 * k], w_at)
-        np.testing.assert_array_equal(gains_out[gain_at[d] : gain_at[d] + k], w_gains)
+        packed = ints[int_at[d] + k : int_at[d] + 2 * k]  # row index over the gain's bits
+        np.testing.assert_array_equal(packed >> 32, w_at)
+        bits = (packed & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+        assert bits.tobytes() == w_gains.tobytes()
         got_rows = rows_out[row_at[d] : row_at[d] + len(w_rows) * dim].reshape(-1, dim)
         np.testing.assert_array_equal(got_rows, w_rows)
 
@@ -260,33 +258,20 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     blocks, num_outputs = _draw_blocks(data, owned, in_order=False, gaps=True)
     # Lay the blocks out shuffled in the buffers: the kernel must follow the offsets.
     order = data.draw(st.permutations(range(len(blocks))))
-    ints, gbuf = [np.zeros(1, np.int64)], [np.zeros(2, np.float32)]
+    ints = [np.zeros(1, np.int64)]
     int_at = np.zeros(len(blocks), np.int64)
-    gain_at = np.zeros(len(blocks), np.int64)
-    pi, pg = 1, 2
+    pi = 1
     for b in order:
         ids, at, gains, _, _ = blocks[b]
-        int_at[b], gain_at[b] = pi, pg
-        ints += [ids, at]
-        gbuf.append(gains)
-        pi, pg = pi + 2 * len(ids), pg + len(ids)
-    ints, gbuf = np.concatenate(ints), np.concatenate(gbuf)
+        int_at[b] = pi
+        ints += [ids, (at << 32) | gains.view(np.uint32).astype(np.int64)]  # as fill_push packs
+        pi += 2 * len(ids)
+    ints = np.concatenate(ints)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
     row_base = np.array([b[3] for b in blocks], dtype=np.int64)
     out = _blocks_out(int(counts.sum()), num_outputs)
     u = sr.owner_batch(
-        ints,
-        gbuf,
-        int_at,
-        counts,
-        gain_at,
-        row_base,
-        row,
-        world,
-        rank,
-        n_rows,
-        num_outputs,
-        *out.values(),
+        ints, int_at, counts, row_base, row, world, rank, n_rows, num_outputs, *_bits(out)
     )
     ids, segments, gains = owner_batch_reference([b[:4] for b in blocks])
     _assert_owner_batch(out, u, ids, segments, gains, num_outputs, world, row)
@@ -295,21 +280,11 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
 @pytest.mark.parametrize("row", [sr.KIND_ROW, sr.KIND_TABLE])
 def test_owner_batch_refuses_an_id_this_rank_does_not_hold(row):
     # Rank 0 of 2 holds ids 0, 2, 4 (row) or the whole table of 3 rows; id 5 is neither.
-    ints = np.array([2, 5, 0, 0], dtype=np.int64)  # ids 2 and 5, both at gradient row 0
-    gains = np.ones(2, dtype=np.float32)
+    one_gain = 0x3F800000  # 1.0's bits, at gradient row 0
+    ints = np.array([2, 5, one_gain, one_gain], dtype=np.int64)  # ids 2 and 5
     one = np.zeros(1, dtype=np.int64)
-    arrays = [
-        np.empty(2, np.int64),
-        np.empty(2, np.int64),
-        np.empty(2, np.float32),
-        np.empty(2, np.int64),
-        np.empty(2, np.int64),
-        np.empty(2, np.int64),
-        np.empty(3, np.int64),
-        np.empty(2, np.float32),
-        np.empty(2, np.int64),
-    ]
-    got = sr.owner_batch(ints, gains, one, np.array([2]), one, one, row, 2, 0, 3, 1, *arrays)
+    out = _blocks_out(2, 1)
+    got = sr.owner_batch(ints, one, np.array([2]), one, row, 2, 0, 3, 1, *_bits(out))
     assert got == -1 - 1  # occurrence 1 (id 5)
 
 
@@ -326,6 +301,11 @@ def _blocks_out(total: int, num_outputs: int) -> dict[str, np.ndarray]:
         unique_gains=np.empty(total, np.float32),
         unique_segments=np.empty(total, np.int64),
     )
+
+
+def _bits(out: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """``_blocks_out``'s arrays as ``owner_batch`` takes them: the gains as int32 views."""
+    return [a.view(np.int32) if "gains" in k else a for k, a in out.items()]
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:

@@ -133,7 +133,7 @@ def modelled_bytes(
         lookup += (4 * dims[t] + keyed) * sum(
             int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
         )
-        apply += 20 * int(np.count_nonzero(remote)) + 4 * dims[t] * pairs
+        apply += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * pairs
     return lookup, apply + 8 * (world - 1)
 
 

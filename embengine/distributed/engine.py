@@ -1192,10 +1192,9 @@ class ShardedEngine:
         got_m = got[:, cols.m : cols.m + nf]
         dims = self._feature_dims
         # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
-        # indices), gains, gradient rows.
-        int_at, gain_at, row_at = _starts(2 * n.T), _starts(n.T), _starts(m.T * dims)
+        # indices over gains), gradient rows.
+        int_at, row_at = _starts(2 * n.T), _starts(m.T * dims)
         ints = np.empty(int(2 * n.sum()), dtype=np.int64)
-        gains = np.empty(int(n.sum()), dtype=np.float32)
         rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
         for f, (tb, owner, lo, hi, start) in enumerate(push.spans):
             g = grads[self._features[f]]
@@ -1207,7 +1206,7 @@ class ShardedEngine:
                 owner,
                 tb.inverse,
                 tb.segments,
-                tb.gains,
+                tb.gains.view(np.int32),
                 lo,
                 hi,
                 start,
@@ -1216,19 +1215,14 @@ class ShardedEngine:
                 n[f],
                 ints,
                 int_at[:, f].copy(),
-                gains,
-                gain_at[:, f].copy(),
                 rows_g,
                 row_at[:, f].copy(),
             )
         if pushed.any():
             int_recv = self._comm.all_to_all(
-                ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient ids"
+                ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient occurrences"
             )
-            gain_recv = self._comm.all_to_all(
-                gains, n.sum(axis=0), got_n.sum(axis=1), "gradient gains"
-            )
-        in_int_at, in_gain_at = _starts(2 * got_n), _starts(got_n)
+        in_int_at = _starts(2 * got_n)
         in_row_at = _starts(got_m * dims)
         layouts = {}  # per table whose rows live here: where its gradient rows land
         for t in range(nt):
@@ -1258,14 +1252,7 @@ class ShardedEngine:
             else:
                 fs, ss = self._table_blocks[t]
                 tb = self._owner_batch(
-                    t,
-                    int_recv,
-                    gain_recv,
-                    in_int_at[ss, fs],
-                    got_n[ss, fs],
-                    in_gain_at[ss, fs],
-                    layout.row_base,
-                    len(grad),
+                    t, int_recv, in_int_at[ss, fs], got_n[ss, fs], layout.row_base, len(grad)
                 )
             if t in self._keyed:
                 # The rows the step's lookup resolved (-1: not admitted, the gradient
@@ -1407,10 +1394,8 @@ class ShardedEngine:
         self,
         t: int,
         ints: np.ndarray,
-        gains_in: np.ndarray,
         int_at: np.ndarray,
         counts: np.ndarray,
-        gain_at: np.ndarray,
         row_base: np.ndarray,
         num_outputs: int,
     ) -> TableBatch:
@@ -1420,20 +1405,26 @@ class ShardedEngine:
         each row's gradient sums in that order), rows of the shard; segments index the
         received gradient rows."""
 
-        def build(*arrays):
+        def build(unique, inverse, gains, segments, rows, out_offsets, offsets, ugains, usegs):
             return sr.owner_batch(
                 ints,
-                gains_in,
                 int_at,
                 counts,
-                gain_at,
                 row_base,
                 self._route[t][0],
                 self.world_size,
                 self.rank,
                 self._shards[t].data.shape[0],
                 num_outputs,
-                *arrays,
+                unique,
+                inverse,
+                gains.view(np.int32),  # the gains' bits arrive in the int64 words
+                segments,
+                rows,
+                out_offsets,
+                offsets,
+                ugains.view(np.int32),
+                usegs,
             )
 
         total = int(counts.sum())

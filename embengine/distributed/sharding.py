@@ -125,17 +125,21 @@ def sums_saving(dim: int, remote_ids: int, remote_occurrences: int, gradient_row
     ``remote_occurrences``, their occurrences (N); ``gradient_rows``, its (activation row,
     other owner) pairs (G)::
 
-        rows: (8 + 4 dim) R + 20 N + 4 dim G    (ids and pulled rows; occurrences and
+        rows: (8 + 4 dim) R + 16 N + 4 dim G    (ids and pulled rows; occurrences and
                                                  gradient rows pushed in the update)
         sums: 16 N + 8 dim G                    (occurrences; partial sums back, gradient
                                                  rows in the update)
+
+    An occurrence costs 16 bytes either way (its id; its activation row's index over its
+    gain), so the saving is ``(8 + 4 dim) R - 4 dim G``.
 
     (a rank answers others' ids and partial sums as they answer its own, so summed over the
     ranks this is the step's saving.) "auto" takes "sums" when the ranks' savings add up to
     zero or more: ties (nothing remote, e.g. one rank) go to "sums", whose owners pool from
     their own rows without copying them."""
     d = int(dim)
-    return (8 + 4 * d) * int(remote_ids) + 4 * int(remote_occurrences) - 4 * d * int(gradient_rows)
+    del remote_occurrences  # 16 bytes each under both exchanges
+    return (8 + 4 * d) * int(remote_ids) - 4 * d * int(gradient_rows)
 
 
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -13,9 +13,9 @@ the rows its owners send back (``row_base[d]`` + its place in owner d's block); 
 answers with ``gather_rows``.
 
 Push (update): ``owners_of`` (per unique id), then ``count_push`` and ``fill_push`` cut one
-feature's occurrences by owner: per
-owner the ids, the index of each occurrence's gradient row among those sent to that owner, the
-gains, and each activation-gradient row once per owner that needs it (segments are
+feature's occurrences by owner: per owner the ids, the index of each occurrence's gradient row
+among those sent to that owner over its gain (16 bytes an occurrence, one all-to-all), and each
+activation-gradient row once per owner that needs it (segments are
 non-decreasing, so a row's occurrences are consecutive). ``owner_batch`` builds, from the
 blocks an owner received, the TableBatch arrays the single engine would have built for its rows:
 occurrences in the order of the blocks (the caller passes them in the single engine's order),
@@ -151,7 +151,7 @@ def fill_push(
     owners,
     inverse,
     segments,
-    gains,
+    gain_bits,
     lo,
     hi,
     out_start,
@@ -160,15 +160,14 @@ def fill_push(
     n,
     ints,
     int_at,
-    gains_out,
-    gain_at,
     rows_out,
     row_at,
 ):
     """Occurrences ``lo:hi`` (``n[d]`` of them owned by rank d, as ``count_push`` counted) into
-    owner d's blocks: ids at ``ints[int_at[d]:]``, then each one's gradient-row index (among the
-    rows sent to d for this feature) at ``ints[int_at[d] + n[d]:]``; gains at
-    ``gains_out[gain_at[d]:]``; activation-gradient rows (``grad[segment - out_start]``), once
+    owner d's blocks: ids at ``ints[int_at[d]:]``, then, at ``ints[int_at[d] + n[d]:]``, each
+    one's gradient-row index (among the rows sent to d for this feature) in the high 32 bits
+    over its gain's float32 bits (``gain_bits``: the gains viewed as int32) in the low 32, as
+    ``fill_pull`` packs them; activation-gradient rows (``grad[segment - out_start]``), once
     each, at ``rows_out[row_at[d]:]``."""
     dim = grad.shape[1]
     last = np.full(world, -1, dtype=np.int64)
@@ -187,18 +186,15 @@ def fill_push(
             last[d] = s
         p = placed[d]
         ints[int_at[d] + p] = unique_ids[u]
-        ints[int_at[d] + n[d] + p] = sent[d] - 1
-        gains_out[gain_at[d] + p] = gains[k]
+        ints[int_at[d] + n[d] + p] = ((sent[d] - 1) << 32) | (np.int64(gain_bits[k]) & 0xFFFFFFFF)
         placed[d] = p + 1
 
 
 @kernel()
 def owner_batch(
     ints,
-    gains_in,
     int_at,
     counts,
-    gain_at,
     row_base,
     kind,
     world,
@@ -216,11 +212,12 @@ def owner_batch(
     unique_segments,
 ):
     """One table's occurrences received by its owner, block after block (block b: ``counts[b]``
-    ids at ``ints[int_at[b]:]``, their gradient-row indices right after, gains at
-    ``gains_in[gain_at[b]:]``, gradient rows from ``row_base[b]``), as a TableBatch's arrays:
-    ``gains``, ``segments`` (gradient rows) in block order; ``unique`` ids in order of first
-    appearance with ``inverse``, their local ``unique_rows``; the CSR views ``output_offsets``
-    (over ``num_outputs`` gradient rows) and, grouped stably by unique id, ``unique_offsets``,
+    ids at ``ints[int_at[b]:]``, then their gradient-row indices over their gains' bits as
+    ``fill_push`` packs them, gradient rows from ``row_base[b]``), as a TableBatch's arrays:
+    ``gains`` (int32 views of the float32 arrays: the bits are copied), ``segments``
+    (gradient rows) in block order; ``unique`` ids in order of first appearance with
+    ``inverse``, their local ``unique_rows``; the CSR views ``output_offsets`` (over
+    ``num_outputs`` gradient rows) and, grouped stably by unique id, ``unique_offsets``,
     ``unique_gains``, ``unique_segments``. Returns the number of unique ids, or -1 - k for an
     occurrence k whose id this rank does not hold (or whose gradient row is out of range)."""
     total = 0
@@ -232,7 +229,8 @@ def owner_batch(
         c = counts[b]
         for p in range(c):
             i = ints[int_at[b] + p]
-            s = row_base[b] + ints[int_at[b] + c + p]
+            v = ints[int_at[b] + c + p]
+            s = row_base[b] + (v >> 32)
             if (
                 (i < 0 and kind != KIND_KEYED)
                 or owner_of(i, kind, rank, world) != rank
@@ -243,7 +241,7 @@ def owner_batch(
                 return -1 - k
             ids[k] = i
             segments[k] = s
-            gains[k] = gains_in[gain_at[b] + p]
+            gains[k] = np.int32(v & 0xFFFFFFFF)
             k += 1
     return _grouped(
         ids,
