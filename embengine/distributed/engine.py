@@ -1441,6 +1441,7 @@ class ShardedEngine:
         saying ``what``)."""
         if arrays is None:
             arrays = [np.empty(n, dtype=dt) for n, dt in _batch_arrays(total, num_outputs)]
+        u = build(*arrays)
         (
             unique,
             inverse,
@@ -1452,17 +1453,6 @@ class ShardedEngine:
             unique_gains,
             unique_segments,
         ) = arrays
-        u = build(
-            unique,
-            inverse,
-            gains,
-            segments,
-            unique_rows,
-            output_offsets,
-            unique_offsets,
-            unique_gains,
-            unique_segments,
-        )
         if u < 0:
             raise DistributedError(
                 f"rank {self.rank}: table {self.table_names[t]!r}: {what} for an id this rank "
