@@ -384,12 +384,12 @@ def test_sums_saving_is_the_cost_models_difference():
     # rows: (8 + 4 dim) R + 16 N + 4 dim G; sums: 16 N + 8 dim G.
     dim, r, n, g = 64, 100, 300, 120
     rows, sums = (8 + 4 * dim) * r + 16 * n + 4 * dim * g, 16 * n + 8 * dim * g
-    assert sums_saving(dim, r, n, g) == rows - sums
-    assert sums_saving(8, 0, 0, 0) == 0  # nothing remote: a tie, which "auto" gives to sums
+    assert sums_saving(dim, r, g) == rows - sums  # N cancels: 16 bytes either way
+    assert sums_saving(8, 0, 0) == 0  # nothing remote: a tie, which "auto" gives to sums
     # One-id bags whose ids repeat: pulling each row once is cheaper than a sum per bag.
-    assert sums_saving(16, remote_ids=10, remote_occurrences=100, gradient_rows=100) < 0
+    assert sums_saving(16, remote_ids=10, gradient_rows=100) < 0
     # Long bags: one partial sum per bag beats pulling every id's row.
-    assert sums_saving(16, remote_ids=100, remote_occurrences=100, gradient_rows=5) > 0
+    assert sums_saving(16, remote_ids=100, gradient_rows=5) > 0
 
 
 def test_shard_plan_rows_and_tables():

@@ -802,7 +802,6 @@ class ShardedEngine:
         return sums_saving(
             int(self._dims[t]),
             int(counts.sum() - counts[me]),
-            int(push.n[fs].sum() - push.n[fs, me].sum()),
             int(push.m[fs].sum() - push.m[fs, me].sum()),
         )
 

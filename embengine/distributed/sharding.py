@@ -119,11 +119,11 @@ def plan_exchange(
     return tuple(kinds)
 
 
-def sums_saving(dim: int, remote_ids: int, remote_occurrences: int, gradient_rows: int) -> int:
+def sums_saving(dim: int, remote_ids: int, gradient_rows: int) -> int:
     """Bytes one rank sends in a step of one table under "rows" minus under "sums", by the
     cost model of docs/design.md: ``remote_ids``, its unique ids owned by other ranks (R);
-    ``remote_occurrences``, their occurrences (N); ``gradient_rows``, its (activation row,
-    other owner) pairs (G)::
+    ``gradient_rows``, its (activation row, other owner) pairs (G); N, the occurrences of its
+    ids owned elsewhere::
 
         rows: (8 + 4 dim) R + 16 N + 4 dim G    (ids and pulled rows; occurrences and
                                                  gradient rows pushed in the update)
@@ -131,14 +131,13 @@ def sums_saving(dim: int, remote_ids: int, remote_occurrences: int, gradient_row
                                                  rows in the update)
 
     An occurrence costs 16 bytes either way (its id; its activation row's index over its
-    gain), so the saving is ``(8 + 4 dim) R - 4 dim G``.
+    gain), so the saving, ``(8 + 4 dim) R - 4 dim G``, does not depend on N.
 
     (a rank answers others' ids and partial sums as they answer its own, so summed over the
     ranks this is the step's saving.) "auto" takes "sums" when the ranks' savings add up to
     zero or more: ties (nothing remote, e.g. one rank) go to "sums", whose owners pool from
     their own rows without copying them."""
     d = int(dim)
-    del remote_occurrences  # 16 bytes each under both exchanges
     return (8 + 4 * d) * int(remote_ids) - 4 * d * int(gradient_rows)
 
 
