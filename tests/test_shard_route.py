@@ -195,12 +195,22 @@ def test_push_cuts_a_features_occurrences_by_owner(route, batch, dim):
     for d, (w_ids, w_at, w_gains, w_rows) in enumerate(want):
         k = len(w_ids)
         np.testing.assert_array_equal(ints[int_at[d] : int_at[d] + k], w_ids)
-        packed = ints[int_at[d] + k : int_at[d] + 2 * k]  # row index over the gain's bits
-        np.testing.assert_array_equal(packed >> 32, w_at)
-        bits = (packed & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-        assert bits.tobytes() == w_gains.tobytes()
+        assert_packed(ints[int_at[d] + k : int_at[d] + 2 * k], w_at, w_gains)
         got_rows = rows_out[row_at[d] : row_at[d] + len(w_rows) * dim].reshape(-1, dim)
         np.testing.assert_array_equal(got_rows, w_rows)
+
+
+def pack(at: np.ndarray, gains: np.ndarray) -> np.ndarray:
+    """Words as ``fill_pull`` and ``fill_push`` pack them: each occurrence's activation (or
+    gradient) row index in the high 32 bits over its float32 gain's bits."""
+    return (at << 32) | gains.view(np.uint32).astype(np.int64)
+
+
+def assert_packed(words: np.ndarray, at: np.ndarray, gains: np.ndarray) -> None:
+    """``words`` are ``pack(at, gains)``, the gains bit for bit."""
+    np.testing.assert_array_equal(words >> 32, at)
+    bits = (words & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    assert bits.tobytes() == gains.tobytes()
 
 
 def owner_batch_reference(blocks):
@@ -264,7 +274,7 @@ def test_owner_batch_is_the_single_engines_batch_of_the_owners_rows(route, data)
     for b in order:
         ids, at, gains, _, _ = blocks[b]
         int_at[b] = pi
-        ints += [ids, (at << 32) | gains.view(np.uint32).astype(np.int64)]  # as fill_push packs
+        ints += [ids, pack(at, gains)]
         pi += 2 * len(ids)
     ints = np.concatenate(ints)
     counts = np.array([len(b[0]) for b in blocks], dtype=np.int64)
@@ -385,9 +395,7 @@ def test_pull_packs_a_features_occurrences_for_their_owners(route, batch):
         k = len(w_ids)
         pairs = packed[at[d] : at[d] + 2 * k].reshape(k, 2)
         np.testing.assert_array_equal(pairs[:, 0], w_ids)
-        np.testing.assert_array_equal(pairs[:, 1] >> 32, w_at)
-        bits = (pairs[:, 1] & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
-        assert bits.tobytes() == w_gains.tobytes()
+        assert_packed(pairs[:, 1], w_at, w_gains)
         rows = segments[lo:hi][owners_of(unique[inverse[lo:hi]], world, row, owner) == d]
         np.testing.assert_array_equal(targets[target_at[d] : target_at[d] + m[d]], np.unique(rows))
 
@@ -405,7 +413,7 @@ def test_an_owner_pools_from_the_occurrences_and_updates_from_their_batch(route,
     parts, starts, pos = [np.zeros(3, np.int64)], np.zeros(len(blocks), np.int64), 3
     for b in order:
         ids, at, gains, _, _ = blocks[b]
-        pairs = np.stack([ids, (at << 32) | gains.view(np.uint32).astype(np.int64)], axis=1)
+        pairs = np.stack([ids, pack(at, gains)], axis=1)
         parts.append(pairs.reshape(-1))
         starts[b], pos = pos, pos + 2 * len(ids)
     packed = np.concatenate(parts)
