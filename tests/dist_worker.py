@@ -253,6 +253,93 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
+SPEC_STEPS = 4
+SPEC_BATCH = 7
+# Row widths whose grid (least common multiple with 2) is within the limit (the gradient rows
+# are views of the message) and past it (grid 2: mixed-width rows copied into place).
+SPEC_DIMS = {"views": (3, 5, 8), "copies": (11, 13, 17)}
+
+
+def spec_features(which: str):
+    """Three tables of the widths ``SPEC_DIMS[which]``, one shared by two features, under
+    Adagrad."""
+    import embengine as ee
+    from embengine import optimizers as opt
+
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    dp, dq, dr = SPEC_DIMS[which]
+    p = ee.TableConfig(23, dp, name="p", combiner="sum", initializer=init)
+    q = ee.TableConfig(9, dq, name="q", combiner="mean", initializer=init)
+    r = ee.TableConfig(5, dr, name="r", combiner="sum", initializer=init)
+    features = {
+        "a": ee.FeatureConfig(p),
+        "b": ee.FeatureConfig(q),
+        "c": ee.FeatureConfig(r),
+        "d": ee.FeatureConfig(p),  # shares "p" with "a"
+    }
+    return features, opt.Adagrad(0.2)
+
+
+def spec_batch(step: int, which: str):
+    """(features, gradients) of a whole step: bags of 0-4 ids with duplicates."""
+    rng = np.random.default_rng(300 + step)
+    dp, dq, dr = SPEC_DIMS[which]
+    vocab = {"a": (23, dp), "b": (9, dq), "c": (5, dr), "d": (23, dp)}
+    feats, grads = {}, {}
+    for name, (n, dim) in vocab.items():
+        feats[name] = [list(map(int, rng.integers(0, n, rng.integers(0, 5)))) for _ in range(7)]
+        grads[name] = rng.normal(size=(SPEC_BATCH, dim)).astype(np.float32)
+    return feats, grads
+
+
+def run_speculate(rank: int, world: int, out: str, name: str) -> None:
+    """speculate:<views|copies>:<exchange>: each update right after its lookup goes in one
+    message with its header. Step 1: the last rank updates from an equal batch of its own
+    (not its lookup's), so every rank falls back to the header's sizes; step 2: the last
+    rank's gradient has the wrong width (every rank raises, nothing changes), then every
+    rank updates again (no longer right after the lookup: header first)."""
+    from embengine.distributed import ShardedEngine
+
+    _, which, exchange = name.split(":")
+    features, o = spec_features(which)
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, exchange=exchange)
+    lo, hi = rank * SPEC_BATCH // world, (rank + 1) * SPEC_BATCH // world
+    saved = {}
+    for step in range(SPEC_STEPS):
+        feats, grads = spec_batch(step, which)
+        feats = {k: v[lo:hi] for k, v in feats.items()}
+        grads = {k: v[lo:hi] for k, v in grads.items()}
+        acts = eng.lookup(feats)
+        for k, v in acts.items():
+            saved[f"act{step}/{k}"] = v
+        if step == 1 and rank == world - 1:
+            eng.apply_gradients(grads, batch=eng.preprocess(feats))
+        elif step == 2:
+            before = eng.table_contents()
+            bad = dict(grads)
+            if rank == world - 1:
+                bad["a"] = bad["a"][:, :-1]
+            try:
+                eng.apply_gradients(bad)
+                saved["error"] = np.array("none")
+            except Exception as e:
+                saved["error"] = np.array(f"{type(e).__name__}: {e}")
+            after = eng.table_contents()
+            saved["unchanged"] = np.array(
+                after["step"] == before["step"]
+                and all(
+                    np.array_equal(a, after["tables"][t][k])
+                    for t, arrays in before["tables"].items()
+                    for k, a in arrays.items()
+                )
+            )
+            eng.apply_gradients(grads)
+        else:
+            eng.apply_gradients(grads)
+        saved[f"purposes{step}"] = np.array(sorted(eng.bytes_sent["apply_gradients"]))
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
+
+
 def _dump(eng, path: str, extra: dict | None = None) -> None:
     contents = eng.table_contents()
     saved = {"step": np.array(contents["step"]), **(extra or {})}
@@ -370,7 +457,7 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             def stop(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has its error
 
-            if name == "hang_inside":  # stopped inside the update, after its header
+            if name == "hang_inside":  # stopped inside the update, its message sent
                 eng._kept_batches = stop
             else:
                 stop()
@@ -412,6 +499,8 @@ def main() -> None:
                 run_equal(rank, world, out, name)
             elif name.startswith("sweep:"):
                 run_sweep(rank, world, out, name)
+            elif name.startswith("speculate:"):
+                run_speculate(rank, world, out, name)
             elif name == "layer":
                 run_layer(rank, world, out, name)
             elif name.startswith("ckpt_"):

@@ -490,7 +490,7 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert codes[0] == 0, _logs(tmp_path, 2)
     seconds, text = _error_text(tmp_path, "kill", 0)
     assert text.startswith(
-        "PeerError: rank 0: a collective (header) with ranks [1] failed: one of them died"
+        "PeerError: rank 0: a collective (gradients) with ranks [1] failed: one of them died"
     ), text
     # gloo words a dead socket by timing ("Connection reset by peer", "Connection closed by
     # peer", ...): what holds is that it is not the group's timeout and that it came at once.
@@ -501,14 +501,20 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
 def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in the lookup and in the update of ``step`` under row
     sharding, each table exchanging what ``exchanged`` says, by the cost model of
-    docs/design.md, counted from the global batch."""
-    header = 8 * (world - 1) * (4 + 2 * len(FEATURES) + 2 * len(worker.TABLES))
+    docs/design.md, counted from the global batch. The update follows its lookup, so it
+    speculates: one message to each owner, its header and blocks padded to the grid."""
+    width = 4 + 2 * len(FEATURES) + 2 * len(worker.TABLES)
+    header = 8 * (world - 1) * width
     dims = {t: d for t, d in FEATURES.values()}
+    grid = int(np.lcm.reduce([2, *dims.values()]))
     occ = [list(occurrences(step, r, world)) for r in range(world)]
-    lookup = apply = header
+    lookup = header
+    rows_to = np.zeros(world, dtype=np.int64)  # floats of gradient rows to each owner
+    pushed_to = np.zeros(world, dtype=np.int64)  # occurrences pushed to each owner
     for f, (table, dim) in FEATURES.items():
         remote = [(o, i) for g, o, i in occ[rank] if g == f and i % world != rank]
-        rows = {(o, i % world) for o, i in remote}  # (activation row, owner): a gradient row
+        for _, d in {(o, i % world) for o, i in remote}:  # (activation row, owner)
+            rows_to[d] += dim
         if exchanged[table] == "sums":
             # Occurrences to their owners; partial sums of the rows this rank owns to the
             # other ranks; then only the gradient rows.
@@ -520,9 +526,9 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
                 if g == f and i % world == rank
             }
             lookup += 16 * len(remote) + 4 * dim * len(answered)
-            apply += 4 * dim * len(rows)
         else:
-            apply += 16 * len(remote) + 4 * dim * len(rows)
+            for _, i in remote:
+                pushed_to[i % world] += 1
     for table, dim in dims.items():
         if exchanged[table] == "rows":  # unique ids asked, rows answered
             unique = [{i for f, _, i in occ[r] if FEATURES[f][0] == table} for r in range(world)]
@@ -532,6 +538,12 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
                 * dim
                 * sum(1 for s in range(world) if s != rank for i in unique[s] if i % world == rank)
             )
+    head = -(-2 * width // grid) * grid
+    apply = 0
+    for d in range(world):
+        if d != rank:
+            floats = head + rows_to[d] + rows_to[d] % 2 + 4 * pushed_to[d]
+            apply += 4 * int(-(-floats // grid) * grid)
     return lookup, apply + 8 * (world - 1)
 
 
@@ -545,6 +557,64 @@ def test_bytes_sent_are_the_cost_model(runs, world, exchange):
             exchanged = dict(zip(worker.TABLES, got[f"exchanged{step}"].tolist(), strict=True))
             want = modelled_bytes(step, rank, world, exchanged)
             assert tuple(got[f"bytes{step}"]) == want, (rank, step, exchanged)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_update_right_after_its_lookup_sends_one_message_and_falls_back_alike(tmp_path, world):
+    # Each update right after its training lookup sends its header with its blocks (one
+    # all-to-all); a rank updating from another batch makes every rank send again by the
+    # headers' sizes; an invalid gradient on one rank fails every rank with nothing changed.
+    # Row widths whose grid the gradient rows are views on, and widths past the grid limit.
+    scenarios = [f"speculate:{w}:{x}" for w in worker.SPEC_DIMS for x in ("rows", "sums")]
+    codes = spawn(world, tmp_path, scenarios, limit=240)
+    assert codes == [0] * world, _logs(tmp_path, world)
+    for name in scenarios:
+        which, exchange = name.split(":")[1:]
+        features, o = worker.spec_features(which)
+        single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+        acts = []
+        for step in range(worker.SPEC_STEPS):
+            feats, grads = worker.spec_batch(step, which)
+            acts.append(single.lookup(feats))
+            single.apply_gradients(grads)
+        state = single.state_dict()
+        pushed = ["gradient occurrences"] if exchange == "rows" else []
+        for rank in range(world):
+            got = np.load(tmp_path / f"{name.replace(':', '_')}.rank{rank}.npz")
+            lo, hi = rank * worker.SPEC_BATCH // world, (rank + 1) * worker.SPEC_BATCH // world
+            for step in range(worker.SPEC_STEPS):
+                for k, want in acts[step].items():
+                    np.testing.assert_allclose(
+                        got[f"act{step}/{k}"], want[lo:hi], rtol=1e-6, atol=1e-7
+                    )
+            one = ["gradients", "nonfinite count"]
+            assert got["purposes0"].tolist() == one, (name, rank)
+            assert got["purposes3"].tolist() == one, (name, rank)
+            # The fallback: the message, then the headers' sizes (everything pushed).
+            assert got["purposes1"].tolist() == [
+                "gradient occurrences",
+                "gradients",
+                "nonfinite count",
+            ], (name, rank)
+            # The update after a failed one: header first.
+            assert got["purposes2"].tolist() == sorted(
+                ["header", *pushed, "gradients", "nonfinite count"]
+            ), (name, rank)
+            error = str(got["error"])
+            if rank == world - 1:
+                assert error.startswith("ValueError: "), error
+            else:
+                assert error.startswith(
+                    f"DistributedError: rank {rank}: apply_gradients at step 2 failed on "
+                    f"ranks [{world - 1}]"
+                ), error
+            assert bool(got["unchanged"]), (name, rank)
+            assert int(got["step"]) == worker.SPEC_STEPS
+            for table, arrays in state["tables"].items():
+                for key, want in arrays.items():
+                    np.testing.assert_array_equal(
+                        got[f"table/{table}/{key}"], want, err_msg=f"{name} {table}/{key} {rank}"
+                    )
 
 
 def _assert_state(path: Path, want: dict) -> None:
@@ -616,7 +686,7 @@ def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path
     for rank, peers in ((0, "[1, 2]"), (1, "[0, 2]")):
         seconds, text = _error_text(tmp_path, "hang", rank)
         assert text.startswith(
-            f"PeerError: rank {rank}: a collective (header) with ranks "
+            f"PeerError: rank {rank}: a collective (gradients) with ranks "
             f"{peers} failed: no answer within the process group's timeout "
             "in apply_gradients at step 0: rank 2 (its last call: lookup at "
             "step 0) had not entered it"
@@ -626,7 +696,7 @@ def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path
 
 
 def test_a_rank_stopped_inside_a_call_makes_the_others_say_every_rank_entered_it(tmp_path):
-    # Rank 2 stops inside its update, after the update's header: every rank entered the call,
+    # Rank 2 stops inside its update, its message sent: every rank entered the call,
     # so the store cannot name a late one; the others say a rank is stuck or failed inside it.
     codes = spawn(3, tmp_path, ["hang_inside"], limit=120)
     assert codes == [0, 0, -9], _logs(tmp_path, 3)
@@ -648,7 +718,7 @@ def test_a_stopped_rank_0_makes_the_others_raise_saying_its_store_did_not_answer
     assert codes == [-9, 0, 0], _logs(tmp_path, 3)
     for rank in (1, 2):
         seconds, text = _error_text(tmp_path, "hang_first", rank)
-        assert text.startswith(f"PeerError: rank {rank}: a collective (header) with ranks"), text
+        assert text.startswith(f"PeerError: rank {rank}: a collective (gradients) with ranks"), text
         said = (
             "in apply_gradients at step 0: the store did not answer which rank it is (rank 0 "
             "of the default group serves it"

@@ -99,7 +99,7 @@ def modelled_bytes(
     width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
     ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
     asked key's occurrences (8 bytes) and a "has a row" byte per id answered."""
-    from ..distributed.sharding import mix64
+    from ..distributed.sharding import message_grid, mix64
 
     world, tables = len(locals_), len(dims)
     exchanged = exchanged or ["rows"] * tables
@@ -113,12 +113,17 @@ def modelled_bytes(
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
         return ids, bag_of
 
-    header = 8 * (world - 1) * (4 + 2 * tables + 2 * tables + (tables if keyed else 0))
-    lookup = apply = header
+    width = 4 + 2 * tables + 2 * tables + (tables if keyed else 0)
+    lookup = 8 * (world - 1) * width
+    rows_to = np.zeros(world, dtype=np.int64)  # floats of gradient rows to each owner
+    pushed_to = np.zeros(world, dtype=np.int64)  # occurrences pushed to each owner
     for t in range(tables):
         ids, bag_of = ids_and_bags(rank, t)
-        remote = owner(ids) != rank
-        pairs = len(np.unique(bag_of[remote] * world + owner(ids[remote])))  # (bag, owner)
+        owners = owner(ids)
+        remote = owners != rank
+        # (bag, owner) pairs: a gradient row to that owner
+        pairs = np.unique(bag_of[remote] * world + owners[remote])
+        np.add.at(rows_to, pairs % world, dims[t])
         if exchanged[t] == "sums":
             answered = 0
             for s in range(world):
@@ -126,14 +131,22 @@ def modelled_bytes(
                     other, other_bag = ids_and_bags(s, t)
                     answered += len(np.unique(other_bag[owner(other) == rank]))
             lookup += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * answered
-            apply += 4 * dims[t] * pairs
             continue
+        np.add.at(pushed_to, owners[remote], 1)
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
         lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
         lookup += (4 * dims[t] + keyed) * sum(
             int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
         )
-        apply += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * pairs
+    # The update follows its lookup, so it speculates: one message to each owner, its header,
+    # gradient rows and pushed occurrences padded to the grid (ShardedEngine._message).
+    grid = message_grid(dims)
+    head = -(-2 * width // grid) * grid
+    apply = 0
+    for d in range(world):
+        if d != rank:
+            floats = head + rows_to[d] + rows_to[d] % 2 + 4 * pushed_to[d]
+            apply += 4 * int(-(-floats // grid) * grid)
     return lookup, apply + 8 * (world - 1)
 
 

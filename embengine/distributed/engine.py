@@ -81,6 +81,7 @@ from .sharding import (
     ShardTable,
     TableLoad,
     expected_traffic,
+    message_grid,
     plan_exchange,
     plan_shards,
     sums_saving,
@@ -170,6 +171,19 @@ class _Lookup:
     targets: np.ndarray | None
     target_at: np.ndarray | None
     kept: dict[int, _Kept]
+    got: np.ndarray | None = None  # the lookup's headers (``_header``)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Message:
+    """Where a speculating update's all-to-all puts its parts (``ShardedEngine._message``), in
+    float32 words: per peer its block's size and start, and per [peer, feature] where the
+    gradient rows start (floats) and where the occurrences start (int64 words)."""
+
+    sizes: np.ndarray
+    block_at: np.ndarray
+    row_at: np.ndarray
+    int_at: np.ndarray
 
 
 @dataclasses.dataclass
@@ -413,6 +427,11 @@ class ShardedEngine:
         # The last training lookup's bookkeeping (its batch, owners, counts, the "sums"
         # tables' targets and the occurrences this rank owns): its update reuses it.
         self._last: _Lookup | None = None
+        # Whether the last call was a training lookup on every rank (each arms itself alike),
+        # so that the update may send its header with its blocks (``_apply_speculating``).
+        self._armed = False
+        # A speculating update's blocks start on multiples of this many floats.
+        self._grid = message_grid(self._dims)
         # Per table, what its last lookup exchanged ("rows" or "sums"; None before any).
         self._exchanged: list[str | None] = [None] * len(r.tables)
         self.lock = threading.RLock()
@@ -558,6 +577,26 @@ class ShardedEngine:
         k]`` (row d: for rank d) or ``[k]`` (the same for every rank); ``lrs``: each table's
         learning rate, in the ``a`` columns. Returns the headers received, int64 ``[W,
         columns]`` (row s: what rank s sent this rank)."""
+        w, cols = self.world_size, self._cols
+        self._armed = False  # only an update right after a training lookup speculates
+        header = self._header_rows(call, error, blocks, lrs, timestamp)
+        self._comm.enter(f"{_CALLS[call]} at step {self._step}")
+        got = self._comm.all_to_all(
+            header.reshape(-1), [cols.width] * w, [cols.width] * w, "header"
+        ).reshape(w, cols.width)
+        self._check_header(call, error, got, lrs)
+        return got
+
+    def _header_rows(
+        self,
+        call: int,
+        error: Exception | None,
+        blocks: Mapping[int, np.ndarray] | None,
+        lrs: Sequence[float] | None,
+        timestamp: int | None,
+    ) -> np.ndarray:
+        """The header this rank sends each rank (``_header``'s arguments), int64 ``[W,
+        columns]``: row d for rank d."""
         w, nt, cols = self.world_size, len(self.table_names), self._cols
         header = np.zeros((w, cols.width), dtype=np.int64)
         header[:, 0] = call
@@ -572,10 +611,14 @@ class ShardedEngine:
                 header[:, at : at + block.shape[-1]] = block
             if lrs is not None:
                 header[:, cols.a : cols.a + nt] = np.asarray(lrs, dtype=np.float64).view(np.int64)
-        self._comm.enter(f"{_CALLS[call]} at step {self._step}")
-        got = self._comm.all_to_all(
-            header.reshape(-1), [cols.width] * w, [cols.width] * w, "header"
-        ).reshape(w, cols.width)
+        return header
+
+    def _check_header(
+        self, call: int, error: Exception | None, got: np.ndarray, lrs: Sequence[float] | None
+    ) -> None:
+        """Raise this rank's ``error``, or a DistributedError if the headers ``got`` from the
+        ranks disagree with this rank's call (``_header``)."""
+        w, nt, cols = self.world_size, len(self.table_names), self._cols
         if error is not None:
             raise error
         name = _CALLS[call]
@@ -615,7 +658,6 @@ class ShardedEngine:
                         "rank must use the same learning rates (callables of the step, or the "
                         "same learning_rates=[...]); nothing was updated"
                     )
-        return got
 
     # -- a step ----------------------------------------------------------------------------------
 
@@ -758,7 +800,8 @@ class ShardedEngine:
             pooled = self._pool_sums(batch, push, got, sums, training, per_table)
         if training:
             self._pending = batch
-            self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})))
+            self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})), got=got)
+            self._armed = True  # its update may speculate (``_apply_speculating``)
             if when is not None:
                 prev = self._step_time[1] if self._step_time[0] == self._step else None
                 self._step_time = (self._step, when if prev is None else max(prev, when))
@@ -1136,9 +1179,10 @@ class ShardedEngine:
         nf, nt, w, cols = len(self._features), len(self.table_names), self.world_size, self._cols
         error, lrs, when = None, None, None
         push = _Push.empty(nf, w)
-        # Per table: whether this rank updates from the batch whose occurrences the owners kept.
+        # Per table: 0, or this rank updates from its last training lookup's batch: 1, or 2
+        # when that lookup exchanged "sums" for the table (its owners kept the occurrences).
         from_lookup = np.zeros(nt, dtype=np.int64)
-        last = None
+        last, grads = None, None
         try:
             batch = self._pending if given is None else given
             if given is not None:
@@ -1173,71 +1217,26 @@ class ShardedEngine:
             if self._last is not None and self._last.batch is batch:
                 last = self._last
                 push = last.push
-                from_lookup[:] = last.exchanged_sums
+                from_lookup[:] = 1 + last.exchanged_sums  # 2: its owners kept them
             else:
                 push = self._push_counts(batch)
         except (TypeError, ValueError) as e:
             error = e
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: from_lookup}
-        got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
+        armed, self._armed = self._armed, False
+        received = None
+        if armed and self._last is not None:
+            got, received = self._apply_speculating(error, blocks, lrs, when, grads, last)
+        else:
+            got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
         # Everything is validated on every rank; from here on tables change.
         self._begin_keyed(when)
-        # A table's occurrences stay with their owners when every rank updates from the
-        # batch of its last training lookup, which exchanged "sums" (else they are pushed).
-        kept_tables = got[:, cols.b : cols.b + nt].all(axis=0)
+        if received is None:  # the sizes from this call's headers
+            received = self._apply_exchange(got, push, last, grads)
+        kept_tables, int_recv, in_int_at, rows_recv, layouts, batches = received
+        nf = len(self._features)
         pushed = ~self._features_of(kept_tables)
-        n, m = push.n * pushed[:, None], push.m  # [feature, owner]
         got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
-        got_m = got[:, cols.m : cols.m + nf]
-        dims = self._feature_dims
-        # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
-        # indices over gains), gradient rows.
-        int_at, row_at = _starts(2 * n.T), _starts(m.T * dims)
-        ints = np.empty(int(2 * n.sum()), dtype=np.int64)
-        rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
-        for f, (tb, owner, lo, hi, start) in enumerate(push.spans):
-            g = grads[self._features[f]]
-            if not pushed[f]:  # the gradient rows of the activation rows the owners pooled
-                _take_rows(g, last.targets, last.target_at[:, f], m[f], start, rows_g, row_at[:, f])
-                continue
-            sr.fill_push(
-                tb.unique_ids,
-                owner,
-                tb.inverse,
-                tb.segments,
-                tb.gains.view(np.int32),
-                lo,
-                hi,
-                start,
-                g,
-                w,
-                n[f],
-                ints,
-                int_at[:, f].copy(),
-                rows_g,
-                row_at[:, f].copy(),
-            )
-        if pushed.any():
-            int_recv = self._comm.all_to_all(
-                ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient occurrences"
-            )
-        in_int_at = _starts(2 * got_n)
-        in_row_at = _starts(got_m * dims)
-        layouts = {}  # per table whose rows live here: where its gradient rows land
-        for t in range(nt):
-            if self._shards[t].data.shape[0]:
-                fs, ss = self._table_blocks[t]
-                dim = int(self._shards[t].dim)
-                layouts[t] = _RowsLayout(in_row_at[ss, fs], got_m[ss, fs], dim)
-        # The gradient rows travel while this rank builds the update's batches of the
-        # occurrences it kept (deduplication and grouping by row, which the lookup skipped).
-        arrived = self._comm.all_to_all_start(
-            rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
-        )
-        try:
-            batches = self._kept_batches(np.flatnonzero(kept_tables), last, got_m, layouts)
-        finally:
-            rows_recv = arrived()
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
         # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
@@ -1275,6 +1274,163 @@ class ShardedEngine:
             self._pending = self._last = None
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
+
+    def _fill_apply(
+        self,
+        push: _Push,
+        last: _Lookup | None,
+        grads: Mapping,
+        pushed: np.ndarray,
+        ints: np.ndarray,
+        int_at: np.ndarray,
+        rows_g: np.ndarray,
+        row_at: np.ndarray,
+    ) -> None:
+        """An update's blocks to the owners: per feature (``pushed``) its occurrences (ids and
+        gradient-row indices over gains, 2 int64 each) into ``ints`` from ``int_at[owner,
+        feature]``, and its gradient rows into ``rows_g`` from ``row_at[owner, feature]``; a
+        feature not pushed sends the gradient rows of the activation rows its owners pooled."""
+        n, m, w = push.n * pushed[:, None], push.m, self.world_size
+        for f, (tb, owner, lo, hi, start) in enumerate(push.spans):
+            g = grads[self._features[f]]
+            if not pushed[f]:
+                _take_rows(g, last.targets, last.target_at[:, f], m[f], start, rows_g, row_at[:, f])
+                continue
+            sr.fill_push(
+                tb.unique_ids,
+                owner,
+                tb.inverse,
+                tb.segments,
+                tb.gains.view(np.int32),
+                lo,
+                hi,
+                start,
+                g,
+                w,
+                n[f],
+                ints,
+                int_at[:, f].copy(),
+                rows_g,
+                row_at[:, f].copy(),
+            )
+
+    def _apply_exchange(self, got: np.ndarray, push: _Push, last: _Lookup | None, grads):
+        """An update's blocks sent as the call's headers ``got`` sized them: the occurrences
+        of the tables whose owners did not keep them, then the gradient rows (which travel
+        while this rank builds the update's batches of the occurrences it kept). Returns
+        ``(kept tables, occurrences received, where each [sender, feature] block of them
+        starts, gradient rows received, per table their _RowsLayout, kept tables' batches)``."""
+        nf, nt, cols = len(self._features), len(self.table_names), self._cols
+        # A table's occurrences stay with their owners when every rank updates from the
+        # batch of its last training lookup, which exchanged "sums" (else they are pushed).
+        kept_tables = (got[:, cols.b : cols.b + nt] == 2).all(axis=0)
+        pushed = ~self._features_of(kept_tables)
+        n, m = push.n * pushed[:, None], push.m  # [feature, owner]
+        got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
+        got_m = got[:, cols.m : cols.m + nf]
+        dims = self._feature_dims
+        # Destination-major blocks, each destination's feature by feature: (ids, gradient-row
+        # indices over gains), gradient rows.
+        int_at, row_at = _starts(2 * n.T), _starts(m.T * dims)
+        ints = np.empty(int(2 * n.sum()), dtype=np.int64)
+        rows_g = np.empty(int((m.T * dims).sum()), dtype=np.float32)
+        self._fill_apply(push, last, grads, pushed, ints, int_at, rows_g, row_at)
+        int_recv = None
+        if pushed.any():
+            int_recv = self._comm.all_to_all(
+                ints, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "gradient occurrences"
+            )
+        layouts = self._layouts(_starts(got_m * dims), got_m)
+        # The gradient rows travel while this rank builds the update's batches of the
+        # occurrences it kept (deduplication and grouping by row, which the lookup skipped).
+        arrived = self._comm.all_to_all_start(
+            rows_g, (m.T * dims).sum(axis=1), (got_m * dims).sum(axis=1), "gradients"
+        )
+        try:
+            batches = self._kept_batches(np.flatnonzero(kept_tables), last, got_m, layouts)
+        finally:
+            rows_recv = arrived()
+        return kept_tables, int_recv, _starts(2 * got_n), rows_recv, layouts, batches
+
+    def _layouts(self, row_at: np.ndarray, got_m: np.ndarray) -> dict[int, _RowsLayout]:
+        """Per table whose rows live here, where its gradient rows land: blocks [sender,
+        feature] of ``got_m`` rows from float ``row_at``."""
+        layouts = {}
+        for t in range(len(self.table_names)):
+            if self._shards[t].data.shape[0]:
+                fs, ss = self._table_blocks[t]
+                dim = int(self._shards[t].dim)
+                layouts[t] = _RowsLayout(row_at[ss, fs], got_m[ss, fs], dim)
+        return layouts
+
+    def _apply_speculating(self, error, blocks, lrs, when, grads, last: _Lookup | None):
+        """The update right after a training lookup, in one all-to-all: each rank sends every
+        rank its header and its blocks of the update as that lookup's headers sized them
+        (``_message``), before anyone has seen the others' headers. Every rank speculates
+        alike (the lookup armed every rank); a rank whose call does not update that lookup's
+        batch (``last`` None: another batch, or an error) sends zeros in their place and its
+        header says so. Returns the headers (checked as ``_header`` does) and, when every rank
+        sent its blocks, what ``_apply_exchange`` returns; else None: then the blocks go again
+        as the headers size them (the fallback costs the zeros sent)."""
+        w, nf, nt, cols = self.world_size, len(self._features), len(self.table_names), self._cols
+        spec = self._last
+        header = self._header_rows(_APPLY, error, blocks, lrs, when)
+        kept_tables = spec.exchanged_sums.copy()
+        pushed = ~self._features_of(kept_tables)
+        # Sizes from the lookup's headers: what this rank sends each owner, what each sender
+        # sends this rank ([feature, peer]).
+        n, m = spec.push.n * pushed[:, None], spec.push.m
+        got_n = (spec.got[:, cols.n : cols.n + nf] * pushed[None, :]).T
+        got_m = spec.got[:, cols.m : cols.m + nf].T
+        out = self._message(n, m)
+        into = self._message(got_n, got_m)
+        real = error is None and last is spec
+        send = (np.empty if real else np.zeros)(int(out.sizes.sum()), dtype=np.float32)
+        words = send.view(np.int64)
+        for d in range(w):
+            words[out.block_at[d] // 2 : out.block_at[d] // 2 + cols.width] = header[d]
+        if real:
+            self._fill_apply(spec.push, spec, grads, pushed, words, out.int_at, send, out.row_at)
+        self._comm.enter(f"{_CALLS[_APPLY]} at step {self._step}")
+        arrived = self._comm.all_to_all_start(send, out.sizes, into.sizes, "gradients")
+        layouts, batches = self._layouts(into.row_at, got_m.T), {}
+        try:
+            if real:  # while the message travels (unused if a rank falls back)
+                batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m.T, layouts)
+        finally:
+            recv = arrived()
+        taken = recv.view(np.int64)
+        got = np.stack([taken[a // 2 : a // 2 + cols.width] for a in into.block_at.tolist()])
+        self._check_header(_APPLY, error, got, lrs)
+        if not (got[:, cols.b : cols.b + nt] > 0).all():
+            return got, None
+        if (got[:, cols.n : cols.n + nf] != spec.got[:, cols.n : cols.n + nf]).any() or (
+            got[:, cols.m : cols.m + nf] != got_m.T
+        ).any():
+            raise DistributedError(
+                f"rank {self.rank}: apply_gradients at step {self._step}: the ranks' counts "
+                "differ from their lookup's (ranks disagree on the batch)"
+            )
+        return got, (kept_tables, taken, into.int_at, recv, layouts, batches)
+
+    def _message(self, n: np.ndarray, m: np.ndarray) -> _Message:
+        """The blocks of a speculating update's all-to-all (``_apply_speculating``), ``n``
+        occurrences and ``m`` gradient rows per [feature, peer]: each peer's block is its
+        header (``width`` int64), padded to a multiple of ``_grid`` floats, the gradient rows
+        feature by feature, one float of padding if they are odd, the occurrences (2 int64
+        each) feature by feature, and padding to a multiple of ``_grid`` floats, so that each
+        table's rows lie on its row grid (views, ``_RowsLayout``) and the int64 words on 8
+        bytes."""
+        grid, rows = self._grid, m * self._feature_dims[:, None]
+        head = -(-2 * self._cols.width // grid) * grid
+        row_tot = rows.sum(axis=0)
+        ints_from = head + row_tot + (row_tot & 1)
+        sizes = -(-(ints_from + 4 * n.sum(axis=0)) // grid) * grid
+        block_at = _starts(sizes[None])[0]
+        row_at = (block_at + head)[:, None] + np.cumsum(rows.T, axis=1) - rows.T
+        two = 2 * n.T
+        int_at = ((block_at + ints_from) // 2)[:, None] + np.cumsum(two, axis=1) - two
+        return _Message(sizes, block_at, row_at, int_at)
 
     def _kept_batches(
         self, tables: np.ndarray, last: _Lookup, got_m: np.ndarray, layouts: dict

@@ -51,6 +51,7 @@ __all__ = [
     "ShardTable",
     "TableLoad",
     "expected_traffic",
+    "message_grid",
     "mix64",
     "plan_auto",
     "plan_exchange",
@@ -117,6 +118,20 @@ def plan_exchange(
         if keyed[t]:
             kinds[t] = "rows"
     return tuple(kinds)
+
+
+# The widest block grid (floats) of a speculating update's message (``message_grid``).
+GRID_LIMIT = 1024
+
+
+def message_grid(dims) -> int:
+    """The grid (floats) a speculating update's blocks start on (ShardedEngine, one all-to-all
+    for the update right after its lookup): the least common multiple of 2 (int64 words on 8
+    bytes) and every table's row width ``dims``, so that each table's gradient rows are a view
+    of what arrived; 2 where that multiple passes ``GRID_LIMIT`` (mixed-width rows are then
+    copied into place)."""
+    grid = int(np.lcm.reduce([2, *(int(d) for d in dims)]))
+    return grid if grid <= GRID_LIMIT else 2
 
 
 def sums_saving(dim: int, remote_ids: int, gradient_rows: int) -> int:
