@@ -448,6 +448,22 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
         if name == "save_fails":  # a file where the checkpoints' folder should be
             eng.save(os.path.join(out, "not-a-folder", "ckpt"))
         eng.lookup(feats, weights)
+        if name.startswith("after_lookup:"):
+            # Right after a training lookup the last rank makes another call than the update
+            # the others make (and speculate on); then every rank steps together.
+            other = {
+                "contents": eng.table_contents,
+                "eval": lambda: eng.lookup(feats, weights, training=False),
+                "lookup": lambda: eng.lookup(feats, weights),
+            }[name.split(":")[1]]
+            try:
+                other() if rank == world - 1 else eng.apply_gradients(grads)
+                first = "no error"
+            except Exception as e:
+                first = f"{type(e).__name__}: {e}"
+            eng.lookup(feats, weights)
+            eng.apply_gradients(grads)
+            raise RuntimeError(f"{first} | then step={eng.step}")
         if name == "kill" and rank == world - 1:
             os._exit(3)
         if name.startswith("hang") and rank == (0 if name == "hang_first" else world - 1):

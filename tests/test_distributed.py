@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
@@ -378,6 +380,51 @@ def test_the_batches_hold_a_hot_id_everywhere_and_empty_local_batches():
     assert [hi - lo for lo, hi in worker.split(2, 3)][0] == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    dims=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    peers=st.integers(1, 4),
+    width=st.integers(4, 30),
+    data=st.data(),
+)
+def test_the_update_message_puts_each_tables_rows_on_its_grid(dims, peers, width, data):
+    from embengine.distributed.engine import _RowsLayout
+    from embengine.distributed.sharding import message_grid, update_message
+
+    counts = st.lists(st.integers(0, 9), min_size=peers, max_size=peers)
+    m = np.array([data.draw(counts) for _ in dims], dtype=np.int64)  # [feature, peer]
+    n = np.array([data.draw(counts) for _ in dims], dtype=np.int64)
+    grid = message_grid(dims)
+    msg = update_message(n, m, dims, width, grid)
+    assert (msg.sizes % grid == 0).all() and (msg.block_at % grid == 0).all()
+    assert msg.block_at.tolist() == np.concatenate([[0], np.cumsum(msg.sizes)[:-1]]).tolist()
+    for p in range(peers):
+        # Header, each feature's rows, the occurrences: in order, apart, inside the block.
+        parts = [(2 * msg.block_at[p], 2 * (msg.block_at[p] + 2 * width))]  # in half floats
+        parts += [
+            (2 * msg.row_at[p, f], 2 * (msg.row_at[p, f] + m[f, p] * d)) for f, d in enumerate(dims)
+        ]
+        parts += [
+            (4 * msg.int_at[p, f], 4 * (msg.int_at[p, f] + 2 * n[f, p])) for f in range(len(dims))
+        ]
+        for (_, end), (start, _) in zip(parts[:-1], parts[1:], strict=True):
+            assert end <= start, parts
+        assert parts[-1][1] <= 2 * (msg.block_at[p] + msg.sizes[p])
+        for f, d in enumerate(dims):  # a multiple of the width from the block's start
+            assert (msg.row_at[p, f] - msg.block_at[p]) % d == 0
+    # Where the grid is a multiple of every width, each feature's blocks from every peer are
+    # one row matrix: a view, with each block's rows where they lie.
+    buffer = np.arange(int(msg.sizes.sum()), dtype=np.float32)
+    for f, d in enumerate(dims):
+        layout = _RowsLayout(msg.row_at[:, f], m[f], d)
+        assert layout.view or grid % d != 0, (grid, d)
+        matrix = layout.matrix(buffer)
+        for p in range(peers):
+            want = buffer[msg.row_at[p, f] : msg.row_at[p, f] + m[f, p] * d].reshape(-1, d)
+            have = matrix[layout.row_base[p] : layout.row_base[p] + m[f, p]]
+            np.testing.assert_array_equal(have, want)
+
+
 def test_sums_saving_is_the_cost_models_difference():
     from embengine.distributed.sharding import sums_saving
 
@@ -483,6 +530,26 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
     ), text
 
 
+def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_rank(tmp_path):
+    # The update right after a training lookup sends its header with its data; a rank making
+    # another call then sends its header in a message of the same shape, so every rank raises
+    # the disagreement (no process aborts on sizes that differ) and they go on together.
+    calls = {"contents": "table_contents", "eval": "lookup(training=False)", "lookup": "lookup"}
+    scenarios = [f"after_lookup:{x}" for x in calls]
+    codes = spawn(3, tmp_path, scenarios, limit=180)
+    assert codes == [0, 0, 0], _logs(tmp_path, 3)
+    for x, call in calls.items():
+        for rank in range(3):
+            _, text = _error_text(tmp_path, f"after_lookup:{x}", rank)
+            said = (
+                f"RuntimeError: DistributedError: rank {rank} called "
+                f"{call if rank == 2 else 'apply_gradients'} while the ranks called: rank 0: "
+                f"apply_gradients, rank 1: apply_gradients, rank 2: {call}; every rank must "
+                "make the same calls in the same order | then step=1"
+            )
+            assert text.strip() == said, text
+
+
 def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     # The group's timeout is 60 s: an error well before it is the dead connection, not a wait.
     codes = spawn(2, tmp_path, ["kill"], limit=120)
@@ -509,12 +576,12 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
     grid = int(np.lcm.reduce([2, *dims.values()]))
     occ = [list(occurrences(step, r, world)) for r in range(world)]
     lookup = header
-    rows_to = np.zeros(world, dtype=np.int64)  # floats of gradient rows to each owner
+    rows = {f: np.zeros(world, dtype=np.int64) for f in FEATURES}  # gradient rows per owner
     pushed_to = np.zeros(world, dtype=np.int64)  # occurrences pushed to each owner
     for f, (table, dim) in FEATURES.items():
         remote = [(o, i) for g, o, i in occ[rank] if g == f and i % world != rank]
         for _, d in {(o, i % world) for o, i in remote}:  # (activation row, owner)
-            rows_to[d] += dim
+            rows[f][d] += 1
         if exchanged[table] == "sums":
             # Occurrences to their owners; partial sums of the rows this rank owns to the
             # other ranks; then only the gradient rows.
@@ -538,12 +605,14 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
                 * dim
                 * sum(1 for s in range(world) if s != rank for i in unique[s] if i % world == rank)
             )
-    head = -(-2 * width // grid) * grid
     apply = 0
     for d in range(world):
         if d != rank:
-            floats = head + rows_to[d] + rows_to[d] % 2 + 4 * pushed_to[d]
-            apply += 4 * int(-(-floats // grid) * grid)
+            at = -(-2 * width // grid) * grid  # the header, on the grid
+            for f, (_, dim) in FEATURES.items():  # each feature's rows on its own width
+                at = -(-at // dim) * dim + rows[f][d] * dim
+            at += at % 2 + 4 * pushed_to[d]
+            apply += 4 * int(-(-at // grid) * grid)
     return lookup, apply + 8 * (world - 1)
 
 

@@ -99,7 +99,7 @@ def modelled_bytes(
     width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
     ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
     asked key's occurrences (8 bytes) and a "has a row" byte per id answered."""
-    from ..distributed.sharding import message_grid, mix64
+    from ..distributed.sharding import message_grid, mix64, update_message
 
     world, tables = len(locals_), len(dims)
     exchanged = exchanged or ["rows"] * tables
@@ -115,15 +115,15 @@ def modelled_bytes(
 
     width = 4 + 2 * tables + 2 * tables + (tables if keyed else 0)
     lookup = 8 * (world - 1) * width
-    rows_to = np.zeros(world, dtype=np.int64)  # floats of gradient rows to each owner
-    pushed_to = np.zeros(world, dtype=np.int64)  # occurrences pushed to each owner
+    m = np.zeros((tables, world), dtype=np.int64)  # gradient rows to each owner
+    n = np.zeros((tables, world), dtype=np.int64)  # occurrences pushed to each owner
     for t in range(tables):
         ids, bag_of = ids_and_bags(rank, t)
         owners = owner(ids)
         remote = owners != rank
         # (bag, owner) pairs: a gradient row to that owner
         pairs = np.unique(bag_of[remote] * world + owners[remote])
-        np.add.at(rows_to, pairs % world, dims[t])
+        np.add.at(m[t], pairs % world, 1)
         if exchanged[t] == "sums":
             answered = 0
             for s in range(world):
@@ -132,22 +132,16 @@ def modelled_bytes(
                     answered += len(np.unique(other_bag[owner(other) == rank]))
             lookup += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * answered
             continue
-        np.add.at(pushed_to, owners[remote], 1)
+        np.add.at(n[t], owners[remote], 1)
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
         lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
         lookup += (4 * dims[t] + keyed) * sum(
             int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
         )
     # The update follows its lookup, so it speculates: one message to each owner, its header,
-    # gradient rows and pushed occurrences padded to the grid (ShardedEngine._message).
-    grid = message_grid(dims)
-    head = -(-2 * width // grid) * grid
-    apply = 0
-    for d in range(world):
-        if d != rank:
-            floats = head + rows_to[d] + rows_to[d] % 2 + 4 * pushed_to[d]
-            apply += 4 * int(-(-floats // grid) * grid)
-    return lookup, apply + 8 * (world - 1)
+    # gradient rows and pushed occurrences on the grid (sharding.update_message).
+    sizes = update_message(n, m, dims, width, message_grid(dims)).sizes
+    return lookup, 4 * int(sizes.sum() - sizes[rank]) + 8 * (world - 1)
 
 
 def _written() -> int:

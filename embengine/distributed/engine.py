@@ -85,6 +85,7 @@ from .sharding import (
     plan_exchange,
     plan_shards,
     sums_saving,
+    update_message,
 )
 
 __all__ = ["ShardedEngine", "DistributedError", "DEFAULT_TIMEOUT"]
@@ -122,8 +123,9 @@ class _Columns:
     sums the same figures and picks the same exchange); ``k`` (engines with keyed tables),
     per table, this rank's unique ids of it (whether any rank brought keys).
     apply_gradients: ``n`` / ``m`` as the lookup's (the occurrences pushed, the gradient rows);
-    ``a``, each table's learning rate (float64 bits); ``b``, per table, whether this rank
-    updates from its last training lookup's batch, whose occurrences the owners kept."""
+    ``a``, each table's learning rate (float64 bits); ``b``, per table, 0, or 1 when this rank
+    updates from its last training lookup's batch, 2 when that lookup exchanged "sums" for
+    the table (its owners kept the occurrences)."""
 
     n: int
     m: int
@@ -172,18 +174,6 @@ class _Lookup:
     target_at: np.ndarray | None
     kept: dict[int, _Kept]
     got: np.ndarray | None = None  # the lookup's headers (``_header``)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Message:
-    """Where a speculating update's all-to-all puts its parts (``ShardedEngine._message``), in
-    float32 words: per peer its block's size and start, and per [peer, feature] where the
-    gradient rows start (floats) and where the occurrences start (int64 words)."""
-
-    sizes: np.ndarray
-    block_at: np.ndarray
-    row_at: np.ndarray
-    int_at: np.ndarray
 
 
 @dataclasses.dataclass
@@ -427,9 +417,10 @@ class ShardedEngine:
         # The last training lookup's bookkeeping (its batch, owners, counts, the "sums"
         # tables' targets and the occurrences this rank owns): its update reuses it.
         self._last: _Lookup | None = None
-        # Whether the last call was a training lookup on every rank (each arms itself alike),
-        # so that the update may send its header with its blocks (``_apply_speculating``).
-        self._armed = False
+        # The training lookup that was every rank's last call (each arms itself alike), so
+        # that the next call may be its update, sending its header with its blocks
+        # (``_apply_speculating``); any call disarms.
+        self._armed: _Lookup | None = None
         # A speculating update's blocks start on multiples of this many floats.
         self._grid = message_grid(self._dims)
         # Per table, what its last lookup exchanged ("rows" or "sums"; None before any).
@@ -578,12 +569,19 @@ class ShardedEngine:
         learning rate, in the ``a`` columns. Returns the headers received, int64 ``[W,
         columns]`` (row s: what rank s sent this rank)."""
         w, cols = self.world_size, self._cols
-        self._armed = False  # only an update right after a training lookup speculates
         header = self._header_rows(call, error, blocks, lrs, timestamp)
-        self._comm.enter(f"{_CALLS[call]} at step {self._step}")
-        got = self._comm.all_to_all(
-            header.reshape(-1), [cols.width] * w, [cols.width] * w, "header"
-        ).reshape(w, cols.width)
+        spec, self._armed = self._armed, None
+        if spec is not None:
+            # Right after a training lookup the other ranks may be sending its update's
+            # message: this header goes in a message of that shape (zeros elsewhere), so that
+            # a rank making another call fails with the others (gloo aborts the process on
+            # sizes that differ).
+            got = self._message_exchange(spec, call, header, "header")[0]
+        else:
+            self._comm.enter(f"{_CALLS[call]} at step {self._step}")
+            got = self._comm.all_to_all(
+                header.reshape(-1), [cols.width] * w, [cols.width] * w, "header"
+            ).reshape(w, cols.width)
         self._check_header(call, error, got, lrs)
         return got
 
@@ -801,7 +799,7 @@ class ShardedEngine:
         if training:
             self._pending = batch
             self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})), got=got)
-            self._armed = True  # its update may speculate (``_apply_speculating``)
+            self._armed = self._last  # its update may speculate (``_apply_speculating``)
             if when is not None:
                 prev = self._step_time[1] if self._step_time[0] == self._step else None
                 self._step_time = (self._step, when if prev is None else max(prev, when))
@@ -1183,6 +1181,7 @@ class ShardedEngine:
         # when that lookup exchanged "sums" for the table (its owners kept the occurrences).
         from_lookup = np.zeros(nt, dtype=np.int64)
         last, grads = None, None
+        spec, self._armed = self._armed, None  # disarmed however this call ends
         try:
             batch = self._pending if given is None else given
             if given is not None:
@@ -1223,10 +1222,9 @@ class ShardedEngine:
         except (TypeError, ValueError) as e:
             error = e
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: from_lookup}
-        armed, self._armed = self._armed, False
         received = None
-        if armed and self._last is not None:
-            got, received = self._apply_speculating(error, blocks, lrs, when, grads, last)
+        if spec is not None:
+            got, received = self._apply_speculating(spec, error, blocks, lrs, when, grads, last)
         else:
             got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
         # Everything is validated on every rank; from here on tables change.
@@ -1363,74 +1361,96 @@ class ShardedEngine:
                 layouts[t] = _RowsLayout(row_at[ss, fs], got_m[ss, fs], dim)
         return layouts
 
-    def _apply_speculating(self, error, blocks, lrs, when, grads, last: _Lookup | None):
-        """The update right after a training lookup, in one all-to-all: each rank sends every
-        rank its header and its blocks of the update as that lookup's headers sized them
-        (``_message``), before anyone has seen the others' headers. Every rank speculates
-        alike (the lookup armed every rank); a rank whose call does not update that lookup's
-        batch (``last`` None: another batch, or an error) sends zeros in their place and its
-        header says so. Returns the headers (checked as ``_header`` does) and, when every rank
-        sent its blocks, what ``_apply_exchange`` returns; else None: then the blocks go again
-        as the headers size them (the fallback costs the zeros sent)."""
-        w, nf, nt, cols = self.world_size, len(self._features), len(self.table_names), self._cols
-        spec = self._last
-        header = self._header_rows(_APPLY, error, blocks, lrs, when)
+    def _speculated(self, spec: _Lookup):
+        """What the update of the training lookup ``spec`` sends, as that lookup's headers
+        sized it: ``(kept tables, pushed features, occurrences and gradient rows this rank
+        sends [feature, owner], gradient rows each sender sends this rank [feature, sender],
+        this rank's message out, the message in)`` (``sharding.update_message``)."""
+        nf, cols = len(self._features), self._cols
         kept_tables = spec.exchanged_sums.copy()
         pushed = ~self._features_of(kept_tables)
-        # Sizes from the lookup's headers: what this rank sends each owner, what each sender
-        # sends this rank ([feature, peer]).
         n, m = spec.push.n * pushed[:, None], spec.push.m
         got_n = (spec.got[:, cols.n : cols.n + nf] * pushed[None, :]).T
         got_m = spec.got[:, cols.m : cols.m + nf].T
-        out = self._message(n, m)
-        into = self._message(got_n, got_m)
-        real = error is None and last is spec
-        send = (np.empty if real else np.zeros)(int(out.sizes.sum()), dtype=np.float32)
+        dims, width, grid = self._feature_dims, cols.width, self._grid
+        out = update_message(n, m, dims, width, grid)
+        into = update_message(got_n, got_m, dims, width, grid)
+        return kept_tables, pushed, got_m, out, into
+
+    def _message_exchange(
+        self,
+        spec: _Lookup,
+        call: int,
+        header: np.ndarray,
+        purpose: str,
+        fill=None,
+        meanwhile=None,
+        shapes=None,
+    ):
+        """The all-to-all of the update of the training lookup ``spec`` (``_speculated``, or
+        ``shapes`` if given), carrying this rank's ``header`` rows and what ``fill(words,
+        floats, out)`` writes (else zeros). ``meanwhile(into)`` runs while it travels.
+        Returns ``(the headers received, the buffer received, its layout, what meanwhile
+        returned)``."""
+        w, cols = self.world_size, self._cols
+        out, into = (shapes or self._speculated(spec))[3:]
+        # Zeros: the padding and an unfilled message must not carry leftover memory.
+        send = np.zeros(int(out.sizes.sum()), dtype=np.float32)
         words = send.view(np.int64)
         for d in range(w):
             words[out.block_at[d] // 2 : out.block_at[d] // 2 + cols.width] = header[d]
-        if real:
-            self._fill_apply(spec.push, spec, grads, pushed, words, out.int_at, send, out.row_at)
-        self._comm.enter(f"{_CALLS[_APPLY]} at step {self._step}")
-        arrived = self._comm.all_to_all_start(send, out.sizes, into.sizes, "gradients")
-        layouts, batches = self._layouts(into.row_at, got_m.T), {}
+        if fill is not None:
+            fill(words, send, out)
+        self._comm.enter(f"{_CALLS[call]} at step {self._step}")
+        arrived = self._comm.all_to_all_start(send, out.sizes, into.sizes, purpose)
+        extra = None
         try:
-            if real:  # while the message travels (unused if a rank falls back)
-                batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m.T, layouts)
+            if meanwhile is not None:
+                extra = meanwhile(into)
         finally:
             recv = arrived()
         taken = recv.view(np.int64)
         got = np.stack([taken[a // 2 : a // 2 + cols.width] for a in into.block_at.tolist()])
+        return got, recv, into, extra
+
+    def _apply_speculating(self, spec: _Lookup, error, blocks, lrs, when, grads, last):
+        """The update right after the training lookup ``spec``, in one all-to-all: each rank
+        sends every rank its header and its blocks of the update as that lookup's headers
+        sized them (``sharding.update_message``), before anyone has seen the others' headers.
+        Every rank speculates alike (the lookup armed every rank); a rank whose call does not
+        update that lookup's batch (``last`` not ``spec``: another batch, or an error) sends
+        zeros in their place and its header says so. Returns the headers (checked as
+        ``_header`` does) and, when every rank sent its blocks, what ``_apply_exchange``
+        returns; else None: then the blocks go again as the headers size them (the fallback
+        costs the zeros sent)."""
+        nt, cols = len(self.table_names), self._cols
+        header = self._header_rows(_APPLY, error, blocks, lrs, when)
+        shapes = self._speculated(spec)
+        kept_tables, pushed, got_m = shapes[:3]
+        real = error is None and last is spec
+
+        def fill(words, floats, out):
+            self._fill_apply(spec.push, spec, grads, pushed, words, out.int_at, floats, out.row_at)
+
+        def meanwhile(into):  # the kept batches (unused if a rank falls back)
+            layouts = self._layouts(into.row_at, got_m.T)
+            batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m.T, layouts)
+            return layouts, batches
+
+        got, recv, into, extra = self._message_exchange(
+            spec,
+            _APPLY,
+            header,
+            "gradients",
+            fill if real else None,
+            meanwhile if real else None,
+            shapes,
+        )
         self._check_header(_APPLY, error, got, lrs)
         if not (got[:, cols.b : cols.b + nt] > 0).all():
             return got, None
-        if (got[:, cols.n : cols.n + nf] != spec.got[:, cols.n : cols.n + nf]).any() or (
-            got[:, cols.m : cols.m + nf] != got_m.T
-        ).any():
-            raise DistributedError(
-                f"rank {self.rank}: apply_gradients at step {self._step}: the ranks' counts "
-                "differ from their lookup's (ranks disagree on the batch)"
-            )
-        return got, (kept_tables, taken, into.int_at, recv, layouts, batches)
-
-    def _message(self, n: np.ndarray, m: np.ndarray) -> _Message:
-        """The blocks of a speculating update's all-to-all (``_apply_speculating``), ``n``
-        occurrences and ``m`` gradient rows per [feature, peer]: each peer's block is its
-        header (``width`` int64), padded to a multiple of ``_grid`` floats, the gradient rows
-        feature by feature, one float of padding if they are odd, the occurrences (2 int64
-        each) feature by feature, and padding to a multiple of ``_grid`` floats, so that each
-        table's rows lie on its row grid (views, ``_RowsLayout``) and the int64 words on 8
-        bytes."""
-        grid, rows = self._grid, m * self._feature_dims[:, None]
-        head = -(-2 * self._cols.width // grid) * grid
-        row_tot = rows.sum(axis=0)
-        ints_from = head + row_tot + (row_tot & 1)
-        sizes = -(-(ints_from + 4 * n.sum(axis=0)) // grid) * grid
-        block_at = _starts(sizes[None])[0]
-        row_at = (block_at + head)[:, None] + np.cumsum(rows.T, axis=1) - rows.T
-        two = 2 * n.T
-        int_at = ((block_at + ints_from) // 2)[:, None] + np.cumsum(two, axis=1) - two
-        return _Message(sizes, block_at, row_at, int_at)
+        layouts, batches = extra
+        return got, (kept_tables, recv.view(np.int64), into.int_at, recv, layouts, batches)
 
     def _kept_batches(
         self, tables: np.ndarray, last: _Lookup, got_m: np.ndarray, layouts: dict

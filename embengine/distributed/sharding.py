@@ -50,6 +50,7 @@ __all__ = [
     "ShardPlan",
     "ShardTable",
     "TableLoad",
+    "UpdateMessage",
     "expected_traffic",
     "message_grid",
     "mix64",
@@ -57,6 +58,7 @@ __all__ = [
     "plan_exchange",
     "plan_shards",
     "sums_saving",
+    "update_message",
 ]
 
 SHARDING_KINDS = ("row", "table")
@@ -121,17 +123,64 @@ def plan_exchange(
 
 
 # The widest block grid (floats) of a speculating update's message (``message_grid``).
-GRID_LIMIT = 1024
+GRID_LIMIT = 4096
 
 
 def message_grid(dims) -> int:
-    """The grid (floats) a speculating update's blocks start on (ShardedEngine, one all-to-all
-    for the update right after its lookup): the least common multiple of 2 (int64 words on 8
-    bytes) and every table's row width ``dims``, so that each table's gradient rows are a view
-    of what arrived; 2 where that multiple passes ``GRID_LIMIT`` (mixed-width rows are then
-    copied into place)."""
+    """The grid (floats) a speculating update's blocks start on and end on (``update_message``):
+    the least common multiple of 2 (int64 words on 8 bytes) and every table's row width
+    ``dims``, so that each table's gradient rows can be a view of what arrived; 2 where that
+    multiple passes ``GRID_LIMIT`` (the rows are then copied into place)."""
     grid = int(np.lcm.reduce([2, *(int(d) for d in dims)]))
     return grid if grid <= GRID_LIMIT else 2
+
+
+@dataclass(frozen=True)
+class UpdateMessage:
+    """Where the parts of a speculating update's all-to-all lie (``update_message``), in
+    float32 words of the buffer: per peer its block's size and start; per [peer, feature]
+    where the feature's gradient rows start (floats) and its occurrences (int64 words)."""
+
+    sizes: np.ndarray
+    block_at: np.ndarray
+    row_at: np.ndarray
+    int_at: np.ndarray
+
+
+def update_message(
+    occurrences: np.ndarray,
+    gradient_rows: np.ndarray,
+    feature_dims: np.ndarray,
+    header_words: int,
+    grid: int,
+) -> UpdateMessage:
+    """The layout of the all-to-all an update right after its lookup sends in (ShardedEngine:
+    header and data at once), ``occurrences`` pushed and ``gradient_rows`` per [feature, peer]
+    (features of widths ``feature_dims``). Each peer's block, from a multiple of ``grid``
+    (``message_grid``) floats: the header (``header_words`` int64) padded to the grid; each
+    feature's gradient rows, from a multiple of its width within the block; a float of padding
+    if needed for 8 bytes; the occurrences (2 int64 each) feature by feature; padding to the
+    grid. So a table's rows from every peer lie on one grid of its width (a view,
+    ``_RowsLayout``) when ``grid`` is a multiple of it, and the int64 words on 8 bytes."""
+    n = np.asarray(occurrences, dtype=np.int64)
+    m = np.asarray(gradient_rows, dtype=np.int64)
+    dims = np.asarray(feature_dims, dtype=np.int64)
+    features, peers = m.shape
+    pos = np.full(peers, -(-2 * header_words // grid) * grid, dtype=np.int64)
+    row_at = np.empty((peers, features), dtype=np.int64)
+    for f in range(features):
+        pos = -(-pos // dims[f]) * dims[f]
+        row_at[:, f] = pos
+        pos = pos + m[f] * dims[f]
+    pos = pos + (pos & 1)
+    two = 2 * n.T
+    int_at = (pos // 2)[:, None] + np.cumsum(two, axis=1) - two
+    sizes = -(-(pos + 4 * n.sum(axis=0)) // grid) * grid
+    block_at = np.zeros(peers, dtype=np.int64)
+    np.cumsum(sizes[:-1], out=block_at[1:])
+    return UpdateMessage(
+        sizes, block_at, row_at + block_at[:, None], int_at + block_at[:, None] // 2
+    )
 
 
 def sums_saving(dim: int, remote_ids: int, gradient_rows: int) -> int:
