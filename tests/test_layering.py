@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import embengine as ee
 from embengine import optimizers as opt
@@ -117,3 +118,17 @@ def test_lookup_rows_equals_lookup_of_the_table(backend):
             want = be.lookup(table, batch.tables[p])
             got = be.lookup_rows(np.ascontiguousarray(table.weights), spec.dim, batch.tables[p])
             assert got.tobytes() == want.tobytes()
+            # Into a given array (a slice of a larger buffer, as the sharded answers are).
+            buffer = np.full(want.size + 7, np.nan, dtype=np.float32)
+            into = buffer[3 : 3 + want.size].reshape(want.shape)
+            rows = np.ascontiguousarray(table.weights)
+            assert be.lookup_rows(rows, spec.dim, batch.tables[p], out=into) is into
+            assert into.tobytes() == want.tobytes()
+            assert np.isnan(buffer[:3]).all() and np.isnan(buffer[3 + want.size :]).all()
+            for bad in (
+                np.empty((want.shape[0] + 1, spec.dim), np.float32),
+                np.empty(want.shape, np.float64),
+                np.empty(want.shape[::-1], np.float32).T,
+            ):
+                with pytest.raises(ValueError, match="out must be a writable C-contiguous"):
+                    be.lookup_rows(rows, spec.dim, batch.tables[p], out=bad)

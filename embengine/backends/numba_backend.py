@@ -22,6 +22,7 @@ from ..optimizers import Optimizer, RowMath
 from ..precision import F32, KIND
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
+from .protocol import out_rows
 
 __all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
 
@@ -781,7 +782,13 @@ class NumbaBackend:
             )
 
     def lookup_rows(
-        self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+        self,
+        rows: np.ndarray,
+        dim: int,
+        tb: TableBatch | LookupOnlyTableBatch,
+        quantization=None,
+        *,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
         ``dim`` columns, float32 and C-contiguous (Backend protocol: a table's data, or rows
@@ -804,16 +811,23 @@ class NumbaBackend:
                     "lookup_rows: this batch's storage maps ids to rows itself; look it up "
                     "with lookup(table, batch)"
                 )
-            return self._pool_parts(
+            pooled = self._pool_parts(
                 tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids, F32)
             )
+            if out is None:
+                return pooled
+            out_rows(out, len(pooled), dim)[:] = pooled
+            return out
         if tb.unique_rows is None:
             raise ValueError(
                 "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
                 "itself); look it up with lookup(table, batch)"
             )
         start_pool()
-        out = np.empty((tb.num_outputs, dim), dtype=np.float32)
+        if out is None:
+            out = np.empty((tb.num_outputs, dim), dtype=np.float32)
+        else:
+            out_rows(out, tb.num_outputs, dim)
         _pool_prepared(rows, dim, tb, _quantization_row(quantization), self.lookup_prefetch, out)
         return out
 

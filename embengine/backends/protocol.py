@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..optimizers import Optimizer
     from ..storage import TableStorage
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "out_rows"]
 
 
 @runtime_checkable
@@ -86,12 +86,16 @@ class Backend(Protocol):
         dim: int,
         tb: TableBatch | LookupOnlyTableBatch,
         quantization: QuantizationConfig | None = None,
+        *,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """``lookup`` from rows given as an array: float32, C-contiguous ``[n, >= dim]``, row
         ``r`` holding row ``r``'s weights in its first ``dim`` columns (a DenseTable's
         ``data``, or rows decoded from an export). The batch's rows index ``rows``: a
         deduplicated batch's ``unique_rows``, a lookup-only batch's ids from each feature's
-        ``row_offset`` on (a storage whose rows are ids)."""
+        ``row_offset`` on (a storage whose rows are ids). ``out``: a writable float32
+        C-contiguous ``[num_outputs, dim]`` array to write the activations into (and return),
+        e.g. a slice of a send buffer; else a new one."""
         ...
 
     def apply(
@@ -109,3 +113,23 @@ class Backend(Protocol):
         A row whose new weights or float slots would not all be finite (as float32) keeps its
         old values, slots included; returns the ids (rows of ``table``) of those rows."""
         ...
+
+
+def out_rows(out, rows: int, dim: int):
+    """``out``, checked as ``Backend.lookup_rows`` takes it: a writable float32 C-contiguous
+    ``[rows, dim]`` array (a ValueError naming what it is otherwise)."""
+    import numpy as np
+
+    if (
+        not isinstance(out, np.ndarray)
+        or out.dtype != np.float32
+        or out.shape != (rows, dim)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        what = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(
+            f"lookup_rows: out must be a writable C-contiguous float32 [{rows}, {dim}] array, "
+            f"got {what}"
+        )
+    return out

@@ -16,6 +16,7 @@ from ..optimizers import Optimizer, RowContext
 from ..precision import KIND, hash_bits, stochastic_round, widen
 from ..storage import TableStorage
 from ..storage.dense import column_view
+from .protocol import out_rows
 
 __all__ = ["ReferenceBackend", "update_rows"]
 
@@ -171,7 +172,13 @@ class ReferenceBackend:
         ]
 
     def lookup_rows(
-        self, rows: np.ndarray, dim: int, tb: TableBatch | LookupOnlyTableBatch, quantization=None
+        self,
+        rows: np.ndarray,
+        dim: int,
+        tb: TableBatch | LookupOnlyTableBatch,
+        quantization=None,
+        *,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
         ``dim`` columns, read at the batch's rows (Backend protocol); a row of -1 pools zeros."""
@@ -187,9 +194,12 @@ class ReferenceBackend:
         gathered[present] = rows[tb.unique_rows[present], :dim]
         if quantization is not None:
             gathered[present] = quantization.quantize(gathered[present])
-        out = np.zeros((tb.num_outputs, dim), dtype=np.float64)
-        np.add.at(out, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
-        return out.astype(np.float32)
+        sums = np.zeros((tb.num_outputs, dim), dtype=np.float64)
+        np.add.at(sums, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
+        if out is None:
+            return sums.astype(np.float32)
+        out_rows(out, tb.num_outputs, dim)[:] = sums
+        return out
 
     def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
         """Every spec runs here: its ``reference_update`` is the oracle."""

@@ -1532,10 +1532,10 @@ class ShardedEngine:
         fs, ss = self._table_blocks[t]
         for b in blocks.tolist():
             rows = int(kept.block_rows[b])
-            if rows:
-                part = self._backend.lookup_rows(shard.data, dim, kept.block_batch(b), q)
+            if rows:  # pooled straight into the answer's block
                 a = int(answer_at[ss[b], fs[b]])
-                answer[a : a + rows * dim] = part.reshape(-1)
+                into = answer[a : a + rows * dim].reshape(rows, dim)
+                self._backend.lookup_rows(shard.data, dim, kept.block_batch(b), q, out=into)
 
     def _kept_batch(
         self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int, arrays: list
