@@ -513,6 +513,31 @@ def test_same_stream_at_one_and_two_threads_is_bit_identical():
         assert c1[k].tobytes() == c2[k].tobytes(), k
 
 
+@pytest.mark.parametrize("max_rows", [None, 40])
+def test_steps_whose_keys_the_kernel_found_and_touched_count_as_the_reference(max_rows):
+    # A training batch whose every key has a live row is probed and touched in the numba
+    # kernel; the storage then only counts it (rows_for's fast path). Its stats, touch counts
+    # and last-touched steps equal the reference backend's, which runs every rule in rows_for,
+    # over a stream of resident steps with some new keys (and evictions with max_rows) between.
+    engines = {
+        be: keyed_engine(be, optimizer=opt.SGD(0.1), dim=4, max_rows=max_rows)
+        for be in ("numba", "reference")
+    }
+    rng = np.random.default_rng(7)
+    resident = [int(k) for k in rng.integers(-(2**62), 2**62, 30)]
+    for step in range(10):
+        keys = list(rng.choice(resident, 24))
+        if step % 3 == 2:  # a new key: this step goes through every rule
+            keys[5] = int(rng.integers(2**62, 2**63 - 1))
+        for eng in engines.values():
+            train_bags(eng, [keys[i : i + 3] for i in range(0, 24, 3)], grad=0.1)
+    (c1, s1), (c2, s2) = ((e.table_contents("k"), e.table_stats()) for e in engines.values())
+    assert s1 == s2 and s1["k"]["total"]["hits"] > 0
+    assert set(c1) == set(c2)
+    for k in c1:
+        assert c1[k].tobytes() == c2[k].tobytes(), k
+
+
 def test_dense_tables_have_contents_and_stats_too():
     eng = ee.EmbeddingEngine(
         {"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d", initializer=RowId(0)))},
