@@ -107,7 +107,7 @@ class TableBatch:
             if hi > lo:
                 ids = self.unique_ids[lo:hi]
                 kw = {} if found is None else {"found": found[lo:hi], "touched": touched}
-                if counted:
+                if counted and not (found is not None and touched):  # touched: counted too
                     kw["counts"] = self._counts(lo, hi)
                 rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
         return dataclasses.replace(self, unique_rows=rows)

@@ -1363,9 +1363,9 @@ class ShardedEngine:
 
     def _speculated(self, spec: _Lookup):
         """What the update of the training lookup ``spec`` sends, as that lookup's headers
-        sized it: ``(kept tables, pushed features, occurrences and gradient rows this rank
-        sends [feature, owner], gradient rows each sender sends this rank [feature, sender],
-        this rank's message out, the message in)`` (``sharding.update_message``)."""
+        sized it: ``(kept tables, pushed features, gradient rows each sender sends this rank
+        [feature, sender], the layout of this rank's message out, of the message in)``
+        (``sharding.update_message``)."""
         nf, cols = len(self._features), self._cols
         kept_tables = spec.exchanged_sums.copy()
         pushed = ~self._features_of(kept_tables)

@@ -786,8 +786,20 @@ class KeyedTable(MappedRows):
         gives ``ids`` now, when a kernel probed it already (``lookup_index``); ``touched``: the
         kernel found a live row for every id and touched them (``IndexView``)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
         expired = self._expired()
+        if insert and touched and found is not None and not len(expired):
+            # The kernel found a live row for every key and touched it (counts included), and
+            # no row expires: no rule has anything to do (no key to admit, nothing to evict or
+            # free). ``found`` itself is the answer (the batch copies it).
+            found = np.asarray(found, dtype=np.int64)
+            if (found < 0).any():
+                raise AssertionError(f"table {self.name!r}: touched, but not every key was found")
+            self._roll_stats()
+            self._commit_time()
+            self._this["lookups"] += len(ids)
+            self._this["hits"] += len(ids)
+            return found
+        rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
         if not insert:
             if len(expired):
                 rows[np.isin(rows, expired)] = NO_ROW
@@ -795,16 +807,6 @@ class KeyedTable(MappedRows):
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
-        if touched and not len(expired):
-            # The kernel found a live row for every key and touched it, and no row expires: no
-            # rule has anything to do (no key to admit, nothing to evict or free).
-            if (rows < 0).any():
-                raise AssertionError(f"table {self.name!r}: touched, but not every key was found")
-            self._roll_stats()
-            self._commit_time()
-            self._this["lookups"] += len(ids)
-            self._this["hits"] += len(ids)
-            return rows
         if len(expired):
             rows[np.isin(rows, expired)] = NO_ROW
         hit = rows >= 0
