@@ -293,16 +293,23 @@ def spec_batch(step: int, which: str):
 
 
 def run_speculate(rank: int, world: int, out: str, name: str) -> None:
-    """speculate:<views|copies>:<exchange>: each update right after its lookup goes in one
-    message with its header. Step 1: the last rank updates from an equal batch of its own
-    (not its lookup's), so every rank falls back to the header's sizes; step 2: the last
-    rank's gradient has the wrong width (every rank raises, nothing changes), then every
-    rank updates again (no longer right after the lookup: header first)."""
+    """speculate:<views|copies>:<exchange>[:<backend>]: each update right after its lookup
+    goes in one message with its header. Step 1: the last rank updates from an equal batch
+    of its own (not its lookup's), so every rank falls back to the header's sizes; step 2:
+    the last rank's gradient has the wrong width (every rank raises, nothing changes), then
+    every rank updates again (no longer right after the lookup: header first)."""
     from embengine.distributed import ShardedEngine
 
-    _, which, exchange = name.split(":")
+    _, which, exchange, *backend = name.split(":")
     features, o = spec_features(which)
-    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, exchange=exchange)
+    eng = ShardedEngine(
+        features,
+        optimizer=o,
+        seed=3,
+        timeout=60,
+        exchange=exchange,
+        backend=backend[0] if backend else "numba",
+    )
     lo, hi = rank * SPEC_BATCH // world, (rank + 1) * SPEC_BATCH // world
     saved = {}
     for step in range(SPEC_STEPS):

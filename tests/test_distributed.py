@@ -634,13 +634,17 @@ def test_an_update_right_after_its_lookup_sends_one_message_and_falls_back_alike
     # all-to-all); a rank updating from another batch makes every rank send again by the
     # headers' sizes; an invalid gradient on one rank fails every rank with nothing changed.
     # Row widths whose grid the gradient rows are views on, and widths past the grid limit.
+    # The reference backend pools each "sums" block from that block's arrays alone.
     scenarios = [f"speculate:{w}:{x}" for w in worker.SPEC_DIMS for x in ("rows", "sums")]
+    scenarios.append("speculate:views:sums:reference")
     codes = spawn(world, tmp_path, scenarios, limit=240)
     assert codes == [0] * world, _logs(tmp_path, world)
     for name in scenarios:
-        which, exchange = name.split(":")[1:]
+        which, exchange, *backend = name.split(":")[1:]
         features, o = worker.spec_features(which)
-        single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+        single = ee.EmbeddingEngine(
+            features, optimizer=o, seed=3, backend=backend[0] if backend else "numba"
+        )
         acts = []
         for step in range(worker.SPEC_STEPS):
             feats, grads = worker.spec_batch(step, which)

@@ -513,26 +513,40 @@ def test_same_stream_at_one_and_two_threads_is_bit_identical():
         assert c1[k].tobytes() == c2[k].tobytes(), k
 
 
-@pytest.mark.parametrize("max_rows", [None, 40])
-def test_steps_whose_keys_the_kernel_found_and_touched_count_as_the_reference(max_rows):
+@pytest.mark.parametrize(
+    "dynamic", [{}, {"occurrence_threshold": 1}, {"expire_steps": 3}], ids=["plain", "T1", "S3"]
+)
+def test_steps_whose_keys_the_kernel_found_and_touched_count_as_the_reference(dynamic, monkeypatch):
     # A training batch whose every key has a live row is probed and touched in the numba
-    # kernel; the storage then only counts it (rows_for's fast path). Its stats, touch counts
-    # and last-touched steps equal the reference backend's, which runs every rule in rows_for,
-    # over a stream of resident steps with some new keys (and evictions with max_rows) between.
+    # kernel; the storage then only counts it (rows_for's fast path). Its stats (data time
+    # included), touch counts and last-touched steps equal the reference backend's, which runs
+    # every rule in rows_for, over resident steps with new keys (and expiries) between.
+    from embengine.storage.keyed import KeyedTable
+
+    fast = []
+    real = KeyedTable.rows_for
+
+    def counted(self, *a, **k):
+        fast.append(bool(k.get("touched")))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(KeyedTable, "rows_for", counted)
     engines = {
-        be: keyed_engine(be, optimizer=opt.SGD(0.1), dim=4, max_rows=max_rows)
+        be: keyed_engine(be, optimizer=opt.SGD(0.1), dim=4, **dynamic)
         for be in ("numba", "reference")
     }
     rng = np.random.default_rng(7)
-    resident = [int(k) for k in rng.integers(-(2**62), 2**62, 30)]
-    for step in range(10):
+    resident = [int(k) for k in rng.integers(-(2**62), 2**62, 12)]
+    for step in range(12):
         keys = list(rng.choice(resident, 24))
-        if step % 3 == 2:  # a new key: this step goes through every rule
+        if step % 4 == 1:  # a new key: this step goes through every rule
             keys[5] = int(rng.integers(2**62, 2**63 - 1))
         for eng in engines.values():
-            train_bags(eng, [keys[i : i + 3] for i in range(0, 24, 3)], grad=0.1)
+            bags = [keys[i : i + 3] for i in range(0, 24, 3)]
+            train_bags(eng, bags, timestamp=1000 + 10 * step, grad=0.1)
+    assert sum(fast) >= 3, fast  # the numba engine's resident steps took the fast path
     (c1, s1), (c2, s2) = ((e.table_contents("k"), e.table_stats()) for e in engines.values())
-    assert s1 == s2 and s1["k"]["total"]["hits"] > 0
+    assert s1 == s2 and s1["k"]["total"]["hits"] > 0 and s1["k"]["data_time"] == 1110
     assert set(c1) == set(c2)
     for k in c1:
         assert c1[k].tobytes() == c2[k].tobytes(), k

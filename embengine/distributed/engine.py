@@ -180,9 +180,9 @@ class _Lookup:
 class _Kept:
     """The occurrences of a table's rows an owner got in a "sums" lookup (``decode_pull``),
     blocks in the single engine's order: per occurrence its id, local row, gain and
-    activation row among the blocks' rows (``segments``, non-decreasing, with their CSR
-    ``output_offsets``); per block its occurrences (``counts``) and rows (``block_rows``),
-    from place ``first_occ[b]`` and row ``first_row[b]``."""
+    activation row within its block (``segments``, non-decreasing in a block, with the CSR
+    ``output_offsets`` of all blocks' rows, by place); per block its occurrences (``counts``)
+    and rows (``block_rows``), from place ``first_occ[b]`` and row ``first_row[b]``."""
 
     ids: np.ndarray
     rows: np.ndarray
@@ -214,23 +214,25 @@ class _Kept:
     def block_batch(self, b: int) -> TableBatch:
         """Block ``b``'s rows as a TableBatch with each occurrence its own entry (no
         deduplication: pooling needs none), its rows resolved: what ``Backend.lookup_rows``
-        pools them from (its CSR places index the table's arrays)."""
-        n, each = len(self.ids), self.each.view()
+        pools them from. Its arrays are the block's slices (views; its CSR rebased to them),
+        so a backend that reads every entry (the reference) reads only this block's."""
+        lo, n = int(self.first_occ[b]), int(self.counts[b])
         first, rows = int(self.first_row[b]), int(self.block_rows[b])
+        each = self.each[: n + 1]  # segments count within the block already
         # Views: a TableBatch makes its arrays read-only, and the later blocks still arrive.
-        ids, gains, segments = self.ids.view(), self.gains.view(), self.segments.view()
+        gains, segments = self.gains[lo : lo + n].view(), self.segments[lo : lo + n].view()
         return TableBatch(
-            unique_ids=ids,
+            unique_ids=self.ids[lo : lo + n].view(),
             inverse=each[:n],
             gains=gains,
             segments=segments,
             num_outputs=rows,
-            output_offsets=self.output_offsets[first : first + rows + 1],
+            output_offsets=self.output_offsets[first : first + rows + 1] - lo,
             unique_offsets=each,
             unique_gains=gains,
             unique_segments=segments,
             unique_bounds=np.array([0, n], dtype=np.int64),
-            unique_rows=self.rows.view(),
+            unique_rows=self.rows[lo : lo + n].view(),
         )
 
 

@@ -357,7 +357,7 @@ def decode_pull(
     (``fill_pull``'s pairs; block b: ``counts[b]`` pairs from ``packed[at[b]]``, pooled into
     ``block_rows[b]`` rows), as arrays a pooling kernel reads: occurrence p of block b goes to
     place ``first_occ[b] + p`` of each occurrence's id, local row, gain (int32 bits) and
-    activation row (``segments``: ``first_row[b]`` + its index in the block), and the block's
+    activation row in its block (``segments``: its index among the block's rows), and the block's
     rows get their CSR in ``output_offsets[first_row[b]:first_row[b] + block_rows[b] + 1]``
     (places, not counts). Returns -1, or the place of an occurrence whose id this rank does
     not hold or whose row index is out of its block or smaller than the one before it."""
@@ -386,7 +386,7 @@ def decode_pull(
             ids[k] = i
             rows[k] = r
             gain_bits[k] = np.int32(v & 0xFFFFFFFF)
-            segments[k] = base + j
+            segments[k] = j
         while filled <= block_rows[b]:
             output_offsets[base + filled] = first_occ[b] + counts[b]
             filled += 1
@@ -415,18 +415,16 @@ def kept_batch(
 ):
     """The update's TableBatch arrays of the occurrences an owner kept from a "sums" lookup
     (``decode_pull``'s ``ids``, ``segments``, ``gains``, blocks of ``counts[b]`` occurrences
-    over ``block_rows[b]`` rows): their activation rows moved to the gradient rows that
+    over ``block_rows[b]`` rows, segments counted within the block): their activation rows
+    moved to the gradient rows that
     arrived for them (block b's from row ``row_base[b]`` of the ``num_outputs`` received, as
     ``grad_rows``), then ``owner_batch``'s dedup and CSR views. Returns the number of unique
     ids."""
     k = 0
-    base = 0
     for b in range(counts.shape[0]):
-        shift = row_base[b] - base
         for _ in range(counts[b]):
-            grad_rows[k] = segments[k] + shift
+            grad_rows[k] = segments[k] + row_base[b]
             k += 1
-        base += block_rows[b]
     return _grouped(
         ids,
         grad_rows,
