@@ -125,10 +125,13 @@ def test_lookup_rows_equals_lookup_of_the_table(backend):
             assert be.lookup_rows(rows, spec.dim, batch.tables[p], out=into) is into
             assert into.tobytes() == want.tobytes()
             assert np.isnan(buffer[:3]).all() and np.isnan(buffer[3 + want.size :]).all()
-            for bad in (
-                np.empty((want.shape[0] + 1, spec.dim), np.float32),
-                np.empty(want.shape, np.float64),
-                np.empty(want.shape[::-1], np.float32).T,
+            frozen_out = np.empty(want.shape, np.float32)
+            frozen_out.flags.writeable = False
+            for bad, said in (
+                (np.empty((want.shape[0] + 1, spec.dim), np.float32), "float32"),
+                (np.empty(want.shape, np.float64), "float64"),
+                (np.empty(want.shape[::-1], np.float32).T, "not C-contiguous"),
+                (frozen_out, "read-only"),
             ):
-                with pytest.raises(ValueError, match="out must be a writable C-contiguous"):
+                with pytest.raises(ValueError, match=f"out must be a writable C-cont.*{said}"):
                     be.lookup_rows(rows, spec.dim, batch.tables[p], out=bad)

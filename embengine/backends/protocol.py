@@ -127,7 +127,17 @@ def out_rows(out, rows: int, dim: int):
         or not out.flags.c_contiguous
         or not out.flags.writeable
     ):
-        what = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        if isinstance(out, np.ndarray):
+            what = f"{out.dtype} {out.shape}" + "".join(
+                f", {flag}"
+                for flag, bad in (
+                    ("not C-contiguous", not out.flags.c_contiguous),
+                    ("read-only", not out.flags.writeable),
+                )
+                if bad
+            )
+        else:
+            what = type(out).__name__
         raise ValueError(
             f"lookup_rows: out must be a writable C-contiguous float32 [{rows}, {dim}] array, "
             f"got {what}"
