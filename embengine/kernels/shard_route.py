@@ -357,8 +357,8 @@ def decode_pull(
     (``fill_pull``'s pairs; block b: ``counts[b]`` pairs from ``packed[at[b]]``, pooled into
     ``block_rows[b]`` rows), as arrays a pooling kernel reads: occurrence p of block b goes to
     place ``first_occ[b] + p`` of each occurrence's id, local row, gain (int32 bits) and
-    activation row in its block (``segments``: its index among the block's rows), and the block's
-    rows get their CSR in ``output_offsets[first_row[b]:first_row[b] + block_rows[b] + 1]``
+    activation row in its block (``segments``: its index among the block's rows), and the
+    block's rows get their CSR in ``output_offsets[first_row[b]:first_row[b] + block_rows[b] + 1]``
     (places, not counts). Returns -1, or the place of an occurrence whose id this rank does
     not hold or whose row index is out of its block or smaller than the one before it."""
     for b in range(counts.shape[0]):
@@ -416,10 +416,9 @@ def kept_batch(
     """The update's TableBatch arrays of the occurrences an owner kept from a "sums" lookup
     (``decode_pull``'s ``ids``, ``segments``, ``gains``, blocks of ``counts[b]`` occurrences
     over ``block_rows[b]`` rows, segments counted within the block): their activation rows
-    moved to the gradient rows that
-    arrived for them (block b's from row ``row_base[b]`` of the ``num_outputs`` received, as
-    ``grad_rows``), then ``owner_batch``'s dedup and CSR views. Returns the number of unique
-    ids."""
+    moved to the gradient rows that arrived for them (block b's from row ``row_base[b]`` of
+    the ``num_outputs`` received, as ``grad_rows``), then ``owner_batch``'s dedup and CSR
+    views. Returns the number of unique ids."""
     k = 0
     for b in range(counts.shape[0]):
         for _ in range(counts[b]):
