@@ -135,3 +135,10 @@ def test_lookup_rows_equals_lookup_of_the_table(backend):
             ):
                 with pytest.raises(ValueError, match=f"out must be a writable C-cont.*{said}"):
                     be.lookup_rows(rows, spec.dim, batch.tables[p], out=bad)
+            # Not over the rows it pools from (the pooling would read what it wrote).
+            within = np.zeros((want.size + rows.size,), np.float32)
+            table_rows = within[: rows.size].reshape(rows.shape)
+            table_rows[:] = rows
+            overlap = within[rows.size - 8 : rows.size - 8 + want.size].reshape(want.shape)
+            with pytest.raises(ValueError, match="out overlaps the rows it would be pooled"):
+                be.lookup_rows(table_rows, spec.dim, batch.tables[p], out=overlap)

@@ -816,7 +816,7 @@ class NumbaBackend:
             )
             if out is None:
                 return pooled
-            out_rows(out, len(pooled), dim)[:] = pooled
+            out_rows(out, len(pooled), dim, rows)[:] = pooled
             return out
         if tb.unique_rows is None:
             raise ValueError(
@@ -827,7 +827,7 @@ class NumbaBackend:
         if out is None:
             out = np.empty((tb.num_outputs, dim), dtype=np.float32)
         else:
-            out_rows(out, tb.num_outputs, dim)
+            out_rows(out, tb.num_outputs, dim, rows)
         _pool_prepared(rows, dim, tb, _quantization_row(quantization), self.lookup_prefetch, out)
         return out
 

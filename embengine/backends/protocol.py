@@ -94,8 +94,8 @@ class Backend(Protocol):
         ``data``, or rows decoded from an export). The batch's rows index ``rows``: a
         deduplicated batch's ``unique_rows``, a lookup-only batch's ids from each feature's
         ``row_offset`` on (a storage whose rows are ids). ``out``: a writable float32
-        C-contiguous ``[num_outputs, dim]`` array to write the activations into (and return),
-        e.g. a slice of a send buffer; else a new one."""
+        C-contiguous ``[num_outputs, dim]`` array apart from ``rows`` to write the activations
+        into (and return), e.g. a slice of a send buffer; else a new one."""
         ...
 
     def apply(
@@ -115,10 +115,16 @@ class Backend(Protocol):
         ...
 
 
-def out_rows(out, rows: int, dim: int):
+def out_rows(out, rows: int, dim: int, source=None):
     """``out``, checked as ``Backend.lookup_rows`` takes it: a writable float32 C-contiguous
-    ``[rows, dim]`` array (a ValueError naming what it is otherwise)."""
+    ``[rows, dim]`` array apart from the ``source`` rows it is pooled from (a ValueError naming
+    what it is otherwise)."""
     import numpy as np
+
+    if source is not None and isinstance(out, np.ndarray) and np.may_share_memory(out, source):
+        raise ValueError(
+            "lookup_rows: out overlaps the rows it would be pooled from; pass an array of its own"
+        )
 
     if (
         not isinstance(out, np.ndarray)

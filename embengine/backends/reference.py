@@ -198,7 +198,7 @@ class ReferenceBackend:
         np.add.at(sums, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
         if out is None:
             return sums.astype(np.float32)
-        out_rows(out, tb.num_outputs, dim)[:] = sums
+        out_rows(out, tb.num_outputs, dim, rows)[:] = sums
         return out
 
     def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
