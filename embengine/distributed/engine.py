@@ -80,6 +80,7 @@ from .sharding import (
     ShardPlan,
     ShardTable,
     TableLoad,
+    UpdateMessage,
     expected_traffic,
     message_grid,
     plan_exchange,
@@ -173,7 +174,7 @@ class _Lookup:
     targets: np.ndarray | None
     target_at: np.ndarray | None
     kept: dict[int, _Kept]
-    got: np.ndarray | None = None  # the lookup's headers (``_header``)
+    got: np.ndarray  # the lookup's headers (``_header``)
 
 
 @dataclasses.dataclass
@@ -578,7 +579,8 @@ class ShardedEngine:
             # message: this header goes in a message of that shape (zeros elsewhere), so that
             # a rank making another call fails with the others (gloo aborts the process on
             # sizes that differ).
-            got = self._message_exchange(spec, call, header, "header")[0]
+            out, into = self._speculated(spec)[3:]
+            got = self._message_exchange(call, header, "header", out, into)[0]
         else:
             self._comm.enter(f"{_CALLS[call]} at step {self._step}")
             got = self._comm.all_to_all(
@@ -1366,54 +1368,53 @@ class ShardedEngine:
     def _speculated(self, spec: _Lookup):
         """What the update of the training lookup ``spec`` sends, as that lookup's headers
         sized it: ``(kept tables, pushed features, gradient rows each sender sends this rank
-        [feature, sender], the layout of this rank's message out, of the message in)``
+        [sender, feature], the layout of this rank's message out, of the message in)``
         (``sharding.update_message``)."""
         nf, cols = len(self._features), self._cols
         kept_tables = spec.exchanged_sums.copy()
         pushed = ~self._features_of(kept_tables)
         n, m = spec.push.n * pushed[:, None], spec.push.m
-        got_n = (spec.got[:, cols.n : cols.n + nf] * pushed[None, :]).T
-        got_m = spec.got[:, cols.m : cols.m + nf].T
+        got_n = spec.got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
+        got_m = spec.got[:, cols.m : cols.m + nf]
         dims, width, grid = self._feature_dims, cols.width, self._grid
         out = update_message(n, m, dims, width, grid)
-        into = update_message(got_n, got_m, dims, width, grid)
+        into = update_message(got_n.T, got_m.T, dims, width, grid)
         return kept_tables, pushed, got_m, out, into
 
     def _message_exchange(
         self,
-        spec: _Lookup,
         call: int,
         header: np.ndarray,
         purpose: str,
+        out: UpdateMessage,
+        into: UpdateMessage,
         fill=None,
         meanwhile=None,
-        shapes=None,
     ):
-        """The all-to-all of the update of the training lookup ``spec`` (``_speculated``, or
-        ``shapes`` if given), carrying this rank's ``header`` rows and what ``fill(words,
-        floats, out)`` writes (else zeros). ``meanwhile(into)`` runs while it travels.
-        Returns ``(the headers received, the buffer received, its layout, what meanwhile
+        """The all-to-all of a speculating update, laid out as ``out`` (this rank's message)
+        and ``into`` (what it receives; ``_speculated``), carrying this rank's ``header`` rows
+        and what ``fill(words, floats)`` writes (else zeros). ``meanwhile()`` runs while it
+        travels. Returns ``(the headers received, the buffer received, what meanwhile
         returned)``."""
         w, cols = self.world_size, self._cols
-        out, into = (shapes or self._speculated(spec))[3:]
         # Zeros: the padding and an unfilled message must not carry leftover memory.
         send = np.zeros(int(out.sizes.sum()), dtype=np.float32)
         words = send.view(np.int64)
         for d in range(w):
             words[out.block_at[d] // 2 : out.block_at[d] // 2 + cols.width] = header[d]
         if fill is not None:
-            fill(words, send, out)
+            fill(words, send)
         self._comm.enter(f"{_CALLS[call]} at step {self._step}")
         arrived = self._comm.all_to_all_start(send, out.sizes, into.sizes, purpose)
         extra = None
         try:
             if meanwhile is not None:
-                extra = meanwhile(into)
+                extra = meanwhile()
         finally:
             recv = arrived()
         taken = recv.view(np.int64)
         got = np.stack([taken[a // 2 : a // 2 + cols.width] for a in into.block_at.tolist()])
-        return got, recv, into, extra
+        return got, recv, extra
 
     def _apply_speculating(self, spec: _Lookup, error, blocks, lrs, when, grads, last):
         """The update right after the training lookup ``spec``, in one all-to-all: each rank
@@ -1427,26 +1428,25 @@ class ShardedEngine:
         costs the zeros sent)."""
         nt, cols = len(self.table_names), self._cols
         header = self._header_rows(_APPLY, error, blocks, lrs, when)
-        shapes = self._speculated(spec)
-        kept_tables, pushed, got_m = shapes[:3]
+        kept_tables, pushed, got_m, out, into = self._speculated(spec)
         real = error is None and last is spec
 
-        def fill(words, floats, out):
+        def fill(words, floats):
             self._fill_apply(spec.push, spec, grads, pushed, words, out.int_at, floats, out.row_at)
 
-        def meanwhile(into):  # the kept batches (unused if a rank falls back)
-            layouts = self._layouts(into.row_at, got_m.T)
-            batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m.T, layouts)
+        def meanwhile():  # the kept batches (unused if a rank falls back)
+            layouts = self._layouts(into.row_at, got_m)
+            batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m, layouts)
             return layouts, batches
 
-        got, recv, into, extra = self._message_exchange(
-            spec,
+        got, recv, extra = self._message_exchange(
             _APPLY,
             header,
             "gradients",
+            out,
+            into,
             fill if real else None,
             meanwhile if real else None,
-            shapes,
         )
         self._check_header(_APPLY, error, got, lrs)
         if not (got[:, cols.b : cols.b + nt] > 0).all():
