@@ -112,6 +112,19 @@ class TableBatch:
                 rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
         return dataclasses.replace(self, unique_rows=rows)
 
+    def check_resolvable(self, storage, found: np.ndarray | None = None) -> None:
+        """Raise what ``resolved(storage, insert=True, found=)`` would raise for this batch (a
+        keyed table's ``max_rows`` or row limit: ``check_rows``), changing nothing. A batch
+        whose rows are resolved, or a storage that refuses nothing, has nothing to check."""
+        check = getattr(storage, "check_rows", None)
+        if check is None or self.unique_rows is not None:
+            return
+        b = self.unique_bounds
+        for m in range(len(b) - 1):
+            lo, hi = int(b[m]), int(b[m + 1])
+            if hi > lo:
+                check(m, self.unique_ids[lo:hi], found=None if found is None else found[lo:hi])
+
     def _counts(self, lo: int, hi: int) -> np.ndarray:
         """Occurrences of unique ids ``lo:hi`` in the batch."""
         return np.diff(self.unique_offsets[lo : hi + 1])
@@ -132,6 +145,18 @@ class TableBatch:
                     m, self.unique_ids[lo:hi], self.unique_rows[lo:hi], counts=self._counts(lo, hi)
                 )
         return dataclasses.replace(self, unique_rows=rows)
+
+    def check_for_update(self, storage) -> None:
+        """Raise what ``for_update(storage)`` would raise (``check_update_rows``), changing
+        nothing."""
+        check = getattr(storage, "check_update_rows", None)
+        if check is None or self.unique_rows is None:
+            return
+        b = self.unique_bounds
+        for m in range(len(b) - 1):
+            lo, hi = int(b[m]), int(b[m + 1])
+            if hi > lo:
+                check(m, self.unique_ids[lo:hi], self.unique_rows[lo:hi])
 
     # Rebuilt through __init__ when copied or unpickled (a DataLoader worker's batch): unpickled
     # arrays are writable.

@@ -669,6 +669,9 @@ class EmbeddingEngine:
         logical table on its unique ids. The same batch if nothing is left to resolve."""
         if all(tb.unique_rows is not None for tb in batch.tables):
             return batch
+        if insert:  # a batch one table refuses changes no table
+            for table, tb in zip(self._physical, batch.tables, strict=True):
+                tb.check_resolvable(table)
         tables = tuple(
             tb if tb.unique_rows is not None else tb.resolved(table, insert)
             for table, tb in zip(self._physical, batch.tables, strict=True)
@@ -713,6 +716,8 @@ class EmbeddingEngine:
         with ``insert_on="apply"`` gives its admitted new keys rows now)."""
         if not self._update_rows:
             return batch
+        for table, tb in zip(self._physical, batch.tables, strict=True):
+            tb.check_for_update(table)  # a batch one table refuses changes no table
         tables = tuple(
             tb.for_update(table) for table, tb in zip(self._physical, batch.tables, strict=True)
         )

@@ -439,6 +439,45 @@ def test_a_refused_batch_leaves_the_other_keyed_tables_untouched(backend):
         assert all(after[k].tobytes() == before[n][k].tobytes() for k in before[n]), n
 
 
+@pytest.mark.parametrize("path", ["lookup", "preprocess", "apply"])
+def test_a_batch_a_later_table_refuses_changes_no_earlier_table(backend, path):
+    """Tables are resolved in order; table "a" (max_rows=2) comes after table "b", which takes
+    a new key in the refused batch: b must not have inserted it, touched its rows or counted
+    the call (every table is checked before any changes). "apply": both insert on apply, and
+    a refuses the update."""
+    on = "apply" if path == "apply" else "lookup"
+    dyn = [ee.DynamicVocabulary(insert_on=on), ee.DynamicVocabulary(max_rows=2, insert_on=on)]
+    tables = [
+        ee.TableConfig(None, 2, name=n, initializer=RowId(0), dynamic=d)
+        for n, d in zip("ba", dyn, strict=True)
+    ]
+    eng = ee.EmbeddingEngine(
+        {"fb": ee.FeatureConfig(tables[0]), "fa": ee.FeatureConfig(tables[1])},
+        optimizer=opt.SGD(1.0),
+        backend=backend,
+    )
+    acts = eng.lookup({"fa": [[1, 2]], "fb": [[5, 6, 6]]})
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    refused = {"fa": [[1, 2, 3]], "fb": [[5, 6, 7]]}
+    if path == "apply":  # inserting on apply, the lookup inserts nothing: it passes
+        acts = eng.lookup(refused)
+    before = {t.name: t.state() for t in eng._physical}
+    stats = eng.table_stats()
+    with pytest.raises(ValueError, match="table 'a': this batch needs 3 rows"):
+        if path == "lookup":
+            eng.lookup(refused)
+        elif path == "preprocess":
+            eng.lookup(eng.preprocess(refused))
+        else:
+            eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    for t in eng._physical:
+        after = t.state()
+        changed = [k for k in before[t.name] if after[k].tobytes() != before[t.name][k].tobytes()]
+        assert not changed, (t.name, changed)
+    assert eng.table_stats() == stats
+    assert eng.table_contents("b")["keys"].tolist() == [5, 6]
+
+
 def test_insert_on_apply(backend):
     eng = keyed_engine(backend, optimizer=opt.SGD(0.5), insert_on="apply")
     acts = eng.lookup({"f": [[A], [A, B]]})["f"]
@@ -720,6 +759,9 @@ def test_rows_past_the_int32_limit_are_refused_before_anything_changes(monkeypat
     t.rows_for(0, np.arange(600), insert=True)  # 400 rows expire at step 3
     before = t.state()
     t.begin_step(3)
+    with pytest.raises(ValueError, match="'k': 1,600 rows, more than one keyed table holds"):
+        t.check_rows(0, np.arange(2000, 3000))  # what rows_for would raise, checked first
+    t.check_rows(0, np.arange(2000, 2900))
     with pytest.raises(ValueError, match="'k': 1,600 rows, more than one keyed table holds"):
         t.rows_for(0, np.arange(2000, 3000), insert=True)  # 1000 new, 400 freed: 1600 rows
     after = t.state()

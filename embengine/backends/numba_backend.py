@@ -300,6 +300,14 @@ def build_tables_and_pool_numba(
     )
     del held
     batches = plan.table_batches()
+    # A batch one table refuses (max_rows) changes no table: every table checked first (one
+    # the region touched found a row for every key, so it cannot refuse).
+    for t, table in enumerate(tables):
+        if ready[t] == 0:
+            batches[t].check_resolvable(table)
+        elif not tmeta[t, train_lookup.T_TOUCH] or ready[t] != train_lookup.PROBED_ALL_FOUND:
+            lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
+            batches[t].check_resolvable(table, found=found[lo : lo + u])
     # A keyed table's rows: its rules run on the rows the region found (rows_for(found=)),
     # which it touched if every key had one and it could.
     for t in np.flatnonzero(ready):

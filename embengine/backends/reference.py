@@ -143,10 +143,10 @@ class ReferenceBackend:
     ) -> tuple[list[TableBatch], list[np.ndarray]]:
         """``build_tables``, rows resolved (insert), then ``lookup`` of each table's batch
         (Backend protocol)."""
-        batches = [
-            _rows(table, tb, insert=True)
-            for table, tb in zip(tables, self.build_tables(parts_per_table), strict=True)
-        ]
+        built = self.build_tables(parts_per_table)
+        for table, tb in zip(tables, built, strict=True):
+            tb.check_resolvable(table)  # a batch one table refuses changes no table
+        batches = [_rows(table, tb, insert=True) for table, tb in zip(tables, built, strict=True)]
         acts = [
             self.lookup(table, tb, q)
             for table, tb, q in zip(tables, batches, quantizations, strict=True)

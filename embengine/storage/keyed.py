@@ -813,8 +813,9 @@ class KeyedTable(MappedRows):
         missing = ~hit
         admit = self._admissible(ids[missing])
         now = self.dynamic.insert_on == "lookup"
-        victims = self._victims(rows[hit], len(expired), int(admit.sum()) if now else 0)
-        self._check_room(int(admit.sum()) if now else 0, len(expired) + len(victims))
+        new = int(admit.sum()) if now else 0
+        self._refusal(int(hit.sum()), new, len(expired))
+        victims = self._victims(rows[hit], len(expired), new)
         # Everything is decided; from here on the table changes.
         self._roll_stats()
         self._commit_time()
@@ -870,6 +871,51 @@ class KeyedTable(MappedRows):
         """The keys of live ``rows``."""
         return self._keys[np.asarray(rows, dtype=np.int64)]
 
+    def check_rows(
+        self,
+        logical: int,
+        ids: np.ndarray,
+        counts: np.ndarray | None = None,
+        found: np.ndarray | None = None,
+    ) -> None:
+        """Raise the ValueError that ``rows_for(logical, ids, True, counts=, found=)`` would
+        raise (``max_rows``, the int32 row limit), changing nothing: the engine checks every
+        table of a batch before any ``rows_for`` changes one, so a batch that one table refuses
+        leaves every table as it was. Nothing to check for a table that cannot refuse it."""
+        del counts  # admission reads the earlier steps' counts only
+        if self.dynamic.max_rows is None and self._high + len(ids) <= MAX_KEYED_ROWS:
+            return
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
+        expired = self._expired()
+        if len(expired):
+            rows[np.isin(rows, expired)] = NO_ROW
+        hit = rows >= 0
+        now = self.dynamic.insert_on == "lookup"
+        new = int(self._admissible(ids[~hit]).sum()) if now else 0
+        self._refusal(int(hit.sum()), new, len(expired))
+
+    def check_update_rows(self, logical: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Raise the ValueError that ``rows_for_update(logical, ids, rows)`` would raise,
+        changing nothing (as ``check_rows``, for the update of a table inserting on apply)."""
+        if self.dynamic.insert_on != "apply":
+            return
+        missing = np.flatnonzero(np.asarray(rows) < 0)
+        if not len(missing):
+            return
+        if self.dynamic.max_rows is None and self._high + len(missing) <= MAX_KEYED_ROWS:
+            return
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        admit, _ = self._admitted_on_apply(ids[missing])
+        self._refusal(int((np.asarray(rows) >= 0).sum()), int(admit.sum()), 0)
+
+    def _admitted_on_apply(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(admitted now and without a row, has a row): of keys without a row at the lookup,
+        which an update inserting on apply inserts, and which an earlier update of the step
+        inserted already."""
+        present = self._index.find(keys) >= 0
+        return self._admissible(keys) & ~present, present
+
     def rows_for_update(
         self, logical: int, ids: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None
     ) -> np.ndarray:
@@ -885,11 +931,9 @@ class KeyedTable(MappedRows):
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
-        admit = self._admissible(ids[missing])
-        present = self._index.find(ids[missing]) >= 0  # inserted by an earlier update this step
-        admit &= ~present
+        admit, present = self._admitted_on_apply(ids[missing])
+        self._refusal(int((rows >= 0).sum()), int(admit.sum()), 0)
         victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
-        self._check_room(int(admit.sum()), len(victims))
         self._roll_stats()
         self._commit_time()
         self._remove_rows(victims)
@@ -947,22 +991,33 @@ class KeyedTable(MappedRows):
             return np.ones(len(keys), bool)
         return self._pending.counts_before(keys, self._step) >= t
 
+    def _refusal(self, hits: int, new: int, expiring: int) -> None:
+        """ValueError (nothing changed yet) if a batch whose keys have ``hits`` rows, of which
+        ``new`` more are admitted now, after ``expiring`` rows expire, needs more than
+        ``max_rows`` rows, or would take rows past MAX_KEYED_ROWS (``_check_room``, after the
+        evictions ``_victims`` would make)."""
+        n = self.dynamic.max_rows
+        victims = 0
+        if n is not None:
+            need = hits + new
+            if need > n:
+                raise ValueError(
+                    f"table {self.name!r}: this batch needs {need:,} rows ({hits:,} of its keys "
+                    f"have rows, {new:,} are admitted now), more than max_rows={n:,}; nothing "
+                    "was changed. Raise max_rows or send smaller batches"
+                )
+            victims = max(0, self._index.count - expiring + new - n)
+        self._check_room(new, expiring + victims)
+
     def _victims(self, batch_rows: np.ndarray, expiring: int, new: int) -> np.ndarray:
         """The rows to evict so that ``new`` rows fit within ``max_rows`` after ``expiring``
-        rows expire; ValueError (nothing changed) if the batch alone needs more."""
+        rows expire (the caller checked that the batch fits: ``_refusal``)."""
         n = self.dynamic.max_rows
         if n is None:
             return np.zeros(0, np.int64)
         excess = self._index.count - expiring + new - n
         if excess <= 0:
             return np.zeros(0, np.int64)
-        need = len(batch_rows) + new
-        if need > n:
-            raise ValueError(
-                f"table {self.name!r}: this batch needs {need:,} rows ({len(batch_rows):,} of "
-                f"its keys have rows, {new:,} are admitted now), more than max_rows={n:,}; "
-                "nothing was changed. Raise max_rows or send smaller batches"
-            )
         cand = self._live()
         cand[batch_rows] = False
         cand[self._expired()] = False

@@ -81,7 +81,10 @@ class TableStorage(Protocol):
     after its gradients are validated (``TableBatch.for_update``); ``lookup_index()`` gives
     the index a kernel may probe instead of calling ``rows_for(logical, ids, False)``
     (``KeyedTable.lookup_index``: the same rows), and then ``rows_for`` of a training lookup
-    takes what the index gave (``found=``) instead of probing it again.
+    takes what the index gave (``found=``) instead of probing it again; ``check_rows(logical,
+    ids, found=)`` and ``check_update_rows(logical, ids, rows)`` raise what ``rows_for`` /
+    ``rows_for_update`` would raise for a batch, changing nothing (every table of a batch is
+    checked before any resolves: a batch one table refuses changes none).
 
     Attributes:
       name: the physical table's name (its members' names joined by "+").
