@@ -230,6 +230,39 @@ def test_keyed_spec_and_plan_round_trip_through_json(tmp_path):
 BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
 
 
+@pytest.mark.parametrize(
+    "init",
+    [
+        RandomUniform(-1, 1),
+        ee.initializers.TruncatedNormal(0.1, 0.2),
+        ee.initializers.TruncatedNormal(),  # stddev from the dim
+        ee.initializers.Constant(0.25),
+        RowId(3),
+    ],
+    ids=repr,
+)
+def test_new_rows_get_the_initializers_values_and_the_slots_initial_ones(backend, init):
+    """A new key's row is ``init.init(seed, table, [key], dim)`` and each slot its initial value
+    (float and int32 slots: Adagrad's 0.1, Adam's per-row steps), written in place by the
+    numba kernel for fill initializers: in fresh rows (one run) and in rows freed by expiry
+    (scattered)."""
+    adam = opt.Adam(0.1, bias_correction="per_row")
+    for optimizer in (opt.Adagrad(0.1, initial_accumulator_value=0.1), adam):
+        eng = keyed_engine(backend, optimizer=optimizer, dim=5, init=init, expire_steps=1)
+        first = [BIG, -7, 3, 2**40, -(2**63)]
+        again = [11, BIG + 1, 12, -3]
+        for keys in (first, [], again):  # the second batch's rows are the expired first's
+            acts = eng.lookup({"f": np.array(keys, np.int64)})["f"]
+            want = init.init(1, "k", np.array(keys, np.int64), 5)
+            assert acts.tobytes() == want.tobytes(), (type(optimizer).__name__, keys)
+            c = eng.table_contents("k")
+            new = np.isin(c["keys"], keys)
+            for spec in optimizer.slot_specs(5):
+                assert (c[spec.name][new] == spec.initial_value).all(), spec.name
+            assert {s.dtype for s in optimizer.slot_specs(5)} >= {"float32"}
+            eng.apply_gradients({"f": np.zeros_like(acts)})
+
+
 def test_keyed_tables_take_any_int64_key(backend):
     eng = keyed_engine(backend, init=RandomUniform(-1, 1))
     keys = [BIG, -(2**63), 2**63 - 1, -5, -1, 0]

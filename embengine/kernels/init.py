@@ -62,3 +62,42 @@ def fill_truncated_normal(out, rows, key, mean, stddev):
                     break
                 stream += 2
             out[i, j] = mean + stddev * z
+
+
+# ``init_rows``' fills: which values its weights get (``initializers.Fill.kind``), or none.
+FILL_NONE, FILL_UNIFORM, FILL_TRUNCATED_NORMAL = 0, 1, 2
+
+
+@kernel(parallel=True, fastmath=False)
+def init_rows(data, data_i32, at, ids, fill, key, a, b, dim, const_cols, const_f32, const_i32):
+    """New rows written in place, each in one pass: row ``at[i]`` of ``data`` (float32 rows;
+    ``data_i32`` the same memory as int32) gets, in columns ``:dim``, the values ``fill_uniform``
+    (``fill`` FILL_UNIFORM, in ``[a, b)``) or ``fill_truncated_normal`` (FILL_TRUNCATED_NORMAL,
+    mean ``a``, stddev ``b``) give id ``ids[i]`` (FILL_NONE: left as they are), then for each
+    ``(start, width, is_int)`` row of ``const_cols`` those columns set to ``const_f32[k]`` (or
+    ``const_i32[k]`` as int32): a keyed table's initial weights and slots, where computing
+    them into an array and scattering it, then each slot, read and wrote every row once more."""
+    for i in nb.prange(at.shape[0]):
+        r = at[i]
+        if fill == FILL_UNIFORM:
+            for j in range(dim):
+                data[r, j] = a + (b - a) * uniform01(key, ids[i], j, dim, 0)
+        elif fill == FILL_TRUNCATED_NORMAL:
+            for j in range(dim):
+                stream = 0
+                while True:
+                    u1 = 1.0 - uniform01(key, ids[i], j, dim, stream)  # in (0, 1]
+                    u2 = uniform01(key, ids[i], j, dim, stream + 1)
+                    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+                    if abs(z) <= 2.0:
+                        break
+                    stream += 2
+                data[r, j] = a + b * z
+        for k in range(const_cols.shape[0]):
+            start, width = const_cols[k, 0], const_cols[k, 1]
+            if const_cols[k, 2]:
+                for c in range(start, start + width):
+                    data_i32[r, c] = const_i32[k]
+            else:
+                for c in range(start, start + width):
+                    data[r, c] = const_f32[k]

@@ -1080,12 +1080,7 @@ class KeyedTable(MappedRows):
         self._free, self._high = free[used:], self._high + fresh
         # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
         where = slice(int(rows[0]), int(rows[0]) + k) if used == 0 else rows
-        data = self._data
-        data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
-        for spec in self.slot_specs:
-            col = self.columns[spec.name]
-            base = data if spec.dtype == "float32" else data.view(np.int32)
-            base[where, col.start : col.start + col.width] = spec.initial_value
+        self._initialise_rows(rows, keys, where)
         if self._keeps_time:
             self._time[where] = NO_TIME if self._call_time is None else self._call_time
         if self.dynamic.occurrence_threshold > 0:
@@ -1093,6 +1088,46 @@ class KeyedTable(MappedRows):
         self._live_rows = self._expired_memo = None
         self._this["admitted"] += len(keys)
         return rows
+
+    def _initialise_rows(self, rows: np.ndarray, keys: np.ndarray, where) -> None:
+        """New ``rows`` of ``keys``: the initializer's weights at each key, each slot's initial
+        value. An initializer with a fill kernel (``Initializer.fill``) and the slots are
+        written row by row in one parallel pass (``kernels.init.init_rows``); any other
+        initializer's values are computed first, then copied in (at ``where``: ``rows``, or
+        the slice they make when they are one run)."""
+        from ..initializers import table_key
+        from ..kernels import init as ki
+        from ..kernels.pool import start_pool
+
+        fill = self._initializer.fill(self.dim)
+        data = self._data
+        if fill is None:
+            data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+        consts = np.array(
+            [
+                (self.columns[s.name].start, self.columns[s.name].width, s.dtype == "int32")
+                for s in self.slot_specs
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 3)
+        values = [s.initial_value for s in self.slot_specs]
+        kinds = {None: ki.FILL_NONE, "uniform": ki.FILL_UNIFORM}
+        kinds["truncated_normal"] = ki.FILL_TRUNCATED_NORMAL
+        start_pool()  # init_rows is parallel
+        ki.init_rows(
+            data,
+            data.view(np.int32),
+            frozen(np.ascontiguousarray(rows, dtype=np.int64)),
+            frozen(keys),
+            kinds[None if fill is None else fill.kind],
+            table_key(self._seed, self.name),
+            0.0 if fill is None else float(fill.a),
+            0.0 if fill is None else float(fill.b),
+            self.dim,
+            frozen(consts),
+            frozen(np.array(values, dtype=np.float32)),
+            frozen(np.array(values, dtype=np.float64).astype(np.int32)),
+        )
 
     # -- observability ---------------------------------------------------------------------------
 
