@@ -112,10 +112,13 @@ class TableBatch:
                 rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
         return dataclasses.replace(self, unique_rows=rows)
 
-    def check_resolvable(self, storage, found: np.ndarray | None = None) -> None:
+    def check_resolvable(
+        self, storage, found: np.ndarray | None = None, update: bool = False
+    ) -> None:
         """Raise what ``resolved(storage, insert=True, found=)`` would raise for this batch (a
-        keyed table's ``max_rows`` or row limit: ``check_rows``), changing nothing. A batch
-        whose rows are resolved, or a storage that refuses nothing, has nothing to check."""
+        keyed table's ``max_rows`` or row limit: ``check_rows``), and with ``update`` what its
+        ``for_update`` would raise next, changing nothing. A batch whose rows are resolved, or
+        a storage that refuses nothing, has nothing to check."""
         check = getattr(storage, "check_rows", None)
         if check is None or self.unique_rows is not None:
             return
@@ -123,7 +126,8 @@ class TableBatch:
         for m in range(len(b) - 1):
             lo, hi = int(b[m]), int(b[m + 1])
             if hi > lo:
-                check(m, self.unique_ids[lo:hi], found=None if found is None else found[lo:hi])
+                part = None if found is None else found[lo:hi]
+                check(m, self.unique_ids[lo:hi], found=part, update=update)
 
     def _counts(self, lo: int, hi: int) -> np.ndarray:
         """Occurrences of unique ids ``lo:hi`` in the batch."""

@@ -663,15 +663,16 @@ class EmbeddingEngine:
         }
         return acts, batch
 
-    def _resolve(self, batch: PreparedBatch, insert: bool) -> PreparedBatch:
+    def _resolve(self, batch: PreparedBatch, insert: bool, update: bool = False) -> PreparedBatch:
         """``batch`` with every table's rows resolved: a storage that maps ids to rows itself
         (no ``row_bases``; the batch left its rows to the engine) gets one ``rows_for`` per
-        logical table on its unique ids. The same batch if nothing is left to resolve."""
+        logical table on its unique ids. The same batch if nothing is left to resolve.
+        ``update``: its update follows (``_for_update``), checked with the resolution."""
         if all(tb.unique_rows is not None for tb in batch.tables):
             return batch
         if insert:  # a batch one table refuses changes no table
             for table, tb in zip(self._physical, batch.tables, strict=True):
-                tb.check_resolvable(table)
+                tb.check_resolvable(table, update=update)
         tables = tuple(
             tb if tb.unique_rows is not None else tb.resolved(table, insert)
             for table, tb in zip(self._physical, batch.tables, strict=True)
@@ -821,7 +822,7 @@ class EmbeddingEngine:
                 timestamp = _check_timestamp(timestamp)
             pending = batch
             self._begin_step(timestamp, training=True)
-            batch = self._resolve(batch, insert=True)  # a batch given without its lookup
+            batch = self._resolve(batch, insert=True, update=True)  # one never looked up
             batch = self._for_update(batch)  # keyed tables inserting on apply: their new rows
             self._end_call()
             # Everything is validated; from here on tables change.

@@ -511,6 +511,104 @@ def test_a_batch_a_later_table_refuses_changes_no_earlier_table(backend, path):
     assert eng.table_contents("b")["keys"].tolist() == [5, 6]
 
 
+def _two_tables(backend, a, b=None):
+    """Keyed tables "b" then "a" (``DynamicVocabulary`` kwargs), features "fb", "fa"; after
+    one step on keys 1, 2 (a) and 5, 6 (b)."""
+    dyn = {"b": ee.DynamicVocabulary(**(b or {})), "a": ee.DynamicVocabulary(**a)}
+    tables = {
+        n: ee.TableConfig(None, 2, name=n, initializer=RowId(0), dynamic=d) for n, d in dyn.items()
+    }
+    eng = ee.EmbeddingEngine(
+        {"fb": ee.FeatureConfig(tables["b"]), "fa": ee.FeatureConfig(tables["a"])},
+        optimizer=opt.SGD(1.0),
+        backend=backend,
+    )
+    acts = eng.lookup({"fa": [[1, 2]], "fb": [[5, 6]]})
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    return eng
+
+
+def _unchanged_by(eng, call):
+    """``call()`` raises a ValueError (returned) and changes no table, stats or step."""
+    before = {t.name: t.state() for t in eng._physical}
+    stats, step = eng.table_stats(), eng.step
+    with pytest.raises(ValueError) as e:
+        call()
+    for t in eng._physical:
+        after = t.state()
+        changed = [k for k in before[t.name] if after[k].tobytes() != before[t.name][k].tobytes()]
+        assert not changed, (t.name, changed)
+    assert eng.table_stats() == stats and eng.step == step
+    return str(e.value)
+
+
+def test_the_update_of_a_batch_never_looked_up_is_checked_before_its_resolution(backend):
+    """apply_gradients(batch=preprocess(...)) resolves the batch's rows, then inserts on apply:
+    table a (max_rows=2, insert on apply) refuses the update only then, after table b would
+    have taken key 7 and a's rows been touched."""
+    eng = _two_tables(backend, dict(max_rows=2, insert_on="apply"))
+    batch = eng.preprocess({"fa": [[1, 2, 3]], "fb": [[5, 6, 7]]})
+    grads = {n: np.ones(lay.shape, np.float32) for n, lay in batch.features.items()}
+    text = _unchanged_by(eng, lambda: eng.apply_gradients(grads, batch=batch))
+    assert text.startswith("table 'a': this batch needs 3 rows"), text
+
+
+def test_a_table_near_the_row_limit_keeps_the_region_from_touching_the_others(backend, monkeypatch):
+    """The numba region touches the rows of a table whose keys it all found unless another
+    table may refuse the batch: max_rows, and the int32 row limit (patched to 3) that a batch
+    of more keys than rows left could pass."""
+    from embengine.storage import keyed as keyed_storage
+
+    eng = _two_tables(backend, {})
+    monkeypatch.setattr(keyed_storage, "MAX_KEYED_ROWS", 3)
+    text = _unchanged_by(eng, lambda: eng.lookup({"fa": [[1, 2, 3, 4]], "fb": [[5, 6, 6]]}))
+    assert text.startswith("table 'a': 4 rows, more than one keyed table holds"), text
+
+
+def test_an_update_inserting_on_apply_removes_expired_rows_to_stay_within_max_rows(backend):
+    """Rows expire by data time at the update (its timestamp): an update inserting on apply
+    must count them out before it inserts, or the table passes max_rows (and its checkpoint
+    no longer loads)."""
+    dyn = ee.DynamicVocabulary(max_rows=2, insert_on="apply", expire_seconds=10)
+    t = ee.TableConfig(None, 2, name="a", initializer=RowId(0), dynamic=dyn)
+    eng = ee.EmbeddingEngine({"fa": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend)
+    acts = eng.lookup({"fa": [[1, 2]]}, timestamp=0)
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    acts = eng.lookup({"fa": [[3]]}, timestamp=5)
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, timestamp=100)
+    assert eng.table_contents("a")["keys"].tolist() == [3]
+    assert eng.table_stats()["a"]["this_step"]["expired"] == 2
+    # Within max_rows, expired rows wait for the next training lookup, as before.
+    eng = ee.EmbeddingEngine({"fa": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend)
+    acts = eng.lookup({"fa": [[1]]}, timestamp=0)
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    acts = eng.lookup({"fa": [[3]]}, timestamp=5)
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, timestamp=100)
+    assert eng.table_contents("a")["keys"].tolist() == [1, 3]
+
+
+def test_an_update_whose_rows_a_later_lookup_gave_to_other_keys_is_refused(backend):
+    """Two lookups before their updates: the second evicts (max_rows) a key of the first and
+    gives its row to a new key; the first's update would write key 2's gradient into key 3's
+    row. It is refused, nothing changed; the second's update trains."""
+    t = ee.TableConfig(
+        None, 2, name="a", initializer=RowId(0), dynamic=ee.DynamicVocabulary(max_rows=2)
+    )
+    eng = ee.EmbeddingEngine({"fa": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend)
+    for bags in ([[1, 2]], [[1]]):
+        acts = eng.lookup({"fa": bags})
+        eng.apply_gradients({k: np.zeros_like(v) for k, v in acts.items()})
+    ax, bx = eng.lookup_with_batch({"fa": [[2]]})
+    ay, by = eng.lookup_with_batch({"fa": [[1, 3]]})  # evicts key 2; key 3 takes its row
+    grads = {"fa": np.full_like(ax["fa"], 100.0)}
+    text = _unchanged_by(eng, lambda: eng.apply_gradients(grads, batch=bx))
+    assert "1 of this batch's keys (e.g. 2) lost their rows after its lookup" in text, text
+    eng.apply_gradients({"fa": np.ones_like(ay["fa"])}, batch=by)
+    c = eng.table_contents("a")
+    assert c["keys"].tolist() == [1, 3]
+    np.testing.assert_array_equal(c["weights"][:, 0], [0.5, 2.5])  # mean of two ids
+
+
 def test_insert_on_apply(backend):
     eng = keyed_engine(backend, optimizer=opt.SGD(0.5), insert_on="apply")
     acts = eng.lookup({"f": [[A], [A, B]]})["f"]

@@ -249,6 +249,7 @@ def build_tables_and_pool_numba(
     quant = np.empty((plan.n_tables, 3), dtype=np.float64)
     outs = []
     held = []  # the keyed tables' indexes, which the kernel reaches by address
+    held_keys = []  # and their batches' occurrences
     f = 0
     for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table, strict=True)):
         data = table.data
@@ -267,6 +268,7 @@ def build_tables_and_pool_numba(
         if probe is not None and not _half(table) and data.ctypes.data:  # keyed: probed in there
             index = probe()
             held.append(index)
+            held_keys.append(int(plan.occ_base[t + 1] - plan.occ_base[t]))  # >= its new keys
             tmeta[t, train_lookup.T_INDEX :] = _index_columns(index)
         quant[t] = _quantization_row(q)
         bases = table.row_bases
@@ -275,7 +277,7 @@ def build_tables_and_pool_numba(
                 fdata[f, :2] = _rows_from(data, bases[p.member])
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
-    if any(index.refuses for index in held):
+    if any(i.refuses or n > i.rows_left for i, n in zip(held, held_keys, strict=True)):
         # A table's rows_for may refuse the batch after the region: then the region touches
         # no table's rows (their rows_for do), so a refused batch leaves every table as it was.
         tmeta[:, train_lookup.T_TOUCH] = 0

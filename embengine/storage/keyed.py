@@ -416,9 +416,11 @@ class IndexView:
     dead: np.ndarray | None
     touch: bool
     step: int
-    # rows_for may refuse a training batch (max_rows): then no table of the batch may be
-    # touched before every table's rows_for has run (a refusal changes nothing after it).
+    # rows_for may refuse a training batch (max_rows; or, for a batch of more keys than
+    # ``rows_left``, the int32 row limit): then no table of the batch may be touched before
+    # every table's rows_for has run (a refusal changes nothing after it).
     refuses: bool = False
+    rows_left: int = MAX_KEYED_ROWS
 
 
 class KeyedView:
@@ -860,6 +862,7 @@ class KeyedTable(MappedRows):
             touch,
             self._rel_step,
             refuses=self.dynamic.max_rows is not None,
+            rows_left=MAX_KEYED_ROWS - self._high,
         )
 
     def rows_of(self, keys: np.ndarray) -> np.ndarray:
@@ -877,11 +880,14 @@ class KeyedTable(MappedRows):
         ids: np.ndarray,
         counts: np.ndarray | None = None,
         found: np.ndarray | None = None,
+        update: bool = False,
     ) -> None:
         """Raise the ValueError that ``rows_for(logical, ids, True, counts=, found=)`` would
         raise (``max_rows``, the int32 row limit), changing nothing: the engine checks every
         table of a batch before any ``rows_for`` changes one, so a batch that one table refuses
-        leaves every table as it was. Nothing to check for a table that cannot refuse it."""
+        leaves every table as it was. ``update``: the batch's update follows at once (an
+        update of a batch never looked up), so a table inserting on apply counts the keys it
+        admits then as new too. Nothing to check for a table that cannot refuse it."""
         del counts  # admission reads the earlier steps' counts only
         if self.dynamic.max_rows is None and self._high + len(ids) <= MAX_KEYED_ROWS:
             return
@@ -891,13 +897,17 @@ class KeyedTable(MappedRows):
         if len(expired):
             rows[np.isin(rows, expired)] = NO_ROW
         hit = rows >= 0
-        now = self.dynamic.insert_on == "lookup"
+        now = self.dynamic.insert_on == "lookup" or update
         new = int(self._admissible(ids[~hit]).sum()) if now else 0
         self._refusal(int(hit.sum()), new, len(expired))
 
     def check_update_rows(self, logical: int, ids: np.ndarray, rows: np.ndarray) -> None:
         """Raise the ValueError that ``rows_for_update(logical, ids, rows)`` would raise,
-        changing nothing (as ``check_rows``, for the update of a table inserting on apply)."""
+        changing nothing (as ``check_rows``, for the update of a table inserting on apply);
+        and a ValueError if a row the batch's lookup gave a key no longer holds it: a later
+        training lookup (two lookups before their updates) evicted or expired it, and the
+        update would write the key's gradient into another key's row."""
+        self._check_rows_held(ids, rows)
         if self.dynamic.insert_on != "apply":
             return
         missing = np.flatnonzero(np.asarray(rows) < 0)
@@ -907,7 +917,40 @@ class KeyedTable(MappedRows):
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         admit, _ = self._admitted_on_apply(ids[missing])
-        self._refusal(int((np.asarray(rows) >= 0).sum()), int(admit.sum()), 0)
+        rows = np.asarray(rows)
+        hits, new = rows[rows >= 0], int(admit.sum())
+        self._refusal(len(hits), new, len(self._expired_for_room(hits, new)))
+
+    def _expired_for_room(self, hits: np.ndarray, new: int) -> np.ndarray:
+        """The expired rows an update inserting ``new`` rows removes first (``hits``: the rows
+        of its keys, kept): none unless the new rows would pass ``max_rows`` (expired rows are
+        otherwise removed by the next training lookup), else every expired row not in
+        ``hits``: an expired row no eviction may pick still counts until it is removed, and
+        the table passed max_rows when new rows came in before the next lookup removed them."""
+        n = self.dynamic.max_rows
+        expired = self._expired()
+        if n is None or self._index.count + new <= n or not len(expired):
+            return np.zeros(0, np.int64)
+        return expired[~np.isin(expired, hits)]
+
+    def _check_rows_held(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """ValueError if any of ``rows`` (>= 0) has lost its key of ``ids`` (``check_update_
+        rows``). Only a table that removes rows (expiry, max_rows) can lose one."""
+        d = self.dynamic
+        if d.expire_steps is None and d.expire_seconds is None and d.max_rows is None:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        held = rows >= 0
+        at = rows[held]
+        lost = (self._touches[at] < 0) | (self._keys[at] != np.asarray(ids)[held])
+        if lost.any():
+            raise ValueError(
+                f"table {self.name!r}: {int(lost.sum()):,} of this batch's keys (e.g. "
+                f"{int(np.asarray(ids)[held][lost][0])}) lost their rows after its lookup: a "
+                "later training lookup evicted or expired them, and their rows may hold other "
+                "keys now; nothing was changed. Apply a batch's gradients before the next "
+                "training lookup (or raise max_rows / expire_steps)"
+            )
 
     def _admitted_on_apply(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(admitted now and without a row, has a row): of keys without a row at the lookup,
@@ -932,10 +975,14 @@ class KeyedTable(MappedRows):
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
         admit, present = self._admitted_on_apply(ids[missing])
-        self._refusal(int((rows >= 0).sum()), int(admit.sum()), 0)
-        victims = self._victims(rows[rows >= 0], 0, int(admit.sum()))
+        hits, new = rows[rows >= 0], int(admit.sum())
+        gone = self._expired_for_room(hits, new)
+        self._refusal(len(hits), new, len(gone))
+        victims = self._victims(hits, len(gone), new)
         self._roll_stats()
         self._commit_time()
+        self._remove_rows(gone)
+        self._this["expired"] += len(gone)
         self._remove_rows(victims)
         self._this["evicted"] += len(victims)
         out = np.array(rows, dtype=np.int64)
