@@ -1150,6 +1150,8 @@ class KeyedTable(MappedRows):
         data = self._data
         if fill is None:
             data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+            if not self.slot_specs:
+                return
         consts = np.array(
             [
                 (self.columns[s.name].start, self.columns[s.name].width, s.dtype == "int32")
