@@ -941,12 +941,16 @@ class KeyedTable(MappedRows):
             return
         rows = np.asarray(rows, dtype=np.int64)
         held = rows >= 0
-        at = rows[held]
-        lost = (self._touches[at] < 0) | (self._keys[at] != np.asarray(ids)[held])
+        ids = np.asarray(ids)
+        if not held.all():
+            rows, ids = rows[held], ids[held]
+        # One gather of whole records (key, step, count): the rows' lines, read once.
+        records = np.take(self._records, rows, axis=0)
+        lost = (records[:, _TOUCHES] < 0) | (records.view(np.int64)[:, 0] != ids)
         if lost.any():
             raise ValueError(
                 f"table {self.name!r}: {int(lost.sum()):,} of this batch's keys (e.g. "
-                f"{int(np.asarray(ids)[held][lost][0])}) lost their rows after its lookup: a "
+                f"{int(ids[lost][0])}) lost their rows after its lookup: a "
                 "later training lookup evicted or expired them, and their rows may hold other "
                 "keys now; nothing was changed. Apply a batch's gradients before the next "
                 "training lookup (or raise max_rows / expire_steps)"
