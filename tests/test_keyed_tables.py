@@ -911,6 +911,33 @@ def test_rows_past_the_int32_limit_are_refused_before_anything_changes(monkeypat
     assert t.rows == 1500
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_expiry_scan_kernel_equals_the_rule_in_numpy(seed):
+    """``keyed_index.expired_rows`` against the rules written in NumPy over random records:
+    rows without a key (count -1) never expire; by steps (last-touched step more than S
+    behind), by data time (more than D seconds behind, NO_TIME never), either or both."""
+    from embengine.state import NO_TIME
+
+    rng = np.random.default_rng(seed)
+    n, high = 500, 450
+    records = np.zeros((n, 4), np.int32)
+    records[:, 2] = rng.integers(-5, 40, n)  # last-touched step (relative)
+    records[:, 3] = np.where(rng.random(n) < 0.2, -1, rng.integers(0, 9, n))
+    times = np.where(rng.random(n) < 0.3, NO_TIME, rng.integers(0, 10**6, n)).astype(np.int64)
+    for steps, seconds, now, step in [(3, -1, 0, 30), (-1, 5000, 500_000, 0), (7, 9000, 10**6, 37)]:
+        out = np.empty(n, np.int64)
+        k = keyed_index.expired_rows(records, high, step, steps, times, now, seconds, out)
+        old = np.zeros(high, bool)
+        if steps >= 0:
+            old |= step - records[:high, 2].astype(np.int64) > steps
+        if seconds >= 0:
+            t = times[:high]
+            old |= (t != NO_TIME) & (now - t > seconds)
+        want = np.flatnonzero(old & (records[:high, 3] >= 0))
+        np.testing.assert_array_equal(out[:k], want)
+        assert 0 < k < high
+
+
 def test_removing_a_value_the_index_does_not_hold_is_an_error_not_a_hang():
     index = KeyIndex()
     index.insert(np.array([10, 20]), np.array([0, 1]))

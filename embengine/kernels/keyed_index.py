@@ -296,3 +296,28 @@ def touch(rows, offsets, step, records):
         records[r, LAST] = step
         t = np.int64(records[r, TOUCHES]) + (offsets[i + 1] - offsets[i])
         records[r, TOUCHES] = min(t, MAX_TOUCHES)
+
+
+# A row's data time when it has none (state.NO_TIME): it never expires by time.
+NO_TIME = np.iinfo(np.int64).min
+
+
+@kernel(**_OPTIONS)
+def expired_rows(records, high, step, steps, times, now, seconds, out):
+    """The rows below ``high`` holding a key (touch count >= 0) whose last-touched step is
+    more than ``steps`` behind ``step`` (``steps`` < 0: no such rule), or whose data time
+    (``times``, NO_TIME: none) is more than ``seconds`` behind ``now`` (``seconds`` < 0: no
+    such rule), ascending into ``out``; returns their number. One pass over the records, where
+    NumPy made one per condition over their strided columns."""
+    n = 0
+    for r in range(high):
+        if records[r, TOUCHES] < 0:
+            continue
+        old = steps >= 0 and step - np.int64(records[r, LAST]) > steps
+        if not old and seconds >= 0:
+            t = times[r]
+            old = t != NO_TIME and now - t > seconds
+        if old:
+            out[n] = r
+            n += 1
+    return n

@@ -74,6 +74,8 @@ _MIN_ROW_BITS, _ENTRY_BITS = 20, 31
 # A row record's int32 columns: key (two), last-touched step, touch count (the numbers of
 # kernels/keyed_index.py's RECORD_COLS, LAST, TOUCHES).
 _RECORD_COLS, _LAST, _TOUCHES = 4, 2, 3
+# ``keyed_index.expired_rows``' times when no rule reads them.
+_NO_TIMES = np.zeros(0, np.int64)
 # int32 row metadata (last-touched steps, counts): a rebase leaves the step this far past _base.
 _INT32 = np.iinfo(np.int32)
 _STEP_SPAN = 1 << 30
@@ -1014,14 +1016,20 @@ class KeyedTable(MappedRows):
         by_time = d is not None and now != NO_TIME
         if (s is None and not by_time) or not self._index.count:
             return np.zeros(0, np.int64)
-        high = self._high
-        old = np.zeros(high, bool)
-        if s is not None:
-            old |= self._rel_step - self._last[:high].astype(np.int64) > s
-        if by_time:
-            t = self._time[:high]
-            old |= (t != NO_TIME) & (now - t > d)  # timestamps are < 2^62: no overflow
-        return np.flatnonzero(old & self._live()).astype(np.int64)
+        from ..kernels import keyed_index
+
+        out = np.empty(self._high, np.int64)
+        n = keyed_index.expired_rows(
+            self._records,
+            self._high,
+            self._rel_step,
+            -1 if s is None else s,
+            self._time if by_time else _NO_TIMES,
+            now,  # timestamps are < 2^62: ``now - t`` does not overflow
+            d if by_time else -1,
+            out,
+        )
+        return out[:n].copy()
 
     def _check_room(self, new: int, freed: int) -> None:
         """ValueError (nothing changed yet) if ``new`` rows, after ``freed`` rows are freed,
