@@ -343,6 +343,10 @@ class PreparedBatch:
     # LookupOnlyTableBatch, which can be looked up but not used to update tables.
     deduplicated: bool = True
     fingerprint: BatchFingerprint | None = None
+    # The engine state its rows were resolved in, where a storage maps ids to rows itself (a
+    # keyed table): an engine refuses such rows after a load, or from another engine, since
+    # they may hold other keys there. None: its rows are ids, or not resolved yet.
+    resolved_in: int | None = None
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import threading
 import warnings
@@ -68,6 +69,9 @@ class NonFiniteUpdateError(FloatingPointError):
 
 # Timestamps are ints in [0, 2^62): a difference of two never overflows int64.
 _MAX_TIMESTAMP = 1 << 62
+# Engine states, numbered across the process: a new engine, a copy (a DataLoader worker's) and
+# every load take the next (``PreparedBatch.resolved_in``).
+_STATES = itertools.count(1)
 
 
 def _check_timestamp(t) -> int:
@@ -182,6 +186,7 @@ class EmbeddingEngine:
         # (``_forget_pending`` forgets every thread's by starting a new generation).
         self._pending = threading.local()
         self._pending_generation = 0
+        self._state_id = next(_STATES)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -470,6 +475,7 @@ class EmbeddingEngine:
         rows that no longer hold what it looked up."""
         with self.lock:
             self._pending_generation += 1
+            self._state_id = next(_STATES)  # keyed rows resolved before are refused
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -642,7 +648,12 @@ class EmbeddingEngine:
                     parts, self._physical, self._quantizations()
                 )
                 self._end_call()
-                batch = PreparedBatch(tuple(tables), layouts, fingerprint=self._batch_fingerprint())
+                batch = PreparedBatch(
+                    tuple(tables),
+                    layouts,
+                    fingerprint=self._batch_fingerprint(),
+                    resolved_in=self._resolved_in(),
+                )
                 self._set_pending(batch)
         else:  # lookup-only; a backend that range-checks ids as it pools them checks them
             checks = getattr(self._backend, "checks_lookup_ids", False)
@@ -668,6 +679,12 @@ class EmbeddingEngine:
         (no ``row_bases``; the batch left its rows to the engine) gets one ``rows_for`` per
         logical table on its unique ids. The same batch if nothing is left to resolve.
         ``update``: its update follows (``_for_update``), checked with the resolution."""
+        if batch.resolved_in is not None and batch.resolved_in != self._state_id:
+            raise ValueError(
+                "this batch's keyed rows were resolved in another state of the engine (before "
+                "a load_state_dict or restore, or by another engine): they may hold other keys "
+                "now; nothing was changed. Look its features up again"
+            )
         if all(tb.unique_rows is not None for tb in batch.tables):
             return batch
         if insert:  # a batch one table refuses changes no table
@@ -677,7 +694,12 @@ class EmbeddingEngine:
             tb if tb.unique_rows is not None else tb.resolved(table, insert)
             for table, tb in zip(self._physical, batch.tables, strict=True)
         )
-        return dataclasses.replace(batch, tables=tables)
+        return dataclasses.replace(batch, tables=tables, resolved_in=self._resolved_in())
+
+    def _resolved_in(self) -> int | None:
+        """``PreparedBatch.resolved_in`` of a batch resolved now: this state, if a storage maps
+        ids to rows itself (keyed tables), else None (rows that are ids stay valid)."""
+        return self._state_id if any(t.row_bases is None for t in self._physical) else None
 
     def _begin_step(self, timestamp: int | None = None, training: bool = False) -> None:
         """Tell the storages that keep time (keyed tables: expiry, recency) the step, and a

@@ -410,3 +410,46 @@ def test_an_embedding_layer_of_a_keyed_table_round_trips_its_state_dict():
         for layer in (a, b):
             sum((v * v).sum() for v in layer(batch).values()).backward()
     _same(a.engine, b.engine)
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_batch_whose_keyed_rows_predate_a_load_is_refused(backend, tmp_path):
+    """A looked-up batch holds the rows its keyed table gave its keys; a load lays the rows out
+    anew (by key), so its update would write another key's row, or past the table (a
+    segfault on an mmap table). It is refused, nothing changed, as is a batch looked up by
+    another engine of the same configuration; looked up again, it trains. Dense rows are ids:
+    such a batch survives a load."""
+    k = ee.TableConfig(None, 2, name="k", optimizer=O.SGD(1.0), initializer=RandomUniform())
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, backend=backend)
+    for key in (50, 40, 30, 20, 10):  # rows 0..4 hold 50 .. 10; a load sorts them by key
+        a = eng.lookup({"f": np.array([[key]])})
+        eng.apply_gradients({"f": np.zeros_like(a["f"])})
+    snap = copy.deepcopy(eng.state_dict())
+    values = {"f": np.array([[10]])}
+    grads = {"f": np.ones((1, 2), np.float32)}
+    for reload in (lambda: eng.load_state_dict(snap), lambda: eng.restore(eng.save(tmp_path))):
+        _, b = eng.lookup_with_batch(values)
+        reload()
+        before = eng.table_contents("k")
+        with pytest.raises(ValueError, match="keyed rows were resolved in another state"):
+            eng.apply_gradients(grads, batch=b)
+        with pytest.raises(ValueError, match="keyed rows were resolved in another state"):
+            eng.lookup(b)
+        after = eng.table_contents("k")
+        assert all(after[n].tobytes() == before[n].tobytes() for n in before)
+    other = ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, backend=backend)  # same config
+    _, b = other.lookup_with_batch(values)
+    with pytest.raises(ValueError, match="keyed rows were resolved in another state"):
+        eng.apply_gradients(grads, batch=b)
+    _, b = eng.lookup_with_batch(values)
+    eng.apply_gradients(grads, batch=b)
+    c = eng.table_contents("k")
+    np.testing.assert_array_equal(c["weights"][c["keys"] == 10], before["weights"][0:1] - 1)
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(60, 2, name="d", optimizer=O.SGD(1.0)))},
+        backend=backend,
+    )
+    state = copy.deepcopy(dense.state_dict())
+    _, b = dense.lookup_with_batch(values)
+    dense.load_state_dict(state)
+    dense.apply_gradients(grads, batch=b)
