@@ -770,7 +770,8 @@ class EmbeddingEngine:
                         "rows": rows,
                         "capacity": rows,
                         "load_factor": 1.0,
-                        "bytes": {"rows": rows * table.row_width * 4},
+                        # row_width counts the array's units: uint16 in a 16-bit table
+                        "bytes": {"rows": rows * table.row_width * table.data.itemsize},
                     }
         return out
 

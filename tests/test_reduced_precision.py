@@ -447,6 +447,11 @@ def test_table_bytes_halve(optimizer):
 
     assert nbytes("bfloat16") * 2 == nbytes("float32")
     assert nbytes("float16") * 2 == nbytes("float32")
+    # table_stats counts the stored bytes (it counted a 16-bit row's units as float32)
+    for dtype in ("float32", "bfloat16", "float16"):
+        t = ee.TableConfig(1000, 64, name="t", weights_dtype=dtype, slots_dtype=dtype)
+        eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer)
+        assert eng.table_stats()["t"]["bytes"]["rows"] == eng._tables[0].table.data.nbytes
 
 
 def test_dtypes_are_checked_and_named():
@@ -568,7 +573,9 @@ def test_export_and_serving_read_16_bit_tables(tmp_path, compress):
 
     eng = _trained(("bfloat16", "bfloat16"))
     ckpt = eng.save(tmp_path / "ck")
-    export(ckpt, tmp_path / "out", compress=compress)
+    report = export(ckpt, tmp_path / "out", compress=compress)
+    # the report's "fp32 MiB" column: the table as float32, whatever it is stored in
+    assert [r["bytes_before"] for r in report.rows] == [20 * 4 * 4]
     serving = ServingEngine.load(tmp_path / "out")
     features = {"f": ee.Ragged([0, 3, 3, 7], lengths=[1, 3])}
     got = serving.lookup(features)["f"]
