@@ -1049,7 +1049,9 @@ class CheckpointReader:
             for name, info in header[0].items():
                 if name != "__metadata__":
                     out = np.empty(info["shape"], dtype=NUMPY[info["dtype"]].newbyteorder("<"))
-                    tensors[name] = read_tensor(file, name, out=out, header=header)
+                    out = read_tensor(file, name, out=out, header=header)
+                    # a bfloat16 tensor's bits, as bfloat16 again
+                    tensors[name] = out.view(BFLOAT16) if info["dtype"] == "BF16" else out
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{file}: cannot be read ({e}); the engine is unchanged") from e
         return tensors

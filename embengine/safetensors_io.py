@@ -30,10 +30,13 @@ DTYPES = {
     np.dtype(np.int8): "I8",
     np.dtype(np.uint8): "U8",
     np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint16): "BF16",  # bfloat16 bits (numpy has no bfloat16)
+    np.dtype(np.uint16): "U16",
 }
 NUMPY = {v: k for k, v in DTYPES.items()}
-try:  # bfloat16 arrays (a 16-bit table's views) are written as "BF16" too, and read as bits
+# "BF16" tensors are read as their bits (numpy has no bfloat16; callers view them as
+# ml_dtypes.bfloat16 where they want the values)
+NUMPY["BF16"] = np.dtype(np.uint16)
+try:  # bfloat16 arrays (a 16-bit table's views) are written as "BF16", and read as bits
     import ml_dtypes
 
     BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

@@ -85,7 +85,7 @@ from .config import (
     resolve_features,
 )
 from .inputs import Ragged
-from .safetensors_io import read_header, read_tensor, sha256_file, write_safetensors
+from .safetensors_io import BFLOAT16, read_header, read_tensor, sha256_file, write_safetensors
 
 __all__ = ["COMPRESSIONS", "export", "ServingEngine", "ExportReport", "SERVING_FORMAT"]
 
@@ -104,6 +104,9 @@ def _to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _from_bf16(b: np.ndarray) -> np.ndarray:
+    """float32 of bfloat16 bits (uint16), or of an ``ml_dtypes.bfloat16`` array's."""
+    if b.dtype == BFLOAT16:
+        b = b.view(np.uint16)
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 
@@ -225,6 +228,8 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
         back = decode(out, compression, np.arange(lo, hi), params) if hi > lo else x
         if x.size:
             worst = max(worst, float(np.abs(back.astype(np.float64) - x).max()))
+    if compression == "bf16":  # bfloat16 bits: stored as a "BF16" tensor (uint16 is "U16")
+        out["weights"] = out["weights"].view(BFLOAT16)
     return out, worst
 
 

@@ -211,12 +211,22 @@ def test_packed_low_dimensional_tables_round_trip(tmp_path, backend):
 def test_restore_into_fresh_engine_with_extra_tensors_and_metadata(tmp_path, backend):
     eng = _small_engine(backend)
     _run_steps(eng, 3)
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
     dense = {
         "mlp/w": np.arange(12, dtype=np.float32).reshape(3, 4),
         "mlp/b": np.array([1, 2], dtype=np.int64),
+        # bfloat16 came back as its uint16 bits, and uint16 went out labelled "BF16"
+        "bf16": np.array([1.0, 2.0, -0.5], ml_dtypes.bfloat16),
+        "u16": np.array([1, 2, 65535], np.uint16),
+        "f16": np.array([0.5, -2.0], np.float16),
     }
     meta = {"epoch": 2, "note": "hi", "nested": {"a": [1, 2]}}
     path = eng.save(tmp_path, extra_tensors=dense, extra_metadata=meta)
+    # the safetensors package reads the file as written (its own dtype names)
+    read = load_file(str(path / "extra.safetensors"))
+    assert read["u16"].dtype == np.uint16 and read["u16"].tolist() == [1, 2, 65535]
     fresh = _small_engine(backend)
     assert fresh.step == 0
     info = fresh.restore(tmp_path)  # a root: the newest checkpoint
