@@ -506,10 +506,21 @@ class EmbeddingEngine:
             return checkpoint.restore(self, path, verify)
 
     @classmethod
-    def load(cls, path, callables=None, verify: bool = True, **kwargs) -> EmbeddingEngine:
+    def load(
+        cls,
+        path,
+        callables=None,
+        verify: bool = True,
+        *,
+        initializers: Mapping[str, Initializer] | None = None,
+        **kwargs,
+    ) -> EmbeddingEngine:
         """A new engine from a checkpoint alone. A learning rate that was a callable is not
-        stored: pass ``callables={tag: function}`` for it. ``kwargs`` (backend, storage, ...)
-        override the stored engine options.
+        stored: pass ``callables={tag: function}`` for it; nor is a ``FromFunction``
+        initializer's function: a keyed table's new keys need it (``initializers={table:
+        Initializer}``; without it loading such a table is a CheckpointError naming it), a
+        dense table's rows all come from the checkpoint (zeros until then). ``kwargs``
+        (backend, storage, ...) override the stored engine options.
 
         ``from_spec`` of the checkpoint's spec, then its restore. Every check of the checkpoint
         passes before the engine is built, so its tables are never larger than the files that
@@ -517,15 +528,19 @@ class EmbeddingEngine:
         from . import checkpoint
 
         spec, reader = checkpoint.read_checkpoint(path, verify)
-        # A FromFunction initializer's function is not stored; the checkpoint's values replace
-        # what it would give, so the tables start at zero.
-        from_function = {
-            t["name"]: Zeros()
-            for t in spec["tables"]
-            if t["initializer"]["class"] == "FromFunction"
-        }
+        given = dict(initializers or {})
+        from_function = [t for t in spec["tables"] if t["initializer"]["class"] == "FromFunction"]
+        for t in from_function:
+            if t["name"] not in given and t.get("vocabulary_size") is None:
+                raise checkpoint.CheckpointError(
+                    f"{reader.path}: table {t['name']!r} is keyed and its initializer "
+                    "(FromFunction) is not stored, and its new keys need it: pass "
+                    f"EmbeddingEngine.load(..., initializers={{{t['name']!r}: ...}})"
+                )
+        # A dense table's values all come from the checkpoint: zeros until then.
+        given = {**{t["name"]: Zeros() for t in from_function}, **given}
         try:
-            engine = cls.from_spec(spec, callables, initializers=from_function, **kwargs)
+            engine = cls.from_spec(spec, callables, initializers=given, **kwargs)
         except (TypeError, ValueError) as e:
             with_kwargs = f" with {kwargs}" if kwargs else ""
             raise checkpoint.CheckpointError(

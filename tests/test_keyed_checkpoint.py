@@ -453,3 +453,29 @@ def test_a_batch_whose_keyed_rows_predate_a_load_is_refused(backend, tmp_path):
     _, b = dense.lookup_with_batch(values)
     dense.load_state_dict(state)
     dense.apply_gradients(grads, batch=b)
+
+
+def test_load_asks_for_a_keyed_tables_from_function_initializer(tmp_path):
+    """A FromFunction initializer's function is not stored. A dense table's rows all come from
+    the checkpoint (load builds it with zeros first); a keyed table's new keys need the
+    function: load without it is a CheckpointError naming the table (it silently gave new keys
+    zeros), and with ``initializers=`` the loaded engine continues as the saved one."""
+    from embengine.initializers import FromFunction
+
+    init = FromFunction(lambda shape, dtype: np.full(shape, 0.5, np.float32))
+    tables = {
+        "f": ee.FeatureConfig(ee.TableConfig(None, 2, name="k", initializer=init)),
+        "g": ee.FeatureConfig(ee.TableConfig(9, 2, name="d", initializer=init)),
+    }
+    eng = ee.EmbeddingEngine(tables, optimizer=O.SGD(0.1))
+    a = eng.lookup({"f": np.array([[1, 2]]), "g": np.array([[3]])})
+    eng.apply_gradients({k: np.ones_like(v) for k, v in a.items()})
+    ckpt = eng.save(tmp_path)
+    with pytest.raises(CheckpointError, match=r"table 'k' is keyed .*initializers=\{'k': \.\.\.\}"):
+        ee.EmbeddingEngine.load(ckpt)
+    loaded = ee.EmbeddingEngine.load(ckpt, initializers={"k": init})
+    new = {"f": np.array([[7, 1]]), "g": np.array([[3]])}
+    want, got = eng.lookup(new), loaded.lookup(new)
+    for name in new:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert got["f"][0, 0] != 0  # key 7's new row: the function's 0.5, plus key 1's
