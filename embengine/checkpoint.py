@@ -306,8 +306,7 @@ def save(
     """Write a new checkpoint of ``engine`` under ``root``; see the module docstring. Reads the
     engine through ``spec()`` and ``state_dict()`` (live views): call it while no update runs,
     as ``engine.save`` does (it holds the engine's lock)."""
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    check_save_arguments(keep, extra_metadata)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     step = engine.step
@@ -405,6 +404,18 @@ def _write(
         if keep is not None:
             _prune(root, keep)
     return final
+
+
+def check_save_arguments(keep: int | None, extra_metadata: Mapping[str, Any] | None) -> None:
+    """The ValueError / TypeError a save raises for ``keep`` or ``extra_metadata`` before it
+    writes anything (a sharded save checks them on every rank before its first collective)."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    if extra_metadata is not None:
+        if not isinstance(extra_metadata, Mapping):
+            kind = type(extra_metadata).__name__
+            raise TypeError(f"extra_metadata must be a mapping, got {kind}")
+        json.dumps(dict(extra_metadata), default=_json_default)
 
 
 def _json_default(value):

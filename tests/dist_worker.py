@@ -25,6 +25,8 @@ Scenarios:
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
+  save_args:<keep|metadata>     save with keep=0 on the last rank, or extra_metadata that is
+                                not JSON on every rank; then a step together
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
@@ -454,6 +456,22 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             eng.table_contents()
         if name == "save_fails":  # a file where the checkpoints' folder should be
             eng.save(os.path.join(out, "not-a-folder", "ckpt"))
+        if name.startswith("save_args:"):
+            # A bad argument: keep=0 on the last rank only, or metadata that is not JSON on
+            # every rank; then every rank steps together.
+            root = os.path.join(out, name.replace(":", "-"))
+            try:
+                if name.endswith("keep"):
+                    eng.save(root, keep=0 if rank == world - 1 else None)
+                else:
+                    eng.save(root, extra_metadata={"note": {1, 2}})
+                first = "no error"
+            except Exception as e:
+                first = f"{type(e).__name__}: {e}"
+            left = sorted(os.listdir(root)) if os.path.isdir(root) else []
+            eng.lookup(feats, weights)
+            eng.apply_gradients(grads)
+            raise RuntimeError(f"{first} | left={left} | then step={eng.step}")
         eng.lookup(feats, weights)
         if name.startswith("after_lookup:"):
             # Right after a training lookup the last rank makes another call than the update

@@ -530,6 +530,31 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
     ), text
 
 
+def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(tmp_path):
+    # keep=0 on one rank made the others wait the process group's timeout, then broke the
+    # group; metadata that is not JSON left a temporary folder and the other rank waiting.
+    # Both are checked before the save's first collective and fail every rank at once,
+    # nothing written; the ranks then step together.
+    codes = spawn(2, tmp_path, ["save_args:keep", "save_args:metadata"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        seconds, text = _error_text(tmp_path, "save_args:keep", rank)
+        first = (
+            "ValueError: keep must be an int >= 1 or None, got 0"
+            if rank == 1
+            else "DistributedError"
+        )
+        assert text.startswith(f"RuntimeError: {first}"), text
+        assert text.strip().endswith("| left=[] | then step=1"), text
+        assert seconds < 30, (seconds, text)  # the group's timeout is 60 s
+        seconds, text = _error_text(tmp_path, "save_args:metadata", rank)
+        assert text.startswith(
+            "RuntimeError: TypeError: extra_metadata holds set, which is not JSON"
+        ), text
+        assert text.strip().endswith("| left=[] | then step=1"), text
+        assert seconds < 30, (seconds, text)
+
+
 def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_rank(tmp_path):
     # The update right after a training lookup sends its header with its data; a rank making
     # another call then sends its header in a message of the same shape, so every rank raises

@@ -132,8 +132,7 @@ def save(
     by ``plan``) at ``step`` under ``root``; see the module docstring. ``extra_tensors`` and
     ``extra_metadata``: rank 0's are written (e.g. a DDP model, the same on every rank).
     Collective; returns the checkpoint's folder on every rank."""
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    ckpt.check_save_arguments(keep, extra_metadata)  # the caller checked them collectively
     rank = comm.rank
     root = Path(root)
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
@@ -180,7 +179,7 @@ def save(
                 final = _commit(
                     root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
                 )
-            except OSError as e:
+            except (OSError, ValueError, TypeError) as e:  # every rank learns it
                 error = e
         return Path(
             _name_from_rank0(

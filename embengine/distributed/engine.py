@@ -1791,12 +1791,18 @@ class ShardedEngine:
         on every rank, e.g. a DDP model's). Collective; every rank must see ``path`` (one host,
         or a shared file system). Returns the checkpoint's folder. See
         embengine.distributed.checkpoint."""
+        from .. import checkpoint as single
         from . import checkpoint
 
+        error = None
+        try:  # a bad argument on any rank: every rank raises at the header, nothing written
+            single.check_save_arguments(keep, extra_metadata)
+        except (TypeError, ValueError) as e:
+            error = e
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_SAVE, None)
+                self._header(_SAVE, error)
                 return checkpoint.save(
                     self._comm,
                     self._shards,
