@@ -19,6 +19,8 @@ Scenarios:
   time_mismatch               the last rank passes another timestamp
   max_rows                    a keyed table with max_rows (refused)
   eval_mismatch               the last rank looks up for evaluation while the others train
+  apply_time                  insert on apply, an update later in data time than its lookup,
+                              its keys on one rank (2 ranks): keys and data time every step
 """
 
 from __future__ import annotations
@@ -188,6 +190,39 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), **saved)
 
 
+# apply_time: (rank 0's bags, rank 1's bags, lookup timestamp, update timestamp) per step. Key 2
+# lives on rank 0 of 2, key 1 on rank 1 (mix64); the step-1 update is later than its lookup.
+APPLY_TIME_STEPS = (
+    ([[2]], [[]], 1000, 1000),
+    ([[1]], [[]], 1000, 2000),
+    ([[1]], [[]], 1050, 1050),
+)
+
+
+def apply_time_features():
+    import embengine as ee
+
+    dyn = ee.DynamicVocabulary(insert_on="apply", expire_seconds=100)
+    return {"a": ee.FeatureConfig(ee.TableConfig(None, 2, name="k", dynamic=dyn))}
+
+
+def run_apply_time(rank: int, world: int, out: str, name: str) -> None:
+    """A keyed table inserting on apply, whose update's data time is later than its lookup's
+    (2 ranks): each step's keys and data time on this rank."""
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    eng = ShardedEngine(apply_time_features(), optimizer=opt.SGD(0.1), seed=1, timeout=60)
+    saved = {}
+    for step, (*bags, lt, at) in enumerate(APPLY_TIME_STEPS):
+        mine = bags[rank]
+        eng.lookup({"a": mine}, timestamp=lt)
+        eng.apply_gradients({"a": np.ones((len(mine), 2), np.float32)}, timestamp=at)
+        saved[f"keys{step}"] = eng.table_contents()["tables"]["k"]["keys"]
+        saved[f"time{step}"] = np.array(eng.table_stats()["tables"]["k"]["keyed"]["data_time"])
+    np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     import dataclasses
 
@@ -232,6 +267,8 @@ def main() -> None:
                 run_keyed(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
+            elif name == "apply_time":
+                run_apply_time(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

@@ -199,6 +199,28 @@ def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_pa
         assert text.startswith("ValueError: table 'k': DynamicVocabulary(max_rows=100)"), text
 
 
+def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
+    """A keyed table inserting on apply takes its update's data time; a rank owning none of
+    the step's keys kept its older time, so a row expired on one shard and not on another,
+    against the single engine (a review's reproduction)."""
+    from embengine import optimizers as opt
+    from embengine.distributed.sharding import mix64
+
+    assert [int(mix64(np.array([k]))[0] % 2) for k in (2, 1)] == [0, 1]  # the owners it needs
+    codes = spawn(2, tmp_path, ["apply_time"])
+    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    single = ee.EmbeddingEngine(worker.apply_time_features(), optimizer=opt.SGD(0.1), seed=1)
+    for step, (b0, b1, lt, at) in enumerate(worker.APPLY_TIME_STEPS):
+        single.lookup({"a": b0 + b1}, timestamp=lt)
+        single.apply_gradients({"a": np.ones((len(b0 + b1), 2), np.float32)}, timestamp=at)
+        keys = single.table_contents("k")["keys"]
+        for r in range(2):
+            got = np.load(tmp_path / f"apply_time.rank{r}.npz")
+            assert int(got[f"time{step}"]) == single.table_stats()["k"]["data_time"], (step, r)
+            assert np.array_equal(got[f"keys{step}"], keys), (step, r, got[f"keys{step}"], keys)
+    assert single.table_contents("k")["keys"].tolist() == [1]  # key 2 expired at step 2
+
+
 def _ckpt_single(steps) -> ee.EmbeddingEngine:
     features, o = worker.make_features(worker.CKPT, 2, "seconds")
     eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)

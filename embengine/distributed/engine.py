@@ -1268,6 +1268,13 @@ class ShardedEngine:
             if left is not None and len(left):
                 ids = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
                 unchanged[self.table_names[t]] = np.sort(ids)
+        if last is not None:
+            # A keyed table inserting on apply takes the update's data time when the step
+            # brought it keys (the single engine's one table does): here too on a rank that
+            # owns none of them (the lookup's headers count every rank's keys).
+            for t in self._keyed:
+                if t not in layouts and last.got[:, self._cols.k + t].any():
+                    self._shards[t].commit_update_time()
         # Everyone learns how many rows any rank left unchanged, so every rank reports alike.
         mine = np.array([sum(len(v) for v in unchanged.values())], dtype=np.int64)
         everyone = self._comm.all_gather(mine, "nonfinite count")[:, 0]

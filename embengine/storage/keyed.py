@@ -755,6 +755,13 @@ class KeyedTable(MappedRows):
         t = self._call_time
         return self._clock if t is None else max(self._clock, t)
 
+    def commit_update_time(self) -> None:
+        """An update of keys of this table, inserting on apply, at the call's data time: the
+        table's data time moves to it (``rows_for_update`` does this; a sharded table whose
+        shard got none of the step's keys is told so, so every shard keeps the same time)."""
+        if self.dynamic.insert_on == "apply":
+            self._commit_time()
+
     def _commit_time(self) -> None:
         if self._call_time is not None:
             self._clock = max(self._clock, self._call_time)
@@ -975,6 +982,7 @@ class KeyedTable(MappedRows):
             return rows
         missing = np.flatnonzero(np.asarray(rows) < 0)
         if not len(missing):
+            self.commit_update_time()
             return rows
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         counts = (
