@@ -494,6 +494,19 @@ class EmbeddingEngine:
 
         # Under the lock for the whole write: every table of the checkpoint is of one step.
         with self.lock:
+            halfway = [
+                t.name
+                for t in self._physical
+                if hasattr(t, "looked_up_in") and t.looked_up_in(self._step)
+            ]
+            if halfway:
+                raise ValueError(
+                    f"step {self._step} has been looked up for training but not applied: keyed "
+                    f"table(s) {halfway} already counted its keys and gave new keys rows, so a "
+                    "checkpoint now holds half a step that no restore can finish (looking the "
+                    "batch up again would count it twice); nothing was written. Save after "
+                    "apply_gradients"
+                )
             return checkpoint.save(self, path, keep, extra_tensors, extra_metadata)
 
     def restore(self, path, verify: bool = True):

@@ -427,7 +427,8 @@ def test_a_batch_whose_keyed_rows_predate_a_load_is_refused(backend, tmp_path):
     snap = copy.deepcopy(eng.state_dict())
     values = {"f": np.array([[10]])}
     grads = {"f": np.ones((1, 2), np.float32)}
-    for reload in (lambda: eng.load_state_dict(snap), lambda: eng.restore(eng.save(tmp_path))):
+    saved = eng.save(tmp_path)  # before the lookup: a save halfway through a step is refused
+    for reload in (lambda: eng.load_state_dict(snap), lambda: eng.restore(saved)):
         _, b = eng.lookup_with_batch(values)
         reload()
         before = eng.table_contents("k")
@@ -479,3 +480,29 @@ def test_load_asks_for_a_keyed_tables_from_function_initializer(tmp_path):
     for name in new:
         np.testing.assert_array_equal(got[name], want[name])
     assert got["f"][0, 0] != 0  # key 7's new row: the function's 0.5, plus key 1's
+
+
+def test_a_save_halfway_through_a_step_of_a_keyed_table_is_refused(tmp_path):
+    """A training lookup counts a keyed table's keys and gives new keys rows before its update:
+    a checkpoint then would hold half a step, which a restore cannot finish (the lookup done
+    again counts twice). The save is refused, nothing written; after the update it saves. An
+    evaluation lookup changes nothing, a dense engine's lookup neither, and a load forgets the
+    half step (its pending batch with it)."""
+    eng = _engine("numba", occurrence_threshold=1)
+    batch = _stream(1)[0]
+    snapshot = copy.deepcopy(eng.state_dict())
+    eng.lookup(batch, training=False)
+    eng.save(tmp_path / "eval")
+    eng.lookup(batch)
+    with pytest.raises(ValueError, match=r"step 0 has been looked up for training but not app"):
+        eng.save(tmp_path / "half")
+    assert not (tmp_path / "half").exists() or not any((tmp_path / "half").iterdir())
+    eng.load_state_dict(snapshot)
+    eng.save(tmp_path / "loaded")
+    _step(eng, batch)
+    eng.save(tmp_path / "applied")
+    dense = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(9, 2, name="d"))}, optimizer=O.SGD(0.1)
+    )
+    dense.lookup({"f": np.array([[1, 2]])})
+    dense.save(tmp_path / "dense")  # a dense lookup changes no table

@@ -533,6 +533,8 @@ class KeyedTable(MappedRows):
         # Data time (``DynamicVocabulary.expire_seconds``): the newest timestamp of the training
         # calls that resolved keys here, and the timestamp of the call under way (None: none).
         self._clock = NO_TIME
+        # The step whose training lookup last changed the table (its update not counted here)
+        self._resolved_step = -1
         self._call_time: int | None = None
         self._this = self._zero_counts()
         self._total = self._zero_counts()
@@ -755,6 +757,12 @@ class KeyedTable(MappedRows):
         t = self._call_time
         return self._clock if t is None else max(self._clock, t)
 
+    def looked_up_in(self, step: int) -> bool:
+        """Whether a training lookup of ``step`` changed the table (inserted or counted keys,
+        touched rows): until its update moves the engine past ``step``, the table holds half
+        of that step, which a checkpoint could not continue from."""
+        return self._resolved_step == step
+
     def commit_update_time(self) -> None:
         """An update of keys of this table, inserting on apply, at the call's data time: the
         table's data time moves to it (``rows_for_update`` does this; a sharded table whose
@@ -807,6 +815,7 @@ class KeyedTable(MappedRows):
                 raise AssertionError(f"table {self.name!r}: touched, but not every key was found")
             self._roll_stats()
             self._commit_time()
+            self._resolved_step = self._step
             self._this["lookups"] += len(ids)
             self._this["hits"] += len(ids)
             return found
@@ -830,6 +839,7 @@ class KeyedTable(MappedRows):
         # Everything is decided; from here on the table changes.
         self._roll_stats()
         self._commit_time()
+        self._resolved_step = self._step
         self._remove_rows(expired)
         self._this["expired"] += len(expired)
         self._remove_rows(victims)
@@ -1339,6 +1349,7 @@ class KeyedTable(MappedRows):
     def _install(self, a: dict[str, np.ndarray], step: int) -> None:
         """Replace the table's contents by a checked state (``prepare_state``): rows 0..n-1 in
         key order, a fresh index, the pending counts and counters as saved."""
+        self._resolved_step = -1
         n = len(a["keys"])
         self._empty_arena()
         self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
