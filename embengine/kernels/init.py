@@ -46,22 +46,27 @@ def fill_uniform(out, rows, key, low, high):
             out[i, j] = low + (high - low) * uniform01(key, rows[i], j, dim, 0)
 
 
+@kernel(inline="always", fastmath=False)
+def truncated_normal01(key, row, col, dim):
+    """A standard normal value redrawn beyond 2: Box-Muller on two streams per round, round r
+    using streams 2r and 2r + 1."""
+    stream = 0
+    while True:
+        u1 = 1.0 - uniform01(key, row, col, dim, stream)  # in (0, 1]
+        u2 = uniform01(key, row, col, dim, stream + 1)
+        z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+        if abs(z) <= 2.0:
+            return z
+        stream += 2
+
+
 @kernel(parallel=True, fastmath=False)
 def fill_truncated_normal(out, rows, key, mean, stddev):
-    """Normal(mean, stddev) redrawn beyond 2 standard deviations; Box-Muller on two streams per
-    round, round r using streams 2r and 2r + 1."""
+    """Normal(mean, stddev) redrawn beyond 2 standard deviations (``truncated_normal01``)."""
     dim = out.shape[1]
     for i in nb.prange(rows.shape[0]):
         for j in range(dim):
-            stream = 0
-            while True:
-                u1 = 1.0 - uniform01(key, rows[i], j, dim, stream)  # in (0, 1]
-                u2 = uniform01(key, rows[i], j, dim, stream + 1)
-                z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-                if abs(z) <= 2.0:
-                    break
-                stream += 2
-            out[i, j] = mean + stddev * z
+            out[i, j] = mean + stddev * truncated_normal01(key, rows[i], j, dim)
 
 
 # ``init_rows``' fills: which values its weights get (``initializers.Fill.kind``), or none.
@@ -84,15 +89,7 @@ def init_rows(data, data_i32, at, ids, fill, key, a, b, dim, const_cols, const_f
                 data[r, j] = a + (b - a) * uniform01(key, ids[i], j, dim, 0)
         elif fill == FILL_TRUNCATED_NORMAL:
             for j in range(dim):
-                stream = 0
-                while True:
-                    u1 = 1.0 - uniform01(key, ids[i], j, dim, stream)  # in (0, 1]
-                    u2 = uniform01(key, ids[i], j, dim, stream + 1)
-                    z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-                    if abs(z) <= 2.0:
-                        break
-                    stream += 2
-                data[r, j] = a + b * z
+                data[r, j] = a + b * truncated_normal01(key, ids[i], j, dim)
         for k in range(const_cols.shape[0]):
             start, width = const_cols[k, 0], const_cols[k, 1]
             if const_cols[k, 2]:

@@ -819,21 +819,15 @@ class KeyedTable(MappedRows):
             self._this["lookups"] += len(ids)
             self._this["hits"] += len(ids)
             return found
-        rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
         if not insert:
-            if len(expired):
-                rows[np.isin(rows, expired)] = NO_ROW
-            return rows
+            return self._rows_now(ids, found)
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
-        if len(expired):
-            rows[np.isin(rows, expired)] = NO_ROW
+        rows, admit, new = self._plan(ids, found)
         hit = rows >= 0
         missing = ~hit
-        admit = self._admissible(ids[missing])
         now = self.dynamic.insert_on == "lookup"
-        new = int(admit.sum()) if now else 0
         self._refusal(int(hit.sum()), new, len(expired))
         victims = self._victims(rows[hit], len(expired), new)
         # Everything is decided; from here on the table changes.
@@ -911,14 +905,29 @@ class KeyedTable(MappedRows):
         if self.dynamic.max_rows is None and self._high + len(ids) <= MAX_KEYED_ROWS:
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows, _, new = self._plan(ids, found, update)
+        self._refusal(int((rows >= 0).sum()), new, len(self._expired()))
+
+    def _rows_now(self, ids: np.ndarray, found: np.ndarray | None) -> np.ndarray:
+        """The rows of ``ids`` (int64, contiguous) in the index now (``found``: what a kernel's
+        probe gave them), -1 for none or an expired one."""
         rows = self._index.find(ids) if found is None else np.array(found, dtype=np.int64)
         expired = self._expired()
         if len(expired):
             rows[np.isin(rows, expired)] = NO_ROW
-        hit = rows >= 0
+        return rows
+
+    def _plan(
+        self, ids: np.ndarray, found: np.ndarray | None, update: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """What a training resolution of ``ids`` decides, for ``rows_for`` and ``check_rows``
+        alike: (their rows now, which of those without one are admitted, how many rows it
+        inserts now: the admitted ones when inserting on lookup, or with ``update`` (its
+        update follows at once), else none)."""
+        rows = self._rows_now(ids, found)
+        admit = self._admissible(ids[rows < 0])
         now = self.dynamic.insert_on == "lookup" or update
-        new = int(self._admissible(ids[~hit]).sum()) if now else 0
-        self._refusal(int(hit.sum()), new, len(expired))
+        return rows, admit, int(admit.sum()) if now else 0
 
     def check_update_rows(self, logical: int, ids: np.ndarray, rows: np.ndarray) -> None:
         """Raise the ValueError that ``rows_for_update(logical, ids, rows)`` would raise,
@@ -935,10 +944,18 @@ class KeyedTable(MappedRows):
         if self.dynamic.max_rows is None and self._high + len(missing) <= MAX_KEYED_ROWS:
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        admit, _ = self._admitted_on_apply(ids[missing])
-        rows = np.asarray(rows)
+        hits, _, _, new, gone = self._update_plan(ids, np.asarray(rows), missing)
+        self._refusal(len(hits), new, len(gone))
+
+    def _update_plan(self, ids: np.ndarray, rows: np.ndarray, missing: np.ndarray):
+        """What an update inserting on apply decides, for ``rows_for_update`` and
+        ``check_update_rows`` alike, of ``ids`` whose lookup gave ``rows`` (``missing``: the
+        places without one): (the rows it keeps, which missing keys it admits, which of them
+        an earlier update of the step inserted, how many it inserts, the expired rows it
+        removes first)."""
+        admit, present = self._admitted_on_apply(ids[missing])
         hits, new = rows[rows >= 0], int(admit.sum())
-        self._refusal(len(hits), new, len(self._expired_for_room(hits, new)))
+        return hits, admit, present, new, self._expired_for_room(hits, new)
 
     def _expired_for_room(self, hits: np.ndarray, new: int) -> np.ndarray:
         """The expired rows an update inserting ``new`` rows removes first (``hits``: the rows
@@ -998,9 +1015,7 @@ class KeyedTable(MappedRows):
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
-        admit, present = self._admitted_on_apply(ids[missing])
-        hits, new = rows[rows >= 0], int(admit.sum())
-        gone = self._expired_for_room(hits, new)
+        hits, admit, present, new, gone = self._update_plan(ids, np.asarray(rows), missing)
         self._refusal(len(hits), new, len(gone))
         victims = self._victims(hits, len(gone), new)
         self._roll_stats()
