@@ -489,7 +489,9 @@ class EmbeddingEngine:
         """Write a checkpoint (tables, slots, step, every config) under the folder ``path``:
         atomically, as ``path/ckpt-<step>-<n>/``, keeping the newest ``keep`` (all if None).
         ``extra_tensors`` (name -> array) and JSON ``extra_metadata`` are stored beside it.
-        Returns the checkpoint's directory. See embengine.checkpoint."""
+        Returns the checkpoint's directory. See embengine.checkpoint. A ValueError, nothing
+        written, between a training lookup and its update when a keyed table took that lookup
+        (its counts and new rows are half a step no restore could finish)."""
         from . import checkpoint
 
         # Under the lock for the whole write: every table of the checkpoint is of one step.
