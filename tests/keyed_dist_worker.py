@@ -21,6 +21,7 @@ Scenarios:
   eval_mismatch               the last rank looks up for evaluation while the others train
   apply_time                  insert on apply, an update later in data time than its lookup,
                               its keys on one rank (2 ranks): keys and data time every step
+  save_halfway                save between a training lookup and its update, then after it
 """
 
 from __future__ import annotations
@@ -223,6 +224,28 @@ def run_apply_time(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 
 
+def run_save_halfway(rank: int, world: int, out: str, name: str) -> None:
+    """save between a training lookup and its update (refused on every rank, nothing
+    written), then the update and a save that works."""
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd", 1, "none")
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    feats, weights, grads = local(0, rank, world)
+    root = os.path.join(out, "save_halfway")
+    eng.lookup(feats, weights, timestamp=timestamp(0))
+    try:
+        eng.save(root)
+        first = "no error"
+    except Exception as e:
+        first = f"{type(e).__name__}: {e}"
+    left = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    eng.apply_gradients(grads)
+    saved = eng.save(root)
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{first} | left={left} | then {os.path.basename(saved)}\n")
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     import dataclasses
 
@@ -269,6 +292,8 @@ def main() -> None:
                 run_checkpoint(rank, world, out, name)
             elif name == "apply_time":
                 run_apply_time(rank, world, out, name)
+            elif name == "save_halfway":
+                run_save_halfway(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

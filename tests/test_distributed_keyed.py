@@ -221,6 +221,21 @@ def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
     assert single.table_contents("k")["keys"].tolist() == [1]  # key 2 expired at step 2
 
 
+def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(tmp_path):
+    """As EmbeddingEngine.save: the owners' keyed shards took the lookup's counts and new
+    rows, so a checkpoint before the update would hold half a step. Every rank raises,
+    nothing is written; after the update the save works."""
+    codes = spawn(2, tmp_path, ["save_halfway"])
+    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    for r in range(2):
+        text = (tmp_path / f"save_halfway.rank{r}.txt").read_text().strip()
+        assert text.startswith(
+            "ValueError: step 0 has been looked up for training but not applied: keyed "
+            "table(s) ['k']"
+        ), text
+        assert "| left=[] | then ckpt-" in text, text
+
+
 def _ckpt_single(steps) -> ee.EmbeddingEngine:
     features, o = worker.make_features(worker.CKPT, 2, "seconds")
     eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)

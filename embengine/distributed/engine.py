@@ -1797,13 +1797,23 @@ class ShardedEngine:
         ``extra_metadata``: as ``EmbeddingEngine.save``; rank 0's are written (pass the same
         on every rank, e.g. a DDP model's). Collective; every rank must see ``path`` (one host,
         or a shared file system). Returns the checkpoint's folder. See
-        embengine.distributed.checkpoint."""
+        embengine.distributed.checkpoint. Refused on every rank, nothing written, between a
+        training lookup and its update when a keyed table took that lookup (as
+        ``EmbeddingEngine.save``)."""
         from .. import checkpoint as single
         from . import checkpoint
 
         error = None
         try:  # a bad argument on any rank: every rank raises at the header, nothing written
             single.check_save_arguments(keep, extra_metadata)
+            halfway = [self.table_names[t] for t in self._keyed if self._halfway(t)]
+            if halfway:
+                raise ValueError(
+                    f"step {self._step} has been looked up for training but not applied: keyed "
+                    f"table(s) {halfway} already counted its keys and gave new keys rows, so a "
+                    "checkpoint now holds half a step that no restore can finish; nothing was "
+                    "written. Save after apply_gradients"
+                )
         except (TypeError, ValueError) as e:
             error = e
         with self.lock:
@@ -1823,6 +1833,11 @@ class ShardedEngine:
                 )
             finally:
                 self._count("save")
+
+    def _halfway(self, t: int) -> bool:
+        """Whether keyed table ``t``'s shard took a training lookup of this step (as
+        ``EmbeddingEngine.save`` refuses: half a step)."""
+        return self._shards[t].looked_up_in(self._step)
 
     def restore(self, path, verify: bool = True):
         """Load a checkpoint (``path``: a checkpoint folder, or a folder of them: the newest)
