@@ -32,7 +32,7 @@ A sequence feature has gain 1 and one output row per (sample, position < max_seq
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import NamedTuple
@@ -101,15 +101,12 @@ class TableBatch:
         and whether the kernel touched them too (``touched=``)."""
         rows = np.empty(len(self.unique_ids), dtype=np.int64)
         counted = insert and getattr(storage, "counts_occurrences", False)
-        b = self.unique_bounds
-        for m in range(len(b) - 1):
-            lo, hi = int(b[m]), int(b[m + 1])
-            if hi > lo:
-                ids = self.unique_ids[lo:hi]
-                kw = {} if found is None else {"found": found[lo:hi], "touched": touched}
-                if counted and not (found is not None and touched):  # touched: counted too
-                    kw["counts"] = self._counts(lo, hi)
-                rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
+        for m, lo, hi in self._members():
+            ids = self.unique_ids[lo:hi]
+            kw = {} if found is None else {"found": found[lo:hi], "touched": touched}
+            if counted and not (found is not None and touched):  # touched: counted too
+                kw["counts"] = self._counts(lo, hi)
+            rows[lo:hi] = storage.rows_for(m, ids, insert, **kw)
         return dataclasses.replace(self, unique_rows=rows)
 
     def check_resolvable(
@@ -122,12 +119,18 @@ class TableBatch:
         check = getattr(storage, "check_rows", None)
         if check is None or self.unique_rows is not None:
             return
+        for m, lo, hi in self._members():
+            part = None if found is None else found[lo:hi]
+            check(m, self.unique_ids[lo:hi], found=part, update=update)
+
+    def _members(self) -> Iterator[tuple[int, int, int]]:
+        """``(logical table, lo, hi)`` of each logical table with unique ids in the batch: its
+        unique ids are ``unique_ids[lo:hi]`` (``unique_bounds``)."""
         b = self.unique_bounds
         for m in range(len(b) - 1):
             lo, hi = int(b[m]), int(b[m + 1])
             if hi > lo:
-                part = None if found is None else found[lo:hi]
-                check(m, self.unique_ids[lo:hi], found=part, update=update)
+                yield m, lo, hi
 
     def _counts(self, lo: int, hi: int) -> np.ndarray:
         """Occurrences of unique ids ``lo:hi`` in the batch."""
@@ -141,13 +144,10 @@ class TableBatch:
         if hook is None or self.unique_rows is None:
             return self
         rows = self.unique_rows.copy()
-        b = self.unique_bounds
-        for m in range(len(b) - 1):
-            lo, hi = int(b[m]), int(b[m + 1])
-            if hi > lo:
-                rows[lo:hi] = hook(
-                    m, self.unique_ids[lo:hi], self.unique_rows[lo:hi], counts=self._counts(lo, hi)
-                )
+        for m, lo, hi in self._members():
+            rows[lo:hi] = hook(
+                m, self.unique_ids[lo:hi], self.unique_rows[lo:hi], counts=self._counts(lo, hi)
+            )
         return dataclasses.replace(self, unique_rows=rows)
 
     def check_for_update(self, storage) -> None:
@@ -156,11 +156,8 @@ class TableBatch:
         check = getattr(storage, "check_update_rows", None)
         if check is None or self.unique_rows is None:
             return
-        b = self.unique_bounds
-        for m in range(len(b) - 1):
-            lo, hi = int(b[m]), int(b[m + 1])
-            if hi > lo:
-                check(m, self.unique_ids[lo:hi], self.unique_rows[lo:hi])
+        for m, lo, hi in self._members():
+            check(m, self.unique_ids[lo:hi], self.unique_rows[lo:hi])
 
     # Rebuilt through __init__ when copied or unpickled (a DataLoader worker's batch): unpickled
     # arrays are writable.
