@@ -97,6 +97,11 @@ class Initializer:
         None when ``init`` computes them in NumPy (or user code)."""
         return None
 
+    def constant(self) -> float | None:
+        """The one value every entry takes, or None: a keyed table writes it into new rows in
+        place, as it writes slots, instead of copying them an array of it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Zeros(Initializer):
@@ -104,6 +109,9 @@ class Zeros(Initializer):
 
     def init(self, seed, table_name, rows, dim):
         return np.zeros((len(rows), dim), dtype=np.float32)
+
+    def constant(self):
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,9 @@ class Constant(Initializer):
 
     def init(self, seed, table_name, rows, dim):
         return np.full((len(rows), dim), self.value, dtype=np.float32)
+
+    def constant(self):
+        return float(self.value)
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,8 @@ BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
         ee.initializers.TruncatedNormal(0.1, 0.2),
         ee.initializers.TruncatedNormal(),  # stddev from the dim
         ee.initializers.Constant(0.25),
+        ee.initializers.Constant(-0.1),  # written in place as a constant column
+        ee.initializers.Zeros(),
         RowId(3),
     ],
     ids=repr,
@@ -244,8 +246,8 @@ BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
 def test_new_rows_get_the_initializers_values_and_the_slots_initial_ones(backend, init):
     """A new key's row is ``init.init(seed, table, [key], dim)`` and each slot its initial value
     (float and int32 slots: Adagrad's 0.1, Adam's per-row steps), written in place by the
-    numba kernel for fill initializers: in fresh rows (one run) and in rows freed by expiry
-    (scattered)."""
+    numba kernel for fill and constant initializers: in fresh rows (one run) and in rows freed
+    by expiry (scattered)."""
     adam = opt.Adam(0.1, bias_correction="per_row")
     for optimizer in (opt.Adagrad(0.1, initial_accumulator_value=0.1), adam):
         eng = keyed_engine(backend, optimizer=optimizer, dim=5, init=init, expire_steps=1)
@@ -1112,3 +1114,64 @@ def test_keyed_mmap_is_for_keyed_tables_only(tmp_path):
     k = ee.TableConfig(None, 2, name="k", dynamic=ee.DynamicVocabulary(), optimizer=opt.SGD(0.1))
     with pytest.raises(ValueError, match="storage_dir"):
         ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, storage="mmap")
+
+
+def _find_or_insert_streams():
+    """(DynamicVocabulary, timestamps?) of the differential test below: plain, expiring (free
+    rows and tombstones for the one-probe pass to reuse), bounded (it runs while there is room),
+    with data time."""
+    return [
+        (ee.DynamicVocabulary(), False),
+        (ee.DynamicVocabulary(expire_steps=2), False),
+        (ee.DynamicVocabulary(max_rows=3000), False),
+        (ee.DynamicVocabulary(expire_seconds=25), True),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("storage_kind", ["keyed", "keyed-mmap"])
+def test_one_probe_resolution_equals_find_then_insert(case, storage_kind, tmp_path, monkeypatch):
+    """A training resolution that can only find or insert (``_admits_all_at_once``) probes each
+    key once (``keyed_index.find_or_insert``), stopping where the rows or the index need room;
+    against the general path (a find, then ``_touch`` and ``_insert``) on the same stream
+    (cohorts of keys trained for three steps, so rows expire every third step and the steps
+    between reuse their rows and tombstones; one-off keys; counts; batches past the first
+    index and arena): the same rows, records, index slots, free rows, state and stats."""
+    from embengine.storage import keyed as keyed_storage
+    from embengine.storage.keyed import KeyedTable
+
+    dyn, timed = _find_or_insert_streams()[case]
+    init = ee.initializers.Constant(0.25) if case % 2 else RandomUniform(-1.0, 1.0)
+    slots = (keyed_storage.SlotSpec("acc", 1, 0.1),) if case < 2 else ()
+
+    def table(name):
+        path = None if storage_kind == "keyed" else tmp_path / f"{name}.rows"
+        return KeyedTable("k", 3, slots, init, 7, dyn, path=path)
+
+    fast, general = table("fast"), table("general")
+    general._admits_all_at_once = lambda n, expiring: False
+    calls = []
+    real = keyed_index.find_or_insert
+    monkeypatch.setattr(keyed_index, "find_or_insert", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(case)
+    universe = iter(rng.permutation(rng.integers(-(2**63), 2**63 - 1, 40_000, np.int64)))
+    cohorts = [[next(universe) for _ in range(rng.choice([1, 50, 700, 1400]))] for _ in range(6)]
+    for step in range(1, 17):
+        ids = cohorts[step // 3] + (cohorts[step // 3 - 1] if step % 3 == 0 else [])
+        ids = np.array(ids + [next(universe) for _ in range(rng.choice([0, 1, 150]))], np.int64)
+        ids = rng.permutation(ids)
+        counts = rng.integers(1, 4, size=len(ids)).astype(np.int64)
+        for t in (fast, general):
+            t.begin_step(step, 100 + 10 * step if timed else None)
+        got = fast.rows_for(0, ids, insert=True, counts=counts)
+        want = general.rows_for(0, ids, insert=True, counts=counts)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        np.testing.assert_array_equal(fast._index.slots, general._index.slots)
+        np.testing.assert_array_equal(fast._free, general._free)
+        assert (fast._high, fast._index.tombs) == (general._high, general._index.tombs)
+        a, b = fast.state(), general.state()
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{name}, step {step}")
+        assert fast.stats() == general.stats()
+    assert calls, "the one-probe pass never ran"

@@ -282,6 +282,101 @@ def insert_rows(slots, keys, bits, queries, counts, free, high, step, records, r
     return used, reused
 
 
+# find_or_insert's ring of the hashes of the keys ahead (a power of two > PROBE_AHEAD).
+_RING = 32
+_RING_MASK = _RING - 1
+
+
+@kernel(**_OPTIONS)
+def find_or_insert(
+    slots, keys, bits, queries, counts, free, high, cap, step, records, rows, new_at, state
+):
+    """``rows[i]``, from ``i = state[0]`` on, the row of ``queries[i]`` (distinct) with one
+    probe of the index each: a found row is touched (``records[r, LAST] = step``, its touch
+    count plus ``counts[i]``, saturating); an absent key gets a row as ``insert_rows`` gives
+    it (the smallest unused of ``free``, then ``high``, ``high + 1``, ...), its record, and its
+    entry in the first deleted or free slot its probe passed, and its place ``i`` goes to
+    ``new_at``. ``state`` = [next query, new keys so far, free rows used, rows handed out from
+    ``high``, entries the slots may still take past a free slot, tombstones taken]: the pass
+    stops before a new key that needs a row beyond ``cap`` or a free slot past the load limit
+    (the caller grows the rows or the index and calls again) and returns the next query.
+    ``insert_rows`` after ``find`` probed each new key twice, the second time after its slot's
+    line had left the cache."""
+    mask = slots.shape[0] - 1
+    low = (np.int64(1) << bits) - 1
+    i, n, used, fresh, room, reused = state[0], state[1], state[2], state[3], state[4], state[5]
+    m = queries.shape[0]
+    start, new0 = i, n
+    # Each key's (home, tag), computed once PROBE_AHEAD keys ahead, for the two prefetches and
+    # the probe.
+    homes = np.empty(_RING, np.int64)
+    tags = np.empty(_RING, np.int64)
+    for j in range(i, min(m, i + PROBE_AHEAD)):
+        homes[j & _RING_MASK], tags[j & _RING_MASK] = _where(queries[j], mask, bits)
+    while i < m:
+        j = i + PROBE_AHEAD
+        if j < m:
+            h, t = _where(queries[j], mask, bits)
+            homes[j & _RING_MASK], tags[j & _RING_MASK] = h, t
+            prefetch_line(slots, h, 0)
+        j = i + KEY_AHEAD
+        # The record prefetch pays for found keys only: skipped while most keys are new.
+        if j < m and 4 * (i - start - (n - new0)) >= i - start:
+            s, tag = homes[j & _RING_MASK], tags[j & _RING_MASK]
+            for _ in range(KEY_SCAN):
+                e = np.int64(slots[s, 0])
+                if e == EMPTY:
+                    break
+                if e >= 0 and (e & ~low) == tag:
+                    prefetch_line(keys, e & low, 0)
+                    break
+                s = (s + 1) & mask
+        key = queries[i]
+        s, tag = homes[i & _RING_MASK], tags[i & _RING_MASK]
+        tomb = -1
+        while True:
+            e = np.int64(slots[s, 0])
+            if e == EMPTY:
+                break
+            if e == TOMB:
+                if tomb < 0:
+                    tomb = s
+            elif (e & ~low) == tag and keys[e & low, 0] == key:
+                break
+            s = (s + 1) & mask
+        if e >= 0:
+            r = e & low
+            rows[i] = r
+            records[r, LAST] = step
+            records[r, TOUCHES] = min(np.int64(records[r, TOUCHES]) + counts[i], MAX_TOUCHES)
+        else:
+            if used >= free.shape[0] and high + fresh >= cap:
+                break
+            if tomb < 0 and room <= 0:
+                break
+            if used < free.shape[0]:
+                r = free[used]
+                used += 1
+            else:
+                r = high + fresh
+                fresh += 1
+            rows[i] = r
+            keys[r, 0] = key
+            records[r, LAST] = step
+            records[r, TOUCHES] = min(counts[i], MAX_TOUCHES)
+            if tomb >= 0:
+                slots[tomb, 0] = tag | r
+                reused += 1
+            else:
+                slots[s, 0] = tag | r
+                room -= 1
+            new_at[n] = i
+            n += 1
+        i += 1
+    state[0], state[1], state[2], state[3], state[4], state[5] = i, n, used, fresh, room, reused
+    return i
+
+
 @kernel(**_OPTIONS)
 def touch(rows, offsets, step, records):
     """``records[r, LAST] = step`` and ``records[r, TOUCHES] += offsets[i + 1] - offsets[i]``

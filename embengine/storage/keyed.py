@@ -184,15 +184,23 @@ class KeyIndex:
         keys again before the next)."""
         from ..kernels import keyed_index
 
-        if need + self.tombs > _MAX_LOAD * self.capacity:
-            cap = self.capacity
-            while need > _MAX_LOAD * cap:
-                cap *= 2
-            if cap == self.capacity and need > cap // 2:
-                cap *= 2
+        cap = self.reserved_capacity(need)
+        if cap:
             slots = _empty_slots(cap)
             keyed_index.rehash(*self.columns(), slots.reshape(-1, 1), self.row_bits)
             self.slots, self.tombs = slots, 0
+
+    def reserved_capacity(self, need: int) -> int:
+        """The capacity ``reserve(need)`` rebuilds the slots at, 0 if it does not rebuild them
+        (non-decreasing in ``need``)."""
+        if need + self.tombs <= _MAX_LOAD * self.capacity:
+            return 0
+        cap = self.capacity
+        while need > _MAX_LOAD * cap:
+            cap *= 2
+        if cap == self.capacity and need > cap // 2:
+            cap *= 2
+        return cap
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add absent ``keys`` with distinct ``values`` not in use (``keys[values, 0] = keys``;
@@ -274,6 +282,13 @@ def _advise_huge(mapping: mmap.mmap | None, nbytes: int) -> None:
 def _empty_slots(capacity: int) -> np.ndarray:
     """A free index of ``capacity`` slots (-1)."""
     return np.full(capacity, -1, dtype=np.int32)
+
+
+def _others(n: int, at: np.ndarray) -> np.ndarray:
+    """A mask of ``range(n)`` without the places ``at``."""
+    keep = np.ones(n, bool)
+    keep[at] = False
+    return keep
 
 
 def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -650,6 +665,16 @@ class KeyedTable(MappedRows):
         os.close(self._fd)  # the mapping's own descriptor keeps the lock while it lives
         self._fd = None
 
+    def _grown_capacity(self, rows: int) -> int:
+        """The capacity ``_grow(rows)`` asks for (non-decreasing in ``rows``): the current one
+        if it holds them, else at least double it."""
+        if rows <= self._capacity:
+            return self._capacity
+        cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
+        if self.path is not None and self.dynamic.max_rows is not None:
+            cap = min(cap, max(rows, self.dynamic.max_rows))
+        return cap
+
     def _grow(self, rows: int) -> None:
         """Capacity for at least ``rows`` rows: double within the reservation (no row moves),
         or copy into a bigger reservation; keyed-mmap: grow the file (``_grow_file``)."""
@@ -657,10 +682,8 @@ class KeyedTable(MappedRows):
             return
         if rows > MAX_KEYED_ROWS:  # rows_for and prepare_state refuse first (_check_room)
             raise AssertionError(f"table {self.name!r}: {rows:,} rows, past MAX_KEYED_ROWS")
-        cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
+        cap = self._grown_capacity(rows)
         if self.path is not None:
-            if self.dynamic.max_rows is not None:
-                cap = min(cap, max(rows, self.dynamic.max_rows))
             self._grow_file(cap)
         elif self._mapping is None or cap > self._reserved:
             want = max(self._reserved, cap)
@@ -824,6 +847,8 @@ class KeyedTable(MappedRows):
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
+        if found is None and not touched and self._admits_all_at_once(len(ids), len(expired)):
+            return self._find_or_insert(ids, counts)
         rows, admit, new = self._plan(ids, found)
         hit = rows >= 0
         missing = ~hit
@@ -855,6 +880,96 @@ class KeyedTable(MappedRows):
         if self.dynamic.occurrence_threshold > 0 and waiting.any():
             self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
         return rows
+
+    def _admits_all_at_once(self, n: int, expiring: int) -> bool:
+        """Whether a training resolution of ``n`` distinct keys can only find or insert: every
+        key is admitted at once (T = 0, inserting on lookup), no row expires, and even ``n``
+        new rows need no eviction (``max_rows``) and stay below the int32 row limit."""
+        d = self.dynamic
+        return (
+            d.occurrence_threshold == 0
+            and d.insert_on == "lookup"
+            and not expiring
+            and (d.max_rows is None or self._index.count + n <= d.max_rows)
+            and self._high + n <= MAX_KEYED_ROWS
+        )
+
+    def _find_or_insert(self, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``rows_for``'s training resolution when every key is admitted and nothing is evicted
+        (``_admits_all_at_once``): one probe of each key finds its row (touched) or inserts it
+        (``kernels.keyed_index.find_or_insert``); the same rows, records, slots and capacities
+        as a find, then ``_touch`` and ``_insert``. Where the rows or the index need room the
+        pass stops, the keys left are counted (a find) and room made for them, and it goes
+        on."""
+        from ..kernels import keyed_index
+
+        self._roll_stats()
+        self._commit_time()
+        self._resolved_step = self._step
+        self._expired_memo = None
+        m = len(ids)
+        rows = np.empty(m, np.int64)
+        new_at = np.empty(m, np.int64)
+        free, high, index = self._free, self._high, self._index
+        # [next key, new keys, free rows used, rows from high, load room, tombstones taken]
+        state = np.zeros(6, np.int64)
+        ids, counts = frozen(ids), frozen(np.ascontiguousarray(counts))
+        while True:
+            state[4] = int(_MAX_LOAD * index.capacity) - index.count - index.tombs
+            before_new, before_fresh, before_reused = state[1], state[3], state[5]
+            done = keyed_index.find_or_insert(
+                *index.columns(),
+                ids,
+                counts,
+                free,
+                high,
+                self._capacity,
+                self._rel_step,
+                self._records,
+                rows,
+                new_at,
+                state,
+            )
+            index.count += int(state[1] - before_new)
+            index.tombs -= int(state[5] - before_reused)
+            self._high += int(state[3] - before_fresh)
+            if done == m:
+                break
+            # Room for the new keys left, as the general path makes it for all of them (the
+            # same capacities): rows first (their records hold the index's keys), then the
+            # index; the pass goes on without stopping again. Between 1 (the key it stopped
+            # at) and every key left are new: they are counted (a find) only if the room
+            # made differs between the two.
+            free_left = len(free) - int(state[2])
+            rest = m - done
+            if self._room_for(1, free_left) != self._room_for(rest, free_left):
+                rest = int((index.find(ids[done:]) < 0).sum())
+            self._grow(self._high + max(0, rest - free_left))
+            index.reserve(index.count + rest)
+        n, used = int(state[1]), int(state[2])
+        self._free = free[used:]
+        self._this["lookups"] += m
+        self._this["hits"] += m - n
+        if self._keeps_time and self._call_time is not None:
+            # The newest timestamp that touched a found row: an older call does not age it.
+            found = rows[_others(m, new_at[:n])]
+            self._time[found] = np.maximum(self._time[found], self._call_time)
+        if n:
+            at = new_at[:n]
+            keys, new_rows = ids[at], rows[at]
+            where = slice(int(new_rows[0]), int(new_rows[0]) + n) if used == 0 else new_rows
+            self._initialise_rows(new_rows, keys, where)
+            if self._keeps_time:
+                self._time[where] = NO_TIME if self._call_time is None else self._call_time
+            self._live_rows = None
+            self._this["admitted"] += n
+        return rows
+
+    def _room_for(self, new: int, free_left: int) -> tuple[int, int]:
+        """(rows, index) capacities that ``new`` more keys make, ``free_left`` free rows
+        left: what ``_grow`` and ``KeyIndex.reserve`` would ask for (0: the index as it is)."""
+        rows = self._grown_capacity(self._high + max(0, new - free_left))
+        return rows, self._index.reserved_capacity(self._index.count + new)
 
     def lookup_index(self) -> IndexView:
         """What a kernel may probe in place of ``rows_for`` (``IndexView``): the numba backend
@@ -1192,19 +1307,21 @@ class KeyedTable(MappedRows):
         from ..kernels.pool import start_pool
 
         fill = self._initializer.fill(self.dim)
+        constant = self._initializer.constant() if fill is None else None
         data = self._data
-        if fill is None:
+        if fill is None and constant is None:
             data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
             if not self.slot_specs:
                 return
-        consts = np.array(
-            [
-                (self.columns[s.name].start, self.columns[s.name].width, s.dtype == "int32")
-                for s in self.slot_specs
-            ],
-            dtype=np.int64,
-        ).reshape(-1, 3)
+        cols = [
+            (self.columns[s.name].start, self.columns[s.name].width, s.dtype == "int32")
+            for s in self.slot_specs
+        ]
         values = [s.initial_value for s in self.slot_specs]
+        if constant is not None:  # the weights as one more constant column
+            cols.append((0, self.dim, False))
+            values.append(constant)
+        consts = np.array(cols, dtype=np.int64).reshape(-1, 3)
         kinds = {None: ki.FILL_NONE, "uniform": ki.FILL_UNIFORM}
         kinds["truncated_normal"] = ki.FILL_TRUNCATED_NORMAL
         start_pool()  # init_rows is parallel
