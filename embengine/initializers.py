@@ -98,8 +98,9 @@ class Initializer:
         return None
 
     def constant(self) -> float | None:
-        """The one value every entry takes, or None: a keyed table writes it into new rows in
-        place, as it writes slots, instead of copying them an array of it."""
+        """The one value ``init`` gives every entry, or None (also for a subclass that
+        overrides ``init``): a keyed table writes it into its new rows in place, as it writes
+        their slots, instead of copying in ``init``'s array (``fill`` comes first)."""
         return None
 
 
@@ -111,7 +112,7 @@ class Zeros(Initializer):
         return np.zeros((len(rows), dim), dtype=np.float32)
 
     def constant(self):
-        return 0.0
+        return 0.0 if type(self).init is Zeros.init else None
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Constant(Initializer):
         return np.full((len(rows), dim), self.value, dtype=np.float32)
 
     def constant(self):
-        return float(self.value)
+        return float(self.value) if type(self).init is Constant.init else None
 
 
 @dataclass(frozen=True)

@@ -1131,12 +1131,12 @@ def _find_or_insert_streams():
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("storage_kind", ["keyed", "keyed-mmap"])
 def test_one_probe_resolution_equals_find_then_insert(case, storage_kind, tmp_path, monkeypatch):
-    """A training resolution that can only find or insert (``_admits_all_at_once``) probes each
-    key once (``keyed_index.find_or_insert``), stopping where the rows or the index need room;
-    against the general path (a find, then ``_touch`` and ``_insert``) on the same stream
-    (cohorts of keys trained for three steps, so rows expire every third step and the steps
-    between reuse their rows and tombstones; one-off keys; counts; batches past the first
-    index and arena): the same rows, records, index slots, free rows, state and stats."""
+    """A training resolution that can only find or insert (``_admits_all_at_once``: no room to
+    make either) probes each key once (``keyed_index.find_or_insert``). Against the general
+    path (a find, then ``_touch`` and ``_insert``) on the same stream (cohorts of keys trained
+    for three steps, so rows expire every third step and the steps between reuse their rows and
+    tombstones; one-off keys; counts; batches past the first index and arena, which the general
+    path grows): the same rows, records, index slots, free rows, state and stats."""
     from embengine.storage import keyed as keyed_storage
     from embengine.storage.keyed import KeyedTable
 
@@ -1150,9 +1150,7 @@ def test_one_probe_resolution_equals_find_then_insert(case, storage_kind, tmp_pa
 
     fast, general = table("fast"), table("general")
     general._admits_all_at_once = lambda n, expiring: False
-    calls = []
-    real = keyed_index.find_or_insert
-    monkeypatch.setattr(keyed_index, "find_or_insert", lambda *a: calls.append(1) or real(*a))
+    calls = _spy_one_probe(fast)
     rng = np.random.default_rng(case)
     universe = iter(rng.permutation(rng.integers(-(2**63), 2**63 - 1, 40_000, np.int64)))
     cohorts = [[next(universe) for _ in range(rng.choice([1, 50, 700, 1400]))] for _ in range(6)]
@@ -1175,3 +1173,124 @@ def test_one_probe_resolution_equals_find_then_insert(case, storage_kind, tmp_pa
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"{name}, step {step}")
         assert fast.stats() == general.stats()
     assert calls, "the one-probe pass never ran"
+
+
+def _same_tables(fast, general):
+    """The two tables of the one-probe tests hold the same rows, records, index and stats."""
+    np.testing.assert_array_equal(fast._index.slots, general._index.slots)
+    np.testing.assert_array_equal(fast._free, general._free)
+    assert (fast._high, fast._index.tombs) == (general._high, general._index.tombs)
+    a, b = fast.state(), general.state()
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert fast.stats() == general.stats()
+
+
+def _spy_one_probe(table) -> list:
+    """Calls of ``table``'s one-probe resolution, recorded (the general path inserts through
+    the same kernel, so the kernel's calls would not tell them apart)."""
+    calls, real = [], table._find_or_insert
+    table._find_or_insert = lambda *a: calls.append(1) or real(*a)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["tombstones, then a rebuild", "free rows, then a rebuild"])
+def test_one_probe_resolution_makes_room_as_the_general_path_does(case):
+    """Room is made as a pass needs it, whatever else the batch holds, so the one-probe
+    resolution and the general path (hits touched first, then the new keys inserted) rebuild
+    the index, if at all, at the same new key. Two streams an independent review found apart when the
+    general path sized the index for all its new keys first: keys returning onto tombstones
+    when the index must be rebuilt, and new keys on freed rows before a rebuild (which places
+    them by row, before older keys they collide with)."""
+    from embengine.storage.keyed import KeyedTable
+
+    rng = np.random.default_rng(400300 if case.startswith("tomb") else 1100)
+    keys = rng.integers(-(2**63), 2**63 - 1, 1100, dtype=np.int64)
+    if case.startswith("tomb"):  # 400 keys expire at step 2 and return at step 3
+        a, b = keys[:400], keys[400:700]
+        steps = [rng.permutation(keys[:700]), b, b, a]
+    else:  # 300 keys expire at step 2; 500 new keys at step 3
+        a, b, c = keys[:300], keys[300:600], keys[600:]
+        steps = [rng.permutation(keys[:600]), b, b, c]
+    tables, rebuilt = [], []
+    for one_probe in (True, False):
+        t = KeyedTable("k", 3, (), ee.initializers.Zeros(), 7, ee.DynamicVocabulary(expire_steps=1))
+        calls = _spy_one_probe(t)
+        if not one_probe:
+            t._admits_all_at_once = lambda n, expiring: False
+        for step, ids in enumerate(steps):
+            t.begin_step(step)
+            before = t._index.slots
+            t.rows_for(0, ids)
+        rebuilt.append(t._index.slots is not before)
+        assert bool(calls) == one_probe
+        tables.append(t)
+    _same_tables(*tables)
+    # returning keys take their tombstones back; 500 new keys pass the load limit
+    assert rebuilt == ([False, False] if case.startswith("tomb") else [True, True])
+
+
+def test_a_failed_growth_leaves_the_keys_inserted_so_far_whole():
+    """When the rows cannot grow half-way through a batch (memory, disk), the keys the pass
+    inserted before are complete (indexed, recorded, initial values, off the free list) and
+    the rest absent; the next batch goes on from there."""
+    from embengine.storage.keyed import KeyedTable
+
+    t = KeyedTable("k", 2, (), ee.initializers.Constant(0.5), 7, ee.DynamicVocabulary())
+    grow = t._grow
+    t.begin_step(1)
+    t.rows_for(0, np.arange(1000))  # the first 1024 rows, 24 left
+
+    def refuse(rows):
+        raise MemoryError("cannot map")
+
+    t._grow = refuse
+    t.begin_step(2)
+    keys = np.arange(1000, 1100)
+    with pytest.raises(MemoryError):
+        t.rows_for(0, keys)
+    rows = t.rows_for(0, keys, insert=False)
+    assert (rows[:24] >= 0).all() and (rows[24:] < 0).all()
+    assert t.rows == 1024 == t._high and not len(t._free)
+    np.testing.assert_array_equal(t.data[rows[:24], :2], np.full((24, 2), 0.5, np.float32))
+    t._grow = grow
+    t.begin_step(3)
+    got = t.rows_for(0, keys)
+    np.testing.assert_array_equal(got[:24], rows[:24])
+    assert t.rows == 1100 and len(np.unique(got)) == 100
+
+
+def test_rows_for_refuses_counts_that_do_not_match_the_keys():
+    from embengine.storage.keyed import KeyedTable
+
+    t = KeyedTable("k", 2, (), ee.initializers.Zeros(), 0, ee.DynamicVocabulary())
+    t.begin_step(1)
+    with pytest.raises(ValueError, match="'k': 10 keys, but counts of shape"):
+        t.rows_for(0, np.arange(10), insert=True, counts=np.ones(3, np.int64))
+    assert t.rows == 0
+
+
+def test_constant_initializers_write_in_place_unless_init_is_overridden(recwarn):
+    """Zeros and Constant give keyed tables their value as a constant column (no array of
+    the batch's values); a subclass that overrides ``init`` is called as a dense table calls
+    it; a Constant beyond int32 writes no warning (only int32 slots take an int32 value)."""
+    from embengine.storage.keyed import KeyedTable
+
+    class Odd(ee.initializers.Constant):
+        def init(self, seed, table_name, rows, dim):
+            return np.repeat(np.asarray(rows, np.float32)[:, None], dim, axis=1)
+
+    for init, want in [
+        (ee.initializers.Constant(3e9), [[3e9, 3e9], [3e9, 3e9]]),
+        (ee.initializers.Zeros(), [[0, 0], [0, 0]]),
+        (Odd(1.0), [[3, 3], [5, 5]]),
+    ]:
+        adam = opt.Adam(0.1, bias_correction="per_row")  # an int32 slot beside the weights
+        t = KeyedTable("k", 2, tuple(adam.slot_specs(2)), init, 0, ee.DynamicVocabulary())
+        t.begin_step(1)
+        rows = t.rows_for(0, np.array([3, 5]), insert=True)
+        np.testing.assert_array_equal(t.data[rows, :2], np.array(want, np.float32))
+    assert ee.initializers.Constant(2.0).constant() == 2.0
+    assert Odd(1.0).constant() is None
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

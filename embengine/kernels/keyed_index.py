@@ -30,8 +30,9 @@ both misses overlap with earlier probes' instead of queueing behind them.
 own place; ``find_serial`` for the usual batch). ``insert``, ``remove_values`` and ``rehash``
 are serial: one writer per table, so the same calls give the same arrays at any thread count.
 A training lookup probes a table's unique keys once, after their deduplication; an evaluation
-lookup probes each pooling task's keys before pooling them (``train_lookup``). ``insert_rows``
-inserts a batch's new keys and writes their rows' records in one pass.
+lookup probes each pooling task's keys before pooling them (``train_lookup``).
+``find_or_insert`` finds or inserts a batch's keys and writes the new rows' records in one
+pass.
 
 Arrays are 2-D: slots ``[capacity, 1]``, keys ``[n, 1]`` or a table's records viewed as
 ``[rows, 2]`` int64, the shapes a kernel reaching them by address sees
@@ -251,37 +252,6 @@ def rehash(slots, keys, bits, new_slots, new_bits):
             _place_value(new_slots, keys, v, mask, new_bits)
 
 
-@kernel(**_OPTIONS)
-def insert_rows(slots, keys, bits, queries, counts, free, high, step, records, rows):
-    """Give each of ``queries`` (distinct, absent from the index) a row, in order: the
-    smallest unused of ``free`` (sorted), then ``high``, ``high + 1``, ...; record the row's
-    key (``keys``), step and touch count (saturating; ``records``, the int32 view of the same
-    memory) and index it. One pass, so each new key costs one probe of the index's slots and
-    one write of its record. Returns (how many free rows were used, how many tombstones the
-    keys took). The caller sized the index (load below one) and the row arrays."""
-    mask = slots.shape[0] - 1
-    used = 0
-    reused = 0
-    n = queries.shape[0]
-    for i in range(n):
-        if i + PROBE_AHEAD < n:
-            prefetch_line(slots, _where(queries[i + PROBE_AHEAD], mask, bits)[0], 0)
-        if used < free.shape[0]:
-            r = free[used]
-            used += 1
-        else:
-            r = high
-            high += 1
-        rows[i] = r
-        key = queries[i]
-        keys[r, 0] = key
-        records[r, LAST] = step
-        records[r, TOUCHES] = min(counts[i], MAX_TOUCHES)
-        home, tag = _where(key, mask, bits)
-        reused += _place(slots, tag | r, home, mask)
-    return used, reused
-
-
 # find_or_insert's ring of the hashes of the keys ahead (a power of two > PROBE_AHEAD).
 _RING = 32
 _RING_MASK = _RING - 1
@@ -291,22 +261,21 @@ _RING_MASK = _RING - 1
 def find_or_insert(
     slots, keys, bits, queries, counts, free, high, cap, step, records, rows, new_at, state
 ):
-    """``rows[i]``, from ``i = state[0]`` on, the row of ``queries[i]`` (distinct) with one
+    """``rows[i]`` = the row of ``queries[i]`` (distinct), from ``i = state[0]`` on, with one
     probe of the index each: a found row is touched (``records[r, LAST] = step``, its touch
-    count plus ``counts[i]``, saturating); an absent key gets a row as ``insert_rows`` gives
-    it (the smallest unused of ``free``, then ``high``, ``high + 1``, ...), its record, and its
-    entry in the first deleted or free slot its probe passed, and its place ``i`` goes to
-    ``new_at``. ``state`` = [next query, new keys so far, free rows used, rows handed out from
-    ``high``, entries the slots may still take past a free slot, tombstones taken]: the pass
-    stops before a new key that needs a row beyond ``cap`` or a free slot past the load limit
-    (the caller grows the rows or the index and calls again) and returns the next query.
-    ``insert_rows`` after ``find`` probed each new key twice, the second time after its slot's
-    line had left the cache."""
+    count plus ``counts[i]``, saturating); an absent key gets a row (the smallest unused of
+    ``free``, then ``high``, ``high + 1``, ...), its record (key, step, count), and its entry
+    in the first deleted or free slot its probe passed, and its place ``i`` goes to
+    ``new_at``. ``state``: [next query, new keys, free rows used, rows taken from ``high``,
+    free slots the load limit leaves, tombstones taken], carried from call to call. The pass
+    stops before a new key that needs a row at ``cap`` or a free slot past the load limit,
+    and returns the next query (``queries.shape[0]``: done); the caller makes room and calls
+    again. One probe a key, where a find, then inserting the new keys, probed each twice."""
     mask = slots.shape[0] - 1
     low = (np.int64(1) << bits) - 1
     i, n, used, fresh, room, reused = state[0], state[1], state[2], state[3], state[4], state[5]
-    m = queries.shape[0]
     start, new0 = i, n
+    m = queries.shape[0]
     # Each key's (home, tag), computed once PROBE_AHEAD keys ahead, for the two prefetches and
     # the probe.
     homes = np.empty(_RING, np.int64)
@@ -349,29 +318,30 @@ def find_or_insert(
             rows[i] = r
             records[r, LAST] = step
             records[r, TOUCHES] = min(np.int64(records[r, TOUCHES]) + counts[i], MAX_TOUCHES)
+            i += 1
+            continue
+        if used >= free.shape[0] and high + fresh >= cap:
+            break  # no row left
+        if tomb < 0 and room <= 0:
+            break  # the load limit
+        if used < free.shape[0]:
+            r = free[used]
+            used += 1
         else:
-            if used >= free.shape[0] and high + fresh >= cap:
-                break
-            if tomb < 0 and room <= 0:
-                break
-            if used < free.shape[0]:
-                r = free[used]
-                used += 1
-            else:
-                r = high + fresh
-                fresh += 1
-            rows[i] = r
-            keys[r, 0] = key
-            records[r, LAST] = step
-            records[r, TOUCHES] = min(counts[i], MAX_TOUCHES)
-            if tomb >= 0:
-                slots[tomb, 0] = tag | r
-                reused += 1
-            else:
-                slots[s, 0] = tag | r
-                room -= 1
-            new_at[n] = i
-            n += 1
+            r = high + fresh
+            fresh += 1
+        rows[i] = r
+        keys[r, 0] = key
+        records[r, LAST] = step
+        records[r, TOUCHES] = min(counts[i], MAX_TOUCHES)
+        if tomb >= 0:
+            s = tomb
+            reused += 1
+        else:
+            room -= 1
+        slots[s, 0] = tag | r
+        new_at[n] = i
+        n += 1
         i += 1
     state[0], state[1], state[2], state[3], state[4], state[5] = i, n, used, fresh, room, reused
     return i

@@ -184,23 +184,15 @@ class KeyIndex:
         keys again before the next)."""
         from ..kernels import keyed_index
 
-        cap = self.reserved_capacity(need)
-        if cap:
+        if need + self.tombs > _MAX_LOAD * self.capacity:
+            cap = self.capacity
+            while need > _MAX_LOAD * cap:
+                cap *= 2
+            if cap == self.capacity and need > cap // 2:
+                cap *= 2
             slots = _empty_slots(cap)
             keyed_index.rehash(*self.columns(), slots.reshape(-1, 1), self.row_bits)
             self.slots, self.tombs = slots, 0
-
-    def reserved_capacity(self, need: int) -> int:
-        """The capacity ``reserve(need)`` rebuilds the slots at, 0 if it does not rebuild them
-        (non-decreasing in ``need``)."""
-        if need + self.tombs <= _MAX_LOAD * self.capacity:
-            return 0
-        cap = self.capacity
-        while need > _MAX_LOAD * cap:
-            cap *= 2
-        if cap == self.capacity and need > cap // 2:
-            cap *= 2
-        return cap
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add absent ``keys`` with distinct ``values`` not in use (``keys[values, 0] = keys``;
@@ -282,13 +274,6 @@ def _advise_huge(mapping: mmap.mmap | None, nbytes: int) -> None:
 def _empty_slots(capacity: int) -> np.ndarray:
     """A free index of ``capacity`` slots (-1)."""
     return np.full(capacity, -1, dtype=np.int32)
-
-
-def _others(n: int, at: np.ndarray) -> np.ndarray:
-    """A mask of ``range(n)`` without the places ``at``."""
-    keep = np.ones(n, bool)
-    keep[at] = False
-    return keep
 
 
 def _take_smallest(free: np.ndarray, k: int, high: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -665,16 +650,6 @@ class KeyedTable(MappedRows):
         os.close(self._fd)  # the mapping's own descriptor keeps the lock while it lives
         self._fd = None
 
-    def _grown_capacity(self, rows: int) -> int:
-        """The capacity ``_grow(rows)`` asks for (non-decreasing in ``rows``): the current one
-        if it holds them, else at least double it."""
-        if rows <= self._capacity:
-            return self._capacity
-        cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
-        if self.path is not None and self.dynamic.max_rows is not None:
-            cap = min(cap, max(rows, self.dynamic.max_rows))
-        return cap
-
     def _grow(self, rows: int) -> None:
         """Capacity for at least ``rows`` rows: double within the reservation (no row moves),
         or copy into a bigger reservation; keyed-mmap: grow the file (``_grow_file``)."""
@@ -682,8 +657,10 @@ class KeyedTable(MappedRows):
             return
         if rows > MAX_KEYED_ROWS:  # rows_for and prepare_state refuse first (_check_room)
             raise AssertionError(f"table {self.name!r}: {rows:,} rows, past MAX_KEYED_ROWS")
-        cap = self._grown_capacity(rows)
+        cap = min(max(rows, 2 * self._capacity, _FIRST_CAPACITY), MAX_KEYED_ROWS)
         if self.path is not None:
+            if self.dynamic.max_rows is not None:
+                cap = min(cap, max(rows, self.dynamic.max_rows))
             self._grow_file(cap)
         elif self._mapping is None or cap > self._reserved:
             want = max(self._reserved, cap)
@@ -847,6 +824,10 @@ class KeyedTable(MappedRows):
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
+        if counts.shape != ids.shape:
+            raise ValueError(
+                f"table {self.name!r}: {len(ids)} keys, but counts of shape {counts.shape}"
+            )
         if found is None and not touched and self._admits_all_at_once(len(ids), len(expired)):
             return self._find_or_insert(ids, counts)
         rows, admit, new = self._plan(ids, found)
@@ -884,7 +865,7 @@ class KeyedTable(MappedRows):
     def _admits_all_at_once(self, n: int, expiring: int) -> bool:
         """Whether a training resolution of ``n`` distinct keys can only find or insert: every
         key is admitted at once (T = 0, inserting on lookup), no row expires, and even ``n``
-        new rows need no eviction (``max_rows``) and stay below the int32 row limit."""
+        new rows would need no eviction (``max_rows``) and stay below the int32 row limit."""
         d = self.dynamic
         return (
             d.occurrence_threshold == 0
@@ -895,28 +876,44 @@ class KeyedTable(MappedRows):
         )
 
     def _find_or_insert(self, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """``rows_for``'s training resolution when every key is admitted and nothing is evicted
+        """``rows_for``'s training resolution when it can only find or insert
         (``_admits_all_at_once``): one probe of each key finds its row (touched) or inserts it
-        (``kernels.keyed_index.find_or_insert``); the same rows, records, slots and capacities
-        as a find, then ``_touch`` and ``_insert``. Where the rows or the index need room the
-        pass stops, the keys left are counted (a find) and room made for them, and it goes
-        on."""
-        from ..kernels import keyed_index
-
+        (``_resolve``); the same rows, records, index and stats as a find, then ``_touch``
+        and ``_insert``."""
         self._roll_stats()
         self._commit_time()
         self._resolved_step = self._step
         self._expired_memo = None
-        m = len(ids)
+        rows, new_at = self._resolve(ids, counts)
+        m, n = len(ids), len(new_at)
+        self._this["lookups"] += m
+        self._this["hits"] += m - n
+        found = np.ones(m, bool)
+        found[new_at] = False
+        self._touch_time(rows[found])
+        return rows
+
+    def _resolve(self, ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the rows of ``ids``, distinct, and the places of the new ones among them): a found
+        row is touched with its count; an absent key is inserted (a row, its record, its
+        entry, its initial values: ``_written``), by one pass of
+        ``kernels.keyed_index.find_or_insert``. Room is made as the pass needs it, the same way
+        whatever else the batch holds: where the next new key finds no row left, the rows
+        grow (``_grow``: doubling); where it would pass the index's load limit, the index is
+        rebuilt (``KeyIndex.reserve``: doubling, or dropping tombstones). What the pass did
+        so far is complete before either (the table stays whole if growing fails)."""
+        from ..kernels import keyed_index
+
+        m, index = len(ids), self._index
         rows = np.empty(m, np.int64)
         new_at = np.empty(m, np.int64)
-        free, high, index = self._free, self._high, self._index
-        # [next key, new keys, free rows used, rows from high, load room, tombstones taken]
+        free, high = self._free, self._high
+        ids, counts = frozen(ids), frozen(np.ascontiguousarray(counts, dtype=np.int64))
+        # the pass's state (kernels.keyed_index.find_or_insert)
         state = np.zeros(6, np.int64)
-        ids, counts = frozen(ids), frozen(np.ascontiguousarray(counts))
         while True:
             state[4] = int(_MAX_LOAD * index.capacity) - index.count - index.tombs
-            before_new, before_fresh, before_reused = state[1], state[3], state[5]
+            n0, used0, reused0 = int(state[1]), int(state[2]), int(state[5])
             done = keyed_index.find_or_insert(
                 *index.columns(),
                 ids,
@@ -930,46 +927,17 @@ class KeyedTable(MappedRows):
                 new_at,
                 state,
             )
-            index.count += int(state[1] - before_new)
-            index.tombs -= int(state[5] - before_reused)
-            self._high += int(state[3] - before_fresh)
+            n, used = int(state[1]), int(state[2])
+            index.count += n - n0
+            index.tombs -= int(state[5]) - reused0
+            self._free, self._high = free[used:], high + int(state[3])
+            at = new_at[n0:n]
+            self._written(ids[at], rows[at], used == used0)
             if done == m:
-                break
-            # Room for the new keys left, as the general path makes it for all of them (the
-            # same capacities): rows first (their records hold the index's keys), then the
-            # index; the pass goes on without stopping again. Between 1 (the key it stopped
-            # at) and every key left are new: they are counted (a find) only if the room
-            # made differs between the two.
-            free_left = len(free) - int(state[2])
-            rest = m - done
-            if self._room_for(1, free_left) != self._room_for(rest, free_left):
-                rest = int((index.find(ids[done:]) < 0).sum())
-            self._grow(self._high + max(0, rest - free_left))
-            index.reserve(index.count + rest)
-        n, used = int(state[1]), int(state[2])
-        self._free = free[used:]
-        self._this["lookups"] += m
-        self._this["hits"] += m - n
-        if self._keeps_time and self._call_time is not None:
-            # The newest timestamp that touched a found row: an older call does not age it.
-            found = rows[_others(m, new_at[:n])]
-            self._time[found] = np.maximum(self._time[found], self._call_time)
-        if n:
-            at = new_at[:n]
-            keys, new_rows = ids[at], rows[at]
-            where = slice(int(new_rows[0]), int(new_rows[0]) + n) if used == 0 else new_rows
-            self._initialise_rows(new_rows, keys, where)
-            if self._keeps_time:
-                self._time[where] = NO_TIME if self._call_time is None else self._call_time
-            self._live_rows = None
-            self._this["admitted"] += n
-        return rows
-
-    def _room_for(self, new: int, free_left: int) -> tuple[int, int]:
-        """(rows, index) capacities that ``new`` more keys make, ``free_left`` free rows
-        left: what ``_grow`` and ``KeyIndex.reserve`` would ask for (0: the index as it is)."""
-        rows = self._grown_capacity(self._high + max(0, new - free_left))
-        return rows, self._index.reserved_capacity(self._index.count + new)
+                return rows, new_at[:n]
+            if not len(self._free) and self._high >= self._capacity:
+                self._grow(self._high + 1)
+            index.reserve(index.count + 1)
 
     def lookup_index(self) -> IndexView:
         """What a kernel may probe in place of ``rows_for`` (``IndexView``): the numba backend
@@ -1246,8 +1214,12 @@ class KeyedTable(MappedRows):
             self._rel_step,
             self._records,
         )
+        self._touch_time(rows)
+
+    def _touch_time(self, rows: np.ndarray) -> None:
+        """The call's data time on touched ``rows`` (a table that keeps data time): the newest
+        timestamp that touched a row; an older call does not age it."""
         if self._keeps_time and self._call_time is not None:
-            # The newest timestamp that touched the row: an older call does not age it.
             self._time[rows] = np.maximum(self._time[rows], self._call_time)
 
     def _remove_rows(self, rows: np.ndarray) -> None:
@@ -1259,34 +1231,22 @@ class KeyedTable(MappedRows):
 
     def _insert(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Rows for new ``keys`` (distinct, absent): smallest free rows first, initial weights
-        (the initializer at each key) and slots; the keys leave the pending counts."""
-        from ..kernels import keyed_index
-
+        (the initializer at each key) and slots; the keys leave the pending counts
+        (``_resolve``)."""
         if not len(keys):
             return np.zeros(0, np.int64)
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        k, free = len(keys), self._free
-        fresh = k - min(k, len(free))
-        self._grow(self._high + fresh)
-        self._index.reserve(self._index.count + k)
-        rows = np.empty(k, np.int64)
-        # One pass: rows (free ones first), metadata, index (kernels/keyed_index.py).
-        used, reused = keyed_index.insert_rows(
-            *self._index.columns(),
-            keys,
-            counts,
-            free,
-            self._high,
-            self._rel_step,
-            self._records,
-            rows,
-        )
-        self._index.count += k
-        self._index.tombs -= int(reused)
-        self._free, self._high = free[used:], self._high + fresh
-        # Rows taken from the high-water mark only are one run: slices, not fancy indexing.
-        where = slice(int(rows[0]), int(rows[0]) + k) if used == 0 else rows
+        rows, new_at = self._resolve(np.ascontiguousarray(keys, dtype=np.int64), counts)
+        if len(new_at) != len(keys):
+            raise AssertionError(f"table {self.name!r}: keys to insert were in the index")
+        return rows
+
+    def _written(self, keys: np.ndarray, rows: np.ndarray, one_run: bool) -> None:
+        """The new ``rows`` of ``keys``, indexed and recorded: their initial values and data
+        time; the keys leave the pending counts. ``one_run``: the rows are consecutive (all
+        from the high-water mark), written through slices, not fancy indexing."""
+        if not len(keys):
+            return
+        where = slice(int(rows[0]), int(rows[0]) + len(rows)) if one_run else rows
         self._initialise_rows(rows, keys, where)
         if self._keeps_time:
             self._time[where] = NO_TIME if self._call_time is None else self._call_time
@@ -1294,7 +1254,6 @@ class KeyedTable(MappedRows):
             self._pending.forget(keys)
         self._live_rows = self._expired_memo = None
         self._this["admitted"] += len(keys)
-        return rows
 
     def _initialise_rows(self, rows: np.ndarray, keys: np.ndarray, where) -> None:
         """New ``rows`` of ``keys``: the initializer's weights at each key, each slot's initial
@@ -1322,6 +1281,8 @@ class KeyedTable(MappedRows):
             cols.append((0, self.dim, False))
             values.append(constant)
         consts = np.array(cols, dtype=np.int64).reshape(-1, 3)
+        # the int32 columns' values (Adam's per-row steps); 0 beside a float column's
+        ints = [int(v) if is_int else 0 for v, (_, _, is_int) in zip(values, cols, strict=True)]
         kinds = {None: ki.FILL_NONE, "uniform": ki.FILL_UNIFORM}
         kinds["truncated_normal"] = ki.FILL_TRUNCATED_NORMAL
         start_pool()  # init_rows is parallel
@@ -1337,7 +1298,7 @@ class KeyedTable(MappedRows):
             self.dim,
             frozen(consts),
             frozen(np.array(values, dtype=np.float32)),
-            frozen(np.array(values, dtype=np.float64).astype(np.int32)),
+            frozen(np.array(ints, dtype=np.int32)),
         )
 
     # -- observability ---------------------------------------------------------------------------
