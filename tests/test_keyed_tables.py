@@ -1199,10 +1199,10 @@ def _spy_one_probe(table) -> list:
 def test_one_probe_resolution_makes_room_as_the_general_path_does(case):
     """Room is made as a pass needs it, whatever else the batch holds, so the one-probe
     resolution and the general path (hits touched first, then the new keys inserted) rebuild
-    the index, if at all, at the same new key. Two streams an independent review found apart when the
-    general path sized the index for all its new keys first: keys returning onto tombstones
-    when the index must be rebuilt, and new keys on freed rows before a rebuild (which places
-    them by row, before older keys they collide with)."""
+    the index, if at all, at the same new key. Two streams an independent review found apart
+    when the general path sized the index for all its new keys first: keys returning onto
+    tombstones when the index must be rebuilt, and new keys on freed rows before a rebuild
+    (which places them by row, before older keys they collide with)."""
     from embengine.storage.keyed import KeyedTable
 
     rng = np.random.default_rng(400300 if case.startswith("tomb") else 1100)

@@ -259,7 +259,7 @@ _RING_MASK = _RING - 1
 
 @kernel(**_OPTIONS)
 def find_or_insert(
-    slots, keys, bits, queries, counts, free, high, cap, step, records, rows, new_at, state
+    slots, keys, bits, queries, counts, free, high, cap, step, records, rows, new_at, state, absent
 ):
     """``rows[i]`` = the row of ``queries[i]`` (distinct), from ``i = state[0]`` on, with one
     probe of the index each: a found row is touched (``records[r, LAST] = step``, its touch
@@ -270,7 +270,9 @@ def find_or_insert(
     free slots the load limit leaves, tombstones taken], carried from call to call. The pass
     stops before a new key that needs a row at ``cap`` or a free slot past the load limit,
     and returns the next query (``queries.shape[0]``: done); the caller makes room and calls
-    again. One probe a key, where a find, then inserting the new keys, probed each twice."""
+    again. One probe a key, where a find, then inserting the new keys, probed each twice.
+    ``absent``: the caller knows every query is absent (its own find said so), so a probe
+    stops at the first deleted slot instead of looking on to a free one."""
     mask = slots.shape[0] - 1
     low = (np.int64(1) << bits) - 1
     i, n, used, fresh, room, reused = state[0], state[1], state[2], state[3], state[4], state[5]
@@ -310,6 +312,8 @@ def find_or_insert(
             if e == TOMB:
                 if tomb < 0:
                     tomb = s
+                if absent:
+                    break
             elif (e & ~low) == tag and keys[e & low, 0] == key:
                 break
             s = (s + 1) & mask

@@ -884,7 +884,7 @@ class KeyedTable(MappedRows):
         self._commit_time()
         self._resolved_step = self._step
         self._expired_memo = None
-        rows, new_at = self._resolve(ids, counts)
+        rows, new_at = self._resolve(ids, counts, absent=False)
         m, n = len(ids), len(new_at)
         self._this["lookups"] += m
         self._this["hits"] += m - n
@@ -893,7 +893,9 @@ class KeyedTable(MappedRows):
         self._touch_time(rows[found])
         return rows
 
-    def _resolve(self, ids: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _resolve(
+        self, ids: np.ndarray, counts: np.ndarray, absent: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(the rows of ``ids``, distinct, and the places of the new ones among them): a found
         row is touched with its count; an absent key is inserted (a row, its record, its
         entry, its initial values: ``_written``), by one pass of
@@ -901,7 +903,8 @@ class KeyedTable(MappedRows):
         whatever else the batch holds: where the next new key finds no row left, the rows
         grow (``_grow``: doubling); where it would pass the index's load limit, the index is
         rebuilt (``KeyIndex.reserve``: doubling, or dropping tombstones). What the pass did
-        so far is complete before either (the table stays whole if growing fails)."""
+        so far is complete before either (the table stays whole if growing fails).
+        ``absent``: every key is known to be absent (inserting only)."""
         from ..kernels import keyed_index
 
         m, index = len(ids), self._index
@@ -926,6 +929,7 @@ class KeyedTable(MappedRows):
                 rows,
                 new_at,
                 state,
+                absent,
             )
             n, used = int(state[1]), int(state[2])
             index.count += n - n0
@@ -1235,7 +1239,9 @@ class KeyedTable(MappedRows):
         (``_resolve``)."""
         if not len(keys):
             return np.zeros(0, np.int64)
-        rows, new_at = self._resolve(np.ascontiguousarray(keys, dtype=np.int64), counts)
+        rows, new_at = self._resolve(
+            np.ascontiguousarray(keys, dtype=np.int64), counts, absent=True
+        )
         if len(new_at) != len(keys):
             raise AssertionError(f"table {self.name!r}: keys to insert were in the index")
         return rows
