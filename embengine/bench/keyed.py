@@ -18,8 +18,10 @@
   ``3 * steps`` (at least 30) steps are timed; the step time (median of their second half
   against their first) and the resident memory (largest against smallest) must stay flat.
 - **insert**: ``KeyedTable.rows_for`` inserting batches of new random keys (dim 16, SGD,
-  ``Zeros``), on one numba thread (keys per second per core), and the table's bytes per key
-  beyond its rows (index and row metadata, from ``table_stats``).
+  ``Zeros``) into a fresh table, on one numba thread (keys per second per core), after an
+  untimed table of the same size (so its memory is the process's, not the VM host's first
+  touch), and the table's bytes per key beyond its rows (index and row metadata, from
+  ``table_stats``).
 
 ``scale`` shrinks every vocabulary and batch (rows, keys, ``max_rows`` and batch size times
 ``scale``) for quick runs; the targets are the issue's at scale 1.
@@ -324,13 +326,7 @@ def run_insert(scale: float, log, batches: int = 16) -> list[KeyedResult]:
     def new_table():
         return KeyedTable("t", 16, (), ee.initializers.Zeros(), 0, ee.DynamicVocabulary())
 
-    # The kernels compiled or loaded, untimed: a table of its own grown past its first index
-    # and arena (the first rehash loads its kernel: ~30 ms once per process).
-    new_table().rows_for(0, random_keys(4 * 1024, np.random.default_rng(2)), insert=True)
-    table = new_table()
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
+    def insert_all(table) -> float:
         elapsed = 0.0
         for b in range(batches):
             part = keys[b * batch : (b + 1) * batch]
@@ -339,6 +335,18 @@ def run_insert(scale: float, log, batches: int = 16) -> list[KeyedResult]:
             t0 = time.perf_counter()
             table.rows_for(0, part, insert=True, counts=counts)
             elapsed += time.perf_counter() - t0
+        return elapsed
+
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        # Untimed, a table of the same size first: the kernels compile or load, and the
+        # memory the timed table takes has been touched by this process (in a VM that reports
+        # free pages to its host, a page never touched, or handed back, faults in at ~0.4
+        # GB/s against ~5 recycled: docs/performance.md, "Keyed insertion").
+        insert_all(new_table())
+        table = new_table()
+        elapsed = insert_all(table)
     finally:
         numba.set_num_threads(threads)
     st = table.stats()
@@ -348,7 +356,7 @@ def run_insert(scale: float, log, batches: int = 16) -> list[KeyedResult]:
             "insertion, M new keys/s on 1 core",
             len(keys) / elapsed / 1e6,
             ">= 25",
-            f"{len(keys):,} keys in batches of {batch:,}, dim 16",
+            f"{len(keys):,} keys in batches of {batch:,}, dim 16, after as many untimed",
         ),
         KeyedResult(
             "bytes per key beyond the row",
