@@ -1116,6 +1116,26 @@ def test_keyed_mmap_is_for_keyed_tables_only(tmp_path):
         ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, storage="mmap")
 
 
+def _same_tables(fast, general):
+    """The two tables of the one-probe tests hold the same rows, records, index and stats."""
+    np.testing.assert_array_equal(fast._index.slots, general._index.slots)
+    np.testing.assert_array_equal(fast._free, general._free)
+    assert (fast._high, fast._index.tombs) == (general._high, general._index.tombs)
+    a, b = fast.state(), general.state()
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert fast.stats() == general.stats()
+
+
+def _spy_one_probe(table) -> list:
+    """Calls of ``table``'s one-probe resolution, recorded (the general path inserts through
+    the same kernel, so the kernel's calls would not tell them apart)."""
+    calls, real = [], table._find_or_insert
+    table._find_or_insert = lambda *a: calls.append(1) or real(*a)
+    return calls
+
+
 def _find_or_insert_streams():
     """(DynamicVocabulary, timestamps?) of the differential test below: plain, expiring (free
     rows and tombstones for the one-probe pass to reuse), bounded (it runs while there is room),
@@ -1164,35 +1184,8 @@ def test_one_probe_resolution_equals_find_then_insert(case, storage_kind, tmp_pa
         got = fast.rows_for(0, ids, insert=True, counts=counts)
         want = general.rows_for(0, ids, insert=True, counts=counts)
         np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
-        np.testing.assert_array_equal(fast._index.slots, general._index.slots)
-        np.testing.assert_array_equal(fast._free, general._free)
-        assert (fast._high, fast._index.tombs) == (general._high, general._index.tombs)
-        a, b = fast.state(), general.state()
-        assert a.keys() == b.keys()
-        for name in a:
-            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{name}, step {step}")
-        assert fast.stats() == general.stats()
+        _same_tables(fast, general)
     assert calls, "the one-probe pass never ran"
-
-
-def _same_tables(fast, general):
-    """The two tables of the one-probe tests hold the same rows, records, index and stats."""
-    np.testing.assert_array_equal(fast._index.slots, general._index.slots)
-    np.testing.assert_array_equal(fast._free, general._free)
-    assert (fast._high, fast._index.tombs) == (general._high, general._index.tombs)
-    a, b = fast.state(), general.state()
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    assert fast.stats() == general.stats()
-
-
-def _spy_one_probe(table) -> list:
-    """Calls of ``table``'s one-probe resolution, recorded (the general path inserts through
-    the same kernel, so the kernel's calls would not tell them apart)."""
-    calls, real = [], table._find_or_insert
-    table._find_or_insert = lambda *a: calls.append(1) or real(*a)
-    return calls
 
 
 @pytest.mark.parametrize("case", ["tombstones, then a rebuild", "free rows, then a rebuild"])
