@@ -890,18 +890,20 @@ class ServingEngine:
 
 def _decode_ids(
     arrays: Mapping[str, np.ndarray], compression: str, ids: np.ndarray, params: Mapping, dim: int
-) -> np.ndarray:
-    """float32 rows of ``ids``: a dense table's rows by id; a keyed table's (``keys`` stored)
-    by binary search in its sorted keys, zeros for a key it does not hold (nothing inserted)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 rows, the row of each id in them): a dense table's rows by id; a keyed table's
+    (``keys`` stored) by binary search in its sorted keys, -1 for a key it does not hold, which
+    pools nothing, as in the engine (a zero row would be quantized like any other)."""
     keys = arrays.get("keys")
     if keys is None:
-        return decode(arrays, compression, ids, params)
+        return decode(arrays, compression, ids, params), np.arange(len(ids), dtype=np.int64)
     at = np.minimum(np.searchsorted(keys, ids), max(len(keys) - 1, 0))
     found = keys[at] == ids if len(keys) else np.zeros(len(ids), bool)
-    out = np.zeros((len(ids), dim), np.float32)
-    if found.any():
-        out[found] = decode(arrays, compression, at[found], params)
-    return out
+    where = np.full(len(ids), -1, dtype=np.int64)
+    where[found] = np.arange(int(found.sum()), dtype=np.int64)
+    if not found.any():
+        return np.zeros((0, dim), np.float32), where
+    return decode(arrays, compression, at[found], params), where
 
 
 def _decoded_rows(
@@ -917,21 +919,18 @@ def _decoded_rows(
     A lookup-only batch gets one row per id, in order (row ``k`` of the table is the ``k``-th
     id of its features, so no deduplication); a deduplicated batch one per unique id."""
     if isinstance(tb, TableBatch):  # an export is keyed by logical id: one table per batch table
-        rows = _decode_ids(arrays, compression, tb.unique_ids, params, dim)
-        renumbered = dataclasses.replace(tb, unique_rows=np.arange(len(rows), dtype=np.int64))
+        rows, where = _decode_ids(arrays, compression, tb.unique_ids, params, dim)
+        renumbered = dataclasses.replace(tb, unique_rows=where)
         return np.ascontiguousarray(rows, dtype=np.float32), renumbered
     ids = [p.ragged.ids for p in tb.parts]
     all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    rows = np.ascontiguousarray(
-        _decode_ids(arrays, compression, all_ids, params, dim), dtype=np.float32
-    )
+    rows, where = _decode_ids(arrays, compression, all_ids, params, dim)
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
     parts, base = [], 0
     for p in tb.parts:
         r = p.ragged
         n = len(r.ids)
-        local = Ragged(
-            np.arange(base, base + n, dtype=np.int64), offsets=r.offsets, weights=r.weights
-        )
+        local = Ragged(where[base : base + n], offsets=r.offsets, weights=r.weights)
         parts.append(dataclasses.replace(p, ragged=local, row_offset=0))
         base += n
     return rows, dataclasses.replace(tb, parts=tuple(parts))

@@ -460,6 +460,26 @@ def test_serving_quantization_config_is_applied(tmp_path):
     assert len(np.unique(got)) <= 5
 
 
+@pytest.mark.parametrize(
+    "q", [ee.QuantizationConfig(10, 0.1, 1.0), ee.QuantizationConfig(256, -1.0, 1.0)]
+)
+def test_serving_unknown_keys_of_a_quantized_keyed_table_add_nothing(tmp_path, q):
+    """An unknown key pools nothing in serving, as in the engine's evaluation lookup: a zero row
+    in its place was quantized like any other (to ``lower`` when the range excludes 0). Bags
+    of known and unknown keys, unknown alone, empty; lookup-only and prepared batches."""
+    t = ee.TableConfig(None, 4, name="k", combiner="sum", quantization_config=q)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1), backend="numba")
+    acts = eng.lookup({"f": np.array([7, 9])})
+    eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    export(eng.save(tmp_path / "ck"), tmp_path / "out", compress="fp32")
+    serving = ServingEngine.load(tmp_path / "out")
+    feats = {"f": ee.Ragged([7, 12345, 7, 9, 12345, -5], offsets=[0, 1, 2, 5, 5, 6])}
+    want = eng.lookup(feats, training=False)["f"]
+    assert (want[1] == 0).all() and (want[4] == 0).all()
+    np.testing.assert_array_equal(serving.lookup(feats)["f"], want)
+    np.testing.assert_array_equal(serving.lookup(serving.preprocess(feats))["f"], want)
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
