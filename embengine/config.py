@@ -163,6 +163,26 @@ class DynamicVocabulary:
                 object.__setattr__(self, field_name, int(v))
 
 
+def fixed_range_error(r) -> str | None:
+    """Why ``r`` cannot be fixed_r8's range (None if it can): a number, finite, > 0, and with a
+    step ``r / 128`` that float32 holds as a normal number (the codes decode as
+    ``code * float32(r / 128)``: beyond float32 every value decoded to NaN or Inf)."""
+    if (
+        isinstance(r, bool)
+        or not isinstance(r, int | float | np.floating | np.integer)
+        or not (math.isfinite(r) and r > 0)
+    ):
+        return f"must be a finite number > 0, got {r!r:.80}"
+    with np.errstate(over="ignore"):
+        step = np.float32(float(r) / 128)
+    if not (np.isfinite(step) and step >= np.finfo(np.float32).tiny):
+        return (
+            f"must make a step r / 128 within float32's normal numbers (r in [{2.0**-119:.3g}, "
+            f"{128 * float(np.finfo(np.float32).max):.4g}]), got {r!r:.80}"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Compressor:
     """How ``embengine export`` stores a table's weights for serving (the table's own default;
@@ -182,14 +202,9 @@ class Compressor:
                 f"{COMPRESSIONS}, got {self.compression!r}"
             )
         r = self.fixed_range
-        if (
-            isinstance(r, bool)
-            or not isinstance(r, int | float | np.floating | np.integer)
-            or not (math.isfinite(r) and r > 0)
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: fixed_range must be a finite number > 0, got {r!r}"
-            )
+        why = fixed_range_error(r)
+        if why is not None:
+            raise ValueError(f"{type(self).__name__}: fixed_range {why}")
         object.__setattr__(self, "fixed_range", float(r))
 
 

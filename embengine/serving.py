@@ -82,6 +82,7 @@ from .config import (
     QuantizationConfig,
     ResolvedFeatures,
     TableConfig,
+    fixed_range_error,
     resolve_features,
 )
 from .inputs import Ragged
@@ -227,7 +228,8 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
             out["weights"][lo:hi], out["scale"][lo:hi], out["bias"][lo:hi] = _rowwise(x)
         back = decode(out, compression, np.arange(lo, hi), params) if hi > lo else x
         if x.size:
-            worst = max(worst, float(np.abs(back.astype(np.float64) - x).max()))
+            err = float(np.abs(back.astype(np.float64) - x).max())
+            worst = err if not err <= worst else worst  # a NaN is kept, not hidden by max()
     if compression == "bf16":  # bfloat16 bits: stored as a "BF16" tensor (uint16 is "U16")
         out["weights"] = out["weights"].view(BFLOAT16)
     return out, worst
@@ -442,8 +444,9 @@ def export(
     for name, c in [("default", compress), *per_table.items()]:
         if c not in COMPRESSIONS:
             raise ValueError(f"compression for {name} must be one of {COMPRESSIONS}, got {c!r}")
-    if not fixed_range > 0:
-        raise ValueError(f"fixed_range must be > 0, got {fixed_range}")
+    why = fixed_range_error(fixed_range)
+    if why is not None:
+        raise ValueError(f"fixed_range {why}")
     given = Path(out)
     out = Path(os.path.abspath(given))
     if not out.name:
@@ -618,17 +621,9 @@ def _check_schema(path: Path, manifest: dict) -> None:
             )
         params = _take(t, "params", "object", where, file)
         if comp == "fixed_r8":
-            r = params.get("fixed_range")
-            if not (
-                isinstance(r, int | float)
-                and not isinstance(r, bool)
-                and math.isfinite(r)
-                and r > 0
-            ):
-                raise CheckpointError(
-                    f"{file}: {where}['params']['fixed_range'] must be a finite number > 0 for "
-                    f"fixed_r8, got {r!r:.80}"
-                )
+            why = fixed_range_error(params.get("fixed_range"))
+            if why is not None:
+                raise CheckpointError(f"{file}: {where}['params']['fixed_range'] {why} (fixed_r8)")
         if t.get("quantization_config") is not None:
             q = _take(t, "quantization_config", "object?", where, file)
             try:

@@ -540,6 +540,7 @@ CORRUPT = [
     ("fixed-range-negative", _params("fixed_range", -1.0), r"fixed_range'\] must be a finite"),
     ("fixed-range-nan", _params("fixed_range", float("nan")), r"fixed_range'\] must be a finite"),
     ("fixed-range-str", _params("fixed_range", "1"), r"fixed_range'\] must be a finite"),
+    ("fixed-range-huge", _params("fixed_range", 1e300), r"fixed_range'\] must make a step"),
     ("quantization-list", _t(0, "quantization_config", [5, 0, 1]), r"must be an object or null"),
     ("quantization-keys", _t(0, "quantization_config", {"num_buckets": 5}), r"keys \['num_b"),
     (

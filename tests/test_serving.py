@@ -286,8 +286,21 @@ def test_per_table_overrides_apply(trained, tmp_path):
         ({"per_table": {"bag": "int4"}}, "int4"),
         ({"compress": "fixed_r8", "fixed_range": 0.0}, "fixed_range"),
         ({"compress": "fixed_r8", "fixed_range": float("nan")}, "fixed_range"),
+        # its step r / 128 must be a normal float32: beyond, every value decoded to NaN or Inf
+        ({"compress": "fixed_r8", "fixed_range": float("inf")}, "fixed_range"),
+        ({"compress": "fixed_r8", "fixed_range": 1e300}, "fixed_range .* normal numbers"),
+        ({"compress": "fixed_r8", "fixed_range": 1e-40}, "fixed_range .* normal numbers"),
     ],
-    ids=["compress", "unknown-table", "table-compress", "range-0", "range-nan"],
+    ids=[
+        "compress",
+        "unknown-table",
+        "table-compress",
+        "range-0",
+        "range-nan",
+        "range-inf",
+        "range-huge",
+        "range-tiny",
+    ],
 )
 def test_export_argument_errors(trained, tmp_path, kwargs, words):
     _, path = trained
