@@ -181,7 +181,9 @@ def _export(args: argparse.Namespace) -> int:
             args.fixed_range,
             replace=args.replace,
         )
-    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; OSError: disk full...
+    # CheckpointError is a ValueError; OSError: disk full...; ImportError: a bfloat16 table's
+    # checkpoint without ml_dtypes (its message says what to install)
+    except (ValueError, OSError, ImportError) as e:
         print(f"embengine export: error: {e}", file=sys.stderr)
         return 2
     print(report.format())
@@ -194,7 +196,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         print(describe(args.path, verify=not args.no_verify))
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         print(f"embengine inspect: error: {e}", file=sys.stderr)
         return 1
     return 0

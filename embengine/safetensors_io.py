@@ -40,9 +40,11 @@ try:  # bfloat16 arrays (a 16-bit table's views) are written as "BF16", and read
     import ml_dtypes
 
     BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-    DTYPES[BFLOAT16] = "BF16"
-except ImportError:  # pragma: no cover - ml_dtypes ships with the install
-    BFLOAT16 = None
+except ImportError:  # ml_dtypes comes with the train and bfloat16 extras, not numpy alone
+    # bfloat16 bits still need a dtype of their own to be written as "BF16" (an export's
+    # bf16 tables): a record of one uint16, which is all a writer does with them
+    BFLOAT16 = np.dtype([("bfloat16_bits", "<u2")])
+DTYPES[BFLOAT16] = "BF16"
 CHUNK_BYTES = 64 << 20
 _MAX_HEADER = 100 << 20
 

@@ -493,6 +493,59 @@ def test_serving_unknown_keys_of_a_quantized_keyed_table_add_nothing(tmp_path, q
     np.testing.assert_array_equal(serving.lookup(serving.preprocess(feats))["f"], want)
 
 
+_WITHOUT_ML_DTYPES = """
+import sys
+sys.modules["ml_dtypes"] = None  # an install without the train / bfloat16 extras
+from embengine.cli import main
+sys.exit(main(["export", sys.argv[1], sys.argv[2], "--compress", "bf16"]))
+"""
+
+
+def test_bf16_export_without_ml_dtypes_equals_one_with_it(trained_ref, tmp_path):
+    """``--compress bf16`` needs no ml_dtypes (numpy alone installs embengine): its bits are
+    written as a "BF16" tensor all the same. Without it, a float64 view of them was written and
+    reported as written; the loader then refused the export."""
+    _, path = trained_ref
+    export(path, tmp_path / "with", compress="bf16")
+    env = {**os.environ, "PYTHONPATH": str(Path(ee.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ML_DTYPES, str(path), str(tmp_path / "without")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    tensors = sorted(p.name for p in (tmp_path / "with").glob("*.safetensors"))
+    assert tensors == sorted(p.name for p in (tmp_path / "without").glob("*.safetensors"))
+    for name in tensors:  # the same bytes
+        assert (tmp_path / "without" / name).read_bytes() == (tmp_path / "with" / name).read_bytes()
+    want = ServingEngine.load(tmp_path / "with")
+    got = ServingEngine.load(tmp_path / "without")
+    feats, weights = _inputs(3)
+    for n, v in want.lookup(feats, weights).items():
+        np.testing.assert_array_equal(got.lookup(feats, weights)[n], v)
+
+
+def test_export_of_a_bfloat16_table_without_ml_dtypes_says_what_to_install(tmp_path):
+    """A bfloat16 table's checkpoint needs ml_dtypes to be read: without it the command says
+    so (exit 2), where it ended in a traceback."""
+    t = ee.TableConfig(10, 4, name="h", weights_dtype="bfloat16")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1))
+    path = eng.save(tmp_path / "ck")
+    env = {**os.environ, "PYTHONPATH": str(Path(ee.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ML_DTYPES, str(path), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "embengine export: error:" in done.stderr and "ml_dtypes" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # -- the command line ------------------------------------------------------------------------------
 
 
