@@ -142,7 +142,7 @@ def _train(args: argparse.Namespace) -> int:
             )
             print(twin.summary())
             print(format_comparison(cfg, result, twin))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, a full disk, ...
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
     return 0

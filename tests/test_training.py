@@ -4,6 +4,7 @@ EmbeddingLayer contract it relies on."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -255,6 +256,58 @@ def test_resume_of_a_finished_run_reports_its_metrics(tmp_path):
     assert again.steps == done.steps
     assert np.isfinite(again.test_auc) and np.isfinite(again.test_logloss)
     assert again.test_auc == pytest.approx(done.test_auc, abs=1e-6)
+
+
+def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path):
+    """Without --resume, a --checkpoint-dir holding checkpoints is refused before any work:
+    this run's saves would prune them (--keep)."""
+    train(_cfg(steps=3, checkpoint_dir=str(tmp_path)), log=_quiet)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run .* --resume"):
+        train(_cfg(steps=3, dim=4, keep=1, checkpoint_dir=str(tmp_path)), log=_quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"checkpoint_dir": "afile/ck"}, "is under the file"),
+        ({"seed": 2**70}, r"--seed must be an int in \[0, 2\^63\)"),
+        ({"seed": -1}, "--seed must be"),
+    ],
+)
+def test_options_refused_before_any_work(tmp_path, monkeypatch, kw, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=message):
+        _cfg(steps=1, **kw).check()
+
+
+def test_resume_takes_this_runs_dense_lr_and_refuses_another_seed(tmp_path):
+    """A resumed run's dense optimizer steps at this run's --dense-lr (the checkpoint's Adam
+    state, this run's rate), as the tables take this run's --lr; another --seed is refused (it
+    orders the batches and initialises new keyed rows)."""
+    base = tmp_path / "base"
+    train(_cfg(steps=5, checkpoint_dir=str(base)), log=_quiet)
+    with pytest.raises(ValueError, match="seed=0, this run asks for 7"):
+        train(_cfg(steps=10, seed=7, checkpoint_dir=str(base), resume=True), log=_quiet)
+    runs = {}
+    for lr in (1e-3, 0.5):
+        folder = tmp_path / f"lr{lr}"
+        shutil.copytree(base, folder)
+        runs[lr] = train(
+            _cfg(steps=10, dense_lr=lr, checkpoint_dir=str(folder), resume=True), log=_quiet
+        )
+        meta = ee.EmbeddingEngine.load(folder).restore(folder).extra_metadata
+        assert {g["lr"] for g in meta["dense_optimizer"]["param_groups"]} == {lr}
+    assert runs[1e-3].test_logloss != runs[0.5].test_logloss
+
+
+def test_resume_from_a_checkpoint_not_written_by_train_says_so(tmp_path):
+    train(_cfg(steps=3, checkpoint_dir=str(tmp_path / "run")), log=_quiet)
+    ee.EmbeddingEngine.load(tmp_path / "run").save(tmp_path / "plain")
+    with pytest.raises(ValueError, match="not written by `embengine train`"):
+        train(_cfg(steps=6, checkpoint_dir=str(tmp_path / "plain"), resume=True), log=_quiet)
 
 
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):

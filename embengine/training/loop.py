@@ -119,6 +119,13 @@ def _optimizer_state(optim: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
+# What a checkpoint of `embengine train` holds besides the tables, and the options a resumed
+# run must share with it (the seed too: it orders each epoch's batches and, for keyed tables,
+# gives new rows their values).
+_RESUME_STATE = ("step", "epoch", "batch", "history", "dense_optimizer", "config")
+_RESUME_SAME = ("dataset", "model", "dim", "optimizer", "embeddings", "batch_size", "seed")
+
+
 def _load_optimizer_state(optim, tensors: dict[str, np.ndarray], meta: dict) -> None:
     state: dict = {}
     for key, value in tensors.items():
@@ -226,8 +233,16 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
     if cfg.resume and ckpt_dir is not None and _has_checkpoint(ckpt_dir):
         restored = engine.restore(ckpt_dir)
         state = restored.extra_metadata
+        missing = [k for k in _RESUME_STATE if k not in state]
+        if missing:
+            raise ValueError(
+                f"--resume: the newest checkpoint in {ckpt_dir} was not written by "
+                f"`embengine train` (no {', '.join(missing)}: a model and a data position to "
+                "go on from); train into a new --checkpoint-dir, or load it with "
+                "EmbeddingEngine.load"
+            )
         saved = state.get("config", {})
-        for key in ("dataset", "model", "dim", "optimizer", "embeddings", "batch_size"):
+        for key in _RESUME_SAME:
             if key in saved and saved[key] != getattr(cfg, key):
                 raise ValueError(
                     f"--resume: the checkpoint in {ckpt_dir} was trained with {key}="
@@ -241,6 +256,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
             }
         )
         _load_optimizer_state(dense_optim, restored.extra_tensors, state["dense_optimizer"])
+        for group in dense_optim.param_groups:  # this run's --dense-lr, as --lr for the tables
+            group["lr"] = cfg.dense_lr
         step, start_epoch, start_batch = state["step"], state["epoch"], state["batch"]
         history = state["history"]
         log(f"resumed from {ckpt_dir} at step {step} (epoch {start_epoch}, batch {start_batch})")

@@ -142,8 +142,14 @@ class TrainConfig:
             raise ValueError("--resume needs --checkpoint-dir")
         if self.embeddings != "engine" and self.checkpoint_dir:
             raise ValueError("checkpoints are for the engine's tables (embeddings='engine')")
-        if self.checkpoint_dir and Path(self.checkpoint_dir).is_file():
-            raise ValueError(f"--checkpoint-dir {self.checkpoint_dir}: is a file, not a folder")
+        if self.checkpoint_dir:
+            self._check_checkpoint_dir(Path(self.checkpoint_dir))
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not (0 <= self.seed < 2**63)
+        ):
+            raise ValueError(f"--seed must be an int in [0, 2^63), got {self.seed!r}")
         if self.plot:
             self._check_plot(Path(self.plot))
         if self.dataset == "synthetic":
@@ -168,6 +174,28 @@ class TrainConfig:
                 "--max-restarts without --resume would restart from scratch; add "
                 "--checkpoint-dir DIR --resume"
             )
+
+    def _check_checkpoint_dir(self, path: Path) -> None:
+        """A folder that can be made, and holds no other run's checkpoints unless resumed: a
+        new run's saves would prune them (``--keep``)."""
+        from ..checkpoint import latest_checkpoint
+
+        for p in (path, *path.parents):
+            if p.exists():
+                if not p.is_dir():
+                    what = "is a file" if p == path else f"is under the file {p}"
+                    raise ValueError(
+                        f"--checkpoint-dir {path}: {what}, not a folder; name another folder"
+                    )
+                break
+        if path.is_dir() and not self.resume:
+            newest = latest_checkpoint(path)
+            if newest is not None:
+                raise ValueError(
+                    f"--checkpoint-dir {path} holds checkpoints of an earlier run (newest: "
+                    f"{Path(newest).name}), which this run's saves would prune; continue it "
+                    "with --resume, or give a new folder"
+                )
 
     def _check_dtypes(self) -> None:
         from ..precision import DTYPES
