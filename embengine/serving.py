@@ -448,9 +448,22 @@ def export(
     if why is not None:
         raise ValueError(f"fixed_range {why}")
     given = Path(out)
-    out = Path(os.path.abspath(given))
+    # The path as the OS takes it: symbolic links among its folders followed before a "..",
+    # which os.path.abspath folds away by the letters (link/../x is not ./x); the last name as
+    # it is (_check_out refuses a link there).
+    if given.name in ("", ".", ".."):
+        out = Path(os.path.realpath(given))
+    else:
+        out = Path(os.path.realpath(given.parent)) / given.name
     if not out.name:
         raise ValueError(f"export folder {given} has no name (a filesystem root)")
+    here = Path(os.path.realpath(os.getcwd()))
+    if out == here or out in here.parents:
+        raise ValueError(
+            f"export folder {given} is the current folder or holds it ({out}): an export is "
+            "written beside its folder and renamed into place, which would take the current "
+            "folder away; name a new folder"
+        )
     _check_out(out, [Path(checkpoint)], replace)  # before reading (and hashing) the checkpoint
     # Every check of a checkpoint (checkpoint module docstring), hashes included: its tables
     # are read only from the files it lists, inside it, of the sizes and hashes it lists.

@@ -225,6 +225,30 @@ def test_export_refuses_a_symlink_and_a_replace_that_is_not_a_bool(ckpt, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "v1"]
 
 
+def test_export_takes_a_path_as_the_os_does(ckpt, tmp_path, monkeypatch):
+    """``link/../out`` is ``out`` beside the link's target, as mkdir makes it, not ``./out``
+    (os.path.abspath folded the ".." by the letters)."""
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path / "work")
+    _export(ckpt, Path("link/../out"))
+    ServingEngine.load(tmp_path / "real" / "out")
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["link"]
+
+
+@pytest.mark.parametrize("out", [".", ".."])
+def test_export_refuses_the_current_folder_and_those_holding_it(ckpt, tmp_path, monkeypatch, out):
+    """An export is renamed into place: into the (empty) current folder it took the folder away
+    from under the shell, which saw an empty, unlinked folder."""
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(ValueError, match="is the current folder or holds it"):
+        _export(ckpt, Path(out))
+    assert here.is_dir() and not list(here.iterdir())
+
+
 def test_replace_accepts_an_export_written_before_manifest_sha256(ckpt, tmp_path):
     out = tmp_path / "out"
     _export(ckpt, out)
