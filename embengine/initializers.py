@@ -97,6 +97,10 @@ class Initializer:
         None when ``init`` computes them in NumPy (or user code)."""
         return None
 
+    # Whether a dense table's rows must come from one call for the whole table (``init`` with
+    # rows 0..V-1): values that depend on the call's shape (FromFunction).
+    whole_table = False
+
     def constant(self) -> float | None:
         """The one value ``init`` gives every entry, or None (also for a subclass that
         overrides ``init``): a keyed table writes it into its new rows in place, as it writes
@@ -203,14 +207,19 @@ class RowId(Initializer):
 
 @dataclass(frozen=True)
 class FromFunction(Initializer):
-    """A TF-style initializer ``fn(shape, dtype) -> array``, called once per chunk of rows with
-    ``shape = (rows in the chunk, dim)``.
+    """A TF-style initializer ``fn(shape, dtype) -> array``, called once for a whole dense
+    table with ``shape = (vocabulary_size, dim)``, as TF calls a table's initializer once per
+    task: a seeded Keras initializer, a pretrained array (``tf.constant_initializer``) or a
+    row-id initializer gives TF's table (its peak memory is one table of float32 values; a
+    ShardedEngine's rank computes the whole table and keeps its rows). A keyed table calls it
+    with ``(new keys, dim)`` for each batch of new keys.
 
-    For porting code only: unlike every other initializer here its values depend on how rows are
-    chunked, not only on (seed, table name, row id).
+    For porting code only: unlike every other initializer here its values are not a function of
+    (seed, table name, row id) alone.
     """
 
     fn: object
+    whole_table = True
 
     def __post_init__(self):
         if not callable(self.fn):

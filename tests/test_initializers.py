@@ -94,3 +94,22 @@ def test_an_engine_initialises_with_custom_and_builtin_initializers():
     eng = ee.EmbeddingEngine(feats, optimizer=O.SGD(0.1), seed=4, backend="reference")
     for n, i in tables.items():
         np.testing.assert_array_equal(eng.embedding_tables[n], i.init(4, n, np.arange(6), 3))
+
+
+def test_a_function_initializer_is_called_once_for_the_whole_table():
+    """A TF-style ``fn(shape, dtype)`` makes a dense table's values in one call of shape
+    ``(vocabulary_size, dim)``, as TF calls it once per task: here past the 2^22 values a chunk
+    of other initializers holds (70,000 x 64), a row-id function's last row is 69,999, where
+    chunked calls started again at 0 from row 65,536."""
+    import embengine as ee
+
+    shapes = []
+
+    def row_ids(shape, dtype):
+        shapes.append(tuple(shape))
+        return np.repeat(np.arange(shape[0], dtype=np.float32)[:, None], shape[1], axis=1)
+
+    t = ee.TableConfig(70_000, 64, name="t", initializer=init.FromFunction(row_ids))
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=ee.optimizers.SGD(0.1))
+    assert shapes == [(70_000, 64)]
+    np.testing.assert_array_equal(eng.embedding_tables["t"][:, 0], np.arange(70_000))

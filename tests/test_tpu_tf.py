@@ -539,3 +539,19 @@ def test_the_documented_flow_with_a_keras_model():
     # tf.sparse.from_dense drops the zeros: id 0 is never looked up.
     np.testing.assert_array_equal(np.flatnonzero(moved), np.arange(1, 13))
     assert losses[-1] < losses[0]
+
+
+def test_seeded_keras_initializers_give_tfs_table_past_one_chunk():
+    """A seeded Keras initializer on a table larger than 2^22 values gives TF's own table (it
+    is called once for the whole table, as TF calls it); chunked calls repeated its values
+    every 65,536 rows."""
+    v, d = 70_000, 64
+    for make in (
+        lambda: tf.keras.initializers.TruncatedNormal(seed=7),
+        lambda: tf.keras.initializers.RandomUniform(seed=7),
+    ):
+        t = embedding.TableConfig(v, d, initializer=make(), name="t")
+        serving = embedding.TPUEmbeddingForServing({"f": embedding.FeatureConfig(t)}, None)
+        serving.build()
+        want = make()((v, d), tf.float32).numpy()
+        np.testing.assert_array_equal(serving.engine.embedding_tables["t"], want)

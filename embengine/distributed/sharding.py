@@ -413,6 +413,15 @@ class ShardTable(DenseTable):
         self, initializer: Initializer, seed: int, name: str, first: int, count: int
     ) -> None:
         # DenseTable initialises local row r as id r; a shard's row r holds global_ids[r].
+        if initializer.whole_table:  # the whole table's values, as one process has them
+            every = np.arange(self.global_vocabulary_size, dtype=np.int64)
+            values = initializer.init(seed, name, every, self.dim)
+            self.data[first : first + count, : self.dim] = values[
+                self.global_ids[first : first + count]
+            ]
+            for spec in self.slot_specs:
+                self.slot(spec.name)[first : first + count] = spec.initial_value
+            return
         chunk = max(1, (1 << 22) // max(self.dim, 1))
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)

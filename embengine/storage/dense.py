@@ -337,6 +337,8 @@ class DenseTable(MappedRows):
         self, initializer: Initializer, seed: int, name: str, first: int, count: int
     ) -> None:
         chunk = max(1, _INIT_VALUES_PER_CHUNK // max(self.dim, 1))
+        if initializer.whole_table:  # one call, as TF makes it (FromFunction)
+            chunk = max(count, 1)
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
             rows = np.arange(lo, hi, dtype=np.int64)
