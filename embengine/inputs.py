@@ -59,6 +59,16 @@ def _int_array(x, what: str) -> np.ndarray:
 
 
 def _float_array(x, what: str) -> np.ndarray:
+    if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        if getattr(x, "requires_grad", False):
+            # torchrec's weighted modules pass a gradient to the weights; the engine pools
+            # them as constants, and detaching them here dropped that gradient silently
+            raise ValueError(
+                f"{what} require grad, but embengine takes per-id weights as constants (no "
+                "gradient reaches them); pass them detached (weights.detach()) to use them so"
+            )
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its float32 values
+            x = x.float()
     a = as_numpy(x)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")

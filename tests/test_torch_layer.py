@@ -373,3 +373,19 @@ def test_backward_updates_the_rows_of_its_own_forward_when_another_lookup_follow
     (out["a"].sum() + out["b"].sum()).backward()
     changed = np.flatnonzero(np.any(eng.embedding_tables["t"] != before, axis=1))
     np.testing.assert_array_equal(changed, [1, 2, 3])
+
+
+def test_weights_that_require_grad_are_refused_and_bfloat16_weights_read():
+    """Per-id weights are constants to the engine: weights requiring grad (torchrec's
+    position-weighted modules train them) are refused by name instead of losing their gradient
+    silently; bfloat16 weights (which NumPy cannot hold) are read as their float32 values."""
+    t = ee.TableConfig(10, 4, name="t")
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1))
+    layer = EmbeddingLayer(eng).eval()
+    ids, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    w = torch.tensor([0.5, 2.0, 1.0], requires_grad=True)
+    with pytest.raises(ValueError, match="weights require grad.*weights.detach"):
+        layer(KeyedJagged(["a"], ids, lengths=lengths, weights=w))
+    want = layer(KeyedJagged(["a"], ids, lengths=lengths, weights=w.detach()))
+    got = layer(KeyedJagged(["a"], ids, lengths=lengths, weights=w.detach().bfloat16()))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # 0.5, 2 and 1 are exact in bf16
