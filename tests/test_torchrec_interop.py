@@ -767,6 +767,48 @@ def test_feature_configs_from_torchrec_pool_by_sum_by_default():
         )
 
 
+def test_torchrec_configs_keep_init_fn_and_data_type_and_refuse_unpooled_tables(trj):
+    """An init_fn is applied to the whole table, as TorchRec applies it; data_type FP16 / BF16
+    make 16-bit tables; integer data types and an EmbeddingConfig (TorchRec's unpooled
+    EmbeddingCollection, which became a sum-pooled bag) are refused by name."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
+
+    def rows(weight):  # in place, as torch.nn.init functions work: row r holds r
+        weight.copy_(torch.arange(weight.shape[0], dtype=torch.float32)[:, None])
+
+    tables = [
+        EmbeddingBagConfig(
+            num_embeddings=70_000, embedding_dim=64, name="t", feature_names=["a"], init_fn=rows
+        ),
+        EmbeddingBagConfig(
+            num_embeddings=10,
+            embedding_dim=4,
+            name="h",
+            feature_names=["b"],
+            data_type=DataType.FP16,
+        ),
+        EmbeddingBagConfig(
+            num_embeddings=10,
+            embedding_dim=4,
+            name="g",
+            feature_names=["c"],
+            data_type=DataType.BF16,
+        ),
+    ]
+    eng = ee.EmbeddingEngine(feature_configs_from_torchrec(tables, opt.SGD(0.1)))
+    np.testing.assert_array_equal(eng.embedding_tables["t"][:, 0], np.arange(70_000))
+    assert eng.table_configs["h"].weights_dtype == "float16"
+    assert eng.table_configs["g"].weights_dtype == "bfloat16"
+    int8 = EmbeddingBagConfig(
+        num_embeddings=10, embedding_dim=4, name="q", feature_names=["d"], data_type=DataType.INT8
+    )
+    with pytest.raises(ValueError, match="table 'q': data_type .* has no embengine table dtype"):
+        feature_configs_from_torchrec([int8])
+    unpooled = EmbeddingConfig(num_embeddings=10, embedding_dim=4, name="e", feature_names=["x"])
+    with pytest.raises(ValueError, match="table 'e' is an EmbeddingConfig"):
+        feature_configs_from_torchrec([unpooled])
+
+
 def test_torchrec_configs_give_torchrecs_pooled_output(trj):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection

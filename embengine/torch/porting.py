@@ -6,7 +6,11 @@ weight_init_min/max)`` becomes ``TableConfig(vocabulary_size=num_embeddings,
 dim=embedding_dim, name=name, combiner=pooling, initializer=RandomUniform(min, max))`` read by
 one ``FeatureConfig`` per feature name. Pooling SUM is "sum" (TorchRec's default; embengine's
 own default combiner is TF's "mean"), MEAN is "mean"; a table's initial values are uniform in
-TorchRec's bounds (``+-sqrt(1 / num_embeddings)`` unless set), though not the same draws.
+TorchRec's bounds (``+-sqrt(1 / num_embeddings)`` unless set), though not the same draws;
+an ``init_fn`` is called on the whole table's float32 weight, as TorchRec calls it
+(``initializers.FromFunction``). ``data_type`` FP32, FP16 and BF16 become ``weights_dtype``
+"float32", "float16" and "bfloat16"; the integer types (TorchRec's quantized inference tables)
+and an ``EmbeddingConfig`` (TorchRec's unpooled EmbeddingCollection) are refused by name.
 Duck-typed: torchrec is not imported.
 """
 
@@ -16,7 +20,7 @@ import math
 from collections.abc import Sequence
 
 from ..config import FeatureConfig, TableConfig
-from ..initializers import RandomUniform
+from ..initializers import FromFunction, RandomUniform
 from ..optimizers import Optimizer
 
 __all__ = ["feature_configs_from_torchrec"]
@@ -24,9 +28,62 @@ __all__ = ["feature_configs_from_torchrec"]
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
 
 
+_DATA_TYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+
+
+def _name(value) -> str:
+    """An enum member's (or a string's) name, upper case."""
+    return str(getattr(value, "name", getattr(value, "value", value))).upper()
+
+
+def _weights_dtype(cfg) -> str:
+    data_type = getattr(cfg, "data_type", None)
+    if data_type is None:
+        return "float32"
+    name = _name(data_type)
+    if name not in _DATA_TYPES:
+        raise ValueError(
+            f"table {cfg.name!r}: data_type {data_type!r} has no embengine table dtype; FP32, "
+            "FP16 and BF16 do (weights_dtype), integer types are TorchRec's quantized "
+            "inference tables"
+        )
+    return _DATA_TYPES[name]
+
+
+def _initializer(cfg):
+    """TorchRec's: ``init_fn(weight)`` on the whole table (in place), else uniform in
+    ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / num_embeddings)``)."""
+    init_fn = getattr(cfg, "init_fn", None)
+    if init_fn is not None:
+        if not callable(init_fn):
+            raise TypeError(f"table {cfg.name!r}: init_fn must be callable, got {init_fn!r}")
+
+        def table_values(shape, dtype):
+            import torch
+
+            weight = torch.empty(tuple(shape), dtype=torch.float32)
+            with torch.no_grad():
+                init_fn(weight)
+            return weight.numpy()
+
+        return FromFunction(table_values)
+    n = int(cfg.num_embeddings)
+    bound = math.sqrt(1 / n) if n > 0 else 0.0
+    lo = getattr(cfg, "weight_init_min", None)
+    hi = getattr(cfg, "weight_init_max", None)
+    return RandomUniform(-bound if lo is None else lo, bound if hi is None else hi)
+
+
 def _pooling(cfg) -> str:
-    pooling = getattr(cfg, "pooling", "SUM")  # an EmbeddingConfig (no pooling) is refused below
-    name = str(getattr(pooling, "value", getattr(pooling, "name", pooling))).upper()
+    if type(cfg).__name__ == "EmbeddingConfig":
+        raise ValueError(
+            f"table {cfg.name!r} is an EmbeddingConfig (TorchRec's unpooled "
+            "EmbeddingCollection, a vector per id): embengine pools bags; give an "
+            "EmbeddingBagConfig, or a FeatureConfig(max_sequence_length=...) for a vector per "
+            "position"
+        )
+    pooling = getattr(cfg, "pooling", "SUM")
+    name = _name(pooling)
     if name not in _POOLING:
         raise ValueError(
             f"table {cfg.name!r}: pooling {pooling!r} has no embengine combiner; SUM and MEAN "
@@ -45,17 +102,14 @@ def feature_configs_from_torchrec(
     for cfg in tables:
         if not getattr(cfg, "feature_names", None):
             raise ValueError(f"table {cfg.name!r} has no feature_names; TorchRec needs them too")
-        n = int(cfg.num_embeddings)
-        bound = math.sqrt(1 / n) if n > 0 else 0.0
-        lo = getattr(cfg, "weight_init_min", None)
-        hi = getattr(cfg, "weight_init_max", None)
         table = TableConfig(
-            vocabulary_size=n,
+            vocabulary_size=int(cfg.num_embeddings),
             dim=int(cfg.embedding_dim),
-            initializer=RandomUniform(-bound if lo is None else lo, bound if hi is None else hi),
+            initializer=_initializer(cfg),
             optimizer=optimizer,
             combiner=_pooling(cfg),
             name=cfg.name or None,
+            weights_dtype=_weights_dtype(cfg),
         )
         for feature in cfg.feature_names:
             if feature in out:
