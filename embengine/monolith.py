@@ -51,6 +51,8 @@ Monolith's zero lookup before a key's first update (``insert_on="apply"``). Wher
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 from . import initializers as _init
@@ -130,6 +132,24 @@ class Warmup:
         return self.learning_rate * min(step, self.warmup_steps) / self.warmup_steps
 
 
+def _proto_defaults(factory):
+    """``factory`` with every argument given as None taken at its default (Monolith's
+    optimizer.proto default), as Monolith's Python layer skips None fields; arguments whose
+    default is None keep handling None themselves."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        for name, value in list(bound.arguments.items()):
+            default = signature.parameters[name].default
+            if value is None and default is not inspect.Parameter.empty:
+                bound.arguments[name] = default
+        return factory(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
 def _lr(value, default: float, warmup_steps: int = 0):
     lr = default if value is None else value
     if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
@@ -145,6 +165,7 @@ def _decay(weight_decay_factor: float) -> dict:
     return dict(weight_decay_factor=weight_decay_factor, weight_decay_mode="l2")
 
 
+@_proto_defaults
 def SgdOptimizer(learning_rate=None) -> _opt.SGD:  # noqa: N802 (Monolith's names)
     """``w -= lr * g``; learning rate default 0.01."""
     return _opt.SGD(_lr(learning_rate, 0.01))
@@ -153,6 +174,7 @@ def SgdOptimizer(learning_rate=None) -> _opt.SGD:  # noqa: N802 (Monolith's name
 HESSIAN_COMPRESSION = ("embengine", "monolith")
 
 
+@_proto_defaults
 def AdagradOptimizer(
     learning_rate=None,
     initial_accumulator_value=None,  # noqa: N802
@@ -187,6 +209,7 @@ def AdagradOptimizer(
     )
 
 
+@_proto_defaults
 def AdamOptimizer(
     learning_rate=None,
     beta1=0.9,
@@ -211,6 +234,7 @@ def AdamOptimizer(
     )
 
 
+@_proto_defaults
 def AmsgradOptimizer(
     learning_rate=None,
     beta1=0.9,
@@ -233,6 +257,7 @@ def AmsgradOptimizer(
     )
 
 
+@_proto_defaults
 def MomentumOptimizer(
     learning_rate=None,
     weight_decay_factor=0.0,
@@ -250,6 +275,7 @@ def MomentumOptimizer(
     )
 
 
+@_proto_defaults
 def RmspropOptimizer(
     learning_rate=None,
     weight_decay_factor=0.0,  # noqa: N802
@@ -268,6 +294,7 @@ def RmspropOptimizer(
     )
 
 
+@_proto_defaults
 def AdadeltaOptimizer(
     learning_rate=None,
     weight_decay_factor=0.0,
@@ -284,6 +311,7 @@ def AdadeltaOptimizer(
     )
 
 
+@_proto_defaults
 def FtrlOptimizer(
     learning_rate=None,
     initial_accumulator_value=None,
@@ -293,7 +321,15 @@ def FtrlOptimizer(
     l2_regularization=None,
 ) -> _opt.FTRL:
     """FTRL-proximal ``w = lr (sign(z) l1 - z) / (sqrt(n) + beta + l2 lr)`` (lr default 0.01;
-    see the module docstring for the sign fix and the l2 mapping)."""
+    see the module docstring for the sign fix and the l2 mapping). No ``warmup_steps``: the
+    warm-up's rate is 0 at step 0, and FTRL divides by it (Monolith's C++ would divide by
+    zero)."""
+    if warmup_steps:
+        raise ValueError(
+            f"FtrlOptimizer: warmup_steps={warmup_steps!r} makes the learning rate 0 at step 0 "
+            "(lr * min(step, W) / W), and FTRL divides by it (Monolith's C++ divides by zero "
+            "there); leave warmup_steps=0, or pass a learning-rate function > 0 from step 0"
+        )
     l2 = 0.0 if l2_regularization is None else l2_regularization
     return _opt.FTRL(
         _lr(learning_rate, 0.01, warmup_steps),
@@ -306,6 +342,7 @@ def FtrlOptimizer(
     )
 
 
+@_proto_defaults
 def BatchSoftmaxOptimizer(learning_rate=None) -> _opt.BatchSoftmax:  # noqa: N802
     """Streaming estimate of the steps between sightings of an id (alpha default 0.1)."""
     return _opt.BatchSoftmax(_lr(learning_rate, 0.1))
@@ -360,6 +397,11 @@ class FixedR8Compressor(Compressor):
 
     fixed_range: float = 1.0
     compression: str = "fixed_r8"
+
+    def __post_init__(self):
+        if self.fixed_range is None:  # Monolith's default, as its None fields take
+            object.__setattr__(self, "fixed_range", 1.0)
+        super().__post_init__()
 
     def quantization_config(self) -> QuantizationConfig:
         r = float(self.fixed_range)

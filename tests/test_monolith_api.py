@@ -317,3 +317,30 @@ def test_hessian_compression_times_as_monolith_s_code_reads_it():
         mono.AdagradOptimizer(0.1, hessian_compression="tf")
     with pytest.raises(ValueError, match="hessian_compression_times must be an int >= 1"):
         mono.AdagradOptimizer(0.1, hessian_compression_times=0, hessian_compression="monolith")
+
+
+def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
+    """``None`` means the default of Monolith's optimizer.proto (its Python layer skips None
+    fields), for every argument of every factory; FTRL's warm-up (a rate of 0 at step 0, which
+    FTRL divides by) is refused when the optimizer is made, not at every step after."""
+    import inspect
+
+    factories = [
+        mono.SgdOptimizer,
+        mono.AdagradOptimizer,
+        mono.AdamOptimizer,
+        mono.AmsgradOptimizer,
+        mono.MomentumOptimizer,
+        mono.RmspropOptimizer,
+        mono.AdadeltaOptimizer,
+        mono.FtrlOptimizer,
+        mono.BatchSoftmaxOptimizer,
+    ]
+    for factory in factories:
+        for name in inspect.signature(factory).parameters:
+            if name == "hessian_compression":  # embengine's own switch, not Monolith's
+                continue
+            assert factory(**{name: None}) == factory(), (factory.__name__, name)
+    assert mono.FixedR8Compressor(fixed_range=None) == mono.FixedR8Compressor()
+    with pytest.raises(ValueError, match="FtrlOptimizer: warmup_steps=5 makes the learning"):
+        mono.FtrlOptimizer(warmup_steps=5)
