@@ -328,3 +328,15 @@ def test_serving_lookup_shapes():
         serving({"d": np.array([1]), "s": np.array([3])})
     with pytest.raises(ValueError, match="Weight specified for d, but input is dense"):
         serving({"d": np.array([1]), "s": [[3]]}, weights={"d": np.ones(1), "s": None})
+
+
+def test_table_dtype_float32_is_taken_and_unknown_output_sizes_named():
+    """TF 2.21's ``TableConfig(dtype=)`` takes float32 (by any name) and refuses others by
+    name; an ``output_shape`` with an unknown size is a ValueError naming the argument (it was
+    int()'s bare TypeError)."""
+    for dtype in ("float32", np.float32, np.dtype("float32")):
+        assert embedding.TableConfig(10, 2, dtype=dtype).dim == 2
+    with pytest.raises(ValueError, match="Argument `dtype` must be float32"):
+        embedding.TableConfig(10, 2, dtype="float16")
+    with pytest.raises(ValueError, match=r"Argument `output_shape` .* Received: \[None, 3\]"):
+        embedding.FeatureConfig(embedding.TableConfig(10, 2), output_shape=[None, 3])

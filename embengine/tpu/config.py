@@ -29,8 +29,20 @@ class RowIdInitializer(initializers.RowId):
         return self.init(0, "", rows, shape[1]).astype(dtype)
 
 
+def _dtype_name(dtype) -> str:
+    """A dtype's name, whatever names it: "float32", np.float32, tf.float32."""
+    name = getattr(dtype, "name", None)
+    if isinstance(name, str):
+        return name
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
 class TableConfig:
-    """One embedding table (TF's argument order and defaults).
+    """One embedding table (TF's argument order and defaults; TF 2.21's ``dtype`` float32
+    only).
 
     ``initializer`` may be an embengine initializer or any callable ``fn(shape, dtype)``; the
     default is TruncatedNormal(mean=0, stddev=1/sqrt(dim)).
@@ -46,7 +58,13 @@ class TableConfig:
         name: str | None = None,
         quantization_config: QuantizationConfig | None = None,
         layout=None,
+        dtype=None,
     ):
+        if dtype is not None and _dtype_name(dtype) != "float32":
+            raise ValueError(
+                f"Argument `dtype` must be float32 (the tables here are float32; 16-bit tables "
+                f"are embengine.TableConfig(weights_dtype=...)). Received: {dtype}"
+            )
         if not is_integer(vocabulary_size) or vocabulary_size < 1:
             raise ValueError(
                 "Argument `vocabulary_size` must be an int and must be >= 1. "
@@ -134,11 +152,16 @@ class FeatureConfig:
                 f"Received: {validate_weights_and_indices}"
             )
         if output_shape is not None:
-            output_shape = [int(s) for s in output_shape]
+            given = output_shape
+            try:
+                output_shape = [int(s) for s in given]
+            except (TypeError, ValueError):
+                output_shape = None
             if not output_shape or any(s < 0 for s in output_shape):
                 raise ValueError(
-                    f"Argument `output_shape` must be a non-empty list of sizes >= 0. "
-                    f"Received: {output_shape}"
+                    f"Argument `output_shape` must be a non-empty list of sizes >= 0 (known "
+                    "sizes: embengine infers none of them; leave output_shape=None for the "
+                    f"input's shape). Received: {given}"
                 )
         self.table = table
         self.max_sequence_length = int(max_sequence_length)
