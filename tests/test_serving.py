@@ -501,20 +501,26 @@ sys.exit(main(["export", sys.argv[1], sys.argv[2], "--compress", "bf16"]))
 """
 
 
+def _export_without_ml_dtypes(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
+    """``embengine export CHECKPOINT OUT --compress bf16`` in a child that cannot import
+    ml_dtypes."""
+    env = {**os.environ, "PYTHONPATH": str(Path(ee.__file__).parents[1])}
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_ML_DTYPES, str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
 def test_bf16_export_without_ml_dtypes_equals_one_with_it(trained_ref, tmp_path):
     """``--compress bf16`` needs no ml_dtypes (numpy alone installs embengine): its bits are
     written as a "BF16" tensor all the same. Without it, a float64 view of them was written and
     reported as written; the loader then refused the export."""
     _, path = trained_ref
     export(path, tmp_path / "with", compress="bf16")
-    env = {**os.environ, "PYTHONPATH": str(Path(ee.__file__).parents[1])}
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_ML_DTYPES, str(path), str(tmp_path / "without")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    done = _export_without_ml_dtypes(path, tmp_path / "without")
     assert done.returncode == 0, done.stderr
     tensors = sorted(p.name for p in (tmp_path / "with").glob("*.safetensors"))
     assert tensors == sorted(p.name for p in (tmp_path / "without").glob("*.safetensors"))
@@ -532,15 +538,7 @@ def test_export_of_a_bfloat16_table_without_ml_dtypes_says_what_to_install(tmp_p
     so (exit 2), where it ended in a traceback."""
     t = ee.TableConfig(10, 4, name="h", weights_dtype="bfloat16")
     eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1))
-    path = eng.save(tmp_path / "ck")
-    env = {**os.environ, "PYTHONPATH": str(Path(ee.__file__).parents[1])}
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_ML_DTYPES, str(path), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    done = _export_without_ml_dtypes(eng.save(tmp_path / "ck"), tmp_path / "out")
     assert done.returncode == 2, done.stderr
     assert "embengine export: error:" in done.stderr and "ml_dtypes" in done.stderr
     assert "Traceback" not in done.stderr
