@@ -306,7 +306,7 @@ def save(
     """Write a new checkpoint of ``engine`` under ``root``; see the module docstring. Reads the
     engine through ``spec()`` and ``state_dict()`` (live views): call it while no update runs,
     as ``engine.save`` does (it holds the engine's lock)."""
-    check_save_arguments(keep, extra_metadata)
+    check_save_arguments(keep, extra_metadata, root, extra_tensors)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     step = engine.step
@@ -406,11 +406,34 @@ def _write(
     return final
 
 
-def check_save_arguments(keep: int | None, extra_metadata: Mapping[str, Any] | None) -> None:
-    """The ValueError / TypeError a save raises for ``keep`` or ``extra_metadata`` before it
-    writes anything (a sharded save checks them on every rank before its first collective)."""
+def check_save_arguments(
+    keep: int | None,
+    extra_metadata: Mapping[str, Any] | None,
+    root=".",
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """The ValueError / TypeError a save raises for its ``root``, ``keep``, ``extra_metadata``
+    or ``extra_tensors`` before it writes anything (a sharded save checks them on every rank
+    before its first collective)."""
+    if not isinstance(root, str | os.PathLike):
+        raise TypeError(
+            f"the checkpoint root must be a path (str or os.PathLike), got {root!r:.80}"
+        )
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+    if extra_tensors is not None:
+        if not isinstance(extra_tensors, Mapping):
+            kind = type(extra_tensors).__name__
+            raise TypeError(f"extra_tensors must be a mapping of name -> array, got {kind}")
+        for name, value in extra_tensors.items():
+            if not isinstance(name, str):
+                raise TypeError(f"extra_tensors: names must be str, got {name!r:.80}")
+            if not isinstance(value, np.ndarray) or np.dtype(value.dtype) not in DTYPES:
+                what = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+                raise TypeError(
+                    f"extra_tensors[{name!r}] must be a NumPy array of a safetensors dtype "
+                    f"({', '.join(sorted(str(d) for d in DTYPES))}), got {what}"
+                )
     if extra_metadata is not None:
         if not isinstance(extra_metadata, Mapping):
             kind = type(extra_metadata).__name__

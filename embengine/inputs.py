@@ -53,8 +53,9 @@ def _int_array(x, what: str) -> np.ndarray:
             return np.zeros(a.shape, dtype=np.int64)
         raise TypeError(f"{what} must be integers, got dtype {a.dtype}")
     if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
-        k = int(np.argmax(a > np.iinfo(np.int64).max))
-        raise ValueError(f"{what}[{k}]={int(a[k])} does not fit in int64")
+        k = int(np.argmax(a.reshape(-1) > np.iinfo(np.int64).max))
+        at = k if a.ndim == 1 else tuple(int(i) for i in np.unravel_index(k, a.shape))
+        raise ValueError(f"{what}[{at}]={int(a.reshape(-1)[k])} does not fit in int64")
     return a.astype(np.int64, copy=False)
 
 
@@ -276,9 +277,9 @@ def _from_lists(value, weights) -> Ragged:
         if not isinstance(v, int | np.integer) or isinstance(v, bool):
             b = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
             raise TypeError(f"ids must be integers, got {v!r} at sample {b}")
-        if isinstance(v, int) and not _INT64_MIN <= v <= _INT64_MAX:
+        if not _INT64_MIN <= int(v) <= _INT64_MAX:  # a Python int, or NumPy's uint64
             b = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-            raise ValueError(f"id {v} at sample {b} does not fit in int64")
+            raise ValueError(f"id {int(v)} at sample {b} does not fit in int64")
     ids = np.asarray(flat, dtype=np.int64)
     w = None
     if weights is not None:

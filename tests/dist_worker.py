@@ -25,8 +25,11 @@ Scenarios:
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
-  save_args:<keep|metadata>     save with keep=0 on the last rank, or extra_metadata that is
-                                not JSON on every rank; then a step together
+  save_args:<keep|metadata|root|extra|restore|boom>
+                                save with keep=0, a root of None or an extra tensor that is a
+                                list on the last rank, or extra_metadata that is not JSON on
+                                every rank; restore(None) or features that raise RuntimeError
+                                on the last rank; then a step together
   step_mismatch                 the last rank is at another step
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
@@ -52,6 +55,19 @@ BATCH = 7  # global samples per step
 HOT = 5  # an id of table "big" in every sample of feature "a", on every rank
 CKPT_OPTIMIZER = "ftrl"  # two slots
 TABLES = ("big", "small", "seq")
+
+
+class _Boom(dict):
+    """Features whose reading raises what no check expects (a user's mapping)."""
+
+    def items(self):
+        raise RuntimeError("boom")
+
+    def keys(self):
+        raise RuntimeError("boom")
+
+    def __iter__(self):
+        raise RuntimeError("boom")
 
 
 def optimizers():
@@ -460,9 +476,19 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             # A bad argument: keep=0 on the last rank only, or metadata that is not JSON on
             # every rank; then every rank steps together.
             root = os.path.join(out, name.replace(":", "-"))
+            last = rank == world - 1
             try:
                 if name.endswith("keep"):
-                    eng.save(root, keep=0 if rank == world - 1 else None)
+                    eng.save(root, keep=0 if last else None)
+                elif name.endswith("root"):  # None for a folder on the last rank
+                    eng.save(None if last else root)
+                elif name.endswith("extra"):  # a list for an array on the last rank
+                    eng.save(root, extra_tensors={"dense": [1.0] if last else np.ones(1)})
+                elif name.endswith("restore"):  # restore(None) on the last rank
+                    eng.save(root)
+                    eng.restore(None if last else root)
+                elif name.endswith("boom"):  # features whose reading raises, on the last rank
+                    eng.lookup(_Boom() if last else feats, None if last else weights)
                 else:
                     eng.save(root, extra_metadata={"note": {1, 2}})
                 first = "no error"

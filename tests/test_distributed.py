@@ -555,6 +555,28 @@ def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(tmp_path):
         assert seconds < 30, (seconds, text)
 
 
+def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_path):
+    """A save's root of None or an extra tensor that is not an array, restore(None), and
+    features whose reading raises RuntimeError, each on the last rank only: that rank raises
+    its error, the other at once (not after the group's 60 s timeout), nothing written; then
+    the ranks step together. An independent review found each waiting out the timeout."""
+    cases = {
+        "save_args:root": "TypeError: the checkpoint root must be a path",
+        "save_args:extra": "TypeError: extra_tensors['dense'] must be a NumPy array",
+        "save_args:restore": "TypeError: the checkpoint path must be a path",
+        "save_args:boom": "RuntimeError: boom",
+    }
+    codes = spawn(2, tmp_path, list(cases), limit=240)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for name, error in cases.items():
+        for rank in range(2):
+            seconds, text = _error_text(tmp_path, name, rank)
+            first = error if rank == 1 else ("CheckpointError" if "restore" in name else "Distr")
+            assert text.startswith(f"RuntimeError: {first}"), (name, text)
+            assert "then step=1" in text, (name, text)
+            assert seconds < 30, (name, seconds, text)
+
+
 def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_rank(tmp_path):
     # The update right after a training lookup sends its header with its data; a rank making
     # another call then sends its header in a message of the same shape, so every rank raises

@@ -305,10 +305,14 @@ def restore(
     every rank."""
     error, reader, extra = None, None, {}
     try:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"the checkpoint path must be a path (str or os.PathLike), got {path!r:.80}"
+            )
         _, reader = ckpt.read_checkpoint(path, verify)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
-    except (OSError, ValueError) as e:
+    except Exception as e:  # any (a path of the wrong type too): the others learn it first
         error = e
     if error is not None:
         _agree(comm, False, "restore")  # the others learn it, then this rank raises its own

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import threading
 import warnings
 from collections import Counter
@@ -288,6 +289,15 @@ class ShardedEngine:
         nonfinite_gradients: str = "error",
         exchange: str | Mapping[str, str] = "auto",
     ):
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (math.isfinite(timeout) and timeout > 0)
+        ):
+            raise ValueError(
+                f"timeout must be a number of seconds > 0 (a collective's wait for a peer), "
+                f"got {timeout!r}"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ShardedEngine needs torch.distributed: call torch.distributed."
@@ -778,7 +788,7 @@ class ShardedEngine:
                 sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
                 if self._exchange[t] == "auto":
                     saving[t] = self._sums_saving(t, counts[t], push)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
         self._pending = self._last = None  # a failed or lookup-only call leaves no update
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
@@ -1223,7 +1233,7 @@ class ShardedEngine:
                 from_lookup[:] = 1 + last.exchanged_sums  # 2: its owners kept them
             else:
                 push = self._push_counts(batch)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: from_lookup}
         received = None
@@ -1805,7 +1815,7 @@ class ShardedEngine:
 
         error = None
         try:  # a bad argument on any rank: every rank raises at the header, nothing written
-            single.check_save_arguments(keep, extra_metadata)
+            single.check_save_arguments(keep, extra_metadata, path, extra_tensors)
             halfway = [self.table_names[t] for t in self._keyed if self._halfway(t)]
             if halfway:
                 raise ValueError(
@@ -1814,7 +1824,7 @@ class ShardedEngine:
                     "checkpoint now holds half a step that no restore can finish; nothing was "
                     "written. Save after apply_gradients"
                 )
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
         with self.lock:
             self._comm.reset()
