@@ -259,3 +259,24 @@ def test_table_without_any_optimizer():
     t = ee.TableConfig(5, 2, name="lonely")
     with pytest.raises(ValueError, match="table 'lonely' has no optimizer"):
         ee.EmbeddingEngine({"f": ee.FeatureConfig(t)})
+
+
+def test_uint64_ids_past_int64_are_named_in_lists_and_arrays():
+    """NumPy uint64 ids beyond int64, in a list of per-sample arrays or a 2-D array: an error
+    naming the feature and the id (a bare OverflowError, or int()'s TypeError, before)."""
+    t = ee.TableConfig(10, 2, name="t")
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1))
+    big = 2**63 + 5
+    with pytest.raises(ValueError, match=f"feature 'a': id {big} at sample 1 does not fit"):
+        eng.lookup({"a": [np.array([1], np.uint64), np.array([big], np.uint64)]})
+    with pytest.raises(TypeError, match=rf"feature 'a'.*\[\(1, 0\)\]={big} does not fit in int64"):
+        eng.lookup({"a": np.array([[1], [big]], np.uint64)})
+
+
+def test_sharded_engine_timeout_must_be_positive_seconds():
+    from embengine.distributed import ShardedEngine
+
+    t = ee.TableConfig(10, 2, name="t")
+    for bad in (-1, 0, float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            ShardedEngine({"a": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1), timeout=bad)
