@@ -406,6 +406,12 @@ def _write(
     return final
 
 
+def check_path(path, what: str) -> None:
+    """TypeError naming ``what`` unless ``path`` is a str or os.PathLike."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{what} must be a path (str or os.PathLike), got {path!r:.80}")
+
+
 def check_save_arguments(
     keep: int | None,
     extra_metadata: Mapping[str, Any] | None,
@@ -415,10 +421,7 @@ def check_save_arguments(
     """The ValueError / TypeError a save raises for its ``root``, ``keep``, ``extra_metadata``
     or ``extra_tensors`` before it writes anything (a sharded save checks them on every rank
     before its first collective)."""
-    if not isinstance(root, str | os.PathLike):
-        raise TypeError(
-            f"the checkpoint root must be a path (str or os.PathLike), got {root!r:.80}"
-        )
+    check_path(root, "the checkpoint root")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     if extra_tensors is not None:

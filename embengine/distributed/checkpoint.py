@@ -305,10 +305,7 @@ def restore(
     every rank."""
     error, reader, extra = None, None, {}
     try:
-        if not isinstance(path, str | os.PathLike):
-            raise TypeError(
-                f"the checkpoint path must be a path (str or os.PathLike), got {path!r:.80}"
-            )
+        ckpt.check_path(path, "the checkpoint path")
         _, reader = ckpt.read_checkpoint(path, verify)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
