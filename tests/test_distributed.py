@@ -909,6 +909,26 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+def test_a_sharded_function_initializer_makes_the_whole_table_in_one_call(one_rank_group):
+    """A rank's shard of a table with a TF-style function initializer holds its rows of the
+    whole table's values, made in one call, as a single engine's (past the 2^22 values of one
+    chunk: 70,000 x 64, a row-id function)."""
+    from embengine.distributed import ShardedEngine
+    from embengine.initializers import FromFunction
+
+    shapes = []
+
+    def row_ids(shape, dtype):
+        shapes.append(tuple(shape))
+        return np.repeat(np.arange(shape[0], dtype=np.float32)[:, None], shape[1], axis=1)
+
+    table = ee.TableConfig(70_000, 64, name="t", initializer=FromFunction(row_ids))
+    eng = ShardedEngine({"f": ee.FeatureConfig(table)}, optimizer=ee.optimizers.SGD(0.1))
+    assert shapes == [(70_000, 64)]
+    weights = eng.table_contents()["tables"]["t"]["weights"]
+    np.testing.assert_array_equal(weights[:, 0], np.arange(70_000))
+
+
 def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     from embengine.distributed import ShardedEngine
 

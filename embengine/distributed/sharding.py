@@ -413,21 +413,14 @@ class ShardTable(DenseTable):
         self, initializer: Initializer, seed: int, name: str, first: int, count: int
     ) -> None:
         # DenseTable initialises local row r as id r; a shard's row r holds global_ids[r].
+        chunk, whole = max(1, (1 << 22) // max(self.dim, 1)), None
         if initializer.whole_table:  # the whole table's values, as one process has them
             every = np.arange(self.global_vocabulary_size, dtype=np.int64)
-            values = initializer.init(seed, name, every, self.dim)
-            self.data[first : first + count, : self.dim] = values[
-                self.global_ids[first : first + count]
-            ]
-            for spec in self.slot_specs:
-                self.slot(spec.name)[first : first + count] = spec.initial_value
-            return
-        chunk = max(1, (1 << 22) // max(self.dim, 1))
+            chunk, whole = max(count, 1), initializer.init(seed, name, every, self.dim)
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
-            values = initializer.init(
-                seed, name, self.global_ids[first + lo : first + hi], self.dim
-            )
+            ids = self.global_ids[first + lo : first + hi]
+            values = initializer.init(seed, name, ids, self.dim) if whole is None else whole[ids]
             self.data[first + lo : first + hi, : self.dim] = values
             for spec in self.slot_specs:
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value

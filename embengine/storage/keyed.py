@@ -888,9 +888,10 @@ class KeyedTable(MappedRows):
         m, n = len(ids), len(new_at)
         self._this["lookups"] += m
         self._this["hits"] += m - n
-        found = np.ones(m, bool)
-        found[new_at] = False
-        self._touch_time(rows[found])
+        if self._keeps_time:  # the found rows' data time (the new ones got the call's)
+            found = np.ones(m, bool)
+            found[new_at] = False
+            self._touch_time(rows[found])
         return rows
 
     def _resolve(
