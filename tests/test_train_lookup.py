@@ -212,9 +212,9 @@ def test_training_lookups_of_features_take_the_fused_path(monkeypatch):
     calls = {"fused": 0, "apart": 0}
     fused_kernel, apart_kernel = train_lookup.prepare_and_pool, prepare.prepare_tables
 
-    def fused(*args):
+    def fused(*args, **kwargs):
         calls["fused"] += 1
-        return fused_kernel(*args)
+        return fused_kernel(*args, **kwargs)
 
     def apart(*args):
         calls["apart"] += 1
@@ -389,3 +389,136 @@ def test_lookup_only_batches_of_every_storage_equal_their_training_lookup(monkey
     absent["d"] = absent["h"] = ee.Ragged(np.array([3]), lengths=[1])
     got = eng.lookup(absent, training=False)
     assert not any(got[name].any() for name in ("k", "k_seq", "kq"))  # never inserted: zeros
+
+
+def _keyed_features():
+    """Keyed tables of each combiner (bags with weights, a sequence feature sharing one, an
+    odd width) and a dense table."""
+    u = ee.initializers.RandomUniform(-1.0, 1.0)
+    keyed = ee.TableConfig(
+        None, 64, name="k64", combiner="sum", initializer=u, dynamic=ee.DynamicVocabulary()
+    )
+    odd = ee.TableConfig(
+        None, 3, name="k3", combiner="mean", initializer=u, dynamic=ee.DynamicVocabulary()
+    )
+    root = ee.TableConfig(
+        None, 8, name="k8", combiner="sqrtn", initializer=u, dynamic=ee.DynamicVocabulary()
+    )
+    dense = ee.TableConfig(70, 8, name="d8", combiner="sqrtn", initializer=u)
+    return {
+        "a": ee.FeatureConfig(keyed),
+        "a_seq": ee.FeatureConfig(keyed, max_sequence_length=3),
+        "b": ee.FeatureConfig(odd),
+        "c": ee.FeatureConfig(root),
+        "d": ee.FeatureConfig(dense),
+    }
+
+
+def _keyed_batch(feats, rng, samples: int, spread: int = 60):
+    values = {}
+    for name, fc in feats.items():
+        lengths = rng.integers(0, 6, samples)  # empty bags included
+        ids = rng.zipf(1.3, int(lengths.sum())) % spread  # duplicates
+        if fc.table.vocabulary_size is None:
+            ids = ids * np.int64(0x9E3779B97F4A7C15 % 2**61) - 7  # keys of any sign
+        weights = None if fc.is_sequence else rng.uniform(-1, 2, len(ids)).astype(np.float32)
+        values[name] = ee.Ragged(ids, lengths=lengths, weights=weights)
+    return values
+
+
+def _out_matrices(tmeta):
+    """Copies of the activation matrices a region call writes (``tmeta``'s T_OUT columns)."""
+    import ctypes
+
+    outs = []
+    for t in range(tmeta.shape[0]):
+        n = int(tmeta[t, train_lookup.T_N_OUT] * tmeta[t, train_lookup.T_DIM])
+        if n == 0:
+            outs.append(np.zeros(0, np.float32))
+            continue
+        buf = (ctypes.c_float * n).from_address(int(tmeta[t, train_lookup.T_OUT]))
+        outs.append(np.ctypeslib.as_array(buf).copy())
+    return outs
+
+
+def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_pool(
+    monkeypatch,
+):
+    """A keyed table's pooling task claimed before its table's preparation is done probes its
+    own keys (``_pool_keyed_task``); claimed after, it pools through the rows the preparation's
+    probe found (``_pool_found_task``). Which one runs depends on the threads' timing, so each
+    region call here runs first without preparations (every keyed task probes: nothing is
+    ready), then as usual: the two must give the same bits wherever the probe found every
+    key."""
+    feats = _keyed_features()
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=2)
+    real = train_lookup.prepare_and_pool
+    compared = []
+
+    def twice(prep_order, *args, keyed=False):
+        tmeta, ready = args[-4], args[-5]
+        real(prep_order[:0], *args, keyed=keyed)  # no table prepared: every keyed task probes
+        assert not ready.any()
+        probed = _out_matrices(tmeta)
+        real(prep_order, *args, keyed=keyed)
+        found = _out_matrices(tmeta)
+        for t in range(tmeta.shape[0]):
+            if tmeta[t, train_lookup.T_INDEX] and ready[t] == train_lookup.PROBED_ALL_FOUND:
+                assert probed[t].tobytes() == found[t].tobytes(), t
+                compared.append(t)
+
+    monkeypatch.setattr(train_lookup, "prepare_and_pool", twice)
+    rng = np.random.default_rng(11)
+    values = _keyed_batch(feats, rng, 150)
+    for _ in range(3):  # new keys, then every key resident
+        out, batch = eng.lookup_with_batch(values)
+        eng.apply_gradients({k: np.ones_like(a) for k, a in out.items()}, batch=batch)
+    assert sorted(set(compared)) == [0, 1, 2]  # every keyed table, pooled both ways
+
+
+def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypatch):
+    """A training lookup pools a keyed table whose unique keys all had a live row in its
+    parallel region: no ``pool_tables`` call for it after. A table with a new key is pooled
+    after its storage inserted it. Either way the activations are those of preprocess() then
+    lookup(batch), bit for bit, at one thread and at all."""
+    feats = _keyed_features()
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
+    pooled_after = []
+    real = train_lookup.pool_tables
+
+    def counting(n_workers, pmeta, *args):
+        pooled_after.append(len(pmeta))
+        return real(n_workers, pmeta, *args)
+
+    monkeypatch.setattr(train_lookup, "pool_tables", counting)
+    rng = np.random.default_rng(5)
+    values = _keyed_batch(feats, rng, 150)
+    _assert_fused_equals_apart(eng, values)  # every key new: the keyed tables after
+    assert pooled_after == [3]
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            pooled_after.clear()
+            _assert_fused_equals_apart(eng, values)  # every key resident
+            assert pooled_after == []
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    values["b"] = ee.Ragged(np.array([10**15, 10**15 + 1]), lengths=[2] + [0] * 149)
+    pooled_after.clear()
+    _assert_fused_equals_apart(eng, values)  # two new keys in table k3: it alone after
+    assert pooled_after == [1]
+
+
+def test_one_big_keyed_table_on_every_thread_count_equals_preprocess_then_lookup():
+    """One keyed table, the case where one thread prepares while the others pool (probing
+    keys themselves until the preparation is done): the same bits as preprocess() then
+    lookup(batch) at every step, new keys and resident ones."""
+    u = ee.initializers.RandomUniform(-1.0, 1.0)
+    table = ee.TableConfig(None, 16, name="big", initializer=u, dynamic=ee.DynamicVocabulary())
+    feats = {"f": ee.FeatureConfig(table)}
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.Adagrad(0.1), seed=4)
+    rng = np.random.default_rng(6)
+    for step in range(6):
+        lengths = rng.integers(0, 30, 2000)
+        ids = rng.zipf(1.2, int(lengths.sum())) % (3000 if step < 3 else 2000)
+        _assert_fused_equals_apart(eng, {"f": ee.Ragged(ids * 7919 - 5, lengths=lengths)})

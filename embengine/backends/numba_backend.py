@@ -265,7 +265,8 @@ def build_tables_and_pool_numba(
         outs.append(out)
         tmeta[t, :6] = _table_columns(data, table.dim, out)
         probe = getattr(table, "lookup_index", None)
-        if probe is not None and not _half(table) and data.ctypes.data:  # keyed: probed in there
+        keyed = probe is not None and not _half(table) and data.ctypes.data
+        if keyed:  # probed in there, and pooled there if every key has a row
             index = probe()
             held.append(index)
             held_keys.append(int(plan.occ_base[t + 1] - plan.occ_base[t]))  # >= its new keys
@@ -273,7 +274,12 @@ def build_tables_and_pool_numba(
         quant[t] = _quantization_row(q)
         bases = table.row_bases
         for p in parts:
-            if bases is not None and not _half(table):  # its logical table's rows, by id
+            if keyed:  # its keys' rows, from row 0 of the table, through its index
+                fdata[f, :2] = _rows_from(data, 0)
+                fdata[f, train_lookup.FD_INDEX : train_lookup.FD_DEAD_ROWS + 1] = tmeta[
+                    t, train_lookup.T_INDEX : train_lookup.T_DEAD_ROWS + 1
+                ]
+            elif bases is not None and not _half(table):  # its logical table's rows, by id
                 fdata[f, :2] = _rows_from(data, bases[p.member])
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
@@ -299,6 +305,7 @@ def build_tables_and_pool_numba(
         fdata,
         quant,
         prefetch,
+        keyed=bool(held),
     )
     del held
     batches = plan.table_batches()
@@ -318,8 +325,15 @@ def build_tables_and_pool_numba(
         batches[t] = batches[t].resolved(
             tables[t], insert=True, found=found[lo : lo + u], touched=touched
         )
-    # The other tables: rows_for once each, then all pooled through their rows in one region.
-    later = [t for t, table in enumerate(tables) if table.row_bases is None or _half(table)]
+    # The other tables: rows_for once each, then all pooled through their rows in one region;
+    # a keyed table whose every key had a row was pooled in the region (prepare_and_pool).
+    pooled = tmeta[:, train_lookup.T_INDEX] != 0
+    pooled &= ready == train_lookup.PROBED_ALL_FOUND
+    later = [
+        t
+        for t, table in enumerate(tables)
+        if (table.row_bases is None or _half(table)) and not pooled[t]
+    ]
     if later:
         pmeta = np.empty((len(later), train_lookup.P_COLS), dtype=np.int64)
         sources, row_lists, row_base = [], [], 0

@@ -358,6 +358,78 @@ def pool_range(
         _pool_range_any(*args)
 
 
+def _make_pool_rows_range(fixed_dim: int):
+    """Activation rows ``first:stop`` through a prepared batch (``_pool_rows``, float32 rows),
+    the row width the constant ``fixed_dim`` (0: any width), as ``_make_pool_range``."""
+
+    @kernel()
+    def pool_rows_range(
+        data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
+    ):
+        if fixed_dim:
+            width = fixed_dim
+            acc = stack_row(fixed_dim)
+        else:
+            width = dim
+            acc = np.empty(dim, dtype=np.float32)
+        _pool_rows(
+            data,
+            width,
+            rows,
+            inverse,
+            gains,
+            output_offsets,
+            out,
+            quant,
+            prefetch,
+            first,
+            stop,
+            acc,
+            F32,
+        )
+
+    return pool_rows_range
+
+
+_pool_rows_range_1 = _make_pool_rows_range(1)
+_pool_rows_range_2 = _make_pool_rows_range(2)
+_pool_rows_range_4 = _make_pool_rows_range(4)
+_pool_rows_range_8 = _make_pool_rows_range(8)
+_pool_rows_range_16 = _make_pool_rows_range(16)
+_pool_rows_range_32 = _make_pool_rows_range(32)
+_pool_rows_range_64 = _make_pool_rows_range(64)
+_pool_rows_range_128 = _make_pool_rows_range(128)
+_pool_rows_range_any = _make_pool_rows_range(0)
+
+
+@kernel()
+def pool_rows_range(
+    data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop
+):
+    """Activation rows ``first:stop`` of a prepared batch (``pool``'s arguments), by the
+    function for the row width, as ``pool_range`` chooses: for a parallel region that pools
+    a table through its resolved rows among other tasks (``train_lookup.prepare_and_pool``)."""
+    args = (data, dim, rows, inverse, gains, output_offsets, out, quant, prefetch, first, stop)
+    if dim == 64:
+        _pool_rows_range_64(*args)
+    elif dim == 32:
+        _pool_rows_range_32(*args)
+    elif dim == 128:
+        _pool_rows_range_128(*args)
+    elif dim == 16:
+        _pool_rows_range_16(*args)
+    elif dim == 8:
+        _pool_rows_range_8(*args)
+    elif dim == 4:
+        _pool_rows_range_4(*args)
+    elif dim == 2:
+        _pool_rows_range_2(*args)
+    elif dim == 1:
+        _pool_rows_range_1(*args)
+    else:
+        _pool_rows_range_any(*args)
+
+
 @kernel(parallel=True)
 def pool_bags(
     data, dim, rows, offsets, weights, combiner, seq_len, out, out_start, quant, prefetch

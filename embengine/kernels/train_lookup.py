@@ -9,12 +9,14 @@ each table's preparation, largest first, then chunks of ``POOL_TASK`` samples of
 
 The pooling reads a logical table's rows through its own base address (``fdata``): in a storage
 whose rows are ids at a fixed base (``TableStorage.row_bases``, DenseTable), the rows from that
-base on are indexed by id, so no id is shifted here. Features of other storages (address 0) are
-not pooled here: their rows are resolved by the storage after this kernel, and pooled through
-them.
+base on are indexed by id, so no id is shifted here. A keyed table's features are pooled here
+too when its preparation's probe finds a live row for every key (``prepare_and_pool``); other
+storages' features (address 0), and a keyed table with a key without a row, are pooled after
+this kernel, through the rows their storage resolved.
 
 Why: a single big table (W3) is prepared by one thread while the other waits, and its pooling
-only starts after; here the other thread pools meanwhile, then both finish the pooling. With
+only starts after; here the other thread pools meanwhile, then both finish the pooling (a keyed
+table's too: the pooling thread probes the keys itself until the preparation is done). With
 many tables the threads move from preparing to pooling without a join in between, and every
 table is pooled by one kernel call instead of one call each.
 """
@@ -37,7 +39,7 @@ from ._intrinsics import (
     uint16_rows_at,
 )
 from .keyed_index import RECORD_COLS, find_range, touch
-from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
+from .lookup import ROWS_PER_TASK, _pool_rows, pool_range, pool_rows_range
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -274,9 +276,10 @@ def pool_keyed_features(
 @kernel()
 def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready):
     """Right after keyed table ``t``'s preparation: its unique keys' rows into ``found`` (at the
-    keys' places) and ``ready[t]``: PROBED_ALL_FOUND if every key has a row that does not look
-    up as absent. Then, if so and the table lets the kernel touch (``T_TOUCH``), each row's step
-    and count, as the storage's ``rows_for`` would (one writer: the task that prepared it)."""
+    keys' places) and ``ready[t]`` (0 until then): PROBED_ALL_FOUND if every key has a row that
+    does not look up as absent, else PROBED_SOME_MISSING. Then, if every key had one and the
+    table lets the kernel touch (``T_TOUCH``), each row's step and count, as the storage's
+    ``rows_for`` would (one writer: the task that prepared it)."""
     lo = occ_base[t]
     u = n_unique[t]
     slots = int32_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 1)
@@ -289,13 +292,174 @@ def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, re
         if rows[i] < 0 or (tmeta[t, T_DEAD] != 0 and dead[rows[i], 0] != 0):
             status = PROBED_SOME_MISSING
             break
-    ready[t] = status
+    # Published after ``found`` (an atomic add to 0: a barrier for the compiler and the CPU),
+    # for the pooling tasks that read it (prepare_and_pool).
+    fetch_add(ready, t, status)
     if status == PROBED_ALL_FOUND and tmeta[t, T_TOUCH] != 0:
         records = int32_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS)
         touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
 
 
-@kernel(parallel=True)
+@kernel()
+def _pool_found_task(
+    f,
+    first,
+    stop,
+    fmeta,
+    tmeta,
+    occ_base,
+    out_base,
+    n_unique,
+    found,
+    inverse,
+    gains,
+    output_offsets,
+    quant,
+    prefetch,
+):
+    """Samples ``first:stop`` of keyed feature ``f`` through its table's prepared batch and the
+    rows its probe found (``found``, at the unique keys' places): ``pool_tables``' sums, for a
+    table whose preparation is done and found a live row for every key."""
+    t = fmeta[f, F_TABLE]
+    dim = tmeta[t, T_DIM]
+    lo = occ_base[t]
+    seq = fmeta[f, F_SEQ]
+    per = seq if seq > 0 else 1
+    start = fmeta[f, F_OUT_START]
+    pool_rows_range(
+        float32_rows_at(tmeta[t, T_DATA], tmeta[t, T_ROWS], tmeta[t, T_WIDTH]),
+        dim,
+        found[lo : lo + n_unique[t]],
+        inverse[lo:],
+        gains[lo:],
+        output_offsets[out_base[t] + t :],
+        float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim),
+        quant[t],
+        prefetch,
+        start + first * per,
+        start + stop * per,
+    )
+
+
+def _make_prepare_and_pool(keyed: bool):
+    """``prepare_and_pool`` for batches without keyed tables probed in the region, or with
+    (``keyed``, a constant of the closure: numba prunes the branches on it before typing, so
+    an engine without keyed tables never compiles their pooling)."""
+
+    @kernel(parallel=True)
+    def prepare_and_pool(
+        prep_order,
+        n_workers,
+        fmeta,
+        ids,
+        offsets,
+        weights,
+        occ_base,
+        out_base,
+        occ_ids,
+        gains,
+        segments,
+        unique,
+        inverse,
+        n_unique,
+        unique_offsets,
+        unique_gains,
+        unique_segments,
+        output_offsets,
+        unique_bounds,
+        found,
+        ready,
+        tmeta,
+        fdata,
+        quant,
+        prefetch,
+    ):
+        n_prep = prep_order.shape[0]
+        tasks = pool_tasks(fmeta, fdata)
+        n_tasks = n_prep + tasks.shape[0]
+        counter = np.zeros(1, dtype=np.int64)
+        for _ in nb.prange(n_workers):
+            while True:
+                i = fetch_add(counter, 0, 1)
+                if i >= n_tasks:
+                    break
+                if i < n_prep:
+                    t = prep_order[i]
+                    _prepare_table(
+                        t,
+                        fmeta,
+                        ids,
+                        offsets,
+                        weights,
+                        occ_base,
+                        out_base,
+                        occ_ids,
+                        gains,
+                        segments,
+                        unique,
+                        inverse,
+                        n_unique,
+                        unique_offsets,
+                        unique_gains,
+                        unique_segments,
+                        output_offsets,
+                        unique_bounds,
+                    )
+                    if keyed and tmeta[t, T_INDEX] != 0:
+                        _probe_table(
+                            t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready
+                        )
+                    continue
+                k = i - n_prep
+                f, first, stop = tasks[k, 0], tasks[k, 1], tasks[k, 2]
+                if keyed and fdata[f, FD_INDEX] != 0:
+                    # A keyed table's samples: through the rows its probe found if its
+                    # preparation is done; by probing them here if not (a thread with nothing
+                    # else to do; right if the probe then finds every key, as it then
+                    # must); left to pool_tables after the region if a key had no row.
+                    status = fetch_add(ready, fmeta[f, F_TABLE], 0)
+                    if status == PROBED_ALL_FOUND:
+                        _pool_found_task(
+                            f,
+                            first,
+                            stop,
+                            fmeta,
+                            tmeta,
+                            occ_base,
+                            out_base,
+                            n_unique,
+                            found,
+                            inverse,
+                            gains,
+                            output_offsets,
+                            quant,
+                            prefetch,
+                        )
+                    elif status == 0:
+                        _pool_keyed_task(
+                            f,
+                            first,
+                            stop,
+                            fmeta,
+                            ids,
+                            offsets,
+                            weights,
+                            tmeta,
+                            fdata,
+                            quant,
+                            prefetch,
+                        )
+                    continue
+                _pool_task(
+                    f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
+                )
+
+    return prepare_and_pool
+
+
+_PREPARE_AND_POOL = {keyed: _make_prepare_and_pool(keyed) for keyed in (False, True)}
+
+
 def prepare_and_pool(
     prep_order,
     n_workers,
@@ -322,74 +486,53 @@ def prepare_and_pool(
     fdata,
     quant,
     prefetch,
+    keyed=False,
 ):
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
     ``quant[t]`` as in ``lookup.pool``), by ``n_workers`` workers claiming tasks from one
-    counter. The outputs are those of the two kernels run one after the other.
+    counter: first the preparations, then the pooling tasks. The outputs are those of the two
+    kernels run one after the other.
 
-    A keyed table (``tmeta[t, T_INDEX]``) has its unique keys probed right after its
-    preparation, and its rows touched if every key had one (``found``, ``ready[t]``:
-    ``_probe_table``); it is pooled after this region, once the storage resolved its rows
-    (``pool_tables``). Pooling it here, its tasks waiting for its preparation, spun on threads
-    that a loaded or oversubscribed host needed elsewhere (up to 3x slower at 8 threads on 2
-    cores) and made every training lookup compile the keyed pooling (docs/design.md)."""
-    n_prep = prep_order.shape[0]
-    tasks = pool_tasks(fmeta, fdata)
-    n_tasks = n_prep + tasks.shape[0]
-    counter = np.zeros(1, dtype=np.int64)
-    for _ in nb.prange(n_workers):
-        while True:
-            i = fetch_add(counter, 0, 1)
-            if i >= n_tasks:
-                break
-            if i < n_prep:
-                _prepare_table(
-                    prep_order[i],
-                    fmeta,
-                    ids,
-                    offsets,
-                    weights,
-                    occ_base,
-                    out_base,
-                    occ_ids,
-                    gains,
-                    segments,
-                    unique,
-                    inverse,
-                    n_unique,
-                    unique_offsets,
-                    unique_gains,
-                    unique_segments,
-                    output_offsets,
-                    unique_bounds,
-                )
-                if tmeta[prep_order[i], T_INDEX] != 0:
-                    _probe_table(
-                        prep_order[i],
-                        tmeta,
-                        occ_base,
-                        unique,
-                        n_unique,
-                        unique_offsets,
-                        found,
-                        ready,
-                    )
-            else:
-                k = i - n_prep
-                _pool_task(
-                    tasks[k, 0],
-                    tasks[k, 1],
-                    tasks[k, 2],
-                    fmeta,
-                    ids,
-                    offsets,
-                    weights,
-                    tmeta,
-                    fdata,
-                    quant,
-                    prefetch,
-                )
+    ``keyed``: the batch has keyed tables probed here (``tmeta[t, T_INDEX]``, their features'
+    ``fdata`` from FD_INDEX on). Such a table's unique keys are probed right after its
+    preparation, its rows touched if every key had one (``found``, ``ready[t]``:
+    ``_probe_table``, published atomically). A task pooling its samples pools them through
+    the found rows if its preparation is done (``_pool_found_task``); if it is not, the thread
+    probes the task's keys itself and pools through them (``_pool_keyed_task``, as an
+    evaluation lookup), rather than wait: with one big keyed table, one thread prepares it
+    while the other pools (docs/performance.md). Both give the sums ``pool_tables`` gives
+    through the resolved rows when the probe found a live row for every key
+    (PROBED_ALL_FOUND); a table for which it did not is pooled after the region, once its
+    storage resolved its rows. No thread waits for another: waiting threads spun on cores an
+    oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md)."""
+    _PREPARE_AND_POOL[bool(keyed)](
+        prep_order,
+        n_workers,
+        fmeta,
+        ids,
+        offsets,
+        weights,
+        occ_base,
+        out_base,
+        occ_ids,
+        gains,
+        segments,
+        unique,
+        inverse,
+        n_unique,
+        unique_offsets,
+        unique_gains,
+        unique_segments,
+        output_offsets,
+        unique_bounds,
+        found,
+        ready,
+        tmeta,
+        fdata,
+        quant,
+        prefetch,
+    )
 
 
 @kernel()
