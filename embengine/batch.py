@@ -344,6 +344,10 @@ class PreparedBatch:
     # keyed table): an engine refuses such rows after a load, or from another engine, since
     # they may hold other keys there. None: its rows are ids, or not resolved yet.
     resolved_in: int | None = None
+    # The engine state a training lookup looked it up in: its gradients are of the tables as
+    # they were then, so an engine refuses to apply them after a load. None: not looked up
+    # for training (a batch from ``preprocess`` may be applied without a lookup).
+    looked_up_in: int | None = None
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

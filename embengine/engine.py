@@ -198,15 +198,21 @@ class EmbeddingEngine:
         self.__dict__.update(state)
         self._init_threading()
 
-    def _set_pending(self, batch: PreparedBatch | None) -> None:
-        """Make ``batch`` this thread's pending training batch (None: none)."""
+    def _set_pending(self, batch: PreparedBatch | None, given: PreparedBatch | None = None) -> None:
+        """Make ``batch`` this thread's pending training batch (None: none); ``given``: the
+        PreparedBatch a lookup was given, of which ``batch`` is the looked-up form (its keyed
+        rows resolved, ``looked_up_in`` set)."""
         self._pending.batch = batch
+        self._pending.given = given
         self._pending.generation = self._pending_generation
 
-    def _pending_batch(self) -> PreparedBatch | None:
-        """This thread's pending training batch, unless forgotten since."""
+    def _pending_batch(self, given: PreparedBatch | None = None) -> PreparedBatch | None:
+        """This thread's pending training batch, unless forgotten since; with ``given``, the
+        pending batch only if it is the looked-up form of ``given`` (else None)."""
         p = self._pending
         if getattr(p, "generation", None) != self._pending_generation:
+            return None
+        if given is not None and getattr(p, "given", None) is not given:
             return None
         return getattr(p, "batch", None)
 
@@ -683,6 +689,7 @@ class EmbeddingEngine:
                     layouts,
                     fingerprint=self._batch_fingerprint(),
                     resolved_in=self._resolved_in(),
+                    looked_up_in=self._state_id,
                 )
                 self._set_pending(batch)
         else:  # lookup-only; a backend that range-checks ids as it pools them checks them
@@ -692,28 +699,44 @@ class EmbeddingEngine:
             with self.lock:  # pending set with the read: a load in between forgets it
                 self._begin_step(timestamp, training=training and resolve)
                 if resolve:  # a keyed table's rows change with every training resolution
-                    batch = self._resolve(batch, insert=training)
+                    batch = self._resolve(batch, insert=training, again=True)
                     self._end_call()
+                if training:
+                    batch = dataclasses.replace(batch, looked_up_in=self._state_id)
                 per_table = self._backend.lookup_tables(
                     list(self._physical), list(batch.tables), self._quantizations()
                 )
-                self._set_pending(batch if training else None)
+                given = features if isinstance(features, PreparedBatch) else None
+                self._set_pending(batch if training else None, given=given)
         acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
         return acts, batch
 
-    def _resolve(self, batch: PreparedBatch, insert: bool, update: bool = False) -> PreparedBatch:
+    def _resolve(
+        self, batch: PreparedBatch, insert: bool, update: bool = False, again: bool = False
+    ) -> PreparedBatch:
         """``batch`` with every table's rows resolved: a storage that maps ids to rows itself
         (no ``row_bases``; the batch left its rows to the engine) gets one ``rows_for`` per
         logical table on its unique ids. The same batch if nothing is left to resolve.
-        ``update``: its update follows (``_for_update``), checked with the resolution."""
+        ``update``: its update follows (``_for_update``), checked with the resolution.
+        ``again``: a lookup of the batch, whose rows such a storage resolves anew even if an
+        earlier lookup resolved them: a key's row may have been evicted and given to another
+        key since, and a training lookup counts and touches its keys each time."""
         if batch.resolved_in is not None and batch.resolved_in != self._state_id:
             raise ValueError(
                 "this batch's keyed rows were resolved in another state of the engine (before "
                 "a load_state_dict or restore, or by another engine): they may hold other keys "
                 "now; nothing was changed. Look its features up again"
+            )
+        if again:
+            batch = dataclasses.replace(
+                batch,
+                tables=tuple(
+                    tb if table.row_bases is not None else dataclasses.replace(tb, unique_rows=None)
+                    for table, tb in zip(self._physical, batch.tables, strict=True)
+                ),
             )
         if all(tb.unique_rows is not None for tb in batch.tables):
             return batch
@@ -863,10 +886,19 @@ class EmbeddingEngine:
                     )
             else:
                 self._check_batch(batch)
+                # The batch lookup(batch) looked up: the form it looked up (its keyed rows,
+                # resolved then), which this update consumes.
+                batch = self._pending_batch(given=batch) or batch
             if not batch.deduplicated:
                 raise ValueError(
                     "this PreparedBatch was built with training=False (no deduplication) and can "
                     "only be looked up; build it with preprocess(features) to apply gradients"
+                )
+            if batch.looked_up_in is not None and batch.looked_up_in != self._state_id:
+                raise ValueError(
+                    "this batch was looked up before a load_state_dict or restore (or by "
+                    "another engine): its gradients are of the tables as they were then; "
+                    "nothing was changed. Look its features up again"
                 )
             grads = self._check_gradients(gradients, batch)
             lrs = self._learning_rates.resolve(self._step, learning_rates)

@@ -280,3 +280,22 @@ def test_sharded_engine_timeout_must_be_positive_seconds():
     for bad in (-1, 0, float("nan"), True, "5"):
         with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
             ShardedEngine({"a": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1), timeout=bad)
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_batch_looked_up_before_a_load_is_not_applied_after_it(backend):
+    """Its gradients are of the tables before the load: refused, nothing changed. A batch
+    from preprocess() never looked up may still be applied (its update needs no lookup)."""
+    eng = _engine(backend)
+    state = eng.state_dict()
+    acts, batch = eng.lookup_with_batch(GOOD)
+    grads = {k: np.full_like(v, 0.5) for k, v in acts.items()}
+    eng.load_state_dict(state)
+    before = _snapshot(eng)
+    with pytest.raises(ValueError, match="looked up before a load_state_dict or restore"):
+        eng.apply_gradients(grads, batch=batch)
+    assert _snapshot(eng) == before and eng.step == 0
+    prepared = eng.preprocess(GOOD)
+    eng.load_state_dict(state)
+    eng.apply_gradients(grads, batch=prepared)
+    assert eng.step == 1

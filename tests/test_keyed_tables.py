@@ -1287,3 +1287,43 @@ def test_constant_initializers_write_in_place_unless_init_is_overridden(recwarn)
     assert ee.initializers.Constant(2.0).constant() == 2.0
     assert Odd(1.0).constant() is None
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_batch_looked_up_again_resolves_its_keys_anew(backend):
+    """A batch from lookup_with_batch looked up at a later step: its keys' rows then, not the
+    rows they had (a key evicted since, its row given to another key, looks up as absent);
+    a training lookup of it counts and touches its keys (LRU keeps them)."""
+    t = ee.TableConfig(None, 8, name="k", combiner="sum", dynamic=ee.DynamicVocabulary(max_rows=2))
+
+    def engine():
+        return ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend
+        )
+
+    eng = engine()
+    _, old = eng.lookup_with_batch({"f": np.array([1, 2])})
+    g = np.zeros((2, 8), np.float32)
+    g[0], g[1] = -1, -2
+    eng.apply_gradients({"f": g})
+    eng.lookup({"f": np.array([2, 3])})  # evicts key 1 (LRU); key 3 takes its row
+    g = np.zeros((2, 8), np.float32)
+    g[1] = -30
+    eng.apply_gradients({"f": g})
+    fresh = eng.lookup({"f": np.array([1, 2])}, training=False)["f"]
+    again = eng.lookup(old, training=False)["f"]
+    np.testing.assert_array_equal(again, fresh)
+    assert not again[0].any()  # key 1 has no row: zeros, not key 3's
+    kept = []
+    for reuse in (False, True):
+        eng = engine()
+        acts, batch = eng.lookup_with_batch({"f": np.array([1])})
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})
+        for x in (
+            {"f": np.array([2])},
+            batch if reuse else {"f": np.array([1])},
+            {"f": np.array([4])},
+        ):
+            eng.apply_gradients({"f": np.ones_like(eng.lookup(x)["f"])})
+        kept.append(eng.table_contents("k")["keys"].tolist())
+    assert kept == [[1, 4], [1, 4]]
