@@ -1055,6 +1055,10 @@ class EmbeddingEngine:
                     f"shape {lay.shape}"
                 )
             g = g.astype(np.float32, copy=False).reshape(lay.stop - lay.start, lay.shape[-1])
+            # A gradient in a table's memory (a slice of its weights or of state_dict()'s
+            # views) would change as the update writes the rows it reads: copied first.
+            if any(np.may_share_memory(g, table.data) for table in self._physical):
+                g = g.copy()
             if self.nonfinite_gradients == "error":
                 bad = ~np.isfinite(g)
                 if bad.any():

@@ -299,3 +299,22 @@ def test_a_batch_looked_up_before_a_load_is_not_applied_after_it(backend):
     eng.load_state_dict(state)
     eng.apply_gradients(grads, batch=prepared)
     assert eng.step == 1
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_gradient_in_the_tables_memory_updates_as_a_copy_of_it(backend):
+    """A gradient that is a view of a table's weights (a slice of ``embedding_tables``) is
+    read before the update writes the rows: the same result as a copy of it. Rows 1999..0
+    are updated in that order (in tasks, over threads); sample s's gradient is row s, so
+    most gradients are rows some task writes first, unless they are copied."""
+    results = []
+    for aliased in (False, True):
+        t = ee.TableConfig(4000, 8, name="t", combiner="sum")
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend
+        )
+        eng.lookup({"f": np.arange(2000)[::-1].copy()})
+        view = eng.embedding_tables["t"][:2000]
+        eng.apply_gradients({"f": view if aliased else view.copy()})
+        results.append(eng.embedding_tables["t"].copy())
+    np.testing.assert_array_equal(results[0], results[1])
