@@ -474,22 +474,22 @@ def test_a_refused_batch_leaves_the_other_keyed_tables_untouched(backend):
         assert all(after[k].tobytes() == before[n][k].tobytes() for k in before[n]), n
 
 
-@pytest.mark.parametrize("path", ["lookup", "preprocess", "apply"])
+@pytest.mark.parametrize("path", ["lookup", "preprocess", "apply", "apply-lookup"])
 def test_a_batch_a_later_table_refuses_changes_no_earlier_table(backend, path):
     """Tables are resolved in order; table "a" (max_rows=2) comes after table "b", which takes
     a new key in the refused batch: b must not have inserted it, touched its rows or counted
-    the call (every table is checked before any changes). "apply": both insert on apply, and
-    a refuses the update."""
-    on = "apply" if path == "apply" else "lookup"
+    the call (every table is checked before any changes). "apply" and "apply-lookup": both
+    insert on apply; a refuses the update of the batch never looked up, and the training
+    lookup of it (which would count b's keys), as its update would."""
+    on = "apply" if path.startswith("apply") else "lookup"
     eng = _two_tables(backend, dict(max_rows=2, insert_on=on), dict(insert_on=on))
     refused = {"fa": [[1, 2, 3]], "fb": [[5, 6, 7]]}
-    grads = None
-    if path == "apply":  # inserting on apply, the lookup inserts nothing: it passes
-        grads = {k: np.ones_like(v) for k, v in eng.lookup(refused).items()}
+    grads = {"fa": np.ones((1, 2), np.float32), "fb": np.ones((1, 2), np.float32)}
     call = {
         "lookup": lambda: eng.lookup(refused),
         "preprocess": lambda: eng.lookup(eng.preprocess(refused)),
-        "apply": lambda: eng.apply_gradients(grads),
+        "apply": lambda: eng.apply_gradients(grads, batch=eng.preprocess(refused)),
+        "apply-lookup": lambda: eng.lookup(refused),
     }[path]
     text = _unchanged_by(eng, call)
     assert text.startswith("table 'a': this batch needs 3 rows"), text
@@ -1327,3 +1327,35 @@ def test_a_batch_looked_up_again_resolves_its_keys_anew(backend):
             eng.apply_gradients({"f": np.ones_like(eng.lookup(x)["f"])})
         kept.append(eng.table_contents("k")["keys"].tolist())
     assert kept == [[1, 4], [1, 4]]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_lookup_refuses_the_batch_its_update_inserting_on_apply_would_refuse(backend):
+    """insert_on="apply" with max_rows: the training lookup refuses a batch that needs more
+    rows than max_rows, as its update would, before it counts keys in another table."""
+    a = ee.TableConfig(
+        None, 8, name="A", dynamic=ee.DynamicVocabulary(max_rows=2, insert_on="apply")
+    )
+    b = ee.TableConfig(
+        None, 8, name="B", dynamic=ee.DynamicVocabulary(occurrence_threshold=2, insert_on="apply")
+    )
+    eng = ee.EmbeddingEngine(
+        {"b": ee.FeatureConfig(b), "a": ee.FeatureConfig(a)},
+        optimizer=opt.SGD(0.1),
+        backend=backend,
+    )
+    before = eng.state_dict()
+    with pytest.raises(ValueError, match="table 'A': this batch needs 3 rows"):
+        eng.lookup({"b": np.array([7, 8, 9]), "a": np.array([5, 6, 7])})
+    after = eng.state_dict()
+    assert (
+        after["tables"]["B"]["pending_keys"].tolist()
+        == before["tables"]["B"]["pending_keys"].tolist()
+        == []
+    )
+    assert eng.table_stats()["B"]["this_step"]["filtered"] == 0
+    with pytest.raises(ValueError, match="no batch"):
+        eng.apply_gradients({"b": np.ones((3, 8)), "a": np.ones((3, 8))})
+    eng.lookup({"b": np.array([7, 8]), "a": np.array([5, 6])})  # fits: looked up and applied
+    eng.apply_gradients({"b": np.ones((2, 8)), "a": np.ones((2, 8))})
+    assert eng.table_contents("A")["keys"].tolist() == [5, 6]

@@ -988,11 +988,15 @@ class KeyedTable(MappedRows):
         table of a batch before any ``rows_for`` changes one, so a batch that one table refuses
         leaves every table as it was. ``update``: the batch's update follows at once (an
         update of a batch never looked up), so a table inserting on apply counts the keys it
-        admits then as new too. Nothing to check for a table that cannot refuse it."""
+        admits then as new too. A table inserting on apply always counts them so: its training
+        lookup refuses the batch its update would refuse, before the lookup changes any table
+        (counts, recency, other tables' rows). Nothing to check for a table that cannot refuse
+        it."""
         del counts  # admission reads the earlier steps' counts only
         if self.dynamic.max_rows is None and self._high + len(ids) <= MAX_KEYED_ROWS:
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
+        update = update or self.dynamic.insert_on == "apply"
         rows, _, new = self._plan(ids, found, update)
         self._refusal(int((rows >= 0).sum()), new, len(self._expired()))
 
