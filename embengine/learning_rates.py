@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from .optimizers import DynamicLearningRate, Optimizer
 from .optimizers._base import learning_rate_arity
 
-__all__ = ["LearningRates"]
+__all__ = ["LearningRates", "check_learning_rates"]
 
 
 class LearningRates:
@@ -69,13 +71,7 @@ class LearningRates:
     def resolve(self, step: int, learning_rates: Sequence[float] | None = None) -> list[float]:
         """The learning rate of every table for this step. Validates before returning."""
         if learning_rates is not None:
-            values = list(learning_rates)
-            if len(values) != self.num_tags:
-                raise ValueError(
-                    f"learning_rates has {len(values)} values but the engine has {self.num_tags} "
-                    "dynamic learning-rate tags; give exactly one per tag"
-                )
-            tags = [_check_rate(v, f"learning_rates[{i}]") for i, v in enumerate(values)]
+            tags = check_learning_rates(learning_rates, self.num_tags)
         else:
             if self._n_explicit:
                 tables = [
@@ -93,7 +89,28 @@ class LearningRates:
         return [v if kind == "const" else tags[int(v)] for kind, v in self._sources]
 
 
+def check_learning_rates(learning_rates: Sequence[float], num_tags: int) -> list[float]:
+    """``learning_rates`` given for a step (one per dynamic tag) as floats, checked: a
+    sequence of ``num_tags`` finite numbers >= 0 (see ``_check_rate``)."""
+    if isinstance(learning_rates, str | bytes):
+        raise TypeError(
+            "learning_rates must be a sequence of numbers, one per tag, got the string "
+            f"{learning_rates!r}"
+        )
+    values = list(learning_rates)
+    if len(values) != num_tags:
+        raise ValueError(
+            f"learning_rates has {len(values)} values but the engine has {num_tags} "
+            "dynamic learning-rate tags; give exactly one per tag"
+        )
+    return [_check_rate(v, f"learning_rates[{i}]") for i, v in enumerate(values)]
+
+
 def _check_rate(value, what: str) -> float:
+    """``value`` as a float, refused unless a finite number >= 0: a bool or a string (which
+    ``float`` would read as 1.0 or parse) is a TypeError, as for per-id weights."""
+    if isinstance(value, bool | np.bool_ | str | bytes):
+        raise TypeError(f"{what} must be a number, got {value!r}")
     try:
         v = float(value)
     except (TypeError, ValueError):

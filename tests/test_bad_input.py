@@ -318,3 +318,29 @@ def test_a_gradient_in_the_tables_memory_updates_as_a_copy_of_it(backend):
         eng.apply_gradients({"f": view if aliased else view.copy()})
         results.append(eng.embedding_tables["t"].copy())
     np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("bad", [[True], ["0.5"], "5", [np.bool_(True)]])
+def test_learning_rates_refuse_bools_and_strings(backend, bad):
+    """``float`` reads True as 1.0 and parses "0.5"; a bare string would be read per
+    character: all refused by name, as per-id weights refuse them, nothing changed."""
+    t = ee.TableConfig(10, 2, name="t", optimizer=opt.SGD(opt.DynamicLearningRate(0)))
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend)
+    acts = eng.lookup({"f": [1, 2]})
+    before = _snapshot(eng)
+    with pytest.raises(TypeError, match="learning_rates"):
+        eng.apply_gradients({"f": np.ones_like(acts["f"])}, learning_rates=bad)
+    assert _snapshot(eng) == before and eng.step == 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("value", [True, "0.5"])
+def test_a_learning_rate_callable_returning_a_bool_or_a_string_is_refused(backend, value):
+    t = ee.TableConfig(10, 2, name="t", optimizer=opt.SGD(lambda: value))
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend=backend)
+    acts = eng.lookup({"f": [1, 2]})
+    before = _snapshot(eng)
+    with pytest.raises(TypeError, match="must be a number"):
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    assert _snapshot(eng) == before and eng.step == 0
