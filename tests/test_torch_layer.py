@@ -389,3 +389,54 @@ def test_weights_that_require_grad_are_refused_and_bfloat16_weights_read():
     want = layer(KeyedJagged(["a"], ids, lengths=lengths, weights=w.detach()))
     got = layer(KeyedJagged(["a"], ids, lengths=lengths, weights=w.detach().bfloat16()))
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # 0.5, 2 and 1 are exact in bf16
+
+
+def test_a_forward_refused_for_its_output_or_learning_rates_changes_nothing():
+    """output='keyed' with features of different batch sizes, and learning_rates the update
+    would refuse, are refused before the training lookup: no key inserted, no batch pending."""
+    t = ee.TableConfig(None, 8, name="k", combiner="sum", dynamic=ee.DynamicVocabulary())
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)}, optimizer=opt.Adagrad(0.1)
+    )
+    layer = EmbeddingLayer(eng, output="keyed")
+    inputs = (
+        {"f": torch.tensor([1, 2, 3]), "g": torch.tensor([4, 5])},
+        {"f": [[1], [2, 3]], "g": ee.Ragged(np.array([4]), lengths=[1])},
+        {"f": np.array([[1, -1], [2, 3]]), "g": [9, 8, 7]},
+    )
+    for features in inputs:
+        with pytest.raises(ValueError, match="output='keyed' needs one batch size"):
+            layer(features)
+    prepared = EmbeddingLayer(eng).preprocess(
+        {"f": torch.tensor([1, 2, 3]), "g": torch.tensor([4, 5])}
+    )
+    with pytest.raises(ValueError, match="output='keyed' needs one batch size"):
+        layer(prepared)
+    for bad in ([float("nan")], [True], [0.1, 0.2]):
+        with pytest.raises((ValueError, TypeError), match="learning_rates"):
+            EmbeddingLayer(eng)(
+                {"f": torch.tensor([7, 8]), "g": torch.tensor([1, 2])}, learning_rates=bad
+            )
+    assert eng.table_contents("k")["keys"].tolist() == []
+    with pytest.raises(ValueError, match="no batch"):
+        eng.apply_gradients({"f": np.ones((3, 8)), "g": np.ones((2, 8))})
+    out = layer({"f": torch.tensor([1, 2]), "g": torch.tensor([4, 5])})  # fits
+    out.values().sum().backward()
+    assert eng.step == 1 and eng.table_contents("k")["keys"].tolist() == [1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("step", [torch.tensor(3.7), torch.tensor(True), torch.tensor([1, 2])])
+def test_load_state_dict_refuses_a_step_that_is_not_an_integer_scalar(step):
+    """int(value.item()) took 3.7 as 3 and True as 1: the step goes to the engine's check."""
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(ee.TableConfig(100, 8, name="t"))}, optimizer=opt.SGD(0.1)
+    )
+    layer = EmbeddingLayer(eng)
+    state = layer.state_dict()
+    state["step"] = step
+    with pytest.raises(RuntimeError, match=r"state\['step'\] must be an int"):
+        layer.load_state_dict(state)
+    assert eng.step == 0
+    state["step"] = torch.tensor(5)
+    layer.load_state_dict(state)
+    assert eng.step == 5

@@ -18,7 +18,9 @@ import torch
 
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
+from ..inputs import Ragged
 from ..keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
+from ..learning_rates import check_learning_rates
 from ..safetensors_io import BFLOAT16
 from .keyed_tensor import KeyedTensor
 from .lr_handle import LearningRateHandle
@@ -124,6 +126,19 @@ class _FusedLookup(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _samples(value) -> int | None:
+    """The samples of one feature's input as the engine reads it (``inputs.to_ragged``): a
+    Ragged's bags, the first axis of a 1-D or 2-D array or tensor, a list's items; None for
+    anything else (the engine's lookup refuses it, naming it)."""
+    if isinstance(value, Ragged):
+        return value.num_samples
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return int(value.shape[0]) if value.ndim in (1, 2) else None
+    if isinstance(value, list | tuple):
+        return len(value)
+    return None
+
+
 class EmbeddingLayer(torch.nn.Module):
     """Looks features up in an EmbeddingEngine; backward applies one fused update per step.
 
@@ -225,6 +240,18 @@ class EmbeddingLayer(torch.nn.Module):
             # Features straight to the engine: a training lookup then deduplicates and pools in
             # one parallel region (see EmbeddingEngine.lookup).
             features = self._feature_dict(features)
+        # What the update or the output would refuse, refused before the lookup changes
+        # anything (a training lookup inserts and counts keyed tables' keys).
+        if self.output == "keyed":
+            self._check_keyed_inputs(features)
+        if (
+            training
+            and learning_rates is not None
+            and not isinstance(learning_rates, LearningRateHandle)
+        ):
+            learning_rates = check_learning_rates(
+                learning_rates, self.engine.num_learning_rate_tags
+            )
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
         acts, batch = self.engine.lookup_with_batch(
@@ -243,6 +270,32 @@ class EmbeddingLayer(torch.nn.Module):
         if self.output == "keyed":
             return KeyedTensor.from_tensor_list(names, tensors)
         return dict(zip(names, tensors, strict=True))
+
+    @staticmethod
+    def _check_keyed_inputs(features) -> None:
+        """``_check_keyed``'s batch-size rule on the inputs, before their lookup: a prepared
+        batch's activation shapes, or each feature's samples (a Ragged's bags, the rows of a
+        2-D array or tensor, the ids of a 1-D one, a list's items). What the engine reads
+        otherwise (it refuses what it cannot read) is left to ``_check_keyed`` after."""
+        if isinstance(features, PreparedBatch):
+            EmbeddingLayer._check_keyed(
+                {name: np.empty(lay.shape, np.bool_) for name, lay in features.features.items()}
+            )
+            return
+        if not isinstance(features, Mapping):
+            return
+        first = None
+        for name, value in features.items():
+            n = _samples(value)
+            if n is None:
+                continue
+            if first is None:
+                first = (name, n)
+            elif n != first[1]:
+                raise ValueError(
+                    f"output='keyed' needs one batch size; feature {name!r} has {n} samples, "
+                    f"feature {first[0]!r} has {first[1]}; nothing was looked up"
+                )
 
     @staticmethod
     def _check_keyed(acts: Mapping[str, np.ndarray]) -> None:
@@ -318,7 +371,13 @@ class EmbeddingLayer(torch.nn.Module):
                 continue
             value = state_dict[key]
             if where is None:
-                state["step"] = int(value.item() if isinstance(value, torch.Tensor) else value)
+                # An integer scalar tensor as an int; anything else as it is, for the
+                # engine's check to refuse by name (int() would truncate 3.7 and take True).
+                integral = isinstance(value, torch.Tensor) and value.numel() == 1
+                integral = integral and not (
+                    value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+                )
+                state["step"] = int(value.item()) if integral else value
                 continue
             if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
                 value = value.detach().cpu().view(torch.int16).numpy().view(BFLOAT16)
