@@ -180,8 +180,13 @@ def check_state(
     if step is None:
         if strict:
             raise ValueError("state has no 'step' (strict=False keeps the engine's step)")
-    elif isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+    elif (
+        isinstance(step, bool | np.bool_)
+        or not isinstance(step, int | np.integer)
+        or not 0 <= step < 2**63
+    ):
+        # A step past int64 would reach the update kernels (numba: a TypeError per call).
+        raise ValueError(f"state['step'] must be an int in [0, 2**63), got {step!r}")
     _check_learning_rates(state.get("learning_rates"), tag_is_callable, strict)
     tables = state.get("tables")
     if tables is None and not strict:

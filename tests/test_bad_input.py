@@ -283,44 +283,6 @@ def test_sharded_engine_timeout_must_be_positive_seconds():
 
 
 @pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_a_batch_looked_up_before_a_load_is_not_applied_after_it(backend):
-    """Its gradients are of the tables before the load: refused, nothing changed. A batch
-    from preprocess() never looked up may still be applied (its update needs no lookup)."""
-    eng = _engine(backend)
-    state = eng.state_dict()
-    acts, batch = eng.lookup_with_batch(GOOD)
-    grads = {k: np.full_like(v, 0.5) for k, v in acts.items()}
-    eng.load_state_dict(state)
-    before = _snapshot(eng)
-    with pytest.raises(ValueError, match="looked up before a load_state_dict or restore"):
-        eng.apply_gradients(grads, batch=batch)
-    assert _snapshot(eng) == before and eng.step == 0
-    prepared = eng.preprocess(GOOD)
-    eng.load_state_dict(state)
-    eng.apply_gradients(grads, batch=prepared)
-    assert eng.step == 1
-
-
-@pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_a_gradient_in_the_tables_memory_updates_as_a_copy_of_it(backend):
-    """A gradient that is a view of a table's weights (a slice of ``embedding_tables``) is
-    read before the update writes the rows: the same result as a copy of it. Rows 1999..0
-    are updated in that order (in tasks, over threads); sample s's gradient is row s, so
-    most gradients are rows some task writes first, unless they are copied."""
-    results = []
-    for aliased in (False, True):
-        t = ee.TableConfig(4000, 8, name="t", combiner="sum")
-        eng = ee.EmbeddingEngine(
-            {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend
-        )
-        eng.lookup({"f": np.arange(2000)[::-1].copy()})
-        view = eng.embedding_tables["t"][:2000]
-        eng.apply_gradients({"f": view if aliased else view.copy()})
-        results.append(eng.embedding_tables["t"].copy())
-    np.testing.assert_array_equal(results[0], results[1])
-
-
-@pytest.mark.parametrize("backend", ["numba", "reference"])
 @pytest.mark.parametrize("bad", [[True], ["0.5"], "5", [np.bool_(True)]])
 def test_learning_rates_refuse_bools_and_strings(backend, bad):
     """``float`` reads True as 1.0 and parses "0.5"; a bare string would be read per
@@ -344,3 +306,52 @@ def test_a_learning_rate_callable_returning_a_bool_or_a_string_is_refused(backen
     with pytest.raises(TypeError, match="must be a number"):
         eng.apply_gradients({"f": np.ones_like(acts["f"])})
     assert _snapshot(eng) == before and eng.step == 0
+
+
+@pytest.mark.parametrize("step", [2**63, 10**30, -1, 3.0, True, np.bool_(True)])
+def test_a_state_step_outside_int64_or_not_an_int_is_refused(step):
+    """A step past int64 reached the update kernels (numba: a TypeError at every update)."""
+    eng = _engine("numba")
+    state = eng.state_dict()
+    before = _snapshot(eng)
+    with pytest.raises(ValueError, match=r"state\['step'\] must be an int in \[0, 2\*\*63\)"):
+        eng.load_state_dict({**state, "step": step})
+    assert _snapshot(eng) == before and eng.step == 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_gradient_in_the_tables_memory_updates_as_a_copy_of_it(backend):
+    """A gradient that is a view of a table's weights (a slice of ``embedding_tables``) is
+    read before the update writes the rows: the same result as a copy of it. Rows 1999..0
+    are updated in that order (in tasks, over threads); sample s's gradient is row s, so
+    most gradients are rows some task writes first, unless they are copied."""
+    results = []
+    for aliased in (False, True):
+        t = ee.TableConfig(4000, 8, name="t", combiner="sum")
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend
+        )
+        eng.lookup({"f": np.arange(2000)[::-1].copy()})
+        view = eng.embedding_tables["t"][:2000]
+        eng.apply_gradients({"f": view if aliased else view.copy()})
+        results.append(eng.embedding_tables["t"].copy())
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_batch_looked_up_before_a_load_is_not_applied_after_it(backend):
+    """Its gradients are of the tables before the load: refused, nothing changed. A batch
+    from preprocess() never looked up may still be applied (its update needs no lookup)."""
+    eng = _engine(backend)
+    state = eng.state_dict()
+    acts, batch = eng.lookup_with_batch(GOOD)
+    grads = {k: np.full_like(v, 0.5) for k, v in acts.items()}
+    eng.load_state_dict(state)
+    before = _snapshot(eng)
+    with pytest.raises(ValueError, match="looked up before a load_state_dict or restore"):
+        eng.apply_gradients(grads, batch=batch)
+    assert _snapshot(eng) == before and eng.step == 0
+    prepared = eng.preprocess(GOOD)
+    eng.load_state_dict(state)
+    eng.apply_gradients(grads, batch=prepared)
+    assert eng.step == 1
