@@ -11,6 +11,7 @@ from conftest import run_python
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import embengine as ee
 from embengine import Ragged
 from embengine.inputs import to_ragged
 
@@ -109,6 +110,11 @@ def test_weights_layout_must_follow_ids():
         to_ragged([[1], [2]], [1.0, 2.0])
     with pytest.raises(ValueError, match=r"weights has shape \(2, 3\) but the ids have shape"):
         to_ragged(np.array([[1, 2], [3, 4]]), np.ones((2, 3)))
+    # 1-D ids take 1-D weights of their shape: [[w0, w1, w2]] is not flattened.
+    for bad in (np.ones((1, 3)), np.ones((3, 1)), np.ones(2)):
+        with pytest.raises(ValueError, match=r"weights has shape .* ids have shape \(3,\)"):
+            to_ragged(np.array([1, 2, 3]), bad)
+    assert to_ragged(np.array([1, 2, 3]), np.ones(3)).weights.shape == (3,)
 
 
 def test_three_d_ids_rejected():
@@ -286,3 +292,20 @@ def test_python_ids_outside_int64_or_not_ints_are_named(value, error, words):
     )
     with pytest.raises(error, match=re.escape("feature 'f': ") + ".*" + re.escape(words)):
         eng.lookup({"f": value})
+
+
+def test_a_sequence_feature_refuses_padding_before_an_id_in_2d_input():
+    """Dropping the -1 of [[5, -1, 7]] would put 7 at position 1; TF keeps it at its column.
+    Trailing padding is what 2-D input means for a sequence; a bag may pad anywhere."""
+    with pytest.raises(ValueError, match=r"id 7 at \[0, 2\] follows padding \(-1 at \[0, 1\]\)"):
+        to_ragged(np.array([[5, -1, 7]]), sequence=True)
+    r = to_ragged(np.array([[5, 7, -1], [-1, -1, -1]]), sequence=True)
+    assert r.ids.tolist() == [5, 7] and r.offsets.tolist() == [0, 2, 2]
+    assert to_ragged(np.array([[5, -1, 7]])).ids.tolist() == [5, 7]
+    t = ee.TableConfig(100, 4, name="t")
+    eng = ee.EmbeddingEngine(
+        {"s": ee.FeatureConfig(t, max_sequence_length=3)}, optimizer=ee.optimizers.SGD(0.1)
+    )
+    with pytest.raises(ValueError, match="feature 's': id 7 at"):
+        eng.lookup({"s": np.array([[5, -1, 7]])})
+    assert eng.step == 0
