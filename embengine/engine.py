@@ -894,7 +894,9 @@ class EmbeddingEngine:
                     "this PreparedBatch was built with training=False (no deduplication) and can "
                     "only be looked up; build it with preprocess(features) to apply gradients"
                 )
-            if batch.looked_up_in is not None and batch.looked_up_in != self._state_id:
+            stale = batch.looked_up_in not in (None, self._state_id)
+            # (A keyed batch's rows from another state: _resolve's error says more.)
+            if stale and batch.resolved_in in (None, self._state_id):
                 raise ValueError(
                     "this batch was looked up before a load_state_dict or restore (or by "
                     "another engine): its gradients are of the tables as they were then; "

@@ -29,9 +29,9 @@ class _Spy:
     def __init__(self, kernel, calls: list):
         self.kernel, self.calls = kernel, calls
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls.append(_types(args))
-        return self.kernel(*args)
+        return self.kernel(*args, **kwargs)
 
 
 def _engine(**table):

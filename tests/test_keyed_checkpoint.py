@@ -417,8 +417,8 @@ def test_a_batch_whose_keyed_rows_predate_a_load_is_refused(backend, tmp_path):
     """A looked-up batch holds the rows its keyed table gave its keys; a load lays the rows out
     anew (by key), so its update would write another key's row, or past the table (a
     segfault on an mmap table). It is refused, nothing changed, as is a batch looked up by
-    another engine of the same configuration; looked up again, it trains. Dense rows are ids:
-    such a batch survives a load."""
+    another engine of the same configuration; looked up again, it trains. A dense batch looked
+    up before a load is refused too: its gradients are of the tables before it."""
     k = ee.TableConfig(None, 2, name="k", optimizer=O.SGD(1.0), initializer=RandomUniform())
     eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(k)}, backend=backend)
     for key in (50, 40, 30, 20, 10):  # rows 0..4 hold 50 .. 10; a load sorts them by key
@@ -453,7 +453,9 @@ def test_a_batch_whose_keyed_rows_predate_a_load_is_refused(backend, tmp_path):
     state = copy.deepcopy(dense.state_dict())
     _, b = dense.lookup_with_batch(values)
     dense.load_state_dict(state)
-    dense.apply_gradients(grads, batch=b)
+    with pytest.raises(ValueError, match="looked up before a load_state_dict or restore"):
+        dense.apply_gradients(grads, batch=b)
+    assert dense.step == 0
 
 
 def test_load_asks_for_a_keyed_tables_from_function_initializer(tmp_path):
