@@ -72,7 +72,9 @@ checks every tensor's name, shape and dtype against the engine and copies under 
 lock, each table's tensors read straight into its memory. A keyed table's tensors are read
 into memory and their values checked first (keys sorted and distinct, pending keys without
 rows, counts >= 0, steps not after the checkpoint's, at most ``max_rows`` rows): a crafted
-keyed checkpoint is a CheckpointError naming the entry, the engine unchanged. It does not make
+keyed checkpoint is a CheckpointError naming the entry, the engine unchanged. A keyed table
+also makes room for its rows (its arena, or its file's blocks) before any table changes, so a
+full disk or exhausted memory is a CheckpointError with the engine unchanged. It does not make
 the copy itself atomic (that would need a second copy of every table): if reading fails midway
 (an I/O error, or a file modified or truncated while it is being copied), the tables already
 copied and part of the current one hold the checkpoint's values, the engine's step is
@@ -1103,6 +1105,11 @@ class CheckpointReader:
             engine.load_state_dict(self.state_dict())
         except (TypeError, ValueError) as e:  # checked before any change (a keyed table's values)
             raise CheckpointError(f"{self.path}: {e}; the engine is unchanged") from e
+        except (OSError, MemoryError) as e:  # a keyed table's room, made before any change
+            raise CheckpointError(
+                f"{self.path}: cannot make room for the checkpoint's rows ({e}); the engine is "
+                "unchanged"
+            ) from e
         except PartialLoadError as e:
             cause = e.__cause__ if e.__cause__ is not None else e
             raise CheckpointError(

@@ -407,8 +407,11 @@ class EmbeddingEngine:
         caller's business. ``strict`` requires every table, each of its arrays and the step;
         ``strict=False`` leaves what the state lacks as it is (unknown names are errors either
         way). The copy runs under the engine's lock and forgets the pending training batch
-        (its gradients came from the tables before). If a TensorSource fails midway, a
-        ``PartialLoadError`` says which tables hold the new values; the step is unchanged."""
+        (its gradients came from the tables before). A keyed table makes room for its state
+        before any table changes: if the system refuses it (a full disk, no memory), the
+        OSError / MemoryError names the table and nothing changed. If a TensorSource fails
+        midway, a ``PartialLoadError`` says which tables hold the new values; the step is
+        unchanged."""
         expected = {
             v.name: v.state_entries()
             if hasattr(v, "state_entries")
@@ -429,8 +432,9 @@ class EmbeddingEngine:
         views = {v.name: v for v in self._tables}
         # Everything is checked; from here on tables change.
         with self._state_lock():
-            # Keyed tables are read and checked whole first (a ValueError changes nothing),
-            # then installed after the dense copies.
+            # Keyed tables are read and checked whole first (a ValueError changes nothing), and
+            # make their room (a refused growth: OSError / MemoryError, nothing changed), then
+            # are installed in their turn, which cannot fail.
             now = self._step if step is None else step
             installs = {
                 name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")
@@ -440,20 +444,21 @@ class EmbeddingEngine:
             done: list[str] = []
             for name, pairs in copies:
                 view = views[name]
-                if name in installs:
-                    installs[name]()
-                    done.append(name)
-                    continue
                 try:
-                    with view.sequential_access():
-                        for key, value in pairs:
-                            out = view.weights if key == WEIGHTS else view.slot(key)
-                            if isinstance(value, np.ndarray):
-                                np.copyto(out, value)
-                            else:
-                                value.read_into(out)  # a TensorSource: chunk by chunk
-                        view.flush()
-                except (OSError, ValueError) as e:
+                    if name in installs:
+                        installs[name]()
+                    else:
+                        with view.sequential_access():
+                            for key, value in pairs:
+                                out = view.weights if key == WEIGHTS else view.slot(key)
+                                if isinstance(value, np.ndarray):
+                                    np.copyto(out, value)
+                                else:
+                                    value.read_into(out)  # a TensorSource: chunk by chunk
+                            view.flush()
+                # MemoryError too (a read's buffer): an OSError or MemoryError that leaves
+                # this method always means nothing changed
+                except (OSError, ValueError, MemoryError) as e:
                     raise PartialLoadError(name, done, self._step, e) from e
                 done.append(name)
             if step is not None:

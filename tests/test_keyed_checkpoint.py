@@ -11,8 +11,11 @@ training engine's evaluation lookup.
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +207,69 @@ def _assert_state(eng, want) -> None:
         assert set(got["tables"][table]) == set(arrays)
         for key, a in arrays.items():
             assert got["tables"][table][key].tobytes() == a.tobytes(), (table, key)
+
+
+def _dense_then_keyed(tmp_path: Path, name: str, storage: str) -> ee.EmbeddingEngine:
+    """A dense table "a" (copied first by a restore), then a keyed table "k"."""
+    a = ee.TableConfig(50, 4, name="a", combiner="sum")
+    k = ee.TableConfig(None, 8, name="k", combiner="sum", dynamic=ee.DynamicVocabulary())
+    return ee.EmbeddingEngine(
+        {"fa": ee.FeatureConfig(a), "fk": ee.FeatureConfig(k)},
+        optimizer=O.Adagrad(learning_rate=0.1),
+        seed=1,
+        backend="reference",
+        storage=storage,
+        storage_dir=tmp_path / name if storage == "mmap" else None,
+    )
+
+
+class _NoAnonymousMemory:
+    """The mmap module, but an anonymous mapping is refused (ENOMEM), as a system out of
+    address space refuses it."""
+
+    def __getattr__(self, name):
+        return getattr(mmap, name)
+
+    @staticmethod
+    def mmap(fileno, *args, **kwargs):
+        if fileno == -1:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return mmap.mmap(fileno, *args, **kwargs)
+
+
+@pytest.mark.parametrize("storage", ["ram", "mmap"])
+def test_a_restore_whose_keyed_table_cannot_grow_changes_nothing(tmp_path, monkeypatch, storage):
+    """A keyed table makes room for the checkpoint's rows (its arena, or its file) before any
+    table changes: a growth the system refuses (a full disk, no memory) is a CheckpointError,
+    every table, slot, key, stat and the step as before (it emptied the keyed table after the
+    dense one was copied, with a bare OSError)."""
+    big = _dense_then_keyed(tmp_path, "big", storage)
+    _step(big, {"fa": np.arange(5000) % 50, "fk": np.arange(5000, dtype=np.int64) * 7})
+    _step(big, {"fa": np.arange(3) % 50, "fk": np.arange(3, dtype=np.int64)})
+    path = big.save(tmp_path / "ckpt")
+    small = _dense_then_keyed(tmp_path, "small", storage)
+    _step(small, {"fa": np.arange(100) % 50, "fk": np.arange(100, dtype=np.int64)})
+    want = copy.deepcopy(small.state_dict())
+    stats = small.table_stats()["k"]
+    if storage == "mmap":  # the file cannot grow past its 1,024 rows
+
+        def full_disk(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full_disk)
+        words = "cannot reserve .*k.f32"
+    else:
+        from embengine.storage import keyed as keyed_mod
+
+        monkeypatch.setattr(keyed_mod, "mmap", _NoAnonymousMemory())
+        words = "table 'k': cannot map"
+    with pytest.raises(CheckpointError, match=f"cannot make room.*{words}.*engine is unchanged"):
+        small.restore(path)
+    _assert_state(small, want)
+    assert small.table_stats()["k"] == stats
+    monkeypatch.undo()  # room again: the same restore succeeds
+    small.restore(path)
+    _assert_state(small, big.state_dict())
 
 
 # -- crafted checkpoints ------------------------------------------------------------------------

@@ -327,7 +327,7 @@ def restore(
         for shard in shards:
             if isinstance(shard, KeyedTable):
                 installs.append(kc.prepare(comm, reader, shard, reader.step))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, MemoryError) as e:  # MemoryError: a shard's room (_stage)
         error = e
     _agree(comm, error is None, "restore")
     if error is not None:

@@ -141,10 +141,11 @@ def reserve(fd: int, start: int, end: int, path: Path, table: str) -> None:
     """Extend a locked table file to ``end`` bytes, the blocks of ``start:end`` reserved with
     posix_fallocate, so that a full disk fails here, with an OSError (ENOSPC) naming the file
     and the bytes, rather than as SIGBUS on a later write into the mapping. The bytes before
-    ``start`` (rows already written) are left alone, also on failure.
+    ``start`` (rows already written) are left alone, also on failure, and a longer file is
+    never shortened (a keyed restore stages its rows while the table's mapping reads them).
 
     Where posix_fallocate does not exist (macOS, Windows) or the file system refuses it
-    (EOPNOTSUPP / EINVAL; glibc otherwise emulates it by writing), the file is only truncated
+    (EOPNOTSUPP / EINVAL; glibc otherwise emulates it by writing), the file is only extended
     to ``end``: it is then sparse, its blocks allocated as the rows are written, and a full
     disk kills the process with SIGBUS then. Copy-on-write file systems (btrfs, ZFS) may also
     need new blocks when a reserved block is rewritten."""
@@ -167,7 +168,8 @@ def reserve(fd: int, start: int, end: int, path: Path, table: str) -> None:
                     f"table {table!r}: cannot reserve {n:,} bytes ({n / 2**20:.1f} MiB) for "
                     f"its file {str(path)!r}{grow}: {e.strerror}{free}",
                 ) from e
-    os.ftruncate(fd, end)
+    if end > os.fstat(fd).st_size:  # never shorter: a mapping may still read past ``end``
+        os.ftruncate(fd, end)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ The storage protocol's optional parts this kind uses (``storage/protocol.py``):
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import mmap
 import os
@@ -616,6 +617,8 @@ class KeyedTable(MappedRows):
             # the old contents: the index that named their rows is gone
             self._fd = open_locked(self.path, self.name)
         old, new = self._capacity * self.row_width * 4, cap * self.row_width * 4
+        # reserve never shortens the file: a restore stages its arena here (``_stage``) while
+        # the table's own mapping still reads the rows past ``new``
         reserve(self._fd, old, new, self.path, self.name)
         mapping = mmap.mmap(self._fd, new)
         _advise(mapping, "MADV_RANDOM")
@@ -1448,34 +1451,34 @@ class KeyedTable(MappedRows):
             else:
                 a[k] = np.asarray(v)
         _check_keyed_state(a, self.dynamic.max_rows, step, at)
-        return lambda: self._install(a, step)
+        staged = self._stage(a, step)
+        return lambda: self._install(staged, a)
 
-    def _install(self, a: dict[str, np.ndarray], step: int) -> None:
-        """Replace the table's contents by a checked state (``prepare_state``): rows 0..n-1 in
-        key order, a fresh index, the pending counts and counters as saved."""
-        self._resolved_step = -1
+    def _stage(self, a: dict[str, np.ndarray], step: int) -> KeyedTable:
+        """Everything a checked state needs that can fail, made before the table changes: a
+        shallow copy of the table given a fresh arena (an anonymous mapping; keyed-mmap: the
+        file grown, never shrunk, and mapped again), row records, index, pending counts and
+        counters. Each is a new object, so building them changes nothing here; a growth the
+        system refuses is its OSError / MemoryError naming the table, the table as it was.
+        ``_install`` swaps them in and copies the rows, which cannot fail."""
+        staged = copy.copy(self)
+        staged._resolved_step = -1
         n = len(a["keys"])
-        self._empty_arena()
-        self._grow(max(n, min(_FIRST_CAPACITY, self._reserved)))
-        self._high, self._free, self._live_rows = n, np.zeros(0, np.int64), None
-        self._expired_memo = None
-        data = self._data
-        data[:n, : self.dim] = a[WEIGHTS]
-        for spec in self.slot_specs:
-            col = self.columns[spec.name]
-            base = data if spec.dtype == "float32" else data.view(np.int32)
-            base[:n, col.start : col.start + col.width] = a[spec.name]
+        staged._empty_arena()
+        staged._grow(max(n, min(_FIRST_CAPACITY, staged._reserved)))
+        staged._high, staged._free, staged._live_rows = n, np.zeros(0, np.int64), None
+        staged._expired_memo = None
         # int32 metadata (_rebase): steps from a base the step is at most _STEP_SPAN past,
         # counts saturated
-        self._step = int(step)
-        self._base = max(0, self._step - _STEP_SPAN)
-        last = a["last_touched"].astype(np.int64) - self._base
-        self._records[:n, _LAST] = np.clip(last, _INT32.min, _INT32.max)
-        self._records[:n, _TOUCHES] = np.minimum(a["touch_counts"], _INT32.max)
-        if self._keeps_time:
-            self._time[:n] = a["last_time"]
-        self._clock, self._call_time = int(a["data_time"][0]), None
-        self._index.insert(a["keys"], np.arange(n, dtype=np.int64))
+        staged._step = int(step)
+        staged._base = max(0, staged._step - _STEP_SPAN)
+        last = a["last_touched"].astype(np.int64) - staged._base
+        staged._records[:n, _LAST] = np.clip(last, _INT32.min, _INT32.max)
+        staged._records[:n, _TOUCHES] = np.minimum(a["touch_counts"], _INT32.max)
+        if staged._keeps_time:
+            staged._time[:n] = a["last_time"]
+        staged._clock, staged._call_time = int(a["data_time"][0]), None
+        staged._index.insert(a["keys"], np.arange(n, dtype=np.int64))
         limit = int(a["meta"][1])
         pending = _Pending(limit)
         p = len(a["pending_keys"])
@@ -1487,11 +1490,24 @@ class KeyedTable(MappedRows):
         pending.step[:p] = a["pending_step"]
         pending.current[:p] = a["pending_current"]
         pending.index.insert(a["pending_keys"], np.arange(p, dtype=np.int64))
-        self._pending = pending
-        self._this = dict(zip(KEYED_COUNTERS, map(int, a["counters"][0]), strict=True))
-        self._total = dict(zip(KEYED_COUNTERS, map(int, a["counters"][1]), strict=True))
-        self._stats_step = int(a["meta"][0])
-        self._step = int(step)
+        staged._pending = pending
+        staged._this = dict(zip(KEYED_COUNTERS, map(int, a["counters"][0]), strict=True))
+        staged._total = dict(zip(KEYED_COUNTERS, map(int, a["counters"][1]), strict=True))
+        staged._stats_step = int(a["meta"][0])
+        return staged
+
+    def _install(self, staged: KeyedTable, a: dict[str, np.ndarray]) -> None:
+        """Replace the table's contents by a staged state (``_stage``): its arena, records,
+        index and counts swapped in (the old arena is released with its last views), then
+        rows 0..n-1 copied in key order into reserved memory or file blocks."""
+        self.__dict__.update(staged.__dict__)
+        n = len(a["keys"])
+        data = self._data
+        data[:n, : self.dim] = a[WEIGHTS]
+        for spec in self.slot_specs:
+            col = self.columns[spec.name]
+            base = data if spec.dtype == "float32" else data.view(np.int32)
+            base[:n, col.start : col.start + col.width] = a[spec.name]
 
     @property
     def slot_names(self) -> tuple[str, ...]:
