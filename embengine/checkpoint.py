@@ -50,7 +50,8 @@ byte changes:
 2. every file the manifest names (tables' ``file``, ``extra.file``, every key of ``files``) is
    a plain ``*.safetensors`` name inside the checkpoint folder (no path, no ``..``, no leading
    dot), listed in ``files`` with its SHA-256 and size, and a regular file (not a symlink) of
-   exactly that size;
+   exactly that size; manifest.json and manifest.sha256 are regular files too (``own_file``:
+   a link is refused, never followed, here and in exports);
 3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256;
 4. every file's safetensors header: each tensor's dtype and shape are those the manifest
    describes, and its data range lies inside the file and holds exactly the bytes its shape
@@ -268,8 +269,8 @@ def _written_finite(ckpt: Path) -> bool:
     """Whether a checkpoint's manifest says every table was finite when written (manifests
     without the flag predate it: finite). An unreadable manifest is not a good checkpoint."""
     try:
-        manifest = json.loads((ckpt / "manifest.json").read_bytes())
-    except (OSError, ValueError):
+        manifest = json.loads(read_own_file(ckpt / "manifest.json"))
+    except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError
         return False
     return isinstance(manifest, dict) and manifest.get("finite", True) is True
 
@@ -764,6 +765,39 @@ def _configs(ckpt: Path, manifest: dict) -> None:
 # -- loading: files -------------------------------------------------------------------------------
 
 
+def own_file(file: Path) -> os.stat_result:
+    """The lstat of a file a checkpoint or an export is read from (manifest.json,
+    manifest.sha256, a listed safetensors file): a CheckpointError if it is missing or is not a
+    regular file of its folder. A symbolic link could lead to any file the process can read, so
+    links are refused, never followed."""
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(
+            f"{file} is not a regular file (a symbolic link, folder or device): checkpoint and "
+            "export files must be the folder's own files"
+        )
+    return st
+
+
+def read_own_file(file: Path) -> bytes:
+    """The bytes of ``file`` (manifest.json, manifest.sha256), a regular file of its folder
+    (``own_file``), opened without following a link (O_NOFOLLOW: a link swapped in after the
+    check is refused too; O_NONBLOCK: a FIFO swapped in does not hang the open)."""
+    own_file(file)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(file, flags)
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"{file} is not a regular file (replaced while being read)")
+        return f.read()
+
+
 def _resolve(path: str | Path) -> Path:
     path = Path(path)
     if (path / "manifest.json").is_file():
@@ -781,7 +815,7 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
     """(checkpoint directory, manifest, every file's checked safetensors header by name) after
     every check of the module docstring; ``verify=False`` skips only the hashing."""
     ckpt = _resolve(path)
-    raw = (ckpt / "manifest.json").read_bytes()
+    raw = read_own_file(ckpt / "manifest.json")
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, too many digits, too deep
@@ -801,8 +835,8 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
     _check_schema(ckpt, manifest)
     digest_file = ckpt / "manifest.sha256"
     if verify and (
-        not digest_file.is_file()
-        or digest_file.read_bytes().strip() != hashlib.sha256(raw).hexdigest().encode()
+        not os.path.lexists(digest_file)
+        or read_own_file(digest_file).strip() != hashlib.sha256(raw).hexdigest().encode()
     ):
         raise CheckpointError(
             f"checksum mismatch in {ckpt / 'manifest.json'}: the manifest was modified (or "
@@ -811,15 +845,7 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
     files = manifest["files"]
     for name, info in files.items():
         file = ckpt / name
-        try:
-            st = os.lstat(file)
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(
-                f"{file} is not a regular file (a symbolic link, folder or device): checkpoint "
-                "files must be the folder's own files"
-            )
+        st = own_file(file)
         if st.st_size != info["bytes"]:
             raise CheckpointError(
                 f"{file} has {st.st_size} bytes, the manifest says {info['bytes']} "

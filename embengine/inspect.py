@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checkpoint import FORMAT, read_manifest
+from .checkpoint import FORMAT, read_manifest, read_own_file
 from .safetensors_io import read_header
 from .serving import SERVING_FORMAT, read_serving_manifest
 
@@ -18,8 +18,8 @@ def _format_of(path: Path) -> str:
     manifest = path / "manifest.json"
     if manifest.is_file():
         try:
-            data = json.loads(manifest.read_bytes())
-        except (ValueError, RecursionError):
+            data = json.loads(read_own_file(manifest))
+        except (ValueError, RecursionError):  # CheckpointError: read_manifest says it again
             return FORMAT
         return data.get("format", FORMAT) if isinstance(data, dict) else FORMAT
     return FORMAT

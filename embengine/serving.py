@@ -38,10 +38,11 @@ Loading (``ServingEngine.load(path, verify=True)``, ``read_serving_manifest``) c
 builds or maps anything: the format and version; with ``verify``, manifest.sha256 against
 manifest.json; every key and type of the manifest; that every file name is a plain
 ``*.safetensors`` name inside the folder, listed with its SHA-256 and size and used by exactly one
-table; every file's size; with ``verify``, every file's SHA-256; and every tensor's header (names,
-dtype, shape, byte range) against the table's vocabulary_size, dim and compression. Any failure
-is a ``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
-files), never the other checks.
+table; every file (manifest.json and manifest.sha256 too) a regular file, never a symbolic link
+(which could lead outside the folder); every file's size; with ``verify``, every file's
+SHA-256; and every tensor's header (names, dtype, shape, byte range) against the table's
+vocabulary_size, dim and compression. Any failure is a ``CheckpointError``. ``verify=False``
+skips only the hashing (of manifest.json and of the files), never the other checks.
 
 Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
 error saying to re-export (``embengine export CKPT OUT --replace``) or to load with
@@ -74,7 +75,7 @@ from .batch import (
     prepare,
 )
 from .checkpoint import FORMAT as CHECKPOINT_FORMAT
-from .checkpoint import CheckpointError, read_checkpoint
+from .checkpoint import CheckpointError, own_file, read_checkpoint, read_own_file
 from .config import (
     COMBINERS,
     COMPRESSIONS,
@@ -280,8 +281,8 @@ def _some(names: Sequence[str]) -> str:
 def _read_json_dict(file: Path) -> dict | None:
     """The JSON object in ``file``, or None if it is missing or not a JSON object."""
     try:
-        data = json.loads(file.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(read_own_file(file))  # a link is not an export's manifest
+    except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError
         return None
     return data if isinstance(data, dict) else None
 
@@ -694,12 +695,11 @@ _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "I64": 8}
 
 
 def _check_files(path: Path, manifest: dict, verify: bool) -> None:
-    """Every listed file exists with its size; with ``verify``, its SHA-256."""
+    """Every listed file exists, a regular file of the folder (a symbolic link is refused:
+    ``own_file``), with its size; with ``verify``, its SHA-256."""
     for name, info in manifest["files"].items():
         f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing")
-        size = f.stat().st_size
+        size = own_file(f).st_size
         if size != info["bytes"]:
             raise CheckpointError(
                 f"{f} has {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"
@@ -798,9 +798,9 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
     (CheckpointError if one fails); ``verify=False`` skips only the hashing."""
     path = Path(path)
     file = path / "manifest.json"
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise CheckpointError(f"{path}: no manifest.json (not an embengine export)")
-    raw = file.read_bytes()
+    raw = read_own_file(file)
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
@@ -816,14 +816,14 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
         )
     if verify:
         digest = path / "manifest.sha256"
-        if not digest.is_file():
+        if not os.path.lexists(digest):
             raise CheckpointError(
                 f"{path}: no manifest.sha256, so manifest.json cannot be verified (exports "
                 "written before embengine checksummed their manifests have none); re-export it "
                 "with `embengine export CKPT OUT --replace`, or load it with verify=False "
                 "(`embengine inspect --no-verify`), which makes every check but the hashes"
             )
-        if digest.read_text(errors="replace").strip() != hashlib.sha256(raw).hexdigest():
+        if read_own_file(digest).strip() != hashlib.sha256(raw).hexdigest().encode():
             raise CheckpointError(
                 f"checksum mismatch in {file}: the manifest was modified (manifest.sha256 differs)"
             )

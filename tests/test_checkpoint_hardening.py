@@ -394,6 +394,24 @@ def test_a_symlinked_table_file_is_refused(saved, tmp_path):
     _all_refusals(path, tmp_path, match="not a regular file")
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sha256"])
+def test_a_symlinked_manifest_is_refused(saved, tmp_path, name):
+    """manifest.json and manifest.sha256 are refused as links too (they were followed, to
+    wherever they led); manifest.sha256 is read only with verify."""
+    _, path = saved
+    moved = tmp_path / "outside" / name
+    moved.parent.mkdir()
+    shutil.move(path / name, moved)
+    (path / name).symlink_to(moved)
+    if name == "manifest.json":
+        _all_refusals(path, tmp_path, match=f"{name} is not a regular file")
+        return
+    for read in (ee.EmbeddingEngine.load, read_manifest, describe, _engine().restore):
+        with pytest.raises(CheckpointError, match=f"{name} is not a regular file"):
+            read(path)
+    assert ee.EmbeddingEngine.load(path, verify=False).step == 2
+
+
 def test_verify_false_skips_only_the_hashing(saved, tmp_path):
     """verify=False still checks names, sizes and headers: a truncated file is refused before
     anything changes (it used to fail halfway through the restore)."""

@@ -19,6 +19,7 @@ import embengine as ee
 from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError
 from embengine.engine import BACKENDS
+from embengine.inspect import describe
 from embengine.serving import COMPRESSIONS, ServingEngine, error_bound, export
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,6 +408,33 @@ def test_serving_engine_refuses_a_folder_without_export(tmp_path, trained):
     _, path = trained
     with pytest.raises(CheckpointError, match="not an embengine export"):
         ServingEngine.load(path)  # a training checkpoint is not an export
+
+
+@pytest.mark.parametrize(
+    "name, verify",
+    [
+        ("table-000.safetensors", True),
+        ("table-000.safetensors", False),
+        ("manifest.json", True),
+        ("manifest.json", False),
+        ("manifest.sha256", True),  # read only with verify
+    ],
+)
+def test_serving_refuses_symlinked_files(trained_ref, tmp_path, name, verify):
+    """A file of an export that is a symbolic link (here to the same file moved outside the
+    export, so every hash matches) could lead to any file the server can read: refused, as a
+    checkpoint's are (it was followed: is_file() and stat() follow links)."""
+    _, path = trained_ref
+    out = tmp_path / "out"
+    export(path, out)
+    moved = tmp_path / "outside" / name
+    moved.parent.mkdir()
+    shutil.move(out / name, moved)
+    (out / name).symlink_to(moved)
+    with pytest.raises(CheckpointError, match=f"{name} is not a regular file"):
+        ServingEngine.load(out, verify=verify)
+    with pytest.raises(CheckpointError, match=f"{name} is not a regular file"):
+        describe(out, verify=verify)
 
 
 # -- threads, sequences, output_shape -------------------------------------------------------------
