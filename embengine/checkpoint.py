@@ -52,7 +52,9 @@ byte changes:
    dot), listed in ``files`` with its SHA-256 and size, and a regular file (not a symlink) of
    exactly that size; manifest.json and manifest.sha256 are regular files too (``own_file``:
    a link is refused, never followed, here and in exports);
-3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256;
+3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256 (manifest.json
+   and manifest.sha256 are read only up to MAX_MANIFEST_BYTES, 64 MiB: a larger one is
+   refused before it is read);
 4. every file's safetensors header: each tensor's dtype and shape are those the manifest
    describes, and its data range lies inside the file and holds exactly the bytes its shape
    needs. A small file can therefore never make a load allocate a large table.
@@ -782,20 +784,44 @@ def own_file(file: Path) -> os.stat_result:
     return st
 
 
+# manifest.json and manifest.sha256 are read whole, so their size is capped before reading (a
+# sparse file of many GiB costs nothing on disk). A manifest takes ~1.7 KB a table (its
+# optimizer, initializer, slots and file) and ~0.2 KB a feature: 64 MiB holds ~40,000 tables,
+# ten times the largest models' thousands, and parsing it takes a few hundred MB at most.
+MAX_MANIFEST_BYTES = 64 << 20
+
+
 def read_own_file(file: Path) -> bytes:
     """The bytes of ``file`` (manifest.json, manifest.sha256), a regular file of its folder
-    (``own_file``), opened without following a link (O_NOFOLLOW: a link swapped in after the
-    check is refused too; O_NONBLOCK: a FIFO swapped in does not hang the open)."""
-    own_file(file)
+    (``own_file``) of at most MAX_MANIFEST_BYTES, opened without following a link (O_NOFOLLOW:
+    a link swapped in after the check is refused too; O_NONBLOCK: a FIFO swapped in does not
+    hang the open). A CheckpointError names the file and its size if it is larger."""
+    size = own_file(file).st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(_too_large(file, size))
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(file, flags)
     except OSError as e:
         raise CheckpointError(f"{file} cannot be read ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{file} is not a regular file (replaced while being read)")
-        return f.read()
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(_too_large(file, st.st_size))
+        # its size and one byte more, never the cap: read(n) allocates n bytes up front
+        data = f.read(st.st_size + 1)
+    if len(data) > st.st_size:
+        raise CheckpointError(f"{file} grew while being read (written meanwhile?)")
+    return data
+
+
+def _too_large(file: Path, size: int) -> str:
+    return (
+        f"{file} is {size:,} bytes, more than a manifest may be ({MAX_MANIFEST_BYTES:,} bytes, "
+        "room for tens of thousands of tables): not an embengine manifest"
+    )
 
 
 def _resolve(path: str | Path) -> Path:

@@ -196,7 +196,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         print(describe(args.path, verify=not args.no_verify))
-    except (ValueError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:  # OSError: a file it may not read, ...
         print(f"embengine inspect: error: {e}", file=sys.stderr)
         return 1
     return 0

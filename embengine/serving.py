@@ -39,10 +39,12 @@ builds or maps anything: the format and version; with ``verify``, manifest.sha25
 manifest.json; every key and type of the manifest; that every file name is a plain
 ``*.safetensors`` name inside the folder, listed with its SHA-256 and size and used by exactly one
 table; every file (manifest.json and manifest.sha256 too) a regular file, never a symbolic link
-(which could lead outside the folder); every file's size; with ``verify``, every file's
-SHA-256; and every tensor's header (names, dtype, shape, byte range) against the table's
-vocabulary_size, dim and compression. Any failure is a ``CheckpointError``. ``verify=False``
-skips only the hashing (of manifest.json and of the files), never the other checks.
+(which could lead outside the folder); manifest.json and manifest.sha256 at most
+``checkpoint.MAX_MANIFEST_BYTES`` (64 MiB; read whole, so refused before reading); every file's
+size; with ``verify``, every file's SHA-256; and every tensor's header (names, dtype, shape,
+byte range) against the table's vocabulary_size, dim and compression. Any failure is a
+``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
+files), never the other checks.
 
 Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
 error saying to re-export (``embengine export CKPT OUT --replace``) or to load with

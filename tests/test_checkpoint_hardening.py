@@ -412,6 +412,32 @@ def test_a_symlinked_manifest_is_refused(saved, tmp_path, name):
     assert ee.EmbeddingEngine.load(path, verify=False).step == 2
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sha256"])
+def test_a_manifest_larger_than_the_cap_is_refused_before_it_is_read(saved, tmp_path, name):
+    """manifest.json and manifest.sha256 are read whole: one past MAX_MANIFEST_BYTES (sparse,
+    so free on disk) is a CheckpointError naming the file and the limit, never a MemoryError
+    (a 3 GiB one was read whole); manifest.sha256 is read only with verify."""
+    _, path = saved
+    limit = ckpt_mod.MAX_MANIFEST_BYTES
+    with open(path / name, "r+b") as f:
+        f.truncate(limit + 1)
+    match = f"{name} is {limit + 1:,} bytes, more than a manifest may be \\({limit:,} bytes"
+    if name == "manifest.json":
+        _all_refusals(path, tmp_path, match=match)
+    else:
+        for read in (ee.EmbeddingEngine.load, read_manifest, describe, _engine().restore):
+            with pytest.raises(CheckpointError, match=match):
+                read(path)
+    out = subprocess.run(
+        [sys.executable, "-m", "embengine", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 1 and "more than a manifest may be" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_verify_false_skips_only_the_hashing(saved, tmp_path):
     """verify=False still checks names, sizes and headers: a truncated file is refused before
     anything changes (it used to fail halfway through the restore)."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import embengine as ee
+from embengine import checkpoint as ckpt_mod
 from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError
 from embengine.engine import BACKENDS
@@ -435,6 +436,22 @@ def test_serving_refuses_symlinked_files(trained_ref, tmp_path, name, verify):
         ServingEngine.load(out, verify=verify)
     with pytest.raises(CheckpointError, match=f"{name} is not a regular file"):
         describe(out, verify=verify)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sha256"])
+def test_serving_refuses_a_manifest_larger_than_the_cap(trained_ref, tmp_path, name):
+    """An export's manifest.json / manifest.sha256 past MAX_MANIFEST_BYTES (sparse: free on
+    disk) is refused before it is read, naming the file and the limit (it was read whole)."""
+    _, path = trained_ref
+    out = tmp_path / "out"
+    export(path, out)
+    limit = ckpt_mod.MAX_MANIFEST_BYTES
+    with open(out / name, "r+b") as f:
+        f.truncate(limit + 1)
+    match = f"{name} is {limit + 1:,} bytes, more than a manifest may be \\({limit:,} bytes"
+    for read in (ServingEngine.load, describe):
+        with pytest.raises(CheckpointError, match=match):
+            read(out)
 
 
 # -- threads, sequences, output_shape -------------------------------------------------------------
