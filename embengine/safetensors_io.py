@@ -135,7 +135,9 @@ def read_header(path: str | Path) -> tuple[dict, int]:
 
     Every tensor entry is checked before it is returned: a known dtype, a shape of ints >= 0,
     and a data range inside the file holding exactly the bytes its shape needs, so a small file
-    can never declare a tensor larger than itself (ValueError naming the file and tensor)."""
+    can never declare a tensor larger than itself (ValueError naming the file and tensor); and,
+    as the ``safetensors`` package requires, the ranges follow each other without gaps or
+    overlaps (no tensor reads another's bytes) and end at the file's end."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -162,7 +164,32 @@ def read_header(path: str | Path) -> tuple[dict, int]:
         problem = _entry_problem(info, size - start)
         if problem is not None:
             raise ValueError(f"{path}: tensor {name!r} {problem}")
+    _check_layout(path, header, size - start)
     return header, start
+
+
+def _check_layout(path: Path, header: dict, data_bytes: int) -> None:
+    """What the ``safetensors`` package requires of checked entries: their data ranges, in
+    the order of their offsets, follow each other without a gap or an overlap and end at the
+    file's end. Two tensors on the same bytes (one read as the other) or bytes no tensor holds
+    are a ValueError naming the file and the tensor."""
+    ranges = sorted(
+        (*info["data_offsets"], name) for name, info in header.items() if name != "__metadata__"
+    )
+    end = 0
+    for lo, hi, name in ranges:
+        if lo != end:
+            how = "overlaps another tensor's" if lo < end else f"leaves bytes {end}:{lo} unused"
+            raise ValueError(
+                f"{path}: tensor {name!r} (data_offsets [{lo}, {hi}]) {how}; safetensors "
+                "requires the tensors' data to follow each other, without gaps or overlaps"
+            )
+        end = hi
+    if end != data_bytes:
+        raise ValueError(
+            f"{path}: the tensors' data ends at byte {end}, the file holds {data_bytes} data "
+            "bytes (trailing bytes); safetensors requires the data to end with the file"
+        )
 
 
 def read_tensor(

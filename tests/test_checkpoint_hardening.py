@@ -534,6 +534,74 @@ def test_read_header_refuses_data_ranges_that_do_not_match_the_shape(tmp_path):
             read_header(f)
 
 
+def _offsets_file(ranges: dict[str, tuple[int, int]], data_bytes: int) -> bytes:
+    """A safetensors file of U8 tensors at the given data ranges, then ``data_bytes`` bytes."""
+    header = {
+        name: {"dtype": "U8", "shape": [hi - lo], "data_offsets": [lo, hi]}
+        for name, (lo, hi) in ranges.items()
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"\1" * data_bytes
+
+
+def test_read_header_requires_contiguous_ranges_that_cover_the_data(tmp_path):
+    """What the safetensors package requires: the ranges, in offset order, follow each other
+    without gaps or overlaps and end with the file. Two tensors on one range (one read as the
+    other) and trailing bytes were accepted; the package agrees on every case."""
+    f = tmp_path / "x.safetensors"
+    refused = {
+        "alias": ({"a": (0, 8), "b": (0, 8)}, 8, "'b' .* overlaps another tensor's"),
+        "overlap": ({"a": (0, 8), "b": (4, 12)}, 12, "'b' .* overlaps"),
+        "gap": ({"a": (0, 4), "b": (8, 12)}, 12, "'b' .* leaves bytes 4:8 unused"),
+        "trailing": ({"a": (0, 8)}, 12, "ends at byte 8, the file holds 12 data bytes"),
+        "no-tensor": ({}, 4, "ends at byte 0, the file holds 4"),
+    }
+    accepted = {
+        "listed-out-of-order": ({"b": (4, 8), "a": (0, 4)}, 8),
+        "empty-tensors-share-an-offset": ({"a": (0, 0), "b": (0, 0), "c": (0, 4)}, 4),
+        "empty-at-the-end": ({"c": (0, 4), "a": (4, 4)}, 4),
+        "nothing": ({}, 0),
+    }
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:  # an optional cross-check
+        load_file = None
+    for ranges, data, words in refused.values():
+        f.write_bytes(_offsets_file(ranges, data))
+        with pytest.raises(ValueError, match=f"x.safetensors: .*{words}"):
+            read_header(f)
+        if load_file is not None:
+            with pytest.raises(Exception, match="offset|not fully covered"):
+                load_file(f)
+    for ranges, data in accepted.values():
+        f.write_bytes(_offsets_file(ranges, data))
+        assert sorted(n for n in read_header(f)[0] if n != "__metadata__") == sorted(ranges)
+        if load_file is not None:
+            assert sorted(load_file(f)) == sorted(ranges)
+
+
+@pytest.mark.parametrize("how", ["alias", "trailing"])
+def test_a_checkpoint_whose_tensors_share_bytes_is_refused(saved, tmp_path, how):
+    """An accumulator pointed at its table's weights (or bytes after the data), hashes
+    recomputed: every reader refuses it, the engine unchanged (the restore loaded the weights
+    as accumulators)."""
+    _, path = saved
+    f = path / "table-000.safetensors"
+    header, start = read_header(f)
+    raw = f.read_bytes()
+    header = dict(header)
+    if how == "alias":
+        header["t/accumulators"] = dict(header["t/accumulators"])
+        header["t/accumulators"]["data_offsets"] = list(header["t"]["data_offsets"])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data = raw[start:] + (b"\0" * 8 if how == "trailing" else b"")
+    _replace_file(path, f.name, struct.pack("<Q", len(text)) + text + data)
+    words = "overlaps another tensor's" if how == "alias" else "trailing bytes"
+    _all_refusals(path, tmp_path, match=f"table-000.safetensors.*{words}")
+
+
 # -- item 6: a restore either fails before any table changes, or succeeds -------------------------
 
 

@@ -662,7 +662,7 @@ def _safetensors(header: dict, data: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-@pytest.mark.parametrize("case", ["short-range", "extra-tensor", "bad-offsets"])
+@pytest.mark.parametrize("case", ["short-range", "extra-tensor", "bad-offsets", "trailing"])
 @pytest.mark.parametrize("verify", [True, False])
 def test_table_files_whose_header_disagrees_are_refused(exported, case, verify):
     """Rewritten table files with their checksums and sizes updated: only the header check can
@@ -675,9 +675,11 @@ def test_table_files_whose_header_disagrees_are_refused(exported, case, verify):
         header = {"weights": weights}
     elif case == "extra-tensor":
         header = {"weights": weights, "more": {"dtype": "I8", "shape": [0], "data_offsets": [0, 0]}}
-    else:
+    elif case == "bad-offsets":
         weights["data_offsets"] = "all"
         header = {"weights": weights}
+    else:  # bytes after the data no tensor holds: the safetensors package refuses them
+        header, data = {"weights": weights}, data + b"\0" * 8
     f.write_bytes(_safetensors(header, data))
     manifest = json.loads((exported / "manifest.json").read_text())
     manifest["files"]["table-000.safetensors"] = {
