@@ -50,14 +50,16 @@ byte changes:
 2. every file the manifest names (tables' ``file``, ``extra.file``, every key of ``files``) is
    a plain ``*.safetensors`` name inside the checkpoint folder (no path, no ``..``, no leading
    dot), listed in ``files`` with its SHA-256 and size, and a regular file (not a symlink) of
-   exactly that size; manifest.json and manifest.sha256 are regular files too (``own_file``:
-   a link is refused, never followed, here and in exports);
+   exactly that size, no two of them one file (hard links); manifest.json and manifest.sha256
+   are regular files too (``own_file``: a link is refused, never followed, here and in
+   exports);
 3. with ``verify`` (the default): ``manifest.sha256`` and every file's SHA-256 (manifest.json
    and manifest.sha256 are read only up to MAX_MANIFEST_BYTES, 64 MiB: a larger one is
    refused before it is read);
 4. every file's safetensors header: each tensor's dtype and shape are those the manifest
    describes, and its data range lies inside the file and holds exactly the bytes its shape
-   needs. A small file can therefore never make a load allocate a large table.
+   needs. A small file can therefore never make a load allocate a large table. Headers are
+   parsed one at a time, keeping only the entries the readers use.
 
 ``verify=False`` skips only the hashing (3), never 1, 2 or 4. Nothing is ever unpickled.
 
@@ -869,6 +871,7 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
             "manifest.sha256 is missing)"
         )
     files = manifest["files"]
+    seen: dict[tuple[int, int], str] = {}
     for name, info in files.items():
         file = ckpt / name
         st = own_file(file)
@@ -876,6 +879,14 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
             raise CheckpointError(
                 f"{file} has {st.st_size} bytes, the manifest says {info['bytes']} "
                 "(truncated or replaced)"
+            )
+        # A file under two names would be parsed and hashed once per name; embengine never
+        # writes one.
+        other = seen.setdefault((st.st_dev, st.st_ino), name)
+        if other != name:
+            raise CheckpointError(
+                f"{file} and {ckpt / other} are one file (hard links): a checkpoint's files "
+                "are distinct files"
             )
     if verify:
         for name, info in files.items():
@@ -896,26 +907,38 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
     """Every file's header is valid safetensors whose data ranges lie inside the file and hold
     exactly the bytes their shapes need (read_header), and every table file holds the weights
     and slots the manifest describes (names, dtypes, shapes). So nothing is allocated for a
-    tensor the file does not hold, and a restore cannot fail halfway on a file at rest."""
+    tensor the file does not hold, and a restore cannot fail halfway on a file at rest.
+
+    Headers are parsed one file at a time, and only what the readers use is kept: a table
+    file's entries of its table's tensors, the extra file's whole header (its tensors are all
+    the caller's); other listed files are checked, then dropped. So however many files a
+    manifest lists (each header up to 100 MB of JSON), one parsed header at a time is held."""
+    tables: dict[str, list[dict]] = {}
+    for t in manifest["tables"]:
+        tables.setdefault(t["file"], []).append(t)
+    extra = manifest["extra"]["file"]
     headers: Headers = {}
-    for name in manifest["files"]:
+    for file_name in manifest["files"]:
+        file = ckpt / file_name
         try:
-            headers[name] = read_header(ckpt / name)
+            header, start = read_header(file)
         except ValueError as e:  # the message names the file and the tensor
             raise CheckpointError(str(e)) from None
-    for t in manifest["tables"]:
-        file = ckpt / t["file"]
-        header, _ = headers[t["file"]]
-        expected = _expected_tensors(t)
-        for name, (dtype, shape) in expected.items():
-            info = header.get(name)
-            if info is None or name == "__metadata__":
-                raise CheckpointError(f"{file}: no tensor {name!r}")
-            if info["dtype"] != dtype or info["shape"] != shape:
-                raise CheckpointError(
-                    f"{file}: tensor {name!r} has dtype {info['dtype']} and shape "
-                    f"{info['shape']}, expected {dtype} and shape {shape}"
-                )
+        kept = header if file_name == extra else {}
+        for t in tables.get(file_name, ()):
+            for name, (dtype, shape) in _expected_tensors(t).items():
+                info = header.get(name)
+                if info is None or name == "__metadata__":
+                    raise CheckpointError(f"{file}: no tensor {name!r}")
+                if info["dtype"] != dtype or info["shape"] != shape:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} has dtype {info['dtype']} and shape "
+                        f"{info['shape']}, expected {dtype} and shape {shape}"
+                    )
+                kept[name] = info
+        if file_name in tables or file_name == extra:
+            headers[file_name] = (kept, start)
+        del header  # before the next file's is parsed
     return headers
 
 

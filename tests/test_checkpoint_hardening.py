@@ -602,6 +602,57 @@ def test_a_checkpoint_whose_tensors_share_bytes_is_refused(saved, tmp_path, how)
     _all_refusals(path, tmp_path, match=f"table-000.safetensors.*{words}")
 
 
+def test_a_checkpoint_file_listed_under_two_names_is_refused(saved, tmp_path):
+    """Two listed names of one file (a hard link) would be parsed and hashed once per name
+    (1,000 links of a 100 MB header asked for hundreds of GB): refused, naming both."""
+    _, path = saved
+    os.link(path / "table-000.safetensors", path / "again.safetensors")
+    _edit_manifest(
+        path,
+        lambda m: m["files"].__setitem__(
+            "again.safetensors", _file_entry(path / "again.safetensors")
+        ),
+    )
+    _all_refusals(
+        path, tmp_path, match="again.safetensors and .*table-000.safetensors are one file"
+    )
+
+
+def test_headers_are_parsed_one_at_a_time(saved, tmp_path):
+    """Files a manifest lists beyond its tables' (each here a distinct file whose header lists
+    60,000 empty tensors) are checked and dropped, and a table file's unused entries too: a
+    load holds one parsed header at a time, not all of them (it kept every one)."""
+    import tracemalloc
+
+    _, path = saved
+    ckpt_mod.read_checkpoint(path)  # what it imports the first time is not measured
+    entry = '"x%06d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}'
+    text = ("{" + ",".join(entry % i for i in range(60_000)) + "}").encode()
+    text += b" " * (-len(text) % 8)
+    names = [f"big-{i}.safetensors" for i in range(4)]
+    for name in names:
+        (path / name).write_bytes(struct.pack("<Q", len(text)) + text)
+
+    def add(m):
+        for name in names:
+            m["files"][name] = _file_entry(path / name)
+
+    _edit_manifest(path, add)
+    tracemalloc.start()
+    try:
+        read_header(path / names[0])
+        one = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        _, reader = ckpt_mod.read_checkpoint(path, verify=False)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - before < 2 * one, f"peak {peak - before:,} bytes, one header {one:,}"
+    assert held - before < one / 10, f"{held - before:,} bytes held after the checks"
+    assert reader.state_dict()["step"] == 2
+
+
 # -- item 6: a restore either fails before any table changes, or succeeds -------------------------
 
 
