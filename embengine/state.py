@@ -32,7 +32,9 @@ A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED
     pending_current  int64 [p]         their occurrences in that step
     counters         int64 [2, 7]      ``KEYED_COUNTERS`` of the last step that trained the
                                        table, then the totals before it
-    meta             int64 [2]         that step (-1: none yet), and ``max_pending``
+    meta             int64 [2]         that step (-1: none yet), and ``max_pending`` (for
+                                       information: a load keeps the engine's, forgetting
+                                       the pending keys past it, seen longest ago first)
     data_time        int64 [1]         the table's data time (int64 min: no timestamp yet)
 
 ``n`` and ``p`` are each one length shared by their entries (``Expected`` writes them as the

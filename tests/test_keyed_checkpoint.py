@@ -272,6 +272,41 @@ def test_a_restore_whose_keyed_table_cannot_grow_changes_nothing(tmp_path, monke
     _assert_state(small, big.state_dict())
 
 
+def test_a_restore_keeps_the_engines_max_pending(tmp_path):
+    """The rules are the engine's, max_pending too (restore took the checkpoint's bound, any
+    value >= 0, 2^62 too). Pending keys past the engine's bound are forgotten as the bound
+    forgets them, seen longest ago first, then smaller keys, and counted as forgotten; a
+    bound the setter refuses is refused in a state."""
+
+    def engine(max_rows=None):
+        dynamic = ee.DynamicVocabulary(occurrence_threshold=5, max_rows=max_rows)
+        k = ee.TableConfig(None, 4, name="k", combiner="sum", dynamic=dynamic)
+        return ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(k)}, optimizer=O.SGD(0.1), seed=1, backend="reference"
+        )
+
+    src = engine()  # max_pending 2^22
+    for keys in (np.arange(30), np.arange(100, 130)):  # steps 0 and 1: 60 keys pending
+        _step(src, {"f": keys.astype(np.int64)})
+    assert src.table_stats()["k"]["pending_keys"] == 60
+    path = src.save(tmp_path / "ckpt")
+    dst = engine(max_rows=10)  # max_pending 4 * 10
+    dst.restore(path)
+    assert dst._physical[0].max_pending == 40
+    stats = dst.table_stats()["k"]
+    assert stats["pending_keys"] == 40 and stats["total"]["forgotten"] == 20
+    want = list(range(20, 30)) + list(range(100, 130))  # step 0's smaller keys forgotten
+    assert dst.state_dict()["tables"]["k"]["pending_keys"].tolist() == want
+    loaded = copy.deepcopy(src.state_dict())
+    dst.load_state_dict(loaded)  # the same through the state API
+    assert dst.state_dict()["tables"]["k"]["pending_keys"].tolist() == want
+    for bad in (2**31, 2**62, -1):
+        loaded["tables"]["k"]["meta"][1] = bad
+        with pytest.raises(ValueError, match=rf"\['meta'\]\[1\] \(max_pending\) is {bad}; it"):
+            dst.load_state_dict(loaded)
+    assert dst._physical[0].max_pending == 40
+
+
 # -- crafted checkpoints ------------------------------------------------------------------------
 
 

@@ -547,7 +547,9 @@ class KeyedTable(MappedRows):
     def max_pending(self) -> int:
         """At most this many keys wait for admission with their counts (``DynamicVocabulary``:
         the ones seen longest ago are forgotten first); 4 * max_rows (at most 2^31 - 1), or
-        2^22 without it."""
+        2^22 without it. The engine's rule: a restore or ``load_state_dict`` keeps it (the
+        state's ``meta[1]`` is checked, not taken), forgetting the pending keys past it by
+        the same rule."""
         return self._pending.limit
 
     @max_pending.setter
@@ -1431,8 +1433,9 @@ class KeyedTable(MappedRows):
         shapes and dtypes ``state.check_state`` checked) for the engine's ``step``; returns a
         function that installs it. Nothing changes until it is called: a bad state is a
         ValueError naming the entry (``at[entry]``) and the value, as is a source that cannot be
-        read. The rules (``dynamic``) are the engine's: a state with more rows than
-        ``max_rows`` is refused."""
+        read. The rules (``dynamic``, ``max_pending``) are the engine's: a state with more
+        rows than ``max_rows`` is refused; pending keys past ``max_pending`` are forgotten,
+        seen longest ago first."""
         wanted = [WEIGHTS, *self.slot_names, *keyed_entries(self.dim, [])]
         missing = [k for k in dict.fromkeys(wanted) if k not in entries]
         if missing:
@@ -1479,20 +1482,24 @@ class KeyedTable(MappedRows):
             staged._time[:n] = a["last_time"]
         staged._clock, staged._call_time = int(a["data_time"][0]), None
         staged._index.insert(a["keys"], np.arange(n, dtype=np.int64))
-        limit = int(a["meta"][1])
-        pending = _Pending(limit)
-        p = len(a["pending_keys"])
+        # The engine's bound, not the state's meta[1] (the rules are the engine's): pending
+        # keys past it are forgotten as the bound forgets them, seen longest ago first, then
+        # smaller keys, and counted as forgotten
+        pending = _Pending(self._pending.limit)
+        keep = _newest_pending(a["pending_keys"], a["pending_step"], pending.limit)
+        p = int(keep.sum())
         pending.high = p
         if p > len(pending.earlier):
             for name in ("earlier", "step", "current"):
                 setattr(pending, name, np.zeros(p, np.int64))
-        pending.earlier[:p] = a["pending_earlier"]
-        pending.step[:p] = a["pending_step"]
-        pending.current[:p] = a["pending_current"]
-        pending.index.insert(a["pending_keys"], np.arange(p, dtype=np.int64))
+        pending.earlier[:p] = a["pending_earlier"][keep]
+        pending.step[:p] = a["pending_step"][keep]
+        pending.current[:p] = a["pending_current"][keep]
+        pending.index.insert(a["pending_keys"][keep], np.arange(p, dtype=np.int64))
         staged._pending = pending
         staged._this = dict(zip(KEYED_COUNTERS, map(int, a["counters"][0]), strict=True))
         staged._total = dict(zip(KEYED_COUNTERS, map(int, a["counters"][1]), strict=True))
+        staged._total["forgotten"] += len(keep) - p
         staged._stats_step = int(a["meta"][0])
         return staged
 
@@ -1512,6 +1519,15 @@ class KeyedTable(MappedRows):
     @property
     def slot_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.slot_specs)
+
+
+def _newest_pending(keys: np.ndarray, steps: np.ndarray, limit: int) -> np.ndarray:
+    """Which of the pending ``keys`` (last seen at ``steps``) stay within ``limit``: all, or the
+    ``limit`` last seen, ties to larger keys (``_Pending.add``'s rule), as a mask."""
+    keep = np.ones(len(keys), bool)
+    if len(keys) > limit:
+        keep[np.lexsort((keys, steps))[: len(keys) - limit]] = False
+    return keep
 
 
 def _first_bad(bad: np.ndarray) -> int | None:
@@ -1584,5 +1600,8 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
             f"{at}['meta'][0] (the step of the counters) is {stats_step}; it must "
             f"be in [-1, {step}] (the step is {step})"
         )
-    if limit < 0:
-        raise ValueError(f"{at}['meta'][1] (max_pending) is {limit}; it must be >= 0")
+    if not 0 <= limit <= MAX_KEYED_ROWS:  # what the max_pending setter takes
+        raise ValueError(
+            f"{at}['meta'][1] (max_pending) is {limit}; it must be in [0, {MAX_KEYED_ROWS:,}] "
+            "(a load keeps the engine's own max_pending)"
+        )
