@@ -3,6 +3,8 @@
 Layout of ``engine.save(root)``::
 
     root/ckpt-000007-step000000001000/  the 7th checkpoint committed under root, at step 1000
+                                        (numbers wider than 6 and 12 digits widen the name;
+                                        checkpoints are ordered by the numbers)
         manifest.json                   format, version, seed, step, every table / feature /
                                         optimizer (hyperparameters), learning-rate tags, whether
                                         every table was finite, and the SHA-256 and size of every
@@ -155,7 +157,20 @@ FORMAT = "embengine-checkpoint"
 FORMAT_VERSION = 1
 # The caller's extra tensors (a single engine's save, and a sharded engine's rank 0).
 EXTRA_FILE = "extra.safetensors"
-_NAME = re.compile(r"^ckpt-(\d{6})-step(\d{12})$")
+# A checkpoint's folder: its commit sequence number and step, zero-padded to 6 and 12 digits
+# (so names of one width sort as their numbers) and wider when they grow past them; ordered by
+# the numbers, never by the names (ckpt-1000000-... comes after ckpt-999999-...).
+_NAME = re.compile(r"^ckpt-(\d{6,})-step(\d{12,})$")
+
+
+def checkpoint_name(seq: int, step: int) -> str:
+    """The folder name of the ``seq``-th checkpoint committed under a root, at ``step``."""
+    return f"ckpt-{seq:06d}-step{step:012d}"
+
+
+def _sequence(path: Path) -> int:
+    """The commit sequence number of a checkpoint folder (its name matches _NAME)."""
+    return int(_NAME.match(path.name)[1])
 
 
 class CheckpointError(ValueError):
@@ -187,7 +202,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "manifest.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=lambda p: (_sequence(p), p.name))
 
 
 def _discard(path: Path) -> None:
@@ -405,7 +420,7 @@ def _write(
         # Numbered at the commit, under the lock: concurrent saves get distinct numbers, and
         # the highest number is the last committed.
         seqs = [int(m[1]) for p in root.iterdir() if (m := _NAME.match(p.name))]
-        final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
+        final = root / checkpoint_name(max(seqs, default=0) + 1, step)
         os.rename(tmp, final)  # the commit point
         _fsync_dir(root)
         if keep is not None:

@@ -498,7 +498,7 @@ class EmbeddingEngine:
         extra_metadata: Mapping | None = None,
     ):
         """Write a checkpoint (tables, slots, step, every config) under the folder ``path``:
-        atomically, as ``path/ckpt-<step>-<n>/``, keeping the newest ``keep`` (all if None).
+        atomically, as ``path/ckpt-<n>-step<step>/``, keeping the newest ``keep`` (all if None).
         ``extra_tensors`` (name -> array) and JSON ``extra_metadata`` are stored beside it.
         Returns the checkpoint's directory. See embengine.checkpoint. A ValueError, nothing
         written, between a training lookup and its update when a keyed table took that lookup

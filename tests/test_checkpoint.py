@@ -971,6 +971,35 @@ def test_same_step_saved_twice_gets_numbered_and_newest_loads(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [c.name]
 
 
+def test_names_widen_past_their_digits_and_order_by_number(tmp_path):
+    """A step >= 10^12 or the 1,000,000th save widens the name (it no longer matched the
+    fixed-width pattern: the newer checkpoint was invisible, restore(root) loaded an older one
+    and keep=N never pruned it); checkpoints are ordered by their numbers, old names read."""
+    eng = _small_engine()
+    _run_steps(eng, 1)
+    eng.save(tmp_path / "a")
+    state = eng.state_dict()
+    state["step"] = 10**12
+    eng.load_state_dict(state)
+    _run_steps(eng, 1)
+    big = eng.save(tmp_path / "a", keep=1)
+    assert big.name == "ckpt-000002-step1000000000001"
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [big.name]
+    assert latest_checkpoint(tmp_path / "a") == big
+    assert _small_engine().restore(tmp_path / "a").step == 10**12 + 1
+    # the 999,999th save (an older one renamed), then the 1,000,000th
+    old = eng.save(tmp_path / "b")
+    old.rename(tmp_path / "b" / ckpt_mod.checkpoint_name(999_999, eng.step))
+    _run_steps(eng, 1)
+    new = eng.save(tmp_path / "b")
+    assert new.name == f"ckpt-1000000-step{eng.step:012d}"
+    assert latest_checkpoint(tmp_path / "b") == new
+    assert ee.EmbeddingEngine.load(tmp_path / "b").step == eng.step
+    last = eng.save(tmp_path / "b", keep=1)  # the same step again: numbered after it
+    assert [p.name for p in (tmp_path / "b").iterdir()] == [last.name]
+    assert last.name == f"ckpt-1000001-step{eng.step:012d}"
+
+
 def test_save_with_keep_returns_an_existing_checkpoint_after_rewinding(tmp_path):
     """Restoring an older checkpoint and saving again (e.g. after discarding a bad run) must not
     delete the checkpoint that was just written: save() returns its directory."""

@@ -288,7 +288,7 @@ def _commit(
     ckpt._fsync_dir(tmp)
     with ckpt._locked(root):
         seqs = [int(m[1]) for p in root.iterdir() if (m := ckpt._NAME.match(p.name))]
-        final = root / f"ckpt-{max(seqs, default=0) + 1:06d}-step{step:012d}"
+        final = root / ckpt.checkpoint_name(max(seqs, default=0) + 1, step)
         os.rename(tmp, final)
         ckpt._fsync_dir(root)
         if keep is not None:
