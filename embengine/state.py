@@ -31,7 +31,8 @@ A keyed table (``vocabulary_size=None``) has no row per id: its entry is ``KEYED
     pending_step     int64 [p]         the last step each was seen
     pending_current  int64 [p]         their occurrences in that step
     counters         int64 [2, 7]      ``KEYED_COUNTERS`` of the last step that trained the
-                                       table, then the totals before it
+                                       table, then the totals before it (each saturating
+                                       at 2^62 - 1; a load refuses more)
     meta             int64 [2]         that step (-1: none yet), and ``max_pending`` (for
                                        information: a load keeps the engine's, forgetting
                                        the pending keys past it, seen longest ago first)

@@ -307,6 +307,35 @@ def test_a_restore_keeps_the_engines_max_pending(tmp_path):
     assert dst._physical[0].max_pending == 40
 
 
+def test_keyed_counters_past_2_62_are_refused_and_saves_saturate(tmp_path):
+    """Stats counters near 2^63 loaded, and then the next save wrote a total that wrapped
+    negative (its checkpoint unloadable), and one step later every save failed. A load takes
+    counters up to 2^62 - 1, which saves saturate at: whatever is saved loads again."""
+    eng = _engine("reference", occurrence_threshold=1)
+    _step(eng, _stream(1)[0])
+    state = copy.deepcopy(eng.state_dict())
+    top = 2**62 - 1
+    state["tables"]["k"]["counters"][1, 5] = top + 1
+    with pytest.raises(ValueError, match=r"\['counters'\]\[1\]\[5\] \(total 'lookups'\) is"):
+        eng.load_state_dict(state)
+    state["tables"]["k"]["counters"][:] = top
+    eng.load_state_dict(state)
+    for batch in _stream(2, seed=3):  # counts more, past 2^62 - 1
+        _step(eng, batch)
+    path = eng.save(tmp_path / "ckpt")
+    loaded = ee.EmbeddingEngine.load(path)
+    this, totals = loaded.state_dict()["tables"]["k"]["counters"].tolist()
+    assert totals == [top] * 7 and this == list(eng.table_stats()["k"]["this_step"].values())
+    entry = json.loads((path / "manifest.json").read_text())["tables"][0]
+    assert list(entry["keyed"]["total"].values()) == [top + n for n in this]
+    # a crafted checkpoint: a CheckpointError naming the entry, the engine unchanged
+    _rewrite(path, change_tensors=_set("k/counters", (0, 0), top + 1))
+    want = copy.deepcopy(loaded.state_dict())
+    with pytest.raises(CheckpointError, match=r"\['counters'\]\[0\]\[0\] \(this step 'admitted'\)"):
+        loaded.restore(path)
+    _assert_state(loaded, want)
+
+
 # -- crafted checkpoints ------------------------------------------------------------------------
 
 

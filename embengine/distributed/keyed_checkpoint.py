@@ -30,7 +30,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..safetensors_io import CHUNK_BYTES, DTYPES
 from ..state import KEYED_COUNTERS, WEIGHTS, keyed_entries
-from ..storage.keyed import KeyedTable
+from ..storage.keyed import MAX_COUNT, KeyedTable
 from .comm import Comm
 from .sharding import mix64
 
@@ -52,7 +52,9 @@ class KeyedLayout:
         self.keys, self.place = _places(comm, self.state["keys"])
         self.pending, self.pending_place = _places(comm, self.state["pending_keys"])
         counters = comm.all_gather(self.state["counters"], "checkpoint")
-        self.counters = counters.sum(axis=0)
+        # summed exactly (Python ints) and saturated as one table's (storage.keyed.MAX_COUNT)
+        total = np.minimum(counters.astype(object).sum(axis=0), MAX_COUNT)
+        self.counters = total.astype(np.int64)
         slots = [(s.name, s.width, s.dtype) for s in shard.slot_specs]
         sizes = {"n": len(self.keys), "p": len(self.pending)}
         # The order EmbeddingEngine's state gives: keys, weights, slots, then the rest.

@@ -86,6 +86,11 @@ DEFAULT_MAX_PENDING = 1 << 22
 # timestamped call.
 # Timestamps are ints in [0, MAX_TIMESTAMP): differences of two never overflow int64.
 MAX_TIMESTAMP = 1 << 62
+# The stats counters a state holds are ints in [0, MAX_COUNT]: a load refuses more, and
+# state() saturates there, so a step's count and the total (their sum, a manifest's
+# ``keyed.total``) never overflow int64 and whatever is saved loads again. 2^62 - 1 is 10^9
+# events a second for 146 years.
+MAX_COUNT = (1 << 62) - 1
 
 
 class KeyIndex:
@@ -1391,8 +1396,9 @@ class KeyedTable(MappedRows):
         out["pending_earlier"] = p.earlier[live].copy()
         out["pending_step"] = p.step[live].copy()
         out["pending_current"] = p.current[live].copy()
-        this = [self._this[k] for k in KEYED_COUNTERS]
-        out["counters"] = np.array([this, [self._total[k] for k in KEYED_COUNTERS]], np.int64)
+        this = [min(self._this[k], MAX_COUNT) for k in KEYED_COUNTERS]
+        total = [min(self._total[k], MAX_COUNT) for k in KEYED_COUNTERS]
+        out["counters"] = np.array([this, total], np.int64)
         out["meta"] = np.array([self._stats_step, p.limit], np.int64)
         return out
 
@@ -1499,7 +1505,8 @@ class KeyedTable(MappedRows):
         staged._pending = pending
         staged._this = dict(zip(KEYED_COUNTERS, map(int, a["counters"][0]), strict=True))
         staged._total = dict(zip(KEYED_COUNTERS, map(int, a["counters"][1]), strict=True))
-        staged._total["forgotten"] += len(keep) - p
+        forgotten = staged._total["forgotten"] + len(keep) - p
+        staged._total["forgotten"] = min(forgotten, MAX_COUNT)
         staged._stats_step = int(a["meta"][0])
         return staged
 
@@ -1574,13 +1581,18 @@ def _check_keyed_state(a: dict[str, np.ndarray], max_rows: int | None, step: int
         ("touch_counts", 0, None),
         ("pending_earlier", 0, None),
         ("pending_current", 0, None),
-        ("counters", 0, None),
+        ("counters", 0, MAX_COUNT),
     ):
         v = a[name].reshape(-1)
         i = _first_bad((v < lo) | (v > hi if hi is not None else False))
         if i is not None:
             bound = f"in [{lo}, {hi}] (the step is {step})" if hi is not None else f">= {lo}"
-            raise ValueError(f"{at}[{name!r}][{i}] is {v[i]}; it must be {bound}")
+            where = f"[{i}]"
+            if name == "counters":  # [2, 7]: this step's, then the totals
+                row, col = divmod(i, len(KEYED_COUNTERS))
+                where = f"[{row}][{col}] ({('this step', 'total')[row]} {KEYED_COUNTERS[col]!r})"
+                bound = f"in [0, {MAX_COUNT:,}] (2^62 - 1: the stats counters saturate there)"
+            raise ValueError(f"{at}[{name!r}]{where} is {v[i]}; it must be {bound}")
     clock = int(a["data_time"][0])
     if clock != NO_TIME and not 0 <= clock < MAX_TIMESTAMP:
         raise ValueError(
