@@ -27,6 +27,7 @@ __all__ = [
     "COMBINERS",
     "EVICTION_POLICIES",
     "INSERT_ON",
+    "MAX_DIM",
     "resolve_features",
 ]
 
@@ -37,6 +38,10 @@ EVICTION_POLICIES = ("lru", "lfu")
 # Rows of one keyed table in one engine (or one shard): its index keeps int32 rows
 # (kernels/keyed_index.py).
 MAX_KEYED_ROWS = 2**31 - 1
+# A table's widest row, in values: 2^16 (256 KiB of float32), four times the widest embeddings
+# in use (language models' ~16k; recommendation tables use 8-512). A file cannot bound dim on
+# its own (a keyed table without rows holds no bytes of any width), so loads check this.
+MAX_DIM = 2**16
 INSERT_ON = ("lookup", "apply")
 
 
@@ -278,8 +283,8 @@ class TableConfig:
                 f"{where}: dynamic={self.dynamic!r} makes a keyed table, which has no fixed "
                 f"vocabulary_size (got {self.vocabulary_size!r}); pass vocabulary_size=None"
             )
-        if not _is_int(self.dim) or self.dim < 1:
-            raise ValueError(f"{where}: dim must be an int >= 1, got {self.dim!r}")
+        if not _is_int(self.dim) or not 1 <= self.dim <= MAX_DIM:
+            raise ValueError(f"{where}: dim must be an int in [1, {MAX_DIM:,}], got {self.dim!r}")
         if self.initializer is not None and not isinstance(self.initializer, Initializer):
             raise TypeError(
                 f"{where}: initializer must be an embengine.initializers.Initializer, got "

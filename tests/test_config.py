@@ -35,7 +35,11 @@ def test_defaults_follow_tf():
     "make, message",
     [
         (lambda: ee.TableConfig(0, 4), "vocabulary_size must be an int >= 1, got 0"),
-        (lambda: ee.TableConfig(10, 2.5), "dim must be an int >= 1, got 2.5"),
+        (lambda: ee.TableConfig(10, 2.5), "dim must be an int in \\[1, 65,536\\], got 2.5"),
+        (
+            lambda: ee.TableConfig(None, 2**16 + 1),
+            "dim must be an int in \\[1, 65,536\\], got 65537",
+        ),
         (lambda: ee.TableConfig(10, 4, combiner="max"), "combiner must be one of"),
         (
             lambda: ee.FeatureConfig(ee.TableConfig(3, 1), max_sequence_length=-1),

@@ -16,6 +16,7 @@ import hashlib
 import json
 import mmap
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -334,6 +335,64 @@ def test_keyed_counters_past_2_62_are_refused_and_saves_saturate(tmp_path):
     with pytest.raises(CheckpointError, match=r"\['counters'\]\[0\]\[0\] \(this step 'admitted'\)"):
         loaded.restore(path)
     _assert_state(loaded, want)
+
+
+def _empty_keyed(tmp_path: Path) -> Path:
+    """A checkpoint of a keyed table "k" (dim 4, SGD) without rows."""
+    k = ee.TableConfig(None, 4, name="k", combiner="sum", dynamic=ee.DynamicVocabulary())
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(k)}, optimizer=O.SGD(0.1), seed=1, backend="reference"
+    )
+    return eng.save(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("dim", [2**16 + 1, 2**31, 2**70])
+def test_a_keyed_table_without_rows_cannot_declare_a_huge_dim(tmp_path, dim):
+    """A keyed table without rows holds no bytes whatever its dim, so its files cannot bound
+    dim: a 788-byte export of dim 2^31 loaded (a lookup of 2 ids allocated 16 GiB), dim 2^70
+    was a bare numpy error. The library's own limit (config.MAX_DIM) is checked on load, a
+    CheckpointError naming the manifest, the table and the dim."""
+    path = _empty_keyed(tmp_path)
+    out = tmp_path / "export"
+    export(path, out)
+    # the export: the manifest's dim and the weights' header shape [0, dim], hashes recomputed
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["tables"][0]
+    entry["dim"] = dim
+    f = out / entry["file"]
+    header, start = read_header(f)
+    header = {**header, "weights": {**header["weights"], "shape": [0, dim]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + f.read_bytes()[start:])
+    manifest["files"][entry["file"]] = {
+        "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+        "bytes": f.stat().st_size,
+    }
+    text = json.dumps(manifest).encode()
+    (out / "manifest.json").write_bytes(text)
+    (out / "manifest.sha256").write_bytes(hashlib.sha256(text).hexdigest().encode())
+    words = rf"manifest.json: tables\[0\] \('k'\): .*dim must be an int in \[1, 65,536\], got {dim}"
+    with pytest.raises(CheckpointError, match=words):
+        ServingEngine.load(out)
+    with pytest.raises(CheckpointError, match=words):
+        describe(out)
+    # the checkpoint (weights of shape [0, dim]: a dim numpy can make)
+    if dim < 2**62:
+
+        def wide(t):
+            t["k"] = np.zeros((0, dim), np.float32)
+
+        def manifest_dim(m, entry):
+            entry["dim"] = dim
+            for p in m.get("storage_plan", {}).get("physical_tables", []):
+                p["dim"] = dim
+
+        _rewrite(path, wide, manifest_dim)
+        with pytest.raises(CheckpointError, match=words):
+            ee.EmbeddingEngine.load(path)
+        with pytest.raises(CheckpointError, match=words):
+            export(path, tmp_path / "again")
 
 
 # -- crafted checkpoints ------------------------------------------------------------------------
