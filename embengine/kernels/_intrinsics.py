@@ -203,3 +203,18 @@ int32_rows_at = _make_rows_at(types.int32, ir.IntType(32), 4)
 uint8_rows_at = _make_rows_at(types.uint8, ir.IntType(8), 1)
 # uint16_rows_at(address, rows, units): a 16-bit table's rows (its units, precision.py).
 uint16_rows_at = _make_rows_at(types.uint16, ir.IntType(16), 2)
+
+
+@intrinsic
+def as_readonly(typingctx, arr):
+    """``arr`` typed read-only (the same array, its reference counted): a kernel passing an
+    array it wrote to a function that also takes read-only ones (frozen inputs) calls that
+    function's one compiled version instead of compiling another for the writable type."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        context.nrt.incref(builder, sig.args[0], args[0])
+        return args[0]
+
+    return arr.copy(readonly=True)(arr), codegen

@@ -29,6 +29,7 @@ import numpy as np
 from ..precision import BF16, F16, F32
 from . import FIXED_DIMS, kernel
 from ._intrinsics import (
+    as_readonly,
     fetch_add,
     float32_rows_at,
     int32_rows_at,
@@ -39,7 +40,20 @@ from ._intrinsics import (
     uint16_rows_at,
 )
 from .keyed_index import RECORD_COLS, find_range, touch
-from .lookup import ROWS_PER_TASK, _pool_rows, pool_range, pool_rows_range
+from .lookup import (
+    ROWS_PER_TASK,
+    _pool_range_1,
+    _pool_range_2,
+    _pool_range_4,
+    _pool_range_8,
+    _pool_range_16,
+    _pool_range_32,
+    _pool_range_64,
+    _pool_range_128,
+    _pool_range_any,
+    _pool_rows,
+    pool_range,
+)
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -169,16 +183,10 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
 
 
 @kernel()
-def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
-    """``_pool_task`` for a feature whose ids are keys: the task's keys are probed first, all of
-    them, into a row array of the task's own (``keyed_index.find_range``, its misses
-    overlapped by prefetching), rows flagged in ``FD_DEAD`` dropped; then pooled from those
-    rows. An evaluation lookup has no deduplication pass that could have probed them, and a
-    task's probes keep both threads busy where a probe of the whole batch ran on one."""
-    t = fmeta[f, F_TABLE]
-    dim = tmeta[t, T_DIM]
-    data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
-    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
+def _probed_rows(f, first, stop, fmeta, ids, offsets, fdata):
+    """The rows of the keys of samples ``first:stop`` of keyed feature ``f``, one per id (-1:
+    none), probed into a row array of the task's own (``keyed_index.find_range``: misses
+    overlapped by prefetching), rows flagged in ``FD_DEAD`` dropped."""
     slots = int32_rows_at(fdata[f, FD_INDEX], fdata[f, FD_INDEX_SLOTS], 1)
     keys = int64_rows_at(fdata[f, FD_RECORDS], fdata[f, FD_ROWS], RECORD_COLS // 2)
     n = fmeta[f, F_SAMPLES]
@@ -187,31 +195,88 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
     hi = f_offsets[stop]
     f_ids = _feature_ids(f, fmeta, ids, f_offsets[n], fdata)
     rows = np.empty(hi - lo, dtype=np.int64)
-    bits = fdata[f, FD_ROW_BITS]
-    find_range(slots, keys, bits, f_ids[lo:hi], rows, 0, hi - lo)
+    find_range(slots, keys, fdata[f, FD_ROW_BITS], f_ids[lo:hi], rows, 0, hi - lo)
     if fdata[f, FD_DEAD] != 0:
         dead = uint8_rows_at(fdata[f, FD_DEAD], fdata[f, FD_DEAD_ROWS], 1)
         for i in range(hi - lo):
             if rows[i] >= 0 and dead[rows[i], 0] != 0:
                 rows[i] = -1
+    return rows
+
+
+@kernel()
+def _found_rows(
+    f, first, stop, fmeta, offsets, occ_base, out_base, n_unique, found, inverse, output_offsets
+):
+    """``_probed_rows`` from what the preparation of the feature's table found instead of
+    probing: the row of each id's unique key (``found[inverse[k]]``, ``k`` its occurrence,
+    reached through the CSR of the table's activation rows, ``output_offsets``: a bag's
+    occurrences are its ids in order, a sequence position holds its one id). Ids past a
+    sequence's length (no occurrence) get -1; the pooling does not read them."""
+    t = fmeta[f, F_TABLE]
+    lo_t = occ_base[t]
+    rows_t = found[lo_t : lo_t + n_unique[t]]
+    inv = inverse[lo_t:]
+    csr = output_offsets[out_base[t] + t :]
+    n = fmeta[f, F_SAMPLES]
+    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
+    lo = f_offsets[first]
+    rows = np.empty(f_offsets[stop] - lo, dtype=np.int64)
+    seq = fmeta[f, F_SEQ]
+    start = fmeta[f, F_OUT_START]
+    for b in range(first, stop):
+        for j in range(f_offsets[b + 1] - f_offsets[b]):
+            if seq > 0:
+                k = csr[start + b * seq + j] if j < seq else -1
+            else:
+                k = csr[start + b] + j
+            rows[f_offsets[b] - lo + j] = -1 if k < 0 else rows_t[inv[k]]
+    return rows
+
+
+@kernel()
+def _keyed_task_args(f, first, stop, rows, fmeta, offsets, weights, tmeta, fdata, quant, prefetch):
+    """``lookup.pool_range``'s arguments for samples ``first:stop`` of a feature whose ids are
+    keys, pooled from ``rows`` (one per id: ``_probed_rows``, ``_found_rows``), read-only as
+    a feature's ids are: each width's pooling compiles once for both."""
+    t = fmeta[f, F_TABLE]
+    dim = tmeta[t, T_DIM]
+    n = fmeta[f, F_SAMPLES]
+    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
+    lo = f_offsets[first]
+    hi = f_offsets[stop]
     task_offsets = f_offsets[first : stop + 1] - lo
     w_base = fmeta[f, F_W_BASE]
     f_weights = weights[w_base + lo : w_base + hi] if w_base >= 0 else weights[:0]
     seq = fmeta[f, F_SEQ]
-    pool_range(
-        data,
+    return (
+        float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH]),
         dim,
-        rows,
-        task_offsets,
+        as_readonly(rows),
+        as_readonly(task_offsets),
         f_weights,
         fmeta[f, F_COMBINER],
         seq,
-        out,
+        float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim),
         fmeta[f, F_OUT_START] + first * (seq if seq > 0 else 1),
         quant[t],
         prefetch,
-        0,
+        stop - stop,  # the task's first sample, 0: an int64, as a literal 0 would not be
         stop - first,
+    )
+
+
+@kernel()
+def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """``_pool_task`` for a feature whose ids are keys: the task's keys probed first
+    (``_probed_rows``), then pooled from their rows. An evaluation lookup has no
+    deduplication pass that could have probed them, and a task's probes keep both threads
+    busy where a probe of the whole batch ran on one."""
+    rows = _probed_rows(f, first, stop, fmeta, ids, offsets, fdata)
+    pool_range(
+        *_keyed_task_args(
+            f, first, stop, rows, fmeta, offsets, weights, tmeta, fdata, quant, prefetch
+        )
     )
 
 
@@ -300,51 +365,15 @@ def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, re
         touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
 
 
-@kernel()
-def _pool_found_task(
-    f,
-    first,
-    stop,
-    fmeta,
-    tmeta,
-    occ_base,
-    out_base,
-    n_unique,
-    found,
-    inverse,
-    gains,
-    output_offsets,
-    quant,
-    prefetch,
-):
-    """Samples ``first:stop`` of keyed feature ``f`` through its table's prepared batch and the
-    rows its probe found (``found``, at the unique keys' places): ``pool_tables``' sums, for a
-    table whose preparation is done and found a live row for every key."""
-    t = fmeta[f, F_TABLE]
-    dim = tmeta[t, T_DIM]
-    lo = occ_base[t]
-    seq = fmeta[f, F_SEQ]
-    per = seq if seq > 0 else 1
-    start = fmeta[f, F_OUT_START]
-    pool_rows_range(
-        float32_rows_at(tmeta[t, T_DATA], tmeta[t, T_ROWS], tmeta[t, T_WIDTH]),
-        dim,
-        found[lo : lo + n_unique[t]],
-        inverse[lo:],
-        gains[lo:],
-        output_offsets[out_base[t] + t :],
-        float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim),
-        quant[t],
-        prefetch,
-        start + first * per,
-        start + stop * per,
-    )
-
-
-def _make_prepare_and_pool(keyed: bool):
-    """``prepare_and_pool`` for batches without keyed tables probed in the region, or with
-    (``keyed``, a constant of the closure: numba prunes the branches on it before typing, so
-    an engine without keyed tables never compiles their pooling)."""
+def _make_prepare_and_pool(keyed_dim: int):
+    """``prepare_and_pool`` for batches without keyed tables pooled in the region
+    (``keyed_dim`` -1), or with, all of width ``keyed_dim`` (a FIXED_DIMS width, whose pooling
+    keeps the sum in registers, or 0: any one other width). ``keyed_dim`` is a constant of the
+    closure: numba prunes the branches on it before typing, so each kernel compiles the
+    pooling of one width (the width's own ``lookup._pool_range_<d>``, which the dense
+    features' pooling compiles for the same types), and an engine without keyed tables none
+    of it."""
+    keyed = keyed_dim >= 0
 
     @kernel(parallel=True)
     def prepare_and_pool(
@@ -418,37 +447,56 @@ def _make_prepare_and_pool(keyed: bool):
                     # else to do; right if the probe then finds every key, as it then
                     # must); left to pool_tables after the region if a key had no row.
                     status = fetch_add(ready, fmeta[f, F_TABLE], 0)
+                    if status == PROBED_SOME_MISSING:
+                        continue
                     if status == PROBED_ALL_FOUND:
-                        _pool_found_task(
+                        rows = _found_rows(
                             f,
                             first,
                             stop,
                             fmeta,
-                            tmeta,
+                            offsets,
                             occ_base,
                             out_base,
                             n_unique,
                             found,
                             inverse,
-                            gains,
                             output_offsets,
-                            quant,
-                            prefetch,
                         )
-                    elif status == 0:
-                        _pool_keyed_task(
-                            f,
-                            first,
-                            stop,
-                            fmeta,
-                            ids,
-                            offsets,
-                            weights,
-                            tmeta,
-                            fdata,
-                            quant,
-                            prefetch,
-                        )
+                    else:
+                        rows = _probed_rows(f, first, stop, fmeta, ids, offsets, fdata)
+                    a = _keyed_task_args(
+                        f,
+                        first,
+                        stop,
+                        rows,
+                        fmeta,
+                        offsets,
+                        weights,
+                        tmeta,
+                        fdata,
+                        quant,
+                        prefetch,
+                    )
+                    # the width's own pooling (keyed_dim a constant: one branch compiles)
+                    if keyed_dim == 64:
+                        _pool_range_64(*a)
+                    elif keyed_dim == 32:
+                        _pool_range_32(*a)
+                    elif keyed_dim == 128:
+                        _pool_range_128(*a)
+                    elif keyed_dim == 16:
+                        _pool_range_16(*a)
+                    elif keyed_dim == 8:
+                        _pool_range_8(*a)
+                    elif keyed_dim == 4:
+                        _pool_range_4(*a)
+                    elif keyed_dim == 2:
+                        _pool_range_2(*a)
+                    elif keyed_dim == 1:
+                        _pool_range_1(*a)
+                    else:
+                        _pool_range_any(*a)
                     continue
                 _pool_task(
                     f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
@@ -457,7 +505,11 @@ def _make_prepare_and_pool(keyed: bool):
     return prepare_and_pool
 
 
-_PREPARE_AND_POOL = {keyed: _make_prepare_and_pool(keyed) for keyed in (False, True)}
+# Keyed widths with a region of their own (-1: no keyed table pooled in the region; 0: another
+# width); each compiles on first use.
+KEYED_REGION_DIMS = (-1, *FIXED_DIMS, 0)
+assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # the region has a branch for each
+_PREPARE_AND_POOL = {d: _make_prepare_and_pool(d) for d in KEYED_REGION_DIMS}
 
 
 def prepare_and_pool(
@@ -486,7 +538,7 @@ def prepare_and_pool(
     fdata,
     quant,
     prefetch,
-    keyed=False,
+    keyed_dim=-1,
 ):
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
@@ -494,19 +546,21 @@ def prepare_and_pool(
     counter: first the preparations, then the pooling tasks. The outputs are those of the two
     kernels run one after the other.
 
-    ``keyed``: the batch has keyed tables probed here (``tmeta[t, T_INDEX]``, their features'
-    ``fdata`` from FD_INDEX on). Such a table's unique keys are probed right after its
-    preparation, its rows touched if every key had one (``found``, ``ready[t]``:
+    ``keyed_dim``: -1 if no table of the batch is keyed, else the width of the keyed tables
+    pooled here (``_make_prepare_and_pool``: their features have ``fdata`` from FD_INDEX on;
+    a keyed table of another width is probed here and pooled after the region, by
+    ``pool_tables``). A keyed table (``tmeta[t, T_INDEX]``) has its unique keys probed right
+    after its preparation, its rows touched if every key had one (``found``, ``ready[t]``:
     ``_probe_table``, published atomically). A task pooling its samples pools them through
-    the found rows if its preparation is done (``_pool_found_task``); if it is not, the thread
-    probes the task's keys itself and pools through them (``_pool_keyed_task``, as an
-    evaluation lookup), rather than wait: with one big keyed table, one thread prepares it
+    the rows its preparation found if that is done (``_found_rows``); if it is not, the
+    thread probes the task's keys itself (``_probed_rows``, as an evaluation lookup does),
+    rather than wait: with one big keyed table, one thread prepares it
     while the other pools (docs/performance.md). Both give the sums ``pool_tables`` gives
     through the resolved rows when the probe found a live row for every key
     (PROBED_ALL_FOUND); a table for which it did not is pooled after the region, once its
     storage resolved its rows. No thread waits for another: waiting threads spun on cores an
     oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md)."""
-    _PREPARE_AND_POOL[bool(keyed)](
+    _PREPARE_AND_POOL[keyed_dim](
         prep_order,
         n_workers,
         fmeta,
