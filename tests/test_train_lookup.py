@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import embengine as ee
-from embengine.kernels import FIXED_DIMS, train_lookup
+from embengine.kernels import train_lookup
 from embengine.kernels._intrinsics import fetch_add, float32_rows_at
 
 opt = ee.optimizers
@@ -393,9 +393,8 @@ def test_lookup_only_batches_of_every_storage_equal_their_training_lookup(monkey
 
 def _keyed_features(width: int = 64):
     """Keyed tables of each combiner (bags with weights, a sequence feature sharing one): two
-    of ``width`` (the one a training region pools: the most occurrences), one of another
-    width (pooled after the region) and a dense table. ``width`` 3: a width without a kernel
-    of its own (FIXED_DIMS)."""
+    of ``width``, one of width 8, and a dense table. ``width`` 3: a width without a pooling
+    kernel of its own (FIXED_DIMS)."""
     u = ee.initializers.RandomUniform(-1.0, 1.0)
     dyn = ee.DynamicVocabulary()
     keyed = ee.TableConfig(None, width, name="ka", combiner="sum", initializer=u, dynamic=dyn)
@@ -453,20 +452,18 @@ def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_p
     real = train_lookup.prepare_and_pool
     compared = []
 
-    def twice(prep_order, *args, keyed_dim=-1):
+    def twice(prep_order, *args, keyed=False):
         tmeta, ready = args[-4], args[-5]
-        assert keyed_dim == (width if width in FIXED_DIMS else 0)  # its width's kernel
-        real(prep_order[:0], *args, keyed_dim=keyed_dim)  # no table prepared: keyed tasks probe
+        assert keyed
+        real(prep_order[:0], *args, keyed=keyed)  # no table prepared: every keyed task probes
         assert not ready.any()
         probed = _out_matrices(tmeta)
-        real(prep_order, *args, keyed_dim=keyed_dim)
+        real(prep_order, *args, keyed=keyed)
         found = _out_matrices(tmeta)
         for t in range(tmeta.shape[0]):
-            in_region = tmeta[t, train_lookup.T_DIM] == width
-            if tmeta[t, train_lookup.T_INDEX] and in_region:
-                if ready[t] == train_lookup.PROBED_ALL_FOUND:
-                    assert probed[t].tobytes() == found[t].tobytes(), t
-                    compared.append(t)
+            if tmeta[t, train_lookup.T_INDEX] and ready[t] == train_lookup.PROBED_ALL_FOUND:
+                assert probed[t].tobytes() == found[t].tobytes(), t
+                compared.append(t)
 
     monkeypatch.setattr(train_lookup, "prepare_and_pool", twice)
     rng = np.random.default_rng(11)
@@ -474,16 +471,15 @@ def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_p
     for _ in range(3):  # new keys, then every key resident
         out, batch = eng.lookup_with_batch(values)
         eng.apply_gradients({k: np.ones_like(a) for k, a in out.items()}, batch=batch)
-    assert sorted(set(compared)) == [0, 1]  # the keyed tables of the width, pooled both ways
+    assert sorted(set(compared)) == [0, 1, 2]  # every keyed table, pooled both ways
 
 
 @pytest.mark.parametrize("width", [64, 3])
 def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypatch, width):
-    """A training lookup pools a keyed table of the region's width whose unique keys all had a
-    live row in its parallel region: no ``pool_tables`` for it after. A table with a new key
-    is pooled after its storage inserted it, as is a keyed table of another width. Either way
-    the activations are those of preprocess() then lookup(batch), bit for bit, at one thread
-    and at all."""
+    """A training lookup pools a keyed table whose unique keys all had a live row in its
+    parallel region: no ``pool_tables`` call for it after. A table with a new key is pooled
+    after its storage inserted it. Either way the activations are those of preprocess() then
+    lookup(batch), bit for bit, at one thread and at all."""
     feats = _keyed_features(width)
     eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
     pooled_after = []
@@ -503,13 +499,13 @@ def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypa
         try:
             pooled_after.clear()
             _assert_fused_equals_apart(eng, values)  # every key resident
-            assert sum(pooled_after) == 1  # k8, of another width
+            assert pooled_after == []
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     values["b"] = ee.Ragged(np.array([10**15, 10**15 + 1]), lengths=[2] + [0] * 149)
     pooled_after.clear()
-    _assert_fused_equals_apart(eng, values)  # two new keys in table kb: it and k8 after
-    assert sum(pooled_after) == 2
+    _assert_fused_equals_apart(eng, values)  # two new keys in table kb: it alone after
+    assert pooled_after == [1]
 
 
 def test_one_big_keyed_table_on_every_thread_count_equals_preprocess_then_lookup():

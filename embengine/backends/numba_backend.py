@@ -265,7 +265,8 @@ def build_tables_and_pool_numba(
         outs.append(out)
         tmeta[t, :6] = _table_columns(data, table.dim, out)
         probe = getattr(table, "lookup_index", None)
-        if probe is not None and not _half(table) and data.ctypes.data:  # keyed: probed there
+        keyed = probe is not None and not _half(table) and data.ctypes.data
+        if keyed:  # probed in there, and pooled there if every key has a row
             index = probe()
             held.append(index)
             held_keys.append(int(plan.occ_base[t + 1] - plan.occ_base[t]))  # >= its new keys
@@ -273,21 +274,14 @@ def build_tables_and_pool_numba(
         quant[t] = _quantization_row(q)
         bases = table.row_bases
         for p in parts:
-            if bases is not None and not _half(table):  # its logical table's rows, by id
-                fdata[f, :2] = _rows_from(data, bases[p.member])
-            f += 1
-    keyed_dim = _keyed_region_dim(tmeta, plan.occ_base)
-    f = 0
-    for t, parts in enumerate(parts_per_table):
-        if tmeta[t, train_lookup.T_INDEX] and tmeta[t, train_lookup.T_DIM] == keyed_dim:
-            for _ in parts:  # pooled there if every key has a row: its keys' rows, by index
-                fdata[f, :2] = tmeta[t, train_lookup.T_DATA], tmeta[t, train_lookup.T_ROWS]
+            if keyed:  # its keys' rows, from row 0 of the table, through its index
+                fdata[f, :2] = _rows_from(data, 0)
                 fdata[f, train_lookup.FD_INDEX : train_lookup.FD_DEAD_ROWS + 1] = tmeta[
                     t, train_lookup.T_INDEX : train_lookup.T_DEAD_ROWS + 1
                 ]
-                f += 1
-        else:
-            f += len(parts)
+            elif bases is not None and not _half(table):  # its logical table's rows, by id
+                fdata[f, :2] = _rows_from(data, bases[p.member])
+            f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
     if any(i.refuses or n > i.rows_left for i, n in zip(held, held_keys, strict=True)):
         # A table's rows_for may refuse the batch after the region: then the region touches
@@ -311,7 +305,7 @@ def build_tables_and_pool_numba(
         fdata,
         quant,
         prefetch,
-        keyed_dim=_region_kernel_dim(keyed_dim),
+        keyed=bool(held),
     )
     del held
     batches = plan.table_batches()
@@ -334,7 +328,6 @@ def build_tables_and_pool_numba(
     # The other tables: rows_for once each, then all pooled through their rows in one region;
     # a keyed table whose every key had a row was pooled in the region (prepare_and_pool).
     pooled = tmeta[:, train_lookup.T_INDEX] != 0
-    pooled &= tmeta[:, train_lookup.T_DIM] == keyed_dim
     pooled &= ready == train_lookup.PROBED_ALL_FOUND
     later = [
         t
@@ -378,26 +371,6 @@ def build_tables_and_pool_numba(
         )
         del sources
     return batches, outs
-
-
-def _keyed_region_dim(tmeta: np.ndarray, occ_base: np.ndarray) -> int:
-    """The width of the keyed tables a training region pools (``train_lookup.
-    prepare_and_pool``): the width with the most occurrences among the keyed tables probed
-    there (the first such width on a tie), -1 if none. One width a region, so the region
-    compiles one width's pooling; the others' keyed tables are pooled after it."""
-    keyed = np.flatnonzero(tmeta[:, train_lookup.T_INDEX])
-    if not len(keyed):
-        return -1
-    dims = tmeta[keyed, train_lookup.T_DIM]
-    occurrences = np.diff(occ_base)[keyed]
-    widths = list(dict.fromkeys(dims.tolist()))
-    return max(widths, key=lambda d: int(occurrences[dims == d].sum()))
-
-
-def _region_kernel_dim(keyed_dim: int) -> int:
-    """The ``keyed_dim`` of the region kernel pooling keyed tables of width ``keyed_dim``
-    (-1: none): the width for FIXED_DIMS, 0 for any other."""
-    return keyed_dim if keyed_dim < 0 or keyed_dim in FIXED_DIMS else 0
 
 
 def _check_ids(part: FeaturePart) -> None:

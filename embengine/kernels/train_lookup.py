@@ -40,20 +40,7 @@ from ._intrinsics import (
     uint16_rows_at,
 )
 from .keyed_index import RECORD_COLS, find_range, touch
-from .lookup import (
-    ROWS_PER_TASK,
-    _pool_range_1,
-    _pool_range_2,
-    _pool_range_4,
-    _pool_range_8,
-    _pool_range_16,
-    _pool_range_32,
-    _pool_range_64,
-    _pool_range_128,
-    _pool_range_any,
-    _pool_rows,
-    pool_range,
-)
+from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -365,15 +352,12 @@ def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, re
         touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
 
 
-def _make_prepare_and_pool(keyed_dim: int):
-    """``prepare_and_pool`` for batches without keyed tables pooled in the region
-    (``keyed_dim`` -1), or with, all of width ``keyed_dim`` (a FIXED_DIMS width, whose pooling
-    keeps the sum in registers, or 0: any one other width). ``keyed_dim`` is a constant of the
-    closure: numba prunes the branches on it before typing, so each kernel compiles the
-    pooling of one width (the width's own ``lookup._pool_range_<d>``, which the dense
-    features' pooling compiles for the same types), and an engine without keyed tables none
-    of it."""
-    keyed = keyed_dim >= 0
+def _make_prepare_and_pool(keyed: bool):
+    """``prepare_and_pool`` for batches without keyed tables probed in the region, or with
+    (``keyed``, a constant of the closure: numba prunes the branches on it before typing, so
+    an engine without keyed tables never compiles their probing and pooling). A keyed task
+    pools through ``lookup.pool_range`` with the types the dense features' tasks give it (its
+    rows read-only, ``_keyed_task_args``), so it compiles no width's pooling again."""
 
     @kernel(parallel=True)
     def prepare_and_pool(
@@ -478,25 +462,7 @@ def _make_prepare_and_pool(keyed_dim: int):
                         quant,
                         prefetch,
                     )
-                    # the width's own pooling (keyed_dim a constant: one branch compiles)
-                    if keyed_dim == 64:
-                        _pool_range_64(*a)
-                    elif keyed_dim == 32:
-                        _pool_range_32(*a)
-                    elif keyed_dim == 128:
-                        _pool_range_128(*a)
-                    elif keyed_dim == 16:
-                        _pool_range_16(*a)
-                    elif keyed_dim == 8:
-                        _pool_range_8(*a)
-                    elif keyed_dim == 4:
-                        _pool_range_4(*a)
-                    elif keyed_dim == 2:
-                        _pool_range_2(*a)
-                    elif keyed_dim == 1:
-                        _pool_range_1(*a)
-                    else:
-                        _pool_range_any(*a)
+                    pool_range(*a)
                     continue
                 _pool_task(
                     f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
@@ -505,11 +471,7 @@ def _make_prepare_and_pool(keyed_dim: int):
     return prepare_and_pool
 
 
-# Keyed widths with a region of their own (-1: no keyed table pooled in the region; 0: another
-# width); each compiles on first use.
-KEYED_REGION_DIMS = (-1, *FIXED_DIMS, 0)
-assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # the region has a branch for each
-_PREPARE_AND_POOL = {d: _make_prepare_and_pool(d) for d in KEYED_REGION_DIMS}
+_PREPARE_AND_POOL = {keyed: _make_prepare_and_pool(keyed) for keyed in (False, True)}
 
 
 def prepare_and_pool(
@@ -538,7 +500,7 @@ def prepare_and_pool(
     fdata,
     quant,
     prefetch,
-    keyed_dim=-1,
+    keyed=False,
 ):
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
@@ -546,10 +508,8 @@ def prepare_and_pool(
     counter: first the preparations, then the pooling tasks. The outputs are those of the two
     kernels run one after the other.
 
-    ``keyed_dim``: -1 if no table of the batch is keyed, else the width of the keyed tables
-    pooled here (``_make_prepare_and_pool``: their features have ``fdata`` from FD_INDEX on;
-    a keyed table of another width is probed here and pooled after the region, by
-    ``pool_tables``). A keyed table (``tmeta[t, T_INDEX]``) has its unique keys probed right
+    ``keyed``: the batch has keyed tables probed here (``tmeta[t, T_INDEX]``, their features'
+    ``fdata`` from FD_INDEX on). A keyed table's unique keys are probed right
     after its preparation, its rows touched if every key had one (``found``, ``ready[t]``:
     ``_probe_table``, published atomically). A task pooling its samples pools them through
     the rows its preparation found if that is done (``_found_rows``); if it is not, the
@@ -560,7 +520,7 @@ def prepare_and_pool(
     (PROBED_ALL_FOUND); a table for which it did not is pooled after the region, once its
     storage resolved its rows. No thread waits for another: waiting threads spun on cores an
     oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md)."""
-    _PREPARE_AND_POOL[keyed_dim](
+    _PREPARE_AND_POOL[bool(keyed)](
         prep_order,
         n_workers,
         fmeta,
