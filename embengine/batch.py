@@ -421,12 +421,7 @@ def normalise_features(
     out: dict[str, Ragged] = {}
     for name, fc in resolved.features.items():
         try:
-            r = to_ragged(
-                features[name],
-                weights.get(name),
-                keyed=fc.table.vocabulary_size is None,
-                sequence=fc.is_sequence,
-            )
+            r = to_ragged(features[name], weights.get(name), keyed=fc.table.vocabulary_size is None)
             if fc.is_sequence and r.weights is not None:
                 raise ValueError("a sequence feature (max_sequence_length > 0) takes no weights")
             vocabulary = fc.table.vocabulary_size if check_ids else None

@@ -5,8 +5,9 @@ Accepted per feature:
 - ``Ragged(ids, offsets=None, lengths=None, weights=None)``: the canonical form; sample ``b`` holds
   ``ids[offsets[b]:offsets[b+1]]``.
 - a 1-D integer array (NumPy or torch): one id per sample;
-- a 2-D integer array padded with -1: row ``b`` is sample ``b``; -1 entries are padding (for a
-  sequence feature only at the end of a row: its positions are the ids' places);
+- a 2-D integer array padded with -1: row ``b`` is sample ``b``; -1 entries are padding, dropped
+  wherever they stand (a sequence feature's ids take positions 0, 1, ... in row order: a -1
+  between two ids leaves no gap; give a Ragged or lists to say which positions are empty);
 - a list of lists of ints (one list per sample), or a flat list of ints (one id per sample).
 
 Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D of the same shape
@@ -307,7 +308,7 @@ def _from_lists(value, weights) -> Ragged:
     return Ragged(ids, lengths=np.asarray(lengths, dtype=np.int64), weights=w)
 
 
-def _from_padded(ids: np.ndarray, weights, keyed: bool = False, sequence: bool = False) -> Ragged:
+def _from_padded(ids: np.ndarray, weights, keyed: bool = False) -> Ragged:
     bad = ids < -1
     if not keyed and bad.any():  # a keyed table's keys may be negative; -1 is padding still
         b, j = np.argwhere(bad)[0]
@@ -315,17 +316,6 @@ def _from_padded(ids: np.ndarray, weights, keyed: bool = False, sequence: bool =
             f"id {int(ids[b, j])} at [{b}, {j}] is negative; only -1 marks padding in 2-D input"
         )
     keep = ids != -1
-    if sequence and ids.shape[1] > 1:
-        # A sequence's positions are its ids' places in the row: dropping a -1 before an id
-        # would move that id (and TF keeps a sparse id at its column).
-        after = keep[:, 1:] & ~keep[:, :-1]
-        if after.any():
-            b, j = np.argwhere(after)[0]
-            raise ValueError(
-                f"id {int(ids[b, j + 1])} at [{b}, {j + 1}] follows padding (-1 at [{b}, {j}]): "
-                "a sequence feature's 2-D input may end a row with -1 only, since dropping it "
-                "would move the ids after it to earlier positions; give lists or a Ragged"
-            )
     w = None
     if weights is not None:
         w = _float_array(weights, "weights")
@@ -338,11 +328,10 @@ def _from_padded(ids: np.ndarray, weights, keyed: bool = False, sequence: bool =
     return Ragged(ids[keep], lengths=keep.sum(axis=1), weights=w)
 
 
-def to_ragged(value, weights=None, keyed: bool = False, sequence: bool = False) -> Ragged:
+def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
     """Convert any accepted input form (see module docstring) to a structurally valid Ragged.
     ``keyed``: for a keyed table, whose ids are any int64 keys: 2-D input may hold negative
-    keys other than -1 (the padding). ``sequence``: for a sequence feature, whose 2-D input
-    may pad only the end of a row (an id after a -1 would move to the -1's position)."""
+    keys other than -1 (the padding)."""
     if value is None or isinstance(value, str | bytes | Mapping):
         raise TypeError(
             "ids must be an integer array, a Ragged or a list of lists of ints, got "
@@ -361,7 +350,7 @@ def to_ragged(value, weights=None, keyed: bool = False, sequence: bool = False) 
     except ValueError as e:  # e.g. np.asarray of ragged lists
         raise TypeError(f"cannot read ids from {type(value).__name__}: {e}") from None
     if ids.ndim == 2:
-        return _from_padded(ids, weights, keyed, sequence)
+        return _from_padded(ids, weights, keyed)
     if ids.ndim == 1:
         w = None
         if weights is not None:

@@ -294,18 +294,16 @@ def test_python_ids_outside_int64_or_not_ints_are_named(value, error, words):
         eng.lookup({"f": value})
 
 
-def test_a_sequence_feature_refuses_padding_before_an_id_in_2d_input():
-    """Dropping the -1 of [[5, -1, 7]] would put 7 at position 1; TF keeps it at its column.
-    Trailing padding is what 2-D input means for a sequence; a bag may pad anywhere."""
-    with pytest.raises(ValueError, match=r"id 7 at \[0, 2\] follows padding \(-1 at \[0, 1\]\)"):
-        to_ragged(np.array([[5, -1, 7]]), sequence=True)
-    r = to_ragged(np.array([[5, 7, -1], [-1, -1, -1]]), sequence=True)
+def test_a_sequence_features_2d_padding_is_dropped_wherever_it_stands():
+    """-1 is padding anywhere in 2-D input: [[5, -1, 7]] is the sequence 5, 7 (7 at position
+    1; a Ragged or lists say which positions are empty), as for a bag."""
+    r = to_ragged(np.array([[5, -1, 7], [-1, -1, -1]]))
     assert r.ids.tolist() == [5, 7] and r.offsets.tolist() == [0, 2, 2]
-    assert to_ragged(np.array([[5, -1, 7]])).ids.tolist() == [5, 7]
-    t = ee.TableConfig(100, 4, name="t")
+    t = ee.TableConfig(100, 4, name="t", initializer=ee.initializers.RowId())
     eng = ee.EmbeddingEngine(
         {"s": ee.FeatureConfig(t, max_sequence_length=3)}, optimizer=ee.optimizers.SGD(0.1)
     )
-    with pytest.raises(ValueError, match="feature 's': id 7 at"):
-        eng.lookup({"s": np.array([[5, -1, 7]])})
-    assert eng.step == 0
+    got = eng.lookup({"s": np.array([[5, -1, 7]])}, training=False)["s"][0]
+    want = eng.lookup({"s": [[5, 7]]}, training=False)["s"][0]
+    np.testing.assert_array_equal(got, want)
+    assert got[2].tolist() == [0.0] * 4
