@@ -474,79 +474,28 @@ def _make_prepare_and_pool(keyed: bool):
 _PREPARE_AND_POOL = {keyed: _make_prepare_and_pool(keyed) for keyed in (False, True)}
 
 
-def prepare_and_pool(
-    prep_order,
-    n_workers,
-    fmeta,
-    ids,
-    offsets,
-    weights,
-    occ_base,
-    out_base,
-    occ_ids,
-    gains,
-    segments,
-    unique,
-    inverse,
-    n_unique,
-    unique_offsets,
-    unique_gains,
-    unique_segments,
-    output_offsets,
-    unique_bounds,
-    found,
-    ready,
-    tmeta,
-    fdata,
-    quant,
-    prefetch,
-    keyed=False,
-):
+def prepare_and_pool(*args, keyed: bool = False) -> None:
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
     ``quant[t]`` as in ``lookup.pool``), by ``n_workers`` workers claiming tasks from one
     counter: first the preparations, then the pooling tasks. The outputs are those of the two
-    kernels run one after the other.
+    kernels run one after the other. ``args``: the kernel's (``_make_prepare_and_pool``),
+    ``prep_order, n_workers, fmeta``, the inputs and outputs of ``prepare_tables``, then
+    ``found, ready, tmeta, fdata, quant, prefetch``.
 
     ``keyed``: the batch has keyed tables probed here (``tmeta[t, T_INDEX]``, their features'
-    ``fdata`` from FD_INDEX on). A keyed table's unique keys are probed right
-    after its preparation, its rows touched if every key had one (``found``, ``ready[t]``:
+    ``fdata`` from FD_INDEX on). A keyed table's unique keys are probed right after its
+    preparation, its rows touched if every key had one (``found``, ``ready[t]``:
     ``_probe_table``, published atomically). A task pooling its samples pools them through
     the rows its preparation found if that is done (``_found_rows``); if it is not, the
     thread probes the task's keys itself (``_probed_rows``, as an evaluation lookup does),
-    rather than wait: with one big keyed table, one thread prepares it
-    while the other pools (docs/performance.md). Both give the sums ``pool_tables`` gives
+    rather than wait: with one big keyed table, one thread prepares it while the other pools
+    (docs/performance.md). Both give the sums ``pool_tables`` gives
     through the resolved rows when the probe found a live row for every key
     (PROBED_ALL_FOUND); a table for which it did not is pooled after the region, once its
     storage resolved its rows. No thread waits for another: waiting threads spun on cores an
     oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md)."""
-    _PREPARE_AND_POOL[bool(keyed)](
-        prep_order,
-        n_workers,
-        fmeta,
-        ids,
-        offsets,
-        weights,
-        occ_base,
-        out_base,
-        occ_ids,
-        gains,
-        segments,
-        unique,
-        inverse,
-        n_unique,
-        unique_offsets,
-        unique_gains,
-        unique_segments,
-        output_offsets,
-        unique_bounds,
-        found,
-        ready,
-        tmeta,
-        fdata,
-        quant,
-        prefetch,
-    )
+    _PREPARE_AND_POOL[bool(keyed)](*args)
 
 
 @kernel()
