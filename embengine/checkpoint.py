@@ -76,10 +76,11 @@ CheckpointError for a malformed manifest.
 What a restore guarantees: every check above passes before the first table byte changes, so a
 checkpoint that is corrupt at rest leaves the engine bit-identical; then ``load_state_dict``
 checks every tensor's name, shape and dtype against the engine and copies under the engine's
-lock, each table's tensors read straight into its memory. A keyed table's tensors are read
-into memory and their values checked first (keys sorted and distinct, pending keys without
-rows, counts >= 0, steps not after the checkpoint's, at most ``max_rows`` rows): a crafted
-keyed checkpoint is a CheckpointError naming the entry, the engine unchanged. A keyed table
+lock, each table's tensors read straight into its memory. A keyed table's keys and metadata
+are read into memory and their values checked first (keys sorted and distinct, pending keys
+without rows, counts >= 0, steps not after the checkpoint's, at most ``max_rows`` rows): a
+crafted keyed checkpoint is a CheckpointError naming the entry, the engine unchanged; its rows
+are read in their turn straight into its new arena. A keyed table
 also makes room for its rows (its arena, or its file's blocks) before any table changes, so a
 full disk or exhausted memory is a CheckpointError with the engine unchanged. It does not make
 the copy itself atomic (that would need a second copy of every table): if reading fails midway
@@ -89,7 +90,9 @@ unchanged, and the CheckpointError says so; restore again before using the engin
 read with ordinary reads, so a file truncated during the copy is an error, not a SIGBUS.
 
 Tables are written and read in chunks of rows, so memory stays bounded for tables larger than
-RAM.
+RAM: a keyed table's rows are gathered in key order a chunk at a time as they are written
+(``state_dict(lazy=True)``), and read into its new arena the same way; only its keys and
+per-key metadata (8-40 bytes a key) are held whole.
 """
 
 from __future__ import annotations
@@ -364,7 +367,8 @@ def _write(
 ) -> Path:
     """Fill ``tmp`` (held locked by the caller), then number it and rename it into place."""
     spec = engine.spec()
-    state = engine.state_dict()
+    # keyed tables' rows gathered as they are written: a chunk of memory, not a copy
+    state = engine.state_dict(lazy=True)
     files = {}
     # One file per logical table: "{table}" and "{table}/{slot}", row r = the table's id r.
     for i, entry in enumerate(spec["tables"]):

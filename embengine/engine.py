@@ -379,7 +379,7 @@ class EmbeddingEngine:
         features = feature_configs_from_spec(spec, callables, initializers)
         return cls(features, **{**engine_options(spec), **overrides})
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, lazy: bool = False) -> dict[str, Any]:
         """The engine's state (see embengine.state): ``{"step": int, "learning_rates": {"tags":
         [...]}, "tables": {table name: {"weights": array, slot name: array, ...}}}``, keyed by
         logical table and row (a packed table's rows are its own, from 0).
@@ -387,13 +387,16 @@ class EmbeddingEngine:
         The arrays are live views of the tables, not copies: they change with every update and
         writing into them changes the engine (a keyed table's are copies, taken together). Read
         them while no update runs (``save`` holds the engine's lock while it writes them);
-        ``copy.deepcopy(state)`` for a snapshot."""
+        ``copy.deepcopy(state)`` for a snapshot. ``lazy=True``: a keyed table's per-key entries
+        but its keys are ``embengine.state.GatheredRows``, gathered in key order when read, so
+        writing them takes a chunk of memory, not a copy of the table (what ``save`` does);
+        read them under ``lock``, before the table changes."""
         # A keyed table's entry is a snapshot (its keys and metadata; see embengine.state).
         return {
             "step": self._step,
             "learning_rates": {"tags": self._learning_rate_tags()},
             "tables": {
-                v.name: v.state() if hasattr(v, "state") else {WEIGHTS: v.weights, **v.slots}
+                v.name: v.state(lazy) if hasattr(v, "state") else {WEIGHTS: v.weights, **v.slots}
                 for v in self._tables
             },
         }
@@ -432,9 +435,9 @@ class EmbeddingEngine:
         views = {v.name: v for v in self._tables}
         # Everything is checked; from here on tables change.
         with self._state_lock():
-            # Keyed tables are read and checked whole first (a ValueError changes nothing), and
-            # make their room (a refused growth: OSError / MemoryError, nothing changed), then
-            # are installed in their turn, which cannot fail.
+            # Keyed tables' keys and metadata are read and checked first (a ValueError changes
+            # nothing), and make their room (a refused growth: OSError / MemoryError, nothing
+            # changed); installed in their turn, their rows are read into the new arena.
             now = self._step if step is None else step
             installs = {
                 name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")

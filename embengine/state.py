@@ -48,10 +48,17 @@ Learning rates hold no state of their own: a constant, a value the caller passes
 ``learning_rates`` entry lists the engine's dynamic tags (and each callable's name) so that
 ``load_state_dict`` can refuse a state whose schedule has other tags.
 
+``state_dict(lazy=True)`` gives a keyed table's per-key entries as ``GatheredRows`` instead:
+rows gathered in key order when read, a chunk at a time, so ``save`` writes a keyed table with
+one chunk's memory, not a copy of it (valid only while the table does not change: ``save``
+holds the engine's lock while it writes them).
+
 ``load_state_dict`` accepts, where a state has arrays, any ``TensorSource`` too: an object with
 ``shape``, ``dtype`` and ``read_into(out)``, which fills ``out`` (the engine's own memory) itself.
 A checkpoint restores through such sources (``checkpoint.StoredTensor``), chunk by chunk, so a
-memory-mapped table bigger than RAM is never read into a second copy.
+memory-mapped table bigger than RAM is never read into a second copy; a keyed table's rows
+(weights and slots) are read straight into its new arena too, only its keys and metadata (40
+bytes a key) whole, to be checked first.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ __all__ = [
     "KEYED_COUNTERS",
     "KEYED_ENTRIES",
     "NO_TIME",
+    "GatheredRows",
     "TIME_ENTRIES",
     "WEIGHTS",
     "PartialLoadError",
@@ -107,6 +115,51 @@ def keyed_entries(dim: int, slots: list[tuple[str, int, str]]) -> dict[str, tupl
     return out
 
 
+class GatheredRows:
+    """A read-only array of ``shape`` and ``dtype`` whose rows are made when read: ``take(lo,
+    hi)`` returns rows ``lo:hi`` (e.g. a keyed table's rows in key order, gathered from its
+    arena). Slicing rows (``g[lo:hi]``) calls it; ``np.asarray(g)`` makes the whole array.
+    ``write_safetensors`` writes it chunk by chunk like an array, so a checkpoint of a table
+    needs one chunk of memory beside it. Valid only while its source does not change."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, take):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self._take = take
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"GatheredRows takes a slice of rows, got {rows!r}")
+        lo, hi, _ = rows.indices(self.shape[0])
+        out = np.asarray(self._take(lo, max(lo, hi)), dtype=self.dtype)
+        expected = (max(0, hi - lo), *self.shape[1:])
+        if out.shape != expected:  # a source's bug, never a silent short write
+            raise AssertionError(f"GatheredRows: rows {lo}:{hi} came as {out.shape}")
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"GatheredRows(shape={self.shape}, dtype={self.dtype})"
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """An array ``load_state_dict`` does not hold in memory: it has ``shape`` and ``dtype`` (checked
@@ -128,7 +181,7 @@ class Stateful(Protocol):
 
     def spec(self) -> dict[str, Any]: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self, lazy: bool = False) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None: ...
 

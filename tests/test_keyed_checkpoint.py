@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,14 @@ import pytest
 
 import embengine as ee
 from embengine import optimizers as O
+from embengine import safetensors_io
 from embengine.checkpoint import CheckpointError
 from embengine.cli import main as cli_main
 from embengine.initializers import RandomUniform
 from embengine.inspect import describe
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
 from embengine.serving import ServingEngine, export
+from embengine.state import GatheredRows, PartialLoadError
 
 # (id, DynamicVocabulary arguments): each rule of a keyed table, mid-stream at the save.
 RULES = [
@@ -697,3 +700,90 @@ def test_a_save_halfway_through_a_step_of_a_keyed_table_is_refused(tmp_path):
     )
     dense.lookup({"f": np.array([[1, 2]])})
     dense.save(tmp_path / "dense")  # a dense lookup changes no table
+
+
+def _big_keyed_engine(storage_path=None) -> ee.EmbeddingEngine:
+    """One keyed table of 30,000 keys, dim 64 with Adagrad's accumulators (15 MB of rows)."""
+    t = ee.TableConfig(None, 64, name="k", optimizer=O.Adagrad(0.1), combiner="sum")
+    kwargs = {} if storage_path is None else dict(storage="mmap", storage_dir=storage_path)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, seed=3, **kwargs)
+    keys = np.random.default_rng(0).integers(-(2**62), 2**62, size=(30_000, 1))
+    eng.lookup({"f": keys})
+    eng.apply_gradients({"f": np.full((30_000, 64), 0.25, np.float32)})
+    return eng
+
+
+@pytest.mark.parametrize("storage", ["keyed", "keyed-mmap"])
+def test_a_keyed_table_is_saved_and_restored_a_chunk_at_a_time(tmp_path, monkeypatch, storage):
+    """Saving a keyed table gathers its rows in key order a chunk at a time as they are
+    written, and restoring reads them straight into the new arena: the memory either
+    allocates is a small part of the table's (a keyed-mmap table may exceed RAM), where both
+    used to copy the whole table first."""
+    mmap_dir = None if storage == "keyed" else tmp_path / "rows"
+    eng = _big_keyed_engine(mmap_dir)
+    assert eng.storage_plan.physical_tables[0].storage == storage
+    table_bytes = 30_000 * 128 * 4
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 64 * 1024)
+    peaks = {}
+    for what in ("save", "restore"):
+        tracemalloc.start()
+        try:
+            if what == "save":
+                path = eng.save(tmp_path / "ckpt")
+            else:
+                restored = _big_keyed_engine(None if mmap_dir is None else tmp_path / "rows2")
+                tracemalloc.reset_peak()
+                restored.restore(path)
+            peaks[what] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    # keys, their order and metadata are held whole (8-40 bytes a key); rows never are
+    assert peaks["save"] < table_bytes / 8, (peaks, table_bytes)
+    assert peaks["restore"] < table_bytes / 4, (peaks, table_bytes)
+    want, got = eng.table_contents("k"), restored.table_contents("k")
+    assert all(want[k].tobytes() == got[k].tobytes() for k in want)
+    assert ee.EmbeddingEngine.load(path).table_contents("k")["weights"].tobytes() == (
+        want["weights"].tobytes()
+    )
+
+
+def test_a_lazy_keyed_state_gathers_the_same_values_as_the_snapshot():
+    eng = _engine("numba", occurrence_threshold=1, expire_seconds=100)
+    for i, batch in enumerate(_stream(5)):  # with data time: last_time is gathered too
+        acts = eng.lookup(batch, timestamp=10 * i)
+        eng.apply_gradients({k: np.sin(3 * v) + 0.25 for k, v in acts.items()})
+    state = eng.state_dict()["tables"]["k"]
+    lazy = eng.state_dict(lazy=True)["tables"]["k"]
+    assert list(lazy) == list(state)
+    for key, value in state.items():
+        g = lazy[key]
+        if isinstance(g, GatheredRows):
+            assert key not in ("keys", "pending_keys", "counters")
+            assert g.shape == value.shape and g.dtype == value.dtype and len(g) == len(value)
+            assert g[1:4].tobytes() == value[1:4].tobytes()
+            assert g[len(value) :].shape == (0, *value.shape[1:])
+        assert np.asarray(g).tobytes() == value.tobytes(), key
+    with pytest.raises(TypeError, match="takes a slice of rows"):
+        lazy["weights"][[0, 1]]
+
+
+def test_a_keyed_row_read_failing_midway_is_a_partial_load_error(tmp_path):
+    """The rows are read into the new arena by the install, after every check: a read that
+    fails there says which table is part new, as for a dense table."""
+
+    class Failing:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+        def read_into(self, out):
+            out[: len(out) // 2] = 7
+            raise OSError("the file went away")
+
+    eng = _engine("numba")
+    for batch in _stream(3):
+        _step(eng, batch)
+    state = copy.deepcopy(eng.state_dict())
+    weights = state["tables"]["k"]["weights"]
+    state["tables"]["k"]["weights"] = Failing(weights.shape, weights.dtype)
+    with pytest.raises(PartialLoadError, match=r"table 'k' \(the file went away\)"):
+        eng.load_state_dict(state)

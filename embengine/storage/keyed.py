@@ -46,7 +46,14 @@ from ..config import MAX_KEYED_ROWS
 from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
-from ..state import KEYED_COUNTERS, NO_TIME, WEIGHTS, TensorSource, keyed_entries
+from ..state import (
+    KEYED_COUNTERS,
+    NO_TIME,
+    WEIGHTS,
+    GatheredRows,
+    TensorSource,
+    keyed_entries,
+)
 from .dense import MappedRows, StorageError, _advise, open_locked, reserve, row_columns
 from .protocol import NO_ROW
 
@@ -470,9 +477,10 @@ class KeyedView:
     def storage(self) -> str:
         return self.table.storage
 
-    def state(self) -> dict[str, np.ndarray]:
-        """The table's state entries (``embengine.state``, a keyed table): a snapshot."""
-        return self.table.state()
+    def state(self, lazy: bool = False) -> dict[str, np.ndarray]:
+        """The table's state entries (``embengine.state``, a keyed table): a snapshot
+        (``KeyedTable.state``)."""
+        return self.table.state(lazy)
 
     def state_entries(self) -> dict[str, tuple[tuple, np.dtype]]:
         """Entry name -> (shape, dtype) of ``state()``, "n" / "p" for its two lengths."""
@@ -1367,27 +1375,55 @@ class KeyedTable(MappedRows):
     def contents(self) -> dict[str, np.ndarray]:
         """``keys`` (int64, sorted) and copies of ``weights`` and every slot, aligned with them."""
         rows = self._rows_by_key()
-        out = {"keys": self._keys[rows], "weights": self._data[rows, : self.dim].copy()}
-        for spec in self.slot_specs:
-            col = self.columns[spec.name]
-            base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
-            out[spec.name] = base[rows, col.start : col.start + col.width].copy()
+        takes = self._per_key(rows, (WEIGHTS, *self.slot_names))
+        return {"keys": self._keys[rows], **{k: take(0, len(rows)) for k, _, _, take in takes}}
+
+    def _per_key(self, rows: np.ndarray, names) -> list[tuple[str, tuple, np.dtype, object]]:
+        """For each of ``names`` (weights, slots, the rows' metadata entries of
+        ``embengine.state``): (name, shape, dtype, ``take(lo, hi)``), where ``take`` gives the
+        entry of the keys ``lo:hi`` of ``rows`` (the rows in key order), a new array."""
+
+        def column(base: np.ndarray, start: int, width: int):
+            return lambda lo, hi: base[rows[lo:hi], start : start + width]
+
+        def meta(name: str):
+            if name == "last_touched":
+                return lambda lo, hi: self._last[rows[lo:hi]].astype(np.int64) + self._base
+            if name == "touch_counts":
+                return lambda lo, hi: self._touches[rows[lo:hi]].astype(np.int64)
+            if self._keeps_time:  # last_time
+                return lambda lo, hi: self._time[rows[lo:hi]]
+            return lambda lo, hi: np.full(hi - lo, NO_TIME, np.int64)
+
+        n, out = len(rows), []
+        specs = {s.name: s for s in self.slot_specs}
+        for name in names:
+            if name == WEIGHTS:
+                take = column(self._data, 0, self.dim)
+                out.append((name, (n, self.dim), np.dtype(np.float32), take))
+            elif name in specs:
+                spec, col = specs[name], self.columns[name]
+                base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
+                take = column(base, col.start, col.width)
+                out.append((name, (n, col.width), base.dtype, take))
+            else:
+                out.append((name, (n,), np.dtype(np.int64), meta(name)))
         return out
 
     # -- state: what checkpoints hold ----------------------------------------------------------
 
-    def state(self) -> dict[str, np.ndarray]:
+    def state(self, lazy: bool = False) -> dict[str, np.ndarray]:
         """The table's state (``embengine.state``: keys, rows with their slots, last-touched
         steps, touch counts, pending admissions, counters), copies taken at one moment (the
-        caller holds the engine's lock): ``contents()`` gives weights and slots from the one
-        row array, so they are of one step."""
-        out = self.contents()
+        caller holds the engine's lock): weights and slots come from the one row array, so
+        they are of one step. ``lazy``: the per-key entries but ``keys`` are ``GatheredRows``,
+        gathered in key order when read (a checkpoint writes them a chunk at a time), valid
+        while the table does not change."""
         rows = self._rows_by_key()
-        out["last_touched"] = self._last[rows].astype(np.int64) + self._base
-        out["touch_counts"] = self._touches[rows].astype(np.int64)
-        out["last_time"] = (
-            self._time[rows].copy() if self._keeps_time else np.full(len(rows), NO_TIME, np.int64)
-        )
+        names = (WEIGHTS, *self.slot_names, "last_touched", "touch_counts", "last_time")
+        out = {"keys": self._keys[rows]}
+        for name, shape, dtype, take in self._per_key(rows, names):
+            out[name] = GatheredRows(shape, dtype, take) if lazy else take(0, len(rows))
         out["data_time"] = np.array([self._clock], np.int64)
         p = self._pending
         live = p._live_slots()
@@ -1441,14 +1477,21 @@ class KeyedTable(MappedRows):
         ValueError naming the entry (``at[entry]``) and the value, as is a source that cannot be
         read. The rules (``dynamic``, ``max_pending``) are the engine's: a state with more
         rows than ``max_rows`` is refused; pending keys past ``max_pending`` are forgotten,
-        seen longest ago first."""
+        seen longest ago first. The keys and metadata are read whole (40 bytes a key) and
+        checked here; rows (weights, slots) given as TensorSources are read by the install,
+        chunk by chunk, straight into the new arena, so a table is never held twice: a read
+        that fails there is its OSError / ValueError, the table part new (``load_state_dict``
+        says so: ``PartialLoadError``)."""
         wanted = [WEIGHTS, *self.slot_names, *keyed_entries(self.dim, [])]
         missing = [k for k in dict.fromkeys(wanted) if k not in entries]
         if missing:
             raise ValueError(f"{at} has no {missing}: a keyed table's state is loaded whole")
+        rows = {WEIGHTS, *self.slot_names}
         a = {}
         for k, v in entries.items():
-            if isinstance(v, TensorSource):
+            if isinstance(v, TensorSource) and k in rows:
+                a[k] = v  # read by _install, into the new arena
+            elif isinstance(v, TensorSource):
                 out = np.empty(tuple(v.shape), np.dtype(v.dtype).newbyteorder("="))
                 try:
                     v.read_into(out)
@@ -1510,18 +1553,26 @@ class KeyedTable(MappedRows):
         staged._stats_step = int(a["meta"][0])
         return staged
 
-    def _install(self, staged: KeyedTable, a: dict[str, np.ndarray]) -> None:
+    def _install(self, staged: KeyedTable, a: dict) -> None:
         """Replace the table's contents by a staged state (``_stage``): its arena, records,
         index and counts swapped in (the old arena is released with its last views), then
-        rows 0..n-1 copied in key order into reserved memory or file blocks."""
+        rows 0..n-1 copied in key order into reserved memory or file blocks, from arrays or
+        read from TensorSources chunk by chunk (a failed read is its OSError / ValueError,
+        the table part new)."""
         self.__dict__.update(staged.__dict__)
         n = len(a["keys"])
         data = self._data
-        data[:n, : self.dim] = a[WEIGHTS]
+        targets = [(WEIGHTS, data[:n, : self.dim])]
         for spec in self.slot_specs:
             col = self.columns[spec.name]
             base = data if spec.dtype == "float32" else data.view(np.int32)
-            base[:n, col.start : col.start + col.width] = a[spec.name]
+            targets.append((spec.name, base[:n, col.start : col.start + col.width]))
+        with self.sequential_access():
+            for name, out in targets:
+                if isinstance(a[name], TensorSource):
+                    a[name].read_into(out)
+                else:
+                    out[...] = a[name]
 
     @property
     def slot_names(self) -> tuple[str, ...]:
