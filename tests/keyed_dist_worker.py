@@ -16,6 +16,10 @@ Scenarios:
   apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
+                              ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
+                              writes in many rounds)
+  ckpt_memory                 30,000 keys (dim 64, Adagrad) saved and restored with 64 KiB
+                              chunks: tracemalloc's peak of each, and the table's bytes
   time_mismatch               the last rank passes another timestamp
   max_rows                    a keyed table with max_rows (refused)
   eval_mismatch               the last rank looks up for evaluation while the others train
@@ -174,6 +178,8 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
 
     kind, folder = name.split(":")
     root = os.path.join(os.environ["CKPT_ROOT"], folder)
+    if "CKPT_CHUNK" in os.environ:
+        set_chunk_bytes(int(os.environ["CKPT_CHUNK"]))
     features, o = make_features(CKPT, 2, "seconds")
     if kind == "ckpt_save":
         eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
@@ -189,6 +195,55 @@ def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
     train(eng, range(2, STEPS), rank, world)
     contents(eng, "end", saved)
     np.savez(os.path.join(out, f"{kind}_{folder}.rank{rank}.npz"), **saved)
+
+
+def set_chunk_bytes(n: int) -> None:
+    """The chunk bytes every checkpoint writer and reader uses (bound at import by some)."""
+    from embengine import safetensors_io
+    from embengine.distributed import checkpoint as dc
+    from embengine.distributed import keyed_checkpoint as kc
+
+    for module in (safetensors_io, kc, dc):
+        module.CHUNK_BYTES = n
+
+
+def run_memory(rank: int, world: int, out: str, name: str) -> None:
+    """ckpt_memory: the peak memory a save and a restore of a keyed shard allocate."""
+    import tracemalloc
+
+    import embengine as ee
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    set_chunk_bytes(64 * 1024)
+    table = ee.TableConfig(None, 64, name="k", optimizer=opt.Adagrad(0.1), combiner="sum")
+    features = {"f": ee.FeatureConfig(table)}
+    root = os.path.join(os.environ["CKPT_ROOT"], "memory")
+    n = 30_000 // world  # keys a rank sends; rank r's ids are its own
+    keys = np.random.default_rng(rank).integers(-(2**62), 2**62, size=(n, 1))
+    eng = ShardedEngine(features, seed=3, timeout=60)
+    eng.lookup({"f": keys})
+    eng.apply_gradients({"f": np.full((n, 64), 0.25, np.float32)})
+    peaks = {}
+    for what in ("save", "restore"):
+        if what == "restore":
+            eng = ShardedEngine(features, seed=3, timeout=60)
+        tracemalloc.start()
+        try:
+            if what == "save":
+                path = eng.save(root)
+            else:
+                eng.restore(path)
+            peaks[what] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    rows = eng.table_stats()["tables"]["k"]["rows"]
+    np.savez(
+        os.path.join(out, f"ckpt_memory.rank{rank}.npz"),
+        save=peaks["save"],
+        restore=peaks["restore"],
+        rows=rows,
+    )
 
 
 # apply_time: (rank 0's bags, rank 1's bags, lookup timestamp, update timestamp) per step. Key 2
@@ -288,6 +343,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith(("keyed:", "apply:")):
                 run_keyed(rank, world, out, name)
+            elif name == "ckpt_memory":
+                run_memory(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
             elif name == "apply_time":

@@ -7,15 +7,18 @@ loads it and a ShardedEngine of any world size loads a plain engine's.
 
 Saving (collective): every rank gathers every rank's keys (8 bytes a key; the same for the
 pending keys), which fixes each key's place in the sorted file. Rank ``q`` writes the places
-``[n q / W, n (q + 1) / W)``: every rank sends it the rows it owns there (one
-``all_to_all_single`` of rows and one of their int64 metadata), and it writes each tensor's
-block with ``pwrite``. The counters are every rank's summed, meta and data time rank 0's (the
-ranks agree on them: every owner runs a table's rules when any runs them).
+``[n q / W, n (q + 1) / W)``, a window of at most ``CHUNK_BYTES`` of rows at a time: in each
+round every rank gathers from its arena the rows it owns in every writer's window
+(``KeyedTable.state(lazy=True)``) and sends them (one ``all_to_all_single`` of rows and one of
+their int64 metadata), and each writer writes its window of each tensor with ``pwrite``; so a
+rank holds its keys and a few chunks, never its shard's rows twice. The counters are every
+rank's summed, meta and data time rank 0's (the ranks agree on them: every owner runs a
+table's rules when any runs them).
 
 Restoring (collective): every rank reads the keys and pending keys whole, keeps those it owns
-(``mix64(key) mod W``) and reads their rows chunk by chunk, then installs them through the
-table's own checks (``KeyedTable.prepare_state``). The summed counters go to rank 0 (the ranks'
-stats add up to the saved ones).
+(``mix64(key) mod W``) and their metadata, checked by the table's own checks
+(``KeyedTable.prepare_state``); the install reads their rows chunk by chunk straight into the
+new arena. The summed counters go to rank 0 (the ranks' stats add up to the saved ones).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class KeyedLayout:
 
     def __init__(self, comm: Comm, shard: KeyedTable):
         self.shard = shard
-        self.state = shard.state()
+        self.state = shard.state(lazy=True)  # rows gathered by write, a window at a time
         self.keys, self.place = _places(comm, self.state["keys"])
         self.pending, self.pending_place = _places(comm, self.state["pending_keys"])
         counters = comm.all_gather(self.state["counters"], "checkpoint")
@@ -136,33 +139,50 @@ def _send_to_writers(
     bounds = np.array([_block(n, world, r)[0] for r in range(world)] + [n])
     to = np.searchsorted(bounds, place, side="right") - 1
     send_counts = np.bincount(to, minlength=world)[:world]
+    lo, hi = _block(n, world, comm.rank)
+    return _send_windows(comm, place, send_counts, values, lo, hi, what), np.array([lo, hi])
+
+
+def _send_windows(
+    comm: Comm,
+    place: np.ndarray,
+    send_counts: np.ndarray,
+    values: np.ndarray,
+    lo: int,
+    hi: int,
+    what: str,
+) -> np.ndarray:
+    """Rows ``values`` (one per ``place``; ``send_counts[r]`` of them, in rank order, for rank
+    ``r``'s window) to the ranks writing them; this rank's window ``[lo, hi)`` of places: its
+    places' values in place order."""
     recv = comm.all_gather(send_counts, what)[:, comm.rank]
     width = values.shape[1] if values.ndim == 2 else 1
     got = comm.all_to_all(values.reshape(-1), send_counts * width, recv * width, what)
     places = comm.all_to_all(place, send_counts, recv, what)
-    lo, hi = _block(n, world, comm.rank)
     out = np.empty((hi - lo, width), dtype=values.dtype)
     out[places - lo] = got.reshape(-1, width)
-    return out, np.array([lo, hi])
+    return out
+
+
+def _gather(entry, ends: np.ndarray) -> np.ndarray:
+    """Rows ``a:b`` of an entry (an array or GatheredRows) for each ``[a, b)`` of ``ends``,
+    concatenated."""
+    return np.concatenate([entry[int(a) : int(b)] for a, b in ends])
 
 
 def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
     """Collective: write this rank's block of the keyed table's file (made at full size with
-    its header by rank 0); whether its weights and float slots were all finite."""
+    its header by rank 0), a window of at most ``CHUNK_BYTES`` of rows a round; whether its
+    weights and float slots were all finite."""
     shard, st = lay.shard, lay.state
     _, starts = lay.header()
-    float_cols = [st[WEIGHTS]] + [
-        st[s.name].view(np.float32) if s.dtype != "float32" else st[s.name]
-        for s in shard.slot_specs
-    ]
-    rows = np.concatenate([np.asarray(a, np.float32) for a in float_cols], axis=1)
-    meta = np.stack([st[k] for k in _ROW_META], axis=1).astype(np.int64)
-    n, p = len(lay.keys), len(lay.pending)
-    got_rows, (lo, hi) = _send_to_writers(comm, lay.place, n, rows, "checkpoint")
-    got_meta, _ = _send_to_writers(comm, lay.place, n, meta, "checkpoint")
-    pend = np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64)
-    got_pend, (plo, phi) = _send_to_writers(comm, lay.pending_place, p, pend, "checkpoint")
-    finite = bool(np.isfinite(got_rows[:, : shard.dim]).all())
+    world, n, p = comm.world_size, len(lay.keys), len(lay.pending)
+    lo, hi = _block(n, world, comm.rank)
+    blocks = np.array([_block(n, world, r) for r in range(world)], np.int64).reshape(-1, 2)
+    width = shard.dim + sum(s.width for s in shard.slot_specs)  # float32 units a row
+    step = max(1, CHUNK_BYTES // (4 * width + 8 * len(_ROW_META)))
+    rounds = -(-int((blocks[:, 1] - blocks[:, 0]).max(initial=0)) // step)
+    finite = True
     fd = os.open(path, os.O_WRONLY)
     try:
 
@@ -176,18 +196,38 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
             )
 
         put("keys", lay.keys[lo:hi], lo)
-        put(WEIGHTS, got_rows[:, : shard.dim], lo)
-        c = shard.dim
-        for s in shard.slot_specs:
-            part = got_rows[:, c : c + s.width]
-            if s.dtype == "float32":
-                finite &= bool(np.isfinite(part).all())
-            else:
-                part = np.ascontiguousarray(part).view(np.dtype(s.dtype))
-            put(s.name, part, lo)
-            c += s.width
-        for i, k in enumerate(_ROW_META):
-            put(k, got_meta[:, i], lo)
+        for i in range(rounds):  # every rank the same number: collectives
+            # each writer's window this round, and the range of this rank's keys placed in
+            # each (its places ascend with its sorted keys)
+            first = blocks[:, :1] + np.array([i * step, (i + 1) * step])
+            windows = np.minimum(first, blocks[:, 1:])
+            ends = np.searchsorted(lay.place, windows)
+            counts = ends[:, 1] - ends[:, 0]
+            rows = np.concatenate(
+                [_gather(st[WEIGHTS], ends)]
+                + [_gather(st[s.name], ends).view(np.float32) for s in shard.slot_specs],
+                axis=1,
+            )
+            meta = np.stack([_gather(st[k], ends) for k in _ROW_META], axis=1).astype(np.int64)
+            place = np.concatenate([lay.place[a:b] for a, b in ends])
+            wlo, whi = (int(x) for x in windows[comm.rank])
+            got_rows = _send_windows(comm, place, counts, rows, wlo, whi, "checkpoint")
+            got_meta = _send_windows(comm, place, counts, meta, wlo, whi, "checkpoint")
+            finite &= bool(np.isfinite(got_rows[:, : shard.dim]).all())
+            put(WEIGHTS, got_rows[:, : shard.dim], wlo)
+            c = shard.dim
+            for s in shard.slot_specs:
+                part = got_rows[:, c : c + s.width]
+                if s.dtype == "float32":
+                    finite &= bool(np.isfinite(part).all())
+                else:
+                    part = np.ascontiguousarray(part).view(np.dtype(s.dtype))
+                put(s.name, part, wlo)
+                c += s.width
+            for j, k in enumerate(_ROW_META):
+                put(k, got_meta[:, j], wlo)
+        pend = np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64)
+        got_pend, (plo, phi) = _send_to_writers(comm, lay.pending_place, p, pend, "checkpoint")
         put("pending_keys", lay.pending[plo:phi], plo)
         for i, k in enumerate(_PENDING):
             put(k, got_pend[:, i], plo)
@@ -210,18 +250,37 @@ def _read_all(src) -> np.ndarray:
     return out
 
 
-def _read_rows(src, keep: np.ndarray) -> np.ndarray:
+class _KeptRows:
+    """A TensorSource: rows ``keep`` (ascending) of a stored entry, read into ``out`` chunk
+    by chunk by ``read_into`` (``KeyedTable.prepare_state`` leaves it to the install, which
+    reads straight into the new arena)."""
+
+    def __init__(self, src, keep: np.ndarray):
+        self.src, self.keep = src, keep
+        self.shape = (len(keep), *tuple(src.shape)[1:])
+        self.dtype = np.dtype(src.dtype).newbyteorder("=")
+
+    def read_into(self, out: np.ndarray) -> None:
+        _read_rows(self.src, self.keep, out)
+
+
+def _read_rows(src, keep: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``keep`` (ascending) of an entry, read chunk by chunk (at most ``CHUNK_BYTES`` at
-    a time besides the rows kept)."""
+    a time besides the rows kept) into ``out`` (a new array if None; a strided view of a
+    table's arena is fine)."""
     if isinstance(src, np.ndarray):
-        return src[keep]
+        if out is None:
+            return src[keep]
+        out[...] = src[keep]
+        return out
     meta, data_start = src.header
     first = data_start + meta[src.name]["data_offsets"][0]
     shape = tuple(src.shape)
     dtype = np.dtype(src.dtype)
     width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
     row_bytes = width * dtype.itemsize
-    out = np.empty((len(keep), *shape[1:]), dtype.newbyteorder("="))
+    if out is None:
+        out = np.empty((len(keep), *shape[1:]), dtype.newbyteorder("="))
     chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
     with open(src.file, "rb") as f:
         done = 0
@@ -256,7 +315,9 @@ def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
     mine = np.flatnonzero((mix64(keys) % np.uint64(world)).astype(np.int64) == comm.rank)
     theirs = np.flatnonzero((mix64(pending) % np.uint64(world)).astype(np.int64) == comm.rank)
     state = {"keys": keys[mine], "pending_keys": pending[theirs]}
-    for k in (WEIGHTS, *[s.name for s in shard.slot_specs], *_ROW_META):
+    for k in (WEIGHTS, *[s.name for s in shard.slot_specs]):
+        state[k] = _KeptRows(entry(k), mine)  # read by the install, into the arena
+    for k in _ROW_META:
         state[k] = _read_rows(entry(k), mine)
     for k in _PENDING:
         state[k] = _read_rows(entry(k), theirs)
