@@ -133,6 +133,7 @@ from .spec import NONFINITE_POLICIES, SpecError, feature_configs_from_spec
 from .state import (
     KEYED_COUNTERS,
     KEYED_ENTRIES,
+    MAX_STEP,
     NO_TIME,
     TIME_ENTRIES,
     WEIGHTS,
@@ -332,9 +333,20 @@ def save(
     engine through ``spec()`` and ``state_dict()`` (live views): call it while no update runs,
     as ``engine.save`` does (it holds the engine's lock)."""
     check_save_arguments(keep, extra_metadata, root, extra_tensors)
+    step = engine.step
+    if (
+        isinstance(step, bool)
+        or not isinstance(step, int | np.integer)
+        or not 0 <= step <= MAX_STEP
+    ):
+        # what a restore accepts (the manifest's schema): never write a checkpoint none can load
+        raise ValueError(
+            f"the engine's step {step!r} is not an int in [0, 2**63): a checkpoint of it could "
+            "not be restored; nothing was written"
+        )
+    step = int(step)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    step = engine.step
     with _locked(root):
         _remove_leftovers(root)
         # Created and locked under the root's lock, so no other save sees it unlocked.
@@ -572,7 +584,7 @@ def _check_schema(ckpt: Path, m: dict) -> None:
     before anything else reads the manifest, so a malformed manifest is always a
     CheckpointError naming the key, never a KeyError or TypeError from deep inside a loader."""
     s = _Schema(ckpt)
-    s.get(m, "step", "", lambda v: _is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)")
+    s.get(m, "step", "", lambda v: _is_int(v) and 0 <= v <= MAX_STEP, "an int in [0, 2**63)")
     s.get(m, "seed", "", _is_int, "an int")
     s.get(m, "embengine_version", "", lambda v: isinstance(v, str), "a string")
     s.get(

@@ -47,7 +47,7 @@ from .spec import (
     initializer_for,
     table_entries,
 )
-from .state import WEIGHTS, PartialLoadError, check_state
+from .state import MAX_STEP, WEIGHTS, PartialLoadError, check_state
 from .storage import StoragePlan, make_storage, plan_storage
 from .storage.registry import storage_kind
 
@@ -687,6 +687,7 @@ class EmbeddingEngine:
             # kernels/train_lookup.py; the reference backend builds the batch, then pools it).
             parts, layouts = plan_tables(self._resolved, features, weights, self._storage_layout)
             with self.lock:  # the pooling reads the tables
+                self._check_step_room()
                 self._begin_step(timestamp, training=True)
                 tables, per_table = self._backend.build_tables_and_lookup(
                     parts, self._physical, self._quantizations()
@@ -705,6 +706,8 @@ class EmbeddingEngine:
             batch = self._prepare(features, weights, training=False, check_ids=not checks)
         if per_table is None:
             with self.lock:  # pending set with the read: a load in between forgets it
+                if training:
+                    self._check_step_room()
                 self._begin_step(timestamp, training=training and resolve)
                 if resolve:  # a keyed table's rows change with every training resolution
                     batch = self._resolve(batch, insert=training, again=True)
@@ -884,6 +887,7 @@ class EmbeddingEngine:
         would be non-finite is left as it was; see the class docstring for the policy.
         """
         with self.lock:
+            self._check_step_room()
             implicit = batch is None
             if implicit:
                 batch = self._pending_batch()
@@ -927,6 +931,18 @@ class EmbeddingEngine:
                 self._set_pending(None)
             if unchanged:
                 self._report_unchanged(unchanged)
+
+    def _check_step_room(self) -> None:
+        """A training step may begin: the step it would count to fits int64 (``MAX_STEP``, what
+        the kernels take, a state holds and a checkpoint stores). A ValueError naming the step,
+        before anything changes, when this step would count past it."""
+        if self._step >= MAX_STEP:
+            raise ValueError(
+                f"the engine's step is {self._step:,} (2**63 - 1), the largest one it can count "
+                "(steps are int64, in the kernels and in checkpoints): one more training step "
+                "would overflow it; nothing was changed. Restore a checkpoint or load a state "
+                "of a smaller step"
+            )
 
     def _check_learning_rates(self, lrs: Sequence[float]) -> None:
         """Each table's learning rate for this step, by its optimizer's rule (e.g. FTRL needs

@@ -72,6 +72,7 @@ import numpy as np
 __all__ = [
     "KEYED_COUNTERS",
     "KEYED_ENTRIES",
+    "MAX_STEP",
     "NO_TIME",
     "GatheredRows",
     "TIME_ENTRIES",
@@ -84,6 +85,10 @@ __all__ = [
 ]
 
 WEIGHTS = "weights"
+# The largest step an engine holds: steps are int64 in the kernels (numba refuses a larger int,
+# and ``step + 1``, Adam's and the frequency optimizers' 1-based step, wraps past it). A state or
+# checkpoint may hold it; the training step that would count past it is refused.
+MAX_STEP = 2**63 - 1
 # A keyed table's stats counters, in the order of its state's ``counters`` rows.
 KEYED_COUNTERS = ("admitted", "filtered", "evicted", "expired", "forgotten", "lookups", "hits")
 # A keyed table's entries besides weights and slots: name -> (shape, dtype); see above.
@@ -239,7 +244,7 @@ def check_state(
     elif (
         isinstance(step, bool | np.bool_)
         or not isinstance(step, int | np.integer)
-        or not 0 <= step < 2**63
+        or not 0 <= step <= MAX_STEP
     ):
         # A step past int64 would reach the update kernels (numba: a TypeError per call).
         raise ValueError(f"state['step'] must be an int in [0, 2**63), got {step!r}")

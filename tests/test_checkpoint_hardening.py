@@ -926,3 +926,92 @@ def test_checkpoints_without_the_finite_flag_count_as_finite(tmp_path):
     bad = eng.save(tmp_path, keep=1)
     assert list_checkpoints(tmp_path) == [old, bad]
     assert ee.EmbeddingEngine.load(old).step == 0
+
+
+# -- the step's bound: int64, as the kernels and checkpoints hold it -----------------------------
+
+LAST_STEP = 2**63 - 1
+
+
+def _at_step(eng: ee.EmbeddingEngine, step: int) -> ee.EmbeddingEngine:
+    state = eng.state_dict()
+    state["step"] = step
+    eng.load_state_dict(state)
+    return eng
+
+
+def _features() -> dict:
+    return {
+        "f": ee.Ragged(np.array([1, 2, 3]), lengths=[2, 1]),
+        "g": ee.Ragged(np.array([4, 5]), lengths=[1, 1]),
+    }
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_checkpoint_at_the_last_step_restores_and_refuses_the_next_training_step(
+    tmp_path, backend
+):
+    """Step 2**63 - 1 restores; the training step that would count past it is a ValueError
+    naming the step, before anything changes. It used to run (its ``step + 1`` wrapped in the
+    kernels: NaN for Adam's bias correction, -9.2e17 in a FrequencyEstimator table), count the
+    step to 2**63 and save a checkpoint no restore accepts (numba: OverflowError next step)."""
+    path = _at_step(_engine(), LAST_STEP).save(tmp_path)
+    eng = ee.EmbeddingEngine.load(path, backend=backend)
+    assert eng.step == LAST_STEP
+    before = _state(eng)
+    with pytest.raises(ValueError, match=r"step is 9,223,372,036,854,775,807 \(2\*\*63 - 1\)"):
+        eng.lookup(_features())
+    _assert_unchanged(eng, before, LAST_STEP)
+    eng.lookup(_features(), training=False)  # evaluation is not a step
+    batch = eng.preprocess(_features())
+    with pytest.raises(ValueError, match="one more training step would overflow"):
+        eng.lookup(batch)
+    grads = {"f": np.ones((2, 4), np.float32), "g": np.ones((2, 2), np.float32)}
+    with pytest.raises(ValueError, match="one more training step would overflow"):
+        eng.apply_gradients(grads, batch=batch)
+    _assert_unchanged(eng, before, LAST_STEP)
+    assert ee.EmbeddingEngine.load(eng.save(tmp_path)).step == LAST_STEP
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [O.Adam(learning_rate=0.1, bias_correction="global"), O.FrequencyEstimator()],
+    ids=["adam_global", "frequency"],
+)
+def test_the_step_before_the_last_trains_with_its_one_based_step_in_range(tmp_path, opt):
+    """The optimizers that use ``step + 1`` (numba kernels, int64) train at 2**63 - 2, and the
+    engine then stands at the last step, which saves and restores."""
+    dim = 1 if isinstance(opt, O.FrequencyEstimator) else 4
+    table = ee.TableConfig(20, dim, name="t", combiner="sum", optimizer=opt)
+    eng = _at_step(
+        ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, backend="numba"), LAST_STEP - 1
+    )
+    acts = eng.lookup({"f": ee.Ragged(np.array([1, 2, 3]), lengths=[2, 1])})
+    eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    assert eng.step == LAST_STEP
+    assert np.isfinite(eng.embedding_tables["t"]).all()
+    assert (eng.embedding_tables["t"] > -1e6).all()  # no wrapped step in a frequency table
+    assert ee.EmbeddingEngine.load(eng.save(tmp_path)).step == LAST_STEP
+    with pytest.raises(ValueError, match="one more training step would overflow"):
+        eng.lookup({"f": ee.Ragged(np.array([1]), lengths=[1])})
+
+
+class _PastInt64(ee.EmbeddingEngine):
+    """An engine whose step reads past int64 (as another Stateful's might)."""
+
+    @property
+    def step(self) -> int:
+        return 2**63
+
+
+def test_save_refuses_a_step_no_restore_accepts(tmp_path):
+    eng = _PastInt64(
+        {"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="t"))},
+        optimizer=O.SGD(learning_rate=0.1),
+        backend="reference",
+    )
+    with pytest.raises(
+        ValueError, match=r"step 9223372036854775808 is not an int in \[0, 2\*\*63\)"
+    ):
+        ckpt_mod.save(eng, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists() or list_checkpoints(tmp_path / "ck") == []
