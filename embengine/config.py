@@ -28,6 +28,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "INSERT_ON",
     "MAX_DIM",
+    "MAX_SEQUENCE_LENGTH",
     "resolve_features",
 ]
 
@@ -42,6 +43,12 @@ MAX_KEYED_ROWS = 2**31 - 1
 # in use (language models' ~16k; recommendation tables use 8-512). A file cannot bound dim on
 # its own (a keyed table without rows holds no bytes of any width), so loads check this.
 MAX_DIM = 2**16
+# A sequence feature's positions per sample: 2^24 (16,777,216), sixteen times the longest
+# sequences in use (million-token contexts; user histories of ~10^5 events). Every lookup
+# allocates all of them (``[B, S, dim]``, zero-padded), so a larger S can only fail, deep
+# inside numpy (a MemoryError, or an OverflowError past int64); configs and every manifest
+# that builds one (checkpoints, exports) refuse it instead.
+MAX_SEQUENCE_LENGTH = 2**24
 INSERT_ON = ("lookup", "apply")
 
 
@@ -357,6 +364,15 @@ class FeatureConfig:
             raise ValueError(
                 f"{where}: max_sequence_length must be an int >= 0, "
                 f"got {self.max_sequence_length!r}"
+            )
+        if self.max_sequence_length > MAX_SEQUENCE_LENGTH:
+            # (a feature of an engine's dict is named by its key later: name its table here)
+            table = "" if self.name is not None else f" of table {self.table.name!r}"
+            raise ValueError(
+                f"{where}{table}: max_sequence_length={self.max_sequence_length:,} is more than "
+                f"{MAX_SEQUENCE_LENGTH:,} (2^24) positions: every lookup allocates [batch, "
+                "max_sequence_length, dim] activations, so set it to the longest sequence "
+                "the model reads (ids past it are dropped)"
             )
         if self.output_shape is not None:
             shape = self.output_shape

@@ -277,6 +277,10 @@ CORRUPT_MANIFESTS = {
         _set("features", 0, "max_sequence_length", "0"),
         r"features\[0\]\.max_sequence_length must be an int >= 0",
     ),
+    "feature-sequence-huge": (  # every lookup would pad to it: a bare MemoryError
+        _set("features", 0, "max_sequence_length", 2**40),
+        r"features\[0\] \('f'\).*max_sequence_length=1,099,511,627,776 is more than 16,777,216",
+    ),
     "feature-output-shape-string": (
         _set("features", 0, "output_shape", "ab"),
         r"features\[0\]\.output_shape must be null or a list",

@@ -45,6 +45,14 @@ def test_defaults_follow_tf():
             lambda: ee.FeatureConfig(ee.TableConfig(3, 1), max_sequence_length=-1),
             "max_sequence_length must be an int >= 0, got -1",
         ),
+        (  # every lookup pads to it: numpy's MemoryError (OverflowError past int64) before
+            lambda: ee.FeatureConfig(ee.TableConfig(3, 1, name="t"), max_sequence_length=2**40),
+            "of table 't': max_sequence_length=1,099,511,627,776 is more than 16,777,216",
+        ),
+        (
+            lambda: ee.FeatureConfig(ee.TableConfig(3, 1), max_sequence_length=2**24 + 1, name="s"),
+            r"FeatureConfig\(name='s'\): max_sequence_length=16,777,217 is more than",
+        ),
         (
             lambda: ee.FeatureConfig(ee.TableConfig(3, 1), output_shape=[2, -1]),
             "output_shape must be a non-empty sequence of ints >= 0",
@@ -135,6 +143,9 @@ def test_numpy_scalars_and_bools_alike_in_the_tpu_and_monolith_ports():
             make()
     with pytest.raises(ValueError, match="must be a boolean. Received: 1"):
         tpu.FeatureConfig(t, validate_weights_and_indices=1)
+    assert tpu.FeatureConfig(t, max_sequence_length=2**24).max_sequence_length == 2**24
+    with pytest.raises(ValueError, match=r"must be at most 16777216.*Received: 1099511627776"):
+        tpu.FeatureConfig(t, max_sequence_length=2**40)
     warm = mono.AdagradOptimizer(learning_rate=0.01, warmup_steps=np.int64(4)).learning_rate
     assert warm(2) == pytest.approx(0.01 * 2 / 4)
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 0, got True"):

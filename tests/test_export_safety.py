@@ -614,6 +614,11 @@ CORRUPT = [
     ("no-feature-table", _f(0, "table", delete=True), r"features\[0\] has no 'table'"),
     ("no-sequence-length", _f(0, "max_sequence_length", delete=True), r"'max_sequence_length'"),
     ("sequence-length-negative", _f(2, "max_sequence_length", -2), r"must be an int >= 0"),
+    (
+        "sequence-length-huge",
+        _f(2, "max_sequence_length", 2**40),
+        r"features\[2\] \('.*'\): .*max_sequence_length=1,099,511,627,776 is more than",
+    ),
     ("validate-str", _f(0, "validate_weights_and_indices", "yes"), r"must be true or false"),
     ("no-output-shape", _f(0, "output_shape", delete=True), r"has no 'output_shape'"),
     ("output-shape-str", _f(0, "output_shape", "3x2"), r"must be a list of ints or null"),

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .. import initializers
-from ..config import COMBINERS, QuantizationConfig
+from ..config import COMBINERS, MAX_SEQUENCE_LENGTH, QuantizationConfig
 from ..optimizers import Optimizer
 from ..optimizers._checks import is_flag, is_integer
 
@@ -145,6 +145,12 @@ class FeatureConfig:
             raise ValueError(
                 "Argument `max_sequence_length` must be an int and must be >= 0. "
                 f"Received: {max_sequence_length}"
+            )
+        if max_sequence_length > MAX_SEQUENCE_LENGTH:
+            raise ValueError(
+                f"Argument `max_sequence_length` must be at most {MAX_SEQUENCE_LENGTH} (every "
+                "lookup pads each sample to it), set it to the longest sequence the model reads. "
+                f"Received: {max_sequence_length} (feature {name!r}, table {table.name!r})"
             )
         if not is_flag(validate_weights_and_indices):
             raise ValueError(
