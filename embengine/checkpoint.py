@@ -41,7 +41,13 @@ POSIX locks on a local file system. After the commit, ``keep=N`` deletes (rename
 remove) the checkpoints older than the newest N, except the newest one whose tables (weights
 and float slots) were all finite when written: the manifest records that (``"finite"``,
 checked chunk by chunk while writing), so NaN reaching the tables never costs the last good
-checkpoint. Manifests written before the flag existed count as finite.
+checkpoint. Manifests written before the flag existed count as finite. Nor does it delete a
+checkpoint being read: ``read_checkpoint`` (restore, load, export, inspect) holds a shared flock
+of the checkpoint's folder from before it reads the manifest until the restore or export ends
+(a CheckpointReader until ``close()``), and pruning skips a folder it cannot lock exclusively
+(a later save prunes it). A restore thus never loses its files midway to a save, in this
+process or another; a checkpoint deleted before the reader locked it (or by anything else) is a
+CheckpointError naming it, nothing read.
 
 Loading. ``read_checkpoint`` (``restore``, ``EmbeddingEngine.load``, export) and
 ``read_manifest`` (inspect) check, in this order and before any engine is built or any table
@@ -108,6 +114,7 @@ import shutil
 import stat
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,12 +307,41 @@ def _written_finite(ckpt: Path) -> bool:
 
 def _prune(root: Path, keep: int) -> None:
     """Under the root's lock: discard all but the newest ``keep`` checkpoints and the newest
-    one whose tables were all finite."""
+    one whose tables were all finite. A checkpoint being read (a restore, load, export or open
+    CheckpointReader, in this process or another, holds its folder's shared lock:
+    ``_ReadLock``) is kept; a later save prunes it."""
     done = list_checkpoints(root)
     good = next((p for p in reversed(done) if _written_finite(p)), None)
     for old in done[:-keep]:
         if old != good:
-            _discard(old)
+            _discard_unless_read(old)
+
+
+def _discard_unless_read(ckpt: Path) -> None:
+    """``_discard`` a checkpoint folder unless a reader holds its shared lock: an exclusive
+    lock, never waited for, held while the folder is renamed away (a reader that opened it
+    before then finds it gone: ``_ReadLock``)."""
+    try:
+        fd = os.open(ckpt, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # being read: kept for now
+        os.close(fd)
+        return
+    except OSError:  # no flock here (saving needs it anyway): prune as before
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    trash = None
+    try:
+        trash = ckpt.parent / f".trash-{ckpt.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(ckpt, trash)
+    finally:
+        _unlock(fd)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class _FiniteCheck:
@@ -861,6 +897,8 @@ def _resolve(path: str | Path) -> Path:
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
+    if _NAME.match(path.name) and not os.path.lexists(path):  # a checkpoint's name, not a root
+        raise CheckpointError(_gone(path))
     latest = latest_checkpoint(path)
     if latest is None:
         raise CheckpointError(f"no complete checkpoint at {path}")
@@ -870,10 +908,74 @@ def _resolve(path: str | Path) -> Path:
 Headers = dict[str, tuple[dict, int]]
 
 
-def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
-    """(checkpoint directory, manifest, every file's checked safetensors header by name) after
-    every check of the module docstring; ``verify=False`` skips only the hashing."""
-    ckpt = _resolve(path)
+class _ReadLock:
+    """A shared flock of a checkpoint folder while it is read, so that ``save(..., keep=N)``
+    (in this process or another) does not delete it meanwhile: pruning skips a folder it cannot
+    lock exclusively. Taken before the manifest is read; if the folder was renamed away before
+    the lock was granted, a CheckpointError names it. Released by ``release()`` (or when
+    collected). Where the file system has no flock, reading goes on without it."""
+
+    def __init__(self, ckpt: Path):
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(ckpt, flags)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointError(_gone(ckpt)) from None
+        except OSError:  # not readable as a folder: the checks below say what is wrong
+            self._finalize = None
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a pruner holds it only while it renames
+            st, now = os.fstat(fd), os.stat(ckpt)  # (a link to a checkpoint: its target)
+        except FileNotFoundError:
+            os.close(fd)
+            raise CheckpointError(_gone(ckpt)) from None
+        except OSError:  # no flock: read without it
+            os.close(fd)
+            self._finalize = None
+            return
+        except BaseException:
+            os.close(fd)
+            raise
+        self._finalize = weakref.finalize(self, _unlock, fd)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # renamed away, another put there
+            self.release()
+            raise CheckpointError(_gone(ckpt))
+
+    def release(self) -> None:
+        if self._finalize is not None:
+            self._finalize()
+
+
+def _gone(ckpt: Path) -> str:
+    return (
+        f"checkpoint {ckpt} is gone (deleted: a save with keep=N prunes older checkpoints, "
+        "keeping only those being read); nothing was read. Restore another checkpoint, e.g. "
+        "the newest: latest_checkpoint(root)"
+    )
+
+
+def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers, _ReadLock]:
+    """(checkpoint directory, manifest, every file's checked safetensors header by name, the
+    folder's read lock, held) after every check of the module docstring; ``verify=False``
+    skips only the hashing. A folder of checkpoints whose newest is pruned before it is
+    locked (two saves meanwhile) is resolved again."""
+    for attempt in range(3):
+        ckpt = _resolve(path)
+        try:
+            lock = _ReadLock(ckpt)
+            break
+        except CheckpointError:
+            if ckpt == Path(path) or attempt == 2:
+                raise
+    try:
+        return (*_read_locked(ckpt, verify), lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _read_locked(ckpt: Path, verify: bool) -> tuple[Path, dict, Headers]:
     raw = read_own_file(ckpt / "manifest.json")
     try:
         manifest = json.loads(raw)
@@ -921,16 +1023,28 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers]:
             )
     if verify:
         for name, info in files.items():
-            if sha256_file(ckpt / name) != info["sha256"]:
+            try:
+                digest = sha256_file(ckpt / name)
+            except OSError as e:
+                raise CheckpointError(_unreadable(ckpt / name, e)) from None
+            if digest != info["sha256"]:
                 raise CheckpointError(f"checksum mismatch in {ckpt / name}: the file was modified")
     return ckpt, manifest, _check_tensors(ckpt, manifest)
+
+
+def _unreadable(file: Path, e: OSError) -> str:
+    return (
+        f"{file} cannot be read ({e.strerror or e}): deleted or replaced while the checkpoint "
+        "was being checked? Nothing was loaded"
+    )
 
 
 def read_manifest(path: str | Path, verify: bool = True) -> tuple[Path, dict]:
     """(checkpoint directory, manifest) after every check of the module docstring: format,
     version, schema, file names and sizes, safetensors headers against the manifest and, with
     ``verify``, every SHA-256."""
-    ckpt, manifest, _ = _read(path, verify)
+    ckpt, manifest, _, lock = _read(path, verify)
+    lock.release()
     return ckpt, manifest
 
 
@@ -955,6 +1069,8 @@ def _check_tensors(ckpt: Path, manifest: dict) -> Headers:
             header, start = read_header(file)
         except ValueError as e:  # the message names the file and the tensor
             raise CheckpointError(str(e)) from None
+        except OSError as e:
+            raise CheckpointError(_unreadable(file, e)) from None
         kept = header if file_name == extra else {}
         for t in tables.get(file_name, ()):
             for name, (dtype, shape) in _expected_tensors(t).items():
@@ -1104,11 +1220,24 @@ class CheckpointReader:
     ``t``'s weights are the tensor ``t`` and its slots ``t/<slot>`` of its file, row ``r`` being
     id ``r``, whichever engine (packed or not, RAM or mmap) wrote or reads them."""
 
-    def __init__(self, ckpt: Path, manifest: dict, headers: Headers):
+    def __init__(self, ckpt: Path, manifest: dict, headers: Headers, lock: _ReadLock | None = None):
         self.path = ckpt
         self.manifest = manifest
         self._headers = headers
         self._tables = {t["name"]: t for t in manifest["tables"]}
+        self._lock = lock
+
+    def close(self) -> None:
+        """Let ``save(..., keep=N)`` prune the checkpoint again (while a reader is open, its
+        folder is kept). Also when the reader is collected, or at the end of a ``with``."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def step(self) -> int:
@@ -1243,13 +1372,18 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> tuple[dict, Checkp
     directory, or a folder of them: the newest), after every check of the module docstring, so
     an engine built from the spec is never larger than the files that fill it.
     ``EmbeddingEngine.load`` is ``from_spec(spec)`` then ``reader.restore(engine)``."""
-    ckpt, manifest, headers = _read(path, verify)
-    _check_name(ckpt, manifest)
-    return _spec_of(manifest), CheckpointReader(ckpt, manifest, headers)
+    ckpt, manifest, headers, lock = _read(path, verify)
+    try:
+        _check_name(ckpt, manifest)
+    except BaseException:
+        lock.release()
+        raise
+    return _spec_of(manifest), CheckpointReader(ckpt, manifest, headers, lock)
 
 
 def restore(engine: Stateful, path: str | Path, verify: bool = True) -> CheckpointInfo:
     """Load tables, slots and step into an engine built from the same configs. Every check
     (module docstring) passes before the first table byte changes, whatever ``verify`` says."""
     _, reader = read_checkpoint(path, verify)
-    return reader.restore(engine)
+    with reader:
+        return reader.restore(engine)

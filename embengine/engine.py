@@ -557,26 +557,29 @@ class EmbeddingEngine:
         from . import checkpoint
 
         spec, reader = checkpoint.read_checkpoint(path, verify)
-        given = dict(initializers or {})
-        from_function = [t for t in spec["tables"] if t["initializer"]["class"] == "FromFunction"]
-        for t in from_function:
-            if t["name"] not in given and t.get("vocabulary_size") is None:
+        with reader:  # kept (a save's keep=N does not prune it) until restored
+            given = dict(initializers or {})
+            from_function = [
+                t for t in spec["tables"] if t["initializer"]["class"] == "FromFunction"
+            ]
+            for t in from_function:
+                if t["name"] not in given and t.get("vocabulary_size") is None:
+                    raise checkpoint.CheckpointError(
+                        f"{reader.path}: table {t['name']!r} is keyed and its initializer "
+                        "(FromFunction) is not stored, and its new keys need it: pass "
+                        f"EmbeddingEngine.load(..., initializers={{{t['name']!r}: ...}})"
+                    )
+            # A dense table's values all come from the checkpoint: zeros until then.
+            given = {**{t["name"]: Zeros() for t in from_function}, **given}
+            try:
+                engine = cls.from_spec(spec, callables, initializers=given, **kwargs)
+            except (TypeError, ValueError) as e:
+                with_kwargs = f" with {kwargs}" if kwargs else ""
                 raise checkpoint.CheckpointError(
-                    f"{reader.path}: table {t['name']!r} is keyed and its initializer "
-                    "(FromFunction) is not stored, and its new keys need it: pass "
-                    f"EmbeddingEngine.load(..., initializers={{{t['name']!r}: ...}})"
-                )
-        # A dense table's values all come from the checkpoint: zeros until then.
-        given = {**{t["name"]: Zeros() for t in from_function}, **given}
-        try:
-            engine = cls.from_spec(spec, callables, initializers=given, **kwargs)
-        except (TypeError, ValueError) as e:
-            with_kwargs = f" with {kwargs}" if kwargs else ""
-            raise checkpoint.CheckpointError(
-                f"{reader.path}: cannot build an engine from the checkpoint's configuration"
-                f"{with_kwargs}: {e}"
-            ) from e
-        reader.restore(engine)
+                    f"{reader.path}: cannot build an engine from the checkpoint's configuration"
+                    f"{with_kwargs}: {e}"
+                ) from e
+            reader.restore(engine)
         return engine
 
     def _table_index(self, table_name: str) -> int:

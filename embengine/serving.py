@@ -77,7 +77,13 @@ from .batch import (
     prepare,
 )
 from .checkpoint import FORMAT as CHECKPOINT_FORMAT
-from .checkpoint import CheckpointError, own_file, read_checkpoint, read_own_file
+from .checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    own_file,
+    read_checkpoint,
+    read_own_file,
+)
 from .config import (
     COMBINERS,
     COMPRESSIONS,
@@ -471,6 +477,25 @@ def export(
     # Every check of a checkpoint (checkpoint module docstring), hashes included: its tables
     # are read only from the files it lists, inside it, of the sizes and hashes it lists.
     spec, reader = read_checkpoint(checkpoint, verify=True)
+    with reader:  # kept (a save's keep=N does not prune it) until exported
+        return _export(
+            reader, spec, checkpoint, out, given, compress, per_table, fixed_range, replace
+        )
+
+
+def _export(
+    reader: CheckpointReader,
+    spec: dict,
+    checkpoint: str | Path,
+    out: Path,
+    given: Path,
+    compress: str,
+    per_table: dict[str, str],
+    fixed_range: float,
+    replace: bool,
+) -> ExportReport:
+    """``export`` of a checked checkpoint (``reader``) to ``out`` (resolved; ``given``: as
+    the caller named it)."""
     ckpt = reader.path
     names = list(reader.table_names)
     unknown = [n for n in per_table if n not in names]
