@@ -49,6 +49,9 @@ MAX_DIM = 2**16
 # inside numpy (a MemoryError, or an OverflowError past int64); configs and every manifest
 # that builds one (checkpoints, exports) refuse it instead.
 MAX_SEQUENCE_LENGTH = 2**24
+# The dims a NumPy array can have (64 since NumPy 2, 32 before): an activation is
+# ``[*output_shape, dim]``, so an output_shape has at most one fewer.
+MAX_NDIM = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
 INSERT_ON = ("lookup", "apply")
 
 
@@ -365,11 +368,11 @@ class FeatureConfig:
                 f"{where}: max_sequence_length must be an int >= 0, "
                 f"got {self.max_sequence_length!r}"
             )
+        # (a feature of an engine's dict is named by its key later: name its table here)
+        whose = where if self.name is not None else f"{where} of table {self.table.name!r}"
         if self.max_sequence_length > MAX_SEQUENCE_LENGTH:
-            # (a feature of an engine's dict is named by its key later: name its table here)
-            table = "" if self.name is not None else f" of table {self.table.name!r}"
             raise ValueError(
-                f"{where}{table}: max_sequence_length={self.max_sequence_length:,} is more than "
+                f"{whose}: max_sequence_length={self.max_sequence_length:,} is more than "
                 f"{MAX_SEQUENCE_LENGTH:,} (2^24) positions: every lookup allocates [batch, "
                 "max_sequence_length, dim] activations, so set it to the longest sequence "
                 "the model reads (ids past it are dropped)"
@@ -386,6 +389,12 @@ class FeatureConfig:
                 raise ValueError(
                     f"{where}: output_shape must be a non-empty sequence of ints >= 0, "
                     f"got {self.output_shape!r}"
+                )
+            if len(shape) >= MAX_NDIM:
+                raise ValueError(
+                    f"{whose}: output_shape has {len(shape)} dims; an activation "
+                    f"[*output_shape, dim] can have at most {MAX_NDIM} (NumPy's limit), so "
+                    f"output_shape at most {MAX_NDIM - 1}"
                 )
             object.__setattr__(self, "output_shape", tuple(int(s) for s in shape))
 

@@ -281,6 +281,10 @@ CORRUPT_MANIFESTS = {
         _set("features", 0, "max_sequence_length", 2**40),
         r"features\[0\] \('f'\).*max_sequence_length=1,099,511,627,776 is more than 16,777,216",
     ),
+    "feature-output-shape-dims": (  # every lookup's reshape: a numpy ValueError
+        _set("features", 0, "output_shape", [1] * 70),
+        r"features\[0\] \('f'\).*output_shape has 70 dims",
+    ),
     "feature-output-shape-string": (
         _set("features", 0, "output_shape", "ab"),
         r"features\[0\]\.output_shape must be null or a list",

@@ -53,6 +53,10 @@ def test_defaults_follow_tf():
             lambda: ee.FeatureConfig(ee.TableConfig(3, 1), max_sequence_length=2**24 + 1, name="s"),
             r"FeatureConfig\(name='s'\): max_sequence_length=16,777,217 is more than",
         ),
+        (  # numpy refused the activation's reshape at every lookup
+            lambda: ee.FeatureConfig(ee.TableConfig(3, 1, name="t"), output_shape=[1] * 64),
+            r"of table 't': output_shape has 64 dims; .* so output_shape at most \d+",
+        ),
         (
             lambda: ee.FeatureConfig(ee.TableConfig(3, 1), output_shape=[2, -1]),
             "output_shape must be a non-empty sequence of ints >= 0",
@@ -146,6 +150,8 @@ def test_numpy_scalars_and_bools_alike_in_the_tpu_and_monolith_ports():
     assert tpu.FeatureConfig(t, max_sequence_length=2**24).max_sequence_length == 2**24
     with pytest.raises(ValueError, match=r"must be at most 16777216.*Received: 1099511627776"):
         tpu.FeatureConfig(t, max_sequence_length=2**40)
+    with pytest.raises(ValueError, match=r"`output_shape` must have at most \d+ sizes"):
+        tpu.FeatureConfig(t, output_shape=[1] * 64)
     warm = mono.AdagradOptimizer(learning_rate=0.01, warmup_steps=np.int64(4)).learning_rate
     assert warm(2) == pytest.approx(0.01 * 2 / 4)
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 0, got True"):
@@ -171,3 +177,11 @@ def test_feature_name_must_match_dict_key():
     t = ee.TableConfig(3, 1)
     with pytest.raises(ValueError, match="its FeatureConfig is named 'b'"):
         ee.EmbeddingEngine({"a": ee.FeatureConfig(t, name="b")}, optimizer=opt.SGD())
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_an_output_shape_of_the_most_dims_numpy_holds_looks_up(backend):
+    t = ee.TableConfig(10, 2, name="t", optimizer=opt.SGD(learning_rate=0.1))
+    most = ee.config.MAX_NDIM - 1  # NumPy's dims but one (the activation's dim)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t, output_shape=[1] * most)}, backend=backend)
+    assert eng.lookup({"f": [[1]]})["f"].shape == (1,) * most + (2,)

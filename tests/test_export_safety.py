@@ -623,6 +623,7 @@ CORRUPT = [
     ("no-output-shape", _f(0, "output_shape", delete=True), r"has no 'output_shape'"),
     ("output-shape-str", _f(0, "output_shape", "3x2"), r"must be a list of ints or null"),
     ("output-shape-items", _f(0, "output_shape", ["a"]), r"output_shape must be a non-empty"),
+    ("output-shape-dims", _f(0, "output_shape", [1] * 70), r"output_shape has 70 dims"),
     # Tensor headers that do not match the manifest (right checksums, wrong description).
     (
         "vocabulary-mismatch",

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .. import initializers
-from ..config import COMBINERS, MAX_SEQUENCE_LENGTH, QuantizationConfig
+from ..config import COMBINERS, MAX_NDIM, MAX_SEQUENCE_LENGTH, QuantizationConfig
 from ..optimizers import Optimizer
 from ..optimizers._checks import is_flag, is_integer
 
@@ -168,6 +168,12 @@ class FeatureConfig:
                     f"Argument `output_shape` must be a non-empty list of sizes >= 0 (known "
                     "sizes: embengine infers none of them; leave output_shape=None for the "
                     f"input's shape). Received: {given}"
+                )
+            if len(output_shape) >= MAX_NDIM:  # the activation adds dim: NumPy's limit
+                raise ValueError(
+                    f"Argument `output_shape` must have at most {MAX_NDIM - 1} sizes (the "
+                    f"activation [*output_shape, dim] is a NumPy array). Received "
+                    f"{len(output_shape)} sizes"
                 )
         self.table = table
         self.max_sequence_length = int(max_sequence_length)
