@@ -31,6 +31,9 @@ Scenarios:
                                 every rank; restore(None) or features that raise RuntimeError
                                 on the last rank; then a step together
   step_mismatch                 the last rank is at another step
+  stale_batch                   save, look up, restore, look up again; the last rank applies
+                                the batch of before the restore, the others the new one; then
+                                a step together
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
   hang                          the last rank stops (SIGSTOP); the others time their error
@@ -498,6 +501,27 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             eng.lookup(feats, weights)
             eng.apply_gradients(grads)
             raise RuntimeError(f"{first} | left={left} | then step={eng.step}")
+        if name == "stale_batch":
+            # A batch looked up, then the tables restored: its gradients are of the old tables.
+            saved = eng.save(os.path.join(out, "stale-batch"))
+            old = eng.lookup_with_batch(feats, weights)[1]
+            eng.restore(saved)
+            before = eng.table_contents()
+            new = eng.lookup_with_batch(feats, weights)[1]
+            try:
+                eng.apply_gradients(grads, batch=old if rank == world - 1 else new)
+                first = "no error"
+            except Exception as e:
+                first = f"{type(e).__name__}: {e}"
+            after = eng.table_contents()
+            same = after["step"] == before["step"] and all(
+                np.array_equal(a, after["tables"][t][k])
+                for t, arrays in before["tables"].items()
+                for k, a in arrays.items()
+            )
+            eng.lookup(feats, weights)
+            eng.apply_gradients(grads)
+            raise RuntimeError(f"{first} | unchanged={same} | then step={eng.step}")
         eng.lookup(feats, weights)
         if name.startswith("after_lookup:"):
             # Right after a training lookup the last rank makes another call than the update

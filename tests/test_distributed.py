@@ -577,6 +577,24 @@ def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_
             assert seconds < 30, (name, seconds, text)
 
 
+def test_a_batch_looked_up_before_a_restore_is_refused_on_every_rank(tmp_path):
+    """Its gradients are of the tables before the restore (EmbeddingLayer's backward passes
+    the batch as batch=): refused as the single engine refuses it, on every rank, nothing
+    changed; a review found it applied. The ranks then step together."""
+    codes = spawn(2, tmp_path, ["stale_batch"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        seconds, text = _error_text(tmp_path, "stale_batch", rank)
+        first = (
+            "ValueError: rank 1: this batch was looked up before a restore"
+            if rank == 1
+            else "DistributedError: rank 0: apply_gradients at step 0 failed on ranks [1]"
+        )
+        assert text.startswith(f"RuntimeError: {first}"), text
+        assert text.strip().endswith("| unchanged=True | then step=1"), text
+        assert seconds < 30, (seconds, text)
+
+
 def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_rank(tmp_path):
     # The update right after a training lookup sends its header with its data; a rank making
     # another call then sends its header in a message of the same shape, so every rank raises

@@ -60,7 +60,7 @@ from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
-from ..engine import NonFiniteUpdateError, _check_timestamp, engine_arguments
+from ..engine import _STATES, NonFiniteUpdateError, _check_timestamp, engine_arguments
 from ..inputs import as_numpy, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
@@ -426,7 +426,12 @@ class ShardedEngine:
         )
         self._cols = _Columns.of(len(self._features), len(r.tables), bool(self._keyed))
         self._step = 0
+        # The tables' state, renumbered by every restore: a batch looked up for training
+        # carries it (``PreparedBatch.looked_up_in``), and an update refuses another state's.
+        self._state_id = next(_STATES)
         self._pending: PreparedBatch | None = None
+        # The PreparedBatch the pending lookup was given, whose looked-up form is ``_pending``.
+        self._given: PreparedBatch | None = None
         # The last training lookup's bookkeeping (its batch, owners, counts, the "sums"
         # tables' targets and the occurrences this rank owns): its update reuses it.
         self._last: _Lookup | None = None
@@ -790,7 +795,7 @@ class ShardedEngine:
                     saving[t] = self._sums_saving(t, counts[t], push)
         except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
-        self._pending = self._last = None  # a failed or lookup-only call leaves no update
+        self._pending = self._last = self._given = None  # a failed or lookup-only call: none
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
@@ -811,7 +816,11 @@ class ShardedEngine:
         if sums.any():
             pooled = self._pool_sums(batch, push, got, sums, training, per_table)
         if training:
+            # Its gradients will be of the tables as they are now: marked, so that an update
+            # after a restore refuses it (EmbeddingLayer's backward passes it as batch=).
+            batch = dataclasses.replace(batch, looked_up_in=self._state_id)
             self._pending = batch
+            self._given = features if isinstance(features, PreparedBatch) else None
             self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})), got=got)
             self._armed = self._last  # its update may speculate (``_apply_speculating``)
             if when is not None:
@@ -1197,6 +1206,8 @@ class ShardedEngine:
         last, grads = None, None
         spec, self._armed = self._armed, None  # disarmed however this call ends
         try:
+            if given is not None and given is self._given:
+                given = self._pending  # the looked-up form of the batch the lookup was given
             batch = self._pending if given is None else given
             if given is not None:
                 check_prepared_for(given, self._fingerprint, self._resolved)
@@ -1209,6 +1220,12 @@ class ShardedEngine:
                 raise ValueError(
                     "apply_gradients needs a lookup(..., training=True) first: there is no "
                     "batch whose rows to update"
+                )
+            if batch.looked_up_in not in (None, self._state_id):
+                raise ValueError(
+                    f"rank {self.rank}: this batch was looked up before a restore (or by "
+                    "another engine): its gradients are of the tables as they were then; "
+                    "nothing was changed on any rank. Look its features up again"
                 )
             if self._keyed and given is not None and given is not self._pending:
                 raise ValueError(
@@ -1290,7 +1307,7 @@ class ShardedEngine:
         everyone = self._comm.all_gather(mine, "nonfinite count")[:, 0]
         self._step += 1
         if given is None or given is self._pending:  # one update per lookup
-            self._pending = self._last = None
+            self._pending = self._last = self._given = None
         if everyone.any():
             self._report_unchanged(unchanged, everyone)
 
@@ -1863,7 +1880,8 @@ class ShardedEngine:
                 info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
                 self._step = info.step
                 self._step_time = (-1, None)
-                self._pending = self._last = None  # its rows no longer hold what it looked up
+                self._state_id = next(_STATES)  # batches looked up before are refused
+                self._pending = self._last = self._given = None  # its rows changed
                 return info
             finally:
                 self._count("restore")
