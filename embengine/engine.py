@@ -74,6 +74,32 @@ _MAX_TIMESTAMP = 1 << 62
 _STATES = itertools.count(1)
 
 
+def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndarray:
+    """Feature ``name``'s gradient as float32 ``[rows, dim]`` (``lay``: its FeatureLayout),
+    after the checks every engine makes: numbers (a bool, string or complex array is
+    refused, not cast), the activation's shape, and finite unless ``nonfinite_gradients``
+    is "skip_row"."""
+    g = as_numpy(value)
+    if g.dtype.kind not in "fiu":
+        raise TypeError(f"feature {name!r}: gradient must be numbers, got {g.dtype}")
+    if g.shape != lay.shape:
+        raise ValueError(
+            f"feature {name!r}: gradient has shape {tuple(g.shape)}, the activation has "
+            f"shape {lay.shape}"
+        )
+    g = g.astype(np.float32, copy=False).reshape(lay.stop - lay.start, lay.shape[-1])
+    if nonfinite_gradients == "error":
+        bad = ~np.isfinite(g)
+        if bad.any():
+            idx = np.unravel_index(int(np.argmax(bad.reshape(-1))), lay.shape)
+            raise ValueError(
+                f"feature {name!r}: gradient {g.reshape(lay.shape)[idx]} at "
+                f"{list(map(int, idx))} is not finite (nonfinite_gradients='error'; "
+                "'skip_row' leaves such rows untouched)"
+            )
+    return g
+
+
 def _check_timestamp(t) -> int:
     """A training call's data time: an int of seconds in [0, 2^62)."""
     if isinstance(t, bool) or not isinstance(t, int | np.integer):
@@ -1075,28 +1101,11 @@ class EmbeddingEngine:
             raise ValueError(f"no gradient for features {missing}; every feature needs one")
         out = {}
         for name, lay in batch.features.items():
-            g = as_numpy(gradients[name])
-            if g.dtype.kind not in "fiu":
-                raise TypeError(f"feature {name!r}: gradient must be numbers, got {g.dtype}")
-            if g.shape != lay.shape:
-                raise ValueError(
-                    f"feature {name!r}: gradient has shape {tuple(g.shape)}, the activation has "
-                    f"shape {lay.shape}"
-                )
-            g = g.astype(np.float32, copy=False).reshape(lay.stop - lay.start, lay.shape[-1])
+            g = checked_gradient(name, gradients[name], lay, self.nonfinite_gradients)
             # A gradient in a table's memory (a slice of its weights or of state_dict()'s
             # views) would change as the update writes the rows it reads: copied first.
             if any(np.may_share_memory(g, table.data) for table in self._physical):
                 g = g.copy()
-            if self.nonfinite_gradients == "error":
-                bad = ~np.isfinite(g)
-                if bad.any():
-                    idx = np.unravel_index(int(np.argmax(bad.reshape(-1))), lay.shape)
-                    raise ValueError(
-                        f"feature {name!r}: gradient {g.reshape(lay.shape)[idx]} at "
-                        f"{list(map(int, idx))} is not finite (nonfinite_gradients='error'; "
-                        "'skip_row' leaves such rows untouched)"
-                    )
             out[name] = g
         return out
 

@@ -31,6 +31,8 @@ Scenarios:
                                 every rank; restore(None) or features that raise RuntimeError
                                 on the last rank; then a step together
   step_mismatch                 the last rank is at another step
+  bad_gradients                 the last rank's gradient of feature "a" is bool, str, complex,
+                                then NaN (a step together after each)
   stale_batch                   save, look up, restore, look up again; the last rank applies
                                 the batch of before the restore, the others the new one; then
                                 a step together
@@ -501,6 +503,28 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             eng.lookup(feats, weights)
             eng.apply_gradients(grads)
             raise RuntimeError(f"{first} | left={left} | then step={eng.step}")
+        if name == "bad_gradients":
+            # Gradients that float32 would cast silently (bools, strings, complex) and a NaN,
+            # on the last rank only; every rank steps together after each.
+            said = []
+            for kind in (bool, str, complex, "nan"):
+                eng.lookup(feats, weights)
+                bad = dict(grads)
+                if rank == world - 1:
+                    a = np.array(grads["a"], dtype=np.float32)
+                    if kind == "nan":
+                        a[-1, 1] = np.nan
+                        bad["a"] = a
+                    else:
+                        bad["a"] = a.astype(kind)
+                try:
+                    eng.apply_gradients(bad)
+                    said.append("no error")
+                except Exception as e:
+                    said.append(f"{type(e).__name__}: {e}")
+                eng.lookup(feats, weights)
+                eng.apply_gradients(grads)
+            raise RuntimeError(" | ".join(said) + f" | then step={eng.step}")
         if name == "stale_batch":
             # A batch looked up, then the tables restored: its gradients are of the old tables.
             saved = eng.save(os.path.join(out, "stale-batch"))

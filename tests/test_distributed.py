@@ -577,6 +577,30 @@ def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_
             assert seconds < 30, (name, seconds, text)
 
 
+def test_a_gradient_of_bools_strings_complex_or_nan_on_one_rank_fails_every_rank(tmp_path):
+    """What float32 would cast silently (True as 1.0, "0.5" parsed, the imaginary part dropped)
+    is refused as the single engine refuses it (a review found all three trained), and a NaN
+    is named with its place; the other rank raises at once; then they step together."""
+    codes = spawn(2, tmp_path, ["bad_gradients"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "bad_gradients", 1)
+    said = text.removeprefix("RuntimeError: ").strip().split(" | ")
+    assert said[:3] == [
+        f"TypeError: feature 'a': gradient must be numbers, got {dtype}"
+        for dtype in ("bool", "<U32", "complex128")
+    ], said
+    assert said[3].startswith("ValueError: feature 'a': gradient nan at [2, 1] is not finite"), said
+    assert said[4] == "then step=4", said
+    seconds, text = _error_text(tmp_path, "bad_gradients", 0)
+    said = text.removeprefix("RuntimeError: ").strip().split(" | ")
+    for step, error in enumerate(said[:4]):
+        assert error.startswith(
+            f"DistributedError: rank 0: apply_gradients at step {step} failed on ranks [1]"
+        ), said
+    assert said[4] == "then step=4", said
+    assert seconds < 60, (seconds, text)  # four failures and four steps; the timeout is 60 s
+
+
 def test_a_batch_looked_up_before_a_restore_is_refused_on_every_rank(tmp_path):
     """Its gradients are of the tables before the restore (EmbeddingLayer's backward passes
     the batch as batch=): refused as the single engine refuses it, on every rank, nothing

@@ -60,8 +60,14 @@ from ..backends.registry import make_backend
 from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
-from ..engine import _STATES, NonFiniteUpdateError, _check_timestamp, engine_arguments
-from ..inputs import as_numpy, frozen
+from ..engine import (
+    _STATES,
+    NonFiniteUpdateError,
+    _check_timestamp,
+    checked_gradient,
+    engine_arguments,
+)
+from ..inputs import frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
@@ -1714,22 +1720,12 @@ class ShardedEngine:
                 f"gradients for features {sorted(gradients)}; the batch has "
                 f"{list(batch.features)}, each needs one"
             )
-        out = {}
-        for name, lay in batch.features.items():
-            g = as_numpy(gradients[name])
-            if g.shape != lay.shape:
-                raise ValueError(
-                    f"feature {name!r}: gradient has shape {tuple(g.shape)}, the activation has "
-                    f"shape {lay.shape}"
-                )
-            g = g.astype(np.float32, copy=False).reshape(lay.stop - lay.start, lay.shape[-1])
-            if self.nonfinite_gradients == "error" and not np.isfinite(g).all():
-                raise ValueError(
-                    f"feature {name!r}: gradient has a non-finite value "
-                    "(nonfinite_gradients='error'; 'skip_row' leaves such rows untouched)"
-                )
-            out[name] = g
-        return out
+        # The gradient rows are copied into the messages before any table changes, so one in
+        # a shard's memory needs no copy of its own (EmbeddingEngine's does).
+        return {
+            name: checked_gradient(name, gradients[name], lay, self.nonfinite_gradients)
+            for name, lay in batch.features.items()
+        }
 
     # -- state -----------------------------------------------------------------------------------
 
