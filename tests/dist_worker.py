@@ -23,6 +23,9 @@ Scenarios:
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
   ckpt_restore:<folder>         load what another world size saved (table sharding), a step
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
+  layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
+                                its lookup (learning rates; weights with a PreparedBatch);
+                                a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
   save_args:<keep|metadata|root|extra|restore|boom>
@@ -444,6 +447,40 @@ def run_layer(rank: int, world: int, out: str, name: str) -> None:
     _dump(layer.engine, os.path.join(out, f"layer.rank{rank}.npz"), {"dense": weight})
 
 
+def run_layer_refused(rank: int, world: int, out: str, name: str) -> None:
+    """Each rank's error (or "no error") and seconds per case, then the step, in a .txt."""
+    from embengine.distributed import ShardedEngine
+    from embengine.torch import EmbeddingLayer
+
+    features, o = make_features("adagrad")
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    layer = EmbeddingLayer(eng)
+    feats, weights, grads = local(0, rank, world)
+    last = rank == world - 1
+    cases = {
+        "rates": lambda: layer(feats, weights, learning_rates=[0.1] if last else None),
+        "weights": lambda: layer(eng.preprocess(feats, weights), weights if last else None),
+    }
+    said = []
+    for case, forward in cases.items():
+        start = time.monotonic()
+        try:
+            forward()
+            said.append(f"{case}: no error")
+        except Exception as e:
+            said.append(f"{case}: {time.monotonic() - start:.3f} {type(e).__name__}: {e}")
+        acts = layer(feats, weights)
+        sum((acts[k] * torch_tensor(grads[k])).sum() for k in acts).backward()
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
+
+
+def torch_tensor(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(a)
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
     from embengine import optimizers as opt
@@ -618,6 +655,8 @@ def main() -> None:
                 run_speculate(rank, world, out, name)
             elif name == "layer":
                 run_layer(rank, world, out, name)
+            elif name == "layer_refused":
+                run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
             else:

@@ -840,6 +840,28 @@ def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
         _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
 
 
+def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(tmp_path):
+    """EmbeddingLayer's forward refuses some inputs before its lookup (learning rates, weights
+    beside a PreparedBatch); on a ShardedEngine the other ranks were left in the lookup's
+    collective until the timeout, then a PeerError (a review). Now every rank raises at once,
+    the refusing one its own error; then the ranks step together."""
+    codes = spawn(2, tmp_path, ["layer_refused"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    errors = {
+        "rates": "ValueError: learning_rates has 1 values but the engine has 0 dynamic",
+        "weights": "ValueError: weights must be given to preprocess(), not with a PreparedBatch",
+    }
+    for rank in range(2):
+        *said, step = (tmp_path / f"layer_refused.rank{rank}.txt").read_text().splitlines()
+        assert step == "step=2", (rank, said, step)
+        for at, (line, (case, error)) in enumerate(zip(said, errors.items(), strict=True)):
+            name, seconds, text = line.split(" ", 2)
+            assert name == f"{case}:", line
+            want = error if rank == 1 else f"DistributedError: rank 0: lookup at step {at} failed"
+            assert text.startswith(want), line
+            assert float(seconds) < 30, line  # the group's timeout is 60 s
+
+
 def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path):
     # The engine's group times out after 3 s here; the stopped rank is killed by rank 0. Each
     # rank posts the call it enters in the default group's store: the others name the late one.

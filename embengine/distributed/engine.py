@@ -721,13 +721,17 @@ class ShardedEngine:
         *,
         training: bool = True,
         timestamp: int | None = None,
+        refused: Exception | None = None,
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``lookup``, and the PreparedBatch it looked up (``apply_gradients(batch=)``; what
-        EmbeddingLayer's backward uses). Collective."""
+        EmbeddingLayer's backward uses). Collective. ``refused``: an error the caller found in
+        this rank's inputs (EmbeddingLayer's own checks): raised here, and a DistributedError
+        naming this rank on every other, nothing looked up (raising it before the call would
+        leave the others waiting for this rank in the lookup until the timeout)."""
         with self.lock:
             self._comm.reset()
             try:
-                return self._lookup(features, weights, training, timestamp)
+                return self._lookup(features, weights, training, timestamp, refused)
             finally:
                 self._count("lookup")
 
@@ -770,13 +774,15 @@ class ShardedEngine:
             else:
                 self._shards[t].begin_step(self._step, timestamp=timestamp)
 
-    def _lookup(self, features, weights, training: bool, timestamp=None):
+    def _lookup(self, features, weights, training: bool, timestamp=None, refused=None):
         nt, nf, w, cols = len(self.table_names), len(self._features), self.world_size, self._cols
         error, when, batch = None, None, None
         counts = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: unique ids to ask
         saving = np.zeros(nt, dtype=np.int64)  # per table: this rank's bytes saved by "sums"
         push = _Push.empty(nf, w)
         try:
+            if refused is not None:
+                raise refused
             when = self._data_time(timestamp, training)
             if isinstance(features, PreparedBatch):
                 if weights is not None:

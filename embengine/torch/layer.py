@@ -228,34 +228,21 @@ class EmbeddingLayer(torch.nn.Module):
     ) -> dict[str, torch.Tensor] | KeyedTensor:
         training = self.training and torch.is_grad_enabled()
         timestamp = timestamp if training else None  # evaluation sees the tables as they are
-        if isinstance(features, PreparedBatch):
-            if weights is not None:
-                raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
-            if training and not features.deduplicated:
-                raise ValueError(
-                    "this PreparedBatch was built with training=False and cannot be trained on; "
-                    "build it with layer.preprocess(features)"
-                )
-        else:
-            # Features straight to the engine: a training lookup then deduplicates and pools in
-            # one parallel region (see EmbeddingEngine.lookup).
-            features = self._feature_dict(features)
-        # What the update or the output would refuse, refused before the lookup changes
-        # anything (a training lookup inserts and counts keyed tables' keys).
-        if self.output == "keyed":
-            self._check_keyed_inputs(features)
-        if (
-            training
-            and learning_rates is not None
-            and not isinstance(learning_rates, LearningRateHandle)
-        ):
-            learning_rates = check_learning_rates(
-                learning_rates, self.engine.num_learning_rate_tags
+        extra = {}
+        try:
+            features, learning_rates = self._checked_inputs(
+                features, weights, learning_rates, training
             )
+        except Exception as e:
+            if not self._sharded:
+                raise
+            # The other ranks are in the lookup's collective: the engine fails it on every
+            # rank (this one raising ``e``) instead of leaving them to wait for this rank.
+            extra["refused"] = e
         # The batch comes back with the activations: the engine's pending batch, read
         # afterwards, could be another thread's.
         acts, batch = self.engine.lookup_with_batch(
-            features, weights, training=training, **_timestamp(timestamp)
+            features, weights, training=training, **_timestamp(timestamp), **extra
         )
         names = list(acts)
         if self.output == "keyed":
@@ -270,6 +257,34 @@ class EmbeddingLayer(torch.nn.Module):
         if self.output == "keyed":
             return KeyedTensor.from_tensor_list(names, tensors)
         return dict(zip(names, tensors, strict=True))
+
+    def _checked_inputs(self, features, weights, learning_rates, training: bool):
+        """``forward``'s features (a KeyedJagged read as a dict) and learning rates (checked),
+        after what the update or the output would refuse, refused before the lookup changes
+        anything (a training lookup inserts and counts keyed tables' keys)."""
+        if isinstance(features, PreparedBatch):
+            if weights is not None:
+                raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
+            if training and not features.deduplicated:
+                raise ValueError(
+                    "this PreparedBatch was built with training=False and cannot be trained on; "
+                    "build it with layer.preprocess(features)"
+                )
+        else:
+            # Features straight to the engine: a training lookup then deduplicates and pools in
+            # one parallel region (see EmbeddingEngine.lookup).
+            features = self._feature_dict(features)
+        if self.output == "keyed":
+            self._check_keyed_inputs(features)
+        if (
+            training
+            and learning_rates is not None
+            and not isinstance(learning_rates, LearningRateHandle)
+        ):
+            learning_rates = check_learning_rates(
+                learning_rates, self.engine.num_learning_rate_tags
+            )
+        return features, learning_rates
 
     @staticmethod
     def _check_keyed_inputs(features) -> None:
