@@ -23,6 +23,8 @@ Scenarios:
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
   ckpt_restore:<folder>         load what another world size saved (table sharding), a step
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
+  restore_other                 each rank restores a checkpoint of its own folder: copies of
+                                one checkpoint, then different ones of the same step
   layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
                                 its lookup (learning rates; weights with a PreparedBatch);
                                 a step together after each
@@ -475,6 +477,40 @@ def run_layer_refused(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
 
 
+def run_restore_other(rank: int, world: int, out: str, name: str) -> None:
+    """Each rank's outcome of restoring its copy of rank 0's checkpoint, then a checkpoint of
+    the same step whose rows differ by rank, in a .txt."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    said = []
+    for case in ("copies", "different"):
+        plain = ee.EmbeddingEngine(make_features("adagrad")[0], optimizer=o, seed=3)
+        if case == "different":
+            state = plain.state_dict()
+            state["tables"]["big"]["weights"][:] = rank  # this rank's checkpoint differs
+            plain.load_state_dict(state)
+        root = os.path.join(out, f"{name}-{case}")
+        if rank == 0 or case == "different":
+            plain.save(os.path.join(root, f"rank{rank}"))
+        dist.barrier()
+        if case == "copies" and rank:  # a node-local copy of rank 0's checkpoint
+            shutil.copytree(os.path.join(root, "rank0"), os.path.join(root, f"rank{rank}"))
+        eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+        try:
+            step = eng.restore(os.path.join(root, f"rank{rank}")).step
+            said.append(f"{case}: restored step {step}")
+        except Exception as e:
+            said.append(f"{case}: {type(e).__name__}: {e}")
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -655,6 +691,8 @@ def main() -> None:
                 run_speculate(rank, world, out, name)
             elif name == "layer":
                 run_layer(rank, world, out, name)
+            elif name == "restore_other":
+                run_restore_other(rank, world, out, name)
             elif name == "layer_refused":
                 run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):

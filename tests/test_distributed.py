@@ -840,6 +840,21 @@ def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
         _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
 
 
+def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(tmp_path):
+    """Each rank may read its own copy of a checkpoint (equal manifests); checkpoints of the
+    same step that differ were restored silently, each rank reading its rows from its own (a
+    review): refused on every rank."""
+    codes = spawn(2, tmp_path, ["restore_other"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        copies, different = (tmp_path / f"restore_other.rank{rank}.txt").read_text().splitlines()
+        assert copies == "copies: restored step 0", copies
+        assert different.startswith(
+            f"different: CheckpointError: rank {rank}: ranks [1] restored another checkpoint "
+            "(of the same step 0) than rank 0"
+        ), different
+
+
 def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(tmp_path):
     """EmbeddingLayer's forward refuses some inputs before its lookup (learning rates, weights
     beside a PreparedBatch); on a ShardedEngine the other ranks were left in the lookup's

@@ -315,11 +315,23 @@ def restore(
         _agree(comm, False, "restore")  # the others learn it, then this rank raises its own
         raise error
     _agree(comm, True, "restore")
-    steps = comm.all_gather(np.array([reader.step], dtype=np.int64), "restore")[:, 0]
+    # The manifest lists every file's SHA-256: equal manifests, one checkpoint (copies of it
+    # in node-local folders too); ranks reading different ones would mix their rows.
+    text = json.dumps(reader.manifest, sort_keys=True, default=str).encode()
+    digest = np.frombuffer(hashlib.sha256(text).digest()[:8], dtype=np.int64)[0]
+    got = comm.all_gather(np.array([reader.step, digest], dtype=np.int64), "restore")
+    steps, digests = got[:, 0], got[:, 1]
     if (steps != steps[0]).any():
         raise ckpt.CheckpointError(
             f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
             "every rank must restore the same checkpoint"
+        )
+    other = [r for r, d in enumerate(digests) if d != digests[0]]
+    if other:
+        raise ckpt.CheckpointError(
+            f"rank {comm.rank}: ranks {other} restored another checkpoint (of the same step "
+            f"{reader.step}) than rank 0 ({reader.path} here); every rank must restore the same "
+            "checkpoint; nothing was changed"
         )
     # Keyed tables: this rank's keys, read and checked before any table changes.
     installs, error = [], None
