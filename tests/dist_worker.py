@@ -23,6 +23,8 @@ Scenarios:
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
   ckpt_restore:<folder>         load what another world size saved (table sharding), a step
   layer                         EmbeddingLayer on a ShardedEngine, a DDP dense layer beside it
+  build_fails                   the last rank's ShardedEngine gets an invalid optimizer, then
+                                ShardedEngine.load a folder it cannot read; then a step
   restore_other                 each rank restores a checkpoint of its own folder: copies of
                                 one checkpoint, then different ones of the same step
   layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
@@ -477,6 +479,34 @@ def run_layer_refused(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
 
 
+def run_build_fails(rank: int, world: int, out: str, name: str) -> None:
+    """Each rank's error and seconds per case, then the step of a good engine, in a .txt."""
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    last = rank == world - 1
+    root = os.path.join(out, f"{name}-ckpt")
+    if rank == 0:
+        ee.EmbeddingEngine(make_features("sgd")[0], optimizer=o, seed=3).save(root)
+    cases = {
+        "optimizer": lambda: ShardedEngine(features, optimizer="sgd" if last else o, timeout=60),
+        "load": lambda: ShardedEngine.load(root + ("-missing" if last else ""), timeout=60),
+    }
+    said = []
+    for case, build in cases.items():
+        start = time.monotonic()
+        try:
+            build()
+            said.append(f"{case}: no error")
+        except Exception as e:
+            said.append(f"{case}: {time.monotonic() - start:.3f} {type(e).__name__}: {e}")
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    _train(eng, [0], rank, world)
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
+
+
 def run_restore_other(rank: int, world: int, out: str, name: str) -> None:
     """Each rank's outcome of restoring its copy of rank 0's checkpoint, then a checkpoint of
     the same step whose rows differ by rank, in a .txt."""
@@ -691,6 +721,8 @@ def main() -> None:
                 run_speculate(rank, world, out, name)
             elif name == "layer":
                 run_layer(rank, world, out, name)
+            elif name == "build_fails":
+                run_build_fails(rank, world, out, name)
             elif name == "restore_other":
                 run_restore_other(rank, world, out, name)
             elif name == "layer_refused":

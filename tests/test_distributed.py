@@ -840,6 +840,28 @@ def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
         _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
 
 
+def test_a_rank_that_cannot_build_its_engine_fails_every_rank_at_once(tmp_path):
+    """An invalid argument (checked before the group existed) or a checkpoint that ShardedEngine
+    .load cannot read, on the last rank only: the others waited for it in new_group until the
+    timeout, then a DistStoreError naming nothing (a review). Now every rank raises at once,
+    the failing one its own error; then the ranks build an engine and step together."""
+    codes = spawn(2, tmp_path, ["build_fails"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    errors = {
+        "optimizer": "TypeError: optimizer must be an embengine.optimizers.Optimizer, got 'sgd'",
+        "load": "CheckpointError: no complete checkpoint at",
+    }
+    for rank in range(2):
+        *said, step = (tmp_path / f"build_fails.rank{rank}.txt").read_text().splitlines()
+        assert step == "step=1", (rank, said, step)
+        for line, (case, error) in zip(said, errors.items(), strict=True):
+            name, seconds, text = line.split(" ", 2)
+            assert name == f"{case}:", line
+            want = error if rank == 1 else "DistributedError: rank 0: ranks [1] could not build"
+            assert text.startswith(want), line
+            assert float(seconds) < 30, line  # the group's timeout is 60 s
+
+
 def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(tmp_path):
     """Each rank may read its own copy of a checkpoint (equal manifests); checkpoints of the
     same step that differ were restored silently, each rank reading its rows from its own (a

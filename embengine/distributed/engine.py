@@ -276,6 +276,11 @@ class ShardedEngine:
       timeout: seconds a collective of the new group waits for a peer before raising (unused
         when ``group`` is given). A dead peer is detected at once (its connection resets).
       backend, nonfinite_gradients: as ``EmbeddingEngine``.
+      refused: an error the caller found on this rank (``load``: a checkpoint it cannot
+        read), raised here and as a DistributedError on every other rank.
+
+    A rank whose arguments are invalid raises its error, and every other rank a
+    DistributedError naming it, at once (they meet at the configuration's exchange).
 
     Every rank must make the same calls in the same order (lookup, apply_gradients,
     table_contents), each with its own samples (an empty batch is fine). ``bytes_sent`` is what
@@ -294,22 +299,48 @@ class ShardedEngine:
         backend: str = "numba",
         nonfinite_gradients: str = "error",
         exchange: str | Mapping[str, str] = "auto",
+        refused: Exception | None = None,
     ):
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not (math.isfinite(timeout) and timeout > 0)
-        ):
-            raise ValueError(
-                f"timeout must be a number of seconds > 0 (a collective's wait for a peer), "
-                f"got {timeout!r}"
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ShardedEngine needs torch.distributed: call torch.distributed."
                 "init_process_group('gloo', ...) on every rank first (torchrun sets the rank, "
                 "world size and address)"
             )
+        good_timeout = not (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (math.isfinite(timeout) and timeout > 0)
+        )
+        # The group first, then every check: a rank whose arguments fail them still meets the
+        # others at the configuration's exchange, so every rank raises at once (before, the
+        # others waited for it in new_group or the exchange until the timeout).
+        if group is None:
+            seconds = float(timeout) if good_timeout else DEFAULT_TIMEOUT
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._comm = Comm(group, self.rank, self.world_size)
+        error = None
+        try:
+            if refused is not None:
+                raise refused
+            if not good_timeout:
+                raise ValueError(
+                    f"timeout must be a number of seconds > 0 (a collective's wait for a "
+                    f"peer), got {timeout!r}"
+                )
+            self._build(
+                feature_config, optimizer, seed, sharding, backend, nonfinite_gradients, exchange
+            )
+        except Exception as e:  # any, the user's too: every rank raises at the exchange
+            error = e
+        self._check_same_configuration(error)
+
+    def _build(
+        self, feature_config, optimizer, seed, sharding, backend, nonfinite_gradients, exchange
+    ) -> None:
+        """The constructor's checks and tables (its arguments)."""
         r, optimizers = engine_arguments(
             feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
         )
@@ -338,11 +369,6 @@ class ShardedEngine:
         self._backend = make_backend(backend)
         for name, table, opt in zip(r.table_names, r.tables, optimizers, strict=True):
             self._backend.check_optimizer(name, opt, table.dim)
-        if group is None:
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout)))
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._comm = Comm(group, self.rank, self.world_size)
         # The update's per-table batch arrays, one block a step, reused once unused: fresh
         # arrays faulted their pages in every step (docs/performance.md, "Distributed W1:
         # pages faulted in every step").
@@ -372,10 +398,7 @@ class ShardedEngine:
         self._plan = plan_shards(
             sharding, r.table_names, table_bytes, self.world_size, loads, keyed
         )
-        # Checked once the group exists, as sharding: a rank that raises here closes its
-        # connections, so the others fail at once instead of waiting for it in new_group.
         self._exchange = plan_exchange(exchange, r.table_names, keyed)
-        self._check_same_configuration()
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
@@ -536,9 +559,15 @@ class ShardedEngine:
         """This rank's share of a table (its ``global_ids``; rows ``[weights | slots]``)."""
         return self._shards[self.table_names.index(table_name)]
 
-    def _check_same_configuration(self) -> None:
+    def _check_same_configuration(self, error: Exception | None) -> None:
         """Every rank must have built the same engine: a digest of the configuration, gathered
-        (different tables would pair the wrong rows; different optimizers diverge silently)."""
+        (different tables would pair the wrong rows; different optimizers diverge silently).
+        ``error``: this rank's own (its arguments), raised once every rank knows of it (they
+        raise a DistributedError naming it)."""
+        if error is not None:
+            self._comm.enter("ShardedEngine()")
+            self._comm.all_gather(np.zeros(2, dtype=np.int64), "setup")
+            raise error
         r = self._resolved
         config = {
             "tables": [
@@ -565,9 +594,17 @@ class ShardedEngine:
             "nonfinite_gradients": self.nonfinite_gradients,
         }
         text = json.dumps(config, sort_keys=True, default=str).encode()
-        digest = np.frombuffer(hashlib.sha256(text).digest()[:8], dtype=np.int64).copy()
+        digest = np.frombuffer(hashlib.sha256(text).digest()[:8], dtype=np.int64)[0]
         self._comm.enter("ShardedEngine()")
-        everyone = self._comm.all_gather(digest, "setup")[:, 0]
+        got = self._comm.all_gather(np.array([1, digest], dtype=np.int64), "setup")
+        bad = [rank for rank, ok in enumerate(got[:, 0]) if not ok]
+        if bad:
+            raise DistributedError(
+                f"rank {self.rank}: ranks {bad} could not build their ShardedEngine (see their "
+                "error: invalid arguments, or a checkpoint they could not read); every rank "
+                "must pass the same, valid arguments"
+            )
+        everyone = got[:, 1]
         other = [rank for rank, d in enumerate(everyone) if d != everyone[0]]
         if other:
             raise DistributedError(
@@ -1896,17 +1933,15 @@ class ShardedEngine:
         from ..checkpoint import read_checkpoint
         from ..spec import engine_options, feature_configs_from_spec
 
-        spec, _ = read_checkpoint(path, verify)
-        features = feature_configs_from_spec(spec, callables)
-        options = engine_options(spec)
-        engine = cls(
-            features,
-            **{
-                "seed": options["seed"],
-                "nonfinite_gradients": options["nonfinite_gradients"],
-                **kwargs,
-            },
-        )
+        features, options, refused = None, {}, None
+        try:
+            spec, _ = read_checkpoint(path, verify)
+            features = feature_configs_from_spec(spec, callables)
+            options = engine_options(spec)
+            options = {k: options[k] for k in ("seed", "nonfinite_gradients")}
+        except Exception as e:  # a folder this rank alone cannot read: every rank raises
+            refused = e
+        engine = cls(features, **{**options, **kwargs}, refused=refused)
         engine.restore(path, verify=False)  # checked just now
         return engine
 
