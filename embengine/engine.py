@@ -100,6 +100,19 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     return g
 
 
+def check_step_room(step: int) -> None:
+    """A training step may begin at ``step``: the step it would count to fits int64
+    (``MAX_STEP``, what the kernels take, a state holds and a checkpoint stores). A ValueError
+    naming the step, before anything changes, when this step would count past it."""
+    if step >= MAX_STEP:
+        raise ValueError(
+            f"the engine's step is {step:,} (2**63 - 1), the largest one it can count "
+            "(steps are int64, in the kernels and in checkpoints): one more training step "
+            "would overflow it; nothing was changed. Restore a checkpoint or load a state "
+            "of a smaller step"
+        )
+
+
 def _check_timestamp(t) -> int:
     """A training call's data time: an int of seconds in [0, 2^62)."""
     if isinstance(t, bool) or not isinstance(t, int | np.integer):
@@ -962,16 +975,7 @@ class EmbeddingEngine:
                 self._report_unchanged(unchanged)
 
     def _check_step_room(self) -> None:
-        """A training step may begin: the step it would count to fits int64 (``MAX_STEP``, what
-        the kernels take, a state holds and a checkpoint stores). A ValueError naming the step,
-        before anything changes, when this step would count past it."""
-        if self._step >= MAX_STEP:
-            raise ValueError(
-                f"the engine's step is {self._step:,} (2**63 - 1), the largest one it can count "
-                "(steps are int64, in the kernels and in checkpoints): one more training step "
-                "would overflow it; nothing was changed. Restore a checkpoint or load a state "
-                "of a smaller step"
-            )
+        check_step_room(self._step)
 
     def _check_learning_rates(self, lrs: Sequence[float]) -> None:
         """Each table's learning rate for this step, by its optimizer's rule (e.g. FTRL needs

@@ -27,6 +27,10 @@ Scenarios:
                                 ShardedEngine.load a folder it cannot read; then a step
   restore_other                 each rank restores a checkpoint of its own folder: copies of
                                 one checkpoint, then different ones of the same step
+  last_step                     restore a checkpoint at step 2**63 - 1: a training lookup and
+                                an update refused on every rank, an evaluation lookup served
+  reader_released               a restore refused (another configuration), its error kept:
+                                then a save with keep=1 beside it prunes that checkpoint
   layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
                                 its lookup (learning rates; weights with a PreparedBatch);
                                 a step together after each
@@ -541,6 +545,65 @@ def run_restore_other(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join(said) + "\n")
 
 
+def run_last_step(rank: int, world: int, out: str, name: str) -> None:
+    """Each rank's outcome of a training lookup, an update and an evaluation lookup at step
+    2**63 - 1 (a plain engine's checkpoint), in a .txt."""
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    root = os.path.join(out, name)
+    if rank == 0:
+        plain = ee.EmbeddingEngine(make_features("adagrad")[0], optimizer=o, seed=3)
+        state = plain.state_dict()
+        state["step"] = 2**63 - 1
+        plain.load_state_dict(state)
+        plain.save(root)
+    dist.barrier()
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    eng.restore(root)
+    feats, weights, grads = local(0, rank, world)
+    said = []
+    for what in ("lookup", "apply", "eval"):
+        try:
+            if what == "lookup":
+                eng.lookup(feats, weights)
+            elif what == "apply":
+                eng.apply_gradients(grads)
+            else:
+                eng.lookup(feats, weights, training=False)
+            said.append(f"{what}: ok")
+        except Exception as e:
+            said.append(f"{what}: {type(e).__name__}: {e}")
+    said.append(f"step={eng.step}")
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
+def run_reader_released(rank: int, world: int, out: str, name: str) -> None:
+    """Whether a checkpoint whose restore failed (the error still held, its traceback with
+    it) is pruned by a later save with keep=1, in a .txt."""
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    root = os.path.join(out, name)
+    other = {"x": ee.FeatureConfig(ee.TableConfig(3, 2, name="x"))}
+    ee.EmbeddingEngine(other, optimizer=o).save(root)
+    (first,) = os.listdir(root)
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    try:
+        eng.restore(root)
+        held = None
+    except Exception as e:  # kept, as a caller logging it later would
+        held = e
+    eng.save(root, keep=1)
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{type(held).__name__}\n{first in os.listdir(root)}\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -723,6 +786,10 @@ def main() -> None:
                 run_layer(rank, world, out, name)
             elif name == "build_fails":
                 run_build_fails(rank, world, out, name)
+            elif name == "reader_released":
+                run_reader_released(rank, world, out, name)
+            elif name == "last_step":
+                run_last_step(rank, world, out, name)
             elif name == "restore_other":
                 run_restore_other(rank, world, out, name)
             elif name == "layer_refused":

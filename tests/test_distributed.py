@@ -1101,3 +1101,27 @@ def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
     for name in single.table_names:
         want = single.table_contents(name)["weights"]
         assert tables[name]["weights"].tobytes() == want.tobytes()
+
+
+def test_a_sharded_engine_at_the_last_step_refuses_to_count_past_it(tmp_path):
+    """A checkpoint may hold step 2**63 - 1; one more training step would overflow the
+    kernels' int64 step (the single engine refuses it): every rank refuses the training
+    lookup and the update, nothing changed, and still serves evaluation lookups."""
+    codes = spawn(2, tmp_path, ["last_step"], limit=180)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for rank in range(2):
+        lookup, apply, evaluation, step = (
+            (tmp_path / f"last_step.rank{rank}.txt").read_text().splitlines()
+        )
+        assert lookup.startswith("lookup: ValueError: ") and "2**63 - 1" in lookup, lookup
+        assert apply.startswith("apply: ValueError: ") and "2**63 - 1" in apply, apply
+        assert evaluation == "eval: ok" and step == f"step={2**63 - 1}", (evaluation, step)
+
+
+def test_a_failed_sharded_restore_lets_a_save_prune_its_checkpoint(tmp_path):
+    """A restore holds the checkpoint's read lock (keep=N skips it) until it returns or
+    raises: a refused restore whose error the caller keeps no longer keeps it locked."""
+    codes = spawn(1, tmp_path, ["reader_released"], limit=120)
+    assert codes == [0], _logs(tmp_path, 1)
+    error, kept = (tmp_path / "reader_released.rank0.txt").read_text().splitlines()
+    assert error == "CheckpointError" and kept == "False", (error, kept)

@@ -302,11 +302,23 @@ def restore(
     """Read this rank's rows of every table (``shards``, of an engine whose configuration is
     ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns a
     CheckpointInfo: the checkpoint's step (the caller's new step) and its extra data, read by
-    every rank."""
+    every rank. The checkpoint's read lock (a save's ``keep=N`` does not prune it meanwhile)
+    is released when this returns or raises, not when the reader is collected."""
+    readers: list[ckpt.CheckpointReader] = []
+    try:
+        return _restore(comm, shards, spec, path, verify, readers)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
+    """``restore``; the reader it opens goes to ``readers``."""
     error, reader, extra = None, None, {}
     try:
         ckpt.check_path(path, "the checkpoint path")
         _, reader = ckpt.read_checkpoint(path, verify)
+        readers.append(reader)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
     except Exception as e:  # any (a path of the wrong type too): the others learn it first

@@ -64,6 +64,7 @@ from ..engine import (
     _STATES,
     NonFiniteUpdateError,
     _check_timestamp,
+    check_step_room,
     checked_gradient,
     engine_arguments,
 )
@@ -820,6 +821,8 @@ class ShardedEngine:
         try:
             if refused is not None:
                 raise refused
+            if training:  # every rank has the same step: every rank raises
+                check_step_room(self._step)
             when = self._data_time(timestamp, training)
             if isinstance(features, PreparedBatch):
                 if weights is not None:
@@ -1255,6 +1258,7 @@ class ShardedEngine:
         last, grads = None, None
         spec, self._armed = self._armed, None  # disarmed however this call ends
         try:
+            check_step_room(self._step)
             if given is not None and given is self._given:
                 given = self._pending  # the looked-up form of the batch the lookup was given
             batch = self._pending if given is None else given
@@ -1935,7 +1939,8 @@ class ShardedEngine:
 
         features, options, refused = None, {}, None
         try:
-            spec, _ = read_checkpoint(path, verify)
+            spec, reader = read_checkpoint(path, verify)
+            reader.close()  # the spec is all it needs here; restore reads (and locks) again
             features = feature_configs_from_spec(spec, callables)
             options = engine_options(spec)
             options = {k: options[k] for k in ("seed", "nonfinite_gradients")}
