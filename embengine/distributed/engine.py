@@ -302,17 +302,23 @@ class ShardedEngine:
         exchange: str | Mapping[str, str] = "auto",
         refused: Exception | None = None,
     ):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ShardedEngine needs torch.distributed: call torch.distributed."
-                "init_process_group('gloo', ...) on every rank first (torchrun sets the rank, "
-                "world size and address)"
-            )
         good_timeout = not (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
             or not (math.isfinite(timeout) and timeout > 0)
         )
+        bad_timeout = ValueError(
+            f"timeout must be a number of seconds > 0 (a collective's wait for a peer), got "
+            f"{timeout!r}"
+        )
+        if not dist.is_available() or not dist.is_initialized():
+            if not good_timeout:  # the caller's own mistake first: no group to meet in anyway
+                raise bad_timeout
+            raise RuntimeError(
+                "ShardedEngine needs torch.distributed: call torch.distributed."
+                "init_process_group('gloo', ...) on every rank first (torchrun sets the rank, "
+                "world size and address)"
+            )
         # The group first, then every check: a rank whose arguments fail them still meets the
         # others at the configuration's exchange, so every rank raises at once (before, the
         # others waited for it in new_group or the exchange until the timeout).
@@ -327,10 +333,7 @@ class ShardedEngine:
             if refused is not None:
                 raise refused
             if not good_timeout:
-                raise ValueError(
-                    f"timeout must be a number of seconds > 0 (a collective's wait for a "
-                    f"peer), got {timeout!r}"
-                )
+                raise bad_timeout
             self._build(
                 feature_config, optimizer, seed, sharding, backend, nonfinite_gradients, exchange
             )
