@@ -17,7 +17,7 @@ import numpy as np
 from .optimizers import DynamicLearningRate, Optimizer
 from .optimizers._base import learning_rate_arity
 
-__all__ = ["LearningRates", "check_learning_rates"]
+__all__ = ["LearningRates", "check_learning_rates", "check_rate"]
 
 
 class LearningRates:
@@ -85,13 +85,13 @@ class LearningRates:
                 )
             tags = []
             for fn, arity in zip(self._callables, self._arity, strict=True):
-                tags.append(_check_rate(fn(step) if arity else fn(), f"learning_rate {fn!r}"))
+                tags.append(check_rate(fn(step) if arity else fn(), f"learning_rate {fn!r}"))
         return [v if kind == "const" else tags[int(v)] for kind, v in self._sources]
 
 
 def check_learning_rates(learning_rates: Sequence[float], num_tags: int) -> list[float]:
     """``learning_rates`` given for a step (one per dynamic tag) as floats, checked: a
-    sequence of ``num_tags`` finite numbers >= 0 (see ``_check_rate``)."""
+    sequence of ``num_tags`` finite numbers >= 0 (see ``check_rate``)."""
     if isinstance(learning_rates, str | bytes):
         raise TypeError(
             "learning_rates must be a sequence of numbers, one per tag, got the string "
@@ -103,10 +103,10 @@ def check_learning_rates(learning_rates: Sequence[float], num_tags: int) -> list
             f"learning_rates has {len(values)} values but the engine has {num_tags} "
             "dynamic learning-rate tags; give exactly one per tag"
         )
-    return [_check_rate(v, f"learning_rates[{i}]") for i, v in enumerate(values)]
+    return [check_rate(v, f"learning_rates[{i}]") for i, v in enumerate(values)]
 
 
-def _check_rate(value, what: str) -> float:
+def check_rate(value, what: str) -> float:
     """``value`` as a float, refused unless a finite number >= 0: a bool or a string (which
     ``float`` would read as 1.0 or parse) is a TypeError, as for per-id weights."""
     if isinstance(value, bool | np.bool_ | str | bytes):

@@ -829,3 +829,23 @@ def test_torchrec_configs_give_torchrecs_pooled_output(trj):
     )
     ours, theirs = EmbeddingLayer(eng, output="keyed")(kjt), ebc(kjt)
     torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [True, "0.5", -1.0, float("nan")])
+def test_lr_handle_refuses_a_rate_float_would_misread(bad):
+    """``float`` reads True as 1.0 and parses "0.5": the handle's rates (its lr= and its
+    param groups' "lr", which schedulers and users set) are checked as the engine's are, by
+    name, before any update."""
+    layer = EmbeddingLayer(_dynamic_engine())
+    kind = TypeError if isinstance(bad, bool | str) else ValueError
+    with pytest.raises(kind, match=r"lr\[1\]"):
+        layer.lr_handle(lr=[0.5, bad])
+    handle = layer.lr_handle(lr=0.5)
+    handle.param_groups[1]["lr"] = bad
+    with pytest.raises(kind, match=r"param_groups\[1\]\['lr'\] \(tag 1\)"):
+        handle.learning_rates()
+    before = layer.engine.embedding_tables["t"].copy()
+    out = layer({"a": [[2]], "b": [[1]]})
+    with pytest.raises(kind, match=r"param_groups\[1\]"):
+        out["a"].sum().backward()
+    assert (layer.engine.embedding_tables["t"] == before).all()

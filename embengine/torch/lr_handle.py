@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..engine import EmbeddingEngine
+from ..learning_rates import check_rate
 from ..optimizers._base import learning_rate_arity
 
 __all__ = ["LearningRateHandle"]
@@ -78,12 +79,17 @@ class LearningRateHandle(torch.optim.Optimizer):
                     f"lr has {len(lr)} values but the engine has "
                     f"{engine.num_learning_rate_tags} dynamic learning-rate tags; give one per tag"
                 )
-            return float(lr[tag])
-        return float(lr)
+            return check_rate(lr[tag], f"lr[{tag}]")
+        return check_rate(lr, "lr")
 
     def learning_rates(self) -> list[float]:
-        """The value of every tag, in tag order: what the next update uses."""
-        return [float(g["lr"]) for g in sorted(self.param_groups, key=lambda g: g["tag"])]
+        """The value of every tag, in tag order: what the next update uses. A group's "lr"
+        set to a bool or a string (which ``float`` would read as 1.0 or parse), or to a
+        negative or non-finite number, is refused by name, as the engine's learning rates."""
+        return [
+            check_rate(g["lr"], f"the lr_handle's param_groups[{i}]['lr'] (tag {g['tag']})")
+            for i, g in sorted(enumerate(self.param_groups), key=lambda ig: ig[1]["tag"])
+        ]
 
     def step(self, closure=None):
         """Nothing to do: the layer's backward updated the tables with ``learning_rates()``."""
