@@ -283,6 +283,13 @@ def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path)
     assert w3_manifest["tables"][0]["keyed"] == plain_manifest["tables"][0]["keyed"]
     assert w3_manifest["tables"][0]["keyed"]["rows"] > 0
     assert w3_manifest["tables"][0]["keyed"]["pending_keys"] > 0
+    # ... in the same bytes: every table's file is the plain engine's, tensor for tensor (the
+    # keyed file's tensors once came in another order: data time last)
+    for folder in ("w3", "w1"):
+        (path,) = (root / folder).iterdir()
+        for t in plain_manifest["tables"]:
+            got, want = (path / t["file"]).read_bytes(), (plain_path / t["file"]).read_bytes()
+            assert got == want, (folder, t["name"])
     loaded = ee.EmbeddingEngine.load(w3_path)
     _, reader = ee.checkpoint.read_checkpoint(plain_path)
     _, sharded = ee.checkpoint.read_checkpoint(w3_path)

@@ -60,10 +60,10 @@ class KeyedLayout:
         self.counters = total.astype(np.int64)
         slots = [(s.name, s.width, s.dtype) for s in shard.slot_specs]
         sizes = {"n": len(self.keys), "p": len(self.pending)}
-        # The order EmbeddingEngine's state gives: keys, weights, slots, then the rest.
+        # The order EmbeddingEngine's state gives (the table's own ``state``: keys, weights,
+        # slots, the rows' metadata, data time, ...), so the file is the plain engine's
         entries = keyed_entries(shard.dim, slots)
-        order = ["keys", WEIGHTS, *[s[0] for s in slots]]
-        order += [k for k in entries if k not in order]
+        order = list(self.state)
         self.tensors = [
             (
                 shard.name if k == WEIGHTS else f"{shard.name}/{k}",
