@@ -453,7 +453,7 @@ class EmbeddingEngine:
         before any table changes: if the system refuses it (a full disk, no memory), the
         OSError / MemoryError names the table and nothing changed. If a TensorSource fails
         midway, a ``PartialLoadError`` says which tables hold the new values; the step is
-        unchanged."""
+        unchanged, the pending training batch forgotten (its rows may be other keys' now)."""
         expected = {
             v.name: v.state_entries()
             if hasattr(v, "state_entries")
@@ -501,6 +501,8 @@ class EmbeddingEngine:
                 # MemoryError too (a read's buffer): an OSError or MemoryError that leaves
                 # this method always means nothing changed
                 except (OSError, ValueError, MemoryError) as e:
+                    # the tables changed: a batch looked up before must not update them
+                    self._forget_pending()
                     raise PartialLoadError(name, done, self._step, e) from e
                 done.append(name)
             if step is not None:

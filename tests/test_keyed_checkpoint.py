@@ -787,3 +787,42 @@ def test_a_keyed_row_read_failing_midway_is_a_partial_load_error(tmp_path):
     state["tables"]["k"]["weights"] = Failing(weights.shape, weights.dtype)
     with pytest.raises(PartialLoadError, match=r"table 'k' \(the file went away\)"):
         eng.load_state_dict(state)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_batch_looked_up_before_a_partial_load_is_refused(given):
+    """A load failing midway has laid a keyed table out anew (rows by key) before it failed:
+    a batch looked up before it (the engine's pending one, or a PreparedBatch) held rows that
+    are now other keys', and its update wrote them (past the table's rows too). It is refused,
+    nothing changed, as after a load that succeeds."""
+
+    class Failing:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+        def read_into(self, out):
+            raise OSError("the file went away")
+
+    k = ee.TableConfig(None, 2, name="k", optimizer=O.SGD(1.0), initializer=RandomUniform())
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(k)})
+    for key in (50, 40, 30, 20, 10):  # rows 0..4 hold 50 .. 10; a load sorts them by key
+        a = eng.lookup({"f": np.array([[key]])})
+        eng.apply_gradients({"f": np.zeros_like(a["f"])})
+    state = copy.deepcopy(eng.state_dict())
+    state["tables"]["k"]["weights"] = Failing((5, 2), np.float32)
+    values = {"f": np.array([[10]])}
+    grads = {"f": np.ones((1, 2), np.float32)}
+    if given:
+        _, b = eng.lookup_with_batch(values)
+    else:
+        eng.lookup(values)
+    with pytest.raises(PartialLoadError):
+        eng.load_state_dict(state)
+    before = eng.table_contents("k")
+    with pytest.raises(ValueError, match="another state|needs a lookup"):
+        if given:
+            eng.apply_gradients(grads, batch=b)
+        else:
+            eng.apply_gradients(grads)
+    after = eng.table_contents("k")
+    assert all(after[n].tobytes() == before[n].tobytes() for n in before)
