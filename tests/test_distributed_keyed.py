@@ -236,6 +236,23 @@ def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(tm
         assert "| left=[] | then ckpt-" in text, text
 
 
+def test_a_keyed_row_read_failing_on_one_rank_fails_every_ranks_restore(tmp_path):
+    """Each rank reads its keyed rows after every check, straight into its new arena: a file
+    cut meanwhile within one rank's rows fails that rank's read, its table part new. Every
+    rank raises (the others' restore returned as if whole, and they went on training)."""
+    env = {"CKPT_ROOT": str(tmp_path / "ckpts")}
+    codes = spawn(2, tmp_path, ["restore_cut"], env=env)
+    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    texts = [(tmp_path / f"restore_cut.rank{r}.txt").read_text() for r in range(2)]
+    cut = [r for r, t in enumerate(texts) if "ends early" in t]
+    assert len(cut) == 1, texts
+    other = texts[1 - cut[0]]
+    assert other.startswith(
+        f"CheckpointError: rank {1 - cut[0]}: restore failed on ranks {cut} while copying rows"
+    ), other
+    assert "restore again" in other, other
+
+
 def _ckpt_single(steps) -> ee.EmbeddingEngine:
     features, o = worker.make_features(worker.CKPT, 2, "seconds")
     eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)

@@ -356,6 +356,28 @@ def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
     _agree(comm, error is None, "restore")
     if error is not None:
         raise error
+    # A read failing on one rank (a file cut or unreadable after the checks) leaves its tables
+    # part new: every rank learns it and raises, so none goes on as if restored.
+    error = None
+    try:
+        _copy_rows(shards, installs, reader)
+    except (OSError, ValueError, MemoryError) as e:
+        error = e
+    try:
+        _agree(comm, error is None, "restore")
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(
+            f"{e} while copying rows, after every check: the engine's tables are part new; "
+            "restore again before using it"
+        ) from None
+    if error is not None:
+        raise error
+    return ckpt.CheckpointInfo(reader.path, reader.step, extra, reader.extra_metadata)
+
+
+def _copy_rows(shards: tuple[ShardTable, ...], installs: list, reader) -> None:
+    """This rank's rows of every table: a keyed shard's read by its install (``installs``),
+    the others' from ``reader`` chunk by chunk."""
     for install in installs:
         install()
     for shard in shards:
@@ -386,4 +408,3 @@ def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
                             "being read?); restore again before using the engine"
                         )
                     target[lo:hi, c : c + w] = buf[ids[lo:hi] - a]
-    return ckpt.CheckpointInfo(reader.path, reader.step, extra, reader.extra_metadata)
