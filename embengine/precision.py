@@ -8,7 +8,10 @@ smaller than half a quantum is kept on average (round-to-nearest would drop it e
 
 The random bits are a counter-based hash (splitmix64's finaliser) of (the table's key, step,
 row, unit, column), 16 per value, one round for four neighbouring unit columns (``hash_bits``),
-so they depend on neither thread count nor scheduling. This module is the
+so they depend on neither thread count nor scheduling. The row is a dense table's row (its id,
+from the table's first row when packed); a keyed table's key (``KeyedTable.rounding_rows``):
+its rows move, its keys' streams do not, and a keyed table fed ids ``0..V-1`` rounds as the
+dense table of vocabulary ``V``. This module is the
 NumPy side (the reference backend's, vectorised); ``kernels/rounding.py`` holds the numba
 side, the same operations on scalars: the two give the same bits (tests/test_rounding.py).
 

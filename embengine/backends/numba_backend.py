@@ -586,15 +586,22 @@ def kernels_for(optimizer: Optimizer, table: TableStorage):
     return fused, every_row
 
 
+# A dense table's rounding rows (``_half_args``): none, its rows are its ids.
+_NO_ROUNDING_ROWS = frozen(np.zeros((0, 1), dtype=np.int64))
+
+
 def _half(table: TableStorage) -> bool:
     """A table whose row array is uint16 (16-bit weights or slots; storage/dense.py)."""
     return table.data.dtype == np.uint16
 
 
 def _half_args(table: TableStorage) -> tuple:
-    """The extra argument of the half kernels: the table's rounding key (the stored dtypes
-    are the kernel's own, ``kernels_for``)."""
-    return (np.uint64(table.rounding_key),)
+    """The extra arguments of the half kernels: the table's rounding key, and the keys its
+    rows' rounding streams follow (``rounding.hash_row``: a keyed table's records; empty for a
+    dense table, whose rows are its ids). The stored dtypes are the kernel's own
+    (``kernels_for``)."""
+    rows = getattr(table, "rounding_rows", None)
+    return (np.uint64(table.rounding_key), _NO_ROUNDING_ROWS if rows is None else frozen(rows))
 
 
 def _table_constants(opt: Optimizer, table: TableStorage):

@@ -42,7 +42,10 @@ def _store(
         return v32, v32
     kind = KIND[col.dtype]
     columns = col.start + np.arange(col.width)[None, :]
-    bits = hash_bits(table.rounding_key, step, rows[:, None], unit, columns)
+    # a keyed table's stream follows its keys (its rows move), a dense one's its rows (= ids)
+    keys = getattr(table, "rounding_rows", None)
+    where = rows if keys is None else keys[rows, 0]
+    bits = hash_bits(table.rounding_key, step, where[:, None], unit, columns)
     stored = stochastic_round(v32.reshape(len(rows), col.width), kind, bits)
     return widen(stored, kind), stored
 

@@ -119,6 +119,7 @@ from embengine.kernels.pipeline import (
 IMPORTS = """from embengine import optimizers  # noqa: F401 (registers embengine's row math)
 from embengine.kernels.pipeline import compiled
 from embengine.kernels.rounding import (
+    hash_row,
     random_words,
     round_bf16,
     round_f16,
@@ -437,7 +438,7 @@ def fixed_fused_update_{name}(LAYOUT):
     DIM, F0, N0, F1, N1, F2, N2 = LAYOUT  # free variables: numba inlines them as constants
 
     @kernel()
-    def fused_update_{name}_fixed(claims, n_tasks, bounds, data, data_h, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, key):
+    def fused_update_{name}_fixed(claims, n_tasks, bounds, data, data_h, data_i, meta, hp, cols, lr, wd, step, unique, unique_offsets, unique_gains, unique_segments, grad, skipped, unchanged, prefetch, key, row_keys):
 {setup}
 {row_loop}
 
@@ -825,7 +826,7 @@ def _random_bits(rm: RowMath, wkind: str, skind: str, unit: str) -> tuple[str, s
         return "", ""
     return (
         "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)",
-        f"random_words(row_hash(key, step, r, {unit}), words, {rounds})\n",
+        f"random_words(row_hash(key, step, hash_row(row_keys, r), {unit}), words, {rounds})\n",
     )
 
 
@@ -887,8 +888,8 @@ def _half_kernels(rm: RowMath, scratch: str, wkind: str, skind: str) -> str:
     if not rm.every_row:
         text = text[: text.index(EVERY_ROW_START)] + "\n"
     text = text.replace(" data, data_i, ", " data, data_h, data_i, ")
-    text = text.replace("prefetch):", "prefetch, key):")
-    text = text.replace("prefetch, live):", "prefetch, live, key):")
+    text = text.replace("prefetch):", "prefetch, key, row_keys):")
+    text = text.replace("prefetch, live):", "prefetch, live, key, row_keys):")
     if rm.form == "element" and in_place(wkind, skind, bool(rm.slots)):
         scratch = _scratch(rm, "g = np.zeros(dim, dtype=np.float64)")
         scratch += "\nold_h = np.zeros(data_h.shape[1], dtype=np.uint16)"

@@ -28,6 +28,7 @@ __all__ = [
     "bits_from_f32",
     "mix",
     "row_hash",
+    "hash_row",
     "random_words",
     "unit_bits",
     "widen_bf16",
@@ -79,6 +80,17 @@ def row_hash(key, step, row, unit):
     """The per-row part of the hash: ``mix(mix(key + step * G) + row * G + unit)``."""
     z = mix(np.uint64(key) + np.uint64(step) * _GOLDEN)
     return mix(z + np.uint64(np.int64(row)) * _GOLDEN + np.uint64(unit))
+
+
+@kernel(inline="always")
+def hash_row(row_keys, r):
+    """Row ``r``'s place in its table's rounding stream: its key for a keyed table
+    (``row_keys``: its records as int64, the key in column 0), whose rows move (a restore lays
+    them out in key order), so a key's stream does not; its row (= its id) for a dense table
+    (``row_keys`` empty)."""
+    if row_keys.shape[0] != 0:
+        return row_keys[r, 0]
+    return np.int64(r)
 
 
 @kernel(inline="always")
