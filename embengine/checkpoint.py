@@ -1097,7 +1097,9 @@ def _expected_tensors(t: dict) -> dict[str, tuple[str, list[int]]]:
     slots = [(s["name"], s["width"], s["dtype"]) for s in t["slots"]]
     if t["vocabulary_size"] is None:
         sizes = {"n": t["keyed"]["rows"], "p": t["keyed"]["pending_keys"]}
-        entries = keyed_entries(t["dim"], slots)
+        entries = keyed_entries(
+            t["dim"], slots, t.get("weights_dtype", "float32"), t.get("slots_dtype", "float32")
+        )
         if not t["keyed"].get("times", False):  # written before data time: none stored
             for key in TIME_ENTRIES:
                 del entries[key]

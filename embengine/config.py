@@ -267,15 +267,6 @@ class TableConfig:
         where = f"TableConfig(name={self.name!r})"
         check_dtype(where, "weights_dtype", self.weights_dtype)
         check_dtype(where, "slots_dtype", self.slots_dtype)
-        if self.vocabulary_size is None and (self.weights_dtype, self.slots_dtype) != (
-            "float32",
-            "float32",
-        ):
-            raise ValueError(
-                f"{where}: a keyed table (vocabulary_size=None) stores float32 only for now, "
-                f"got weights_dtype={self.weights_dtype!r}, slots_dtype={self.slots_dtype!r}; "
-                "give it a vocabulary_size or keep float32"
-            )
         if self.vocabulary_size is None:
             if self.dynamic is None:
                 object.__setattr__(self, "dynamic", DynamicVocabulary())

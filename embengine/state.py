@@ -111,11 +111,22 @@ TIME_ENTRIES = ("last_time", "data_time")
 NO_TIME = int(np.iinfo(np.int64).min)
 
 
-def keyed_entries(dim: int, slots: list[tuple[str, int, str]]) -> dict[str, tuple[tuple, np.dtype]]:
+def keyed_entries(
+    dim: int,
+    slots: list[tuple[str, int, str]],
+    weights_dtype: str = "float32",
+    slots_dtype: str = "float32",
+) -> dict[str, tuple[tuple, np.dtype]]:
     """A keyed table's state entries: name -> (shape, dtype), "n" / "p" standing for the
-    lengths of rows / pending keys; ``slots`` are the optimizer's (name, width, dtype)."""
-    out = {WEIGHTS: (("n", dim), np.dtype(np.float32))}
-    out.update({name: (("n", width), np.dtype(dtype)) for name, width, dtype in slots})
+    lengths of rows / pending keys; ``slots`` are the optimizer's (name, width, dtype); weights
+    and float slots in their stored dtypes (``weights_dtype``, ``slots_dtype``)."""
+    from .precision import numpy_dtype
+
+    def stored(dtype: str) -> np.dtype:
+        return numpy_dtype(slots_dtype) if dtype == "float32" else np.dtype(dtype)
+
+    out = {WEIGHTS: (("n", dim), numpy_dtype(weights_dtype))}
+    out.update({name: (("n", width), stored(dtype)) for name, width, dtype in slots})
     out.update({k: (shape, np.dtype(dtype)) for k, (shape, dtype) in KEYED_ENTRIES.items()})
     return out
 

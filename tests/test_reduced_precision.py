@@ -463,8 +463,8 @@ def test_dtypes_are_checked_and_named():
         ee.TableConfig(10, 4, name="t", weights_dtype="fp8")
     with pytest.raises(ValueError, match=r"slots_dtype must be one of .* got 16"):
         ee.TableConfig(10, 4, name="t", slots_dtype=16)
-    with pytest.raises(ValueError, match=r"keyed table .* float32 only"):
-        ee.TableConfig(None, 4, name="k", weights_dtype="bfloat16")
+    keyed = ee.TableConfig(None, 4, name="k", weights_dtype="bfloat16", slots_dtype="float16")
+    assert (keyed.weights_dtype, keyed.slots_dtype) == ("bfloat16", "float16")
 
 
 def test_tables_of_other_dtypes_are_not_packed_and_the_plan_keeps_them():
@@ -587,7 +587,8 @@ def test_export_and_serving_read_16_bit_tables(tmp_path, compress):
 # -- embengine train --weights-dtype -----------------------------------------------------------
 
 
-def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
+@pytest.mark.parametrize("vocabulary", ["fixed", "dynamic"])
+def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path, vocabulary):
     pytest.importorskip("torch")
     from embengine import cli
 
@@ -596,6 +597,8 @@ def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
         [
             "train",
             *SYN_ARGS,
+            "--vocabulary",
+            vocabulary,
             "--steps",
             "40",
             "--weights-dtype",
@@ -609,6 +612,8 @@ def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
     assert code == 0, capsys.readouterr().err
     assert "test AUC" in capsys.readouterr().out
     spec = ee.EmbeddingEngine.load(ckpt).spec()
+    keyed = {t["vocabulary_size"] is None for t in spec["tables"]}
+    assert keyed == {vocabulary == "dynamic"}
     assert {t["weights_dtype"] for t in spec["tables"]} == {"bfloat16"}
     assert {t["slots_dtype"] for t in spec["tables"]} == {"bfloat16"}
 
@@ -616,7 +621,6 @@ def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--weights-dtype", "bfloat16", "--vocabulary", "dynamic"], "keyed tables"),
         (
             ["--slots-dtype", "float16", "--embeddings", "torch", "--optimizer", "sgd"],
             "leave --embeddings at engine",

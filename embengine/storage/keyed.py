@@ -46,6 +46,7 @@ from ..config import MAX_KEYED_ROWS
 from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
+from ..precision import table_key as rounding_key
 from ..state import (
     KEYED_COUNTERS,
     NO_TIME,
@@ -54,7 +55,16 @@ from ..state import (
     TensorSource,
     keyed_entries,
 )
-from .dense import MappedRows, StorageError, _advise, open_locked, reserve, row_columns
+from .dense import (
+    MappedRows,
+    StorageError,
+    _advise,
+    column_view,
+    open_locked,
+    reserve,
+    row_columns,
+    row_dtype,
+)
 from .protocol import NO_ROW
 
 __all__ = ["IndexView", "KeyedTable", "KeyedView", "KeyIndex"]
@@ -485,7 +495,7 @@ class KeyedView:
     def state_entries(self) -> dict[str, tuple[tuple, np.dtype]]:
         """Entry name -> (shape, dtype) of ``state()``, "n" / "p" for its two lengths."""
         slots = [(s.name, s.width, s.dtype) for s in self.slot_specs]
-        return keyed_entries(self.dim, slots)
+        return keyed_entries(self.dim, slots, self.table.weights_dtype, self.table.slots_dtype)
 
     def prepare_state(self, entries: dict, step: int, at: str):
         """See ``KeyedTable.prepare_state``."""
@@ -509,6 +519,9 @@ class KeyedTable(MappedRows):
       initializer, seed: a new key's weights.
       dynamic: the table's ``DynamicVocabulary``.
       path: the file of its rows (storage "keyed-mmap"); None: in RAM ("keyed").
+      weights_dtype, slots_dtype: the stored dtypes (``dense.row_columns``: a 16-bit table's
+        row array is uint16); a new row's values are rounded to nearest, an update's
+        stochastically, the stream following the row's key (``rounding_rows``).
     """
 
     counts_occurrences = True
@@ -522,13 +535,22 @@ class KeyedTable(MappedRows):
         seed: int,
         dynamic,
         path: str | os.PathLike | None = None,
+        weights_dtype: str = "float32",
+        slots_dtype: str = "float32",
     ):
         self.name = name
         self.path = None if path is None else Path(path)
         self._fd: int | None = None  # the locked file's descriptor (keyed-mmap)
         self.dim = int(dim)
         self.slot_specs = tuple(slot_specs)
-        self.columns, self.row_width = row_columns(name, self.dim, self.slot_specs)
+        self.weights_dtype, self.slots_dtype = weights_dtype, slots_dtype
+        # The key of this table's stochastic-rounding stream (embengine.precision).
+        self.rounding_key = rounding_key(seed, name)
+        self._dtype = np.dtype(row_dtype(weights_dtype, slots_dtype))
+        self.columns, self.row_width = row_columns(
+            name, self.dim, self.slot_specs, weights_dtype, slots_dtype
+        )
+        self._row_bytes = self.row_width * self._dtype.itemsize
         self.dynamic = dynamic
         self._initializer = initializer
         self._seed = int(seed)
@@ -589,7 +611,7 @@ class KeyedTable(MappedRows):
         self._index = KeyIndex()
         self._mapping, self._high, self._capacity = None, 0, 0  # _high: rows handed out
         self._reserved = self._default_reservation()
-        self._data = np.zeros((0, self.row_width), np.float32)
+        self._data = np.zeros((0, self.row_width), self._dtype)
         self._records_map = None
         self._records_full = self._records = np.zeros((0, _RECORD_COLS), np.int32)
         self._time = np.zeros(0, np.int64)
@@ -599,7 +621,7 @@ class KeyedTable(MappedRows):
         MAX_KEYED_ROWS)."""
         if self.dynamic.max_rows:
             return self.dynamic.max_rows
-        rows = max(_RESERVE_BYTES // (4 * self.row_width), _FIRST_CAPACITY)
+        rows = max(_RESERVE_BYTES // self._row_bytes, _FIRST_CAPACITY)
         return min(rows, MAX_KEYED_ROWS)
 
     def _advise_huge_pages(self) -> None:
@@ -608,7 +630,7 @@ class KeyedTable(MappedRows):
         TLB on nearly every row (docs/performance.md, "Keyed tables"); a smaller table would
         pay a 2 MiB page for a few rows. The records too (``_records_room``)."""
         if self.path is None:
-            _advise_huge(self._mapping, self._capacity * self.row_width * 4)
+            _advise_huge(self._mapping, self._capacity * self._row_bytes)
         _advise_huge(self._records_map, self._capacity * 4 * _RECORD_COLS)
 
     def _records_room(self, cap: int) -> None:
@@ -631,14 +653,14 @@ class KeyedTable(MappedRows):
         if self._fd is None:
             # the old contents: the index that named their rows is gone
             self._fd = open_locked(self.path, self.name)
-        old, new = self._capacity * self.row_width * 4, cap * self.row_width * 4
+        old, new = self._capacity * self._row_bytes, cap * self._row_bytes
         # reserve never shortens the file: a restore stages its arena here (``_stage``) while
         # the table's own mapping still reads the rows past ``new``
         reserve(self._fd, old, new, self.path, self.name)
         mapping = mmap.mmap(self._fd, new)
         _advise(mapping, "MADV_RANDOM")
         self._mapping = mapping
-        self._full = np.frombuffer(mapping, np.float32).reshape(cap, self.row_width)
+        self._full = np.frombuffer(mapping, self._dtype).reshape(cap, self.row_width)
         self._reserved = cap
 
     def check_file(self) -> None:
@@ -649,7 +671,7 @@ class KeyedTable(MappedRows):
             return
         if self._mapping is None or self._mapping.closed:
             raise StorageError(f"table {self.name!r} is closed (its file {str(self.path)!r})")
-        need = self._capacity * self.row_width * 4
+        need = self._capacity * self._row_bytes
         if self._mapping.size() < need:
             raise StorageError(
                 f"table {self.name!r}: its file {str(self.path)!r} is {self._mapping.size():,} "
@@ -662,7 +684,7 @@ class KeyedTable(MappedRows):
         closed); the table is unusable afterwards (StorageError)."""
         if self._fd is None:
             return
-        self._data = self._full = np.zeros((0, self.row_width), np.float32)
+        self._data = self._full = np.zeros((0, self.row_width), self._dtype)
         with contextlib.suppress(BufferError):  # a caller's view keeps the mapping alive
             self._mapping.close()
         os.close(self._fd)  # the mapping's own descriptor keeps the lock while it lives
@@ -682,8 +704,8 @@ class KeyedTable(MappedRows):
             self._grow_file(cap)
         elif self._mapping is None or cap > self._reserved:
             want = max(self._reserved, cap)
-            mapping, reserve = _reserve(want, cap, 4 * self.row_width, f"table {self.name!r}")
-            new = np.frombuffer(mapping, np.float32, count=reserve * self.row_width)
+            mapping, reserve = _reserve(want, cap, self._row_bytes, f"table {self.name!r}")
+            new = np.frombuffer(mapping, self._dtype, count=reserve * self.row_width)
             new = new.reshape(reserve, self.row_width)
             new[: self._high] = self._data[: self._high]  # only when outgrowing a reservation
             self._mapping, self._reserved, self._full = mapping, reserve, new
@@ -703,8 +725,9 @@ class KeyedTable(MappedRows):
 
     @property
     def data(self) -> np.ndarray:
-        """float32 ``[capacity, row_width]``: rows ``rows_for`` gave, and unused ones (a
-        keyed-mmap table checks its file first: ``check_file``)."""
+        """float32 ``[capacity, row_width]`` (uint16 for a 16-bit table: ``row_columns``):
+        rows ``rows_for`` gave, and unused ones (a keyed-mmap table checks its file first:
+        ``check_file``)."""
         if self._fd is not None:
             self.check_file()
         return self._data
@@ -715,13 +738,22 @@ class KeyedTable(MappedRows):
         return None
 
     @property
+    def rounding_rows(self) -> np.ndarray:
+        """What a 16-bit update's rounding stream follows for each row (``rounding.hash_row``):
+        its key, column 0 of the records as int64 ``[capacity, 2]``. A row's place moves
+        (reused rows; a restore lays rows out in key order), its key does not: so the same
+        data gives the same values whatever the rows, and a keyed table fed ids 0..V-1 the
+        dense table's (whose stream follows its rows, its ids)."""
+        return self._records.view(np.int64)
+
+    @property
     def storage(self) -> str:
         return "keyed" if self.path is None else "keyed-mmap"
 
     @property
     def nbytes(self) -> int:
         """Bytes of the rows' capacity (the row array the kernels see)."""
-        return self._capacity * self.row_width * 4
+        return self._capacity * self._row_bytes
 
     @property
     def rows(self) -> int:
@@ -1294,6 +1326,9 @@ class KeyedTable(MappedRows):
         from ..kernels import init as ki
         from ..kernels.pool import start_pool
 
+        if self._dtype != np.float32:  # 16-bit columns: the values rounded to nearest
+            self._initialise_half_rows(keys, where)
+            return
         fill = self._initializer.fill(self.dim)
         constant = self._initializer.constant() if fill is None else None
         data = self._data
@@ -1329,6 +1364,16 @@ class KeyedTable(MappedRows):
             frozen(np.array(values, dtype=np.float32)),
             frozen(np.array(ints, dtype=np.int32)),
         )
+
+    def _initialise_half_rows(self, keys: np.ndarray, where) -> None:
+        """``_initialise_rows`` of a 16-bit table: the initializer's float32 values and each
+        slot's initial value, rounded to nearest into their columns (``where``: the rows, or
+        their slice), as a dense 16-bit table's initial values are (they are not updates)."""
+        data = self._data
+        values = self._initializer.init(self._seed, self.name, keys, self.dim)
+        column_view(data, self.columns[WEIGHTS])[where] = values
+        for spec in self.slot_specs:
+            column_view(data, self.columns[spec.name])[where] = spec.initial_value
 
     # -- observability ---------------------------------------------------------------------------
 
@@ -1383,8 +1428,8 @@ class KeyedTable(MappedRows):
         ``embengine.state``): (name, shape, dtype, ``take(lo, hi)``), where ``take`` gives the
         entry of the keys ``lo:hi`` of ``rows`` (the rows in key order), a new array."""
 
-        def column(base: np.ndarray, start: int, width: int):
-            return lambda lo, hi: base[rows[lo:hi], start : start + width]
+        def column(view: np.ndarray):
+            return lambda lo, hi: view[rows[lo:hi]]
 
         def meta(name: str):
             if name == "last_touched":
@@ -1396,16 +1441,10 @@ class KeyedTable(MappedRows):
             return lambda lo, hi: np.full(hi - lo, NO_TIME, np.int64)
 
         n, out = len(rows), []
-        specs = {s.name: s for s in self.slot_specs}
         for name in names:
-            if name == WEIGHTS:
-                take = column(self._data, 0, self.dim)
-                out.append((name, (n, self.dim), np.dtype(np.float32), take))
-            elif name in specs:
-                spec, col = specs[name], self.columns[name]
-                base = self._data if spec.dtype == "float32" else self._data.view(np.int32)
-                take = column(base, col.start, col.width)
-                out.append((name, (n, col.width), base.dtype, take))
+            if name in self.columns:  # weights, a slot: in its stored dtype
+                view = column_view(self._data, self.columns[name])
+                out.append((name, (n, view.shape[1]), view.dtype, column(view)))
             else:
                 out.append((name, (n,), np.dtype(np.int64), meta(name)))
         return out
@@ -1562,11 +1601,7 @@ class KeyedTable(MappedRows):
         self.__dict__.update(staged.__dict__)
         n = len(a["keys"])
         data = self._data
-        targets = [(WEIGHTS, data[:n, : self.dim])]
-        for spec in self.slot_specs:
-            col = self.columns[spec.name]
-            base = data if spec.dtype == "float32" else data.view(np.int32)
-            targets.append((spec.name, base[:n, col.start : col.start + col.width]))
+        targets = [(k, column_view(data, self.columns[k])[:n]) for k in (WEIGHTS, *self.slot_names)]
         with self.sequential_access():
             for name, out in targets:
                 if isinstance(a[name], TensorSource):

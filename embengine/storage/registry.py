@@ -91,7 +91,17 @@ def _keyed(spec: PhysicalTableSpec, slot_specs, segments, seed: int) -> TableSto
 
     (member,) = spec.tables
     (name, _, _, initializer) = segments[0]
-    return KeyedTable(name, spec.dim, slot_specs, initializer, seed, member.dynamic, spec.path)
+    return KeyedTable(
+        name,
+        spec.dim,
+        slot_specs,
+        initializer,
+        seed,
+        member.dynamic,
+        spec.path,
+        weights_dtype=spec.weights_dtype,
+        slots_dtype=spec.slots_dtype,
+    )
 
 
 # The kinds of keyed tables: rows in RAM, or in a file of storage_dir ("mmap" for a keyed table).
@@ -149,12 +159,13 @@ def make_storage(
     seed: int,
 ) -> TableStorage:
     """The physical table of ``spec``, built by its kind's factory. 16-bit tables
-    (``spec.weights_dtype`` / ``slots_dtype``) are DenseTables ("ram" or "mmap") only: a
-    ValueError for another kind, which would store float32 rows without saying so."""
+    (``spec.weights_dtype`` / ``slots_dtype``) are built-in kinds only (DenseTable, "ram" or
+    "mmap"; KeyedTable, "keyed" or "keyed-mmap"): a ValueError for a registered kind, which
+    would store float32 rows without saying so."""
     sixteen = [d for d in (spec.weights_dtype, spec.slots_dtype) if d != "float32"]
-    if sixteen and spec.storage not in ("ram", "mmap"):
+    if sixteen and spec.storage not in _BUILT_IN:
         raise ValueError(
             f"table {spec.name!r}: storage {spec.storage!r} stores float32 rows only; a "
-            f"{sixteen[0]} table is stored in 'ram' or 'mmap'"
+            f"{sixteen[0]} table is stored in 'ram', 'mmap', 'keyed' or 'keyed-mmap'"
         )
     return storage_kind(spec.storage).factory(spec, tuple(slot_specs), list(segments), seed)

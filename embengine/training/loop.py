@@ -86,18 +86,17 @@ def build_engine(
     optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](cfg.learning_rate, width)
     features = {}
     for f in source.features:
-        if cfg.vocabulary == "dynamic":  # keyed: rows made for the raw ids as they arrive
-            table = ee_config.TableConfig(None, width, combiner=f.combiner, name=f.name)
-        else:
+        rows = None  # keyed (--vocabulary dynamic): rows made for the raw ids as they arrive
+        if cfg.vocabulary != "dynamic":
             rows = f.vocabulary_size if max_rows is None else min(f.vocabulary_size, max_rows)
-            table = ee_config.TableConfig(
-                rows,
-                width,
-                combiner=f.combiner,
-                name=f.name,
-                weights_dtype=cfg.weights_dtype,
-                slots_dtype=cfg.slots_dtype,
-            )
+        table = ee_config.TableConfig(
+            rows,
+            width,
+            combiner=f.combiner,
+            name=f.name,
+            weights_dtype=cfg.weights_dtype,
+            slots_dtype=cfg.slots_dtype,
+        )
         features[f.name] = ee_config.FeatureConfig(table)
     if sharded:
         from ..distributed import ShardedEngine

@@ -211,10 +211,6 @@ class TrainConfig:
             raise ValueError(
                 f"{sixteen[0]} is for the engine's tables; leave --embeddings at engine"
             )
-        if sixteen and self.vocabulary == "dynamic":
-            raise ValueError(
-                f"{sixteen[0]}: keyed tables (--vocabulary dynamic) store float32 only for now"
-            )
         if sixteen and self.nproc_per_node > 1:
             raise ValueError(
                 f"{sixteen[0]} with --nproc-per-node: sharded tables store float32 "
