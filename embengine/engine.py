@@ -48,7 +48,7 @@ from .spec import (
     table_entries,
 )
 from .state import MAX_STEP, WEIGHTS, PartialLoadError, check_state
-from .storage import StoragePlan, make_storage, plan_storage
+from .storage import StorageError, StoragePlan, make_storage, plan_storage
 from .storage.registry import storage_kind
 
 __all__ = ["EmbeddingEngine", "BACKENDS", "NONFINITE_POLICIES", "NonFiniteUpdateError"]
@@ -341,6 +341,34 @@ class EmbeddingEngine:
     def step(self) -> int:
         """Number of apply_gradients calls so far (the 0-based index of the next step)."""
         return self._step
+
+    def close(self) -> None:
+        """Release the tables' files (``storage="mmap"``, keyed tables in ``storage_dir``):
+        flush and unmap them, which frees their locks, so another engine or process may open
+        the same ``storage_dir``. A lookup or update of such a table afterwards raises
+        StorageError naming it; tables in RAM are not affected. Calling it again is a no-op;
+        ``with EmbeddingEngine(...) as engine:`` closes at the end of the block.
+
+        A table whose memory arrays still view (``embedding_tables``, ``slots()``) stays
+        open: every other table is closed, then the StorageError of the first such table is
+        raised (drop the arrays and call close() again)."""
+        errors = []
+        with self.lock:
+            for table in self._physical:
+                close = getattr(table, "close", None)
+                try:
+                    if close is not None:
+                        close()
+                except StorageError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> EmbeddingEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def storage_bytes(self) -> int:

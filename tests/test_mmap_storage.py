@@ -314,3 +314,39 @@ def test_check_file_is_silent_on_a_healthy_table(tmp_path):
     os.truncate(tmp_path / "t.f32", table.nbytes - 4)  # one float short
     with pytest.raises(StorageError, match=f"is {table.nbytes - 4:,} bytes"):
         table.check_file()
+
+
+def test_an_engine_closes_its_files_for_another_engine(tmp_path):
+    """The in-use error says to close the other engine: ``engine.close()`` (or a ``with``
+    block) releases every table's file, keyed tables' too; its RAM tables still work."""
+    keyed = ee.TableConfig(None, 4, name="k", optimizer=O.Adagrad(0.1))
+    ram = ee.TableConfig(5, 4, name="r", optimizer=O.Adagrad(0.1))
+
+    def engine():
+        return ee.EmbeddingEngine(
+            {
+                "f": ee.FeatureConfig(ee.TableConfig(100, 4, name="t")),
+                "g": ee.FeatureConfig(keyed),
+                "h": ee.FeatureConfig(ram),
+            },
+            optimizer=O.Adagrad(0.1),
+            storage={"t": "mmap", "k": "mmap", "r": "ram"},
+            storage_dir=tmp_path,
+        )
+
+    first = engine()
+    first.lookup({"f": [[1]], "g": [[7]], "h": [[2]]})
+    weights = first.slots("t")  # a live view of the mmap table
+    with pytest.raises(StorageError, match=r"in use .*engine\.close\(\)"):
+        engine()
+    with pytest.raises(StorageError, match="arrays viewing its memory are alive"):
+        first.close()  # 't' stays open (a view of it is alive); 'k' closed
+    del weights
+    first.close()
+    first.close()  # twice is fine
+    with pytest.raises(StorageError, match="is closed"):
+        first.lookup({"f": [[1]], "g": [[7]], "h": [[2]]})
+    with engine() as second:  # the files are free
+        second.lookup({"f": [[1]], "g": [[7]], "h": [[2]]})
+    third = engine()  # and free again after the block
+    third.close()

@@ -117,7 +117,7 @@ def _lock(fd: int, path: Path, table: str) -> None:
         raise StorageError(
             f"storage_dir {str(path.parent)!r}: table {table!r} (file {path.name!r}) is in use by "
             f"another engine{who}; two engines on one file would overwrite each other's table. "
-            "Use another storage_dir, or close the other engine first"
+            "Use another storage_dir, or close the other engine first (engine.close())"
         ) from None
 
 
