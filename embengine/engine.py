@@ -100,6 +100,26 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     return g
 
 
+class _TableWeights(Mapping):
+    """``EmbeddingEngine.embedding_tables``: each table's live weights, read when asked for (a
+    keyed table's TypeError then, not for the whole mapping)."""
+
+    def __init__(self, views: dict):
+        self._views = views
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._views[name].weights
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __repr__(self) -> str:
+        return f"embedding_tables({list(self._views)})"
+
+
 def check_step_room(step: int) -> None:
     """A training step may begin at ``step``: the step it would count to fits int64
     (``MAX_STEP``, what the kernels take, a state holds and a checkpoint stores). A ValueError
@@ -376,10 +396,12 @@ class EmbeddingEngine:
         return sum(t.nbytes for t in self._physical)
 
     @property
-    def embedding_tables(self) -> dict[str, np.ndarray]:
+    def embedding_tables(self) -> Mapping[str, np.ndarray]:
         """Table name -> live ``[vocabulary_size, dim]`` view of the weights, in the stored
-        dtype (``TableConfig.weights_dtype``: float32 unless the table is 16-bit)."""
-        return {t.name: t.weights for t in self._tables}
+        dtype (``TableConfig.weights_dtype``: float32 unless the table is 16-bit). A keyed
+        table has no rows by id: its entry raises TypeError (read it with
+        ``table_contents``), the others' are there beside it."""
+        return _TableWeights({t.name: t for t in self._tables})
 
     def slots(self, table_name: str) -> dict[str, np.ndarray]:
         """Slot name (TF's names) -> live view of that table's optimizer state."""

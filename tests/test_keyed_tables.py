@@ -222,9 +222,12 @@ def test_keyed_spec_and_plan_round_trip_through_json(tmp_path):
     assert mapped.storage_plan.physical_tables[0].storage == "keyed-mmap"
     with pytest.raises(ValueError, match="storage 'keyed' is for keyed tables; table 'd'"):
         ee.EmbeddingEngine({"g": ee.FeatureConfig(d)}, optimizer=opt.SGD(0.1), storage="keyed")
-    # Its rows are not ids: no weights by id (its state is by key: tests/test_keyed_checkpoint.py).
+    # Its rows are not ids: no weights by id (its state is by key: tests/test_keyed_checkpoint.py);
+    # the dense table beside it has its weights by id all the same.
     with pytest.raises(TypeError, match="table 'k' is keyed .*table_contents\\('k'\\)"):
-        _ = eng.embedding_tables
+        _ = eng.embedding_tables["k"]
+    assert list(eng.embedding_tables) == ["k", "d"]
+    assert eng.embedding_tables["d"].shape == (d.vocabulary_size, d.dim)
 
 
 BIG = 2**62 + 12345  # keys far beyond any vocabulary, and negative ones
