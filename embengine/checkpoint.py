@@ -161,6 +161,7 @@ __all__ = [
     "restore",
     "read_checkpoint",
     "latest_checkpoint",
+    "list_checkpoints",
     "read_manifest",
 ]
 
@@ -207,9 +208,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def list_checkpoints(root: Path) -> list[Path]:
+def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under ``root``, in the order they were written (a folder renamed
     into place is complete; one without manifest was being deleted)."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "manifest.json").is_file()]
@@ -225,7 +227,8 @@ def _discard(path: Path) -> None:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    done = list_checkpoints(Path(root))
+    """The newest complete checkpoint under ``root`` (``list_checkpoints``' last), or None."""
+    done = list_checkpoints(root)
     return done[-1] if done else None
 
 

@@ -31,6 +31,8 @@ Scenarios:
                                 an update refused on every rank, an evaluation lookup served
   reader_released               a restore refused (another configuration), its error kept:
                                 then a save with keep=1 beside it prunes that checkpoint
+  load_pinned                   ShardedEngine.load(root) while a newer checkpoint lands in
+                                root between its reading the spec and its restore
   layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
                                 its lookup (learning rates; weights with a PreparedBatch);
                                 a step together after each
@@ -604,6 +606,39 @@ def run_reader_released(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{type(held).__name__}\n{first in os.listdir(root)}\n")
 
 
+def run_load_pinned(rank: int, world: int, out: str, name: str) -> None:
+    """The step ShardedEngine.load(root) restored when a save of step 5 landed under root
+    after it had read the spec of step 2's checkpoint (the newest then), in a .txt."""
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    root = os.path.join(out, name)
+    plain = ee.EmbeddingEngine(make_features("adagrad")[0], optimizer=o, seed=3)
+    for step in range(2):
+        feats, weights, grads = local(step, 0, 1)
+        plain.lookup(feats, weights)
+        plain.apply_gradients(grads)
+    plain.save(root)
+    original = ShardedEngine.restore
+
+    def restore_after_a_save(self, path, verify=True):
+        while plain.step < 5:  # another job saves a newer checkpoint meanwhile
+            feats, weights, grads = local(plain.step, 0, 1)
+            plain.lookup(feats, weights)
+            plain.apply_gradients(grads)
+        plain.save(root)
+        return original(self, path, verify)
+
+    ShardedEngine.restore = restore_after_a_save
+    try:
+        eng = ShardedEngine.load(root, timeout=60)
+    finally:
+        ShardedEngine.restore = original
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"step={eng.step}\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -786,6 +821,8 @@ def main() -> None:
                 run_layer(rank, world, out, name)
             elif name == "build_fails":
                 run_build_fails(rank, world, out, name)
+            elif name == "load_pinned":
+                run_load_pinned(rank, world, out, name)
             elif name == "reader_released":
                 run_reader_released(rank, world, out, name)
             elif name == "last_step":

@@ -1125,3 +1125,22 @@ def test_a_failed_sharded_restore_lets_a_save_prune_its_checkpoint(tmp_path):
     assert codes == [0], _logs(tmp_path, 1)
     error, kept = (tmp_path / "reader_released.rank0.txt").read_text().splitlines()
     assert error == "CheckpointError" and kept == "False", (error, kept)
+
+
+def test_sharded_load_restores_the_checkpoint_it_read_the_spec_of(tmp_path):
+    """ShardedEngine.load(root) reads the newest checkpoint's configuration, then restores:
+    it restored the newest under root again, another one if a save landed in between."""
+    codes = spawn(1, tmp_path, ["load_pinned"], limit=120)
+    assert codes == [0], _logs(tmp_path, 1)
+    assert (tmp_path / "load_pinned.rank0.txt").read_text().split() == ["step=2"]
+
+
+def test_list_checkpoints_takes_a_str_root(tmp_path):
+    from embengine.checkpoint import latest_checkpoint, list_checkpoints
+
+    t = ee.TableConfig(4, 2, name="t", optimizer=ee.optimizers.SGD(0.1))
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
+    first = eng.save(tmp_path)
+    assert list_checkpoints(str(tmp_path)) == [first] == list_checkpoints(tmp_path)
+    assert latest_checkpoint(str(tmp_path)) == first
+    assert list_checkpoints(str(tmp_path / "none")) == []

@@ -1943,6 +1943,9 @@ class ShardedEngine:
         features, options, refused = None, {}, None
         try:
             spec, reader = read_checkpoint(path, verify)
+            # the checkpoint the spec came from, not the newest under a root again (a save in
+            # between would hand the restore another one)
+            path = reader.path
             reader.close()  # the spec is all it needs here; restore reads (and locks) again
             features = feature_configs_from_spec(spec, callables)
             options = engine_options(spec)
