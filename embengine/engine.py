@@ -100,24 +100,18 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     return g
 
 
-class _TableWeights(Mapping):
-    """``EmbeddingEngine.embedding_tables``: each table's live weights, read when asked for (a
-    keyed table's TypeError then, not for the whole mapping)."""
+class _TableWeights(dict):
+    """``EmbeddingEngine.embedding_tables``: the weights of the tables with rows by id; a keyed
+    table's name raises its TypeError (``__missing__``), any other name a KeyError."""
 
-    def __init__(self, views: dict):
-        self._views = views
+    def __init__(self, views):
+        super().__init__({v.name: v.weights for v in views if v.vocabulary_size is not None})
+        self._keyed = {v.name: v for v in views if v.vocabulary_size is None}
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._views[name].weights
-
-    def __iter__(self):
-        return iter(self._views)
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __repr__(self) -> str:
-        return f"embedding_tables({list(self._views)})"
+    def __missing__(self, name: str) -> np.ndarray:
+        if name in self._keyed:
+            return self._keyed[name].weights  # raises: its rows are not ids
+        raise KeyError(name)
 
 
 def check_step_room(step: int) -> None:
@@ -396,12 +390,12 @@ class EmbeddingEngine:
         return sum(t.nbytes for t in self._physical)
 
     @property
-    def embedding_tables(self) -> Mapping[str, np.ndarray]:
+    def embedding_tables(self) -> dict[str, np.ndarray]:
         """Table name -> live ``[vocabulary_size, dim]`` view of the weights, in the stored
         dtype (``TableConfig.weights_dtype``: float32 unless the table is 16-bit). A keyed
-        table has no rows by id: its entry raises TypeError (read it with
-        ``table_contents``), the others' are there beside it."""
-        return _TableWeights({t.name: t for t in self._tables})
+        table has no rows by id, so it is not in it: asking for its name raises TypeError
+        (read it with ``table_contents``)."""
+        return _TableWeights(self._tables)
 
     def slots(self, table_name: str) -> dict[str, np.ndarray]:
         """Slot name (TF's names) -> live view of that table's optimizer state."""
