@@ -114,10 +114,35 @@ class _TableWeights(dict):
         raise KeyError(name)
 
 
-def check_step_room(step: int) -> None:
+# The largest step an int32 slot of steps holds after an update: a FrequencyEstimator's or
+# BatchSoftmax's last step seen (``step + 1``), Adam's per-row count of updates.
+_INT32_STEPS = 2**31 - 1
+
+
+def step_bound(resolved, optimizers) -> tuple[int, str] | None:
+    """The last step a training step may begin at when a table keeps steps in an int32 slot
+    (its optimizer's ``slot_specs``), and which table: None when none does."""
+    for name, table, opt in zip(resolved.table_names, resolved.tables, optimizers, strict=True):
+        ints = [s.name for s in opt.slot_specs(table.dim) if s.dtype == "int32"]
+        if ints:
+            what = (
+                f"table {name!r} ({type(opt).__name__}) keeps steps in its int32 slot {ints[0]!r}"
+            )
+            return _INT32_STEPS - 1, what
+    return None
+
+
+def check_step_room(step: int, bound: tuple[int, str] | None = None) -> None:
     """A training step may begin at ``step``: the step it would count to fits int64
-    (``MAX_STEP``, what the kernels take, a state holds and a checkpoint stores). A ValueError
-    naming the step, before anything changes, when this step would count past it."""
+    (``MAX_STEP``, what the kernels take, a state holds and a checkpoint stores), and a
+    table's int32 slot of steps (``bound``: ``step_bound``) if it has one. A ValueError naming
+    the step, before anything changes, when this step would count past either."""
+    if bound is not None and step > bound[0]:
+        raise ValueError(
+            f"{bound[1]}: the engine's step is {step:,}, one more training step would count "
+            f"past {_INT32_STEPS:,} (2**31 - 1) there, and wrap silently; nothing was changed. "
+            "Train such a table in a new engine, or restore a checkpoint of a smaller step"
+        )
     if step >= MAX_STEP:
         raise ValueError(
             f"the engine's step is {step:,} (2**63 - 1), the largest one it can count "
@@ -228,6 +253,7 @@ class EmbeddingEngine:
         self._storage_plan = plan_storage(self._resolved, self._optimizers, storage, storage_dir)
         self._build_storage()
         self._step = 0
+        self._step_bound = step_bound(self._resolved, self._optimizers)
         # The data time of the step under way: (step, timestamp) of its training calls.
         self._step_time: tuple[int, int | None] = (-1, None)
         self.nonfinite_rows_skipped = {name: 0 for name in self._resolved.table_names}
@@ -1021,7 +1047,7 @@ class EmbeddingEngine:
                 self._report_unchanged(unchanged)
 
     def _check_step_room(self) -> None:
-        check_step_room(self._step)
+        check_step_room(self._step, self._step_bound)
 
     def _check_learning_rates(self, lrs: Sequence[float]) -> None:
         """Each table's learning rate for this step, by its optimizer's rule (e.g. FTRL needs

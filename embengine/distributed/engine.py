@@ -67,6 +67,7 @@ from ..engine import (
     check_step_room,
     checked_gradient,
     engine_arguments,
+    step_bound,
 )
 from ..inputs import frozen
 from ..kernels import shard_route as sr
@@ -367,6 +368,7 @@ class ShardedEngine:
                     "train it in an EmbeddingEngine"
                 )
         self._resolved, self._optimizers = r, optimizers
+        self._step_bound = step_bound(r, optimizers)
         self._learning_rates = LearningRates(optimizers, r.table_names)
         self.seed = int(seed)
         self.nonfinite_gradients = nonfinite_gradients
@@ -825,7 +827,7 @@ class ShardedEngine:
             if refused is not None:
                 raise refused
             if training:  # every rank has the same step: every rank raises
-                check_step_room(self._step)
+                check_step_room(self._step, self._step_bound)
             when = self._data_time(timestamp, training)
             if isinstance(features, PreparedBatch):
                 if weights is not None:
@@ -1261,7 +1263,7 @@ class ShardedEngine:
         last, grads = None, None
         spec, self._armed = self._armed, None  # disarmed however this call ends
         try:
-            check_step_room(self._step)
+            check_step_room(self._step, self._step_bound)
             if given is not None and given is self._given:
                 given = self._pending  # the looked-up form of the batch the lookup was given
             batch = self._pending if given is None else given
