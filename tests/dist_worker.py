@@ -88,6 +88,14 @@ class _Boom(dict):
         raise RuntimeError("boom")
 
 
+def dtypes() -> dict[str, str]:
+    """Every table's ``weights_dtype`` and ``slots_dtype``: $EE_TEST_DTYPES ("<weights>,
+    <slots>", set by tests/test_distributed_precision.py; the last rank's
+    $EE_TEST_DTYPES_LAST if set), float32 by default."""
+    w, s = os.environ.get("EE_TEST_DTYPES", "float32,float32").split(",")
+    return {"weights_dtype": w, "slots_dtype": s}
+
+
 def optimizers():
     from embengine import optimizers as opt
 
@@ -121,6 +129,7 @@ def make_features(optimizer_name: str):
             combiner=combiner,
             optimizer=own,
             initializer=ee.initializers.RandomUniform(-0.3, 0.3),
+            **dtypes(),
         )
 
     big = table(37, 8, "big", "mean")
@@ -203,8 +212,8 @@ def sweep_features(optimizer_name: str):
         "lion_dense": opt.Lion(0.05, lazy_lion=False),
     }[optimizer_name]
     init = ee.initializers.RandomUniform(-0.3, 0.3)
-    t = ee.TableConfig(8, 4, name="t", combiner="sum", initializer=init)
-    u = ee.TableConfig(5, 2, name="u", combiner="mean", initializer=init)
+    t = ee.TableConfig(8, 4, name="t", combiner="sum", initializer=init, **dtypes())
+    u = ee.TableConfig(5, 2, name="u", combiner="mean", initializer=init, **dtypes())
     return {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}, o
 
 
@@ -800,6 +809,8 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if rank == world - 1 and "EE_TEST_DTYPES_LAST" in os.environ:  # the last rank's own
+        os.environ["EE_TEST_DTYPES"] = os.environ["EE_TEST_DTYPES_LAST"]
     import torch.distributed as dist
 
     dist.init_process_group(

@@ -71,8 +71,13 @@ def make_features(optimizer: str, threshold: int, expiry: str, insert_on: str = 
         insert_on=insert_on,
     )
     init = ee.initializers.RandomUniform(-0.3, 0.3)
-    keyed = ee.TableConfig(None, 4, name="k", combiner="mean", initializer=init, dynamic=dyn)
-    dense = ee.TableConfig(5, 3, name="d", combiner="sum", initializer=init)
+    # $EE_TEST_DTYPES: "<weights>,<slots>" of both tables (test_distributed_precision.py)
+    w, s = os.environ.get("EE_TEST_DTYPES", "float32,float32").split(",")
+    dtypes = {"weights_dtype": w, "slots_dtype": s}
+    keyed = ee.TableConfig(
+        None, 4, name="k", combiner="mean", initializer=init, dynamic=dyn, **dtypes
+    )
+    dense = ee.TableConfig(5, 3, name="d", combiner="sum", initializer=init, **dtypes)
     features = {
         "a": ee.FeatureConfig(keyed),
         "s": ee.FeatureConfig(keyed, max_sequence_length=3),

@@ -1045,9 +1045,6 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
         ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), nonfinite_gradients="ignore")
     with pytest.raises(TypeError, match="seed must be an int, got 1.5"):
         ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), seed=1.5)
-    half = ee.TableConfig(10, 4, name="h", weights_dtype="bfloat16")
-    with pytest.raises(ValueError, match="table 'h': weights_dtype='bfloat16', slots_dtype="):
-        ShardedEngine({"f": ee.FeatureConfig(half)}, optimizer=ee.optimizers.SGD(0.1))
     sgd = ee.optimizers.SGD(0.1)
     with pytest.raises(ValueError, match=r"exchange must be one of \('rows', 'sums', 'auto'\)"):
         ShardedEngine(features, optimizer=sgd, exchange="partial")

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint as ckpt
+from ..precision import numpy_dtype
 from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file, write_safetensors
 from ..state import WEIGHTS
 from ..storage.keyed import KeyedTable
@@ -48,14 +49,26 @@ __all__ = ["save", "restore"]
 
 
 def _tensors(shard) -> list[tuple[str, str, int, int, np.dtype]]:
-    """(tensor name, entry, first column, width, dtype) of a table's file, in file order."""
-    out = [(shard.name, WEIGHTS, 0, shard.dim, np.dtype(np.float32))]
-    for spec in shard.slot_specs:
-        col = shard.columns[spec.name]
-        out.append(
-            (f"{shard.name}/{spec.name}", spec.name, col.start, col.width, np.dtype(col.dtype))
-        )
+    """(tensor name, entry, first byte in a row of the row array, width, stored dtype) of a
+    table's file, in file order: a tensor's values are the bytes ``[first, first + width *
+    itemsize)`` of each row (``row_columns``: a 16-bit row too), as the file stores them."""
+    unit = shard.data.dtype.itemsize
+    out = []
+    for entry in (WEIGHTS, *(spec.name for spec in shard.slot_specs)):
+        col = shard.columns[entry]
+        name = shard.name if entry == WEIGHTS else f"{shard.name}/{entry}"
+        out.append((name, entry, col.start * unit, col.width, np.dtype(numpy_dtype(col.dtype))))
     return out
+
+
+def _row_bytes(shard) -> np.ndarray:
+    """The shard's row array as bytes, ``[rows, row bytes]``."""
+    return shard.data.view(np.uint8)  # a C-contiguous [rows, width] row array
+
+
+def _finite(values: np.ndarray) -> bool:
+    """Whether a float tensor's values (float32, float16 or bfloat16) are all finite."""
+    return bool(np.isfinite(values.astype(np.float32)).all())
 
 
 def _header(shard, vocabulary_size: int) -> tuple[bytes, dict[str, int]]:
@@ -201,12 +214,12 @@ def _write_rows(
     for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
         if v is None:
             continue  # a keyed table: keyed_checkpoint.write
-        width = shard.row_width
-        chunk = max(1, CHUNK_BYTES // (4 * width))
+        raw = _row_bytes(shard)
+        width = raw.shape[1]  # bytes a row
+        chunk = max(1, CHUNK_BYTES // width)
         blocks = [_block(v, world, r) for r in range(world)]
         rounds = max((hi - lo + chunk - 1) // chunk for lo, hi in blocks)
         _, starts = _header(shard, v)
-        floats = [(c, w) for _, _, c, w, d in _tensors(shard) if d == np.float32]
         fd = os.open(tmp / file, os.O_WRONLY)
         try:
             for k in range(rounds):
@@ -215,9 +228,7 @@ def _write_rows(
                     (min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi)) for lo, hi in blocks
                 ]
                 mine = [_owned_in(plan, t, rank, a, b) for a, b in spans]
-                send = np.concatenate(
-                    [shard.data[shard.rows_for(0, ids)].reshape(-1) for ids in mine]
-                )
+                send = np.concatenate([raw[shard.rows_for(0, ids)].reshape(-1) for ids in mine])
                 theirs = [_owned_in(plan, t, s, *spans[rank]) for s in range(world)]
                 got = comm.all_to_all(
                     send,
@@ -226,16 +237,16 @@ def _write_rows(
                     "checkpoint",
                 )
                 a, b = spans[rank]
-                rows = np.empty((b - a, width), dtype=np.float32)
+                rows = np.empty((b - a, width), dtype=np.uint8)
                 pos = 0
                 for ids in theirs:
                     rows[ids - a] = got[pos : pos + len(ids) * width].reshape(len(ids), width)
                     pos += len(ids) * width
-                for c, w in floats:
-                    finite[t] &= bool(np.isfinite(rows[:, c : c + w]).all())
-                for name, _, c, w, _ in _tensors(shard):
-                    part = np.ascontiguousarray(rows[:, c : c + w])
-                    os.pwrite(fd, part.tobytes(), starts[name] + a * w * 4)
+                for name, _, c, w, dtype in _tensors(shard):
+                    part = np.ascontiguousarray(rows[:, c : c + w * dtype.itemsize])
+                    if dtype.kind == "f" or dtype == ckpt.BFLOAT16:
+                        finite[t] &= _finite(part.view(dtype))
+                    os.pwrite(fd, part.tobytes(), starts[name] + a * w * dtype.itemsize)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -390,7 +401,7 @@ def _copy_rows(shards: tuple[ShardTable, ...], installs: list, reader) -> None:
             first = data_start + meta[stored.name]["data_offsets"][0]
             row_bytes = w * dtype.itemsize
             chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
-            target = shard.data if dtype == np.float32 else shard.data.view(np.int32)
+            target = _row_bytes(shard)[:, c : c + row_bytes]
             with open(stored.file, "rb") as f:
                 # Chunks of at most ``chunk`` stored rows, each holding some of this rank's ids.
                 for a in range(
@@ -400,11 +411,11 @@ def _copy_rows(shards: tuple[ShardTable, ...], installs: list, reader) -> None:
                     if lo == hi:
                         continue
                     b = int(ids[hi - 1]) + 1
-                    buf = np.empty((b - a, w), dtype=dtype)
+                    buf = np.empty((b - a, row_bytes), dtype=np.uint8)
                     f.seek(first + a * row_bytes)
                     if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
                         raise ckpt.CheckpointError(
                             f"{stored.file}: tensor {stored.name!r} ends early (changed while "
                             "being read?); restore again before using the engine"
                         )
-                    target[lo:hi, c : c + w] = buf[ids[lo:hi] - a]
+                    target[lo:hi] = buf[ids[lo:hi] - a]

@@ -34,6 +34,11 @@ STORE_ANSWER = 2.0
 # Each Comm's keys in the store: per group (its global ranks), a count of the Comms made on
 # it; the members of a group make their engines on it in the same order (as every collective).
 _COMMS: dict[str, itertools.count] = {}
+# The dtypes a collective sends as they are; any other (a 16-bit table's bfloat16 values)
+# travels as its bytes.
+_WIRE_DTYPES = frozenset(
+    np.dtype(t) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8)
+) | {np.dtype(np.uint8), np.dtype(np.bool_)}
 
 
 def _global_ranks(group, world_size: int) -> list[int]:
@@ -179,6 +184,15 @@ class Comm:
         send = np.ascontiguousarray(send)
         send_counts = [int(c) for c in send_counts]
         recv_counts = [int(c) for c in recv_counts]
+        if send.dtype not in _WIRE_DTYPES:  # as bytes (ml_dtypes.bfloat16: torch has none)
+            size, dtype = send.dtype.itemsize, send.dtype
+            wait = self.all_to_all_start(
+                send.view(np.uint8),
+                [c * size for c in send_counts],
+                [c * size for c in recv_counts],
+                purpose,
+            )
+            return lambda: wait().view(dtype)
         out = np.empty(sum(recv_counts), dtype=send.dtype)
         if self.world_size == 1:
             out[:] = send
@@ -207,6 +221,9 @@ class Comm:
         block = np.ascontiguousarray(block)
         if self.world_size == 1:
             return block[None].copy()
+        if block.dtype not in _WIRE_DTYPES:  # as bytes (ml_dtypes.bfloat16: torch has none)
+            raw = self.all_gather(block.reshape(-1).view(np.uint8), purpose)
+            return raw.view(block.dtype).reshape(self.world_size, *block.shape)
         self.sent[purpose] += block.nbytes * (self.world_size - 1)
         out = np.empty((self.world_size, *block.shape), dtype=block.dtype)
         self._run(

@@ -71,8 +71,10 @@ from ..engine import (
 )
 from ..inputs import frozen
 from ..kernels import shard_route as sr
+from ..kernels.rounding import widen_rows
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
+from ..precision import KIND
 from ..spec import (
     feature_entries,
     initializer_for,
@@ -82,6 +84,7 @@ from ..spec import (
 )
 from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
+from ..storage.dense import column_view, row_columns, row_dtype
 from ..storage.keyed import KeyedTable
 from .comm import Comm
 from .sharding import (
@@ -351,14 +354,6 @@ class ShardedEngine:
         )
         keyed = [t.keyed for t in r.tables]
         for name, t in zip(r.table_names, r.tables, strict=True):
-            if (t.weights_dtype, t.slots_dtype) != ("float32", "float32"):
-                raise ValueError(
-                    f"table {name!r}: weights_dtype={t.weights_dtype!r}, slots_dtype="
-                    f"{t.slots_dtype!r}: a ShardedEngine keeps its tables in float32 (16-bit "
-                    "tables train in an EmbeddingEngine); leave both 'float32' (a checkpoint of "
-                    "16-bit tables: load it in an EmbeddingEngine, cast its state_dict's arrays "
-                    "to float32 and save them into a float32 configuration)"
-                )
             if t.keyed and t.dynamic.max_rows is not None:
                 raise ValueError(
                     f"table {name!r}: DynamicVocabulary(max_rows={t.dynamic.max_rows}): a "
@@ -380,9 +375,11 @@ class ShardedEngine:
         # pages faulted in every step").
         self._memory = BlockPool(max_free=2)
         slot_specs = [opt.slot_specs(t.dim) for opt, t in zip(optimizers, r.tables, strict=True)]
+        # Bytes a row in its stored dtypes (16-bit rows: row_columns' packed layout).
         row_bytes = [
-            4 * (t.dim + sum(s.width for s in specs))
-            for t, specs in zip(r.tables, slot_specs, strict=True)
+            row_columns(name, t.dim, specs, t.weights_dtype, t.slots_dtype)[1]
+            * np.dtype(row_dtype(t.weights_dtype, t.slots_dtype)).itemsize
+            for name, t, specs in zip(r.table_names, r.tables, slot_specs, strict=True)
         ]
         # A keyed table's size is not known in advance; it is sharded by key anyway.
         table_bytes = [
@@ -408,7 +405,16 @@ class ShardedEngine:
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
-            KeyedTable(name, t.dim, specs, initializer_for(t, opt), self.seed, t.dynamic)
+            KeyedTable(
+                name,
+                t.dim,
+                specs,
+                initializer_for(t, opt),
+                self.seed,
+                t.dynamic,
+                weights_dtype=t.weights_dtype,
+                slots_dtype=t.slots_dtype,
+            )
             if t.keyed
             else ShardTable(
                 name,
@@ -421,6 +427,8 @@ class ShardedEngine:
                 self.world_size,
                 self.rank,
                 self._plan.kinds[i],
+                weights_dtype=t.weights_dtype,
+                slots_dtype=t.slots_dtype,
             )
             for i, (name, t, opt, specs) in enumerate(
                 zip(r.table_names, r.tables, optimizers, slot_specs, strict=True)
@@ -582,6 +590,8 @@ class ShardedEngine:
                     t.vocabulary_size,
                     t.dim,
                     t.combiner,
+                    t.weights_dtype,
+                    t.slots_dtype,
                     repr(t.dynamic),
                     initializer_to_json(initializer_for(t, opt)),
                     optimizer_to_json(opt, self._learning_rates.tag_of(i)),
@@ -615,7 +625,8 @@ class ShardedEngine:
         if other:
             raise DistributedError(
                 f"rank {self.rank}: ranks {other} built a ShardedEngine with another "
-                "configuration (tables, features, optimizers, seed, sharding or exchange) than "
+                "configuration (tables and their dtypes, features, optimizers, seed, sharding "
+                "or exchange) than "
                 "rank 0; every rank must pass the same arguments"
             )
 
@@ -993,12 +1004,14 @@ class ShardedEngine:
                     a, n = int(answer_at[s, t]), int(recv_counts[s, t])
                     at = found[int(recv_at[s, t]) : int(recv_at[s, t]) + n]
                     block = answer[a : a + n * shard.dim].reshape(n, shard.dim)
-                    block[:] = shard.data[np.maximum(at, 0), : shard.dim]
-                    block[at < 0] = 0.0
+                    _weights_into(shard, at, block)
                 continue
             starts = recv_at[:, t].copy()
+            if _half_weights(shard):  # rows widened as they are answered
+                self._answer_half(t, ids, starts, recv_counts[:, t], answer, answer_at[:, t])
+                continue
             bad = sr.gather_rows(
-                shard.data,
+                _float_rows(shard),
                 shard.dim,
                 ids,
                 starts,
@@ -1039,6 +1052,35 @@ class ShardedEngine:
             per_table[t] = self._backend.lookup_rows(
                 layouts[t].matrix(values), int(dims[t]), local, q
             )
+
+    def _answer_half(
+        self,
+        t: int,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        answer: np.ndarray,
+        answer_at: np.ndarray,
+    ) -> None:
+        """``sr.gather_rows`` for a shard of 16-bit weights: sender s's ids of table ``t``
+        (``ids[starts[s]:][:counts[s]]``, this rank's) answered with their weights widened to
+        float32 (exact) from ``answer[answer_at[s]]``."""
+        shard, dim, w = self._shards[t], int(self._dims[t]), self.world_size
+        for s in range(w):
+            n = int(counts[s])
+            if not n:
+                continue
+            asked = ids[int(starts[s]) : int(starts[s]) + n]
+            rows = shard.rows_for(0, asked)
+            bad = np.flatnonzero((asked < 0) | (rows < 0) | (rows >= shard.data.shape[0]))
+            if len(bad):
+                raise DistributedError(
+                    f"rank {self.rank}: table {self.table_names[t]!r}: a rank asked for id "
+                    f"{int(asked[bad[0]])}, which this rank does not hold (ranks disagree on the "
+                    "sharding)"
+                )
+            a = int(answer_at[s])
+            _weights_into(shard, rows, answer[a : a + n * dim].reshape(n, dim))
 
     def _pool_sums(
         self,
@@ -1624,12 +1666,23 @@ class ShardedEngine:
         shard, dim = self._shards[t], int(self._dims[t])
         q = self._resolved.tables[t].quantization_config
         fs, ss = self._table_blocks[t]
+        half = _half_weights(shard)
+        data = None if half else _float_rows(shard)
         for b in blocks.tolist():
             rows = int(kept.block_rows[b])
             if rows:  # pooled straight into the answer's block
                 a = int(answer_at[ss[b], fs[b]])
                 into = answer[a : a + rows * dim].reshape(rows, dim)
-                self._backend.lookup_rows(shard.data, dim, kept.block_batch(b), q, out=into)
+                tb = kept.block_batch(b)
+                if half:  # the block's rows widened first (one per occurrence)
+                    src = np.empty((len(tb.unique_rows), dim), dtype=np.float32)
+                    _weights_into(shard, tb.unique_rows, src)
+                    each = np.arange(len(src), dtype=np.int64)
+                    self._backend.lookup_rows(
+                        src, dim, dataclasses.replace(tb, unique_rows=each), q, out=into
+                    )
+                else:  # float32 weights (a 16-bit row's are its float32 view's first columns)
+                    self._backend.lookup_rows(data, dim, tb, q, out=into)
 
     def _kept_batch(
         self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int, arrays: list
@@ -1799,16 +1852,20 @@ class ShardedEngine:
                         tables[name] = self._keyed_contents(shard)
                         continue
                     ids = self._comm.all_gather_ragged(shard.global_ids, "contents")
-                    rows = self._comm.all_gather_ragged(shard.data.reshape(-1), "contents")
-                    full = np.empty((t.vocabulary_size, shard.row_width), dtype=np.float32)
+                    # rows as bytes: 16-bit rows keep their stored dtypes (no upcast)
+                    raw = shard.data.view(np.uint8)  # [rows, row bytes]
+                    rows = self._comm.all_gather_ragged(raw.reshape(-1), "contents")
+                    full = np.empty((t.vocabulary_size, raw.shape[1]), dtype=np.uint8)
                     for i, v in zip(ids, rows, strict=True):
-                        full[i] = v.reshape(len(i), shard.row_width)
-                    out = {WEIGHTS: full[:, : shard.dim].copy()}
-                    for spec in shard.slot_specs:
-                        col = shard.columns[spec.name]
-                        block = full[:, col.start : col.start + col.width]
-                        out[spec.name] = np.ascontiguousarray(block).view(np.dtype(col.dtype))
-                    tables[name] = out
+                        full[i] = v.reshape(len(i), raw.shape[1])
+                    full = full.view(shard.data.dtype)
+                    tables[name] = {
+                        WEIGHTS: column_view(full, shard.columns[WEIGHTS]).copy(),
+                        **{
+                            s.name: column_view(full, shard.columns[s.name]).copy()
+                            for s in shard.slot_specs
+                        },
+                    }
                 return {"step": self._step, "tables": tables}
             finally:
                 self._count("table_contents")
@@ -1965,6 +2022,29 @@ def _batch_arrays(total: int, num_outputs: int) -> list[tuple[int, type]]:
     i64, f32, n = np.int64, np.float32, total
     per_occurrence = [(n, i64), (n, i64), (n, f32), (n, i64), (n, i64)]
     return [*per_occurrence, (num_outputs + 1, i64), (n + 1, i64), (n, f32), (n, i64)]
+
+
+def _half_weights(shard) -> bool:
+    """A shard (ShardTable or KeyedTable) whose weights are stored in 16 bits."""
+    return shard.weights_dtype != "float32"
+
+
+def _float_rows(shard) -> np.ndarray:
+    """A float32 array whose row r begins with row r's weights, of a shard with float32 weights:
+    its row array, or (16-bit slots) the row array's float32 view (storage.dense.row_columns)."""
+    data = shard.data
+    return data.view(np.float32) if data.dtype == np.uint16 else data
+
+
+def _weights_into(shard, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[i]`` = row ``rows[i]``'s weights as float32 (16-bit ones widened, exact); zeros
+    for a row of -1."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if not _half_weights(shard):
+        out[:] = _float_rows(shard)[np.maximum(rows, 0), : shard.dim]
+        out[rows < 0] = 0.0
+        return
+    widen_rows(shard.data, KIND[shard.weights_dtype], shard.dim, rows, out)
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint as ckpt
-from ..safetensors_io import CHUNK_BYTES, DTYPES
+from ..safetensors_io import BFLOAT16, CHUNK_BYTES, DTYPES
 from ..state import KEYED_COUNTERS, WEIGHTS, keyed_entries
 from ..storage.keyed import MAX_COUNT, KeyedTable
 from .comm import Comm
@@ -62,7 +62,7 @@ class KeyedLayout:
         sizes = {"n": len(self.keys), "p": len(self.pending)}
         # The order EmbeddingEngine's state gives (the table's own ``state``: keys, weights,
         # slots, the rows' metadata, data time, ...), so the file is the plain engine's
-        entries = keyed_entries(shard.dim, slots)
+        entries = keyed_entries(shard.dim, slots, shard.weights_dtype, shard.slots_dtype)
         order = list(self.state)
         self.tensors = [
             (
@@ -170,6 +170,12 @@ def _gather(entry, ends: np.ndarray) -> np.ndarray:
     return np.concatenate([entry[int(a) : int(b)] for a, b in ends])
 
 
+def _bytes(rows: np.ndarray) -> np.ndarray:
+    """Rows of an entry as their bytes, uint8 ``[rows, row bytes]``."""
+    rows = np.ascontiguousarray(rows)
+    return rows.reshape(rows.shape[0], int(np.prod(rows.shape[1:]))).view(np.uint8)
+
+
 def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
     """Collective: write this rank's block of the keyed table's file (made at full size with
     its header by rank 0), a window of at most ``CHUNK_BYTES`` of rows a round; whether its
@@ -179,8 +185,15 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
     world, n, p = comm.world_size, len(lay.keys), len(lay.pending)
     lo, hi = _block(n, world, comm.rank)
     blocks = np.array([_block(n, world, r) for r in range(world)], np.int64).reshape(-1, 2)
-    width = shard.dim + sum(s.width for s in shard.slot_specs)  # float32 units a row
-    step = max(1, CHUNK_BYTES // (4 * width + 8 * len(_ROW_META)))
+    # A row travels as the bytes of its weights and slots in their stored dtypes (16-bit
+    # tables: no upcast), each entry's from ``at[entry]`` of the row's bytes.
+    row_entries = (WEIGHTS, *(s.name for s in shard.slot_specs))
+    dtypes = {entry: dtype for _, entry, _, dtype in lay.tensors}
+    widths = {WEIGHTS: shard.dim, **{s.name: s.width for s in shard.slot_specs}}
+    at, width = {}, 0  # each entry's first byte in a row; bytes a row
+    for e in row_entries:
+        at[e], width = width, width + widths[e] * dtypes[e].itemsize
+    step = max(1, CHUNK_BYTES // (width + 8 * len(_ROW_META)))
     rounds = -(-int((blocks[:, 1] - blocks[:, 0]).max(initial=0)) // step)
     finite = True
     fd = os.open(path, os.O_WRONLY)
@@ -203,27 +216,19 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
             windows = np.minimum(first, blocks[:, 1:])
             ends = np.searchsorted(lay.place, windows)
             counts = ends[:, 1] - ends[:, 0]
-            rows = np.concatenate(
-                [_gather(st[WEIGHTS], ends)]
-                + [_gather(st[s.name], ends).view(np.float32) for s in shard.slot_specs],
-                axis=1,
-            )
+            rows = np.concatenate([_bytes(_gather(st[e], ends)) for e in row_entries], axis=1)
             meta = np.stack([_gather(st[k], ends) for k in _ROW_META], axis=1).astype(np.int64)
             place = np.concatenate([lay.place[a:b] for a, b in ends])
             wlo, whi = (int(x) for x in windows[comm.rank])
             got_rows = _send_windows(comm, place, counts, rows, wlo, whi, "checkpoint")
             got_meta = _send_windows(comm, place, counts, meta, wlo, whi, "checkpoint")
-            finite &= bool(np.isfinite(got_rows[:, : shard.dim]).all())
-            put(WEIGHTS, got_rows[:, : shard.dim], wlo)
-            c = shard.dim
-            for s in shard.slot_specs:
-                part = got_rows[:, c : c + s.width]
-                if s.dtype == "float32":
-                    finite &= bool(np.isfinite(part).all())
-                else:
-                    part = np.ascontiguousarray(part).view(np.dtype(s.dtype))
-                put(s.name, part, wlo)
-                c += s.width
+            for e in row_entries:
+                dtype = dtypes[e]
+                part = got_rows[:, at[e] : at[e] + widths[e] * dtype.itemsize]
+                part = np.ascontiguousarray(part).view(dtype)
+                if dtype.kind == "f" or dtype == BFLOAT16:
+                    finite &= bool(np.isfinite(part.astype(np.float32)).all())
+                put(e, part, wlo)
             for j, k in enumerate(_ROW_META):
                 put(k, got_meta[:, j], wlo)
         pend = np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64)
@@ -290,7 +295,8 @@ def _read_rows(src, keep: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
             b = int(keep[upto - 1]) + 1
             buf = np.empty((b - a, *shape[1:]), dtype)
             f.seek(first + a * row_bytes)
-            if f.readinto(memoryview(buf).cast("B")) != buf.nbytes:
+            # as bytes: a memoryview has no format for ml_dtypes.bfloat16
+            if f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != buf.nbytes:
                 raise ckpt.CheckpointError(
                     f"{src.file}: tensor {src.name!r} ends early (changed while being read?); "
                     "restore again before using the engine"

@@ -387,9 +387,12 @@ def plan_shards(
 
 class ShardTable(DenseTable):
     """A rank's rows of one logical table: row ``i`` holds global id ``ids[i]`` (ascending),
-    ``[weights | slots]`` as DenseTable lays them out, initialised as the single engine
-    initialises that id. ``rows_for`` maps global ids to local rows: row sharding ``id // W``
-    for this rank's ids, the id itself for a whole table, ``NO_ROW`` for another rank's id."""
+    ``[weights | slots]`` as DenseTable lays them out (``weights_dtype`` / ``slots_dtype``:
+    16-bit rows too), initialised as the single engine initialises that id. ``rows_for`` maps
+    global ids to local rows: row sharding ``id // W`` for this rank's ids, the id itself for
+    a whole table, ``NO_ROW`` for another rank's id. A 16-bit update rounds row ``i`` with
+    the stream of id ``ids[i]`` (``rounding_rows``), as the single engine rounds that id's row:
+    the same bits at any world size."""
 
     def __init__(
         self,
@@ -403,11 +406,22 @@ class ShardTable(DenseTable):
         world_size: int,
         rank: int,
         kind: str,
+        weights_dtype: str = "float32",
+        slots_dtype: str = "float32",
     ):
         self.global_ids = np.asarray(ids, dtype=np.int64)  # read by _initialise
         self.global_vocabulary_size = int(vocabulary_size)
         self.world_size, self.rank, self.kind = int(world_size), int(rank), kind
-        super().__init__(name, len(self.global_ids), dim, slot_specs, initializer, seed)
+        super().__init__(
+            name,
+            len(self.global_ids),
+            dim,
+            slot_specs,
+            initializer,
+            seed,
+            weights_dtype=weights_dtype,
+            slots_dtype=slots_dtype,
+        )
 
     def _initialise(
         self, initializer: Initializer, seed: int, name: str, first: int, count: int
@@ -421,9 +435,17 @@ class ShardTable(DenseTable):
             hi = min(lo + chunk, count)
             ids = self.global_ids[first + lo : first + hi]
             values = initializer.init(seed, name, ids, self.dim) if whole is None else whole[ids]
-            self.data[first + lo : first + hi, : self.dim] = values
+            # a 16-bit column's view rounds to nearest, as DenseTable's initial values
+            self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
+
+    @property
+    def rounding_rows(self) -> np.ndarray:
+        """What a 16-bit update's rounding stream follows for each row (``rounding.hash_row``):
+        its global id, int64 ``[rows, 1]``; the single engine's stream follows its rows, which
+        are its ids, so a shard rounds every id as one process does."""
+        return self.global_ids.reshape(-1, 1)
 
     @property
     def row_bases(self) -> tuple[int, ...] | None:
