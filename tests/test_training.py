@@ -126,10 +126,6 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
             ["--vocabulary", "dynamic", "--embeddings", "torch", "--optimizer", "sgd"],
             "--vocabulary dynamic makes the engine's keyed tables",
         ),
-        (
-            ["--vocabulary", "dynamic", "--nproc-per-node", "2"],
-            "--vocabulary dynamic with 2 ranks: a ShardedEngine does not shard keyed tables",
-        ),
         (["--max-restarts", "1"], "--max-restarts restarts the ranks: give --nproc-per-node"),
         (["--nproc-per-node", "2", "--max-restarts", "1"], "--max-restarts without --resume"),
         (["--nproc-per-node", "2", "--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
@@ -643,12 +639,16 @@ def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> 
     return out
 
 
-def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
+@pytest.mark.parametrize(
+    "tables", [[], ["--weights-dtype", "bfloat16", "--vocabulary", "dynamic"]], ids=str
+)
+def test_training_on_two_ranks_reports_the_single_process_run(tmp_path, tables):
     """``--nproc-per-node 2`` (torchrun; a ShardedEngine; DDP summing the dense gradients; each
     rank on its slice of every batch) trains the single-process run: every epoch's validation
-    and test figures and its running train loss agree up to float rounding. The run leaves
-    no torchrun log folders in the temp folder (by default torchrun leaves one a run)."""
-    args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad"]
+    and test figures and its running train loss agree up to float rounding; keyed bfloat16
+    tables too. The run leaves no torchrun log folders in the temp folder (by default
+    torchrun leaves one a run)."""
+    args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad", *tables]
     figures = re.compile(r"(train loss|valid AUC|test AUC|test logloss) (\d\.\d+)")
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
     temp = tmp_path / "temp"

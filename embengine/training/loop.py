@@ -47,16 +47,20 @@ class TrainResult:
     table_stats: dict | None = None  # the engine's, at the end (embeddings="engine")
 
     def stats_lines(self) -> list[str]:
-        """One line per table of a keyed run: its rows and what was admitted."""
-        lines = []
-        for name, s in (self.table_stats or {}).items():
+        """One line per table of a keyed run: its rows and what was admitted (a sharded run:
+        this rank's share, its keys)."""
+        lines, stats, where = [], self.table_stats or {}, ""
+        if "bytes_sent" in stats:  # a ShardedEngine's: per table this rank's keyed stats
+            where = " on this rank"
+            stats = {n: t["keyed"] for n, t in stats["tables"].items() if "keyed" in t}
+        for name, s in stats.items():
             if s.get("kind") not in ("keyed", "keyed-mmap"):
                 continue
             total = s.get("total", {})
             mib = sum(s["bytes"].values()) / 2**20
             lines.append(
                 f"table {name}: {s['rows']} rows, {total.get('admitted', 0)} admitted, "
-                f"{total.get('evicted', 0)} evicted, {mib:.1f} MiB"
+                f"{total.get('evicted', 0)} evicted, {mib:.1f} MiB{where}"
             )
         return lines
 

@@ -211,11 +211,6 @@ class TrainConfig:
             raise ValueError(
                 f"{sixteen[0]} is for the engine's tables; leave --embeddings at engine"
             )
-        if sixteen and self.nproc_per_node > 1:
-            raise ValueError(
-                f"{sixteen[0]} with --nproc-per-node: sharded tables store float32 "
-                "only for now; train in one process"
-            )
 
     def check_distributed(self, world: int) -> None:
         """What a run of ``world`` ranks cannot do yet: ValueError saying so."""
@@ -223,11 +218,6 @@ class TrainConfig:
             raise ValueError(
                 f"{world} ranks train the engine's tables sharded; "
                 f"--embeddings {self.embeddings} runs in one process"
-            )
-        if self.vocabulary == "dynamic":
-            raise ValueError(
-                f"--vocabulary dynamic with {world} ranks: a ShardedEngine does "
-                "not shard keyed tables yet; train in one process"
             )
         if self.batch_size < world:
             raise ValueError(
