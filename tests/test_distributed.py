@@ -654,11 +654,14 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert seconds < 20, (seconds, text)
 
 
-def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[int, int]:
+def modelled_bytes(
+    step: int, rank: int, world: int, exchanged: dict, value_bytes: int = 4
+) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in the lookup and in the update of ``step`` under row
     sharding, each table exchanging what ``exchanged`` says, by the cost model of
-    docs/design.md, counted from the global batch. The update follows its lookup, so it
-    speculates: one message to each owner, its header and blocks padded to the grid."""
+    docs/design.md, counted from the global batch (``value_bytes``: a stored weight's bytes,
+    which a pulled row's values take). The update follows its lookup, so it speculates: one
+    message to each owner, its header and blocks padded to the grid."""
     width = 4 + 2 * len(FEATURES) + 2 * len(worker.TABLES)
     header = 8 * (world - 1) * width
     dims = {t: d for t, d in FEATURES.values()}
@@ -690,7 +693,7 @@ def modelled_bytes(step: int, rank: int, world: int, exchanged: dict) -> tuple[i
             unique = [{i for f, _, i in occ[r] if FEATURES[f][0] == table} for r in range(world)]
             lookup += 8 * sum(1 for i in unique[rank] if i % world != rank)
             lookup += (
-                4
+                value_bytes
                 * dim
                 * sum(1 for s in range(world) if s != rank for i in unique[s] if i % world == rank)
             )

@@ -101,6 +101,29 @@ def test_sharded_16bit_training_equals_one_engine(runs, monkeypatch, world, pair
                 _same(got[f"table/{table}/{key}"], want, (rank, table, key))
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=str)
+@pytest.mark.parametrize("exchange", ["rows", "sums"])
+def test_16bit_rows_travel_as_stored(runs, pair, exchange):
+    # A pulled row's 16-bit weights cross the wire as their bits (half the float32 bytes; the
+    # rank that pools them widens them); partial sums and gradient rows stay float32.
+    out = runs(2, pair)
+    value_bytes = 4 if pair[0] == "float32" else 2
+    for rank in range(2):
+        got = np.load(out / f"equal_sgd_row_{exchange}.rank{rank}.npz")
+        for step in range(td.worker.STEPS):
+            exchanged = dict(zip(td.worker.TABLES, got[f"exchanged{step}"].tolist(), strict=True))
+            want = td.modelled_bytes(step, rank, 2, exchanged, value_bytes)
+            assert tuple(got[f"bytes{step}"]) == want, (rank, step, exchanged)
+
+
+def test_the_sums_saving_counts_a_pulled_weight_as_stored():
+    from embengine.distributed.sharding import sums_saving
+
+    # 10 remote ids, 3 gradient rows, dim 8: (8 + b 8) 10 - 4 8 3
+    assert sums_saving(8, 10, 3) == (8 + 32) * 10 - 96
+    assert sums_saving(8, 10, 3, value_bytes=2) == (8 + 16) * 10 - 96
+
+
 def test_16bit_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path, monkeypatch):
     # bfloat16 weights, float16 slots (FTRL: two of them). Save at 3 ranks; restore at 2 and
     # into a plain engine; a plain engine's checkpoint restores at 2. Each continues to the

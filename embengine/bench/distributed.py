@@ -92,17 +92,21 @@ def modelled_bytes(
     rank: int,
     keyed: bool = False,
     exchanged: list[str] | None = None,
+    value_bytes: list[int] | None = None,
 ) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
     every table keyed, key k on rank ``mix64(k) mod W``), by the cost model of docs/design.md,
     from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
     width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
     ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
-    asked key's occurrences (8 bytes) and a "has a row" byte per id answered."""
+    asked key's occurrences (8 bytes) and a "has a row" byte per id answered. ``value_bytes[t]``:
+    the bytes of a weight of table t as stored (4, the default; 2 for 16 bits), which a pulled
+    row's values take on the wire."""
     from ..distributed.sharding import message_grid, mix64, update_message
 
     world, tables = len(locals_), len(dims)
     exchanged = exchanged or ["rows"] * tables
+    value_bytes = value_bytes or [4] * tables
 
     def owner(ids):
         return (mix64(ids) % np.uint64(world)).astype(np.int64) if keyed else ids % world
@@ -135,7 +139,7 @@ def modelled_bytes(
         np.add.at(n[t], owners[remote], 1)
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
         lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
-        lookup += (4 * dims[t] + keyed) * sum(
+        lookup += (value_bytes[t] * dims[t] + keyed) * sum(
             int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
         )
     # The update follows its lookup, so it speculates: one message to each owner, its header,

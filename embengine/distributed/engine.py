@@ -74,7 +74,7 @@ from ..kernels import shard_route as sr
 from ..kernels.rounding import widen_rows
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..precision import KIND
+from ..precision import KIND, widen
 from ..spec import (
     feature_entries,
     initializer_for,
@@ -452,6 +452,8 @@ class ShardedEngine:
             for kind, owner in zip(self._plan.kinds, self._plan.owners, strict=True)
         )
         self._dims = np.array([t.dim for t in r.tables], dtype=np.int64)
+        # Tables whose weights are stored in 16 bits: their pulled rows travel as 16 bits.
+        self._half_tables = np.array([t.weights_dtype != "float32" for t in r.tables], dtype=bool)
         self._feature_dims = np.array(
             [r.features[f].table.dim for f in self._features], dtype=np.int64
         )
@@ -935,6 +937,7 @@ class ShardedEngine:
             int(self._dims[t]),
             int(counts.sum() - counts[me]),
             int(push.m[fs].sum() - push.m[fs, me].sum()),
+            2 if self._half_tables[t] else 4,
         )
 
     def _pull_rows(
@@ -953,10 +956,14 @@ class ShardedEngine:
         them into ``per_table[t]``: the single engine's arithmetic on the same rows."""
         nt, w, cols = len(self.table_names), self.world_size, self._cols
         dims = self._dims
+        # Rows travel in their weights' stored dtype: float32 rows in one message, 16-bit ones
+        # (their bits, widened by the rank that pools them) in another.
+        half = self._half_tables & ~sums
+        dims32, dims16 = np.where(half, 0, dims), np.where(half, dims, 0)
         # Unique ids to their owners, destination-major (each owner's block table by table, in
         # first-appearance order); each id learns where its row will be among the rows pulled.
         send_at = _starts(counts.T)  # [owner, table]
-        value_at = _starts(counts.T * dims)
+        value_at = np.where(half, _starts(counts.T * dims16), _starts(counts.T * dims32))
         send = np.empty(int(counts.sum()), dtype=np.int64)
         layouts, rows, sent_at = [], [], {}
         for t, tb in enumerate(batch.tables):
@@ -992,23 +999,26 @@ class ShardedEngine:
                 batch, ids, counts, recv_counts, recv_at, sent_at, training, when, got
             )
         # Answer with the rows of the ids this rank owns, in the order asked.
-        answer_at = _starts(recv_counts * dims)
-        answer = np.empty(int((recv_counts * dims).sum()), dtype=np.float32)
+        answer_at = np.where(half, _starts(recv_counts * dims16), _starts(recv_counts * dims32))
+        answer = np.empty(int((recv_counts * dims32).sum()), dtype=np.float32)
+        answer16 = np.empty(int((recv_counts * dims16).sum()), dtype=np.uint16)
         for t in range(nt):
             if not recv_counts[:, t].any():
                 continue
             shard = self._shards[t]
+            into = answer16 if half[t] else answer
             if t in keyed_rows:  # rows by key; a key without a row answers zeros
                 found = keyed_rows[t]
                 for s in range(w):
                     a, n = int(answer_at[s, t]), int(recv_counts[s, t])
                     at = found[int(recv_at[s, t]) : int(recv_at[s, t]) + n]
-                    block = answer[a : a + n * shard.dim].reshape(n, shard.dim)
-                    _weights_into(shard, at, block)
+                    _stored_weights_into(
+                        shard, at, into[a : a + n * shard.dim].reshape(n, shard.dim)
+                    )
                 continue
             starts = recv_at[:, t].copy()
-            if _half_weights(shard):  # rows widened as they are answered
-                self._answer_half(t, ids, starts, recv_counts[:, t], answer, answer_at[:, t])
+            if half[t]:  # the rows' 16-bit weights as stored
+                self._answer_half(t, ids, starts, recv_counts[:, t], answer16, answer_at[:, t])
                 continue
             bad = sr.gather_rows(
                 _float_rows(shard),
@@ -1028,9 +1038,23 @@ class ShardedEngine:
                     f"{int(ids[bad])}, which this rank does not hold (ranks disagree on the "
                     "sharding)"
                 )
-        values = self._comm.all_to_all(
-            answer, (recv_counts * dims).sum(axis=1), (counts.T * dims).sum(axis=1), "lookup rows"
-        )
+        # Every rank knows which tables send which rows (the dtypes, the agreed exchange), so
+        # every rank makes the same collectives.
+        values = values16 = None
+        if (dims32 * ~sums).any():
+            values = self._comm.all_to_all(
+                answer,
+                (recv_counts * dims32).sum(axis=1),
+                (counts.T * dims32).sum(axis=1),
+                "lookup rows",
+            )
+        if half.any():
+            values16 = self._comm.all_to_all(
+                answer16,
+                (recv_counts * dims16).sum(axis=1),
+                (counts.T * dims16).sum(axis=1),
+                "lookup rows",
+            )
         if self._keyed:
             # Whether each asked key has a row, in the order asked (dense ids: always).
             has = np.ones(len(ids), dtype=np.uint8)
@@ -1049,9 +1073,12 @@ class ShardedEngine:
                 continue
             local = dataclasses.replace(tb, unique_rows=rows[t])
             q = self._resolved.tables[t].quantization_config
-            per_table[t] = self._backend.lookup_rows(
-                layouts[t].matrix(values), int(dims[t]), local, q
-            )
+            if half[t]:  # widened exactly, as the owner's own lookup reads them
+                kind = KIND[self._shards[t].weights_dtype]
+                matrix = widen(layouts[t].matrix(values16), kind)
+            else:
+                matrix = layouts[t].matrix(values)
+            per_table[t] = self._backend.lookup_rows(matrix, int(dims[t]), local, q)
 
     def _answer_half(
         self,
@@ -1063,8 +1090,8 @@ class ShardedEngine:
         answer_at: np.ndarray,
     ) -> None:
         """``sr.gather_rows`` for a shard of 16-bit weights: sender s's ids of table ``t``
-        (``ids[starts[s]:][:counts[s]]``, this rank's) answered with their weights widened to
-        float32 (exact) from ``answer[answer_at[s]]``."""
+        (``ids[starts[s]:][:counts[s]]``, this rank's) answered with their weights' bits
+        (uint16) from ``answer[answer_at[s]]``."""
         shard, dim, w = self._shards[t], int(self._dims[t]), self.world_size
         for s in range(w):
             n = int(counts[s])
@@ -1080,7 +1107,7 @@ class ShardedEngine:
                     "sharding)"
                 )
             a = int(answer_at[s])
-            _weights_into(shard, rows, answer[a : a + n * dim].reshape(n, dim))
+            _stored_weights_into(shard, rows, answer[a : a + n * dim].reshape(n, dim))
 
     def _pool_sums(
         self,
@@ -2045,6 +2072,17 @@ def _weights_into(shard, rows: np.ndarray, out: np.ndarray) -> None:
         out[rows < 0] = 0.0
         return
     widen_rows(shard.data, KIND[shard.weights_dtype], shard.dim, rows, out)
+
+
+def _stored_weights_into(shard, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[i]`` = row ``rows[i]``'s weights as stored: float32 into a float32 ``out``, the
+    bits of 16-bit ones into a uint16 ``out``; zeros (0.0 in every dtype) for a row of -1."""
+    if out.dtype == np.float32:
+        _weights_into(shard, rows, out)
+        return
+    rows = np.asarray(rows, dtype=np.int64)
+    out[:] = shard.data[np.maximum(rows, 0), : shard.dim]  # 16-bit weights: the first units
+    out[rows < 0] = 0
 
 
 def _starts(sizes: np.ndarray) -> np.ndarray:

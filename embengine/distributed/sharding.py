@@ -183,26 +183,27 @@ def update_message(
     )
 
 
-def sums_saving(dim: int, remote_ids: int, gradient_rows: int) -> int:
+def sums_saving(dim: int, remote_ids: int, gradient_rows: int, value_bytes: int = 4) -> int:
     """Bytes one rank sends in a step of one table under "rows" minus under "sums", by the
     cost model of docs/design.md: ``remote_ids``, its unique ids owned by other ranks (R);
     ``gradient_rows``, its (activation row, other owner) pairs (G); N, the occurrences of its
-    ids owned elsewhere::
+    ids owned elsewhere; ``value_bytes`` (b), a weight's stored bytes (4, or 2 for a 16-bit
+    table, whose pulled rows travel as stored)::
 
-        rows: (8 + 4 dim) R + 16 N + 4 dim G    (ids and pulled rows; occurrences and
+        rows: (8 + b dim) R + 16 N + 4 dim G    (ids and pulled rows; occurrences and
                                                  gradient rows pushed in the update)
         sums: 16 N + 8 dim G                    (occurrences; partial sums back, gradient
                                                  rows in the update)
 
     An occurrence costs 16 bytes either way (its id; its activation row's index over its
-    gain), so the saving, ``(8 + 4 dim) R - 4 dim G``, does not depend on N.
+    gain), so the saving, ``(8 + b dim) R - 4 dim G``, does not depend on N.
 
     (a rank answers others' ids and partial sums as they answer its own, so summed over the
     ranks this is the step's saving.) "auto" takes "sums" when the ranks' savings add up to
     zero or more: ties (nothing remote, e.g. one rank) go to "sums", whose owners pool from
     their own rows without copying them."""
     d = int(dim)
-    return (8 + 4 * d) * int(remote_ids) - 4 * d * int(gradient_rows)
+    return (8 + int(value_bytes) * d) * int(remote_ids) - 4 * d * int(gradient_rows)
 
 
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
