@@ -24,7 +24,11 @@ def _bench(args: argparse.Namespace) -> int:
             continue  # one table for all of them, below
         if name in DIST_WORKLOADS:
             dist_results = run_distributed(
-                name, steps=args.steps, warmup=args.warmup, engine_optimizers=tuple(args.optimizers)
+                name,
+                steps=args.steps,
+                warmup=args.warmup,
+                engine_optimizers=tuple(args.optimizers),
+                dtypes=tuple(dict.fromkeys(args.dtypes)),
             )
             print()
             print(format_distributed(name, dist_results))
@@ -256,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "float16", "bfloat16"],
         help="time the engine with its tables' weights and float slots stored in each of these "
         "dtypes (16-bit: stochastic rounding), each against the same peers (W1, W2 and the "
-        "other one-process workloads)",
+        "other one-process workloads; W1-dist: each dtype's four configurations)",
     )
     bench.set_defaults(func=_bench)
 

@@ -313,11 +313,17 @@ def test_host_reads_model_avx512_and_memory_from_proc_texts():
     assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"
 
 
-@pytest.mark.parametrize("name", ["W1-dist", "W1-keyed-dist"])
-def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tmp_path, name):
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("W1-dist", "float32"), ("W1-keyed-dist", "float32"), ("W1-dist", "bfloat16")],
+)
+def test_the_distributed_bench_times_four_configurations_and_counts_the_model(
+    tmp_path, name, dtype
+):
     """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split, batch
     per rank), one round; rank 0's counted bytes are the cost model's, and its sockets carried
-    at least as much. W1-keyed-dist: the same with keyed tables (owners by mix64)."""
+    at least as much. W1-keyed-dist: the same with keyed tables (owners by mix64); bfloat16:
+    16-bit tables, their pulled rows at 2 bytes a value."""
     from embengine.bench.distributed import binds, format_distributed, run_distributed
     from embengine.bench.workloads import Workload
     from embengine.distributed.cores import core_share
@@ -326,8 +332,17 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(tm
         "small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag", ((500, 8), (300, 4)), 64, 4
     )
     results = run_distributed(
-        name, steps=2, warmup=1, rounds=1, timeout=300, workload=small, log=lambda _: None
+        name,
+        steps=2,
+        warmup=1,
+        rounds=1,
+        timeout=300,
+        workload=small,
+        log=lambda _: None,
+        dtypes=(dtype,),
     )
+    label = "SGD" if dtype == "float32" else f"SGD [{dtype}]"
+    assert {r.optimizer for r in results} == {label}
     assert [r.config for r in results] == [
         "1 process",
         "2 ranks, batch split",

@@ -156,7 +156,8 @@ def _written() -> int:
 def child(spec: dict) -> dict:
     """One rank of one configuration (``spec``: workload, optimizer, world, rank, threads,
     split, steps, warmup, seed; optionally sharding, default "row"; keyed: W1's tables keyed;
-    bind: this rank bound to its own cores, ``bind_cores``): its step times and bytes."""
+    bind: this rank bound to its own cores, ``bind_cores``; dtype: the tables' weights and
+    float slots, default float32): its step times and bytes."""
     world, rank = spec["world"], spec["rank"]
     if world > 1 and spec.get("bind", False):
         from ..distributed.cores import bind_cores
@@ -179,6 +180,7 @@ def child(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
     tables = {}
+    dtype = spec.get("dtype", "float32")
     for t, (rows, dim) in enumerate(w.tables):
         keyed = spec.get("keyed", False)
         table = ee.TableConfig(
@@ -189,6 +191,8 @@ def child(spec: dict) -> dict:
             optimizer=ENGINE_OPTIMIZERS[spec["optimizer"]](dim, False),
             initializer=ee.initializers.RandomUniform(-0.01, 0.01),
             dynamic=ee.DynamicVocabulary() if keyed else None,
+            weights_dtype=dtype,
+            slots_dtype=dtype,
         )
         tables[f"f{t}"] = ee.FeatureConfig(table)
     if world > 1:
@@ -222,8 +226,13 @@ def child(spec: dict) -> dict:
                 counted.append(sum(sum(c.values()) for c in engine.bytes_sent.values()))
                 written.append(wrote)
                 exchanged = [s["exchange"] for s in engine.table_stats()["tables"].values()]
+                value_bytes = [4 if dtype == "float32" else 2] * len(dims)
                 modelled.append(
-                    sum(modelled_bytes(locals_, dims, rank, spec.get("keyed", False), exchanged))
+                    sum(
+                        modelled_bytes(
+                            locals_, dims, rank, spec.get("keyed", False), exchanged, value_bytes
+                        )
+                    )
                 )
     if world > 1:
         import torch.distributed as dist
@@ -301,10 +310,12 @@ def run_distributed(
     timeout: float = 1800.0,
     workload: Workload | None = None,
     log=print,
+    dtypes: tuple[str, ...] = ("float32",),
 ) -> list[DistResult]:
-    """Time ``name``'s four configurations per optimizer (module docstring), ``rounds`` times
-    each in turn, every configuration in fresh processes (``workload``: another workload than
-    ``name``'s, e.g. a small one for a test)."""
+    """Time ``name``'s four configurations per optimizer and table dtype (module docstring;
+    ``dtypes``: the tables' weights and float slots, each a set of configurations of its own,
+    "Adam [bfloat16]"), ``rounds`` times each in turn, every configuration in fresh processes
+    (``workload``: another workload than ``name``'s, e.g. a small one for a test)."""
     base, world = DIST_WORKLOADS[name]
     w = workload if workload is not None else WORKLOADS[base]
     cores = host().cores
@@ -316,8 +327,9 @@ def run_distributed(
         (f"{world} ranks, batch per rank", world, 1, False),
     ]
     results = []
-    for opt in engine_optimizers:
-        mine = [DistResult(opt, label, n) for label, n, _, _ in configs]
+    for opt, dtype in ((o, d) for o in engine_optimizers for d in dtypes):
+        label_opt = opt if dtype == "float32" else f"{opt} [{dtype}]"
+        mine = [DistResult(label_opt, label, n) for label, n, _, _ in configs]
         for r in range(rounds):
             order = configs if r % 2 == 0 else configs[::-1]
             for label, n, threads, split in order:
@@ -332,6 +344,7 @@ def run_distributed(
                     "seed": r,
                     "keyed": name in KEYED_DIST,
                     "bind": n > 1 and binds(n),
+                    "dtype": dtype,
                 }
                 got = _launch(spec, timeout)
                 res = next(m for m in mine if m.config == label)
@@ -340,7 +353,7 @@ def run_distributed(
                 res.written.append(got["written"])
                 res.modelled.append(got["modelled"])
                 res.cores = got["cores"]
-                log(f"  {opt} {label}: {got['ms']:.1f} ms/step")
+                log(f"  {label_opt} {label}: {got['ms']:.1f} ms/step")
         results.extend(mine)
     return results
 
@@ -357,7 +370,7 @@ def format_distributed(
         f"{name}: {w.description} on 1 process and {world} ranks (gloo, 127.0.0.1, "
         + ("each bound to its own cores" if binds(world) else "not bound: fewer cores than ranks")
         + "); rank 0's median ms/step, median of the rounds' medians",
-        f"{'optimizer':16s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
+        f"{'optimizer':24s} {'configuration':28s} {'ms/step':>8s} {'rounds (ms)':>24s} "
         f"{'MB counted':>10s} {'MB written':>10s} {'MB model':>9s}",
     ]
     for opt in dict.fromkeys(r.optimizer for r in results):
@@ -369,12 +382,12 @@ def format_distributed(
                 for v in (r.counted, r.written, r.modelled)
             ]
             lines.append(
-                f"{opt:16s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
+                f"{opt:24s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
                 f"{mb[0]:>10s} {mb[1]:>10s} {mb[2]:>9s}"
             )
         one, split, one_thread, per_rank = mine
         lines.append(
-            f"{opt:16s} {world} ranks / 1 process (batch split): "
+            f"{opt:24s} {world} ranks / 1 process (batch split): "
             f"{split.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x); weak-scaling "
             f"efficiency {one_thread.ms_per_step / per_rank.ms_per_step:.2f}"
         )
