@@ -18,6 +18,9 @@ Scenarios:
                                 over steps in which some owner gets no id of a table, one
                                 table gets none at all, and every rank's batch is empty
                                 (``sweep_batch``); the gathered tables at the end
+  mixed:<sharding>:<exchange>   three tables of odd widths, each its own 16-bit / float32
+                                dtypes, one quantized, Adam with per-row steps; evaluation
+                                and training lookups each step, then the gathered tables
   lr_mismatch                   a learning-rate callable that differs by rank
   bad_input                     the last rank passes an id out of range
   ckpt_save:<folder>            two steps, save, a third step (row sharding)
@@ -296,6 +299,71 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
         for key, a in arrays.items():
             saved[f"table/{table}/{key}"] = a
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+MIXED_STEPS = 3
+
+
+def mixed_features():
+    """Three tables of odd widths, each its own stored dtypes (bf16 weights with f16 slots,
+    f32 weights with bf16 slots, f16 weights with f32 slots), one quantized, under Adam with
+    per-row bias correction (an int32 slot beside the 16-bit ones)."""
+    import embengine as ee
+    from embengine import optimizers as opt
+
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    dtypes = [("bfloat16", "float16"), ("float32", "bfloat16"), ("float16", "float32")]
+    quant = ee.QuantizationConfig(64, -0.25, 0.25)
+    features = {}
+    for i, ((v, d), (wd, sd)) in enumerate(zip([(29, 5), (3, 3), (13, 7)], dtypes, strict=True)):
+        table = ee.TableConfig(
+            v,
+            d,
+            name=f"m{i}",
+            combiner=("mean", "sum", "sqrtn")[i],
+            initializer=init,
+            weights_dtype=wd,
+            slots_dtype=sd,
+            quantization_config=quant if i == 2 else None,
+        )
+        features[f"f{i}"] = ee.FeatureConfig(table)
+    return features, opt.Adam(0.05, bias_correction="per_row")
+
+
+def mixed_batch(step: int):
+    """(features, gradients) of a whole step of ``mixed_features``: bags with duplicates,
+    empty bags."""
+    features, _ = mixed_features()
+    rng = np.random.default_rng(70 + step)
+    feats, grads = {}, {}
+    for name, fc in features.items():
+        v, d = fc.table.vocabulary_size, fc.table.dim
+        feats[name] = [list(map(int, rng.integers(0, v, rng.integers(0, 5)))) for _ in range(BATCH)]
+        grads[name] = rng.normal(size=(BATCH, d)).astype(np.float32)
+    return feats, grads
+
+
+def run_mixed(rank: int, world: int, out: str, name: str) -> None:
+    """mixed:<sharding>:<exchange>: MIXED_STEPS steps of ``mixed_features``, each an
+    evaluation lookup, a training lookup and the update; the activations, then the tables."""
+    from embengine.distributed import ShardedEngine
+
+    _, sharding, exchange = name.split(":")
+    features, o = mixed_features()
+    eng = ShardedEngine(
+        features, optimizer=o, seed=3, sharding=sharding, timeout=60, exchange=exchange
+    )
+    saved = {}
+    for step in range(MIXED_STEPS):
+        feats, grads = mixed_batch(step)
+        lo, hi = split(step, world)[rank]
+        mine = {k: v[lo:hi] for k, v in feats.items()}
+        for k, v in eng.lookup(mine, training=False).items():
+            saved[f"eval{step}/{k}"] = v
+        for k, v in eng.lookup(mine).items():
+            saved[f"act{step}/{k}"] = v
+        eng.apply_gradients({k: v[lo:hi] for k, v in grads.items()})
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
 
 
 SPEC_STEPS = 4
@@ -824,6 +892,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):
                 run_equal(rank, world, out, name)
+            elif name.startswith("mixed:"):
+                run_mixed(rank, world, out, name)
             elif name.startswith("sweep:"):
                 run_sweep(rank, world, out, name)
             elif name.startswith("speculate:"):

@@ -116,6 +116,41 @@ def test_16bit_rows_travel_as_stored(runs, pair, exchange):
             assert tuple(got[f"bytes{step}"]) == want, (rank, step, exchanged)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_tables_of_their_own_dtypes_odd_widths_and_quantized(tmp_path, world):
+    # Per table its own dtypes (bf16 / f16, f32 / bf16, f16 / f32: two row messages a lookup,
+    # rows and float32 views of 16-bit rows), widths 5, 3 and 7, a quantized table, Adam's
+    # int32 per-row step slot; evaluation and training lookups.
+    scenarios = [f"mixed:{s}:{x}" for s in ("row", "table") for x in ("rows", "sums")]
+    out = tmp_path / "out"
+    codes = td.spawn(world, out, scenarios)
+    assert codes == [0] * world, td.rank_logs(out, world)
+    features, o = td.worker.mixed_features()
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    want = {}
+    for step in range(td.worker.MIXED_STEPS):
+        feats, grads = td.worker.mixed_batch(step)
+        want[f"eval{step}"] = single.lookup(feats, training=False)
+        want[f"act{step}"] = single.lookup(feats)
+        single.apply_gradients(grads)
+    state = single.state_dict()
+    assert state["tables"]["m0"]["weights"].dtype.itemsize == 2
+    for name in scenarios:
+        ranks = [np.load(out / f"{name.replace(':', '_')}.rank{r}.npz") for r in range(world)]
+        for step in range(td.worker.MIXED_STEPS):
+            for kind in ("eval", "act"):
+                for k, w in want[f"{kind}{step}"].items():
+                    cat = np.concatenate([got[f"{kind}{step}/{k}"] for got in ranks])
+                    if name.endswith(":rows"):
+                        _same(cat, w, (name, kind, step, k))
+                    else:
+                        np.testing.assert_allclose(cat, w, rtol=1e-6, atol=1e-7)
+        for got in ranks:
+            for table, arrays in state["tables"].items():
+                for key, a in arrays.items():
+                    _same(got[f"table/{table}/{key}"], a, (name, table, key))
+
+
 def test_the_sums_saving_counts_a_pulled_weight_as_stored():
     from embengine.distributed.sharding import sums_saving
 

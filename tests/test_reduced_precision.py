@@ -385,6 +385,63 @@ def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():
             assert data is table.data and got is rows
 
 
+@pytest.mark.parametrize("weights", ["bfloat16", "float16"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lookup_rows_pools_16_bit_weights_as_the_widened_rows(weights, quantized):
+    """``Backend.lookup_rows(..., weights_dtype=)`` of uint16 rows (a ShardedEngine's 16-bit
+    shard, or 16-bit rows received): what the widened float32 rows pool, on both backends,
+    into ``out`` or a new array; a row of -1 pools nothing; bad input named."""
+    from embengine.backends.numba_backend import NumbaBackend
+    from embengine.backends.reference import ReferenceBackend
+    from embengine.batch import TableBatch
+    from embengine.precision import KIND, nearest, widen
+
+    rng = np.random.default_rng(5)
+    dim, width, n = 5, 9, 12  # weights in the first dim units of wider rows
+    values = rng.normal(size=(n, width)).astype(np.float32)
+    rows16 = nearest(values, KIND[weights])
+    wide = widen(rows16[:, :dim], KIND[weights])
+    # 7 occurrences over 4 activation rows (the second empty), rows with duplicates and -1
+    unique = np.array([3, -1, 11, 0, 3, 7, 3], np.int64)
+    segments = np.array([0, 0, 2, 2, 2, 3, 3], np.int64)
+    each = np.arange(8, dtype=np.int64)
+    gains = rng.uniform(0.5, 2, 7).astype(np.float32)
+    tb = TableBatch(
+        unique_ids=each[:7] * 10,
+        inverse=each[:7],
+        gains=gains,
+        segments=segments,
+        num_outputs=4,
+        output_offsets=np.array([0, 2, 2, 5, 7], np.int64),
+        unique_offsets=each,
+        unique_gains=gains,
+        unique_segments=segments,
+        unique_bounds=np.array([0, 7], np.int64),
+        unique_rows=unique,
+    )
+    q = ee.QuantizationConfig(32, -1.0, 1.0) if quantized else None
+    want = ReferenceBackend().lookup_rows(wide, dim, tb, q)
+    assert np.abs(want[1]).max() == 0 and np.abs(want[0]).max() > 0
+    for backend in (NumbaBackend(), ReferenceBackend()):
+        got = backend.lookup_rows(rows16, dim, tb, q, weights_dtype=weights)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        out = np.full((4, dim), np.nan, np.float32)
+        assert backend.lookup_rows(rows16, dim, tb, q, out=out, weights_dtype=weights) is out
+        np.testing.assert_array_equal(out, got)
+    numba = NumbaBackend()
+    # the same bits as the float32 kernel pooling the widened copy
+    np.testing.assert_array_equal(
+        numba.lookup_rows(rows16, dim, tb, q, weights_dtype=weights),
+        numba.lookup_rows(np.ascontiguousarray(wide), dim, tb, q),
+    )
+    with pytest.raises(ValueError, match="needs a C-contiguous uint16"):
+        numba.lookup_rows(values, dim, tb, weights_dtype=weights)
+    with pytest.raises(ValueError, match="weights_dtype must be"):
+        numba.lookup_rows(rows16, dim, tb, weights_dtype="int8")
+    with pytest.raises(ValueError, match="row 11 of a batch is past the 10 rows"):
+        numba.lookup_rows(np.ascontiguousarray(rows16[:10]), dim, tb, weights_dtype=weights)
+
+
 @_with_dtypes(COUNTING)
 @SETTINGS
 @given(scenario=scenarios())
@@ -625,7 +682,6 @@ def test_cli_trains_bfloat16_tables_and_checkpoints_them(capsys, tmp_path, vocab
             ["--slots-dtype", "float16", "--embeddings", "torch", "--optimizer", "sgd"],
             "leave --embeddings at engine",
         ),
-        (["--weights-dtype", "float16", "--nproc-per-node", "2"], "train in one process"),
     ],
 )
 def test_cli_refuses_16_bit_tables_where_they_are_not_supported(capsys, extra, message):

@@ -820,11 +820,16 @@ class NumbaBackend:
         quantization=None,
         *,
         out: np.ndarray | None = None,
+        weights_dtype: str = "float32",
     ) -> np.ndarray:
         """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
         ``dim`` columns, float32 and C-contiguous (Backend protocol: a table's data, or rows
         decoded from an export), read at the batch's rows: a deduplicated batch's
-        ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``."""
+        ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``.
+        ``weights_dtype`` 16-bit: uint16 rows, pooled by ``train_lookup.pool_tables`` with
+        each value widened as it is read (no widened copy)."""
+        if weights_dtype != "float32":
+            return self._lookup_half_rows(rows, dim, tb, quantization, out, weights_dtype)
         # The kernels read rows by index without bounds checks: refuse what they cannot read.
         if (
             rows.dtype != np.float32
@@ -860,6 +865,54 @@ class NumbaBackend:
         else:
             out_rows(out, tb.num_outputs, dim, rows)
         _pool_prepared(rows, dim, tb, _quantization_row(quantization), self.lookup_prefetch, out)
+        return out
+
+    def _lookup_half_rows(self, rows, dim, tb, quantization, out, weights_dtype) -> np.ndarray:
+        """``lookup_rows`` of a deduplicated batch from uint16 rows of 16-bit weights."""
+        if weights_dtype not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"lookup_rows: weights_dtype must be 'float32', 'float16' or 'bfloat16', got "
+                f"{weights_dtype!r}"
+            )
+        if (
+            rows.dtype != np.uint16
+            or rows.ndim != 2
+            or not rows.flags.c_contiguous
+            or rows.shape[1] < dim
+        ):
+            raise ValueError(
+                f"lookup_rows of {weights_dtype} weights needs a C-contiguous uint16 [rows, >= "
+                f"{dim}] array, got {rows.dtype} of shape {rows.shape}"
+            )
+        if not isinstance(tb, TableBatch) or tb.unique_rows is None:
+            raise ValueError(
+                "lookup_rows of 16-bit weights pools a deduplicated batch with its rows "
+                "resolved; look a lookup-only batch up with lookup(table, batch)"
+            )
+        unique = np.ascontiguousarray(tb.unique_rows, dtype=np.int64)
+        if len(unique) and int(unique.max()) >= rows.shape[0]:
+            raise ValueError(
+                f"lookup_rows: row {int(unique.max())} of a batch is past the {rows.shape[0]} "
+                "rows given"
+            )
+        if out is None:
+            out = np.empty((tb.num_outputs, dim), dtype=np.float32)
+        else:
+            out_rows(out, tb.num_outputs, dim, rows)
+        pmeta = np.zeros((1, train_lookup.P_COLS), dtype=np.int64)
+        pmeta[0, : train_lookup.P_ROW_BASE] = _table_columns(rows, dim, out)
+        pmeta[0, train_lookup.P_KIND] = KIND[weights_dtype]  # bases 0: one table's own arrays
+        start_pool()
+        train_lookup.pool_tables(
+            nb.get_num_threads(),
+            pmeta,
+            frozen(unique),
+            frozen(np.ascontiguousarray(tb.inverse, dtype=np.int64)),
+            frozen(np.ascontiguousarray(tb.gains, dtype=np.float32)),
+            frozen(np.ascontiguousarray(tb.output_offsets, dtype=np.int64)),
+            _quantization_row(quantization)[None, :],
+            self.lookup_prefetch,
+        )
         return out
 
     def _pool_parts(self, tb: LookupOnlyTableBatch, dim: int, quantization, source) -> np.ndarray:

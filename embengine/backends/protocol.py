@@ -88,6 +88,7 @@ class Backend(Protocol):
         quantization: QuantizationConfig | None = None,
         *,
         out: np.ndarray | None = None,
+        weights_dtype: str = "float32",
     ) -> np.ndarray:
         """``lookup`` from rows given as an array: float32, C-contiguous ``[n, >= dim]``, row
         ``r`` holding row ``r``'s weights in its first ``dim`` columns (a DenseTable's
@@ -95,7 +96,10 @@ class Backend(Protocol):
         deduplicated batch's ``unique_rows``, a lookup-only batch's ids from each feature's
         ``row_offset`` on (a storage whose rows are ids). ``out``: a writable float32
         C-contiguous ``[num_outputs, dim]`` array apart from ``rows`` to write the activations
-        into (and return), e.g. a slice of a send buffer; else a new one."""
+        into (and return), e.g. a slice of a send buffer; else a new one. ``weights_dtype``
+        "float16" / "bfloat16": ``rows`` is uint16 ``[n, >= dim]`` whose first ``dim`` units
+        are the weights' bits (a 16-bit table's row array), each widened exactly as it is
+        read (a deduplicated batch only)."""
         ...
 
     def apply(

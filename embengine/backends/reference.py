@@ -182,9 +182,16 @@ class ReferenceBackend:
         quantization=None,
         *,
         out: np.ndarray | None = None,
+        weights_dtype: str = "float32",
     ) -> np.ndarray:
         """``lookup`` from an array whose row ``r`` holds row ``r``'s weights in its first
-        ``dim`` columns, read at the batch's rows (Backend protocol); a row of -1 pools zeros."""
+        ``dim`` columns, read at the batch's rows (Backend protocol); a row of -1 pools zeros.
+        ``weights_dtype`` 16-bit: ``rows`` holds the weights' bits (uint16), widened here."""
+        if weights_dtype != "float32":
+            source = rows
+            rows = widen(np.asarray(rows)[:, :dim], KIND[weights_dtype])
+            if out is not None:
+                out_rows(out, tb.num_outputs, dim, source)  # apart from the 16-bit rows too
         if isinstance(tb, LookupOnlyTableBatch):
             tb = tb.occurrences
         if tb.unique_rows is None:

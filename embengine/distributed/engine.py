@@ -74,7 +74,7 @@ from ..kernels import shard_route as sr
 from ..kernels.rounding import widen_rows
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..precision import KIND, widen
+from ..precision import KIND
 from ..spec import (
     feature_entries,
     initializer_for,
@@ -1073,12 +1073,11 @@ class ShardedEngine:
                 continue
             local = dataclasses.replace(tb, unique_rows=rows[t])
             q = self._resolved.tables[t].quantization_config
-            if half[t]:  # widened exactly, as the owner's own lookup reads them
-                kind = KIND[self._shards[t].weights_dtype]
-                matrix = widen(layouts[t].matrix(values16), kind)
-            else:
-                matrix = layouts[t].matrix(values)
-            per_table[t] = self._backend.lookup_rows(matrix, int(dims[t]), local, q)
+            # 16-bit rows widened exactly as they are pooled, as the owner reads them
+            matrix = layouts[t].matrix(values16 if half[t] else values)
+            per_table[t] = self._backend.lookup_rows(
+                matrix, int(dims[t]), local, q, weights_dtype=self._shards[t].weights_dtype
+            )
 
     def _answer_half(
         self,
@@ -1693,23 +1692,18 @@ class ShardedEngine:
         shard, dim = self._shards[t], int(self._dims[t])
         q = self._resolved.tables[t].quantization_config
         fs, ss = self._table_blocks[t]
+        # 16-bit weights are pooled from the row array, widened as read; float32 ones from
+        # the rows as floats (16-bit slots beside them: the row array's float32 view)
         half = _half_weights(shard)
-        data = None if half else _float_rows(shard)
+        data = shard.data if half else _float_rows(shard)
         for b in blocks.tolist():
             rows = int(kept.block_rows[b])
             if rows:  # pooled straight into the answer's block
                 a = int(answer_at[ss[b], fs[b]])
                 into = answer[a : a + rows * dim].reshape(rows, dim)
-                tb = kept.block_batch(b)
-                if half:  # the block's rows widened first (one per occurrence)
-                    src = np.empty((len(tb.unique_rows), dim), dtype=np.float32)
-                    _weights_into(shard, tb.unique_rows, src)
-                    each = np.arange(len(src), dtype=np.int64)
-                    self._backend.lookup_rows(
-                        src, dim, dataclasses.replace(tb, unique_rows=each), q, out=into
-                    )
-                else:  # float32 weights (a 16-bit row's are its float32 view's first columns)
-                    self._backend.lookup_rows(data, dim, tb, q, out=into)
+                self._backend.lookup_rows(
+                    data, dim, kept.block_batch(b), q, out=into, weights_dtype=shard.weights_dtype
+                )
 
     def _kept_batch(
         self, t: int, kept: _Kept, row_base: np.ndarray, num_outputs: int, arrays: list
