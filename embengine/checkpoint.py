@@ -1171,8 +1171,9 @@ def _check_compatible(engine_spec: dict, manifest: dict, ckpt: Path) -> None:
                 raise CheckpointError(
                     f"table {t['name']!r}: the checkpoint stores {key} {theirs!r}, the engine "
                     f"{ours!r}; restore into an engine built with TableConfig({key}={theirs!r}), "
-                    "or cast explicitly: load_state_dict(...) of the checkpoint's arrays "
-                    f"converted with .astype(...) to {ours!r}"
+                    "or cast explicitly in an EmbeddingEngine: load_state_dict(...) of the "
+                    f"checkpoint's arrays converted with .astype(...) to {ours!r} (and save it, "
+                    "for a ShardedEngine to restore)"
                 )
         # The learning rate may be a callable, and packing is a storage hint: neither changes
         # what the stored slots mean.
