@@ -47,6 +47,7 @@ __all__ = [
     "stochastic_round",
     "widen",
     "nearest",
+    "rounding_places",
 ]
 
 # The stored dtypes a table may have, and their codes in the kernels.
@@ -155,6 +156,19 @@ def round_f16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
 def stochastic_round(x: np.ndarray, kind: int, bits: np.ndarray) -> np.ndarray:
     """``x`` rounded to kind ``BF16`` or ``F16`` (uint16 bit patterns)."""
     return round_bf16(x, bits) if kind == BF16 else round_f16(x, bits)
+
+
+def rounding_places(row_keys: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """Each of ``rows``' place in its table's rounding stream (``kernels.rounding.hash_row``'s
+    rule on arrays): ``row_keys`` None or empty, the rows (a dense table's rows are its ids);
+    one row of three ``[[W, rank, 0]]`` (a row-sharded ShardTable), ``rows W + rank``;
+    otherwise column 0 at the rows (a keyed table's keys)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if row_keys is None or row_keys.shape[0] == 0:
+        return rows
+    if row_keys.shape[1] == 3:
+        return rows * row_keys[0, 0] + row_keys[0, 1]
+    return row_keys[rows, 0]
 
 
 def widen(h: np.ndarray, kind: int) -> np.ndarray:

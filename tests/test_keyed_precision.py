@@ -695,15 +695,22 @@ def one_rank_group():
 
 
 @pytest.mark.parametrize("dtypes", [PAIRS[0], PAIRS[3]], ids=[PAIR_IDS[0], PAIR_IDS[3]])
-def test_a_sharded_engine_still_refuses_a_keyed_16_bit_table(one_rank_group, dtypes):
+def test_a_sharded_engine_trains_a_keyed_16_bit_table_as_one_engine(one_rank_group, dtypes):
+    # (refused until the ShardedEngine stored 16-bit tables; tests/test_distributed_precision.py
+    # runs it on 2 and 3 ranks)
     from embengine.distributed import ShardedEngine
 
     t = _table(None, 8, dtypes, name="kh", dynamic=ee.DynamicVocabulary())
-    with pytest.raises(
-        ValueError,
-        match=f"table 'kh': weights_dtype='{dtypes[0]}', slots_dtype='{dtypes[1]}'.*float32",
-    ):
-        ShardedEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1))
+    sharded = ShardedEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adagrad(0.1))
+    single = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=opt.Adagrad(0.1))
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        feats = {"f": ee.Ragged(rng.integers(-50, 50, 12) * 7919, lengths=[5, 0, 7])}
+        grads = {"f": rng.normal(size=(3, 8)).astype(np.float32)}
+        for eng in (sharded, single):
+            eng.lookup(feats)
+            eng.apply_gradients(grads)
+    _same_bits(sharded.table_contents()["tables"]["kh"], single.table_contents("kh"), "kh")
 
 
 # -- evaluation lookups ---------------------------------------------------------------------------

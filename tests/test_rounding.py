@@ -179,3 +179,28 @@ def test_a_16_bit_table_gets_the_kernels_of_its_dtype_pair(optimizer, weights, s
     assert fused.py_func.__name__ == f"fused_update_{name}"
     if optimizer == "adam":  # non-lazy: every row's update too
         assert every_row.py_func.__name__ == f"update_every_row_{name}"
+
+
+def test_a_rows_place_in_the_stream_numba_equals_numpy():
+    """``kernels.rounding.hash_row`` and ``precision.rounding_places`` give each row its place
+    alike: a dense table's row, a keyed table's key (column 0 of its records), a row-sharded
+    shard's global id ``r W + rank`` (``[[W, rank, 0]]``)."""
+    from numba import njit
+
+    @njit
+    def places(row_keys, rows):
+        out = np.empty(len(rows), np.int64)
+        for i in range(len(rows)):
+            out[i] = kr.hash_row(row_keys, rows[i])
+        return out
+
+    rows = np.array([0, 3, 1, 7], np.int64)
+    records = np.array([[-5, 1], [9, 2], [2**40, 3], [11, 4], [0, 0], [1, 1], [2, 2], [-1, 9]])
+    for row_keys, want in (
+        (np.zeros((0, 1), np.int64), rows),
+        (records, records[rows, 0]),
+        (np.array([[3, 2, 0]], np.int64), rows * 3 + 2),
+    ):
+        assert places(row_keys, rows).tolist() == want.tolist()
+        assert pr.rounding_places(row_keys, rows).tolist() == want.tolist()
+    assert pr.rounding_places(None, rows).tolist() == rows.tolist()

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
-from ..precision import KIND, hash_bits, stochastic_round, widen
+from ..precision import KIND, hash_bits, rounding_places, stochastic_round, widen
 from ..storage import TableStorage
 from ..storage.dense import column_view
 from .protocol import out_rows
@@ -43,8 +43,7 @@ def _store(
     kind = KIND[col.dtype]
     columns = col.start + np.arange(col.width)[None, :]
     # a keyed table's stream follows its keys (its rows move), a dense one's its rows (= ids)
-    keys = getattr(table, "rounding_rows", None)
-    where = rows if keys is None else keys[rows, 0]
+    where = rounding_places(getattr(table, "rounding_rows", None), rows)
     bits = hash_bits(table.rounding_key, step, where[:, None], unit, columns)
     stored = stochastic_round(v32.reshape(len(rows), col.width), kind, bits)
     return widen(stored, kind), stored

@@ -443,10 +443,15 @@ class ShardTable(DenseTable):
 
     @property
     def rounding_rows(self) -> np.ndarray:
-        """What a 16-bit update's rounding stream follows for each row (``rounding.hash_row``):
-        its global id, int64 ``[rows, 1]``; the single engine's stream follows its rows, which
-        are its ids, so a shard rounds every id as one process does."""
-        return self.global_ids.reshape(-1, 1)
+        """What a 16-bit update's rounding stream follows for each row (``rounding.hash_row``,
+        ``precision.rounding_places``): its global id. The single engine's stream follows its
+        rows, which are its ids, so a shard rounds every id as one process does. Row sharding:
+        ``[[W, rank, 0]]``, id ``r W + rank`` computed (a table of ids read at each updated
+        row cost a cache miss a row: twice the update's time); a whole table: none (its rows
+        are its ids)."""
+        if self.kind == "row":
+            return np.array([[self.world_size, self.rank, 0]], dtype=np.int64)
+        return np.zeros((0, 1), dtype=np.int64)
 
     @property
     def row_bases(self) -> tuple[int, ...] | None:

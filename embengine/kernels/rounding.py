@@ -84,10 +84,14 @@ def row_hash(key, step, row, unit):
 
 @kernel(inline="always")
 def hash_row(row_keys, r):
-    """Row ``r``'s place in its table's rounding stream: its key for a keyed table
-    (``row_keys``: its records as int64, the key in column 0), whose rows move (a restore lays
-    them out in key order), so a key's stream does not; its row (= its id) for a dense table
-    (``row_keys`` empty)."""
+    """Row ``r``'s place in its table's rounding stream (``precision.rounding_places``): its
+    key for a keyed table (``row_keys``: its records as int64, the key in column 0), whose
+    rows move (a restore lays them out in key order), so a key's stream does not; its id for a
+    row-sharded ShardTable (``row_keys`` one row of three ``[[W, rank, 0]]``: row r holds id
+    ``r W + rank``, computed, where a table of ids would cost a cache miss a row); its row
+    (= its id) for a dense table (``row_keys`` empty)."""
+    if row_keys.shape[1] == 3:
+        return np.int64(r) * row_keys[0, 0] + row_keys[0, 1]
     if row_keys.shape[0] != 0:
         return row_keys[r, 0]
     return np.int64(r)
