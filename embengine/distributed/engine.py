@@ -71,10 +71,8 @@ from ..engine import (
 )
 from ..inputs import frozen
 from ..kernels import shard_route as sr
-from ..kernels.rounding import widen_rows
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
-from ..precision import KIND
 from ..spec import (
     feature_entries,
     initializer_for,
@@ -2057,25 +2055,13 @@ def _float_rows(shard) -> np.ndarray:
     return data.view(np.float32) if data.dtype == np.uint16 else data
 
 
-def _weights_into(shard, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[i]`` = row ``rows[i]``'s weights as float32 (16-bit ones widened, exact); zeros
-    for a row of -1."""
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if not _half_weights(shard):
-        out[:] = _float_rows(shard)[np.maximum(rows, 0), : shard.dim]
-        out[rows < 0] = 0.0
-        return
-    widen_rows(shard.data, KIND[shard.weights_dtype], shard.dim, rows, out)
-
-
 def _stored_weights_into(shard, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[i]`` = row ``rows[i]``'s weights as stored: float32 into a float32 ``out``, the
-    bits of 16-bit ones into a uint16 ``out``; zeros (0.0 in every dtype) for a row of -1."""
-    if out.dtype == np.float32:
-        _weights_into(shard, rows, out)
-        return
+    bits of 16-bit ones (a row's first units) into a uint16 ``out``; zeros (0.0 in every
+    dtype) for a row of -1."""
     rows = np.asarray(rows, dtype=np.int64)
-    out[:] = shard.data[np.maximum(rows, 0), : shard.dim]  # 16-bit weights: the first units
+    source = shard.data if out.dtype == np.uint16 else _float_rows(shard)
+    out[:] = source[np.maximum(rows, 0), : shard.dim]
     out[rows < 0] = 0
 
 
