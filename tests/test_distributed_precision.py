@@ -159,6 +159,26 @@ def test_the_sums_saving_counts_a_pulled_weight_as_stored():
     assert sums_saving(8, 10, 3, value_bytes=2) == (8 + 16) * 10 - 96
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_auto_sharding_weighs_a_16bit_tables_pulled_rows_as_stored():
+    # "auto" places tables by their expected traffic, the cost model's per id: pulled id and
+    # row (8 + b dim, b = 2 for 16-bit weights: the rows travel as stored), pushed occurrence
+    # (20), float32 gradient row (4 dim). Two tables alike but for the weights' dtype: the
+    # 16-bit one 28 + 6 * 8 = 76 bytes an id, the float32 one 28 + 8 * 8 = 92 (not 50% each).
+    from embengine.distributed import ShardedEngine
+    from embengine.distributed.sharding import expected_traffic
+
+    features = {
+        f"f{i}": ee.FeatureConfig(ee.TableConfig(100, 8, name=f"t{i}", weights_dtype=w))
+        for i, w in enumerate(["bfloat16", "float32"])
+    }
+    plan = ShardedEngine(features, optimizer=ee.optimizers.SGD(0.1), sharding="auto").plan
+    assert plan["t0"].endswith(f"({round(100 * 76 / 168)}% of the expected traffic)"), plan
+    assert plan["t1"].endswith(f"({round(100 * 92 / 168)}% of the expected traffic)"), plan
+    assert expected_traffic(8, [1, 3], value_bytes=2) == 4 * 76
+    assert expected_traffic(8, [1]) == 92
+
+
 def test_16bit_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path, monkeypatch):
     # bfloat16 weights, float16 slots (FTRL: two of them). Save at 3 ranks; restore at 2 and
     # into a plain engine; a plain engine's checkpoint restores at 2. Each continues to the

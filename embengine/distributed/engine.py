@@ -389,7 +389,11 @@ class ShardedEngine:
                 t.vocabulary_size or 0,
                 t.dim,
                 nbytes,
-                expected_traffic(t.dim, [r.features[f].max_sequence_length or 1 for f in names]),
+                expected_traffic(
+                    t.dim,
+                    [r.features[f].max_sequence_length or 1 for f in names],
+                    2 if t.weights_dtype != "float32" else 4,  # a pulled row's stored bytes
+                ),
                 opt.updates_every_row,
             )
             for t, nbytes, names, opt in zip(

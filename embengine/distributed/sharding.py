@@ -286,13 +286,15 @@ class TableLoad:
     every_row: bool = False
 
 
-def expected_traffic(dim: int, positions: Sequence[int]) -> float:
+def expected_traffic(dim: int, positions: Sequence[int], value_bytes: int = 4) -> float:
     """A table's expected bytes on the wire a step, per sample, by the cost model of
     docs/design.md with one id per bag or sequence position (the data is not known when the
-    plan is made): per id, one pulled row and its id (``8 + 4 dim``), one pushed occurrence
-    (20) and its share of a gradient row (``4 dim``). ``positions``: per feature of the table,
-    its ids a sample (1 for a bag, ``max_sequence_length`` for a sequence feature)."""
-    return float(sum(positions)) * (28 + 8 * dim)
+    plan is made): per id, one pulled row and its id (``8 + b dim``, ``b`` = ``value_bytes``,
+    a weight's stored bytes: 4, or 2 for a 16-bit table, whose pulled rows travel as stored),
+    one pushed occurrence (20) and its share of a gradient row (``4 dim``, float32 whatever
+    the table stores). ``positions``: per feature of the table, its ids a sample (1 for a bag,
+    ``max_sequence_length`` for a sequence feature)."""
+    return float(sum(positions)) * (28 + (4 + int(value_bytes)) * dim)
 
 
 def plan_auto(
