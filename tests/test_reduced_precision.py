@@ -440,6 +440,13 @@ def test_lookup_rows_pools_16_bit_weights_as_the_widened_rows(weights, quantized
         numba.lookup_rows(rows16, dim, tb, weights_dtype="int8")
     with pytest.raises(ValueError, match="row 11 of a batch is past the 10 rows"):
         numba.lookup_rows(np.ascontiguousarray(rows16[:10]), dim, tb, weights_dtype=weights)
+    for backend in (numba, ReferenceBackend()):  # both refuse what is not 16-bit rows
+        with pytest.raises(ValueError, match="needs a (C-contiguous )?uint16"):
+            backend.lookup_rows(values, dim, tb, weights_dtype=weights)  # float32 values
+        with pytest.raises(ValueError, match="needs a (C-contiguous )?uint16"):
+            backend.lookup_rows(np.ascontiguousarray(rows16[:, :3]), dim, tb, weights_dtype=weights)
+        with pytest.raises(ValueError, match="weights_dtype must be"):
+            backend.lookup_rows(rows16, dim, tb, weights_dtype="float64")
 
 
 @_with_dtypes(COUNTING)

@@ -187,8 +187,21 @@ class ReferenceBackend:
         ``dim`` columns, read at the batch's rows (Backend protocol); a row of -1 pools zeros.
         ``weights_dtype`` 16-bit: ``rows`` holds the weights' bits (uint16), widened here."""
         if weights_dtype != "float32":
+            # as the numba backend refuses them: widen() would cast other rows' values to
+            # uint16 and read them as bits
+            rows = np.asarray(rows)
+            if weights_dtype not in ("float16", "bfloat16"):
+                raise ValueError(
+                    f"lookup_rows: weights_dtype must be 'float32', 'float16' or 'bfloat16', "
+                    f"got {weights_dtype!r}"
+                )
+            if rows.dtype != np.uint16 or rows.ndim != 2 or rows.shape[1] < dim:
+                raise ValueError(
+                    f"lookup_rows of {weights_dtype} weights needs a uint16 [rows, >= {dim}] "
+                    f"array, got {rows.dtype} of shape {rows.shape}"
+                )
             source = rows
-            rows = widen(np.asarray(rows)[:, :dim], KIND[weights_dtype])
+            rows = widen(rows[:, :dim], KIND[weights_dtype])
             if out is not None:
                 out_rows(out, tb.num_outputs, dim, source)  # apart from the 16-bit rows too
         if isinstance(tb, LookupOnlyTableBatch):
