@@ -22,7 +22,7 @@ from ..optimizers import Optimizer, RowMath
 from ..precision import F32, KIND
 from ..storage import TableStorage
 from .block_pool import BlockPool, Carver
-from .protocol import out_rows
+from .protocol import lookup_rows_source, out_rows
 
 __all__ = ["NumbaBackend", "build_tables_numba", "build_tables_and_pool_numba"]
 
@@ -828,19 +828,10 @@ class NumbaBackend:
         ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``.
         ``weights_dtype`` 16-bit: uint16 rows, pooled by ``train_lookup.pool_tables`` with
         each value widened as it is read (no widened copy)."""
+        # The kernels read rows by index without bounds checks: refuse what they cannot read.
+        lookup_rows_source(rows, dim, weights_dtype)
         if weights_dtype != "float32":
             return self._lookup_half_rows(rows, dim, tb, quantization, out, weights_dtype)
-        # The kernels read rows by index without bounds checks: refuse what they cannot read.
-        if (
-            rows.dtype != np.float32
-            or rows.ndim != 2
-            or not rows.flags.c_contiguous
-            or rows.shape[1] < dim
-        ):
-            raise ValueError(
-                f"lookup_rows needs a C-contiguous float32 [rows, >= {dim}] array, got "
-                f"{rows.dtype} of shape {rows.shape}"
-            )
         if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
             if any(p.row_offset < 0 for p in tb.parts):
                 raise ValueError(
@@ -868,22 +859,8 @@ class NumbaBackend:
         return out
 
     def _lookup_half_rows(self, rows, dim, tb, quantization, out, weights_dtype) -> np.ndarray:
-        """``lookup_rows`` of a deduplicated batch from uint16 rows of 16-bit weights."""
-        if weights_dtype not in ("float16", "bfloat16"):
-            raise ValueError(
-                f"lookup_rows: weights_dtype must be 'float32', 'float16' or 'bfloat16', got "
-                f"{weights_dtype!r}"
-            )
-        if (
-            rows.dtype != np.uint16
-            or rows.ndim != 2
-            or not rows.flags.c_contiguous
-            or rows.shape[1] < dim
-        ):
-            raise ValueError(
-                f"lookup_rows of {weights_dtype} weights needs a C-contiguous uint16 [rows, >= "
-                f"{dim}] array, got {rows.dtype} of shape {rows.shape}"
-            )
+        """``lookup_rows`` of a deduplicated batch from uint16 rows of 16-bit weights (checked
+        by ``lookup_rows_source``)."""
         if not isinstance(tb, TableBatch) or tb.unique_rows is None:
             raise ValueError(
                 "lookup_rows of 16-bit weights pools a deduplicated batch with its rows "

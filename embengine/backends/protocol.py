@@ -119,6 +119,36 @@ class Backend(Protocol):
         ...
 
 
+def lookup_rows_source(rows, dim: int, weights_dtype: str = "float32", contiguous: bool = True):
+    """``rows`` checked as ``Backend.lookup_rows`` takes them (a ValueError naming what they
+    are otherwise): float32 ``[n, >= dim]``, or uint16 (the weights' bits) for
+    ``weights_dtype`` "float16" / "bfloat16"; C-contiguous where a kernel reads them by
+    address without bounds checks (``contiguous``)."""
+    import numpy as np
+
+    if weights_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(
+            f"lookup_rows: weights_dtype must be 'float32', 'float16' or 'bfloat16', got "
+            f"{weights_dtype!r}"
+        )
+    want = np.float32 if weights_dtype == "float32" else np.uint16
+    if (
+        not isinstance(rows, np.ndarray)
+        or rows.dtype != want
+        or rows.ndim != 2
+        or (contiguous and not rows.flags.c_contiguous)
+        or rows.shape[1] < dim
+    ):
+        what = f"{rows.dtype} of shape {rows.shape}" if isinstance(rows, np.ndarray) else rows
+        layout = "a C-contiguous" if contiguous else "a"
+        of = "" if weights_dtype == "float32" else f" of {weights_dtype} weights"
+        raise ValueError(
+            f"lookup_rows{of} needs {layout} {np.dtype(want).name} [rows, >= {dim}] array, got "
+            f"{what}"
+        )
+    return rows
+
+
 def out_rows(out, rows: int, dim: int, source=None):
     """``out``, checked as ``Backend.lookup_rows`` takes it: a writable float32 C-contiguous
     ``[rows, dim]`` array apart from the ``source`` rows it is pooled from (a ValueError naming

@@ -16,7 +16,7 @@ from ..optimizers import Optimizer, RowContext
 from ..precision import KIND, hash_bits, rounding_places, stochastic_round, widen
 from ..storage import TableStorage
 from ..storage.dense import column_view
-from .protocol import out_rows
+from .protocol import lookup_rows_source, out_rows
 
 __all__ = ["ReferenceBackend", "update_rows"]
 
@@ -189,17 +189,7 @@ class ReferenceBackend:
         if weights_dtype != "float32":
             # as the numba backend refuses them: widen() would cast other rows' values to
             # uint16 and read them as bits
-            rows = np.asarray(rows)
-            if weights_dtype not in ("float16", "bfloat16"):
-                raise ValueError(
-                    f"lookup_rows: weights_dtype must be 'float32', 'float16' or 'bfloat16', "
-                    f"got {weights_dtype!r}"
-                )
-            if rows.dtype != np.uint16 or rows.ndim != 2 or rows.shape[1] < dim:
-                raise ValueError(
-                    f"lookup_rows of {weights_dtype} weights needs a uint16 [rows, >= {dim}] "
-                    f"array, got {rows.dtype} of shape {rows.shape}"
-                )
+            lookup_rows_source(rows, dim, weights_dtype, contiguous=False)
             source = rows
             rows = widen(rows[:, :dim], KIND[weights_dtype])
             if out is not None:
