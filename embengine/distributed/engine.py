@@ -73,6 +73,7 @@ from ..inputs import frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
+from ..precision import numpy_dtype
 from ..spec import (
     feature_entries,
     initializer_for,
@@ -379,6 +380,11 @@ class ShardedEngine:
             * np.dtype(row_dtype(t.weights_dtype, t.slots_dtype)).itemsize
             for name, t, specs in zip(r.table_names, r.tables, slot_specs, strict=True)
         ]
+        # A pulled row's weight on the wire: its stored bytes (4, or 2: a 16-bit table's rows
+        # travel as their bits), for the planner and the exchange's cost model.
+        self._value_bytes = np.array(
+            [numpy_dtype(t.weights_dtype).itemsize for t in r.tables], dtype=np.int64
+        )
         # A keyed table's size is not known in advance; it is sharded by key anyway.
         table_bytes = [
             0 if t.keyed else t.vocabulary_size * b
@@ -392,12 +398,17 @@ class ShardedEngine:
                 expected_traffic(
                     t.dim,
                     [r.features[f].max_sequence_length or 1 for f in names],
-                    2 if t.weights_dtype != "float32" else 4,  # a pulled row's stored bytes
+                    int(value_bytes),
                 ),
                 opt.updates_every_row,
             )
-            for t, nbytes, names, opt in zip(
-                r.tables, table_bytes, r.table_features, optimizers, strict=True
+            for t, nbytes, names, opt, value_bytes in zip(
+                r.tables,
+                table_bytes,
+                r.table_features,
+                optimizers,
+                self._value_bytes,
+                strict=True,
             )
         ]
         self._plan = plan_shards(
@@ -455,7 +466,7 @@ class ShardedEngine:
         )
         self._dims = np.array([t.dim for t in r.tables], dtype=np.int64)
         # Tables whose weights are stored in 16 bits: their pulled rows travel as 16 bits.
-        self._half_tables = np.array([t.weights_dtype != "float32" for t in r.tables], dtype=bool)
+        self._half_tables = self._value_bytes == 2
         self._feature_dims = np.array(
             [r.features[f].table.dim for f in self._features], dtype=np.int64
         )
@@ -939,7 +950,7 @@ class ShardedEngine:
             int(self._dims[t]),
             int(counts.sum() - counts[me]),
             int(push.m[fs].sum() - push.m[fs, me].sum()),
-            2 if self._half_tables[t] else 4,
+            int(self._value_bytes[t]),
         )
 
     def _pull_rows(
