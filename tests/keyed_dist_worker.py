@@ -14,6 +14,10 @@ Scenarios:
                               100 s apart); each rank's activations, and the gathered tables
                               after every step, plus an evaluation lookup at the end
   apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
+  evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>
+                              EVICT_STEPS steps through max_rows=MAX_ROWS (keys from a pool
+                              of 24, ``evict_batch``), step EVICT_REFUSED's batch needing
+                              more rows than that (its error text saved); as keyed otherwise
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
                               ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
@@ -21,7 +25,6 @@ Scenarios:
   ckpt_memory                 30,000 keys (dim 64, Adagrad) saved and restored with 64 KiB
                               chunks: tracemalloc's peak of each, and the table's bytes
   time_mismatch               the last rank passes another timestamp
-  max_rows                    a keyed table with max_rows (refused)
   eval_mismatch               the last rank looks up for evaluation while the others train
   apply_time                  insert on apply, an update later in data time than its lookup,
                               its keys on one rank (2 ranks): keys and data time every step
@@ -59,7 +62,14 @@ def optimizers():
     }
 
 
-def make_features(optimizer: str, threshold: int, expiry: str, insert_on: str = "lookup"):
+def make_features(
+    optimizer: str,
+    threshold: int,
+    expiry: str,
+    insert_on: str = "lookup",
+    max_rows: int | None = None,
+    eviction: str = "lru",
+):
     """A keyed table "k" (features "a", bags with weights, and "s", a sequence) and a dense
     table "d" (feature "c")."""
     import embengine as ee
@@ -69,6 +79,8 @@ def make_features(optimizer: str, threshold: int, expiry: str, insert_on: str = 
         expire_steps=1 if expiry == "steps" else None,
         expire_seconds=150 if expiry == "seconds" else None,
         insert_on=insert_on,
+        max_rows=max_rows,
+        eviction=eviction,
     )
     init = ee.initializers.RandomUniform(-0.3, 0.3)
     # $EE_TEST_DTYPES: "<weights>,<slots>" of both tables (test_distributed_precision.py)
@@ -128,9 +140,47 @@ def global_batch(step: int):
     return feats, weights, grads
 
 
-def local(step: int, rank: int, world: int):
-    """This rank's share of the step's global batch."""
+EVICT_STEPS = 8
+EVICT_REFUSED = 5
+MAX_ROWS = 12
+# 24 keys, 0 mod 6 as POOL's, some negative, FID-like high bits
+EVICT_POOL = (np.arange(1, 25, dtype=np.int64) * 6) | (np.int64(9) << np.int64(56))
+EVICT_POOL[[2, 7, 11]] *= -1
+
+
+def evict_features(name: str):
+    """``make_features`` of an ``evict:`` scenario: (features, optimizer)."""
+    _, optimizer, eviction, insert_on, threshold, expiry = name.split(":")
+    return make_features(
+        optimizer, int(threshold), expiry, insert_on, max_rows=MAX_ROWS, eviction=eviction
+    )
+
+
+def evict_batch(step: int):
+    """(features, weights, gradients) of an ``evict:`` scenario's step: the hot key in every
+    sample of "a" and up to 8 keys drawn from EVICT_POOL (so rows are evicted every few
+    steps), 14 at step EVICT_REFUSED (with the hot key, more than MAX_ROWS rows)."""
     feats, weights, grads = global_batch(step)
+    rng = np.random.default_rng(500 + step)
+    some = rng.choice(EVICT_POOL, 14 if step == EVICT_REFUSED else 8, replace=False)
+    feats["a"] = [
+        [HOT] + list(map(int, rng.choice(some, rng.integers(0, 3)))) for _ in range(BATCH)
+    ]
+    feats["a"][2] = feats["a"][2] + feats["a"][2]
+    feats["s"] = [list(map(int, rng.choice(some, rng.integers(0, 4)))) for _ in range(BATCH)]
+    if step == EVICT_REFUSED:
+        feats["s"][0] = list(map(int, some[:3]))  # every key of ``some`` in the batch
+        feats["s"][1] = list(map(int, some[3:6]))
+        feats["s"][3] = list(map(int, some[6:9]))
+        feats["s"][4] = list(map(int, some[9:12]))
+        feats["s"][5] = list(map(int, some[12:]))
+    weights = {"a": [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in feats["a"]]}
+    return feats, weights, grads
+
+
+def local(step: int, rank: int, world: int, batches=None):
+    """This rank's share of the step's global batch (``batches``: its maker, global_batch)."""
+    feats, weights, grads = (batches or global_batch)(step)
     lo, hi = split(step, world)[rank]
     return (
         {k: v[lo:hi] for k, v in feats.items()},
@@ -167,6 +217,29 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
     feats, weights, _ = local(0, rank, world)
     for k, v in eng.lookup(feats, weights, training=False).items():
         saved[f"eval/{k}"] = v
+    np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+def run_evict(rank: int, world: int, out: str, name: str) -> None:
+    from embengine.distributed import ShardedEngine
+
+    features, o = evict_features(name)
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    saved = {}
+    for step in range(EVICT_STEPS):
+        feats, weights, grads = local(step, rank, world, evict_batch)
+        try:
+            acts = eng.lookup(feats, weights, timestamp=timestamp(step))
+        except ValueError as e:  # step EVICT_REFUSED: the batch needs too many rows
+            saved[f"refused{step}"] = np.array(str(e))
+        else:
+            for k, v in acts.items():
+                saved[f"act{step}/{k}"] = v
+            eng.apply_gradients(grads)
+        contents(eng, f"step{step}", saved)
+        stats = eng.table_stats()["tables"]["k"]
+        saved[f"rows{step}"] = np.array(stats["rows"])
+        saved[f"evicted{step}"] = np.array(stats["keyed"]["total"]["evicted"])
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
@@ -342,17 +415,9 @@ def run_restore_cut(rank: int, world: int, out: str, name: str) -> None:
 
 
 def run_error(rank: int, world: int, out: str, name: str) -> None:
-    import dataclasses
-
     from embengine.distributed import ShardedEngine
 
     features, o = make_features("sgd", 1, "seconds")
-    if name == "max_rows":
-        table = features["a"].table
-        table = dataclasses.replace(table, dynamic=dataclasses.replace(table.dynamic, max_rows=100))
-        features = {
-            k: dataclasses.replace(f, table=table) if k != "c" else f for k, f in features.items()
-        }
     feats, weights, _ = local(0, rank, world)
     when = timestamp(0) + (1 if rank == world - 1 else 0)
     try:
@@ -383,6 +448,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith(("keyed:", "apply:")):
                 run_keyed(rank, world, out, name)
+            elif name.startswith("evict:"):
+                run_evict(rank, world, out, name)
             elif name == "ckpt_memory":
                 run_memory(rank, world, out, name)
             elif name.startswith("ckpt_"):

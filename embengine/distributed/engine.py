@@ -84,7 +84,7 @@ from ..spec import (
 from ..state import NO_TIME, WEIGHTS
 from ..storage import plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
-from ..storage.keyed import KeyedTable
+from ..storage.keyed import KeyedTable, shared_room, shared_victims
 from .comm import Comm
 from .sharding import (
     KEYED,
@@ -352,15 +352,6 @@ class ShardedEngine:
             feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
         )
         keyed = [t.keyed for t in r.tables]
-        for name, t in zip(r.table_names, r.tables, strict=True):
-            if t.keyed and t.dynamic.max_rows is not None:
-                raise ValueError(
-                    f"table {name!r}: DynamicVocabulary(max_rows={t.dynamic.max_rows}): a "
-                    "ShardedEngine does not bound a keyed table's rows (eviction for max_rows "
-                    "picks the least recently touched rows of the whole table, across ranks); "
-                    "leave max_rows=None (expire_steps / expire_seconds bound it by age) or "
-                    "train it in an EmbeddingEngine"
-                )
         self._resolved, self._optimizers = r, optimizers
         self._step_bound = step_bound(r, optimizers)
         self._learning_rates = LearningRates(optimizers, r.table_names)
@@ -1284,15 +1275,24 @@ class ShardedEngine:
                 mine, k_counts.sum(axis=0), k_recv.sum(axis=1), "lookup occurrences"
             )
         totals = got[:, self._cols.k :]
-        out = {}
+        asked_of: dict[int, tuple] = {}
         for t in self._keyed:
-            shard = self._shards[t]
             spans = [(int(recv_at[s, t]), int(recv_at[s, t] + recv_counts[s, t])) for s in range(w)]
             asked = np.concatenate([ids[a:b] for a, b in spans])
             keys, inverse = np.unique(asked, return_inverse=True)
+            if training and not totals[:, t].any():
+                continue  # no rank brought keys: the single engine runs no rule either
+            asked_of[t] = (spans, keys, inverse)
+        # max_rows is the whole table's: decided over every owner before any table changes.
+        room = {}
+        if training:
+            room = self._shared_room(
+                {t: (v[1], None) for t, v in asked_of.items() if self._bounded(t)}, update=False
+            )
+        out = {}
+        for t, (spans, keys, inverse) in asked_of.items():
+            shard = self._shards[t]
             if training:
-                if not totals[:, t].any():
-                    continue  # no rank brought keys: the single engine runs no rule either
                 n = np.concatenate(
                     [
                         occurrences[k_recv_at[s, t] : k_recv_at[s, t] + b - a]
@@ -1300,7 +1300,8 @@ class ShardedEngine:
                     ]
                 )
                 summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
-                found = shard.rows_for(0, keys, True, counts=summed)
+                victims = room[t][0] if t in room else None
+                found = shard.rows_for(0, keys, True, counts=summed, victims=victims)
             else:
                 found = shard.rows_for(0, keys, False)
             rows = np.full(len(ids), -1, dtype=np.int64)
@@ -1309,6 +1310,57 @@ class ShardedEngine:
                 rows[a:b] = found[inverse[pos : pos + b - a]]
                 pos += b - a
             out[t] = rows
+        return out
+
+    def _bounded(self, t: int) -> bool:
+        """Whether table ``t`` is keyed with ``max_rows`` (its evictions are the table's)."""
+        return t in self._keyed and self._shards[t].dynamic.max_rows is not None
+
+    def _shared_room(
+        self, asks: dict[int, tuple[np.ndarray, np.ndarray | None]], update: bool
+    ) -> dict[int, tuple[np.ndarray, bool]]:
+        """``max_rows`` of keyed tables sharded by key, decided as one table decides it: per
+        table ``t`` of ``asks`` (the same tables on every rank; ``(keys, rows)``: this rank's
+        distinct keys of the step and, for an update inserting on apply, their rows) -> (the
+        rows this rank evicts, whether expired rows go first). Every rank's
+        ``KeyedTable.room_needs`` in one all-gather: each rank sums them, so every rank
+        refuses a batch alike (before any table changes) and knows how many rows the table
+        evicts, k; then the tables that evict send their first k candidates in eviction order
+        (``eviction_candidates``: step last touched and key, int64) in one more, and each rank
+        takes its own among the first k of all (``keyed.shared_victims``). Bytes: 40 a table
+        and rank, then 16 (LRU) or 24 (LFU) a candidate, at most k a rank."""
+        ts = sorted(asks)
+        if not ts:
+            return {}
+        needs = np.stack([self._shards[t].room_needs(*asks[t]) for t in ts])
+        every = self._comm.all_gather(needs, "max_rows needs")  # [rank, table, 5]
+        decided = {
+            t: shared_room(
+                self.table_names[t], every[:, i], self._shards[t].dynamic.max_rows, update
+            )
+            for i, t in enumerate(ts)
+        }
+        out = {t: (np.zeros(0, np.int64), first) for t, (_, first) in decided.items()}
+        evicting = [t for t in ts if decided[t][0] > 0]
+        if not evicting:
+            return out
+        mine = {
+            t: self._shards[t].eviction_candidates(asks[t][0], decided[t][0], asks[t][1])
+            for t in evicting
+        }
+        sizes = np.array([len(mine[t][1]) for t in evicting], dtype=np.int64)
+        block = np.concatenate([sizes, *(mine[t][0].reshape(-1) for t in evicting)])
+        blocks = self._comm.all_gather_ragged(block, "max_rows candidates")
+        at = np.full(len(blocks), len(evicting), dtype=np.int64)  # each rank's next matrix
+        for i, t in enumerate(evicting):
+            width = mine[t][0].shape[1]
+            orders = []
+            for r, b in enumerate(blocks):
+                m = int(b[i])
+                orders.append(b[at[r] : at[r] + m * width].reshape(m, width))
+                at[r] += m * width
+            picked = shared_victims(orders, decided[t][0], self.rank)
+            out[t] = (mine[t][1][picked], decided[t][1])
         return out
 
     def apply_gradients(
@@ -1407,25 +1459,51 @@ class ShardedEngine:
         got_n = got[:, cols.n : cols.n + nf] * pushed[None, :]  # [sender, feature]
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
+        built: dict[int, TableBatch] = {}
+
+        def table_batch(t: int) -> TableBatch:
+            if t not in built:
+                layout = layouts[t]
+                if kept_tables[t]:
+                    built[t] = batches[t]
+                else:
+                    fs, ss = self._table_blocks[t]
+                    built[t] = self._owner_batch(
+                        t, int_recv, in_int_at[ss, fs], got_n[ss, fs], layout.row_base, layout.rows
+                    )
+            return built[t]
+
+        # Tables inserting on apply with max_rows: their evictions decided over every owner
+        # (this one too when it got none of the step's keys), before any table changes.
+        asks = {}
+        for t in self._keyed:
+            shard = self._shards[t]
+            if not (self._bounded(t) and shard.dynamic.insert_on == "apply"):
+                continue
+            if last is None or not last.got[:, self._cols.k + t].any():
+                continue
+            keys = table_batch(t).unique_ids if t in layouts else np.zeros(0, np.int64)
+            asks[t] = (keys, shard.rows_of(keys))
+        room = self._shared_room(asks, update=True)
         # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
         for t in reversed(range(nt)):
             if t not in layouts:
                 continue  # none of this table's rows lives here, so no rank sent any
             shard, layout = self._shards[t], layouts[t]
             grad = layout.matrix(rows_recv)
-            if kept_tables[t]:
-                tb = batches[t]
-            else:
-                fs, ss = self._table_blocks[t]
-                tb = self._owner_batch(
-                    t, int_recv, in_int_at[ss, fs], got_n[ss, fs], layout.row_base, len(grad)
-                )
+            tb = table_batch(t)
             if t in self._keyed:
                 # The rows the step's lookup resolved (-1: not admitted, the gradient
                 # dropped); inserting on apply, the admitted new keys get theirs now.
                 keys = tb.unique_ids
+                victims, first = room.get(t, (None, False))
                 found = shard.rows_for_update(
-                    0, keys, shard.rows_of(keys), counts=np.diff(tb.unique_offsets)
+                    0,
+                    keys,
+                    asks[t][1] if t in asks else shard.rows_of(keys),
+                    counts=np.diff(tb.unique_offsets),
+                    victims=victims,
+                    expire_for_room=first,
                 )
                 tb = dataclasses.replace(tb, unique_rows=np.asarray(found, dtype=np.int64))
             left = self._backend.apply(
@@ -1439,7 +1517,13 @@ class ShardedEngine:
             # brought it keys (the single engine's one table does): here too on a rank that
             # owns none of them (the lookup's headers count every rank's keys).
             for t in self._keyed:
-                if t not in layouts and last.got[:, self._cols.k + t].any():
+                if t not in layouts and t in room:  # it may evict rows for the others' keys
+                    victims, first = room[t]
+                    empty = np.zeros(0, np.int64)
+                    self._shards[t].rows_for_update(
+                        0, empty, empty, victims=victims, expire_for_room=first
+                    )
+                elif t not in layouts and last.got[:, self._cols.k + t].any():
                     self._shards[t].commit_update_time()
         # Everyone learns how many rows any rank left unchanged, so every rank reports alike.
         mine = np.array([sum(len(v) for v in unchanged.values())], dtype=np.int64)

@@ -843,6 +843,7 @@ class KeyedTable(MappedRows):
         counts: np.ndarray | None = None,
         found: np.ndarray | None = None,
         touched: bool = False,
+        victims: np.ndarray | None = None,
     ) -> np.ndarray:
         """Rows of ``ids``; -1 for a key without a row.
 
@@ -853,10 +854,13 @@ class KeyedTable(MappedRows):
         "lookup"``), recency and counts. A batch needing more than ``max_rows`` rows is a
         ValueError naming the table, raised before anything changes. ``found``: what the index
         gives ``ids`` now, when a kernel probed it already (``lookup_index``); ``touched``: the
-        kernel found a live row for every id and touched them (``IndexView``)."""
+        kernel found a live row for every id and touched them (``IndexView``). ``victims``:
+        the rows ``max_rows`` evicts, decided by the caller for a table sharded over ranks
+        (``room_needs``, ``shared_room``, ``eviction_candidates``), which refused a batch
+        needing more than ``max_rows`` rows already; this table then evicts those."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         expired = self._expired()
-        if insert and touched and found is not None and not len(expired):
+        if victims is None and insert and touched and found is not None and not len(expired):
             # The kernel found a live row for every key and touched it (counts included), and
             # no row expires: no rule has anything to do (no key to admit, nothing to evict or
             # free). ``found`` itself is the answer (the batch copies it).
@@ -878,14 +882,22 @@ class KeyedTable(MappedRows):
             raise ValueError(
                 f"table {self.name!r}: {len(ids)} keys, but counts of shape {counts.shape}"
             )
-        if found is None and not touched and self._admits_all_at_once(len(ids), len(expired)):
+        if (
+            victims is None
+            and found is None
+            and not touched
+            and self._admits_all_at_once(len(ids), len(expired))
+        ):
             return self._find_or_insert(ids, counts)
         rows, admit, new = self._plan(ids, found)
         hit = rows >= 0
         missing = ~hit
         now = self.dynamic.insert_on == "lookup"
-        self._refusal(int(hit.sum()), new, len(expired))
-        victims = self._victims(rows[hit], len(expired), new)
+        if victims is None:
+            self._refusal(int(hit.sum()), new, len(expired))
+            victims = self._victims(rows[hit], len(expired), new)
+        else:
+            victims = self._given_victims(victims, rows[hit], len(expired), new)
         # Everything is decided; from here on the table changes.
         self._roll_stats()
         self._commit_time()
@@ -1089,15 +1101,30 @@ class KeyedTable(MappedRows):
         hits, _, _, new, gone = self._update_plan(ids, np.asarray(rows), missing)
         self._refusal(len(hits), new, len(gone))
 
-    def _update_plan(self, ids: np.ndarray, rows: np.ndarray, missing: np.ndarray):
+    def _update_plan(
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        missing: np.ndarray,
+        expire_for_room: bool | None = None,
+    ):
         """What an update inserting on apply decides, for ``rows_for_update`` and
         ``check_update_rows`` alike, of ``ids`` whose lookup gave ``rows`` (``missing``: the
         places without one): (the rows it keeps, which missing keys it admits, which of them
         an earlier update of the step inserted, how many it inserts, the expired rows it
-        removes first)."""
+        removes first: ``_expired_for_room``'s, or with ``expire_for_room`` given (a sharded
+        table's, decided over every owner) every expired row not kept if True, none if
+        False)."""
         admit, present = self._admitted_on_apply(ids[missing])
         hits, new = rows[rows >= 0], int(admit.sum())
-        return hits, admit, present, new, self._expired_for_room(hits, new)
+        if expire_for_room is None:
+            gone = self._expired_for_room(hits, new)
+        elif expire_for_room:
+            expired = self._expired()
+            gone = expired[~np.isin(expired, hits)]
+        else:
+            gone = np.zeros(0, np.int64)
+        return hits, admit, present, new, gone
 
     def _expired_for_room(self, hits: np.ndarray, new: int) -> np.ndarray:
         """The expired rows an update inserting ``new`` rows removes first (``hits``: the rows
@@ -1142,24 +1169,40 @@ class KeyedTable(MappedRows):
         return self._admissible(keys) & ~present, present
 
     def rows_for_update(
-        self, logical: int, ids: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None
+        self,
+        logical: int,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        counts: np.ndarray | None = None,
+        victims: np.ndarray | None = None,
+        expire_for_room: bool = False,
     ) -> np.ndarray:
         """The rows to update for ``ids`` (the batch's unique keys, ``rows`` as the lookup gave
         them): with ``insert_on="apply"`` the admitted keys without a row get one now (initial
-        values, evicting for ``max_rows`` first); otherwise ``rows`` unchanged."""
+        values, evicting for ``max_rows`` first); otherwise ``rows`` unchanged. ``victims``
+        and ``expire_for_room``: what a ShardedEngine decided over every owner of the table
+        (``shared_room``): the rows to evict, and whether the expired rows go first (else
+        ``_expired_for_room`` decides both here); called so on every owner, with or without
+        keys of the step."""
         if self.dynamic.insert_on != "apply":
             return rows
         missing = np.flatnonzero(np.asarray(rows) < 0)
-        if not len(missing):
+        if not len(missing) and victims is None:
             self.commit_update_time()
             return rows
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         counts = (
             np.ones(len(ids), np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
         )
-        hits, admit, present, new, gone = self._update_plan(ids, np.asarray(rows), missing)
-        self._refusal(len(hits), new, len(gone))
-        victims = self._victims(hits, len(gone), new)
+        shared = victims is not None
+        hits, admit, present, new, gone = self._update_plan(
+            ids, np.asarray(rows), missing, expire_for_room if shared else None
+        )
+        if not shared:
+            self._refusal(len(hits), new, len(gone))
+            victims = self._victims(hits, len(gone), new)
+        else:
+            victims = self._given_victims(victims, hits, len(gone), new)
         self._roll_stats()
         self._commit_time()
         self._remove_rows(gone)
@@ -1233,13 +1276,8 @@ class KeyedTable(MappedRows):
         n = self.dynamic.max_rows
         victims = 0
         if n is not None:
-            need = hits + new
-            if need > n:
-                raise ValueError(
-                    f"table {self.name!r}: this batch needs {need:,} rows ({hits:,} of its keys "
-                    f"have rows, {new:,} are admitted now), more than max_rows={n:,}; nothing "
-                    "was changed. Raise max_rows or send smaller batches"
-                )
+            if hits + new > n:
+                raise max_rows_refusal(self.name, hits, new, n)
             victims = max(0, self._index.count - expiring + new - n)
         self._check_room(new, expiring + victims)
 
@@ -1252,14 +1290,72 @@ class KeyedTable(MappedRows):
         excess = self._index.count - expiring + new - n
         if excess <= 0:
             return np.zeros(0, np.int64)
+        cand = self._candidates(batch_rows)
+        return cand[_smallest(self._eviction_order(cand), excess)]
+
+    def _candidates(self, batch_rows: np.ndarray) -> np.ndarray:
+        """The rows an eviction may pick: live, not the batch's, not expired (ascending)."""
         cand = self._live()
         cand[batch_rows] = False
         cand[self._expired()] = False
-        cand = np.flatnonzero(cand)
-        cols = [self._last[cand], self._keys[cand]]
+        return np.flatnonzero(cand)
+
+    def _eviction_order(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The columns ``rows`` are evicted by, most significant first, int64: the step each
+        was last touched (absolute, so shards compare alike) and its key ("lru"); its touch
+        count before both ("lfu"). Keys are distinct, so the order is total."""
+        cols = [self._last[rows].astype(np.int64) + self._base, self._keys[rows]]
         if self.dynamic.eviction == "lfu":
-            cols.insert(0, self._touches[cand])
-        return cand[_smallest(cols, excess)]
+            cols.insert(0, self._touches[rows].astype(np.int64))
+        return cols
+
+    # -- max_rows over the shards of a table (ShardedEngine) -------------------------------
+
+    def room_needs(self, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """What a training resolution of ``ids`` (distinct) on this shard asks of
+        ``max_rows``, changing nothing: int64 ``[held, kept, new, admitted, expired]``, the
+        rows held now, the keys of ``ids`` that keep a row, the rows the resolution inserts,
+        the keys it admits (inserted now, or by the update when inserting on apply) and the
+        expired rows it may remove (not kept). ``rows``: for the update of a table inserting
+        on apply, ``ids``' rows as the step's lookup gave them (new = admitted: the keys the
+        update inserts). ``shared_room`` sums every shard's into the table's decision."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        expired = self._expired()
+        if rows is None:
+            found, admit, new = self._plan(ids, None)
+            kept, admitted, gone = int((found >= 0).sum()), int(admit.sum()), len(expired)
+        else:
+            rows = np.asarray(rows, dtype=np.int64)
+            admit, _ = self._admitted_on_apply(ids[rows < 0])
+            hits = rows[rows >= 0]
+            kept, new = len(hits), int(admit.sum())
+            admitted, gone = new, int((~np.isin(expired, hits)).sum())
+        return np.array([self._index.count, kept, new, admitted, gone], dtype=np.int64)
+
+    def eviction_candidates(
+        self, ids: np.ndarray, k: int, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(order, rows): the first ``k`` rows of this shard in eviction order (``_victims``'
+        candidates for a batch of the distinct keys ``ids``, whose rows are ``rows`` for an
+        update inserting on apply, else the index's now), and their order columns
+        (``_eviction_order``, int64 ``[m, columns]``): the table's ``k`` victims are the
+        first ``k`` of every shard's together (``shared_victims``)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        kept = self._rows_now(ids, None) if rows is None else np.asarray(rows, dtype=np.int64)
+        cand = self._candidates(kept[kept >= 0])
+        cols = self._eviction_order(cand)
+        pick = _smallest(cols, k) if k < len(cand) else np.lexsort(cols[::-1])
+        return np.stack([c[pick] for c in cols], axis=1), cand[pick]
+
+    def _given_victims(self, victims: np.ndarray, kept: np.ndarray, expiring: int, new: int):
+        """``victims`` (rows a ShardedEngine picked over every shard) checked against this
+        shard: live rows outside the batch that have not expired, as ``_victims`` picks; and
+        the int32 row limit (``_check_room``) after them."""
+        victims = np.asarray(victims, dtype=np.int64)
+        if len(victims) and not np.isin(victims, self._candidates(kept)).all():
+            raise AssertionError(f"table {self.name!r}: an eviction picked a row it may not")
+        self._check_room(new, expiring + len(victims))
+        return victims
 
     def _touch(self, rows: np.ndarray, counts: np.ndarray) -> None:
         from ..kernels import keyed_index
@@ -1612,6 +1708,46 @@ class KeyedTable(MappedRows):
     @property
     def slot_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.slot_specs)
+
+
+def max_rows_refusal(name: str, hits: int, new: int, n: int) -> ValueError:
+    """The error of a batch needing more than ``max_rows`` rows (``hits`` keys with rows,
+    ``new`` admitted now), raised before anything changes."""
+    return ValueError(
+        f"table {name!r}: this batch needs {hits + new:,} rows ({hits:,} of its keys have "
+        f"rows, {new:,} are admitted now), more than max_rows={n:,}; nothing was changed. "
+        "Raise max_rows or send smaller batches"
+    )
+
+
+def shared_room(name: str, needs: np.ndarray, max_rows: int, update: bool) -> tuple[int, bool]:
+    """A sharded table's ``max_rows`` decision from every shard's ``room_needs`` (``needs``:
+    ``[shards, 5]``), the single table's rule on the sums: (how many rows to evict, whether
+    the expired rows go first). A training lookup removes its expired rows anyway and
+    refuses a batch needing more than ``max_rows`` rows (kept + admitted, so a table
+    inserting on apply refuses at its lookup what its update would); an update inserting
+    on apply removes the expired rows only when its new rows would pass ``max_rows``
+    (``_expired_for_room``). Raises ``max_rows_refusal`` (the same on every rank)."""
+    held, kept, new, admitted, expired = (int(x) for x in np.asarray(needs).sum(axis=0))
+    if kept + admitted > max_rows:
+        raise max_rows_refusal(name, kept, admitted, max_rows)
+    first = not update or held + new > max_rows
+    return max(0, held - (expired if first else 0) + new - max_rows), first
+
+
+def shared_victims(orders: list[np.ndarray], k: int, shard: int) -> np.ndarray:
+    """Which of shard ``shard``'s candidates (``orders[shard]``, from its
+    ``eviction_candidates``) are among the first ``k`` of every shard's together (positions
+    into them): a table's evictions over its shards, as one table picks them (the keys make
+    the order total, so every shard decides alike)."""
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    mats = [np.asarray(o, dtype=np.int64) for o in orders]  # [candidates, columns] each
+    cat = np.concatenate(mats)
+    owner = np.concatenate([np.full(len(m), s, np.int64) for s, m in enumerate(mats)])
+    place = np.concatenate([np.arange(len(m), dtype=np.int64) for m in mats])
+    first = np.lexsort(cat.T[::-1])[:k]
+    return np.sort(place[first[owner[first] == shard]])
 
 
 def _newest_pending(keys: np.ndarray, steps: np.ndarray, limit: int) -> np.ndarray:
