@@ -265,14 +265,24 @@ def test_ranks_with_other_table_dtypes_fail_at_construction(tmp_path):
 
 
 KEYED = ["keyed:sgd:1:none", "keyed:adam:2:steps", "keyed:ftrl:1:seconds", "apply:adam"]
+EVICT = "evict:adam:lfu:lookup:0:steps"  # max_rows over the shards, 16-bit rows
 
 
 @pytest.mark.parametrize("pair", [("float16", "bfloat16")])
 def test_keyed_16bit_sharded_training_equals_one_engine(tmp_path, monkeypatch, pair):
     monkeypatch.setenv("EE_TEST_DTYPES", ",".join(pair))
     out = tmp_path / "out"
-    codes = tk.spawn(2, out, KEYED, env=_env(pair))
+    codes = tk.spawn(2, out, [*KEYED, EVICT], env=_env(pair))
     assert codes == [0, 0], td.rank_logs(out, 2)
+    want = tk.single_evict(EVICT)
+    assert want[f"evicted{tk.worker.EVICT_STEPS - 1}"] >= 9
+    ranks = [dict(np.load(out / f"{EVICT.replace(':', '_')}.rank{r}.npz")) for r in range(2)]
+    for got in ranks:
+        for key, w in want.items():
+            if key.startswith("step") and not key.endswith("/d/keys"):
+                _same(got[key], w, (EVICT, key))
+            elif key.startswith("refused"):
+                assert str(got[key]) == w
     for name in KEYED:
         want = tk.single_run(name)
         assert want["step0/k/weights"].dtype.itemsize == (4 if pair[0] == "float32" else 2)
