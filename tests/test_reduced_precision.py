@@ -361,6 +361,43 @@ def test_a_lookup_only_batch_pools_16_bit_weights_from_the_table_rows(monkeypatc
         np.testing.assert_allclose(got[b], expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("weights", ["bfloat16", "float16"])
+def test_lookup_rows_of_16_bit_rows_takes_lookup_only_batches_too(backend, weights):
+    """``lookup_rows(rows, dim, batch, weights_dtype=)`` of a 16-bit table's uint16 rows, for
+    a lookup-only batch as for a deduplicated one, on both backends: the table's own lookup,
+    bit for bit (numba's refused lookup-only batches where the reference took them)."""
+    t = ee.TableConfig(
+        40,
+        6,
+        name="t",
+        combiner="mean",
+        initializer=init.RandomUniform(-1.0, 1.0),
+        weights_dtype=weights,
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "s": ee.FeatureConfig(t, max_sequence_length=3)},
+        optimizer=opt.Adagrad(0.1),
+        backend=backend,
+        seed=2,
+    )
+    rng = np.random.default_rng(6)
+    feats = {
+        "f": [list(rng.integers(0, 40, rng.integers(0, 5))) for _ in range(30)],
+        "s": [list(rng.integers(0, 40, rng.integers(0, 4))) for _ in range(30)],
+    }
+    be, table = eng._backend, eng._physical[0]
+    assert table.data.dtype == np.uint16
+    for training in (False, True):
+        tb = eng.preprocess(feats, training=training).tables[0]
+        want = be.lookup(table, tb)
+        got = be.lookup_rows(table.data, 6, tb, weights_dtype=weights)
+        assert got.tobytes() == want.tobytes(), training
+        out = np.full(want.shape, np.nan, np.float32)
+        assert be.lookup_rows(table.data, 6, tb, out=out, weights_dtype=weights) is out
+        assert out.tobytes() == want.tobytes()
+
+
 def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():
     """A training lookup pools a table of 16-bit weights straight from its uint16 rows, each
     value widened as it is read (the same values as a widened copy, so the same activations:

@@ -826,25 +826,26 @@ class NumbaBackend:
         ``dim`` columns, float32 and C-contiguous (Backend protocol: a table's data, or rows
         decoded from an export), read at the batch's rows: a deduplicated batch's
         ``unique_rows``, a lookup-only batch's ids from each feature's ``row_offset``.
-        ``weights_dtype`` 16-bit: uint16 rows, pooled by ``train_lookup.pool_tables`` with
-        each value widened as it is read (no widened copy)."""
+        ``weights_dtype`` 16-bit: uint16 rows, each value widened as it is read (no widened
+        copy: ``train_lookup.pool_tables``, or a lookup-only batch's 16-bit ``pool_bags``)."""
         # The kernels read rows by index without bounds checks: refuse what they cannot read.
         lookup_rows_source(rows, dim, weights_dtype)
-        if weights_dtype != "float32":
-            return self._lookup_half_rows(rows, dim, tb, quantization, out, weights_dtype)
         if isinstance(tb, LookupOnlyTableBatch):  # no occurrence arrays: pool from the ids
             if any(p.row_offset < 0 for p in tb.parts):
                 raise ValueError(
                     "lookup_rows: this batch's storage maps ids to rows itself; look it up "
                     "with lookup(table, batch)"
                 )
+            kind = F32 if weights_dtype == "float32" else KIND[weights_dtype]
             pooled = self._pool_parts(
-                tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids, F32)
+                tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids, kind)
             )
             if out is None:
                 return pooled
             out_rows(out, len(pooled), dim, rows)[:] = pooled
             return out
+        if weights_dtype != "float32":
+            return self._lookup_half_rows(rows, dim, tb, quantization, out, weights_dtype)
         if tb.unique_rows is None:
             raise ValueError(
                 "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
@@ -861,10 +862,10 @@ class NumbaBackend:
     def _lookup_half_rows(self, rows, dim, tb, quantization, out, weights_dtype) -> np.ndarray:
         """``lookup_rows`` of a deduplicated batch from uint16 rows of 16-bit weights (checked
         by ``lookup_rows_source``)."""
-        if not isinstance(tb, TableBatch) or tb.unique_rows is None:
+        if tb.unique_rows is None:
             raise ValueError(
-                "lookup_rows of 16-bit weights pools a deduplicated batch with its rows "
-                "resolved; look a lookup-only batch up with lookup(table, batch)"
+                "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
+                "itself); look it up with lookup(table, batch)"
             )
         unique = np.ascontiguousarray(tb.unique_rows, dtype=np.int64)
         if len(unique) and int(unique.max()) >= rows.shape[0]:
