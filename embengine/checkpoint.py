@@ -131,6 +131,7 @@ from .safetensors_io import (
     BFLOAT16,
     DTYPES,
     NUMPY,
+    TensorRows,
     read_header,
     read_tensor,
     sha256_file,
@@ -1204,6 +1205,13 @@ _CHECKPOINT_KEYS = (
 _CHECKPOINT_TABLE_KEYS = ("file", "finite", "keyed")
 
 
+# What to do about a checkpoint file that changed after it was checked.
+_COPY_AGAIN = (
+    "; copy the checkpoint again (whole), or use another checkpoint, and never write over a "
+    "checkpoint that is being read"
+)
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """One tensor of a checked checkpoint file, not yet read: a ``state.TensorSource``.
@@ -1273,11 +1281,50 @@ class CheckpointReader:
         return StoredTensor(self.path / t["file"], name, tuple(info["shape"]), dtype, header)
 
     def weights(self, table: str) -> np.ndarray:
-        """``table``'s weights, memory-mapped read-only (no copy; for export), in their stored
-        dtype (a bfloat16 table's as ``ml_dtypes.bfloat16``)."""
+        """``table``'s weights, memory-mapped read-only (no copy), in their stored dtype (a
+        bfloat16 table's as ``ml_dtypes.bfloat16``). The file's size is checked before it is
+        mapped (``check_size``); a file truncated while the array is in use would kill the
+        process with SIGBUS at its next read past the end: ``rows`` reads without a map."""
         t = self._tables[table]
+        self.check_size(table)
         out = read_tensor(self.path / t["file"], table, header=self._headers[t["file"]])
         return out.view(BFLOAT16) if t.get("weights_dtype") == "bfloat16" else out
+
+    def rows(self, table: str, entry: str = WEIGHTS) -> TensorRows | np.ndarray:
+        """One of ``table``'s tensors (as ``array``), read on demand with read(), chunk by chunk
+        (``safetensors_io.TensorRows``; what export reads): never mapped, so a file truncated
+        meanwhile is a ValueError naming it and its sizes, not a SIGBUS. The weights of a
+        bfloat16 table come as ``ml_dtypes.bfloat16``. The file's size is checked first."""
+        t = self._tables[table]
+        if (
+            t["vocabulary_size"] is None
+            and entry in TIME_ENTRIES
+            and not t["keyed"].get("times", False)
+        ):
+            return self._keyed_entry(table, entry)
+        self.check_size(table)
+        name = table if entry == WEIGHTS else f"{table}/{entry}"
+        bf16 = entry == WEIGHTS and t.get("weights_dtype") == "bfloat16"
+        return TensorRows(
+            self.path / t["file"],
+            name,
+            self._headers[t["file"]],
+            dtype=BFLOAT16 if bf16 else None,
+            advice=_COPY_AGAIN,
+        )
+
+    def check_size(self, table: str) -> None:
+        """Raise a CheckpointError if the file of ``table`` no longer has the size the manifest
+        says (it was checked when the checkpoint was read; truncated since, a memory map of it
+        would kill the process with SIGBUS at the first row past the end)."""
+        file = self._tables[table]["file"]
+        expected = self.manifest["files"][file]["bytes"]
+        size = own_file(self.path / file).st_size
+        if size != expected:
+            raise CheckpointError(
+                f"{self.path / file} has {size:,} bytes, the manifest says {expected:,}: it was "
+                f"truncated or replaced after the checkpoint was checked{_COPY_AGAIN}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint as an engine state (embengine.state) of StoredTensors, for
@@ -1306,7 +1353,8 @@ class CheckpointReader:
 
     def array(self, table: str, entry: str) -> np.ndarray:
         """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
-        such as "keys" or "last_touched"), memory-mapped read-only (no copy; for export)."""
+        such as "keys" or "last_touched"), memory-mapped read-only (no copy). The file's size is
+        checked before it is mapped, as in ``weights``."""
         t = self._tables[table]
         if (
             t["vocabulary_size"] is None
@@ -1314,6 +1362,7 @@ class CheckpointReader:
             and not t["keyed"].get("times", False)
         ):
             return self._keyed_entry(table, entry)
+        self.check_size(table)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
         return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
 

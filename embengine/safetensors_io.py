@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_safetensors", "read_header", "read_tensor", "sha256_file", "DTYPES"]
+__all__ = [
+    "write_safetensors",
+    "read_header",
+    "read_tensor",
+    "TensorRows",
+    "sha256_file",
+    "DTYPES",
+]
 
 DTYPES = {
     np.dtype(np.float64): "F64",
@@ -239,6 +246,91 @@ def read_tensor(
                 )
             target[i : i + len(chunk)] = chunk
     return out
+
+
+class TensorRows:
+    """Tensor ``name`` of a checked file (``header``: read_header's), read on demand with
+    ordinary reads, never mapped: ``rows[lo:hi]`` is a new array of those rows (of the first
+    axis), ``np.asarray(rows)`` the whole tensor. What export reads a checkpoint's tables
+    through: as large as the file, never in memory at once, and a file shortened after it was
+    checked is a ValueError naming it, its size and the size its header gives (``advice``
+    appended: what to do), not a SIGBUS that kills the process, as a memory map's rows past the
+    file's end would.
+
+    ``dtype``: the rows' dtype if not the stored one's (``BFLOAT16`` for a "BF16" tensor's
+    bits, read as uint16); of the same item size."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str,
+        header: tuple[dict, int],
+        dtype: np.dtype | None = None,
+        advice: str = "",
+    ):
+        meta, start = header
+        if name not in meta or name == "__metadata__":
+            raise KeyError(f"{path}: no tensor {name!r}")
+        info = meta[name]
+        self.path, self.name, self._advice = Path(path), name, advice
+        self._stored = NUMPY[info["dtype"]].newbyteorder("<")
+        self.dtype = self._stored if dtype is None else np.dtype(dtype)
+        if self.dtype.itemsize != self._stored.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} is {info['dtype']}, not {self.dtype}")
+        self.shape = tuple(info["shape"])
+        lo, hi = info["data_offsets"]
+        if hi - lo != math.prod(self.shape) * self._stored.itemsize:  # not from read_header
+            raise ValueError(f"{path}: tensor {name!r} has {hi - lo} bytes for shape {self.shape}")
+        self._offset = start + lo
+        # The file's size as checked: read_header's data ranges end at the file's end.
+        self._file_bytes = start + max(
+            (e["data_offsets"][1] for n, e in meta.items() if n != "__metadata__"), default=0
+        )
+        self._row_bytes = math.prod(self.shape[1:]) * self._stored.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __getitem__(self, key) -> np.ndarray:
+        """Rows ``lo:hi`` (a slice of the first axis, step 1) as a new array."""
+        if not self.shape or not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"{self.path}: tensor {self.name!r} is read by slices of rows")
+        lo, hi, _ = key.indices(self.shape[0])
+        return self._read(lo, max(lo, hi))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self._read(0, self.shape[0]) if self.shape else self._read(0, 1).reshape(())
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        out = np.empty((hi - lo, *self.shape[1:]), dtype=self._stored)
+        if out.nbytes:
+            at = self._offset + lo * self._row_bytes
+            with open(self.path, "rb") as f:
+                f.seek(at)
+                got = f.readinto(memoryview(out).cast("B"))
+            if got != out.nbytes:
+                size = os.stat(self.path).st_size
+                raise ValueError(
+                    f"{self.path} has {size:,} bytes, its header says {self._file_bytes:,}: it "
+                    f"was truncated after it was checked, and tensor {self.name!r} ends early "
+                    f"(bytes {at:,} to {at + out.nbytes:,} wanted){self._advice}"
+                )
+        return out if self.dtype == self._stored else out.view(self.dtype)
 
 
 def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:

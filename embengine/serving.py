@@ -46,6 +46,10 @@ byte range) against the table's vocabulary_size, dim and compression. Any failur
 ``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
 files), never the other checks.
 
+Export reads a checkpoint's tables with read(), chunk by chunk (``CheckpointReader.rows``),
+never mapped: a file truncated meanwhile is an error naming it, not a SIGBUS (a memory map's
+rows past the file's end killed the process).
+
 Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
 error saying to re-export (``embengine export CKPT OUT --replace``) or to load with
 ``verify=False``, which checks everything but the hashes. manifest.sha256 catches accidents (a
@@ -95,7 +99,14 @@ from .config import (
     resolve_features,
 )
 from .inputs import Ragged
-from .safetensors_io import BFLOAT16, read_header, read_tensor, sha256_file, write_safetensors
+from .safetensors_io import (
+    BFLOAT16,
+    TensorRows,
+    read_header,
+    read_tensor,
+    sha256_file,
+    write_safetensors,
+)
 
 __all__ = ["COMPRESSIONS", "export", "ServingEngine", "ExportReport", "SERVING_FORMAT"]
 
@@ -201,9 +212,10 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
+def _encode_table(weights: np.ndarray | TensorRows, compression: str, params: Mapping):
     """(arrays to store, max abs error), chunk by chunk over rows. ``weights`` in the table's
-    stored dtype: a 16-bit table's are widened to float32 exactly, then compressed."""
+    stored dtype (an array, or a checkpoint's rows read on demand: ``TensorRows``): a 16-bit
+    table's are widened to float32 exactly, then compressed."""
     vocab, dim = weights.shape
     if compression == "fp32" and weights.dtype == np.float32:
         return {"weights": weights}, 0.0
@@ -244,24 +256,30 @@ def _encode_table(weights: np.ndarray, compression: str, params: Mapping):
     return out, worst
 
 
-def _live_keys(reader, t: dict, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _live_keys(reader, t: dict, weights: TensorRows) -> tuple[np.ndarray, np.ndarray | TensorRows]:
     """A keyed table's (keys, weights) as an evaluation lookup at the checkpoint's step sees
     them: without the rows expired by then (``expire_steps``; ``expire_seconds`` at the table's
-    data time), which the next training step would remove."""
-    keys = np.asarray(reader.array(t["name"], "keys"))
+    data time), which the next training step would remove. Read with read() (``reader.rows``)."""
+    keys = np.asarray(reader.rows(t["name"], "keys"))
     dynamic = t.get("dynamic") or {}
     live = np.ones(len(keys), bool)
     expire = dynamic.get("expire_steps")
     if expire is not None:
-        live &= reader.step - np.asarray(reader.array(t["name"], "last_touched")) <= expire
+        live &= reader.step - np.asarray(reader.rows(t["name"], "last_touched")) <= expire
     seconds = dynamic.get("expire_seconds")
-    clock = int(np.asarray(reader.array(t["name"], "data_time"))[0])
+    clock = int(np.asarray(reader.rows(t["name"], "data_time"))[0])
     if seconds is not None and clock != np.iinfo(np.int64).min:
-        times = np.asarray(reader.array(t["name"], "last_time"))
+        times = np.asarray(reader.rows(t["name"], "last_time"))
         live &= (times == np.iinfo(np.int64).min) | (clock - times <= seconds)
     if live.all():
         return keys, weights
-    return keys[live], np.asarray(weights)[live]
+    out = np.empty((int(live.sum()), *weights.shape[1:]), weights.dtype)
+    at = 0
+    for lo in range(0, len(live), _ROWS_PER_CHUNK):  # the live rows, chunk by chunk
+        part = weights[lo : lo + _ROWS_PER_CHUNK][live[lo : lo + _ROWS_PER_CHUNK]]
+        out[at : at + len(part)] = part
+        at += len(part)
+    return keys[live], out
 
 
 # -- where an export may be written ---------------------------------------------------------------
@@ -515,7 +533,9 @@ def _export(
                 comp, r = per_table.get(t["name"], compress), fixed_range
             else:
                 comp, r = own["compression"], own["fixed_range"]
-            weights = reader.weights(t["name"])  # memory-mapped
+            # Read with read(), chunk by chunk: a memory map of a file truncated meanwhile
+            # killed the export with SIGBUS.
+            weights = reader.rows(t["name"])
             keys = None
             if reader.is_keyed(t["name"]):
                 keys, weights = _live_keys(reader, t, weights)
