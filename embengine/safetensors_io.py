@@ -16,6 +16,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -137,27 +138,38 @@ def _entry_problem(info, data_bytes: int) -> str | None:
     return None
 
 
-def read_header(path: str | Path) -> tuple[dict, int]:
+def read_header(path: str | Path, file: BinaryIO | None = None) -> tuple[dict, int]:
     """(header without __metadata__ plus it under "__metadata__", data start offset).
 
     Every tensor entry is checked before it is returned: a known dtype, a shape of ints >= 0,
     and a data range inside the file holding exactly the bytes its shape needs, so a small file
     can never declare a tensor larger than itself (ValueError naming the file and tensor); and,
     as the ``safetensors`` package requires, the ranges follow each other without gaps or
-    overlaps (no tensor reads another's bytes) and end at the file's end."""
+    overlaps (no tensor reads another's bytes) and end at the file's end.
+
+    ``file``: ``path`` already open (binary, at any position), e.g. the file a caller then maps:
+    the header and the size it is checked against are then that file's (fstat), whatever
+    ``path`` names by now."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, RecursionError) as e:  # JSON, UTF-8, too many digits, too deep
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    if file is None:
+        with open(path, "rb") as f:
+            return _read_header(path, f)
+    return _read_header(path, file)
+
+
+def _read_header(path: Path, f: BinaryIO) -> tuple[dict, int]:
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError(f"{path}: not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValueError(f"{path}: not a safetensors file (header length {n})")
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, too many digits, too deep
+        raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not an object)")
     start = 8 + n

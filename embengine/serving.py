@@ -46,9 +46,16 @@ byte range) against the table's vocabulary_size, dim and compression. Any failur
 ``CheckpointError``. ``verify=False`` skips only the hashing (of manifest.json and of the
 files), never the other checks.
 
+``ServingEngine`` then opens each table file once (never through a symbolic link), checks its
+size against the manifest's and its header against the table again, on that open file, and
+maps it whole: every array it serves ends inside the file. A file truncated while served (a copy
+written over the export truncates it first) killed the process with SIGBUS at the first row
+read past its new end, and read zeros from its last page: every lookup first compares each
+file's size with the manifest's (one fstat per table file) and raises a ``CheckpointError``
+naming the file and both sizes. A truncation between that check and the rows' read still
+crashes: write a new export to a new folder and load it from there, never over a served one.
 Export reads a checkpoint's tables with read(), chunk by chunk (``CheckpointReader.rows``),
-never mapped: a file truncated meanwhile is an error naming it, not a SIGBUS (a memory map's
-rows past the file's end killed the process).
+never mapped: a file truncated meanwhile is an error naming it, not a SIGBUS.
 
 Exports written before manifest.sha256 existed have none: ``verify=True`` refuses them with an
 error saying to re-export (``embengine export CKPT OUT --replace``) or to load with
@@ -62,13 +69,16 @@ import dataclasses
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -101,9 +111,9 @@ from .config import (
 from .inputs import Ragged
 from .safetensors_io import (
     BFLOAT16,
+    NUMPY,
     TensorRows,
     read_header,
-    read_tensor,
     sha256_file,
     write_safetensors,
 )
@@ -741,6 +751,15 @@ _STORED = {
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "I64": 8}
 
 
+def _wrong_size(file: Path, size: int, expected: int, when: str = "") -> str:
+    """The error of an export's file whose size is not the manifest's."""
+    return (
+        f"{file} has {size:,} bytes, the manifest says {expected:,}: it was truncated or "
+        f"replaced{when} (a partial copy, a full disk, a copy written over it); copy the export "
+        "again, whole, or re-export it (`embengine export CKPT OUT --replace`)"
+    )
+
+
 def _check_files(path: Path, manifest: dict, verify: bool) -> None:
     """Every listed file exists, a regular file of the folder (a symbolic link is refused:
     ``own_file``), with its size; with ``verify``, its SHA-256."""
@@ -748,9 +767,7 @@ def _check_files(path: Path, manifest: dict, verify: bool) -> None:
         f = path / name
         size = own_file(f).st_size
         if size != info["bytes"]:
-            raise CheckpointError(
-                f"{f} has {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"
-            )
+            raise CheckpointError(_wrong_size(f, size, info["bytes"]))
     if verify:
         for name, info in manifest["files"].items():
             if sha256_file(path / name) != info["sha256"]:
@@ -760,46 +777,62 @@ def _check_files(path: Path, manifest: dict, verify: bool) -> None:
 def _check_tensors(path: Path, manifest: dict) -> None:
     """Every table file holds exactly the tensors its compression stores, with the dtype, shape
     and byte count the manifest's vocabulary_size and dim give (so nothing is mapped or
-    allocated from a header that disagrees with the manifest)."""
+    allocated from a header that disagrees with the manifest); a keyed table's keys sorted."""
     for t in manifest["tables"]:
-        file = path / t["file"]
-        keyed = t["vocabulary_size"] is None
-        v, d = t["keyed"]["rows"] if keyed else t["vocabulary_size"], t["dim"]
-        expected = {n: (dt, shape(v, d)) for n, (dt, shape) in _STORED[t["compression"]].items()}
-        if keyed:
-            expected["keys"] = ("I64", [v])
-        try:
-            header, start = read_header(file)
-            stored = sorted(n for n in header if n != "__metadata__")
-            # Exports before the table name was stored have no metadata.
-            named = (header.get("__metadata__") or {}).get("table", t["name"])
-            if named != t["name"]:
-                raise ValueError(f"the file holds table {named!r}, not {t['name']!r}")
-            if stored != sorted(expected):
-                raise ValueError(f"holds tensors {stored}, expected {sorted(expected)}")
-            for name, (dtype, shape) in expected.items():
-                info = header[name]
-                if info.get("dtype") != dtype or info.get("shape") != shape:
-                    raise ValueError(
-                        f"tensor {name!r} has dtype {info.get('dtype')} and shape "
-                        f"{info.get('shape')}, expected {dtype} and shape {shape}"
-                    )
-                lo, hi = info["data_offsets"]
-                if hi - lo != math.prod(shape) * _ITEMSIZE[dtype]:
-                    raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {shape}")
-            if keyed:  # lookups search them: sorted and distinct
-                keys = read_tensor(file, "keys", header=(header, start))
-                bad = np.flatnonzero(keys[1:] <= keys[:-1])
-                if len(bad):
-                    raise ValueError(
-                        f"key {keys[bad[0] + 1]} at position {bad[0] + 1} is not "
-                        "greater than the one before; keys must be sorted and "
-                        "distinct"
-                    )
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
-            ) from None
+        _check_table_file(path / t["file"], t, keys=True)
+
+
+def _check_table_file(
+    file: Path, t: dict, opened: BinaryIO | None = None, keys: bool = False
+) -> tuple[dict, int]:
+    """The header of table ``t``'s file (``read_header``; of ``opened``, the file already
+    open, if given), checked against the manifest's table (``_check_tensors``); with ``keys``, a
+    keyed table's keys read (with read(), never mapped) and checked sorted. A CheckpointError
+    naming the file otherwise."""
+    keyed = t["vocabulary_size"] is None
+    v, d = t["keyed"]["rows"] if keyed else t["vocabulary_size"], t["dim"]
+    expected = {n: (dt, shape(v, d)) for n, (dt, shape) in _STORED[t["compression"]].items()}
+    if keyed:
+        expected["keys"] = ("I64", [v])
+    try:
+        header, start = read_header(file, opened)
+        stored = sorted(n for n in header if n != "__metadata__")
+        # Exports before the table name was stored have no metadata.
+        named = (header.get("__metadata__") or {}).get("table", t["name"])
+        if named != t["name"]:
+            raise ValueError(f"the file holds table {named!r}, not {t['name']!r}")
+        if stored != sorted(expected):
+            raise ValueError(f"holds tensors {stored}, expected {sorted(expected)}")
+        for name, (dtype, shape) in expected.items():
+            info = header[name]
+            if info.get("dtype") != dtype or info.get("shape") != shape:
+                raise ValueError(
+                    f"tensor {name!r} has dtype {info.get('dtype')} and shape "
+                    f"{info.get('shape')}, expected {dtype} and shape {shape}"
+                )
+            lo, hi = info["data_offsets"]
+            if hi - lo != math.prod(shape) * _ITEMSIZE[dtype]:
+                raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {shape}")
+        if keyed and keys:  # lookups search them: sorted and distinct
+            _check_sorted(TensorRows(file, "keys", (header, start)))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"{file}: table {t['name']!r} ({t['compression']}, {v} x {d}): {e}"
+        ) from None
+    return header, start
+
+
+def _check_sorted(keys: TensorRows) -> None:
+    """A ValueError at the first key not greater than the one before, chunk by chunk."""
+    for lo in range(0, len(keys), _ROWS_PER_CHUNK):
+        first = max(lo - 1, 0)  # the chunk and the last key before it
+        chunk = keys[first : lo + _ROWS_PER_CHUNK]
+        bad = np.flatnonzero(chunk[1:] <= chunk[:-1])
+        if len(bad):
+            raise ValueError(
+                f"key {chunk[bad[0] + 1]} at position {first + bad[0] + 1} is not greater than "
+                "the one before; keys must be sorted and distinct"
+            )
 
 
 def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], ResolvedFeatures]:
@@ -884,22 +917,71 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
 # -- lookup ---------------------------------------------------------------------------------------
 
 
+class _MappedFile:
+    """A table file of a served export, mapped whole and read-only, and the size the manifest
+    gives it. The file is opened once (never through a symbolic link): its size (fstat) must be
+    the manifest's before it is mapped, and its header, read from it, is checked against the
+    manifest's table, so every array of ``arrays`` ends inside the file. ``check`` compares the
+    size again (one fstat of the mapping's descriptor): a file truncated while mapped (a copy
+    written over a served export) read zeros from its last page, and killed the process with
+    SIGBUS past it."""
+
+    def __init__(self, file: Path, t: dict, expected: int):
+        self.file, self.expected = file, expected
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a fifo
+        try:
+            fd = os.open(file, flags)
+        except OSError as e:  # ELOOP: a symbolic link put there since the checks
+            raise CheckpointError(f"{file} cannot be opened as the export's own file ({e})") from e
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{file} is not a regular file (checked before: replaced)")
+            if st.st_size != expected:
+                raise CheckpointError(_wrong_size(file, st.st_size, expected))
+            self.header, self.start = _check_table_file(file, t, opened=f)
+            # mmap keeps a descriptor of its own: check() stats the mapped file, not the path
+            self.mapping = mmap.mmap(fd, expected, access=mmap.ACCESS_READ)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The file's tensors: read-only views of the mapping."""
+        out = {}
+        for name, info in self.header.items():
+            if name == "__metadata__":
+                continue
+            dtype = NUMPY[info["dtype"]].newbyteorder("<")
+            lo, _ = info["data_offsets"]
+            count = math.prod(info["shape"])
+            a = np.frombuffer(self.mapping, dtype, count=count, offset=self.start + lo)
+            out[name] = a.reshape(info["shape"])
+        return out
+
+    def check(self) -> None:
+        """A CheckpointError if the file no longer has its size (before rows are read)."""
+        size = self.mapping.size()
+        if size != self.expected:
+            raise CheckpointError(
+                _wrong_size(self.file, size, self.expected, " while served")
+                + ", and load it again, from a new folder: a copy written over a served export "
+                "truncates its files under the mapping, and a row read past the end kills the "
+                "process (SIGBUS)"
+            )
+
+
 class ServingEngine:
     """Lookup-only engine over an export: memory-mapped, read-only, thread-safe."""
 
     def __init__(self, path: Path, manifest: dict):
-        """Map the tables of an export whose ``manifest`` read_serving_manifest checked."""
+        """Map the tables of an export whose ``manifest`` read_serving_manifest checked (each
+        file's size and header again, on the file mapped: ``_MappedFile``)."""
         self.path = path
         self._configs, self._resolved = _configs(path, manifest)
         self._tables = {}
+        self._files: dict[str, _MappedFile] = {}
         for t in manifest["tables"]:
-            file = path / t["file"]
-            header = read_header(file)
-            arrays = {
-                name: read_tensor(file, name, header=header)
-                for name in header[0]
-                if name != "__metadata__"
-            }
+            mapped = _MappedFile(path / t["file"], t, manifest["files"][t["file"]]["bytes"])
+            self._files[t["name"]] = mapped
+            arrays = mapped.arrays()
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
         from .backends.numba_backend import NumbaBackend  # numba loads with a served engine
 
@@ -933,6 +1015,7 @@ class ServingEngine:
             batch = self.preprocess(features, weights)
         per_table = []
         for name, tb in zip(self._resolved.table_names, batch.tables, strict=True):
+            self._files[name].check()  # a truncated file: an error, not a SIGBUS
             arrays, comp, params, dim = self._tables[name]
             rows, tb = _decoded_rows(arrays, comp, params, dim, tb)
             quant = self._configs[name].quantization_config

@@ -2,9 +2,12 @@
 a full disk, a copy written over them in place): an error naming the file and its sizes, never
 a SIGBUS that kills the process.
 
-Export maps a checkpoint's tables while it encodes them. A truncation before the checkpoint is
-read was refused already (the manifest's sizes); one after the file was checked read zeros
-from the last page of the file, or killed the process with SIGBUS past it."""
+Two readers map such files: ``ServingEngine`` (an export's table files, for as long as it
+serves) and export (a checkpoint's tables, while it encodes them). A truncation before loading
+was refused already (the manifest's sizes); one after the file was checked read zeros from the
+last page of the file, or killed the process with SIGBUS past it. Memory-mapped tables
+(``storage="mmap"``) and keyed-mmap arenas are files the engine creates and sizes itself:
+tests/test_mmap_storage.py."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import embengine as ee
 from embengine import optimizers as O
 from embengine import serving
 from embengine.checkpoint import CheckpointError, read_checkpoint
-from embengine.serving import export
+from embengine.serving import ServingEngine, export, read_serving_manifest
 
 VOCAB, DIM = 4096, 16  # fp32: 256 KiB of rows, 64 pages
 ROW = DIM * 4  # bytes of one row (fp32)
@@ -48,6 +51,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return _engine().save(tmp_path_factory.mktemp("ck"))
 
 
+@pytest.fixture
+def exported(checkpoint, tmp_path) -> Path:
+    export(checkpoint, tmp_path / "out")
+    return tmp_path / "out"
+
+
 def _truncate(file: Path, cut: int) -> tuple[int, int]:
     """Shorten ``file`` by ``cut`` bytes in place: (its size before, its size after)."""
     size = file.stat().st_size
@@ -69,6 +78,78 @@ def _child(code: str, *args: Path) -> subprocess.CompletedProcess:
         env=env,
         timeout=600,
     )
+
+
+# -- ServingEngine ---------------------------------------------------------------------------------
+
+_SERVE_THEN_TRUNCATE = """
+import os, sys
+import numpy as np
+from embengine.serving import ServingEngine
+out = sys.argv[1]
+serving = ServingEngine.load(out)
+serving.lookup({"f": np.array([4095])})  # mapped and read
+os.truncate(os.path.join(out, "table-000.safetensors"), 4096)  # a copy over it, under way
+try:
+    serving.lookup({"f": np.array([4095])})  # row 4095 lies 60 pages past the end
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_lookup_in_a_file_truncated_while_served_does_not_kill_the_process(exported):
+    """The crash: a file of a served export truncated in place (here to 4 KiB; a copy of a new
+    export written over the served one), then a lookup of a row past its new end: the process
+    died of SIGBUS. Now the lookup raises, naming the file and both sizes."""
+    file = exported / FILE
+    size = file.stat().st_size
+    done = _child(_SERVE_THEN_TRUNCATE, exported)
+    assert done.returncode != -signal.SIGBUS, f"SIGBUS:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, done.stderr
+    assert f"refused: {_sizes(file, 4096, size)}" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("cut", CUTS.values(), ids=CUTS.keys())
+def test_serving_refuses_a_truncated_export_at_load(exported, cut, verify):
+    """A file truncated before the export is loaded (a partial copy, a full disk): refused
+    before anything is mapped, with and without the hashes, naming the file, its size and the
+    manifest's, and saying what to do."""
+    file = exported / FILE
+    size, short = _truncate(file, cut)
+    with pytest.raises(CheckpointError) as e:
+        ServingEngine.load(exported, verify=verify)
+    assert _sizes(file, short, size) in str(e.value)
+    assert "copy the export again, whole, or re-export it" in str(e.value)
+
+
+@pytest.mark.parametrize("cut", CUTS.values(), ids=CUTS.keys())
+def test_serving_engine_checks_the_size_of_the_file_it_maps(exported, cut):
+    """A file truncated after ``read_serving_manifest`` checked it and before the engine maps
+    it: the engine checks the size (and the header) of the file it opens and maps, and refuses
+    it as the load does (it was a bare ValueError of the header, which it read again)."""
+    file = exported / FILE
+    manifest = read_serving_manifest(exported)
+    size, short = _truncate(file, cut)
+    with pytest.raises(CheckpointError, match="re-export it") as e:
+        ServingEngine(exported, manifest)
+    assert _sizes(file, short, size) in str(e.value)
+
+
+@pytest.mark.parametrize("cut", CUTS.values(), ids=CUTS.keys())
+def test_serving_refuses_a_lookup_in_a_file_truncated_while_served(exported, cut):
+    """A served file truncated by less than its last page does not crash, but its rows past
+    the end read as zeros: every lookup is refused instead (one fstat per table file), the
+    rows at the start of the file too, naming the file and both sizes."""
+    file = exported / FILE
+    served = ServingEngine.load(exported)
+    before = served.lookup({"f": np.array([0, VOCAB - 1])})["f"]
+    assert np.all(before[1] != 0)
+    size, short = _truncate(file, cut)
+    for ids in ([VOCAB - 1], [0]):
+        with pytest.raises(CheckpointError, match="while served") as e:
+            served.lookup({"f": np.array(ids)})
+        assert _sizes(file, short, size) in str(e.value)
 
 
 # -- export: a checkpoint's tables -----------------------------------------------------------------
