@@ -14,6 +14,10 @@ Scenarios:
                               100 s apart); each rank's activations, and the gathered tables
                               after every step, plus an evaluation lookup at the end
   apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
+  mmap:<optimizer>:<threshold>:<expiry>
+                              as keyed, every shard memory-mapped (storage="mmap") in
+                              OUTDIR/store; then the files' names, a lookup after rank 0
+                              alone closed its engine, another engine on the same folder
   evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>
                               EVICT_STEPS steps through max_rows=MAX_ROWS (keys from a pool
                               of 24, ``evict_batch``), step EVICT_REFUSED's batch needing
@@ -204,7 +208,9 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
         features, o = make_features(optimizer, 1, "none", insert_on="apply")
     else:
         features, o = make_features(optimizer, int(rest[0]), rest[1])
-    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    store = os.path.join(out, "store")
+    kwargs = {"storage": "mmap", "storage_dir": store} if kind == "mmap" else {}
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, **kwargs)
     saved = {"plan": np.array(eng.plan["k"])}
     for step in range(STEPS):
         feats, weights, grads = local(step, rank, world)
@@ -217,6 +223,21 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
     feats, weights, _ = local(0, rank, world)
     for k, v in eng.lookup(feats, weights, training=False).items():
         saved[f"eval/{k}"] = v
+    if kind == "mmap":
+        stats = eng.table_stats()["tables"]
+        saved["storage"] = np.array([stats["k"]["storage"], stats["d"]["storage"]])
+        saved["files"] = np.array(sorted(os.listdir(store)))
+        if rank == 0:
+            eng.close()
+        try:  # rank 0's shards are closed: every rank raises at the header
+            eng.lookup(feats, weights, training=False)
+            saved["closed"] = np.array("ok")
+        except Exception as e:
+            saved["closed"] = np.array(f"{type(e).__name__}: {e}")
+        eng.close()
+        # the locks are released: another engine takes the same files
+        with ShardedEngine(features, optimizer=o, seed=3, timeout=60, **kwargs) as again:
+            saved["again"] = again.lookup(feats, weights, training=False)["a"]
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
@@ -446,7 +467,7 @@ def main() -> None:
     )
     try:
         for name in sys.argv[5:]:
-            if name.startswith(("keyed:", "apply:")):
+            if name.startswith(("keyed:", "apply:", "mmap:")):
                 run_keyed(rank, world, out, name)
             elif name.startswith("evict:"):
                 run_evict(rank, world, out, name)

@@ -37,6 +37,8 @@ OPTIMIZERS = ["sgd", "adagrad", "adam", "ftrl"]
 EXPIRY = ["none", "steps", "seconds"]
 SCENARIOS = [f"keyed:{o}:{t}:{e}" for o in OPTIMIZERS for t in (1, 2) for e in EXPIRY]
 SCENARIOS += ["apply:sgd", "apply:adam"]
+# every shard memory-mapped (storage="mmap"), compared as the keyed scenarios
+MMAP = "mmap:adam:1:steps"
 # max_rows over the shards: evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>
 EVICT = [
     "evict:sgd:lru:lookup:0:none",
@@ -60,7 +62,7 @@ def runs(tmp_path_factory):
         if world not in done:
             single_run(SCENARIOS[0])  # compile (or load) the kernels here, not in W children
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, SCENARIOS + EVICT)
+            codes = spawn(world, out, [*SCENARIOS, *EVICT, MMAP])
             assert codes == [0] * world, rank_logs(out, world)
             done[world] = out
         return done[world]
@@ -94,7 +96,7 @@ def single_run(name: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [*SCENARIOS, MMAP])
 def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs, world, name):
     out = runs(world)
     want = single_run(name)
@@ -128,6 +130,34 @@ def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs
     rows = np.array([[int(got[f"rows{s}"]) for s in range(worker.STEPS)] for got in ranks])
     assert (rows[:, -1] > 0).all(), rows
     assert (rows.sum(axis=0) == [len(want[f"step{s}/k/keys"]) for s in range(worker.STEPS)]).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_memory_mapped_shards_live_in_files_per_rank_and_close(runs, world):
+    """storage="mmap": each rank's shard of each table in ``{storage_dir}/{table}.rank{r}.f32``
+    (one folder for the ranks of a machine), training as in RAM (the equality test above runs
+    this scenario too); a lookup after one rank closed its engine fails on every rank at once
+    (that rank's StorageError, a DistributedError naming it elsewhere); closed everywhere, the
+    files' locks are free for another engine, which starts from the initial tables."""
+    out = runs(world)
+    ranks = [dict(np.load(out / f"{MMAP.replace(':', '_')}.rank{r}.npz")) for r in range(world)]
+    files = sorted(f"{t}.rank{r}.f32" for t in ("d", "k") for r in range(world))
+    feats, weights, _ = worker.global_batch(0)
+    features, o = worker.make_features("adam", 1, "steps")
+    fresh = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    first = fresh.lookup(feats, weights, training=False)["a"]
+    for r, got in enumerate(ranks):
+        assert list(got["storage"]) == ["keyed-mmap", "mmap"]
+        assert list(got["files"]) == files
+        text = str(got["closed"])
+        if r == 0:
+            assert text.startswith("StorageError: table 'd' is closed") or text.startswith(
+                "StorageError: table 'k' is closed"
+            ), text
+        else:
+            assert text.startswith("DistributedError") and "failed on ranks [0]" in text, text
+    again = np.concatenate([got["again"] for got in ranks])
+    assert np.array_equal(again, first)  # every key new again: zeros, and the dense rows
 
 
 def single_evict(name: str) -> dict:

@@ -212,3 +212,37 @@ def test_packed_engine_results_match_the_plan():
     acts = eng.lookup({"fa": [3], "fb": [3]}, training=False)
     np.testing.assert_array_equal(acts["fa"], [[3, 3]])
     np.testing.assert_array_equal(acts["fb"], [[-3, -3]])
+
+
+def test_table_files_give_each_table_its_own_file_by_plan_storages_rules(tmp_path):
+    # A ShardedEngine's shards: no packing, a suffix per rank, the same errors as plan_storage.
+    from embengine.storage.plan import table_files
+    from embengine.storage.registry import register_storage_kind
+
+    keyed = ee.TableConfig(None, 4, name="k", dynamic=ee.DynamicVocabulary())
+    feats = {
+        "a": ee.FeatureConfig(ee.TableConfig(10, 2, name="a")),
+        "b": ee.FeatureConfig(ee.TableConfig(10, 2, name="b")),
+        "k": ee.FeatureConfig(keyed),
+    }
+    r = resolve_features(feats)
+    got = table_files(r, {"a": "mmap", "k": "mmap"}, tmp_path, suffix=".rank1")
+    assert got == {
+        "a": ("mmap", str(tmp_path / "a.rank1.f32")),
+        "b": ("ram", None),
+        "k": ("keyed-mmap", str(tmp_path / "k.rank1.f32")),
+    }
+    assert table_files(r, "ram", None) == {
+        "a": ("ram", None),
+        "b": ("ram", None),
+        "k": ("keyed", None),
+    }
+    with pytest.raises(ValueError, match="storage='mmap' needs storage_dir="):
+        table_files(r, "mmap", None)
+    with pytest.raises(ValueError, match="storage must be one of"):
+        table_files(r, "disk", tmp_path)
+    with pytest.raises(TypeError, match="storage_dir must be a path"):
+        table_files(r, "mmap", 3)
+    register_storage_kind("plan-test-kind", ee.storage.DenseTable)
+    with pytest.raises(ValueError, match="table 'a': storage 'plan-test-kind' is a registered"):
+        table_files(r, {"a": "plan-test-kind"}, tmp_path)

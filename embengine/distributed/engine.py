@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import threading
 import warnings
 from collections import Counter
@@ -82,9 +83,10 @@ from ..spec import (
     table_entries,
 )
 from ..state import NO_TIME, WEIGHTS
-from ..storage import plan_storage
+from ..storage import StorageError, plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
 from ..storage.keyed import KeyedTable, shared_room, shared_victims
+from ..storage.plan import table_files
 from .comm import Comm
 from .sharding import (
     KEYED,
@@ -280,6 +282,12 @@ class ShardedEngine:
       timeout: seconds a collective of the new group waits for a peer before raising (unused
         when ``group`` is given). A dead peer is detected at once (its connection resets).
       backend, nonfinite_gradients: as ``EmbeddingEngine``.
+      storage, storage_dir: as ``EmbeddingEngine`` ("ram", "mmap" or a dict of table name ->
+        either), for this rank's shards: a memory-mapped shard lives in
+        ``{storage_dir}/{table}.rank{rank}.f32``, so ranks of one machine may share the folder,
+        and a shard bigger than the rank's RAM trains through the page cache. Each rank may
+        choose its own (where a shard lives is the machine's business); ``close()`` releases
+        the files.
       refused: an error the caller found on this rank (``load``: a checkpoint it cannot
         read), raised here and as a DistributedError on every other rank.
 
@@ -304,6 +312,8 @@ class ShardedEngine:
         nonfinite_gradients: str = "error",
         exchange: str | Mapping[str, str] = "auto",
         refused: Exception | None = None,
+        storage: str | Mapping[str, str] = "ram",
+        storage_dir: str | os.PathLike | None = None,
     ):
         good_timeout = not (
             isinstance(timeout, bool)
@@ -338,19 +348,37 @@ class ShardedEngine:
             if not good_timeout:
                 raise bad_timeout
             self._build(
-                feature_config, optimizer, seed, sharding, backend, nonfinite_gradients, exchange
+                feature_config,
+                optimizer,
+                seed,
+                sharding,
+                backend,
+                nonfinite_gradients,
+                exchange,
+                (storage, storage_dir),
             )
         except Exception as e:  # any, the user's too: every rank raises at the exchange
             error = e
         self._check_same_configuration(error)
 
     def _build(
-        self, feature_config, optimizer, seed, sharding, backend, nonfinite_gradients, exchange
+        self,
+        feature_config,
+        optimizer,
+        seed,
+        sharding,
+        backend,
+        nonfinite_gradients,
+        exchange,
+        storage,
     ) -> None:
-        """The constructor's checks and tables (its arguments)."""
+        """The constructor's checks and tables (its arguments; ``storage``: storage and
+        storage_dir)."""
         r, optimizers = engine_arguments(
             feature_config, optimizer, seed, nonfinite_gradients, "ShardedEngine"
         )
+        # Each rank's shard of a table in its own file (ranks of one machine share the folder).
+        files = table_files(r, *storage, suffix=f".rank{self.rank}")
         keyed = [t.keyed for t in r.tables]
         self._resolved, self._optimizers = r, optimizers
         self._step_bound = step_bound(r, optimizers)
@@ -416,6 +444,7 @@ class ShardedEngine:
                 initializer_for(t, opt),
                 self.seed,
                 t.dynamic,
+                path=files[name][1],
                 weights_dtype=t.weights_dtype,
                 slots_dtype=t.slots_dtype,
             )
@@ -433,6 +462,7 @@ class ShardedEngine:
                 self._plan.kinds[i],
                 weights_dtype=t.weights_dtype,
                 slots_dtype=t.slots_dtype,
+                path=files[name][1],
             )
             for i, (name, t, opt, specs) in enumerate(
                 zip(r.table_names, r.tables, optimizers, slot_specs, strict=True)
@@ -561,6 +591,7 @@ class ShardedEngine:
                 name: {
                     "sharding": plan[name],
                     "exchange": exchanged,
+                    "storage": shard.storage,
                     **(
                         {"rows": shard.rows, "bytes": int(shard.nbytes), "keyed": shard.stats()}
                         if isinstance(shard, KeyedTable)
@@ -574,6 +605,44 @@ class ShardedEngine:
             "bytes_sent": {call: dict(c) for call, c in self.bytes_sent.items()},
             "bytes_sent_total": dict(self.bytes_sent_total),
         }
+
+    def close(self) -> None:
+        """Release this rank's memory-mapped shards (``storage="mmap"``): flush and unmap
+        them, which frees their locks (``EmbeddingEngine.close``; local, no communication). A
+        lookup or update afterwards raises StorageError naming the table on this rank; call
+        it on every rank when the job ends (``with ShardedEngine(...) as engine:`` does)."""
+        errors = []
+        with self.lock:
+            for shard in self._shards:
+                close = getattr(shard, "close", None)
+                try:
+                    if close is not None:
+                        close()
+                except StorageError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _check_files(self) -> None:
+        """StorageError if one of this rank's memory-mapped shards is closed or truncated
+        (``check_file``: one fstat each), raised before a call's header so that every rank
+        raises, not this one alone in the middle of an exchange."""
+        for shard in self._shards:
+            shard.check_file()
+
+    def _files_error(self) -> Exception | None:
+        """``_check_files``' error, or None."""
+        try:
+            self._check_files()
+        except StorageError as e:
+            return e
+        return None
+
+    def __enter__(self) -> ShardedEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def shard(self, table_name: str) -> ShardTable:
         """This rank's share of a table (its ``global_ids``; rows ``[weights | slots]``)."""
@@ -843,6 +912,7 @@ class ShardedEngine:
         try:
             if refused is not None:
                 raise refused
+            self._check_files()
             if training:  # every rank has the same step: every rank raises
                 check_step_room(self._step, self._step_bound)
             when = self._data_time(timestamp, training)
@@ -1397,6 +1467,7 @@ class ShardedEngine:
         spec, self._armed = self._armed, None  # disarmed however this call ends
         try:
             check_step_room(self._step, self._step_bound)
+            self._check_files()
             if given is not None and given is self._given:
                 given = self._pending  # the looked-up form of the batch the lookup was given
             batch = self._pending if given is None else given
@@ -1961,7 +2032,7 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_CONTENTS, None)
+                self._header(_CONTENTS, self._files_error())
                 tables = {}
                 for shard, name, t in zip(
                     self._shards, self.table_names, self._resolved.tables, strict=True
@@ -2056,6 +2127,7 @@ class ShardedEngine:
         error = None
         try:  # a bad argument on any rank: every rank raises at the header, nothing written
             single.check_save_arguments(keep, extra_metadata, path, extra_tensors)
+            self._check_files()
             halfway = [self.table_names[t] for t in self._keyed if self._halfway(t)]
             if halfway:
                 raise ValueError(
@@ -2099,7 +2171,7 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_RESTORE, None)
+                self._header(_RESTORE, self._files_error())
                 info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
                 self._step = info.step
                 self._step_time = (-1, None)

@@ -34,6 +34,7 @@ No torch here: the plan is pure and testable without a process group.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -411,6 +412,7 @@ class ShardTable(DenseTable):
         kind: str,
         weights_dtype: str = "float32",
         slots_dtype: str = "float32",
+        path: str | os.PathLike | None = None,
     ):
         self.global_ids = np.asarray(ids, dtype=np.int64)  # read by _initialise
         self.global_vocabulary_size = int(vocabulary_size)
@@ -422,6 +424,7 @@ class ShardTable(DenseTable):
             slot_specs,
             initializer,
             seed,
+            path=path,
             weights_dtype=weights_dtype,
             slots_dtype=slots_dtype,
         )

@@ -406,6 +406,37 @@ def _table_file(storage_dir: Path, name: str) -> str:
     return str(storage_dir / rel)
 
 
+def table_files(
+    resolved: ResolvedFeatures,
+    storage: str | Mapping[str, str],
+    storage_dir: str | os.PathLike | None,
+    suffix: str = "",
+) -> dict[str, tuple[str, str | None]]:
+    """Table name -> (storage kind, its file or None) for an engine that keeps each table in
+    a storage of its own (a ShardedEngine's shards: no packing), by ``plan_storage``'s rules
+    and errors; ``suffix`` goes into each file's name (``{storage_dir}/{name}{suffix}.f32``:
+    a rank's shard beside the other ranks' in one folder). Only the built-in kinds ("ram",
+    "mmap" and their keyed twins) are accepted: a registered kind's table may not be one
+    rank's share of the rows."""
+    names = resolved.table_names
+    kinds = _storage_kinds(names, storage)
+    for n, cfg in zip(names, resolved.tables, strict=True):
+        kinds[n] = _keyed_kind(n, cfg, kinds[n])
+        if kinds[n] not in ("ram", "mmap", *KEYED_KINDS):
+            raise ValueError(
+                f"table {n!r}: storage {kinds[n]!r} is a registered storage kind; a "
+                "ShardedEngine keeps its shards in 'ram' or 'mmap'"
+            )
+    if storage_dir is not None and not isinstance(storage_dir, str | os.PathLike):
+        raise TypeError(f"storage_dir must be a path (str or os.PathLike), got {storage_dir!r}")
+    if any(storage_kind(k).file for k in kinds.values()) and storage_dir is None:
+        raise ValueError("storage='mmap' needs storage_dir= (a folder for the table files)")
+    return {
+        n: (k, _table_file(Path(storage_dir), f"{n}{suffix}") if storage_kind(k).file else None)
+        for n, k in kinds.items()
+    }
+
+
 def _keyed_kind(name: str, cfg, kind: str) -> str:
     """The storage kind of a table given ``storage=`` said ``kind``: a keyed table is "keyed"
     ("ram", the default, means that for it) or "keyed-mmap" ("mmap": its rows in a file of
