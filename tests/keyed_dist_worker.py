@@ -16,8 +16,9 @@ Scenarios:
   apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
   mmap:<optimizer>:<threshold>:<expiry>
                               as keyed, every shard memory-mapped (storage="mmap") in
-                              OUTDIR/store; then the files' names, a lookup after rank 0
-                              alone closed its engine, another engine on the same folder
+                              OUTDIR/store; then a save, a step, a restore (the evaluation
+                              again), the files' names, a lookup after rank 0 alone closed
+                              its engine, another engine on the same folder
   evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>
                               EVICT_STEPS steps through max_rows=MAX_ROWS (keys from a pool
                               of 24, ``evict_batch``), step EVICT_REFUSED's batch needing
@@ -224,6 +225,14 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
     for k, v in eng.lookup(feats, weights, training=False).items():
         saved[f"eval/{k}"] = v
     if kind == "mmap":
+        # a checkpoint of mapped shards, restored into them after a step moved them on
+        eng.save(os.path.join(out, "ckpt_mmap"))
+        local_feats, local_weights, grads = local(STEPS, rank, world)
+        eng.lookup(local_feats, local_weights, timestamp=timestamp(STEPS))
+        eng.apply_gradients(grads)
+        eng.restore(os.path.join(out, "ckpt_mmap"))
+        for k, v in eng.lookup(feats, weights, training=False).items():
+            saved[f"restored/{k}"] = v
         stats = eng.table_stats()["tables"]
         saved["storage"] = np.array([stats["k"]["storage"], stats["d"]["storage"]])
         saved["files"] = np.array(sorted(os.listdir(store)))

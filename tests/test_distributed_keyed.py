@@ -136,9 +136,10 @@ def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs
 def test_memory_mapped_shards_live_in_files_per_rank_and_close(runs, world):
     """storage="mmap": each rank's shard of each table in ``{storage_dir}/{table}.rank{r}.f32``
     (one folder for the ranks of a machine), training as in RAM (the equality test above runs
-    this scenario too); a lookup after one rank closed its engine fails on every rank at once
-    (that rank's StorageError, a DistributedError naming it elsewhere); closed everywhere, the
-    files' locks are free for another engine, which starts from the initial tables."""
+    this scenario too), restored from a checkpoint into the mapped shards; a lookup after one
+    rank closed its engine fails on every rank at once (that rank's StorageError, a
+    DistributedError naming it elsewhere); closed everywhere, the files' locks are free for
+    another engine, which starts from the initial tables."""
     out = runs(world)
     ranks = [dict(np.load(out / f"{MMAP.replace(':', '_')}.rank{r}.npz")) for r in range(world)]
     files = sorted(f"{t}.rank{r}.f32" for t in ("d", "k") for r in range(world))
@@ -146,6 +147,9 @@ def test_memory_mapped_shards_live_in_files_per_rank_and_close(runs, world):
     features, o = worker.make_features("adam", 1, "steps")
     fresh = ee.EmbeddingEngine(features, optimizer=o, seed=3)
     first = fresh.lookup(feats, weights, training=False)["a"]
+    for k in ("a", "s", "c"):  # restored into the mapped shards: the evaluation as before
+        for got in ranks:
+            assert np.array_equal(got[f"restored/{k}"], got[f"eval/{k}"]), k
     for r, got in enumerate(ranks):
         assert list(got["storage"]) == ["keyed-mmap", "mmap"]
         assert list(got["files"]) == files
