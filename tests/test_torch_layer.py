@@ -412,6 +412,21 @@ def test_a_forward_refused_for_its_output_or_learning_rates_changes_nothing():
     )
     with pytest.raises(ValueError, match="output='keyed' needs one batch size"):
         layer(prepared)
+    # A sequence feature or a non-pooled output_shape, from their configs: before the lookup.
+    for name, other in (
+        ("s", ee.FeatureConfig(t, max_sequence_length=2)),
+        ("o", ee.FeatureConfig(t, output_shape=(2, 1))),
+    ):
+        refused = ee.EmbeddingEngine({"f": ee.FeatureConfig(t), name: other}, optimizer=opt.SGD(1))
+        with pytest.raises(ValueError, match=f"needs pooled .* feature '{name}' has shape"):
+            EmbeddingLayer(refused, output="keyed")({"f": [[1], [2]], name: [[3, 4], [5]]})
+        assert refused.table_contents("k")["keys"].tolist() == []
+    pooled = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "p": ee.FeatureConfig(t, output_shape=(2,))},
+        optimizer=opt.SGD(1),
+    )
+    out = EmbeddingLayer(pooled, output="keyed")({"f": [[1], [2]], "p": [[3], [4]]})
+    assert tuple(out.values().shape) == (2, 16)  # output_shape (2,): pooled, two rows
     for bad in ([float("nan")], [True], [0.1, 0.2]):
         with pytest.raises((ValueError, TypeError), match="learning_rates"):
             EmbeddingLayer(eng)(

@@ -246,7 +246,7 @@ class EmbeddingLayer(torch.nn.Module):
         )
         names = list(acts)
         if self.output == "keyed":
-            self._check_keyed(acts)
+            self._check_keyed({name: a.shape for name, a in acts.items()})
         tensors = [torch.from_numpy(acts[n]) for n in names]
         if training:
             anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
@@ -286,48 +286,46 @@ class EmbeddingLayer(torch.nn.Module):
             )
         return features, learning_rates
 
-    @staticmethod
-    def _check_keyed_inputs(features) -> None:
-        """``_check_keyed``'s batch-size rule on the inputs, before their lookup: a prepared
-        batch's activation shapes, or each feature's samples (a Ragged's bags, the rows of a
-        2-D array or tensor, the ids of a 1-D one, a list's items). What the engine reads
-        otherwise (it refuses what it cannot read) is left to ``_check_keyed`` after."""
+    def _check_keyed_inputs(self, features) -> None:
+        """``_check_keyed`` on the activations' shapes before the lookup: a prepared batch's,
+        or each feature's from its config and samples (``FeatureConfig.activation_shape``; a
+        Ragged's bags, the rows of a 2-D array or tensor, the ids of a 1-D one, a list's
+        items), so a sequence feature, an output_shape or two batch sizes are refused before
+        anything is looked up (on every rank of a ShardedEngine, which takes the error into
+        the lookup's collective). What the engine reads otherwise (it refuses what it cannot
+        read) is left to ``_check_keyed`` after."""
         if isinstance(features, PreparedBatch):
-            EmbeddingLayer._check_keyed(
-                {name: np.empty(lay.shape, np.bool_) for name, lay in features.features.items()}
-            )
+            shapes = {name: lay.shape for name, lay in features.features.items()}
+        elif isinstance(features, Mapping):
+            configs, shapes = self.engine.feature_config, {}
+            for name, value in features.items():
+                n = _samples(value)
+                if n is not None and name in configs:  # an unknown name: the engine's error
+                    try:
+                        shapes[name] = configs[name].activation_shape(n)
+                    except ValueError:
+                        continue  # an output_shape that does not fit: the engine's error
+        else:
             return
-        if not isinstance(features, Mapping):
-            return
-        first = None
-        for name, value in features.items():
-            n = _samples(value)
-            if n is None:
-                continue
-            if first is None:
-                first = (name, n)
-            elif n != first[1]:
-                raise ValueError(
-                    f"output='keyed' needs one batch size; feature {name!r} has {n} samples, "
-                    f"feature {first[0]!r} has {first[1]}; nothing was looked up"
-                )
+        self._check_keyed(shapes)
 
     @staticmethod
-    def _check_keyed(acts: Mapping[str, np.ndarray]) -> None:
-        """A KeyedTensor puts every feature's ``[batch, dim]`` side by side."""
+    def _check_keyed(shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """A KeyedTensor puts every feature's ``[batch, dim]`` side by side (``shapes``: the
+        activations')."""
         batch = None
-        for name, a in acts.items():
-            if a.ndim != 2:
+        for name, shape in shapes.items():
+            if len(shape) != 2:
                 raise ValueError(
                     f"output='keyed' needs pooled [batch, dim] activations; feature {name!r} has "
-                    f"shape {list(a.shape)} (a sequence feature or an output_shape): use "
+                    f"shape {list(shape)} (a sequence feature or an output_shape): use "
                     "output='dict'"
                 )
             if batch is None:
-                batch = (name, a.shape[0])
-            elif a.shape[0] != batch[1]:
+                batch = (name, shape[0])
+            elif shape[0] != batch[1]:
                 raise ValueError(
-                    f"output='keyed' needs one batch size; feature {name!r} has {a.shape[0]} "
+                    f"output='keyed' needs one batch size; feature {name!r} has {shape[0]} "
                     f"samples, feature {batch[0]!r} has {batch[1]}"
                 )
 
