@@ -1296,11 +1296,7 @@ class CheckpointReader:
         meanwhile is a ValueError naming it and its sizes, not a SIGBUS. The weights of a
         bfloat16 table come as ``ml_dtypes.bfloat16``. The file's size is checked first."""
         t = self._tables[table]
-        if (
-            t["vocabulary_size"] is None
-            and entry in TIME_ENTRIES
-            and not t["keyed"].get("times", False)
-        ):
+        if self._unstored_time(t, entry):
             return self._keyed_entry(table, entry)
         self.check_size(table)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
@@ -1347,6 +1343,16 @@ class CheckpointReader:
             return np.full(n, NO_TIME, np.int64)
         return self.tensor(table, entry)
 
+    @staticmethod
+    def _unstored_time(t: dict, entry: str) -> bool:
+        """Whether ``entry`` of the manifest's table ``t`` is a keyed table's data time that
+        a checkpoint written before data time does not hold (``_keyed_entry`` makes it)."""
+        return (
+            t["vocabulary_size"] is None
+            and entry in TIME_ENTRIES
+            and not t["keyed"].get("times", False)
+        )
+
     def is_keyed(self, table: str) -> bool:
         """Whether ``table`` is keyed (``vocabulary_size`` null): its rows are its ``keys``."""
         return self._tables[table]["vocabulary_size"] is None
@@ -1356,11 +1362,7 @@ class CheckpointReader:
         such as "keys" or "last_touched"), memory-mapped read-only (no copy). The file's size is
         checked before it is mapped, as in ``weights``."""
         t = self._tables[table]
-        if (
-            t["vocabulary_size"] is None
-            and entry in TIME_ENTRIES
-            and not t["keyed"].get("times", False)
-        ):
+        if self._unstored_time(t, entry):
             return self._keyed_entry(table, entry)
         self.check_size(table)
         name = table if entry == WEIGHTS else f"{table}/{entry}"

@@ -163,6 +163,21 @@ def _check_timestamp(t) -> int:
     return int(t)
 
 
+def close_tables(tables) -> None:
+    """``close()`` every table that has one (memory-mapped storage); then the first
+    StorageError any raised (a table still viewed stays open; the others close)."""
+    errors = []
+    for table in tables:
+        close = getattr(table, "close", None)
+        try:
+            if close is not None:
+                close()
+        except StorageError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def engine_arguments(
     feature_config, optimizer: Optimizer | None, seed, nonfinite_gradients: str, owner: str
 ) -> tuple[ResolvedFeatures, tuple[Optimizer, ...]]:
@@ -392,17 +407,8 @@ class EmbeddingEngine:
         A table whose memory arrays still view (``embedding_tables``, ``slots()``) stays
         open: every other table is closed, then the StorageError of the first such table is
         raised (drop the arrays and call close() again)."""
-        errors = []
         with self.lock:
-            for table in self._physical:
-                close = getattr(table, "close", None)
-                try:
-                    if close is not None:
-                        close()
-                except StorageError as e:
-                    errors.append(e)
-        if errors:
-            raise errors[0]
+            close_tables(self._physical)
 
     def __enter__(self) -> EmbeddingEngine:
         return self

@@ -67,6 +67,7 @@ from ..engine import (
     _check_timestamp,
     check_step_room,
     checked_gradient,
+    close_tables,
     engine_arguments,
     step_bound,
 )
@@ -611,17 +612,8 @@ class ShardedEngine:
         them, which frees their locks (``EmbeddingEngine.close``; local, no communication). A
         lookup or update afterwards raises StorageError naming the table on this rank; call
         it on every rank when the job ends (``with ShardedEngine(...) as engine:`` does)."""
-        errors = []
         with self.lock:
-            for shard in self._shards:
-                close = getattr(shard, "close", None)
-                try:
-                    if close is not None:
-                        close()
-                except StorageError as e:
-                    errors.append(e)
-        if errors:
-            raise errors[0]
+            close_tables(self._shards)
 
     def _check_files(self) -> None:
         """StorageError if one of this rank's memory-mapped shards is closed or truncated
