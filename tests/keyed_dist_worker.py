@@ -32,7 +32,8 @@ Scenarios:
   time_mismatch               the last rank passes another timestamp
   eval_mismatch               the last rank looks up for evaluation while the others train
   apply_time                  insert on apply, an update later in data time than its lookup,
-                              its keys on one rank (2 ranks): keys and data time every step
+                              its keys on one rank (2 ranks), a step bringing it no key:
+                              keys, weights and data time every step
   save_halfway                save between a training lookup and its update, then after it
   restore_cut                 a keyed file cut after a restore's checks, in one rank's rows
 """
@@ -356,11 +357,14 @@ def run_memory(rank: int, world: int, out: str, name: str) -> None:
 
 
 # apply_time: (rank 0's bags, rank 1's bags, lookup timestamp, update timestamp) per step. Key 2
-# lives on rank 0 of 2, key 1 on rank 1 (mix64); the step-1 update is later than its lookup.
+# lives on rank 0 of 2, key 1 on rank 1 (mix64); the step-1 update is later than its lookup;
+# step 3 brings the table no key (its much later update moves no data time), step 4 key 1.
 APPLY_TIME_STEPS = (
     ([[2]], [[]], 1000, 1000),
     ([[1]], [[]], 1000, 2000),
     ([[1]], [[]], 1050, 1050),
+    ([[]], [[]], 1100, 9000),
+    ([[1]], [[]], 1100, 1100),
 )
 
 
@@ -383,7 +387,8 @@ def run_apply_time(rank: int, world: int, out: str, name: str) -> None:
         mine = bags[rank]
         eng.lookup({"a": mine}, timestamp=lt)
         eng.apply_gradients({"a": np.ones((len(mine), 2), np.float32)}, timestamp=at)
-        saved[f"keys{step}"] = eng.table_contents()["tables"]["k"]["keys"]
+        contents = eng.table_contents()["tables"]["k"]
+        saved[f"keys{step}"], saved[f"weights{step}"] = contents["keys"], contents["weights"]
         saved[f"time{step}"] = np.array(eng.table_stats()["tables"]["k"]["keyed"]["data_time"])
     np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 

@@ -299,7 +299,9 @@ def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_pa
 def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
     """A keyed table inserting on apply takes its update's data time; a rank owning none of
     the step's keys kept its older time, so a row expired on one shard and not on another,
-    against the single engine (a review's reproduction)."""
+    against the single engine (a review's reproduction). A step bringing the table no key
+    leaves its data time alone, as in the single engine (every shard once took that step's
+    update's time, and key 1 expired at the next step)."""
     from embengine import optimizers as opt
     from embengine.distributed.sharding import mix64
 
@@ -310,12 +312,16 @@ def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
     for step, (b0, b1, lt, at) in enumerate(worker.APPLY_TIME_STEPS):
         single.lookup({"a": b0 + b1}, timestamp=lt)
         single.apply_gradients({"a": np.ones((len(b0 + b1), 2), np.float32)}, timestamp=at)
-        keys = single.table_contents("k")["keys"]
+        keys, weights = single.table_contents("k")["keys"], single.table_contents("k")["weights"]
         for r in range(2):
             got = np.load(tmp_path / f"apply_time.rank{r}.npz")
             assert int(got[f"time{step}"]) == single.table_stats()["k"]["data_time"], (step, r)
             assert np.array_equal(got[f"keys{step}"], keys), (step, r, got[f"keys{step}"], keys)
-    assert single.table_contents("k")["keys"].tolist() == [1]  # key 2 expired at step 2
+            assert np.array_equal(got[f"weights{step}"], weights), (step, r)
+    # key 2 expired at step 2; key 1 did not at step 4 (step 3 brought no key: its update's
+    # data time is not the table's)
+    assert single.table_contents("k")["keys"].tolist() == [1]
+    assert single.table_stats()["k"]["total"]["expired"] == 1
 
 
 def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(tmp_path):

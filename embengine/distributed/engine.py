@@ -1555,9 +1555,11 @@ class ShardedEngine:
             shard, layout = self._shards[t], layouts[t]
             grad = layout.matrix(rows_recv)
             tb = table_batch(t)
-            if t in self._keyed:
+            if t in self._keyed and last is not None and last.got[:, cols.k + t].any():
                 # The rows the step's lookup resolved (-1: not admitted, the gradient
-                # dropped); inserting on apply, the admitted new keys get theirs now.
+                # dropped); inserting on apply, the admitted new keys get theirs now. Only
+                # when some rank brought the table keys (the single engine's update of a
+                # batch without them runs no rule and keeps the table's data time).
                 keys = tb.unique_ids
                 victims, first = room.get(t, (None, False))
                 found = shard.rows_for_update(
