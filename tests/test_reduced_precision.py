@@ -398,6 +398,34 @@ def test_lookup_rows_of_16_bit_rows_takes_lookup_only_batches_too(backend, weigh
         assert out.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "float16"])
+def test_numba_lookup_rows_refuses_rows_past_the_array_given(weights):
+    """The numba kernels read rows by index without bounds checks: ``lookup_rows`` refuses a
+    batch reading past the rows it is given, lookup-only or deduplicated, in any weights
+    dtype (the 16-bit lookup-only path read them, as the float32 paths did; the reference
+    backend's numpy indexing raises IndexError)."""
+    t = ee.TableConfig(
+        40, 6, name="t", initializer=init.RandomUniform(-1.0, 1.0), weights_dtype=weights
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1), backend="numba", seed=2
+    )
+    be, table = eng._backend, eng._physical[0]
+    short = np.ascontiguousarray(table.data[:10])  # a view: row 39 is still readable memory
+    for training in (False, True):
+        tb = eng.preprocess({"f": [[3, 39], [1]]}, training=training).tables[0]
+        with pytest.raises(ValueError, match="row 39 of a batch is past the 10 rows given"):
+            be.lookup_rows(short, 6, tb, weights_dtype=weights)
+        out = np.zeros((2, 6), np.float32)
+        with pytest.raises(ValueError, match="row 39 of a batch is past the 10 rows given"):
+            be.lookup_rows(short, 6, tb, out=out, weights_dtype=weights)
+        # within the rows given: pooled as from the whole table
+        tb = eng.preprocess({"f": [[3, 9], [1]]}, training=training).tables[0]
+        assert be.lookup_rows(short, 6, tb, weights_dtype=weights).tobytes() == (
+            be.lookup(table, tb).tobytes()
+        )
+
+
 def test_a_training_lookup_pools_16_bit_weights_from_the_table_rows():
     """A training lookup pools a table of 16-bit weights straight from its uint16 rows, each
     value widened as it is read (the same values as a widened copy, so the same activations:

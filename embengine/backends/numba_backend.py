@@ -437,6 +437,15 @@ def _weights_at(table: TableStorage, rows: np.ndarray) -> tuple[np.ndarray, np.n
     return out, np.where(rows >= 0, np.arange(len(rows), dtype=np.int64), -1)
 
 
+def _check_rows_given(last: int, rows: np.ndarray) -> None:
+    """ValueError unless row ``last`` (a batch's largest) lies within ``rows``: the pooling
+    kernels read rows by index without bounds checks."""
+    if last >= rows.shape[0]:
+        raise ValueError(
+            f"lookup_rows: row {last} of a batch is past the {rows.shape[0]} rows given"
+        )
+
+
 def _pool_prepared(
     data, dim: int, tb: TableBatch, quant, prefetch: int, out, rows: np.ndarray | None = None
 ) -> None:
@@ -836,6 +845,10 @@ class NumbaBackend:
                     "lookup_rows: this batch's storage maps ids to rows itself; look it up "
                     "with lookup(table, batch)"
                 )
+            for p in tb.parts:
+                ids = p.ragged.ids
+                if len(ids):
+                    _check_rows_given(p.row_offset + int(ids.max()), rows)
             kind = F32 if weights_dtype == "float32" else KIND[weights_dtype]
             pooled = self._pool_parts(
                 tb, dim, quantization, lambda p: (rows[p.row_offset :], p.ragged.ids, kind)
@@ -851,6 +864,8 @@ class NumbaBackend:
                 "lookup_rows: this batch's rows are not resolved (its storage maps ids to rows "
                 "itself); look it up with lookup(table, batch)"
             )
+        if len(tb.unique_rows):
+            _check_rows_given(int(np.max(tb.unique_rows)), rows)
         start_pool()
         if out is None:
             out = np.empty((tb.num_outputs, dim), dtype=np.float32)
@@ -868,11 +883,8 @@ class NumbaBackend:
                 "itself); look it up with lookup(table, batch)"
             )
         unique = np.ascontiguousarray(tb.unique_rows, dtype=np.int64)
-        if len(unique) and int(unique.max()) >= rows.shape[0]:
-            raise ValueError(
-                f"lookup_rows: row {int(unique.max())} of a batch is past the {rows.shape[0]} "
-                "rows given"
-            )
+        if len(unique):
+            _check_rows_given(int(unique.max()), rows)
         if out is None:
             out = np.empty((tb.num_outputs, dim), dtype=np.float32)
         else:
