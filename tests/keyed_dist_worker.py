@@ -19,10 +19,11 @@ Scenarios:
                               OUTDIR/store; then a save, a step, a restore (the evaluation
                               again), the files' names, a lookup after rank 0 alone closed
                               its engine, another engine on the same folder
-  evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>
+  evict:<optimizer>:<eviction>:<insert_on>:<threshold>:<expiry>[:<max_pending>]
                               EVICT_STEPS steps through max_rows=MAX_ROWS (keys from a pool
                               of 24, ``evict_batch``), step EVICT_REFUSED's batch needing
-                              more rows than that (its error text saved); as keyed otherwise
+                              more rows than that (its error text saved); as keyed otherwise;
+                              with max_pending, the keyed table's (``pending_bound``)
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
                               ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
@@ -156,10 +157,19 @@ EVICT_POOL[[2, 7, 11]] *= -1
 
 def evict_features(name: str):
     """``make_features`` of an ``evict:`` scenario: (features, optimizer)."""
-    _, optimizer, eviction, insert_on, threshold, expiry = name.split(":")
+    _, optimizer, eviction, insert_on, threshold, expiry, *_ = name.split(":")
     return make_features(
         optimizer, int(threshold), expiry, insert_on, max_rows=MAX_ROWS, eviction=eviction
     )
+
+
+def pending_bound(name: str, table) -> None:
+    """An ``evict:`` scenario's max_pending (its last field, if any) on the keyed table
+    ``table`` (a ShardedEngine's shard or an EmbeddingEngine's table): the pending keys of
+    the whole table that wait for admission."""
+    fields = name.split(":")
+    if len(fields) > 6:
+        table.max_pending = int(fields[6])
 
 
 def evict_batch(step: int):
@@ -256,6 +266,7 @@ def run_evict(rank: int, world: int, out: str, name: str) -> None:
 
     features, o = evict_features(name)
     eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    pending_bound(name, eng.shard("k"))
     saved = {}
     for step in range(EVICT_STEPS):
         feats, weights, grads = local(step, rank, world, evict_batch)
@@ -271,6 +282,7 @@ def run_evict(rank: int, world: int, out: str, name: str) -> None:
         stats = eng.table_stats()["tables"]["k"]
         saved[f"rows{step}"] = np.array(stats["rows"])
         saved[f"evicted{step}"] = np.array(stats["keyed"]["total"]["evicted"])
+        saved[f"forgotten{step}"] = np.array(stats["keyed"]["total"]["forgotten"])
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 

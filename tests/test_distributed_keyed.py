@@ -45,6 +45,9 @@ EVICT = [
     "evict:adam:lfu:lookup:1:none",
     "evict:adagrad:lru:apply:1:none",
     "evict:ftrl:lfu:apply:0:steps",
+    # the pending keys' bound (max_pending) is the whole table's too
+    "evict:sgd:lru:lookup:1:none:8",
+    "evict:adam:lfu:apply:1:none:8",
 ]
 
 
@@ -168,6 +171,7 @@ def single_evict(name: str) -> dict:
     """``single_run`` of an ``evict:`` scenario (step EVICT_REFUSED refused, its error kept)."""
     features, o = worker.evict_features(name)
     eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    worker.pending_bound(name, next(p for p in eng._physical if getattr(p, "name", "") == "k"))
     out = {}
     for step in range(worker.EVICT_STEPS):
         feats, weights, grads = worker.evict_batch(step)
@@ -183,6 +187,7 @@ def single_evict(name: str) -> dict:
             for key, a in eng.table_contents(table).items():
                 out[f"step{step}/{table}/{key}"] = a
         out[f"evicted{step}"] = eng.table_stats()["k"]["total"]["evicted"]
+        out[f"forgotten{step}"] = eng.table_stats()["k"]["total"]["forgotten"]
     return out
 
 
@@ -192,7 +197,9 @@ def test_max_rows_over_shards_evicts_what_one_table_evicts(runs, world, name):
     """max_rows bounds the whole table: every owner's rows count, and the rows evicted are
     the table's least recently (or often) touched, wherever they live; a step needing more
     than max_rows rows is refused on every rank with the single engine's error, nothing
-    changed."""
+    changed. So does max_pending (4 * max_rows by default): the pending keys forgotten are
+    the table's seen longest ago (each owner once kept its own max_pending, W times the
+    table's, and admitted keys the single engine had forgotten)."""
     out = runs(world)
     want = single_evict(name)
     ranks = [dict(np.load(out / f"{name.replace(':', '_')}.rank{r}.npz")) for r in range(world)]
@@ -200,7 +207,11 @@ def test_max_rows_over_shards_evicts_what_one_table_evicts(runs, world, name):
     refused = [s for s in steps if f"refused{s}" in want]
     # Admitting at once, step EVICT_REFUSED needs too many rows (threshold 1 admits fewer).
     assert refused == ([worker.EVICT_REFUSED] if name.split(":")[4] == "0" else []), refused
-    assert want[f"evicted{worker.EVICT_STEPS - 1}"] >= 9, want  # the stream evicts, often
+    last = worker.EVICT_STEPS - 1
+    if len(name.split(":")) > 6:  # max_pending: keys forgotten, fewer admitted and evicted
+        assert want[f"forgotten{last}"] >= 10 and want[f"evicted{last}"] >= 3, want
+    else:
+        assert want[f"evicted{last}"] >= 9, want  # the stream evicts, often
     for got in ranks:
         assert [s for s in steps if f"refused{s}" in got] == refused
         for s in refused:
@@ -219,7 +230,12 @@ def test_max_rows_over_shards_evicts_what_one_table_evicts(runs, world, name):
             assert np.array_equal(cat, want[f"act{step}/{k}"]), (step, k)
         rows = sum(int(got[f"rows{step}"]) for got in ranks)
         evicted = sum(int(got[f"evicted{step}"]) for got in ranks)
-        assert (rows, evicted) == (len(want[f"step{step}/k/keys"]), want[f"evicted{step}"])
+        forgotten = sum(int(got[f"forgotten{step}"]) for got in ranks)
+        assert (rows, evicted, forgotten) == (
+            len(want[f"step{step}/k/keys"]),
+            want[f"evicted{step}"],
+            want[f"forgotten{step}"],
+        ), step
 
 
 def test_the_keyed_batches_hold_what_the_scenarios_need():

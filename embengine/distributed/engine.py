@@ -86,7 +86,7 @@ from ..spec import (
 from ..state import NO_TIME, WEIGHTS
 from ..storage import StorageError, plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
-from ..storage.keyed import KeyedTable, shared_room, shared_victims
+from ..storage.keyed import KeyedTable, shared_pending, shared_room, shared_victims
 from ..storage.plan import table_files
 from .comm import Comm
 from .sharding import (
@@ -1362,8 +1362,8 @@ class ShardedEngine:
                     ]
                 )
                 summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
-                victims = room[t][0] if t in room else None
-                found = shard.rows_for(0, keys, True, counts=summed, victims=victims)
+                victims, forget = (room[t][0], room[t][2]) if t in room else (None, None)
+                found = shard.rows_for(0, keys, True, counts=summed, victims=victims, forget=forget)
             else:
                 found = shard.rows_for(0, keys, False)
             rows = np.full(len(ids), -1, dtype=np.int64)
@@ -1380,49 +1380,73 @@ class ShardedEngine:
 
     def _shared_room(
         self, asks: dict[int, tuple[np.ndarray, np.ndarray | None]], update: bool
-    ) -> dict[int, tuple[np.ndarray, bool]]:
+    ) -> dict[int, tuple[np.ndarray, bool, tuple[np.ndarray, np.ndarray]]]:
         """``max_rows`` of keyed tables sharded by key, decided as one table decides it: per
         table ``t`` of ``asks`` (the same tables on every rank; ``(keys, rows)``: this rank's
         distinct keys of the step and, for an update inserting on apply, their rows) -> (the
-        rows this rank evicts, whether expired rows go first). Every rank's
-        ``KeyedTable.room_needs`` in one all-gather: each rank sums them, so every rank
-        refuses a batch alike (before any table changes) and knows how many rows the table
-        evicts, k; then the tables that evict send their first k candidates in eviction order
-        (``eviction_candidates``: step last touched and key, int64) in one more, and each rank
-        takes its own among the first k of all (``keyed.shared_victims``). Bytes: 40 a table
-        and rank, then 16 (LRU) or 24 (LFU) a candidate, at most k a rank."""
+        rows this rank evicts, whether expired rows go first, (the pending keys it forgets,
+        the new keys it does not count)). Every rank's ``KeyedTable.room_needs`` in one
+        all-gather: each rank sums them, so every rank refuses a batch alike (before any
+        table changes) and knows how many rows the table evicts, k, and (a training lookup
+        with an occurrence threshold) how many pending keys it forgets to stay within its
+        ``max_pending`` (``shared_pending``); then the tables that evict or forget send their
+        first k candidates in eviction order (``eviction_candidates``: step last touched and
+        key, int64), their first pending keys to forget (``pending_candidates``) and largest
+        new keys (``pending_surplus``) in one more, and each rank takes its own among the
+        first of all (``keyed.shared_victims``). Bytes: 64 a table and rank, then 16 (LRU)
+        or 24 (LFU) a candidate row, at most k a rank, and 16 (8) a pending (new) key."""
         ts = sorted(asks)
         if not ts:
             return {}
         needs = np.stack([self._shards[t].room_needs(*asks[t]) for t in ts])
-        every = self._comm.all_gather(needs, "max_rows needs")  # [rank, table, 5]
+        every = self._comm.all_gather(needs, "max_rows needs")  # [rank, table, 8]
         decided = {
             t: shared_room(
-                self.table_names[t], every[:, i], self._shards[t].dynamic.max_rows, update
+                self.table_names[t], every[:, i, :5], self._shards[t].dynamic.max_rows, update
             )
             for i, t in enumerate(ts)
         }
-        out = {t: (np.zeros(0, np.int64), first) for t, (_, first) in decided.items()}
-        evicting = [t for t in ts if decided[t][0] > 0]
-        if not evicting:
-            return out
-        mine = {
-            t: self._shards[t].eviction_candidates(asks[t][0], decided[t][0], asks[t][1])
-            for t in evicting
+        pending = {
+            t: shared_pending(every[:, i, 5:], self._shards[t].max_pending)
+            for i, t in enumerate(ts)
         }
-        sizes = np.array([len(mine[t][1]) for t in evicting], dtype=np.int64)
-        block = np.concatenate([sizes, *(mine[t][0].reshape(-1) for t in evicting)])
+        empty = np.zeros(0, np.int64)
+        out = {t: (empty, first, (empty, empty)) for t, (_, first) in decided.items()}
+        # (table, what, how many): the same list on every rank, from the sums
+        wanted = []
+        for t in ts:
+            forget, surplus = pending[t]
+            for what, n in (("evict", decided[t][0]), ("forget", forget), ("surplus", surplus)):
+                if n > 0:
+                    wanted.append((t, what, n))
+        if not wanted:
+            return out
+        mine = []
+        for t, what, n in wanted:
+            shard, (keys, rows) = self._shards[t], asks[t]
+            if what == "evict":
+                mine.append(shard.eviction_candidates(keys, n, rows))
+            elif what == "forget":
+                mine.append(shard.pending_candidates(keys, n))
+            else:
+                mine.append(shard.pending_surplus(keys, n))
+        sizes = np.array([len(m[1]) for m in mine], dtype=np.int64)
+        block = np.concatenate([sizes, *(m[0].reshape(-1) for m in mine)])
         blocks = self._comm.all_gather_ragged(block, "max_rows candidates")
-        at = np.full(len(blocks), len(evicting), dtype=np.int64)  # each rank's next matrix
-        for i, t in enumerate(evicting):
-            width = mine[t][0].shape[1]
+        at = np.full(len(blocks), len(wanted), dtype=np.int64)  # each rank's next matrix
+        picked: dict[tuple[int, str], np.ndarray] = {}
+        for i, (t, what, n) in enumerate(wanted):
+            width = mine[i][0].shape[1]
             orders = []
             for r, b in enumerate(blocks):
                 m = int(b[i])
                 orders.append(b[at[r] : at[r] + m * width].reshape(m, width))
                 at[r] += m * width
-            picked = shared_victims(orders, decided[t][0], self.rank)
-            out[t] = (mine[t][1][picked], decided[t][1])
+            picked[t, what] = mine[i][1][shared_victims(orders, n, self.rank)]
+        for t in ts:
+            victims = picked.get((t, "evict"), empty)
+            forget = (picked.get((t, "forget"), empty), picked.get((t, "surplus"), empty))
+            out[t] = (victims, decided[t][1], forget)
         return out
 
     def apply_gradients(
@@ -1561,7 +1585,7 @@ class ShardedEngine:
                 # when some rank brought the table keys (the single engine's update of a
                 # batch without them runs no rule and keeps the table's data time).
                 keys = tb.unique_ids
-                victims, first = room.get(t, (None, False))
+                victims, first, _ = room.get(t, (None, False, None))
                 found = shard.rows_for_update(
                     0,
                     keys,
@@ -1583,7 +1607,7 @@ class ShardedEngine:
             # owns none of them (the lookup's headers count every rank's keys).
             for t in self._keyed:
                 if t not in layouts and t in room:  # it may evict rows for the others' keys
-                    victims, first = room[t]
+                    victims, first, _ = room[t]
                     empty = np.zeros(0, np.int64)
                     self._shards[t].rows_for_update(
                         0, empty, empty, victims=victims, expire_for_room=first

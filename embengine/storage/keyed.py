@@ -366,9 +366,18 @@ class _Pending:
         out[at] = self.earlier[s] + np.where(self.step[s] < step, self.current[s], 0)
         return out
 
-    def add(self, keys: np.ndarray, counts: np.ndarray, step: int) -> int:
+    def add(
+        self,
+        keys: np.ndarray,
+        counts: np.ndarray,
+        step: int,
+        given: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> int:
         """Count ``keys`` (distinct) ``counts`` times at ``step``; returns how many pending keys
-        were forgotten to stay within the limit (the ones seen longest ago, then smaller keys)."""
+        were forgotten to stay within the limit (the ones seen longest ago, then smaller keys).
+        ``given``: what to forget, decided over every shard of a table (``shared_pending``):
+        (pending keys to forget, new keys of ``keys`` not to count), the limit then not
+        checked here."""
         slots = self.index.find(keys)
         old = slots >= 0
         s = slots[old]
@@ -380,6 +389,15 @@ class _Pending:
         new_keys, new_counts = keys[~old], counts[~old]
         forgotten = 0
         excess = len(self) + len(new_keys) - self.limit
+        if given is not None:
+            drop = self.index.find(np.ascontiguousarray(given[0], dtype=np.int64))
+            if (drop < 0).any() or np.isin(drop, s).any():
+                raise AssertionError("a shared decision forgot a key that is not pending")
+            self.remove_slots(drop)
+            keep = ~np.isin(new_keys, given[1])
+            forgotten += len(drop) + int((~keep).sum())
+            new_keys, new_counts = new_keys[keep], new_counts[keep]
+            excess = 0
         if excess > 0:
             live = self._live_slots()
             live = live[~np.isin(live, s)]  # this batch's keys are the newest
@@ -584,7 +602,8 @@ class KeyedTable(MappedRows):
         the ones seen longest ago are forgotten first); 4 * max_rows (at most 2^31 - 1), or
         2^22 without it. The engine's rule: a restore or ``load_state_dict`` keeps it (the
         state's ``meta[1]`` is checked, not taken), forgetting the pending keys past it by
-        the same rule."""
+        the same rule. A ShardedEngine bounds the pending keys of a table with ``max_rows``
+        over all its shards by it (``shared_pending``; set it alike on every rank)."""
         return self._pending.limit
 
     @max_pending.setter
@@ -844,6 +863,7 @@ class KeyedTable(MappedRows):
         found: np.ndarray | None = None,
         touched: bool = False,
         victims: np.ndarray | None = None,
+        forget: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
         """Rows of ``ids``; -1 for a key without a row.
 
@@ -857,7 +877,9 @@ class KeyedTable(MappedRows):
         kernel found a live row for every id and touched them (``IndexView``). ``victims``:
         the rows ``max_rows`` evicts, decided by the caller for a table sharded over ranks
         (``room_needs``, ``shared_room``, ``eviction_candidates``), which refused a batch
-        needing more than ``max_rows`` rows already; this table then evicts those."""
+        needing more than ``max_rows`` rows already; this table then evicts those.
+        ``forget``: the pending keys to forget and the new ones not to count, decided so too
+        (``shared_pending``, ``pending_candidates``), with or without keys waiting here."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         expired = self._expired()
         if victims is None and insert and touched and found is not None and not len(expired):
@@ -920,8 +942,10 @@ class KeyedTable(MappedRows):
                 ids[missing][admit], counts[missing][admit]
             )
         self._this["filtered"] += int(missing.sum() - admit.sum())
-        if self.dynamic.occurrence_threshold > 0 and waiting.any():
-            self._this["forgotten"] += self._pending.add(ids[waiting], counts[waiting], self._step)
+        if self.dynamic.occurrence_threshold > 0 and (waiting.any() or forget is not None):
+            self._this["forgotten"] += self._pending.add(
+                ids[waiting], counts[waiting], self._step, forget
+            )
         return rows
 
     def _admits_all_at_once(self, n: int, expiring: int) -> bool:
@@ -1313,24 +1337,75 @@ class KeyedTable(MappedRows):
 
     def room_needs(self, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """What a training resolution of ``ids`` (distinct) on this shard asks of
-        ``max_rows``, changing nothing: int64 ``[held, kept, new, admitted, expired]``, the
-        rows held now, the keys of ``ids`` that keep a row, the rows the resolution inserts,
-        the keys it admits (inserted now, or by the update when inserting on apply) and the
-        expired rows it may remove (not kept). ``rows``: for the update of a table inserting
-        on apply, ``ids``' rows as the step's lookup gave them (new = admitted: the keys the
-        update inserts). ``shared_room`` sums every shard's into the table's decision."""
+        ``max_rows`` and of the pending keys' bound, changing nothing: int64 ``[held, kept,
+        new, admitted, expired, pending, waiting, candidates]``, the rows held now, the keys
+        of ``ids`` that keep a row, the rows the resolution inserts, the keys it admits
+        (inserted now, or by the update when inserting on apply) and the expired rows it may
+        remove (not kept); then (a training lookup with an occurrence threshold, else 0) the
+        keys pending when it counts the waiting ones (the admitted ones left), the waiting
+        keys not pending yet, and the pending keys it may forget (``_Pending.add``).
+        ``rows``: for the update of a table inserting on apply, ``ids``' rows as the step's
+        lookup gave them (new = admitted: the keys the update inserts). ``shared_room`` and
+        ``shared_pending`` sum every shard's into the table's decisions."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         expired = self._expired()
+        pend = [0, 0, 0]
         if rows is None:
             found, admit, new = self._plan(ids, None)
             kept, admitted, gone = int((found >= 0).sum()), int(admit.sum()), len(expired)
+            if self.dynamic.occurrence_threshold > 0:
+                waiting, leaving = self._waiting(ids, found, admit)
+                held = self._pending.index.find(waiting) >= 0
+                pending = len(self._pending) - len(leaving)
+                pend = [pending, int((~held).sum()), pending - int(held.sum())]
         else:
             rows = np.asarray(rows, dtype=np.int64)
             admit, _ = self._admitted_on_apply(ids[rows < 0])
             hits = rows[rows >= 0]
             kept, new = len(hits), int(admit.sum())
             admitted, gone = new, int((~np.isin(expired, hits)).sum())
-        return np.array([self._index.count, kept, new, admitted, gone], dtype=np.int64)
+        return np.array([self._index.count, kept, new, admitted, gone, *pend], dtype=np.int64)
+
+    def _waiting(
+        self, ids: np.ndarray, rows: np.ndarray, admit: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(the keys of ``ids`` a training lookup counts as pending, the pending keys it
+        admits and inserts now, which leave the pending counts first), of ``_plan``'s
+        ``rows`` and ``admit``, as ``rows_for`` takes them."""
+        missing = ids[rows < 0]
+        if self.dynamic.insert_on != "lookup":
+            return missing, np.zeros(0, np.int64)
+        now = missing[admit]
+        return missing[~admit], now[self._pending.index.find(now) >= 0]
+
+    def pending_candidates(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, keys): the first ``k`` pending keys of this shard that a training lookup of
+        ``ids`` may forget (not waiting in it, not admitted by it), seen longest ago first,
+        then smaller keys (``_Pending.add``'s rule), and their order columns (int64 ``[m,
+        2]``: step last seen, key): the table forgets the first of every shard's together
+        (``shared_victims``)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows, admit, _ = self._plan(ids, None)
+        waiting, leaving = self._waiting(ids, rows, admit)
+        p = self._pending
+        live = p._live_slots()
+        busy = p.index.find(np.concatenate([waiting, leaving]))
+        live = live[~np.isin(live, busy[busy >= 0])]
+        cols = [p.step[live], p.key[live]]
+        pick = _smallest(cols, k) if k < len(live) else np.lexsort(cols[::-1])
+        return np.stack([c[pick] for c in cols], axis=1), p.key[live][pick]
+
+    def pending_surplus(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, keys): the ``k`` largest keys of ``ids`` that a training lookup would start
+        counting as pending (waiting, not pending yet), largest first, and their order
+        column (int64 ``[m, 1]``: ``~key``): when every shard's pending keys together are
+        forgotten and the step's new ones still pass the bound, the table leaves the largest
+        of every shard's new keys uncounted (``_Pending.add``'s rule, ``shared_victims``)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows, admit, _ = self._plan(ids, None)
+        waiting, _ = self._waiting(ids, rows, admit)
+        new = np.sort(waiting[self._pending.index.find(waiting) < 0])[::-1][:k]
+        return (~new)[:, None], new
 
     def eviction_candidates(
         self, ids: np.ndarray, k: int, rows: np.ndarray | None = None
@@ -1733,6 +1808,18 @@ def shared_room(name: str, needs: np.ndarray, max_rows: int, update: bool) -> tu
         raise max_rows_refusal(name, kept, admitted, max_rows)
     first = not update or held + new > max_rows
     return max(0, held - (expired if first else 0) + new - max_rows), first
+
+
+def shared_pending(needs: np.ndarray, limit: int) -> tuple[int, int]:
+    """A sharded table's pending-key bound from every shard's ``room_needs`` pending columns
+    (``needs``: ``[shards, 3]``: pending, waiting, candidates), ``_Pending.add``'s rule on
+    the sums: (how many pending keys to forget, seen longest ago first; how many of the
+    step's new keys, the largest, not to count) to stay within ``limit``."""
+    pending, waiting, candidates = (int(x) for x in np.asarray(needs).sum(axis=0))
+    excess = pending + waiting - limit
+    if excess <= 0:
+        return 0, 0
+    return min(excess, candidates), max(0, excess - candidates)
 
 
 def shared_victims(orders: list[np.ndarray], k: int, shard: int) -> np.ndarray:
