@@ -1346,10 +1346,14 @@ class ShardedEngine:
                 continue  # no rank brought keys: the single engine runs no rule either
             asked_of[t] = (spans, keys, inverse)
         # max_rows is the whole table's: decided over every owner before any table changes.
-        room = {}
+        # A bounded table's keys are probed once, for the decision and the rules alike.
+        room, probed = {}, {}
         if training:
+            probed = {
+                t: self._shards[t].rows_of(v[1]) for t, v in asked_of.items() if self._bounded(t)
+            }
             room = self._shared_room(
-                {t: (v[1], None) for t, v in asked_of.items() if self._bounded(t)}, update=False
+                {t: (asked_of[t][1], None, f) for t, f in probed.items()}, update=False
             )
         out = {}
         for t, (spans, keys, inverse) in asked_of.items():
@@ -1363,7 +1367,15 @@ class ShardedEngine:
                 )
                 summed = np.bincount(inverse, weights=n, minlength=len(keys)).astype(np.int64)
                 victims, forget = (room[t][0], room[t][2]) if t in room else (None, None)
-                found = shard.rows_for(0, keys, True, counts=summed, victims=victims, forget=forget)
+                found = shard.rows_for(
+                    0,
+                    keys,
+                    True,
+                    counts=summed,
+                    found=probed.get(t),
+                    victims=victims,
+                    forget=forget,
+                )
             else:
                 found = shard.rows_for(0, keys, False)
             rows = np.full(len(ids), -1, dtype=np.int64)
@@ -1379,11 +1391,12 @@ class ShardedEngine:
         return t in self._keyed and self._shards[t].dynamic.max_rows is not None
 
     def _shared_room(
-        self, asks: dict[int, tuple[np.ndarray, np.ndarray | None]], update: bool
+        self, asks: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]], update: bool
     ) -> dict[int, tuple[np.ndarray, bool, tuple[np.ndarray, np.ndarray]]]:
         """``max_rows`` of keyed tables sharded by key, decided as one table decides it: per
-        table ``t`` of ``asks`` (the same tables on every rank; ``(keys, rows)``: this rank's
-        distinct keys of the step and, for an update inserting on apply, their rows) -> (the
+        table ``t`` of ``asks`` (the same tables on every rank; ``(keys, rows, found)``: this
+        rank's distinct keys of the step, for an update inserting on apply their rows, and for
+        a training lookup what the index gives them now, probed once) -> (the
         rows this rank evicts, whether expired rows go first, (the pending keys it forgets,
         the new keys it does not count)). Every rank's ``KeyedTable.room_needs`` in one
         all-gather: each rank sums them, so every rank refuses a batch alike (before any
@@ -1423,13 +1436,13 @@ class ShardedEngine:
             return out
         mine = []
         for t, what, n in wanted:
-            shard, (keys, rows) = self._shards[t], asks[t]
+            shard, (keys, rows, found) = self._shards[t], asks[t]
             if what == "evict":
-                mine.append(shard.eviction_candidates(keys, n, rows))
+                mine.append(shard.eviction_candidates(keys, n, rows, found))
             elif what == "forget":
-                mine.append(shard.pending_candidates(keys, n))
+                mine.append(shard.pending_candidates(keys, n, found))
             else:
-                mine.append(shard.pending_surplus(keys, n))
+                mine.append(shard.pending_surplus(keys, n, found))
         sizes = np.array([len(m[1]) for m in mine], dtype=np.int64)
         block = np.concatenate([sizes, *(m[0].reshape(-1) for m in mine)])
         blocks = self._comm.all_gather_ragged(block, "max_rows candidates")
@@ -1570,7 +1583,7 @@ class ShardedEngine:
             if last is None or not last.got[:, self._cols.k + t].any():
                 continue
             keys = table_batch(t).unique_ids if t in layouts else np.zeros(0, np.int64)
-            asks[t] = (keys, shard.rows_of(keys))
+            asks[t] = (keys, shard.rows_of(keys), None)
         room = self._shared_room(asks, update=True)
         # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
         for t in reversed(range(nt)):

@@ -329,6 +329,17 @@ def _smallest(cols: list[np.ndarray], k: int) -> np.ndarray:
     return sel[np.lexsort([c[sel] for c in cols[::-1]])]
 
 
+def _first_in_order(
+    cols: list[np.ndarray], k: int, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(order, values): the first ``k`` entries in the lexicographic order of ``cols``
+    (``_smallest``; all of them, sorted, if there are no more), as an int64 ``[m, columns]``
+    matrix of their columns, and ``values`` at them: what a shard sends of its candidates
+    (``shared_victims``)."""
+    pick = _smallest(cols, k)
+    return np.stack([np.asarray(c[pick], dtype=np.int64) for c in cols], axis=1), values[pick]
+
+
 class _Pending:
     """Keys waiting for admission and their exact occurrence counts: ``earlier`` counts the
     steps before ``step``, ``current`` the step ``step`` (the last step the key was seen), so
@@ -1335,7 +1346,9 @@ class KeyedTable(MappedRows):
 
     # -- max_rows over the shards of a table (ShardedEngine) -------------------------------
 
-    def room_needs(self, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    def room_needs(
+        self, ids: np.ndarray, rows: np.ndarray | None = None, found: np.ndarray | None = None
+    ) -> np.ndarray:
         """What a training resolution of ``ids`` (distinct) on this shard asks of
         ``max_rows`` and of the pending keys' bound, changing nothing: int64 ``[held, kept,
         new, admitted, expired, pending, waiting, candidates]``, the rows held now, the keys
@@ -1345,13 +1358,15 @@ class KeyedTable(MappedRows):
         keys pending when it counts the waiting ones (the admitted ones left), the waiting
         keys not pending yet, and the pending keys it may forget (``_Pending.add``).
         ``rows``: for the update of a table inserting on apply, ``ids``' rows as the step's
-        lookup gave them (new = admitted: the keys the update inserts). ``shared_room`` and
-        ``shared_pending`` sum every shard's into the table's decisions."""
+        lookup gave them (new = admitted: the keys the update inserts). ``found``: what the
+        index gives ``ids`` now (``rows_of``), probed once by the caller for every call of the
+        step's decision. ``shared_room`` and ``shared_pending`` sum every shard's into the
+        table's decisions."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         expired = self._expired()
         pend = [0, 0, 0]
         if rows is None:
-            found, admit, new = self._plan(ids, None)
+            found, admit, new = self._plan(ids, found)
             kept, admitted, gone = int((found >= 0).sum()), int(admit.sum()), len(expired)
             if self.dynamic.occurrence_threshold > 0:
                 waiting, leaving = self._waiting(ids, found, admit)
@@ -1378,49 +1393,55 @@ class KeyedTable(MappedRows):
         now = missing[admit]
         return missing[~admit], now[self._pending.index.find(now) >= 0]
 
-    def pending_candidates(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def pending_candidates(
+        self, ids: np.ndarray, k: int, found: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(order, keys): the first ``k`` pending keys of this shard that a training lookup of
         ``ids`` may forget (not waiting in it, not admitted by it), seen longest ago first,
         then smaller keys (``_Pending.add``'s rule), and their order columns (int64 ``[m,
         2]``: step last seen, key): the table forgets the first of every shard's together
-        (``shared_victims``)."""
+        (``shared_victims``). ``found``: as ``room_needs``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows, admit, _ = self._plan(ids, None)
+        rows, admit, _ = self._plan(ids, found)
         waiting, leaving = self._waiting(ids, rows, admit)
         p = self._pending
         live = p._live_slots()
         busy = p.index.find(np.concatenate([waiting, leaving]))
         live = live[~np.isin(live, busy[busy >= 0])]
-        cols = [p.step[live], p.key[live]]
-        pick = _smallest(cols, k) if k < len(live) else np.lexsort(cols[::-1])
-        return np.stack([c[pick] for c in cols], axis=1), p.key[live][pick]
+        return _first_in_order([p.step[live], p.key[live]], k, p.key[live])
 
-    def pending_surplus(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def pending_surplus(
+        self, ids: np.ndarray, k: int, found: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(order, keys): the ``k`` largest keys of ``ids`` that a training lookup would start
         counting as pending (waiting, not pending yet), largest first, and their order
         column (int64 ``[m, 1]``: ``~key``): when every shard's pending keys together are
         forgotten and the step's new ones still pass the bound, the table leaves the largest
-        of every shard's new keys uncounted (``_Pending.add``'s rule, ``shared_victims``)."""
+        of every shard's new keys uncounted (``_Pending.add``'s rule, ``shared_victims``).
+        ``found``: as ``room_needs``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        rows, admit, _ = self._plan(ids, None)
+        rows, admit, _ = self._plan(ids, found)
         waiting, _ = self._waiting(ids, rows, admit)
         new = np.sort(waiting[self._pending.index.find(waiting) < 0])[::-1][:k]
         return (~new)[:, None], new
 
     def eviction_candidates(
-        self, ids: np.ndarray, k: int, rows: np.ndarray | None = None
+        self,
+        ids: np.ndarray,
+        k: int,
+        rows: np.ndarray | None = None,
+        found: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(order, rows): the first ``k`` rows of this shard in eviction order (``_victims``'
         candidates for a batch of the distinct keys ``ids``, whose rows are ``rows`` for an
         update inserting on apply, else the index's now), and their order columns
         (``_eviction_order``, int64 ``[m, columns]``): the table's ``k`` victims are the
-        first ``k`` of every shard's together (``shared_victims``)."""
+        first ``k`` of every shard's together (``shared_victims``). ``found``: as
+        ``room_needs``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        kept = self._rows_now(ids, None) if rows is None else np.asarray(rows, dtype=np.int64)
+        kept = self._rows_now(ids, found) if rows is None else np.asarray(rows, dtype=np.int64)
         cand = self._candidates(kept[kept >= 0])
-        cols = self._eviction_order(cand)
-        pick = _smallest(cols, k) if k < len(cand) else np.lexsort(cols[::-1])
-        return np.stack([c[pick] for c in cols], axis=1), cand[pick]
+        return _first_in_order(self._eviction_order(cand), k, cand)
 
     def _given_victims(self, victims: np.ndarray, kept: np.ndarray, expiring: int, new: int):
         """``victims`` (rows a ShardedEngine picked over every shard) checked against this
