@@ -921,10 +921,12 @@ class _MappedFile:
     """A table file of a served export, mapped whole and read-only, and the size the manifest
     gives it. The file is opened once (never through a symbolic link): its size (fstat) must be
     the manifest's before it is mapped, and its header, read from it, is checked against the
-    manifest's table, so every array of ``arrays`` ends inside the file. ``check`` compares the
-    size again (one fstat of the mapping's descriptor): a file truncated while mapped (a copy
-    written over a served export) read zeros from its last page, and killed the process with
-    SIGBUS past it."""
+    manifest's table, so every array of ``arrays`` ends inside the file. ``check`` stats the
+    file again (one fstat of the descriptor kept open, so the mapped file, not the path): a
+    file truncated while mapped (a copy written over a served export) read zeros from its
+    last page, and killed the process with SIGBUS past it; one written over in place at the
+    same size (another export copied over it) read the other export's bytes at this one's
+    offsets. Its modification time must be the one it had when mapped."""
 
     def __init__(self, file: Path, t: dict, expected: int):
         self.file, self.expected = file, expected
@@ -933,15 +935,19 @@ class _MappedFile:
             fd = os.open(file, flags)
         except OSError as e:  # ELOOP: a symbolic link put there since the checks
             raise CheckpointError(f"{file} cannot be opened as the export's own file ({e})") from e
-        with open(fd, "rb") as f:
+        f = open(fd, "rb")  # noqa: SIM115 - kept open for check(); closed with this object
+        try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{file} is not a regular file (checked before: replaced)")
             if st.st_size != expected:
                 raise CheckpointError(_wrong_size(file, st.st_size, expected))
             self.header, self.start = _check_table_file(file, t, opened=f)
-            # mmap keeps a descriptor of its own: check() stats the mapped file, not the path
             self.mapping = mmap.mmap(fd, expected, access=mmap.ACCESS_READ)
+        except BaseException:
+            f.close()
+            raise
+        self._opened, self._mtime = f, st.st_mtime_ns
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The file's tensors: read-only views of the mapping."""
@@ -957,14 +963,22 @@ class _MappedFile:
         return out
 
     def check(self) -> None:
-        """A CheckpointError if the file no longer has its size (before rows are read)."""
-        size = self.mapping.size()
-        if size != self.expected:
+        """A CheckpointError if the file no longer has its size, or was written since it was
+        mapped (before rows are read)."""
+        st = os.fstat(self._opened.fileno())
+        if st.st_size != self.expected:
             raise CheckpointError(
-                _wrong_size(self.file, size, self.expected, " while served")
+                _wrong_size(self.file, st.st_size, self.expected, " while served")
                 + ", and load it again, from a new folder: a copy written over a served export "
                 "truncates its files under the mapping, and a row read past the end kills the "
                 "process (SIGBUS)"
+            )
+        if st.st_mtime_ns != self._mtime:
+            raise CheckpointError(
+                f"{self.file} was written while served (modified at {st.st_mtime_ns} ns, "
+                f"mapped when modified at {self._mtime} ns): its rows are no longer the ones "
+                "the manifest describes. Serve a new export from a new folder (ServingEngine."
+                "load), never one copied over a served folder"
             )
 
 

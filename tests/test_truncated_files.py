@@ -152,6 +152,31 @@ def test_serving_refuses_a_lookup_in_a_file_truncated_while_served(exported, cut
         assert _sizes(file, short, size) in str(e.value)
 
 
+def test_serving_refuses_a_lookup_in_a_file_written_over_at_the_same_size(exported, tmp_path):
+    """Another export of the same size copied over a served file in place (the path keeps
+    its inode, the mapping shows the new bytes at the old manifest's offsets): every lookup is
+    refused, naming the file, from the file's modification time (the same fstat as the size)."""
+    other = _engine()
+    other.lookup({"f": np.arange(VOCAB)})
+    other.apply_gradients({"f": np.full((VOCAB, DIM), 3.0, np.float32)})
+    export(other.save(tmp_path / "ck2"), tmp_path / "out2")
+    file, new = exported / FILE, (tmp_path / "out2" / FILE).read_bytes()
+    assert len(new) == file.stat().st_size and new != file.read_bytes()
+    served = ServingEngine.load(exported)
+    before = served.lookup({"f": np.array([0, 7])})["f"]
+    ino = file.stat().st_ino
+    with open(file, "r+b") as f:  # in place: no truncation, the same size
+        f.write(new)
+    st = file.stat()
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a coarse clock's same tick
+    assert file.stat().st_ino == ino
+    with pytest.raises(CheckpointError, match="was written while served") as e:
+        served.lookup({"f": np.array([0, 7])})
+    assert str(file) in str(e.value)
+    again = ServingEngine.load(tmp_path / "out2").lookup({"f": np.array([0, 7])})["f"]
+    assert not np.array_equal(again, before)  # what the old mapping would have mixed in
+
+
 # -- export: a checkpoint's tables -----------------------------------------------------------------
 
 
