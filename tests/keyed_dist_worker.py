@@ -23,7 +23,8 @@ Scenarios:
                               EVICT_STEPS steps through max_rows=MAX_ROWS (keys from a pool
                               of 24, ``evict_batch``), step EVICT_REFUSED's batch needing
                               more rows than that (its error text saved); as keyed otherwise;
-                              with max_pending, the keyed table's (``pending_bound``)
+                              with max_pending, the keyed table's (``pending_bound``);
+                              eviction "none": no max_rows
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
                               ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
@@ -156,8 +157,11 @@ EVICT_POOL[[2, 7, 11]] *= -1
 
 
 def evict_features(name: str):
-    """``make_features`` of an ``evict:`` scenario: (features, optimizer)."""
+    """``make_features`` of an ``evict:`` scenario: (features, optimizer); eviction "none":
+    no max_rows (the pending keys' bound alone)."""
     _, optimizer, eviction, insert_on, threshold, expiry, *_ = name.split(":")
+    if eviction == "none":
+        return make_features(optimizer, int(threshold), expiry, insert_on)
     return make_features(
         optimizer, int(threshold), expiry, insert_on, max_rows=MAX_ROWS, eviction=eviction
     )

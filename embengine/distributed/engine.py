@@ -136,7 +136,9 @@ class _Columns:
     ``a``, per table, the unique ids owned by the destination ("rows" exchange); ``b``, per
     table, this rank's ``sums_saving`` (the same to every destination, so that every rank
     sums the same figures and picks the same exchange); ``k`` (engines with keyed tables),
-    per table, this rank's unique ids of it (whether any rank brought keys).
+    per table, this rank's unique ids of it (whether any rank brought keys); ``p`` (keyed
+    too), per table, the keys pending admission on this rank's shard (with ``k``, whether
+    the table's pending keys may pass its ``max_pending``: ``_crowded``).
     apply_gradients: ``n`` / ``m`` as the lookup's (the occurrences pushed, the gradient rows);
     ``a``, each table's learning rate (float64 bits); ``b``, per table, 0, or 1 when this rank
     updates from its last training lookup's batch, 2 when that lookup exchanged "sums" for
@@ -147,6 +149,7 @@ class _Columns:
     a: int
     b: int
     k: int
+    p: int
     width: int
 
     @classmethod
@@ -154,7 +157,7 @@ class _Columns:
         n = _FIXED
         m, a = n + features, n + 2 * features
         b, k = a + tables, a + 2 * tables
-        return cls(n, m, a, b, k, k + (tables if keyed else 0))
+        return cls(n, m, a, b, k, k + tables, k + (2 * tables if keyed else 0))
 
 
 @dataclasses.dataclass
@@ -935,6 +938,10 @@ class ShardedEngine:
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
+            pending = np.zeros(nt, dtype=np.int64)
+            for t in self._keyed:
+                pending[t] = self._shards[t].pending_keys
+            blocks[cols.p] = pending
         got = self._header(_LOOKUP if training else _EVAL, error, blocks, timestamp=when)
         # Every rank got every rank's savings, so every rank picks the same exchange.
         sums = np.array(
@@ -1345,12 +1352,14 @@ class ShardedEngine:
             if training and not totals[:, t].any():
                 continue  # no rank brought keys: the single engine runs no rule either
             asked_of[t] = (spans, keys, inverse)
-        # max_rows is the whole table's: decided over every owner before any table changes.
-        # A bounded table's keys are probed once, for the decision and the rules alike.
+        # max_rows and max_pending are the whole table's: decided over every owner before any
+        # table changes. Those tables' keys are probed once, for the decision and the rules.
         room, probed = {}, {}
         if training:
             probed = {
-                t: self._shards[t].rows_of(v[1]) for t, v in asked_of.items() if self._bounded(t)
+                t: self._shards[t].rows_of(v[1])
+                for t, v in asked_of.items()
+                if self._bounded(t) or self._crowded(t, got)
             }
             room = self._shared_room(
                 {t: (asked_of[t][1], None, f) for t, f in probed.items()}, update=False
@@ -1390,10 +1399,23 @@ class ShardedEngine:
         """Whether table ``t`` is keyed with ``max_rows`` (its evictions are the table's)."""
         return t in self._keyed and self._shards[t].dynamic.max_rows is not None
 
+    def _crowded(self, t: int, got: np.ndarray) -> bool:
+        """Whether keyed table ``t`` may forget pending keys in this training lookup (its
+        ``got`` header): the keys pending on every shard and every rank's distinct keys of
+        the step (an upper bound of the new pending ones) pass its ``max_pending``. Every
+        rank reads the same header, so all decide alike; a table that is not crowded forgets
+        nothing anywhere, and each shard's own bound (the table's) is never reached."""
+        shard, cols = self._shards[t], self._cols
+        if t not in self._keyed or shard.dynamic.occurrence_threshold == 0:
+            return False
+        brought = int(got[:, cols.p + t].sum() + got[:, cols.k + t].sum())
+        return brought > shard.max_pending
+
     def _shared_room(
         self, asks: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]], update: bool
     ) -> dict[int, tuple[np.ndarray, bool, tuple[np.ndarray, np.ndarray]]]:
-        """``max_rows`` of keyed tables sharded by key, decided as one table decides it: per
+        """``max_rows`` of keyed tables sharded by key (and ``max_pending`` of those, and of
+        the ``_crowded`` ones without ``max_rows``), decided as one table decides it: per
         table ``t`` of ``asks`` (the same tables on every rank; ``(keys, rows, found)``: this
         rank's distinct keys of the step, for an update inserting on apply their rows, and for
         a training lookup what the index gives them now, probed once) -> (the
@@ -1417,6 +1439,8 @@ class ShardedEngine:
             t: shared_room(
                 self.table_names[t], every[:, i, :5], self._shards[t].dynamic.max_rows, update
             )
+            if self._bounded(t)
+            else (0, True)  # no max_rows: only the pending keys' bound is shared
             for i, t in enumerate(ts)
         }
         pending = {

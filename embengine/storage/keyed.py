@@ -613,9 +613,14 @@ class KeyedTable(MappedRows):
         the ones seen longest ago are forgotten first); 4 * max_rows (at most 2^31 - 1), or
         2^22 without it. The engine's rule: a restore or ``load_state_dict`` keeps it (the
         state's ``meta[1]`` is checked, not taken), forgetting the pending keys past it by
-        the same rule. A ShardedEngine bounds the pending keys of a table with ``max_rows``
-        over all its shards by it (``shared_pending``; set it alike on every rank)."""
+        the same rule. A ShardedEngine bounds the pending keys of a table over all its shards
+        by it (``shared_pending``; set it alike on every rank)."""
         return self._pending.limit
+
+    @property
+    def pending_keys(self) -> int:
+        """How many keys wait for admission now (at most ``max_pending``)."""
+        return len(self._pending)
 
     @max_pending.setter
     def max_pending(self, n: int) -> None:
@@ -1595,7 +1600,7 @@ class KeyedTable(MappedRows):
             "rows": self._index.count,
             "capacity": self._capacity,
             "load_factor": self._index.count / self._capacity if self._capacity else 0.0,
-            "pending_keys": len(self._pending),
+            "pending_keys": self.pending_keys,
             "data_time": self.data_time,
             "bytes": {
                 "rows": self.nbytes,
