@@ -1013,10 +1013,7 @@ def _read_locked(ckpt: Path, verify: bool) -> tuple[Path, dict, Headers]:
         file = ckpt / name
         st = own_file(file)
         if st.st_size != info["bytes"]:
-            raise CheckpointError(
-                f"{file} has {st.st_size} bytes, the manifest says {info['bytes']} "
-                "(truncated or replaced)"
-            )
+            raise CheckpointError(wrong_size(file, st.st_size, info["bytes"]))
         # A file under two names would be parsed and hashed once per name; embengine never
         # writes one.
         other = seen.setdefault((st.st_dev, st.st_ino), name)
@@ -1212,6 +1209,18 @@ _COPY_AGAIN = (
 )
 
 
+def wrong_size(
+    file: Path, size: int, expected: int, when: str = "", advice: str = _COPY_AGAIN
+) -> str:
+    """The error text of a checkpoint's or an export's file whose size is not its manifest's
+    (``when``: since when, e.g. " while served"; ``advice``: what to do, a checkpoint's by
+    default)."""
+    return (
+        f"{file} has {size:,} bytes, the manifest says {expected:,}: it was truncated or "
+        f"replaced{when}{advice}"
+    )
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """One tensor of a checked checkpoint file, not yet read: a ``state.TensorSource``.
@@ -1318,8 +1327,7 @@ class CheckpointReader:
         size = own_file(self.path / file).st_size
         if size != expected:
             raise CheckpointError(
-                f"{self.path / file} has {size:,} bytes, the manifest says {expected:,}: it was "
-                f"truncated or replaced after the checkpoint was checked{_COPY_AGAIN}"
+                wrong_size(self.path / file, size, expected, " after the checkpoint was checked")
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -97,6 +97,7 @@ from .checkpoint import (
     own_file,
     read_checkpoint,
     read_own_file,
+    wrong_size,
 )
 from .config import (
     COMBINERS,
@@ -753,10 +754,13 @@ _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "I64": 8}
 
 def _wrong_size(file: Path, size: int, expected: int, when: str = "") -> str:
     """The error of an export's file whose size is not the manifest's."""
-    return (
-        f"{file} has {size:,} bytes, the manifest says {expected:,}: it was truncated or "
-        f"replaced{when} (a partial copy, a full disk, a copy written over it); copy the export "
-        "again, whole, or re-export it (`embengine export CKPT OUT --replace`)"
+    return wrong_size(
+        file,
+        size,
+        expected,
+        when,
+        " (a partial copy, a full disk, a copy written over it); copy the export again, whole, "
+        "or re-export it (`embengine export CKPT OUT --replace`)",
     )
 
 
