@@ -79,7 +79,7 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     after the checks every engine makes: numbers (a bool, string or complex array is
     refused, not cast), the activation's shape, and finite unless ``nonfinite_gradients``
     is "skip_row"."""
-    g = as_numpy(value)
+    g = as_numpy(value, f"feature {name!r}: gradient")
     if g.dtype.kind not in "fiu":
         raise TypeError(f"feature {name!r}: gradient must be numbers, got {g.dtype}")
     if g.shape != lay.shape:

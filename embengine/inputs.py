@@ -23,8 +23,18 @@ import numpy as np
 __all__ = ["Ragged", "to_ragged", "as_numpy", "offsets_from_lengths", "read_only"]
 
 
-def as_numpy(x) -> np.ndarray:
-    """A NumPy view of a NumPy array, torch tensor or sequence, without importing torch."""
+def as_numpy(x, what: str = "the array") -> np.ndarray:
+    """A NumPy view of a NumPy array, torch tensor or sequence, without importing torch.
+
+    A masked array (``numpy.ma``) is refused (TypeError naming ``what``): the checks (its
+    ``max()``, ``any()``) skip its masked entries, the kernels read the values under the mask
+    (an id past the table read and wrote outside it)."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} is a masked array (numpy.ma): the checks skip its masked entries, the "
+            "lookup would read the values under the mask; pass a plain array (.filled(v): v "
+            "in place of each masked entry; -1 pads 2-D ids)"
+        )
     if isinstance(x, np.ndarray):
         return x
     mod = type(x).__module__
@@ -49,7 +59,7 @@ def _check_python_ints(values, what: str) -> None:
 def _int_array(x, what: str) -> np.ndarray:
     if isinstance(x, list | tuple):
         _check_python_ints(x, what)
-    a = as_numpy(x)
+    a = as_numpy(x, what)
     if a.dtype.kind not in "iu":
         if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
             return np.zeros(a.shape, dtype=np.int64)
@@ -72,7 +82,7 @@ def _float_array(x, what: str) -> np.ndarray:
             )
         if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its float32 values
             x = x.float()
-    a = as_numpy(x)
+    a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")
     return a.astype(np.float32, copy=False)

@@ -355,3 +355,28 @@ def test_a_batch_looked_up_before_a_load_is_not_applied_after_it(backend):
     eng.load_state_dict(state)
     eng.apply_gradients(grads, batch=prepared)
     assert eng.step == 1
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_masked_arrays_are_refused_not_read_under_their_mask(backend, training):
+    """A numpy.ma array hid its masked entries from the checks (its max() and any() skip
+    them) while the kernels read the values under the mask: a masked id 10 of a 10-row table
+    pooled (and trained) a row outside the table, 10**11 a segfault; a masked NaN weight was a
+    NumbaTypeError, a masked NaN gradient a NonFiniteUpdateError blaming "finite inputs"."""
+    eng = _engine(backend)
+    before = _snapshot(eng)
+    ids = np.ma.array([1, 10], mask=[False, True])
+    with pytest.raises(TypeError, match=r"feature 'u': ids is a masked array .*\.filled"):
+        eng.lookup(_with(u=ids), training=training)
+    nan = np.ma.array([1.0, np.nan], mask=[False, True])
+    with pytest.raises(TypeError, match=r"feature 'u': weights is a masked array"):
+        eng.lookup(_with(u=np.array([1, 2])), weights={"u": nan}, training=training)
+    assert _snapshot(eng) == before
+    if training:
+        acts = eng.lookup(GOOD)
+        grads = {k: np.ones_like(v) for k, v in acts.items()}
+        grads["u"][0, 0] = np.nan
+        grads["u"] = np.ma.array(grads["u"], mask=np.isnan(grads["u"]))
+        with pytest.raises(TypeError, match=r"feature 'u': gradient is a masked array"):
+            eng.apply_gradients(grads)
+        assert _snapshot(eng) == before
