@@ -270,8 +270,18 @@ def _encode_table(weights: np.ndarray | TensorRows, compression: str, params: Ma
 def _live_keys(reader, t: dict, weights: TensorRows) -> tuple[np.ndarray, np.ndarray | TensorRows]:
     """A keyed table's (keys, weights) as an evaluation lookup at the checkpoint's step sees
     them: without the rows expired by then (``expire_steps``; ``expire_seconds`` at the table's
-    data time), which the next training step would remove. Read with read() (``reader.rows``)."""
+    data time), which the next training step would remove. Read with read() (``reader.rows``).
+    Its keys must be sorted and distinct, as a restore requires and a served lookup's binary
+    search needs: a CheckpointError naming the file and the key otherwise (a crafted or damaged
+    checkpoint), before anything is written."""
     keys = np.asarray(reader.rows(t["name"], "keys"))
+    bad = np.flatnonzero(keys[1:] <= keys[:-1])
+    if len(bad):
+        raise CheckpointError(
+            f"{reader.file_of(t['name'])}: table {t['name']!r}: key {keys[bad[0] + 1]} at "
+            f"position {bad[0] + 1} is not greater than the one before; a checkpoint's keys are "
+            "sorted and distinct (a crafted or damaged checkpoint, which restore refuses too)"
+        )
     dynamic = t.get("dynamic") or {}
     live = np.ones(len(keys), bool)
     expire = dynamic.get("expire_steps")

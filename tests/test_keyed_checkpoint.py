@@ -566,6 +566,26 @@ def test_a_crafted_export_with_unsorted_keys_is_refused(tmp_path):
         ServingEngine.load(out)
 
 
+@pytest.mark.parametrize("change", [_swap_first("k/keys"), _duplicate_key], ids=["unsorted", "dup"])
+def test_export_of_a_crafted_keyed_checkpoint_is_refused_and_keeps_the_previous(tmp_path, change):
+    """Keys out of order or twice in a checkpoint (restore refuses them) were exported as they
+    were: the export succeeded, and with --replace deleted a good previous export for one
+    that ServingEngine.load refuses (its keys "must be sorted and distinct")."""
+    eng = _engine("numba")
+    for batch in _stream(3):
+        _step(eng, batch)
+    out = tmp_path / "export"
+    export(eng.save(tmp_path / "good"), out)
+    want = ServingEngine.load(out).lookup(_stream(1, seed=4)[0])
+    path = eng.save(tmp_path / "crafted")
+    _rewrite(path, change)
+    with pytest.raises(CheckpointError, match=r"table 'k': key .* at position 1 .*sorted"):
+        export(path, out, replace=True)
+    got = ServingEngine.load(out).lookup(_stream(1, seed=4)[0])
+    assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["crafted", "export", "good"]
+
+
 def test_inspect_and_the_cli_show_a_keyed_table(tmp_path, capsys):
     eng = _engine("numba", occurrence_threshold=1, max_rows=12)
     for batch in _stream(6):
