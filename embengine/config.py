@@ -86,6 +86,18 @@ class QuantizationConfig:
             raise ValueError(
                 f"QuantizationConfig: lower={self.lower!r} must be < upper={self.upper!r}"
             )
+        # The levels' step: Inf (bounds ~2e308 apart) made every value NaN, a subnormal one
+        # Inf and NaN in the numba kernels.
+        with np.errstate(over="ignore"):
+            step = (np.float64(self.upper) - np.float64(self.lower)) / (self.num_buckets - 1)
+        if not (np.isfinite(step) and step >= np.finfo(np.float64).tiny):
+            raise ValueError(
+                f"QuantizationConfig: the step (upper - lower) / (num_buckets - 1) = {step:.3g} "
+                f"must be a normal float64 number (finite, >= {np.finfo(np.float64).tiny:.3g}); "
+                f"got lower={self.lower!r}, upper={self.upper!r}, "
+                f"num_buckets={self.num_buckets!r}: "
+                + ("narrow the bounds" if step > 1 else "widen the bounds or use fewer buckets")
+            )
 
     def quantize(self, x: np.ndarray) -> np.ndarray:
         q = (self.upper - self.lower) / (self.num_buckets - 1)

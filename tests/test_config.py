@@ -103,6 +103,18 @@ def test_bad_specs(make, message):
         make()
 
 
+@pytest.mark.parametrize(
+    "buckets, lower, upper",
+    [(4, -1e308, 1e308), (2, -1.7e308, 1.7e308), (3, 0.0, 1e-320), (2**62, 0.0, 1e-300)],
+)
+def test_quantization_steps_must_be_normal_float64_numbers(buckets, lower, upper):
+    """A step (upper - lower) / (num_buckets - 1) of Inf (finite bounds 2e308 apart) made every
+    quantized lookup NaN on both backends, and a subnormal one Inf and NaN on numba (zeros on
+    the reference); an export's manifest carrying one was served so."""
+    with pytest.raises(ValueError, match=r"QuantizationConfig: the step \(upper - lower\) / "):
+        ee.QuantizationConfig(buckets, lower, upper)
+
+
 def test_type_errors():
     with pytest.raises(TypeError, match="initializer must be an embengine.initializers"):
         ee.TableConfig(3, 1, initializer=lambda shape: None)
