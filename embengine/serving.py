@@ -215,7 +215,9 @@ class ExportReport:
         if self.rows:
             before = sum(r["bytes_before"] for r in self.rows)
             after = sum(r["bytes_after"] for r in self.rows)
-            worst = max(r["max_abs_error"] for r in self.rows)
+            errors = [r["max_abs_error"] for r in self.rows]
+            # max() drops a NaN that follows a number: a table's NaN error is the total's
+            worst = math.nan if any(e != e for e in errors) else max(errors)
             lines.append(
                 f"{'all tables':20s} {'':12s} {before / 2**20:10.2f} {after / 2**20:10.2f} "
                 f"{before / max(1, after):6.2f} {worst:14.3g}"

@@ -255,6 +255,20 @@ def test_export_report_sizes(trained, tmp_path):
     assert "2.00" in export(path, tmp_path / "fp16b", compress="fp16").format()
 
 
+def test_export_report_totals_keep_a_tables_nan_error(tmp_path):
+    """A table with a NaN weight has a NaN max abs error; the "all tables" line took max()
+    of the tables' errors, which drops a NaN after a number: it showed the other table's."""
+    a, b = ee.TableConfig(10, 4, name="a"), ee.TableConfig(10, 4, name="b")
+    eng = ee.EmbeddingEngine(
+        {"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)}, optimizer=O.SGD(0.1)
+    )
+    eng.embedding_tables["b"][3, 1] = np.nan
+    report = export(eng.save(tmp_path / "ck"), tmp_path / "out", compress="fp16")
+    lines = report.format().splitlines()
+    assert lines[1].split()[-1] != "nan" and lines[2].split()[-1] == "nan"
+    assert lines[-1].split()[:2] == ["all", "tables"] and lines[-1].split()[-1] == "nan"
+
+
 def test_per_table_overrides_apply(trained, tmp_path):
     eng, path = trained
     per_table = {"bag": "int8_rowwise", "seq": "fp32"}
