@@ -168,10 +168,18 @@ def _export(args: argparse.Namespace) -> int:
 
     per_table = {}
     for item in args.table or []:
-        name, _, comp = item.partition("=")
-        if not comp:
+        # At the last '=': compressions have none, a table's name may ("user=id").
+        name, _, comp = item.rpartition("=")
+        if not name or not comp:
             print(
                 f"embengine export: error: --table wants NAME=COMPRESSION, got {item!r}",
+                file=sys.stderr,
+            )
+            return 2
+        if name in per_table:
+            print(
+                f"embengine export: error: --table gives table {name!r} twice "
+                f"({per_table[name]} and {comp}); give each table once",
                 file=sys.stderr,
             )
             return 2

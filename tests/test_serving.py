@@ -682,6 +682,21 @@ def _cli(handler, capsys, **kwargs):
     return code, out, err
 
 
+def test_cli_export_table_names_with_an_equals_sign_and_given_twice(tmp_path, capsys):
+    """--table NAME=COMPRESSION split at the first '=': a table named "user=id" could not be
+    given one (compression 'id=fp32' refused); a table given twice took the last silently."""
+    from embengine import cli
+
+    t = ee.TableConfig(10, 4, name="user=id")
+    path = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1)).save(tmp_path / "c")
+    argv = ["export", str(path), str(tmp_path / "out"), "--compress", "fp16"]
+    assert cli.main([*argv, "--table", "user=id=int8_rowwise"]) == 0
+    assert "user=id              int8_rowwise" in capsys.readouterr().out
+    twice = ["--table", "user=id=fp32", "--table", "user=id=bf16", "--replace"]
+    assert cli.main([*argv, *twice]) == 2
+    assert "--table gives table 'user=id' twice" in capsys.readouterr().err
+
+
 def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     _, path = trained_ref
     out = tmp_path / "out"
