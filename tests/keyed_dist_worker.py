@@ -25,6 +25,8 @@ Scenarios:
                               more rows than that (its error text saved); as keyed otherwise;
                               with max_pending, the keyed table's (``pending_bound``);
                               eviction "none": no max_rows
+  pending_edges               max_pending lowered below the pending keys, then a step of hits
+                              only (``drive_pending``): keys, weights, pending keys, forgotten
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
                               ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
@@ -290,6 +292,59 @@ def run_evict(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
+# pending_edges: 6 keys, 0 mod 6 as POOL's, some negative
+PENDING_POOL = (np.arange(1, 7, dtype=np.int64) * 6) | (np.int64(7) << np.int64(56))
+PENDING_POOL[1] *= -1
+
+
+def drive_pending(step, bound, record) -> None:
+    """pending_edges (threshold 1, no max_rows) on one engine: ``step(bags)`` a training step
+    on the global bags (each rank its share), ``bound(n)`` sets max_pending, ``record(tag)``
+    what the table holds."""
+    a = [[int(k)] for k in PENDING_POOL[:6]]
+    bound(10)
+    step(a)  # 6 keys pending
+    step(a[:1])  # one admitted, 5 pending
+    bound(2)
+    step(a[:1])  # hits only: nothing waits, so nothing is forgotten (5 pending, bound 2)
+    record("hits")
+    step(a[1:])  # the 5 pending admitted
+    record("admitted")
+
+
+def run_pending_edges(rank: int, world: int, out: str, name: str) -> None:
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    eng = ShardedEngine(pending_features(), optimizer=opt.SGD(0.1), seed=3, timeout=60)
+    saved = {}
+
+    def step(bags):
+        mine = bags[len(bags) * rank // world : len(bags) * (rank + 1) // world]
+        eng.lookup({"a": mine})
+        eng.apply_gradients({"a": np.ones((len(mine), 2), np.float32)})
+
+    def bound(n):
+        eng.shard("k").max_pending = n
+
+    def record(tag):
+        k = eng.table_contents()["tables"]["k"]
+        saved[f"{tag}/keys"], saved[f"{tag}/weights"] = k["keys"], k["weights"]
+        stats = eng.table_stats()["tables"]["k"]["keyed"]
+        saved[f"{tag}/pending"] = np.array(stats["pending_keys"])
+        saved[f"{tag}/forgotten"] = np.array(stats["total"]["forgotten"])
+
+    drive_pending(step, bound, record)
+    np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
+
+
+def pending_features():
+    import embengine as ee
+
+    dyn = ee.DynamicVocabulary(occurrence_threshold=1)
+    return {"a": ee.FeatureConfig(ee.TableConfig(None, 2, name="k", dynamic=dyn))}
+
+
 def train(eng, steps, rank: int, world: int) -> None:
     for step in steps:
         feats, weights, grads = local(step, rank, world)
@@ -511,6 +566,8 @@ def main() -> None:
                 run_save_halfway(rank, world, out, name)
             elif name == "restore_cut":
                 run_restore_cut(rank, world, out, name)
+            elif name == "pending_edges":
+                run_pending_edges(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

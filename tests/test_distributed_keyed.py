@@ -52,6 +52,8 @@ EVICT = [
     "evict:adagrad:none:lookup:2:none:6",
     "evict:ftrl:none:apply:1:steps:5",
 ]
+# max_pending lowered below the pending keys (drive_pending)
+PENDING = "pending_edges"
 
 
 def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) -> list[int]:
@@ -68,7 +70,7 @@ def runs(tmp_path_factory):
         if world not in done:
             single_run(SCENARIOS[0])  # compile (or load) the kernels here, not in W children
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, [*SCENARIOS, *EVICT, MMAP])
+            codes = spawn(world, out, [*SCENARIOS, *EVICT, MMAP, PENDING])
             assert codes == [0] * world, rank_logs(out, world)
             done[world] = out
         return done[world]
@@ -242,6 +244,57 @@ def test_max_rows_over_shards_evicts_what_one_table_evicts(runs, world, name):
             want[f"evicted{step}"],
             want[f"forgotten{step}"],
         ), step
+
+
+def single_pending() -> dict:
+    """``drive_pending`` on one EmbeddingEngine."""
+    from embengine import optimizers as opt
+
+    eng = ee.EmbeddingEngine(worker.pending_features(), optimizer=opt.SGD(0.1), seed=3)
+    table = next(p for p in eng._physical if getattr(p, "name", "") == "k")
+    out = {}
+
+    def step(bags):
+        eng.lookup({"a": bags})
+        eng.apply_gradients({"a": np.ones((len(bags), 2), np.float32)})
+
+    def bound(n):
+        table.max_pending = n
+
+    def record(tag):
+        out[f"{tag}/keys"], out[f"{tag}/weights"] = (
+            eng.table_contents("k")[k] for k in ("keys", "weights")
+        )
+        stats = eng.table_stats()["k"]
+        out[f"{tag}/pending"], out[f"{tag}/forgotten"] = (
+            stats["pending_keys"],
+            stats["total"]["forgotten"],
+        )
+
+    worker.drive_pending(step, bound, record)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_max_pending_lowered_below_the_pending_keys(runs, world):
+    """Past a lowered max_pending, one table forgets pending keys only when a key waits: a
+    step of hits forgets nothing (the owners once forgot keys then, deciding together, and
+    then admitted fewer keys than one engine)."""
+    out = runs(world)
+    want = single_pending()
+    assert (want["hits/pending"], want["hits/forgotten"]) == (5, 0), want
+    assert len(want["admitted/keys"]) == 6, want
+    ranks = [dict(np.load(out / f"{PENDING}.rank{r}.npz")) for r in range(world)]
+    for tag in ("hits", "admitted"):
+        for got in ranks:
+            for key in ("keys", "weights"):
+                w, g = want[f"{tag}/{key}"], got[f"{tag}/{key}"]
+                assert w.dtype == g.dtype and np.array_equal(w, g), (tag, key, w, g)
+        for what in ("pending", "forgotten"):
+            assert sum(int(got[f"{tag}/{what}"]) for got in ranks) == want[f"{tag}/{what}"], (
+                tag,
+                what,
+            )
 
 
 def test_the_keyed_batches_hold_what_the_scenarios_need():

@@ -1840,10 +1840,12 @@ def shared_pending(needs: np.ndarray, limit: int) -> tuple[int, int]:
     """A sharded table's pending-key bound from every shard's ``room_needs`` pending columns
     (``needs``: ``[shards, 3]``: pending, waiting, candidates), ``_Pending.add``'s rule on
     the sums: (how many pending keys to forget, seen longest ago first; how many of the
-    step's new keys, the largest, not to count) to stay within ``limit``."""
+    step's new keys, the largest, not to count) to stay within ``limit``. As one table, it
+    forgets nothing when no key of the step waits (the pending keys it holds, ``pending -
+    candidates``, and the new ones), even past a ``limit`` lowered since."""
     pending, waiting, candidates = (int(x) for x in np.asarray(needs).sum(axis=0))
     excess = pending + waiting - limit
-    if excess <= 0:
+    if excess <= 0 or waiting + pending - candidates == 0:
         return 0, 0
     return min(excess, candidates), max(0, excess - candidates)
 
