@@ -26,7 +26,8 @@ Scenarios:
                               with max_pending, the keyed table's (``pending_bound``);
                               eviction "none": no max_rows
   pending_edges               max_pending lowered below the pending keys, then a step of hits
-                              only (``drive_pending``): keys, weights, pending keys, forgotten
+                              only; a save, and a restore with max_pending below its pending
+                              keys (``drive_pending``): keys, weights, pending keys, forgotten
   ckpt_save:<folder>          two steps, save, a third step (W ranks)
   ckpt_restore:<folder>       load what another world size saved, the third step
                               ($CKPT_CHUNK: the checkpoints' chunk bytes, so that a save
@@ -292,16 +293,17 @@ def run_evict(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
 
 
-# pending_edges: 6 keys, 0 mod 6 as POOL's, some negative
-PENDING_POOL = (np.arange(1, 7, dtype=np.int64) * 6) | (np.int64(7) << np.int64(56))
-PENDING_POOL[1] *= -1
+# pending_edges: 12 keys, 0 mod 6 as POOL's, some negative; the first 6, then the last 6
+PENDING_POOL = (np.arange(1, 13, dtype=np.int64) * 6) | (np.int64(7) << np.int64(56))
+PENDING_POOL[[1, 8]] *= -1
 
 
-def drive_pending(step, bound, record) -> None:
+def drive_pending(step, bound, save, restore, record) -> None:
     """pending_edges (threshold 1, no max_rows) on one engine: ``step(bags)`` a training step
-    on the global bags (each rank its share), ``bound(n)`` sets max_pending, ``record(tag)``
-    what the table holds."""
+    on the global bags (each rank its share), ``bound(n)`` sets max_pending, ``save()`` and
+    ``restore(path)``, ``record(tag)`` what the table holds."""
     a = [[int(k)] for k in PENDING_POOL[:6]]
+    b = [[int(k)] for k in PENDING_POOL[6:]]
     bound(10)
     step(a)  # 6 keys pending
     step(a[:1])  # one admitted, 5 pending
@@ -310,6 +312,14 @@ def drive_pending(step, bound, record) -> None:
     record("hits")
     step(a[1:])  # the 5 pending admitted
     record("admitted")
+    bound(10)
+    step(b)  # 6 more pending
+    path = save()
+    bound(4)
+    restore(path)  # 2 of them forgotten: the table's bound, not each shard's
+    record("restored")
+    step(b)  # 4 admitted, 2 pending again
+    record("end")
 
 
 def run_pending_edges(rank: int, world: int, out: str, name: str) -> None:
@@ -334,7 +344,7 @@ def run_pending_edges(rank: int, world: int, out: str, name: str) -> None:
         saved[f"{tag}/pending"] = np.array(stats["pending_keys"])
         saved[f"{tag}/forgotten"] = np.array(stats["total"]["forgotten"])
 
-    drive_pending(step, bound, record)
+    drive_pending(step, bound, lambda: eng.save(os.path.join(out, name)), eng.restore, record)
     np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 
 

@@ -52,7 +52,7 @@ EVICT = [
     "evict:adagrad:none:lookup:2:none:6",
     "evict:ftrl:none:apply:1:steps:5",
 ]
-# max_pending lowered below the pending keys (drive_pending)
+# max_pending lowered below the pending keys, and a restore below them (drive_pending)
 PENDING = "pending_edges"
 
 
@@ -246,8 +246,8 @@ def test_max_rows_over_shards_evicts_what_one_table_evicts(runs, world, name):
         ), step
 
 
-def single_pending() -> dict:
-    """``drive_pending`` on one EmbeddingEngine."""
+def single_pending(folder: Path) -> dict:
+    """``drive_pending`` on one EmbeddingEngine (its own checkpoint under ``folder``)."""
     from embengine import optimizers as opt
 
     eng = ee.EmbeddingEngine(worker.pending_features(), optimizer=opt.SGD(0.1), seed=3)
@@ -271,21 +271,24 @@ def single_pending() -> dict:
             stats["total"]["forgotten"],
         )
 
-    worker.drive_pending(step, bound, record)
+    worker.drive_pending(step, bound, lambda: eng.save(folder), eng.restore, record)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_max_pending_lowered_below_the_pending_keys(runs, world):
-    """Past a lowered max_pending, one table forgets pending keys only when a key waits: a
-    step of hits forgets nothing (the owners once forgot keys then, deciding together, and
-    then admitted fewer keys than one engine)."""
+def test_max_pending_lowered_or_restored_below_the_pending_keys(runs, world, tmp_path):
+    """Past a lowered max_pending, one table forgets pending keys only when a key waits (a
+    step of hits forgets nothing), and a restore keeps the table's max_pending newest pending
+    keys, not each shard's: the owners once forgot keys at a step of hits, and kept every
+    shard's keys at a restore, and then admitted keys one engine had forgotten."""
     out = runs(world)
-    want = single_pending()
+    want = single_pending(tmp_path / "single")
     assert (want["hits/pending"], want["hits/forgotten"]) == (5, 0), want
     assert len(want["admitted/keys"]) == 6, want
+    assert (want["restored/pending"], want["restored/forgotten"]) == (4, 2), want
+    assert (len(want["end/keys"]), want["end/pending"]) == (10, 2), want
     ranks = [dict(np.load(out / f"{PENDING}.rank{r}.npz")) for r in range(world)]
-    for tag in ("hits", "admitted"):
+    for tag in ("hits", "admitted", "restored", "end"):
         for got in ranks:
             for key in ("keys", "weights"):
                 w, g = want[f"{tag}/{key}"], got[f"{tag}/{key}"]

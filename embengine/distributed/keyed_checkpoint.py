@@ -16,9 +16,11 @@ rank's summed, meta and data time rank 0's (the ranks agree on them: every owner
 table's rules when any runs them).
 
 Restoring (collective): every rank reads the keys and pending keys whole, keeps those it owns
-(``mix64(key) mod W``) and their metadata, checked by the table's own checks
-(``KeyedTable.prepare_state``); the install reads their rows chunk by chunk straight into the
-new arena. The summed counters go to rank 0 (the ranks' stats add up to the saved ones).
+(``mix64(key) mod W``; past the table's ``max_pending``, of the pending keys the newest, as
+one table keeps them, every rank reading their steps whole too) and their metadata, checked
+by the table's own checks (``KeyedTable.prepare_state``); the install reads their rows chunk
+by chunk straight into the new arena. The summed counters go to rank 0 (the ranks' stats add
+up to the saved ones, and the pending keys forgotten past ``max_pending``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..safetensors_io import BFLOAT16, CHUNK_BYTES, DTYPES
 from ..state import KEYED_COUNTERS, WEIGHTS, keyed_entries
-from ..storage.keyed import MAX_COUNT, KeyedTable
+from ..storage.keyed import MAX_COUNT, KeyedTable, _newest_pending
 from .comm import Comm
 from .sharding import mix64
 
@@ -319,7 +321,18 @@ def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
     keys = _read_all(entry("keys"))
     pending = _read_all(entry("pending_keys"))
     mine = np.flatnonzero((mix64(keys) % np.uint64(world)).astype(np.int64) == comm.rank)
-    theirs = np.flatnonzero((mix64(pending) % np.uint64(world)).astype(np.int64) == comm.rank)
+    owned = (mix64(pending) % np.uint64(world)).astype(np.int64) == comm.rank
+    # max_pending is the table's (set alike on every rank): past it the table's newest
+    # pending keys stay, as one table's restore keeps them (KeyedTable._stage), each rank
+    # its own of them; the forgotten ones counted on rank 0, which holds the counters
+    dropped = 0
+    if len(pending) > shard.max_pending:
+        steps = _read_all(entry("pending_step"))
+        if steps.shape == pending.shape:  # else prepare_state names the bad entry
+            kept = _newest_pending(pending, steps, shard.max_pending)
+            owned &= kept
+            dropped = int((~kept).sum())
+    theirs = np.flatnonzero(owned)
     state = {"keys": keys[mine], "pending_keys": pending[theirs]}
     for k in (WEIGHTS, *[s.name for s in shard.slot_specs]):
         state[k] = _KeptRows(entry(k), mine)  # read by the install, into the arena
@@ -330,6 +343,11 @@ def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
     for k in ("meta", "data_time"):
         state[k] = _read_all(entry(k))
     counters = _read_all(entry("counters"))
+    if comm.rank == 0 and dropped and counters.shape == (2, len(KEYED_COUNTERS)):
+        counters = counters.copy()
+        at = KEYED_COUNTERS.index("forgotten")
+        if 0 <= counters[1, at] <= MAX_COUNT:
+            counters[1, at] = min(int(counters[1, at]) + dropped, MAX_COUNT)
     state["counters"] = counters if comm.rank == 0 else np.zeros_like(counters)
     try:
         return shard.prepare_state(state, step, f"{reader.path}: table {name!r}")
