@@ -36,6 +36,7 @@ Scenarios:
                               chunks: tracemalloc's peak of each, and the table's bytes
   time_mismatch               the last rank passes another timestamp
   eval_mismatch               the last rank looks up for evaluation while the others train
+  pending_mismatch            the last rank's keyed table has another max_pending
   apply_time                  insert on apply, an update later in data time than its lookup,
                               its keys on one rank (2 ranks), a step bringing it no key:
                               keys, weights and data time every step
@@ -538,6 +539,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     when = timestamp(0) + (1 if rank == world - 1 else 0)
     try:
         eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+        if name == "pending_mismatch" and rank == world - 1:
+            eng.shard("k").max_pending = 7
+            when -= 1  # the timestamps agree here
         if name == "eval_mismatch":  # the last rank looks up for evaluation, the others train
             last = rank == world - 1
             eng.lookup(feats, weights, training=not last, timestamp=None if last else when - 1)

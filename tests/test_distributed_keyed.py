@@ -362,7 +362,7 @@ def test_a_keyed_table_is_keyed_whatever_the_sharding_asks():
 
 
 def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_path):
-    codes = spawn(2, tmp_path, ["time_mismatch", "eval_mismatch"])
+    codes = spawn(2, tmp_path, ["time_mismatch", "eval_mismatch", "pending_mismatch"])
     assert codes == [0, 0], rank_logs(tmp_path, 2)
     for r in range(2):  # the owners run the rules on a training lookup only: ranks must agree
         text = (tmp_path / f"eval_mismatch.rank{r}.txt").read_text()
@@ -372,6 +372,11 @@ def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_pa
     for r in range(2):
         text = (tmp_path / f"time_mismatch.rank{r}.txt").read_text()
         assert text.startswith("DistributedError") and "timestamps are [1000000, 1000001]" in text
+    for r in range(2):  # the table's bound: every rank fails at once (they once hung)
+        text = (tmp_path / f"pending_mismatch.rank{r}.txt").read_text()
+        assert text.startswith("DistributedError") and (
+            f"table 'k' has max_pending [{2**22}, 7] on ranks 0..1" in text
+        ), text
 
 
 def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):

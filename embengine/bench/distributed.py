@@ -117,7 +117,7 @@ def modelled_bytes(
         bag_of = np.repeat(np.arange(len(bags.offsets) - 1), np.diff(bags.offsets))
         return ids, bag_of
 
-    width = 4 + 2 * tables + 2 * tables + (2 * tables if keyed else 0)
+    width = 4 + 2 * tables + 2 * tables + (3 * tables if keyed else 0)
     lookup = 8 * (world - 1) * width
     m = np.zeros((tables, world), dtype=np.int64)  # gradient rows to each owner
     n = np.zeros((tables, world), dtype=np.int64)  # occurrences pushed to each owner

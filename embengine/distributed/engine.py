@@ -138,7 +138,8 @@ class _Columns:
     sums the same figures and picks the same exchange); ``k`` (engines with keyed tables),
     per table, this rank's unique ids of it (whether any rank brought keys); ``p`` (keyed
     too), per table, the keys pending admission on this rank's shard (with ``k``, whether
-    the table's pending keys may pass its ``max_pending``: ``_crowded``).
+    the table's pending keys may pass its ``max_pending``: ``_crowded``), and ``q``, its
+    ``max_pending`` (the table's: the ranks must agree, ``_check_header``).
     apply_gradients: ``n`` / ``m`` as the lookup's (the occurrences pushed, the gradient rows);
     ``a``, each table's learning rate (float64 bits); ``b``, per table, 0, or 1 when this rank
     updates from its last training lookup's batch, 2 when that lookup exchanged "sums" for
@@ -150,6 +151,7 @@ class _Columns:
     b: int
     k: int
     p: int
+    q: int
     width: int
 
     @classmethod
@@ -157,7 +159,8 @@ class _Columns:
         n = _FIXED
         m, a = n + features, n + 2 * features
         b, k = a + tables, a + 2 * tables
-        return cls(n, m, a, b, k, k + tables, k + (2 * tables if keyed else 0))
+        p, q = k + tables, k + 2 * tables
+        return cls(n, m, a, b, k, p, q, k + (3 * tables if keyed else 0))
 
 
 @dataclasses.dataclass
@@ -795,6 +798,17 @@ class ShardedEngine:
                 f"{said} (ranks 0..{w - 1}); every rank must pass the same timestamp= (the "
                 "step's data time); nothing was changed"
             )
+        if self._keyed:  # a lookup's max_pending per keyed table (zeros in other calls)
+            limits = got[:, cols.q : cols.q + nt]
+            for t in range(nt):
+                if (limits[:, t] != limits[self.rank, t]).any():
+                    raise DistributedError(
+                        f"rank {self.rank}: {name} at step {self._step}: table "
+                        f"{self.table_names[t]!r} has max_pending {limits[:, t].tolist()} on "
+                        f"ranks 0..{w - 1}; the bound is the whole table's: set the same "
+                        "max_pending on every rank (engine.shard(name).max_pending = n); "
+                        "nothing was changed"
+                    )
         if lrs is not None:
             theirs = got[:, cols.a : cols.a + nt].view(np.float64)
             for t in range(nt):
@@ -938,10 +952,11 @@ class ShardedEngine:
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
-            pending = np.zeros(nt, dtype=np.int64)
+            pending, limits = np.zeros(nt, dtype=np.int64), np.zeros(nt, dtype=np.int64)
             for t in self._keyed:
                 pending[t] = self._shards[t].pending_keys
-            blocks[cols.p] = pending
+                limits[t] = self._shards[t].max_pending
+            blocks[cols.p], blocks[cols.q] = pending, limits
         got = self._header(_LOOKUP if training else _EVAL, error, blocks, timestamp=when)
         # Every rank got every rank's savings, so every rank picks the same exchange.
         sums = np.array(
