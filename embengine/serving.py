@@ -269,6 +269,27 @@ def _encode_table(weights: np.ndarray | TensorRows, compression: str, params: Ma
     return out, worst
 
 
+def _check_finite_weights(file: Path, name: str, weights: np.ndarray | TensorRows) -> None:
+    """A ValueError if a table's weights (rows read chunk by chunk) hold a NaN or an Inf:
+    served, every bag holding such a row would be NaN. Called for the tables whose
+    checkpoint says they were not finite when saved (the flag covers the float slots too: a
+    table whose slots alone diverged exports)."""
+    bad = first = 0
+    for lo in range(0, len(weights), _ROWS_PER_CHUNK):
+        x = np.asarray(weights[lo : lo + _ROWS_PER_CHUNK], dtype=np.float32)
+        wrong = ~np.isfinite(x).all(axis=tuple(range(1, x.ndim)))
+        if wrong.any() and not bad:
+            first = lo + int(np.argmax(wrong))
+        bad += int(wrong.sum())
+    if bad:
+        raise ValueError(
+            f"{file}: table {name!r} has {bad:,} rows of weights holding NaN or Inf (the first "
+            f"at row {first}): served, every bag holding one would be NaN. Export a checkpoint "
+            "saved before the training diverged (`embengine inspect ROOT` says which are "
+            "finite; a save's keep=N never deletes the newest finite one); nothing was written"
+        )
+
+
 def _live_keys(reader, t: dict, weights: TensorRows) -> tuple[np.ndarray, np.ndarray | TensorRows]:
     """A keyed table's (keys, weights) as an evaluation lookup at the checkpoint's step sees
     them: without the rows expired by then (``expire_steps``; ``expire_seconds`` at the table's
@@ -547,6 +568,8 @@ def _export(
     _remove_leftovers(out.parent, out.name, "tmp")
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    # The manifest's flag per table: its weights and float slots were finite when saved.
+    finite = {m["name"]: m.get("finite", True) for m in reader.manifest["tables"]}
     try:
         tables, files, rows = [], {}, []
         for i, t in enumerate(spec["tables"]):
@@ -562,6 +585,8 @@ def _export(
             keys = None
             if reader.is_keyed(t["name"]):
                 keys, weights = _live_keys(reader, t, weights)
+            if finite.get(t["name"], True) is not True:  # weights or slots held NaN or Inf
+                _check_finite_weights(reader.file_of(t["name"]), t["name"], weights)
             params = {"fixed_range": r} if comp == "fixed_r8" else {}
             arrays, worst = _encode_table(weights, comp, params)
             if keys is not None:

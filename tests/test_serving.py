@@ -21,7 +21,7 @@ from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError
 from embengine.engine import BACKENDS
 from embengine.inspect import describe
-from embengine.serving import COMPRESSIONS, ServingEngine, error_bound, export
+from embengine.serving import COMPRESSIONS, ExportReport, ServingEngine, error_bound, export
 
 REPO = Path(__file__).resolve().parents[1]
 EMBENGINE = Path(sys.executable).parent / "embengine"
@@ -256,15 +256,13 @@ def test_export_report_sizes(trained, tmp_path):
 
 
 def test_export_report_totals_keep_a_tables_nan_error(tmp_path):
-    """A table with a NaN weight has a NaN max abs error; the "all tables" line took max()
-    of the tables' errors, which drops a NaN after a number: it showed the other table's."""
-    a, b = ee.TableConfig(10, 4, name="a"), ee.TableConfig(10, 4, name="b")
-    eng = ee.EmbeddingEngine(
-        {"fa": ee.FeatureConfig(a), "fb": ee.FeatureConfig(b)}, optimizer=O.SGD(0.1)
-    )
-    eng.embedding_tables["b"][3, 1] = np.nan
-    report = export(eng.save(tmp_path / "ck"), tmp_path / "out", compress="fp16")
-    lines = report.format().splitlines()
+    """A table with a NaN max abs error (weights holding NaN are refused by export since;
+    the report's sum stays right for any): the "all tables" line took max() of the tables'
+    errors, which drops a NaN after a number: it showed the other table's."""
+    row = {"compression": "fp16", "bytes_before": 160, "bytes_after": 80}
+    rows = [{"table": "a", **row, "max_abs_error": 1e-3}]
+    rows.append({"table": "b", **row, "max_abs_error": float("nan")})
+    lines = ExportReport(tmp_path, rows).format().splitlines()
     assert lines[1].split()[-1] != "nan" and lines[2].split()[-1] == "nan"
     assert lines[-1].split()[:2] == ["all", "tables"] and lines[-1].split()[-1] == "nan"
 
@@ -856,3 +854,27 @@ def test_serving_pools_decoded_rows_without_deduplicating(
         for k in expected:
             assert again[k].tobytes() == expected[k].tobytes(), k
     assert len(calls) == 2 * 2 * len(serving.table_names)
+
+
+@pytest.mark.parametrize("compression", ["fp32", "int8_rowwise"])
+def test_export_refuses_weights_holding_nan_or_inf_and_exports_diverged_slots(
+    tmp_path, compression
+):
+    """A checkpoint saved after training diverged (its manifest says a table was not finite):
+    weights holding NaN or Inf are refused, naming the file, the table and the first row,
+    nothing written (served, every bag holding the row would be NaN; an fp32 export copied
+    them and reported no error); a table whose slots alone diverged exports."""
+    features = {"f": ee.FeatureConfig(ee.TableConfig(300, 4, name="t"))}
+    eng = ee.EmbeddingEngine(features, optimizer=O.Adagrad(0.1), seed=2)
+    eng.slots("t")["accumulators"][5, 1] = np.inf
+    slots_only = eng.save(tmp_path / "a")
+    report = export(slots_only, tmp_path / "ok", compress=compression)
+    assert report.rows[0]["table"] == "t"
+    eng.embedding_tables["t"][250, 2] = np.nan
+    eng.embedding_tables["t"][260, 0] = -np.inf
+    bad = eng.save(tmp_path / "b")
+    with pytest.raises(ValueError, match="table 't' has 2 rows of weights holding NaN or Inf") as e:
+        export(bad, tmp_path / "out", compress=compression)
+    assert "the first at row 250" in str(e.value) and "table-000.safetensors" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
