@@ -47,7 +47,7 @@ from .spec import (
     initializer_for,
     table_entries,
 )
-from .state import MAX_STEP, WEIGHTS, PartialLoadError, check_state
+from .state import MAX_STEP, WEIGHTS, PartialLoadError, check_int_slots, check_state
 from .storage import StorageError, StoragePlan, make_storage, plan_storage
 from .storage.registry import storage_kind
 
@@ -520,14 +520,15 @@ class EmbeddingEngine:
         """Copy a state (``state_dict()``'s layout, arrays or ``TensorSource``s) into the
         engine's tables and set the step.
 
-        Every entry is checked first (names, shapes, dtypes; TypeError / ValueError naming the
-        entry), so a state that does not fit changes nothing. Whether values are finite is the
-        caller's business. ``strict`` requires every table, each of its arrays and the step;
-        ``strict=False`` leaves what the state lacks as it is (unknown names are errors either
-        way). The copy runs under the engine's lock and forgets the pending training batch
-        (its gradients came from the tables before). A keyed table makes room for its state
-        before any table changes: if the system refuses it (a full disk, no memory), the
-        OSError / MemoryError names the table and nothing changed. If a TensorSource fails
+        Every entry is checked first (names, shapes, dtypes, and the values of int32 step
+        counters: ``Optimizer.int_slot_range``, such a slot read whole; TypeError / ValueError
+        naming the entry), so a state that does not fit changes nothing. Whether values are
+        finite is the caller's business. ``strict`` requires every table, each of its arrays and
+        the step; ``strict=False`` leaves what the state lacks as it is (unknown names are
+        errors either way). The copy runs under the engine's lock and forgets the pending
+        training batch (its gradients came from the tables before). A keyed table makes room for
+        its state before any table changes: if the system refuses it (a full disk, no memory),
+        the OSError / MemoryError names the table and nothing changed. If a TensorSource fails
         midway, a ``PartialLoadError`` says which tables hold the new values; the step is
         unchanged, the pending training batch forgotten (its rows may be other keys' now)."""
         expected = {
@@ -554,6 +555,7 @@ class EmbeddingEngine:
             # nothing), and make their room (a refused growth: OSError / MemoryError, nothing
             # changed); installed in their turn, their rows are read into the new arena.
             now = self._step if step is None else step
+            copies = check_int_slots(copies, self._int_slot_ranges(now))
             installs = {
                 name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")
                 for name, pairs in copies
@@ -585,6 +587,18 @@ class EmbeddingEngine:
                 self._step = step
             self._step_time = (-1, None)  # a new step's calls bring their data time
             self._forget_pending()
+
+    def _int_slot_ranges(self, step: int) -> dict[tuple[str, str], tuple[int, int, str]]:
+        """(table, int32 slot) -> the values it can hold at ``step`` (``check_int_slots``)."""
+        tables = zip(
+            self._resolved.table_names, self._resolved.tables, self._optimizers, strict=True
+        )
+        return {
+            (name, s.name): (*bounds, f"what {type(opt).__name__} holds there at step {step:,}")
+            for name, table, opt in tables
+            for s in opt.slot_specs(table.dim)
+            if s.dtype == "int32" and (bounds := opt.int_slot_range(s.name, step)) is not None
+        }
 
     def _learning_rate_tags(self) -> list[dict[str, Any]]:
         """Each dynamic learning-rate tag, with the name of the callable behind it (or None)."""

@@ -80,6 +80,7 @@ __all__ = [
     "PartialLoadError",
     "Stateful",
     "TensorSource",
+    "check_int_slots",
     "check_state",
     "keyed_entries",
 ]
@@ -326,6 +327,51 @@ def check_state(
             pairs.append((key, value))
         copies.append((name, pairs))
     return (None if step is None else int(step)), copies
+
+
+def check_int_slots(
+    copies: Copies, ranges: Mapping[tuple[str, str], tuple[int, int, str]]
+) -> Copies:
+    """The values of the int32 slots (step counters) among ``copies`` (``check_state``'s), each
+    in ``ranges[(table, slot)]``: ``(lo, hi, whose)``, ``whose`` saying what holds it (its
+    optimizer and step). A TensorSource is read here, whole (4 bytes a row), and its array
+    copied in its place. A ValueError naming the table, slot, row (a keyed table's key) and
+    value, before anything changes: a negative count or one past the step used to load and
+    make the next update NaN (or wrap at 2**31 - 1)."""
+    out = []
+    for name, pairs in copies:
+        checked = []
+        for key, value in pairs:
+            if (name, key) in ranges:
+                lo, hi, whose = ranges[(name, key)]
+                at = f"state['tables'][{name!r}][{key!r}]"
+                value = _read_whole(value, at)
+                bad = (value < lo) | (value > hi)
+                if bad.any():
+                    r, c = (int(i[0]) for i in np.nonzero(bad))
+                    keys = dict(pairs).get("keys")
+                    row = f"id {r}" if keys is None else f"key {_read_whole(keys, at)[r]}"
+                    raise ValueError(
+                        f"table {name!r}: slot {key!r} of {row} is {value[r, c]} ({at}[{r}, "
+                        f"{c}]), out of range [{lo:,}, {hi:,}] ({whose}); nothing was changed. "
+                        "Load a state its engine saved, with its step (a state without 'step' "
+                        "keeps the engine's)"
+                    )
+            checked.append((key, value))
+        out.append((name, checked))
+    return out
+
+
+def _read_whole(value: Any, at: str) -> np.ndarray:
+    """An array or TensorSource, as an array (a source read once)."""
+    if not isinstance(value, TensorSource):
+        return value
+    out = np.empty(tuple(value.shape), np.dtype(value.dtype).newbyteorder("="))
+    try:
+        value.read_into(out)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{at} cannot be read ({e}); nothing was changed") from e
+    return out
 
 
 def _check_learning_rates(lrs: Any, tag_is_callable: list[bool], strict: bool) -> None:

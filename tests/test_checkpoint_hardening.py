@@ -4,6 +4,7 @@ one root, and keep=N after NaN reached the tables."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import multiprocessing
@@ -1042,6 +1043,98 @@ def test_a_table_keeping_steps_in_int32_stops_at_2_31(backend, opt):
     acts = other.lookup(feats)
     other.apply_gradients({"f": np.ones_like(acts["f"])})
     assert other.step == 2**32 + 1
+
+
+def _counting_engine(opt, backend="reference") -> ee.EmbeddingEngine:
+    dim = 4 if isinstance(opt, O.Adam) else 1
+    table = ee.TableConfig(20, dim, name="t", combiner="sum", optimizer=opt)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, backend=backend)
+    for ids in ([1, 2, 3], [2, 3, 3]):
+        acts = eng.lookup({"f": ee.Ragged(np.array(ids), lengths=[2, 1])})
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    return eng
+
+
+def _rewrite_slot(path: Path, tensor: str, row: int, value: int) -> None:
+    """Set one int32 value of a checkpoint's tensor, its file's size and hash in the manifest
+    rewritten to match (a crafted checkpoint)."""
+    m = json.loads((path / "manifest.json").read_text())
+    (name,) = [f for f in m["files"] if f.endswith(".safetensors")]
+    header = read_header(path / name)
+    tensors = {
+        n: np.array(read_tensor(path / name, n, header=header))
+        for n in header[0]
+        if n != "__metadata__"
+    }
+    tensors[tensor][row, 0] = value
+    (path / name).unlink()
+    write_safetensors(path / name, tensors, header[0].get("__metadata__"))
+    _edit_manifest(path, lambda m: m["files"].__setitem__(name, _file_entry(path / name)))
+
+
+@pytest.mark.parametrize("value", [-1, 3, INT32_LAST], ids=["negative", "past_step", "int32_max"])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        O.FrequencyEstimator(),
+        O.BatchSoftmax(0.25),
+        O.Adam(0.1, bias_correction="per_row"),
+        O.AMSGrad(0.1, bias_correction="per_row"),
+    ],
+    ids=["frequency", "batch_softmax", "adam_per_row", "amsgrad_per_row"],
+)
+def test_a_step_counter_out_of_its_range_is_refused_at_load(tmp_path, opt, value):
+    """An int32 slot of steps holds, after real training, a value in [0, step]: the 1-based
+    step that last saw the row (0: never), or the row's count of updates (one a step with
+    gradient accumulation). A state or checkpoint holding another is refused, naming the
+    table, slot, id and value, before anything changes; it used to load, and the next update
+    raised NonFiniteUpdateError blaming the learning rates (a negative count made Adam's
+    bias correction NaN), or at 2**31 - 1 wrapped (reference) or raised (numba)."""
+    src = _counting_engine(opt)
+    (slot,) = [k for k, v in src.slots("t").items() if v.dtype == np.int32]
+    assert src.slots("t")[slot].min() >= 0 and src.slots("t")[slot].max() == 2
+    path = src.save(tmp_path)
+    assert ee.EmbeddingEngine.load(path).slots("t")[slot].tobytes() == (
+        src.slots("t")[slot].tobytes()
+    )
+    state = copy.deepcopy(src.state_dict())
+    state["tables"]["t"][slot][3, 0] = value
+    message = (
+        rf"table 't': slot '{slot}' of id 3 is {value} \(state\['tables'\]\['t'\]"
+        rf"\['{slot}'\]\[3, 0\]\), out of range \[0, 2\] \(what {type(opt).__name__} "
+        r"holds there at step 2\); nothing was changed"
+    )
+    eng = _counting_engine(opt)
+    eng.lookup({"f": ee.Ragged(np.array([4]), lengths=[1])})  # a pending batch: kept
+    before = _state(eng)
+    with pytest.raises(ValueError, match=message):
+        eng.load_state_dict(state)
+    _assert_unchanged(eng, before, 2)
+    eng.apply_gradients({"f": np.ones((1, eng.embedding_tables["t"].shape[1]), np.float32)})
+    _rewrite_slot(path, f"t/{slot}", 3, value)
+    eng = _counting_engine(opt)
+    before = _state(eng)
+    with pytest.raises(CheckpointError, match=message):
+        eng.restore(path)
+    _assert_unchanged(eng, before, 2)
+    with pytest.raises(CheckpointError, match=message):
+        ee.EmbeddingEngine.load(path)
+
+
+def test_adam_without_accumulation_counts_past_the_step_and_loads():
+    """Without gradient accumulation each occurrence is an update: Adam's per-row count may
+    pass the step (2**31 - 1 at most), and such a state loads; a negative one does not."""
+    opt = O.Adam(0.1, bias_correction="per_row", use_gradient_accumulation=False)
+    src = _counting_engine(opt)
+    assert src.slots("t")["steps"][3, 0] == 3  # ids 3 and 3 at step 1
+    state = copy.deepcopy(src.state_dict())
+    eng = _counting_engine(opt)
+    state["tables"]["t"]["steps"][5, 0] = INT32_LAST
+    eng.load_state_dict(state)
+    assert eng.slots("t")["steps"][5, 0] == INT32_LAST
+    state["tables"]["t"]["steps"][5, 0] = -1
+    with pytest.raises(ValueError, match=r"slot 'steps' of id 5 is -1 .* \[0, 2,147,483,647\]"):
+        eng.load_state_dict(state)
 
 
 class _PastInt64(ee.EmbeddingEngine):

@@ -472,6 +472,14 @@ def test_crafted_keyed_checkpoints_are_refused_and_change_nothing(tmp_path, back
         ("pending", _set("k/pending_current", 0, -3), None, "pending_current'\\]\\[0\\] is -3"),
         ("future", _set("k/last_touched", 0, 99), None, "last_touched'\\]\\[0\\] is 99"),
         (
+            "negative_steps",
+            _set("k/steps", (0, 0), -1),
+            None,
+            f"table 'k': slot 'steps' of key {src.table_contents('k')['keys'][0]} is -1 "
+            f"\\({at}\\['steps'\\]\\[0, 0\\]\\), out of range \\[0, 6\\]",
+        ),
+        ("future_steps", _set("k/steps", (1, 0), 7), None, "'steps' of key .* is 7 .*\\[0, 6\\]"),
+        (
             "rows",
             None,
             _more_rows_in_manifest,

@@ -400,12 +400,16 @@ def test_load_state_dict_strict_false_leaves_what_the_state_lacks():
     donor = _packed_engine()
     _train_packed(donor, 3)
     eng = _packed_engine()
-    before = _copy_state(eng)
     state = copy.deepcopy(donor.state_dict())
     del state["step"], state["tables"]["a"], state["tables"]["b"]["accumulators"]
     state["learning_rates"] = {"tags": [{"tag": 0, "callable": None}]}  # ignored: not strict
+    # c's last steps seen (1 to 3) are past the step a state without one keeps (0)
+    with pytest.raises(ValueError, match=r"slot 'last_hit_step' of id 0 is 1 .*at step 0\)"):
+        eng.load_state_dict(state, strict=False)
+    eng.load_state_dict({"step": 3}, strict=False)
+    before = _copy_state(eng)
     eng.load_state_dict(state, strict=False)
-    assert eng.step == 0
+    assert eng.step == 3
     after = _copy_state(eng)
     for key in ("a/weights", "a/accumulators", "b/accumulators"):
         assert after[key].tobytes() == before[key].tobytes(), key

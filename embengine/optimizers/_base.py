@@ -321,6 +321,11 @@ class Optimizer:
         """Per-row state, in TF's slot order and names."""
         return ()
 
+    def int_slot_range(self, name: str, step: int) -> tuple[int, int] | None:
+        """``(lo, hi)``: the values int32 slot ``name`` can hold once ``step`` training steps
+        have run (``load_state_dict`` refuses a state holding others); None: any int32."""
+        return None
+
     # The registered row math the numba backend compiles for this optimizer (``row_math``
     # decorator, optimizers/_row_math.py); a class attribute, so subclasses inherit it.
     ROW_MATH = None

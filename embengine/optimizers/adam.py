@@ -140,6 +140,11 @@ class Adam(Optimizer):
             slots += (SlotSpec("steps", 1, 0, "int32"),)
         return slots
 
+    def int_slot_range(self, name, step):
+        """ "steps" counts the row's updates: at most one a step with gradient accumulation,
+        one an occurrence without (at most int32's largest then)."""
+        return (0, step if self.use_gradient_accumulation else 2**31 - 1)
+
     def _step_size(self, lr, slots, ctx):
         """``a`` of the docstring, a scalar or a [rows, 1] column."""
         if self.bias_correction is None:

@@ -74,6 +74,10 @@ class _CountingOptimizer(Optimizer):
     def check_dim(self, dim):
         _dim_one(type(self).__name__, dim)
 
+    def int_slot_range(self, name, step):
+        """The 1-based step that last saw the row (0: none yet), at most ``step``."""
+        return (0, step)
+
 
 @dataclass(frozen=True)
 class FrequencyEstimator(_CountingOptimizer):
