@@ -94,6 +94,7 @@ from .checkpoint import FORMAT as CHECKPOINT_FORMAT
 from .checkpoint import (
     CheckpointError,
     CheckpointReader,
+    _is_int,
     own_file,
     read_checkpoint,
     read_own_file,
@@ -930,7 +931,7 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
     if fmt != SERVING_FORMAT:
         raise CheckpointError(f"{path}: not an embengine export (format {fmt!r:.80})")
     version = manifest.get("format_version")
-    if version != SERVING_VERSION:
+    if not _is_int(version) or version != SERVING_VERSION:  # True == 1 == 1.0: as a checkpoint
         raise CheckpointError(
             f"{path}: export format version {version!r:.80} is not supported (this embengine "
             f"reads {SERVING_VERSION})"

@@ -4,6 +4,7 @@ report sizes, tamper detection, thread safety, sequence features and output_shap
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,14 @@ from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError
 from embengine.engine import BACKENDS
 from embengine.inspect import describe
-from embengine.serving import COMPRESSIONS, ExportReport, ServingEngine, error_bound, export
+from embengine.serving import (
+    COMPRESSIONS,
+    ExportReport,
+    ServingEngine,
+    error_bound,
+    export,
+    read_serving_manifest,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 EMBENGINE = Path(sys.executable).parent / "embengine"
@@ -413,6 +421,24 @@ def test_serving_engine_refuses_foreign_manifests(exported, edit):
     (exported / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError):
         ServingEngine.load(exported)
+
+
+@pytest.mark.parametrize("version", [True, 1.0], ids=["true", "float"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_export_format_version_must_be_an_int(exported, version, verify):
+    """``format_version: true`` (True == 1) or ``1.0`` used to pass as version 1; a
+    checkpoint's manifest refuses both (``checkpoint._is_int``), and now an export's does."""
+    m = json.loads((exported / "manifest.json").read_text())
+    assert m["format_version"] == 1
+    m["format_version"] = version
+    text = json.dumps(m).encode()
+    (exported / "manifest.json").write_bytes(text)
+    (exported / "manifest.sha256").write_text(hashlib.sha256(text).hexdigest())
+    match = rf"export format version {version!r} is not supported \(this embengine reads 1\)"
+    with pytest.raises(CheckpointError, match=match):
+        ServingEngine.load(exported, verify=verify)
+    with pytest.raises(CheckpointError, match=match):
+        read_serving_manifest(exported, verify=verify)
 
 
 def test_serving_engine_refuses_a_folder_without_export(tmp_path, trained):
