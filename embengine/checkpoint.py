@@ -959,11 +959,19 @@ def _gone(ckpt: Path) -> str:
     )
 
 
+def check_verify(verify) -> None:
+    """``verify`` of every reader of checkpoints and exports must be a bool: a string such as
+    "no" is truthy, so it verified, silently (TypeError naming the value)."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
+
+
 def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers, _ReadLock]:
     """(checkpoint directory, manifest, every file's checked safetensors header by name, the
     folder's read lock, held) after every check of the module docstring; ``verify=False``
     skips only the hashing. A folder of checkpoints whose newest is pruned before it is
     locked (two saves meanwhile) is resolved again."""
+    check_verify(verify)
     for attempt in range(3):
         ckpt = _resolve(path)
         try:

@@ -95,6 +95,7 @@ from .checkpoint import (
     CheckpointError,
     CheckpointReader,
     _is_int,
+    check_verify,
     own_file,
     read_checkpoint,
     read_own_file,
@@ -918,6 +919,7 @@ def _configs(path: Path, manifest: dict) -> tuple[dict[str, TableConfig], Resolv
 def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
     """The manifest of the export at ``path`` after every check of the module docstring
     (CheckpointError if one fails); ``verify=False`` skips only the hashing."""
+    check_verify(verify)
     path = Path(path)
     file = path / "manifest.json"
     if not os.path.lexists(file):

@@ -27,7 +27,7 @@ from embengine import optimizers as O
 from embengine.checkpoint import CheckpointError, list_checkpoints, read_manifest
 from embengine.inspect import describe
 from embengine.safetensors_io import read_header, read_tensor, write_safetensors
-from embengine.serving import export
+from embengine.serving import ServingEngine, export, read_serving_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -460,6 +460,34 @@ def test_verify_false_skips_only_the_hashing(saved, tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         ee.EmbeddingEngine.load(path)
     assert ee.EmbeddingEngine.load(path, verify=False).step == 2
+
+
+@pytest.mark.parametrize("verify", ["no", "False", 0, 1, None])
+def test_verify_must_be_a_bool(saved, tmp_path, verify):
+    """A truthy non-bool (``verify="no"``) used to verify, silently, and a falsy one to skip
+    the hashing: every reader of checkpoints and exports refuses it with a TypeError naming
+    the value, before anything is read or changed (one check, ``checkpoint.check_verify``)."""
+    eng, path = saved
+    served = tmp_path / "served"
+    export(path, served)
+    other = _engine(seed=9)
+    before = _state(other)
+    match = rf"verify must be True or False, got {verify!r}"
+    calls = [
+        lambda: ee.EmbeddingEngine.load(path, verify=verify),
+        lambda: other.restore(path, verify=verify),
+        lambda: ckpt_mod.restore(other, path, verify),
+        lambda: ckpt_mod.read_checkpoint(path, verify=verify),
+        lambda: read_manifest(path, verify=verify),
+        lambda: describe(path, verify=verify),
+        lambda: ServingEngine.load(served, verify=verify),
+        lambda: read_serving_manifest(served, verify=verify),
+        lambda: describe(served, verify=verify),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=match):
+            call()
+    _assert_unchanged(other, before, 0)
 
 
 # -- item 5: a tiny file declaring a huge table is refused before anything is allocated -----------
