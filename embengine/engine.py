@@ -132,6 +132,17 @@ def step_bound(resolved, optimizers) -> tuple[int, str] | None:
     return None
 
 
+def int_slot_ranges(resolved, optimizers, step: int) -> dict[tuple[str, str], tuple]:
+    """(table, int32 slot) -> the values it can hold at ``step`` (``state.check_int_slots``)."""
+    tables = zip(resolved.table_names, resolved.tables, optimizers, strict=True)
+    return {
+        (name, s.name): (*bounds, f"what {type(opt).__name__} holds there at step {step:,}")
+        for name, table, opt in tables
+        for s in opt.slot_specs(table.dim)
+        if s.dtype == "int32" and (bounds := opt.int_slot_range(s.name, step)) is not None
+    }
+
+
 def check_step_room(step: int, bound: tuple[int, str] | None = None) -> None:
     """A training step may begin at ``step``: the step it would count to fits int64
     (``MAX_STEP``, what the kernels take, a state holds and a checkpoint stores), and a
@@ -555,7 +566,8 @@ class EmbeddingEngine:
             # nothing), and make their room (a refused growth: OSError / MemoryError, nothing
             # changed); installed in their turn, their rows are read into the new arena.
             now = self._step if step is None else step
-            copies = check_int_slots(copies, self._int_slot_ranges(now))
+            ranges = int_slot_ranges(self._resolved, self._optimizers, now)
+            copies = check_int_slots(copies, ranges)
             installs = {
                 name: views[name].prepare_state(dict(pairs), now, f"state['tables'][{name!r}]")
                 for name, pairs in copies
@@ -587,18 +599,6 @@ class EmbeddingEngine:
                 self._step = step
             self._step_time = (-1, None)  # a new step's calls bring their data time
             self._forget_pending()
-
-    def _int_slot_ranges(self, step: int) -> dict[tuple[str, str], tuple[int, int, str]]:
-        """(table, int32 slot) -> the values it can hold at ``step`` (``check_int_slots``)."""
-        tables = zip(
-            self._resolved.table_names, self._resolved.tables, self._optimizers, strict=True
-        )
-        return {
-            (name, s.name): (*bounds, f"what {type(opt).__name__} holds there at step {step:,}")
-            for name, table, opt in tables
-            for s in opt.slot_specs(table.dim)
-            if s.dtype == "int32" and (bounds := opt.int_slot_range(s.name, step)) is not None
-        }
 
     def _learning_rate_tags(self) -> list[dict[str, Any]]:
         """Each dynamic learning-rate tag, with the name of the callable behind it (or None)."""

@@ -32,6 +32,10 @@ Scenarios:
                                 one checkpoint, then different ones of the same step
   last_step                     restore a checkpoint at step 2**63 - 1: a training lookup and
                                 an update refused on every rank, an evaluation lookup served
+  bad_counter:<slot>:<value>    restore a plain engine's checkpoint whose int32 slot (Adam's
+                                per-row "steps", a keyed table's too, or FrequencyEstimator's
+                                "last_hit_step") of one row was rewritten: the error, and
+                                whether the tables changed, in a .txt
   reader_released               a restore refused (another configuration), its error kept:
                                 then a save with keep=1 beside it prunes that checkpoint
   load_pinned                   ShardedEngine.load(root) while a newer checkpoint lands in
@@ -661,6 +665,73 @@ def run_last_step(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join(said) + "\n")
 
 
+def run_bad_counter(rank: int, world: int, out: str, name: str) -> None:
+    """``bad_counter`` (module docstring)."""
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+    from embengine.safetensors_io import read_header, read_tensor, write_safetensors
+
+    _, slot, value = name.split(":")
+    adam = opt.Adam(0.1, bias_correction="per_row")
+    features = {
+        "a": ee.FeatureConfig(ee.TableConfig(10, 2, name="a", optimizer=adam)),
+        "c": ee.FeatureConfig(ee.TableConfig(10, 1, name="c", optimizer=opt.FrequencyEstimator())),
+        "k": ee.FeatureConfig(
+            ee.TableConfig(None, 2, name="k", optimizer=adam, dynamic=ee.DynamicVocabulary())
+        ),
+    }
+    root = os.path.join(out, name.replace(":", "_"))
+    if rank == 0:
+        plain = ee.EmbeddingEngine(features, seed=3)
+        for _ in range(2):
+            acts = plain.lookup({f: np.array([[1, 2], [3, 3]]) for f in features})
+            plain.apply_gradients({f: np.ones_like(v) for f, v in acts.items()})
+        ckpt = Path(plain.save(root))
+        table, entry = slot.split("/")
+        m = json.loads((ckpt / "manifest.json").read_text())
+        file = ckpt / next(t["file"] for t in m["tables"] if t["name"] == table)
+        header = read_header(file)
+        tensors = {
+            n: np.array(read_tensor(file, n, header=header))
+            for n in header[0]
+            if n != "__metadata__"
+        }
+        tensors[slot][1, 0] = int(value)
+        file.unlink()
+        write_safetensors(file, tensors, header[0].get("__metadata__"))
+        m["files"][file.name] = {
+            "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+            "bytes": file.stat().st_size,
+        }
+        text = json.dumps(m, indent=1).encode()
+        (ckpt / "manifest.json").write_bytes(text)
+        (ckpt / "manifest.sha256").write_bytes(hashlib.sha256(text).hexdigest().encode())
+    dist.barrier()
+    eng = ShardedEngine(features, seed=3, timeout=60)
+    acts = eng.lookup({f: np.array([[rank + 4, 5]]) for f in features})
+    eng.apply_gradients({f: np.ones_like(v) for f, v in acts.items()})
+    before = eng.table_contents()["tables"]
+    try:
+        eng.restore(root)
+        said = "restored"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    after = eng.table_contents()["tables"]
+    same = all(
+        before[t].keys() == after[t].keys()
+        and all(before[t][k].tobytes() == after[t][k].tobytes() for k in before[t])
+        for t in before
+    )
+    with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:
+        f.write(f"{said}\nunchanged={same} step={eng.step}\n")
+
+
 def run_reader_released(rank: int, world: int, out: str, name: str) -> None:
     """Whether a checkpoint whose restore failed (the error still held, its traceback with
     it) is pruned by a later save with keep=1, in a .txt."""
@@ -908,6 +979,8 @@ def main() -> None:
                 run_reader_released(rank, world, out, name)
             elif name == "last_step":
                 run_last_step(rank, world, out, name)
+            elif name.startswith("bad_counter:"):
+                run_bad_counter(rank, world, out, name)
             elif name == "restore_other":
                 run_restore_other(rank, world, out, name)
             elif name == "layer_refused":

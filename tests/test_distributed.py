@@ -1118,6 +1118,28 @@ def test_a_sharded_engine_at_the_last_step_refuses_to_count_past_it(tmp_path):
         assert evaluation == "eval: ok" and step == f"step={2**63 - 1}", (evaluation, step)
 
 
+def test_a_sharded_restore_refuses_a_step_counter_out_of_its_range(tmp_path):
+    """A checkpoint whose int32 slot of steps holds a value no training gives (negative, or
+    past the checkpoint's step 2) is refused on every rank before any table changes, as a
+    single engine's restore refuses it; the sharded restore used to copy it in (the next
+    update then NaN, or a wrapped step)."""
+    cases = {
+        "bad_counter:a/steps:-1": r"table 'a': slot 'steps' of id 1 is -1 ",
+        "bad_counter:c/last_hit_step:3": r"table 'c': slot 'last_hit_step' of id 1 is 3 ",
+        "bad_counter:k/steps:2147483647": r"table 'k': slot 'steps' of key 2 is 2147483647 ",
+    }
+    codes = spawn(2, tmp_path, list(cases), limit=240)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    for name, match in cases.items():
+        for rank in range(2):
+            said, state = (
+                (tmp_path / f"{name.replace(':', '_')}.rank{rank}.txt").read_text().splitlines()
+            )
+            assert said.startswith("CheckpointError: ") and match in said, (name, rank, said)
+            assert "out of range [0, 2] (what " in said, said
+            assert state == "unchanged=True step=1", (name, rank, state)
+
+
 def test_a_failed_sharded_restore_lets_a_save_prune_its_checkpoint(tmp_path):
     """A restore holds the checkpoint's read lock (keep=N skips it) until it returns or
     raises: a refused restore whose error the caller keeps no longer keeps it locked."""

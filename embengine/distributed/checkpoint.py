@@ -31,6 +31,7 @@ import os
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..precision import numpy_dtype
 from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file, write_safetensors
-from ..state import WEIGHTS
+from ..state import WEIGHTS, check_int_slots
 from ..storage.keyed import KeyedTable
 from ..version import __version__
 from . import keyed_checkpoint as kc
@@ -308,22 +309,29 @@ def _commit(
 
 
 def restore(
-    comm: Comm, shards: tuple[ShardTable, ...], spec: dict, path: str | Path, verify: bool = True
+    comm: Comm,
+    shards: tuple[ShardTable, ...],
+    spec: dict,
+    path: str | Path,
+    verify: bool = True,
+    int_ranges: Callable[[int], dict] | None = None,
 ) -> ckpt.CheckpointInfo:
     """Read this rank's rows of every table (``shards``, of an engine whose configuration is
     ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns a
     CheckpointInfo: the checkpoint's step (the caller's new step) and its extra data, read by
     every rank. The checkpoint's read lock (a save's ``keep=N`` does not prune it meanwhile)
-    is released when this returns or raises, not when the reader is collected."""
+    is released when this returns or raises, not when the reader is collected.
+    ``int_ranges(step)``: the ranges of the int32 slots (``engine.int_slot_ranges``), whose
+    values every rank checks, whole, before any table changes (``state.check_int_slots``)."""
     readers: list[ckpt.CheckpointReader] = []
     try:
-        return _restore(comm, shards, spec, path, verify, readers)
+        return _restore(comm, shards, spec, path, verify, readers, int_ranges)
     finally:
         for reader in readers:
             reader.close()
 
 
-def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
+def _restore(comm, shards, spec, path, verify, readers, int_ranges) -> ckpt.CheckpointInfo:
     """``restore``; the reader it opens goes to ``readers``."""
     error, reader, extra = None, None, {}
     try:
@@ -359,6 +367,7 @@ def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
     # Keyed tables: this rank's keys, read and checked before any table changes.
     installs, error = [], None
     try:
+        _check_int_slots(reader, shards, {} if int_ranges is None else int_ranges(reader.step))
         for shard in shards:
             if isinstance(shard, KeyedTable):
                 installs.append(kc.prepare(comm, reader, shard, reader.step))
@@ -384,6 +393,22 @@ def _restore(comm, shards, spec, path, verify, readers) -> ckpt.CheckpointInfo:
     if error is not None:
         raise error
     return ckpt.CheckpointInfo(reader.path, reader.step, extra, reader.extra_metadata)
+
+
+def _check_int_slots(reader, shards: tuple[ShardTable, ...], ranges: dict) -> None:
+    """The checkpoint's int32 slots (every row, not this rank's alone) in their ``ranges``; a
+    CheckpointError naming the table, slot, id or key and value, as a single engine's restore
+    says it."""
+    keyed = {s.name for s in shards if isinstance(s, KeyedTable)}
+    tables: dict[str, list] = {}
+    for table, slot in ranges:
+        tables.setdefault(table, []).append((slot, reader.tensor(table, slot)))
+    for table in keyed & set(tables):
+        tables[table].append(("keys", reader.tensor(table, "keys")))  # read for an error only
+    try:
+        check_int_slots(list(tables.items()), ranges)
+    except ValueError as e:
+        raise ckpt.CheckpointError(f"{reader.path}: {e}") from e
 
 
 def _copy_rows(shards: tuple[ShardTable, ...], installs: list, reader) -> None:

@@ -69,6 +69,7 @@ from ..engine import (
     checked_gradient,
     close_tables,
     engine_arguments,
+    int_slot_ranges,
     step_bound,
 )
 from ..inputs import frozen
@@ -2242,7 +2243,14 @@ class ShardedEngine:
             self._comm.reset()
             try:
                 self._header(_RESTORE, self._files_error())
-                info = checkpoint.restore(self._comm, self._shards, self.spec(), path, verify)
+                info = checkpoint.restore(
+                    self._comm,
+                    self._shards,
+                    self.spec(),
+                    path,
+                    verify,
+                    lambda step: int_slot_ranges(self._resolved, self._optimizers, step),
+                )
                 self._step = info.step
                 self._step_time = (-1, None)
                 self._state_id = next(_STATES)  # batches looked up before are refused
