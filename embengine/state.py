@@ -352,14 +352,30 @@ def check_int_slots(
                     keys = dict(pairs).get("keys")
                     row = f"id {r}" if keys is None else f"key {_read_whole(keys, at)[r]}"
                     raise ValueError(
-                        f"table {name!r}: slot {key!r} of {row} is {value[r, c]} ({at}[{r}, "
-                        f"{c}]), out of range [{lo:,}, {hi:,}] ({whose}); nothing was changed. "
-                        "Load a state its engine saved, with its step (a state without 'step' "
-                        "keeps the engine's)"
+                        int_slot_error(name, key, row, value[r, c], at, (r, c), ranges)
                     )
             checked.append((key, value))
         out.append((name, checked))
     return out
+
+
+def int_slot_error(
+    table: str,
+    slot: str,
+    row: str,
+    value: int,
+    at: str,
+    place: tuple[int, int],
+    ranges: Mapping[tuple[str, str], tuple[int, int, str]],
+) -> str:
+    """``check_int_slots``' error text: int32 slot ``slot`` of ``table`` holds ``value`` at
+    ``row`` ("id 3", "key 12"), ``at[place]``, outside ``ranges[(table, slot)]``."""
+    lo, hi, whose = ranges[(table, slot)]
+    return (
+        f"table {table!r}: slot {slot!r} of {row} is {value} ({at}[{place[0]}, {place[1]}]), "
+        f"out of range [{lo:,}, {hi:,}] ({whose}); nothing was changed. Load a state its "
+        "engine saved, with its step (a state without 'step' keeps the engine's)"
+    )
 
 
 def _read_whole(value: Any, at: str) -> np.ndarray:

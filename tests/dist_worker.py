@@ -713,6 +713,9 @@ def run_bad_counter(rank: int, world: int, out: str, name: str) -> None:
         (ckpt / "manifest.json").write_bytes(text)
         (ckpt / "manifest.sha256").write_bytes(hashlib.sha256(text).hexdigest().encode())
     dist.barrier()
+    from embengine.distributed import checkpoint as dc
+
+    dc.CHUNK_BYTES = 4  # the counters checked a row at a time: the bad one in the 2nd chunk
     eng = ShardedEngine(features, seed=3, timeout=60)
     acts = eng.lookup({f: np.array([[rank + 4, 5]]) for f in features})
     eng.apply_gradients({f: np.ones_like(v) for f, v in acts.items()})

@@ -39,7 +39,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..precision import numpy_dtype
 from ..safetensors_io import CHUNK_BYTES, DTYPES, sha256_file, write_safetensors
-from ..state import WEIGHTS, check_int_slots
+from ..state import WEIGHTS, int_slot_error
 from ..storage.keyed import KeyedTable
 from ..version import __version__
 from . import keyed_checkpoint as kc
@@ -396,19 +396,27 @@ def _restore(comm, shards, spec, path, verify, readers, int_ranges) -> ckpt.Chec
 
 
 def _check_int_slots(reader, shards: tuple[ShardTable, ...], ranges: dict) -> None:
-    """The checkpoint's int32 slots (every row, not this rank's alone) in their ``ranges``; a
-    CheckpointError naming the table, slot, id or key and value, as a single engine's restore
-    says it."""
+    """The checkpoint's int32 slots (every row, not this rank's alone, so that every rank
+    refuses alike) in their ``ranges``, read a chunk at a time (a slot of a billion rows is
+    4 GB); a CheckpointError naming the table, slot, id or key and value, as a single
+    engine's restore says it (``state.int_slot_error``)."""
     keyed = {s.name for s in shards if isinstance(s, KeyedTable)}
-    tables: dict[str, list] = {}
     for table, slot in ranges:
-        tables.setdefault(table, []).append((slot, reader.tensor(table, slot)))
-    for table in keyed & set(tables):
-        tables[table].append(("keys", reader.tensor(table, "keys")))  # read for an error only
-    try:
-        check_int_slots(list(tables.items()), ranges)
-    except ValueError as e:
-        raise ckpt.CheckpointError(f"{reader.path}: {e}") from e
+        lo, hi, _ = ranges[(table, slot)]
+        rows = reader.rows(table, slot)
+        step = max(1, CHUNK_BYTES // max(1, rows.nbytes // max(1, len(rows))))
+        for a in range(0, len(rows), step):
+            chunk = np.asarray(rows[a : a + step])
+            bad = (chunk < lo) | (chunk > hi)
+            if not bad.any():
+                continue
+            r, c = (int(i[0]) for i in np.nonzero(bad))
+            row = f"id {a + r}"
+            if table in keyed:  # the key of that row, read alone
+                row = f"key {int(np.asarray(reader.rows(table, 'keys')[a + r : a + r + 1])[0])}"
+            at = f"state['tables'][{table!r}][{slot!r}]"
+            text = int_slot_error(table, slot, row, chunk[r, c], at, (a + r, c), ranges)
+            raise ckpt.CheckpointError(f"{reader.path}: {text}")
 
 
 def _copy_rows(shards: tuple[ShardTable, ...], installs: list, reader) -> None:
