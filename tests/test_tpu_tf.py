@@ -3,6 +3,7 @@ tf.Tensor out, the GradientTape flow, checked against the NumPy reference backen
 TF's own CPU lookup (``tf.tpu.experimental.embedding.serving_embedding_lookup``)."""
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -501,6 +502,23 @@ def test_malformed_tf_values_name_the_feature(path, value, as_weight):
         features = dict(_features(), **{path: value})
         _clear_or_accepted(lambda: emb.enqueue(features), path)
         _clear_or_accepted(lambda: srv.embedding_lookup(features), path)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (np.uint64(2**63), "ids=9223372036854775808"),  # a scalar (hypothesis found it)
+        (np.array([[1, 2], [3, 2**63 + 5]], np.uint64), "ids[1][1]=9223372036854775813"),
+    ],
+)
+def test_a_uint64_id_past_int64_is_named_by_its_position(value, said):
+    """A uint64 id that does not fit int64, in a scalar or an N-d tensor: a ValueError
+    naming the feature, the position and the value (it was an IndexError: the flat position
+    taken as the first axis's)."""
+    emb = embedding.TPUEmbedding(_config_for_errors(), embedding.SGD(0.1), backend="reference")
+    features = dict(_features(), alpha=tf.constant(value))
+    with pytest.raises(ValueError, match=re.escape(f"feature 'alpha': {said} does not fit")):
+        emb.enqueue(features)
 
 
 def test_the_documented_flow_with_a_keras_model():

@@ -74,8 +74,10 @@ def _ids(path: str, t, what: str) -> np.ndarray:
         raise TypeError(f"feature {path!r}: {what} must be integers, got tf dtype {t.dtype.name}")
     a = _eager(path, t)
     if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
-        k = int(np.argmax(a > np.iinfo(np.int64).max))
-        raise ValueError(f"feature {path!r}: {what}[{k}]={int(a[k])} does not fit in int64")
+        flat = a.reshape(-1)  # a scalar or an N-d tensor: its first such value, by position
+        k = int(np.argmax(flat > np.iinfo(np.int64).max))
+        at = "".join(f"[{i}]" for i in np.unravel_index(k, a.shape))
+        raise ValueError(f"feature {path!r}: {what}{at}={int(flat[k])} does not fit in int64")
     return a.astype(np.int64, copy=False)
 
 
