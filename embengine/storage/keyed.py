@@ -617,11 +617,6 @@ class KeyedTable(MappedRows):
         by it (``shared_pending``; set it alike on every rank)."""
         return self._pending.limit
 
-    @property
-    def pending_keys(self) -> int:
-        """How many keys wait for admission now (at most ``max_pending``)."""
-        return len(self._pending)
-
     @max_pending.setter
     def max_pending(self, n: int) -> None:
         if (
@@ -634,6 +629,11 @@ class KeyedTable(MappedRows):
                 f"got {n!r}"
             )
         self._pending.limit = int(n)
+
+    @property
+    def pending_keys(self) -> int:
+        """How many keys wait for admission now (at most ``max_pending``)."""
+        return len(self._pending)
 
     # -- the arena ------------------------------------------------------------------------------
 
