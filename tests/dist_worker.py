@@ -715,16 +715,18 @@ def run_bad_counter(rank: int, world: int, out: str, name: str) -> None:
     dist.barrier()
     from embengine.distributed import checkpoint as dc
 
-    dc.CHUNK_BYTES = 4  # the counters checked a row at a time: the bad one in the 2nd chunk
     eng = ShardedEngine(features, seed=3, timeout=60)
     acts = eng.lookup({f: np.array([[rank + 4, 5]]) for f in features})
     eng.apply_gradients({f: np.ones_like(v) for f, v in acts.items()})
     before = eng.table_contents()["tables"]
+    chunk, dc.CHUNK_BYTES = dc.CHUNK_BYTES, 4  # a row a chunk: the bad one in the 2nd chunk
     try:
         eng.restore(root)
         said = "restored"
     except Exception as e:
         said = f"{type(e).__name__}: {e}"
+    finally:
+        dc.CHUNK_BYTES = chunk  # the process's other scenarios read as usual
     after = eng.table_contents()["tables"]
     same = all(
         before[t].keys() == after[t].keys()

@@ -865,12 +865,29 @@ def test_a_rank_that_cannot_build_its_engine_fails_every_rank_at_once(tmp_path):
             assert float(seconds) < 30, line  # the group's timeout is 60 s
 
 
-def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(tmp_path):
+# int32 step counters a checkpoint's rows hold, rewritten: the error each restore must give
+BAD_COUNTERS = {
+    "bad_counter:a/steps:-1": r"table 'a': slot 'steps' of id 1 is -1 ",
+    "bad_counter:c/last_hit_step:3": r"table 'c': slot 'last_hit_step' of id 1 is 3 ",
+    "bad_counter:k/steps:2147483647": r"table 'k': slot 'steps' of key 2 is 2147483647 ",
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> Path:
+    """The folder of two ranks that ran the restores and steps refused on every rank
+    (restore_other, last_step, bad_counter): one process group for the tests below."""
+    out = tmp_path_factory.mktemp("refusals")
+    codes = spawn(2, out, ["restore_other", "last_step", *BAD_COUNTERS], limit=240)
+    assert codes == [0, 0], _logs(out, 2)
+    return out
+
+
+def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(refusals):
     """Each rank may read its own copy of a checkpoint (equal manifests); checkpoints of the
     same step that differ were restored silently, each rank reading its rows from its own (a
     review): refused on every rank."""
-    codes = spawn(2, tmp_path, ["restore_other"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     for rank in range(2):
         copies, different = (tmp_path / f"restore_other.rank{rank}.txt").read_text().splitlines()
         assert copies == "copies: restored step 0", copies
@@ -1103,12 +1120,11 @@ def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
         assert tables[name]["weights"].tobytes() == want.tobytes()
 
 
-def test_a_sharded_engine_at_the_last_step_refuses_to_count_past_it(tmp_path):
+def test_a_sharded_engine_at_the_last_step_refuses_to_count_past_it(refusals):
     """A checkpoint may hold step 2**63 - 1; one more training step would overflow the
     kernels' int64 step (the single engine refuses it): every rank refuses the training
     lookup and the update, nothing changed, and still serves evaluation lookups."""
-    codes = spawn(2, tmp_path, ["last_step"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     for rank in range(2):
         lookup, apply, evaluation, step = (
             (tmp_path / f"last_step.rank{rank}.txt").read_text().splitlines()
@@ -1118,19 +1134,13 @@ def test_a_sharded_engine_at_the_last_step_refuses_to_count_past_it(tmp_path):
         assert evaluation == "eval: ok" and step == f"step={2**63 - 1}", (evaluation, step)
 
 
-def test_a_sharded_restore_refuses_a_step_counter_out_of_its_range(tmp_path):
+def test_a_sharded_restore_refuses_a_step_counter_out_of_its_range(refusals):
     """A checkpoint whose int32 slot of steps holds a value no training gives (negative, or
     past the checkpoint's step 2) is refused on every rank before any table changes, as a
     single engine's restore refuses it; the sharded restore used to copy it in (the next
     update then NaN, or a wrapped step)."""
-    cases = {
-        "bad_counter:a/steps:-1": r"table 'a': slot 'steps' of id 1 is -1 ",
-        "bad_counter:c/last_hit_step:3": r"table 'c': slot 'last_hit_step' of id 1 is 3 ",
-        "bad_counter:k/steps:2147483647": r"table 'k': slot 'steps' of key 2 is 2147483647 ",
-    }
-    codes = spawn(2, tmp_path, list(cases), limit=240)
-    assert codes == [0, 0], _logs(tmp_path, 2)
-    for name, match in cases.items():
+    tmp_path = refusals
+    for name, match in BAD_COUNTERS.items():
         for rank in range(2):
             said, state = (
                 (tmp_path / f"{name.replace(':', '_')}.rank{rank}.txt").read_text().splitlines()
