@@ -1165,6 +1165,29 @@ def test_adam_without_accumulation_counts_past_the_step_and_loads():
         eng.load_state_dict(state)
 
 
+@pytest.mark.parametrize("opt_class", [O.Adam, O.AMSGrad])
+def test_a_per_row_update_count_stops_at_int32s_largest_on_both_backends(opt_class):
+    """Without gradient accumulation a hot row counts an update per occurrence, so training
+    alone may take its count to 2**31 - 1: the count stops there (it wrapped to -2**31 on
+    the reference backend, and the bias correction of a negative count is not a number), and
+    both backends give the same rows."""
+    opt = opt_class(0.1, bias_correction="per_row", use_gradient_accumulation=False)
+    engines = [_counting_engine(opt, backend) for backend in ("reference", "numba")]
+    state = copy.deepcopy(engines[0].state_dict())
+    state["tables"]["t"]["steps"][5, 0] = INT32_LAST - 1
+    for eng in engines:
+        eng.load_state_dict(state)
+        acts = eng.lookup({"f": ee.Ragged(np.array([5, 5, 5, 6]), lengths=[3, 1])})
+        eng.apply_gradients({"f": np.ones_like(acts["f"])})  # row 5: three updates
+    ref, fast = (e.slots("t") for e in engines)
+    assert ref["steps"][5, 0] == fast["steps"][5, 0] == INT32_LAST
+    for name in ("momenta", "velocities"):
+        np.testing.assert_allclose(fast[name], ref[name], rtol=1e-6)
+    rows = [e.embedding_tables["t"] for e in engines]
+    assert np.isfinite(rows[0]).all() and np.isfinite(rows[1]).all()
+    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-6, atol=1e-7)
+
+
 class _PastInt64(ee.EmbeddingEngine):
     """An engine whose step reads past int64 (as another Stateful's might)."""
 

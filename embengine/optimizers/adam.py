@@ -26,10 +26,11 @@ def constant_step_size(lr):
 
 def adam_step_size(data_i, r, cols, step, lr, beta_1, beta_2, bias_correction_per_row):
     """lr * sqrt(1 - b2^t) / (1 - b1^t), t the 1-based global step, or this row's update count
-    (an int32 slot, the row's last, counted here)."""
+    (an int32 slot, the row's last, counted here; it stops at 2^31 - 1, ``Adam``)."""
     if bias_correction_per_row:
         col = cols[cols.shape[0] - 1]
-        data_i[r, col] += 1
+        if data_i[r, col] < 2147483647:  # saturates: never wraps to negative counts
+            data_i[r, col] += 1
         t = np.float64(data_i[r, col])
     else:
         t = np.float64(step + 1)
@@ -98,7 +99,10 @@ class Adam(Optimizer):
     where ``a = lr`` without bias correction (the TPU leaves it to a learning-rate schedule) and
     ``a = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`` with it: ``t`` is the 1-based global step for
     ``bias_correction="global"``, and the row's own number of updates so far, this one included,
-    for ``"per_row"`` (Monolith's per-id correction; slot "steps", int32).
+    for ``"per_row"`` (Monolith's per-id correction; slot "steps", int32). Without gradient
+    accumulation a row counts an update per occurrence, so a hot row may reach 2^31 - 1 by
+    training alone: its count stops there (it wrapped to negative counts, NaN steps), where
+    ``1 - beta^t`` is 1 in float64 for every beta <= 1 - 1e-7.
 
     Args:
       lazy_adam: True (default) updates only the rows of the batch. False updates every row of the
@@ -152,8 +156,9 @@ class Adam(Optimizer):
         if self.bias_correction == "global":
             t = float(ctx.step + 1)
         else:
-            slots["steps"] += 1
-            t = slots["steps"].astype(np.float64)
+            steps = slots["steps"]
+            steps += steps < np.iinfo(np.int32).max  # saturates at 2^31 - 1, as the kernels
+            t = steps.astype(np.float64)
         return lr * np.sqrt(1.0 - self.beta_2**t) / (1.0 - self.beta_1**t)
 
     def _denominator(self, v):
