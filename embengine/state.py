@@ -343,7 +343,7 @@ def check_int_slots(
         checked = []
         for key, value in pairs:
             if (name, key) in ranges:
-                lo, hi, whose = ranges[(name, key)]
+                lo, hi, _ = ranges[(name, key)]  # whose: int_slot_error's
                 at = f"state['tables'][{name!r}][{key!r}]"
                 value = _read_whole(value, at)
                 bad = (value < lo) | (value > hi)

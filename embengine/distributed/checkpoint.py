@@ -322,7 +322,8 @@ def restore(
     every rank. The checkpoint's read lock (a save's ``keep=N`` does not prune it meanwhile)
     is released when this returns or raises, not when the reader is collected.
     ``int_ranges(step)``: the ranges of the int32 slots (``engine.int_slot_ranges``), whose
-    values every rank checks, whole, before any table changes (``state.check_int_slots``)."""
+    values every rank checks, a chunk at a time, before any table changes
+    (``_check_int_slots``)."""
     readers: list[ckpt.CheckpointReader] = []
     try:
         return _restore(comm, shards, spec, path, verify, readers, int_ranges)
