@@ -500,12 +500,49 @@ def test_auto_sharding_plans_a_mixed_configuration_and_says_why():
         plan_shards("auto", names, table_bytes, 2)
 
 
-def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
-    (tmp_path / "not-a-folder").write_text("a file")
-    codes = spawn(
-        2, tmp_path, ["lr_mismatch", "bad_input", "step_mismatch", "call_mismatch", "save_fails"]
-    )
-    assert codes == [0, 0], _logs(tmp_path, 2)
+# int32 step counters a checkpoint's rows hold, rewritten: the error each restore must give
+BAD_COUNTERS = {
+    "bad_counter:a/steps:-1": r"table 'a': slot 'steps' of id 1 is -1 ",
+    "bad_counter:c/last_hit_step:3": r"table 'c': slot 'last_hit_step' of id 1 is 3 ",
+    "bad_counter:k/steps:2147483647": r"table 'k': slot 'steps' of key 2 is 2147483647 ",
+}
+# What one rank's bad call or argument must make every rank raise (each scenario then steps
+# the ranks together, so the next one starts from ranks that agree).
+REFUSALS = [
+    "lr_mismatch",
+    "bad_input",
+    "step_mismatch",
+    "call_mismatch",
+    "save_fails",
+    "save_args:keep",
+    "save_args:metadata",
+    "save_args:root",
+    "save_args:extra",
+    "save_args:restore",
+    "save_args:boom",
+    "bad_gradients",
+    "stale_batch",
+    "build_fails",
+    "layer_refused",
+    "restore_other",
+    "last_step",
+    *BAD_COUNTERS,
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> Path:
+    """The folder of two ranks that ran every scenario of ``REFUSALS``: one process group
+    (two interpreters and their kernels loaded once) for the tests that read it."""
+    out = tmp_path_factory.mktemp("refusals")
+    (out / "not-a-folder").write_text("a file")  # save_fails: where its folder should be
+    codes = spawn(2, out, REFUSALS, limit=300)
+    assert codes == [0, 0], _logs(out, 2)
+    return out
+
+
+def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(refusals):
+    tmp_path = refusals
     for rank in range(2):
         _, text = _error_text(tmp_path, "lr_mismatch", rank)
         assert text.startswith("DistributedError"), text
@@ -530,13 +567,12 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(tmp_path):
     ), text
 
 
-def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(tmp_path):
+def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):
     # keep=0 on one rank made the others wait the process group's timeout, then broke the
     # group; metadata that is not JSON left a temporary folder and the other rank waiting.
     # Both are checked before the save's first collective and fail every rank at once,
     # nothing written; the ranks then step together.
-    codes = spawn(2, tmp_path, ["save_args:keep", "save_args:metadata"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     for rank in range(2):
         seconds, text = _error_text(tmp_path, "save_args:keep", rank)
         first = (
@@ -555,7 +591,7 @@ def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(tmp_path):
         assert seconds < 30, (seconds, text)
 
 
-def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_path):
+def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(refusals):
     """A save's root of None or an extra tensor that is not an array, restore(None), and
     features whose reading raises RuntimeError, each on the last rank only: that rank raises
     its error, the other at once (not after the group's 60 s timeout), nothing written; then
@@ -566,8 +602,7 @@ def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_
         "save_args:restore": "TypeError: the checkpoint path must be a path",
         "save_args:boom": "RuntimeError: boom",
     }
-    codes = spawn(2, tmp_path, list(cases), limit=240)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     for name, error in cases.items():
         for rank in range(2):
             seconds, text = _error_text(tmp_path, name, rank)
@@ -577,12 +612,11 @@ def test_any_error_on_one_rank_before_a_collective_fails_every_rank_at_once(tmp_
             assert seconds < 30, (name, seconds, text)
 
 
-def test_a_gradient_of_bools_strings_complex_or_nan_on_one_rank_fails_every_rank(tmp_path):
+def test_a_gradient_of_bools_strings_complex_or_nan_on_one_rank_fails_every_rank(refusals):
     """What float32 would cast silently (True as 1.0, "0.5" parsed, the imaginary part dropped)
     is refused as the single engine refuses it (a review found all three trained), and a NaN
     is named with its place; the other rank raises at once; then they step together."""
-    codes = spawn(2, tmp_path, ["bad_gradients"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     seconds, text = _error_text(tmp_path, "bad_gradients", 1)
     said = text.removeprefix("RuntimeError: ").strip().split(" | ")
     assert said[:3] == [
@@ -601,12 +635,11 @@ def test_a_gradient_of_bools_strings_complex_or_nan_on_one_rank_fails_every_rank
     assert seconds < 60, (seconds, text)  # four failures and four steps; the timeout is 60 s
 
 
-def test_a_batch_looked_up_before_a_restore_is_refused_on_every_rank(tmp_path):
+def test_a_batch_looked_up_before_a_restore_is_refused_on_every_rank(refusals):
     """Its gradients are of the tables before the restore (EmbeddingLayer's backward passes
     the batch as batch=): refused as the single engine refuses it, on every rank, nothing
     changed; a review found it applied. The ranks then step together."""
-    codes = spawn(2, tmp_path, ["stale_batch"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     for rank in range(2):
         seconds, text = _error_text(tmp_path, "stale_batch", rank)
         first = (
@@ -843,13 +876,12 @@ def test_embedding_layer_on_a_sharded_engine_beside_ddp(tmp_path):
         _assert_state(tmp_path / f"layer.rank{r}.npz", single.state_dict())
 
 
-def test_a_rank_that_cannot_build_its_engine_fails_every_rank_at_once(tmp_path):
+def test_a_rank_that_cannot_build_its_engine_fails_every_rank_at_once(refusals):
     """An invalid argument (checked before the group existed) or a checkpoint that ShardedEngine
     .load cannot read, on the last rank only: the others waited for it in new_group until the
     timeout, then a DistStoreError naming nothing (a review). Now every rank raises at once,
     the failing one its own error; then the ranks build an engine and step together."""
-    codes = spawn(2, tmp_path, ["build_fails"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     errors = {
         "optimizer": "TypeError: optimizer must be an embengine.optimizers.Optimizer, got 'sgd'",
         "load": "CheckpointError: no complete checkpoint at",
@@ -863,24 +895,6 @@ def test_a_rank_that_cannot_build_its_engine_fails_every_rank_at_once(tmp_path):
             want = error if rank == 1 else "DistributedError: rank 0: ranks [1] could not build"
             assert text.startswith(want), line
             assert float(seconds) < 30, line  # the group's timeout is 60 s
-
-
-# int32 step counters a checkpoint's rows hold, rewritten: the error each restore must give
-BAD_COUNTERS = {
-    "bad_counter:a/steps:-1": r"table 'a': slot 'steps' of id 1 is -1 ",
-    "bad_counter:c/last_hit_step:3": r"table 'c': slot 'last_hit_step' of id 1 is 3 ",
-    "bad_counter:k/steps:2147483647": r"table 'k': slot 'steps' of key 2 is 2147483647 ",
-}
-
-
-@pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> Path:
-    """The folder of two ranks that ran the restores and steps refused on every rank
-    (restore_other, last_step, bad_counter): one process group for the tests below."""
-    out = tmp_path_factory.mktemp("refusals")
-    codes = spawn(2, out, ["restore_other", "last_step", *BAD_COUNTERS], limit=240)
-    assert codes == [0, 0], _logs(out, 2)
-    return out
 
 
 def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(refusals):
@@ -897,13 +911,12 @@ def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(re
         ), different
 
 
-def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(tmp_path):
+def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refusals):
     """EmbeddingLayer's forward refuses some inputs before its lookup (learning rates, weights
     beside a PreparedBatch); on a ShardedEngine the other ranks were left in the lookup's
     collective until the timeout, then a PeerError (a review). Now every rank raises at once,
     the refusing one its own error; then the ranks step together."""
-    codes = spawn(2, tmp_path, ["layer_refused"], limit=180)
-    assert codes == [0, 0], _logs(tmp_path, 2)
+    tmp_path = refusals
     errors = {
         "rates": "ValueError: learning_rates has 1 values but the engine has 0 dynamic",
         "weights": "ValueError: weights must be given to preprocess(), not with a PreparedBatch",
@@ -1150,21 +1163,26 @@ def test_a_sharded_restore_refuses_a_step_counter_out_of_its_range(refusals):
             assert state == "unchanged=True step=1", (name, rank, state)
 
 
-def test_a_failed_sharded_restore_lets_a_save_prune_its_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> Path:
+    """The folder of one rank that ran the checkpoint scenarios below, in one process."""
+    out = tmp_path_factory.mktemp("one_rank")
+    codes = spawn(1, out, ["reader_released", "load_pinned"], limit=180)
+    assert codes == [0], _logs(out, 1)
+    return out
+
+
+def test_a_failed_sharded_restore_lets_a_save_prune_its_checkpoint(one_rank):
     """A restore holds the checkpoint's read lock (keep=N skips it) until it returns or
     raises: a refused restore whose error the caller keeps no longer keeps it locked."""
-    codes = spawn(1, tmp_path, ["reader_released"], limit=120)
-    assert codes == [0], _logs(tmp_path, 1)
-    error, kept = (tmp_path / "reader_released.rank0.txt").read_text().splitlines()
+    error, kept = (one_rank / "reader_released.rank0.txt").read_text().splitlines()
     assert error == "CheckpointError" and kept == "False", (error, kept)
 
 
-def test_sharded_load_restores_the_checkpoint_it_read_the_spec_of(tmp_path):
+def test_sharded_load_restores_the_checkpoint_it_read_the_spec_of(one_rank):
     """ShardedEngine.load(root) reads the newest checkpoint's configuration, then restores:
     it restored the newest under root again, another one if a save landed in between."""
-    codes = spawn(1, tmp_path, ["load_pinned"], limit=120)
-    assert codes == [0], _logs(tmp_path, 1)
-    assert (tmp_path / "load_pinned.rank0.txt").read_text().split() == ["step=2"]
+    assert (one_rank / "load_pinned.rank0.txt").read_text().split() == ["step=2"]
 
 
 def test_list_checkpoints_takes_a_str_root(tmp_path):

@@ -361,9 +361,30 @@ def test_a_keyed_table_is_keyed_whatever_the_sharding_asks():
         assert plan.describe(["k", "d"])["k"].startswith("keyed"), plan.describe(["k", "d"])
 
 
-def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_path):
-    codes = spawn(2, tmp_path, ["time_mismatch", "eval_mismatch", "pending_mismatch"])
-    assert codes == [0, 0], rank_logs(tmp_path, 2)
+# Two-rank scenarios each test below reads, run in one process group; ckpt_memory last (it
+# shrinks the checkpoint chunks for the rest of its process).
+TWO_RANKS = [
+    "time_mismatch",
+    "eval_mismatch",
+    "pending_mismatch",
+    "apply_time",
+    "save_halfway",
+    "restore_cut",
+    "ckpt_memory",
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The folder of two ranks that ran ``TWO_RANKS`` (checkpoints under its ckpts/)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    codes = spawn(2, out, TWO_RANKS, env={"CKPT_ROOT": str(out / "ckpts")})
+    assert codes == [0, 0], rank_logs(out, 2)
+    return out
+
+
+def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(two_ranks):
+    tmp_path = two_ranks
     for r in range(2):  # the owners run the rules on a training lookup only: ranks must agree
         text = (tmp_path / f"eval_mismatch.rank{r}.txt").read_text()
         assert text.startswith(f"DistributedError: rank {r} called ") and (
@@ -379,7 +400,7 @@ def test_ranks_with_other_timestamps_or_training_flags_fail_on_every_rank(tmp_pa
         ), text
 
 
-def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
+def test_an_update_later_in_data_time_moves_every_shards_clock(two_ranks):
     """A keyed table inserting on apply takes its update's data time; a rank owning none of
     the step's keys kept its older time, so a row expired on one shard and not on another,
     against the single engine (a review's reproduction). A step bringing the table no key
@@ -389,8 +410,7 @@ def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
     from embengine.distributed.sharding import mix64
 
     assert [int(mix64(np.array([k]))[0] % 2) for k in (2, 1)] == [0, 1]  # the owners it needs
-    codes = spawn(2, tmp_path, ["apply_time"])
-    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    tmp_path = two_ranks
     single = ee.EmbeddingEngine(worker.apply_time_features(), optimizer=opt.SGD(0.1), seed=1)
     for step, (b0, b1, lt, at) in enumerate(worker.APPLY_TIME_STEPS):
         single.lookup({"a": b0 + b1}, timestamp=lt)
@@ -407,12 +427,11 @@ def test_an_update_later_in_data_time_moves_every_shards_clock(tmp_path):
     assert single.table_stats()["k"]["total"]["expired"] == 1
 
 
-def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(tmp_path):
+def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(two_ranks):
     """As EmbeddingEngine.save: the owners' keyed shards took the lookup's counts and new
     rows, so a checkpoint before the update would hold half a step. Every rank raises,
     nothing is written; after the update the save works."""
-    codes = spawn(2, tmp_path, ["save_halfway"])
-    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    tmp_path = two_ranks
     for r in range(2):
         text = (tmp_path / f"save_halfway.rank{r}.txt").read_text().strip()
         assert text.startswith(
@@ -422,13 +441,11 @@ def test_a_sharded_save_halfway_through_a_keyed_step_is_refused_on_every_rank(tm
         assert "| left=[] | then ckpt-" in text, text
 
 
-def test_a_keyed_row_read_failing_on_one_rank_fails_every_ranks_restore(tmp_path):
+def test_a_keyed_row_read_failing_on_one_rank_fails_every_ranks_restore(two_ranks):
     """Each rank reads its keyed rows after every check, straight into its new arena: a file
     cut meanwhile within one rank's rows fails that rank's read, its table part new. Every
     rank raises (the others' restore returned as if whole, and they went on training)."""
-    env = {"CKPT_ROOT": str(tmp_path / "ckpts")}
-    codes = spawn(2, tmp_path, ["restore_cut"], env=env)
-    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    tmp_path = two_ranks
     texts = [(tmp_path / f"restore_cut.rank{r}.txt").read_text() for r in range(2)]
     cut = [r for r, t in enumerate(texts) if "ends early" in t]
     assert len(cut) == 1, texts
@@ -517,12 +534,11 @@ def test_keyed_checkpoints_move_between_world_sizes_and_a_plain_engine(tmp_path)
             assert total.tolist() == [want[k] for k in sorted(want)], (folder, world)
 
 
-def test_a_keyed_shard_is_saved_and_restored_a_chunk_at_a_time(tmp_path):
+def test_a_keyed_shard_is_saved_and_restored_a_chunk_at_a_time(two_ranks):
     """Each rank gathers the rows it sends the writers a window at a time from its arena, and
     a restore reads its rows straight into the new arena: what a rank allocates is a small
     part of its shard's rows (it used to copy the shard whole, more than once)."""
-    codes = spawn(2, tmp_path, ["ckpt_memory"], env={"CKPT_ROOT": str(tmp_path / "ckpts")})
-    assert codes == [0, 0], rank_logs(tmp_path, 2)
+    tmp_path = two_ranks
     for r in range(2):
         got = dict(np.load(tmp_path / f"ckpt_memory.rank{r}.npz"))
         shard_bytes = int(got["rows"]) * 128 * 4  # weights and accumulators, float32
