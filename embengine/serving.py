@@ -359,10 +359,46 @@ def _read_json_dict(file: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _temporary(out: Path, kind: str = "tmp") -> Path:
+    """The folder beside ``out`` that an export writes (``kind`` "tmp") or that a replaced
+    export is renamed to (``kind`` "old") before the new one moves in."""
+    return out.parent / f".{kind}-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _check_place(out: Path) -> None:
+    """Refuse an export folder ``out`` that cannot be made where it is named: a file among
+    its parents, or a name too long for the temporary folder export writes beside it. Found
+    only after the checkpoint was read and hashed, these were bare OS errors ("File exists"
+    naming the parent, "File name too long")."""
+    parent = next(p for p in out.parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(
+            f"export folder {out} cannot be made: {parent} is a file, not a folder; choose a "
+            "folder whose parents are folders (or do not exist yet)"
+        )
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no limit to ask for (a file system that says none)
+        return
+    size = len(os.fsencode(out.name))
+    longest = max(len(os.fsencode(_temporary(out, kind).name)) for kind in ("tmp", "old"))
+    if longest > limit:
+        beside = (
+            ""
+            if size > limit
+            else f", and export writes it beside as '.tmp-{out.name[:8]}...' ({longest} bytes)"
+        )
+        raise ValueError(
+            f"export folder name '{out.name[:40]}...' is {size} bytes{beside}; a name in "
+            f"{parent} takes at most {limit}: choose a shorter name"
+        )
+
+
 def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
     """Refuse an export folder ``out`` that export must not write into or replace (see the
     module docstring). ``out`` is absolute; ``sources`` are the checkpoint paths read."""
     never = "never replaced, even with --replace (replace=True)"
+    _check_place(out)  # first: a name too long fails every call on it
     if out.is_symlink():
         raise ValueError(
             f"export folder {out} is a symbolic link; pass the folder it points to instead"
@@ -568,7 +604,7 @@ def _export(
     _check_out(out, [Path(checkpoint), ckpt], replace)  # ckpt: the newest one of a root
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out.parent, out.name, "tmp")
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = _temporary(out)
     tmp.mkdir()
     # The manifest's flag per table: its weights and float slots were finite when saved.
     finite = {m["name"]: m.get("finite", True) for m in reader.manifest["tables"]}
@@ -639,7 +675,7 @@ def _export(
         # OUT may have changed while the tables were written: check it again right before.
         _check_out(out, [Path(checkpoint), ckpt], replace)
         if out.is_dir() and any(out.iterdir()):  # a previous export (checked above)
-            old = out.parent / f".old-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            old = _temporary(out, "old")
             os.rename(out, old)
             try:
                 os.rename(tmp, out)

@@ -237,6 +237,47 @@ def test_export_takes_a_path_as_the_os_does(ckpt, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["link"]
 
 
+@pytest.mark.parametrize("where", ["parent", "grandparent", "name", "beside"])
+def test_export_refuses_a_folder_it_cannot_make_before_reading_the_checkpoint(
+    ckpt, tmp_path, monkeypatch, where
+):
+    """A file among OUT's parents, or a name too long for OUT or for the temporary folder
+    export writes beside it: refused before the checkpoint is read, naming the cause. They
+    were bare OS errors after the checkpoint had been read and hashed ("File exists" naming
+    the parent, "File name too long")."""
+    from embengine import serving
+
+    (tmp_path / "afile").write_text("a file")
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    beside = len(f".tmp--{os.getpid()}-12345678")  # what the temporary folder adds
+    parent = r"cannot be made: \S*afile is a file, not a folder"
+    out, words = {
+        "parent": (tmp_path / "afile" / "out", parent),
+        "grandparent": (tmp_path / "afile" / "sub" / "out", parent),
+        "name": (tmp_path / ("x" * (limit + 1)), rf"is {limit + 1} bytes; a name in "),
+        "beside": (
+            tmp_path / ("y" * (limit - beside + 1)),
+            rf"is {limit - beside + 1} bytes, and export writes it beside as '\.tmp-yyyyyyyy"
+            rf"\.\.\.' \({limit + 1} bytes\); a name in \S+ takes at most {limit}",
+        ),
+    }[where]
+
+    def read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(serving, "read_checkpoint", read)
+    with pytest.raises(ValueError, match=words):
+        _export(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_export_takes_the_longest_name_its_temporary_folder_allows(ckpt, tmp_path):
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("z" * (limit - len(f".tmp--{os.getpid()}-12345678")))
+    _export(ckpt, out)
+    ServingEngine.load(out)
+
+
 @pytest.mark.parametrize("out", [".", ".."])
 def test_export_refuses_the_current_folder_and_those_holding_it(ckpt, tmp_path, monkeypatch, out):
     """An export is renamed into place: into the (empty) current folder it took the folder away
