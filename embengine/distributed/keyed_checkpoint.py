@@ -35,7 +35,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..safetensors_io import BFLOAT16, CHUNK_BYTES, DTYPES
 from ..state import KEYED_COUNTERS, WEIGHTS, keyed_entries
-from ..storage.keyed import MAX_COUNT, KeyedTable, _newest_pending
+from ..storage.keyed import MAX_COUNT, KeyedTable, newest_pending
 from .comm import Comm
 from .sharding import mix64
 
@@ -329,7 +329,7 @@ def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
     if len(pending) > shard.max_pending:
         steps = _read_all(entry("pending_step"))
         if steps.shape == pending.shape:  # else prepare_state names the bad entry
-            kept = _newest_pending(pending, steps, shard.max_pending)
+            kept = newest_pending(pending, steps, shard.max_pending)
             owned &= kept
             dropped = int((~kept).sum())
     theirs = np.flatnonzero(owned)

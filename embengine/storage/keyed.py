@@ -1771,7 +1771,7 @@ class KeyedTable(MappedRows):
         # keys past it are forgotten as the bound forgets them, seen longest ago first, then
         # smaller keys, and counted as forgotten
         pending = _Pending(self._pending.limit)
-        keep = _newest_pending(a["pending_keys"], a["pending_step"], pending.limit)
+        keep = newest_pending(a["pending_keys"], a["pending_step"], pending.limit)
         p = int(keep.sum())
         pending.high = p
         if p > len(pending.earlier):
@@ -1865,7 +1865,7 @@ def shared_victims(orders: list[np.ndarray], k: int, shard: int) -> np.ndarray:
     return np.sort(place[first[owner[first] == shard]])
 
 
-def _newest_pending(keys: np.ndarray, steps: np.ndarray, limit: int) -> np.ndarray:
+def newest_pending(keys: np.ndarray, steps: np.ndarray, limit: int) -> np.ndarray:
     """Which of the pending ``keys`` (last seen at ``steps``) stay within ``limit``: all, or the
     ``limit`` last seen, ties to larger keys (``_Pending.add``'s rule), as a mask."""
     keep = np.ones(len(keys), bool)
