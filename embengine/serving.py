@@ -370,7 +370,9 @@ def _check_place(out: Path) -> None:
     its parents, or a name too long for the temporary folder export writes beside it. Found
     only after the checkpoint was read and hashed, these were bare OS errors ("File exists"
     naming the parent, "File name too long")."""
-    parent = next(p for p in out.parents if p.exists())
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is None:  # a root: refused by name before this
+        return
     if not parent.is_dir():
         raise ValueError(
             f"export folder {out} cannot be made: {parent} is a file, not a folder; choose a "
