@@ -809,6 +809,34 @@ def test_torchrec_configs_keep_init_fn_and_data_type_and_refuse_unpooled_tables(
         feature_configs_from_torchrec([unpooled])
 
 
+def test_torchrecs_default_init_fn_is_read_as_its_uniform_bounds(trj):
+    """TorchRec's EmbeddingBagConfig sets init_fn = partial(torch.nn.init.uniform_, a=, b=)
+    when given none, so every real config went through FromFunction: the tables were torch's
+    RNG draws (two engines with the same seed differed) and from_spec(engine.spec()) asked
+    for the initializer back. Now it is RandomUniform of those bounds, decided by the seed."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    def tables(**bounds):
+        return [
+            EmbeddingBagConfig(
+                num_embeddings=100, embedding_dim=4, name="t", feature_names=["a"], **bounds
+            )
+        ]
+
+    assert callable(tables()[0].init_fn)  # what TorchRec sets
+    features = feature_configs_from_torchrec(tables(), opt.SGD(0.1))
+    assert features["a"].table.initializer == ee.initializers.RandomUniform(-0.1, 0.1)
+    features = feature_configs_from_torchrec(tables(weight_init_min=-0.5, weight_init_max=0.25))
+    assert features["a"].table.initializer == ee.initializers.RandomUniform(-0.5, 0.25)
+    one, two = (
+        ee.EmbeddingEngine(feature_configs_from_torchrec(tables(), opt.SGD(0.1)), seed=3)
+        for _ in range(2)
+    )
+    np.testing.assert_array_equal(one.embedding_tables["t"], two.embedding_tables["t"])
+    again = ee.EmbeddingEngine.from_spec(one.spec())
+    np.testing.assert_array_equal(again.embedding_tables["t"], one.embedding_tables["t"])
+
+
 def test_torchrec_configs_give_torchrecs_pooled_output(trj):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection

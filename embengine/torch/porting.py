@@ -7,15 +7,18 @@ dim=embedding_dim, name=name, combiner=pooling, initializer=RandomUniform(min, m
 one ``FeatureConfig`` per feature name. Pooling SUM is "sum" (TorchRec's default; embengine's
 own default combiner is TF's "mean"), MEAN is "mean"; a table's initial values are uniform in
 TorchRec's bounds (``+-sqrt(1 / num_embeddings)`` unless set), though not the same draws;
-an ``init_fn`` is called on the whole table's float32 weight, as TorchRec calls it
-(``initializers.FromFunction``). ``data_type`` FP32, FP16 and BF16 become ``weights_dtype``
-"float32", "float16" and "bfloat16"; the integer types (TorchRec's quantized inference tables)
-and an ``EmbeddingConfig`` (TorchRec's unpooled EmbeddingCollection) are refused by name.
-Duck-typed: torchrec is not imported.
+TorchRec's own default ``init_fn`` (its EmbeddingBagConfig sets one from those bounds, a
+``functools.partial`` of ``torch.nn.init.uniform_``) is read as its bounds, so the engine's
+``seed`` decides the draws; any other ``init_fn`` is called on the whole table's float32
+weight, as TorchRec calls it (``initializers.FromFunction``). ``data_type`` FP32, FP16 and
+BF16 become ``weights_dtype`` "float32", "float16" and "bfloat16"; the integer types
+(TorchRec's quantized inference tables) and an ``EmbeddingConfig`` (TorchRec's unpooled
+EmbeddingCollection) are refused by name. Duck-typed: torchrec is not imported.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -50,10 +53,30 @@ def _weights_dtype(cfg) -> str:
     return _DATA_TYPES[name]
 
 
+def _uniform_bounds(init_fn) -> tuple[float, float] | None:
+    """``(a, b)`` if ``init_fn`` is ``functools.partial(torch.nn.init.uniform_, a=, b=)``, the
+    init_fn TorchRec's EmbeddingBagConfig sets when given none; else None."""
+    if not isinstance(init_fn, functools.partial) or init_fn.args:
+        return None
+    fn = init_fn.func
+    if (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) != (
+        "torch.nn.init",
+        "uniform_",
+    ):
+        return None
+    if set(init_fn.keywords) - {"a", "b"}:  # a generator=: torch's draws, as given
+        return None
+    return float(init_fn.keywords.get("a", 0.0)), float(init_fn.keywords.get("b", 1.0))
+
+
 def _initializer(cfg):
-    """TorchRec's: ``init_fn(weight)`` on the whole table (in place), else uniform in
-    ``[weight_init_min, weight_init_max]`` (default ``+-sqrt(1 / num_embeddings)``)."""
+    """TorchRec's: uniform in ``[weight_init_min, weight_init_max]`` (default
+    ``+-sqrt(1 / num_embeddings)``; TorchRec's default init_fn is read as these bounds), else
+    ``init_fn(weight)`` on the whole table (in place)."""
     init_fn = getattr(cfg, "init_fn", None)
+    bounds = _uniform_bounds(init_fn)
+    if bounds is not None:
+        return RandomUniform(*bounds)
     if init_fn is not None:
         if not callable(init_fn):
             raise TypeError(f"table {cfg.name!r}: init_fn must be callable, got {init_fn!r}")
