@@ -455,3 +455,45 @@ def test_load_state_dict_refuses_a_step_that_is_not_an_integer_scalar(step):
     state["step"] = torch.tensor(5)
     layer.load_state_dict(state)
     assert eng.step == 5
+
+
+def test_torch_compile_of_a_model_around_the_layer_trains_as_eager():
+    """torch.compile(model) traced into the layer's forward, running the engine's NumPy code
+    as torch ops, and failed inside the engine (here: '"max_values_cpu" not implemented for
+    'UInt64'' in inputs.check_values; with the inductor backend: "Expected np.nditer base, got
+    <class 'torch.Tensor'>"). The layer now runs eagerly and the rest is compiled: the same
+    tables and dense weights as the eager twin."""
+
+    class Model(torch.nn.Module):
+        def __init__(self, engine):
+            super().__init__()
+            self.emb = EmbeddingLayer(engine)
+            self.top = torch.nn.Linear(DIM, 1)
+
+        def forward(self, features):
+            out = self.emb(features)
+            return self.top(out["a"] * out["b"] + out["a"])
+
+    torch.manual_seed(0)
+    eager, compiled = Model(_engine(opt.SGD(0.3))), Model(_engine(opt.SGD(0.3)))
+    compiled.top.load_state_dict(eager.top.state_dict())
+    run = torch.compile(compiled, backend="aot_eager")
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        feats = {k: torch.from_numpy(rng.integers(0, VOCAB, (4, 2))) for k in ("a", "b")}
+        for model, call in ((eager, eager), (compiled, run)):
+            model.zero_grad()
+            call(feats).square().mean().backward()
+            with torch.no_grad():
+                for p in model.top.parameters():
+                    p -= 0.1 * p.grad
+    for model in (eager, compiled):
+        assert model.emb.engine.step == 3
+    np.testing.assert_allclose(
+        compiled.emb.engine.embedding_tables["t"],
+        eager.emb.engine.embedding_tables["t"],
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    for p, q in zip(compiled.top.parameters(), eager.top.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

@@ -219,6 +219,9 @@ class EmbeddingLayer(torch.nn.Module):
             return keyed_jagged_to_features(features)
         return features
 
+    # Not traced by torch.compile: the lookup is NumPy and numba code dynamo cannot trace
+    # (it failed inside the engine); a compiled model runs the layer eagerly, the rest compiled.
+    @torch.compiler.disable
     def forward(
         self,
         features,
