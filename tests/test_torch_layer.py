@@ -497,3 +497,30 @@ def test_torch_compile_of_a_model_around_the_layer_trains_as_eager():
     )
     for p, q in zip(compiled.top.parameters(), eager.top.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+def _bag_reference(engine):
+    """The engine's table "t" as a torch leaf, and sum-pooling of a ``[batch, ids]`` tensor."""
+    w = torch.from_numpy(engine.embedding_tables["t"].copy()).requires_grad_()
+    return w, lambda ids: w[ids].sum(1)
+
+
+def test_outputs_can_be_modified_in_place_as_torchs_can():
+    """relu_ or += on an output (an nn.EmbeddingBag's output allows both) raised torch's
+    "Output 0 of _FusedLookup is a view and is being modified inplace" in training mode
+    only: the outputs were views of the node's inputs. The update is torch's SGD's."""
+    eng = _engine(opt.SGD(0.5), "sum")
+    layer = EmbeddingLayer(eng)
+    w, bag = _bag_reference(eng)
+    before = eng.embedding_tables["t"].copy()
+    feats = {"a": torch.tensor([[3, 4], [1, 3]]), "b": torch.tensor([[5], [3]])}
+    scale = torch.tensor([[1.0, -2.0, 3.0]])
+    out = layer(feats)
+    out["a"].relu_()
+    out["b"] += 1.0
+    ((out["a"] * scale).sum() + (out["a"] * out["b"]).sum()).backward()
+    ra, rb = bag(feats["a"]).relu(), bag(feats["b"]) + 1.0
+    ((ra * scale).sum() + (ra * rb).sum()).backward()
+    np.testing.assert_allclose(
+        eng.embedding_tables["t"], before - 0.5 * w.grad.numpy(), rtol=1e-6, atol=1e-7
+    )

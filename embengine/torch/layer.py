@@ -98,17 +98,18 @@ class _SharedTensors:
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, pending, *activations):
+    def forward(ctx, anchor, pending, arrays):
         ctx.pending = pending
-        # New tensors sharing memory: the outputs of this node, not its inputs.
-        return tuple(a.view_as(a) for a in activations)
+        # Tensors made here are this node's own outputs, not views of an input: they can be
+        # modified in place (relu_, +=) as an nn.EmbeddingBag's output can.
+        return tuple(torch.from_numpy(a) for a in arrays)
 
     @staticmethod
     def backward(ctx, *grads):
         pending: _Pending = ctx.pending
         if pending.applied:
             # backward(retain_graph=True) called again: the step's update happened already.
-            return (None, None) + (None,) * len(grads)
+            return (None, None, None)
         shapes = {n: lay.shape for n, lay in pending.batch.features.items()}
         gradients = {}
         for name, g in zip(pending.names, grads, strict=True):
@@ -123,7 +124,7 @@ class _FusedLookup(torch.autograd.Function):
             gradients, learning_rates=lrs, batch=pending.batch, **_timestamp(pending.timestamp)
         )
         pending.applied = True
-        return (None, None) + (None,) * len(grads)
+        return (None, None, None)
 
 
 def _samples(value) -> int | None:
@@ -250,13 +251,14 @@ class EmbeddingLayer(torch.nn.Module):
         names = list(acts)
         if self.output == "keyed":
             self._check_keyed({name: a.shape for name, a in acts.items()})
-        tensors = [torch.from_numpy(acts[n]) for n in names]
         if training:
             anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the graph
             if learning_rates is None:
                 learning_rates = self._lr_handle
             pending = _Pending(self.engine, batch, names, learning_rates, timestamp)
-            tensors = _FusedLookup.apply(anchor, pending, *tensors)
+            tensors = _FusedLookup.apply(anchor, pending, [acts[n] for n in names])
+        else:
+            tensors = [torch.from_numpy(acts[n]) for n in names]
         if self.output == "keyed":
             return KeyedTensor.from_tensor_list(names, tensors)
         return dict(zip(names, tensors, strict=True))
