@@ -524,3 +524,37 @@ def test_outputs_can_be_modified_in_place_as_torchs_can():
     np.testing.assert_allclose(
         eng.embedding_tables["t"], before - 0.5 * w.grad.numpy(), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("retain_graph", [True, False])
+def test_a_second_loss_of_the_same_outputs_is_refused_not_lost(retain_graph):
+    """loss_a.backward(); loss_b.backward() on one forward's outputs (multi-task training):
+    the first backward updates the tables; the second brought gradients the update had run
+    without, and they were dropped silently (row 5 never moved). Now it is refused, saying
+    what to do; the same loss again and a zero gradient still change nothing; the losses
+    summed give torch's SGD numbers."""
+    eng = _engine(opt.SGD(0.5), "sum")
+    layer = EmbeddingLayer(eng)
+    feats = {"a": torch.tensor([[3]]), "b": torch.tensor([[5]])}
+    out = layer(feats)
+    loss_a, loss_b = out["a"].sum(), 2 * out["b"].sum()
+    loss_a.backward(retain_graph=retain_graph)
+    after_a = eng.embedding_tables["t"].copy()
+    with pytest.raises(RuntimeError, match=r"features \['b'\].*\(loss_a \+ loss_b\)\.backward"):
+        loss_b.backward()
+    np.testing.assert_array_equal(eng.embedding_tables["t"], after_a)
+    assert eng.step == 1
+
+    out = layer(feats)
+    loss = out["a"].sum()
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)  # the same gradients again: nothing
+    (0 * out["b"].sum()).backward()  # zeros: nothing
+    assert eng.step == 2
+
+    w, bag = _bag_reference(eng)
+    before = eng.embedding_tables["t"].copy()
+    out = layer(feats)
+    (out["a"].sum() + 2 * out["b"].sum()).backward()
+    (bag(feats["a"]).sum() + 2 * bag(feats["b"]).sum()).backward()
+    np.testing.assert_allclose(eng.embedding_tables["t"], before - 0.5 * w.grad.numpy())

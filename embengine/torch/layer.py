@@ -33,7 +33,7 @@ OUTPUTS = ("dict", "keyed")
 class _Pending:
     """One forward's batch, waiting for its backward (which must update at most once).
     ``learning_rates``: the values given to forward, else a LearningRateHandle read when the
-    update runs, else None."""
+    update runs, else None. ``applied``: the gradients the update used, once it ran."""
 
     __slots__ = ("engine", "batch", "names", "learning_rates", "timestamp", "applied")
 
@@ -43,7 +43,7 @@ class _Pending:
         self.names = names
         self.learning_rates = learning_rates
         self.timestamp = timestamp
-        self.applied = False
+        self.applied: dict[str, np.ndarray] | None = None
 
 
 def _timestamp(t) -> dict:
@@ -107,9 +107,6 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         pending: _Pending = ctx.pending
-        if pending.applied:
-            # backward(retain_graph=True) called again: the step's update happened already.
-            return (None, None, None)
         shapes = {n: lay.shape for n, lay in pending.batch.features.items()}
         gradients = {}
         for name, g in zip(pending.names, grads, strict=True):
@@ -117,14 +114,37 @@ class _FusedLookup(torch.autograd.Function):
                 gradients[name] = np.zeros(shapes[name], dtype=np.float32)
             else:
                 gradients[name] = g.detach().to(torch.float32).contiguous().numpy()
+        if pending.applied is not None:
+            _check_repeated(pending, gradients)
+            return (None, None, None)
         lrs = pending.learning_rates
         if isinstance(lrs, LearningRateHandle):
             lrs = lrs.learning_rates()  # the scheduler's value now, at the update
         pending.engine.apply_gradients(
             gradients, learning_rates=lrs, batch=pending.batch, **_timestamp(pending.timestamp)
         )
-        pending.applied = True
+        pending.applied = gradients
         return (None, None, None)
+
+
+def _check_repeated(pending: _Pending, gradients: Mapping[str, np.ndarray]) -> None:
+    """A second backward through an applied forward: the same gradients again (backward on
+    the same loss with ``retain_graph=True``) or zeros change nothing; other gradients (a
+    second loss of the same outputs) cannot join an update that has run, and are refused
+    rather than lost."""
+    other = [
+        n
+        for n in pending.names
+        if gradients[n].any() and not np.array_equal(gradients[n], pending.applied[n])
+    ]
+    if other:
+        raise RuntimeError(
+            f"EmbeddingLayer: this backward brings gradients for features {other} of a forward "
+            "whose update an earlier backward applied already (the tables update once per "
+            "forward, in its first backward); they would be lost. Add the losses and call "
+            "backward once, e.g. (loss_a + loss_b).backward(), or call the layer once per "
+            "backward"
+        )
 
 
 def _samples(value) -> int | None:
@@ -157,13 +177,14 @@ class EmbeddingLayer(torch.nn.Module):
     dims]``; every feature must be pooled, ``[batch, dim]``, with the same batch). In training
     mode with grad enabled they require grad; their backward updates every touched row once,
     whatever the number of branches they feed; calling backward again on the same graph does
-    nothing. ``learning_rates`` (one per dynamic learning-rate tag) is used by that update;
-    without it, the ``lr_handle()``'s values are, if the layer has one. ``timestamp``: the
-    batch's data time, passed to the training lookup and its update (keyed tables that expire by
-    data time need it; ignored in eval mode). In eval mode or under
-    ``torch.no_grad()`` the lookup never updates anything and skips the deduplication (a
-    lookup-only batch); a batch from ``preprocess(..., training=False)`` is refused in
-    training mode.
+    nothing, and a later backward bringing other gradients (a second loss of the same
+    outputs, backpropagated on its own) is refused: add the losses and call backward once.
+    ``learning_rates`` (one per dynamic learning-rate tag) is used by that update; without it,
+    the ``lr_handle()``'s values are, if the layer has one. ``timestamp``: the batch's data
+    time, passed to the training lookup and its update (keyed tables that expire by data time
+    need it; ignored in eval mode). In eval mode or under ``torch.no_grad()`` the lookup
+    never updates anything and skips the deduplication (a lookup-only batch); a batch from
+    ``preprocess(..., training=False)`` is refused in training mode.
 
     Pooling is each table's ``combiner``, whose default is TF's ``"mean"``; TorchRec's
     EmbeddingBagConfig pools by ``"sum"`` by default: set ``combiner="sum"`` on the
