@@ -558,3 +558,31 @@ def test_a_second_loss_of_the_same_outputs_is_refused_not_lost(retain_graph):
     (out["a"].sum() + 2 * out["b"].sum()).backward()
     (bag(feats["a"]).sum() + 2 * bag(feats["b"]).sum()).backward()
     np.testing.assert_allclose(eng.embedding_tables["t"], before - 0.5 * w.grad.numpy())
+
+
+def test_a_dynamic_rate_without_its_value_is_refused_before_the_lookup():
+    """A table with DynamicLearningRate and neither learning_rates= nor an lr_handle: the
+    forward (a training lookup: keys inserted) went through and the backward failed with the
+    engine's "pass learning_rates=[...] ... to apply_gradients", a call a torch loop never
+    makes. Now the forward refuses it first, saying where the values go; eval looks up."""
+    t = ee.TableConfig(
+        None,
+        DIM,
+        combiner="sum",
+        name="k",
+        dynamic=ee.DynamicVocabulary(),
+        optimizer=opt.SGD(ee.DynamicLearningRate(0)),
+    )
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
+    layer = EmbeddingLayer(eng)
+    with pytest.raises(
+        ValueError, match=r"tables \['k'\] use DynamicLearningRate.*forward.*lr_handle"
+    ):
+        layer({"a": [[7]]})
+    assert eng.step == 0 and eng.table_contents("k")["keys"].tolist() == []
+    with torch.no_grad():
+        layer({"a": [[7]]})  # a lookup: no update, no rate needed
+    layer({"a": [[7]]}, learning_rates=[0.5])["a"].sum().backward()
+    layer.lr_handle(0.5)
+    layer({"a": [[7]]})["a"].sum().backward()
+    assert eng.step == 2 and eng.table_contents("k")["keys"].tolist() == [7]

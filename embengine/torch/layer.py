@@ -310,7 +310,28 @@ class EmbeddingLayer(torch.nn.Module):
             learning_rates = check_learning_rates(
                 learning_rates, self.engine.num_learning_rate_tags
             )
+        if training and learning_rates is None and self._lr_handle is None:
+            self._check_rates_known()
         return features, learning_rates
+
+    def _check_rates_known(self) -> None:
+        """Tables with an explicit ``DynamicLearningRate`` tag have no rate of their own: the
+        update (in backward) would refuse a step without ``learning_rates``, after the lookup,
+        naming ``apply_gradients``, which a torch loop never calls."""
+        engine = self.engine
+        tables = [
+            name
+            for name in engine.table_names
+            if engine.learning_rate_tag(name) is not None
+            and not callable(engine.optimizer(name).learning_rate)
+        ]
+        if tables:
+            raise ValueError(
+                f"tables {tables} use DynamicLearningRate, which has no value of its own: pass "
+                f"learning_rates=[...] ({engine.num_learning_rate_tags} values, one per tag) "
+                "to the layer's forward, or make layer.lr_handle(lr=...) (a torch optimizer "
+                "for lr schedulers) before training"
+            )
 
     def _check_keyed_inputs(self, features) -> None:
         """``_check_keyed`` on the activations' shapes before the lookup: a prepared batch's,
