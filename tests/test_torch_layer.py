@@ -586,3 +586,30 @@ def test_a_dynamic_rate_without_its_value_is_refused_before_the_lookup():
     layer.lr_handle(0.5)
     layer({"a": [[7]]})["a"].sum().backward()
     assert eng.step == 2 and eng.table_contents("k")["keys"].tolist() == [7]
+
+
+def test_requires_grad_false_freezes_the_tables():
+    """layer.requires_grad_(False), the way to freeze an nn.EmbeddingBag, changed nothing: the
+    outputs still required grad and backward updated the rows (step 1, both tables moved).
+    Now the frozen layer looks up (outputs need no grad; keyed keys not inserted) and the
+    dense part still trains; requires_grad_(True) trains the tables again."""
+    t = ee.TableConfig(None, DIM, combiner="sum", name="k", dynamic=ee.DynamicVocabulary())
+    u = ee.TableConfig(VOCAB, DIM, combiner="sum", name="t")
+    eng = ee.EmbeddingEngine(
+        {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}, optimizer=opt.SGD(0.5)
+    )
+    layer = EmbeddingLayer(eng)
+    dense = torch.nn.Linear(DIM, 1)
+    before = eng.embedding_tables["t"].copy()
+    assert layer.requires_grad_(False) is layer
+    out = layer({"a": [[3]], "b": [[5]]})
+    assert not any(v.requires_grad for v in out.values())
+    dense(out["a"] + out["b"]).sum().backward()
+    assert dense.weight.grad is not None
+    assert eng.step == 0 and eng.table_contents("k")["keys"].tolist() == []
+    np.testing.assert_array_equal(eng.embedding_tables["t"], before)
+    layer.requires_grad_()
+    out = layer({"a": [[3]], "b": [[5]]})
+    dense(out["a"] + out["b"]).sum().backward()
+    assert eng.step == 1 and eng.table_contents("k")["keys"].tolist() == [3]
+    assert not np.array_equal(eng.embedding_tables["t"][5], before[5])

@@ -182,8 +182,9 @@ class EmbeddingLayer(torch.nn.Module):
     ``learning_rates`` (one per dynamic learning-rate tag) is used by that update; without it,
     the ``lr_handle()``'s values are, if the layer has one. ``timestamp``: the batch's data
     time, passed to the training lookup and its update (keyed tables that expire by data time
-    need it; ignored in eval mode). In eval mode or under ``torch.no_grad()`` the lookup
-    never updates anything and skips the deduplication (a lookup-only batch); a batch from
+    need it; ignored in eval mode). In eval mode, under ``torch.no_grad()`` or after
+    ``layer.requires_grad_(False)`` (which freezes the tables) the lookup never updates
+    anything and skips the deduplication (a lookup-only batch); a batch from
     ``preprocess(..., training=False)`` is refused in training mode.
 
     Pooling is each table's ``combiner``, whose default is TF's ``"mean"``; TorchRec's
@@ -208,6 +209,18 @@ class EmbeddingLayer(torch.nn.Module):
         self.engine = engine
         self.output = output
         self._lr_handle: LearningRateHandle | None = None
+
+    # A class default, so that a layer pickled before the attribute existed unpickles trainable.
+    trainable = True
+
+    def requires_grad_(self, requires_grad: bool = True) -> EmbeddingLayer:
+        """Freeze (``False``) or unfreeze the tables, as ``requires_grad_`` does a module's
+        parameters: a frozen layer's forward is a lookup (its outputs need no grad, nothing
+        updates), in training mode too. The tables are not Parameters, so
+        ``model.requires_grad_(False)`` on a parent module and ``p.requires_grad = False``
+        over ``parameters()`` do not reach them: call this on the layer."""
+        self.trainable = bool(requires_grad)
+        return super().requires_grad_(requires_grad)
 
     def lr_handle(self, lr: float | Sequence[float] | None = None) -> LearningRateHandle:
         """The layer's ``LearningRateHandle`` (made on the first call, with ``lr``: see
@@ -251,7 +264,7 @@ class EmbeddingLayer(torch.nn.Module):
         learning_rates: Sequence[float] | None = None,
         timestamp: int | None = None,
     ) -> dict[str, torch.Tensor] | KeyedTensor:
-        training = self.training and torch.is_grad_enabled()
+        training = self.training and self.trainable and torch.is_grad_enabled()
         timestamp = timestamp if training else None  # evaluation sees the tables as they are
         extra = {}
         try:
