@@ -350,7 +350,10 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
     if isinstance(value, Ragged):
         if weights is not None:
             if value.weights is not None:
-                raise ValueError("weights given twice: in the Ragged and in weights=")
+                raise ValueError(
+                    "weights given twice: with the ids (a Ragged's or a KeyedJaggedTensor's) "
+                    "and in weights=; pass them once"
+                )
             return Ragged(value.ids, offsets=value.offsets, weights=weights)
         return value
     if isinstance(value, list | tuple) and _is_nested(value):

@@ -99,7 +99,9 @@ def test_negative_padding_other_than_minus_one():
 
 
 def test_weights_given_twice():
-    with pytest.raises(ValueError, match="weights given twice"):
+    # The ids may have come as a KeyedJaggedTensor, whose user never made a Ragged.
+    said = r"weights given twice: with the ids \(a Ragged's or a KeyedJaggedTensor's\) and in"
+    with pytest.raises(ValueError, match=said):
         to_ragged(Ragged([1], lengths=[1], weights=[1.0]), [2.0])
 
 
