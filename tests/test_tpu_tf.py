@@ -573,3 +573,43 @@ def test_seeded_keras_initializers_give_tfs_table_past_one_chunk():
         serving.build()
         want = make()((v, d), tf.float32).numpy()
         np.testing.assert_array_equal(serving.engine.embedding_tables["t"], want)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn", "sum"])
+def test_serving_drops_non_positive_sparse_weights_as_tf_does(combiner, validate):
+    """TF's serving lookup of a weighted SparseTensor is safe_embedding_lookup_sparse (unless
+    validate_weights_and_indices=False, for rank 2), which drops the entries of weight <= 0
+    under mean and sqrtn (not sum); embengine combined them, so a bag with a weight < 0 came
+    out different."""
+    t = embedding.TableConfig(
+        10, 2, combiner=combiner, name="t", initializer=ee.initializers.RandomUniform(-1.0, 1.0)
+    )
+    feature = dict(validate_weights_and_indices=validate)
+    config = {
+        "s": embedding.FeatureConfig(t, **feature),
+        "s3": embedding.FeatureConfig(t, **feature),
+    }
+    serving = embedding.TPUEmbeddingForServing(config)
+    serving.build()
+    idx = [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0]]
+    inputs = {
+        "s": tf.sparse.SparseTensor(idx, tf.constant([1, 2, 3, 4, 5, 6], tf.int64), [4, 2]),
+        # rank 3: TF's serving is safe_embedding_lookup_sparse whatever the flag says
+        "s3": tf.sparse.SparseTensor([[0, 0, 0], [0, 0, 1], [0, 1, 0]], [7, 8, 9], [1, 2, 2]),
+    }
+    weights = {
+        "s": tf.sparse.SparseTensor(idx, [1.0, -0.5, 2.0, 0.0, 0.7, 1.5], [4, 2]),
+        "s3": tf.sparse.SparseTensor(inputs["s3"].indices, [2.0, -1.0, 0.0], [1, 2, 2]),
+    }
+    tf_table = tf.tpu.experimental.embedding.TableConfig(10, 2, combiner=combiner, name="t")
+    tf_config = {
+        k: tf.tpu.experimental.embedding.FeatureConfig(tf_table, **feature) for k in config
+    }
+    theirs = tf.tpu.experimental.embedding.serving_embedding_lookup(
+        inputs, weights, {tf_table: tf.Variable(serving.engine.embedding_tables["t"])}, tf_config
+    )
+    ours = serving.embedding_lookup(inputs, weights)
+    for k in config:
+        assert ours[k].shape == theirs[k].shape, k
+        np.testing.assert_allclose(ours[k].numpy(), theirs[k].numpy(), rtol=1e-6, atol=1e-7)

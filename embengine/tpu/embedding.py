@@ -223,7 +223,7 @@ class _EmbeddingBase:
         if is_tf(value) or is_tf(weight):
             value, weight = unpack(path, value, weight)
         if isinstance(value, TFSparse):
-            return self._convert_sparse(path, feature, value)
+            return self._convert_sparse(path, feature, value, serving)
         with _naming(path):
             dense = _is_dense(value)
         if dense:
@@ -274,9 +274,21 @@ class _EmbeddingBase:
             r = _sequence_bags(r, seq)
         return r, shape
 
-    def _convert_sparse(self, path: str, feature: FeatureConfig, sp: TFSparse):
+    def _convert_sparse(self, path: str, feature: FeatureConfig, sp: TFSparse, serving: bool):
         """A SparseTensor -> (engine Ragged, activation shape without dim)."""
         lead = tuple(int(d) for d in sp.dense_shape[:-1])
+        if (
+            serving
+            and sp.weights is not None
+            and (feature.validate_weights_and_indices or len(lead) > 1)
+            and feature.table.combiner != "sum"
+        ):
+            # TF's serving lookup is safe_embedding_lookup_sparse here, which drops the entries
+            # of weight <= 0 unless the combiner is "sum" (a non-finite weight is left to the
+            # engine's check, an error).
+            keep = ~(sp.weights <= 0)
+            if not keep.all():
+                sp = TFSparse(sp.indices[keep], sp.values[keep], sp.dense_shape, sp.weights[keep])
         if len(lead) > 1 and feature.max_sequence_length > 0 and not feature.output_shape:
             log.warning(
                 "Input tensor is rank %d which is above 2, the max_sequence_length setting will "
