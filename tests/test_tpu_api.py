@@ -340,3 +340,17 @@ def test_table_dtype_float32_is_taken_and_unknown_output_sizes_named():
         embedding.TableConfig(10, 2, dtype="float16")
     with pytest.raises(ValueError, match=r"Argument `output_shape` .* Received: \[None, 3\]"):
         embedding.FeatureConfig(embedding.TableConfig(10, 2), output_shape=[None, 3])
+
+
+def test_pipeline_execution_with_tensor_core_is_checked_and_its_true_is_told(caplog):
+    """TF's third argument was accepted whatever it was and ignored without a word; on a TPU
+    True makes every lookup see the tables one step old, which embengine never does."""
+    config = {"f": embedding.FeatureConfig(embedding.TableConfig(10, 2))}
+    with pytest.raises(ValueError, match="`pipeline_execution_with_tensor_core` must be a bool"):
+        embedding.TPUEmbedding(config, embedding.SGD(0.1), "yes")
+    with caplog.at_level(logging.WARNING, logger="embengine.tpu"):
+        embedding.TPUEmbedding(config, embedding.SGD(0.1), False)
+    assert "pipeline_execution_with_tensor_core" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="embengine.tpu"):
+        embedding.TPUEmbedding(config, embedding.SGD(0.1), pipeline_execution_with_tensor_core=True)
+    assert "pipeline_execution_with_tensor_core=True is ignored" in caplog.text

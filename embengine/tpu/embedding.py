@@ -31,6 +31,7 @@ from .. import config as ee_config
 from ..engine import EmbeddingEngine
 from ..inputs import Ragged, as_numpy, check_values, to_ragged
 from ..optimizers import SGD, Optimizer
+from ..optimizers._checks import is_flag
 from .config import FeatureConfig, TableConfig
 from .nest import flatten_like, flatten_with_paths, pack_like
 from .tf_interop import ActivationVariables, TFSparse, gradient_to_numpy, is_tf, to_tf, unpack
@@ -333,6 +334,10 @@ class TPUEmbedding(_EmbeddingBase):
       feature_config: a FeatureConfig or a nested dict / list / tuple of them; outputs and
         gradients keep this structure (dict keys in sorted order, as tf.nest).
       optimizer: the global optimizer, for tables that name none.
+      pipeline_execution_with_tensor_core: a bool, accepted for TF compatibility. On a TPU,
+        True overlaps the embedding with the TensorCore, so lookups see tables one step old;
+        here every lookup sees the previous step's update (TF's False), and True says so
+        with a warning.
       seed, backend: passed to the EmbeddingEngine.
     """
 
@@ -345,10 +350,21 @@ class TPUEmbedding(_EmbeddingBase):
         seed: int = 0,
         backend: str = "numba",
     ):
+        if not is_flag(pipeline_execution_with_tensor_core):
+            raise ValueError(
+                "Argument `pipeline_execution_with_tensor_core` must be a boolean. "
+                f"Received: {pipeline_execution_with_tensor_core!r}"
+            )
         super().__init__(feature_config, optimizer, seed=seed, backend=backend)
         for table in self._tables:
             if table.optimizer is None:
                 self._lookup_only_sgd(table)  # raises TF's error: training needs an optimizer
+        if pipeline_execution_with_tensor_core:
+            log.warning(
+                "pipeline_execution_with_tensor_core=True is ignored: on a TPU it makes lookups "
+                "see tables one step old; embengine always looks up the tables as the last "
+                "apply_gradients left them (pipeline_execution_with_tensor_core=False)"
+            )
         self._activations = None
         self._training = True
         self._as_tf = False
