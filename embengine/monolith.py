@@ -221,7 +221,8 @@ def AdamOptimizer(
     warmup_steps=0,
 ) -> _opt.Adam:
     """Adam with per-id bias correction and epsilon outside the sqrt (lr default 0.01).
-    ``use_beta1_warmup`` is accepted and, as in Monolith, has no effect."""
+    ``use_beta1_warmup`` is accepted (a bool) and, as in Monolith, has no effect."""
+    _checks.flag("AdamOptimizer", "use_beta1_warmup", use_beta1_warmup)
     return _opt.Adam(
         _lr(learning_rate, 0.01, warmup_steps),
         beta1,
@@ -283,6 +284,7 @@ def RmspropOptimizer(
 ) -> _opt.RMSProp:
     """Monolith's RMSProp: ``n = m n + (1 - m) g^2; w -= lr g / (sqrt(n) + 1)`` with
     ``m = momentum``; its learning rate is static (lr default 0.01)."""
+    _checks.unit_interval("RmspropOptimizer", "momentum", momentum)
     return _opt.RMSProp(
         _lr(learning_rate, 0.01),
         rho=momentum,
@@ -303,6 +305,7 @@ def AdadeltaOptimizer(
     warmup_steps=0,
 ) -> _opt.Adadelta:
     """Adadelta with rho = averaging_ratio (lr default 0.01)."""
+    _checks.unit_interval("AdadeltaOptimizer", "averaging_ratio", averaging_ratio)
     return _opt.Adadelta(
         _lr(learning_rate, 0.01, warmup_steps),
         averaging_ratio,
@@ -324,16 +327,21 @@ def FtrlOptimizer(
     see the module docstring for the sign fix and the l2 mapping). No ``warmup_steps``: the
     warm-up's rate is 0 at step 0, and FTRL divides by it (Monolith's C++ would divide by
     zero)."""
+    _checks.integer("FtrlOptimizer", "warmup_steps", warmup_steps, minimum=0)
     if warmup_steps:
         raise ValueError(
             f"FtrlOptimizer: warmup_steps={warmup_steps!r} makes the learning rate 0 at step 0 "
             "(lr * min(step, W) / W), and FTRL divides by it (Monolith's C++ divides by zero "
             "there); leave warmup_steps=0, or pass a learning-rate function > 0 from step 0"
         )
+    l1 = 0.0 if l1_regularization is None else l1_regularization
     l2 = 0.0 if l2_regularization is None else l2_regularization
+    # Checked under Monolith's names here: FTRL would name its own, and l2 halved.
+    _checks.non_negative("FtrlOptimizer", "l1_regularization", l1)
+    _checks.non_negative("FtrlOptimizer", "l2_regularization", l2)
     return _opt.FTRL(
         _lr(learning_rate, 0.01, warmup_steps),
-        l1_regularization_strength=0.0 if l1_regularization is None else l1_regularization,
+        l1_regularization_strength=l1,
         l2_regularization_strength=l2 / 2.0,
         beta=0.0 if beta is None else beta,
         initial_accumulator_value=(

@@ -344,3 +344,53 @@ def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
     assert mono.FixedR8Compressor(fixed_range=None) == mono.FixedR8Compressor()
     with pytest.raises(ValueError, match="FtrlOptimizer: warmup_steps=5 makes the learning"):
         mono.FtrlOptimizer(warmup_steps=5)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        # a string l2 was divided by 2 first: "unsupported operand type(s) for /"
+        (
+            lambda: mono.FtrlOptimizer(l2_regularization="x"),
+            ValueError,
+            "FtrlOptimizer: l2_regularization must be a finite number >= 0, got 'x'",
+        ),
+        # named FTRL's l2_regularization_strength, with half the value given
+        (
+            lambda: mono.FtrlOptimizer(l2_regularization=-1.0),
+            ValueError,
+            "FtrlOptimizer: l2_regularization must be a finite number >= 0, got -1.0",
+        ),
+        (
+            lambda: mono.FtrlOptimizer(l1_regularization=-1.0),
+            ValueError,
+            "FtrlOptimizer: l1_regularization must be a finite number >= 0, got -1.0",
+        ),
+        # said "makes the learning rate 0 at step 0"
+        (
+            lambda: mono.FtrlOptimizer(warmup_steps=-1),
+            ValueError,
+            "FtrlOptimizer: warmup_steps must be an int >= 0, got -1",
+        ),
+        # named RMSProp's rho / Adadelta's rho, which the caller never gave
+        (
+            lambda: mono.RmspropOptimizer(momentum=1.5),
+            ValueError,
+            r"RmspropOptimizer: momentum must be in \[0, 1\), got 1.5",
+        ),
+        (
+            lambda: mono.AdadeltaOptimizer(averaging_ratio=1.5),
+            ValueError,
+            r"AdadeltaOptimizer: averaging_ratio must be in \[0, 1\), got 1.5",
+        ),
+        # accepted silently (Monolith's proto field is a bool)
+        (
+            lambda: mono.AdamOptimizer(use_beta1_warmup="no"),
+            TypeError,
+            "AdamOptimizer: use_beta1_warmup must be a bool, got 'no'",
+        ),
+    ],
+)
+def test_bad_arguments_are_named_as_monolith_names_them(make, error, message):
+    with pytest.raises(error, match=f"^{message}"):
+        make()
