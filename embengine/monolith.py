@@ -283,10 +283,18 @@ def RmspropOptimizer(
     momentum=0.9,
 ) -> _opt.RMSProp:
     """Monolith's RMSProp: ``n = m n + (1 - m) g^2; w -= lr g / (sqrt(n) + 1)`` with
-    ``m = momentum``; its learning rate is static (lr default 0.01)."""
+    ``m = momentum``; its learning rate is static (lr default 0.01): a number, never a
+    learning-rate function (Monolith's C++ reads the configured rate, not the step's)."""
+    lr = _lr(learning_rate, 0.01)
+    if not _checks.is_number(lr):
+        raise ValueError(
+            f"RmspropOptimizer: learning_rate must be a number, got {lr!r}: Monolith's RMSProp "
+            "steps with its static learning rate and never reads a learning-rate function; "
+            "pass the rate itself"
+        )
     _checks.unit_interval("RmspropOptimizer", "momentum", momentum)
     return _opt.RMSProp(
-        _lr(learning_rate, 0.01),
+        lr,
         rho=momentum,
         momentum=0.0,
         epsilon=1.0,

@@ -394,3 +394,12 @@ def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
 def test_bad_arguments_are_named_as_monolith_names_them(make, error, message):
     with pytest.raises(error, match=f"^{message}"):
         make()
+
+
+def test_rmsprop_learning_rate_is_static_as_in_monolith():
+    """Monolith's RMSProp steps with its configured rate (its C++ reads
+    ``conf_.learning_rate()``, never the step's rate): a learning-rate function was accepted
+    and applied, each step's value, against the factory's own docstring."""
+    with pytest.raises(ValueError, match="RmspropOptimizer: learning_rate must be a number"):
+        mono.RmspropOptimizer(learning_rate=lambda: 0.1)
+    assert mono.RmspropOptimizer(learning_rate=0.3).learning_rate == 0.3
