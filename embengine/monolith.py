@@ -334,7 +334,7 @@ def FtrlOptimizer(
     """FTRL-proximal ``w = lr (sign(z) l1 - z) / (sqrt(n) + beta + l2 lr)`` (lr default 0.01;
     see the module docstring for the sign fix and the l2 mapping). No ``warmup_steps``: the
     warm-up's rate is 0 at step 0, and FTRL divides by it (Monolith's C++ would divide by
-    zero)."""
+    zero). Zero accumulators (``initial_accumulator_value=0``) are allowed, as in Monolith."""
     _checks.integer("FtrlOptimizer", "warmup_steps", warmup_steps, minimum=0)
     if warmup_steps:
         raise ValueError(
@@ -347,14 +347,16 @@ def FtrlOptimizer(
     # Checked under Monolith's names here: FTRL would name its own, and l2 halved.
     _checks.non_negative("FtrlOptimizer", "l1_regularization", l1)
     _checks.non_negative("FtrlOptimizer", "l2_regularization", l2)
+    a0 = 0.1 if initial_accumulator_value is None else initial_accumulator_value
     return _opt.FTRL(
         _lr(learning_rate, 0.01, warmup_steps),
         l1_regularization_strength=l1,
         l2_regularization_strength=l2 / 2.0,
         beta=0.0 if beta is None else beta,
-        initial_accumulator_value=(
-            0.1 if initial_accumulator_value is None else initial_accumulator_value
-        ),
+        initial_accumulator_value=a0,
+        # Monolith's FTRL takes a zero start (its GroupFtrl's default); only then is it set,
+        # so that every other configuration stays the spec it was.
+        allow_zero_accumulator=bool(_checks.is_number(a0) and a0 == 0),
     )
 
 

@@ -403,3 +403,23 @@ def test_rmsprop_learning_rate_is_static_as_in_monolith():
     with pytest.raises(ValueError, match="RmspropOptimizer: learning_rate must be a number"):
         mono.RmspropOptimizer(learning_rate=lambda: 0.1)
     assert mono.RmspropOptimizer(learning_rate=0.3).learning_rate == 0.3
+
+
+def test_ftrl_takes_a_zero_initial_accumulator_as_monolith_does(backend):
+    """Monolith's FTRL starts its "norm" at any value >= 0 (GroupFtrl's default is 0); here 0
+    was refused with advice to set allow_zero_accumulator, which FtrlOptimizer has not."""
+    lr, w0, g = 0.5, 0.3, 0.8
+    eng = _engine(
+        mono.FtrlOptimizer(learning_rate=lr, initial_accumulator_value=0.0),
+        mono.ConstantsInitializer(w0),
+        dim=2,
+        backend=backend,
+    )
+    _step(eng, [2], [[g, 0.0]])
+    # Monolith's step from n = 0, z = 0: sigma = sqrt(g^2) / lr; z = g - sigma * w.
+    z = g - math.sqrt(g * g) / lr * w0
+    np.testing.assert_allclose(eng.embedding_tables["t"][2], [lr * -z / math.sqrt(g * g), 0.0])
+    np.testing.assert_allclose(eng.slots("t")["accumulators"][2], [g * g, 0.0], rtol=1e-6)
+    assert mono.FtrlOptimizer() == mono.FtrlOptimizer(initial_accumulator_value=0.1)
+    with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
+        mono.FtrlOptimizer(initial_accumulator_value=-0.1)
