@@ -613,3 +613,32 @@ def test_serving_drops_non_positive_sparse_weights_as_tf_does(combiner, validate
     for k in config:
         assert ours[k].shape == theirs[k].shape, k
         np.testing.assert_allclose(ours[k].numpy(), theirs[k].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_serving_quantizes_where_tfs_cpu_serving_does_not():
+    """docs/tensorflow.md's difference: TF's serving lookup ignores a table's
+    quantization_config; embengine serves what its training lookups saw."""
+    q = embedding.QuantizationConfig(num_buckets=5, lower=-1.0, upper=1.0)  # levels every 0.5
+    t = embedding.TableConfig(
+        4,
+        2,
+        initializer=ee.initializers.Constant(0.3),
+        combiner="sum",
+        name="t",
+        quantization_config=q,
+    )
+    serving = embedding.TPUEmbeddingForServing({"f": embedding.FeatureConfig(t)})
+    serving.build()
+    ours = serving.embedding_lookup({"f": tf.ragged.constant([[1, 2]])})["f"]
+    tf_q = tf.tpu.experimental.embedding.QuantizationConfig(num_buckets=5, lower=-1.0, upper=1.0)
+    tf_t = tf.tpu.experimental.embedding.TableConfig(
+        4, 2, combiner="sum", name="t", quantization_config=tf_q
+    )
+    theirs = tf.tpu.experimental.embedding.serving_embedding_lookup(
+        {"f": tf.ragged.constant([[1, 2]])},
+        None,
+        {tf_t: tf.Variable(serving.engine.embedding_tables["t"])},
+        {"f": tf.tpu.experimental.embedding.FeatureConfig(tf_t)},
+    )["f"]
+    np.testing.assert_allclose(ours.numpy(), [[1.0, 1.0]])  # 0.3 -> 0.5, twice
+    np.testing.assert_allclose(theirs.numpy(), [[0.6, 0.6]], rtol=1e-6)
