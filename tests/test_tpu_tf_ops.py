@@ -314,3 +314,100 @@ def test_optimizer_steps_match_tensorflow_ops(case, dynamic, backend):
             np.testing.assert_allclose(
                 value, slots[slot].numpy(), RTOL, ATOL, err_msg=f"slot {slot}, {where}"
             )
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_training_matches_tfs_own_lookup_and_adagrad_for_every_input_kind(backend):
+    """Dense, weighted ragged, weighted sparse (unsorted), ragged and sparse (gapped) sequences
+    over two tables: TF's side looks up with its own CPU lookup
+    (``serving_embedding_lookup``), differentiates it with respect to the tables and applies
+    ``ResourceApplyAdagradV2`` (epsilon 0) to the whole tables (a row no input reached gets a
+    zero gradient, which Adagrad leaves as it is, as embengine leaves it untouched)."""
+    tables = {
+        "a": embedding.TableConfig(
+            20, 3, combiner="mean", name="a", initializer=ee.initializers.RandomUniform(-1, 1)
+        ),
+        "b": embedding.TableConfig(
+            15, 2, combiner="sqrtn", name="b", initializer=ee.initializers.RandomUniform(-1, 1)
+        ),
+    }
+    shapes = {"dense": "a", "ragged": "a", "sparse": "b", "ragged_seq": "b", "sparse_seq": "a"}
+    seq = {"ragged_seq": 2, "sparse_seq": 3}
+    config = {
+        k: embedding.FeatureConfig(tables[t], max_sequence_length=seq.get(k, 0))
+        for k, t in shapes.items()
+    }
+    emb = embedding.TPUEmbedding(config, embedding.Adagrad(0.2), backend=backend)
+    emb.build()
+    tf_tables = {
+        n: tf.tpu.experimental.embedding.TableConfig(
+            t.vocabulary_size, t.dim, combiner=t.combiner, name=n
+        )
+        for n, t in tables.items()
+    }
+    tf_config = {
+        k: tf.tpu.experimental.embedding.FeatureConfig(
+            tf_tables[t], max_sequence_length=seq.get(k, 0)
+        )
+        for k, t in shapes.items()
+    }
+    variables = {n: tf.Variable(emb.engine.embedding_tables[n].copy()) for n in tables}
+    accumulators = {n: tf.Variable(tf.fill(variables[n].shape, 0.1)) for n in tables}
+    rng = np.random.default_rng(11)
+    for step in range(3):
+        sparse_idx = [[2, 1], [0, 0], [2, 0], [0, 3], [1, 2]]  # unsorted, row 3 empty
+        inputs = {
+            "dense": tf.constant(rng.integers(0, 20, 4)),
+            "ragged": tf.ragged.constant([[1, 1, 2], [3], [4, 5, 5, 6], [step]]),
+            "sparse": tf.sparse.SparseTensor(sparse_idx, rng.integers(0, 15, 5), [4, 5]),
+            "ragged_seq": tf.ragged.constant([[7, 8, 9], [], [7], [10, 11]]),
+            "sparse_seq": tf.sparse.SparseTensor(
+                [[0, 0], [0, 2], [1, 1], [1, 4], [3, 0]], [11, 12, 13, 14, 11], [4, 5]
+            ),
+        }
+        weights = {k: None for k in inputs}
+        weights["ragged"] = tf.ragged.constant(
+            [[0.5, 1.0, 2.0], [1.5], [1.0, 0.2, 0.3, 4.0], [1.0]]
+        )
+        weights["sparse"] = tf.sparse.SparseTensor(
+            sparse_idx, tf.constant(rng.uniform(0.5, 2, 5), tf.float32), [4, 5]
+        )
+        out = {"dense": (4, 3), "ragged": (4, 3), "sparse": (4, 2)}
+        out.update(ragged_seq=(4, 2, 2), sparse_seq=(4, 3, 3))
+        coef = {k: rng.normal(size=shape).astype(np.float32) for k, shape in out.items()}
+
+        def loss_of(acts, coef=coef):
+            return tf.add_n(
+                [tf.reduce_sum(a * a) / 2 + tf.reduce_sum(a * coef[k]) for k, a in acts.items()]
+            )
+
+        emb.enqueue(inputs, weights)
+        with tf.GradientTape() as tape:
+            ours = emb.dequeue()
+            loss = loss_of(ours)
+        emb.apply_gradients(tape.gradient(loss, ours))
+
+        ref_inputs = dict(inputs, sparse=tf.sparse.reorder(inputs["sparse"]))
+        ref_weights = dict(weights, sparse=tf.sparse.reorder(weights["sparse"]))
+        with tf.GradientTape() as tape:
+            theirs = tf.tpu.experimental.embedding.serving_embedding_lookup(
+                ref_inputs, ref_weights, {tf_tables[n]: v for n, v in variables.items()}, tf_config
+            )
+            loss = loss_of(theirs)
+        for k in inputs:
+            np.testing.assert_allclose(ours[k].numpy(), theirs[k].numpy(), RTOL, ATOL, err_msg=k)
+        grads = tape.gradient(loss, list(variables.values()))
+        for (n, v), g in zip(variables.items(), grads, strict=True):
+            tf.raw_ops.ResourceApplyAdagradV2(
+                var=v.handle,
+                accum=accumulators[n].handle,
+                lr=0.2,
+                epsilon=0.0,
+                grad=tf.convert_to_tensor(g),
+            )
+            np.testing.assert_allclose(
+                emb.engine.embedding_tables[n], v.numpy(), RTOL, ATOL, err_msg=f"{n}, step {step}"
+            )
+            np.testing.assert_allclose(
+                emb.engine.slots(n)["accumulators"], accumulators[n].numpy(), RTOL, ATOL
+            )
