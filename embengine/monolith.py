@@ -84,6 +84,8 @@ __all__ = [
 # Monolith's default expire_time: 100 years, in days.
 DEFAULT_EXPIRE_TIME = 36500
 SECONDS_PER_DAY = 86400
+UINT32_MAX = 2**32 - 1
+INT64_MAX = 2**63 - 1
 
 
 def dynamic_vocabulary(
@@ -107,9 +109,21 @@ def dynamic_vocabulary(
         ("expire_time", expire_time, 1),
     ):
         _checks.integer("dynamic_vocabulary", name, v, minimum=low)
+    if expire_time > UINT32_MAX:  # past int64 once in seconds, which the kernels could not take
+        raise ValueError(
+            f"dynamic_vocabulary: expire_time must be at most {UINT32_MAX} days (Monolith's "
+            f"uint32 field), got {expire_time!r}"
+        )
     if steps_per_day is not None:
         _checks.integer("dynamic_vocabulary", "steps_per_day", steps_per_day, minimum=1)
-        timing = dict(expire_steps=int(expire_time) * int(steps_per_day))
+        steps = int(expire_time) * int(steps_per_day)
+        if steps > INT64_MAX:
+            raise ValueError(
+                f"dynamic_vocabulary: expire_time * steps_per_day = {expire_time} * "
+                f"{steps_per_day} = {steps} steps does not fit int64 (at most {INT64_MAX}); give "
+                "a smaller steps_per_day"
+            )
+        timing = dict(expire_steps=steps)
     else:
         timing = dict(expire_seconds=int(expire_time) * SECONDS_PER_DAY)
     return DynamicVocabulary(

@@ -268,3 +268,26 @@ def test_an_embedding_layer_carries_the_timestamp_to_its_update():
     with pytest.raises(ValueError, match="table 'k' expires rows by data time"):
         layer({"f": [[C]]})
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(expire_time=10**20), r"expire_time must be at most 4294967295 days"),
+        (
+            dict(expire_time=2**32 - 1, steps_per_day=2**32),
+            r"expire_time \* steps_per_day = .* steps does not fit int64",
+        ),
+    ],
+)
+def test_monolith_expire_time_past_int64_is_refused_when_made(kwargs, match):
+    """Monolith's expire_time is a uint32 number of days. A larger one was accepted, became
+    expire_seconds / expire_steps past int64, and the first lookup of the table failed inside
+    numba ("non-precise type pyobject", naming no argument). The largest uint32 still trains."""
+    with pytest.raises(ValueError, match=match):
+        monolith.dynamic_vocabulary(**kwargs)
+    rules = monolith.dynamic_vocabulary(expire_time=2**32 - 1)
+    t = ee.TableConfig(None, 1, name="k", combiner="sum", initializer=RowId(0), dynamic=rules)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0))
+    train_bags(eng, [[A]], timestamp=1_700_000_000)
+    assert keyed_keys(eng) == [A]
