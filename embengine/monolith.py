@@ -397,6 +397,11 @@ def RandomUniformInitializer(minval=None, maxval=None) -> _init.RandomUniform:  
 
 def BatchSoftmaxInitializer(init_step_interval: float) -> _init.Constant:  # noqa: N802
     """The starting estimate of steps between sightings (>= 1)."""
+    if not _checks.is_number(init_step_interval):
+        raise ValueError(
+            f"BatchSoftmaxInitializer: init_step_interval must be a number >= 1, got "
+            f"{init_step_interval!r}"
+        )
     if init_step_interval < 1:
         raise ValueError(f"init_step_interval should be >= 1, while got {init_step_interval}")
     return _init.Constant(float(init_step_interval))

@@ -383,6 +383,17 @@ def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
             ValueError,
             r"AdadeltaOptimizer: averaging_ratio must be in \[0, 1\), got 1.5",
         ),
+        # "'<' not supported between instances of 'str' and 'int'"
+        (
+            lambda: mono.BatchSoftmaxInitializer("2"),
+            ValueError,
+            "BatchSoftmaxInitializer: init_step_interval must be a number >= 1, got '2'",
+        ),
+        (
+            lambda: mono.BatchSoftmaxInitializer(None),
+            ValueError,
+            "BatchSoftmaxInitializer: init_step_interval must be a number >= 1, got None",
+        ),
         # accepted silently (Monolith's proto field is a bool)
         (
             lambda: mono.AdamOptimizer(use_beta1_warmup="no"),
