@@ -434,3 +434,40 @@ def test_ftrl_takes_a_zero_initial_accumulator_as_monolith_does(backend):
     assert mono.FtrlOptimizer() == mono.FtrlOptimizer(initial_accumulator_value=0.1)
     with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
         mono.FtrlOptimizer(initial_accumulator_value=-0.1)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_amsgrad_as_monolith_s_code_steps(backend, nesterov):
+    """AmsgradOptimizer against Monolith's amsgrad_optimizer.cc, written out: per-id beta
+    powers starting at beta, weight decay in the gradient, v_hat = max(v_hat, v), epsilon
+    outside the square root, Nesterov's numerator; two ids updated on different steps."""
+    lr, b1, b2, eps, wd = 0.1, 0.8, 0.95, 0.01, 0.05
+    eng = _engine(
+        mono.AmsgradOptimizer(
+            learning_rate=lr,
+            beta1=b1,
+            beta2=b2,
+            epsilon=eps,
+            weight_decay_factor=wd,
+            use_nesterov=nesterov,
+        ),
+        mono.ConstantsInitializer(1.0),
+        backend=backend,
+    )
+    state = {i: dict(w=1.0, m=0.0, v=0.0, vhat=0.0, b1p=b1, b2p=b2) for i in (1, 2)}
+    for ids, grads in (([1], [2.0]), ([1, 2], [0.1, -1.0]), ([1], [0.05]), ([2], [0.3])):
+        _step(eng, ids, grads)
+        for i, gi in zip(ids, grads, strict=True):
+            s = state[i]
+            step_lr = lr * math.sqrt(1 - s["b2p"]) / (1 - s["b1p"])
+            cur = gi + wd * s["w"]
+            s["m"] += (cur - s["m"]) * (1 - b1)
+            s["v"] += (cur * cur - s["v"]) * (1 - b2)
+            s["vhat"] = max(s["vhat"], s["v"])
+            num = cur * (1 - b1) + b1 * s["m"] if nesterov else s["m"]
+            s["w"] -= num * step_lr / (math.sqrt(s["vhat"]) + eps)
+            s["b1p"] *= b1
+            s["b2p"] *= b2
+        for i in (1, 2):
+            np.testing.assert_allclose(eng.embedding_tables["t"][i, 0], state[i]["w"], rtol=1e-5)
+            np.testing.assert_allclose(eng.slots("t")["vhats"][i, 0], state[i]["vhat"], rtol=1e-5)
