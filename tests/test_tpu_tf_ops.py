@@ -411,3 +411,35 @@ def test_training_matches_tfs_own_lookup_and_adagrad_for_every_input_kind(backen
             np.testing.assert_allclose(
                 emb.engine.slots(n)["accumulators"], accumulators[n].numpy(), RTOL, ATOL
             )
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_weight_decay_by_learning_rate_matches_keras(name, backend):
+    """TF has no CPU op for the TPU's weight decay; Keras's decoupled weight decay is the same
+    rule as ``multiply_weight_decay_factor_by_learning_rate=True``: ``w -= f * lr * w`` before
+    the step. Every row is looked up each step (Keras decays the whole variable)."""
+    v, dim, lr, f = 3, 2, 0.1, 0.3
+    t = embedding.TableConfig(
+        v, dim, combiner="sum", name="t", initializer=ee.initializers.RandomUniform(-1, 1)
+    )
+    decay = dict(weight_decay_factor=f, multiply_weight_decay_factor_by_learning_rate=True)
+    if name == "SGD":
+        ours = embedding.SGD(lr, **decay)
+        theirs = tf.keras.optimizers.SGD(lr, weight_decay=f)
+    else:
+        ours = embedding.Adagrad(lr, initial_accumulator_value=0.2, **decay)
+        theirs = tf.keras.optimizers.Adagrad(
+            lr, initial_accumulator_value=0.2, epsilon=0.0, weight_decay=f
+        )
+    emb = embedding.TPUEmbedding({"f": embedding.FeatureConfig(t)}, ours, backend=backend)
+    emb.build()
+    w = tf.Variable(emb.embedding_tables[t].copy())
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        g = rng.normal(size=(v, dim)).astype(np.float32)
+        emb.enqueue({"f": np.arange(v)})
+        emb.dequeue()
+        emb.apply_gradients({"f": g})
+        theirs.apply_gradients([(tf.constant(g), w)])
+        np.testing.assert_allclose(emb.embedding_tables[t], w.numpy(), RTOL, ATOL)
