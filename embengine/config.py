@@ -39,6 +39,8 @@ EVICTION_POLICIES = ("lru", "lfu")
 # Rows of one keyed table in one engine (or one shard): its index keeps int32 rows
 # (kernels/keyed_index.py).
 MAX_KEYED_ROWS = 2**31 - 1
+# A keyed table's expiry (steps or data seconds): the kernels take int64s.
+INT64_MAX = 2**63 - 1
 # A table's widest row, in values: 2^16 (256 KiB of float32), four times the widest embeddings
 # in use (language models' ~16k; recommendation tables use 8-512). A file cannot bound dim on
 # its own (a keyed table without rows holds no bytes of any width), so loads check this.
@@ -170,6 +172,13 @@ class DynamicVocabulary:
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(
                     f"{where}: {field_name} must be None (no limit) or an int >= 1, got {v!r}"
+                )
+        for field_name in ("expire_steps", "expire_seconds"):
+            v = getattr(self, field_name)
+            if v is not None and v > INT64_MAX:  # past it the kernels' int64 arguments failed
+                raise ValueError(
+                    f"{where}: {field_name} must be at most {INT64_MAX:,} (2^63 - 1: steps and "
+                    f"data times are int64), got {v!r}; None means no limit"
                 )
         if self.max_rows is not None and self.max_rows > MAX_KEYED_ROWS:
             raise ValueError(

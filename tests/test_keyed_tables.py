@@ -180,6 +180,9 @@ def test_dynamic_vocabulary_defaults_and_validation():
         (dict(expire_steps=0), "expire_steps must be None .* got 0"),
         (dict(max_rows=-2), "max_rows must be None .* got -2"),
         (dict(max_rows=2**31), "max_rows must be at most 2,147,483,647 .* got 2147483648"),
+        # past int64: the first training lookup died inside numba, naming nothing
+        (dict(expire_steps=2**63), r"expire_steps must be at most 9,223,372,036,854,775,807 "),
+        (dict(expire_seconds=10**20), r"expire_seconds must be at most .* got 10{20}"),
         (dict(eviction="fifo"), "eviction must be one of \\('lru', 'lfu'\\), got 'fifo'"),
         (dict(insert_on="update"), "insert_on must be one of .* got 'update'"),
     ]
@@ -192,6 +195,18 @@ def test_dynamic_vocabulary_defaults_and_validation():
         ee.TableConfig(None, 4, dynamic={"max_rows": 3})
     with pytest.raises(ValueError, match="vocabulary_size must be .* got 0 \\(or None for a keyed"):
         ee.TableConfig(0, 4)
+
+
+@pytest.mark.parametrize("rule", ["expire_steps", "expire_seconds"])
+def test_the_longest_expiry_trains_and_expires_nothing(rule):
+    dyn = ee.DynamicVocabulary(**{rule: 2**63 - 1})
+    t = ee.TableConfig(None, 4, name="k", dynamic=dyn, optimizer=opt.SGD(0.1))
+    engine = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
+    times = [0, 2**62 - 1] if rule == "expire_seconds" else [None, None]
+    for keys, when in zip(([[1], [2]], [[3]]), times, strict=True):
+        engine.lookup({"a": np.array(keys)}, timestamp=when)
+        engine.apply_gradients({"a": np.ones((len(keys), 4), np.float32)})
+    assert engine.table_contents("k")["keys"].tolist() == [1, 2, 3]
 
 
 def test_keyed_spec_and_plan_round_trip_through_json(tmp_path):
