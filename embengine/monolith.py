@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import Compressor, DynamicVocabulary, QuantizationConfig
+from .config import INT64_MAX, Compressor, DynamicVocabulary, QuantizationConfig
 from .optimizers import _checks
 
 __all__ = [
@@ -85,7 +85,6 @@ __all__ = [
 DEFAULT_EXPIRE_TIME = 36500
 SECONDS_PER_DAY = 86400
 UINT32_MAX = 2**32 - 1
-INT64_MAX = 2**63 - 1
 
 
 def dynamic_vocabulary(
