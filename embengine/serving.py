@@ -383,7 +383,7 @@ def _check_place(out: Path) -> None:
     except (OSError, ValueError):  # no limit to ask for (a file system that says none)
         return
     size = len(os.fsencode(out.name))
-    longest = max(len(os.fsencode(_temporary(out, kind).name)) for kind in ("tmp", "old"))
+    longest = len(os.fsencode(_temporary(out).name))  # a replaced export's ".old-" is as long
     if longest > limit:
         beside = (
             ""
