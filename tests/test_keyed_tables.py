@@ -1377,3 +1377,22 @@ def test_a_lookup_refuses_the_batch_its_update_inserting_on_apply_would_refuse(b
     eng.lookup({"b": np.array([7, 8]), "a": np.array([5, 6])})  # fits: looked up and applied
     eng.apply_gradients({"b": np.ones((2, 8)), "a": np.ones((2, 8))})
     assert eng.table_contents("A")["keys"].tolist() == [5, 6]
+
+
+def test_an_update_inserting_on_apply_keeps_its_keys_an_earlier_update_inserted(backend):
+    """Two lookups before their updates, inserting on apply: key A is new in both, so the
+    first update inserts it and the second finds it there. The second update inserts B and
+    needs room (max_rows=2, LFU): A is a key of its batch and must not be evicted (C must),
+    and A's gradient goes to A's row, not to the row B took from it."""
+    eng = keyed_engine(backend, max_rows=2, eviction="lfu", insert_on="apply")
+    for _ in range(3):  # C touched 6 times: LFU would evict A (1 touch) before it
+        train_bags(eng, [[C, C]], grad=0.0)
+    ax, bx = eng.lookup_with_batch({"f": [[A]]})
+    ay, by = eng.lookup_with_batch({"f": [[A], [B]]})
+    eng.apply_gradients({"f": np.ones_like(ax["f"])}, batch=bx)
+    assert keyed_keys(eng) == [A, C]
+    eng.apply_gradients({"f": np.float32([[100, 100], [1000, 1000]])}, batch=by)
+    c = eng.table_contents("k")
+    assert c["keys"].tolist() == [B, A]
+    np.testing.assert_array_equal(c["weights"][:, 0], np.float32([B - 1000, A - 101]))
+    assert eng.table_stats()["k"]["this_step"]["evicted"] == 1

@@ -1156,7 +1156,7 @@ class KeyedTable(MappedRows):
         table's, decided over every owner) every expired row not kept if True, none if
         False)."""
         admit, present = self._admitted_on_apply(ids[missing])
-        hits, new = rows[rows >= 0], int(admit.sum())
+        hits, new = self._kept_on_update(ids, rows), int(admit.sum())
         if expire_for_room is None:
             gone = self._expired_for_room(hits, new)
         elif expire_for_room:
@@ -1200,6 +1200,18 @@ class KeyedTable(MappedRows):
                 "keys now; nothing was changed. Apply a batch's gradients before the next "
                 "training lookup (or raise max_rows / expire_steps)"
             )
+
+    def _kept_on_update(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The rows an update inserting on apply keeps for its batch (``ids``, whose lookup
+        gave ``rows``): the lookup's rows, and the rows an earlier update of the step gave
+        keys the lookup found without one (two lookups before their updates). Both are the
+        batch's: no eviction may pick them, and they count against ``max_rows``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        kept = rows[rows >= 0]
+        if len(kept) == len(rows):
+            return kept
+        found = self._index.find(np.ascontiguousarray(ids[rows < 0], dtype=np.int64))
+        return np.concatenate([kept, found[found >= 0]])
 
     def _admitted_on_apply(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(admitted now and without a row, has a row): of keys without a row at the lookup,
@@ -1381,7 +1393,7 @@ class KeyedTable(MappedRows):
         else:
             rows = np.asarray(rows, dtype=np.int64)
             admit, _ = self._admitted_on_apply(ids[rows < 0])
-            hits = rows[rows >= 0]
+            hits = self._kept_on_update(ids, rows)
             kept, new = len(hits), int(admit.sum())
             admitted, gone = new, int((~np.isin(expired, hits)).sum())
         return np.array([self._index.count, kept, new, admitted, gone, *pend], dtype=np.int64)
@@ -1444,8 +1456,12 @@ class KeyedTable(MappedRows):
         first ``k`` of every shard's together (``shared_victims``). ``found``: as
         ``room_needs``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        kept = self._rows_now(ids, found) if rows is None else np.asarray(rows, dtype=np.int64)
-        cand = self._candidates(kept[kept >= 0])
+        if rows is None:
+            kept = self._rows_now(ids, found)
+            kept = kept[kept >= 0]
+        else:
+            kept = self._kept_on_update(ids, rows)
+        cand = self._candidates(kept)
         return _first_in_order(self._eviction_order(cand), k, cand)
 
     def _given_victims(self, victims: np.ndarray, kept: np.ndarray, expiring: int, new: int):
