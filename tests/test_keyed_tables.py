@@ -725,6 +725,49 @@ def test_steps_whose_keys_the_kernel_found_and_touched_count_as_the_reference(dy
         assert c1[k].tobytes() == c2[k].tobytes(), k
 
 
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_a_probe_in_chunks_pools_and_touches_as_the_reference(chunk, monkeypatch):
+    # The training region probes a keyed table's unique keys in chunks that both threads claim
+    # (train_lookup._probe_chunks); the one that finishes the last chunk publishes whether
+    # every key had a row and touches them. Tiny chunks make every batch many chunks: a new key
+    # (no row: the storage resolves the batch after the region) in the first or the last
+    # chunk, and resident batches, pool, train and count as one chunk a table does (bit for
+    # bit) and as the reference backend does (its sums up to float32 rounding).
+    from embengine.kernels import train_lookup
+
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    chunks = {"chunks": chunk, "whole": train_lookup.PROBE_CHUNK, "reference": None}
+    engines = {
+        name: keyed_engine(
+            "reference" if c is None else "numba",
+            optimizer=opt.Adagrad(0.1),
+            dim=4,
+            init=RandomUniform(-1, 1),
+        )
+        for name, c in chunks.items()
+    }
+    rng = np.random.default_rng(11)
+    resident = [int(k) for k in rng.integers(-(2**62), 2**62, 40)]
+    acts = {name: [] for name in engines}
+    for step in range(10):
+        keys = [int(k) for k in rng.choice(resident, 60)]
+        if step % 3 == 1:  # a new key, first among the batch's unique keys or last
+            keys[0 if step % 2 else 59] = int(rng.integers(2**62, 2**63 - 1))
+        bags = [keys[i : i + 4] for i in range(0, 60, 4)]
+        for name, eng in engines.items():
+            monkeypatch.setattr(train_lookup, "PROBE_CHUNK", chunks[name] or chunk)
+            acts[name].append(train_bags(eng, bags, grad=0.1))
+    for a, b, c in zip(*acts.values(), strict=True):
+        assert a.tobytes() == b.tobytes()
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
+    contents = [e.table_contents("k") for e in engines.values()]
+    stats = [e.table_stats() for e in engines.values()]
+    assert stats[0] == stats[1] == stats[2] and stats[0]["k"]["rows"] == 43
+    for k in contents[0]:
+        assert contents[0][k].tobytes() == contents[1][k].tobytes(), k
+        np.testing.assert_allclose(contents[0][k], contents[2][k], rtol=1e-6, atol=1e-6)
+
+
 def test_dense_tables_have_contents_and_stats_too():
     eng = ee.EmbeddingEngine(
         {"f": ee.FeatureConfig(ee.TableConfig(5, 2, name="d", initializer=RowId(0)))},

@@ -305,6 +305,7 @@ def build_tables_and_pool_numba(
         fdata,
         quant,
         prefetch,
+        train_lookup.PROBE_CHUNK,
         keyed=bool(held),
     )
     del held

@@ -66,6 +66,14 @@ T_COLS = 14
 # ``ready[t]`` of a keyed table after its preparation (``prepare_and_pool``): every unique key
 # had a live row (touched in the region, if the table allows), or not.
 PROBED_ALL_FOUND, PROBED_SOME_MISSING = 1, 2
+# Unique keys per chunk of a keyed table's probe (``_probe_chunks``): the threads claim the
+# chunks, so one big table's probe is shared (~150 us of misses a chunk; docs/performance.md).
+PROBE_CHUNK = 2048
+# A keyed table's probe progress in the region, at ``progress[PR_COLS * t + column]``: its
+# chunks + 1 once prepared (0 until then), chunks claimed, chunks done, chunks with a missing
+# key.
+PR_CHUNKS, PR_CLAIMED, PR_DONE, PR_MISSING = range(4)
+PR_COLS = 4
 # Columns of the per-feature array ``fdata``: the address of the row of its logical table's id 0
 # (0: not pooled here) and the rows from there on; for a feature whose ids are keys (a keyed
 # table, ``pool_features``), the address of its index's slots (0: ids are rows), their number
@@ -326,30 +334,50 @@ def pool_keyed_features(
 
 
 @kernel()
-def _probe_table(t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready):
-    """Right after keyed table ``t``'s preparation: its unique keys' rows into ``found`` (at the
-    keys' places) and ``ready[t]`` (0 until then): PROBED_ALL_FOUND if every key has a row that
-    does not look up as absent, else PROBED_SOME_MISSING. Then, if every key had one and the
-    table lets the kernel touch (``T_TOUCH``), each row's step and count, as the storage's
-    ``rows_for`` would (one writer: the task that prepared it)."""
+def _probe_chunks(
+    t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready, progress, chunk
+):
+    """Chunks of keyed table ``t``'s probe, claimed one at a time until none is left (nothing
+    if the table is not prepared yet): each chunk's ``chunk`` unique keys' rows into ``found``
+    (at the keys' places). The thread that completes the last chunk publishes ``ready[t]`` (0
+    until then): PROBED_ALL_FOUND if every key has a row that does not look up as absent, else
+    PROBED_SOME_MISSING. Then, if every key had one and the table lets the kernel touch
+    (``T_TOUCH``), it writes each row's step and count, as the storage's ``rows_for`` would
+    (one writer). The probe reads the index only, so the rows do not depend on which thread
+    probed which chunk."""
+    at = PR_COLS * t
+    n_chunks = fetch_add(progress, at + PR_CHUNKS, 0) - 1
+    if n_chunks < 0:
+        return
     lo = occ_base[t]
     u = n_unique[t]
     slots = int32_rows_at(tmeta[t, T_INDEX], tmeta[t, T_INDEX_SLOTS], 1)
     keys = int64_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS // 2)
-    rows = found[lo : lo + u]
-    find_range(slots, keys, tmeta[t, T_ROW_BITS], unique[lo : lo + u], rows, 0, u)
-    status = PROBED_ALL_FOUND
     dead = uint8_rows_at(tmeta[t, T_DEAD], tmeta[t, T_DEAD_ROWS], 1)
-    for i in range(u):
-        if rows[i] < 0 or (tmeta[t, T_DEAD] != 0 and dead[rows[i], 0] != 0):
-            status = PROBED_SOME_MISSING
-            break
-    # Published after ``found`` (an atomic add to 0: a barrier for the compiler and the CPU),
-    # for the pooling tasks that read it (prepare_and_pool).
-    fetch_add(ready, t, status)
-    if status == PROBED_ALL_FOUND and tmeta[t, T_TOUCH] != 0:
-        records = int32_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS)
-        touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
+    rows = found[lo : lo + u]
+    while True:
+        c = fetch_add(progress, at + PR_CLAIMED, 1)
+        if c >= n_chunks:
+            return
+        first = c * chunk
+        stop = min(u, first + chunk)
+        find_range(slots, keys, tmeta[t, T_ROW_BITS], unique[lo : lo + u], rows, first, stop)
+        for i in range(first, stop):
+            if rows[i] < 0 or (tmeta[t, T_DEAD] != 0 and dead[rows[i], 0] != 0):
+                fetch_add(progress, at + PR_MISSING, 1)
+                break
+        # Atomic adds order the chunks' writes of ``found`` before the last one's reads.
+        if fetch_add(progress, at + PR_DONE, 1) + 1 < n_chunks:
+            continue
+        missing = fetch_add(progress, at + PR_MISSING, 0) != 0
+        status = PROBED_SOME_MISSING if missing else PROBED_ALL_FOUND
+        # Published after ``found`` (an atomic add: a barrier for the compiler and the CPU),
+        # for the pooling tasks that read it (prepare_and_pool).
+        fetch_add(ready, t, status)
+        if status == PROBED_ALL_FOUND and tmeta[t, T_TOUCH] != 0:
+            records = int32_rows_at(tmeta[t, T_RECORDS], tmeta[t, T_ROWS], RECORD_COLS)
+            touch(rows, unique_offsets[lo + t : lo + t + u + 1], tmeta[t, T_STEP], records)
+        return
 
 
 def _make_prepare_and_pool(keyed: bool):
@@ -386,11 +414,13 @@ def _make_prepare_and_pool(keyed: bool):
         fdata,
         quant,
         prefetch,
+        probe_chunk,
     ):
         n_prep = prep_order.shape[0]
         tasks = pool_tasks(fmeta, fdata)
         n_tasks = n_prep + tasks.shape[0]
         counter = np.zeros(1, dtype=np.int64)
+        progress = np.zeros(PR_COLS * tmeta.shape[0], dtype=np.int64)
         for _ in nb.prange(n_workers):
             while True:
                 i = fetch_add(counter, 0, 1)
@@ -419,18 +449,48 @@ def _make_prepare_and_pool(keyed: bool):
                         unique_bounds,
                     )
                     if keyed and tmeta[t, T_INDEX] != 0:
-                        _probe_table(
-                            t, tmeta, occ_base, unique, n_unique, unique_offsets, found, ready
+                        # Its probe's chunks, published after the preparation (an atomic
+                        # add), then probed until the threads have claimed them all.
+                        n_chunks = max(1, (n_unique[t] + probe_chunk - 1) // probe_chunk)
+                        fetch_add(progress, PR_COLS * t + PR_CHUNKS, n_chunks + 1)
+                        _probe_chunks(
+                            t,
+                            tmeta,
+                            occ_base,
+                            unique,
+                            n_unique,
+                            unique_offsets,
+                            found,
+                            ready,
+                            progress,
+                            probe_chunk,
                         )
                     continue
                 k = i - n_prep
                 f, first, stop = tasks[k, 0], tasks[k, 1], tasks[k, 2]
                 if keyed and fdata[f, FD_INDEX] != 0:
-                    # A keyed table's samples: through the rows its probe found if its
-                    # preparation is done; by probing them here if not (a thread with nothing
-                    # else to do; right if the probe then finds every key, as it then
-                    # must); left to pool_tables after the region if a key had no row.
-                    status = fetch_add(ready, fmeta[f, F_TABLE], 0)
+                    # A keyed table's samples: through the rows its probe found if it is
+                    # done; if not, first the probe's unclaimed chunks (if its preparation is
+                    # done), then by probing the samples' keys here if the probe is still not
+                    # done (a thread with nothing else to do; right if the probe then finds
+                    # every key, as it then must); left to pool_tables after the region if a
+                    # key had no row.
+                    t = fmeta[f, F_TABLE]
+                    status = fetch_add(ready, t, 0)
+                    if status == 0:
+                        _probe_chunks(
+                            t,
+                            tmeta,
+                            occ_base,
+                            unique,
+                            n_unique,
+                            unique_offsets,
+                            found,
+                            ready,
+                            progress,
+                            probe_chunk,
+                        )
+                        status = fetch_add(ready, t, 0)
                     if status == PROBED_SOME_MISSING:
                         continue
                     if status == PROBED_ALL_FOUND:
@@ -481,14 +541,16 @@ def prepare_and_pool(*args, keyed: bool = False) -> None:
     counter: first the preparations, then the pooling tasks. The outputs are those of the two
     kernels run one after the other. ``args``: the kernel's (``_make_prepare_and_pool``),
     ``prep_order, n_workers, fmeta``, the inputs and outputs of ``prepare_tables``, then
-    ``found, ready, tmeta, fdata, quant, prefetch``.
+    ``found, ready, tmeta, fdata, quant, prefetch, probe_chunk``.
 
     ``keyed``: the batch has keyed tables probed here (``tmeta[t, T_INDEX]``, their features'
     ``fdata`` from FD_INDEX on). A keyed table's unique keys are probed right after its
-    preparation, its rows touched if every key had one (``found``, ``ready[t]``:
-    ``_probe_table``, published atomically). A task pooling its samples pools them through
-    the rows its preparation found if that is done (``_found_rows``); if it is not, the
-    thread probes the task's keys itself (``_probed_rows``, as an evaluation lookup does),
+    preparation, in chunks of ``probe_chunk`` keys, by the thread that prepared it and any
+    thread that meets one of its pooling tasks meanwhile; its rows are touched if every key had
+    one (``found``, ``ready[t]``: ``_probe_chunks``, published atomically). A task pooling its
+    samples pools them through the rows the probe found if that is done (``_found_rows``); if
+    it is not, the thread helps with the probe's unclaimed chunks, and if the probe is still not
+    done, probes the task's keys itself (``_probed_rows``, as an evaluation lookup does),
     rather than wait: with one big keyed table, one thread prepares it while the other pools
     (docs/performance.md). Both give the sums ``pool_tables`` gives
     through the resolved rows when the probe found a live row for every key
