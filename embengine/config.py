@@ -129,8 +129,11 @@ class DynamicVocabulary:
       keys): past the bound the keys seen longest ago are forgotten first (ties: smaller key
       first), and start counting from zero if seen again. An admitted key's count is dropped.
     - **expire_steps** ``S``: a row not touched for more than ``S`` steps (touched last at step
-      ``t``, now step ``s > t + S``) is removed before step ``s``'s training lookup; an
-      evaluation lookup at step ``s`` already sees it as absent (zeros).
+      ``t``, now step ``s > t + S``) is removed before the training lookup of step ``s``
+      or later that first has keys of its table (a step whose batch has none for the table
+      runs none of its rules, so ``table_stats`` and checkpoints may still count the row);
+      an evaluation or serving lookup at step ``s`` already sees it as
+      absent (zeros).
     - **expire_seconds** ``D`` (data time, Monolith's ``expire_time`` in days times 86400):
       a training call may carry the time of its examples (``lookup(..., timestamp=t)``,
       ``apply_gradients(..., timestamp=t)``, an int of seconds, e.g. Unix time; an update

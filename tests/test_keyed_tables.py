@@ -403,6 +403,20 @@ def test_expiry_and_readmission_with_fresh_row(backend):
     np.testing.assert_array_equal(c["accumulators"][c["keys"] == A], np.float32([[fresh, fresh]]))
 
 
+def test_a_step_without_keys_of_the_table_expires_nothing_until_one_has(backend):
+    # The rules run with the table's keys: empty batches leave an expired row counted (stats,
+    # contents), though every lookup already sees it as absent; the next batch with keys of
+    # the table removes it (DynamicVocabulary's docstring).
+    eng = keyed_engine(backend, expire_steps=1)
+    train_bags(eng, [[A]])
+    for _ in range(3):
+        train_bags(eng, [[]])
+    assert keyed_keys(eng) == [A] and eng.table_stats()["k"]["total"]["expired"] == 0
+    assert not eng.lookup({"f": [[A]]}, training=False)["f"].any()
+    train_bags(eng, [[B]])
+    assert keyed_keys(eng) == [B] and eng.table_stats()["k"]["total"]["expired"] == 1
+
+
 def test_a_training_lookup_scans_for_expired_rows_once(backend):
     """The scan of every row's metadata for expired rows runs once per training lookup, not in
     each rule that asks (the numba backend's probe, expiry, eviction: 2M rows took 14.9 ms a
