@@ -10,6 +10,9 @@ Compressions and their error bounds on ``|served - trained|`` for a value ``x``:
 - ``int8_rowwise``: int8 codes with a float32 scale and bias per row,
   ``x = bias + scale * (k + 128)``; ``(max - min) / 255 / 2`` of the row.
 
+A finite value a compression would make Inf (fp16 past 65504, bf16 next to float32's largest)
+is refused: export raises a ValueError naming the table and the row, and writes nothing.
+
 An export is a folder: ``manifest.json`` (format, features, tables, each table's compression and
 the SHA-256 and size of every file), ``manifest.sha256`` (the SHA-256 of manifest.json, as in
 checkpoints) and one safetensors file per table. ``ServingEngine.load`` memory-maps it and looks
@@ -227,10 +230,17 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def _encode_table(weights: np.ndarray | TensorRows, compression: str, params: Mapping):
+def _encode_table(
+    weights: np.ndarray | TensorRows, compression: str, params: Mapping, name: str = ""
+):
     """(arrays to store, max abs error), chunk by chunk over rows. ``weights`` in the table's
     stored dtype (an array, or a checkpoint's rows read on demand: ``TensorRows``): a 16-bit
-    table's are widened to float32 exactly, then compressed."""
+    table's are widened to float32 exactly, then compressed.
+
+    Finite values the compression cannot represent (fp16 past 65504, bf16 next to float32's
+    largest, an int8_rowwise row spanning more than float32's range) would decode to Inf:
+    a ValueError naming table ``name``, the first such row and its value, nothing returned
+    (they were written as Inf, silently: every bag holding one served Inf)."""
     vocab, dim = weights.shape
     if compression == "fp32" and weights.dtype == np.float32:
         return {"weights": weights}, 0.0
@@ -249,23 +259,40 @@ def _encode_table(weights: np.ndarray | TensorRows, compression: str, params: Ma
         out["scale"] = np.empty(vocab, dtype=np.float32)
         out["bias"] = np.empty(vocab, dtype=np.float32)
     worst = 0.0
+    overflows, first = 0, None
     for lo in range(0, vocab, _ROWS_PER_CHUNK):
         hi = min(vocab, lo + _ROWS_PER_CHUNK)
         x = np.asarray(weights[lo:hi], dtype=np.float32)
         if compression == "fp32":
             out["weights"][lo:hi] = x
         elif compression == "fp16":
-            out["weights"][lo:hi] = x.astype(np.float16)
+            with np.errstate(over="ignore"):  # refused below, naming the table and the row
+                out["weights"][lo:hi] = x.astype(np.float16)
         elif compression == "bf16":
             out["weights"][lo:hi] = _to_bf16(x)
         elif compression == "fixed_r8":
             out["weights"][lo:hi] = _fixed_r8(x, params["fixed_range"])
         else:
             out["weights"][lo:hi], out["scale"][lo:hi], out["bias"][lo:hi] = _rowwise(x)
-        back = decode(out, compression, np.arange(lo, hi), params) if hi > lo else x
+        with np.errstate(over="ignore"):  # int8_rowwise: scale * code past float32's range
+            back = decode(out, compression, np.arange(lo, hi), params) if hi > lo else x
+        lost = (np.isfinite(x) & ~np.isfinite(back)).any(axis=tuple(range(1, x.ndim)))
+        if lost.any():
+            if first is None:
+                row = int(np.argmax(lost))
+                value = x[row][np.isfinite(x[row]) & ~np.isfinite(back[row])][0]
+                first = (lo + row, float(value))
+            overflows += int(lost.sum())
         if x.size:
             err = float(np.abs(back.astype(np.float64) - x).max())
             worst = err if not err <= worst else worst  # a NaN is kept, not hidden by max()
+    if overflows:
+        raise ValueError(
+            f"table {name!r}: {overflows:,} rows hold values {compression} cannot represent (the "
+            f"first at row {first[0]}: {first[1]!r}); exported, they would be Inf, and so would "
+            "every bag holding one. Export the table with a compression whose range holds them "
+            f"(per_table={{{name!r}: 'fp32'}}, `--table {name}=fp32`); nothing was written"
+        )
     if compression == "bf16":  # bfloat16 bits: stored as a "BF16" tensor (uint16 is "U16")
         out["weights"] = out["weights"].view(BFLOAT16)
     return out, worst
@@ -628,7 +655,7 @@ def _export(
             if finite.get(t["name"], True) is not True:  # weights or slots held NaN or Inf
                 _check_finite_weights(reader.file_of(t["name"]), t["name"], weights)
             params = {"fixed_range": r} if comp == "fixed_r8" else {}
-            arrays, worst = _encode_table(weights, comp, params)
+            arrays, worst = _encode_table(weights, comp, params, t["name"])
             if keys is not None:
                 arrays = {"keys": keys, **arrays}
             file = f"table-{i:03d}.safetensors"

@@ -904,3 +904,31 @@ def test_export_refuses_weights_holding_nan_or_inf_and_exports_diverged_slots(
     assert "the first at row 250" in str(e.value) and "table-000.safetensors" in str(e.value)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+
+
+@pytest.mark.parametrize(
+    ("weights_dtype", "compression", "value"),
+    [("float32", "fp16", 1e6), ("bfloat16", "fp16", -7e4), ("float32", "bf16", 3.4e38)],
+)
+def test_export_refuses_a_compression_that_overflows_finite_weights(
+    tmp_path, weights_dtype, compression, value
+):
+    """Finite weights past the compressed type's range (fp16 above 65504, bf16 near float32's
+    largest) became Inf in the export, silently (a NumPy warning at most; served, every bag
+    holding the row was Inf): refused, naming the table, the first row and the value, nothing
+    written; the table exports with a compression that holds it."""
+    table = ee.TableConfig(300, 4, name="t", combiner="sum", weights_dtype=weights_dtype)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(table)}, optimizer=O.SGD(0.1), seed=2)
+    eng.embedding_tables["t"][200, 3] = value
+    eng.embedding_tables["t"][210, 0] = value
+    ckpt = eng.save(tmp_path / "ck")
+    words = f"table 't': 2 rows hold values {compression} cannot represent"
+    with pytest.raises(ValueError, match=words) as e:
+        export(ckpt, tmp_path / "out", compress=compression)
+    assert "the first at row 200" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+    export(ckpt, tmp_path / "out", compress="fp32")
+    served = ServingEngine.load(tmp_path / "out").lookup({"f": ee.Ragged([200], lengths=[1])})
+    want = eng.lookup({"f": ee.Ragged([200], lengths=[1])}, training=False)
+    assert served["f"].tobytes() == want["f"].tobytes()
