@@ -1305,26 +1305,30 @@ class CheckpointReader:
         t = self._tables[table]
         self.check_size(table)
         out = read_tensor(self.path / t["file"], table, header=self._headers[t["file"]])
-        return out.view(BFLOAT16) if t.get("weights_dtype") == "bfloat16" else out
+        return out.view(BFLOAT16) if self._is_bf16(table, table) else out
 
     def rows(self, table: str, entry: str = WEIGHTS) -> TensorRows | np.ndarray:
         """One of ``table``'s tensors (as ``array``), read on demand with read(), chunk by chunk
         (``safetensors_io.TensorRows``; what export reads): never mapped, so a file truncated
-        meanwhile is a ValueError naming it and its sizes, not a SIGBUS. The weights of a
-        bfloat16 table come as ``ml_dtypes.bfloat16``. The file's size is checked first."""
+        meanwhile is a ValueError naming it and its sizes, not a SIGBUS. bfloat16 weights and
+        slots come as ``ml_dtypes.bfloat16``. The file's size is checked first."""
         t = self._tables[table]
         if self._unstored_time(t, entry):
             return self._keyed_entry(table, entry)
         self.check_size(table)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
-        bf16 = entry == WEIGHTS and t.get("weights_dtype") == "bfloat16"
         return TensorRows(
             self.path / t["file"],
             name,
             self._headers[t["file"]],
-            dtype=BFLOAT16 if bf16 else None,
+            dtype=BFLOAT16 if self._is_bf16(table, name) else None,
             advice=_COPY_AGAIN,
         )
+
+    def _is_bf16(self, table: str, name: str) -> bool:
+        """Whether tensor ``name`` of ``table``'s file holds bfloat16 values (a "BF16" tensor:
+        read as their bits, uint16, and viewed as ``ml_dtypes.bfloat16``)."""
+        return self._headers[self._tables[table]["file"]][0][name]["dtype"] == "BF16"
 
     def check_size(self, table: str) -> None:
         """Raise a CheckpointError if the file of ``table`` no longer has the size the manifest
@@ -1375,14 +1379,16 @@ class CheckpointReader:
 
     def array(self, table: str, entry: str) -> np.ndarray:
         """One of ``table``'s tensors (``entry``: "weights", a slot, or a keyed table's entry
-        such as "keys" or "last_touched"), memory-mapped read-only (no copy). The file's size is
-        checked before it is mapped, as in ``weights``."""
+        such as "keys" or "last_touched"), memory-mapped read-only (no copy), in its stored
+        dtype (bfloat16 as ``ml_dtypes.bfloat16``). The file's size is checked before it is
+        mapped, as in ``weights``."""
         t = self._tables[table]
         if self._unstored_time(t, entry):
             return self._keyed_entry(table, entry)
         self.check_size(table)
         name = table if entry == WEIGHTS else f"{table}/{entry}"
-        return read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
+        out = read_tensor(self.path / t["file"], name, header=self._headers[t["file"]])
+        return out.view(BFLOAT16) if self._is_bf16(table, name) else out
 
     def extra_tensors(self) -> dict[str, np.ndarray]:
         """The caller's extra tensors (saved with ``extra_tensors=``), read into memory."""

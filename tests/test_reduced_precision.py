@@ -788,3 +788,26 @@ def test_torch_layer_state_dict_round_trips_16_bit_tables():
     np.testing.assert_array_equal(
         _bits(b.engine.slots("t")["velocities"]), _bits(a.engine.slots("t")["velocities"])
     )
+
+
+def test_a_checkpoint_readers_arrays_come_in_the_stored_dtype(tmp_path):
+    """CheckpointReader.array / rows gave a bfloat16 slot (and array the bfloat16 weights)
+    as its raw bits, uint16: 0.0999 read as 15821. Every accessor gives the stored dtype."""
+    from embengine.checkpoint import read_checkpoint
+
+    eng = _trained(("bfloat16", "bfloat16"), optimizer=opt.Adagrad(0.1))
+    ckpt = eng.save(tmp_path / "ck")
+    bf16 = ee.precision.numpy_dtype("bfloat16")
+    _, reader = read_checkpoint(ckpt)
+    with reader:
+        for entry, want in [("weights", eng.embedding_tables["t"])] + list(eng.slots("t").items()):
+            for how, got in [
+                ("array", reader.array("t", entry)),
+                ("rows", np.asarray(reader.rows("t", entry))),
+                ("rows[a:b]", reader.rows("t", entry)[2:5]),
+            ]:
+                assert got.dtype == reader.tensor("t", entry).dtype == bf16, (entry, how)
+                n = len(got)
+                np.testing.assert_array_equal(
+                    _bits(got), _bits(want[2:5] if n == 3 else want), err_msg=f"{entry} {how}"
+                )
