@@ -48,6 +48,8 @@ __all__ = [
     "widen",
     "nearest",
     "rounding_places",
+    "check_initial",
+    "initial_bound",
 ]
 
 # The stored dtypes a table may have, and their codes in the kernels.
@@ -188,3 +190,49 @@ def nearest(x: np.ndarray, kind: int) -> np.ndarray:
         with np.errstate(over="ignore"):
             return x.astype(np.float16).view(np.uint16)
     return x.astype(numpy_dtype("bfloat16")).view(np.uint16)
+
+
+# The smallest magnitude that rounds to nearest to Inf: halfway past each dtype's largest
+# value (float16 65504, bfloat16 0x7F7F), ties going to the even Inf.
+_TO_INF = {"float16": 65520.0, "bfloat16": float(np.uint32(0x7F7F8000).view(np.float32))}
+
+
+def check_initial(table: str, dtype: str, values, what: str, first_row: int = 0) -> None:
+    """A ValueError naming ``table`` and ``what`` if a finite value of ``values`` (initial
+    values: a scalar, or rows from ``first_row``) would be stored as Inf in ``dtype``: initial
+    values are rounded to nearest, and a float16 table given 1e5 held Inf rows, silently (a
+    NumPy warning at most; every lookup of them Inf, every update refused)."""
+    limit = _TO_INF.get(dtype)
+    if limit is None:  # float32: the initializers keep their values within its range
+        return
+    a = np.abs(np.asarray(values, dtype=np.float64))
+    over = np.isfinite(a) & (a >= limit)
+    if not over.any():
+        return
+    at = np.unravel_index(int(np.argmax(over)), over.shape)
+    value = float(np.asarray(values, dtype=np.float64)[at])
+    row = f" (row {first_row + int(at[0])})" if over.ndim else ""
+    largest = 65504.0 if dtype == "float16" else float(widen(np.uint16(0x7F7F), BF16))
+    raise ValueError(
+        f"table {table!r}: {what} gives {value!r}{row}, beyond {dtype}'s range (largest "
+        f"{largest:.7g}): stored in {dtype} it would be Inf. Use smaller initial values, or "
+        "a wider weights_dtype / slots_dtype"
+    )
+
+
+def initial_bound(initializer, dim: int) -> float | None:
+    """The largest magnitude a built-in random or constant initializer gives (None: unknown,
+    e.g. ``FromFunction``, or a row id's): what ``check_initial`` checks before any row of a
+    keyed table exists."""
+    from .initializers import Constant, RandomUniform, TruncatedNormal, Zeros
+
+    if type(initializer) in (Zeros,):
+        return 0.0
+    if type(initializer) is Constant:
+        return abs(float(initializer.value))
+    if type(initializer) is RandomUniform:
+        return max(abs(float(initializer.minval)), abs(float(initializer.maxval)))
+    if type(initializer) is TruncatedNormal:
+        fill = initializer.fill(dim)
+        return abs(float(fill.a)) + 2.0 * float(fill.b)
+    return None

@@ -811,3 +811,49 @@ def test_a_checkpoint_readers_arrays_come_in_the_stored_dtype(tmp_path):
                 np.testing.assert_array_equal(
                     _bits(got), _bits(want[2:5] if n == 3 else want), err_msg=f"{entry} {how}"
                 )
+
+
+def test_initial_values_past_a_16_bit_range_are_refused_not_stored_as_inf():
+    """Initial values are rounded to nearest: a float16 table given Constant(1e5) held Inf
+    rows (a NumPy warning at most; every lookup Inf, every update refused), and a float16
+    Adagrad accumulator of 1e5 was Inf. Refused, naming the table, the value and the row."""
+
+    def engine(vocabulary, initializer, optimizer=None, weights="float16", slots="float32"):
+        t = ee.TableConfig(
+            vocabulary,
+            4,
+            name="t",
+            initializer=initializer,
+            weights_dtype=weights,
+            slots_dtype=slots,
+        )
+        optimizer = optimizer or opt.SGD(0.1)
+        return ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=optimizer)
+
+    with pytest.raises(ValueError, match=r"table 't': its initializer gives 100000.0 \(row 0\), "):
+        engine(10, init.Constant(1e5))
+
+    def pretrained(shape, dtype):
+        values = np.zeros(shape, np.float32)
+        values[3, 1] = -7e4
+        return values
+
+    with pytest.raises(ValueError, match=r"gives -70000.0 \(row 3\), beyond float16's range"):
+        engine(10, init.FromFunction(pretrained))
+    with pytest.raises(ValueError, match=r"table 't': its initializer RandomUniform.* float16"):
+        engine(None, init.RandomUniform(-1e5, 1e5))
+    for vocabulary in (10, None):
+        with pytest.raises(ValueError, match=r"slot 'accumulators'.s value gives 100000.0, "):
+            engine(
+                vocabulary,
+                None,
+                opt.Adagrad(0.1, initial_accumulator_value=1e5),
+                "float32",
+                "float16",
+            )
+    # in range: stored, as bfloat16 holds 1e5
+    eng = engine(10, init.Constant(65504.0))
+    assert (eng.embedding_tables["t"] == np.float16(65504.0)).all()
+    eng = engine(None, init.Constant(1e5), weights="bfloat16")
+    acts = eng.lookup({"f": ee.Ragged([7], lengths=[1])}, training=True)
+    assert np.isfinite(acts["f"]).all() and acts["f"][0, 0] == np.float32(99840.0)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
-from ..precision import numpy_dtype, table_key
+from ..precision import check_initial, numpy_dtype, table_key
 
 try:  # POSIX; Windows has no flock, so no lock is taken there
     import fcntl
@@ -345,8 +345,14 @@ class DenseTable(MappedRows):
             hi = min(lo + chunk, count)
             rows = np.arange(lo, hi, dtype=np.int64)
             values = initializer.init(seed, name, rows, self.dim)
+            # 16-bit: rounded to nearest, so a value past the dtype's range would be Inf
+            check_initial(name, self.weights_dtype, values, "its initializer", lo)
             self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
+                if spec.dtype == "float32":
+                    check_initial(
+                        name, self.slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value"
+                    )
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
 
     def _view_mapping(self) -> np.ndarray:

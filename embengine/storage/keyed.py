@@ -46,6 +46,7 @@ from ..config import MAX_KEYED_ROWS
 from ..initializers import Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
+from ..precision import check_initial, initial_bound
 from ..precision import table_key as rounding_key
 from ..state import (
     KEYED_COUNTERS,
@@ -582,6 +583,14 @@ class KeyedTable(MappedRows):
         self._row_bytes = self.row_width * self._dtype.itemsize
         self.dynamic = dynamic
         self._initializer = initializer
+        # 16-bit: new rows' values are rounded to nearest; past the dtype's range they would
+        # be Inf (a FromFunction initializer's values are not known before they are asked)
+        bound = initial_bound(initializer, self.dim)
+        if bound is not None:
+            check_initial(name, weights_dtype, bound, f"its initializer {initializer!r}")
+        for spec in self.slot_specs:
+            if spec.dtype == "float32":
+                check_initial(name, slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value")
         self._seed = int(seed)
         self._pending = _Pending(
             min(4 * dynamic.max_rows, MAX_KEYED_ROWS) if dynamic.max_rows else DEFAULT_MAX_PENDING
