@@ -329,3 +329,33 @@ def _assert_keyed_end(path, want: ee.EmbeddingEngine) -> None:
         for key, a in want.table_contents(table).items():
             if not (table == "d" and key == "keys"):  # gathered by id: rows 0..V-1
                 _same(got[f"end/{table}/{key}"], a, (path.name, table, key))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("sharding", ["row", "table"])
+def test_a_sharded_16_bit_table_refuses_initial_values_past_its_range(sharding):
+    """As a single engine's: a shard's initial values are rounded to nearest, and a float16
+    shard given 7e4 (a FromFunction array, Adagrad's accumulator value) held Inf rows."""
+    from embengine.distributed import ShardedEngine
+
+    def pretrained(shape, dtype):
+        values = np.zeros(shape, np.float32)
+        values[3, 1] = -7e4
+        return values
+
+    def engine(initializer, optimizer, weights, slots):
+        t = ee.TableConfig(
+            10, 4, name="t", initializer=initializer, weights_dtype=weights, slots_dtype=slots
+        )
+        features = {"f": ee.FeatureConfig(t)}
+        return ShardedEngine(features, optimizer=optimizer, sharding={"t": sharding})
+
+    with pytest.raises(ValueError, match=r"table 't': its initializer gives -70000.0 \(row 3\)"):
+        engine(
+            ee.initializers.FromFunction(pretrained), ee.optimizers.SGD(0.1), "float16", "float32"
+        )
+    adagrad = ee.optimizers.Adagrad(0.1, initial_accumulator_value=1e5)
+    with pytest.raises(ValueError, match=r"slot 'accumulators'.s value gives 100000.0, beyond"):
+        engine(None, adagrad, "float32", "float16")
+    eng = engine(ee.initializers.FromFunction(pretrained), adagrad, "bfloat16", "bfloat16")
+    assert eng.table_contents()["tables"]["t"]["weights"].astype(np.float32)[3, 1] == -70144.0

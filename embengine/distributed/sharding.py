@@ -42,6 +42,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
+from ..precision import check_initial
 from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
@@ -441,9 +442,15 @@ class ShardTable(DenseTable):
             hi = min(lo + chunk, count)
             ids = self.global_ids[first + lo : first + hi]
             values = initializer.init(seed, name, ids, self.dim) if whole is None else whole[ids]
-            # a 16-bit column's view rounds to nearest, as DenseTable's initial values
+            # a 16-bit column's view rounds to nearest, as DenseTable's initial values (and
+            # as there, a value past its range is refused, not stored as Inf)
+            check_initial(name, self.weights_dtype, values, "its initializer", ids=ids)
             self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
+                if spec.dtype == "float32":
+                    check_initial(
+                        name, self.slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value"
+                    )
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
 
     @property
