@@ -197,10 +197,12 @@ def nearest(x: np.ndarray, kind: int) -> np.ndarray:
 _TO_INF = {"float16": 65520.0, "bfloat16": float(np.uint32(0x7F7F8000).view(np.float32))}
 
 
-def check_initial(table: str, dtype: str, values, what: str, first_row: int = 0, ids=None) -> None:
+def check_initial(
+    table: str, dtype: str, values, what: str, first_row: int = 0, ids=None, label: str = "row"
+) -> None:
     """A ValueError naming ``table`` and ``what`` if a finite value of ``values`` (initial
-    values: a scalar, or rows from ``first_row``, or of ``ids``) would be stored as Inf in
-    ``dtype``: initial
+    values: a scalar, or rows from ``first_row``, or of ``ids``, each named ``label``) would
+    be stored as Inf in ``dtype``: initial
     values are rounded to nearest, and a float16 table given 1e5 held Inf rows, silently (a
     NumPy warning at most; every lookup of them Inf, every update refused)."""
     limit = _TO_INF.get(dtype)
@@ -213,7 +215,7 @@ def check_initial(table: str, dtype: str, values, what: str, first_row: int = 0,
     at = np.unravel_index(int(np.argmax(over)), over.shape)
     value = float(np.asarray(values, dtype=np.float64)[at])
     if over.ndim:
-        row = f" (row {first_row + int(at[0]) if ids is None else int(ids[at[0]])})"
+        row = f" ({label} {first_row + int(at[0]) if ids is None else int(ids[at[0]])})"
     else:
         row = ""
     largest = 65504.0 if dtype == "float16" else float(widen(np.uint16(0x7F7F), BF16))

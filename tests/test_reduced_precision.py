@@ -851,6 +851,11 @@ def test_initial_values_past_a_16_bit_range_are_refused_not_stored_as_inf():
                 "float32",
                 "float16",
             )
+    # a keyed table's FromFunction values are known when its keys arrive: refused then, as
+    # its non-finite values are
+    keyed = engine(None, init.FromFunction(pretrained))
+    with pytest.raises(ValueError, match=r"gives -70000.0 \(key 13\), beyond float16's range"):
+        keyed.lookup({"f": ee.Ragged([10, 11, 12, 13], lengths=[4])}, training=True)
     # in range: stored, as bfloat16 holds 1e5
     eng = engine(10, init.Constant(65504.0))
     assert (eng.embedding_tables["t"] == np.float16(65504.0)).all()

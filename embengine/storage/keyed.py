@@ -1593,6 +1593,11 @@ class KeyedTable(MappedRows):
         their slice), as a dense 16-bit table's initial values are (they are not updates)."""
         data = self._data
         values = self._initializer.init(self._seed, self.name, keys, self.dim)
+        # (a built-in initializer's bound was checked when the table was built; a
+        # FromFunction's values are known only now, and refused as its non-finite ones are)
+        check_initial(
+            self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
+        )
         column_view(data, self.columns[WEIGHTS])[where] = values
         for spec in self.slot_specs:
             column_view(data, self.columns[spec.name])[where] = spec.initial_value
