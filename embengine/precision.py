@@ -208,7 +208,11 @@ def check_initial(
     limit = _TO_INF.get(dtype)
     if limit is None:  # float32: the initializers keep their values within its range
         return
-    a = np.abs(np.asarray(values, dtype=np.float64))
+    values = np.asarray(values)
+    # float32 rows compared as they are (the limits are float32 values): no float64 copy
+    a = np.abs(values if values.dtype == np.float32 else values.astype(np.float64))
+    if not (a >= limit).any():  # NaN compares False; Inf is not finite: checked below
+        return
     over = np.isfinite(a) & (a >= limit)
     if not over.any():
         return
