@@ -61,6 +61,9 @@ Scenarios:
   hang                          the last rank stops (SIGSTOP); the others time their error
                                 (group timeout 3 s); rank 0 then kills it
   hang_first                    rank 0 (the store's host) stops; rank 1 then kills it
+  nonfinite                     a step whose finite gradients (``overflow_gradients``) make
+                                Adagrad's update non-finite: under "error" the error's type and
+                                rows, under "skip_row" nonfinite_rows_skipped; the tables
 """
 
 from __future__ import annotations
@@ -478,6 +481,40 @@ def _train(eng, steps, rank: int, world: int) -> None:
         feats, weights, grads = local(step, rank, world)
         eng.lookup(feats, weights)
         eng.apply_gradients(grads)
+
+
+def overflow_gradients(grads: dict) -> dict:
+    """Finite gradients whose squares overflow float32: Adagrad's update of every row that
+    feature "a" touches is non-finite."""
+    out = dict(grads)
+    out["a"] = np.where(grads["a"] < 0, -3e38, 3e38).astype(np.float32)
+    return out
+
+
+def run_nonfinite(rank: int, world: int, out: str, name: str) -> None:
+    """``nonfinite`` (module docstring): one step under each policy."""
+    import warnings
+
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    feats, weights, grads = local(0, rank, world)
+    saved = {}
+    for policy in ("error", "skip_row"):
+        eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, nonfinite_gradients=policy)
+        eng.lookup(feats, weights)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                eng.apply_gradients(overflow_gradients(grads))
+                saved[f"{policy}/error"] = np.array("none")
+            except Exception as e:
+                saved[f"{policy}/error"] = np.array(type(e).__name__)
+                for table, ids in getattr(e, "rows", {}).items():
+                    saved[f"{policy}/rows/{table}"] = ids
+        for table, n in eng.nonfinite_rows_skipped.items():
+            saved[f"{policy}/skipped/{table}"] = np.array(n)
+    _dump(eng, os.path.join(out, f"{name}.rank{rank}.npz"), saved)
 
 
 def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
@@ -992,6 +1029,8 @@ def main() -> None:
                 run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
+            elif name == "nonfinite":
+                run_nonfinite(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

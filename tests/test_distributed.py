@@ -527,6 +527,7 @@ REFUSALS = [
     "restore_other",
     "last_step",
     *BAD_COUNTERS,
+    "nonfinite",
 ]
 
 
@@ -565,6 +566,41 @@ def test_disagreeing_ranks_and_a_bad_input_fail_on_every_rank(refusals):
     assert text.startswith(
         "CheckpointError: rank 1: rank 0 could not make the checkpoint's folder"
     ), text
+
+
+def test_rows_left_unchanged_by_a_nonfinite_update_are_reported_alike_on_every_rank(refusals):
+    # A finite gradient whose update overflows: every rank's NonFiniteUpdateError names the
+    # rows left alone on every rank (the single engine's ``rows``), and under "skip_row"
+    # every rank counts them all, as the single engine does; the tables equal its own.
+    import warnings
+
+    feats, weights, grads = worker.global_batch(0)
+    features, o = worker.make_features("adagrad")
+    want = {}
+    for policy in ("error", "skip_row"):
+        single = ee.EmbeddingEngine(features, optimizer=o, seed=3, nonfinite_gradients=policy)
+        single.lookup(feats, weights)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                single.apply_gradients(worker.overflow_gradients(grads))
+                want[policy] = ("none", {})
+            except ee.NonFiniteUpdateError as e:
+                want[policy] = (type(e).__name__, e.rows)
+        want[policy] += (dict(single.nonfinite_rows_skipped),)
+    assert want["error"][0] == "NonFiniteUpdateError" and len(want["error"][1]["big"]) > 1
+    assert want["skip_row"][2]["big"] == len(want["error"][1]["big"])
+    for rank in range(2):
+        got = np.load(refusals / f"nonfinite.rank{rank}.npz")
+        for policy, (error, rows, skipped) in want.items():
+            assert str(got[f"{policy}/error"]) == error, (rank, policy)
+            have = {k.split("/")[2]: got[k] for k in got.files if k.startswith(f"{policy}/rows/")}
+            assert have.keys() == rows.keys(), (rank, policy, have, rows)
+            for table, ids in rows.items():
+                np.testing.assert_array_equal(have[table], ids, err_msg=f"{rank} {table}")
+            for table, n in skipped.items():
+                assert int(got[f"{policy}/skipped/{table}"]) == n, (rank, policy, table)
+        _assert_state(refusals / f"nonfinite.rank{rank}.npz", single.state_dict())
 
 
 def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):

@@ -1674,7 +1674,7 @@ class ShardedEngine:
         if given is None or given is self._pending:  # one update per lookup
             self._pending = self._last = self._given = None
         if everyone.any():
-            self._report_unchanged(unchanged, everyone)
+            self._report_unchanged(self._gather_unchanged(unchanged), everyone)
 
     def _fill_apply(
         self,
@@ -2054,11 +2054,25 @@ class ShardedEngine:
             unique_rows=unique_rows[:u],
         )
 
+    def _gather_unchanged(self, unchanged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every rank's rows left unchanged (``unchanged``: this rank's, table -> ids or keys),
+        per table sorted, as the single engine reports them. Collective (every rank calls it
+        when any rank left a row)."""
+        out = {}
+        for name in self.table_names:
+            mine = np.asarray(unchanged.get(name, np.zeros(0, np.int64)), dtype=np.int64)
+            ids = np.concatenate(self._comm.all_gather_ragged(mine, "nonfinite rows"))
+            if len(ids):
+                out[name] = np.sort(ids)
+        return out
+
     def _report_unchanged(self, unchanged: dict[str, np.ndarray], everyone: np.ndarray) -> None:
-        """The non-finite-result policy (EmbeddingEngine's), on every rank alike."""
+        """The non-finite-result policy (EmbeddingEngine's), on every rank alike: ``unchanged``
+        holds every rank's rows (``_gather_unchanged``), so the error's ``rows`` and
+        ``nonfinite_rows_skipped`` are the single engine's on every rank."""
         ranks = ", ".join(f"rank {s}: {int(n)}" for s, n in enumerate(everyone) if n)
-        mine = "; ".join(f"table {t!r}: ids {v[:5].tolist()}" for t, v in unchanged.items())
-        what = f"rows left unchanged per rank ({ranks})" + (f"; here {mine}" if mine else "")
+        ids = "; ".join(f"table {t!r}: ids {v[:5].tolist()}" for t, v in unchanged.items())
+        what = f"rows left unchanged per rank ({ranks}); {ids}"
         step = self._step - 1
         if self.nonfinite_gradients == "error":
             raise NonFiniteUpdateError(
