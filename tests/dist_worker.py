@@ -61,6 +61,9 @@ Scenarios:
   hang                          the last rank stops (SIGSTOP); the others time their error
                                 (group timeout 3 s); rank 0 then kills it
   hang_first                    rank 0 (the store's host) stops; rank 1 then kills it
+  contents_by_name              a step, then table_contents(name) of every table; the last rank
+                                asking for another table, then for a table that does not exist;
+                                then a step together
   nonfinite                     a step whose finite gradients (``overflow_gradients``) make
                                 Adagrad's update non-finite: under "error" the error's type and
                                 rows, under "skip_row" nonfinite_rows_skipped; the tables
@@ -515,6 +518,30 @@ def run_nonfinite(rank: int, world: int, out: str, name: str) -> None:
         for table, n in eng.nonfinite_rows_skipped.items():
             saved[f"{policy}/skipped/{table}"] = np.array(n)
     _dump(eng, os.path.join(out, f"{name}.rank{rank}.npz"), saved)
+
+
+def run_contents_by_name(rank: int, world: int, out: str, name: str) -> None:
+    """``contents_by_name`` (module docstring): each table by name, each error's text."""
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adam")
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    _train(eng, [0], rank, world)
+    saved = {}
+    for table in TABLES:
+        for key, a in eng.table_contents(table).items():
+            saved[f"{table}/{key}"] = a
+    last = rank == world - 1
+    cases = (("other", "small" if last else "big"), ("unknown", "nope" if last else "big"))
+    for case, asked in cases:
+        try:
+            eng.table_contents(asked)
+            saved[f"error/{case}"] = np.array("no error")
+        except Exception as e:
+            saved[f"error/{case}"] = np.array(f"{type(e).__name__}: {e}")
+    _train(eng, [1], rank, world)
+    saved["step"] = np.array(eng.step)
+    np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 
 
 def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
@@ -1029,6 +1056,8 @@ def main() -> None:
                 run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):
                 run_checkpoint(rank, world, out, name)
+            elif name == "contents_by_name":
+                run_contents_by_name(rank, world, out, name)
             elif name == "nonfinite":
                 run_nonfinite(rank, world, out, name)
             else:

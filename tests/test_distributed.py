@@ -528,6 +528,7 @@ REFUSALS = [
     "last_step",
     *BAD_COUNTERS,
     "nonfinite",
+    "contents_by_name",
 ]
 
 
@@ -601,6 +602,34 @@ def test_rows_left_unchanged_by_a_nonfinite_update_are_reported_alike_on_every_r
             for table, n in skipped.items():
                 assert int(got[f"{policy}/skipped/{table}"]) == n, (rank, policy, table)
         _assert_state(refusals / f"nonfinite.rank{rank}.npz", single.state_dict())
+
+
+def test_table_contents_of_one_table_is_the_single_engines_and_the_same_one_everywhere(
+    refusals,
+):
+    # table_contents(name), EmbeddingEngine's call, on a ShardedEngine: that table's keys,
+    # weights and slots as the single engine gives them; ranks asking for different tables,
+    # or one for a table that does not exist, fail on every rank; then they step together.
+    features, o = worker.make_features("adam")
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    feats, weights, grads = worker.global_batch(0)
+    single.lookup(feats, weights)
+    single.apply_gradients(grads)
+    for rank in range(2):
+        got = np.load(refusals / f"contents_by_name.rank{rank}.npz")
+        for table in worker.TABLES:
+            want = single.table_contents(table)
+            have = {k.split("/", 1)[1] for k in got.files if k.startswith(f"{table}/")}
+            assert have == set(want), (table, have, set(want))
+            for key, a in want.items():
+                np.testing.assert_array_equal(got[f"{table}/{key}"], a, err_msg=f"{table}/{key}")
+        other, unknown = str(got["error/other"]), str(got["error/unknown"])
+        assert other.startswith("DistributedError") and "rank 0: 'big', rank 1: 'small'" in other
+        if rank == 1:
+            assert unknown.startswith("KeyError") and "no table named 'nope'" in unknown
+        else:
+            assert unknown.startswith("DistributedError") and "failed on ranks [1]" in unknown
+        assert int(got["step"]) == 2
 
 
 def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):

@@ -2108,28 +2108,55 @@ class ShardedEngine:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def table_contents(self) -> dict[str, Any]:
+    def table_contents(self, table_name: str | None = None) -> dict[str, Any]:
         """Every table whole, gathered on every rank: ``{"step": int, "tables": {table:
         {"weights": [vocabulary_size, dim], slot: ...}}}`` in logical row order, the layout of
         ``EmbeddingEngine.state_dict()`` (copies); a keyed table's entry is what
         ``EmbeddingEngine.table_contents(name)`` gives: ``keys`` (sorted), ``weights`` and each
-        slot aligned with them. Collective."""
+        slot aligned with them. With ``table_name``, that table alone, as
+        ``EmbeddingEngine.table_contents(table_name)`` gives it (a dense table's ``keys`` are
+        ``0 .. vocabulary_size - 1``); every rank must ask for the same table (checked). A
+        name of no table is a KeyError on that rank and a DistributedError on the others.
+        Collective."""
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_CONTENTS, self._files_error())
+                error, which = self._files_error(), -1
+                if table_name is not None and error is None:
+                    try:
+                        which = self.table_names.index(table_name)
+                    except ValueError:
+                        error = KeyError(
+                            f"no table named {table_name!r}; tables are {list(self.table_names)}"
+                        )
+                # Which table each rank asks for (0: every table), so that none gathers
+                # another table than the others.
+                got = self._header(_CONTENTS, error, {self._cols.a: np.array([which + 1])})
+                asked = got[:, self._cols.a]
+                if (asked != asked[self.rank]).any():
+                    said = ", ".join(
+                        f"rank {r}: "
+                        + ("every table" if a == 0 else repr(self.table_names[int(a) - 1]))
+                        for r, a in enumerate(asked.tolist())
+                    )
+                    raise DistributedError(
+                        f"rank {self.rank}: table_contents at step {self._step} asked for "
+                        f"other tables on other ranks ({said}); every rank must ask for the same"
+                    )
                 tables = {}
-                for shard, name, t in zip(
-                    self._shards, self.table_names, self._resolved.tables, strict=True
+                for t, (shard, name, cfg) in enumerate(
+                    zip(self._shards, self.table_names, self._resolved.tables, strict=True)
                 ):
-                    if t.keyed:
+                    if which >= 0 and t != which:
+                        continue
+                    if cfg.keyed:
                         tables[name] = self._keyed_contents(shard)
                         continue
                     ids = self._comm.all_gather_ragged(shard.global_ids, "contents")
                     # rows as bytes: 16-bit rows keep their stored dtypes (no upcast)
                     raw = shard.data.view(np.uint8)  # [rows, row bytes]
                     rows = self._comm.all_gather_ragged(raw.reshape(-1), "contents")
-                    full = np.empty((t.vocabulary_size, raw.shape[1]), dtype=np.uint8)
+                    full = np.empty((cfg.vocabulary_size, raw.shape[1]), dtype=np.uint8)
                     for i, v in zip(ids, rows, strict=True):
                         full[i] = v.reshape(len(i), raw.shape[1])
                     full = full.view(shard.data.dtype)
@@ -2140,6 +2167,12 @@ class ShardedEngine:
                             for s in shard.slot_specs
                         },
                     }
+                if which >= 0:
+                    cfg = self._resolved.tables[which]
+                    one = tables[table_name]
+                    if cfg.keyed:
+                        return one
+                    return {"keys": np.arange(cfg.vocabulary_size, dtype=np.int64), **one}
                 return {"step": self._step, "tables": tables}
             finally:
                 self._count("table_contents")
