@@ -417,6 +417,37 @@ def test_a_step_without_keys_of_the_table_expires_nothing_until_one_has(backend)
     assert keyed_keys(eng) == [B] and eng.table_stats()["k"]["total"]["expired"] == 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_initializer_refusing_new_keys_leaves_them_out(backend, dtype):
+    # A FromFunction initializer is asked for a batch's new keys before they are inserted: one
+    # that fails (a NaN here) leaves the table as it was, and the keys get its values when
+    # seen again. They stayed in the index with rows of zeros, never initialised again.
+    from embengine.initializers import FromFunction
+
+    calls = []
+
+    def fn(shape, dtype):
+        calls.append(shape)
+        v = np.full(shape, 0.5, np.float32)
+        if len(calls) == 2:
+            v[0, 0] = np.nan
+        return v
+
+    t = ee.TableConfig(
+        None, 2, name="k", combiner="sum", initializer=FromFunction(fn), weights_dtype=dtype
+    )
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=opt.SGD(0.1), backend=backend, seed=1
+    )
+    train_bags(eng, [[7]])
+    with pytest.raises(ValueError, match="non-finite"):
+        eng.lookup({"f": [[7, 10, 20, 30]]})
+    assert keyed_keys(eng) == [7] and eng.table_stats()["k"]["rows"] == 1
+    acts = eng.lookup({"f": [[10, 20, 30]]})["f"]
+    np.testing.assert_array_equal(acts, [[1.5, 1.5]])
+    assert keyed_keys(eng) == [7, 10, 20, 30] and calls == [(1, 2), (3, 2), (3, 2)]
+
+
 def test_a_training_lookup_scans_for_expired_rows_once(backend):
     """The scan of every row's metadata for expired rows runs once per training lookup, not in
     each rule that asks (the numba backend's probe, expiry, eviction: 2M rows took 14.9 ms a

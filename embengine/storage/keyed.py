@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import MAX_KEYED_ROWS
-from ..initializers import Initializer
+from ..initializers import FromFunction, Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
 from ..precision import check_initial, initial_bound
@@ -1024,6 +1024,7 @@ class KeyedTable(MappedRows):
         new_at = np.empty(m, np.int64)
         free, high = self._free, self._high
         ids, counts = frozen(ids), frozen(np.ascontiguousarray(counts, dtype=np.int64))
+        values = self._values_first(ids, absent)
         # the pass's state (kernels.keyed_index.find_or_insert)
         state = np.zeros(6, np.int64)
         while True:
@@ -1048,12 +1049,32 @@ class KeyedTable(MappedRows):
             index.tombs -= int(state[5]) - reused0
             self._free, self._high = free[used:], high + int(state[3])
             at = new_at[n0:n]
-            self._written(ids[at], rows[at], used == used0)
+            self._written(
+                ids[at], rows[at], used == used0, None if values is None else values[n0:n]
+            )
             if done == m:
                 return rows, new_at[:n]
             if not len(self._free) and self._high >= self._capacity:
                 self._grow(self._high + 1)
             index.reserve(index.count + 1)
+
+    def _values_first(self, ids: np.ndarray, absent: bool) -> np.ndarray | None:
+        """The initial weights of the keys of ``ids`` a ``_resolve`` pass will insert (the
+        absent ones, in order), computed and checked before the pass changes anything, for an
+        initializer whose values can be refused (``FromFunction``: non-finite values, or values
+        past a 16-bit range); None for the others, whose values are checked when the table is
+        built. Asked after the pass, a refusal left the batch's new keys in the index with rows
+        of zeros, never initialised again."""
+        if not isinstance(self._initializer, FromFunction):
+            return None
+        keys = ids if absent else ids[self._index.find(ids) < 0]
+        if not len(keys):
+            return None
+        values = self._initializer.init(self._seed, self.name, keys, self.dim)
+        check_initial(
+            self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
+        )
+        return values
 
     def lookup_index(self) -> IndexView:
         """What a kernel may probe in place of ``rows_for`` (``IndexView``): the numba backend
@@ -1523,14 +1544,17 @@ class KeyedTable(MappedRows):
             raise AssertionError(f"table {self.name!r}: keys to insert were in the index")
         return rows
 
-    def _written(self, keys: np.ndarray, rows: np.ndarray, one_run: bool) -> None:
-        """The new ``rows`` of ``keys``, indexed and recorded: their initial values and data
-        time; the keys leave the pending counts. ``one_run``: the rows are consecutive (all
-        from the high-water mark), written through slices, not fancy indexing."""
+    def _written(
+        self, keys: np.ndarray, rows: np.ndarray, one_run: bool, values: np.ndarray | None = None
+    ) -> None:
+        """The new ``rows`` of ``keys``, indexed and recorded: their initial values (``values``
+        if given: ``_values_first``) and data time; the keys leave the pending counts.
+        ``one_run``: the rows are consecutive (all from the high-water mark), written through
+        slices, not fancy indexing."""
         if not len(keys):
             return
         where = slice(int(rows[0]), int(rows[0]) + len(rows)) if one_run else rows
-        self._initialise_rows(rows, keys, where)
+        self._initialise_rows(rows, keys, where, values)
         if self._keeps_time:
             self._time[where] = NO_TIME if self._call_time is None else self._call_time
         if self.dynamic.occurrence_threshold > 0:
@@ -1538,24 +1562,26 @@ class KeyedTable(MappedRows):
         self._live_rows = self._expired_memo = None
         self._this["admitted"] += len(keys)
 
-    def _initialise_rows(self, rows: np.ndarray, keys: np.ndarray, where) -> None:
+    def _initialise_rows(self, rows: np.ndarray, keys: np.ndarray, where, values=None) -> None:
         """New ``rows`` of ``keys``: the initializer's weights at each key, each slot's initial
         value. An initializer with a fill kernel (``Initializer.fill``) and the slots are
         written row by row in one parallel pass (``kernels.init.init_rows``); any other
-        initializer's values are computed first, then copied in (at ``where``: ``rows``, or
-        the slice they make when they are one run)."""
+        initializer's values are computed first (or given: ``values``), then copied in (at
+        ``where``: ``rows``, or the slice they make when they are one run)."""
         from ..initializers import table_key
         from ..kernels import init as ki
         from ..kernels.pool import start_pool
 
         if self._dtype != np.float32:  # 16-bit columns: the values rounded to nearest
-            self._initialise_half_rows(keys, where)
+            self._initialise_half_rows(keys, where, values)
             return
         fill = self._initializer.fill(self.dim)
         constant = self._initializer.constant() if fill is None else None
         data = self._data
         if fill is None and constant is None:
-            data[where, : self.dim] = self._initializer.init(self._seed, self.name, keys, self.dim)
+            if values is None:
+                values = self._initializer.init(self._seed, self.name, keys, self.dim)
+            data[where, : self.dim] = values
             if not self.slot_specs:
                 return
         cols = [
@@ -1587,12 +1613,14 @@ class KeyedTable(MappedRows):
             frozen(np.array(ints, dtype=np.int32)),
         )
 
-    def _initialise_half_rows(self, keys: np.ndarray, where) -> None:
-        """``_initialise_rows`` of a 16-bit table: the initializer's float32 values and each
-        slot's initial value, rounded to nearest into their columns (``where``: the rows, or
-        their slice), as a dense 16-bit table's initial values are (they are not updates)."""
+    def _initialise_half_rows(self, keys: np.ndarray, where, values=None) -> None:
+        """``_initialise_rows`` of a 16-bit table: the initializer's float32 values (or
+        ``values``) and each slot's initial value, rounded to nearest into their columns
+        (``where``: the rows, or their slice), as a dense 16-bit table's initial values are
+        (they are not updates)."""
         data = self._data
-        values = self._initializer.init(self._seed, self.name, keys, self.dim)
+        if values is None:
+            values = self._initializer.init(self._seed, self.name, keys, self.dim)
         # (a built-in initializer's bound was checked when the table was built; a
         # FromFunction's values are known only now, and refused as its non-finite ones are)
         check_initial(
