@@ -92,10 +92,10 @@ def test_training_and_lookup_only_pool_with_the_same_index_types(monkeypatch):
     eng.lookup(feats, training=False)
     assert train and bags
     # prepare_and_pool(order, threads, fmeta, ids, offsets, weights, ..., tmeta, fdata, quant,
-    # prefetch); pool_features(threads, fmeta, ids, offsets, weights, tmeta, fdata, quant,
-    # prefetch, bad): the arrays the pooling tasks read.
+    # prefetch, probe_chunk); pool_features(threads, fmeta, ids, offsets, weights, tmeta, fdata,
+    # quant, prefetch, bad): the arrays the pooling tasks read.
     assert train[0][2:6] == bags[0][1:5], (train[0][2:6], bags[0][1:5])
-    assert train[0][-4:] == bags[0][-5:-1], (train[0][-4:], bags[0][-5:-1])
+    assert train[0][-5:-1] == bags[0][-5:-1], (train[0][-5:-1], bags[0][-5:-1])
     assert all(not t.mutable for t in train[0][3:6])
 
 

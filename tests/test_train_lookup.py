@@ -453,7 +453,7 @@ def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_p
     compared = []
 
     def twice(prep_order, *args, keyed=False):
-        tmeta, ready = args[-4], args[-5]
+        tmeta, ready = args[-5], args[-6]  # ..., found, ready, tmeta, fdata, quant, prefetch, chunk
         assert keyed
         real(prep_order[:0], *args, keyed=keyed)  # no table prepared: every keyed task probes
         assert not ready.any()
