@@ -81,6 +81,13 @@ def optimizer_to_json(opt: _opt.Optimizer, tag: int | None) -> dict:
     """``{"class", "params"}`` of an optimizer; ``tag`` is the learning-rate tag of a callable
     learning rate (the engine numbers them)."""
     cls = _spec_class(opt, _opt)
+    entry: dict[str, Any] = {"class": cls.__name__}
+    if cls is _opt.Optimizer:
+        # An optimizer defined outside embengine: the base class has neither its fields nor its
+        # math, so the spec names the user's class, found again among the classes defined in
+        # the process that reads it (optimizer_from_json; a manifest never imports code).
+        cls = type(opt)
+        entry = {"class": cls.__qualname__, "module": cls.__module__}
     params = {}
     for f in dataclasses.fields(cls):
         value = getattr(opt, f.name)
@@ -92,13 +99,33 @@ def optimizer_to_json(opt: _opt.Optimizer, tag: int | None) -> dict:
             else:
                 value = {"constant": float(value)}
         params[f.name] = _jsonable(value)
-    return {"class": cls.__name__, "params": params}
+    return {**entry, "params": params}
+
+
+def _user_optimizer_class(module: str, qualname: str) -> type:
+    """The Optimizer subclass ``module.qualname`` defined (imported) in this process."""
+    todo, seen = [_opt.Optimizer], set()
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    found = [c for c in seen if (c.__module__, c.__qualname__) == (module, qualname)]
+    if not found:
+        raise SpecError(
+            f"the optimizer class {qualname!r} of module {module!r} is not defined in this "
+            "process; import the module that defines it before building or loading the engine"
+        )
+    return found[-1]
 
 
 def optimizer_from_json(data: Mapping, callables: Mapping[int, Callable]) -> _opt.Optimizer:
     """The optimizer ``optimizer_to_json`` described; a callable learning rate comes from
     ``callables[tag]``."""
-    cls = getattr(_opt, data["class"], None)
+    if "module" in data:
+        cls = _user_optimizer_class(data["module"], data["class"])
+    else:
+        cls = getattr(_opt, data["class"], None)
     if not (isinstance(cls, type) and issubclass(cls, _opt.Optimizer)):
         raise SpecError(f"unknown optimizer class {data['class']!r}")
     params = dict(data["params"])

@@ -193,3 +193,28 @@ def test_registration_checks_names():
         r"\['data'\] are names the update kernels use",
     ):
         _engine(Shadow(0.1))
+
+
+def test_a_checkpoint_of_it_loads_as_it_and_trains_on_bit_for_bit(tmp_path):
+    from embengine.spec import SpecError, optimizer_from_json
+
+    def steps(eng, first, n):
+        for step in range(first, first + n):
+            ids = (np.arange(12) * (step + 3)) % 30
+            acts = eng.lookup({"f": ee.Ragged(ids, lengths=[3, 0, 5, 4])})
+            eng.apply_gradients({"f": np.cos(acts["f"] * 3.0 + step).astype(np.float32)})
+
+    t = ee.TableConfig(30, 8, name="t", combiner="sum")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=Yogi(0.05, beta_1=0.5))
+    steps(eng, 0, 2)
+    entry = eng.spec()["tables"][0]["optimizer"]  # its own class and fields, not the base's
+    assert (entry["class"], entry["params"]["beta_1"]) == ("Yogi", 0.5)
+    loaded = ee.EmbeddingEngine.load(eng.save(tmp_path))
+    assert loaded.spec()["tables"] == eng.spec()["tables"]
+    steps(eng, 2, 2)
+    steps(loaded, 2, 2)
+    np.testing.assert_array_equal(loaded.embedding_tables["t"], eng.embedding_tables["t"])
+    for k, v in eng.slots("t").items():
+        np.testing.assert_array_equal(loaded.slots("t")[k], v, err_msg=k)
+    with pytest.raises(SpecError, match="'Yogi' of module 'elsewhere' is not defined"):
+        optimizer_from_json({**entry, "module": "elsewhere"}, {})
