@@ -218,3 +218,18 @@ def test_a_checkpoint_of_it_loads_as_it_and_trains_on_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(loaded.slots("t")[k], v, err_msg=k)
     with pytest.raises(SpecError, match="'Yogi' of module 'elsewhere' is not defined"):
         optimizer_from_json({**entry, "module": "elsewhere"}, {})
+
+
+def test_registration_refuses_names_the_generated_kernel_cannot_hold():
+    def f(w, g, lr):
+        return w - lr * g
+
+    # Each was accepted and rendered into a kernel that failed to compile (a SyntaxError).
+    for bad in ("lambda", "a-b", "None"):
+        with pytest.raises(ValueError, match=f"{bad!r} cannot name a value of the kernel"):
+            row_math("badname_of_the_tests", params=(bad,))(f)
+    with pytest.raises(ValueError, match="'class' cannot name a value"):
+        row_math("badname_of_the_tests", constants={"class": 1.0})(f)
+    # A string is not a tuple of names (it became ('r', 'h', 'o')).
+    with pytest.raises(TypeError, match=r"params must be a tuple of names, .* \('rho',\)"):
+        row_math("badname_of_the_tests", params="rho")(f)

@@ -44,6 +44,7 @@ imports no numba: the function is plain Python (NumPy scalars), compiled where t
 from __future__ import annotations
 
 import inspect
+import keyword
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -96,6 +97,12 @@ class RowMath:
             raise ValueError(f"{where}: the name must be an identifier")
         if self.form not in FORMS:
             raise ValueError(f"{where}: form must be one of {FORMS}, got {self.form!r}")
+        for kind in ("params", "flags", "slots"):
+            if isinstance(getattr(self, kind), str):
+                raise TypeError(
+                    f"{where}: {kind} must be a tuple of names, got the string "
+                    f"{getattr(self, kind)!r}; write ({getattr(self, kind)!r},)"
+                )
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "flags", tuple(self.flags))
         object.__setattr__(self, "slots", tuple(self.slots))
@@ -109,6 +116,17 @@ class RowMath:
         named = [*self.params, *self.flags, *self.slots, *self.constants]
         if self.prologue_result:
             named.append(self.prologue_result)
+        # Each name is a variable of the generated kernel: a keyword or a non-identifier
+        # would only show as a SyntaxError when the kernel is first compiled.
+        bad = sorted(
+            {repr(n) for n in named if not (isinstance(n, str) and n.isidentifier())}
+            | {repr(n) for n in named if isinstance(n, str) and keyword.iskeyword(n)}
+        )
+        if bad:
+            raise ValueError(
+                f"{where}: {', '.join(bad)} cannot name a value of the kernel; params, flags, "
+                "slots, constants and prologue_result must be Python identifiers, not keywords"
+            )
         given = _GIVEN[self.form]
         clash = sorted({n for n in named if named.count(n) > 1 or n in given})
         if clash:
