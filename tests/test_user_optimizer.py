@@ -233,3 +233,29 @@ def test_registration_refuses_names_the_generated_kernel_cannot_hold():
     # A string is not a tuple of names (it became ('r', 'h', 'o')).
     with pytest.raises(TypeError, match=r"params must be a tuple of names, .* \('rho',\)"):
         row_math("badname_of_the_tests", params="rho")(f)
+
+
+def test_registration_refuses_a_result_of_the_wrong_arity():
+    # Each was registered, and the kernel failed to compile: numba's "failed to unpack float64"
+    # in the generated file.
+    def forgets_its_slot(w, acc, g, lr):
+        return w - lr * g
+
+    with pytest.raises(
+        ValueError,
+        match=r"forgets_its_slot returned one float64; an? element function returns a tuple "
+        r"of 2: \(w, acc\)",
+    ):
+        row_math("arity_of_the_tests", slots=("acc",))(forgets_its_slot)
+
+    def a_tuple_without_slots(w, g, lr):
+        return (w - lr * g,)
+
+    with pytest.raises(ValueError, match=r"returned a tuple of 1; .* the new weight alone"):
+        row_math("arity_of_the_tests", params=())(a_tuple_without_slots)
+
+    def scaled_without_step(acc, sum_g2, lr, dim):
+        return acc + sum_g2 / dim
+
+    with pytest.raises(ValueError, match=r"returns a tuple of 2: \(acc, step\)"):
+        row_math("arity_of_the_tests", form="scaled", slots=("acc",))(scaled_without_step)

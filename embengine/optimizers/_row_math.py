@@ -45,9 +45,12 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
+
+import numpy as np
 
 __all__ = ["MAX_SLOTS", "ROW_MATH", "RowMath", "row_math"]
 
@@ -146,6 +149,42 @@ class RowMath:
                 set(_PROLOGUE_GIVEN) | set(self.params) | set(self.flags) | set(self.constants),
                 f"{where} (prologue)",
             )
+
+        self._check_result(where)
+
+    def _check_result(self, where: str) -> None:
+        """Call the function once in Python on sample values (0.5; flags False; dim 4) and
+        refuse a result the kernel cannot unpack: an element function returns the weight alone
+        without slots, else ``(w, *slots)``; a scaled one ``(slot, step)``. A wrong arity would
+        otherwise be a numba TypingError in the generated code when the kernel first compiles.
+        A function that raises on these values, or one with a prologue, is not checked."""
+        if self.form == "row" or self.prologue is not None:
+            return
+        want = 2 if self.form == "scaled" else 1 + len(self.slots)
+        values = {n: np.float64(0.5) for n in (*_GIVEN[self.form], *self.params, *self.slots)}
+        values.update({n: False for n in self.flags})
+        values.update(self.constants)
+        values["dim"] = 4
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                result = self.function(*(values[a] for a in self.arguments))
+        except Exception:
+            return
+        got = len(result) if isinstance(result, tuple) else None
+        if want == 1 and got is None or got == want and want > 1:
+            return
+        parts = ("w", *self.slots) if self.form == "element" else (self.slots[0], "step")
+        shape = (
+            "the new weight alone (it keeps no slots)"
+            if want == 1
+            else f"a tuple of {want}: ({', '.join(parts)})"
+        )
+        returned = f"a tuple of {got}" if got is not None else f"one {type(result).__name__}"
+        raise ValueError(
+            f"{where}: {self.function.__name__} returned {returned}; a {self.form} function "
+            f"returns {shape}"
+        )
 
     @staticmethod
     def _check_arguments(fn: Callable, known: set, where: str) -> None:
