@@ -264,6 +264,20 @@ def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_checkpoint_dir_that_is_a_checkpoint_or_inside_one_is_refused(tmp_path, resume):
+    """--checkpoint-dir naming one checkpoint (as inspect and export accept) or a folder inside
+    one is refused before any work: a resumed run found no checkpoint in it, trained from step
+    0 and wrote its checkpoints inside the old one."""
+    train(_cfg(steps=3, checkpoint_dir=str(tmp_path)), log=_quiet)
+    (ckpt,) = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]
+    before = sorted(p.name for p in ckpt.iterdir())
+    for folder in (ckpt, ckpt / "sub"):
+        with pytest.raises(ValueError, match=f"is (inside )?the checkpoint {ckpt}.*{tmp_path}"):
+            train(_cfg(steps=6, checkpoint_dir=str(folder), resume=resume), log=_quiet)
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

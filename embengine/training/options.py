@@ -180,6 +180,15 @@ class TrainConfig:
         new run's saves would prune them (``--keep``)."""
         from ..checkpoint import latest_checkpoint
 
+        for p in (path, *path.absolute().parents):
+            if (p / "manifest.json").is_file():  # a checkpoint (or an export): not a run's folder
+                what = "is" if p == path.absolute() else "is inside"
+                raise ValueError(
+                    f"--checkpoint-dir {path} {what} the checkpoint {p}, which a resume "
+                    f"would not read and this run's saves would write into; give the folder "
+                    f"holding it, {p.parent} (with --resume to continue from its newest "
+                    "checkpoint), or a new folder"
+                )
         for p in (path, *path.parents):
             if p.exists():
                 if not p.is_dir():
