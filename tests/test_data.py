@@ -306,6 +306,70 @@ def test_movielens_split_rule_and_missing_values_on_a_small_file(tmp_path):
                 assert year >= 1 and genres[b] >= 1
 
 
+def _edit_inter(folder: Path, edit) -> Path:
+    path = folder / "ml-100k.inter"
+    lines = path.read_text(encoding="latin-1").splitlines(keepends=True)
+    path.write_text("".join(edit(lines)), encoding="latin-1")
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda ls: [*ls[:4], "7\tm30\t4\n", *ls[4:]], r"ml-100k.inter, line 5: 3 fields"),
+        (lambda ls: [*ls[:6], "7\tm30\tfive\t9\n", *ls[6:]], r"line 7: rating 'five'"),
+        (lambda ls: [*ls[:3], "7\tm30\tnan\t9\n", *ls[3:]], r"line 4: rating 'nan'"),
+        (lambda ls: [*ls[:2], "7\tm30\t4\t\n", *ls[2:]], r"line 3: timestamp ''"),
+        (lambda ls: ls[:1], r"ml-100k.inter holds no interactions"),
+        (lambda ls: [], r"ml-100k.inter: no column 'user_id'.*user_id:token"),
+        (lambda ls: [ls[0].replace("rating", "score"), *ls[1:]], r"no column 'rating'"),
+    ],
+)
+def test_a_bad_interactions_file_is_an_error_naming_its_file_and_line(tmp_path, edit, message):
+    """A row with missing fields, a rating or timestamp that is no finite number, no rows or a
+    header without the columns read: a ValueError naming the file and line (was: "not enough
+    values to unpack", "could not convert string to float", a NaN rating read as no click,
+    StopIteration from the trainer's first batch)."""
+    _write_fake_movielens(tmp_path)
+    _edit_inter(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_movielens_100k(tmp_path)
+
+
+def test_interactions_are_read_by_their_header_names(tmp_path):
+    """The columns are found by the header's names, in any order (was: by position, so a file
+    with its columns in another order trained on ratings as user ids, silently)."""
+    _write_fake_movielens(tmp_path)
+    want = load_movielens_100k(tmp_path)
+
+    def reorder(lines):
+        rows = [line.rstrip("\n").split("\t") for line in lines]
+        return ["\t".join([r[2], r[3], r[1], r[0]]) + "\n" for r in rows]
+
+    _edit_inter(tmp_path, reorder)
+    got = load_movielens_100k(tmp_path)
+    for name in ("train", "valid", "test"):
+        a, b = getattr(want, name), getattr(got, name)
+        if a is None:
+            continue
+        np.testing.assert_array_equal(a.labels, b.labels)
+        for f in FEATURES:
+            if f in MULTI:
+                for part in ("ids", "offsets"):
+                    got_part = getattr(b.features[f], part)
+                    np.testing.assert_array_equal(getattr(a.features[f], part), got_part)
+            else:
+                np.testing.assert_array_equal(_column(a, f), _column(b, f))
+
+
+def test_a_raw_id_that_is_no_int64_names_its_file_and_line(tmp_path):
+    """--vocabulary dynamic keys the tables by the files' user and item ids: one that is no
+    int64 is a ValueError naming the file and line (was: int() of 'm1' with neither)."""
+    _write_fake_movielens(tmp_path)
+    with pytest.raises(ValueError, match=r"ml-100k.inter, line 2: item_id 'm1' is not an int64"):
+        load_movielens_100k(tmp_path, raw_ids=True)
+
+
 def test_find_movielens_without_recbole_says_how_to_install(monkeypatch):
     monkeypatch.delenv("EMBENGINE_ML100K_DIR", raising=False)
     monkeypatch.setattr(ml.importlib.util, "find_spec", lambda *a, **k: None)

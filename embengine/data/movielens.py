@@ -5,7 +5,9 @@ characters), release year, genres (multi-valued, mean) and title words (multi-va
 Split: for each user, the latest 20% of their interactions by timestamp (rounded, ties broken by
 file order) form the test set; with ``valid_fraction`` > 0, the latest ``valid_fraction`` of the
 rest (rounded) form a validation set, cut the same way, for choosing an epoch without the test.
-Token 0 of every vocabulary means "missing".
+Token 0 of every vocabulary means "missing". Columns are found by their header's names; a row
+with another number of fields than the header, a rating or timestamp that is no finite number, or
+a file without rows is a ValueError naming the file and line.
 
 With ``raw_ids=True`` nothing is remapped (for tables keyed by any int64, ``--vocabulary
 dynamic``): user and item ids are the ids of the files, every other token is a 64-bit hash of
@@ -52,11 +54,33 @@ def find_movielens_100k() -> Path:
     raise FileNotFoundError(INSTALL_HINT)
 
 
-def _read_table(path: Path) -> tuple[list[str], list[list[str]]]:
+def _read_table(path: Path, needed: tuple[str, ...]) -> tuple[list[str], list[tuple[int, list]]]:
+    """The header's column names and the rows, each with its line number (blank lines skipped);
+    ValueError naming the file if the header lacks one of ``needed``."""
     with open(path, encoding="latin-1") as f:
-        header = [h.split(":")[0] for h in f.readline().rstrip("\n").split("\t")]
-        rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+        header = [h.split(":")[0] for h in f.readline().rstrip("\r\n").split("\t")]
+        rows = [
+            (n, line.rstrip("\r\n").split("\t"))
+            for n, line in enumerate(f, start=2)
+            if line.strip()
+        ]
+    for name in needed:
+        if name not in header:
+            raise ValueError(
+                f"{path}: no column {name!r} in its header {header!r}; a MovieLens-100K file in "
+                f"recbole's format starts with the tab-separated names {needed[0]}:token, ..."
+            )
     return header, rows
+
+
+def _number(path: Path, line: int, name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not np.isfinite(value):
+        raise ValueError(f"{path}, line {line}: {name} {text!r} is not a finite number")
+    return value
 
 
 class _Raw:
@@ -73,7 +97,15 @@ class _Raw:
         key = self.index.get(token)
         if key is None:
             if self.numeric:
-                key = int(token)
+                try:
+                    key = int(token)
+                except ValueError:
+                    key = None
+                if key is None or not -(2**63) <= key < 2**63:
+                    raise ValueError(
+                        f"{self.name} {token!r} is not an int64 (--vocabulary dynamic keys the "
+                        "tables by the files' ids)"
+                    )
             else:
                 digest = hashlib.blake2b(f"{self.name}\x1f{token}".encode(), digest_size=8)
                 key = int.from_bytes(digest.digest(), "little", signed=True)
@@ -122,9 +154,14 @@ def load_movielens_100k(
     raw_ids: bool = False,
 ) -> MovieLens:
     folder = Path(folder) if folder is not None else find_movielens_100k()
-    _, inter = _read_table(folder / "ml-100k.inter")
-    u_head, users = _read_table(folder / "ml-100k.user")
-    i_head, items = _read_table(folder / "ml-100k.item")
+    inter_path = folder / "ml-100k.inter"
+    columns = ("user_id", "item_id", "rating", "timestamp")
+    head, inter = _read_table(inter_path, columns)
+    if not inter:
+        raise ValueError(f"{inter_path} holds no interactions (no row after its header)")
+    where = [head.index(c) for c in columns]
+    u_head, users = _read_table(folder / "ml-100k.user", ("user_id",))
+    i_head, items = _read_table(folder / "ml-100k.item", ("item_id",))
 
     names = (
         "user_id",
@@ -142,7 +179,7 @@ def load_movielens_100k(
     else:
         vocab = {name: _Vocab() for name in names}
     user_info = {}
-    for row in users:
+    for _, row in users:
         rec = dict(zip(u_head, row, strict=False))
         user_info[rec["user_id"]] = (
             vocab["age"](rec.get("age", "")),
@@ -151,7 +188,7 @@ def load_movielens_100k(
             vocab["zip_prefix"](rec.get("zip_code", "")[:2]),
         )
     item_info = {}
-    for row in items:
+    for _, row in items:
         rec = dict(zip(i_head, row, strict=False))
         title = [vocab["title_words"](w.lower()) for w in rec.get("movie_title", "").split()]
         genres = [vocab["genres"](g) for g in rec.get("class", "").split()]
@@ -168,11 +205,19 @@ def load_movielens_100k(
     year = np.zeros(n, np.int64)
     genres: list[list[int]] = []
     titles: list[list[int]] = []
-    for k, (u, i, rating, t) in enumerate(inter):
-        user[k] = vocab["user_id"](u)
-        item[k] = vocab["item_id"](i)
-        ts[k] = float(t)
-        label[k] = float(rating) >= 4.0
+    for k, (line, row) in enumerate(inter):
+        if len(row) != len(head):
+            raise ValueError(
+                f"{inter_path}, line {line}: {len(row)} fields, its header names {len(head)}"
+            )
+        u, i, rating, t = (row[c] for c in where)
+        try:
+            user[k] = vocab["user_id"](u)
+            item[k] = vocab["item_id"](i)
+        except ValueError as e:
+            raise ValueError(f"{inter_path}, line {line}: {e}") from None
+        ts[k] = _number(inter_path, line, "timestamp", t)
+        label[k] = _number(inter_path, line, "rating", rating) >= 4.0
         uinfo[k] = user_info.get(u, (0, 0, 0, 0))
         y, g, w = item_info.get(i, (0, [], []))
         year[k] = y
