@@ -299,7 +299,7 @@ def test_resume_takes_this_runs_dense_lr_and_refuses_another_seed(tmp_path):
     orders the batches and initialises new keyed rows)."""
     base = tmp_path / "base"
     train(_cfg(steps=5, checkpoint_dir=str(base)), log=_quiet)
-    with pytest.raises(ValueError, match="seed=0, this run asks for 7"):
+    with pytest.raises(ValueError, match="--seed 0, this run asks for 7"):
         train(_cfg(steps=10, seed=7, checkpoint_dir=str(base), resume=True), log=_quiet)
     runs = {}
     for lr in (1e-3, 0.5):
@@ -311,6 +311,29 @@ def test_resume_takes_this_runs_dense_lr_and_refuses_another_seed(tmp_path):
         meta = ee.EmbeddingEngine.load(folder).restore(folder).extra_metadata
         assert {g["lr"] for g in meta["dense_optimizer"]["param_groups"]} == {lr}
     assert runs[1e-3].test_logloss != runs[0.5].test_logloss
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"weights_dtype": "bfloat16"}, "--weights-dtype float32, this run asks for bfloat16"),
+        ({"slots_dtype": "bfloat16"}, "--slots-dtype float32, this run asks for bfloat16"),
+        ({"vocabulary": "dynamic"}, "--vocabulary fixed, this run asks for dynamic"),
+        ({"optimizer": "adam"}, "--optimizer ftrl, this run asks for adam"),
+        ({"synthetic": {**SYN, "examples_per_epoch": 1024}}, "--epoch-examples 2048, this run"),
+        ({"synthetic": {**SYN, "test_examples": 1024}}, "--test-examples 2048, this run asks"),
+    ],
+)
+def test_resume_with_other_table_or_data_options_names_the_flag(tmp_path, kw, message):
+    """A resume refuses, naming the flag, the tables' dtypes and vocabulary (the restore's
+    error said TableConfig(weights_dtype=...) or "the engine's is keyed") and the synthetic
+    data's sizes (another --epoch-examples went on silently from another data position,
+    another --test-examples compared validation AUCs of other sets for early stopping)."""
+    train(_cfg(steps=3, checkpoint_dir=str(tmp_path)), log=_quiet)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=f"trained with {message}.*new --checkpoint-dir"):
+        train(_cfg(steps=6, checkpoint_dir=str(tmp_path), resume=True, **kw), log=_quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_resume_from_a_checkpoint_not_written_by_train_says_so(tmp_path):
