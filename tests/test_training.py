@@ -564,6 +564,15 @@ def test_plain_embeddings_train_the_tables_with_the_dense_adam():
 FIRST_RUN_COMPILES = ("pool.", "train_lookup.")
 
 
+def test_the_kernel_warmup_does_not_overflow_float16_slots():
+    """The warmup's backward of the summed activations sent a gradient of 1 per element: 256
+    ids of a one-row table (--vocabulary-scale 0.01) summed to an accumulator above float16's
+    65504, and `train --slots-dtype float16` died at "step 0" with NonFiniteUpdateError before
+    training. Its gradient is now the mean's, as the training loss is."""
+    result = train(_cfg(steps=2, slots_dtype="float16"), log=_quiet)
+    assert result.steps == 2 and np.isfinite(result.test_auc)
+
+
 def test_first_run_says_it_compiles_kernels_and_a_second_run_does_not(tmp_path):
     """A fresh numba cache (NUMBA_CACHE_DIR) is a first run: the message comes before the first
     epoch; the second run loads the kernels from that cache and says nothing. (The first run

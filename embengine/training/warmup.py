@@ -48,7 +48,9 @@ def compile_kernels(
         batch = next(iter(source.train_batches(batch_size, 0)))
         features = _mini_batch(batch.sparse)
         out = layer(features)
-        sum(t.sum() for t in out.values()).backward()
+        # The mean's gradient, as the training loss's: a sum's (1 per element) summed over a
+        # batch of one row's ids overflowed float16 slots (65504) before training started.
+        sum(t.mean() for t in out.values()).backward()
         layer.eval()
         with torch.no_grad():
             layer(features)
