@@ -149,6 +149,15 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # OSError: FileNotFoundError, a full disk, ...
         print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the engine's NonFiniteUpdateError: the run diverged
+        print(
+            f"embengine train: error: {e}\nthe tables' updates diverged: train with a smaller "
+            f"--lr than {cfg.learning_rate:g}"
+            + (" (or float32 tables)" if "float16" in (cfg.weights_dtype, cfg.slots_dtype) else "")
+            + (", resumed from the last checkpoint with --resume" if cfg.checkpoint_dir else ""),
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

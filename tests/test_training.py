@@ -158,6 +158,16 @@ def test_cli_checkpoint_dir_that_is_a_file_is_an_error(capsys, tmp_path):
     assert "is a file" in capsys.readouterr().err
 
 
+def test_cli_a_diverging_run_is_an_error_saying_what_to_do(capsys):
+    """Tables whose update overflows (float16 weights, SGD at lr 1e6) end the run with an
+    error and exit 2 that says to lower --lr (was: a NonFiniteUpdateError traceback, exit 1)."""
+    args = ["train", *SYN_ARGS, "--steps", "3", "--optimizer", "sgd", "--lr", "1e6"]
+    assert cli.main([*args, "--weights-dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "embengine train: error: step " in err and "non-finite" in err, err
+    assert "a smaller --lr than 1e+06" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("model", ["dlrm", "fm"])
 def test_cli_short_synthetic_run_learns(capsys, tmp_path, model):
     plot = tmp_path / "curves.png"
