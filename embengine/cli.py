@@ -97,13 +97,24 @@ def _train(args: argparse.Namespace) -> int:
         vocabulary=args.vocabulary,
         weights_dtype=args.weights_dtype,
         slots_dtype=args.slots_dtype,
-        synthetic={
-            "examples_per_epoch": args.epoch_examples,
-            "test_examples": args.test_examples,
-            "vocabulary_scale": args.vocabulary_scale,
+        synthetic={  # the ones given; SyntheticSource has the parser's documented defaults
+            key: value
+            for key, value in (
+                ("examples_per_epoch", args.epoch_examples),
+                ("test_examples", args.test_examples),
+                ("vocabulary_scale", args.vocabulary_scale),
+            )
+            if value is not None
         },
     )
     try:
+        if cfg.dataset != "synthetic":
+            for flag in ("--epoch-examples", "--test-examples", "--vocabulary-scale"):
+                if getattr(args, flag[2:].replace("-", "_")) is not None:
+                    raise ValueError(
+                        f"{flag} is for --dataset synthetic; {cfg.dataset} has its own "
+                        "examples and vocabularies (--steps shortens a run)"
+                    )
         cfg.check()  # every option, before torch is imported or any data read
         if args.baseline and cfg.embeddings != "engine":
             raise ValueError(
@@ -395,13 +406,20 @@ def build_parser() -> argparse.ArgumentParser:
             "rounded stochastically",
         )
     syn = train.add_argument_group("synthetic data")
-    syn.add_argument("--epoch-examples", type=int, default=1_000_000)
-    syn.add_argument("--test-examples", type=int, default=100_000)
+    syn.add_argument(
+        "--epoch-examples", type=int, default=None, help="examples an epoch (default 1000000)"
+    )
+    syn.add_argument(
+        "--test-examples",
+        type=int,
+        default=None,
+        help="examples of the validation and of the test set (default 100000)",
+    )
     syn.add_argument(
         "--vocabulary-scale",
         type=float,
-        default=1.0,
-        help="multiply every synthetic vocabulary (up to 10^8 rows)",
+        default=None,
+        help="multiply every synthetic vocabulary (up to 10^8 rows; default 1)",
     )
     train.set_defaults(func=_train)
 

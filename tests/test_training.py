@@ -151,6 +151,30 @@ def test_cli_checks_every_option_before_any_work(capsys, monkeypatch, tmp_path, 
     assert message in err, err
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--epoch-examples", "1000"), ("--test-examples", "10"), ("--vocabulary-scale", "2")],
+)
+def test_cli_synthetic_options_on_movielens_are_an_error(capsys, flag, value):
+    """The synthetic data's options with --dataset movielens-100k: an error naming the flag,
+    before any work (was: ignored, --epoch-examples 1000 trained MovieLens' 297 batches)."""
+    assert cli.main(["train", "--steps", "1", "--no-progress", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} is for --dataset synthetic" in err, err
+
+
+def test_cli_resume_without_the_synthetic_options_uses_their_defaults(capsys, tmp_path):
+    """A resume leaving out --epoch-examples is a run of the default 1000000, refused against
+    a checkpoint of 5000 with the flag and both numbers."""
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+    assert cli.main(["train", *SYN_ARGS, "--steps", "2", *ckpt]) == 0
+    at = SYN_ARGS.index("--epoch-examples")
+    short = SYN_ARGS[:at] + SYN_ARGS[at + 2 :]
+    assert cli.main(["train", *short, "--steps", "4", *ckpt, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--epoch-examples 5000, this run asks for 1000000" in err, err
+
+
 def test_cli_checkpoint_dir_that_is_a_file_is_an_error(capsys, tmp_path):
     path = tmp_path / "file"
     path.write_text("x")

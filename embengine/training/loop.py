@@ -24,7 +24,7 @@ from .metrics import auc, logloss
 from .models import MODELS, embedding_dim
 from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig
 from .ranks import Ranks
-from .sources import DataSource, make_source
+from .sources import DataSource, SyntheticSource, make_source
 
 __all__ = ["TrainConfig", "TrainResult", "train", "ENGINE_OPTIMIZERS", "DEFAULT_LR"]
 
@@ -169,8 +169,9 @@ def _check_resumable(ckpt_dir: Path, cfg: TrainConfig) -> None:
     ]
     if cfg.dataset == "synthetic":
         syn = saved.get("synthetic") or {}
+        default = SyntheticSource.__dataclass_fields__  # an option not given: its default
         pairs += [
-            (flag, syn.get(k), cfg.synthetic.get(k), k in syn)
+            (flag, syn.get(k, default[k].default), cfg.synthetic.get(k, default[k].default), True)
             for k, flag in _RESUME_SAME_SYNTHETIC.items()
         ]
     for flag, was, now, known in pairs:
