@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,6 +174,19 @@ def test_cli_resume_without_the_synthetic_options_uses_their_defaults(capsys, tm
     assert cli.main(["train", *short, "--steps", "4", *ckpt, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "--epoch-examples 5000, this run asks for 1000000" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "flag, path", [("--checkpoint-dir", "/proc/embengine-ckpt"), ("--plot", "/proc/embengine.png")]
+)
+def test_cli_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, flag, path):
+    """A --checkpoint-dir or --plot where nothing can be created (/proc refuses even root) is
+    an error naming the flag before training (was: "[Errno 2] No such file or directory" after
+    the first epoch, or for --plot after the whole run, its results lost)."""
+    assert cli.main(["train", *SYN_ARGS, "--steps", "1", flag, path]) == 2
+    out, err = capsys.readouterr()
+    assert f"{flag} {path}: cannot write" in err and "epoch 1" not in out, err
 
 
 def test_cli_checkpoint_dir_that_is_a_file_is_an_error(capsys, tmp_path):

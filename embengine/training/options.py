@@ -4,6 +4,8 @@ fast) before the training job imports torch, builds an engine or reads any data.
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +199,7 @@ class TrainConfig:
                         f"--checkpoint-dir {path}: {what}, not a folder; name another folder"
                     )
                 break
+        _check_writable("--checkpoint-dir", path, path)
         if path.is_dir() and not self.resume:
             newest = latest_checkpoint(path)
             if newest is not None:
@@ -245,6 +248,7 @@ class TrainConfig:
         folder = path.parent
         if not folder.is_dir():
             raise ValueError(f"--plot {path}: folder {folder} does not exist; create it first")
+        _check_writable("--plot", path, folder)
 
     def _check_synthetic(self) -> None:
         syn = self.synthetic
@@ -265,6 +269,21 @@ class TrainConfig:
                 f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
                 "vocabularies up to 10^8 rows are supported"
             )
+
+
+def _check_writable(flag: str, path: Path, folder: Path) -> None:
+    """That ``folder``, or the nearest of its parents that exists (where it will be made), takes
+    new entries: a folder made and removed there, else ValueError before any work (an output
+    that cannot be written failed after the training, its results lost)."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".embengine-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {path}: cannot write in {existing} ({e.strerror}); name a folder you can write"
+        ) from None
 
 
 def _int_at_least(flag: str, value, minimum: int) -> None:
