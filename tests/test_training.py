@@ -384,6 +384,31 @@ def test_resume_with_other_table_or_data_options_names_the_flag(tmp_path, kw, me
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path):
+    """While a run holds its --checkpoint-dir (RUN_LOCK, flock), another run there, resumed
+    or not, is refused naming the holder's pid (was: both trained, their checkpoints
+    interleaved: ckpt-000413-step394 after ckpt-000412-step416, and a resume went on from
+    either); once it is released the run goes ahead."""
+    import fcntl
+    import os
+
+    from embengine.training.loop import RUN_LOCK
+
+    tmp_path.mkdir(exist_ok=True)
+    fd = os.open(tmp_path / RUN_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"4242\n")
+        for resume in (False, True):
+            with pytest.raises(ValueError, match=r"in use by another embengine train \(pid 4242\)"):
+                train(_cfg(steps=2, checkpoint_dir=str(tmp_path), resume=resume), log=_quiet)
+    finally:
+        os.close(fd)
+    assert not any(p.name.startswith("ckpt-") for p in tmp_path.iterdir())
+    assert train(_cfg(steps=2, checkpoint_dir=str(tmp_path)), log=_quiet).steps == 2
+    assert train(_cfg(steps=4, checkpoint_dir=str(tmp_path), resume=True), log=_quiet).steps == 4
+
+
 def test_resume_from_a_checkpoint_not_written_by_train_says_so(tmp_path):
     train(_cfg(steps=3, checkpoint_dir=str(tmp_path / "run")), log=_quiet)
     ee.EmbeddingEngine.load(tmp_path / "run").save(tmp_path / "plain")

@@ -9,6 +9,9 @@ test AUC and logloss are printed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -239,7 +242,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     ranks = Ranks.join(cfg.bind_cores, log)
     if ranks.distributed:
         cfg.check_distributed(ranks.world)
-    result = _train(cfg, log if ranks.rank == 0 else _silent, ranks)
+    with _run_lock(cfg, ranks):
+        result = _train(cfg, log if ranks.rank == 0 else _silent, ranks)
     # Only after success: ending a group whose peer died can wait for it (torchrun ends a
     # failed rank's process anyway).
     ranks.leave()
@@ -248,6 +252,50 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
 
 def _silent(text: str) -> None:
     pass
+
+
+# The file of a --checkpoint-dir that the run writing it holds locked (flock, released when
+# its process ends): a second run there, resumed or not, would interleave its checkpoints with
+# the first's and a later --resume would go on from either.
+RUN_LOCK = ".embengine-train.lock"
+
+
+@contextlib.contextmanager
+def _run_lock(cfg: TrainConfig, ranks: Ranks):
+    """For the run: rank 0 holds ``cfg.checkpoint_dir``'s RUN_LOCK; if another process holds
+    it, every rank raises ValueError naming it."""
+    if not cfg.checkpoint_dir:
+        yield
+        return
+    folder, fd, holder = Path(cfg.checkpoint_dir), None, None
+    if ranks.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            fd = None
+        except OSError:  # no flock on this file system (a save will say so)
+            pass
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    refused = ranks.total(0.0 if holder is None else 1.0)
+    try:
+        if refused:
+            raise ValueError(
+                f"--checkpoint-dir {folder} is in use by another embengine train (pid "
+                f"{holder if holder is not None else 'on rank 0'}), whose checkpoints this "
+                "run's would interleave with; wait for it to end (or stop it), or give "
+                "another folder"
+            )
+        yield
+    finally:
+        if fd is not None:  # unlocked before closing: a forked child shares the description
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainResult:
