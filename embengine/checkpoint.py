@@ -905,7 +905,16 @@ def _resolve(path: str | Path) -> Path:
         raise CheckpointError(_gone(path))
     latest = latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(f"no complete checkpoint at {path}")
+        if not os.path.lexists(path):
+            what = "does not exist"
+        elif not path.is_dir():
+            what = "is a file; give the checkpoint's folder (or the folder holding checkpoints)"
+        else:
+            what = (
+                "holds neither manifest.json (a checkpoint's folder) nor complete ckpt-* "
+                "folders (a folder of checkpoints)"
+            )
+        raise CheckpointError(f"no complete checkpoint at {path}: {what}")
     return latest
 
 

@@ -328,6 +328,22 @@ def test_a_manifest_that_is_not_an_object_is_refused_by_inspect(saved, tmp_path)
         _all_refusals(path, tmp_path)
 
 
+def test_inspect_of_a_path_that_is_no_checkpoint_says_what_it_is(saved, tmp_path):
+    """A file (the manifest itself, a data file), a missing path and a folder without
+    checkpoints: each named for what it is and what to give instead (was: "no complete
+    checkpoint at PATH" for all)."""
+    _, path = saved
+    cases = {
+        path / "manifest.json": "is a file; give the checkpoint's folder",
+        tmp_path / "missing": "does not exist",
+        tmp_path / "empty": "holds neither manifest.json",
+    }
+    (tmp_path / "empty").mkdir()
+    for where, what in cases.items():
+        with pytest.raises(CheckpointError, match=f"no complete checkpoint at {where}: {what}"):
+            describe(where)
+
+
 # -- item 4: every file is a plain name inside the checkpoint, listed and checksummed -------------
 
 
