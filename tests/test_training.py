@@ -206,6 +206,20 @@ def test_cli_a_diverging_run_is_an_error_saying_what_to_do(capsys):
     assert "a smaller --lr than 1e+06" in err and "Traceback" not in err, err
 
 
+def test_cli_a_resume_the_ranks_would_refuse_is_refused_before_launching_them(capsys, tmp_path):
+    """--nproc-per-node 2 --resume with another --weights-dtype than the checkpoint's: one
+    error and exit 2 from the command, no rank launched (was: each rank's error, interleaved
+    on one line, then torchrun's ChildFailedError traceback and exit 1)."""
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+    assert cli.main(["train", *SYN_ARGS, "--steps", "2", *ckpt]) == 0
+    capsys.readouterr()
+    again = ["--steps", "4", *ckpt, "--resume", "--weights-dtype", "bfloat16"]
+    assert cli.main(["train", *SYN_ARGS, *again, "--nproc-per-node", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("error:") == 1 and "--weights-dtype float32, this run" in err, err
+    assert "ChildFailedError" not in err + out
+
+
 @pytest.mark.parametrize("model", ["dlrm", "fm"])
 def test_cli_short_synthetic_run_learns(capsys, tmp_path, model):
     plot = tmp_path / "curves.png"

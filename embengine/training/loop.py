@@ -25,9 +25,9 @@ from ..engine import EmbeddingEngine
 from ..torch import EmbeddingLayer
 from .metrics import auc, logloss
 from .models import MODELS, embedding_dim
-from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig
+from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig, check_resumable
 from .ranks import Ranks
-from .sources import DataSource, SyntheticSource, make_source
+from .sources import DataSource, make_source
 
 __all__ = ["TrainConfig", "TrainResult", "train", "ENGINE_OPTIMIZERS", "DEFAULT_LR"]
 
@@ -123,66 +123,6 @@ def _optimizer_state(optim: torch.optim.Optimizer) -> tuple[dict[str, np.ndarray
             else:
                 scalars[f"{pid}/{k}"] = v
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-# What a checkpoint of `embengine train` holds besides the tables, and the options a resumed
-# run must share with it (the seed too: it orders each epoch's batches and, for keyed tables,
-# gives new rows their values).
-_RESUME_STATE = ("step", "epoch", "batch", "history", "dense_optimizer", "config")
-_RESUME_SAME = (
-    "dataset",
-    "model",
-    "dim",
-    "optimizer",
-    "embeddings",
-    "batch_size",
-    "seed",
-    "vocabulary",
-    "weights_dtype",
-    "slots_dtype",
-)
-# The synthetic data's options a resume shares: they place the data position and make the
-# validation set whose AUCs early stopping compares (the vocabularies: the tables' shapes).
-_RESUME_SAME_SYNTHETIC = {
-    "examples_per_epoch": "--epoch-examples",
-    "test_examples": "--test-examples",
-    "vocabulary_scale": "--vocabulary-scale",
-}
-
-
-def _check_resumable(ckpt_dir: Path, cfg: TrainConfig) -> None:
-    """Before anything is restored: the newest checkpoint in ``ckpt_dir`` was written by
-    `embengine train` with the options this run must share; ValueError naming the flag."""
-    from ..checkpoint import read_manifest
-
-    ckpt, manifest = read_manifest(ckpt_dir, verify=False)  # the restore verifies its hashes
-    state = manifest["extra"]["metadata"]
-    missing = [k for k in _RESUME_STATE if k not in state]
-    if missing:
-        raise ValueError(
-            f"--resume: the newest checkpoint in {ckpt_dir} was not written by "
-            f"`embengine train` (no {', '.join(missing)}: a model and a data position to "
-            "go on from); train into a new --checkpoint-dir, or load it with "
-            "EmbeddingEngine.load"
-        )
-    saved = state["config"] if isinstance(state["config"], dict) else {}
-    pairs = [
-        (f"--{k.replace('_', '-')}", saved.get(k), getattr(cfg, k), k in saved)
-        for k in _RESUME_SAME
-    ]
-    if cfg.dataset == "synthetic":
-        syn = saved.get("synthetic") or {}
-        default = SyntheticSource.__dataclass_fields__  # an option not given: its default
-        pairs += [
-            (flag, syn.get(k, default[k].default), cfg.synthetic.get(k, default[k].default), True)
-            for k, flag in _RESUME_SAME_SYNTHETIC.items()
-        ]
-    for flag, was, now, known in pairs:
-        if known and was != now:
-            raise ValueError(
-                f"--resume: {ckpt.name} in {ckpt_dir} was trained with {flag} {was}, this run "
-                f"asks for {now}; resume with {flag} {was}, or train into a new --checkpoint-dir"
-            )
 
 
 def _load_optimizer_state(optim, tensors: dict[str, np.ndarray], meta: dict) -> None:
@@ -335,7 +275,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
     step, start_epoch, start_batch, history = 0, 0, 0, []
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if cfg.resume and ckpt_dir is not None and _has_checkpoint(ckpt_dir):
-        _check_resumable(ckpt_dir, cfg)
+        check_resumable(ckpt_dir, cfg)
         restored = engine.restore(ckpt_dir)
         state = restored.extra_metadata
         model.load_state_dict(

@@ -18,6 +18,7 @@ __all__ = [
     "MODEL_NAMES",
     "PLOT_FORMATS",
     "TrainConfig",
+    "check_resumable",
     "missing_packages",
 ]
 
@@ -268,6 +269,67 @@ class TrainConfig:
             raise ValueError(
                 f"--vocabulary-scale {scale} makes a vocabulary of {largest} rows; "
                 "vocabularies up to 10^8 rows are supported"
+            )
+
+
+# What a checkpoint of `embengine train` holds besides the tables, and the options a resumed
+# run must share with it (the seed too: it orders each epoch's batches and, for keyed tables,
+# gives new rows their values).
+_RESUME_STATE = ("step", "epoch", "batch", "history", "dense_optimizer", "config")
+_RESUME_SAME = (
+    "dataset",
+    "model",
+    "dim",
+    "optimizer",
+    "embeddings",
+    "batch_size",
+    "seed",
+    "vocabulary",
+    "weights_dtype",
+    "slots_dtype",
+)
+# The synthetic data's options a resume shares: they place the data position and make the
+# validation set whose AUCs early stopping compares (the vocabularies: the tables' shapes).
+_RESUME_SAME_SYNTHETIC = {
+    "examples_per_epoch": "--epoch-examples",
+    "test_examples": "--test-examples",
+    "vocabulary_scale": "--vocabulary-scale",
+}
+
+
+def check_resumable(ckpt_dir: Path, cfg: TrainConfig) -> None:
+    """Before anything is restored: the newest checkpoint in ``ckpt_dir`` was written by
+    `embengine train` with the options this run must share; ValueError naming the flag."""
+    from ..checkpoint import read_manifest
+    from .sources import SyntheticSource
+
+    ckpt, manifest = read_manifest(ckpt_dir, verify=False)  # the restore verifies its hashes
+    state = manifest["extra"]["metadata"]
+    missing = [k for k in _RESUME_STATE if k not in state]
+    if missing:
+        raise ValueError(
+            f"--resume: the newest checkpoint in {ckpt_dir} was not written by "
+            f"`embengine train` (no {', '.join(missing)}: a model and a data position to "
+            "go on from); train into a new --checkpoint-dir, or load it with "
+            "EmbeddingEngine.load"
+        )
+    saved = state["config"] if isinstance(state["config"], dict) else {}
+    pairs = [
+        (f"--{k.replace('_', '-')}", saved.get(k), getattr(cfg, k), k in saved)
+        for k in _RESUME_SAME
+    ]
+    if cfg.dataset == "synthetic":
+        syn = saved.get("synthetic") or {}
+        default = SyntheticSource.__dataclass_fields__  # an option not given: its default
+        pairs += [
+            (flag, syn.get(k, default[k].default), cfg.synthetic.get(k, default[k].default), True)
+            for k, flag in _RESUME_SAME_SYNTHETIC.items()
+        ]
+    for flag, was, now, known in pairs:
+        if known and was != now:
+            raise ValueError(
+                f"--resume: {ckpt.name} in {ckpt_dir} was trained with {flag} {was}, this run "
+                f"asks for {now}; resume with {flag} {was}, or train into a new --checkpoint-dir"
             )
 
 
