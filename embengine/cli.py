@@ -116,13 +116,14 @@ def _train(args: argparse.Namespace) -> int:
                         "examples and vocabularies (--steps shortens a run)"
                     )
         cfg.check()  # every option, before torch is imported or any data read
-        if cfg.resume:  # and the checkpoint's, before any rank is launched
+        if cfg.checkpoint_dir:  # and the folder's checkpoint, before any rank is launched
             from pathlib import Path
 
             from .checkpoint import latest_checkpoint
-            from .training.options import check_resumable
+            from .training.options import check_not_in_use, check_resumable
 
-            if latest_checkpoint(cfg.checkpoint_dir) is not None:
+            check_not_in_use(Path(cfg.checkpoint_dir))
+            if cfg.resume and latest_checkpoint(cfg.checkpoint_dir) is not None:
                 check_resumable(Path(cfg.checkpoint_dir), cfg)
         if args.baseline and cfg.embeddings != "engine":
             raise ValueError(

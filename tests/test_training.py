@@ -416,6 +416,8 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path):
         for resume in (False, True):
             with pytest.raises(ValueError, match=r"in use by another embengine train \(pid 4242\)"):
                 train(_cfg(steps=2, checkpoint_dir=str(tmp_path), resume=resume), log=_quiet)
+        args = ["train", *SYN_ARGS, "--steps", "2", "--checkpoint-dir", str(tmp_path)]
+        assert cli.main([*args, "--nproc-per-node", "2"]) == 2  # refused before launching
     finally:
         os.close(fd)
     assert not any(p.name.startswith("ckpt-") for p in tmp_path.iterdir())

@@ -25,7 +25,7 @@ from ..engine import EmbeddingEngine
 from ..torch import EmbeddingLayer
 from .metrics import auc, logloss
 from .models import MODELS, embedding_dim
-from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, TrainConfig, check_resumable
+from .options import DEFAULT_LR, ENGINE_OPTIMIZERS, RUN_LOCK, TrainConfig, check_resumable, in_use
 from .ranks import Ranks
 from .sources import DataSource, make_source
 
@@ -194,12 +194,6 @@ def _silent(text: str) -> None:
     pass
 
 
-# The file of a --checkpoint-dir that the run writing it holds locked (flock, released when
-# its process ends): a second run there, resumed or not, would interleave its checkpoints with
-# the first's and a later --resume would go on from either.
-RUN_LOCK = ".embengine-train.lock"
-
-
 @contextlib.contextmanager
 def _run_lock(cfg: TrainConfig, ranks: Ranks):
     """For the run: rank 0 holds ``cfg.checkpoint_dir``'s RUN_LOCK; if another process holds
@@ -225,12 +219,7 @@ def _run_lock(cfg: TrainConfig, ranks: Ranks):
     refused = ranks.total(0.0 if holder is None else 1.0)
     try:
         if refused:
-            raise ValueError(
-                f"--checkpoint-dir {folder} is in use by another embengine train (pid "
-                f"{holder if holder is not None else 'on rank 0'}), whose checkpoints this "
-                "run's would interleave with; wait for it to end (or stop it), or give "
-                "another folder"
-            )
+            raise ValueError(in_use(folder, holder if holder is not None else "on rank 0"))
         yield
     finally:
         if fd is not None:  # unlocked before closing: a forked child shares the description

@@ -333,6 +333,42 @@ def check_resumable(ckpt_dir: Path, cfg: TrainConfig) -> None:
             )
 
 
+# The file of a --checkpoint-dir that the run writing it holds locked (flock, released when
+# its process ends): a second run there, resumed or not, would interleave its checkpoints with
+# the first's and a later --resume would go on from either.
+RUN_LOCK = ".embengine-train.lock"
+
+
+def in_use(folder: Path, holder: str) -> str:
+    return (
+        f"--checkpoint-dir {folder} is in use by another embengine train (pid {holder}), whose "
+        "checkpoints this run's would interleave with; wait for it to end (or stop it), or "
+        "give another folder"
+    )
+
+
+def check_not_in_use(folder: Path) -> None:
+    """ValueError if a run holds ``folder``'s RUN_LOCK now (the launcher's early look; each
+    run's rank 0 holds it for the run)."""
+    import fcntl
+
+    try:
+        fd = os.open(folder / RUN_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: no run there yet
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            raise ValueError(in_use(folder, holder)) from None
+        except OSError:  # no flock here
+            return
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _check_writable(flag: str, path: Path, folder: Path) -> None:
     """That ``folder``, or the nearest of its parents that exists (where it will be made), takes
     new entries: a folder made and removed there, else ValueError before any work (an output
