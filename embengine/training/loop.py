@@ -10,7 +10,6 @@ test AUC and logloss are printed.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from collections.abc import Callable
@@ -194,11 +193,17 @@ def _silent(text: str) -> None:
     pass
 
 
+try:  # POSIX; Windows has no flock, so no lock is taken there (as storage.dense)
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+
 @contextlib.contextmanager
 def _run_lock(cfg: TrainConfig, ranks: Ranks):
     """For the run: rank 0 holds ``cfg.checkpoint_dir``'s RUN_LOCK; if another process holds
     it, every rank raises ValueError naming it."""
-    if not cfg.checkpoint_dir:
+    if not cfg.checkpoint_dir or fcntl is None:
         yield
         return
     folder, fd, holder = Path(cfg.checkpoint_dir), None, None

@@ -350,8 +350,10 @@ def in_use(folder: Path, holder: str) -> str:
 def check_not_in_use(folder: Path) -> None:
     """ValueError if a run holds ``folder``'s RUN_LOCK now (the launcher's early look; each
     run's rank 0 holds it for the run)."""
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (no flock: no run holds the lock)
+        return
     try:
         fd = os.open(folder / RUN_LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # no lock file: no run there yet
