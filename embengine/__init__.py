@@ -10,7 +10,7 @@ so ``import embengine`` works, and stays light, without it.
 from . import initializers, optimizers
 from .batch import PreparedBatch
 from .config import Compressor, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
-from .engine import EmbeddingEngine, NonFiniteUpdateError
+from .engine import EmbeddingEngine, NonFiniteGradientError, NonFiniteUpdateError
 from .inputs import Ragged
 from .optimizers import DynamicLearningRate
 from .version import __version__
@@ -21,6 +21,7 @@ __all__ = [
     "DynamicVocabulary",
     "EmbeddingEngine",
     "FeatureConfig",
+    "NonFiniteGradientError",
     "NonFiniteUpdateError",
     "PreparedBatch",
     "QuantizationConfig",

@@ -150,6 +150,7 @@ def _train(args: argparse.Namespace) -> int:
 
     if cfg.nproc_per_node > 1 and not in_launched_rank():
         return launch(args.argv, cfg.nproc_per_node, cfg.max_restarts)
+    from .engine import NonFiniteGradientError
     from .training.loop import train
 
     try:
@@ -166,17 +167,20 @@ def _train(args: argparse.Namespace) -> int:
             )
             print(twin.summary())
             print(format_comparison(cfg, result, twin))
-    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, a full disk, ...
-        print(f"embengine train: error: {e}", file=sys.stderr)
-        return 2
-    except FloatingPointError as e:  # the engine's NonFiniteUpdateError: the run diverged
+    except (FloatingPointError, NonFiniteGradientError) as e:  # the run diverged
+        # NonFiniteUpdateError (a FloatingPointError): the tables' updates overflowed;
+        # NonFiniteGradientError: the model's gradients already held NaN or Inf.
+        what = "tables' updates" if isinstance(e, FloatingPointError) else "model's gradients"
         print(
-            f"embengine train: error: {e}\nthe tables' updates diverged: train with a smaller "
+            f"embengine train: error: {e}\nthe {what} diverged: train with a smaller "
             f"--lr than {cfg.learning_rate:g}"
             + (" (or float32 tables)" if "float16" in (cfg.weights_dtype, cfg.slots_dtype) else "")
             + (", resumed from the last checkpoint with --resume" if cfg.checkpoint_dir else ""),
             file=sys.stderr,
         )
+        return 2
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, a full disk, ...
+        print(f"embengine train: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -67,6 +67,12 @@ class NonFiniteUpdateError(FloatingPointError):
         self.rows = rows
 
 
+class NonFiniteGradientError(ValueError):
+    """A gradient holding NaN or Inf given to an update (``nonfinite_gradients="error"``), refused
+    before any row changed. A ValueError, as before it had a class of its own: what a training
+    loop catches to say that its model diverged (``embengine train``: lower ``--lr``)."""
+
+
 # Timestamps are ints in [0, 2^62): a difference of two never overflows int64.
 _MAX_TIMESTAMP = 1 << 62
 # Engine states, numbered across the process: a new engine, a copy (a DataLoader worker's) and
@@ -92,7 +98,7 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
         bad = ~np.isfinite(g)
         if bad.any():
             idx = np.unravel_index(int(np.argmax(bad.reshape(-1))), lay.shape)
-            raise ValueError(
+            raise NonFiniteGradientError(
                 f"feature {name!r}: gradient {g.reshape(lay.shape)[idx]} at "
                 f"{list(map(int, idx))} is not finite (nonfinite_gradients='error'; "
                 "'skip_row' leaves such rows untouched)"

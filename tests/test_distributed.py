@@ -688,7 +688,9 @@ def test_a_gradient_of_bools_strings_complex_or_nan_on_one_rank_fails_every_rank
         f"TypeError: feature 'a': gradient must be numbers, got {dtype}"
         for dtype in ("bool", "<U32", "complex128")
     ], said
-    assert said[3].startswith("ValueError: feature 'a': gradient nan at [2, 1] is not finite"), said
+    assert said[3].startswith(
+        "NonFiniteGradientError: feature 'a': gradient nan at [2, 1] is not finite"
+    ), said
     assert said[4] == "then step=4", said
     seconds, text = _error_text(tmp_path, "bad_gradients", 0)
     said = text.removeprefix("RuntimeError: ").strip().split(" | ")

@@ -196,6 +196,17 @@ def test_cli_checkpoint_dir_that_is_a_file_is_an_error(capsys, tmp_path):
     assert "is a file" in capsys.readouterr().err
 
 
+def test_cli_a_run_whose_model_diverges_says_to_lower_the_lr(capsys):
+    """A model whose gradients turn NaN (SGD at lr 1e37) ends the run with an error and exit 2
+    that says to lower --lr (was: the engine's advice about nonfinite_gradients='skip_row', an
+    option the CLI does not have)."""
+    args = ["train", *SYN_ARGS, "--steps", "20", "--optimizer", "sgd", "--lr", "1e37"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "is not finite" in err and "the model's gradients diverged" in err, err
+    assert "a smaller --lr than 1e+37" in err and "Traceback" not in err, err
+
+
 def test_cli_a_diverging_run_is_an_error_saying_what_to_do(capsys):
     """Tables whose update overflows (float16 weights, SGD at lr 1e6) end the run with an
     error and exit 2 that says to lower --lr (was: a NonFiniteUpdateError traceback, exit 1)."""
