@@ -49,6 +49,7 @@ __all__ = [
     "nearest",
     "rounding_places",
     "check_initial",
+    "check_initial_slots",
     "initial_bound",
 ]
 
@@ -228,6 +229,14 @@ def check_initial(
         f"{largest:.7g}): stored in {dtype} it would be Inf. Use smaller initial values, or "
         "a wider weights_dtype / slots_dtype"
     )
+
+
+def check_initial_slots(table: str, slots_dtype: str, slot_specs) -> None:
+    """``check_initial`` of each float slot's initial value in ``slots_dtype`` (int32 slots,
+    such as Adam's per-row steps, are not rounded)."""
+    for spec in slot_specs:
+        if spec.dtype == "float32":
+            check_initial(table, slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value")
 
 
 def initial_bound(initializer, dim: int) -> float | None:

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
-from ..precision import check_initial
+from ..precision import check_initial, check_initial_slots
 from ..storage import DenseTable
 from ..storage.protocol import NO_ROW
 
@@ -438,6 +438,8 @@ class ShardTable(DenseTable):
         if initializer.whole_table:  # the whole table's values, as one process has them
             every = np.arange(self.global_vocabulary_size, dtype=np.int64)
             chunk, whole = max(count, 1), initializer.init(seed, name, every, self.dim)
+        if count:  # as DenseTable's
+            check_initial_slots(name, self.slots_dtype, self.slot_specs)
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
             ids = self.global_ids[first + lo : first + hi]
@@ -447,10 +449,6 @@ class ShardTable(DenseTable):
             check_initial(name, self.weights_dtype, values, "its initializer", ids=ids)
             self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
-                if spec.dtype == "float32":
-                    check_initial(
-                        name, self.slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value"
-                    )
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
 
     @property

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..initializers import Initializer
 from ..optimizers import SlotSpec
-from ..precision import check_initial, numpy_dtype, table_key
+from ..precision import check_initial, check_initial_slots, numpy_dtype, table_key
 
 try:  # POSIX; Windows has no flock, so no lock is taken there
     import fcntl
@@ -341,6 +341,8 @@ class DenseTable(MappedRows):
         chunk = max(1, _INIT_VALUES_PER_CHUNK // max(self.dim, 1))
         if initializer.whole_table:  # one call, as TF makes it (FromFunction)
             chunk = max(count, 1)
+        if count:  # 16-bit slots: their initial values rounded to nearest, as the weights
+            check_initial_slots(name, self.slots_dtype, self.slot_specs)
         for lo in range(0, count, chunk):
             hi = min(lo + chunk, count)
             rows = np.arange(lo, hi, dtype=np.int64)
@@ -349,10 +351,6 @@ class DenseTable(MappedRows):
             check_initial(name, self.weights_dtype, values, "its initializer", lo)
             self.weights[first + lo : first + hi] = values
             for spec in self.slot_specs:
-                if spec.dtype == "float32":
-                    check_initial(
-                        name, self.slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value"
-                    )
                 self.slot(spec.name)[first + lo : first + hi] = spec.initial_value
 
     def _view_mapping(self) -> np.ndarray:

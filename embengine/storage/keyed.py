@@ -46,7 +46,7 @@ from ..config import MAX_KEYED_ROWS
 from ..initializers import FromFunction, Initializer
 from ..inputs import frozen
 from ..optimizers import SlotSpec
-from ..precision import check_initial, initial_bound
+from ..precision import check_initial, check_initial_slots, initial_bound
 from ..precision import table_key as rounding_key
 from ..state import (
     KEYED_COUNTERS,
@@ -588,9 +588,7 @@ class KeyedTable(MappedRows):
         bound = initial_bound(initializer, self.dim)
         if bound is not None:
             check_initial(name, weights_dtype, bound, f"its initializer {initializer!r}")
-        for spec in self.slot_specs:
-            if spec.dtype == "float32":
-                check_initial(name, slots_dtype, spec.initial_value, f"slot {spec.name!r}'s value")
+        check_initial_slots(name, slots_dtype, self.slot_specs)
         self._seed = int(seed)
         self._pending = _Pending(
             min(4 * dynamic.max_rows, MAX_KEYED_ROWS) if dynamic.max_rows else DEFAULT_MAX_PENDING
@@ -1619,13 +1617,13 @@ class KeyedTable(MappedRows):
         (``where``: the rows, or their slice), as a dense 16-bit table's initial values are
         (they are not updates)."""
         data = self._data
-        if values is None:
+        if values is None:  # given: a FromFunction's, checked before the insert
             values = self._initializer.init(self._seed, self.name, keys, self.dim)
-        # (a built-in initializer's bound was checked when the table was built; a
-        # FromFunction's values are known only now, and refused as its non-finite ones are)
-        check_initial(
-            self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
-        )
+            # (a built-in initializer's bound was checked when the table was built; one
+            # without a bound, such as a row id's, has its values checked only now)
+            check_initial(
+                self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
+            )
         column_view(data, self.columns[WEIGHTS])[where] = values
         for spec in self.slot_specs:
             column_view(data, self.columns[spec.name])[where] = spec.initial_value
