@@ -2,12 +2,13 @@
 float32, updates written back with stochastic rounding from the same random stream in both
 backends."""
 
+import contextlib
 import dataclasses
 import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from test_numba_matches_reference import (
     COUNTING,
     OPTIMIZERS,
@@ -20,6 +21,8 @@ from test_training import SYN_ARGS  # the small synthetic run's CLI arguments
 import embengine as ee
 from embengine import initializers as init
 from embengine import optimizers as opt
+from embengine.backends import reference
+from embengine.precision import BF16, KIND, hash_bits, rounding_places
 from embengine.storage import plan_storage
 from embengine.storage.plan import StoragePlan
 
@@ -71,15 +74,58 @@ def _steps(engines, scenario):
         grads = {k: rng.normal(size=a.shape).astype(np.float32) for k, a in acts[0].items()}
         fast_state, slow_state = _state(fast), _state(slow)  # live views
         before = {n: [(w, a.copy()) for w, a in arrays] for n, arrays in slow_state.items()}
-        for e in engines:
-            e.apply_gradients(grads)
-        _assert_same_step(fast_state, slow_state, before)
+        fast.apply_gradients(grads)
+        with _rounding_on_a_threshold() as on_threshold:
+            slow.apply_gradients(grads)
+        _assert_same_step(fast_state, slow_state, before, on_threshold)
         for name, arrays in slow_state.items():
             for (_, a), (_, b) in zip(fast_state[name], arrays, strict=True):
                 a[...] = b
 
 
-def _assert_same_step(fast, slow, before):
+@contextlib.contextmanager
+def _rounding_on_a_threshold():
+    """Yields {logical table name: rows, or None for all of them} where the reference stored
+    a 16-bit value whose float32 value lay within an ulp of its stochastic rounding threshold
+    (``kernels.rounding.round_bf16`` / ``round_f16``: the carry out of the dropped bits plus
+    the random ones), so that a float32 result one ulp away rounds to the neighbouring value.
+    A row updated once per occurrence (no accumulation) rounds again in the same step from
+    there: its later values move by that neighbour's difference, an ulp at the threshold's
+    magnitude, many ulps at a smaller one (a float16 weight of 0.142 rounded to its neighbour,
+    then moved to -0.0286 by the next occurrence, is 7 ulps away)."""
+    found: dict[str, set[int] | None] = {}
+    store = reference._store
+
+    def spy(table, name, rows, values, step, unit):
+        out = store(table, name, rows, values, step, unit)
+        col = table.columns[name]
+        if col.dtype in ("bfloat16", "float16"):
+            v = np.asarray(values, dtype=np.float32).reshape(len(rows), col.width)
+            where = rounding_places(getattr(table, "rounding_rows", None), rows)
+            columns = col.start + np.arange(col.width)[None, :]
+            bits = hash_bits(table.rounding_key, step, where[:, None], unit, columns)
+            mask = 0xFFFF if KIND[col.dtype] == BF16 else 0x1FFF
+            u = v.view(np.uint32).astype(np.int64) & 0x7FFFFFFF
+            carry = (u + (bits.astype(np.int64) & mask)) & mask
+            subnormal = (col.dtype == "float16") & (np.abs(v) < 2.0**-14)
+            edge = (carry <= 1) | (carry >= mask - 1) | subnormal
+            hit = np.asarray(rows)[edge.any(axis=1)]
+            members = table.name.split("+")
+            for member in members:
+                if len(members) > 1:  # stacked or packed: rows are not the member's ids
+                    found[member] = None if hit.size else found.get(member, set())
+                elif found.get(member, set()) is not None:
+                    found.setdefault(member, set()).update(hit.tolist())
+        return out
+
+    reference._store = spy
+    try:
+        yield found
+    finally:
+        reference._store = store
+
+
+def _assert_same_step(fast, slow, before, on_threshold=None):
     """One step's results from the same state. 16-bit arrays: the same bits. The float32 math
     of the two backends agrees to an ulp, not bit for bit (tests/test_numba_matches_reference.py),
     so where a float32 result lies within an ulp of a rounding threshold the two may round to
@@ -87,9 +133,23 @@ def _assert_same_step(fast, slow, before):
     (one in a small array); a zero may differ in its sign. float32 arrays: to rtol 1e-5 of the
     new value or of the step's change, whichever is larger: a step much larger than its result
     (Adam's lr * m / epsilon where a float16 velocity rounds to 0) cancels, and the ulps of the
-    step remain."""
+    step remain. Rows where the reference rounded on a threshold (``on_threshold``, from
+    ``_rounding_on_a_threshold``) may have carried the neighbour into later rounds of the same
+    step: they agree to 2**-5 of the row's largest magnitude before or after, and are then
+    left out of the exact comparison."""
+    on_threshold = on_threshold or {}
     for name, arrays in slow.items():
+        rows = on_threshold.get(name, set())
         for (what, a), (_, b), (_, old) in zip(fast[name], arrays, before[name], strict=True):
+            if rows is None or rows:
+                picked = slice(None) if rows is None else sorted(rows)
+                if a.dtype.kind == "f":
+                    big = np.abs(np.stack([a[picked], b[picked], old[picked]])).astype(np.float64)
+                    scale = big.reshape(3, len(a[picked]), -1).max(axis=(0, 2))
+                    diff = np.abs(a[picked].astype(np.float64) - b[picked])
+                    diff = diff.reshape(len(scale), -1)
+                    assert np.all(diff <= 2.0**-5 * scale[:, None] + 1e-6), (name, what, rows)
+                a, b, old = (np.delete(x, picked, axis=0) for x in (a, b, old))
             assert a.dtype == b.dtype, (name, what)
             if a.dtype.itemsize == 2:  # float16, bfloat16
                 ha, hb = a.view(np.uint16).astype(np.int64), b.view(np.uint16).astype(np.int64)
@@ -118,9 +178,28 @@ def _with_dtypes(optimizers):
     return pytest.mark.parametrize(("optimizer", "dtypes"), pairs, ids=ids)
 
 
+# Found by hypothesis: with Adagrad(0.2, use_gradient_accumulation=False, weight_decay_factor=
+# 0.1, decoupled) and (float16, bfloat16), row 0 of t0 rounds 12 times in step 2; in its fourth
+# round the reference's float32 weight sits on its threshold, and numba's final weight is then
+# 7 float16 ulps away (_rounding_on_a_threshold).
+ON_A_THRESHOLD = (
+    [6, 6],
+    [1, 1],
+    ["mean", "sum"],
+    [(0, 0), (0, 2), (0, 0)],
+    [
+        [([], [0, 0, 0, 0], None), ([], [0, 0, 0, 0], None), ([0] * 3, [0, 2, 1, 0], None)],
+        [([], [0, 0, 0, 0], None), ([], [0, 0, 0, 0], None), ([0] * 12, [4, 2, 4, 2], None)],
+        [([], [0, 0, 0, 0], None), ([], [0, 0, 0, 0], None), ([0] * 5, [1, 3, 1, 0], None)],
+    ],
+    63358,
+)
+
+
 @_with_dtypes(OPTIMIZERS)
 @SETTINGS
 @given(scenario=scenarios())
+@example(scenario=ON_A_THRESHOLD)
 def test_reduced_precision_numba_equals_reference(optimizer, dtypes, scenario):
     engines = [_engine(scenario, optimizer, b, dtypes) for b in ("numba", "reference")]
     _steps(engines, scenario)
