@@ -8,8 +8,9 @@ smaller than half a quantum is kept on average (round-to-nearest would drop it e
 
 The random bits are a counter-based hash (splitmix64's finaliser) of (the table's key, step,
 row, unit, column), 16 per value, one round for four neighbouring unit columns (``hash_bits``),
-so they depend on neither thread count nor scheduling. The row is a dense table's row (its id,
-from the table's first row when packed); a keyed table's key (``KeyedTable.rounding_rows``):
+so they depend on neither thread count nor scheduling. The row is a dense table's row (its id;
+a table packing several, each member's key and ids: ``rounding_streams``, so packing
+changes no value); a keyed table's key (``KeyedTable.rounding_rows``):
 its rows move, its keys' streams do not, and a keyed table fed ids ``0..V-1`` rounds as the
 dense table of vocabulary ``V``. This module is the
 NumPy side (the reference backend's, vectorised); ``kernels/rounding.py`` holds the numba
@@ -48,6 +49,7 @@ __all__ = [
     "widen",
     "nearest",
     "rounding_places",
+    "rounding_streams",
     "check_initial",
     "check_initial_slots",
     "initial_bound",
@@ -165,13 +167,33 @@ def rounding_places(row_keys: np.ndarray | None, rows: np.ndarray) -> np.ndarray
     """Each of ``rows``' place in its table's rounding stream (``kernels.rounding.hash_row``'s
     rule on arrays): ``row_keys`` None or empty, the rows (a dense table's rows are its ids);
     one row of three ``[[W, rank, 0]]`` (a row-sharded ShardTable), ``rows W + rank``;
-    otherwise column 0 at the rows (a keyed table's keys)."""
+    otherwise column 0 at the rows (a keyed table's keys). A table stacking several logical
+    tables (``row_keys`` of four columns): ``rounding_streams``."""
     rows = np.asarray(rows, dtype=np.int64)
     if row_keys is None or row_keys.shape[0] == 0:
         return rows
     if row_keys.shape[1] == 3:
         return rows * row_keys[0, 0] + row_keys[0, 1]
+    if row_keys.shape[1] == 4:
+        raise ValueError("a stacked table's rows have streams of their own: rounding_streams")
     return row_keys[rows, 0]
+
+
+def rounding_streams(
+    key: int, row_keys: np.ndarray | None, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(each of ``rows``' stream key, its place in that stream): ``key`` (the table's) and
+    ``rounding_places``, or, for a table that stacks several logical tables (low-dimensional
+    packing: ``row_keys`` of four columns, ``[first row, rows, member's key, 0]`` per member in
+    row order), the member's key and the row within the member, so a packed table rounds as
+    its members unpacked (``kernels.rounding.row_stream``'s rule on arrays). Keys are uint64."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if row_keys is None or row_keys.shape[0] == 0 or row_keys.shape[1] != 4:
+        keys = np.full(rows.shape, np.uint64(int(key) & 0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
+        return keys, rounding_places(row_keys, rows)
+    ends = row_keys[:, 0] + row_keys[:, 1]
+    member = np.minimum(np.searchsorted(ends, rows, side="right"), len(row_keys) - 1)
+    return row_keys[member, 2].view(np.uint64), rows - row_keys[member, 0]
 
 
 def widen(h: np.ndarray, kind: int) -> np.ndarray:

@@ -10,12 +10,19 @@ from embengine import optimizers as opt
 DIMS = [1, 2, 4, 1, 2, 8, 4, 1]
 
 
-def _engine(packing, backend, optimizer=None, **kw):
+def _engine(packing, backend, optimizer=None, dtypes=("float32", "float32"), **kw):
     o = optimizer or opt.Adagrad(0.1, low_dimensional_packing_status=packing)
     if optimizer is not None:
         o = type(o)(**{**o.hyperparameters(), "low_dimensional_packing_status": packing})
     tables = [
-        ee.TableConfig(20 + i, d, name=f"t{i}", combiner=("mean", "sum", "sqrtn")[i % 3])
+        ee.TableConfig(
+            20 + i,
+            d,
+            name=f"t{i}",
+            combiner=("mean", "sum", "sqrtn")[i % 3],
+            weights_dtype=dtypes[0],
+            slots_dtype=dtypes[1],
+        )
         for i, d in enumerate(DIMS)
     ]
     feats = {f"f{i}": ee.FeatureConfig(t) for i, t in enumerate(tables)}
@@ -65,6 +72,36 @@ def test_packed_equals_unpacked(backend, optimizer):
         np.testing.assert_array_equal(plain.embedding_tables[name], packed.embedding_tables[name])
         for slot, arr in plain.slots(name).items():
             np.testing.assert_array_equal(arr, packed.slots(name)[slot])
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "dtypes"),
+    [
+        (opt.Adagrad(0.1), ("bfloat16", "bfloat16")),
+        (opt.Adam(0.05), ("float16", "bfloat16")),
+        (opt.SGD(0.2, use_gradient_accumulation=False), ("bfloat16", "float32")),
+        (opt.FTRL(0.1), ("float32", "float16")),
+    ],
+    ids=lambda x: x if isinstance(x, tuple) else type(x).__name__,
+)
+def test_packed_16_bit_tables_round_as_unpacked(backend, optimizer, dtypes):
+    """Each member of a packed 16-bit table rounds in its own stream (its key, its ids), so
+    its weights and slots are bit-identical to the same table unpacked: before, the stream
+    followed the packed row and the packed table's name, and the tables differed (and from
+    a ShardedEngine, which never packs)."""
+    plain = _engine(False, backend, optimizer, dtypes=dtypes)
+    packed = _engine(True, backend, optimizer, dtypes=dtypes)
+    assert sorted(p.name for p in packed.storage_plan.physical_tables)[0] == "t0+t3+t7"
+    _run([plain, packed], steps=4)
+    for name in plain.table_names:
+        got, want = packed.embedding_tables[name], plain.embedding_tables[name]
+        np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=name)
+        for slot, arr in plain.slots(name).items():
+            np.testing.assert_array_equal(_bits(packed.slots(name)[slot]), _bits(arr))
 
 
 def test_packed_prepared_batches_are_canonical():

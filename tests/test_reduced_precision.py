@@ -22,7 +22,7 @@ import embengine as ee
 from embengine import initializers as init
 from embengine import optimizers as opt
 from embengine.backends import reference
-from embengine.precision import BF16, KIND, hash_bits, rounding_places
+from embengine.precision import BF16, KIND, hash_bits, rounding_streams
 from embengine.storage import plan_storage
 from embengine.storage.plan import StoragePlan
 
@@ -101,9 +101,10 @@ def _rounding_on_a_threshold():
         col = table.columns[name]
         if col.dtype in ("bfloat16", "float16"):
             v = np.asarray(values, dtype=np.float32).reshape(len(rows), col.width)
-            where = rounding_places(getattr(table, "rounding_rows", None), rows)
+            row_keys = getattr(table, "rounding_rows", None)
+            keys, where = rounding_streams(table.rounding_key, row_keys, rows)
             columns = col.start + np.arange(col.width)[None, :]
-            bits = hash_bits(table.rounding_key, step, where[:, None], unit, columns)
+            bits = hash_bits(keys[:, None], step, where[:, None], unit, columns)
             mask = 0xFFFF if KIND[col.dtype] == BF16 else 0x1FFF
             u = v.view(np.uint32).astype(np.int64) & 0x7FFFFFFF
             carry = (u + (bits.astype(np.int64) & mask)) & mask

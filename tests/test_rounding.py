@@ -204,3 +204,32 @@ def test_a_rows_place_in_the_stream_numba_equals_numpy():
         assert places(row_keys, rows).tolist() == want.tolist()
         assert pr.rounding_places(row_keys, rows).tolist() == want.tolist()
     assert pr.rounding_places(None, rows).tolist() == rows.tolist()
+
+
+def test_a_packed_tables_rows_round_in_their_members_streams():
+    """``kernels.rounding.row_stream`` and ``precision.rounding_streams`` agree on a table that
+    stacks members (``[first, rows, key, 0]`` each): row r of a member draws the bits of row
+    ``r - first`` of a table of the member's key, as the member unpacked draws them."""
+    from numba import njit
+
+    @njit
+    def bits(key, step, row_keys, rows, unit, column):
+        out = np.empty(len(rows), np.uint16)
+        for i in range(len(rows)):
+            out[i] = kr.unit_bits(kr.row_stream(key, step, row_keys, rows[i], unit), column)
+        return out
+
+    keys = np.array([pr.table_key(0, n) for n in ("a", "b", "c")], dtype=np.uint64)
+    members = np.array([[0, 3, 0, 0], [3, 5, 0, 0], [8, 2, 0, 0]], np.int64)
+    members[:, 2] = keys.view(np.int64)
+    rows = np.array([0, 2, 3, 7, 8, 9], np.int64)
+    got_keys, places = pr.rounding_streams(pr.table_key(0, "a+b+c"), members, rows)
+    assert got_keys.tolist() == keys[[0, 0, 1, 1, 2, 2]].tolist()
+    assert places.tolist() == [0, 2, 0, 4, 0, 1]
+    packed = bits(np.uint64(pr.table_key(0, "a+b+c")), 5, members, rows, 1, 6)
+    want = pr.hash_bits(got_keys, 5, places, 1, 6)
+    assert packed.tolist() == want.tolist()
+    alone = np.zeros((0, 1), np.int64)  # member b unpacked: its rows are its ids
+    assert bits(keys[1], 5, alone, places[2:4], 1, 6).tolist() == packed[2:4].tolist()
+    with pytest.raises(ValueError, match="rounding_streams"):
+        pr.rounding_places(members, rows)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..batch import FeaturePart, LookupOnlyTableBatch, TableBatch, build_tables_numpy
 from ..optimizers import Optimizer, RowContext
-from ..precision import KIND, hash_bits, rounding_places, stochastic_round, widen
+from ..precision import KIND, hash_bits, rounding_streams, stochastic_round, widen
 from ..storage import TableStorage
 from ..storage.dense import column_view
 from .protocol import lookup_rows_source, out_rows
@@ -42,9 +42,10 @@ def _store(
         return v32, v32
     kind = KIND[col.dtype]
     columns = col.start + np.arange(col.width)[None, :]
-    # a keyed table's stream follows its keys (its rows move), a dense one's its rows (= ids)
-    where = rounding_places(getattr(table, "rounding_rows", None), rows)
-    bits = hash_bits(table.rounding_key, step, where[:, None], unit, columns)
+    # a keyed table's stream follows its keys (its rows move), a dense one's its rows (= ids),
+    # a packed one's its members' ids
+    keys, where = rounding_streams(table.rounding_key, getattr(table, "rounding_rows", None), rows)
+    bits = hash_bits(keys[:, None], step, where[:, None], unit, columns)
     stored = stochastic_round(v32.reshape(len(rows), col.width), kind, bits)
     return widen(stored, kind), stored
 

@@ -119,11 +119,10 @@ from embengine.kernels.pipeline import (
 IMPORTS = """from embengine import optimizers  # noqa: F401 (registers embengine's row math)
 from embengine.kernels.pipeline import compiled
 from embengine.kernels.rounding import (
-    hash_row,
     random_words,
     round_bf16,
     round_f16,
-    row_hash,
+    row_stream,
     widen_bf16,
     widen_f16,
 )
@@ -826,7 +825,7 @@ def _random_bits(rm: RowMath, wkind: str, skind: str, unit: str) -> tuple[str, s
         return "", ""
     return (
         "\nwords = np.zeros(n_words, dtype=np.uint64)\nrbits = words.view(np.uint16)",
-        f"random_words(row_hash(key, step, hash_row(row_keys, r), {unit}), words, {rounds})\n",
+        f"random_words(row_stream(key, step, row_keys, r, {unit}), words, {rounds})\n",
     )
 
 

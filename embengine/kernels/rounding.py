@@ -29,6 +29,7 @@ __all__ = [
     "mix",
     "row_hash",
     "hash_row",
+    "row_stream",
     "random_words",
     "unit_bits",
     "widen_bf16",
@@ -95,6 +96,22 @@ def hash_row(row_keys, r):
     if row_keys.shape[0] != 0:
         return row_keys[r, 0]
     return np.int64(r)
+
+
+@kernel(inline="always")
+def row_stream(key, step, row_keys, r, unit):
+    """Row ``r``'s ``row_hash`` for update ``unit``: ``row_hash(key, step, hash_row(row_keys,
+    r), unit)``, but for a table that stacks several logical tables (low-dimensional packing:
+    ``row_keys`` of four columns, ``[first row, rows, member's key, 0]`` per member in row
+    order), the member's own stream: its key and the row within it, so a packed table rounds
+    as its members would unpacked (``precision.rounding_streams``)."""
+    if row_keys.shape[1] == 4:
+        last = row_keys.shape[0] - 1
+        for s in range(last + 1):
+            first = row_keys[s, 0]
+            if s == last or np.int64(r) < first + row_keys[s, 1]:
+                return row_hash(np.uint64(row_keys[s, 2]), step, np.int64(r) - first, unit)
+    return row_hash(key, step, hash_row(row_keys, r), unit)
 
 
 @kernel(inline="always")

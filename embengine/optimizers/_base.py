@@ -173,9 +173,8 @@ class Optimizer:
         tuple whose sides may be None. Requires gradient accumulation (as in TF).
       low_dimensional_packing_status: accepted for TF compatibility. With the CPU backends it is a
         storage hint only (tables of dim 1, 2 or 4 with equal optimizers may be stored together);
-        float32 results never depend on it. A 16-bit table's stochastic rounding is drawn by
-        stored row, so a packed bfloat16 / float16 table trains to other values than unpacked
-        (docs/design.md, the rounding stream).
+        results never depend on it: a packed 16-bit table's members round in their own
+        stochastic-rounding streams, as they do unpacked.
     """
 
     learning_rate: LearningRate = 0.01

@@ -331,6 +331,14 @@ class DenseTable(MappedRows):
             segments = [(name, 0, self.vocabulary_size, initializer)]
         # Logical table i's id k is row first_i + k (TableStorage.row_bases).
         self._members = tuple((str(n), int(first), int(rows)) for n, first, rows, _ in segments)
+        # Packed: each member rounds in its own stream, as it would unpacked (rounding_rows).
+        self._member_streams = None
+        if len(self._members) > 1:
+            keys = np.array([table_key(seed, n) for n, _, _ in self._members], dtype=np.uint64)
+            self._member_streams = np.zeros((len(self._members), 4), dtype=np.int64)
+            self._member_streams[:, 0] = [first for _, first, _ in self._members]
+            self._member_streams[:, 1] = [rows for _, _, rows in self._members]
+            self._member_streams[:, 2] = keys.view(np.int64)
         with self.sequential_access():  # initialisation writes the rows in order
             for seg_name, first, rows, init in segments:
                 self._initialise(init, seed, seg_name, first, rows)
@@ -410,6 +418,15 @@ class DenseTable(MappedRows):
     def row_bases(self) -> tuple[int, ...]:
         """Logical table i's id k is row ``row_bases[i] + k`` (its segment's first row)."""
         return tuple(first for _, first, _ in self._members)
+
+    @property
+    def rounding_rows(self) -> np.ndarray | None:
+        """What a 16-bit update's rounding stream follows (``kernels.rounding.row_stream``,
+        ``precision.rounding_streams``): None for one logical table, whose rows are its ids;
+        for a table packing several, ``[first row, rows, key, 0]`` of each member (the key
+        from the engine seed and the member's name), so that every member rounds its ids as
+        the same table unpacked, and as a ShardedEngine (which never packs) does."""
+        return self._member_streams
 
     def rows_for(self, logical: int, ids: np.ndarray, insert: bool = True) -> np.ndarray:
         """Rows of logical table ``logical``'s ``ids``: ``row_bases[logical] + ids`` (every id
