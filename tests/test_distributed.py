@@ -754,6 +754,22 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
     assert seconds < 20, (seconds, text)
 
 
+def test_a_rank_dead_before_the_engine_is_made_is_an_error_at_once(tmp_path):
+    # new_group meets the ranks through the store: a dead rank made the others wait for the
+    # store's timeout (60 s here) before the engine existed. They now meet first in the
+    # default group, whose connections report the dead peer at once.
+    codes = spawn(2, tmp_path, ["kill_at_build"], limit=120)
+    assert codes[1] == 3
+    assert codes[0] == 0, _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "kill_at_build", 0)
+    assert text.startswith(
+        "PeerError: rank 0: the ranks of the default process group met before the "
+        "ShardedEngine's process group is made and one of them failed"
+    ), text
+    assert "timed out" not in text.lower(), text
+    assert seconds < 20, (seconds, text)
+
+
 def modelled_bytes(
     step: int, rank: int, world: int, exchanged: dict, value_bytes: int = 4
 ) -> tuple[int, int]:

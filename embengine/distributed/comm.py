@@ -20,13 +20,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "PeerError"]
+__all__ = ["Comm", "PeerError", "meet_in_the_default_group"]
 
 
 class PeerError(RuntimeError):
     """A collective failed: a peer died (its connection reset) or did not answer within the
     process group's timeout. gloo's error names neither; on a timeout the message names the
     ranks that had not reached this rank's call (see ``Comm.enter``)."""
+
+
+def meet_in_the_default_group(purpose: str) -> None:
+    """Every rank of the default process group meets in a one-integer ``all_reduce`` on it,
+    before ``purpose``: its gloo connections are open since ``init_process_group``, so a rank
+    that died is a PeerError at once. ``new_group``, which meets the ranks through the store
+    instead, waited for a dead one until the store's timeout (60 s and more). A rank that is
+    only late is waited for, as ``new_group`` would. Nothing on a default group of another
+    backend."""
+    if dist.get_backend() != "gloo":
+        return
+    try:
+        dist.all_reduce(torch.zeros(1, dtype=torch.int32))
+    except RuntimeError as e:
+        raise PeerError(
+            f"rank {dist.get_rank()}: the ranks of the default process group met before "
+            f"{purpose} and one of them failed: it died (connection reset) or did not answer "
+            f"within the group's timeout; gloo says: {str(e).strip()}"
+        ) from e
 
 
 # Seconds a rank waits for the store when it asks which peers are behind (after a timeout).

@@ -89,7 +89,7 @@ from ..storage import StorageError, plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
 from ..storage.keyed import KeyedTable, shared_pending, shared_room, shared_victims
 from ..storage.plan import table_files
-from .comm import Comm
+from .comm import Comm, meet_in_the_default_group
 from .sharding import (
     KEYED,
     ShardPlan,
@@ -345,6 +345,7 @@ class ShardedEngine:
         # others waited for it in new_group or the exchange until the timeout).
         if group is None:
             seconds = float(timeout) if good_timeout else DEFAULT_TIMEOUT
+            meet_in_the_default_group("the ShardedEngine's process group is made")
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
