@@ -3,6 +3,7 @@ EmbeddingLayer contract it relies on."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -753,6 +754,39 @@ def test_a_rank_s_slices_of_a_batch_are_the_batch_in_rank_order():
             assert np.array_equal(got, getattr(hist, key))
         lengths = np.concatenate([np.diff(p.sparse["hist"].offsets) for p in parts])
         assert lengths.tolist() == [2, 0, 3, 1, 0, 3, 0]
+
+
+def test_the_dense_model_under_ddp_warns_nothing(tmp_path):
+    """Ranks.wrap_model: DDP without the deprecated broadcast_buffers (torch 2.13 printed a
+    FutureWarning on every rank), the gradient through its sum hook reaching the model. One
+    rank of a one-process gloo group, in a process of its own (warnings as errors); the
+    sum over real ranks is the torchrun tests'."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.distributed as dist
+from embengine.training.ranks import Ranks
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+model = torch.nn.Linear(2, 1, bias=False)
+torch.nn.init.ones_(model.weight)
+model.register_buffer("scale", torch.ones(1))
+ddp = Ranks(0, 2).wrap_model(model)
+ddp(torch.ones(3, 2)).sum().backward()
+print(model.weight.grad.tolist())
+"""
+    from embengine.training.ranks import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code % free_port()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[[3.0, 3.0]]", proc.stdout
 
 
 def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> str:

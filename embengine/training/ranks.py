@@ -225,8 +225,10 @@ class Ranks:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        # The models' buffers are constants: nothing to broadcast each step.
-        ddp = DistributedDataParallel(model, broadcast_buffers=False)
+        # The models' buffers are constants: nothing to sync each step (equal on every rank,
+        # so syncing them once at init changes nothing). torch 2.13 deprecates the older
+        # broadcast_buffers=False, with a FutureWarning every rank printed.
+        ddp = DistributedDataParallel(model, forward_sync_buffers=False)
         ddp.register_comm_hook(None, _sum_hook)
         return ddp
 
