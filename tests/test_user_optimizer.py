@@ -259,3 +259,25 @@ def test_registration_refuses_a_result_of_the_wrong_arity():
 
     with pytest.raises(ValueError, match=r"returns a tuple of 2: \(acc, step\)"):
         row_math("arity_of_the_tests", form="scaled", slots=("acc",))(scaled_without_step)
+
+    # With a prologue: its result (here the steps since the row's last update, which it also
+    # records in the row's int32 slot) is passed on; the function is checked alike.
+    def steps_since(data_i, r, cols, step):
+        delta = np.float64(step + 1 - data_i[r, cols[0]])
+        data_i[r, cols[0]] = step + 1
+        return delta
+
+    def forgets_its_slot_too(w, acc, g, lr, delta):
+        return w - lr * g * delta
+
+    with pytest.raises(ValueError, match=r"forgets_its_slot_too returned one float64; .* of 2"):
+        row_math(
+            "arity_of_the_tests", slots=("acc",), prologue=steps_since, prologue_result="delta"
+        )(forgets_its_slot_too)
+
+    def keeps_its_slot(w, acc, g, lr, delta):
+        return w - lr * g * delta, acc + g * g
+
+    row_math("arity_of_the_tests", slots=("acc",), prologue=steps_since, prologue_result="delta")(
+        keeps_its_slot
+    )

@@ -153,12 +153,14 @@ class RowMath:
         self._check_result(where)
 
     def _check_result(self, where: str) -> None:
-        """Call the function once in Python on sample values (0.5; flags False; dim 4) and
+        """Call the function once in Python on sample values (0.5; flags False; dim 4; a
+        prologue's result from a call of the prologue on a row of int32 zeros at step 0) and
         refuse a result the kernel cannot unpack: an element function returns the weight alone
         without slots, else ``(w, *slots)``; a scaled one ``(slot, step)``. A wrong arity would
         otherwise be a numba TypingError in the generated code when the kernel first compiles.
-        A function that raises on these values, or one with a prologue, is not checked."""
-        if self.form == "row" or self.prologue is not None:
+        A function (or prologue) that raises on these values is not checked, nor a row
+        function (it updates the row in place; what it returns is not read)."""
+        if self.form == "row":
             return
         want = 2 if self.form == "scaled" else 1 + len(self.slots)
         values = {n: np.float64(0.5) for n in (*_GIVEN[self.form], *self.params, *self.slots)}
@@ -168,6 +170,17 @@ class RowMath:
         try:
             with warnings.catch_warnings(), np.errstate(all="ignore"):
                 warnings.simplefilter("ignore")
+                if self.prologue is not None:
+                    before = {
+                        "data_i": np.zeros((1, 4 * MAX_SLOTS), dtype=np.int32),
+                        "r": 0,
+                        "cols": np.arange(0, 4 * MAX_SLOTS, 4, dtype=np.int64),
+                        "step": 0,
+                        **values,
+                    }
+                    values[self.prologue_result] = self.prologue(
+                        *(before[a] for a in self.prologue_arguments)
+                    )
                 result = self.function(*(values[a] for a in self.arguments))
         except Exception:
             return
