@@ -544,6 +544,34 @@ def run_contents_by_name(rank: int, world: int, out: str, name: str) -> None:
     np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 
 
+def run_user_optimizer(rank: int, world: int, out: str, name: str) -> None:
+    """``user_optimizer``: a ShardedEngine of an optimizer defined outside embengine (Yogi, in
+    tests/test_user_optimizer.py) trains two steps and saves; ``ShardedEngine.load`` of the
+    checkpoint alone names the class again, and both engines' third step agrees bit for bit.
+    In a .txt: the loaded optimizer and whether every table's contents are equal."""
+    from test_user_optimizer import Yogi
+
+    from embengine.distributed import ShardedEngine
+
+    features, _ = make_features("sgd")
+    yogi = Yogi(0.05, beta_1=0.8, epsilon=1e-2)
+    eng = ShardedEngine(features, optimizer=yogi, seed=3, timeout=60)
+    _train(eng, [0, 1], rank, world)
+    path = os.path.join(out, name)
+    eng.save(path)
+    loaded = ShardedEngine.load(path, timeout=60)
+    for e in (eng, loaded):
+        _train(e, [2], rank, world)
+    got = loaded.table_configs["big"].optimizer
+    same = all(
+        np.array_equal(a, loaded.table_contents(table)[key])
+        for table in TABLES
+        for key, a in eng.table_contents(table).items()
+    )
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{type(got).__module__}.{type(got).__qualname__} {got == yogi} {same}\n")
+
+
 def run_checkpoint(rank: int, world: int, out: str, name: str) -> None:
     """ckpt_save:<folder>: two steps, save (row sharding), the third step; ckpt_restore:
     <folder>: load (table sharding), the third step. Folders under $CKPT_ROOT."""
@@ -1070,6 +1098,8 @@ def main() -> None:
                 run_checkpoint(rank, world, out, name)
             elif name == "contents_by_name":
                 run_contents_by_name(rank, world, out, name)
+            elif name == "user_optimizer":
+                run_user_optimizer(rank, world, out, name)
             elif name == "nonfinite":
                 run_nonfinite(rank, world, out, name)
             else:

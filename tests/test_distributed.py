@@ -529,6 +529,7 @@ REFUSALS = [
     *BAD_COUNTERS,
     "nonfinite",
     "contents_by_name",
+    "user_optimizer",
 ]
 
 
@@ -630,6 +631,15 @@ def test_table_contents_of_one_table_is_the_single_engines_and_the_same_one_ever
         else:
             assert unknown.startswith("DistributedError") and "failed on ranks [1]" in unknown
         assert int(got["step"]) == 2
+
+
+def test_a_user_optimizer_of_a_sharded_engine_loads_from_its_checkpoint(refusals):
+    # A ShardedEngine's spec names an optimizer defined outside embengine (Yogi, in
+    # test_user_optimizer.py) by module and qualified name, as the single engine's does:
+    # ShardedEngine.load finds the class again, and the loaded engine steps as the original.
+    for rank in range(2):
+        text = (refusals / f"user_optimizer.rank{rank}.txt").read_text().strip()
+        assert text == "test_user_optimizer.Yogi True True", text
 
 
 def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):
