@@ -789,9 +789,12 @@ print(model.weight.grad.tolist())
     assert proc.stdout.strip() == "[[3.0, 3.0]]", proc.stdout
 
 
-def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> str:
+def _run_cli(
+    args: list[str], timeout: float = 600, env: dict | None = None, stderr: list | None = None
+) -> str:
     """``python -m embengine.cli *args`` in its own process group (killed whole on timeout),
-    ``env`` added to this process's environment: its stdout; a failure shows stderr."""
+    ``env`` added to this process's environment (a value None: removed): its stdout; a
+    failure shows stderr, which ``stderr`` (a list) also gets."""
     import os
     import subprocess
     import sys
@@ -799,6 +802,7 @@ def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> 
 
     root = Path(ee.__file__).parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     proc = subprocess.Popen(
         [sys.executable, "-m", "embengine.cli", *args],
         cwd=root,
@@ -816,6 +820,8 @@ def _run_cli(args: list[str], timeout: float = 600, env: dict | None = None) -> 
         what = f"embengine {' '.join(args)}: no result in {timeout} s"
         raise AssertionError(f"{what}\n{err}") from None
     assert proc.returncode == 0, err
+    if stderr is not None:
+        stderr.append(err)
     return out
 
 
@@ -860,11 +866,16 @@ def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
     temp = tmp_path / "temp"
     temp.mkdir()
+    said: list[str] = []
+    # Without OMP_NUM_THREADS of its own, torchrun set 1 for every rank and printed a banner
+    # saying so; the launch now gives each rank its share of the cores.
+    env = {"TMPDIR": str(temp), "OMP_NUM_THREADS": None}
     two = [
         ln
-        for ln in _run_cli([*args, "--nproc-per-node", "2"], env={"TMPDIR": str(temp)}).splitlines()
+        for ln in _run_cli([*args, "--nproc-per-node", "2"], env=env, stderr=said).splitlines()
         if ln.startswith("epoch ")
     ]
+    assert "Setting OMP_NUM_THREADS" not in said[0], said[0]
     runs = ("torchelastic_", "embengine-torchrun-")  # torchrun's own folder, ours for it
     assert [p.name for p in temp.iterdir() if p.name.startswith(runs)] == []
     assert len(one) == len(two) >= 2, (one, two)

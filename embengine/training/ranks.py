@@ -99,8 +99,13 @@ def launch(argv: list[str], nproc_per_node: int, max_restarts: int = 0) -> int:
             )
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the loopback interface
+        cores = os.cpu_count() or 1
         if hasattr(os, "sched_getaffinity"):  # the ranks' shares are cut from these
+            cores = len(os.sched_getaffinity(0))
             env.setdefault(JOB_CORES, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+        # Each rank's share of the cores, as Ranks.join gives torch and numba: without it
+        # torchrun sets 1 and prints a banner saying so on every run.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc_per_node)))
         with tempfile.TemporaryDirectory(prefix="embengine-torchrun-") as logs:
             cmd = [
                 sys.executable,
