@@ -257,8 +257,9 @@ class EmbeddingEngine:
     ``save`` for the whole write (a checkpoint holds one step: training threads wait), by
     ``restore`` and ``load_state_dict``, and by lookups while they read the tables (a lookup
     never sees a row mid-update). The batch ``apply_gradients()`` updates by default is the
-    one the *calling thread* looked up last. Hold ``lock`` to read ``state_dict()`` views or
-    ``embedding_tables`` consistently while other threads train.
+    one the *calling thread* looked up last for training (evaluation lookups in between leave
+    it pending). Hold ``lock`` to read ``state_dict()`` views or ``embedding_tables``
+    consistently while other threads train.
     """
 
     def __init__(
@@ -764,9 +765,12 @@ class EmbeddingEngine:
 
         With ``training=True`` the batch is remembered (for the calling thread) so that its next
         ``apply_gradients`` updates its rows. ``training=False`` (evaluation, inference) skips
-        the deduplication the update needs and forgets the thread's earlier batch, so a
-        following ``apply_gradients`` without ``batch=`` is an error rather than an update of
-        the wrong rows.
+        the deduplication the update needs and is read-only: it changes no table (a keyed
+        table's keys are neither inserted, admitted, counted nor refreshed) and leaves the
+        thread's pending training batch as it was, so a validation lookup between a training
+        lookup and its ``apply_gradients`` does not change that update (bit for bit). An
+        evaluation batch itself is never pending: ``apply_gradients`` without ``batch=``
+        updates the thread's last *training* lookup.
 
         Given features (not a PreparedBatch), a training lookup on the numba backend builds the
         deduplication data and pools the activations in one parallel region: the pooling reads
@@ -857,8 +861,9 @@ class EmbeddingEngine:
                 per_table = self._backend.lookup_tables(
                     list(self._physical), list(batch.tables), self._quantizations()
                 )
-                given = features if isinstance(features, PreparedBatch) else None
-                self._set_pending(batch if training else None, given=given)
+                if training:  # an evaluation lookup leaves the pending batch alone
+                    given = features if isinstance(features, PreparedBatch) else None
+                    self._set_pending(batch, given=given)
         acts = {
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()

@@ -205,11 +205,9 @@ def test_apply_gradients_without_lookup():
 
 def test_lookup_only_batches_cannot_update(backend):
     eng = _engine(backend)
-    grads = _good_grads(eng)
+    grads = _good_grads(eng)  # a training batch pending
     before = _snapshot(eng)
-    eng.lookup(GOOD, training=False)  # forgets the pending training batch
-    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
-        eng.apply_gradients(grads)
+    eng.lookup(GOOD, training=False)  # read-only: never pending itself
     batch = eng.preprocess(GOOD, training=False)
     assert not batch.deduplicated
     with pytest.raises(ValueError, match="built with training=False"):
@@ -219,6 +217,11 @@ def test_lookup_only_batches_cannot_update(backend):
     out = eng.lookup(batch, training=False)
     assert all(np.array_equal(out[k], v) for k, v in eng.lookup(GOOD, training=False).items())
     assert _snapshot(eng) == before and eng.step == 0
+    eng.apply_gradients(grads)  # the training lookup's, still pending after all of the above
+    assert eng.step == 1
+    eng.lookup(GOOD, training=False)
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
+        eng.apply_gradients(grads)  # an evaluation lookup leaves nothing to update
 
 
 def test_explicit_batch_update_consumes_the_pending_lookup(backend):

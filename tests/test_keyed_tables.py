@@ -699,6 +699,67 @@ def test_evaluation_lookups_never_insert_or_refresh(backend):
     assert keyed_keys(eng) == [B]
 
 
+def _keyed_state(eng) -> dict:
+    """Table "k"'s whole state (keys, rows, slots, recency, counts, pending admissions, data
+    time, counters) as bytes, and its stats."""
+    with eng.lock:
+        state = {k: np.asarray(a).tobytes() for k, a in eng.state_dict()["tables"]["k"].items()}
+    return {"state": state, "stats": eng.table_stats()["k"], "step": eng.step}
+
+
+EVAL_BETWEEN = {
+    "plain": {},
+    "T1-max_rows-expire_steps": {"occurrence_threshold": 1, "max_rows": 6, "expire_steps": 2},
+    "apply-T1-max_rows": {"insert_on": "apply", "occurrence_threshold": 1, "max_rows": 6},
+    "seconds-lfu": {"expire_seconds": 150, "eviction": "lfu", "max_rows": 6},
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["pending", "batch="])
+@pytest.mark.parametrize("dynamic", list(EVAL_BETWEEN.values()), ids=list(EVAL_BETWEEN))
+def test_an_evaluation_lookup_between_a_keyed_lookup_and_its_update_changes_nothing(
+    backend, dynamic, explicit
+):
+    """Training lookup, evaluation lookups of held-out bags (keys of the training batch, keys
+    pending admission, keys expired or evicted, keys never seen), then the update: every step
+    ends in the state, stats and data time of the same stream without the evaluation, bit for
+    bit, and the evaluation inserts, admits, counts and refreshes nothing (the state right
+    after it is the state before it). Evaluation lookups used to forget the pending batch:
+    apply_gradients() raised "needs a lookup", and apply_gradients(batch=) resolved the batch's
+    keys a second time (step 0's 5 keys counted twice: lookups 5 -> 10, and with a threshold
+    filtered 5 -> 10, their pending counts doubled)."""
+    timed = "expire_seconds" in dynamic
+    pool = np.array([A, B, C, D, E, 11, 12, 13, 14, 15], np.int64)
+    unseen = np.array([101, 102, -103], np.int64)
+    rng = np.random.default_rng(4)
+    engines = [
+        keyed_engine(backend, opt.Adagrad(0.5), dim=3, init=RandomUniform(-1, 1), **dynamic)
+        for _ in range(2)
+    ]
+    plain, checked = engines
+    for step in range(8):
+        keys = rng.choice(pool[: 5 + step % 4], 5, replace=False)
+        bags = [list(keys[:2]), list(keys[1:4]), [keys[4]], []]
+        grads = rng.standard_normal((len(bags), 3)).astype(np.float32)
+        held_out = [list(rng.choice(np.concatenate([pool, unseen]), 3)) for _ in range(4)]
+        when = {"timestamp": 1000 + 100 * step} if timed else {}
+        for eng in engines:
+            batch = eng.preprocess({"f": bags}) if explicit else None
+            acts = eng.lookup(batch if explicit else {"f": bags}, **when)["f"].copy()
+            if eng is checked:
+                before = _keyed_state(eng)
+                eng.lookup({"f": held_out}, training=False)
+                eng.lookup({"f": bags}, training=False)
+                eng.lookup(eng.preprocess({"f": held_out}), training=False)
+                assert _keyed_state(eng) == before, step  # evaluation changed nothing
+                np.testing.assert_array_equal(eng.lookup({"f": bags}, training=False)["f"], acts)
+            eng.apply_gradients({"f": grads}, batch=batch)
+        assert _keyed_state(checked) == _keyed_state(plain), step
+    total = plain.table_stats()["k"]["total"]
+    if dynamic.get("max_rows"):
+        assert total["evicted"] + total["expired"] > 0, total  # the stream exercised the rules
+
+
 def _stream(threads: int):
     numba.set_num_threads(threads)
     try:

@@ -493,6 +493,50 @@ def test_lookup_with_batch_returns_the_batch_it_looked_up():
     assert not batch.deduplicated
 
 
+def _evaluate(eng: ee.EmbeddingEngine, step: int) -> None:
+    """Evaluation lookups of held-out batches, every way one can be made: features, a
+    lookup-only PreparedBatch and a deduplicated one, each looked up with training=False."""
+    held_out = _batch(eng, 1000 + step)
+    eng.lookup(held_out, training=False)
+    eng.lookup(eng.preprocess(_batch(eng, 2000 + step), training=False), training=False)
+    eng.lookup_with_batch(eng.preprocess(held_out), training=False)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["pending", "batch="])
+def test_an_evaluation_lookup_between_a_training_lookup_and_its_update_changes_nothing(
+    backend, explicit
+):
+    """A validation metric in the middle of a step: training lookup, evaluation lookups of
+    held-out batches, then apply_gradients. The update is the one of the training lookup, bit
+    for bit the update without the evaluation in between (every optimizer, packed, quantized
+    and sequence features), and consumes that lookup; the training activations are left as
+    they were. An evaluation lookup used to forget the pending batch: apply_gradients() then
+    raised "needs a lookup", and apply_gradients(batch=) lost the lookup's resolved form."""
+    plain, checked = _every_kind_engine(backend), _every_kind_engine(backend)
+    for step in range(3):
+        feats = _batch(plain, step)
+        rng = np.random.default_rng(100 + step)
+        grads = None
+        for eng in (plain, checked):
+            batch = eng.preprocess(feats) if explicit else None
+            acts = eng.lookup(batch if explicit else feats)
+            seen = {k: a.copy() for k, a in acts.items()}
+            if eng is checked:
+                _evaluate(eng, step)
+                for k, a in acts.items():
+                    assert a.tobytes() == seen[k].tobytes(), k
+            if grads is None:
+                grads = {k: rng.standard_normal(a.shape, np.float32) for k, a in seen.items()}
+            eng.apply_gradients(grads, learning_rates=[0.05, 0.01], batch=batch)
+            with pytest.raises(ValueError, match="needs a lookup"):  # one update per lookup
+                eng.apply_gradients(grads, learning_rates=[0.05, 0.01])
+        _assert_same_state(plain, checked)
+    # An evaluation batch is never pending: after a completed step there is nothing to update.
+    _evaluate(checked, 3)
+    with pytest.raises(ValueError, match="needs a lookup"):
+        checked.apply_gradients(grads, learning_rates=[0.05, 0.01])
+
+
 def test_load_of_a_from_function_table_needs_no_function(tmp_path):
     """The function is not stored; the checkpoint's values replace what it would give."""
 
