@@ -18,6 +18,12 @@ Scenarios:
                                 over steps in which some owner gets no id of a table, one
                                 table gets none at all, and every rank's batch is empty
                                 (``sweep_batch``); the gathered tables at the end
+  between:<optimizer>:<sharding>:<exchange>
+                                as equal, with evaluation lookups of held-out samples and of
+                                the step's own between each training lookup and its update
+                                (step 1 through lookup_with_batch and batch=): each update's
+                                error if it raised, whether the training activations stayed
+                                as they were, the gathered tables
   mixed:<sharding>:<exchange>   three tables of odd widths, each its own 16-bit / float32
                                 dtypes, one quantized, Adam with per-row steps; evaluation
                                 and training lookups each step, then the gathered tables
@@ -309,6 +315,36 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
         for key, a in arrays.items():
             saved[f"table/{table}/{key}"] = a
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+def run_between(rank: int, world: int, out: str, name: str) -> None:
+    """between:<optimizer>:<sharding>:<exchange> (module docstring): a validation lookup in
+    the middle of each step must not change its update."""
+    from embengine.distributed import ShardedEngine
+
+    _, optimizer_name, sharding, exchange = name.split(":")
+    features, o = make_features(optimizer_name)
+    eng = ShardedEngine(
+        features, optimizer=o, seed=3, sharding=sharding, timeout=60, exchange=exchange
+    )
+    saved = {}
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        batch = None
+        if step == 1:
+            acts, batch = eng.lookup_with_batch(feats, weights)
+        else:
+            acts = eng.lookup(feats, weights)
+        seen = {k: v.copy() for k, v in acts.items()}
+        held, held_weights, _ = local(STEPS + step, rank, world)
+        eng.lookup(held, held_weights, training=False)
+        eng.lookup(eng.preprocess(feats, weights), training=False)
+        saved[f"same{step}"] = np.array(all(np.array_equal(acts[k], seen[k]) for k in acts))
+        try:
+            eng.apply_gradients(grads, batch=batch)
+        except Exception as e:  # every rank raises alike (at the header)
+            saved[f"error{step}"] = np.array(f"{type(e).__name__}: {e}")
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
 
 
 MIXED_STEPS = 3
@@ -1072,6 +1108,8 @@ def main() -> None:
         for name in sys.argv[5:]:
             if name.startswith("equal:"):
                 run_equal(rank, world, out, name)
+            elif name.startswith("between:"):
+                run_between(rank, world, out, name)
             elif name.startswith("mixed:"):
                 run_mixed(rank, world, out, name)
             elif name.startswith("sweep:"):

@@ -14,6 +14,11 @@ Scenarios:
                               100 s apart); each rank's activations, and the gathered tables
                               after every step, plus an evaluation lookup at the end
   apply:<optimizer>           as keyed, threshold 1, insert_on="apply"
+  between:<optimizer>:<threshold>:<expiry>[:<insert_on>]
+                              as keyed, with evaluation lookups of held-out samples (keys
+                              new, pending, expired) and of the step's own between each
+                              training lookup and its update (step 1 through
+                              lookup_with_batch and batch=); each update's error if it raised
   mmap:<optimizer>:<threshold>:<expiry>
                               as keyed, every shard memory-mapped (storage="mmap") in
                               OUTDIR/store; then a save, a step, a restore (the evaluation
@@ -227,17 +232,30 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
     if kind == "apply":
         features, o = make_features(optimizer, 1, "none", insert_on="apply")
     else:
-        features, o = make_features(optimizer, int(rest[0]), rest[1])
+        features, o = make_features(optimizer, int(rest[0]), rest[1], *rest[2:])
     store = os.path.join(out, "store")
     kwargs = {"storage": "mmap", "storage_dir": store} if kind == "mmap" else {}
     eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, **kwargs)
     saved = {"plan": np.array(eng.plan["k"])}
     for step in range(STEPS):
         feats, weights, grads = local(step, rank, world)
-        acts = eng.lookup(feats, weights, timestamp=timestamp(step))
+        batch = None
+        if kind == "between" and step == 1:
+            acts, batch = eng.lookup_with_batch(feats, weights, timestamp=timestamp(step))
+        else:
+            acts = eng.lookup(feats, weights, timestamp=timestamp(step))
         for k, v in acts.items():
-            saved[f"act{step}/{k}"] = v
-        eng.apply_gradients(grads)
+            saved[f"act{step}/{k}"] = v.copy()
+        if kind == "between":  # a validation lookup in the middle of the step: read-only
+            held, held_weights, _ = local(STEPS + step, rank, world)
+            eng.lookup(held, held_weights, training=False)
+            eng.lookup(eng.preprocess(feats, weights), training=False)
+        try:
+            eng.apply_gradients(grads, batch=batch)
+        except Exception as e:
+            if kind != "between":
+                raise
+            saved[f"error{step}"] = np.array(f"{type(e).__name__}: {e}")  # on every rank
         contents(eng, f"step{step}", saved)
         saved[f"rows{step}"] = np.array(eng.table_stats()["tables"]["k"]["rows"])
     feats, weights, _ = local(0, rank, world)
@@ -566,7 +584,7 @@ def main() -> None:
     )
     try:
         for name in sys.argv[5:]:
-            if name.startswith(("keyed:", "apply:", "mmap:")):
+            if name.startswith(("keyed:", "apply:", "mmap:", "between:")):
                 run_keyed(rank, world, out, name)
             elif name.startswith("evict:"):
                 run_evict(rank, world, out, name)

@@ -54,6 +54,9 @@ SCENARIOS = (
     + ["equal:adam:row:auto:nan"]
     + [f"sweep:{o}:{s}:{x}" for o in SWEEPERS for s in ("row", "table") for x in EXCHANGES]
 )
+# Evaluation lookups between each training lookup and its update: "sums" (the owners keep the
+# lookup's occurrences for the update) and "rows".
+BETWEEN = ["between:adagrad:row:sums", "between:adam:table:rows", "between:ftrl:auto:auto"]
 # Per feature: its table, the table's width, the positions a sample keeps (sequences cut).
 FEATURES = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
 SEQUENCE = {"s": 3}
@@ -137,7 +140,7 @@ def runs(tmp_path_factory):
                 single_engine_run(o, 1)
         if world not in done:
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, SCENARIOS)
+            codes = spawn(world, out, [*SCENARIOS, *BETWEEN])
             assert codes == [0] * world, _logs(out, world)
             done[world] = out
         return done[world]
@@ -286,6 +289,27 @@ def test_sharded_training_equals_one_engine_on_the_concatenated_batch(
             assert got["bytes0"].tolist() == [0, 0]  # nothing leaves a lone rank
         else:
             assert (got["bytes0"] > 0).all()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", BETWEEN)
+def test_an_evaluation_lookup_between_a_sharded_lookup_and_its_update_changes_nothing(
+    runs, world, name
+):
+    """A validation lookup in the middle of every step (held-out samples, then the step's
+    own as a PreparedBatch; step 1 applies with batch=): every update runs, the training
+    activations stay as they were, and the tables end bit for bit as the single engine's
+    without evaluation. An evaluation lookup used to forget the pending batch on every rank:
+    apply_gradients raised "needs a lookup" (batch=: nothing to update either)."""
+    optimizer_name = name.split(":")[1]
+    state = single_engine_run(optimizer_name, world)[1].state_dict()
+    for rank in range(world):
+        path = runs(world) / f"{name.replace(':', '_')}.rank{rank}.npz"
+        got = np.load(path)
+        errors = {k: str(got[k]) for k in got.files if k.startswith("error")}
+        assert not errors, (rank, errors)
+        assert all(bool(got[f"same{s}"]) for s in range(worker.STEPS)), rank
+        _assert_state(path, state)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -54,6 +54,8 @@ EVICT = [
 ]
 # max_pending lowered below the pending keys, and a restore below them (drive_pending)
 PENDING = "pending_edges"
+# evaluation lookups between each training lookup and its update, compared as the keyed ones
+BETWEEN = ["between:adam:1:seconds", "between:sgd:1:steps:apply"]
 
 
 def spawn(world: int, out: Path, scenarios: list[str], env: dict | None = None) -> list[int]:
@@ -70,7 +72,7 @@ def runs(tmp_path_factory):
         if world not in done:
             single_run(SCENARIOS[0])  # compile (or load) the kernels here, not in W children
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, [*SCENARIOS, *EVICT, MMAP, PENDING])
+            codes = spawn(world, out, [*SCENARIOS, *EVICT, MMAP, PENDING, *BETWEEN])
             assert codes == [0] * world, rank_logs(out, world)
             done[world] = out
         return done[world]
@@ -84,8 +86,8 @@ def single_run(name: str) -> dict:
     kind, optimizer, *rest = name.split(":")
     if kind == "apply":
         features, o = worker.make_features(optimizer, 1, "none", insert_on="apply")
-    else:
-        features, o = worker.make_features(optimizer, int(rest[0]), rest[1])
+    else:  # "between": the same stream, without its evaluation lookups
+        features, o = worker.make_features(optimizer, int(rest[0]), rest[1], *rest[2:])
     eng = ee.EmbeddingEngine(features, optimizer=o, seed=3)
     out = {}
     for step in range(worker.STEPS):
@@ -138,6 +140,25 @@ def test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs
     rows = np.array([[int(got[f"rows{s}"]) for s in range(worker.STEPS)] for got in ranks])
     assert (rows[:, -1] > 0).all(), rows
     assert (rows.sum(axis=0) == [len(want[f"step{s}/k/keys"]) for s in range(worker.STEPS)]).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", BETWEEN)
+def test_an_evaluation_lookup_between_a_sharded_keyed_lookup_and_its_update_changes_nothing(
+    runs, world, name
+):
+    """Evaluation lookups (held-out keys: new, pending admission, expired; then the step's
+    own) between each training lookup and its update, inserting on lookup and on apply: every
+    update runs, and every step's tables and activations are the single engine's without the
+    evaluation, bit for bit. They used to forget the pending batch on every rank:
+    apply_gradients raised "needs a lookup", and batch= that the keys' owners resolved them at
+    a lookup whose batch was gone."""
+    out = runs(world)
+    for r in range(world):
+        got = np.load(out / f"{name.replace(':', '_')}.rank{r}.npz")
+        errors = {k: str(got[k]) for k in got.files if k.startswith("error")}
+        assert not errors, (r, errors)
+    test_keyed_sharded_training_equals_one_engine_on_the_concatenated_batch(runs, world, name)
 
 
 @pytest.mark.parametrize("world", [2, 3])

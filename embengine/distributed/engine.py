@@ -849,9 +849,10 @@ class ShardedEngine:
     ) -> dict[str, np.ndarray]:
         """This rank's activations per feature, float32 ``[*shape, dim]``: bit-identical to the
         single engine's for these samples. Collective: every rank calls it (with its own
-        samples). ``training=True`` keeps the batch for ``apply_gradients``. ``timestamp``
-        (training only): the step's data time for keyed tables (``EmbeddingEngine.lookup``'s),
-        the same on every rank (checked)."""
+        samples). ``training=True`` keeps the batch for ``apply_gradients``; ``training=False``
+        is read-only and leaves that batch pending, as ``EmbeddingEngine.lookup``'s (every rank
+        passes the same ``training``). ``timestamp`` (training only): the step's data time for
+        keyed tables (``EmbeddingEngine.lookup``'s), the same on every rank (checked)."""
         return self.lookup_with_batch(features, weights, training=training, timestamp=timestamp)[0]
 
     def lookup_with_batch(
@@ -950,7 +951,8 @@ class ShardedEngine:
                     saving[t] = self._sums_saving(t, counts[t], push)
         except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
-        self._pending = self._last = self._given = None  # a failed or lookup-only call: none
+        if training:  # a failed one leaves none; an evaluation lookup leaves it alone
+            self._pending = self._last = self._given = None
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
