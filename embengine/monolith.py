@@ -406,21 +406,36 @@ def BatchSoftmaxInitializer(init_step_interval: float) -> _init.Constant:  # noq
     return _init.Constant(float(init_step_interval))
 
 
-@dataclass(frozen=True)
+# The compressors take Monolith's arguments (init=False): none, and FixedR8's fixed_range
+# first. The dataclass's own __init__ would take Compressor's field order, (compression,
+# fixed_range): FixedR8Compressor(0.5) was read as compression=0.5 and refused.
+
+
+@dataclass(frozen=True, init=False)
 class Fp32Compressor(Compressor):
     """Serve the table as float32 (no compression)."""
 
     compression: str = "fp32"
 
+    def __init__(self):
+        object.__setattr__(self, "compression", "fp32")
+        object.__setattr__(self, "fixed_range", 1.0)
+        self.__post_init__()
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Fp16Compressor(Compressor):
     """Serve the table as float16 (round to nearest even)."""
 
     compression: str = "fp16"
 
+    def __init__(self):
+        object.__setattr__(self, "compression", "fp16")
+        object.__setattr__(self, "fixed_range", 1.0)
+        self.__post_init__()
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class FixedR8Compressor(Compressor):
     """8-bit fixed point in ``[-r, 127 r / 128]``, step ``r / 128`` (``r = fixed_range``).
 
@@ -434,10 +449,11 @@ class FixedR8Compressor(Compressor):
     fixed_range: float = 1.0
     compression: str = "fixed_r8"
 
-    def __post_init__(self):
-        if self.fixed_range is None:  # Monolith's default, as its None fields take
-            object.__setattr__(self, "fixed_range", 1.0)
-        super().__post_init__()
+    def __init__(self, fixed_range: float | None = 1.0):
+        object.__setattr__(self, "compression", "fixed_r8")
+        # None: Monolith's default, as its None fields take
+        object.__setattr__(self, "fixed_range", 1.0 if fixed_range is None else fixed_range)
+        self.__post_init__()
 
     def quantization_config(self) -> QuantizationConfig:
         r = float(self.fixed_range)

@@ -471,3 +471,30 @@ def test_amsgrad_as_monolith_s_code_steps(backend, nesterov):
         for i in (1, 2):
             np.testing.assert_allclose(eng.embedding_tables["t"][i, 0], state[i]["w"], rtol=1e-5)
             np.testing.assert_allclose(eng.slots("t")["vhats"][i, 0], state[i]["vhat"], rtol=1e-5)
+
+
+def test_compressors_take_monolith_s_arguments(tmp_path):
+    """Monolith's ``FixedR8Compressor(fixed_range=1.0)`` takes its range first: ``(0.5)`` was
+    read as ``compression=0.5`` and refused ("compression must be one of (...), got 0.5"), and
+    ``Fp16Compressor("fp32")`` (Monolith's takes nothing) made an fp32 compressor."""
+    import pickle
+
+    r8 = mono.FixedR8Compressor(0.5)
+    assert r8 == mono.FixedR8Compressor(fixed_range=0.5)
+    assert (r8.compression, r8.fixed_range) == ("fixed_r8", 0.5)
+    assert mono.FixedR8Compressor() == mono.FixedR8Compressor(None) == mono.FixedR8Compressor(1.0)
+    assert pickle.loads(pickle.dumps(r8)) == r8
+    for bad in (
+        lambda: mono.FixedR8Compressor(0.5, "fp16"),
+        lambda: mono.FixedR8Compressor(compression="fp16"),
+        lambda: mono.Fp16Compressor("fp32"),
+        lambda: mono.Fp32Compressor(compression="fp16"),
+    ):
+        with pytest.raises(TypeError):
+            bad()
+    with pytest.raises(ValueError, match="FixedR8Compressor: fixed_range must be a finite"):
+        mono.FixedR8Compressor(-1.0)
+    t = ee.TableConfig(4, 2, name="t", combiner="sum", compressor=r8)
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=mono.SgdOptimizer())
+    loaded = ee.EmbeddingEngine.load(eng.save(tmp_path / "ckpt"))
+    assert loaded.table_configs["t"].compressor == ee.Compressor("fixed_r8", 0.5)
