@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 from . import initializers as _init
@@ -163,13 +164,22 @@ def _proto_defaults(factory):
     return wrapper
 
 
-def _lr(value, default: float, warmup_steps: int = 0):
+def _lr(value, default: float, warmup_steps: int = 0, owner: str = ""):
+    """The learning rate (``default`` for None), a ``Warmup`` of it for ``warmup_steps > 0``;
+    ``owner`` (the factory) names a bad warmup_steps."""
     lr = default if value is None else value
     if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        raise ValueError(f"{owner}: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if warmup_steps and not callable(lr):
         return Warmup(float(lr), int(warmup_steps))
     return lr
+
+
+def _betas(owner: str, beta1, beta2) -> None:
+    """Adam's and AMSGrad's betas, checked under Monolith's names (the optimizers would name
+    their own, beta_1 and beta_2, which the caller never gave)."""
+    _checks.unit_interval(owner, "beta1", beta1)
+    _checks.unit_interval(owner, "beta2", beta2)
 
 
 def _decay(weight_decay_factor: float) -> dict:
@@ -215,7 +225,7 @@ def AdagradOptimizer(
         )
         hessian_compression_times = 1
     return _opt.Adagrad(
-        _lr(learning_rate, 0.001, warmup_steps),
+        _lr(learning_rate, 0.001, warmup_steps, "AdagradOptimizer"),
         0.1 if initial_accumulator_value is None else initial_accumulator_value,
         hessian_compression_times,
         **_decay(weight_decay_factor),
@@ -236,8 +246,9 @@ def AdamOptimizer(
     """Adam with per-id bias correction and epsilon outside the sqrt (lr default 0.01).
     ``use_beta1_warmup`` is accepted (a bool) and, as in Monolith, has no effect."""
     _checks.flag("AdamOptimizer", "use_beta1_warmup", use_beta1_warmup)
+    _betas("AdamOptimizer", beta1, beta2)
     return _opt.Adam(
-        _lr(learning_rate, 0.01, warmup_steps),
+        _lr(learning_rate, 0.01, warmup_steps, "AdamOptimizer"),
         beta1,
         beta2,
         epsilon,
@@ -259,8 +270,9 @@ def AmsgradOptimizer(
     warmup_steps=0,
 ) -> _opt.AMSGrad:
     """AMSGrad: Adam (as above) dividing by the running maximum of v."""
+    _betas("AmsgradOptimizer", beta1, beta2)
     return _opt.AMSGrad(
-        _lr(learning_rate, 0.01, warmup_steps),
+        _lr(learning_rate, 0.01, warmup_steps, "AmsgradOptimizer"),
         beta1,
         beta2,
         epsilon,
@@ -281,7 +293,7 @@ def MomentumOptimizer(
 ) -> _opt.Momentum:
     """Momentum with the learning rate inside the velocity (lr default 0.01)."""
     return _opt.Momentum(
-        _lr(learning_rate, 0.01, warmup_steps),
+        _lr(learning_rate, 0.01, warmup_steps, "MomentumOptimizer"),
         momentum,
         use_nesterov,
         velocity_includes_learning_rate=True,
@@ -328,7 +340,7 @@ def AdadeltaOptimizer(
     """Adadelta with rho = averaging_ratio (lr default 0.01)."""
     _checks.unit_interval("AdadeltaOptimizer", "averaging_ratio", averaging_ratio)
     return _opt.Adadelta(
-        _lr(learning_rate, 0.01, warmup_steps),
+        _lr(learning_rate, 0.01, warmup_steps, "AdadeltaOptimizer"),
         averaging_ratio,
         epsilon,
         **_decay(weight_decay_factor),
@@ -357,12 +369,21 @@ def FtrlOptimizer(
         )
     l1 = 0.0 if l1_regularization is None else l1_regularization
     l2 = 0.0 if l2_regularization is None else l2_regularization
-    # Checked under Monolith's names here: FTRL would name its own, and l2 halved.
+    # Checked under Monolith's names here: FTRL would name its own, and l2 halved, and advise
+    # its own switches (allow_zero_accumulator, multiply_linear_by_learning_rate), which
+    # FtrlOptimizer has not.
     _checks.non_negative("FtrlOptimizer", "l1_regularization", l1)
     _checks.non_negative("FtrlOptimizer", "l2_regularization", l2)
     a0 = 0.1 if initial_accumulator_value is None else initial_accumulator_value
+    _checks.non_negative("FtrlOptimizer", "initial_accumulator_value", a0)
+    lr = 0.01 if learning_rate is None else learning_rate
+    if _checks.is_number(lr) and not (math.isfinite(lr) and lr > 0):
+        raise ValueError(
+            "FtrlOptimizer: learning_rate must be a finite number > 0 (FTRL divides by it), "
+            f"got {lr!r}"
+        )
     return _opt.FTRL(
-        _lr(learning_rate, 0.01, warmup_steps),
+        _lr(learning_rate, 0.01, warmup_steps, "FtrlOptimizer"),
         l1_regularization_strength=l1,
         l2_regularization_strength=l2 / 2.0,
         beta=0.0 if beta is None else beta,
@@ -383,15 +404,23 @@ def ZerosInitializer() -> _init.Zeros:  # noqa: N802
     return _init.Zeros()
 
 
+def _finite(owner: str, name: str, value) -> None:
+    if not (_checks.is_number(value) and math.isfinite(value)):
+        raise ValueError(f"{owner}: {name} must be a finite number, got {value!r}")
+
+
 def ConstantsInitializer(constant: float) -> _init.Constant:  # noqa: N802
+    _finite("ConstantsInitializer", "constant", constant)
     return _init.Constant(constant)
 
 
 def RandomUniformInitializer(minval=None, maxval=None) -> _init.RandomUniform:  # noqa: N802
     """Uniform in [minval, maxval], defaults -0.05 and 0.05."""
-    return _init.RandomUniform(
-        -0.05 if minval is None else minval, 0.05 if maxval is None else maxval
-    )
+    minval = -0.05 if minval is None else minval
+    maxval = 0.05 if maxval is None else maxval
+    _finite("RandomUniformInitializer", "minval", minval)
+    _finite("RandomUniformInitializer", "maxval", maxval)
+    return _init.RandomUniform(minval, maxval)
 
 
 def BatchSoftmaxInitializer(init_step_interval: float) -> _init.Constant:  # noqa: N802

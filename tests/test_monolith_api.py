@@ -400,6 +400,47 @@ def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
             TypeError,
             "AdamOptimizer: use_beta1_warmup must be a bool, got 'no'",
         ),
+        # named FTRL's allow_zero_accumulator, which FtrlOptimizer has not
+        (
+            lambda: mono.FtrlOptimizer(initial_accumulator_value=-0.5),
+            ValueError,
+            "FtrlOptimizer: initial_accumulator_value must be a finite number >= 0, got -0.5",
+        ),
+        # advised multiply_linear_by_learning_rate=True, which FtrlOptimizer has not
+        (
+            lambda: mono.FtrlOptimizer(learning_rate=0.0),
+            ValueError,
+            r"FtrlOptimizer: learning_rate must be a finite number > 0 \(FTRL divides by it\), "
+            "got 0.0",
+        ),
+        # named Adam's beta_1 / beta_2, which the caller never gave
+        (
+            lambda: mono.AdamOptimizer(beta1=1.5),
+            ValueError,
+            r"AdamOptimizer: beta1 must be in \[0, 1\), got 1.5",
+        ),
+        (
+            lambda: mono.AmsgradOptimizer(beta2=-0.1),
+            ValueError,
+            r"AmsgradOptimizer: beta2 must be in \[0, 1\), got -0.1",
+        ),
+        # named no optimizer at all
+        (
+            lambda: mono.MomentumOptimizer(warmup_steps=-2),
+            ValueError,
+            "MomentumOptimizer: warmup_steps must be an int >= 0, got -2",
+        ),
+        # "could not convert string to float: 'a'", "must be real number, not str"
+        (
+            lambda: mono.ConstantsInitializer("a"),
+            ValueError,
+            "ConstantsInitializer: constant must be a finite number, got 'a'",
+        ),
+        (
+            lambda: mono.RandomUniformInitializer("a"),
+            ValueError,
+            "RandomUniformInitializer: minval must be a finite number, got 'a'",
+        ),
     ],
 )
 def test_bad_arguments_are_named_as_monolith_names_them(make, error, message):
@@ -432,7 +473,7 @@ def test_ftrl_takes_a_zero_initial_accumulator_as_monolith_does(backend):
     np.testing.assert_allclose(eng.embedding_tables["t"][2], [lr * -z / math.sqrt(g * g), 0.0])
     np.testing.assert_allclose(eng.slots("t")["accumulators"][2], [g * g, 0.0], rtol=1e-6)
     assert mono.FtrlOptimizer() == mono.FtrlOptimizer(initial_accumulator_value=0.1)
-    with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
+    with pytest.raises(ValueError, match="FtrlOptimizer: initial_accumulator_value must be a fin"):
         mono.FtrlOptimizer(initial_accumulator_value=-0.1)
 
 
