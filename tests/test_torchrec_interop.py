@@ -877,3 +877,22 @@ def test_lr_handle_refuses_a_rate_float_would_misread(bad):
     with pytest.raises(kind, match=r"param_groups\[1\]"):
         out["a"].sum().backward()
     assert (layer.engine.embedding_tables["t"] == before).all()
+
+
+def test_lr_handle_reads_lr_as_forward_reads_learning_rates():
+    """``lr="0.5"`` was read as a sequence of three characters ("lr has 3 values but the
+    engine has 2 dynamic learning-rate tags"), and one value per tag as an array or a tensor,
+    which ``forward(learning_rates=...)`` takes, was refused ("lr must be a number, got
+    array([0.4, 0.2])"). A string is refused by name; arrays and tensors are read as lists."""
+    with pytest.raises(TypeError, match="lr must be a number .* got the string '0.5'"):
+        EmbeddingLayer(_dynamic_engine()).lr_handle(lr="0.5")
+    for lr in (np.array([0.4, 0.2]), torch.tensor([0.4, 0.2], dtype=torch.float64)):
+        assert EmbeddingLayer(_dynamic_engine()).lr_handle(lr=lr).learning_rates() == [0.4, 0.2]
+    for one in (np.float64(0.3), np.array(0.3), torch.tensor(0.3, dtype=torch.float64)):
+        assert EmbeddingLayer(_dynamic_engine()).lr_handle(lr=one).learning_rates() == [0.3, 0.3]
+    with pytest.raises(ValueError, match="lr has 3 values but the engine has 2"):
+        EmbeddingLayer(_dynamic_engine()).lr_handle(lr=np.array([0.1, 0.2, 0.3]))
+    with pytest.raises(ValueError, match=r"lr must be one number, or one per tag \(a 1-D"):
+        EmbeddingLayer(_dynamic_engine()).lr_handle(lr=np.ones((2, 1)))
+    with pytest.raises(ValueError, match=r"lr\[1\] must be a finite number >= 0, got -0.2"):
+        EmbeddingLayer(_dynamic_engine()).lr_handle(lr=torch.tensor([0.4, -0.2]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..engine import EmbeddingEngine
@@ -33,6 +34,25 @@ def _tag_tables(engine: EmbeddingEngine) -> list[list[str]]:
         if tag is not None:
             tables[tag].append(name)
     return tables
+
+
+def _per_tag(lr):
+    """``lr`` as None, one value for every tag, or a list of one per tag: a 1-D array or
+    tensor is its list (as ``forward(learning_rates=...)`` reads one), a 0-d one its value. A
+    string is refused (as a sequence it was read as one value per character)."""
+    if isinstance(lr, str | bytes):
+        raise TypeError(
+            f"lr must be a number (every tag's) or a sequence of one number per tag, got the "
+            f"string {lr!r}"
+        )
+    if isinstance(lr, np.ndarray | torch.Tensor):
+        if lr.ndim > 1:
+            raise ValueError(
+                f"lr must be one number, or one per tag (a 1-D sequence), got an array of shape "
+                f"{list(lr.shape)}"
+            )
+        return lr.tolist() if lr.ndim == 1 else lr.item()
+    return lr
 
 
 class LearningRateHandle(torch.optim.Optimizer):
@@ -56,6 +76,7 @@ class LearningRateHandle(torch.optim.Optimizer):
                 "their starting values"
             )
         self._engine = engine
+        lr = _per_tag(lr)
         groups = [
             {"params": [], "lr": self._start(engine, tag, names, lr), "tag": tag, "tables": names}
             for tag, names in enumerate(tables)
