@@ -613,3 +613,26 @@ def test_requires_grad_false_freezes_the_tables():
     dense(out["a"] + out["b"]).sum().backward()
     assert eng.step == 1 and eng.table_contents("k")["keys"].tolist() == [3]
     assert not np.array_equal(eng.embedding_tables["t"][5], before[5])
+
+
+def test_a_timestamp_tensor_is_read_as_its_int():
+    """A batch's time from a DataLoader is a tensor (``batch["time"].max()``): the layer
+    refused it ("timestamp must be an int (seconds of data time, e.g. Unix time), got
+    tensor(1000)") where it took NumPy's int64. A 0-d integer tensor is its int now; a float
+    or bool tensor is still refused by name, nothing changed."""
+    from conftest import keyed_engine
+
+    a = EmbeddingLayer(keyed_engine("numba", expire_seconds=100))
+    b = EmbeddingLayer(keyed_engine("numba", expire_seconds=100))
+    for i, (t, ids) in enumerate(((1000, [[1]]), (1050, [[2]]), (1101, [[2]]))):
+        ta = torch.tensor(t) if i % 2 == 0 else torch.tensor(t, dtype=torch.int32)
+        a({"f": ids}, timestamp=ta)["f"].sum().backward()
+        b({"f": ids}, timestamp=np.int64(t))["f"].sum().backward()
+    assert a.engine.table_stats()["k"]["data_time"] == 1101
+    got, want = a.engine.table_contents("k"), b.engine.table_contents("k")
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    assert a.engine.table_contents("k")["keys"].tolist() == [2]  # 1 expired at 1101
+    for bad in (torch.tensor(1200.0), torch.tensor(True), torch.tensor([1200])):
+        with pytest.raises(TypeError, match="timestamp must be an int"):
+            a({"f": [[3]]}, timestamp=bad)
+    assert a.engine.step == 3 and a.engine.table_stats()["k"]["data_time"] == 1101

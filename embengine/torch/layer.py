@@ -51,6 +51,16 @@ def _timestamp(t) -> dict:
     return {} if t is None else {"timestamp": t}
 
 
+def _timestamp_value(t):
+    """A 0-d integer tensor (a DataLoader's collated time, ``batch["time"].max()``) as its
+    int, as NumPy's integer scalars are read; anything else as it is, for the engine to check
+    (and refuse by name: a float, a bool, more than one value)."""
+    if isinstance(t, torch.Tensor) and t.dim() == 0:
+        if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            return int(t.item())
+    return t
+
+
 def _owner(a: np.ndarray) -> np.ndarray:
     """The array owning ``a``'s memory (numpy points a view's ``base`` at it)."""
     while isinstance(a.base, np.ndarray):
@@ -181,11 +191,11 @@ class EmbeddingLayer(torch.nn.Module):
     outputs, backpropagated on its own) is refused: add the losses and call backward once.
     ``learning_rates`` (one per dynamic learning-rate tag) is used by that update; without it,
     the ``lr_handle()``'s values are, if the layer has one. ``timestamp``: the batch's data
-    time, passed to the training lookup and its update (keyed tables that expire by data time
-    need it; ignored in eval mode). In eval mode, under ``torch.no_grad()`` or after
-    ``layer.requires_grad_(False)`` (which freezes the tables) the lookup never updates
-    anything and skips the deduplication (a lookup-only batch); a batch from
-    ``preprocess(..., training=False)`` is refused in training mode.
+    time (an int of seconds, or a 0-d integer tensor), passed to the training lookup and its
+    update (keyed tables that expire by data time need it; ignored in eval mode). In eval
+    mode, under ``torch.no_grad()`` or after ``layer.requires_grad_(False)`` (which freezes
+    the tables) the lookup never updates anything and skips the deduplication (a lookup-only
+    batch); a batch from ``preprocess(..., training=False)`` is refused in training mode.
 
     Pooling is each table's ``combiner``, whose default is TF's ``"mean"``; TorchRec's
     EmbeddingBagConfig pools by ``"sum"`` by default: set ``combiner="sum"`` on the
@@ -262,10 +272,11 @@ class EmbeddingLayer(torch.nn.Module):
         features,
         weights: Mapping | None = None,
         learning_rates: Sequence[float] | None = None,
-        timestamp: int | None = None,
+        timestamp: int | torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor] | KeyedTensor:
         training = self.training and self.trainable and torch.is_grad_enabled()
-        timestamp = timestamp if training else None  # evaluation sees the tables as they are
+        # evaluation sees the tables as they are
+        timestamp = _timestamp_value(timestamp) if training else None
         extra = {}
         try:
             features, learning_rates = self._checked_inputs(
