@@ -636,3 +636,15 @@ def test_a_timestamp_tensor_is_read_as_its_int():
         with pytest.raises(TypeError, match="timestamp must be an int"):
             a({"f": [[3]]}, timestamp=bad)
     assert a.engine.step == 3 and a.engine.table_stats()["k"]["data_time"] == 1101
+
+
+def test_the_layer_s_repr_names_a_keyed_table_so():
+    """A keyed table has no vocabulary size: the repr showed "k: Nonex3"."""
+    k = ee.TableConfig(None, DIM, name="k", dynamic=ee.DynamicVocabulary())
+    t = ee.TableConfig(VOCAB, DIM, name="t")
+    layer = EmbeddingLayer(
+        ee.EmbeddingEngine(
+            {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(k)}, optimizer=opt.SGD(0.1)
+        )
+    )
+    assert repr(layer) == "EmbeddingLayer(tables=[t: 12x3, k: keyedx3], backend='numba')"

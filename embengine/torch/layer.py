@@ -475,7 +475,9 @@ class EmbeddingLayer(torch.nn.Module):
             error_msgs.append(f"while loading the EmbeddingLayer's engine state at {prefix!r}: {e}")
 
     def extra_repr(self) -> str:
+        # a keyed table (vocabulary_size None) has no number of rows to show: "keyed"
         tables = ", ".join(
-            f"{n}: {c.vocabulary_size}x{c.dim}" for n, c in self.engine.table_configs.items()
+            f"{n}: {'keyed' if c.vocabulary_size is None else c.vocabulary_size}x{c.dim}"
+            for n, c in self.engine.table_configs.items()
         )
         return f"tables=[{tables}], backend={self.engine.backend!r}"
