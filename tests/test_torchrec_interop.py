@@ -896,3 +896,35 @@ def test_lr_handle_reads_lr_as_forward_reads_learning_rates():
         EmbeddingLayer(_dynamic_engine()).lr_handle(lr=np.ones((2, 1)))
     with pytest.raises(ValueError, match=r"lr\[1\] must be a finite number >= 0, got -0.2"):
         EmbeddingLayer(_dynamic_engine()).lr_handle(lr=torch.tensor([0.4, -0.2]))
+
+
+def test_a_torchrec_virtual_table_becomes_a_keyed_table(trj):
+    """``use_virtual_table=True`` is TorchRec's table over an id space like 2^50 whose rows are
+    made as ids train. It was ported as a dense table of num_embeddings rows: the engine's
+    allocation failed ("MemoryError: Unable to allocate 16.0 PiB"). Now it is a keyed table
+    (rows made as ids train, TorchRec's uniform bounds); an eviction policy, which has no
+    mapping, is refused by name."""
+    from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
+
+    def tables(**kw):
+        return [
+            EmbeddingBagConfig(
+                num_embeddings=2**50, embedding_dim=4, name="v", feature_names=["a"], **kw
+            ),
+            EmbeddingBagConfig(num_embeddings=12, embedding_dim=2, name="t", feature_names=["b"]),
+        ]
+
+    features = feature_configs_from_torchrec(tables(use_virtual_table=True), opt.SGD(0.5))
+    v = features["a"].table
+    assert v.keyed and v.dynamic == ee.DynamicVocabulary() and v.combiner == "sum"
+    assert not features["b"].table.keyed  # not a virtual table: dense, as before
+    layer = EmbeddingLayer(ee.EmbeddingEngine(features))
+    ids = [[2**49 + 3, 7], [2**50 - 1]]
+    out = layer({"a": ids, "b": [[1], [2]]})
+    out["a"].sum().backward()
+    assert layer.engine.table_contents("v")["keys"].tolist() == [7, 2**49 + 3, 2**50 - 1]
+    assert "tables.v.keys" in layer.state_dict()
+    with pytest.raises(ValueError, match="table 'v': virtual_table_eviction_policy .* has no"):
+        feature_configs_from_torchrec(
+            tables(use_virtual_table=True, virtual_table_eviction_policy=CountBasedEvictionPolicy())
+        )

@@ -13,7 +13,12 @@ TorchRec's own default ``init_fn`` (its EmbeddingBagConfig sets one from those b
 weight, as TorchRec calls it (``initializers.FromFunction``). ``data_type`` FP32, FP16 and
 BF16 become ``weights_dtype`` "float32", "float16" and "bfloat16"; the integer types
 (TorchRec's quantized inference tables) and an ``EmbeddingConfig`` (TorchRec's unpooled
-EmbeddingCollection) are refused by name. Duck-typed: torchrec is not imported.
+EmbeddingCollection) are refused by name. A virtual table (``use_virtual_table=True``: ids in a
+space like 2^50, a row made when its id trains) becomes a keyed table (``TableConfig(None,
+...)`` with ``DynamicVocabulary()``: any int64 id, rows made as ids are looked up in training);
+its ``virtual_table_eviction_policy``, if set, has no mapping and is refused by name (give the
+feature a keyed table with ``DynamicVocabulary(expire_steps=..., max_rows=...)`` yourself).
+Duck-typed: torchrec is not imported.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import functools
 import math
 from collections.abc import Sequence
 
-from ..config import FeatureConfig, TableConfig
+from ..config import DynamicVocabulary, FeatureConfig, TableConfig
 from ..initializers import FromFunction, RandomUniform
 from ..optimizers import Optimizer
 
@@ -97,6 +102,25 @@ def _initializer(cfg):
     return RandomUniform(-bound if lo is None else lo, bound if hi is None else hi)
 
 
+def _vocabulary(cfg) -> tuple[int | None, DynamicVocabulary | None]:
+    """``(vocabulary_size, dynamic)``: TorchRec's number of rows, or for a virtual table
+    (``use_virtual_table``: ids up to ``num_embeddings`` ~ 2^50, materialized as they train) a
+    keyed table; as a dense table it was an allocation of num_embeddings rows (16 PiB for 2^50
+    rows of 4 floats, a MemoryError naming no table)."""
+    if not getattr(cfg, "use_virtual_table", False):
+        return int(cfg.num_embeddings), None
+    policy = getattr(cfg, "virtual_table_eviction_policy", None)
+    if policy is not None:
+        raise ValueError(
+            f"table {cfg.name!r}: virtual_table_eviction_policy {policy!r} has no embengine "
+            "mapping; leave it None (a keyed table that keeps every row), or give the feature "
+            f"a keyed table yourself: TableConfig(None, {int(cfg.embedding_dim)}, name="
+            f"{cfg.name!r}, combiner=..., dynamic=ee.DynamicVocabulary(expire_steps=..., "
+            "max_rows=...))"
+        )
+    return None, DynamicVocabulary()
+
+
 def _pooling(cfg) -> str:
     if type(cfg).__name__ == "EmbeddingConfig":
         raise ValueError(
@@ -125,14 +149,16 @@ def feature_configs_from_torchrec(
     for cfg in tables:
         if not getattr(cfg, "feature_names", None):
             raise ValueError(f"table {cfg.name!r} has no feature_names; TorchRec needs them too")
+        vocabulary_size, dynamic = _vocabulary(cfg)
         table = TableConfig(
-            vocabulary_size=int(cfg.num_embeddings),
+            vocabulary_size=vocabulary_size,
             dim=int(cfg.embedding_dim),
             initializer=_initializer(cfg),
             optimizer=optimizer,
             combiner=_pooling(cfg),
             name=cfg.name or None,
             weights_dtype=_weights_dtype(cfg),
+            dynamic=dynamic,
         )
         for feature in cfg.feature_names:
             if feature in out:
