@@ -648,3 +648,35 @@ def test_the_layer_s_repr_names_a_keyed_table_so():
         )
     )
     assert repr(layer) == "EmbeddingLayer(tables=[t: 12x3, k: keyedx3], backend='numba')"
+
+
+def test_a_list_of_tensors_is_read_as_a_list_of_arrays():
+    """Samples of different lengths collated as a list of 1-D tensors (or a list of 0-d
+    tensors, one id each) were refused ("ids must be integers, got tensor([1, 2]) at ids[0]")
+    where the same list of NumPy arrays is read. Weights likewise; weights that require grad
+    are refused by name, as in every other form."""
+    ids = [torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([3])]
+    weights = [torch.tensor([0.5, 2.0]), torch.tensor([]), torch.tensor([4.0])]
+    numpy_ids = [np.array([1, 2]), np.array([], np.int64), np.array([3])]
+    numpy_weights = [np.array([0.5, 2.0]), np.array([]), np.array([4.0])]
+    a, b = (_engine(opt.SGD(0.5), "sum") for _ in range(2))
+    la, lb = EmbeddingLayer(a), EmbeddingLayer(b)
+    out = la({"a": ids, "b": [torch.tensor(4), torch.tensor(5), torch.tensor(6)]}, {"a": weights})
+    want = lb({"a": numpy_ids, "b": [4, 5, 6]}, {"a": numpy_weights})
+    for name in ("a", "b"):
+        torch.testing.assert_close(out[name], want[name], rtol=0, atol=0)
+    (out["a"] * out["b"]).sum().backward()
+    (want["a"] * want["b"]).sum().backward()
+    np.testing.assert_array_equal(a.embedding_tables["t"], b.embedding_tables["t"])
+    pb = la.preprocess({"a": ids, "b": [[4], [5], [6]]}, {"a": weights}, training=False)
+    la.eval()
+    torch.testing.assert_close(
+        la(pb)["a"], lb.eval()({"a": numpy_ids, "b": [4, 5, 6]}, {"a": numpy_weights})["a"]
+    )
+    la.train()
+    grad = [torch.tensor([0.5, 2.0], requires_grad=True), torch.tensor([]), torch.tensor([4.0])]
+    with pytest.raises(ValueError, match="feature 'a': weights require grad"):
+        la({"a": ids, "b": [4, 5, 6]}, {"a": grad})
+    with pytest.raises(TypeError, match="ids must be integers"):
+        la({"a": [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])], "b": [4, 5, 6]})
+    assert a.step == 1

@@ -928,3 +928,37 @@ def test_a_torchrec_virtual_table_becomes_a_keyed_table(trj):
         feature_configs_from_torchrec(
             tables(use_virtual_table=True, virtual_table_eviction_policy=CountBasedEvictionPolicy())
         )
+
+
+def test_torchrec_jagged_tensors_are_read_as_the_kjt_they_come_from(trj):
+    """``kjt.to_dict()`` and ``{k: kjt[k]}`` give TorchRec JaggedTensors, which this page's
+    own advice builds KJTs from: a dict of them was refused with "feature 'a': ids must be
+    integers, got dtype object". Each is read as a Ragged of its values, offsets and weights
+    and looks up (and trains) as the KJT does; their errors name the feature."""
+    kjt = trj.KeyedJaggedTensor.from_lengths_sync(
+        ["b", "a"],
+        torch.tensor([1, 2, 3, 4, 5, 6]),
+        torch.tensor([2, 0, 1, 1, 1, 1]),
+        weights=torch.tensor([1.0, 0.5, 2.0, 1.0, 3.0, 0.25]),
+    )
+    a, b = EmbeddingLayer(_engine(opt.SGD(0.5))), EmbeddingLayer(_engine(opt.SGD(0.5)))
+    out, want = a(kjt.to_dict()), b(kjt)
+    for name in ("a", "b"):
+        torch.testing.assert_close(out[name], want[name], rtol=0, atol=0)
+    (out["a"].sum() + out["b"].pow(2).sum()).backward()
+    (want["a"].sum() + want["b"].pow(2).sum()).backward()
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(
+            a.engine.embedding_tables[name], b.engine.embedding_tables[name]
+        )
+    bad = trj.JaggedTensor(values=torch.tensor([1, 40]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="feature 'a': id 40 at sample 1"):
+        a({"a": bad, "b": kjt["b"]})
+    grad = trj.JaggedTensor(
+        values=torch.tensor([1, 2]),
+        lengths=torch.tensor([1, 1]),
+        weights=torch.tensor([1.0, 2.0], requires_grad=True),
+    )
+    with pytest.raises(ValueError, match=r"feature 'a' \(a JaggedTensor\): weights require grad"):
+        a({"a": grad, "b": kjt["b"]})
+    assert a.engine.step == 1
