@@ -166,11 +166,20 @@ def _proto_defaults(factory):
 
 def _lr(value, default: float, warmup_steps: int = 0, owner: str = ""):
     """The learning rate (``default`` for None), a ``Warmup`` of it for ``warmup_steps > 0``;
-    ``owner`` (the factory) names a bad warmup_steps."""
+    ``owner`` (the factory) names a bad warmup_steps, or a rate the warm-up cannot ramp (the
+    optimizer checks a rate, but not the one inside a Warmup: ``float()`` read "0.5" and True,
+    and -1 failed at the second step)."""
     lr = default if value is None else value
     if not _checks.is_integer(warmup_steps) or warmup_steps < 0:
         raise ValueError(f"{owner}: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if warmup_steps and not callable(lr):
+        if isinstance(lr, _opt.DynamicLearningRate):
+            raise ValueError(
+                f"{owner}: warmup_steps={warmup_steps!r} ramps a constant learning rate; "
+                f"{lr!r} has its values given per step (learning_rates=): ramp them there, "
+                "and leave warmup_steps=0"
+            )
+        _checks.non_negative(owner, "learning_rate", lr)
         return Warmup(float(lr), int(warmup_steps))
     return lr
 

@@ -448,6 +448,33 @@ def test_bad_arguments_are_named_as_monolith_names_them(make, error, message):
         make()
 
 
+@pytest.mark.parametrize(
+    ("lr", "error", "message"),
+    [
+        ("0.5", ValueError, "AdagradOptimizer: learning_rate must be a finite number >= 0"),
+        (True, ValueError, "AdagradOptimizer: learning_rate must be a finite number >= 0"),
+        (-1.0, ValueError, "AdagradOptimizer: learning_rate must be a finite number >= 0"),
+        (float("nan"), ValueError, "AdagradOptimizer: learning_rate must be a finite number"),
+        ("x", ValueError, "AdagradOptimizer: learning_rate must be a finite number >= 0"),
+        (
+            ee.DynamicLearningRate(0),
+            ValueError,
+            r"AdagradOptimizer: warmup_steps=3 ramps a constant learning rate; "
+            r"DynamicLearningRate\(tag=0\)",
+        ),
+    ],
+)
+def test_a_warmed_up_learning_rate_is_checked_when_made(lr, error, message):
+    """With warmup_steps the rate went to ``float()`` unchecked: "0.5" and True trained at 0.5
+    and 1.0 (refused without warmup), -1 and nan were refused only at the second step, by the
+    engine, naming ``Warmup(...)``; "x" and a DynamicLearningRate raised float()'s bare errors
+    ("could not convert string to float: 'x'")."""
+    with pytest.raises(error, match=message):
+        mono.AdagradOptimizer(learning_rate=lr, warmup_steps=3)
+    warm = mono.AdagradOptimizer(learning_rate=np.float32(0.25), warmup_steps=2).learning_rate
+    assert [warm(s) for s in (0, 1, 2, 3)] == [0.0, 0.125, 0.25, 0.25]
+
+
 def test_rmsprop_learning_rate_is_static_as_in_monolith():
     """Monolith's RMSProp steps with its configured rate (its C++ reads
     ``conf_.learning_rate()``, never the step's rate): a learning-rate function was accepted
