@@ -8,7 +8,11 @@ Accepted per feature:
 - a 2-D integer array padded with -1: row ``b`` is sample ``b``; -1 entries are padding, dropped
   wherever they stand (a sequence feature's ids take positions 0, 1, ... in row order: a -1
   between two ids leaves no gap; give a Ragged or lists to say which positions are empty);
-- a list of lists of ints (one list per sample), or a flat list of ints (one id per sample).
+- a list of lists of ints (one list per sample), or a flat list of ints (one id per sample);
+  a sample may be a 1-D NumPy array or torch tensor (a list of tensors, as a DataLoader's
+  ``collate_fn`` gathers samples of different lengths), an id a 0-d one;
+- TorchRec's ``JaggedTensor`` (``kjt[key]``, ``kjt.to_dict()``): its values, offsets and
+  weights, read as a ``Ragged`` (duck-typed: torch and torchrec are not imported).
 
 Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D of the same shape
 (padding entries ignored) or a list of lists.
@@ -252,6 +256,43 @@ def _rebuild_ragged(ids, offsets, weights) -> Ragged:
     return Ragged(ids, offsets=offsets, weights=weights)
 
 
+def _is_torch_tensor(x) -> bool:
+    """A torch tensor, told by its class's module (torch is not imported here)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _is_jagged(x) -> bool:
+    """TorchRec's JaggedTensor: callable ``values``, ``offsets`` and ``weights_or_none``, and no
+    ``keys`` (a KeyedJaggedTensor has them)."""
+    return not callable(getattr(x, "keys", None)) and all(
+        callable(getattr(x, m, None)) for m in ("values", "offsets", "weights_or_none")
+    )
+
+
+def _sample_arrays(value, what: str):
+    """A list or tuple holding torch tensors (one per sample) as the list of their NumPy arrays,
+    as a list of NumPy arrays is read (a 0-d tensor: its Python number); anything else as it
+    is. Weights that require grad are refused, as ``_float_array`` refuses them."""
+    if not isinstance(value, list | tuple) or not any(_is_torch_tensor(v) for v in value):
+        return value
+    out = []
+    for v in value:
+        if _is_torch_tensor(v):
+            if getattr(v, "requires_grad", False):
+                raise ValueError(
+                    f"{what} require grad, but embengine takes per-id weights as constants (no "
+                    "gradient reaches them); pass them detached (weights.detach()) to use them so"
+                )
+            if v.dim() == 0:
+                v = v.item()
+            else:
+                if str(v.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: float32 values
+                    v = v.float()
+                v = as_numpy(v, what)
+        out.append(v)
+    return out
+
+
 def _is_nested(x) -> bool:
     return (
         isinstance(x, Sequence)
@@ -347,6 +388,13 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
             "ids must be an integer array, a Ragged or a list of lists of ints, got "
             f"{type(value).__name__} {value!r:.40}"
         )
+    if _is_jagged(value):
+        try:
+            value = Ragged(value.values(), offsets=value.offsets(), weights=value.weights_or_none())
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"(a JaggedTensor) {e}") from None
+    value = _sample_arrays(value, "ids")
+    weights = _sample_arrays(weights, "weights")
     if isinstance(value, Ragged):
         if weights is not None:
             if value.weights is not None:

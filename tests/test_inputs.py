@@ -64,6 +64,30 @@ def test_torch_tensors_are_accepted():
     _same(r, [7, 8], [0, 1, 2])
 
 
+def test_a_list_of_tensors_is_read_as_the_list_of_their_arrays():
+    """A collate_fn gathers samples of different lengths as a list of 1-D tensors (or of 0-d
+    ones, one id each): refused ("ids must be integers, got tensor([1, 2]) at ids[0]") where
+    the same list of NumPy arrays is read, by the engine and by a DataLoader worker's
+    Preprocessor alike. Weights too; weights that require grad are refused by name."""
+    ids = [torch.tensor([1, 2]), torch.tensor([], dtype=torch.int32), torch.tensor([3])]
+    w = [torch.tensor([0.5, 2.0]), torch.tensor([]), torch.tensor([4.0], dtype=torch.bfloat16)]
+    _same(to_ragged(ids, w), [1, 2, 3], [0, 2, 2, 3], [0.5, 2.0, 4.0])
+    _same(to_ragged((torch.tensor(4), torch.tensor(5))), [4, 5], [0, 1, 2])
+    _same(to_ragged([torch.tensor([6]), [7, 8]]), [6, 7, 8], [0, 1, 3])
+    with pytest.raises(ValueError, match="weights require grad"):
+        to_ragged(ids, [torch.tensor([0.5, 2.0], requires_grad=True), [], [4.0]])
+    with pytest.raises(TypeError, match="ids must be integers"):
+        to_ragged([torch.tensor([1.0]), torch.tensor([2.0])])
+    with pytest.raises(TypeError, match="ids must be integers, got True"):
+        to_ragged([torch.tensor(True), torch.tensor(1)])
+    t = ee.TableConfig(10, 2, name="t", combiner="sum", initializer=ee.initializers.RowId(0))
+    eng = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)}, optimizer=ee.optimizers.SGD(0.1))
+    pre = pickle.loads(pickle.dumps(eng.preprocessor()))  # as a DataLoader worker has it
+    for batch in (pre({"a": ids}), pre({"a": ids}, training=False), {"a": ids}):
+        acts = eng.lookup(batch, training=False)["a"]
+        assert acts.tolist() == [[3.0, 3.0], [0.0, 0.0], [3.0, 3.0]]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -959,6 +959,6 @@ def test_torchrec_jagged_tensors_are_read_as_the_kjt_they_come_from(trj):
         lengths=torch.tensor([1, 1]),
         weights=torch.tensor([1.0, 2.0], requires_grad=True),
     )
-    with pytest.raises(ValueError, match=r"feature 'a' \(a JaggedTensor\): weights require grad"):
+    with pytest.raises(ValueError, match=r"feature 'a': \(a JaggedTensor\) weights require grad"):
         a({"a": grad, "b": kjt["b"]})
     assert a.engine.step == 1

@@ -61,51 +61,6 @@ def _timestamp_value(t):
     return t
 
 
-def _is_jagged(x) -> bool:
-    """TorchRec's JaggedTensor (one feature's jagged ids: ``kjt[key]``, ``kjt.to_dict()``):
-    callable ``values``, ``offsets`` and ``weights_or_none``, and no ``keys`` (a
-    KeyedJaggedTensor has them)."""
-    return not callable(getattr(x, "keys", None)) and all(
-        callable(getattr(x, m, None)) for m in ("values", "offsets", "weights_or_none")
-    )
-
-
-_WEIGHTS_NEED_NO_GRAD = (
-    "weights require grad, but embengine takes per-id weights as constants (no gradient "
-    "reaches them); pass them detached (weights.detach()) to use them so"
-)
-
-
-def _numpy_sample(name: str, v):
-    """One sample of a list given for feature ``name``: a torch tensor as its NumPy array (a
-    0-d one as its Python number), anything else as it is."""
-    if not isinstance(v, torch.Tensor):
-        return v
-    if v.requires_grad:  # only weights can: .detach() would drop their gradient silently
-        raise ValueError(f"feature {name!r}: {_WEIGHTS_NEED_NO_GRAD}")
-    if v.dim() == 0:
-        return v.item()
-    if v.dtype == torch.bfloat16:  # NumPy has no bfloat16: its float32 values
-        v = v.float()
-    return v.cpu().numpy()
-
-
-def _readable(name: str, value):
-    """A feature's ids (or weights) in torch's forms the engine does not read, in the forms it
-    reads: a TorchRec JaggedTensor becomes a Ragged of its values, offsets and weights; a list
-    or tuple holding torch tensors (one per sample, as a collate_fn gathers samples of
-    different lengths) the list of their NumPy arrays, as a list of NumPy arrays is read (a
-    0-d tensor: its number). Anything else is returned as it is, for the engine to read."""
-    if _is_jagged(value):
-        try:
-            return Ragged(value.values(), offsets=value.offsets(), weights=value.weights_or_none())
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"feature {name!r} (a JaggedTensor): {e}") from None
-    if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
-        return [_numpy_sample(name, v) for v in value]
-    return value
-
-
 def _owner(a: np.ndarray) -> np.ndarray:
     """The array owning ``a``'s memory (numpy points a view's ``base`` at it)."""
     while isinstance(a.base, np.ndarray):
@@ -297,9 +252,7 @@ class EmbeddingLayer(torch.nn.Module):
     ) -> PreparedBatch:
         """Validate and deduplicate a batch without touching the tables (DataLoader-safe);
         ``training=False`` builds a cheaper lookup-only batch (see EmbeddingEngine.preprocess)."""
-        return self.engine.preprocess(
-            self._feature_dict(features), self._weight_dict(weights), training=training
-        )
+        return self.engine.preprocess(self._feature_dict(features), weights, training=training)
 
     def preprocessor(self):
         """The engine's ``Preprocessor`` (``engine.preprocessor()``): ``preprocess`` for
@@ -308,20 +261,9 @@ class EmbeddingLayer(torch.nn.Module):
 
     @staticmethod
     def _feature_dict(features):
-        """A KeyedJagged as a dict of Ragged; a dict's values in torch's forms the engine does
-        not read (a JaggedTensor, a list of tensors) in forms it reads (``_readable``)."""
         if is_keyed_jagged(features):
             return keyed_jagged_to_features(features)
-        if isinstance(features, Mapping):
-            return {name: _readable(name, value) for name, value in features.items()}
         return features
-
-    @staticmethod
-    def _weight_dict(weights):
-        """``weights``' values as ``_feature_dict`` reads a dict's."""
-        if isinstance(weights, Mapping):
-            return {name: _readable(name, value) for name, value in weights.items()}
-        return weights
 
     # Not traced by torch.compile: the lookup is NumPy and numba code dynamo cannot trace
     # (it failed inside the engine); a compiled model runs the layer eagerly, the rest compiled.
@@ -338,7 +280,7 @@ class EmbeddingLayer(torch.nn.Module):
         timestamp = _timestamp_value(timestamp) if training else None
         extra = {}
         try:
-            features, weights, learning_rates = self._checked_inputs(
+            features, learning_rates = self._checked_inputs(
                 features, weights, learning_rates, training
             )
         except Exception as e:
@@ -368,10 +310,9 @@ class EmbeddingLayer(torch.nn.Module):
         return dict(zip(names, tensors, strict=True))
 
     def _checked_inputs(self, features, weights, learning_rates, training: bool):
-        """``forward``'s features (a KeyedJagged read as a dict), weights (torch's forms read
-        as ``_readable`` says) and learning rates (checked), after what the update or the
-        output would refuse, refused before the lookup changes anything (a training lookup
-        inserts and counts keyed tables' keys)."""
+        """``forward``'s features (a KeyedJagged read as a dict) and learning rates (checked),
+        after what the update or the output would refuse, refused before the lookup changes
+        anything (a training lookup inserts and counts keyed tables' keys)."""
         if isinstance(features, PreparedBatch):
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
@@ -384,7 +325,6 @@ class EmbeddingLayer(torch.nn.Module):
             # Features straight to the engine: a training lookup then deduplicates and pools in
             # one parallel region (see EmbeddingEngine.lookup).
             features = self._feature_dict(features)
-            weights = self._weight_dict(weights)
         if self.output == "keyed":
             self._check_keyed_inputs(features)
         if (
@@ -397,7 +337,7 @@ class EmbeddingLayer(torch.nn.Module):
             )
         if training and learning_rates is None and self._lr_handle is None:
             self._check_rates_known()
-        return features, weights, learning_rates
+        return features, learning_rates
 
     def _check_rates_known(self) -> None:
         """Tables with an explicit ``DynamicLearningRate`` tag have no rate of their own: the
