@@ -90,32 +90,35 @@ UINT32_MAX = 2**32 - 1
 
 def dynamic_vocabulary(
     occurrence_threshold: int = 0,
-    expire_time: int = DEFAULT_EXPIRE_TIME,
+    expire_time: int | None = None,
     *,
     steps_per_day: int | None = None,
     max_rows: int | None = None,
     eviction: str = "lru",
 ) -> DynamicVocabulary:
     """A keyed table's rules from a Monolith slot's ``occurrence_threshold`` and
-    ``expire_time`` (days of data time, default 36500), inserting on the update as Monolith
-    does (a new key looks up as zeros until its first update).
+    ``expire_time`` (days of data time), inserting on the update as Monolith does (a new key
+    looks up as zeros until its first update).
 
     ``expire_time`` days become ``expire_seconds = expire_time * 86400``, counted in data
     time: every training lookup then carries ``timestamp=`` (seconds). Without timestamps,
-    steps count: ``steps_per_day=k`` maps it to ``expire_steps = expire_time * k``.
+    steps count: ``steps_per_day=k`` maps it to ``expire_steps = expire_time * k``. None
+    (the default) is Monolith's default of ``DEFAULT_EXPIRE_TIME`` days, 100 years: no row
+    ever expires, so no expiry rule is set and training lookups need no ``timestamp``.
     ``max_rows`` and ``eviction`` are embengine's (Monolith has no row bound)."""
-    for name, v, low in (
-        ("occurrence_threshold", occurrence_threshold, 0),
-        ("expire_time", expire_time, 1),
-    ):
-        _checks.integer("dynamic_vocabulary", name, v, minimum=low)
-    if expire_time > UINT32_MAX:  # past int64 once in seconds, which the kernels could not take
+    _checks.integer("dynamic_vocabulary", "occurrence_threshold", occurrence_threshold, minimum=0)
+    if expire_time is not None:
+        _checks.integer("dynamic_vocabulary", "expire_time", expire_time, minimum=1)
+    if expire_time is not None and expire_time > UINT32_MAX:  # past int64 once in seconds
         raise ValueError(
             f"dynamic_vocabulary: expire_time must be at most {UINT32_MAX} days (Monolith's "
             f"uint32 field), got {expire_time!r}"
         )
     if steps_per_day is not None:
         _checks.integer("dynamic_vocabulary", "steps_per_day", steps_per_day, minimum=1)
+    if expire_time is None:  # Monolith's 100 years: never
+        timing = {}
+    elif steps_per_day is not None:
         steps = int(expire_time) * int(steps_per_day)
         if steps > INT64_MAX:
             raise ValueError(

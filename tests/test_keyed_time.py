@@ -203,7 +203,12 @@ def test_monolith_slot_rules_map_to_a_dynamic_vocabulary():
     assert d == ee.DynamicVocabulary(
         occurrence_threshold=3, expire_seconds=2 * 86400, insert_on="apply"
     )
-    assert monolith.dynamic_vocabulary().expire_seconds == monolith.DEFAULT_EXPIRE_TIME * 86400
+    assert monolith.dynamic_vocabulary(expire_time=monolith.DEFAULT_EXPIRE_TIME).expire_seconds == (
+        monolith.DEFAULT_EXPIRE_TIME * 86400
+    )
+    # Monolith's default (100 years) is never: no rule, so no timestamps needed.
+    never = monolith.dynamic_vocabulary(occurrence_threshold=2)
+    assert (never.expire_seconds, never.expire_steps) == (None, None)
     # Without timestamps, steps count.
     d = monolith.dynamic_vocabulary(expire_time=3, steps_per_day=100, max_rows=50)
     assert (d.expire_steps, d.expire_seconds, d.max_rows) == (300, None, 50)
@@ -215,6 +220,21 @@ def test_monolith_slot_rules_map_to_a_dynamic_vocabulary():
     ]:
         with pytest.raises(ValueError, match=match):
             monolith.dynamic_vocabulary(**kwargs)
+
+
+def test_a_monolith_slot_of_the_default_expire_time_trains_without_timestamps(backend):
+    # Monolith's default expire_time is 100 years: the port used to turn it into
+    # expire_seconds, so every training lookup without timestamp= raised "expires rows by data
+    # time". Admission alone needs no time.
+    rules = monolith.dynamic_vocabulary(occurrence_threshold=1)
+    t = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=RowId(0), dynamic=rules)
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=monolith.SgdOptimizer(1.0), backend=backend
+    )
+    assert not train_bags(eng, [[A]]).any()  # seen once: filtered
+    assert not train_bags(eng, [[A]]).any()  # admitted: zeros until its first update
+    np.testing.assert_array_equal(train_bags(eng, [[A]]), [[A - 1, A - 1]])
+    assert keyed_keys(eng) == [A]
 
 
 def test_a_monolith_slot_expires_after_its_days_of_data_time(backend):
