@@ -46,7 +46,11 @@ Monolith's zero lookup before a key's first update (``insert_on="apply"``). Wher
   evicts in a periodic pass (at checkpoints), so its stale rows serve until then.
 - Timestamps come per training call (``lookup(..., timestamp=)``, ``apply_gradients(...,
   timestamp=)``: Monolith's ``req_time``), in seconds; without them, ``steps_per_day`` maps
-  days to steps.
+  days to steps. The default ``expire_time`` (Monolith's 36500 days) sets no expiry: no
+  timestamps needed.
+- The rules are a table's: Monolith sets them per slot (a feature's FIDs carry their slot in
+  the high bits) within one hash table; slots with different rules become tables of their
+  own (one ``TableConfig`` each), which also keeps their rows apart.
 """
 
 from __future__ import annotations
