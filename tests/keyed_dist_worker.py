@@ -47,6 +47,9 @@ Scenarios:
                               keys, weights and data time every step
   save_halfway                save between a training lookup and its update, then after it
   restore_cut                 a keyed file cut after a restore's checks, in one rank's rows
+  restore_max_rows            a plain engine's checkpoint of 10 keys restored where max_rows
+                              is 7 (each rank's share of the keys fits, the table does not):
+                              each rank's error, its rows and step, in a .txt
 """
 
 from __future__ import annotations
@@ -549,6 +552,37 @@ def run_restore_cut(rank: int, world: int, out: str, name: str) -> None:
         f.write(result + "\n")
 
 
+def run_restore_max_rows(rank: int, world: int, out: str, name: str) -> None:
+    """``restore_max_rows`` (module docstring)."""
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    def features(max_rows):
+        dyn = ee.DynamicVocabulary(max_rows=max_rows)
+        table = ee.TableConfig(None, 2, name="k", optimizer=opt.SGD(0.1), dynamic=dyn)
+        return {"f": ee.FeatureConfig(table)}
+
+    root = os.path.join(out, name)
+    if rank == 0:
+        plain = ee.EmbeddingEngine(features(10), seed=3)
+        plain.lookup({"f": np.arange(1, 11, dtype=np.int64).reshape(-1, 1)})
+        plain.apply_gradients({"f": np.ones((10, 2), np.float32)})
+        plain.save(root)
+    dist.barrier()
+    eng = ShardedEngine(features(7), seed=3, timeout=60)
+    try:
+        eng.restore(root)
+        result = "restored"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    rows = eng.table_stats()["tables"]["k"]["rows"]
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{result}\nrows={rows} step={eng.step}\n")
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
@@ -598,6 +632,8 @@ def main() -> None:
                 run_save_halfway(rank, world, out, name)
             elif name == "restore_cut":
                 run_restore_cut(rank, world, out, name)
+            elif name == "restore_max_rows":
+                run_restore_max_rows(rank, world, out, name)
             elif name == "pending_edges":
                 run_pending_edges(rank, world, out, name)
             else:

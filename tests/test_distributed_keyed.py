@@ -391,6 +391,7 @@ TWO_RANKS = [
     "apply_time",
     "save_halfway",
     "restore_cut",
+    "restore_max_rows",
     "ckpt_memory",
 ]
 
@@ -475,6 +476,23 @@ def test_a_keyed_row_read_failing_on_one_rank_fails_every_ranks_restore(two_rank
         f"CheckpointError: rank {1 - cut[0]}: restore failed on ranks {cut} while copying rows"
     ), other
     assert "restore again" in other, other
+
+
+def test_a_sharded_restore_refuses_more_keys_than_the_tables_max_rows(two_ranks):
+    """max_rows bounds the whole table. A checkpoint of 10 keys (7 of them owned by rank 0,
+    3 by rank 1) into a table of max_rows=7: one engine refuses it; each shard's keys fit, so
+    the sharded restore took it, and the next training step evicted the rows past the bound
+    (a review). Every rank refuses it now with the single engine's error, nothing changed."""
+    from embengine.distributed.sharding import mix64
+
+    keys = np.arange(1, 11, dtype=np.int64)
+    assert np.bincount((mix64(keys) % np.uint64(2)).astype(np.int64)).tolist() == [7, 3]
+    tmp_path = two_ranks
+    for r in range(2):
+        said, state = (tmp_path / f"restore_max_rows.rank{r}.txt").read_text().splitlines()
+        want = "table 'k'['keys'] holds 10 rows, more than the table's max_rows=7; raise"
+        assert said.startswith("CheckpointError: ") and want in said, (r, said)
+        assert state == "rows=0 step=0", (r, state)
 
 
 def _ckpt_single(steps) -> ee.EmbeddingEngine:

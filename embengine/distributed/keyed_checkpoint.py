@@ -18,8 +18,9 @@ table's rules when any runs them).
 Restoring (collective): every rank reads the keys and pending keys whole, keeps those it owns
 (``mix64(key) mod W``; past the table's ``max_pending``, of the pending keys the newest, as
 one table keeps them, every rank reading their steps whole too) and their metadata, checked
-by the table's own checks (``KeyedTable.prepare_state``); the install reads their rows chunk
-by chunk straight into the new arena. The summed counters go to rank 0 (the ranks' stats add
+by the table's own checks (``KeyedTable.prepare_state``), and the table's ``max_rows``
+against every key (the bound is the table's, not a shard's); the install reads their rows
+chunk by chunk straight into the new arena. The summed counters go to rank 0 (the ranks' stats add
 up to the saved ones, and the pending keys forgotten past ``max_pending``).
 """
 
@@ -319,6 +320,15 @@ def prepare(comm: Comm, reader, shard: KeyedTable, step: int):
         return sources[k]
 
     keys = _read_all(entry("keys"))
+    # max_rows bounds the whole table, not a shard: every rank reads every key, so every
+    # rank refuses alike what one table refuses (each shard alone fit, and the next step
+    # evicted the rows past the bound)
+    bound = shard.dynamic.max_rows
+    if bound is not None and len(keys) > bound:
+        raise ckpt.CheckpointError(
+            f"{reader.path}: table {name!r}['keys'] holds {len(keys):,} rows, more than the "
+            f"table's max_rows={bound:,}; raise max_rows (DynamicVocabulary) to load it"
+        )
     pending = _read_all(entry("pending_keys"))
     mine = np.flatnonzero((mix64(keys) % np.uint64(world)).astype(np.int64) == comm.rank)
     owned = (mix64(pending) % np.uint64(world)).astype(np.int64) == comm.rank
