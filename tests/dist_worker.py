@@ -51,6 +51,9 @@ Scenarios:
                                 a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
+  save_roots                    a step; each rank saves under a folder of its own; what each
+                                rank's root then holds; a step together; then every rank
+                                saves to one folder, the last rank through a symbolic link
   save_args:<keep|metadata|root|extra|restore|boom>
                                 save with keep=0, a root of None or an extra tensor that is a
                                 list on the last rank, or extra_metadata that is not JSON on
@@ -722,6 +725,44 @@ def run_build_fails(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
 
 
+def run_save_roots(rank: int, world: int, out: str, name: str) -> None:
+    """``save_roots`` (module docstring): each case's outcome and seconds, the roots'
+    contents and the step, in a .txt."""
+    import torch.distributed as dist
+
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    _train(eng, [0], rank, world)
+    base = os.path.join(out, name)
+    shared = os.path.join(base, "shared")
+    if rank == 0:
+        os.makedirs(shared)
+        os.symlink(shared, os.path.join(base, "link"))
+    dist.barrier()
+    roots = {
+        "other": os.path.join(base, f"rank{rank}"),
+        "same": os.path.join(base, "link" if rank == world - 1 else "shared"),
+    }
+    said = []
+    for case, root in roots.items():
+        start = time.monotonic()
+        try:
+            path = eng.save(root)
+            said.append(f"{case}: {time.monotonic() - start:.3f} saved {path}")
+        except Exception as e:
+            said.append(f"{case}: {time.monotonic() - start:.3f} {type(e).__name__}: {e}")
+        dist.barrier()
+        if case == "other":
+            held = {r: sorted(os.listdir(os.path.join(base, r))) for r in sorted(os.listdir(base))}
+            said.append(f"held: {held}")
+            _train(eng, [1], rank, world)
+    said.append(f"step={eng.step}")
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
 def run_restore_other(rank: int, world: int, out: str, name: str) -> None:
     """Each rank's outcome of restoring its copy of rank 0's checkpoint, then a checkpoint of
     the same step whose rows differ by rank, in a .txt."""
@@ -1130,6 +1171,8 @@ def main() -> None:
                 run_bad_counter(rank, world, out, name)
             elif name == "restore_other":
                 run_restore_other(rank, world, out, name)
+            elif name == "save_roots":
+                run_save_roots(rank, world, out, name)
             elif name == "layer_refused":
                 run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):

@@ -538,6 +538,7 @@ REFUSALS = [
     "step_mismatch",
     "call_mismatch",
     "save_fails",
+    "save_roots",
     "save_args:keep",
     "save_args:metadata",
     "save_args:root",
@@ -1026,6 +1027,35 @@ def test_ranks_restoring_different_checkpoints_of_one_step_fail_on_every_rank(re
             f"different: CheckpointError: rank {rank}: ranks [1] restored another checkpoint "
             "(of the same step 0) than rank 0"
         ), different
+
+
+def test_ranks_saving_to_different_folders_fail_on_every_rank(refusals):
+    """Every rank wrote its rows into the folder rank 0 made under rank 0's root, whatever
+    root it was given, and was told its checkpoint was there (a review: the last rank's own
+    folder stayed empty). Now each rank writes under its own root: a rank that does not see
+    rank 0's new folder there fails, and so every rank, at once, nothing left behind; the
+    ranks then step together. One folder under two spellings (a symbolic link) still saves,
+    each rank told the path in its own spelling."""
+    tmp_path = refusals
+    for rank in range(2):
+        other, held, same, step = (tmp_path / f"save_roots.rank{rank}.txt").read_text().splitlines()
+        name, seconds, text = other.split(" ", 2)
+        assert name == "other:" and float(seconds) < 30, other
+        if rank == 1:
+            assert text.startswith(
+                "CheckpointError: rank 1: the folder rank 0 made for the checkpoint (.tmp-ckpt-"
+            ), text
+            assert f"is not in this rank's {tmp_path / 'save_roots' / 'rank1'}:" in text, text
+        else:
+            assert text.startswith(
+                "CheckpointError: rank 0: save (its folder) failed on ranks [1] (see their "
+                "error); nothing was saved"
+            ), text
+        assert held == "held: {'link': [], 'rank0': [], 'shared': []}", held
+        spelling = "link" if rank == 1 else "shared"
+        want = f"saved {tmp_path / 'save_roots' / spelling / 'ckpt-000001-step000000000002'}"
+        assert same.split(" ", 2)[2] == want, same
+        assert step == "step=2", step
 
 
 def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refusals):

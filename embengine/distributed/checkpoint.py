@@ -8,7 +8,9 @@ same file a plain engine writes, each rank writing a block of the sorted keys.
 
 Saving (collective; every rank must see the same folder, as on one host or a shared file
 system): rank 0 makes the temporary folder (under the root's lock, as ``checkpoint.save``
-does) and each table file with its header, at its full size. Each rank then writes one
+does) and each table file with its header, at its full size; each rank finds that folder
+by its name under its own root (a rank that does not, given another folder or not seeing
+rank 0's, fails, and every rank with it: nothing is left). Each rank then writes one
 contiguous block of rows of every table, ``[V r / W, V (r + 1) / W)``: per chunk of rows it
 receives those rows from their owners (one ``all_to_all_single``, at most ``CHUNK_BYTES`` per
 rank and round) and writes each tensor's part with ``pwrite``. Rank 0 then hashes the files,
@@ -28,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import struct
 import time
 import uuid
@@ -122,13 +125,17 @@ def _name_from_rank0(
     return text
 
 
-def _agree(comm: Comm, ok: bool, what: str) -> None:
+def _agree(comm: Comm, ok: bool | Exception, what: str, then: str = "") -> None:
     """A barrier that also says whether every rank succeeded so far: a CheckpointError on the
-    ranks that did, naming those that did not (which raise their own error)."""
-    flags = comm.all_gather(np.array([int(ok)], dtype=np.int64), what)[:, 0]
+    ranks that did, naming those that did not (which raise their own error: ``ok``, if it is
+    one). ``then``: what the message adds (what happened, what to do)."""
+    flags = comm.all_gather(np.array([int(ok is True)], dtype=np.int64), what)[:, 0]
     bad = [r for r, f in enumerate(flags) if not f]
-    if bad and ok:
-        raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}")
+    if bad and ok is True:
+        more = f" (see their error); {then}" if then else ""
+        raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}{more}")
+    if isinstance(ok, Exception):
+        raise ok
 
 
 def save(
@@ -157,7 +164,7 @@ def save(
     for t, lay in keyed.items():
         spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
-    tmp_name, tmp_fd, error = None, None, None
+    tmp_name, tmp_fd, error, tmp, committed = None, None, None, None, False
     try:
         if rank == 0:
             try:
@@ -179,10 +186,15 @@ def save(
                     with open(tmp / file, "wb") as f:
                         f.write(head)
                         f.truncate(end)
-                tmp_name = str(tmp)
+                tmp_name = tmp.name
             except (OSError, ValueError, TypeError) as e:  # a bad extra tensor too
                 error = e
-        tmp = Path(_name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error))
+        # Each rank writes into the folder rank 0 made, under its *own* root: a rank whose
+        # root is another folder (or does not see rank 0's: another host, no shared file
+        # system) must not write into rank 0's, nor be told its checkpoint is there.
+        name = _name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error)
+        tmp = root / name
+        _agree(comm, _same_folder(comm, root, tmp), "save (its folder)", _SAVE_AGAIN)
         finite = _write_rows(comm, shards, plan, tmp, files, sizes)
         for t, lay in keyed.items():
             finite[t] = kc.write(comm, lay, tmp / files[t])
@@ -193,16 +205,34 @@ def save(
                 final = _commit(
                     root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
                 )
+                committed = True
             except (OSError, ValueError, TypeError) as e:  # every rank learns it
                 error = e
-        return Path(
-            _name_from_rank0(
-                comm, None if final is None else str(final), "commit the checkpoint", error
-            )
+        name = _name_from_rank0(
+            comm, None if final is None else final.name, "commit the checkpoint", error
         )
+        return root / name  # in this rank's own spelling of the folder
     finally:
+        if rank == 0 and tmp is not None and not committed and tmp_fd is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half written is left behind
         if tmp_fd is not None:
             ckpt._unlock(tmp_fd)
+
+
+# Said by the ranks whose save is refused because another rank's failed.
+_SAVE_AGAIN = "nothing was saved; every rank must save to one folder that every rank sees"
+
+
+def _same_folder(comm: Comm, root: Path, tmp: Path) -> bool | Exception:
+    """True if this rank sees the temporary folder rank 0 made (its name is unique: a pid and
+    a random part) under its own ``root``; else the CheckpointError this rank raises."""
+    if comm.rank == 0 or tmp.is_dir():
+        return True
+    return ckpt.CheckpointError(
+        f"rank {comm.rank}: the folder rank 0 made for the checkpoint ({tmp.name}) is not in "
+        f"this rank's {root}: the ranks were given other folders, or this rank does not see "
+        f"rank 0's; {_SAVE_AGAIN} (the same path, on one host or a shared file system)"
+    )
 
 
 def _write_rows(
