@@ -51,6 +51,11 @@ Scenarios:
                                 a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
+  save_write_fails:<dense|keyed>
+                                a step (a keyed table beside the three); a save in which every
+                                write of the last rank (dense) or its writes into the keyed
+                                table's file (keyed) fail (ENOSPC); what the root then holds;
+                                a step together, then a save that works
   save_roots                    a step; each rank saves under a folder of its own; what each
                                 rank's root then holds; a step together; then every rank
                                 saves to one folder, the last rank through a symbolic link
@@ -725,6 +730,55 @@ def run_build_fails(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join([*said, f"step={eng.step}"]) + "\n")
 
 
+def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
+    """``save_write_fails`` (module docstring): the failed save's outcome and seconds, what
+    the root held, then the step and the checkpoint of the save that worked, in a .txt."""
+    import errno
+
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    dyn = ee.DynamicVocabulary()
+    features["k"] = ee.FeatureConfig(ee.TableConfig(None, 8, name="k", dynamic=dyn))
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    keyed_file = f"table-{eng.table_names.index('k'):03d}.safetensors"
+
+    def step(steps):
+        for s in steps:
+            feats, weights, grads = local(s, rank, world)
+            eng.lookup({**feats, "k": feats["a"]}, weights)
+            eng.apply_gradients({**grads, "k": grads["a"]})
+
+    step([0])
+    root = os.path.join(out, name.replace(":", "_"))
+    pwrite = os.pwrite
+
+    def full_disk(fd, data, offset):
+        if name.endswith("dense") or os.readlink(f"/proc/self/fd/{fd}").endswith(keyed_file):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    if rank == world - 1:
+        os.pwrite = full_disk
+    start = time.monotonic()
+    try:
+        said = f"saved {eng.save(root)}"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    finally:
+        os.pwrite = pwrite
+    seconds = time.monotonic() - start
+    dist.barrier()  # rank 0 has left its save (and removed what it made)
+    held = sorted(os.listdir(root))
+    step([1])
+    saved = os.path.basename(eng.save(root))
+    with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:
+        f.write(f"{seconds:.3f} {said}\nheld={held}\nstep={eng.step} {saved}\n")
+
+
 def run_save_roots(rank: int, world: int, out: str, name: str) -> None:
     """``save_roots`` (module docstring): each case's outcome and seconds, the roots'
     contents and the step, in a .txt."""
@@ -1173,6 +1227,8 @@ def main() -> None:
                 run_restore_other(rank, world, out, name)
             elif name == "save_roots":
                 run_save_roots(rank, world, out, name)
+            elif name.startswith("save_write_fails:"):
+                run_save_write_fails(rank, world, out, name)
             elif name == "layer_refused":
                 run_layer_refused(rank, world, out, name)
             elif name.startswith("ckpt_"):

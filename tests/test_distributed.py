@@ -539,6 +539,8 @@ REFUSALS = [
     "call_mismatch",
     "save_fails",
     "save_roots",
+    "save_write_fails:dense",
+    "save_write_fails:keyed",
     "save_args:keep",
     "save_args:metadata",
     "save_args:root",
@@ -1056,6 +1058,36 @@ def test_ranks_saving_to_different_folders_fail_on_every_rank(refusals):
         want = f"saved {tmp_path / 'save_roots' / spelling / 'ckpt-000001-step000000000002'}"
         assert same.split(" ", 2)[2] == want, same
         assert step == "step=2", step
+
+
+def test_a_write_failing_on_one_rank_fails_every_ranks_save_at_once(refusals):
+    """A write into a checkpoint's file failing on one rank (a full disk) made that rank
+    raise its OSError and leave the save, while the others waited for it in the next exchange
+    until the timeout: a PeerError naming nobody ("every rank had entered it"), and the group
+    broken for every later call (a review). That rank now stops writing but goes on with the
+    exchanges, and every rank raises at the end, at once, naming it; nothing is left in the
+    root, and the ranks then step and save together. Rows of a dense table, then of a keyed
+    one (keyed_checkpoint.write)."""
+    tmp_path = refusals
+    for case in ("dense", "keyed"):
+        for rank in range(2):
+            said, held, then = (
+                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
+            )
+            seconds, text = said.split(" ", 1)
+            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            if rank == 1:
+                want = "OSError: [Errno 28] rank 1: writing the checkpoint's "
+                assert text.startswith(want), (case, text)
+                want = "(No space left on device); nothing was saved (every rank raises)"
+                assert want in text, (case, text)
+            else:
+                assert text == (
+                    "CheckpointError: rank 0: writing the checkpoint failed on ranks [1] (see "
+                    "their error); nothing was saved"
+                ), (case, text)
+            assert held == "held=[]", (case, held)
+            assert then == "step=2 ckpt-000001-step000000000002", (case, then)
 
 
 def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refusals):

@@ -195,10 +195,16 @@ def save(
         name = _name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error)
         tmp = root / name
         _agree(comm, _same_folder(comm, root, tmp), "save (its folder)", _SAVE_AGAIN)
-        finite = _write_rows(comm, shards, plan, tmp, files, sizes)
+        writes = Writes(rank)
+        finite = _write_rows(comm, shards, plan, tmp, files, sizes, writes)
         for t, lay in keyed.items():
-            finite[t] = kc.write(comm, lay, tmp / files[t])
-        flags = comm.all_gather(finite.astype(np.int64), "checkpoint")
+            finite[t] = kc.write(comm, lay, tmp / files[t], writes)
+        # per table whether finite, then whether this rank wrote everything
+        flags = comm.all_gather(
+            np.append(finite, writes.error is None).astype(np.int64), "checkpoint"
+        )
+        _agree_flags(comm, flags[:, -1], writes.error, "writing the checkpoint")
+        flags = flags[:, :-1]
         final = None
         if rank == 0:
             try:
@@ -219,6 +225,18 @@ def save(
             ckpt._unlock(tmp_fd)
 
 
+def _agree_flags(comm: Comm, ok: np.ndarray, error: Exception | None, what: str) -> None:
+    """``_agree`` on flags already gathered (``ok[r]``: whether rank r succeeded): this
+    rank's ``error``, or a CheckpointError naming the ranks that failed."""
+    if error is not None:
+        raise error
+    bad = [r for r, f in enumerate(ok) if not f]
+    if bad:
+        raise ckpt.CheckpointError(
+            f"rank {comm.rank}: {what} failed on ranks {bad} (see their error); nothing was saved"
+        )
+
+
 # Said by the ranks whose save is refused because another rank's failed.
 _SAVE_AGAIN = "nothing was saved; every rank must save to one folder that every rank sees"
 
@@ -235,10 +253,46 @@ def _same_folder(comm: Comm, root: Path, tmp: Path) -> bool | Exception:
     )
 
 
+class Writes:
+    """This rank's writes into a checkpoint's files. The first that fails (an OSError: a full
+    disk, an I/O error, a file it cannot open) is kept in ``error`` and every later one is
+    skipped, while the rank goes on with the save's collectives: the ranks learn it together
+    at the end (``save``), where they once waited in the next exchange for the failed rank
+    until the timeout, a PeerError naming nobody, and the group broken."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.error: OSError | None = None
+
+    def __call__(self, file: Path, fn: Callable, *args):
+        """``fn(*args)`` (os.open, os.pwrite, os.fsync on ``file``), unless a write failed
+        already; its result, or None."""
+        if self.error is not None:
+            return None
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.error = OSError(
+                e.errno,
+                f"rank {self.rank}: writing the checkpoint's {file} failed "
+                f"({e.strerror or e}); nothing was saved (every rank raises): save again once "
+                "it can be written",
+            )
+            self.error.__cause__ = e
+            return None
+
+
 def _write_rows(
-    comm: Comm, shards, plan: ShardPlan, tmp: Path, files: list[str], sizes: list[int]
+    comm: Comm,
+    shards,
+    plan: ShardPlan,
+    tmp: Path,
+    files: list[str],
+    sizes: list[int],
+    writes: Writes,
 ) -> np.ndarray:
-    """Every rank writes its block of rows of every table; per table whether its float
+    """Every rank writes its block of rows of every table (through ``writes``: a failed write
+    stops this rank's writing, not its part in the exchanges); per table whether its float
     columns in this rank's block were all finite."""
     rank, world = comm.rank, comm.world_size
     finite = np.ones(len(sizes), dtype=bool)
@@ -251,7 +305,7 @@ def _write_rows(
         blocks = [_block(v, world, r) for r in range(world)]
         rounds = max((hi - lo + chunk - 1) // chunk for lo, hi in blocks)
         _, starts = _header(shard, v)
-        fd = os.open(tmp / file, os.O_WRONLY)
+        fd = writes(tmp / file, os.open, tmp / file, os.O_WRONLY)
         try:
             for k in range(rounds):
                 # What each destination writes this round, and which of those rows are mine.
@@ -277,10 +331,12 @@ def _write_rows(
                     part = np.ascontiguousarray(rows[:, c : c + w * dtype.itemsize])
                     if dtype.kind == "f" or dtype == ckpt.BFLOAT16:
                         finite[t] &= _finite(part.view(dtype))
-                    os.pwrite(fd, part.tobytes(), starts[name] + a * w * dtype.itemsize)
-            os.fsync(fd)
+                    at = starts[name] + a * w * dtype.itemsize
+                    writes(tmp / file, os.pwrite, fd, part.tobytes(), at)
+            writes(tmp / file, os.fsync, fd)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
     return finite
 
 

@@ -179,10 +179,11 @@ def _bytes(rows: np.ndarray) -> np.ndarray:
     return rows.reshape(rows.shape[0], int(np.prod(rows.shape[1:]))).view(np.uint8)
 
 
-def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
+def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
     """Collective: write this rank's block of the keyed table's file (made at full size with
-    its header by rank 0), a window of at most ``CHUNK_BYTES`` of rows a round; whether its
-    weights and float slots were all finite."""
+    its header by rank 0), a window of at most ``CHUNK_BYTES`` of rows a round, through
+    ``writes`` (``checkpoint.Writes``: a failed write stops this rank's writing, not its part
+    in the exchanges); whether its weights and float slots were all finite."""
     shard, st = lay.shard, lay.state
     _, starts = lay.header()
     world, n, p = comm.world_size, len(lay.keys), len(lay.pending)
@@ -199,17 +200,14 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
     step = max(1, CHUNK_BYTES // (width + 8 * len(_ROW_META)))
     rounds = -(-int((blocks[:, 1] - blocks[:, 0]).max(initial=0)) // step)
     finite = True
-    fd = os.open(path, os.O_WRONLY)
+    fd = writes(path, os.open, path, os.O_WRONLY)
     try:
 
         def put(entry: str, block: np.ndarray, first: int) -> None:
             block = np.ascontiguousarray(block)
             row = block.nbytes // max(len(block), 1)
-            os.pwrite(
-                fd,
-                block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes(),
-                starts[entry] + first * row,
-            )
+            data = block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes()
+            writes(path, os.pwrite, fd, data, starts[entry] + first * row)
 
         put("keys", lay.keys[lo:hi], lo)
         for i in range(rounds):  # every rank the same number: collectives
@@ -243,9 +241,10 @@ def write(comm: Comm, lay: KeyedLayout, path: Path) -> bool:
             put("counters", lay.counters.astype(np.int64), 0)
             put("meta", st["meta"], 0)
             put("data_time", st["data_time"], 0)
-        os.fsync(fd)
+        writes(path, os.fsync, fd)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     return finite
 
 
