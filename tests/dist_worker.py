@@ -56,6 +56,9 @@ Scenarios:
                                 write of the last rank (dense) or its writes into the keyed
                                 table's file (keyed) fail (ENOSPC); what the root then holds;
                                 a step together, then a save that works
+  restore_newest                restore(root) of a plain engine's checkpoint of step 2, while
+                                another job saves one of step 5 into root after rank 0 read
+                                the newest and before the last rank did: each rank's outcome
   save_roots                    a step; each rank saves under a folder of its own; what each
                                 rank's root then holds; a step together; then every rank
                                 saves to one folder, the last rank through a symbolic link
@@ -779,6 +782,53 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{seconds:.3f} {said}\nheld={held}\nstep={eng.step} {saved}\n")
 
 
+def run_restore_newest(rank: int, world: int, out: str, name: str) -> None:
+    """``restore_newest`` (module docstring): the step and checkpoint each rank restored,
+    or its error, in a .txt."""
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine import checkpoint as single
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("adagrad")
+    root = os.path.join(out, name)
+    marker = os.path.join(out, f"{name}-rank0-read")
+    plain = ee.EmbeddingEngine(make_features("adagrad")[0], optimizer=o, seed=3)
+    if rank == 0:
+        _train(plain, range(2), 0, 1)
+        plain.save(root)
+    dist.barrier()
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    read = single.read_checkpoint
+
+    def read_then_mark(path, verify=True):  # rank 0: says when it has read
+        got = read(path, verify)
+        with open(marker, "w") as f:
+            f.write(str(got[1].path))
+        return got
+
+    def save_then_read(path, verify=True):  # the last rank: another job saves first
+        deadline = time.monotonic() + 20
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _train(plain, range(5), 0, 1)
+        plain.save(root)
+        return read(path, verify)
+
+    if rank in (0, world - 1):
+        single.read_checkpoint = read_then_mark if rank == 0 else save_then_read
+    try:
+        info = eng.restore(root)
+        said = f"restored step {info.step} from {os.path.basename(info.path)}"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    finally:
+        single.read_checkpoint = read
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{said}\nstep={eng.step}\n")
+
+
 def run_save_roots(rank: int, world: int, out: str, name: str) -> None:
     """``save_roots`` (module docstring): each case's outcome and seconds, the roots'
     contents and the step, in a .txt."""
@@ -1227,6 +1277,8 @@ def main() -> None:
                 run_restore_other(rank, world, out, name)
             elif name == "save_roots":
                 run_save_roots(rank, world, out, name)
+            elif name == "restore_newest":
+                run_restore_newest(rank, world, out, name)
             elif name.startswith("save_write_fails:"):
                 run_save_write_fails(rank, world, out, name)
             elif name == "layer_refused":

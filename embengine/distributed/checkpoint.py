@@ -17,7 +17,10 @@ rank and round) and writes each tensor's part with ``pwrite``. Rank 0 then hashe
 writes the manifest and renames the folder into place (numbering and pruning under the root's
 lock, as a single engine's save does).
 
-Restoring (collective): every rank checks the whole checkpoint (``checkpoint.read_checkpoint``)
+Restoring (collective): given a folder of checkpoints, every rank restores the newest that
+rank 0 found there (by its name, in the rank's own folder), so that a save landing meanwhile
+cannot give the ranks different ones. Every rank checks the whole checkpoint
+(``checkpoint.read_checkpoint``)
 and the configuration, then reads its own rows in chunks of rows (a whole table only where it
 owns a whole table; row sharding interleaves rows, so each rank reads its tables' files once,
 keeping its rows), so the extra memory is about one chunk. The ranks then check that they all
@@ -418,11 +421,49 @@ def restore(
             reader.close()
 
 
+class _Held:
+    """A read lock held until the restore ends (``readers``' ``close``)."""
+
+    def __init__(self, lock):
+        self.close = lock.release
+
+
+def _newest(path) -> tuple[str, _Held | None]:
+    """Rank 0: the name of the newest complete checkpoint in the folder of checkpoints
+    ``path``, and its read lock (so that no save's ``keep=N`` prunes it while the ranks read
+    it); ("", None) if ``path`` is a checkpoint's folder or holds none (the read says so)."""
+    try:
+        ckpt.check_path(path, "the checkpoint path")
+        if (Path(path) / "manifest.json").is_file():
+            return "", None
+        for _ in range(3):  # pruned before it was locked (saves meanwhile): the newest again
+            newest = ckpt.latest_checkpoint(path)
+            if newest is None:
+                return "", None
+            try:
+                return newest.name, _Held(ckpt._ReadLock(newest))
+            except ckpt.CheckpointError:
+                continue
+    except Exception:  # the rank's own read below raises what is wrong
+        pass
+    return "", None
+
+
 def _restore(comm, shards, spec, path, verify, readers, int_ranges) -> ckpt.CheckpointInfo:
     """``restore``; the reader it opens goes to ``readers``."""
+    # A folder of checkpoints: every rank reads the newest that rank 0 found there, by its
+    # name in its own folder. Each rank finding its own newest, a save landing in between
+    # (another job's, into the same folder) made the ranks read different checkpoints.
+    name, held = _newest(path) if comm.rank == 0 else ("", None)
+    if held is not None:
+        readers.append(held)
+    # ("-": none; each rank reads its own path)
+    name = _name_from_rank0(comm, name or "-", "find the newest checkpoint")
     error, reader, extra = None, None, {}
     try:
         ckpt.check_path(path, "the checkpoint path")
+        if name != "-" and not (Path(path) / "manifest.json").is_file():
+            path = Path(path) / name
         _, reader = ckpt.read_checkpoint(path, verify)
         readers.append(reader)
         ckpt._check_compatible(spec, reader.manifest, reader.path)
