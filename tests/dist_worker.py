@@ -56,9 +56,10 @@ Scenarios:
                                 write of the last rank (dense) or its writes into the keyed
                                 table's file (keyed) fail (ENOSPC); what the root then holds;
                                 a step together, then a save that works
-  restore_newest                restore(root) of a plain engine's checkpoint of step 2, while
-                                another job saves one of step 5 into root after rank 0 read
-                                the newest and before the last rank did: each rank's outcome
+  restore_newest:<restore|load> restore(root) (ShardedEngine.load(root)) of a plain engine's
+                                checkpoint of step 2, while another job saves one of step 5
+                                into root after rank 0 read the newest and before the last
+                                rank did: each rank's outcome
   save_roots                    a step; each rank saves under a folder of its own; what each
                                 rank's root then holds; a step together; then every rank
                                 saves to one folder, the last rank through a symbolic link
@@ -792,8 +793,9 @@ def run_restore_newest(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
     features, o = make_features("adagrad")
-    root = os.path.join(out, name)
-    marker = os.path.join(out, f"{name}-rank0-read")
+    how = name.split(":")[1]
+    root = os.path.join(out, name.replace(":", "_"))
+    marker = root + "-rank0-read"
     plain = ee.EmbeddingEngine(make_features("adagrad")[0], optimizer=o, seed=3)
     if rank == 0:
         _train(plain, range(2), 0, 1)
@@ -808,24 +810,29 @@ def run_restore_newest(rank: int, world: int, out: str, name: str) -> None:
             f.write(str(got[1].path))
         return got
 
-    def save_then_read(path, verify=True):  # the last rank: another job saves first
+    def save_then_read(path, verify=True):  # the last rank: another job saves first, once
         deadline = time.monotonic() + 20
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.01)
-        _train(plain, range(5), 0, 1)
-        plain.save(root)
+        if plain.step == 0:
+            _train(plain, range(5), 0, 1)
+            plain.save(root)
         return read(path, verify)
 
     if rank in (0, world - 1):
         single.read_checkpoint = read_then_mark if rank == 0 else save_then_read
     try:
-        info = eng.restore(root)
-        said = f"restored step {info.step} from {os.path.basename(info.path)}"
+        if how == "load":  # the step it restored (it gives no path)
+            eng = ShardedEngine.load(root, timeout=60)
+            said = f"restored step {eng.step}"
+        else:
+            path = eng.restore(root).path
+            said = f"restored step {eng.step} from {os.path.basename(path)}"
     except Exception as e:
         said = f"{type(e).__name__}: {e}"
     finally:
         single.read_checkpoint = read
-    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+    with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:
         f.write(f"{said}\nstep={eng.step}\n")
 
 
@@ -1277,7 +1284,7 @@ def main() -> None:
                 run_restore_other(rank, world, out, name)
             elif name == "save_roots":
                 run_save_roots(rank, world, out, name)
-            elif name == "restore_newest":
+            elif name.startswith("restore_newest:"):
                 run_restore_newest(rank, world, out, name)
             elif name.startswith("save_write_fails:"):
                 run_save_write_fails(rank, world, out, name)

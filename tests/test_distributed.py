@@ -552,7 +552,8 @@ REFUSALS = [
     "build_fails",
     "layer_refused",
     "restore_other",
-    "restore_newest",
+    "restore_newest:restore",
+    "restore_newest:load",
     "last_step",
     *BAD_COUNTERS,
     "nonfinite",
@@ -1091,18 +1092,22 @@ def test_a_write_failing_on_one_rank_fails_every_ranks_save_at_once(refusals):
             assert then == "step=2 ckpt-000001-step000000000002", (case, then)
 
 
-def test_ranks_restoring_a_folder_of_checkpoints_restore_the_one_rank_0_found(refusals):
-    """restore(root) while another job saves into root: each rank restored the newest it
-    found itself, so a save landing between two ranks' reads (here the last rank's, after
-    rank 0 read step 2's) gave them checkpoints of steps 2 and 5, refused on every rank (a
-    review). Every rank now restores the newest that rank 0 found, by its name."""
+@pytest.mark.parametrize("how", ["restore", "load"])
+def test_ranks_restoring_a_folder_of_checkpoints_restore_the_one_rank_0_found(refusals, how):
+    """restore(root) or ShardedEngine.load(root) while another job saves into root: each
+    rank took the newest it found itself, so a save landing between two ranks' reads (here
+    the last rank's, after rank 0 read step 2's) gave them checkpoints of steps 2 and 5,
+    refused on every rank (a review; the ranks of a job start at different times, so load's
+    reads lie seconds apart). Every rank now restores the newest that rank 0 found."""
     tmp_path = refusals
     for rank in range(2):
-        said, step = (tmp_path / f"restore_newest.rank{rank}.txt").read_text().splitlines()
-        assert said == "restored step 2 from ckpt-000001-step000000000002", (rank, said)
-        assert step == "step=2", (rank, step)
+        said, step = (tmp_path / f"restore_newest_{how}.rank{rank}.txt").read_text().splitlines()
+        want = "restored step 2" + (
+            " from ckpt-000001-step000000000002" if how == "restore" else ""
+        )
+        assert said == want and step == "step=2", (rank, said, step)
     # the other job's checkpoint landed meanwhile
-    assert (tmp_path / "restore_newest" / "ckpt-000002-step000000000005").is_dir()
+    assert (tmp_path / f"restore_newest_{how}" / "ckpt-000002-step000000000005").is_dir()
 
 
 def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refusals):

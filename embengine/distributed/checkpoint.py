@@ -404,6 +404,8 @@ def restore(
     path: str | Path,
     verify: bool = True,
     int_ranges: Callable[[int], dict] | None = None,
+    newest: str | None = None,
+    verify_other: bool = True,
 ) -> ckpt.CheckpointInfo:
     """Read this rank's rows of every table (``shards``, of an engine whose configuration is
     ``spec``) from a checkpoint of any world size, or a plain engine's; collective. Returns a
@@ -412,10 +414,12 @@ def restore(
     is released when this returns or raises, not when the reader is collected.
     ``int_ranges(step)``: the ranges of the int32 slots (``engine.int_slot_ranges``), whose
     values every rank checks, a chunk at a time, before any table changes
-    (``_check_int_slots``)."""
+    (``_check_int_slots``). ``path`` a folder of checkpoints: every rank reads the newest
+    that rank 0 finds there (``newest``: this rank's name of it, if given: rank 0's wins; a
+    rank whose own ``newest`` differs reads with ``verify_other``), by its name."""
     readers: list[ckpt.CheckpointReader] = []
     try:
-        return _restore(comm, shards, spec, path, verify, readers, int_ranges)
+        return _restore(comm, shards, spec, path, verify, readers, int_ranges, newest, verify_other)
     finally:
         for reader in readers:
             reader.close()
@@ -428,14 +432,20 @@ class _Held:
         self.close = lock.release
 
 
-def _newest(path) -> tuple[str, _Held | None]:
+def _newest(path, newest: str | None = None) -> tuple[str, _Held | None]:
     """Rank 0: the name of the newest complete checkpoint in the folder of checkpoints
-    ``path``, and its read lock (so that no save's ``keep=N`` prunes it while the ranks read
-    it); ("", None) if ``path`` is a checkpoint's folder or holds none (the read says so)."""
+    ``path`` (``newest`` if given: the one ``ShardedEngine.load`` read the configuration of),
+    and its read lock (so that no save's ``keep=N`` prunes it while the ranks read it); ("",
+    None) if ``path`` is a checkpoint's folder or holds none (the read says so)."""
     try:
         ckpt.check_path(path, "the checkpoint path")
         if (Path(path) / "manifest.json").is_file():
             return "", None
+        if newest is not None:
+            try:
+                return newest, _Held(ckpt._ReadLock(Path(path) / newest))
+            except ckpt.CheckpointError:  # gone: every rank's read says so
+                return newest, None
         for _ in range(3):  # pruned before it was locked (saves meanwhile): the newest again
             newest = ckpt.latest_checkpoint(path)
             if newest is None:
@@ -449,12 +459,14 @@ def _newest(path) -> tuple[str, _Held | None]:
     return "", None
 
 
-def _restore(comm, shards, spec, path, verify, readers, int_ranges) -> ckpt.CheckpointInfo:
+def _restore(
+    comm, shards, spec, path, verify, readers, int_ranges, newest, verify_other
+) -> ckpt.CheckpointInfo:
     """``restore``; the reader it opens goes to ``readers``."""
     # A folder of checkpoints: every rank reads the newest that rank 0 found there, by its
     # name in its own folder. Each rank finding its own newest, a save landing in between
     # (another job's, into the same folder) made the ranks read different checkpoints.
-    name, held = _newest(path) if comm.rank == 0 else ("", None)
+    name, held = _newest(path, newest) if comm.rank == 0 else ("", None)
     if held is not None:
         readers.append(held)
     # ("-": none; each rank reads its own path)
@@ -464,6 +476,8 @@ def _restore(comm, shards, spec, path, verify, readers, int_ranges) -> ckpt.Chec
         ckpt.check_path(path, "the checkpoint path")
         if name != "-" and not (Path(path) / "manifest.json").is_file():
             path = Path(path) / name
+            if newest is not None and name != newest:  # not the one this rank checked
+                verify = verify_other
         _, reader = ckpt.read_checkpoint(path, verify)
         readers.append(reader)
         ckpt._check_compatible(spec, reader.manifest, reader.path)

@@ -2287,6 +2287,12 @@ class ShardedEngine:
         written at any world size, or by a plain engine, of the same configuration: each rank
         reads its own rows, in chunks. Collective; returns a CheckpointInfo (step, extra data),
         as ``EmbeddingEngine.restore``."""
+        return self._restore(path, verify)
+
+    def _restore(self, path, verify: bool, newest: str | None = None, verify_other: bool = True):
+        """``restore``; ``newest``: the name of the checkpoint to restore in the folder of
+        checkpoints ``path`` that this rank read (``load``), rank 0's winning (a rank that read
+        another one reads it with ``verify_other``); else the newest rank 0 finds there."""
         from . import checkpoint
 
         with self.lock:
@@ -2300,6 +2306,8 @@ class ShardedEngine:
                     path,
                     verify,
                     lambda step: int_slot_ranges(self._resolved, self._optimizers, step),
+                    newest,
+                    verify_other,
                 )
                 self._step = info.step
                 self._step_time = (-1, None)
@@ -2314,15 +2322,22 @@ class ShardedEngine:
         """A new ShardedEngine from a checkpoint alone (any world size's, or a plain
         engine's): ``kwargs`` are ShardedEngine's arguments (sharding, group, timeout, ...).
         Collective."""
+        from pathlib import Path
+
         from ..checkpoint import read_checkpoint
         from ..spec import engine_options, feature_configs_from_spec
 
-        features, options, refused = None, {}, None
+        features, options, refused, newest = None, {}, None, None
         try:
             spec, reader = read_checkpoint(path, verify)
             # the checkpoint the spec came from, not the newest under a root again (a save in
-            # between would hand the restore another one)
-            path = reader.path
+            # between would hand the restore another one): rank 0's, which every rank then
+            # restores (each rank read its own newest, maybe another one: the ranks start at
+            # different times)
+            if not (Path(path) / "manifest.json").is_file():
+                newest = reader.path.name
+            else:
+                path = reader.path
             reader.close()  # the spec is all it needs here; restore reads (and locks) again
             features = feature_configs_from_spec(spec, callables)
             options = engine_options(spec)
@@ -2330,7 +2345,7 @@ class ShardedEngine:
         except Exception as e:  # a folder this rank alone cannot read: every rank raises
             refused = e
         engine = cls(features, **{**options, **kwargs}, refused=refused)
-        engine.restore(path, verify=False)  # checked just now
+        engine._restore(path, False, newest, verify)  # checked just now (rank 0's)
         return engine
 
 
