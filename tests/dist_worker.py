@@ -79,6 +79,8 @@ Scenarios:
   hang                          the last rank stops (SIGSTOP); the others time their error
                                 (group timeout 3 s); rank 0 then kills it
   hang_first                    rank 0 (the store's host) stops; rank 1 then kills it
+  hang_restore                  a save; the last rank stops (SIGSTOP) while it checks the
+                                checkpoint in the restore of it; the others time their error
   contents_by_name              a step, then table_contents(name) of every table; the last rank
                                 asking for another table, then for a table that does not exist;
                                 then a step together
@@ -1112,6 +1114,7 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
         features, optimizer=lr, seed=3, timeout=3 if name.startswith("hang") else 60
     )
     path = os.path.join(out, f"{name}.rank{rank}.txt")
+    saved = eng.save(os.path.join(out, "hang-restore")) if name == "hang_restore" else None
     if name == "bad_input" and rank == world - 1:
         feats["a"] = [[37] * len(feats["a"][0])] + feats["a"][1:]  # lengths match the weights
     if name == "step_mismatch" and rank == world - 1:
@@ -1119,6 +1122,21 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     start = time.monotonic()
     result = "ok"
     try:
+        if name == "hang_restore":
+            from embengine import checkpoint as single
+
+            if rank == world - 1:
+                with open(os.path.join(out, "hung.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+                read = single.read_checkpoint
+
+                def stop_then_read(*args, **kwargs):  # stopped while checking it
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    return read(*args, **kwargs)
+
+                single.read_checkpoint = stop_then_read
+            eng.restore(saved)
+            raise RuntimeError("restored")
         if name == "call_mismatch" and rank == world - 1:
             eng.table_contents()
         if name == "save_fails":  # a file where the checkpoints' folder should be

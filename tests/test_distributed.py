@@ -1131,18 +1131,34 @@ def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refu
             assert float(seconds) < 30, line  # the group's timeout is 60 s
 
 
-def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path):
+# Where the last rank stops, and what the others say: in the update's collective (the rank
+# stopped after its lookup); in a restore, while it checks (hashes) the checkpoint (said as
+# "every rank had entered it", naming nobody, until each rank posted its checks' end).
+STOPPED = {
+    "hang": (
+        "gradients",
+        "in apply_gradients at step 0: rank 2 (its last call: lookup at step 0) had not entered it",
+    ),
+    "hang_restore": (
+        "restore",
+        "in restore, after checking the checkpoint: rank 2 (its last call: restore at step 0) "
+        "had not entered it",
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", list(STOPPED))
+def test_a_stopped_peer_makes_the_others_raise_at_the_timeout_naming_it(tmp_path, scenario):
     # The engine's group times out after 3 s here; the stopped rank is killed by rank 0. Each
     # rank posts the call it enters in the default group's store: the others name the late one.
-    codes = spawn(3, tmp_path, ["hang"], limit=120)
+    codes = spawn(3, tmp_path, [scenario], limit=120)
     assert codes == [0, 0, -9], _logs(tmp_path, 3)
+    purpose, said = STOPPED[scenario]
     for rank, peers in ((0, "[1, 2]"), (1, "[0, 2]")):
-        seconds, text = _error_text(tmp_path, "hang", rank)
+        seconds, text = _error_text(tmp_path, scenario, rank)
         assert text.startswith(
-            f"PeerError: rank {rank}: a collective (gradients) with ranks "
-            f"{peers} failed: no answer within the process group's timeout "
-            "in apply_gradients at step 0: rank 2 (its last call: lookup at "
-            "step 0) had not entered it"
+            f"PeerError: rank {rank}: a collective ({purpose}) with ranks "
+            f"{peers} failed: no answer within the process group's timeout {said}"
         ), text
         assert "Timed out" in text, text
         assert 2.5 < seconds < 30, (seconds, text)

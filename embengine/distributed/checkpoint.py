@@ -484,6 +484,10 @@ def _restore(
         extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
     except Exception as e:  # any (a path of the wrong type too): the others learn it first
         error = e
+    # Checking (hashing every file) takes a while: posted, so that a rank that never ends it
+    # (stopped, or slower than the timeout) is named by the others (Comm.behind), where they
+    # said "every rank had entered" the restore.
+    comm.enter("restore, after checking the checkpoint")
     if error is not None:
         _agree(comm, False, "restore")  # the others learn it, then this rank raises its own
         raise error
