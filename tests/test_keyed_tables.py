@@ -1545,3 +1545,58 @@ def test_an_update_inserting_on_apply_keeps_its_keys_an_earlier_update_inserted(
     assert c["keys"].tolist() == [B, A]
     np.testing.assert_array_equal(c["weights"][:, 0], np.float32([B - 1000, A - 101]))
     assert eng.table_stats()["k"]["this_step"]["evicted"] == 1
+
+
+# -- an address-space limit (ulimit -v) --------------------------------------------------------
+
+RLIMIT_CHILD = """
+import resource
+import sys
+
+import numpy as np
+
+import embengine as ee
+from embengine import optimizers as opt
+
+
+def engine(name):
+    t = ee.TableConfig(None, 4, name=name, optimizer=opt.SGD(0.1), dynamic=ee.DynamicVocabulary())
+    e = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, backend="reference")
+    e.lookup({"f": [[1], [2]]})
+    e.apply_gradients({"f": np.ones((2, 4), np.float32)})
+    return e
+
+
+engine("warm")  # imports and first allocations before the limit
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), resource.RLIM_INFINITY))
+first = engine("k1")
+try:
+    block = np.ones(256 << 20, np.uint8)  # 256 MiB, an eighth of the headroom
+    second = engine("k2")
+    trained = second.table_contents("k2")["weights"]
+    second.lookup({"f": [list(range(5000))]})  # past its first capacity: copied when outgrown
+    assert first.table_stats()["k1"]["rows"] == 2
+    assert second.table_stats()["k2"]["rows"] == 5000
+    assert (second.table_contents("k2")["weights"][1:3] == trained).all()
+except MemoryError as e:
+    print(f"MemoryError: {e}")
+    sys.exit(1)
+print("ok")
+"""
+
+
+def test_a_keyed_table_leaves_the_address_space_an_rlimit_allows_to_the_rest(tmp_path):
+    """Under an address-space limit (RLIMIT_AS, ``ulimit -v``) the reservation of 2^38 bytes
+    is refused; a keyed table then reserved the largest part of what the limit left, so any
+    later allocation of the process failed (a 256 MiB array, a second keyed table: "cannot
+    map 1,024 rows"; found by the fuzz campaign, whose child processes run under such a
+    limit). It reserves what its rows need now, and copies them into a bigger reservation
+    when they outgrow it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(RLIMIT_CHILD)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

@@ -264,16 +264,20 @@ def _anonymous(nbytes: int) -> mmap.mmap | None:
 
 def _reserve(want: int, need: int, row_bytes: int, what: str) -> tuple[mmap.mmap, int]:
     """An anonymous mapping reserved for ``want`` rows of ``row_bytes``, or, if the system
-    refuses it, for fewer (a quarter each time) down to ``need``: (mapping, rows). A
+    refuses it, for ``need`` rows only: (mapping, rows); the caller copies the rows into a
+    bigger one when they outgrow it (capacity doubles: amortised, as any growing array). A
+    refusal means the address space is limited (RLIMIT_AS, ``ulimit -v``; or strict
+    overcommit): taking the largest part that fits, as this did (a quarter of ``want`` at a
+    time), left nothing to the rest of the process: one table took every byte a limit left,
+    and the next allocation failed, a 100 MiB array or the table's own records. A
     MemoryError naming ``what`` if not even ``need`` rows can be mapped."""
-    reserve = want
-    mapping = _anonymous(reserve * row_bytes)
-    while mapping is None and reserve > need:
-        reserve = max(need, reserve // 4)
-        mapping = _anonymous(reserve * row_bytes)
+    mapping = _anonymous(want * row_bytes)
+    if mapping is not None:
+        return mapping, want
+    mapping = _anonymous(need * row_bytes) if need < want else None
     if mapping is None:
         raise MemoryError(f"{what}: cannot map {need:,} rows")
-    return mapping, reserve
+    return mapping, need
 
 
 def _release(
