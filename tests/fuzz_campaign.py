@@ -4,6 +4,8 @@
     python tests/fuzz_campaign.py --cases 2000 --no-crafted --kills 0
     python tests/fuzz_campaign.py --stratified 3       # 3 cases of every path x backend x fault
     python tests/fuzz_campaign.py --replay 17          # case 17 of test_fuzz.py's list, alone
+    python tests/fuzz_campaign.py --replay 3 --replay-list new   # of its keyed / 16-bit list
+    python tests/fuzz_campaign.py --configs dense      # only the dense float32 configs (+ tpu)
     python tests/fuzz_campaign.py --json out.json      # also write every case and result
 
 Every case runs in a child process (tests/_fuzz/runner.py); a crash or a hang is recorded
@@ -46,11 +48,19 @@ def _progress(every: int, label: str):
     return show
 
 
+CONFIG_SETS = {
+    "all": (*cases.ENGINE_CONFIGS, "tpu", *cases.NEW_CONFIGS),
+    "dense": None,  # the dense float32 configs and tpu: the cases before keyed / 16-bit came
+    "new": cases.NEW_CONFIGS,
+}
+
+
 def run_fuzz(args) -> dict:
+    configs = CONFIG_SETS[args.configs]
     if args.stratified:
-        todo = cases.generate_stratified(args.stratified, args.seed)
+        todo = cases.generate_stratified(args.stratified, args.seed, configs=configs)
     else:
-        todo = cases.generate(args.cases, args.seed)
+        todo = cases.generate(args.cases, args.seed, configs=configs)
     print(f"fuzz: {len(todo)} cases (seed {args.seed})", file=sys.stderr, flush=True)
     runner = Runner(
         "case",
@@ -110,9 +120,15 @@ def run_kills(args) -> dict:
     return out
 
 
-def replay(index: int, seed: int) -> int:
-    """Rerun one case of test_fuzz.py's list alone and print it."""
-    todo = cases.generate_stratified(1, seed)
+def replay(index: int, seed: int, which: str = "dense") -> int:
+    """Rerun one case of test_fuzz.py's list alone and print it (``which``: "dense", the
+    first list; "new", its keyed and 16-bit list)."""
+    if which == "new":
+        from test_fuzz import new_config_cases
+
+        todo = new_config_cases(seed)
+    else:
+        todo = cases.generate_stratified(1, seed)
     case = todo[index]
     result = Runner("case", [case], attribute="none").run()[0]
     print(json.dumps(case, indent=1))
@@ -131,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: K cases of every (path, backend, fault kind)",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--configs",
+        choices=tuple(CONFIG_SETS),
+        default="all",
+        help="engine configs to draw from: all (default), dense (float32, as before keyed and "
+        "16-bit tables came), new (keyed and 16-bit)",
+    )
     p.add_argument("--case-timeout", type=float, default=30.0, help="seconds before a hang")
     p.add_argument(
         "--attribute",
@@ -150,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="I",
         help="rerun case I of test_fuzz.py alone (with --seed 0, the test's seed)",
     )
+    p.add_argument("--replay-list", choices=("dense", "new"), default="dense")
     args = p.parse_args(argv)
     if args.replay is not None:
-        return replay(args.replay, args.seed if "--seed" in (argv or sys.argv) else 0)
+        seed = args.seed if "--seed" in (argv or sys.argv) else 0
+        return replay(args.replay, seed, args.replay_list)
     out: dict = {}
     if not args.no_fuzz:
         out["fuzz"] = run_fuzz(args)

@@ -33,6 +33,39 @@ def fuzz_cases() -> list[dict]:
     return cases.generate_stratified(1, SEED)
 
 
+# The keyed configs' faults the fixed list meets: keys a dense table refuses, a caller's array
+# changed, ids not int64, gradients refused, and valid batches; the 16-bit config's: values
+# near its range, gradients refused, and valid batches.
+KEYED_KINDS = (
+    cases.VALID,
+    "id_too_big",
+    "id_negative",
+    "id_minus_one",
+    "id_int64_max",
+    "kjt_id_out_of_range",
+    "caller_ids_mutated",
+    "uint64_big",
+    "narrow_int_ok",
+    "grad_nonfinite",
+)
+HALF_KINDS = (cases.VALID, "weights_huge", "grad_huge", "grad_nonfinite")
+
+
+def new_config_cases(seed: int = SEED) -> list[dict]:
+    """The keyed and 16-bit configs' fixed list: for each config, one case per (input path,
+    fault kind of KEYED_KINDS, or HALF_KINDS for "half") on the numba backend (the reference
+    backend is the oracle's)."""
+    out = []
+    for k, config in enumerate(cases.NEW_CONFIGS):
+        kinds = HALF_KINDS if config == "half" else KEYED_KINDS
+        out += cases.generate_stratified(
+            1, seed + k, configs=(config,), backends=("numba",), kinds=kinds
+        )
+    for i, case in enumerate(out):
+        case["i"] = i
+    return out
+
+
 def test_fuzz_every_input_path_and_backend():
     """Every public input path (EmbeddingEngine lookup / preprocess / apply_gradients, the torch
     EmbeddingLayer with dicts, KeyedJagged and prepared batches, the TF port, ServingEngine) on
@@ -51,6 +84,30 @@ def test_fuzz_every_input_path_and_backend():
     assert not bad, (
         f"{len(bad)} of {len(todo)} fuzz cases failed "
         f"(stopped after {MAX_FAULTS} crashes/hangs or {BUDGET:.0f} s: 'not run' cases)\n"
+        + report.fuzz_table(todo, results)
+        + "\n\n"
+        + report.fuzz_findings(todo, results, 40)
+    )
+
+
+def test_fuzz_keyed_and_16_bit_tables():
+    """The keyed (dynamic vocabulary) and 16-bit configs on every engine input path: a key a
+    dense table would refuse (past the vocabulary, negative, int64's largest, -1 in 1-D input)
+    is a key; a batch over ``max_rows`` is refused naming the table; the rows are the rules'
+    (admission, expiry, eviction) and the update the reference's, 16-bit values to a
+    neighbour."""
+    todo = new_config_cases()
+    results = Runner(
+        "case",
+        todo,
+        case_timeout=CASE_TIMEOUT,
+        attribute="alone",
+        max_faults=MAX_FAULTS,
+        budget=BUDGET,
+    ).run()
+    bad = [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
+    assert not bad, (
+        f"{len(bad)} of {len(todo)} keyed / 16-bit fuzz cases failed\n"
         + report.fuzz_table(todo, results)
         + "\n\n"
         + report.fuzz_findings(todo, results, 40)
@@ -224,3 +281,58 @@ def test_the_oracle_tells_right_answers_from_wrong_ones_and_partial_updates(monk
 
     monkeypatch.setattr(embengine.batch, "check_values", index_error)
     assert execute.run_case(_valid_case(fault=bad_id))["outcome"] == "unclear_error"
+
+
+def _case(config: str, path: str, samples: dict, **changes) -> dict:
+    batch = {f: {"samples": s, "weights": None, "form": "lists"} for f, s in samples.items()}
+    case = {
+        "path": path,
+        "backend": "reference",
+        "config": config,
+        "batch": batch,
+        "fault": None,
+        "grad_seed": 5,
+        "lrs": None,
+        "i": 0,
+    }
+    case.update(changes)
+    return case
+
+
+def test_the_oracle_knows_the_keyed_rules(monkeypatch):
+    """The keyed configs' oracle checks the rules, not only the reference backend (which shares
+    the keyed storage): an expired row served by an evaluation lookup, and LRU evicting the
+    wrong rows, are each caught; a batch over max_rows must be refused naming the table, and a
+    key past any vocabulary is a key (reference backend, in this process)."""
+    from embengine.storage.keyed import KeyedTable
+
+    # keyed_mix's k_c: 7's row was last touched at step 1, so at step 3 it has expired
+    expired = _case(
+        "keyed_mix", "lookup_eval", {"du": [[1]], "kc": [[7, 42]], "kd": [[]], "kd_seq": [[]]}
+    )
+    assert execute.run_case(expired)["outcome"] == "right_answer"
+    # keyed's k_b holds max_rows=6 rows: two new keys evict the two least recently touched
+    evicting = _case("keyed", "train", {"ka": [[3]], "ka_seq": [[]], "kb": [[99, -5]]})
+    assert execute.run_case(evicting)["outcome"] == "right_answer"
+    over = _case(
+        "keyed",
+        "train",
+        {"ka": [[]], "ka_seq": [[]], "kb": [[3, 8, 99, -5, 1 << 50, -(1 << 62), 1]]},
+    )
+    result = execute.run_case(over)
+    assert result["outcome"] == "clear_error" and "k_b" in result["detail"], result
+    big = {"kind": "id_too_big", "feature": "ka", "extra": 1 << 40}
+    assert execute.run_case(dict(evicting, fault=big))["outcome"] == "right_answer"
+    half = _case("half", "train", {"hb": [[1, 2]], "hb_seq": [[3]], "hf": [[4]], "hg": [[0, 0]]})
+    assert execute.run_case(half)["outcome"] == "right_answer"
+
+    monkeypatch.setattr(KeyedTable, "_expired", lambda self: np.zeros(0, np.int64))
+    assert execute.run_case(expired)["outcome"] == "wrong_answer"
+    monkeypatch.undo()
+
+    order = KeyedTable._eviction_order
+    monkeypatch.setattr(
+        KeyedTable, "_eviction_order", lambda self, rows: [-c for c in order(self, rows)]
+    )
+    result = execute.run_case(evicting)
+    assert result["outcome"] == "wrong_answer" and "the rules leave" in result["detail"], result

@@ -22,6 +22,12 @@ bad gradient or learning rate... Each fault kind declares what the right outcome
   right; reading the mutated ones is not). Results must stay finite (``either`` faults include
   finite inputs whose results overflow: weights of 3e38, learning rates of 1e300).
 
+A keyed table's feature takes any int64 id (-1 is padding in 2-D input only): the faults
+``KEYED_VALUES`` put a value the feature's dense twin would refuse (past the vocabulary,
+negative, int64's largest, -1 in 1-D input) into a keyed feature as a key, which is valid (the
+logical batch holds it); a caller's array mutated after it was passed in is the caller's new
+input (``Ragged``'s documented views), except that a training batch holds copies.
+
 Paths (``PATHS``) are every public way a batch reaches the tables; ``FAULTS`` lists every fault
 kind with the paths, configs, features and forms it applies to.
 """
@@ -32,7 +38,15 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from .configs import ENGINE_CONFIGS, SPECS, ConfigSpec, FeatureSpec
+from .configs import (
+    ENGINE_CONFIGS,
+    KEY_POOL,
+    NEW_CONFIGS,
+    SMALL_KEYS,
+    SPECS,
+    ConfigSpec,
+    FeatureSpec,
+)
 
 # -- paths and input forms -----------------------------------------------------------------------
 
@@ -175,6 +189,12 @@ _FLOAT_FORMS = {
     "torch_dense",
 }
 _NONFINITE = st.sampled_from(["nan", "inf", "-inf"])
+
+# Faults whose id is a valid key of a keyed table's feature: the key is part of the logical batch.
+KEYED_VALUES = {"id_too_big", "id_int64_max", "id_negative", "id_minus_one", "kjt_id_out_of_range"}
+# Faults that narrow or reinterpret a feature's ids: a keyed feature's ids are SMALL_KEYS then.
+NARROWING = {"narrow_int_ok", "uint64_ok"}
+_OLD_AND_NEW = ENGINE_CONFIGS + NEW_CONFIGS
 
 FAULTS: dict[str, Fault] = {
     f.kind: f
@@ -420,7 +440,7 @@ FAULTS: dict[str, Fault] = {
             "grad_nonfinite",
             "error",
             _GRAD_PATHS,
-            configs={"mixed", "packed", "tpu"},
+            configs={"mixed", "packed", "tpu", *NEW_CONFIGS},
             value=_NONFINITE,
         ),
         _f("grad_nonfinite_skip", "valid", _GRAD_PATHS, configs={"dynamic"}, value=_NONFINITE),
@@ -448,7 +468,7 @@ FAULTS: dict[str, Fault] = {
             "grad_nan_backward",
             "error",
             {"torch", "torch_kjt", "torch_prepared"},
-            configs={"mixed", "packed"},
+            configs={"mixed", "packed", *NEW_CONFIGS},
         ),
         # learning rates (the dynamic config's two tags)
         _f(
@@ -472,7 +492,12 @@ FAULTS: dict[str, Fault] = {
         ),
         _f("lr_missing", "error", LR_PATHS, configs={"dynamic"}, target=None, names=None),
         _f(
-            "lr_unexpected", "error", LR_PATHS, configs={"mixed", "packed"}, target=None, names=None
+            "lr_unexpected",
+            "error",
+            LR_PATHS,
+            configs={"mixed", "packed", *NEW_CONFIGS},
+            target=None,
+            names=None,
         ),
         _f(
             "lr_extreme",
@@ -533,12 +558,18 @@ def applicable(fault: Fault, path: str, config: str) -> bool:
     return fault.target is None or any(_target_ok(fault, path, f) for f in SPECS[config].features)
 
 
-def configs_for(path: str) -> tuple[str, ...]:
+def configs_for(path: str, configs: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The configs a path drives, of ``configs`` (None: the dense float32 ones, ENGINE_CONFIGS,
+    "tpu"; the keyed and 16-bit configs are asked for by name)."""
     if path in TPU_PATHS:
-        return ("tpu",)
-    if path == "serving":
-        return ("mixed",)
-    return ENGINE_CONFIGS
+        out: tuple[str, ...] = ("tpu",)
+    elif path == "serving":
+        out = ("mixed",)
+    else:
+        out = _OLD_AND_NEW
+    if configs is None:
+        configs = (*ENGINE_CONFIGS, "tpu")
+    return tuple(c for c in out if c in configs)
 
 
 def backends_for(path: str) -> tuple[str, ...]:
@@ -565,14 +596,18 @@ _LRS = st.sampled_from([0.1, 0.05, 0.5, 1.0, 0.01])
 
 
 @st.composite
-def _samples(draw, f: FeatureSpec, form: str, batch_size: int, need_id: bool):
+def _samples(draw, f: FeatureSpec, form: str, batch_size: int, need_id: bool, narrow: bool = False):
     if form in SINGLE_FORMS:
         lengths = [1] * batch_size
     else:
         lengths = [draw(st.integers(0, 4)) for _ in range(batch_size)]
         if need_id and batch_size and lengths[0] == 0:
             lengths[0] = 1
-    return [[draw(st.integers(0, f.vocab - 1)) for _ in range(n)] for n in lengths]
+    if f.keyed:  # keys (KEY_POOL); SMALL_KEYS where the form or a fault narrows the ids
+        ids = st.sampled_from(SMALL_KEYS if narrow or form == "int32" else KEY_POOL)
+    else:
+        ids = st.integers(0, f.vocab - 1)
+    return [[draw(ids) for _ in range(n)] for n in lengths]
 
 
 VALID = "valid"  # the stratum of cases without a fault
@@ -580,14 +615,20 @@ VALID = "valid"  # the stratum of cases without a fault
 
 @st.composite
 def recipes(
-    draw, paths: tuple[str, ...] | None = None, backend: str | None = None, kind: str | None = None
+    draw,
+    paths: tuple[str, ...] | None = None,
+    backend: str | None = None,
+    kind: str | None = None,
+    configs: tuple[str, ...] | None = None,
 ) -> dict:
     """One fuzz case (see the module docstring); ``backend`` and ``kind`` (a fault kind, or
-    VALID) fix those choices."""
-    path = draw(st.sampled_from(sorted(paths or PATHS)))
+    VALID) fix those choices; ``configs`` the configs to draw from (``configs_for``)."""
+    allowed = configs
+    paths = tuple(p for p in sorted(paths or PATHS) if configs_for(p, allowed))
+    path = draw(st.sampled_from(paths))
     if backend is None:
         backend = draw(st.sampled_from(backends_for(path)))
-    configs = configs_for(path)
+    configs = configs_for(path, allowed)
     if kind not in (None, VALID):
         configs = tuple(c for c in configs if applicable(FAULTS[kind], path, c))
     config = draw(st.sampled_from(configs))
@@ -626,8 +667,11 @@ def recipes(
             forms = tuple(x for x in forms if x in weight_forms(path)) or forms
         form = draw(st.sampled_from(forms))
         need_id = f.name == target and fdef.needs_ids
+        narrow = f.name == target and fdef.kind in NARROWING
         samples = draw(
-            _samples(f, form, batch_size, need_id or (fdef is not None and fdef.target is None))
+            _samples(
+                f, form, batch_size, need_id or (fdef is not None and fdef.target is None), narrow
+            )
         )
         weights = None
         weighted = not f.is_sequence and form in weight_forms(path)
@@ -678,40 +722,61 @@ def _draw(strategy, n: int, seed: int) -> list[dict]:
     return out
 
 
-def generate(n: int, seed: int, paths: tuple[str, ...] | None = None, run: int = 10) -> list[dict]:
+def generate(
+    n: int,
+    seed: int,
+    paths: tuple[str, ...] | None = None,
+    run: int = 10,
+    configs: tuple[str, ...] | None = None,
+) -> list[dict]:
     """``n`` cases drawn at random over every path, backend and fault, in short hypothesis runs
     of ``run`` cases: a long run keeps mutating its recent cases (runs of cases alike), and
-    each run's first, simplest case (no fault, no sample) is dropped."""
+    each run's first, simplest case (no fault, no sample) is dropped. ``configs``: as
+    ``configs_for`` (None: the dense float32 configs, the same cases as before the keyed and
+    16-bit configs came)."""
     out: list[dict] = []
     for k in range(0, n, run):
-        out += _draw(recipes(paths), min(run, n - k) + 1, seed * 100_003 + k)[1:]
+        out += _draw(recipes(paths, configs=configs), min(run, n - k) + 1, seed * 100_003 + k)[1:]
     for i, case in enumerate(out):
         case["i"] = i
     return out
 
 
-def strata(paths: tuple[str, ...] | None = None) -> list[tuple[str, str, str]]:
-    """Every (path, backend, fault kind or VALID) the fuzzer can build."""
+def strata(
+    paths: tuple[str, ...] | None = None, configs: tuple[str, ...] | None = None
+) -> list[tuple[str, str, str]]:
+    """Every (path, backend, fault kind or VALID) the fuzzer can build (on ``configs``, as
+    ``configs_for``)."""
     out = []
     for path in sorted(paths or PATHS):
-        kinds = sorted(
-            {k for k, f in FAULTS.items() for c in configs_for(path) if applicable(f, path, c)}
-        )
+        cs = configs_for(path, configs)
+        if not cs:
+            continue
+        kinds = sorted({k for k, f in FAULTS.items() for c in cs if applicable(f, path, c)})
         for backend in backends_for(path):
             out += [(path, backend, k) for k in [VALID, *kinds]]
     return out
 
 
 def generate_stratified(
-    per_stratum: int, seed: int, paths: tuple[str, ...] | None = None
+    per_stratum: int,
+    seed: int,
+    paths: tuple[str, ...] | None = None,
+    configs: tuple[str, ...] | None = None,
+    backends: tuple[str, ...] | None = None,
+    kinds: tuple[str, ...] | None = None,
 ) -> list[dict]:
     """``per_stratum`` cases of every stratum (``strata``): each path on each backend meets
     every fault that applies to it, and valid batches. Hypothesis's first example of a stratum
     is its simplest (the first feature, form and variant, one sample or none): it is dropped,
-    so that the cases spread over features, forms and variants."""
+    so that the cases spread over features, forms and variants. ``backends`` and ``kinds``
+    keep only those strata (a short list: test_fuzz.py's keyed and 16-bit cases)."""
     out = []
-    for k, (path, backend, kind) in enumerate(strata(paths)):
-        out += _draw(recipes((path,), backend, kind), per_stratum + 1, seed * 100_003 + k)[1:]
+    for k, (path, backend, kind) in enumerate(strata(paths, configs)):
+        if (backends and backend not in backends) or (kinds and kind not in kinds):
+            continue
+        strategy = recipes((path,), backend, kind, configs)
+        out += _draw(strategy, per_stratum + 1, seed * 100_003 + k)[1:]
     for i, case in enumerate(out):
         case["i"] = i
     return out

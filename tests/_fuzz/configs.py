@@ -17,6 +17,29 @@ oracle can tell whether an error message names the feature (``user``) or only a 
   table changed.
 - ``tpu``: the TF port (embengine.tpu) with a nested feature config (``grp/cat``).
 
+Keyed tables (dynamic vocabularies) and 16-bit tables (``KEYED_CONFIGS``, ``HALF_CONFIGS``;
+their rules: ``config.DynamicVocabulary``, ``precision.py``). Their engines are not fresh: a
+``PRELUDE`` of three training steps (canonical input, fixed gradients; trained once per process
+on the reference backend, and every engine loads the state it leaves) first fills the keyed
+tables from ``KEY_POOL`` (keys of every size and sign, some seen twice, some once, some at
+step 0 only: with an admission threshold, expiry and ``max_rows`` the case meets keys that are
+admitted, pending, expired or evicted) and moves the 16-bit rows off their initial values
+(stochastic rounding). A keyed feature's ids are keys of ``KEY_POOL``: the prelude's and new
+ones.
+
+- ``keyed``: keyed tables only: ``k_a`` (dim 3, sum, Adagrad; shared by the bag ``ka`` and the
+  sequence ``ka_seq``; no rule but the defaults) and ``k_b`` (dim 2, mean, the global SGD;
+  ``max_rows=6``, LRU).
+- ``keyed_mix``: a dense table ``t_u`` (Adagrad) beside keyed ``k_c`` (dim 4, sqrtn, FTRL;
+  ``occurrence_threshold=2``, ``expire_steps=1``) and ``k_d`` (dim 2, sum, Adagrad;
+  ``insert_on="apply"``, ``max_rows=8``, LFU).
+- ``half``: dense 16-bit tables: ``h_b`` (bfloat16 weights and slots, Adagrad, sum; a bag and a
+  sequence feature), ``h_f`` (float16 weights, float32 slots, FTRL, mean) and ``h_g``
+  (float32 weights, bfloat16 slots, Adagrad, sqrtn).
+- ``keyed_half``: keyed 16-bit tables: ``k_h`` (bfloat16, Adagrad, sum; threshold 1,
+  ``expire_steps=1``) and ``k_f`` (float16 weights, bfloat16 slots, Adagrad, mean;
+  ``max_rows=7``), beside a dense float16 table ``h_d`` (the global SGD).
+
 ``foreign`` variants build the same features with other tables: ``vocab`` multiplies every
 vocabulary by 10 (a batch prepared there can hold ids past this engine's tables); ``packing``
 turns packing off for one table, so the same features are stored as another number of tables.
@@ -24,6 +47,7 @@ turns packing off for one table, so the same features are stored as another numb
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 SEED = 7
@@ -37,10 +61,27 @@ class FeatureSpec:
     dim: int
     combiner: str
     seq: int = 0  # max_sequence_length; 0: a bag feature
+    keyed: bool = False  # a keyed table's feature: ids are any int64 (KEY_POOL); vocab unused
 
     @property
     def is_sequence(self) -> bool:
         return self.seq > 0
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A new config's table: its dtypes, optimizer ("adagrad", "ftrl", None: the global SGD)
+    and, for a keyed table, its ``DynamicVocabulary`` arguments."""
+
+    name: str
+    optimizer: str | None = None
+    weights_dtype: str = "float32"
+    slots_dtype: str = "float32"
+    dynamic: tuple[tuple[str, object], ...] | None = None  # DynamicVocabulary(**dict(...))
+
+    @property
+    def rules(self) -> dict:
+        return dict(self.dynamic or ())
 
 
 @dataclass(frozen=True)
@@ -50,6 +91,19 @@ class ConfigSpec:
     dynamic_tags: int = 0  # number of DynamicLearningRate tags (learning_rates= values)
     skip_nonfinite: bool = False  # nonfinite_gradients="skip_row"
     tpu: bool = False
+    table_specs: tuple[TableSpec, ...] = ()  # the new configs' tables (dtypes, keyed rules)
+
+    @property
+    def prelude(self) -> bool:
+        """Its engine starts after PRELUDE (the keyed and 16-bit configs)."""
+        return bool(self.table_specs)
+
+    def table_spec(self, name: str) -> TableSpec | None:
+        return next((t for t in self.table_specs if t.name == name), None)
+
+    @property
+    def keyed_tables(self) -> list[str]:
+        return [t.name for t in self.table_specs if t.dynamic is not None]
 
     @property
     def names(self) -> list[str]:
@@ -68,6 +122,53 @@ class ConfigSpec:
 
 
 F = FeatureSpec
+T = TableSpec
+
+
+def K(name, table, dim, combiner, seq=0) -> FeatureSpec:
+    return FeatureSpec(name, table, 0, dim, combiner, seq, keyed=True)
+
+
+def _rules(**kw) -> tuple[tuple[str, object], ...]:
+    return tuple(sorted(kw.items()))
+
+
+# Keys of the keyed features: the prelude's (below) and new ones; never -1 (2-D padding).
+KEY_POOL = (
+    0,
+    1,
+    5,
+    7,
+    42,
+    -2,
+    -9,
+    1 << 40,
+    -(1 << 40),
+    (1 << 63) - 1,
+    -(1 << 63),
+    12345678901,
+    # not in the prelude
+    3,
+    8,
+    99,
+    -5,
+    1 << 50,
+    -(1 << 62),
+    (1 << 62) + 1,
+)
+# Keys that every integer dtype holds (int8 .. uint64): a keyed feature's ids in a form or a
+# fault that narrows them (int32 arrays, narrow_int_ok, uint64_ok).
+SMALL_KEYS = (0, 1, 3, 5, 7, 8, 42, 99)
+# The prelude: per step, the keys each keyed table is trained on (one per sample, 7 twice in
+# step 0: two occurrences in one step), before the case (at step 3). With a threshold, 7 and
+# 42 are admitted at step 1, 0 at step 2; 7's row, not touched since step 1, has expired by
+# step 3 under expire_steps=1; keys seen once wait.
+PRELUDE = (
+    (0, 42, -2, 1 << 40, (1 << 63) - 1, 7, 7),
+    (1, 5, -9, -(1 << 40), 42, 7),
+    (0, 42, 12345678901, -(1 << 63)),
+)
+
 SPECS: dict[str, ConfigSpec] = {
     "mixed": ConfigSpec(
         "mixed",
@@ -109,9 +210,71 @@ SPECS: dict[str, ConfigSpec] = {
         ),
         tpu=True,
     ),
+    "keyed": ConfigSpec(
+        "keyed",
+        (
+            K("ka", "k_a", 3, "sum"),
+            K("ka_seq", "k_a", 3, "sum", seq=2),
+            K("kb", "k_b", 2, "mean"),
+        ),
+        table_specs=(
+            T("k_a", "adagrad", dynamic=_rules()),
+            T("k_b", None, dynamic=_rules(max_rows=6)),
+        ),
+    ),
+    "keyed_mix": ConfigSpec(
+        "keyed_mix",
+        (
+            F("du", "t_u", 6, 2, "sum"),
+            K("kc", "k_c", 4, "sqrtn"),
+            K("kd", "k_d", 2, "sum"),
+            K("kd_seq", "k_d", 2, "sum", seq=3),
+        ),
+        table_specs=(
+            T("t_u", "adagrad"),
+            T("k_c", "ftrl", dynamic=_rules(occurrence_threshold=2, expire_steps=1)),
+            T("k_d", "adagrad", dynamic=_rules(insert_on="apply", max_rows=8, eviction="lfu")),
+        ),
+    ),
+    "half": ConfigSpec(
+        "half",
+        (
+            F("hb", "h_b", 9, 3, "sum"),
+            F("hb_seq", "h_b", 9, 3, "sum", seq=2),
+            F("hf", "h_f", 7, 2, "mean"),
+            F("hg", "h_g", 5, 4, "sqrtn"),
+        ),
+        table_specs=(
+            T("h_b", "adagrad", "bfloat16", "bfloat16"),
+            T("h_f", "ftrl", "float16", "float32"),
+            T("h_g", "adagrad", "float32", "bfloat16"),
+        ),
+    ),
+    "keyed_half": ConfigSpec(
+        "keyed_half",
+        (
+            K("kh", "k_h", 3, "sum"),
+            K("kf", "k_f", 2, "mean"),
+            F("hd", "h_d", 6, 2, "sqrtn"),
+        ),
+        table_specs=(
+            T(
+                "k_h",
+                "adagrad",
+                "bfloat16",
+                "bfloat16",
+                _rules(occurrence_threshold=1, expire_steps=1),
+            ),
+            T("k_f", "adagrad", "float16", "bfloat16", _rules(max_rows=7)),
+            T("h_d", None, "float16", "float32"),
+        ),
+    ),
 }
 
 ENGINE_CONFIGS = ("mixed", "packed", "dynamic")
+KEYED_CONFIGS = ("keyed", "keyed_mix", "keyed_half")
+HALF_CONFIGS = ("half", "keyed_half")
+NEW_CONFIGS = ("keyed", "keyed_mix", "half", "keyed_half")
 
 
 def _optimizers(config: str, foreign: str | None):
@@ -130,15 +293,105 @@ def _optimizers(config: str, foreign: str | None):
             "t_x": opt.Adagrad(opt.DynamicLearningRate(0)),
             "t_y": opt.FTRL(opt.DynamicLearningRate(1)),
         }, None
+    spec = SPECS[config]
+    if spec.table_specs:
+        make = {"adagrad": lambda: opt.Adagrad(0.1), "ftrl": lambda: opt.FTRL(0.1), None: None}
+        return {t.name: (make[t.optimizer]() if t.optimizer else None) for t in spec.table_specs}, (
+            opt.SGD(0.1)
+        )
     raise ValueError(config)
 
 
+def _build_new(spec: ConfigSpec, backend: str):
+    """An engine of a keyed / 16-bit config, after its PRELUDE."""
+
+    import embengine as ee
+    from embengine import initializers as init
+
+    per_table, global_opt = _optimizers(spec.name, None)
+    tables = {}
+    for f in spec.features:
+        if f.table in tables:
+            continue
+        t = spec.table_spec(f.table)
+        tables[f.table] = ee.TableConfig(
+            None if t.dynamic is not None else f.vocab,
+            f.dim,
+            name=f.table,
+            combiner=f.combiner,
+            optimizer=per_table[f.table],
+            initializer=init.RandomUniform(-1.0, 1.0),
+            dynamic=None if t.dynamic is None else ee.DynamicVocabulary(**t.rules),
+            weights_dtype=t.weights_dtype,
+            slots_dtype=t.slots_dtype,
+        )
+    features = {
+        f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
+    }
+    engine = ee.EmbeddingEngine(features, optimizer=global_opt, seed=SEED, backend=backend)
+    if spec.name not in _PRELUDE_STATE:  # the prelude, trained once per process
+        if backend != "reference":
+            ref = _build_new(spec, "reference")
+        else:
+            ref = engine
+            for batch, grads in prelude_batches(spec):
+                engine.lookup(batch)
+                engine.apply_gradients(grads)
+        _PRELUDE_STATE[spec.name] = copy.deepcopy(ref.state_dict())
+        if ref is engine:
+            return engine
+    # Every engine starts from the reference backend's state after the prelude: the backends'
+    # float32 math agrees to an ulp, so their 16-bit values may round to neighbours, and the
+    # case's state is compared with the reference's from the same start.
+    engine.load_state_dict(_PRELUDE_STATE[spec.name])
+    return engine
+
+
+_PRELUDE_STATE: dict = {}
+
+
+def prelude_batches(spec: ConfigSpec):
+    """The PRELUDE's steps as (features, gradients): each table's keys (a dense table's ids,
+    ``k % vocab``) as one-id samples of its first bag feature; the other features' samples
+    empty; gradients 0.25 (0.5 for a sequence, position 0)."""
+    import numpy as np
+
+    import embengine as ee
+
+    out = []
+    for keys in PRELUDE:
+        b = len(keys)
+        first = {}
+        for f in spec.features:
+            if not f.is_sequence and f.table not in first:
+                first[f.table] = f.name
+        feats, grads = {}, {}
+        for f in spec.features:
+            if first.get(f.table) == f.name:
+                ids = list(keys) if f.keyed else [abs(k) % f.vocab for k in keys]
+                samples = [[k] for k in ids]
+            else:
+                samples = [[] for _ in range(b)]
+            flat = [k for s in samples for k in s]
+            lengths = [len(s) for s in samples]
+            feats[f.name] = ee.Ragged(np.asarray(flat, np.int64), lengths=np.asarray(lengths))
+            shape = (b, f.seq, f.dim) if f.is_sequence else (b, f.dim)
+            grads[f.name] = np.full(shape, 0.25, np.float32)
+        out.append((feats, grads))
+    return out
+
+
 def build_engine(config: str, backend: str, foreign: str | None = None):
-    """A fresh EmbeddingEngine of an engine config (``foreign``: None, "vocab" or "packing")."""
+    """A fresh EmbeddingEngine of an engine config (``foreign``: None, "vocab" or "packing");
+    a keyed / 16-bit config's after its PRELUDE (``foreign`` does not apply to them)."""
     import embengine as ee
     from embengine import initializers as init
 
     spec = SPECS[config]
+    if spec.table_specs:
+        if foreign is not None:
+            raise ValueError(f"no foreign variant of {config}")
+        return _build_new(spec, backend)
     per_table, global_opt = _optimizers(config, foreign)
     scale = 10 if foreign == "vocab" else 1
     tables = {}

@@ -21,6 +21,23 @@ and returns ``{"outcome": ..., "detail": ...}`` with outcome one of ``OUTCOMES``
   it too (``right_answer``);
 - ``harness_error``: the harness itself failed (a bug here, not in embengine).
 
+Keyed and 16-bit configs (configs.py, after their prelude). The state compared is the whole
+``state_dict`` (a keyed table's keys, rows, slots, last-touched steps, touch counts, pending
+admissions, counters), 16-bit values to within a neighbouring 16-bit value of the
+reference's (the backends' float32 math agrees to an ulp, and stochastic rounding may then
+round to the neighbour). The model knows the rules of
+``DynamicVocabulary`` (``keyed_model``): an evaluation lookup sees a key's row if it has one
+that has not expired, else zeros, and changes nothing; a training lookup of a table first
+drops its expired rows, then a key with a row sees it, a new key admitted (threshold 0, or
+its count in earlier steps, the state's pending counts, at least the threshold) sees its
+initial row (the initializer at the key, rounded to nearest to the stored dtype) when the
+table inserts on lookup, zeros otherwise; a batch whose own keys need more than ``max_rows``
+rows must be refused: a ValueError naming the table, nothing changed. After a training step
+the table holds exactly the keys the rules leave (expired rows gone, the victims of
+``max_rows`` by LRU / LFU gone, admitted keys added); the values are the reference backend's.
+An error raised by the update (``apply_gradients``, torch's backward) after a training lookup
+succeeded is judged against the state after that lookup, which the lookup may change.
+
 The runner adds ``crash`` (the process died) and ``hang`` (no result within the timeout).
 
 When is an error clear? Its type is TypeError or ValueError (embengine's CheckpointError is a
@@ -48,7 +65,7 @@ from embengine import NonFiniteUpdateError
 
 from . import inputs
 from .cases import FAULTS, TPU_PATHS, TRAINING_PATHS
-from .configs import SPECS, build_engine, build_tpu
+from .configs import NEW_CONFIGS, SPECS, build_engine, build_tpu
 from .inputs import ApiError, api, logical_batch, nest, unnest
 
 OUTCOMES = (
@@ -69,9 +86,28 @@ STATE_RTOL, STATE_ATOL = 1e-5, 1e-6
 # -- state ---------------------------------------------------------------------------------------
 
 
+def _new_kind(engine) -> bool:
+    """The engine has a keyed or a 16-bit table."""
+    return any(
+        c.vocabulary_size is None or c.weights_dtype != "float32" or c.slots_dtype != "float32"
+        for c in engine.table_configs.values()
+    )
+
+
+def _half(a: np.ndarray) -> bool:
+    """A 16-bit float array (float16, or ml_dtypes' bfloat16)."""
+    return a.dtype.itemsize == 2 and a.dtype.kind not in "iu"
+
+
 def snapshot(engine) -> dict:
-    """Every table's weights and slots (copies, by public API) and the step."""
+    """Every table's weights and slots (copies, by public API) and the step; an engine with a
+    keyed or 16-bit table: its whole state_dict (16-bit values as float32)."""
     out = {"step": engine.step}
+    if _new_kind(engine):
+        for name, entries in engine.state_dict()["tables"].items():
+            for k, v in entries.items():
+                out[name if k == "weights" else f"{name}/{k}"] = np.array(v)
+        return out
     for name, w in engine.embedding_tables.items():
         out[name] = np.array(w)
         for slot, arr in engine.slots(name).items():
@@ -102,6 +138,15 @@ def state_diff(a: dict, b: dict) -> str | None:
             continue
         if v.shape != b[k].shape:
             return f"{k}: shape {v.shape} vs {b[k].shape}"
+        if _half(v):
+            # The backends' float32 math agrees to an ulp, so a 16-bit value may round to the
+            # neighbouring one (tests/test_reduced_precision.py's rule); a zero's sign may differ.
+            ha, hb = v.view(np.uint16).astype(np.int64), b[k].view(np.uint16).astype(np.int64)
+            near = (np.abs(ha - hb) <= 1) | (((ha | hb) & 0x7FFF) == 0)
+            if not near.all():
+                i = np.unravel_index(int(np.argmax(~near)), v.shape)
+                return f"{k}{list(map(int, i))}: {v[i]} vs reference {b[k][i]} (16-bit)"
+            continue
         if not np.allclose(v, b[k], rtol=STATE_RTOL, atol=STATE_ATOL, equal_nan=True):
             i = np.unravel_index(
                 int(
@@ -117,6 +162,8 @@ def state_diff(a: dict, b: dict) -> str | None:
 
 def nonfinite(state: dict) -> str | None:
     for k, v in state.items():
+        if k != "step" and _half(v):
+            v = v.astype(np.float32)
         if k != "step" and v.dtype.kind == "f" and not np.isfinite(v).all():
             return f"{k} holds {int((~np.isfinite(v)).sum())} non-finite values"
     return None
@@ -125,9 +172,15 @@ def nonfinite(state: dict) -> str | None:
 # -- the independent model -----------------------------------------------------------------------
 
 
-def model_activation(fs, samples, weights, table: np.ndarray) -> np.ndarray:
-    """float64 activation of one feature: gather and combine, as the docs define them."""
-    w = table.astype(np.float64)
+def model_activation(fs, samples, weights, table) -> np.ndarray:
+    """float64 activation of one feature: gather and combine, as the docs define them.
+    ``table``: the rows by id (an array), or a keyed table's rows by key (a dict; a key
+    without a row looks up as zeros)."""
+    if isinstance(table, dict):
+        zero = np.zeros(fs.dim)
+        w = _KeyRows({k: np.asarray(v, np.float64) for k, v in table.items()}, zero)
+    else:
+        w = table.astype(np.float64)
     b = len(samples)
     if fs.is_sequence:
         out = np.zeros((b, fs.seq, fs.dim))
@@ -150,6 +203,105 @@ def model_activation(fs, samples, weights, table: np.ndarray) -> np.ndarray:
             gains = ws / denom if denom != 0 else np.zeros_like(ws)
         for g, r in zip(gains, s, strict=True):
             out[i] += g * w[r]
+    return out
+
+
+class _KeyRows(dict):
+    def __init__(self, rows: dict, zero: np.ndarray):
+        super().__init__(rows)
+        self.zero = zero
+
+    def __missing__(self, key):
+        return self.zero
+
+
+# -- keyed tables' rules (config.DynamicVocabulary) -----------------------------------------------
+
+
+def initial_row(spec, table: str, key: int, dim: int) -> np.ndarray:
+    """A new key's row: the table's initializer at the key, rounded to nearest to its dtype."""
+    from embengine import initializers as init
+
+    from .configs import SEED
+
+    row = init.RandomUniform(-1.0, 1.0).init(SEED, table, np.array([key], np.int64), dim)[0]
+    row = np.asarray(row, np.float32)
+    dtype = spec.table_spec(table).weights_dtype
+    if dtype == "float16":
+        return row.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return row.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return row
+
+
+def keyed_model(spec, logical: dict, before: dict, training: bool) -> dict:
+    """What the rules say of each keyed table for this batch (see the module docstring):
+    {table: {"rows": {key: row seen}, "refuse": bool, "keys_after": set or None}}."""
+    out = {}
+    step = before["step"]
+    for table in spec.keyed_tables:
+        ts = spec.table_spec(table)
+        rules = ts.rules
+        dim = next(f.dim for f in spec.features if f.table == table)
+        keys = [int(k) for k in before[f"{table}/keys"]]
+        weights = before[table]
+        last = [int(t) for t in before[f"{table}/last_touched"]]
+        touches = [int(t) for t in before[f"{table}/touch_counts"]]
+        expire = rules.get("expire_steps")
+        live = {
+            k: (weights[i], last[i], touches[i])
+            for i, k in enumerate(keys)
+            if expire is None or not step > last[i] + expire
+        }
+        batch = {
+            int(k)
+            for f in spec.features
+            if f.table == table
+            for s in logical[f.name]["samples"]
+            for k in s[: f.seq or None]
+        }
+        if not training:
+            out[table] = {"rows": {k: v[0] for k, v in live.items()}, "refuse": False}
+            out[table]["keys_after"] = None
+            continue
+        if not batch:  # a table without keys in the batch runs no rule
+            out[table] = {"rows": {}, "refuse": False, "keys_after": set(keys)}
+            continue
+        threshold = rules.get("occurrence_threshold", 0)
+        pending = {
+            int(k): int(e) + (int(c) if int(ps) < step else 0)
+            for k, e, ps, c in zip(
+                before[f"{table}/pending_keys"],
+                before[f"{table}/pending_earlier"],
+                before[f"{table}/pending_step"],
+                before[f"{table}/pending_current"],
+                strict=True,
+            )
+        }
+        hits = batch & set(live)
+        admitted = {
+            k for k in batch - set(live) if threshold == 0 or pending.get(k, 0) >= threshold
+        }
+        max_rows = rules.get("max_rows")
+        if max_rows is not None and len(hits) + len(admitted) > max_rows:
+            out[table] = {"rows": {}, "refuse": True, "keys_after": set(keys)}
+            continue
+        on_lookup = rules.get("insert_on", "lookup") == "lookup"
+        rows = {k: live[k][0] for k in hits}
+        if on_lookup:
+            rows.update({k: initial_row(spec, table, k, dim) for k in admitted})
+        after = set(live)
+        over = len(after) + len(admitted) - (max_rows or len(after) + len(admitted))
+        if over > 0:
+            lfu = rules.get("eviction", "lru") == "lfu"
+            order = sorted(
+                (k for k in after if k not in batch),
+                key=lambda k: (live[k][2], live[k][1], k) if lfu else (live[k][1], k),
+            )
+            after -= set(order[:over])
+        out[table] = {"rows": rows, "refuse": False, "keys_after": after | admitted}
     return out
 
 
@@ -208,11 +360,18 @@ def drive(recipe, backend: str, clean: bool) -> dict:
     fault = None if clean else recipe["fault"]
     kind = fault["kind"] if fault else None
     res = {"acts": None, "error": None, "before": None, "after": None, "engine": None}
+    res["mid"] = None  # keyed / 16-bit configs: the state after a training lookup that passed
+
+    def looked_up():
+        if spec.prelude and path in TRAINING_PATHS:
+            res["mid"] = snapshot(engine)
+
     logical = inputs.base_grads(spec, recipe)
     grads = logical if clean else inputs.subject_grads(logical, fault)
     lrs = inputs.logical_lrs(recipe) if clean else inputs.subject_lrs(recipe)
     view = dict(recipe)
     view["path"] = path
+    view["case_path"] = recipe["path"]  # the logical batch's (inputs.keyed_change)
     try:
         if path in ("tpu", "tpu_serving"):
             obj = build_tpu(backend, serving=path == "tpu_serving")
@@ -234,6 +393,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
         if path in ("lookup_eval", "train"):
             acts = api("call", engine.lookup, feats, weights, training=path == "train")
             if path == "train":
+                looked_up()
                 api("call", engine.apply_gradients, grads, learning_rates=lrs)
         elif path in ("prepared", "prepared_eval"):
             training = path == "prepared"
@@ -247,6 +407,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             else:
                 acts = api("call", engine.lookup, batch, training=training)
             if training:
+                looked_up()
                 target = {"user": [[0]]} if kind == "not_a_batch" else batch
                 api("call", engine.apply_gradients, grads, learning_rates=lrs, batch=target)
         elif path == "serving":
@@ -266,6 +427,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
                     inputs.mutate_caller_ids(built[fault["feature"]], fault)
                 w = {spec.names[0]: [[1.0]]} if kind == "batch_with_weights" else None
             out = api("call", layer, given, w, learning_rates=lrs)
+            looked_up()
             acts = {k: v.detach().numpy().copy() for k, v in out.items()}
             shapes_ok = all(k in grads and tuple(out[k].shape) == np.shape(grads[k]) for k in out)
             if shapes_ok:  # else the activations are wrong, and judged so
@@ -326,50 +488,72 @@ def judge(recipe: dict) -> dict:
     spec = SPECS[recipe["config"]]
     fault = recipe["fault"]
     expect = FAULTS[fault["kind"]].expect if fault else "valid"
+    change = inputs.keyed_change(recipe)
+    if change == "value":
+        expect = "valid"  # a key of a keyed table
     path = recipe["path"]
+    training = path in TRAINING_PATHS
     backend = recipe["backend"] if recipe["backend"] != "serving" else "reference"
     res = drive(recipe, backend, clean=False)
     before, after = res["before"], res["after"]
+    # the logical batches a right answer may be of (two for a lookup-only batch whose caller
+    # changed the ids after preparing it), and what the keyed rules say of the first
+    logicals = [logical_batch(recipe)]
+    if change == "either":
+        logicals.append(logical_batch(recipe, mutated=False))
+    models = [keyed_model(spec, lb, before, training) for lb in logicals] if spec.prelude else [{}]
+    refusing = [t for t, m in models[0].items() if m["refuse"]]
     if res["error"] is not None and isinstance(res["error"].error, NonFiniteUpdateError):
         return _judge_policed(recipe, res)
     if res["error"] is not None:
         err, stage = res["error"].error, res["error"].stage
         text = f"{stage}: {type(err).__name__}: {err}"[:600]
-        if before is not None and not same_bits(before, after):
+        base = res["mid"] if res["mid"] is not None else before
+        if base is not None and not same_bits(base, after):
             return {"outcome": "partial_update", "detail": text}
-        if expect == "valid":
+        if expect == "valid" and not refusing:
             return {"outcome": "wrong_answer", "detail": "refused a valid input: " + text}
         types = (TypeError, ValueError) + ((AttributeError,) if stage == "mutate" else ())
         if not isinstance(err, types):
             return {"outcome": "unclear_error", "detail": text}
         if stage in ("build", "mutate"):
             return {"outcome": "clear_error", "detail": text}
-        tokens = _tokens(spec, recipe)
+        tokens = None if expect == "valid" else _tokens(spec, recipe)
+        if refusing and (tokens is not None or expect == "valid"):  # max_rows: the table
+            tokens = (tokens or []) + refusing
         if tokens is not None and not _names(str(err), tokens):
             return {"outcome": "unclear_error", "detail": f"does not name {tokens}: {text}"}
         return {"outcome": "clear_error", "detail": text}
     if expect == "error":
         return {"outcome": "wrong_answer", "detail": "accepted a malformed input"}
+    if refusing:
+        return {
+            "outcome": "wrong_answer",
+            "detail": f"accepted a batch whose keys need more than max_rows rows of {refusing}",
+        }
     # The right answer: activations of the logical batch, then the reference's update.
     acts = res["acts"]
-    tables = before
-    logical = logical_batch(recipe)
-    for fs in spec.features:
-        fb = logical[fs.name]
-        weights = fb["weights"]
-        want = model_activation(fs, fb["samples"], weights, tables[fs.table])
-        if fs.name not in acts:
-            return {"outcome": "wrong_answer", "detail": f"no activation for {fs.name}"}
-        d = acts_diff(fs.name, acts[fs.name], want)
-        if d:
-            return {"outcome": "wrong_answer", "detail": d}
-    if path not in TRAINING_PATHS:
+    for logical, model in zip(logicals, models, strict=True):
+        d = _acts_of(spec, acts, logical, before, model)
+        if d is None:
+            break
+    if d:
+        return {"outcome": "wrong_answer", "detail": d}
+    if not training:
         if after is not None and not same_bits(before, after):
             return {"outcome": "wrong_answer", "detail": "a lookup changed the tables"}
         return {"outcome": "right_answer", "detail": ""}
     bad = nonfinite(after)
     if bad:
         return {"outcome": "wrong_answer", "detail": f"non-finite state written: {bad}"}
+    for table, m in models[0].items():
+        got = {int(k) for k in after[f"{table}/keys"]}
+        if got != m["keys_after"]:
+            return {
+                "outcome": "wrong_answer",
+                "detail": f"{table}: keys {sorted(got)} after the step, the rules leave "
+                f"{sorted(m['keys_after'])}",
+            }
     ref = drive(recipe, "reference", clean=True)
     if ref["error"] is not None:
         e = ref["error"].error
@@ -381,6 +565,20 @@ def judge(recipe: dict) -> dict:
     if d:
         return {"outcome": "wrong_answer", "detail": d}
     return {"outcome": "right_answer", "detail": ""}
+
+
+def _acts_of(spec, acts, logical: dict, before: dict, model: dict) -> str | None:
+    """None if ``acts`` are the model's activations of ``logical``, else what differs first."""
+    for fs in spec.features:
+        fb = logical[fs.name]
+        table = model[fs.table]["rows"] if fs.table in model else before[fs.table]
+        want = model_activation(fs, fb["samples"], fb["weights"], table)
+        if fs.name not in acts:
+            return f"no activation for {fs.name}"
+        d = acts_diff(fs.name, acts[fs.name], want)
+        if d:
+            return d
+    return None
 
 
 def _judge_policed(recipe: dict, res: dict) -> dict:
@@ -414,7 +612,7 @@ def run_case(recipe: dict) -> dict:
 def warm_up() -> None:
     """Load (or compile) the kernels every path uses, on valid batches, so that a case's time
     limit measures the case, not numba."""
-    for config in ("mixed", "packed", "dynamic", "tpu"):
+    for config in ("mixed", "packed", "dynamic", "tpu", *NEW_CONFIGS):
         spec = SPECS[config]
         batch = {
             fs.name: {"samples": [[0], [1]], "weights": None, "form": "ragged_offsets"}

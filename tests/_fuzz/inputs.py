@@ -92,7 +92,8 @@ def _id_array(ids: list, fault: dict | None, shape=None) -> np.ndarray:
     if kind in ("uint64_big", "uint64_ok"):
         u = np.where(a < 0, 0, a).astype(np.uint64) if kind == "uint64_big" else a.astype(np.uint64)
         if kind == "uint64_big" and u.size:
-            u.reshape(-1)[np.flatnonzero(a.reshape(-1) >= 0)[:1]] = np.uint64((1 << 63) + 5)
+            # the first id, not padding (a keyed feature's negative keys are ids too)
+            u.reshape(-1)[np.flatnonzero(a.reshape(-1) != -1)[:1]] = np.uint64((1 << 63) + 5)
         return u
     if kind == "narrow_int_ok":
         dtype = np.dtype(fault["dtype"])
@@ -130,14 +131,10 @@ def build_feature(fs, fb: dict, path: str, fault: dict | None):
     samples = copy.deepcopy(fb["samples"])
     weights = copy.deepcopy(fb["weights"])
     form = fb["form"]
-    if kind in ("id_too_big", "kjt_id_out_of_range"):
-        samples[0][0] = fs.vocab + fault["extra"]
-    elif kind == "id_int64_max":
-        samples[0][0] = M64
-    elif kind in ("id_negative", "id_beyond_int64"):
+    if kind in ("id_too_big", "kjt_id_out_of_range", "id_int64_max", "id_negative", "id_minus_one"):
+        samples[0][0] = fault_id(fs, fault)
+    elif kind == "id_beyond_int64":
         samples[0][0] = fault["value"]
-    elif kind == "id_minus_one":
-        samples[0][0] = -1
     elif kind == "dtype_float_element":
         samples[0][0] = float(fault["value"]) if fault["value"] != 1.5 else 1.5
     elif kind == "dtype_str" and form in ("lists", "flat_list"):
@@ -320,9 +317,48 @@ def _fits(array: np.ndarray, value: int) -> int:
 # -- gradients and learning rates ----------------------------------------------------------------
 
 
-def logical_batch(recipe: dict) -> dict:
+def fault_id(fs, fault: dict) -> int:
+    """The id an id fault puts at sample 0's first place."""
+    kind = fault["kind"]
+    if kind in ("id_too_big", "kjt_id_out_of_range"):
+        return fs.vocab + fault["extra"]
+    if kind == "id_int64_max":
+        return M64
+    if kind == "id_negative":
+        return fault["value"]
+    if kind == "id_minus_one":
+        return -1
+    raise AssertionError(kind)
+
+
+def keyed_change(recipe: dict) -> str | None:
+    """How the case's fault changes a keyed feature's logical ids (see the cases module):
+    "value" (the faulty id is a key of the logical batch), "mutated" (the caller's array was
+    changed before the engine read it: the new value is the input), "either" (a lookup-only
+    batch prepared before the change: it may keep the ids or see the change), or None."""
+    from .cases import KEYED_VALUES
+
+    fault = recipe["fault"]
+    if not fault or not fault.get("feature"):
+        return None
+    spec = SPECS[recipe["config"]]
+    if fault["feature"] not in spec.names or not spec.feature(fault["feature"]).keyed:
+        return None
+    if fault["kind"] in KEYED_VALUES:
+        return "value"
+    if fault["kind"] == "caller_ids_mutated":
+        case = dict(recipe, path=recipe.get("case_path", recipe["path"]))  # not the clean run's
+        if not late_mutation(case):
+            return "mutated"
+        return "either" if case["path"] == "prepared_eval" else None  # training: copies
+    return None
+
+
+def logical_batch(recipe: dict, mutated: bool = True) -> dict:
     """The batch the right answer is computed from: the recipe's, with the faults that change
-    values rather than their representation applied (a weight of 3e38 is a weight)."""
+    values rather than their representation applied (a weight of 3e38 is a weight; a keyed
+    feature's key past a dense vocabulary is a key: ``keyed_change``; ``mutated`` False: the
+    alternative of an "either" change, the ids before it)."""
     batch = copy.deepcopy(recipe["batch"])
     fault = recipe["fault"]
     if fault and fault["kind"] == "weights_huge":
@@ -330,6 +366,16 @@ def logical_batch(recipe: dict) -> dict:
         if fb["weights"] is None:
             fb["weights"] = [[1.0] * len(s) for s in fb["samples"]]
         fb["weights"][0][0] = float(fault["value"])
+    change = keyed_change(recipe)
+    if change == "value":
+        fs = SPECS[recipe["config"]].feature(fault["feature"])
+        batch[fault["feature"]]["samples"][0][0] = fault_id(fs, fault)
+    elif change in ("mutated", "either") and mutated:
+        fb = batch[fault["feature"]]
+        v = fault["value"]
+        if fb["form"] == "int32" and not -(1 << 31) <= v < (1 << 31):
+            v = 1 << 20  # _fits
+        fb["samples"][0][0] = v
     return batch
 
 
@@ -469,7 +515,8 @@ def features(spec, recipe, clean: bool):
     fault = None if clean else recipe["fault"]
     path = recipe["path"]
     feats, weights, built = {}, {}, {}
-    logical = logical_batch(recipe)
+    # the case's own input: the ids before a caller's mutation, which the fault then makes
+    logical = logical_batch(recipe, mutated=clean)
     for fs in spec.features:
         fb = dict(logical[fs.name])
         if clean:
@@ -562,8 +609,9 @@ def keyed_jagged(spec, recipe, clean: bool):
     kind = fault["kind"] if fault else None
     keys = list(spec.names)
     values, lengths = [], []
+    logical = logical_batch(recipe)
     for fs in spec.features:
-        samples = copy.deepcopy(recipe["batch"][fs.name]["samples"])
+        samples = copy.deepcopy(logical[fs.name]["samples"])
         if kind == "kjt_id_out_of_range" and fault["feature"] == fs.name:
             samples[0][0] = fs.vocab + fault["extra"]
         values += _flat(samples)
