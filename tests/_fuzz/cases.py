@@ -61,7 +61,7 @@ PATHS = {
     "torch_prepared": "torch EmbeddingLayer(layer.preprocess(...)) forward + backward",
     "tpu": "tpu.TPUEmbedding enqueue + dequeue + apply_gradients",
     "tpu_serving": "tpu.TPUEmbeddingForServing(features, weights)",
-    "serving": "serving.ServingEngine.lookup over an fp32 export",
+    "serving": "serving.ServingEngine.lookup over an fp32 export (of the config's engine)",
 }
 TRAINING_PATHS = {"train", "prepared", "torch", "torch_kjt", "torch_prepared", "tpu"}
 PREPARED_PATHS = {"prepared", "prepared_eval", "torch_prepared", "serving"}
@@ -564,7 +564,7 @@ def configs_for(path: str, configs: tuple[str, ...] | None = None) -> tuple[str,
     if path in TPU_PATHS:
         out: tuple[str, ...] = ("tpu",)
     elif path == "serving":
-        out = ("mixed",)
+        out = ("mixed", *NEW_CONFIGS)
     else:
         out = _OLD_AND_NEW
     if configs is None:

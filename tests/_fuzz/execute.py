@@ -331,10 +331,25 @@ def acts_diff(name: str, got: np.ndarray, want64: np.ndarray) -> str | None:
 _SERVING: dict = {}
 
 
-def serving_engine():
-    """The ServingEngine over an fp32 export of a fresh "mixed" engine (one per process), and
-    that engine's tables."""
-    if not _SERVING:
+def serving_engine(config: str = "mixed"):
+    """The ServingEngine over an fp32 export of a fresh engine of ``config`` (one per process
+    and config; a keyed or 16-bit config's after its prelude), and that engine's tables."""
+    if config != "mixed":
+        key = f"serving:{config}"
+        if key not in _SERVING:
+            from embengine import serving
+
+            eng = build_engine(config, "reference")
+            tmp = Path(
+                tempfile.mkdtemp(
+                    prefix="embengine-fuzz-serving-", dir=os.environ.get("EMBENGINE_FUZZ_TMP")
+                )
+            )
+            ckpt = eng.save(tmp / "ckpt")
+            serving.export(ckpt, tmp / "export", "fp32")
+            _SERVING[key] = (serving.ServingEngine.load(tmp / "export"), snapshot(eng), tmp)
+        return _SERVING[key][:2]
+    if "engine" not in _SERVING:
         from embengine import serving
 
         eng = build_engine("mixed", "reference")
@@ -377,7 +392,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             obj = build_tpu(backend, serving=path == "tpu_serving")
             engine = obj.engine
         elif path == "serving":
-            obj, tables = serving_engine()
+            obj, tables = serving_engine(recipe["config"])
             engine = None
             res["before"] = res["after"] = tables
         else:

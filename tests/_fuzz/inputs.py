@@ -450,7 +450,8 @@ def subject_grads(logical: dict, fault: dict | None) -> dict:
         grads[f] = {
             "float64": lambda: g.astype(np.float64),
             "int64": lambda: g.astype(np.int64),
-            "list": lambda: g.tolist(),
+            # an empty batch's gradient as a list is [], of no shape: the array is kept
+            "list": lambda: g.tolist() if len(g) else g,
             "torch": lambda: torch.from_numpy(g),
             "fortran": lambda: np.asfortranarray(g),
             "strided": lambda: np.repeat(g, 2, axis=-1)[..., ::2],
