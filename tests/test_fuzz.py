@@ -47,6 +47,7 @@ KEYED_KINDS = (
     "uint64_big",
     "narrow_int_ok",
     "grad_nonfinite",
+    "grad_nonfinite_skip",
 )
 HALF_KINDS = (cases.VALID, "weights_huge", "grad_huge", "grad_nonfinite")
 

@@ -7,7 +7,7 @@ printed in a report::
     {"i": 17, "path": "train", "backend": "numba", "config": "mixed",
      "batch": {feature: {"samples": [[ids], ...], "weights": [[w], ...] | None, "form": str}},
      "fault": {"kind": str, "feature": str | None, ...parameters} | None,
-     "grad_seed": int, "lrs": [float] | None}
+     "grad_seed": int, "lrs": [float] | None, "history": [[key]] (keyed / 16-bit configs)}
 
 ``batch`` is the *logical* batch: valid ids of each sample, in range, and their weights. The
 form says how it is handed over (a Ragged, a padded array, lists of lists, torch tensors...).
@@ -440,10 +440,16 @@ FAULTS: dict[str, Fault] = {
             "grad_nonfinite",
             "error",
             _GRAD_PATHS,
-            configs={"mixed", "packed", "tpu", *NEW_CONFIGS},
+            configs={"mixed", "packed", "tpu", *NEW_CONFIGS} - {"keyed_half"},
             value=_NONFINITE,
         ),
-        _f("grad_nonfinite_skip", "valid", _GRAD_PATHS, configs={"dynamic"}, value=_NONFINITE),
+        _f(
+            "grad_nonfinite_skip",
+            "valid",
+            _GRAD_PATHS,
+            configs={"dynamic", "keyed_half"},
+            value=_NONFINITE,
+        ),
         _f(
             "grad_dtype",
             "error",
@@ -468,7 +474,7 @@ FAULTS: dict[str, Fault] = {
             "grad_nan_backward",
             "error",
             {"torch", "torch_kjt", "torch_prepared"},
-            configs={"mixed", "packed", *NEW_CONFIGS},
+            configs={"mixed", "packed", *NEW_CONFIGS} - {"keyed_half"},
         ),
         # learning rates (the dynamic config's two tags)
         _f(
@@ -687,7 +693,7 @@ def recipes(
         for fb in batch.values():
             fb["weights"] = None  # a KeyedJagged carries all features' weights or none
     lrs = [draw(_LRS) for _ in range(spec.dynamic_tags)] if spec.dynamic_tags else None
-    return {
+    out = {
         "path": path,
         "backend": backend,
         "config": config,
@@ -696,6 +702,13 @@ def recipes(
         "grad_seed": draw(st.integers(0, 2**32 - 1)),
         "lrs": lrs,
     }
+    if spec.prelude and path != "serving":
+        # up to 3 more training steps after the prelude (configs.build_engine): other rows,
+        # counts, ages and steps for the rules to meet (drawn last: the dense configs' cases
+        # are the same as before)
+        step = st.lists(st.sampled_from(KEY_POOL), min_size=1, max_size=6)
+        out["history"] = draw(st.lists(step, max_size=3))
+    return out
 
 
 def _draw(strategy, n: int, seed: int) -> list[dict]:

@@ -38,7 +38,9 @@ ones.
   (float32 weights, bfloat16 slots, Adagrad, sqrtn).
 - ``keyed_half``: keyed 16-bit tables: ``k_h`` (bfloat16, Adagrad, sum; threshold 1,
   ``expire_steps=1``) and ``k_f`` (float16 weights, bfloat16 slots, Adagrad, mean;
-  ``max_rows=7``), beside a dense float16 table ``h_d`` (the global SGD).
+  ``max_rows=7``), beside a dense float16 table ``h_d`` (the global SGD);
+  ``nonfinite_gradients="skip_row"`` (a row given a NaN is left alone; a new key's row made
+  on apply still is).
 
 ``foreign`` variants build the same features with other tables: ``vocab`` multiplies every
 vocabulary by 10 (a batch prepared there can hold ids past this engine's tables); ``packing``
@@ -268,6 +270,7 @@ SPECS: dict[str, ConfigSpec] = {
             T("k_f", "adagrad", "float16", "bfloat16", _rules(max_rows=7)),
             T("h_d", None, "float16", "float32"),
         ),
+        skip_nonfinite=True,
     ),
 }
 
@@ -302,9 +305,8 @@ def _optimizers(config: str, foreign: str | None):
     raise ValueError(config)
 
 
-def _build_new(spec: ConfigSpec, backend: str):
-    """An engine of a keyed / 16-bit config, after its PRELUDE."""
-
+def _fresh(spec: ConfigSpec, backend: str):
+    """An engine of a keyed / 16-bit config, as created (no step taken)."""
     import embengine as ee
     from embengine import initializers as init
 
@@ -328,38 +330,57 @@ def _build_new(spec: ConfigSpec, backend: str):
     features = {
         f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
     }
-    engine = ee.EmbeddingEngine(features, optimizer=global_opt, seed=SEED, backend=backend)
-    if spec.name not in _PRELUDE_STATE:  # the prelude, trained once per process
-        if backend != "reference":
-            ref = _build_new(spec, "reference")
-        else:
-            ref = engine
-            for batch, grads in prelude_batches(spec):
-                engine.lookup(batch)
-                engine.apply_gradients(grads)
-        _PRELUDE_STATE[spec.name] = copy.deepcopy(ref.state_dict())
-        if ref is engine:
-            return engine
-    # Every engine starts from the reference backend's state after the prelude: the backends'
-    # float32 math agrees to an ulp, so their 16-bit values may round to neighbours, and the
-    # case's state is compared with the reference's from the same start.
-    engine.load_state_dict(_PRELUDE_STATE[spec.name])
+    return ee.EmbeddingEngine(
+        features,
+        optimizer=global_opt,
+        seed=SEED,
+        backend=backend,
+        nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
+    )
+
+
+def _start_state(spec: ConfigSpec, history: tuple) -> dict:
+    """The state a case's engine starts from: the reference backend's after the PRELUDE and
+    then the case's ``history`` (more steps of the same kind: keys per step), computed once
+    per process for each (config, history)."""
+    key = (spec.name, history)
+    if key not in _PRELUDE_STATE:
+        ref = _fresh(spec, "reference")
+        if history:
+            ref.load_state_dict(_start_state(spec, ()))
+        for batch, grads in prelude_batches(spec, history or PRELUDE):
+            ref.lookup(batch)
+            ref.apply_gradients(grads)
+        if len(_PRELUDE_STATE) > 64:  # histories are per case: keep the preludes only
+            for k in [k for k in _PRELUDE_STATE if k[1]]:
+                del _PRELUDE_STATE[k]
+        _PRELUDE_STATE[key] = copy.deepcopy(ref.state_dict())
+    return _PRELUDE_STATE[key]
+
+
+def _build_new(spec: ConfigSpec, backend: str, history: tuple = ()):
+    """An engine of a keyed / 16-bit config after its PRELUDE and ``history``. Every engine
+    loads the reference backend's state after them: the backends' float32 math agrees to an
+    ulp, so their 16-bit values may round to neighbours, and the case's state is compared
+    with the reference's from the same start."""
+    engine = _fresh(spec, backend)
+    engine.load_state_dict(_start_state(spec, history))
     return engine
 
 
 _PRELUDE_STATE: dict = {}
 
 
-def prelude_batches(spec: ConfigSpec):
-    """The PRELUDE's steps as (features, gradients): each table's keys (a dense table's ids,
-    ``k % vocab``) as one-id samples of its first bag feature; the other features' samples
-    empty; gradients 0.25 (0.5 for a sequence, position 0)."""
+def prelude_batches(spec: ConfigSpec, steps=PRELUDE):
+    """The PRELUDE's steps (or ``steps``, keys per step) as (features, gradients): each
+    table's keys (a dense table's ids, ``|k| % vocab``) as one-id samples of its first bag
+    feature; the other features' samples empty; gradients 0.25."""
     import numpy as np
 
     import embengine as ee
 
     out = []
-    for keys in PRELUDE:
+    for keys in steps:
         b = len(keys)
         first = {}
         for f in spec.features:
@@ -381,9 +402,10 @@ def prelude_batches(spec: ConfigSpec):
     return out
 
 
-def build_engine(config: str, backend: str, foreign: str | None = None):
+def build_engine(config: str, backend: str, foreign: str | None = None, history: tuple = ()):
     """A fresh EmbeddingEngine of an engine config (``foreign``: None, "vocab" or "packing");
-    a keyed / 16-bit config's after its PRELUDE (``foreign`` does not apply to them)."""
+    a keyed / 16-bit config's after its PRELUDE and ``history`` (a case's further steps,
+    tuples of keys; ``foreign`` does not apply to them)."""
     import embengine as ee
     from embengine import initializers as init
 
@@ -391,7 +413,7 @@ def build_engine(config: str, backend: str, foreign: str | None = None):
     if spec.table_specs:
         if foreign is not None:
             raise ValueError(f"no foreign variant of {config}")
-        return _build_new(spec, backend)
+        return _build_new(spec, backend, history)
     per_table, global_opt = _optimizers(config, foreign)
     scale = 10 if foreign == "vocab" else 1
     tables = {}

@@ -396,7 +396,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             engine = None
             res["before"] = res["after"] = tables
         else:
-            engine = build_engine(recipe["config"], backend)
+            engine = build_engine(recipe["config"], backend, history=inputs.history(recipe))
             obj = engine
         res["engine"] = engine
         if engine is not None:

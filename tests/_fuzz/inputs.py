@@ -317,6 +317,11 @@ def _fits(array: np.ndarray, value: int) -> int:
 # -- gradients and learning rates ----------------------------------------------------------------
 
 
+def history(recipe: dict) -> tuple:
+    """A keyed / 16-bit case's steps after the prelude (configs.build_engine), as tuples."""
+    return tuple(tuple(step) for step in recipe.get("history") or ())
+
+
 def fault_id(fs, fault: dict) -> int:
     """The id an id fault puts at sample 0's first place."""
     kind = fault["kind"]
@@ -690,7 +695,8 @@ def prepared_batch(engine, spec, recipe, feats, weights, training: bool):
             weights = None
             maker = build_engine(other, backend)
         elif kind == "twin_batch":
-            maker = build_engine(config, "numba" if backend == "reference" else "reference")
+            other = "numba" if backend == "reference" else "reference"
+            maker = build_engine(config, other, history=history(recipe))
         else:
             maker = build_engine(
                 config, backend, "packing" if kind == "foreign_packing" else "vocab"
