@@ -54,6 +54,7 @@ from .configs import (
 PATHS = {
     "lookup_eval": "EmbeddingEngine.lookup(features, weights, training=False)",
     "train": "EmbeddingEngine.lookup(features, weights) + apply_gradients(grads)",
+    "train_eval": "lookup(features, weights) + lookup(..., training=False) + apply_gradients",
     "prepared": "preprocess(features, weights) + lookup(batch) + apply_gradients(batch=batch)",
     "prepared_eval": "preprocess(..., training=False) + lookup(batch, training=False)",
     "torch": "torch EmbeddingLayer(dict of inputs) forward + backward",
@@ -63,12 +64,20 @@ PATHS = {
     "tpu_serving": "tpu.TPUEmbeddingForServing(features, weights)",
     "serving": "serving.ServingEngine.lookup over an fp32 export (of the config's engine)",
 }
-TRAINING_PATHS = {"train", "prepared", "torch", "torch_kjt", "torch_prepared", "tpu"}
+TRAINING_PATHS = {"train", "train_eval", "prepared", "torch", "torch_kjt", "torch_prepared", "tpu"}
 PREPARED_PATHS = {"prepared", "prepared_eval", "torch_prepared", "serving"}
-ENGINE_PATHS = {"lookup_eval", "train", "prepared", "prepared_eval", "torch", "torch_prepared"}
+ENGINE_PATHS = {
+    "lookup_eval",
+    "train",
+    "train_eval",
+    "prepared",
+    "prepared_eval",
+    "torch",
+    "torch_prepared",
+}
 TPU_PATHS = {"tpu", "tpu_serving"}
 ALL_PATHS = set(PATHS)
-LR_PATHS = {"train", "prepared", "torch", "torch_kjt", "torch_prepared"}
+LR_PATHS = {"train", "train_eval", "prepared", "torch", "torch_kjt", "torch_prepared"}
 
 # Forms of one feature's value. "single" forms hold exactly one id per sample.
 ENGINE_FORMS = (
@@ -176,7 +185,7 @@ def _f(
 _ANY_INPUT = ALL_PATHS - {"torch_kjt"}
 _DICT_INPUT = _ANY_INPUT - TPU_PATHS  # paths taking a dict of engine forms
 _PREPARED_ENGINE = {"prepared", "prepared_eval", "torch_prepared"}
-_GRAD_PATHS = {"train", "prepared", "tpu"}
+_GRAD_PATHS = {"train", "train_eval", "prepared", "tpu"}
 _BAD_BIG = st.sampled_from([0, 1, 3, 1 << 20, 1 << 40])
 _FLOAT_FORMS = {
     "array1d",
@@ -571,6 +580,8 @@ def configs_for(path: str, configs: tuple[str, ...] | None = None) -> tuple[str,
         out: tuple[str, ...] = ("tpu",)
     elif path == "serving":
         out = ("mixed", *NEW_CONFIGS)
+    elif path == "train_eval":  # a keyed table's pending step: the new configs only
+        out = NEW_CONFIGS
     else:
         out = _OLD_AND_NEW
     if configs is None:

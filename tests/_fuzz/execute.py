@@ -410,6 +410,14 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             if path == "train":
                 looked_up()
                 api("call", engine.apply_gradients, grads, learning_rates=lrs)
+        elif path == "train_eval":
+            # an evaluation lookup between a training lookup and its update: it sees the
+            # tables as the training lookup left them, and leaves the pending step alone
+            acts = api("call", engine.lookup, feats, weights, training=True)
+            looked_up()
+            res["eval_acts"] = api("call", engine.lookup, feats, weights, training=False)
+            res["eval_after"] = snapshot(engine)
+            api("call", engine.apply_gradients, grads, learning_rates=lrs)
         elif path in ("prepared", "prepared_eval"):
             training = path == "prepared"
             batch = inputs.prepared_batch(engine, spec, view, feats, weights, training)
@@ -554,6 +562,17 @@ def judge(recipe: dict) -> dict:
             break
     if d:
         return {"outcome": "wrong_answer", "detail": d}
+    if path == "train_eval":
+        mid = res["mid"]
+        if not same_bits(mid, res["eval_after"]):
+            return {"outcome": "wrong_answer", "detail": "the evaluation lookup changed the tables"}
+        for logical in logicals:
+            model = keyed_model(spec, logical, mid, False)
+            d = _acts_of(spec, res["eval_acts"], logical, mid, model)
+            if d is None:
+                break
+        if d:
+            return {"outcome": "wrong_answer", "detail": "evaluation lookup: " + d}
     if not training:
         if after is not None and not same_bits(before, after):
             return {"outcome": "wrong_answer", "detail": "a lookup changed the tables"}
