@@ -448,6 +448,53 @@ def test_an_initializer_refusing_new_keys_leaves_them_out(backend, dtype):
     assert keyed_keys(eng) == [7, 10, 20, 30] and calls == [(1, 2), (3, 2), (3, 2)]
 
 
+@pytest.mark.parametrize("insert_on", ["lookup", "apply"])
+def test_an_initial_value_past_a_16_bit_range_leaves_the_new_keys_out(backend, insert_on):
+    # A 16-bit keyed table's initializer without a bound (RowId: the key itself) has its values
+    # checked when keys arrive. The check ran as the rows were written, after the batch's new
+    # keys were in the index: the ValueError named the table and key 70000, but keys 10 and
+    # 70000 stayed with rows of zeros and zero slots (Adagrad's 0.1 never set), another
+    # table's new keys too, and the next step trained those rows (found by probing the
+    # keyed / 16-bit fuzz configs' refusal rule). Now checked before anything changes.
+    def table(name, **kw):
+        return ee.TableConfig(
+            None,
+            2,
+            name=name,
+            combiner="sum",
+            optimizer=opt.Adagrad(0.1),
+            dynamic=ee.DynamicVocabulary(insert_on=insert_on),
+            **kw,
+        )
+
+    t = table("k", initializer=RowId(), weights_dtype="float16")
+    u = table("u")
+    eng = ee.EmbeddingEngine(
+        {"g": ee.FeatureConfig(u), "f": ee.FeatureConfig(t)}, backend=backend, seed=1
+    )
+    ones = np.ones((1, 2), np.float32)
+    eng.lookup({"f": [[7]], "g": [[1]]})
+    eng.apply_gradients({"f": ones, "g": ones})
+    before = eng.state_dict()
+    with pytest.raises(ValueError, match=r"table 'k': .*gives 70000.0 \(key 70000\), beyond"):
+        eng.lookup({"f": [[10, 70000]], "g": [[2]]})
+        eng.apply_gradients({"f": ones, "g": ones})  # insert_on="apply": refused here
+    if insert_on == "lookup":  # the refused call was the lookup: nothing changed
+        assert eng.table_contents("u")["keys"].tolist() == [1]
+        for name in ("k", "u"):
+            for key, value in before["tables"][name].items():
+                np.testing.assert_array_equal(eng.state_dict()["tables"][name][key], value)
+    assert eng.table_contents("k")["keys"].tolist() == [7] and eng.step == 1
+    # the key in range gets its row when seen again: RowId's value, Adagrad's accumulator
+    eng.lookup({"f": [[10]], "g": [[2]]})
+    eng.apply_gradients({"f": ones, "g": ones})
+    c = eng.table_contents("k")
+    assert c["keys"].tolist() == [7, 10]
+    np.testing.assert_allclose(c["accumulators"][1], [1.1, 1.1], rtol=1e-6)  # 0.1 + 1
+    want = 10.0 - 0.1 / np.sqrt(1.1)  # one Adagrad step from 10, to a float16 quantum
+    np.testing.assert_allclose(c["weights"][1].astype(np.float32), [want, want], atol=2**-6)
+
+
 def test_a_training_lookup_scans_for_expired_rows_once(backend):
     """The scan of every row's metadata for expired rows runs once per training lookup, not in
     each rule that asks (the numba backend's probe, expiry, eviction: 2M rows took 14.9 ms a

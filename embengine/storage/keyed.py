@@ -1064,10 +1064,13 @@ class KeyedTable(MappedRows):
         """The initial weights of the keys of ``ids`` a ``_resolve`` pass will insert (the
         absent ones, in order), computed and checked before the pass changes anything, for an
         initializer whose values can be refused (``FromFunction``: non-finite values, or values
-        past a 16-bit range); None for the others, whose values are checked when the table is
-        built. Asked after the pass, a refusal left the batch's new keys in the index with rows
-        of zeros, never initialised again."""
-        if not isinstance(self._initializer, FromFunction):
+        past a 16-bit range; in a 16-bit table, any without a bound known when the table is
+        built (``initial_bound``: a RowId's values are the keys); None for the others, whose
+        values are checked when the table is built. Asked after the pass, a refusal left the
+        batch's new keys in the index with rows of zeros (slots too), never initialised
+        again."""
+        unbounded = self._dtype != np.float32 and initial_bound(self._initializer, self.dim) is None
+        if not isinstance(self._initializer, FromFunction) and not unbounded:
             return None
         keys = ids if absent else ids[self._index.find(ids) < 0]
         if not len(keys):
@@ -1125,14 +1128,44 @@ class KeyedTable(MappedRows):
         admits then as new too. A table inserting on apply always counts them so: its training
         lookup refuses the batch its update would refuse, before the lookup changes any table
         (counts, recency, other tables' rows). Nothing to check for a table that cannot refuse
-        it."""
+        it. A 16-bit table whose initializer has no bound also refuses an admitted key's
+        initial value past its range (``_checked_values``)."""
         del counts  # admission reads the earlier steps' counts only
-        if self.dynamic.max_rows is None and self._high + len(ids) <= MAX_KEYED_ROWS:
+        checked = self._checked_values()
+        if (
+            not checked
+            and self.dynamic.max_rows is None
+            and self._high + len(ids) <= MAX_KEYED_ROWS
+        ):
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         update = update or self.dynamic.insert_on == "apply"
-        rows, _, new = self._plan(ids, found, update)
+        rows, admit, new = self._plan(ids, found, update)
         self._refusal(int((rows >= 0).sum()), new, len(self._expired()))
+        if checked:
+            self._check_values(ids[rows < 0][admit])
+
+    def _checked_values(self) -> bool:
+        """Whether ``check_rows`` checks the initial values of the keys a batch admits: a
+        16-bit table whose initializer has no bound known when the table is built
+        (``initial_bound``; a RowId's values are the keys), so a key's value past the range
+        is refused before any table of the batch changes (in ``_resolve`` alone, the other
+        tables' new keys were in already). Not a FromFunction, which may give other values
+        each call: ``_values_first`` computes and checks its values once."""
+        return (
+            self._dtype != np.float32
+            and not isinstance(self._initializer, FromFunction)
+            and initial_bound(self._initializer, self.dim) is None
+        )
+
+    def _check_values(self, keys: np.ndarray) -> None:
+        """ValueError naming the table and the key if an initial value of ``keys`` is past the
+        16-bit range (``check_initial``)."""
+        if len(keys):
+            values = self._initializer.init(self._seed, self.name, keys, self.dim)
+            check_initial(
+                self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
+            )
 
     def _rows_now(self, ids: np.ndarray, found: np.ndarray | None) -> np.ndarray:
         """The rows of ``ids`` (int64, contiguous) in the index now (``found``: what a kernel's
@@ -1167,11 +1200,18 @@ class KeyedTable(MappedRows):
         missing = np.flatnonzero(np.asarray(rows) < 0)
         if not len(missing):
             return
-        if self.dynamic.max_rows is None and self._high + len(missing) <= MAX_KEYED_ROWS:
+        checked = self._checked_values()
+        if (
+            not checked
+            and self.dynamic.max_rows is None
+            and self._high + len(missing) <= MAX_KEYED_ROWS
+        ):
             return
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        hits, _, _, new, gone = self._update_plan(ids, np.asarray(rows), missing)
+        hits, admit, _, new, gone = self._update_plan(ids, np.asarray(rows), missing)
         self._refusal(len(hits), new, len(gone))
+        if checked:
+            self._check_values(ids[missing][admit])
 
     def _update_plan(
         self,
@@ -1621,10 +1661,9 @@ class KeyedTable(MappedRows):
         (``where``: the rows, or their slice), as a dense 16-bit table's initial values are
         (they are not updates)."""
         data = self._data
-        if values is None:  # given: a FromFunction's, checked before the insert
+        if values is None:  # given (``_values_first``) for an initializer without a bound
+            # a built-in initializer's bound was checked when the table was built
             values = self._initializer.init(self._seed, self.name, keys, self.dim)
-            # (a built-in initializer's bound was checked when the table was built; one
-            # without a bound, such as a row id's, has its values checked only now)
             check_initial(
                 self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
             )
