@@ -495,6 +495,43 @@ def test_an_initial_value_past_a_16_bit_range_leaves_the_new_keys_out(backend, i
     np.testing.assert_allclose(c["weights"][1].astype(np.float32), [want, want], atol=2**-6)
 
 
+def test_an_initializer_refusing_new_keys_changes_no_other_table(backend):
+    # As above with two keyed tables: the refusal came from the second table's resolution,
+    # after the first had inserted (and counted) its new key: u held [1, 2]. FromFunction is
+    # now asked in check_rows, before any table changes, once a batch (its values kept).
+    from embengine.initializers import FromFunction
+
+    calls = []
+
+    def fn(shape, dtype):
+        calls.append(shape)
+        v = np.full(shape, 0.5, np.float32)
+        if len(calls) == 2:
+            v[0, 0] = np.nan
+        return v
+
+    k = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=FromFunction(fn))
+    u = ee.TableConfig(None, 2, name="u", combiner="sum")
+    eng = ee.EmbeddingEngine(
+        {"g": ee.FeatureConfig(u), "f": ee.FeatureConfig(k)},
+        optimizer=opt.SGD(0.1),
+        backend=backend,
+        seed=1,
+    )
+    ones = np.ones((1, 2), np.float32)
+    eng.lookup({"f": [[7]], "g": [[1]]})
+    eng.apply_gradients({"f": ones, "g": ones})
+    before = eng.state_dict()
+    with pytest.raises(ValueError, match="non-finite"):
+        eng.lookup({"f": [[10]], "g": [[2]]})
+    for name in ("k", "u"):
+        for key, value in before["tables"][name].items():
+            np.testing.assert_array_equal(eng.state_dict()["tables"][name][key], value)
+    acts = eng.lookup({"f": [[10]], "g": [[2]]})["f"]
+    np.testing.assert_array_equal(acts, [[0.5, 0.5]])
+    assert eng.table_contents("u")["keys"].tolist() == [1, 2] and calls == [(1, 2)] * 3
+
+
 def test_a_training_lookup_scans_for_expired_rows_once(backend):
     """The scan of every row's metadata for expired rows runs once per training lookup, not in
     each rule that asks (the numba backend's probe, expiry, eviction: 2M rows took 14.9 ms a

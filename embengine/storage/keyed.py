@@ -587,6 +587,9 @@ class KeyedTable(MappedRows):
         self._row_bytes = self.row_width * self._dtype.itemsize
         self.dynamic = dynamic
         self._initializer = initializer
+        # (keys, values): a FromFunction's values of the keys check_rows admitted, computed and
+        # checked there, for the resolution that follows (_values_first)
+        self._first_values: tuple[np.ndarray, np.ndarray] | None = None
         # 16-bit: new rows' values are rounded to nearest; past the dtype's range they would
         # be Inf (a FromFunction initializer's values are not known before they are asked)
         bound = initial_bound(initializer, self.dim)
@@ -1073,8 +1076,11 @@ class KeyedTable(MappedRows):
         if not isinstance(self._initializer, FromFunction) and not unbounded:
             return None
         keys = ids if absent else ids[self._index.find(ids) < 0]
+        first, self._first_values = self._first_values, None
         if not len(keys):
             return None
+        if first is not None and np.array_equal(first[0], keys):
+            return first[1]  # computed and checked by check_rows for this batch
         values = self._initializer.init(self._seed, self.name, keys, self.dim)
         check_initial(
             self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
@@ -1146,26 +1152,28 @@ class KeyedTable(MappedRows):
             self._check_values(ids[rows < 0][admit])
 
     def _checked_values(self) -> bool:
-        """Whether ``check_rows`` checks the initial values of the keys a batch admits: a
-        16-bit table whose initializer has no bound known when the table is built
-        (``initial_bound``; a RowId's values are the keys), so a key's value past the range
-        is refused before any table of the batch changes (in ``_resolve`` alone, the other
-        tables' new keys were in already). Not a FromFunction, which may give other values
-        each call: ``_values_first`` computes and checks its values once."""
-        return (
-            self._dtype != np.float32
-            and not isinstance(self._initializer, FromFunction)
-            and initial_bound(self._initializer, self.dim) is None
-        )
+        """Whether ``check_rows`` checks the initial values of the keys a batch admits, so
+        that a refused value changes no table of the batch (in ``_resolve`` alone, the other
+        tables' new keys were in already): a FromFunction's (non-finite values, or past a
+        16-bit range), or in a 16-bit table an initializer's without a bound known when the
+        table is built (``initial_bound``; a RowId's values are the keys)."""
+        if isinstance(self._initializer, FromFunction):
+            return True
+        return self._dtype != np.float32 and initial_bound(self._initializer, self.dim) is None
 
     def _check_values(self, keys: np.ndarray) -> None:
-        """ValueError naming the table and the key if an initial value of ``keys`` is past the
-        16-bit range (``check_initial``)."""
-        if len(keys):
-            values = self._initializer.init(self._seed, self.name, keys, self.dim)
-            check_initial(
-                self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
-            )
+        """ValueError naming the table (and the key) if an initial value of ``keys`` is
+        refused. A FromFunction may give other values at each call: its values are kept for
+        the resolution that follows (``_values_first``), so it is called once a batch."""
+        self._first_values = None
+        if not len(keys):
+            return
+        values = self._initializer.init(self._seed, self.name, keys, self.dim)
+        check_initial(
+            self.name, self.weights_dtype, values, "its initializer", ids=keys, label="key"
+        )
+        if isinstance(self._initializer, FromFunction):
+            self._first_values = (keys.copy(), values)
 
     def _rows_now(self, ids: np.ndarray, found: np.ndarray | None) -> np.ndarray:
         """The rows of ``ids`` (int64, contiguous) in the index now (``found``: what a kernel's
