@@ -41,6 +41,11 @@ ones.
   ``max_rows=7``), beside a dense float16 table ``h_d`` (the global SGD);
   ``nonfinite_gradients="skip_row"`` (a row given a NaN is left alone; a new key's row made
   on apply still is).
+- ``keyed_rowid``: keyed tables whose initializer has no bound (RowId: a key's values are the
+  key): ``k_r`` (float16, Adagrad, sum; a bag and a sequence feature) and ``k_s`` (bfloat16,
+  the global SGD, mean, ``max_rows=9``). A batch admitting a key whose value a 16-bit table
+  cannot hold (|key| >= 65520 in float16) must be refused naming the table, nothing changed;
+  the prelude and histories use keys below ``ROWID_KEYS``.
 
 ``foreign`` variants build the same features with other tables: ``vocab`` multiplies every
 vocabulary by 10 (a batch prepared there can hold ids past this engine's tables); ``packing``
@@ -80,6 +85,7 @@ class TableSpec:
     weights_dtype: str = "float32"
     slots_dtype: str = "float32"
     dynamic: tuple[tuple[str, object], ...] | None = None  # DynamicVocabulary(**dict(...))
+    rowid: bool = False  # initializer RowId (values: the key; no bound) instead of uniform
 
     @property
     def rules(self) -> dict:
@@ -272,12 +278,26 @@ SPECS: dict[str, ConfigSpec] = {
         ),
         skip_nonfinite=True,
     ),
+    "keyed_rowid": ConfigSpec(
+        "keyed_rowid",
+        (
+            K("kr", "k_r", 2, "sum"),
+            K("kr_seq", "k_r", 2, "sum", seq=2),
+            K("ks", "k_s", 3, "mean"),
+        ),
+        table_specs=(
+            T("k_r", "adagrad", "float16", "float32", _rules(), rowid=True),
+            T("k_s", None, "bfloat16", "float32", _rules(max_rows=9), rowid=True),
+        ),
+    ),
 }
 
 ENGINE_CONFIGS = ("mixed", "packed", "dynamic")
-KEYED_CONFIGS = ("keyed", "keyed_mix", "keyed_half")
-HALF_CONFIGS = ("half", "keyed_half")
-NEW_CONFIGS = ("keyed", "keyed_mix", "half", "keyed_half")
+KEYED_CONFIGS = ("keyed", "keyed_mix", "keyed_half", "keyed_rowid")
+HALF_CONFIGS = ("half", "keyed_half", "keyed_rowid")
+NEW_CONFIGS = ("keyed", "keyed_mix", "half", "keyed_half", "keyed_rowid")
+# A RowId table's largest prelude / history key: within float16's range.
+ROWID_KEYS = 60000
 
 
 def _optimizers(config: str, foreign: str | None):
@@ -322,7 +342,7 @@ def _fresh(spec: ConfigSpec, backend: str):
             name=f.table,
             combiner=f.combiner,
             optimizer=per_table[f.table],
-            initializer=init.RandomUniform(-1.0, 1.0),
+            initializer=init.RowId() if t.rowid else init.RandomUniform(-1.0, 1.0),
             dynamic=None if t.dynamic is None else ee.DynamicVocabulary(**t.rules),
             weights_dtype=t.weights_dtype,
             slots_dtype=t.slots_dtype,
@@ -390,6 +410,8 @@ def prelude_batches(spec: ConfigSpec, steps=PRELUDE):
         for f in spec.features:
             if first.get(f.table) == f.name:
                 ids = list(keys) if f.keyed else [abs(k) % f.vocab for k in keys]
+                if spec.table_spec(f.table).rowid:  # keys whose RowId values fit float16
+                    ids = [k if abs(k) < ROWID_KEYS else k % 1000 for k in ids]
                 samples = [[k] for k in ids]
             else:
                 samples = [[] for _ in range(b)]

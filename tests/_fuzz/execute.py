@@ -219,16 +219,19 @@ class _KeyRows(dict):
 
 
 def initial_row(spec, table: str, key: int, dim: int) -> np.ndarray:
-    """A new key's row: the table's initializer at the key, rounded to nearest to its dtype."""
+    """A new key's row: the table's initializer at the key, rounded to nearest to its dtype
+    (past a 16-bit range: Inf, which the table must refuse)."""
     from embengine import initializers as init
 
     from .configs import SEED
 
-    row = init.RandomUniform(-1.0, 1.0).init(SEED, table, np.array([key], np.int64), dim)[0]
+    initializer = init.RowId() if spec.table_spec(table).rowid else init.RandomUniform(-1.0, 1.0)
+    row = initializer.init(SEED, table, np.array([key], np.int64), dim)[0]
     row = np.asarray(row, np.float32)
     dtype = spec.table_spec(table).weights_dtype
     if dtype == "float16":
-        return row.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore"):
+            return row.astype(np.float16).astype(np.float32)
     if dtype == "bfloat16":
         import ml_dtypes
 
@@ -286,6 +289,11 @@ def keyed_model(spec, logical: dict, before: dict, training: bool) -> dict:
         }
         max_rows = rules.get("max_rows")
         if max_rows is not None and len(hits) + len(admitted) > max_rows:
+            out[table] = {"rows": {}, "refuse": True, "keys_after": set(keys)}
+            continue
+        if ts.rowid and any(
+            not np.isfinite(initial_row(spec, table, k, dim)).all() for k in admitted
+        ):  # an initial value past the 16-bit range: refused
             out[table] = {"rows": {}, "refuse": True, "keys_after": set(keys)}
             continue
         on_lookup = rules.get("insert_on", "lookup") == "lookup"
