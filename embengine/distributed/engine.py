@@ -2344,9 +2344,10 @@ class ShardedEngine:
             options = {k: options[k] for k in ("seed", "nonfinite_gradients")}
         except Exception as e:  # a folder this rank alone cannot read: every rank raises
             refused = e
-        engine = cls(features, **{**options, **kwargs}, refused=refused)
-        engine._restore(path, False, newest, verify)  # checked just now (rank 0's)
-        return engine
+        # the class's own instance (adapters never reach an engine's private methods)
+        made = cls(features, **{**options, **kwargs}, refused=refused)
+        made._restore(path, False, newest, verify)  # checked just now (rank 0's)
+        return made
 
 
 def _batch_arrays(total: int, num_outputs: int) -> list[tuple[int, type]]:
