@@ -67,12 +67,8 @@ def new_config_cases(seed: int = SEED) -> list[dict]:
     return out
 
 
-def test_fuzz_every_input_path_and_backend():
-    """Every public input path (EmbeddingEngine lookup / preprocess / apply_gradients, the torch
-    EmbeddingLayer with dicts, KeyedJagged and prepared batches, the TF port, ServingEngine) on
-    both backends, with every kind of malformed input and valid ones: each case must give a
-    clear error naming the feature and change nothing, or the right answer."""
-    todo = fuzz_cases()
+def _run_fuzz(todo: list) -> tuple[list, list]:
+    """Each of ``todo``'s fuzz cases in child processes: (every result, the failed ones)."""
     results = Runner(
         "case",
         todo,
@@ -81,7 +77,16 @@ def test_fuzz_every_input_path_and_backend():
         max_faults=MAX_FAULTS,
         budget=BUDGET,
     ).run()
-    bad = [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
+    return results, [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
+
+
+def test_fuzz_every_input_path_and_backend():
+    """Every public input path (EmbeddingEngine lookup / preprocess / apply_gradients, the torch
+    EmbeddingLayer with dicts, KeyedJagged and prepared batches, the TF port, ServingEngine) on
+    both backends, with every kind of malformed input and valid ones: each case must give a
+    clear error naming the feature and change nothing, or the right answer."""
+    todo = fuzz_cases()
+    results, bad = _run_fuzz(todo)
     assert not bad, (
         f"{len(bad)} of {len(todo)} fuzz cases failed "
         f"(stopped after {MAX_FAULTS} crashes/hangs or {BUDGET:.0f} s: 'not run' cases)\n"
@@ -98,15 +103,7 @@ def test_fuzz_keyed_and_16_bit_tables():
     (admission, expiry, eviction) and the update the reference's, 16-bit values to a
     neighbour."""
     todo = new_config_cases()
-    results = Runner(
-        "case",
-        todo,
-        case_timeout=CASE_TIMEOUT,
-        attribute="alone",
-        max_faults=MAX_FAULTS,
-        budget=BUDGET,
-    ).run()
-    bad = [r for r in results if r["outcome"] not in report.GOOD_FUZZ]
+    results, bad = _run_fuzz(todo)
     assert not bad, (
         f"{len(bad)} of {len(todo)} keyed / 16-bit fuzz cases failed\n"
         + report.fuzz_table(todo, results)

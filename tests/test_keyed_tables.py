@@ -417,13 +417,9 @@ def test_a_step_without_keys_of_the_table_expires_nothing_until_one_has(backend)
     assert keyed_keys(eng) == [B] and eng.table_stats()["k"]["total"]["expired"] == 1
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_initializer_refusing_new_keys_leaves_them_out(backend, dtype):
-    # A FromFunction initializer is asked for a batch's new keys before they are inserted: one
-    # that fails (a NaN here) leaves the table as it was, and the keys get its values when
-    # seen again. They stayed in the index with rows of zeros, never initialised again.
-    from embengine.initializers import FromFunction
-
+def _nan_at_second_call():
+    """(the shapes it was asked for, a FromFunction function of 0.5s whose second call's
+    first value is NaN)."""
     calls = []
 
     def fn(shape, dtype):
@@ -432,6 +428,18 @@ def test_an_initializer_refusing_new_keys_leaves_them_out(backend, dtype):
         if len(calls) == 2:
             v[0, 0] = np.nan
         return v
+
+    return calls, fn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_initializer_refusing_new_keys_leaves_them_out(backend, dtype):
+    # A FromFunction initializer is asked for a batch's new keys before they are inserted: one
+    # that fails (a NaN here) leaves the table as it was, and the keys get its values when
+    # seen again. They stayed in the index with rows of zeros, never initialised again.
+    from embengine.initializers import FromFunction
+
+    calls, fn = _nan_at_second_call()
 
     t = ee.TableConfig(
         None, 2, name="k", combiner="sum", initializer=FromFunction(fn), weights_dtype=dtype
@@ -501,14 +509,7 @@ def test_an_initializer_refusing_new_keys_changes_no_other_table(backend):
     # now asked in check_rows, before any table changes, once a batch (its values kept).
     from embengine.initializers import FromFunction
 
-    calls = []
-
-    def fn(shape, dtype):
-        calls.append(shape)
-        v = np.full(shape, 0.5, np.float32)
-        if len(calls) == 2:
-            v[0, 0] = np.nan
-        return v
+    calls, fn = _nan_at_second_call()
 
     k = ee.TableConfig(None, 2, name="k", combiner="sum", initializer=FromFunction(fn))
     u = ee.TableConfig(None, 2, name="u", combiner="sum")

@@ -325,6 +325,22 @@ def _optimizers(config: str, foreign: str | None):
     raise ValueError(config)
 
 
+def _engine_of(spec: ConfigSpec, tables: dict, global_opt, backend: str):
+    """The EmbeddingEngine of ``spec``'s features over ``tables`` (name -> TableConfig)."""
+    import embengine as ee
+
+    features = {
+        f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
+    }
+    return ee.EmbeddingEngine(
+        features,
+        optimizer=global_opt,
+        seed=SEED,
+        backend=backend,
+        nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
+    )
+
+
 def _fresh(spec: ConfigSpec, backend: str):
     """An engine of a keyed / 16-bit config, as created (no step taken)."""
     import embengine as ee
@@ -347,16 +363,7 @@ def _fresh(spec: ConfigSpec, backend: str):
             weights_dtype=t.weights_dtype,
             slots_dtype=t.slots_dtype,
         )
-    features = {
-        f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
-    }
-    return ee.EmbeddingEngine(
-        features,
-        optimizer=global_opt,
-        seed=SEED,
-        backend=backend,
-        nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
-    )
+    return _engine_of(spec, tables, global_opt, backend)
 
 
 def _start_state(spec: ConfigSpec, history: tuple) -> dict:
@@ -451,16 +458,7 @@ def build_engine(config: str, backend: str, foreign: str | None = None, history:
                 optimizer=per_table[f.table],
                 initializer=init.RandomUniform(-1.0, 1.0),
             )
-    features = {
-        f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
-    }
-    return ee.EmbeddingEngine(
-        features,
-        optimizer=global_opt,
-        seed=SEED,
-        backend=backend,
-        nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
-    )
+    return _engine_of(spec, tables, global_opt, backend)
 
 
 def tpu_feature_config():
