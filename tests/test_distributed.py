@@ -778,34 +778,35 @@ def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_ran
             assert text.strip() == said, text
 
 
-def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path):
+@pytest.mark.parametrize(
+    ("scenario", "said"),
+    [
+        # rank 1 killed in an update's exchange
+        (
+            "kill",
+            "PeerError: rank 0: a collective (gradients) with ranks [1] failed: one of them died",
+        ),
+        # rank 1 dead before the engine is made: new_group meets the ranks through the store
+        # and waited for the store's timeout (60 s here); the ranks now meet first in the
+        # default group, whose connections report the dead peer at once
+        (
+            "kill_at_build",
+            "PeerError: rank 0: the ranks of the default process group met before the "
+            "ShardedEngine's process group is made and one of them failed",
+        ),
+    ],
+    ids=["in_a_step", "before_the_engine"],
+)
+def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path, scenario, said):
     # The group's timeout is 60 s: an error well before it is the dead connection, not a wait.
-    codes = spawn(2, tmp_path, ["kill"], limit=120)
+    codes = spawn(2, tmp_path, [scenario], limit=120)
     assert codes[1] == 3
     assert codes[0] == 0, _logs(tmp_path, 2)
-    seconds, text = _error_text(tmp_path, "kill", 0)
-    assert text.startswith(
-        "PeerError: rank 0: a collective (gradients) with ranks [1] failed: one of them died"
-    ), text
+    seconds, text = _error_text(tmp_path, scenario, 0)
+    assert text.startswith(said), text
     # gloo words a dead socket by timing ("Connection reset by peer", "Connection closed by
     # peer", ...): what holds is that it is not the group's timeout and that it came at once.
     assert "gloo says:" in text and "timed out" not in text.lower(), text
-    assert seconds < 20, (seconds, text)
-
-
-def test_a_rank_dead_before_the_engine_is_made_is_an_error_at_once(tmp_path):
-    # new_group meets the ranks through the store: a dead rank made the others wait for the
-    # store's timeout (60 s here) before the engine existed. They now meet first in the
-    # default group, whose connections report the dead peer at once.
-    codes = spawn(2, tmp_path, ["kill_at_build"], limit=120)
-    assert codes[1] == 3
-    assert codes[0] == 0, _logs(tmp_path, 2)
-    seconds, text = _error_text(tmp_path, "kill_at_build", 0)
-    assert text.startswith(
-        "PeerError: rank 0: the ranks of the default process group met before the "
-        "ShardedEngine's process group is made and one of them failed"
-    ), text
-    assert "timed out" not in text.lower(), text
     assert seconds < 20, (seconds, text)
 
 
