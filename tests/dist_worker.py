@@ -63,6 +63,11 @@ Scenarios:
   save_roots                    a step; each rank saves under a folder of its own; what each
                                 rank's root then holds; a step together; then every rank
                                 saves to one folder, the last rank through a symbolic link
+  pacer                         in a group of 0.5 s timeout, rank 0 hashes for 3 s while the
+                                others wait: paced (comm.Pacer), then not
+  slow_hash                     a ShardedEngine whose shards take rank 0 longer than the
+                                timeout to initialise; a save and a restore whose hashing
+                                (a big extra tensor of rank 0's) outlasts it
   save_args:<keep|metadata|root|extra|restore|boom>
                                 save with keep=0, a root of None or an extra tensor that is a
                                 list on the last rank, or extra_metadata that is not JSON on
@@ -92,6 +97,7 @@ Scenarios:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -838,6 +844,109 @@ def run_restore_newest(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{said}\nstep={eng.step}\n")
 
 
+def run_pacer(rank: int, world: int, out: str, name: str) -> None:
+    """``pacer`` (module docstring): in a group of 0.5 s timeout, rank 0 hashes for 3 s in a
+    Pacer while the others wait in theirs; then the same work without it, the others
+    waiting in an all_gather. Each outcome and seconds, and the meetings
+    counted, in a .txt."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from embengine.distributed.comm import Comm
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
+    comm = Comm(group, rank, world, meet_every=0.1)
+    block = np.random.default_rng(rank).bytes(1 << 20)
+    said = []
+
+    def work() -> None:
+        if rank == 0:
+            digest = hashlib.sha256()
+            while time.monotonic() - start < 3.0:
+                digest.update(block)
+
+    for paced in (True, False):
+        start = time.monotonic()
+        try:
+            if paced:
+                with comm.pacer("hashing for the test"):
+                    work()
+            else:
+                work()
+                comm.all_gather(np.zeros(1, dtype=np.int64), "after the work")
+            said.append(f"paced={paced}: {time.monotonic() - start:.3f} done")
+        except Exception as e:
+            said.append(f"paced={paced}: {time.monotonic() - start:.3f} {type(e).__name__}: {e}")
+            break  # the group is broken
+    said.append(f"meetings={comm.sent['hashing for the test'] // (8 * (world - 1))}")
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
+def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
+    """``slow_hash`` (module docstring): a ShardedEngine of 0.5 s timeout whose table sharding
+    puts a 512 MiB table on rank 0 (it initialises it while the other waits); then one of a
+    small table, and a save in which rank 0 adds an extra tensor of about 1.5 s of this
+    host's hashing (768 MiB at most), so rank 0 hashes longer than the timeout as it
+    commits; then a restore that only the last rank verifies. Each outcome and seconds, the
+    timeout and the extra tensor's bytes, in a .txt."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    import embengine as ee
+    from embengine import optimizers as opt
+    from embengine.distributed import ShardedEngine
+
+    # Table sharding puts the big table whole on one rank: it initialises it while the other
+    # waits (the constructor's next collective timed out too).
+    big = ee.TableConfig(1 << 21, 64, name="big", optimizer=opt.SGD(0.1))
+    start = time.monotonic()
+    try:
+        small = ee.TableConfig(10, 8, name="small", optimizer=opt.SGD(0.1))
+        ShardedEngine(
+            {"b": ee.FeatureConfig(big), "s": ee.FeatureConfig(small)},
+            sharding="table",
+            timeout=0.5,
+        )
+        built = f"build: {time.monotonic() - start:.3f} done"
+    except Exception as e:
+        built = f"build: {time.monotonic() - start:.3f} {type(e).__name__}: {e}"
+    dist.barrier()
+    probe = np.random.default_rng(0).bytes(32 << 20)
+    start = time.perf_counter()
+    hashlib.sha256(probe).digest()
+    speed = torch.tensor([len(probe) / (time.perf_counter() - start)], dtype=torch.float64)
+    dist.broadcast(speed, 0)  # rank 0's figure everywhere (and the ranks meet)
+    nbytes = int(min(768 << 20, 1.5 * float(speed[0]))) // 4 * 4
+    table = ee.TableConfig(1000, 8, name="t", optimizer=opt.SGD(0.1))
+    eng = ShardedEngine({"f": ee.FeatureConfig(table)}, timeout=0.5)
+    acts = eng.lookup({"f": np.array([[rank]], dtype=np.int64)})
+    eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
+    root = os.path.join(out, name)
+    said = [f"timeout=0.5 extra={nbytes} speed={float(speed[0]):.0f}", built]
+    for call in ("save", "restore"):
+        start = time.monotonic()
+        try:
+            if call == "save":
+                big = {"big": np.zeros(nbytes // 4, dtype=np.float32)} if rank == 0 else None
+                eng.save(root, extra_tensors=big)
+                del big
+            else:
+                eng.restore(root, verify=rank == world - 1)
+            said.append(f"{call}: {time.monotonic() - start:.3f} done")
+        except Exception as e:
+            said.append(f"{call}: {time.monotonic() - start:.3f} {type(e).__name__}: {e}")
+            break
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
 def run_save_roots(rank: int, world: int, out: str, name: str) -> None:
     """``save_roots`` (module docstring): each case's outcome and seconds, the roots'
     contents and the step, in a .txt."""
@@ -1302,6 +1411,10 @@ def main() -> None:
                 run_restore_other(rank, world, out, name)
             elif name == "save_roots":
                 run_save_roots(rank, world, out, name)
+            elif name == "pacer":
+                run_pacer(rank, world, out, name)
+            elif name == "slow_hash":
+                run_slow_hash(rank, world, out, name)
             elif name.startswith("restore_newest:"):
                 run_restore_newest(rank, world, out, name)
             elif name.startswith("save_write_fails:"):

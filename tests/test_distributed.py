@@ -559,6 +559,9 @@ REFUSALS = [
     "nonfinite",
     "contents_by_name",
     "user_optimizer",
+    # and long work between collectives, which must not fail
+    "pacer",
+    "slow_hash",
 ]
 
 
@@ -1132,18 +1135,54 @@ def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refu
             assert float(seconds) < 30, line  # the group's timeout is 60 s
 
 
+def test_ranks_waiting_for_one_ranks_long_work_meet_it_instead_of_timing_out(refusals):
+    """Rank 0 hashed for 3 s in a group of 0.5 s timeout. Paced (``comm.Pacer``: a thread
+    meets the others every 0.1 s of its work, they wait in meetings), every rank ends the
+    work together; not paced, the waiting rank's next collective timed out, as a ShardedEngine's
+    did after rank 0 hashed a checkpoint longer than the timeout (next test)."""
+    said = {r: (refusals / f"pacer.rank{r}.txt").read_text().splitlines() for r in range(2)}
+    for rank in range(2):
+        paced, unpaced, meetings = said[rank]
+        name, seconds, outcome = paced.split(" ", 2)
+        assert name == "paced=True:" and outcome == "done", said
+        assert 2.9 < float(seconds) < 10, said  # everyone waited for the work, nobody longer
+        assert int(meetings.split("=")[1]) >= 10, said  # every 0.1 s of 3 s (and the last)
+    _, seconds, outcome = said[1][1].split(" ", 2)
+    assert outcome.startswith("PeerError: rank 1: a collective (after the work)"), said
+    assert float(seconds) < 2.5, said  # the timeout, not the work
+
+
+def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):
+    """A ShardedEngine of 0.5 s timeout whose table sharding puts a 512 MiB table on rank 0
+    (the other rank's next collective of the constructor timed out while rank 0 initialised
+    it); a save whose files take rank 0 longer than the engine's timeout (0.5 s) to hash as it
+    commits (an extra tensor of about 1.5 s of the host's hashing, 768 MiB at most), then a
+    restore that only the last rank verifies (hashes): both succeed on every rank. Before,
+    the ranks waiting for rank 0's name of the checkpoint, or for the last rank's checks,
+    raised a PeerError (512 MB at a 2 s timeout; at the default 60 s, a checkpoint of about 9
+    GB on a host hashing 154 MB/s)."""
+    for rank in range(2):
+        head, *calls = (refusals / f"slow_hash.rank{rank}.txt").read_text().splitlines()
+        assert [c.split(" ", 2)[0] for c in calls] == ["build:", "save:", "restore:"], calls
+        for call in calls:
+            assert call.endswith(" done"), (head, calls)
+        for call in calls[1:]:
+            assert float(call.split()[1]) > 0.5, (head, calls)  # outlasted the timeout
+
+
 # Where the last rank stops, and what the others say: in the update's collective (the rank
 # stopped after its lookup); in a restore, while it checks (hashes) the checkpoint (said as
-# "every rank had entered it", naming nobody, until each rank posted its checks' end).
+# "every rank had entered it", naming nobody, until each rank posted its checks' end; the
+# others now wait in meetings, comm.Pacer, after posting theirs).
 STOPPED = {
     "hang": (
         "gradients",
         "in apply_gradients at step 0: rank 2 (its last call: lookup at step 0) had not entered it",
     ),
     "hang_restore": (
-        "restore",
-        "in restore, after checking the checkpoint: rank 2 (its last call: restore at step 0) "
-        "had not entered it",
+        "checking the checkpoint (hashing its files)",
+        "in checking the checkpoint (hashing its files), done: rank 2 (its last call: restore "
+        "at step 0) had not entered it",
     ),
 }
 

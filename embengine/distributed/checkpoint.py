@@ -169,29 +169,35 @@ def save(
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error, tmp, committed = None, None, None, None, False
     try:
-        if rank == 0:
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                with ckpt._locked(root):
-                    ckpt._remove_leftovers(root)
-                    tmp = root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                    tmp.mkdir()
-                    tmp_fd = os.open(tmp, os.O_RDONLY)
-                    ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if extra_tensors:
-                    write_safetensors(tmp / ckpt.EXTRA_FILE, dict(extra_tensors))
-                for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
-                    if t in keyed:
-                        head, end = keyed[t].header()[0], keyed[t].size()
-                    else:
-                        head, _ = _header(shard, v)
-                        end = len(head) + sum(v * w * d.itemsize for *_, w, d in _tensors(shard))
-                    with open(tmp / file, "wb") as f:
-                        f.write(head)
-                        f.truncate(end)
-                tmp_name = tmp.name
-            except (OSError, ValueError, TypeError) as e:  # a bad extra tensor too
-                error = e
+        # Rank 0 alone works here (an extra tensor may be big): the others wait in meetings.
+        with comm.pacer("making the checkpoint's folder (writing its extra tensors)"):
+            if rank == 0:
+                try:
+                    root.mkdir(parents=True, exist_ok=True)
+                    with ckpt._locked(root):
+                        ckpt._remove_leftovers(root)
+                        tmp = (
+                            root / f".tmp-ckpt-step{step:012d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                        )
+                        tmp.mkdir()
+                        tmp_fd = os.open(tmp, os.O_RDONLY)
+                        ckpt._lock(tmp_fd, tmp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if extra_tensors:
+                        write_safetensors(tmp / ckpt.EXTRA_FILE, dict(extra_tensors))
+                    for t, (shard, v, file) in enumerate(zip(shards, sizes, files, strict=True)):
+                        if t in keyed:
+                            head, end = keyed[t].header()[0], keyed[t].size()
+                        else:
+                            head, _ = _header(shard, v)
+                            end = len(head) + sum(
+                                v * w * d.itemsize for *_, w, d in _tensors(shard)
+                            )
+                        with open(tmp / file, "wb") as f:
+                            f.write(head)
+                            f.truncate(end)
+                    tmp_name = tmp.name
+                except (OSError, ValueError, TypeError) as e:  # a bad extra tensor too
+                    error = e
         # Each rank writes into the folder rank 0 made, under its *own* root: a rank whose
         # root is another folder (or does not see rank 0's: another host, no shared file
         # system) must not write into rank 0's, nor be told its checkpoint is there.
@@ -209,14 +215,16 @@ def save(
         _agree_flags(comm, flags[:, -1], writes.error, "writing the checkpoint")
         flags = flags[:, :-1]
         final = None
-        if rank == 0:
-            try:
-                final = _commit(
-                    root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
-                )
-                committed = True
-            except (OSError, ValueError, TypeError) as e:  # every rank learns it
-                error = e
+        # Rank 0 hashes every file (a while, for big tables): the others wait in meetings.
+        with comm.pacer("committing the checkpoint (hashing its files)"):
+            if rank == 0:
+                try:
+                    final = _commit(
+                        root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
+                    )
+                    committed = True
+                except (OSError, ValueError, TypeError) as e:  # every rank learns it
+                    error = e
         name = _name_from_rank0(
             comm, None if final is None else final.name, "commit the checkpoint", error
         )
@@ -472,21 +480,23 @@ def _restore(
     # ("-": none; each rank reads its own path)
     name = _name_from_rank0(comm, name or "-", "find the newest checkpoint")
     error, reader, extra = None, None, {}
-    try:
-        ckpt.check_path(path, "the checkpoint path")
-        if name != "-" and not (Path(path) / "manifest.json").is_file():
-            path = Path(path) / name
-            if newest is not None and name != newest:  # not the one this rank checked
-                verify = verify_other
-        _, reader = ckpt.read_checkpoint(path, verify)
-        readers.append(reader)
-        ckpt._check_compatible(spec, reader.manifest, reader.path)
-        extra = reader.extra_tensors()  # before any row changes, as a single engine's restore
-    except Exception as e:  # any (a path of the wrong type too): the others learn it first
-        error = e
-    # Checking (hashing every file) takes a while: posted, so that a rank that never ends it
-    # (stopped, or slower than the timeout) is named by the others (Comm.behind), where they
-    # said "every rank had entered" the restore.
+    # Checking hashes every file (a while, for big tables; the ranks end it at different
+    # times, or some do not hash: verify=False): those done wait in meetings.
+    with comm.pacer("checking the checkpoint (hashing its files)"):
+        try:
+            ckpt.check_path(path, "the checkpoint path")
+            if name != "-" and not (Path(path) / "manifest.json").is_file():
+                path = Path(path) / name
+                if newest is not None and name != newest:  # not the one this rank checked
+                    verify = verify_other
+            _, reader = ckpt.read_checkpoint(path, verify)
+            readers.append(reader)
+            ckpt._check_compatible(spec, reader.manifest, reader.path)
+            extra = reader.extra_tensors()  # before any row changes, as a single restore
+        except Exception as e:  # any (a path of the wrong type too): the others learn it first
+            error = e
+    # Posted, so that a rank stopped in its checks is named by the others (Comm.behind),
+    # where they said "every rank had entered" the restore.
     comm.enter("restore, after checking the checkpoint")
     if error is not None:
         _agree(comm, False, "restore")  # the others learn it, then this rank raises its own

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "PeerError", "meet_in_the_default_group"]
+__all__ = ["Comm", "Pacer", "PeerError", "meet_in_the_default_group"]
 
 
 class PeerError(RuntimeError):
@@ -50,6 +50,9 @@ def meet_in_the_default_group(purpose: str) -> None:
 
 # Seconds a rank waits for the store when it asks which peers are behind (after a timeout).
 STORE_ANSWER = 2.0
+# Seconds of one rank's long work (hashing a checkpoint) between two meetings with the ranks
+# that wait for it (``Pacer``), at most: a quarter of the group's timeout when that is shorter.
+MEET_EVERY = 1.0
 # Each Comm's keys in the store: per group (its global ranks), a count of the Comms made on
 # it; the members of a group make their engines on it in the same order (as every collective).
 _COMMS: dict[str, itertools.count] = {}
@@ -89,10 +92,13 @@ class Comm:
     (``enter``), one key per rank, so that after a timeout the ranks that answered can name the
     ones that never reached the call. Posting is one small store write per call."""
 
-    def __init__(self, group, rank: int, world_size: int, store=None):
+    def __init__(
+        self, group, rank: int, world_size: int, store=None, meet_every: float = MEET_EVERY
+    ):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.meet_every = meet_every
         self.sent: Counter[str] = Counter()
         store = store if store is not None or world_size == 1 else _default_store()
         self._store = None
@@ -253,6 +259,11 @@ class Comm:
         )
         return out
 
+    def pacer(self, work: str) -> Pacer:
+        """A Pacer (a context manager) for ``work`` (e.g. "hashing the checkpoint's files")
+        that some ranks do while the others wait: see ``Pacer``."""
+        return Pacer(self, work)
+
     def all_gather_ragged(self, block: np.ndarray, purpose: str) -> list[np.ndarray]:
         """Every rank's 1-D ``block`` (lengths may differ), in rank order: the lengths first,
         then the blocks padded to the longest (gloo's all_gather wants equal sizes)."""
@@ -263,3 +274,72 @@ class Comm:
         padded[: len(block)] = block
         stacked = self.all_gather(padded, purpose)
         return [stacked[r, : int(n)] for r, n in enumerate(lengths)]
+
+
+class Pacer:
+    """Long work on some ranks (rank 0 writing an extra tensor or hashing the checkpoint it
+    commits, every rank hashing one it restores), the others waiting, without a collective
+    that outlasts the group's timeout. A collective right after such work made the ranks
+    that finished first wait in it for the others, and past the timeout they raised,
+    naming no one (a 512 MB checkpoint at a 2 s timeout; at the default 60 s, one of about
+    9 GB on a host hashing 154 MB/s).
+
+    ``with comm.pacer(work):`` on every rank, around its share of the work (none for a rank
+    that only waits): while the body runs, a thread meets the other ranks in an
+    ``all_gather`` of one integer every ``comm.meet_every`` seconds, saying 1 (still
+    working); when it ends, this rank meets them saying 0 until every rank says 0. Every
+    rank thus makes the same meetings and reads the same answers, and no rank waits in one
+    longer than a meeting interval. The body may not use the group itself. A rank that hangs
+    or dies stops meeting: the others raise as in any collective, naming the ranks that were
+    still working at the last meeting, and (a rank done posts so in the store: ``enter``) the
+    ranks not done. The work needs no hook (a hash, a write, an fsync,
+    a kernel: anything that lets the thread take the GIL now and then)."""
+
+    def __init__(self, comm: Comm, work: str):
+        self._comm = comm
+        self._work = work
+        self._working: list[int] = []  # the ranks working at the last meeting
+        self._stop = threading.Event()
+        self._failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Pacer:
+        if self._comm.world_size > 1:
+            self._thread = threading.Thread(target=self._meet_while_working, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()  # its meeting in progress ends: the others meet until all say 0
+        if self._failed is not None:
+            if error is None:
+                raise self._failed
+            return  # the body's own error first; the group is broken anyway
+        # Posted (Comm.enter), so that the ranks done name a rank that never ends its work
+        # (stopped) after the timeout: it is the one behind.
+        self._comm.enter(f"{self._work}, done")
+        while self._meet(0):
+            pass
+
+    def _meet_while_working(self) -> None:
+        try:
+            while not self._stop.wait(self._comm.meet_every):
+                self._meet(1)
+        except BaseException as e:  # raised by __exit__ in the body's thread
+            self._failed = e
+
+    def _meet(self, working: int) -> bool:
+        """One meeting; whether any rank was still working."""
+        try:
+            flags = self._comm.all_gather(np.array([working], dtype=np.int64), self._work)[:, 0]
+        except PeerError as e:
+            if not self._working:
+                raise
+            ranks = " and ".join(f"rank {r}" for r in self._working)
+            was = "was" if len(self._working) == 1 else "were"
+            raise PeerError(f"{e} (at the last meeting, {ranks} {was} still {self._work})") from e
+        self._working = [r for r, f in enumerate(flags.tolist()) if f]
+        return bool(self._working)

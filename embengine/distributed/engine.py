@@ -89,7 +89,7 @@ from ..storage import StorageError, plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
 from ..storage.keyed import KeyedTable, shared_pending, shared_room, shared_victims
 from ..storage.plan import table_files
-from .comm import Comm, meet_in_the_default_group
+from .comm import MEET_EVERY, Comm, meet_in_the_default_group
 from .sharding import (
     KEYED,
     ShardPlan,
@@ -349,25 +349,32 @@ class ShardedEngine:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._comm = Comm(group, self.rank, self.world_size)
+        # Long work between collectives (initialising shards, hashing a checkpoint) meets the
+        # ranks four times a timeout at least (Comm.pacer); a user's group keeps its own
+        # timeout, unknown here.
+        meet_every = min(MEET_EVERY, (float(timeout) if good_timeout else DEFAULT_TIMEOUT) / 4)
+        self._comm = Comm(group, self.rank, self.world_size, meet_every=meet_every)
         error = None
-        try:
-            if refused is not None:
-                raise refused
-            if not good_timeout:
-                raise bad_timeout
-            self._build(
-                feature_config,
-                optimizer,
-                seed,
-                sharding,
-                backend,
-                nonfinite_gradients,
-                exchange,
-                (storage, storage_dir),
-            )
-        except Exception as e:  # any, the user's too: every rank raises at the exchange
-            error = e
+        # Each rank initialises its own shards (table sharding: a huge table on one rank, a
+        # few small ones on another): the ranks done first wait in meetings.
+        with self._comm.pacer("initialising its shards"):
+            try:
+                if refused is not None:
+                    raise refused
+                if not good_timeout:
+                    raise bad_timeout
+                self._build(
+                    feature_config,
+                    optimizer,
+                    seed,
+                    sharding,
+                    backend,
+                    nonfinite_gradients,
+                    exchange,
+                    (storage, storage_dir),
+                )
+            except Exception as e:  # any, the user's too: every rank raises at the exchange
+                error = e
         self._check_same_configuration(error)
 
     def _build(
