@@ -344,7 +344,9 @@ def _write_rows(
                         finite[t] &= _finite(part.view(dtype))
                     at = starts[name] + a * w * dtype.itemsize
                     writes(tmp / file, os.pwrite, fd, part.tobytes(), at)
-            writes(tmp / file, os.fsync, fd)
+            # A rank's fsync of its block may take a while (a slow or shared file system).
+            with comm.pacer("syncing the checkpoint's files"):
+                writes(tmp / file, os.fsync, fd)
         finally:
             if fd is not None:
                 os.close(fd)

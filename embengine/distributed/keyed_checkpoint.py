@@ -241,7 +241,8 @@ def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
             put("counters", lay.counters.astype(np.int64), 0)
             put("meta", st["meta"], 0)
             put("data_time", st["data_time"], 0)
-        writes(path, os.fsync, fd)
+        with comm.pacer("syncing the checkpoint's files"):  # a while, on a slow file system
+            writes(path, os.fsync, fd)
     finally:
         if fd is not None:
             os.close(fd)
