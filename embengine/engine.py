@@ -19,6 +19,7 @@ import itertools
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -313,20 +314,46 @@ class EmbeddingEngine:
     def _set_pending(self, batch: PreparedBatch | None, given: PreparedBatch | None = None) -> None:
         """Make ``batch`` this thread's pending training batch (None: none); ``given``: the
         PreparedBatch a lookup was given, of which ``batch`` is the looked-up form (its keyed
-        rows resolved, ``looked_up_in`` set)."""
-        self._pending.batch = batch
-        self._pending.given = given
-        self._pending.generation = self._pending_generation
+        rows resolved, ``looked_up_in`` set). That form is also kept by ``given`` (weakly: as
+        long as the caller holds ``given``) until an update consumes it, so that
+        ``apply_gradients(batch=given)`` after other training lookups (two lookups before
+        their updates) updates the rows its lookup resolved rather than resolving its keys a
+        second time (counting, touching and admitting them again)."""
+        p = self._pending
+        if getattr(p, "generation", None) != self._pending_generation:
+            p.looked = weakref.WeakKeyDictionary()  # a load forgot every earlier lookup
+        elif not hasattr(p, "looked"):
+            p.looked = weakref.WeakKeyDictionary()
+        p.batch = batch
+        p.given = given
+        p.generation = self._pending_generation
+        if given is not None and batch is not None:
+            p.looked[given] = batch
 
     def _pending_batch(self, given: PreparedBatch | None = None) -> PreparedBatch | None:
         """This thread's pending training batch, unless forgotten since; with ``given``, the
-        pending batch only if it is the looked-up form of ``given`` (else None)."""
+        looked-up form of ``given`` by this thread's last training lookup of it, if no
+        update consumed it since (else None)."""
         p = self._pending
         if getattr(p, "generation", None) != self._pending_generation:
             return None
-        if given is not None and getattr(p, "given", None) is not given:
-            return None
+        if given is not None:
+            looked = getattr(p, "looked", None)
+            return None if looked is None else looked.get(given)
         return getattr(p, "batch", None)
+
+    def _consumed(self, batch: PreparedBatch, given: PreparedBatch | None) -> None:
+        """An update consumed ``batch`` (the looked-up form of ``given``, if given): it is no
+        longer pending, nor kept by ``given`` (one update per lookup)."""
+        p = self._pending
+        if getattr(p, "generation", None) != self._pending_generation:
+            return
+        if batch is getattr(p, "batch", None):
+            given = getattr(p, "given", None) if given is None else given
+            self._set_pending(None)
+        looked = getattr(p, "looked", None)
+        if given is not None and looked is not None and looked.get(given) is batch:
+            del looked[given]
 
     def _build_storage(self) -> None:
         """One TableStorage per physical table of ``storage_plan`` (its kind's factory,
@@ -1023,7 +1050,10 @@ class EmbeddingEngine:
             shape. Every feature of the batch needs one.
           learning_rates: one value per dynamic learning-rate tag (see ``learning_rates``);
             required when a table uses ``DynamicLearningRate``, else an override of callables.
-          batch: the PreparedBatch whose rows to update.
+          batch: the PreparedBatch whose rows to update. One that this thread looked up for
+            training (``lookup(batch)``) updates the rows that lookup resolved, even after
+            other training lookups (two lookups before their updates): its keyed rows are
+            not resolved again; one never looked up is resolved now.
           timestamp: the data time of the batch's examples (``lookup``'s); by default the
             step's lookup's. Keyed tables with ``DynamicVocabulary.expire_seconds`` need one.
 
@@ -1044,7 +1074,9 @@ class EmbeddingEngine:
             else:
                 self._check_batch(batch)
                 # The batch lookup(batch) looked up: the form it looked up (its keyed rows,
-                # resolved then), which this update consumes.
+                # resolved then), which this update consumes, even if other training lookups
+                # came since.
+                given = batch
                 batch = self._pending_batch(given=batch) or batch
             if not batch.deduplicated:
                 raise ValueError(
@@ -1072,8 +1104,7 @@ class EmbeddingEngine:
             # Everything is validated; from here on tables change.
             unchanged = self._update(batch, grads, lrs)
             self._step += 1
-            if implicit or pending is self._pending_batch():  # one update per lookup
-                self._set_pending(None)
+            self._consumed(pending, None if implicit else given)  # one update per lookup
             if unchanged:
                 self._report_unchanged(unchanged)
 

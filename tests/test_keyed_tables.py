@@ -742,6 +742,56 @@ def test_an_update_whose_rows_a_later_lookup_gave_to_other_keys_is_refused(backe
     np.testing.assert_array_equal(c["weights"][:, 0], [0.5, 2.5])  # mean of two ids
 
 
+def test_a_prepared_batch_updated_after_another_lookup_keeps_its_lookup_s_rows(backend):
+    """Two lookups of prepared batches before their updates: ``apply_gradients(batch=p1)``
+    after ``lookup(p2)`` updates the rows ``lookup(p1)`` resolved, as with
+    ``lookup_with_batch``'s batch: its keys are not counted, touched or admitted a second time
+    (they were: key 2's touch count and key 5's pending count were doubled, and the update
+    resolved them at the step it ran), and a key a later lookup evicted refuses the update
+    (it was given a row again)."""
+
+    def stream(prepared: bool):
+        t = ee.TableConfig(
+            None,
+            2,
+            name="a",
+            initializer=RowId(0),
+            dynamic=ee.DynamicVocabulary(occurrence_threshold=1, max_rows=3),
+        )
+        eng = ee.EmbeddingEngine(
+            {"fa": ee.FeatureConfig(t)}, optimizer=opt.SGD(1.0), backend=backend
+        )
+
+        def look(bags):
+            if prepared:
+                p = eng.preprocess({"fa": bags})
+                return eng.lookup(p)["fa"], p
+            acts, b = eng.lookup_with_batch({"fa": bags})
+            return acts["fa"], b
+
+        for bags in ([[1, 2, 3]], [[1, 2, 3]]):  # 1, 2 and 3 admitted (3 rows: max_rows)
+            acts, _ = look(bags)
+            eng.apply_gradients({"fa": np.zeros_like(acts)})
+        a1, b1 = look([[5], [2]])  # 5 counted once
+        a2, _ = look([[7], [9]])
+        eng.apply_gradients({"fa": np.ones_like(a1)}, batch=b1)
+        eng.apply_gradients({"fa": np.ones_like(a2)})
+        states = [eng.state_dict()]
+        a3, b3 = look([[5, 7]])  # 5 and 7 reach the threshold: they evict 1 and 3 (LRU)
+        a4, _ = look([[9], [2]])  # 9 reaches it: it evicts 5 (5 and 7: this step's)
+        text = _unchanged_by(eng, lambda: eng.apply_gradients({"fa": np.ones_like(a3)}, batch=b3))
+        eng.apply_gradients({"fa": np.ones_like(a4)})
+        states.append(eng.state_dict())
+        return states, text
+
+    want, want_text = stream(prepared=False)
+    got, got_text = stream(prepared=True)
+    assert "lost their rows" in want_text and got_text == want_text, (got_text, want_text)
+    for g, w in zip(got, want, strict=True):
+        for name, v in w["tables"]["a"].items():
+            np.testing.assert_array_equal(g["tables"]["a"][name], v, err_msg=name)
+
+
 def test_insert_on_apply(backend):
     eng = keyed_engine(backend, optimizer=opt.SGD(0.5), insert_on="apply")
     acts = eng.lookup({"f": [[A], [A, B]]})["f"]
