@@ -50,18 +50,40 @@ KEYED_KINDS = (
     "grad_nonfinite_skip",
 )
 HALF_KINDS = (cases.VALID, "weights_huge", "grad_huge", "grad_nonfinite")
+# The timed config's: the keyed ones and bad, missing, misplaced or other-typed timestamps.
+TIMED_KINDS = (
+    *KEYED_KINDS,
+    "timestamp_bad",
+    "timestamp_missing",
+    "timestamp_eval",
+    "timestamp_repr_ok",
+)
+# Two lookups before their updates on the dense float32 configs: valid batches, a bad id, and
+# gradients or learning rates refused at the first update.
+TWO_KINDS = (cases.VALID, "id_too_big", "grad_nonfinite", "grad_shape", "lr_bad", "lr_unexpected")
 
 
 def new_config_cases(seed: int = SEED) -> list[dict]:
     """The keyed and 16-bit configs' fixed list: for each config, one case per (input path,
-    fault kind of KEYED_KINDS, or HALF_KINDS for "half") on the numba backend (the reference
-    backend is the oracle's)."""
+    fault kind of KEYED_KINDS, HALF_KINDS for "half", TIMED_KINDS for the timed config) on
+    the numba backend (the reference backend is the oracle's); then two lookups before their
+    updates on the dense float32 configs (TWO_KINDS)."""
     out = []
     for k, config in enumerate(cases.NEW_CONFIGS):
         kinds = HALF_KINDS if config == "half" else KEYED_KINDS
+        if config in cases.TIMED_CONFIGS:
+            kinds = TIMED_KINDS
         out += cases.generate_stratified(
             1, seed + k, configs=(config,), backends=("numba",), kinds=kinds
         )
+    out += cases.generate_stratified(
+        1,
+        seed,
+        paths=("train_two",),
+        configs=cases.ENGINE_CONFIGS,
+        backends=("numba",),
+        kinds=TWO_KINDS,
+    )
     for i, case in enumerate(out):
         case["i"] = i
     return out
@@ -334,3 +356,43 @@ def test_the_oracle_knows_the_keyed_rules(monkeypatch):
     )
     result = execute.run_case(evicting)
     assert result["outcome"] == "wrong_answer" and "the rules leave" in result["detail"], result
+
+
+def test_the_oracle_knows_data_time_and_two_lookups_before_their_updates(monkeypatch):
+    """The timed config's oracle checks expiry by data time, not only the reference backend:
+    a row expired by the call's timestamp but served is caught; a training call without a
+    timestamp must be refused naming a table. Two lookups of prepared batches before their
+    updates must leave what ``lookup_with_batch``'s batches leave (the first's update
+    resolved its keys a second time; reference backend, in this process)."""
+    from _fuzz.configs import T0
+
+    from embengine.storage.keyed import KeyedTable
+
+    stamps = {"lookup": T0 + 130, "apply": None, "lookup2": T0 + 130, "apply2": None}
+    # keyed_time's k_t: key 1 was last trained at T0 + 40; at T0 + 130 (60 s) it has expired
+    late = _case(
+        "keyed_time", "train", {"kt": [[1, 42]], "kt_seq": [[]], "ku": [[]]}, timestamps=stamps
+    )
+    assert execute.run_case(late)["outcome"] == "right_answer"
+    missing = dict(late, fault={"kind": "timestamp_missing", "feature": None})
+    result = execute.run_case(missing)
+    assert result["outcome"] == "clear_error" and "k_t" in result["detail"], result
+    # keyed_mix's k_c counts keys for a threshold of 2: 3 is new, and must be counted once
+    two = _case(
+        "keyed_mix",
+        "train_two",
+        {"du": [[1]], "kc": [[3]], "kd": [[]], "kd_seq": [[]]},
+        batch2={
+            f: {"samples": s, "weights": None, "form": "lists"}
+            for f, s in {"du": [[2]], "kc": [[8]], "kd": [[5]], "kd_seq": [[]]}.items()
+        },
+        grad_seed2=6,
+        via="prepared",
+        order="batch_first",
+        eval=True,
+    )
+    assert execute.run_case(two)["outcome"] == "right_answer"
+    assert execute.run_case(dict(two, order="pending_first"))["outcome"] == "right_answer"
+
+    monkeypatch.setattr(KeyedTable, "_expired", lambda self: np.zeros(0, np.int64))
+    assert execute.run_case(late)["outcome"] == "wrong_answer"

@@ -41,9 +41,12 @@ from hypothesis import strategies as st
 from .configs import (
     ENGINE_CONFIGS,
     KEY_POOL,
+    MAX_TIME,
     NEW_CONFIGS,
     SMALL_KEYS,
     SPECS,
+    TIMED_CONFIGS,
+    TIMES,
     ConfigSpec,
     FeatureSpec,
 )
@@ -63,8 +66,23 @@ PATHS = {
     "tpu": "tpu.TPUEmbedding enqueue + dequeue + apply_gradients",
     "tpu_serving": "tpu.TPUEmbeddingForServing(features, weights)",
     "serving": "serving.ServingEngine.lookup over an fp32 export (of the config's engine)",
+    "train_two": "two training lookups (A, then B), an evaluation lookup, then "
+    "apply_gradients(batch=A) and apply_gradients() of B, in either order",
 }
-TRAINING_PATHS = {"train", "train_eval", "prepared", "torch", "torch_kjt", "torch_prepared", "tpu"}
+TRAINING_PATHS = {
+    "train",
+    "train_eval",
+    "prepared",
+    "torch",
+    "torch_kjt",
+    "torch_prepared",
+    "tpu",
+    "train_two",
+}
+# Paths only the new config sets drive (``configs_for``): the dense list stays as it was.
+NEW_PATHS = {"train_two"}
+# Training paths whose calls take ``timestamp=`` (a timed config's cases carry one).
+TIMESTAMP_PATHS = TRAINING_PATHS - {"tpu"}
 PREPARED_PATHS = {"prepared", "prepared_eval", "torch_prepared", "serving"}
 ENGINE_PATHS = {
     "lookup_eval",
@@ -74,10 +92,11 @@ ENGINE_PATHS = {
     "prepared_eval",
     "torch",
     "torch_prepared",
+    "train_two",
 }
 TPU_PATHS = {"tpu", "tpu_serving"}
 ALL_PATHS = set(PATHS)
-LR_PATHS = {"train", "train_eval", "prepared", "torch", "torch_kjt", "torch_prepared"}
+LR_PATHS = {"train", "train_eval", "prepared", "torch", "torch_kjt", "torch_prepared", "train_two"}
 
 # Forms of one feature's value. "single" forms hold exactly one id per sample.
 ENGINE_FORMS = (
@@ -185,7 +204,8 @@ def _f(
 _ANY_INPUT = ALL_PATHS - {"torch_kjt"}
 _DICT_INPUT = _ANY_INPUT - TPU_PATHS  # paths taking a dict of engine forms
 _PREPARED_ENGINE = {"prepared", "prepared_eval", "torch_prepared"}
-_GRAD_PATHS = {"train", "train_eval", "prepared", "tpu"}
+_GRAD_PATHS = {"train", "train_eval", "prepared", "tpu", "train_two"}
+_APPLY_PATHS = {"train", "train_eval", "prepared", "train_two"}  # they call apply_gradients
 _BAD_BIG = st.sampled_from([0, 1, 3, 1 << 20, 1 << 40])
 _FLOAT_FORMS = {
     "array1d",
@@ -560,6 +580,48 @@ FAULTS: dict[str, Fault] = {
         _f("tpu_dense_last_dim", "error", {"tpu"}, forms={"dense2d"}, needs_ids=False),
         _f("tpu_dense_sequence", "error", {"tpu_serving"}, target="seq", needs_ids=False),
         _f("tpu_grad_nested", "error", {"tpu"}, target=None, names="missing"),
+        # timestamps (the timed configs: every training call carries one)
+        _f(
+            "timestamp_bad",
+            "error",
+            TIMESTAMP_PATHS,
+            configs=TIMED_CONFIGS,
+            target=None,
+            names=None,
+            needs_ids=False,
+            value=st.sampled_from(
+                [-1, 1 << 62, -(1 << 63), 1 << 64, 1.5, float(1 << 20), "nan", "1000", True]
+            ),
+            at=st.sampled_from(["lookup", "apply"]),
+        ),
+        _f(
+            "timestamp_missing",
+            "error",
+            TIMESTAMP_PATHS,
+            configs=TIMED_CONFIGS,
+            target=None,
+            names="table",
+            needs_ids=False,
+        ),
+        _f(
+            "timestamp_eval",
+            "error",
+            {"lookup_eval", "prepared_eval", "train_eval"},
+            configs=TIMED_CONFIGS,
+            target=None,
+            names=None,
+            needs_ids=False,
+        ),
+        _f(
+            "timestamp_repr_ok",
+            "valid",
+            TIMESTAMP_PATHS,
+            configs=TIMED_CONFIGS,
+            target=None,
+            names=None,
+            needs_ids=False,
+            dtype=st.sampled_from(["int64", "uint64", "int32"]),
+        ),
     ]
 }
 
@@ -576,6 +638,8 @@ def applicable(fault: Fault, path: str, config: str) -> bool:
 def configs_for(path: str, configs: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The configs a path drives, of ``configs`` (None: the dense float32 ones, ENGINE_CONFIGS,
     "tpu"; the keyed and 16-bit configs are asked for by name)."""
+    if configs is None and path in NEW_PATHS:
+        return ()
     if path in TPU_PATHS:
         out: tuple[str, ...] = ("tpu",)
     elif path == "serving":
@@ -719,6 +783,34 @@ def recipes(
         # are the same as before)
         step = st.lists(st.sampled_from(KEY_POOL), min_size=1, max_size=6)
         out["history"] = draw(st.lists(step, max_size=3))
+    # drawn after the rest: the cases of the configs and paths before these came are the same
+    times = st.sampled_from(TIMES) | st.just(MAX_TIME)
+    if spec.timed and path != "serving":
+        out["history_times"] = [draw(times) for _ in out["history"]]
+    if path == "train_two":
+        # batch B: valid, any form; A (``batch``) carries the fault
+        size2 = draw(st.integers(0, 4))
+        batch2 = {}
+        for f in spec.features:
+            form = draw(st.sampled_from(ENGINE_FORMS))
+            samples = draw(_samples(f, form, size2, False))
+            weights = None
+            if not f.is_sequence and form in WEIGHT_FORMS and draw(st.integers(0, 2)) == 0:
+                weights = [[draw(_WEIGHTS) for _ in s] for s in samples]
+            batch2[f.name] = {"samples": samples, "weights": weights, "form": form}
+        out["batch2"] = batch2
+        out["grad_seed2"] = draw(st.integers(0, 2**32 - 1))
+        out["via"] = draw(st.sampled_from(["prepared", "with_batch"]))
+        out["order"] = draw(st.sampled_from(["batch_first", "pending_first"]))
+        out["eval"] = draw(st.booleans())
+    if spec.timed and path in TIMESTAMP_PATHS:
+        # each training call's timestamp (an update's None: its step's lookup's)
+        out["timestamps"] = {
+            "lookup": draw(times),
+            "apply": draw(st.none() | times),
+            "lookup2": draw(times),
+            "apply2": draw(st.none() | times),
+        }
     return out
 
 

@@ -46,6 +46,16 @@ ones.
   the global SGD, mean, ``max_rows=9``). A batch admitting a key whose value a 16-bit table
   cannot hold (|key| >= 65520 in float16) must be refused naming the table, nothing changed;
   the prelude and histories use keys below ``ROWID_KEYS``.
+- ``keyed_time``: keyed tables that expire rows by data time (``expire_seconds``): ``k_t``
+  (dim 2, sum, Adagrad; a bag and a sequence feature; 60 s, also ``expire_steps=2``,
+  ``max_rows=7``, LRU) and ``k_u`` (dim 3, mean, the global SGD; 100 s, threshold 1,
+  ``insert_on="apply"``; its rows in a file, ``storage="mmap"``). Every training call
+  carries a timestamp (``TIMES``: backwards, equal, later, far later, 0); the prelude's
+  steps are at ``PRELUDE_TIMES``.
+- ``keyed_mmap``: keyed tables with ``storage="mmap"`` (kind "keyed-mmap", files in a folder
+  of their own per engine): ``k_m`` (dim 3, sum, Adagrad; a bag and a sequence feature;
+  ``max_rows=6``, LFU) and ``k_n`` (dim 2, sqrtn, FTRL; threshold 2, ``expire_steps=1``,
+  ``insert_on="apply"``, ``max_rows=8``). The oracle's reference engine keeps them in RAM.
 
 ``foreign`` variants build the same features with other tables: ``vocab`` multiplies every
 vocabulary by 10 (a batch prepared there can hold ids past this engine's tables); ``packing``
@@ -55,6 +65,10 @@ turns packing off for one table, so the same features are stored as another numb
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 
 SEED = 7
@@ -86,6 +100,7 @@ class TableSpec:
     slots_dtype: str = "float32"
     dynamic: tuple[tuple[str, object], ...] | None = None  # DynamicVocabulary(**dict(...))
     rowid: bool = False  # initializer RowId (values: the key; no bound) instead of uniform
+    storage: str = "ram"  # "mmap": a keyed table's rows in a file ("keyed-mmap")
 
     @property
     def rules(self) -> dict:
@@ -105,6 +120,16 @@ class ConfigSpec:
     def prelude(self) -> bool:
         """Its engine starts after PRELUDE (the keyed and 16-bit configs)."""
         return bool(self.table_specs)
+
+    @property
+    def timed(self) -> bool:
+        """A table expires rows by data time (``expire_seconds``): training calls carry a
+        timestamp."""
+        return any("expire_seconds" in t.rules for t in self.table_specs)
+
+    @property
+    def mmap(self) -> bool:
+        return any(t.storage == "mmap" for t in self.table_specs)
 
     def table_spec(self, name: str) -> TableSpec | None:
         return next((t for t in self.table_specs if t.name == name), None)
@@ -176,6 +201,17 @@ PRELUDE = (
     (1, 5, -9, -(1 << 40), 42, 7),
     (0, 42, 12345678901, -(1 << 63)),
 )
+
+# The data time (seconds) of each PRELUDE step, for the configs whose tables expire rows by
+# data time: with expire_seconds=60, step 0's rows not touched since have expired at the
+# case's time T0 + 90 (its start's data time).
+T0 = 1_000_000
+PRELUDE_TIMES = (T0, T0 + 40, T0 + 90)
+# The timestamps of a case's calls and history steps: backwards (far, a little), equal to the
+# data time after the prelude, later by less and more than the expiry spans, far later, 0 and
+# the largest one allowed (2^62 - 1).
+TIMES = (T0 - 500, T0 + 50, T0 + 90, T0 + 100, T0 + 130, T0 + 160, T0 + 250, T0 + 10**6, 0)
+MAX_TIME = (1 << 62) - 1
 
 SPECS: dict[str, ConfigSpec] = {
     "mixed": ConfigSpec(
@@ -290,12 +326,57 @@ SPECS: dict[str, ConfigSpec] = {
             T("k_s", None, "bfloat16", "float32", _rules(max_rows=9), rowid=True),
         ),
     ),
+    "keyed_time": ConfigSpec(
+        "keyed_time",
+        (
+            K("kt", "k_t", 2, "sum"),
+            K("kt_seq", "k_t", 2, "sum", seq=2),
+            K("ku", "k_u", 3, "mean"),
+        ),
+        table_specs=(
+            T("k_t", "adagrad", dynamic=_rules(expire_seconds=60, expire_steps=2, max_rows=7)),
+            T(
+                "k_u",
+                None,
+                dynamic=_rules(expire_seconds=100, occurrence_threshold=1, insert_on="apply"),
+                storage="mmap",
+            ),
+        ),
+    ),
+    "keyed_mmap": ConfigSpec(
+        "keyed_mmap",
+        (
+            K("km", "k_m", 3, "sum"),
+            K("km_seq", "k_m", 3, "sum", seq=3),
+            K("kn", "k_n", 2, "sqrtn"),
+        ),
+        table_specs=(
+            T("k_m", "adagrad", dynamic=_rules(max_rows=6, eviction="lfu"), storage="mmap"),
+            T(
+                "k_n",
+                "ftrl",
+                dynamic=_rules(
+                    occurrence_threshold=2, expire_steps=1, insert_on="apply", max_rows=8
+                ),
+                storage="mmap",
+            ),
+        ),
+    ),
 }
 
 ENGINE_CONFIGS = ("mixed", "packed", "dynamic")
-KEYED_CONFIGS = ("keyed", "keyed_mix", "keyed_half", "keyed_rowid")
+KEYED_CONFIGS = ("keyed", "keyed_mix", "keyed_half", "keyed_rowid", "keyed_time", "keyed_mmap")
 HALF_CONFIGS = ("half", "keyed_half", "keyed_rowid")
-NEW_CONFIGS = ("keyed", "keyed_mix", "half", "keyed_half", "keyed_rowid")
+TIMED_CONFIGS = ("keyed_time",)
+NEW_CONFIGS = (
+    "keyed",
+    "keyed_mix",
+    "half",
+    "keyed_half",
+    "keyed_rowid",
+    "keyed_time",
+    "keyed_mmap",
+)
 # A RowId table's largest prelude / history key: within float16's range.
 ROWID_KEYS = 60000
 
@@ -325,24 +406,37 @@ def _optimizers(config: str, foreign: str | None):
     raise ValueError(config)
 
 
-def _engine_of(spec: ConfigSpec, tables: dict, global_opt, backend: str):
-    """The EmbeddingEngine of ``spec``'s features over ``tables`` (name -> TableConfig)."""
+def _engine_of(spec: ConfigSpec, tables: dict, global_opt, backend: str, ram: bool = False):
+    """The EmbeddingEngine of ``spec``'s features over ``tables`` (name -> TableConfig); its
+    "mmap" tables in files of a new folder (removed with the engine) unless ``ram``."""
     import embengine as ee
 
     features = {
         f.name: ee.FeatureConfig(tables[f.table], max_sequence_length=f.seq) for f in spec.features
     }
-    return ee.EmbeddingEngine(
+    storage: dict = {}
+    folder = None
+    if spec.mmap and not ram:
+        storage = {t.name: t.storage for t in spec.table_specs}
+        folder = tempfile.mkdtemp(
+            prefix="embengine-fuzz-mmap-", dir=os.environ.get("EMBENGINE_FUZZ_TMP")
+        )
+    engine = ee.EmbeddingEngine(
         features,
         optimizer=global_opt,
         seed=SEED,
         backend=backend,
         nonfinite_gradients="skip_row" if spec.skip_nonfinite else "error",
+        **({"storage": storage, "storage_dir": folder} if folder else {}),
     )
+    if folder is not None:
+        weakref.finalize(engine, shutil.rmtree, folder, True)
+    return engine
 
 
-def _fresh(spec: ConfigSpec, backend: str):
-    """An engine of a keyed / 16-bit config, as created (no step taken)."""
+def _fresh(spec: ConfigSpec, backend: str, ram: bool = False):
+    """An engine of a keyed / 16-bit config, as created (no step taken); ``ram``: every
+    table in RAM (the oracle's engine of an mmap config)."""
     import embengine as ee
     from embengine import initializers as init
 
@@ -363,20 +457,22 @@ def _fresh(spec: ConfigSpec, backend: str):
             weights_dtype=t.weights_dtype,
             slots_dtype=t.slots_dtype,
         )
-    return _engine_of(spec, tables, global_opt, backend)
+    return _engine_of(spec, tables, global_opt, backend, ram)
 
 
-def _start_state(spec: ConfigSpec, history: tuple) -> dict:
+def _start_state(spec: ConfigSpec, history: tuple, times: tuple = ()) -> dict:
     """The state a case's engine starts from: the reference backend's after the PRELUDE and
-    then the case's ``history`` (more steps of the same kind: keys per step), computed once
-    per process for each (config, history)."""
-    key = (spec.name, history)
+    then the case's ``history`` (more steps of the same kind: keys per step; ``times``: their
+    timestamps, a timed config's), computed once per process for each (config, history)."""
+    key = (spec.name, history, times)
     if key not in _PRELUDE_STATE:
-        ref = _fresh(spec, "reference")
+        ref = _fresh(spec, "reference", ram=True)
         if history:
             ref.load_state_dict(_start_state(spec, ()))
-        for batch, grads in prelude_batches(spec, history or PRELUDE):
-            ref.lookup(batch)
+        steps = prelude_batches(spec, history or PRELUDE)
+        stamps = (times if history else PRELUDE_TIMES) if spec.timed else (None,) * len(steps)
+        for (batch, grads), t in zip(steps, stamps, strict=True):
+            ref.lookup(batch, **({} if t is None else {"timestamp": t}))
             ref.apply_gradients(grads)
         if len(_PRELUDE_STATE) > 64:  # histories are per case: keep the preludes only
             for k in [k for k in _PRELUDE_STATE if k[1]]:
@@ -385,13 +481,15 @@ def _start_state(spec: ConfigSpec, history: tuple) -> dict:
     return _PRELUDE_STATE[key]
 
 
-def _build_new(spec: ConfigSpec, backend: str, history: tuple = ()):
-    """An engine of a keyed / 16-bit config after its PRELUDE and ``history``. Every engine
-    loads the reference backend's state after them: the backends' float32 math agrees to an
-    ulp, so their 16-bit values may round to neighbours, and the case's state is compared
-    with the reference's from the same start."""
-    engine = _fresh(spec, backend)
-    engine.load_state_dict(_start_state(spec, history))
+def _build_new(
+    spec: ConfigSpec, backend: str, history: tuple = (), times: tuple = (), ram: bool = False
+):
+    """An engine of a keyed / 16-bit config after its PRELUDE and ``history`` (at ``times``).
+    Every engine loads the reference backend's state after them: the backends' float32 math
+    agrees to an ulp, so their 16-bit values may round to neighbours, and the case's state is
+    compared with the reference's from the same start."""
+    engine = _fresh(spec, backend, ram)
+    engine.load_state_dict(_start_state(spec, history, times))
     return engine
 
 
@@ -431,10 +529,18 @@ def prelude_batches(spec: ConfigSpec, steps=PRELUDE):
     return out
 
 
-def build_engine(config: str, backend: str, foreign: str | None = None, history: tuple = ()):
+def build_engine(
+    config: str,
+    backend: str,
+    foreign: str | None = None,
+    history: tuple = (),
+    times: tuple = (),
+    ram: bool = False,
+):
     """A fresh EmbeddingEngine of an engine config (``foreign``: None, "vocab" or "packing");
     a keyed / 16-bit config's after its PRELUDE and ``history`` (a case's further steps,
-    tuples of keys; ``foreign`` does not apply to them)."""
+    tuples of keys, at ``times`` for a timed config; ``foreign`` does not apply to them);
+    ``ram``: an mmap config's tables in RAM (the oracle's)."""
     import embengine as ee
     from embengine import initializers as init
 
@@ -442,7 +548,7 @@ def build_engine(config: str, backend: str, foreign: str | None = None, history:
     if spec.table_specs:
         if foreign is not None:
             raise ValueError(f"no foreign variant of {config}")
-        return _build_new(spec, backend, history)
+        return _build_new(spec, backend, history, times, ram)
     per_table, global_opt = _optimizers(config, foreign)
     scale = 10 if foreign == "vocab" else 1
     tables = {}

@@ -52,6 +52,7 @@ which is how a read-only attribute refuses).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -65,7 +66,7 @@ from embengine import NonFiniteUpdateError
 
 from . import inputs
 from .cases import FAULTS, TPU_PATHS, TRAINING_PATHS
-from .configs import NEW_CONFIGS, SPECS, build_engine, build_tpu
+from .configs import NEW_CONFIGS, PRELUDE_TIMES, SPECS, build_engine, build_tpu
 from .inputs import ApiError, api, logical_batch, nest, unnest
 
 OUTCOMES = (
@@ -242,9 +243,17 @@ def initial_row(spec, table: str, key: int, dim: int) -> np.ndarray:
     return row
 
 
-def keyed_model(spec, logical: dict, before: dict, training: bool) -> dict:
+NO_TIME = -(1 << 63)  # a keyed table's data time before any timestamp
+
+
+def keyed_model(
+    spec, logical: dict, before: dict, training: bool, timestamp: int | None = None
+) -> dict:
     """What the rules say of each keyed table for this batch (see the module docstring):
-    {table: {"rows": {key: row seen}, "refuse": bool, "keys_after": set or None}}."""
+    {table: {"rows": {key: row seen}, "refuse": bool, "keys_after": set or None}}.
+    ``timestamp``: a training call's data time (a table expiring by ``expire_seconds`` sees
+    rows whose data time is at most that many seconds behind the newer of it and the
+    table's data time; an evaluation lookup: behind the table's)."""
     out = {}
     step = before["step"]
     for table in spec.keyed_tables:
@@ -256,10 +265,18 @@ def keyed_model(spec, logical: dict, before: dict, training: bool) -> dict:
         last = [int(t) for t in before[f"{table}/last_touched"]]
         touches = [int(t) for t in before[f"{table}/touch_counts"]]
         expire = rules.get("expire_steps")
+        seconds = rules.get("expire_seconds")
+        now = NO_TIME
+        if seconds is not None:
+            now = int(before[f"{table}/data_time"][0])
+            if training and timestamp is not None:
+                now = max(now, int(timestamp))
+        times = [int(t) for t in before[f"{table}/last_time"]] if seconds is not None else []
         live = {
             k: (weights[i], last[i], touches[i])
             for i, k in enumerate(keys)
-            if expire is None or not step > last[i] + expire
+            if (expire is None or not step > last[i] + expire)
+            and (now == NO_TIME or not now - times[i] > seconds)
         }
         batch = {
             int(k)
@@ -313,7 +330,59 @@ def keyed_model(spec, logical: dict, before: dict, training: bool) -> dict:
             )
             after -= set(order[:over])
         out[table] = {"rows": rows, "refuse": False, "keys_after": after | admitted}
+        out[table]["live"] = set(live)
     return out
+
+
+def time_diff(spec, logical: dict, before: dict, after: dict, stamps: dict) -> str | None:
+    """None if the data times after a training step are the rules' (``expire_seconds``:
+    config.DynamicVocabulary, docs/design.md "Keyed tables expire in data time"), else what
+    differs first. For each timed table with keys in the batch: the table's data time is
+    the newest of its own, the lookup's timestamp and, inserting on apply, the update's (its
+    own, else the lookup's: ``stamps``); a row the lookup found keeps the newer of its time
+    and the lookup's, a row it made gets the lookup's, a row the update made the update's
+    (late data never ages a row; a new row from late data keeps its old time)."""
+    t_look = stamps["lookup"]
+    t_apply = stamps["apply"] if stamps["apply"] is not None else t_look
+    for table in spec.keyed_tables:
+        rules = spec.table_spec(table).rules
+        if "expire_seconds" not in rules or t_look is None:
+            continue
+        batch = {
+            int(k)
+            for f in spec.features
+            if f.table == table
+            for s in logical[f.name]["samples"]
+            for k in s[: f.seq or None]
+        }
+        if not batch:
+            continue
+        on_apply = rules.get("insert_on", "lookup") == "apply"
+        clock = max(int(before[f"{table}/data_time"][0]), t_look)
+        if on_apply:
+            clock = max(clock, t_apply)
+        got = int(after[f"{table}/data_time"][0])
+        if got != clock:
+            return f"{table}: data time {got} after the step, the rules give {clock}"
+        was = dict(
+            zip(
+                before[f"{table}/keys"].tolist(), before[f"{table}/last_time"].tolist(), strict=True
+            )
+        )
+        now = dict(
+            zip(after[f"{table}/keys"].tolist(), after[f"{table}/last_time"].tolist(), strict=True)
+        )
+        model = keyed_model(spec, logical, before, True, t_look)[table]
+        for k in sorted(batch & set(now)):
+            if k in model.get("live", ()):
+                want = max(was[k], t_look)  # found by the lookup
+            else:
+                want = t_apply if on_apply else t_look  # made by the lookup or the update
+            if now[k] != want:
+                return (
+                    f"{table}: key {k}'s data time {now[k]} after the step, the rules give {want}"
+                )
+    return None
 
 
 def acts_diff(
@@ -398,12 +467,16 @@ def drive(recipe, backend: str, clean: bool) -> dict:
         if spec.prelude and path in TRAINING_PATHS:
             res["mid"] = snapshot(engine)
 
+    if recipe["path"] == "train_two":
+        return drive_two(recipe, backend, clean)
     logical = inputs.base_grads(spec, recipe)
     grads = logical if clean else inputs.subject_grads(logical, fault)
     lrs = inputs.logical_lrs(recipe) if clean else inputs.subject_lrs(recipe)
     view = dict(recipe)
     view["path"] = path
     view["case_path"] = recipe["path"]  # the logical batch's (inputs.keyed_change)
+    t = inputs.timestamps(view, clean)
+    ts = inputs.ts
     try:
         if path in ("tpu", "tpu_serving"):
             obj = build_tpu(backend, serving=path == "tpu_serving")
@@ -413,7 +486,13 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             engine = None
             res["before"] = res["after"] = tables
         else:
-            engine = build_engine(recipe["config"], backend, history=inputs.history(recipe))
+            engine = build_engine(
+                recipe["config"],
+                backend,
+                history=inputs.history(recipe),
+                times=inputs.history_times(recipe),
+                ram=clean,
+            )
             obj = engine
         res["engine"] = engine
         if engine is not None:
@@ -423,18 +502,28 @@ def drive(recipe, backend: str, clean: bool) -> dict:
         else:
             feats, weights, built = inputs.features(spec, view, clean)
         if path in ("lookup_eval", "train"):
-            acts = api("call", engine.lookup, feats, weights, training=path == "train")
-            if path == "train":
+            training = path == "train"
+            acts = api(
+                "call",
+                engine.lookup,
+                feats,
+                weights,
+                training=training,
+                **ts(t["lookup"] if training else t["eval"]),
+            )
+            if training:
                 looked_up()
-                api("call", engine.apply_gradients, grads, learning_rates=lrs)
+                api("call", engine.apply_gradients, grads, learning_rates=lrs, **ts(t["apply"]))
         elif path == "train_eval":
             # an evaluation lookup between a training lookup and its update: it sees the
             # tables as the training lookup left them, and leaves the pending step alone
-            acts = api("call", engine.lookup, feats, weights, training=True)
+            acts = api("call", engine.lookup, feats, weights, training=True, **ts(t["lookup"]))
             looked_up()
-            res["eval_acts"] = api("call", engine.lookup, feats, weights, training=False)
+            res["eval_acts"] = api(
+                "call", engine.lookup, feats, weights, training=False, **ts(t["eval"])
+            )
             res["eval_after"] = snapshot(engine)
-            api("call", engine.apply_gradients, grads, learning_rates=lrs)
+            api("call", engine.apply_gradients, grads, learning_rates=lrs, **ts(t["apply"]))
         elif path in ("prepared", "prepared_eval"):
             training = path == "prepared"
             batch = inputs.prepared_batch(engine, spec, view, feats, weights, training)
@@ -445,11 +534,24 @@ def drive(recipe, backend: str, clean: bool) -> dict:
                     "call", engine.lookup, batch, {spec.names[0]: [[1.0]]}, training=training
                 )
             else:
-                acts = api("call", engine.lookup, batch, training=training)
+                acts = api(
+                    "call",
+                    engine.lookup,
+                    batch,
+                    training=training,
+                    **ts(t["lookup"] if training else t["eval"]),
+                )
             if training:
                 looked_up()
                 target = {"user": [[0]]} if kind == "not_a_batch" else batch
-                api("call", engine.apply_gradients, grads, learning_rates=lrs, batch=target)
+                api(
+                    "call",
+                    engine.apply_gradients,
+                    grads,
+                    learning_rates=lrs,
+                    batch=target,
+                    **ts(t["apply"]),
+                )
         elif path == "serving":
             if kind and kind.startswith(("foreign", "batch_", "twin")):
                 batch = inputs.prepared_batch(obj, spec, view, feats, weights, True)
@@ -466,7 +568,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
                 if kind == "caller_ids_mutated" and inputs.late_mutation(view):
                     inputs.mutate_caller_ids(built[fault["feature"]], fault)
                 w = {spec.names[0]: [[1.0]]} if kind == "batch_with_weights" else None
-            out = api("call", layer, given, w, learning_rates=lrs)
+            out = api("call", layer, given, w, learning_rates=lrs, **ts(t["lookup"]))
             looked_up()
             acts = {k: v.detach().numpy().copy() for k, v in out.items()}
             shapes_ok = all(k in grads and tuple(out[k].shape) == np.shape(grads[k]) for k in out)
@@ -525,6 +627,8 @@ def _names(message: str, tokens: list[str]) -> bool:
 
 def judge(recipe: dict) -> dict:
     """Run the case on its backend and classify it (see the module docstring)."""
+    if recipe["path"] == "train_two":
+        return judge_two(recipe)
     spec = SPECS[recipe["config"]]
     fault = recipe["fault"]
     expect = FAULTS[fault["kind"]].expect if fault else "valid"
@@ -541,7 +645,12 @@ def judge(recipe: dict) -> dict:
     logicals = [logical_batch(recipe)]
     if change == "either":
         logicals.append(logical_batch(recipe, mutated=False))
-    models = [keyed_model(spec, lb, before, training) for lb in logicals] if spec.prelude else [{}]
+    stamp = inputs.timestamps(dict(recipe, case_path=path), clean=True)["lookup"]
+    models = (
+        [keyed_model(spec, lb, before, training, stamp) for lb in logicals]
+        if spec.prelude
+        else [{}]
+    )
     refusing = [t for t, m in models[0].items() if m["refuse"]]
     if res["error"] is not None and isinstance(res["error"].error, NonFiniteUpdateError):
         return _judge_policed(recipe, res)
@@ -605,6 +714,11 @@ def judge(recipe: dict) -> dict:
                 "detail": f"{table}: keys {sorted(got)} after the step, the rules leave "
                 f"{sorted(m['keys_after'])}",
             }
+    if spec.timed:
+        stamps = inputs.timestamps(dict(recipe, case_path=path), clean=True)
+        d = time_diff(spec, logicals[0], before, after, stamps)
+        if d:
+            return {"outcome": "wrong_answer", "detail": d}
     ref = drive(recipe, "reference", clean=True)
     if ref["error"] is not None:
         e = ref["error"].error
@@ -637,6 +751,219 @@ def _acts_of(spec, acts, logical: dict, before: dict, model: dict) -> str | None
         if d:
             return d
     return None
+
+
+# -- two training lookups before their updates ----------------------------------------------------
+
+_STAGES = ("prepare_a", "prepare_b", "lookup_a", "lookup_b", "eval", "apply_a", "apply_b")
+
+
+def _batch_b(recipe: dict) -> dict:
+    """train_two's batch B as a recipe of its own (valid: no fault)."""
+    return dict(recipe, batch=recipe["batch2"], grad_seed=recipe["grad_seed2"], fault=None)
+
+
+def drive_two(recipe: dict, backend: str, clean: bool) -> dict:
+    """train_two: lookups of A (the case's batch, with its fault) and B (``batch2``, valid)
+    before their updates, an evaluation lookup of A's features between (``eval``), then
+    ``apply_gradients(gA, batch=A)`` and ``apply_gradients(gB)`` (B's, pending) in the
+    case's ``order``. ``via``: "prepared" (A and B from ``preprocess``, looked up with
+    ``lookup``) or "with_batch" (``lookup_with_batch``'s batch). ``clean``: the oracle's run
+    on the reference backend (tables in RAM): the same calls with the logical batches in the
+    canonical form through ``lookup_with_batch``; for a config without keyed tables the
+    updates one after the other instead (lookup A, update A, lookup B, update B; B first if
+    the case updates B first), which must leave the same tables. Returns acts, acts2,
+    eval_acts, the error and its stage, and ``snaps``: the state before each stage ("before":
+    at the start; "after": at the end)."""
+    spec = SPECS[recipe["config"]]
+    fault = None if clean else recipe["fault"]
+    view = dict(recipe, case_path="train_two")
+    t = inputs.timestamps(view, clean)
+    ts = inputs.ts
+    gA = inputs.base_grads(spec, recipe)
+    if not clean:
+        gA = inputs.subject_grads(gA, fault)
+    gB = inputs.base_grads(spec, _batch_b(recipe))
+    lrs = inputs.logical_lrs(recipe) if clean else inputs.subject_lrs(recipe)
+    via = "with_batch" if clean else recipe["via"]
+    b_first = recipe["order"] == "pending_first"
+    res: dict = {"acts": None, "acts2": None, "eval_acts": None, "error": None, "stage": None}
+    snaps: dict = {}
+    res["snaps"] = snaps
+    engine = build_engine(
+        recipe["config"],
+        backend,
+        history=inputs.history(recipe),
+        times=inputs.history_times(recipe),
+        ram=clean,
+    )
+    res["engine"] = engine
+    snaps["before"] = snapshot(engine)
+
+    def call(stage, fn, *args, **kwargs):
+        snaps[stage] = snapshot(engine)
+        res["stage"] = stage
+        return api("call", fn, *args, **kwargs)
+
+    try:
+        feats_a, w_a, _ = inputs.features(spec, view, clean)
+        feats_b, w_b, _ = inputs.features(spec, dict(_batch_b(view), fault=None), clean)
+        if clean and not spec.keyed_tables:  # the updates one after the other
+            steps = [("a", feats_a, w_a, gA, "acts"), ("b", feats_b, w_b, gB, "acts2")]
+            for x, f, w, g, key in steps[::-1] if b_first else steps:
+                res[key] = call(f"lookup_{x}", engine.lookup, f, w)
+                call(f"apply_{x}", engine.apply_gradients, g, learning_rates=lrs)
+        else:
+            if via == "prepared":
+                batch_a = call("prepare_a", engine.preprocess, feats_a, w_a)
+                batch_b = call("prepare_b", engine.preprocess, feats_b, w_b)
+                res["acts"] = call("lookup_a", engine.lookup, batch_a, **ts(t["lookup"]))
+                res["acts2"] = call("lookup_b", engine.lookup, batch_b, **ts(t["lookup2"]))
+            else:
+                res["acts"], batch_a = call(
+                    "lookup_a", engine.lookup_with_batch, feats_a, w_a, **ts(t["lookup"])
+                )
+                res["acts2"], _ = call(
+                    "lookup_b", engine.lookup_with_batch, feats_b, w_b, **ts(t["lookup2"])
+                )
+            if recipe["eval"] or t["eval"] is not None:
+                res["eval_acts"] = call(
+                    "eval", engine.lookup, feats_a, w_a, training=False, **ts(t["eval"])
+                )
+
+            def apply_a():
+                call(
+                    "apply_a",
+                    engine.apply_gradients,
+                    gA,
+                    learning_rates=lrs,
+                    batch=batch_a,
+                    **ts(t["apply"]),
+                )
+
+            def apply_b():
+                call("apply_b", engine.apply_gradients, gB, learning_rates=lrs, **ts(t["apply2"]))
+
+            for step in (apply_b, apply_a) if b_first else (apply_a, apply_b):
+                step()
+    except ApiError as e:
+        res["error"] = e
+        if e.stage != "call":  # building or changing an input (before any call)
+            res["stage"] = e.stage
+            snaps[e.stage] = snaps["before"]
+    res["after"] = snaps["after"] = snapshot(engine)
+    res["before"] = snaps["before"]
+    return res
+
+
+def _lost_rows(spec, model_a: dict, pre: dict) -> list[str]:
+    """The keyed tables where a key that had a row at A's lookup (``model_a``) has none
+    before A's update (``pre``): later calls removed it, and the update must be refused."""
+    out = []
+    for table, m in model_a.items():
+        held = set(m["rows"])
+        if held - {int(k) for k in pre[f"{table}/keys"]}:
+            out.append(table)
+    return out
+
+
+def judge_two(recipe: dict) -> dict:
+    """Judge a train_two case (``drive_two``): activations of A by the keyed rules at its
+    lookup, of B at B's (after A's), of the evaluation lookup at its own (and it changes
+    nothing); an update of A whose keys later calls removed must be refused naming the table
+    (``KeyedTable.check_update_rows``); an error changes nothing since its call began; the
+    tables at the end are the oracle run's (``drive_two(clean=True)``)."""
+    spec = SPECS[recipe["config"]]
+    fault = recipe["fault"]
+    expect = FAULTS[fault["kind"]].expect if fault else "valid"
+    change = inputs.keyed_change(recipe)
+    if change == "value":
+        expect = "valid"
+    res = drive_two(recipe, recipe["backend"], clean=False)
+    snaps, after = res["snaps"], res["after"]
+    if res["error"] is not None and isinstance(res["error"].error, NonFiniteUpdateError):
+        return _judge_policed(recipe, res)
+    t = inputs.timestamps(dict(recipe, case_path="train_two"), clean=True)
+    logicals = [logical_batch(recipe)]
+    if change == "either":
+        logicals.append(logical_batch(recipe, mutated=False))
+    logical_b = copy.deepcopy(recipe["batch2"])
+
+    def model(stage: str, logical: dict, training: bool, stamp=None) -> dict:
+        if not spec.prelude or stage not in snaps:
+            return {}
+        return keyed_model(spec, logical, snaps[stage], training, stamp)
+
+    model_a = model("lookup_a", logicals[0], True, t["lookup"])
+    model_b = model("lookup_b", logical_b, True, t["lookup2"])
+    refuse = {
+        "lookup_a": [x for x, m in model_a.items() if m["refuse"]],
+        "lookup_b": [x for x, m in model_b.items() if m["refuse"]],
+        "apply_a": _lost_rows(spec, model_a, snaps["apply_a"]) if "apply_a" in snaps else [],
+    }
+    if res["error"] is not None:
+        err, stage = res["error"].error, res["stage"]
+        text = f"{stage}: {type(err).__name__}: {err}"[:600]
+        if not same_bits(snaps[stage], after):
+            return {"outcome": "partial_update", "detail": text}
+        types = (TypeError, ValueError) + ((AttributeError,) if stage == "mutate" else ())
+        if not isinstance(err, types):
+            return {"outcome": "unclear_error", "detail": text}
+        if stage in ("build", "mutate"):
+            return {"outcome": "clear_error", "detail": text}
+        tokens = None if expect == "valid" else _tokens(spec, recipe)
+        if refuse.get(stage) and (tokens is not None or expect == "valid"):
+            tokens = (tokens or []) + refuse[stage]
+        elif expect == "valid":
+            ref = drive_two(recipe, "reference", clean=True)
+            e = ref["error"]
+            if e is None or ref["stage"] != stage or type(e.error) is not type(err):
+                return {"outcome": "wrong_answer", "detail": "refused a valid input: " + text}
+            tokens = spec.tables  # as the oracle's run refuses it: naming a table
+        if tokens is not None and not _names(str(err), tokens):
+            return {"outcome": "unclear_error", "detail": f"does not name {tokens}: {text}"}
+        return {"outcome": "clear_error", "detail": text}
+    if expect == "error":
+        return {"outcome": "wrong_answer", "detail": "accepted a malformed input"}
+    for stage, tables in refuse.items():
+        if tables:
+            return {"outcome": "wrong_answer", "detail": f"{stage} of {tables} not refused"}
+    for logical in logicals:
+        d = _acts_of(spec, res["acts"], logical, snaps["lookup_a"], model_a)
+        if d is None:
+            break
+    if d:
+        return {"outcome": "wrong_answer", "detail": "batch A: " + d}
+    d = _acts_of(spec, res["acts2"], logical_b, snaps["lookup_b"], model_b)
+    if d:
+        return {"outcome": "wrong_answer", "detail": "batch B: " + d}
+    if "eval" in snaps:
+        nxt = snaps["apply_b" if recipe["order"] == "pending_first" else "apply_a"]
+        if not same_bits(snaps["eval"], nxt):
+            return {"outcome": "wrong_answer", "detail": "the evaluation lookup changed the tables"}
+        for logical in logicals:
+            d = _acts_of(
+                spec, res["eval_acts"], logical, snaps["eval"], model("eval", logical, False)
+            )
+            if d is None:
+                break
+        if d:
+            return {"outcome": "wrong_answer", "detail": "evaluation lookup: " + d}
+    bad = nonfinite(after)
+    if bad:
+        return {"outcome": "wrong_answer", "detail": f"non-finite state written: {bad}"}
+    ref = drive_two(recipe, "reference", clean=True)
+    if ref["error"] is not None:
+        e = ref["error"].error
+        return {
+            "outcome": "wrong_answer",
+            "detail": f"the oracle's run refuses the logical batches at {ref['stage']}: "
+            f"{type(e).__name__}: {e}",
+        }
+    d = state_diff(after, ref["after"])
+    if d:
+        return {"outcome": "wrong_answer", "detail": d}
+    return {"outcome": "right_answer", "detail": ""}
 
 
 def _judge_policed(recipe: dict, res: dict) -> dict:
@@ -696,4 +1023,6 @@ def warm_up() -> None:
                     "grad_seed": 0,
                     "lrs": [0.1] * spec.dynamic_tags or None,
                 }
+                if spec.timed:
+                    recipe["timestamps"] = dict.fromkeys(("lookup", "lookup2"), PRELUDE_TIMES[-1])
                 run_case(recipe)

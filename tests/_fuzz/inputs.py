@@ -322,6 +322,54 @@ def history(recipe: dict) -> tuple:
     return tuple(tuple(step) for step in recipe.get("history") or ())
 
 
+def history_times(recipe: dict) -> tuple:
+    """A timed config's history steps' timestamps (configs.build_engine)."""
+    return tuple(recipe.get("history_times") or ())
+
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def timestamps(recipe: dict, clean: bool) -> dict:
+    """The ``timestamp=`` of each call of the case (None: none given): "lookup" and "apply"
+    (batch A's), "lookup2" and "apply2" (train_two's batch B), "eval" (an evaluation lookup);
+    with the case's timestamp fault unless ``clean`` (a timestamp of another integer type is
+    its value: clipped to int32's largest if the fault gives it that type). Paths that do not
+    call apply_gradients themselves (torch's backward) take the lookup's."""
+    out = dict.fromkeys(("lookup", "apply", "lookup2", "apply2", "eval"))
+    out.update(recipe.get("timestamps") or {})
+    applies = recipe.get("case_path", recipe["path"]) in (
+        "train",
+        "train_eval",
+        "prepared",
+        "train_two",
+    )
+    if not applies:
+        out["apply"] = out["apply2"] = None
+    fault = recipe["fault"]
+    kind = fault["kind"] if fault else None
+    if kind == "timestamp_repr_ok" and fault["dtype"] == "int32":
+        out = {k: v if v is None else min(v, _INT32_MAX) for k, v in out.items()}
+    if clean:
+        return out
+    if kind == "timestamp_repr_ok":
+        out = {k: v if v is None else np.dtype(fault["dtype"]).type(v) for k, v in out.items()}
+    elif kind == "timestamp_bad":
+        at = fault["at"] if applies else "lookup"
+        v = fault["value"]
+        out[at] = float("nan") if v == "nan" else v
+    elif kind == "timestamp_missing":
+        out = dict.fromkeys(out)
+    elif kind == "timestamp_eval":
+        out["eval"] = out["lookup"] or 1_000_090
+    return out
+
+
+def ts(value) -> dict:
+    """``timestamp=value`` as keyword arguments ({} for None)."""
+    return {} if value is None else {"timestamp": value}
+
+
 def fault_id(fs, fault: dict) -> int:
     """The id an id fault puts at sample 0's first place."""
     kind = fault["kind"]
@@ -696,7 +744,9 @@ def prepared_batch(engine, spec, recipe, feats, weights, training: bool):
             maker = build_engine(other, backend)
         elif kind == "twin_batch":
             other = "numba" if backend == "reference" else "reference"
-            maker = build_engine(config, other, history=history(recipe))
+            maker = build_engine(
+                config, other, history=history(recipe), times=history_times(recipe)
+            )
         else:
             maker = build_engine(
                 config, backend, "packing" if kind == "foreign_packing" else "vocab"
