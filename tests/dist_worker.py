@@ -24,6 +24,13 @@ Scenarios:
                                 (step 1 through lookup_with_batch and batch=): each update's
                                 error if it raised, whether the training activations stayed
                                 as they were, the gathered tables
+  failed:<optimizer>:<sharding>:<exchange>
+                                as equal, with a training lookup between each training lookup
+                                and its update that one rank's invalid input (``failing_batch``)
+                                makes every rank refuse (step 0 right after the lookup, step 1
+                                through lookup_with_batch and batch=, step 2 after an
+                                evaluation lookup): each refusal, whether the update was armed
+                                after it, each update's error if it raised, the tables
   mixed:<sharding>:<exchange>   three tables of odd widths, each its own 16-bit / float32
                                 dtypes, one quantized, Adam with per-row steps; evaluation
                                 and training lookups each step, then the gathered tables
@@ -363,6 +370,51 @@ def run_between(rank: int, world: int, out: str, name: str) -> None:
         try:
             eng.apply_gradients(grads, batch=batch)
         except Exception as e:  # every rank raises alike (at the header)
+            saved[f"error{step}"] = np.array(f"{type(e).__name__}: {e}")
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
+
+
+def failing_rank(step: int, world: int) -> int:
+    """The rank whose training lookup of ``step`` is refused in ``failed:`` scenarios: one
+    with samples (``split`` leaves the last rank empty at step 1)."""
+    return 0 if step == 1 else world - 1
+
+
+def failing_batch(feats: dict) -> dict:
+    """``feats`` with id 2 of table "small" (2 rows: out of range) in every bag of "c"."""
+    return {**feats, "c": [[2] for _ in feats["c"]]}
+
+
+def run_failed(rank: int, world: int, out: str, name: str) -> None:
+    """failed:<optimizer>:<sharding>:<exchange> (module docstring): a training lookup refused
+    between each training lookup and its update must leave that update as it was."""
+    from embengine.distributed import ShardedEngine
+
+    _, optimizer_name, sharding, exchange = name.split(":")
+    features, o = make_features(optimizer_name)
+    eng = ShardedEngine(
+        features, optimizer=o, seed=3, sharding=sharding, timeout=60, exchange=exchange
+    )
+    saved = {}
+    for step in range(STEPS):
+        feats, weights, grads = local(step, rank, world)
+        batch = None
+        if step == 1:
+            batch = eng.lookup_with_batch(feats, weights)[1]
+        else:
+            eng.lookup(feats, weights)
+        if step == 2:  # the update's speculation disarmed before the refused lookup
+            eng.lookup(feats, weights, training=False)
+        bad = failing_batch(feats) if rank == failing_rank(step, world) else feats
+        try:
+            eng.lookup(bad, weights)
+            saved[f"refused{step}"] = np.array("no error")
+        except Exception as e:  # every rank raises at the header
+            saved[f"refused{step}"] = np.array(f"{type(e).__name__}: {e}")
+        saved[f"armed{step}"] = np.array(eng._armed is not None)
+        try:
+            eng.apply_gradients(grads, batch=batch)
+        except Exception as e:
             saved[f"error{step}"] = np.array(f"{type(e).__name__}: {e}")
     _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
 
@@ -1389,6 +1441,8 @@ def main() -> None:
                 run_equal(rank, world, out, name)
             elif name.startswith("between:"):
                 run_between(rank, world, out, name)
+            elif name.startswith("failed:"):
+                run_failed(rank, world, out, name)
             elif name.startswith("mixed:"):
                 run_mixed(rank, world, out, name)
             elif name.startswith("sweep:"):

@@ -57,6 +57,9 @@ SCENARIOS = (
 # Evaluation lookups between each training lookup and its update: "sums" (the owners keep the
 # lookup's occurrences for the update) and "rows".
 BETWEEN = ["between:adagrad:row:sums", "between:adam:table:rows", "between:ftrl:auto:auto"]
+# A training lookup refused on every rank (one rank's invalid input) between each training
+# lookup and its update: "auto" (both exchanges at 2 and 3 ranks) and "sums" of whole tables.
+FAILED = ["failed:adagrad:row:auto", "failed:sgd:table:sums"]
 # Per feature: its table, the table's width, the positions a sample keeps (sequences cut).
 FEATURES = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
 SEQUENCE = {"s": 3}
@@ -140,7 +143,7 @@ def runs(tmp_path_factory):
                 single_engine_run(o, 1)
         if world not in done:
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, [*SCENARIOS, *BETWEEN])
+            codes = spawn(world, out, [*SCENARIOS, *BETWEEN, *FAILED])
             assert codes == [0] * world, _logs(out, world)
             done[world] = out
         return done[world]
@@ -309,6 +312,49 @@ def test_an_evaluation_lookup_between_a_sharded_lookup_and_its_update_changes_no
         errors = {k: str(got[k]) for k in got.files if k.startswith("error")}
         assert not errors, (rank, errors)
         assert all(bool(got[f"same{s}"]) for s in range(worker.STEPS)), rank
+        _assert_state(path, state)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", FAILED)
+def test_a_training_lookup_refused_on_every_rank_leaves_the_pending_batch(runs, world, name):
+    """A training lookup that one rank's id out of range makes every rank refuse, between a
+    training lookup and its update (right after it, when the update would speculate; through
+    lookup_with_batch and batch=; after an evaluation lookup): as the single engine's failed
+    lookup of the concatenation, it leaves the earlier lookup pending, so the update updates
+    from it, on every rank alike, and the tables end bit for bit as the single engine's
+    making the same calls. The sharded lookup used to forget the pending batch before its
+    header: every update raised "needs a lookup" on every rank."""
+    optimizer_name = name.split(":")[1]
+    features, o = worker.make_features(optimizer_name)
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    for step in range(worker.STEPS):
+        feats, weights, grads = worker.global_batch(step)
+        batch = single.lookup_with_batch(feats, weights)[1] if step == 1 else None
+        if step != 1:
+            single.lookup(feats, weights)
+        if step == 2:
+            single.lookup(feats, weights, training=False)
+        lo, hi = worker.split(step, world)[worker.failing_rank(step, world)]
+        bad = worker.failing_batch({k: v[lo:hi] for k, v in feats.items()})["c"]
+        with pytest.raises(ValueError, match=r"feature 'c': id 2 .* is out of range \[0, 2\)"):
+            single.lookup({**feats, "c": feats["c"][:lo] + bad + feats["c"][hi:]}, weights)
+        single.apply_gradients(grads, batch=batch)
+    state = single.state_dict()
+    for rank in range(world):
+        path = runs(world) / f"{name.replace(':', '_')}.rank{rank}.npz"
+        got = np.load(path)
+        errors = {k: str(got[k]) for k in got.files if k.startswith("error")}
+        assert not errors, (rank, errors)
+        for step in range(worker.STEPS):
+            refused, bad = str(got[f"refused{step}"]), worker.failing_rank(step, world)
+            want = (
+                "ValueError: feature 'c': id 2 at sample 0"
+                if rank == bad
+                else f"DistributedError: rank {rank}: lookup at step {step} failed on ranks [{bad}]"
+            )
+            assert refused.startswith(want), (rank, step, refused)
+            assert not got[f"armed{step}"], (rank, step)  # no rank speculates afterwards
         _assert_state(path, state)
 
 

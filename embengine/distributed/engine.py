@@ -858,8 +858,11 @@ class ShardedEngine:
         single engine's for these samples. Collective: every rank calls it (with its own
         samples). ``training=True`` keeps the batch for ``apply_gradients``; ``training=False``
         is read-only and leaves that batch pending, as ``EmbeddingEngine.lookup``'s (every rank
-        passes the same ``training``). ``timestamp`` (training only): the step's data time for
-        keyed tables (``EmbeddingEngine.lookup``'s), the same on every rank (checked)."""
+        passes the same ``training``). A training lookup refused before it exchanged anything
+        (an invalid input on any rank: every rank raises) leaves it pending too, as the single
+        engine's failed lookup of the concatenation does. ``timestamp`` (training only): the
+        step's data time for keyed tables (``EmbeddingEngine.lookup``'s), the same on every
+        rank (checked)."""
         return self.lookup_with_batch(features, weights, training=training, timestamp=timestamp)[0]
 
     def lookup_with_batch(
@@ -958,8 +961,6 @@ class ShardedEngine:
                     saving[t] = self._sums_saving(t, counts[t], push)
         except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
-        if training:  # a failed one leaves none; an evaluation lookup leaves it alone
-            self._pending = self._last = self._given = None
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
@@ -969,6 +970,12 @@ class ShardedEngine:
                 limits[t] = self._shards[t].max_pending
             blocks[cols.p], blocks[cols.q] = pending, limits
         got = self._header(_LOOKUP if training else _EVAL, error, blocks, timestamp=when)
+        if training:
+            # Past the header every rank looks this batch up, so the last one's update is gone.
+            # A lookup refused at the header (on every rank alike: each raises there) left it
+            # pending, as EmbeddingEngine's failed lookup leaves its own; an evaluation lookup
+            # never touches it.
+            self._pending = self._last = self._given = None
         # Every rank got every rank's savings, so every rank picks the same exchange.
         sums = np.array(
             [
