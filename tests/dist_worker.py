@@ -75,11 +75,12 @@ Scenarios:
   slow_hash                     a ShardedEngine whose shards take rank 0 longer than the
                                 timeout to initialise; a save and a restore whose hashing
                                 (a big extra tensor of rank 0's) outlasts it
-  save_args:<keep|metadata|root|extra|restore|boom>
-                                save with keep=0, a root of None or an extra tensor that is a
-                                list on the last rank, or extra_metadata that is not JSON on
-                                every rank; restore(None) or features that raise RuntimeError
-                                on the last rank; then a step together
+  save_args:<keep|keeps|metadata|root|extra|restore|boom>
+                                save with keep=0, keep=1 (the others None), a root of None or
+                                an extra tensor that is a list on the last rank, or
+                                extra_metadata that is not JSON on every rank; restore(None)
+                                or features that raise RuntimeError on the last rank; then a
+                                step together
   step_mismatch                 the last rank is at another step
   bad_gradients                 the last rank's gradient of feature "a" is bool, str, complex,
                                 then NaN (a step together after each)
@@ -1310,6 +1311,8 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             try:
                 if name.endswith("keep"):
                     eng.save(root, keep=0 if last else None)
+                elif name.endswith("keeps"):  # each valid, but they differ
+                    eng.save(root, keep=1 if last else None)
                 elif name.endswith("root"):  # None for a folder on the last rank
                     eng.save(None if last else root)
                 elif name.endswith("extra"):  # a list for an array on the last rank

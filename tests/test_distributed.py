@@ -588,6 +588,7 @@ REFUSALS = [
     "save_write_fails:dense",
     "save_write_fails:keyed",
     "save_args:keep",
+    "save_args:keeps",
     "save_args:metadata",
     "save_args:root",
     "save_args:extra",
@@ -722,8 +723,8 @@ def test_a_user_optimizer_of_a_sharded_engine_loads_from_its_checkpoint(refusals
 
 def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):
     # keep=0 on one rank made the others wait the process group's timeout, then broke the
-    # group; metadata that is not JSON left a temporary folder and the other rank waiting.
-    # Both are checked before the save's first collective and fail every rank at once,
+    # group; metadata that is not JSON left a temporary folder and the other rank waiting;
+    # keeps that differ saved with rank 0's. Each fails every rank at the save's header,
     # nothing written; the ranks then step together.
     tmp_path = refusals
     for rank in range(2):
@@ -741,6 +742,15 @@ def test_a_bad_save_argument_on_any_rank_fails_every_rank_at_once(refusals):
             "RuntimeError: TypeError: extra_metadata holds set, which is not JSON"
         ), text
         assert text.strip().endswith("| left=[] | then step=1"), text
+        assert seconds < 30, (seconds, text)
+        # Valid keeps that differ: only rank 0 prunes, so its keep won silently; now they are
+        # compared in the save's header, an error on every rank naming them.
+        seconds, text = _error_text(tmp_path, "save_args:keeps", rank)
+        assert text.startswith(
+            f"RuntimeError: DistributedError: rank {rank}: save at step 0: the ranks pass keep "
+            "[None, 1] (ranks 0..1); every rank must pass the same keep="
+        ), text
+        assert text.strip().endswith("nothing was written | left=[] | then step=1"), text
         assert seconds < 30, (seconds, text)
 
 

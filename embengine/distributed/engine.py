@@ -2251,17 +2251,20 @@ class ShardedEngine:
         and row, one global manifest), each rank writing a block of every table's rows; it
         loads at any world size and into a plain ``EmbeddingEngine``. ``extra_tensors`` /
         ``extra_metadata``: as ``EmbeddingEngine.save``; rank 0's are written (pass the same
-        on every rank, e.g. a DDP model's). Collective; every rank must see ``path`` (one host,
-        or a shared file system). Returns the checkpoint's folder. See
-        embengine.distributed.checkpoint. Refused on every rank, nothing written, between a
-        training lookup and its update when a keyed table took that lookup (as
+        on every rank, e.g. a DDP model's). ``keep``: as ``EmbeddingEngine.save``, the same on
+        every rank (checked: ranks that differ raise, nothing written). Collective; every rank
+        must see ``path`` (one host, or a shared file system). Returns the checkpoint's
+        folder. See embengine.distributed.checkpoint. Refused on every rank, nothing written,
+        between a training lookup and its update when a keyed table took that lookup (as
         ``EmbeddingEngine.save``)."""
         from .. import checkpoint as single
         from . import checkpoint
 
-        error = None
+        error, kept = None, 0
         try:  # a bad argument on any rank: every rank raises at the header, nothing written
             single.check_save_arguments(keep, extra_metadata, path, extra_tensors)
+            # keep in the header (0: None; a keep past int64 keeps every checkpoint alike)
+            kept = 0 if keep is None else min(keep, np.iinfo(np.int64).max)
             self._check_files()
             halfway = [self.table_names[t] for t in self._keyed if self._halfway(t)]
             if halfway:
@@ -2276,7 +2279,15 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_SAVE, error)
+                got = self._header(_SAVE, error, {self._cols.a: np.array([kept])})
+                keeps = got[:, self._cols.a]
+                if (keeps != keeps[self.rank]).any():
+                    said = [None if k == 0 else int(k) for k in keeps.tolist()]
+                    raise DistributedError(
+                        f"rank {self.rank}: save at step {self._step}: the ranks pass keep "
+                        f"{said} (ranks 0..{self.world_size - 1}); every rank must pass the same "
+                        "keep= (the checkpoints under the root to keep); nothing was written"
+                    )
                 return checkpoint.save(
                     self._comm,
                     self._shards,
