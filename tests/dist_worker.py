@@ -89,6 +89,11 @@ Scenarios:
                                 a step together
   call_mismatch                 the last rank calls table_contents, the others lookup
   kill                          the last rank exits at once; the others time their error
+  kill_at_build                 the last rank exits before its ShardedEngine; the others time
+                                their error
+  late_at_build                 the default group's timeout set to 2 s, the last rank makes
+                                its ShardedEngine once the others have their error; each
+                                rank's error and its time
   hang                          the last rank stops (SIGSTOP); the others time their error
                                 (group timeout 3 s); rank 0 then kills it
   hang_first                    rank 0 (the store's host) stops; rank 1 then kills it
@@ -1261,6 +1266,30 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             result = f"{type(e).__name__}: {e}"
         with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
             f.write(f"{time.monotonic() - start:.3f}\n{result}\n")
+        return
+    if name == "late_at_build":  # the last rank makes its engine after the others failed
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        dist.barrier()  # lined up (60 s); from here the default group waits 2 s for a peer
+        _set_pg_timeout(timedelta(seconds=2))
+        if rank == world - 1:  # late: until the others wrote their error (30 s at most)
+            others = [os.path.join(out, f"{name}.rank{r}.txt") for r in range(world - 1)]
+            deadline = time.monotonic() + 30
+            while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        start = time.monotonic()
+        try:
+            ShardedEngine(features, optimizer=lr, seed=3)
+            result = "ok"
+        except Exception as e:
+            result = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"{name}.rank{rank}.txt.part"), "w") as f:
+            f.write(f"{time.monotonic() - start:.3f}\n{result}\n")
+        os.rename(  # whole, for the late rank that waits for it
+            os.path.join(out, f"{name}.rank{rank}.txt.part"),
+            os.path.join(out, f"{name}.rank{rank}.txt"),
+        )
         return
     if name.startswith("hang"):
         # The timed engine waits 3 s for a peer: first load every kernel of a step (an engine

@@ -869,6 +869,25 @@ def test_a_killed_peer_makes_the_other_rank_raise_at_once(tmp_path, scenario, sa
     assert seconds < 20, (seconds, text)
 
 
+def test_a_rank_late_for_the_engine_is_named_by_the_others_at_the_timeout(tmp_path):
+    # The default group waits 2 s for a peer here, and the last rank makes its ShardedEngine
+    # only once rank 0 has its error. Rank 0's PeerError named no rank ("it died ... or did
+    # not answer"); each rank now posts its arrival at the meeting in the store, so rank 0
+    # names the late one, within the timeout and the store's 2 s.
+    codes = spawn(2, tmp_path, ["late_at_build"], limit=120)
+    assert codes == [0, 0], _logs(tmp_path, 2)
+    seconds, text = _error_text(tmp_path, "late_at_build", 0)
+    assert text.startswith(
+        "PeerError: rank 0: the ranks of the default process group met before the "
+        "ShardedEngine's process group is made and one of them failed: no answer within the "
+        "group's timeout: rank 1 (its last call: none) had not entered it; gloo says:"
+    ), text
+    assert "Timed out" in text, text
+    assert 1.5 < seconds < 15, (seconds, text)  # 2 s, and at most 2 s more; a loaded host
+    _, text = _error_text(tmp_path, "late_at_build", 1)  # rank 0 has gone by then
+    assert text.startswith("PeerError: rank 1: the ranks of the default process group"), text
+
+
 def modelled_bytes(
     step: int, rank: int, world: int, exchanged: dict, value_bytes: int = 4
 ) -> tuple[int, int]:

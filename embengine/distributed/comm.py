@@ -34,17 +34,43 @@ def meet_in_the_default_group(purpose: str) -> None:
     before ``purpose``: its gloo connections are open since ``init_process_group``, so a rank
     that died is a PeerError at once. ``new_group``, which meets the ranks through the store
     instead, waited for a dead one until the store's timeout (60 s and more). A rank that is
-    only late is waited for, as ``new_group`` would. Nothing on a default group of another
-    backend."""
+    only late is waited for, as ``new_group`` would, until the default group's timeout; then
+    the PeerError names the ranks that had not come (each rank posts its arrival in the
+    default group's store, as ``Comm.enter`` posts a call, and the ranks that timed out ask
+    it with a 2 s limit: ``Comm.behind``). Nothing on a default group of another backend."""
     if dist.get_backend() != "gloo":
         return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Numbered here, in the order of the meetings (as every rank meets); posted meanwhile by a
+    # thread: its client of the store connects first, which waits for a dead store's host
+    # until the store's timeout, where the meeting itself finds a dead peer at once.
+    meeting = Comm(None, rank, world, kind="meeting", connect=False)
+    call = f"the meeting before {purpose}"
+
+    def arrive() -> None:
+        try:
+            meeting.connect()
+        except RuntimeError as e:  # the question after a timeout says so
+            meeting._store_failed = f"{call}: {e}"
+            return
+        meeting.enter(call)
+
+    posting = threading.Thread(target=arrive, daemon=True)
+    if world > 1:
+        posting.start()
     try:
         dist.all_reduce(torch.zeros(1, dtype=torch.int32))
     except RuntimeError as e:
+        said = str(e).strip()
+        if "timed out" in said.lower():
+            posting.join(STORE_ANSWER)
+            late = _silent_store() if posting.is_alive() else meeting.behind()
+            why = f"no answer within the group's timeout: {late}"
+        else:
+            why = "it died (connection reset) or did not answer within the group's timeout"
         raise PeerError(
-            f"rank {dist.get_rank()}: the ranks of the default process group met before "
-            f"{purpose} and one of them failed: it died (connection reset) or did not answer "
-            f"within the group's timeout; gloo says: {str(e).strip()}"
+            f"rank {rank}: the ranks of the default process group met before {purpose} and one "
+            f"of them failed: {why}; gloo says: {said}"
         ) from e
 
 
@@ -53,8 +79,9 @@ STORE_ANSWER = 2.0
 # Seconds of one rank's long work (hashing a checkpoint) between two meetings with the ranks
 # that wait for it (``Pacer``), at most: a quarter of the group's timeout when that is shorter.
 MEET_EVERY = 1.0
-# Each Comm's keys in the store: per group (its global ranks), a count of the Comms made on
-# it; the members of a group make their engines on it in the same order (as every collective).
+# Each Comm's keys in the store: per group (its global ranks) and kind, a count of the Comms
+# made on it; the members of a group make their engines on it in the same order (as every
+# collective), and meet before each in the default group alike.
 _COMMS: dict[str, itertools.count] = {}
 # The dtypes a collective sends as they are; any other (a 16-bit table's bfloat16 values)
 # travels as its bytes.
@@ -70,6 +97,15 @@ def _global_ranks(group, world_size: int) -> list[int]:
     import torch.distributed as dist
 
     return list(dist.get_process_group_ranks(group))
+
+
+def _silent_store() -> str:
+    """What a rank says when the store did not answer which peer is behind (its host)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        host = "torchrun's agent serves it: is the agent alive?"
+    else:
+        host = "rank 0 of the default group serves it: it may be the one that hangs"
+    return f"the store did not answer which rank it is ({host})"
 
 
 def _default_store():
@@ -90,29 +126,48 @@ class Comm:
 
     ``store`` (default: the default group's store): where each rank posts the call it enters
     (``enter``), one key per rank, so that after a timeout the ranks that answered can name the
-    ones that never reached the call. Posting is one small store write per call."""
+    ones that never reached the call. Posting is one small store write per call. ``kind``
+    names the Comm's keys apart from other kinds' on the same group (``"meeting"``:
+    ``meet_in_the_default_group``'s)."""
 
     def __init__(
-        self, group, rank: int, world_size: int, store=None, meet_every: float = MEET_EVERY
+        self,
+        group,
+        rank: int,
+        world_size: int,
+        store=None,
+        kind: str = "comm",
+        connect: bool = True,
+        meet_every: float = MEET_EVERY,
     ):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.meet_every = meet_every
         self.sent: Counter[str] = Counter()
-        store = store if store is not None or world_size == 1 else _default_store()
         self._store = None
         self._store_failed = ""
+        # The store to connect to (``connect``), None once connected or without one.
+        self._unconnected = store if store is not None or world_size == 1 else _default_store()
+        members = "-".join(map(str, _global_ranks(group, world_size)))
+        number = next(_COMMS.setdefault(f"{members}/{kind}", itertools.count()))
+        self._prefix = f"embengine/group{members}/{kind}{number}/rank"
+        self._calls = 0
+        self._call = ""
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Make this Comm's own client of its store (``__init__`` does, unless told not to:
+        the client connects anew, which waits for a store whose host is gone until the store's
+        timeout)."""
+        store, self._unconnected = self._unconnected, None
         if store is not None:
             # Our own client, with a short timeout: a hung rank 0 (the store's host under
             # torchrun) must not hold a post or a question for the store's 30 minutes.
-            self._store = store.clone()
-            self._store.set_timeout(timedelta(seconds=STORE_ANSWER))
-        members = "-".join(map(str, _global_ranks(group, world_size)))
-        number = next(_COMMS.setdefault(members, itertools.count()))
-        self._prefix = f"embengine/group{members}/comm{number}/rank"
-        self._calls = 0
-        self._call = ""
+            client = store.clone()
+            client.set_timeout(timedelta(seconds=STORE_ANSWER))
+            self._store = client
 
     def enter(self, call: str) -> None:
         """Post that this rank enters its next call (``call`` says which, e.g. "lookup at step
@@ -147,11 +202,7 @@ class Comm:
         asking.start()
         asking.join(STORE_ANSWER + 1.0)
         if asking.is_alive() or len(answers) < self.world_size - 1:
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                host = "torchrun's agent serves it: is the agent alive?"
-            else:
-                host = "rank 0 of the default group serves it: it may be the one that hangs"
-            return f"the store did not answer which rank it is ({host})"
+            return _silent_store()
         late = []
         for r, posted in sorted(answers.items()):
             calls, _, call = (posted or "0 ").partition(" ")
