@@ -29,8 +29,11 @@ Scenarios:
                                 and its update that one rank's invalid input (``failing_batch``)
                                 makes every rank refuse (step 0 right after the lookup, step 1
                                 through lookup_with_batch and batch=, step 2 after an
-                                evaluation lookup): each refusal, whether the update was armed
-                                after it, each update's error if it raised, the tables
+                                evaluation lookup), then an evaluation lookup of no sample:
+                                each refusal, whether the update was armed after it, what
+                                table_stats said each table exchanged after the training
+                                lookup and before the update, each update's error if it
+                                raised, the tables
   mixed:<sharding>:<exchange>   three tables of odd widths, each its own 16-bit / float32
                                 dtypes, one quantized, Adam with per-row steps; evaluation
                                 and training lookups each step, then the gathered tables
@@ -402,6 +405,10 @@ def run_failed(rank: int, world: int, out: str, name: str) -> None:
         features, optimizer=o, seed=3, sharding=sharding, timeout=60, exchange=exchange
     )
     saved = {}
+
+    def exchanged():
+        return np.array([eng.table_stats()["tables"][t]["exchange"] for t in TABLES])
+
     for step in range(STEPS):
         feats, weights, grads = local(step, rank, world)
         batch = None
@@ -409,6 +416,7 @@ def run_failed(rank: int, world: int, out: str, name: str) -> None:
             batch = eng.lookup_with_batch(feats, weights)[1]
         else:
             eng.lookup(feats, weights)
+        saved[f"trained{step}"] = exchanged()
         if step == 2:  # the update's speculation disarmed before the refused lookup
             eng.lookup(feats, weights, training=False)
         bad = failing_batch(feats) if rank == failing_rank(step, world) else feats
@@ -418,6 +426,10 @@ def run_failed(rank: int, world: int, out: str, name: str) -> None:
         except Exception as e:  # every rank raises at the header
             saved[f"refused{step}"] = np.array(f"{type(e).__name__}: {e}")
         saved[f"armed{step}"] = np.array(eng._armed is not None)
+        # An evaluation lookup of no sample: "auto" picks "sums" for every table (nothing
+        # saved either way), the update still what the training lookup exchanged.
+        eng.lookup({k: [] for k in feats}, {"a": []}, training=False)
+        saved[f"reported{step}"] = exchanged()
         try:
             eng.apply_gradients(grads, batch=batch)
         except Exception as e:

@@ -358,6 +358,27 @@ def test_a_training_lookup_refused_on_every_rank_leaves_the_pending_batch(runs, 
         _assert_state(path, state)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", FAILED)
+def test_table_stats_reports_the_exchange_of_the_last_training_lookup(runs, world, name):
+    """table_stats()'s "exchange" is what the last training lookup exchanged, which its update
+    reuses: a refused lookup and an evaluation lookup afterwards (of no sample, for which
+    "auto" picks "sums" everywhere) leave it. It used to report the evaluation's, so a step
+    whose training lookup pulled rows was reported as "sums"."""
+    from embengine.distributed.sharding import sums_saving
+
+    assert sums_saving(8, 0, 0, 4) == 0  # no sample: "auto" picks "sums" (savings >= 0)
+    picked = set()
+    for rank in range(world):
+        got = np.load(runs(world) / f"{name.replace(':', '_')}.rank{rank}.npz")
+        for step in range(worker.STEPS):
+            trained = got[f"trained{step}"].tolist()
+            assert got[f"reported{step}"].tolist() == trained, (rank, step)
+            picked.update(trained)
+    if name.endswith(":auto") and world > 1:
+        assert "rows" in picked, picked  # the premise: the evaluation's would differ
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("sharding", ["row", "table"])

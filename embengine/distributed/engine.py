@@ -283,7 +283,8 @@ class ShardedEngine:
         (per step and table, whichever sends fewer bytes by the cost model of
         docs/design.md, from every rank's counts: ``sharding.sums_saving``), or a dict table
         name -> one of them (others "auto"). Tables and slots are bit-identical either way.
-        Keyed tables exchange rows. ``table_stats()`` says what each table's last lookup used.
+        Keyed tables exchange rows. ``table_stats()`` says what each table's last training
+        lookup used.
       group: the process group to shard over; None makes a new gloo group of every rank of the
         default group (``torch.distributed.init_process_group`` must have run), so the engine's
         collectives never interleave with DDP's.
@@ -536,7 +537,8 @@ class ShardedEngine:
         self._armed: _Lookup | None = None
         # A speculating update's blocks start on multiples of this many floats.
         self._grid = message_grid(self._dims)
-        # Per table, what its last lookup exchanged ("rows" or "sums"; None before any).
+        # Per table, what its last training lookup exchanged ("rows" or "sums"; None before
+        # any): what the update of that lookup's batch reuses (``table_stats``).
         self._exchanged: list[str | None] = [None] * len(r.tables)
         self.lock = threading.RLock()
         self.bytes_sent: dict[str, Counter[str]] = {}
@@ -572,7 +574,7 @@ class ShardedEngine:
     @property
     def exchange(self) -> dict[str, str]:
         """Table name -> its exchange setting: "rows", "sums" or "auto" (what each table's last
-        lookup used: ``table_stats()``)."""
+        training lookup used: ``table_stats()``)."""
         return dict(zip(self.table_names, self._exchange, strict=True))
 
     def optimizer(self, table_name: str) -> Optimizer:
@@ -596,11 +598,13 @@ class ShardedEngine:
 
     def table_stats(self) -> dict[str, Any]:
         """What this rank holds and sends (local, no communication): per table its sharding,
-        what its last lookup exchanged (``"rows"`` or ``"sums"``, None before any), the rows
-        and bytes (weights and slots) on this rank (a keyed table: its keys here, and
-        ``keyed``, this rank's ``KeyedTable.stats()``); the bytes this rank sent in its
-        last call of each kind (``{call: {purpose: bytes}}``) and since construction. The
-        cost model behind the bytes is in docs/design.md."""
+        what its last training lookup exchanged (``"rows"`` or ``"sums"``, None before any:
+        what that lookup's update reuses, so an evaluation lookup, whose exchange no update
+        uses, leaves it as it was; so does a lookup refused at its header), the rows and
+        bytes (weights and slots) on this rank (a keyed table: its keys here, and ``keyed``,
+        this rank's ``KeyedTable.stats()``); the bytes this rank sent in its last call of
+        each kind (``{call: {purpose: bytes}}``; an evaluation lookup's are "lookup"'s too)
+        and since construction. The cost model behind the bytes is in docs/design.md."""
         plan = self.plan
         return {
             "tables": {
@@ -984,7 +988,8 @@ class ShardedEngine:
             ],
             dtype=bool,
         )
-        self._exchanged = ["sums" if s else "rows" for s in sums]
+        if training:  # what the update of this batch reuses (``table_stats``)
+            self._exchanged = ["sums" if s else "rows" for s in sums]
         per_table: list[np.ndarray | None] = [None] * nt
         if not sums.all():
             self._pull_rows(batch, counts * ~sums[:, None], got, sums, training, when, per_table)
