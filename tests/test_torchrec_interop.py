@@ -736,6 +736,51 @@ def test_keyed_output_matches_torchrecs_keyed_tensor(trj):
     torch.testing.assert_close(grouped[0], ours["b"], rtol=0, atol=0)
 
 
+def test_keyed_output_has_every_method_of_torchrecs_keyed_tensor(trj):
+    """Ours had no ``_key_indices``, ``regroup``, ``regroup_as_dict``, ``size_in_bytes`` nor
+    ``record_stream``: TorchRec's own ``KeyedTensor.regroup`` of a group using a key twice
+    (its slow path) failed on ours with "AttributeError: 'KeyedTensor' object has no
+    attribute '_key_indices'". Every public method of TorchRec's class is ours too, and each
+    gives what TorchRec's gives for the same values; regrouping passes gradients back."""
+    public = {n for n in dir(trj.KeyedTensor) if not n.startswith("_")}
+    assert public <= set(dir(KeyedTensor)), public - set(dir(KeyedTensor))
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5)), output="keyed")
+    ours = layer({"a": [[1, 2], [3]], "b": [[4], []]})
+    theirs = trj.KeyedTensor.from_tensor_list(["a", "b"], [ours["a"].detach(), ours["b"].detach()])
+    assert ours._key_indices() == theirs._key_indices() == {"a": 0, "b": 1}
+    assert ours.size_in_bytes() == theirs.size_in_bytes() == 2 * 5 * 4
+    assert ours.device() == theirs.device()
+    groups = [["b", "a"], ["a"], []]
+    want = trj.KeyedTensor.regroup([theirs], groups)
+    for got in (
+        trj.KeyedTensor.regroup([ours], groups),  # torchrec's slow path on ours
+        KeyedTensor.regroup([ours], groups),
+        list(KeyedTensor.regroup_as_dict([ours], groups, ["x", "y", "z"]).values()),
+        list(trj.KeyedTensor.regroup_as_dict([ours], groups, ["x", "y", "z"]).values()),
+    ):
+        assert len(got) == len(want) == 3
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # a mix of ours and TorchRec's, and cat_dim as TorchRec's from_tensor_list takes it
+    c = trj.KeyedTensor.from_tensor_list(["c"], [torch.ones(2, 4)], key_dim=1, cat_dim=1)
+    mixed = KeyedTensor.regroup([ours, c], [["c", "a"], ["b"]])
+    torch.testing.assert_close(mixed[0], torch.cat([c["c"], ours["a"]], 1), rtol=0, atol=0)
+    kt = KeyedTensor.from_tensor_list(["x", "y"], [torch.ones(1, 2), torch.zeros(1, 3)], 1, 1)
+    assert kt.offset_per_key() == [0, 2, 5]
+    with pytest.raises(KeyError, match="key 'q' of group \\['q'\\] is in none"):
+        KeyedTensor.regroup([ours], [["q"]])
+    with pytest.raises(ValueError, match="2 groups and 1 keys"):
+        KeyedTensor.regroup_as_dict([ours], [["a"], ["b"]], ["x"])
+    (mixed[0].sum() * 3 + KeyedTensor.regroup([ours], [["a", "b"]])[0].sum()).backward()
+    plain = EmbeddingLayer(_engine(opt.SGD(0.5)))
+    d = plain({"a": [[1, 2], [3]], "b": [[4], []]})
+    (d["a"].sum() * 4 + d["b"].sum()).backward()
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(
+            layer.engine.embedding_tables[name], plain.engine.embedding_tables[name]
+        )
+
+
 # -- TorchRec's configs and its pooling default ----------------------------------------------------
 
 
