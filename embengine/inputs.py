@@ -12,7 +12,11 @@ Accepted per feature:
   a sample may be a 1-D NumPy array or torch tensor (a list of tensors, as a DataLoader's
   ``collate_fn`` gathers samples of different lengths), an id a 0-d one;
 - TorchRec's ``JaggedTensor`` (``kjt[key]``, ``kjt.to_dict()``): its values, offsets and
-  weights, read as a ``Ragged`` (duck-typed: torch and torchrec are not imported).
+  weights, read as a ``Ragged`` (duck-typed: torch and torchrec are not imported);
+- a torch nested tensor (``torch.nested.nested_tensor(rows)``, either layout) of 1-D integer
+  rows: row ``b`` is sample ``b``'s ids, as a list of those rows is read (a 0-d row is a
+  sample of one id); its weights a nested tensor of the same row lengths, or any form the
+  ids could take as a ``Ragged``'s (one flat weight per id).
 
 Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D of the same shape
 (padding entries ignored) or a list of lists.
@@ -20,6 +24,7 @@ Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -43,6 +48,12 @@ def as_numpy(x, what: str = "the array") -> np.ndarray:
         return x
     mod = type(x).__module__
     if mod.startswith("torch") and hasattr(x, "detach"):
+        if getattr(x, "is_nested", False):
+            raise TypeError(
+                f"{what} is a torch nested tensor, which is read only as one feature's ids or "
+                "weights (one row per sample); pass a plain tensor here (nested.values(), or "
+                "torch.cat(nested.unbind()))"
+            )
         return x.detach().cpu().numpy()
     return np.asarray(x)
 
@@ -293,6 +304,57 @@ def _sample_arrays(value, what: str):
     return out
 
 
+def _is_nested_tensor(x) -> bool:
+    """A torch nested tensor (``torch.nested``, strided or jagged layout)."""
+    return _is_torch_tensor(x) and bool(getattr(x, "is_nested", False))
+
+
+def _nested_rows(x, what: str) -> list:
+    """A nested tensor's rows, each 1-D (a 0-d row: one entry). Rows of two or more
+    dimensions are refused, naming the row."""
+    rows = []
+    for b, r in enumerate(x.unbind()):
+        if r.dim() > 1:
+            raise ValueError(
+                f"{what} is a nested tensor whose row {b} has shape {list(r.shape)}; each row "
+                "is one sample's ids, 1-D"
+            )
+        rows.append(r.reshape(-1))
+    return rows
+
+
+def _flat(rows: list, x):
+    """The rows of nested tensor ``x`` as one flat tensor and their int64 lengths."""
+    torch = sys.modules["torch"]  # x is a torch tensor: torch is loaded (not imported here)
+    flat = torch.cat(rows) if rows else torch.empty(0, dtype=x.dtype)
+    return flat, np.array([len(r) for r in rows], dtype=np.int64)
+
+
+def _from_nested(value, weights) -> Ragged:
+    """A nested tensor of ids (one row per sample) as a Ragged. Weights: a nested tensor of
+    the ids' row lengths, a list of one list (or 1-D tensor) per sample, or one flat entry
+    per id (``Ragged(weights=)``)."""
+    rows = _nested_rows(value, "ids")
+    if isinstance(weights, list | tuple):  # per sample, as for a list of the rows
+        return _from_lists([as_numpy(r, "ids") for r in rows], _sample_arrays(weights, "weights"))
+    ids, lengths = _flat(rows, value)
+    if _is_nested_tensor(weights):
+        weights, w_lengths = _flat(_nested_rows(weights, "weights"), weights)
+        if len(w_lengths) != len(lengths):
+            raise ValueError(
+                f"weights is a nested tensor of {len(w_lengths)} rows but the ids have "
+                f"{len(lengths)} rows (samples); give one row of weights per sample"
+            )
+        diff = w_lengths != lengths
+        if diff.any():
+            b = int(np.argmax(diff))
+            raise ValueError(
+                f"weights of sample {b} has {int(w_lengths[b])} entries but the sample has "
+                f"{int(lengths[b])} ids"
+            )
+    return Ragged(ids, lengths=lengths, weights=weights)
+
+
 def _is_nested(x) -> bool:
     return (
         isinstance(x, Sequence)
@@ -393,6 +455,13 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
             value = Ragged(value.values(), offsets=value.offsets(), weights=value.weights_or_none())
         except (TypeError, ValueError) as e:
             raise type(e)(f"(a JaggedTensor) {e}") from None
+    if _is_nested_tensor(value):
+        return _from_nested(value, weights)
+    if _is_nested_tensor(weights):
+        raise TypeError(
+            "weights is a nested tensor but the ids are not; give nested weights with nested "
+            "ids (a row per sample), or weights in the ids' form"
+        )
     value = _sample_arrays(value, "ids")
     weights = _sample_arrays(weights, "weights")
     if isinstance(value, Ragged):

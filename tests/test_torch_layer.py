@@ -680,3 +680,45 @@ def test_a_list_of_tensors_is_read_as_a_list_of_arrays():
     with pytest.raises(TypeError, match="ids must be integers"):
         la({"a": [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])], "b": [4, 5, 6]})
     assert a.step == 1
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_a_nested_tensor_is_read_as_its_rows(layout):
+    """``torch.nested.nested_tensor(rows)`` of 1-D int rows (a jagged batch, one row per
+    sample) gave "RuntimeError: Internal error: NestedTensorImpl doesn't support sizes. Please
+    file an issue." (the jagged layout: ".numpy() is not supported for tensor subclasses"),
+    naming no feature. It is read as the list of its rows is, in both layouts, its weights a
+    nested tensor of the same row lengths; what it cannot be is refused by name."""
+    lay = {"strided": torch.strided, "jagged": torch.jagged}[layout]
+    rows = [torch.tensor([1, 2]), torch.tensor([], dtype=torch.int64), torch.tensor([3])]
+    w = [torch.tensor([0.5, 2.0]), torch.tensor([]), torch.tensor([4.0])]
+    a, b = (_engine(opt.SGD(0.5), "sum") for _ in range(2))
+    la, lb = EmbeddingLayer(a), EmbeddingLayer(b)
+    nested = torch.nested.nested_tensor(rows, layout=lay)
+    out = la({"a": nested, "b": [4, 5, 6]}, {"a": torch.nested.nested_tensor(w, layout=lay)})
+    want = lb({"a": [[1, 2], [], [3]], "b": [4, 5, 6]}, {"a": [[0.5, 2.0], [], [4.0]]})
+    torch.testing.assert_close(out["a"], want["a"], rtol=0, atol=0)
+    (out["a"] * out["b"]).sum().backward()
+    (want["a"] * want["b"]).sum().backward()
+    np.testing.assert_array_equal(a.embedding_tables["t"], b.embedding_tables["t"])
+    # output="keyed" counts a nested tensor's samples (its shape is an internal error)
+    keyed = EmbeddingLayer(_engine(opt.SGD(0.5), "sum"), output="keyed").eval()
+    assert keyed({"a": nested, "b": [4, 5, 6]}).values().shape == (3, 2 * DIM)
+    flat = lb.eval()({"a": nested, "b": [4, 5, 6]}, {"a": torch.tensor([0.5, 2.0, 4.0])})
+    torch.testing.assert_close(flat["a"], lb({"a": nested, "b": [4, 5, 6]}, {"a": w})["a"])
+    empty = torch.nested.nested_tensor([], dtype=torch.int64)
+    assert lb({"a": empty, "b": []})["a"].shape == (0, DIM)
+    with pytest.raises(TypeError, match="feature 'a': ids must be integers, got dtype float32"):
+        la({"a": torch.nested.nested_tensor([torch.ones(2)], layout=lay), "b": [4]})
+    two_d = torch.nested.nested_tensor([torch.ones(2, 2, dtype=torch.int64)], layout=lay)
+    with pytest.raises(ValueError, match=r"feature 'a': ids is a nested tensor whose row 0 has"):
+        la({"a": two_d, "b": [4]})
+    short = torch.nested.nested_tensor([torch.ones(1)] * 3, layout=lay)
+    with pytest.raises(ValueError, match="feature 'a': weights of sample 0 has 1 entries but"):
+        la({"a": nested, "b": [4, 5, 6]}, {"a": short})
+    with pytest.raises(TypeError, match="feature 'a': weights is a nested tensor but the ids"):
+        la({"a": torch.tensor([1, 2, 3]), "b": [4, 5, 6]}, {"a": short})
+    with pytest.raises(TypeError, match="KeyedJagged values is a torch nested tensor"):
+        la(KeyedJagged(["a", "b"], nested, lengths=[1, 1, 1, 0, 0, 0]))
+    assert a.step == 1

@@ -160,9 +160,12 @@ def _check_repeated(pending: _Pending, gradients: Mapping[str, np.ndarray]) -> N
 def _samples(value) -> int | None:
     """The samples of one feature's input as the engine reads it (``inputs.to_ragged``): a
     Ragged's bags, the first axis of a 1-D or 2-D array or tensor, a list's items; None for
-    anything else (the engine's lookup refuses it, naming it)."""
+    anything else (the engine's lookup refuses it, naming it). A nested tensor: its rows (its
+    ``shape`` is an internal error)."""
     if isinstance(value, Ragged):
         return value.num_samples
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return int(value.size(0))
     if isinstance(value, np.ndarray | torch.Tensor):
         return int(value.shape[0]) if value.ndim in (1, 2) else None
     if isinstance(value, list | tuple):
@@ -179,8 +182,8 @@ class EmbeddingLayer(torch.nn.Module):
     group). Its tables are not in ``state_dict()``: save them with ``engine.save``.
 
     ``forward(features, weights=None, learning_rates=None)`` takes a dict of feature name ->
-    ids (torch tensors, NumPy arrays, ``Ragged``, lists of lists or of 1-D tensors, TorchRec's
-    ``JaggedTensor``), a ``KeyedJagged`` (or
+    ids (torch tensors, NumPy arrays, ``Ragged``, lists of lists or of 1-D tensors, torch
+    nested tensors of 1-D rows, TorchRec's ``JaggedTensor``), a ``KeyedJagged`` (or
     TorchRec's KeyedJaggedTensor, also with a variable batch per feature: see
     embengine.keyed_jagged), or a ``PreparedBatch`` from ``layer.preprocess`` (e.g. built in a
     DataLoader worker). It returns a dict of float32 tensors, or with ``output="keyed"`` a
