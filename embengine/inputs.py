@@ -54,8 +54,31 @@ def as_numpy(x, what: str = "the array") -> np.ndarray:
                 "weights (one row per sample); pass a plain tensor here (nested.values(), or "
                 "torch.cat(nested.unbind()))"
             )
-        return x.detach().cpu().numpy()
+        _check_tensor_readable(x, what)
+        try:
+            return x.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as e:  # a dtype NumPy lacks, a tensor subclass
+            raise TypeError(
+                f"cannot read {what} (a torch tensor of dtype {x.dtype}) as a NumPy array: {e}"
+            ) from None
     return np.asarray(x)
+
+
+def _check_tensor_readable(x, what: str) -> None:
+    """Refuse, naming ``what``, a torch tensor whose values cannot be read as an array: a meta
+    tensor (no data) and a sparse one (``to_dense()`` would make every missing id 0)."""
+    if x.device.type == "meta":
+        raise TypeError(
+            f"{what} is a meta tensor (device 'meta', shape {list(x.shape)}): it has no "
+            "values to look up; pass a tensor holding them (on the CPU or a GPU)"
+        )
+    layout = str(x.layout)
+    if layout != "torch.strided":
+        raise TypeError(
+            f"{what} is a {layout} tensor; embengine reads dense tensors (to_dense() would "
+            "make every missing entry 0, a real id): give a KeyedJagged, a Ragged, a list "
+            "per sample, or a dense tensor padded with -1"
+        )
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -74,6 +97,16 @@ def _check_python_ints(values, what: str) -> None:
 def _int_array(x, what: str) -> np.ndarray:
     if isinstance(x, list | tuple):
         _check_python_ints(x, what)
+    if (
+        _is_torch_tensor(x)
+        and not x.is_nested  # as_numpy refuses it by name
+        and (x.is_floating_point() or x.is_complex() or str(x.dtype) == "torch.bool")
+    ):
+        _check_tensor_readable(x, what)
+        if x.is_floating_point() and x.numel() == 0:  # torch.tensor([]) is float32
+            return np.zeros(tuple(x.shape), dtype=np.int64)
+        # refused before NumPy reads it: NumPy has no bfloat16 ("unsupported ScalarType")
+        raise TypeError(f"{what} must be integers, got dtype {str(x.dtype)[len('torch.') :]}")
     a = as_numpy(x, what)
     if a.dtype.kind not in "iu":
         if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
@@ -95,8 +128,8 @@ def _float_array(x, what: str) -> np.ndarray:
                 f"{what} require grad, but embengine takes per-id weights as constants (no "
                 "gradient reaches them); pass them detached (weights.detach()) to use them so"
             )
-        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: its float32 values
-            x = x.float()
+        if x.is_floating_point() and x.element_size() < 2 or str(x.dtype) == "torch.bfloat16":
+            x = x.float()  # NumPy has no bfloat16 nor float8: their float32 values (exact)
     a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")
@@ -295,6 +328,7 @@ def _sample_arrays(value, what: str):
                     "gradient reaches them); pass them detached (weights.detach()) to use them so"
                 )
             if v.dim() == 0:
+                _check_tensor_readable(v, what)
                 v = v.item()
             else:
                 if str(v.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: float32 values

@@ -722,3 +722,41 @@ def test_a_nested_tensor_is_read_as_its_rows(layout):
     with pytest.raises(TypeError, match="KeyedJagged values is a torch nested tensor"):
         la(KeyedJagged(["a", "b"], nested, lengths=[1, 1, 1, 0, 0, 0]))
     assert a.step == 1
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
+def test_tensors_numpy_cannot_read_are_refused_naming_feature_and_tensor():
+    """A meta tensor gave "NotImplementedError: Cannot copy out of meta tensor; no data!",
+    a bfloat16 one "Got unsupported ScalarType BFloat16", both naming no feature (a KJT: not
+    that it was its values), and a sparse one advised ``to_dense()``, which makes every
+    missing id 0, a real row. Each is a TypeError naming the feature and the tensor; float8
+    weights are read as their float32 values, as bfloat16 ones are."""
+    eng = _engine(opt.SGD(0.5), "sum")
+    layer = EmbeddingLayer(eng)
+    b = [4, 5]
+    meta = torch.tensor([1, 2], device="meta")
+    cases = [
+        ({"a": meta, "b": b}, None, "feature 'a': ids is a meta tensor"),
+        ({"a": [meta[0], meta[1]], "b": b}, None, "feature 'a': ids is a meta tensor"),
+        ({"a": [1, 2], "b": b}, {"a": meta.float()}, "feature 'a': weights is a meta tensor"),
+        ({"a": torch.tensor([1.0, 2.0]).bfloat16(), "b": b}, None, "got dtype bfloat16"),
+        ({"a": torch.tensor([1, 2]).bool(), "b": b}, None, "'a': ids must be integers, got dtype"),
+        ({"a": torch.tensor([[1, 2]]).to_sparse(), "b": [4]}, None, "ids is a torch.sparse_coo"),
+        ({"a": torch.tensor([[1, 2]]).to_sparse_csr(), "b": [4]}, None, "torch.sparse_csr tensor"),
+    ]
+    before = eng.embedding_tables["t"].copy()
+    for features, weights, message in cases:
+        with pytest.raises(TypeError, match=message):
+            layer(features, weights)
+    with pytest.raises(TypeError, match="KeyedJagged values is a meta tensor"):
+        layer(KeyedJagged(["a", "b"], meta, lengths=[1, 1, 0, 0]))
+    np.testing.assert_array_equal(eng.embedding_tables["t"], before)
+    assert eng.step == 0
+    # torch.tensor([]) is float32: empty, it is no ids, as NumPy's empty float array is
+    assert layer({"a": torch.tensor([]), "b": torch.tensor([])})["a"].shape == (0, DIM)
+    empty = KeyedJagged(["a", "b"], torch.tensor([]), lengths=torch.tensor([0, 0]))
+    assert layer(empty)["b"].shape == (1, DIM)
+    w8 = torch.tensor([0.5, 2.0]).to(torch.float8_e4m3fn)
+    out = layer.eval()({"a": [1, 2], "b": b}, {"a": w8})
+    want = layer({"a": [1, 2], "b": b}, {"a": torch.tensor([0.5, 2.0])})
+    torch.testing.assert_close(out["a"], want["a"], rtol=0, atol=0)
