@@ -313,6 +313,35 @@ def _is_jagged(x) -> bool:
     )
 
 
+def _from_jagged(jt) -> Ragged:
+    """TorchRec's JaggedTensor as a Ragged: its lengths when it holds them (``JaggedTensor.
+    empty()``'s offsets are empty), else its offsets; one holding both must have them agree
+    (TorchRec reads either)."""
+    lengths = jt.lengths_or_none() if callable(getattr(jt, "lengths_or_none", None)) else None
+    given = jt.offsets_or_none() if callable(getattr(jt, "offsets_or_none", None)) else None
+    weights = jt.weights_or_none()
+    if lengths is None:
+        return Ragged(jt.values(), offsets=jt.offsets(), weights=weights)
+    r = Ragged(jt.values(), lengths=lengths, weights=weights)
+    if given is not None:
+        given = _int_array(given, "offsets")
+        if given.shape == (0,) and r.num_samples == 0:  # JaggedTensor.empty()
+            return r
+        if given.shape != r.offsets.shape:
+            raise ValueError(
+                f"offsets have shape {list(given.shape)} but there are {r.num_samples} lengths; "
+                f"a JaggedTensor's offsets and lengths must agree (give one of them)"
+            )
+        differ = given != r.offsets
+        if differ.any():
+            k = int(np.argmax(differ))
+            raise ValueError(
+                f"offsets[{k}]={int(given[k])} but the lengths give {int(r.offsets[k])}; a "
+                "JaggedTensor's offsets and lengths must agree (give one of them)"
+            )
+    return r
+
+
 def _sample_arrays(value, what: str):
     """A list or tuple holding torch tensors (one per sample) as the list of their NumPy arrays,
     as a list of NumPy arrays is read (a 0-d tensor: its Python number); anything else as it
@@ -486,7 +515,7 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
         )
     if _is_jagged(value):
         try:
-            value = Ragged(value.values(), offsets=value.offsets(), weights=value.weights_or_none())
+            value = _from_jagged(value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"(a JaggedTensor) {e}") from None
     if _is_nested_tensor(value):

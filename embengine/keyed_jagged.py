@@ -324,22 +324,79 @@ def _expand(ids: np.ndarray, offsets: np.ndarray, weights, rows: np.ndarray):
     return ids[pos], new, None if weights is None else weights[pos]
 
 
+def _given_offsets(
+    kjt, layout: _Layout, num_lengths: int, num_values: int, holds_lengths: bool
+) -> np.ndarray | None:
+    """The offsets a TorchRec KJT holds (``offsets_or_none()``), or None. Its ``lengths()`` are
+    then their differences (when it holds no lengths) or its own lengths, which the offsets
+    must agree with: they are checked here as offsets (1-D, ``num_lengths + 1`` entries, from
+    0, non-decreasing, ending at ``num_values``) when the KJT holds no lengths, so their
+    errors name offsets, not the lengths TorchRec computed from them."""
+    given = _optional(kjt, "offsets_or_none")
+    if given is None:
+        return None
+    given = _int_array(given, "KeyedJagged offsets")
+    if given.ndim != 1 or len(given) != num_lengths + 1:
+        raise ValueError(
+            f"KeyedJagged offsets have shape {list(given.shape)}; with {num_lengths} lengths "
+            f"they need {num_lengths + 1} entries"
+        )
+    if not holds_lengths:
+        if given[0] != 0:
+            raise ValueError(f"KeyedJagged offsets[0]={int(given[0])} must be 0")
+        _check_offsets(layout, given, num_values)
+    return given
+
+
+def _check_agree(layout: _Layout, given: np.ndarray, offsets: np.ndarray) -> None:
+    """A KJT holding both lengths and offsets: they must agree (TorchRec reads either)."""
+    differ = given != offsets
+    if differ.any():
+        k = int(np.argmax(differ))
+        at = "" if k == 0 else f"{layout.where(k - 1)}: "
+        raise ValueError(
+            f"KeyedJagged {at}offsets[{k}]={int(given[k])} but its lengths give "
+            f"{int(offsets[k])}; a KJT's offsets and lengths must agree (give one of them)"
+        )
+
+
+def _check_stride(kjt, layout: _Layout) -> None:
+    """A KJT's own ``stride()`` (its batch size; TorchRec's may be given, not computed) must
+    be its number of samples a key: TorchRec's EmbeddingBagCollection fails on one that is
+    not, where its lengths alone read as another batch."""
+    stride = _optional(kjt, "stride")
+    if stride is None or not layout.keys:
+        return
+    if int(stride) != layout.strides[0]:
+        raise ValueError(
+            f"KeyedJagged stride() is {int(stride)} but its {int(layout.starts[-1])} lengths "
+            f"for {len(layout.keys)} keys give {layout.strides[0]} samples a key; its stride "
+            "must be the batch size"
+        )
+
+
 def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     """Split a KeyedJagged (or TorchRec KJT) into one Ragged per key, checking it first (a
     TorchRec KJT was never checked by us); errors name the key and sample. A variable batch
     per key is expanded to the batch by its inverse indices (see the module docstring)."""
     keys = _keys(kjt.keys())
     values = _values(kjt.values())
+    # asked before lengths(): TorchRec's computes the lengths of an offsets-only KJT and keeps them
+    holds_lengths = _optional(kjt, "lengths_or_none") is not None
     lengths = _lengths(kjt.lengths())
     if _optional(kjt, "variable_stride_per_key"):
         layout = _variable(keys, kjt.stride_per_key(), len(lengths))
     else:
         layout = _uniform(keys, len(lengths))
+    given = _given_offsets(kjt, layout, len(lengths), len(values), holds_lengths)
     offsets = _offsets_from_lengths(layout, lengths, len(values))
+    if given is not None:
+        _check_agree(layout, given, offsets)
     weights = _weights(_optional(kjt, "weights_or_none"), len(values))
     inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
     if inverse is None:
         _refuse_unexpanded(layout)
+        _check_stride(kjt, layout)
     out = {}
     for i, key in enumerate(keys):
         lo, hi = int(layout.starts[i]), int(layout.starts[i + 1])

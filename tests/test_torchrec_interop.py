@@ -1007,3 +1007,47 @@ def test_torchrec_jagged_tensors_are_read_as_the_kjt_they_come_from(trj):
     with pytest.raises(ValueError, match=r"feature 'a': \(a JaggedTensor\) weights require grad"):
         a({"a": grad, "b": kjt["b"]})
     assert a.engine.step == 1
+
+
+def test_a_kjt_s_offsets_lengths_and_stride_must_agree(trj):
+    """Only a TorchRec KJT's ``lengths()`` were read: one holding offsets that disagree with
+    its lengths (or offsets from 1, whose differences are valid lengths) was looked up by the
+    lengths, silently, where TorchRec reads offsets too; its ``stride()`` was not compared
+    (TorchRec's EBC fails: "shape '[2, 2]' is invalid for input of size 6"); an offsets-only
+    KJT's bad offsets were named as the lengths TorchRec computed from them. A JaggedTensor
+    likewise; ``JaggedTensor.empty()`` (empty offsets) was refused, and is no samples."""
+    kjt, jt = trj.KeyedJaggedTensor, trj.JaggedTensor
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5)))
+    v, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 1, 1])
+    good = torch.tensor([0, 2, 2, 3, 4, 5, 6])
+    want = layer.eval()(kjt(["a", "b"], v, lengths=lengths))
+    for same in (
+        kjt(["a", "b"], v, offsets=good),
+        kjt(["a", "b"], v, lengths=lengths, offsets=good),
+    ):
+        got = layer(same)
+        for key in ("a", "b"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    cases = [
+        (
+            kjt(["a", "b"], v, lengths=lengths, offsets=torch.tensor([0, 1, 2, 3, 4, 5, 6])),
+            r"key 'a', sample 0: offsets\[1\]=1 but its lengths give 2; a KJT's offsets and",
+        ),
+        (kjt(["a", "b"], v, offsets=torch.tensor([1, 3, 3, 4, 5, 6, 7])), r"offsets\[0\]=1 must"),
+        (
+            kjt(["a", "b"], v, offsets=torch.tensor([0, 3, 2, 3, 4, 5, 6])),
+            r"key 'a', sample 1: offsets\[2\]=2 is less than offsets\[1\]=3",
+        ),
+        (kjt(["a", "b"], v, offsets=torch.tensor([0, 2, 2, 3, 4, 5, 5])), "offsets end at 5"),
+        (kjt(["a", "b"], v, lengths=lengths, stride=2), r"stride\(\) is 2 but its 6 lengths"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            layer(bad)
+    b = jt(values=v[:3], lengths=torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"feature 'a': \(a JaggedTensor\) offsets\[1\]=1 but"):
+        layer({"a": jt(v[:3], lengths=lengths[:3], offsets=torch.tensor([0, 1, 2, 3])), "b": b})
+    with pytest.raises(ValueError, match=r"'a': \(a JaggedTensor\) offsets\[0\]=1 must be 0"):
+        layer({"a": jt(v[:3], offsets=torch.tensor([1, 2, 2, 3])), "b": b})
+    empty = layer({"a": jt.empty(), "b": jt.empty()})
+    assert empty["a"].shape == (0, 3) and empty["b"].shape == (0, 2)
