@@ -119,6 +119,21 @@ def _int_array(x, what: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
+def _check_python_numbers(values, what: str) -> None:
+    """Weights given as (nested) lists: every entry an int or float (Python or NumPy, or an
+    array of numbers), never a bool, which NumPy would read as 1.0 or 0.0, nor a string."""
+    stack = [(values, what)]
+    while stack:
+        seq, where = stack.pop()
+        for k, v in enumerate(seq):
+            if isinstance(v, list | tuple):
+                stack.append((v, f"{where}[{k}]"))
+            elif isinstance(v, np.ndarray) and v.ndim and v.dtype.kind in "iuf":
+                continue
+            elif not _is_number(v):
+                raise TypeError(f"{what} must be numbers, got {v!r} at {where}[{k}]")
+
+
 def _float_array(x, what: str) -> np.ndarray:
     if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
         if getattr(x, "requires_grad", False):
@@ -130,6 +145,8 @@ def _float_array(x, what: str) -> np.ndarray:
             )
         if x.is_floating_point() and x.element_size() < 2 or str(x.dtype) == "torch.bfloat16":
             x = x.float()  # NumPy has no bfloat16 nor float8: their float32 values (exact)
+    if isinstance(x, list | tuple):
+        _check_python_numbers(x, what)
     a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")

@@ -333,3 +333,23 @@ def test_a_sequence_features_2d_padding_is_dropped_wherever_it_stands():
     want = eng.lookup({"s": [[5, 7]]}, training=False)["s"][0]
     np.testing.assert_array_equal(got, want)
     assert got[2].tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize(
+    "ids, weights, where",
+    [
+        ([1, 2, 3], [True, 0.5, 1.0], r"True at weights\[0\]"),
+        ([1, 2, 3], [1.0, "0.5", 1.0], r"'0.5' at weights\[1\]"),
+        ([1, 2, 3], [torch.tensor(1.0), torch.tensor(False), 1.0], r"False at weights\[1\]"),
+        (np.array([[1, -1], [2, 3]]), [[1.0, 0.0], [False, 2.0]], r"False at weights\[1\]\[0\]"),
+        (Ragged([1, 2], lengths=[1, 1]), [0.5, np.True_], r"np.True_ at weights\[1\]"),
+    ],
+)
+def test_weights_given_as_lists_refuse_bools_and_strings(ids, weights, where):
+    """Per-id weights refuse a bool (a list of lists did; ``_from_lists``), but a flat list
+    for 1-D ids, a list of lists for 2-D ids, a 0-d bool tensor in a list and a Ragged's
+    list weights went through ``np.asarray``, which read True as 1.0 (and False as 0.0)
+    silently. Each entry is checked now and the first bad one named."""
+    with pytest.raises(TypeError, match="weights must be numbers, got " + where):
+        to_ragged(ids, weights)
+    _same(to_ragged([1, 2], [np.float32(0.5), 2]), [1, 2], [0, 1, 2], [0.5, 2.0])
