@@ -64,7 +64,15 @@ def _uniform(keys: list[str], num_lengths: int) -> _Layout:
 
 
 def _variable(keys: list[str], stride_per_key, num_lengths: int) -> _Layout:
-    strides = list(_int_array(list(stride_per_key), "KeyedJagged stride_per_key"))
+    if not hasattr(stride_per_key, "dtype"):  # a tensor or array is read as one (list() of
+        stride_per_key = list(stride_per_key)  # a tensor gives 0-d tensors, refused as ints)
+    strides = _int_array(stride_per_key, "KeyedJagged stride_per_key")
+    if strides.ndim != 1:
+        raise ValueError(
+            f"KeyedJagged stride_per_key must be 1-D (one number per key), got shape "
+            f"{list(strides.shape)}"
+        )
+    strides = list(strides)
     if len(strides) != len(keys):
         raise ValueError(
             f"KeyedJagged stride_per_key has {len(strides)} entries for {len(keys)} keys; give "

@@ -272,6 +272,38 @@ def test_bad_vbe_layouts_are_refused_naming_the_key():
         )
 
 
+def test_stride_per_key_may_be_a_tensor_or_an_array():
+    """``stride_per_key=torch.tensor([2, 3])`` was refused ("must be integers, got tensor(2)":
+    ``list()`` of a tensor gives 0-d tensors); a tensor or an array is read as the list."""
+    v = VBE
+    inv = (["a", "b"], torch.tensor(v["inverse"]))
+    want = keyed_jagged_to_features(_vbe("ours", weighted=False))
+    for spk in (torch.tensor([2, 3]), np.array([2, 3], dtype=np.int32), (2, 3)):
+        kj = KeyedJagged(
+            v["keys"], v["values"], lengths=v["lengths"], stride_per_key=spk, inverse_indices=inv
+        )
+        assert kj.stride_per_key() == [2, 3]
+        for key, r in keyed_jagged_to_features(kj).items():
+            np.testing.assert_array_equal(r.ids, want[key].ids)
+            np.testing.assert_array_equal(r.offsets, want[key].offsets)
+    with pytest.raises(ValueError, match=r"stride_per_key must be 1-D .* got shape \[1, 2\]"):
+        KeyedJagged(
+            v["keys"],
+            v["values"],
+            lengths=v["lengths"],
+            stride_per_key=torch.tensor([[2, 3]]),
+            inverse_indices=inv,
+        )
+    with pytest.raises(TypeError, match="stride_per_key must be integers, got dtype float32"):
+        KeyedJagged(
+            v["keys"],
+            v["values"],
+            lengths=v["lengths"],
+            stride_per_key=torch.tensor([2.0, 3.0]),
+            inverse_indices=inv,
+        )
+
+
 def test_vbe_over_several_ranks(trj):
     # stride_per_key_per_rank [[1, 1], [2, 1]]: "a" has 2 samples, "b" 3, rank by rank.
     kjt = trj.KeyedJaggedTensor(
