@@ -1083,3 +1083,22 @@ def test_a_kjt_s_offsets_lengths_and_stride_must_agree(trj):
         layer({"a": jt(v[:3], offsets=torch.tensor([1, 2, 2, 3])), "b": b})
     empty = layer({"a": jt.empty(), "b": jt.empty()})
     assert empty["a"].shape == (0, 3) and empty["b"].shape == (0, 2)
+
+
+def test_keyed_output_refuses_jagged_tensors_of_two_batch_sizes_before_the_lookup(trj):
+    """output='keyed' counts each feature's samples before the training lookup, so that two
+    batch sizes are refused with nothing changed; a JaggedTensor's were not counted, and the
+    refusal came after the lookup had inserted a keyed table's keys [1, 2, 3, 4, 5]."""
+    t = ee.TableConfig(None, 8, name="k", combiner="sum", dynamic=ee.DynamicVocabulary())
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)}, optimizer=opt.Adagrad(0.1)
+    )
+    layer = EmbeddingLayer(eng, output="keyed")
+    f = trj.JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]))
+    g = trj.JaggedTensor(values=torch.tensor([4, 5]), offsets=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="one batch size; feature 'g' has 2 samples, feature"):
+        layer({"f": f, "g": g})
+    assert eng.table_contents("k")["keys"].tolist() == []
+    g = trj.JaggedTensor(values=torch.tensor([4, 5]), lengths=torch.tensor([1, 0, 1]))
+    layer({"f": f, "g": g}).values().sum().backward()
+    assert eng.step == 1 and eng.table_contents("k")["keys"].tolist() == [1, 2, 3, 4, 5]

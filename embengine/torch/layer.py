@@ -18,7 +18,7 @@ import torch
 
 from ..batch import PreparedBatch
 from ..engine import EmbeddingEngine
-from ..inputs import Ragged
+from ..inputs import Ragged, _is_jagged
 from ..keyed_jagged import is_keyed_jagged, keyed_jagged_to_features
 from ..learning_rates import check_learning_rates
 from ..safetensors_io import BFLOAT16
@@ -159,13 +159,15 @@ def _check_repeated(pending: _Pending, gradients: Mapping[str, np.ndarray]) -> N
 
 def _samples(value) -> int | None:
     """The samples of one feature's input as the engine reads it (``inputs.to_ragged``): a
-    Ragged's bags, the first axis of a 1-D or 2-D array or tensor, a list's items; None for
-    anything else (the engine's lookup refuses it, naming it). A nested tensor: its rows (its
-    ``shape`` is an internal error)."""
+    Ragged's bags, a JaggedTensor's lengths, a nested tensor's rows (its ``shape`` is an
+    internal error), the first axis of a 1-D or 2-D array or tensor, a list's items; None for
+    anything else (the engine's lookup refuses it, naming it)."""
     if isinstance(value, Ragged):
         return value.num_samples
     if isinstance(value, torch.Tensor) and value.is_nested:
         return int(value.size(0))
+    if _is_jagged(value):  # TorchRec's JaggedTensor: one length per sample
+        return int(len(value.lengths()))
     if isinstance(value, np.ndarray | torch.Tensor):
         return int(value.shape[0]) if value.ndim in (1, 2) else None
     if isinstance(value, list | tuple):
