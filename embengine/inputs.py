@@ -25,7 +25,7 @@ Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D o
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -150,7 +150,26 @@ def _float_array(x, what: str) -> np.ndarray:
     a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")
-    return a.astype(np.float32, copy=False)
+    return _as_float32(a, what)
+
+
+def _as_float32(a: np.ndarray, what: str, where: Callable[[int], str] | None = None) -> np.ndarray:
+    """``a`` (numbers) as float32; a finite value past float32's range (it would become inf)
+    is refused, named as given, not as the "weight inf ... is not finite" the check of the
+    float32 weights would say. ``where(k)``: how to name the k-th entry of a 1-D ``a``
+    (default: its index)."""
+    with np.errstate(over="ignore"):
+        out = a.astype(np.float32, copy=False)
+    if a.dtype.kind == "f" and a.dtype.itemsize > 4 and out.size and np.isinf(out).any():
+        over = np.isinf(out) & np.isfinite(a)
+        if over.any():
+            at = tuple(int(i) for i in np.argwhere(over)[0])
+            at_str = where(at[0]) if where is not None else f"{what}[{', '.join(map(str, at))}]"
+            raise ValueError(
+                f"{what}: {float(a[at])!r} at {at_str} is past float32's range (about 3.4e38): "
+                "per-id weights are float32"
+            )
+    return out
 
 
 def read_only(a: np.ndarray) -> np.ndarray:
@@ -497,7 +516,19 @@ def _from_lists(value, weights) -> Ragged:
         if bad is not None:
             b = int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
             raise TypeError(f"weights must be numbers, got {flat_w[bad]!r} at sample {b}")
-        w = np.asarray(flat_w, dtype=np.float32)
+
+        def sample(k: int) -> str:
+            return f"sample {int(np.searchsorted(np.cumsum(lengths), k, side='right'))}"
+
+        try:
+            w64 = np.asarray(flat_w, dtype=np.float64)
+        except OverflowError:  # a Python int past float64's range
+            k = next(k for k, x in enumerate(flat_w) if abs(x) > 1e308)
+            raise ValueError(
+                f"weights: an int of {len(str(abs(flat_w[k])))} digits at {sample(k)} is past "
+                "float32's range (about 3.4e38): per-id weights are float32"
+            ) from None
+        w = _as_float32(w64, "weights", sample)
     return Ragged(ids, lengths=np.asarray(lengths, dtype=np.int64), weights=w)
 
 

@@ -353,3 +353,22 @@ def test_weights_given_as_lists_refuse_bools_and_strings(ids, weights, where):
     with pytest.raises(TypeError, match="weights must be numbers, got " + where):
         to_ragged(ids, weights)
     _same(to_ragged([1, 2], [np.float32(0.5), 2]), [1, 2], [0, 1, 2], [0.5, 2.0])
+
+
+@pytest.mark.parametrize(
+    "ids, weights, where",
+    [
+        ([1, 2], [1.0, 1e300], r"1e\+300 at weights\[1\]"),
+        (np.array([[1, -1], [2, 3]]), np.array([[1.0, 0.0], [-1e39, 2.0]]), r"at weights\[1, 0\]"),
+        ([[1], [2, 3]], [[1.0], [2.0, 1e300]], "1e\\+300 at sample 1"),
+        ([[1], [2]], [[1.0], [10**400]], "an int of 401 digits at sample 1"),
+        ([1, 2], torch.tensor([1.0, -1e300], dtype=torch.float64), r"-1e\+300 at weights\[1\]"),
+    ],
+)
+def test_float64_weights_past_float32_s_range_are_named_as_given(ids, weights, where):
+    """Weights are float32: a finite float64 weight past its range became inf in the cast,
+    and was then refused as "weight inf at sample 1 ... is not finite", a value the caller
+    never gave (with a RuntimeWarning from the cast); a Python int past float64's range was
+    an OverflowError. Each is named as given, where it stands."""
+    with pytest.raises(ValueError, match=f"weights: .*{where} is past float32's range"):
+        to_ragged(ids, weights)
