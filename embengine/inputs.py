@@ -561,6 +561,12 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
             "ids must be an integer array, a Ragged or a list of lists of ints, got "
             f"{type(value).__name__} {value!r:.40}"
         )
+    if all(callable(getattr(value, m, None)) for m in ("keys", "values", "lengths")):
+        raise TypeError(
+            f"ids are a {type(value).__name__} (several features): pass it as the features "
+            "themselves (layer(kjt), engine.lookup(keyed_jagged_to_features(kjt))), or this "
+            "feature's own kjt[key]"
+        )
     if _is_jagged(value):
         try:
             value = _from_jagged(value)

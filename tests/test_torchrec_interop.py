@@ -1102,3 +1102,17 @@ def test_keyed_output_refuses_jagged_tensors_of_two_batch_sizes_before_the_looku
     g = trj.JaggedTensor(values=torch.tensor([4, 5]), lengths=torch.tensor([1, 0, 1]))
     layer({"f": f, "g": g}).values().sum().backward()
     assert eng.step == 1 and eng.table_contents("k")["keys"].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_kjt_as_one_feature_s_ids_is_refused_saying_what_to_pass(trj):
+    """``{"a": kjt}`` (a KJT where one feature's ids go) was refused as "feature 'a': ids
+    must be integers, got dtype object", which says neither what came nor what to pass."""
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5)))
+    kjt = trj.KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    ours = KeyedJagged(["a"], [1, 2], lengths=[1, 1])
+    for value, name in ((kjt, "KeyedJaggedTensor"), (ours, "KeyedJagged")):
+        with pytest.raises(TypeError, match=f"feature 'a': ids are a {name} .*kjt\\[key\\]"):
+            layer({"a": value, "b": [3, 4]})
+    torch.testing.assert_close(
+        layer.eval()({"a": kjt["a"], "b": [3, 4]})["a"], layer({"a": [1, 2], "b": [3, 4]})["a"]
+    )
