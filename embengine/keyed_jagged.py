@@ -368,6 +368,28 @@ def _check_agree(layout: _Layout, given: np.ndarray, offsets: np.ndarray) -> Non
         )
 
 
+def _check_per_key(kjt, layout: _Layout, offsets: np.ndarray) -> None:
+    """A TorchRec KJT's own ``length_per_key`` / ``offset_per_key`` (given, or kept from an
+    earlier call), which TorchRec splits its values by, must be what its lengths give: keys
+    are split here by the lengths, and a KJT whose numbers disagree gave its keys other ids
+    than TorchRec's split does."""
+    bounds = offsets[layout.starts]  # each key's first value, and the end
+    want = {
+        "length_per_key": [int(n) for n in np.diff(bounds)],
+        "offset_per_key": [int(n) for n in bounds],
+    }
+    for name, expected in want.items():
+        got = _optional(kjt, f"{name}_or_none")
+        if got is None:
+            continue
+        got = [int(n) for n in got]
+        if got != expected:
+            raise ValueError(
+                f"KeyedJagged {name} is {got} but its lengths give {expected} (keys "
+                f"{layout.keys}); they must agree: TorchRec splits the values by {name}"
+            )
+
+
 def _check_stride(kjt, layout: _Layout) -> None:
     """A KJT's own ``stride()`` (its batch size; TorchRec's may be given, not computed) must
     be its number of samples a key: TorchRec's EmbeddingBagCollection fails on one that is
@@ -400,6 +422,7 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     offsets = _offsets_from_lengths(layout, lengths, len(values))
     if given is not None:
         _check_agree(layout, given, offsets)
+    _check_per_key(kjt, layout, offsets)
     weights = _weights(_optional(kjt, "weights_or_none"), len(values))
     inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
     if inverse is None:

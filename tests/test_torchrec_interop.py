@@ -1116,3 +1116,25 @@ def test_a_kjt_as_one_feature_s_ids_is_refused_saying_what_to_pass(trj):
     torch.testing.assert_close(
         layer.eval()({"a": kjt["a"], "b": [3, 4]})["a"], layer({"a": [1, 2], "b": [3, 4]})["a"]
     )
+
+
+def test_a_kjt_s_length_and_offset_per_key_must_agree_with_its_lengths(trj):
+    """TorchRec splits a KJT's values by its ``length_per_key`` (given, or kept from an
+    earlier call); the keys were split here by the lengths, so a KJT built with
+    ``length_per_key=[2, 4]`` for lengths adding up to [3, 3] gave key 'a' ids [1, 2, 3]
+    where TorchRec's ``to_dict()`` gives [1, 2], silently. It is refused, naming both."""
+    kjt = trj.KeyedJaggedTensor
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5))).eval()
+    v, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"length_per_key is \[2, 4\] but its lengths give \[3, 3"):
+        layer(kjt(["a", "b"], v, lengths=lengths, length_per_key=[2, 4]))
+    with pytest.raises(ValueError, match=r"offset_per_key is \[0, 2, 6\] but its lengths give"):
+        layer(kjt(["a", "b"], v, lengths=lengths, offset_per_key=[0, 2, 6]))
+    want = layer(kjt(["a", "b"], v, lengths=lengths))
+    agreeing = kjt(["a", "b"], v, lengths=lengths, length_per_key=[3, 3], offset_per_key=[0, 3, 6])
+    used = kjt(["a", "b"], v, lengths=lengths)
+    used.to_dict()  # TorchRec keeps the length_per_key it computed
+    for same in (agreeing, used):
+        got = layer(same)
+        for key in ("a", "b"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
