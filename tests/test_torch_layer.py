@@ -760,3 +760,22 @@ def test_tensors_numpy_cannot_read_are_refused_naming_feature_and_tensor():
     out = layer.eval()({"a": [1, 2], "b": b}, {"a": w8})
     want = layer({"a": [1, 2], "b": b}, {"a": torch.tensor([0.5, 2.0])})
     torch.testing.assert_close(out["a"], want["a"], rtol=0, atol=0)
+
+
+def test_keyed_output_counts_any_sequence_s_samples_before_the_lookup():
+    """A range or an array.array of ids (1-D ids the engine reads) was not counted by
+    output='keyed''s check before the training lookup: two batch sizes were refused only
+    after the lookup had inserted a keyed table's keys [1, 2, 3, 4, 5]."""
+    import array
+
+    t = ee.TableConfig(None, 8, name="k", combiner="sum", dynamic=ee.DynamicVocabulary())
+    for ids in (range(1, 4), array.array("q", [1, 2, 3])):
+        eng = ee.EmbeddingEngine(
+            {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)}, optimizer=opt.Adagrad(0.1)
+        )
+        layer = EmbeddingLayer(eng, output="keyed")
+        with pytest.raises(ValueError, match="one batch size; feature 'g' has 2 samples"):
+            layer({"f": ids, "g": [4, 5]})
+        assert eng.table_contents("k")["keys"].tolist() == []
+        layer({"f": ids, "g": [4, 5, 6]}).values().sum().backward()
+        assert eng.table_contents("k")["keys"].tolist() == [1, 2, 3, 4, 5, 6]

@@ -160,8 +160,9 @@ def _check_repeated(pending: _Pending, gradients: Mapping[str, np.ndarray]) -> N
 def _samples(value) -> int | None:
     """The samples of one feature's input as the engine reads it (``inputs.to_ragged``): a
     Ragged's bags, a JaggedTensor's lengths, a nested tensor's rows (its ``shape`` is an
-    internal error), the first axis of a 1-D or 2-D array or tensor, a list's items; None for
-    anything else (the engine's lookup refuses it, naming it)."""
+    internal error), the first axis of a 1-D or 2-D array or tensor, a sequence's items (a
+    list, a range: the engine reads them all); None for anything else (the engine's lookup
+    refuses it, naming it)."""
     if isinstance(value, Ragged):
         return value.num_samples
     if isinstance(value, torch.Tensor) and value.is_nested:
@@ -170,9 +171,12 @@ def _samples(value) -> int | None:
         return int(len(value.lengths()))
     if isinstance(value, np.ndarray | torch.Tensor):
         return int(value.shape[0]) if value.ndim in (1, 2) else None
-    if isinstance(value, list | tuple):
+    if isinstance(value, str | bytes | Mapping):  # refused by the engine, by name
+        return None
+    try:  # a list or tuple, or any sequence NumPy reads (range, array.array): its items
         return len(value)
-    return None
+    except TypeError:
+        return None
 
 
 class EmbeddingLayer(torch.nn.Module):
