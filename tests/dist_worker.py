@@ -1259,6 +1259,19 @@ def torch_tensor(a: np.ndarray):
     return torch.from_numpy(a)
 
 
+def _build_outcome(features, lr) -> tuple[float, str]:
+    """Seconds a ShardedEngine(features, optimizer=lr, seed=3) took, and "ok" or its error."""
+    from embengine.distributed import ShardedEngine
+
+    start = time.monotonic()
+    try:
+        ShardedEngine(features, optimizer=lr, seed=3)
+        result = "ok"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    return time.monotonic() - start, result
+
+
 def run_error(rank: int, world: int, out: str, name: str) -> None:
     """Write "<ExceptionType>: <message>" (or "ok") and the seconds the failing call took."""
     from embengine import optimizers as opt
@@ -1270,14 +1283,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
     if name == "kill_at_build":  # the last rank dies before the engine's group is made
         if rank == world - 1:
             os._exit(3)
-        start = time.monotonic()
-        try:
-            ShardedEngine(features, optimizer=lr, seed=3)
-            result = "ok"
-        except Exception as e:
-            result = f"{type(e).__name__}: {e}"
+        seconds, result = _build_outcome(features, lr)
         with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
-            f.write(f"{time.monotonic() - start:.3f}\n{result}\n")
+            f.write(f"{seconds:.3f}\n{result}\n")
         return
     if name == "late_at_build":  # the last rank makes its engine after the others failed
         import torch.distributed as dist
@@ -1290,14 +1298,9 @@ def run_error(rank: int, world: int, out: str, name: str) -> None:
             deadline = time.monotonic() + 30
             while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        start = time.monotonic()
-        try:
-            ShardedEngine(features, optimizer=lr, seed=3)
-            result = "ok"
-        except Exception as e:
-            result = f"{type(e).__name__}: {e}"
+        seconds, result = _build_outcome(features, lr)
         with open(os.path.join(out, f"{name}.rank{rank}.txt.part"), "w") as f:
-            f.write(f"{time.monotonic() - start:.3f}\n{result}\n")
+            f.write(f"{seconds:.3f}\n{result}\n")
         os.rename(  # whole, for the late rank that waits for it
             os.path.join(out, f"{name}.rank{rank}.txt.part"),
             os.path.join(out, f"{name}.rank{rank}.txt"),

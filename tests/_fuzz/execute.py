@@ -246,6 +246,18 @@ def initial_row(spec, table: str, key: int, dim: int) -> np.ndarray:
 NO_TIME = -(1 << 63)  # a keyed table's data time before any timestamp
 
 
+def _batch_keys(spec, logical: dict, table: str) -> set[int]:
+    """The keys of ``table`` in the step's batch (``logical``: per feature, its samples), a
+    sequence feature's cut at its length."""
+    return {
+        int(k)
+        for f in spec.features
+        if f.table == table
+        for s in logical[f.name]["samples"]
+        for k in s[: f.seq or None]
+    }
+
+
 def keyed_model(
     spec, logical: dict, before: dict, training: bool, timestamp: int | None = None
 ) -> dict:
@@ -278,13 +290,7 @@ def keyed_model(
             if (expire is None or not step > last[i] + expire)
             and (now == NO_TIME or not now - times[i] > seconds)
         }
-        batch = {
-            int(k)
-            for f in spec.features
-            if f.table == table
-            for s in logical[f.name]["samples"]
-            for k in s[: f.seq or None]
-        }
+        batch = _batch_keys(spec, logical, table)
         if not training:
             out[table] = {"rows": {k: v[0] for k, v in live.items()}, "refuse": False}
             out[table]["keys_after"] = None
@@ -348,13 +354,7 @@ def time_diff(spec, logical: dict, before: dict, after: dict, stamps: dict) -> s
         rules = spec.table_spec(table).rules
         if "expire_seconds" not in rules or t_look is None:
             continue
-        batch = {
-            int(k)
-            for f in spec.features
-            if f.table == table
-            for s in logical[f.name]["samples"]
-            for k in s[: f.seq or None]
-        }
+        batch = _batch_keys(spec, logical, table)
         if not batch:
             continue
         on_apply = rules.get("insert_on", "lookup") == "apply"
