@@ -75,8 +75,9 @@ Scenarios:
                                 saves to one folder, the last rank through a symbolic link
   pacer                         in a group of 0.5 s timeout, rank 0 hashes for 3 s while the
                                 others wait: paced (comm.Pacer), then not
-  slow_hash                     a ShardedEngine whose shards take rank 0 longer than the
-                                timeout to initialise; a save and a restore whose hashing
+  slow_hash                     a ShardedEngine (in a group of the test's) whose shards take
+                                rank 0 longer than the group's timeout to initialise; a save
+                                and a restore whose hashing
                                 (a big extra tensor of rank 0's) outlasts it
   save_args:<keep|keeps|metadata|root|extra|restore|boom>
                                 save with keep=0, keep=1 (the others None), a root of None or
@@ -955,8 +956,9 @@ def run_pacer(rank: int, world: int, out: str, name: str) -> None:
 
 
 def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
-    """``slow_hash`` (module docstring): a ShardedEngine of 0.5 s timeout whose table sharding
-    puts a 512 MiB table on rank 0 (it initialises it while the other waits); then one of a
+    """``slow_hash`` (module docstring): a ShardedEngine in a group of the caller's of 0.5 s
+    timeout whose table sharding puts a 512 MiB table on rank 0 (it initialises it while the
+    other waits); then one of 0.5 s timeout (its own group) of a
     small table, and a save in which rank 0 adds an extra tensor of about 1.5 s of this
     host's hashing (768 MiB at most), so rank 0 hashes longer than the timeout as it
     commits; then a restore that only the last rank verifies. Each outcome and seconds, the
@@ -971,15 +973,19 @@ def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
     # Table sharding puts the big table whole on one rank: it initialises it while the other
-    # waits (the constructor's next collective timed out too).
+    # waits (the constructor's next collective timed out too). In a group of the caller's,
+    # of 0.5 s timeout: the engine meets as often as that group's timeout asks (it met
+    # every 1 s, as for its default timeout of 60 s, and timed out).
     big = ee.TableConfig(1 << 21, 64, name="big", optimizer=opt.SGD(0.1))
+    dist.barrier()  # lined up (60 s): the group's own connections wait 0.5 s for a peer
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
     start = time.monotonic()
     try:
         small = ee.TableConfig(10, 8, name="small", optimizer=opt.SGD(0.1))
         ShardedEngine(
             {"b": ee.FeatureConfig(big), "s": ee.FeatureConfig(small)},
             sharding="table",
-            timeout=0.5,
+            group=group,
         )
         built = f"build: {time.monotonic() - start:.3f} done"
     except Exception as e:

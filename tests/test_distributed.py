@@ -1249,14 +1249,15 @@ def test_ranks_waiting_for_one_ranks_long_work_meet_it_instead_of_timing_out(ref
 
 
 def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):
-    """A ShardedEngine of 0.5 s timeout whose table sharding puts a 512 MiB table on rank 0
-    (the other rank's next collective of the constructor timed out while rank 0 initialised
-    it); a save whose files take rank 0 longer than the engine's timeout (0.5 s) to hash as it
-    commits (an extra tensor of about 1.5 s of the host's hashing, 768 MiB at most), then a
-    restore that only the last rank verifies (hashes): both succeed on every rank. Before,
-    the ranks waiting for rank 0's name of the checkpoint, or for the last rank's checks,
-    raised a PeerError (512 MB at a 2 s timeout; at the default 60 s, a checkpoint of about 9
-    GB on a host hashing 154 MB/s)."""
+    """A ShardedEngine in a group of 0.5 s timeout (the test's own: the engine meets as often
+    as that group's timeout asks, where it met every 1 s and timed out) whose table sharding
+    puts a 512 MiB table on rank 0 (the other rank's next collective of the constructor timed
+    out while rank 0 initialised it); a save whose files take rank 0 longer than the
+    engine's timeout (0.5 s) to hash as it commits (an extra tensor of about 1.5 s of the
+    host's hashing, 768 MiB at most), then a restore that only the last rank verifies
+    (hashes): both succeed on every rank. Before, the ranks waiting for rank 0's name of the
+    checkpoint, or for the last rank's checks, raised a PeerError (512 MB at a 2 s timeout;
+    at the default 60 s, a checkpoint of about 9 GB on a host hashing 154 MB/s)."""
     for rank in range(2):
         head, *calls = (refusals / f"slow_hash.rank{rank}.txt").read_text().splitlines()
         assert [c.split(" ", 2)[0] for c in calls] == ["build:", "save:", "restore:"], calls

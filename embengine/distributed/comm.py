@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "Pacer", "PeerError", "meet_in_the_default_group"]
+__all__ = ["Comm", "Pacer", "PeerError", "group_timeout", "meet_in_the_default_group"]
 
 
 class PeerError(RuntimeError):
@@ -97,6 +97,17 @@ def _global_ranks(group, world_size: int) -> list[int]:
     import torch.distributed as dist
 
     return list(dist.get_process_group_ranks(group))
+
+
+def group_timeout(group) -> float | None:
+    """Seconds a collective of ``group`` waits for a peer (its gloo backend's timeout, which
+    ``torch.distributed``'s ``_set_pg_timeout`` changes too), or None where torch does not
+    say (another backend, another torch)."""
+    try:
+        seconds = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return float(seconds) if seconds > 0 else None
 
 
 def _silent_store() -> str:

@@ -89,7 +89,7 @@ from ..storage import StorageError, plan_storage
 from ..storage.dense import column_view, row_columns, row_dtype
 from ..storage.keyed import KeyedTable, shared_pending, shared_room, shared_victims
 from ..storage.plan import table_files
-from .comm import MEET_EVERY, Comm, meet_in_the_default_group
+from .comm import MEET_EVERY, Comm, group_timeout, meet_in_the_default_group
 from .sharding import (
     KEYED,
     ShardPlan,
@@ -351,9 +351,13 @@ class ShardedEngine:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         # Long work between collectives (initialising shards, hashing a checkpoint) meets the
-        # ranks four times a timeout at least (Comm.pacer); a user's group keeps its own
-        # timeout, unknown here.
-        meet_every = min(MEET_EVERY, (float(timeout) if good_timeout else DEFAULT_TIMEOUT) / 4)
+        # ranks four times a timeout at least (Comm.pacer): the group's own timeout (a user's
+        # group keeps its own: meeting every 1 s in a group of 0.5 s, the ranks waiting for a
+        # rank's work timed out, as unpaced), else the one asked for.
+        seconds = group_timeout(group)
+        if seconds is None:
+            seconds = float(timeout) if good_timeout else DEFAULT_TIMEOUT
+        meet_every = min(MEET_EVERY, seconds / 4)
         self._comm = Comm(group, self.rank, self.world_size, meet_every=meet_every)
         error = None
         # Each rank initialises its own shards (table sharding: a huge table on one rank, a
