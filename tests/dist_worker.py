@@ -75,6 +75,8 @@ Scenarios:
                                 saves to one folder, the last rank through a symbolic link
   pacer                         in a group of 0.5 s timeout, rank 0 hashes for 3 s while the
                                 others wait: paced (comm.Pacer), then not
+  pacer_raises                  in a group of 0.5 s timeout, rank 0 hashes for 2 s in a Pacer
+                                while the last rank's body raises KeyboardInterrupt at once
   slow_hash                     a ShardedEngine (in a group of the test's) whose shards take
                                 rank 0 longer than the group's timeout to initialise; a save
                                 and a restore whose hashing
@@ -955,6 +957,36 @@ def run_pacer(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join(said) + "\n")
 
 
+def run_pacer_raises(rank: int, world: int, out: str, name: str) -> None:
+    """``pacer_raises`` (module docstring): in a group of 0.5 s timeout (meeting every 0.1 s),
+    rank 0 hashes for 2 s in a Pacer while the last rank's body raises KeyboardInterrupt at
+    once (the others' bodies are empty). Each rank's outcome and seconds in a .txt."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from embengine.distributed.comm import Comm
+
+    dist.barrier()  # lined up (60 s): the group's own connections wait 0.5 s for a peer
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
+    comm = Comm(group, rank, world, meet_every=0.1)
+    block = np.random.default_rng(rank).bytes(1 << 20)
+    start = time.monotonic()
+    try:
+        with comm.pacer("hashing for the test"):
+            if rank == 0:
+                digest = hashlib.sha256()
+                while time.monotonic() - start < 2.0:
+                    digest.update(block)
+            if rank == world - 1:
+                raise KeyboardInterrupt("the test's")
+        said = "done"
+    except BaseException as e:  # KeyboardInterrupt too: the scenario's point
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - start:.3f} {said}\n")
+
+
 def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     """``slow_hash`` (module docstring): a ShardedEngine in a group of the caller's of 0.5 s
     timeout whose table sharding puts a 512 MiB table on rank 0 (it initialises it while the
@@ -1520,6 +1552,8 @@ def main() -> None:
                 run_save_roots(rank, world, out, name)
             elif name == "pacer":
                 run_pacer(rank, world, out, name)
+            elif name == "pacer_raises":
+                run_pacer_raises(rank, world, out, name)
             elif name == "slow_hash":
                 run_slow_hash(rank, world, out, name)
             elif name.startswith("restore_newest:"):

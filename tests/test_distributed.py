@@ -629,6 +629,7 @@ REFUSALS = [
     "user_optimizer",
     # and long work between collectives, which must not fail
     "pacer",
+    "pacer_raises",
     "slow_hash",
 ]
 
@@ -1246,6 +1247,20 @@ def test_ranks_waiting_for_one_ranks_long_work_meet_it_instead_of_timing_out(ref
     _, seconds, outcome = said[1][1].split(" ", 2)
     assert outcome.startswith("PeerError: rank 1: a collective (after the work)"), said
     assert float(seconds) < 2.5, said  # the timeout, not the work
+
+
+def test_a_rank_whose_paced_work_raises_raises_at_once_and_the_others_at_theirs(refusals):
+    """Rank 0 hashed for 2 s in a Pacer (a group of 0.5 s timeout) while rank 1's body raised
+    KeyboardInterrupt at once. Rank 1 raises it at once: it met the others until every rank
+    was done before, 2 s (the others' work, minutes of hashing in a save), though it does not
+    go on with them. Rank 0's meetings fail; it raises at the end of its work, which nothing
+    interrupts."""
+    seconds, said = (refusals / "pacer_raises.rank1.txt").read_text().split(" ", 1)
+    assert said == "KeyboardInterrupt: the test's\n", said
+    assert float(seconds) < 1.0, seconds  # not the 2 s of rank 0's work
+    seconds, said = (refusals / "pacer_raises.rank0.txt").read_text().split(" ", 1)
+    assert said.startswith("PeerError: rank 0: a collective (hashing for the test)"), said
+    assert 1.9 < float(seconds) < 10, seconds
 
 
 def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):

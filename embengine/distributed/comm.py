@@ -349,7 +349,8 @@ class Pacer:
     ``with comm.pacer(work):`` on every rank, around its share of the work (none for a rank
     that only waits): while the body runs, a thread meets the other ranks in an
     ``all_gather`` of one integer every ``comm.meet_every`` seconds, saying 1 (still
-    working); when it ends, this rank meets them saying 0 until every rank says 0. Every
+    working); when it ends, this rank meets them saying 0 until every rank says 0 (when it
+    raises, this rank raises at once, meeting no one: the others' meetings fail). Every
     rank thus makes the same meetings and reads the same answers, and no rank waits in one
     longer than a meeting interval. The body may not use the group itself. A rank that hangs
     or dies stops meeting: the others raise as in any collective, naming the ranks that were
@@ -376,10 +377,14 @@ class Pacer:
             return
         self._stop.set()
         self._thread.join()  # its meeting in progress ends: the others meet until all say 0
+        if error is not None:
+            # The body failed (a KeyboardInterrupt too): this rank leaves here, raising its
+            # error at once; the others' next meeting fails without it, naming it (Comm.behind),
+            # as their next collective would. Meeting them until every rank was done held it
+            # for their work (minutes of hashing), and it did not go on with them after.
+            return
         if self._failed is not None:
-            if error is None:
-                raise self._failed
-            return  # the body's own error first; the group is broken anyway
+            raise self._failed
         # Posted (Comm.enter), so that the ranks done name a rank that never ends its work
         # (stopped) after the timeout: it is the one behind.
         self._comm.enter(f"{self._work}, done")
