@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -1261,6 +1262,15 @@ def test_a_rank_whose_paced_work_raises_raises_at_once_and_the_others_at_theirs(
     seconds, said = (refusals / "pacer_raises.rank0.txt").read_text().split(" ", 1)
     assert said.startswith("PeerError: rank 0: a collective (hashing for the test)"), said
     assert 1.9 < float(seconds) < 10, seconds
+    # Each meeting is posted as a call: rank 1 never came to the one that timed out (a post of
+    # "done" alone said "every rank had entered it", naming no one).
+    late = re.search(
+        r"timeout in hashing for the test, meeting (\d+): rank 1 \(its last call: "
+        r"(none|hashing for the test, meeting (\d+))\) had not entered it",
+        said,
+    )
+    assert late is not None, said
+    assert late[3] is None or int(late[3]) == int(late[1]) - 1, said
 
 
 def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):
@@ -1285,7 +1295,8 @@ def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals
 # Where the last rank stops, and what the others say: in the update's collective (the rank
 # stopped after its lookup); in a restore, while it checks (hashes) the checkpoint (said as
 # "every rank had entered it", naming nobody, until each rank posted its checks' end; the
-# others now wait in meetings, comm.Pacer, after posting theirs).
+# others now wait in meetings, comm.Pacer, each posted as a call, the first of which the
+# stopped rank never came to).
 STOPPED = {
     "hang": (
         "gradients",
@@ -1293,8 +1304,8 @@ STOPPED = {
     ),
     "hang_restore": (
         "checking the checkpoint (hashing its files)",
-        "in checking the checkpoint (hashing its files), done: rank 2 (its last call: restore "
-        "at step 0) had not entered it",
+        "in checking the checkpoint (hashing its files), meeting 1: rank 2 (its last call: "
+        "restore at step 0) had not entered it",
     ),
 }
 

@@ -354,14 +354,15 @@ class Pacer:
     rank thus makes the same meetings and reads the same answers, and no rank waits in one
     longer than a meeting interval. The body may not use the group itself. A rank that hangs
     or dies stops meeting: the others raise as in any collective, naming the ranks that were
-    still working at the last meeting, and (a rank done posts so in the store: ``enter``) the
-    ranks not done. The work needs no hook (a hash, a write, an fsync,
-    a kernel: anything that lets the thread take the GIL now and then)."""
+    still working at the last meeting, and (each meeting is posted in the store as a call:
+    ``enter``) the ranks that had not come to it. The work needs no hook (a hash, a write,
+    an fsync, a kernel: anything that lets the thread take the GIL now and then)."""
 
     def __init__(self, comm: Comm, work: str):
         self._comm = comm
         self._work = work
         self._working: list[int] = []  # the ranks working at the last meeting
+        self._meetings = 0  # so far
         self._stop = threading.Event()
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -385,9 +386,6 @@ class Pacer:
             return
         if self._failed is not None:
             raise self._failed
-        # Posted (Comm.enter), so that the ranks done name a rank that never ends its work
-        # (stopped) after the timeout: it is the one behind.
-        self._comm.enter(f"{self._work}, done")
         while self._meet(0):
             pass
 
@@ -400,6 +398,12 @@ class Pacer:
 
     def _meet(self, working: int) -> bool:
         """One meeting; whether any rank was still working."""
+        # Each meeting posted as a call (Comm.enter; every rank makes the same meetings): after
+        # a timeout the ranks name one that never came to it (stopped, or gone). A post of
+        # "done" alone named the ranks still working instead, stuck or not, and no rank that
+        # was done and then stopped or left.
+        self._meetings += 1
+        self._comm.enter(f"{self._work}, meeting {self._meetings}")
         try:
             flags = self._comm.all_gather(np.array([working], dtype=np.int64), self._work)[:, 0]
         except PeerError as e:
