@@ -73,9 +73,9 @@ Scenarios:
   save_roots                    a step; each rank saves under a folder of its own; what each
                                 rank's root then holds; a step together; then every rank
                                 saves to one folder, the last rank through a symbolic link
-  pacer                         in a group of 0.5 s timeout, rank 0 hashes for 3 s while the
+  pacer                         in a group of 2 s timeout, rank 0 hashes for 4 s while the
                                 others wait: paced (comm.Pacer), then not
-  pacer_raises                  in a group of 0.5 s timeout, rank 0 hashes for 2 s in a Pacer
+  pacer_raises                  in a group of 2 s timeout, rank 0 hashes for 4 s in a Pacer
                                 while the last rank's body raises KeyboardInterrupt at once
   slow_hash                     a ShardedEngine (in a group of the test's) whose shards take
                                 rank 0 longer than the group's timeout to initialise; a save
@@ -917,9 +917,15 @@ def run_restore_newest(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{said}\nstep={eng.step}\n")
 
 
+# The paced scenarios' group timeout, meeting interval and seconds of rank 0's work: the
+# timeout several intervals long, so that a loaded host (3 test workers on 2 cores) does not
+# make a meeting late (at 0.5 s and 0.1 s, one was, in a fresh clone's suite).
+PACE_TIMEOUT, PACE_EVERY, PACE_WORK = 2.0, 0.25, 4.0
+
+
 def run_pacer(rank: int, world: int, out: str, name: str) -> None:
-    """``pacer`` (module docstring): in a group of 0.5 s timeout, rank 0 hashes for 3 s in a
-    Pacer while the others wait in theirs; then the same work without it, the others
+    """``pacer`` (module docstring): in a group of PACE_TIMEOUT, rank 0 hashes for PACE_WORK
+    seconds in a Pacer while the others wait in theirs; then the same work without it, the others
     waiting in an all_gather. Each outcome and seconds, and the meetings
     counted, in a .txt."""
     import hashlib
@@ -928,15 +934,15 @@ def run_pacer(rank: int, world: int, out: str, name: str) -> None:
 
     from embengine.distributed.comm import Comm
 
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
-    comm = Comm(group, rank, world, meet_every=0.1)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT))
+    comm = Comm(group, rank, world, meet_every=PACE_EVERY)
     block = np.random.default_rng(rank).bytes(1 << 20)
     said = []
 
     def work() -> None:
         if rank == 0:
             digest = hashlib.sha256()
-            while time.monotonic() - start < 3.0:
+            while time.monotonic() - start < PACE_WORK:
                 digest.update(block)
 
     for paced in (True, False):
@@ -958,25 +964,26 @@ def run_pacer(rank: int, world: int, out: str, name: str) -> None:
 
 
 def run_pacer_raises(rank: int, world: int, out: str, name: str) -> None:
-    """``pacer_raises`` (module docstring): in a group of 0.5 s timeout (meeting every 0.1 s),
-    rank 0 hashes for 2 s in a Pacer while the last rank's body raises KeyboardInterrupt at
-    once (the others' bodies are empty). Each rank's outcome and seconds in a .txt."""
+    """``pacer_raises`` (module docstring): in a group of PACE_TIMEOUT (meeting every
+    PACE_EVERY), rank 0 hashes for PACE_WORK seconds in a Pacer while the last rank's body
+    raises KeyboardInterrupt at once (the others' bodies are empty). Each rank's outcome and
+    seconds in a .txt."""
     import hashlib
 
     import torch.distributed as dist
 
     from embengine.distributed.comm import Comm
 
-    dist.barrier()  # lined up (60 s): the group's own connections wait 0.5 s for a peer
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
-    comm = Comm(group, rank, world, meet_every=0.1)
+    dist.barrier()  # lined up (60 s): the group's own connections wait PACE_TIMEOUT for a peer
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT))
+    comm = Comm(group, rank, world, meet_every=PACE_EVERY)
     block = np.random.default_rng(rank).bytes(1 << 20)
     start = time.monotonic()
     try:
         with comm.pacer("hashing for the test"):
             if rank == 0:
                 digest = hashlib.sha256()
-                while time.monotonic() - start < 2.0:
+                while time.monotonic() - start < PACE_WORK:
                     digest.update(block)
             if rank == world - 1:
                 raise KeyboardInterrupt("the test's")
@@ -988,13 +995,13 @@ def run_pacer_raises(rank: int, world: int, out: str, name: str) -> None:
 
 
 def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
-    """``slow_hash`` (module docstring): a ShardedEngine in a group of the caller's of 0.5 s
-    timeout whose table sharding puts a 512 MiB table on rank 0 (it initialises it while the
-    other waits); then one of 0.5 s timeout (its own group) of a
-    small table, and a save in which rank 0 adds an extra tensor of about 1.5 s of this
-    host's hashing (768 MiB at most), so rank 0 hashes longer than the timeout as it
-    commits; then a restore that only the last rank verifies. Each outcome and seconds, the
-    timeout and the extra tensor's bytes, in a .txt."""
+    """``slow_hash`` (module docstring): a ShardedEngine in a group of the caller's of
+    PACE_TIMEOUT whose table sharding puts a 512 MiB table on rank 0 (it initialises it while
+    the other waits); then one of PACE_TIMEOUT (its own group) of a small table, and a save
+    in which rank 0 adds an extra tensor of about twice PACE_TIMEOUT of this host's hashing
+    (1 GiB at most), so rank 0 hashes longer than the timeout as it commits (on a host
+    hashing under 256 MB/s); then a restore that only the last rank verifies. Each outcome
+    and seconds, the timeout and the extra tensor's bytes, in a .txt."""
     import hashlib
 
     import torch
@@ -1006,11 +1013,11 @@ def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
 
     # Table sharding puts the big table whole on one rank: it initialises it while the other
     # waits (the constructor's next collective timed out too). In a group of the caller's,
-    # of 0.5 s timeout: the engine meets as often as that group's timeout asks (it met
-    # every 1 s, as for its default timeout of 60 s, and timed out).
+    # of PACE_TIMEOUT: the engine meets as often as that group's timeout asks (in a group of
+    # 0.5 s it met every 1 s, as for its default timeout of 60 s, and timed out).
     big = ee.TableConfig(1 << 21, 64, name="big", optimizer=opt.SGD(0.1))
-    dist.barrier()  # lined up (60 s): the group's own connections wait 0.5 s for a peer
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=0.5))
+    dist.barrier()  # lined up (60 s): the group's own connections wait PACE_TIMEOUT for a peer
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT))
     start = time.monotonic()
     try:
         small = ee.TableConfig(10, 8, name="small", optimizer=opt.SGD(0.1))
@@ -1028,13 +1035,13 @@ def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     hashlib.sha256(probe).digest()
     speed = torch.tensor([len(probe) / (time.perf_counter() - start)], dtype=torch.float64)
     dist.broadcast(speed, 0)  # rank 0's figure everywhere (and the ranks meet)
-    nbytes = int(min(768 << 20, 1.5 * float(speed[0]))) // 4 * 4
+    nbytes = int(min(1 << 30, 2 * PACE_TIMEOUT * float(speed[0]))) // 4 * 4
     table = ee.TableConfig(1000, 8, name="t", optimizer=opt.SGD(0.1))
-    eng = ShardedEngine({"f": ee.FeatureConfig(table)}, timeout=0.5)
+    eng = ShardedEngine({"f": ee.FeatureConfig(table)}, timeout=PACE_TIMEOUT)
     acts = eng.lookup({"f": np.array([[rank]], dtype=np.int64)})
     eng.apply_gradients({k: np.ones_like(v) for k, v in acts.items()})
     root = os.path.join(out, name)
-    said = [f"timeout=0.5 extra={nbytes} speed={float(speed[0]):.0f}", built]
+    said = [f"timeout={PACE_TIMEOUT} extra={nbytes} speed={float(speed[0]):.0f}", built]
     for call in ("save", "restore"):
         start = time.monotonic()
         try:

@@ -1234,8 +1234,8 @@ def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refu
 
 
 def test_ranks_waiting_for_one_ranks_long_work_meet_it_instead_of_timing_out(refusals):
-    """Rank 0 hashed for 3 s in a group of 0.5 s timeout. Paced (``comm.Pacer``: a thread
-    meets the others every 0.1 s of its work, they wait in meetings), every rank ends the
+    """Rank 0 hashed for 4 s in a group of 2 s timeout. Paced (``comm.Pacer``: a thread
+    meets the others every 0.25 s of its work, they wait in meetings), every rank ends the
     work together; not paced, the waiting rank's next collective timed out, as a ShardedEngine's
     did after rank 0 hashed a checkpoint longer than the timeout (next test)."""
     said = {r: (refusals / f"pacer.rank{r}.txt").read_text().splitlines() for r in range(2)}
@@ -1243,25 +1243,25 @@ def test_ranks_waiting_for_one_ranks_long_work_meet_it_instead_of_timing_out(ref
         paced, unpaced, meetings = said[rank]
         name, seconds, outcome = paced.split(" ", 2)
         assert name == "paced=True:" and outcome == "done", said
-        assert 2.9 < float(seconds) < 10, said  # everyone waited for the work, nobody longer
-        assert int(meetings.split("=")[1]) >= 10, said  # every 0.1 s of 3 s (and the last)
+        assert 3.9 < float(seconds) < 15, said  # everyone waited for the work, nobody longer
+        assert int(meetings.split("=")[1]) >= 8, said  # every 0.25 s of 4 s (and the last)
     _, seconds, outcome = said[1][1].split(" ", 2)
     assert outcome.startswith("PeerError: rank 1: a collective (after the work)"), said
-    assert float(seconds) < 2.5, said  # the timeout, not the work
+    assert float(seconds) < 3.5, said  # the 2 s timeout, not the 4 s of work
 
 
 def test_a_rank_whose_paced_work_raises_raises_at_once_and_the_others_at_theirs(refusals):
-    """Rank 0 hashed for 2 s in a Pacer (a group of 0.5 s timeout) while rank 1's body raised
+    """Rank 0 hashed for 4 s in a Pacer (a group of 2 s timeout) while rank 1's body raised
     KeyboardInterrupt at once. Rank 1 raises it at once: it met the others until every rank
-    was done before, 2 s (the others' work, minutes of hashing in a save), though it does not
+    was done before, 4 s (the others' work, minutes of hashing in a save), though it does not
     go on with them. Rank 0's meetings fail; it raises at the end of its work, which nothing
     interrupts."""
     seconds, said = (refusals / "pacer_raises.rank1.txt").read_text().split(" ", 1)
     assert said == "KeyboardInterrupt: the test's\n", said
-    assert float(seconds) < 1.0, seconds  # not the 2 s of rank 0's work
+    assert float(seconds) < 2.0, seconds  # not the 4 s of rank 0's work
     seconds, said = (refusals / "pacer_raises.rank0.txt").read_text().split(" ", 1)
     assert said.startswith("PeerError: rank 0: a collective (hashing for the test)"), said
-    assert 1.9 < float(seconds) < 10, seconds
+    assert 3.9 < float(seconds) < 15, seconds
     # Each meeting is posted as a call: rank 1 never came to the one that timed out (a post of
     # "done" alone said "every rank had entered it", naming no one).
     late = re.search(
@@ -1274,22 +1274,22 @@ def test_a_rank_whose_paced_work_raises_raises_at_once_and_the_others_at_theirs(
 
 
 def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):
-    """A ShardedEngine in a group of 0.5 s timeout (the test's own: the engine meets as often
-    as that group's timeout asks, where it met every 1 s and timed out) whose table sharding
-    puts a 512 MiB table on rank 0 (the other rank's next collective of the constructor timed
-    out while rank 0 initialised it); a save whose files take rank 0 longer than the
-    engine's timeout (0.5 s) to hash as it commits (an extra tensor of about 1.5 s of the
-    host's hashing, 768 MiB at most), then a restore that only the last rank verifies
-    (hashes): both succeed on every rank. Before, the ranks waiting for rank 0's name of the
-    checkpoint, or for the last rank's checks, raised a PeerError (512 MB at a 2 s timeout;
-    at the default 60 s, a checkpoint of about 9 GB on a host hashing 154 MB/s)."""
+    """A ShardedEngine in a group of 2 s timeout (the test's own: the engine meets as often
+    as that group's timeout asks; in a group of 0.5 s it met every 1 s and timed out) whose
+    table sharding puts a 512 MiB table on rank 0 (the other rank's next collective of the
+    constructor timed out while rank 0 initialised it, at 0.5 s); a save whose files take
+    rank 0 about twice the engine's timeout (2 s) to hash as it commits (an extra tensor of
+    1 GiB at most), then a restore that only the last rank verifies (hashes): every call
+    succeeds on every rank. Before, the ranks waiting for rank 0's name of the checkpoint, or
+    for the last rank's checks, raised a PeerError (512 MB at a 2 s timeout; at the default
+    60 s, a checkpoint of about 9 GB on a host hashing 154 MB/s). Where the host hashes over
+    about 512 MB/s or initialises the table within the timeout, the calls end within it and
+    this is a test of the calls' pacing, not of its need: the Pacer's own test above is."""
     for rank in range(2):
         head, *calls = (refusals / f"slow_hash.rank{rank}.txt").read_text().splitlines()
         assert [c.split(" ", 2)[0] for c in calls] == ["build:", "save:", "restore:"], calls
         for call in calls:
             assert call.endswith(" done"), (head, calls)
-        for call in calls[1:]:
-            assert float(call.split()[1]) > 0.5, (head, calls)  # outlasted the timeout
 
 
 # Where the last rank stops, and what the others say: in the update's collective (the rank
