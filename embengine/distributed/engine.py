@@ -290,6 +290,9 @@ class ShardedEngine:
         collectives never interleave with DDP's.
       timeout: seconds a collective of the new group waits for a peer before raising (unused
         when ``group`` is given). A dead peer is detected at once (its connection resets).
+        Long work between collectives (initialising shards, hashing a checkpoint) meets the
+        other ranks every quarter of the group's timeout (``comm.Pacer``), so it may last
+        longer than the timeout.
       backend, nonfinite_gradients: as ``EmbeddingEngine``.
       storage, storage_dir: as ``EmbeddingEngine`` ("ram", "mmap" or a dict of table name ->
         either), for this rank's shards: a memory-mapped shard lives in
