@@ -996,11 +996,11 @@ def run_pacer_raises(rank: int, world: int, out: str, name: str) -> None:
 
 def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     """``slow_hash`` (module docstring): a ShardedEngine in a group of the caller's of
-    PACE_TIMEOUT whose table sharding puts a 512 MiB table on rank 0 (it initialises it while
+    PACE_TIMEOUT whose table sharding puts a 256 MiB table on rank 0 (it initialises it while
     the other waits); then one of PACE_TIMEOUT (its own group) of a small table, and a save
     in which rank 0 adds an extra tensor of about twice PACE_TIMEOUT of this host's hashing
-    (1 GiB at most), so rank 0 hashes longer than the timeout as it commits (on a host
-    hashing under 256 MB/s); then a restore that only the last rank verifies. Each outcome
+    (512 MiB at most), so rank 0 hashes longer than the timeout as it commits (on a host
+    hashing under 128 MB/s); then a restore that only the last rank verifies. Each outcome
     and seconds, the timeout and the extra tensor's bytes, in a .txt."""
     import hashlib
 
@@ -1015,7 +1015,7 @@ def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     # waits (the constructor's next collective timed out too). In a group of the caller's,
     # of PACE_TIMEOUT: the engine meets as often as that group's timeout asks (in a group of
     # 0.5 s it met every 1 s, as for its default timeout of 60 s, and timed out).
-    big = ee.TableConfig(1 << 21, 64, name="big", optimizer=opt.SGD(0.1))
+    big = ee.TableConfig(1 << 20, 64, name="big", optimizer=opt.SGD(0.1))
     dist.barrier()  # lined up (60 s): the group's own connections wait PACE_TIMEOUT for a peer
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PACE_TIMEOUT))
     start = time.monotonic()
@@ -1035,7 +1035,7 @@ def run_slow_hash(rank: int, world: int, out: str, name: str) -> None:
     hashlib.sha256(probe).digest()
     speed = torch.tensor([len(probe) / (time.perf_counter() - start)], dtype=torch.float64)
     dist.broadcast(speed, 0)  # rank 0's figure everywhere (and the ranks meet)
-    nbytes = int(min(1 << 30, 2 * PACE_TIMEOUT * float(speed[0]))) // 4 * 4
+    nbytes = int(min(512 << 20, 2 * PACE_TIMEOUT * float(speed[0]))) // 4 * 4
     table = ee.TableConfig(1000, 8, name="t", optimizer=opt.SGD(0.1))
     eng = ShardedEngine({"f": ee.FeatureConfig(table)}, timeout=PACE_TIMEOUT)
     acts = eng.lookup({"f": np.array([[rank]], dtype=np.int64)})

@@ -1276,14 +1276,14 @@ def test_a_rank_whose_paced_work_raises_raises_at_once_and_the_others_at_theirs(
 def test_a_sharded_save_and_restore_outlast_the_timeout_while_they_hash(refusals):
     """A ShardedEngine in a group of 2 s timeout (the test's own: the engine meets as often
     as that group's timeout asks; in a group of 0.5 s it met every 1 s and timed out) whose
-    table sharding puts a 512 MiB table on rank 0 (the other rank's next collective of the
-    constructor timed out while rank 0 initialised it, at 0.5 s); a save whose files take
-    rank 0 about twice the engine's timeout (2 s) to hash as it commits (an extra tensor of
-    1 GiB at most), then a restore that only the last rank verifies (hashes): every call
+    table sharding puts a 256 MiB table on rank 0 (the other rank's next collective of the
+    constructor timed out while rank 0 initialised a 512 MiB one, at 0.5 s); a save whose
+    files take rank 0 about twice the engine's timeout (2 s) to hash as it commits (an extra
+    tensor of 512 MiB at most), then a restore that only the last rank verifies (hashes): every call
     succeeds on every rank. Before, the ranks waiting for rank 0's name of the checkpoint, or
     for the last rank's checks, raised a PeerError (512 MB at a 2 s timeout; at the default
     60 s, a checkpoint of about 9 GB on a host hashing 154 MB/s). Where the host hashes over
-    about 512 MB/s or initialises the table within the timeout, the calls end within it and
+    about 256 MB/s or initialises the table within the timeout, the calls end within it and
     this is a test of the calls' pacing, not of its need: the Pacer's own test above is."""
     for rank in range(2):
         head, *calls = (refusals / f"slow_hash.rank{rank}.txt").read_text().splitlines()
