@@ -636,12 +636,27 @@ REFUSALS = [
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> Path:
+def refusals(tmp_path_factory, worker_id) -> Path:
     """The folder of two ranks that ran every scenario of ``REFUSALS``: one process group
-    (two interpreters and their kernels loaded once) for the tests that read it."""
-    out = tmp_path_factory.mktemp("refusals")
-    (out / "not-a-folder").write_text("a file")  # save_fails: where its folder should be
-    codes = spawn(2, out, REFUSALS, limit=300)
+    (two interpreters and their kernels loaded once) for the tests that read it, once per
+    test run. pytest-xdist's workers share it through the run's base folder: the first to
+    come spawns the ranks under a lock, the others wait for it and read the same files
+    (each spawned its own before: 48-61 s of two ranks' work, twice, in a fresh clone's
+    suite)."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # the run's folder, above each worker's own
+        root = root.parent
+    out = root / "refusals-shared"
+    with open(root / "refusals.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / "codes").exists():
+            out.mkdir(exist_ok=True)
+            (out / "not-a-folder").write_text("a file")  # save_fails: where its folder goes
+            codes = spawn(2, out, REFUSALS, limit=300)
+            (out / "codes").write_text(" ".join(map(str, codes)))
+    codes = [int(c) for c in (out / "codes").read_text().split()]
     assert codes == [0, 0], _logs(out, 2)
     return out
 
