@@ -452,6 +452,18 @@ def serving_engine(config: str = "mixed"):
     return _SERVING["engine"], _SERVING["tables"]
 
 
+def _case_engine(recipe: dict, backend: str, clean: bool):
+    """The engine a case runs on: its config's, after the case's history (at its times);
+    ``clean`` (the oracle's run): an mmap config's tables in RAM."""
+    return build_engine(
+        recipe["config"],
+        backend,
+        history=inputs.history(recipe),
+        times=inputs.history_times(recipe),
+        ram=clean,
+    )
+
+
 def drive(recipe, backend: str, clean: bool) -> dict:
     """Drive one path; returns acts (by feature name), states and the ApiError if any."""
     import torch
@@ -486,13 +498,7 @@ def drive(recipe, backend: str, clean: bool) -> dict:
             engine = None
             res["before"] = res["after"] = tables
         else:
-            engine = build_engine(
-                recipe["config"],
-                backend,
-                history=inputs.history(recipe),
-                times=inputs.history_times(recipe),
-                ram=clean,
-            )
+            engine = _case_engine(recipe, backend, clean)
             obj = engine
         res["engine"] = engine
         if engine is not None:
@@ -790,13 +796,7 @@ def drive_two(recipe: dict, backend: str, clean: bool) -> dict:
     res: dict = {"acts": None, "acts2": None, "eval_acts": None, "error": None, "stage": None}
     snaps: dict = {}
     res["snaps"] = snaps
-    engine = build_engine(
-        recipe["config"],
-        backend,
-        history=inputs.history(recipe),
-        times=inputs.history_times(recipe),
-        ram=clean,
-    )
+    engine = _case_engine(recipe, backend, clean)
     res["engine"] = engine
     snaps["before"] = snapshot(engine)
 
