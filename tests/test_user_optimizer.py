@@ -281,3 +281,71 @@ def test_registration_refuses_a_result_of_the_wrong_arity():
     row_math("arity_of_the_tests", slots=("acc",), prologue=steps_since, prologue_result="delta")(
         keeps_its_slot
     )
+
+
+def _yogi32(w, momenta, velocities, g, lr, beta_1, beta_2, epsilon):
+    """Yogi in float32 lanes: the gradient is read only as float32."""
+    gf = np.float32(g)
+    m = np.float32(beta_1) * np.float32(momenta) + np.float32(1.0 - beta_1) * gf
+    g2 = gf * gf
+    v0 = np.float32(velocities)
+    v = v0 - np.float32(1.0 - beta_2) * np.sign(v0 - g2) * g2
+    return np.float32(w) - np.float32(lr) * m / (np.sqrt(v) + np.float32(epsilon)), m, v
+
+
+YOGI32 = {
+    declared: row_math(
+        f"yogi32_{declared}_of_the_tests",
+        params=("beta_1", "beta_2", "epsilon"),
+        slots=("momenta", "velocities"),
+        float32_gradient=declared,
+    )(_yogi32)
+    for declared in (False, True)
+}
+
+
+@dataclass(frozen=True)
+class Yogi32(Yogi):
+    """Yogi with float32 math, its row math declared float32_gradient or not."""
+
+    declared: bool = True
+
+    def row_math(self, dim):
+        return YOGI32[self.declared]
+
+
+@pytest.mark.parametrize("dim", [8, 6])  # the fixed-layout kernel, the any-layout one
+def test_a_float32_gradient_row_math_trains_bit_for_bit_as_undeclared(dim):
+    """Declared, the kernel hands the function its gradient rounded to float32 once per row
+    (its loop then runs in float32 lanes); a function that rounds g first sees no difference."""
+    declared, undeclared = (_train(Yogi32(0.05, declared=d), "numba", dim) for d in (True, False))
+    assert not np.array_equal(declared[0], _train(Yogi32(0.05), "numba", dim, steps=0)[0])
+    np.testing.assert_array_equal(declared[0], undeclared[0])
+    for k in undeclared[1]:
+        np.testing.assert_array_equal(declared[1][k], undeclared[1][k], err_msg=k)
+
+
+def test_float32_gradient_is_checked_against_the_function_when_registered():
+    from embengine.kernels import codegen
+    from embengine.optimizers._row_math import ROW_MATH
+
+    # SGD reads g in float64: handed the rounded gradient, it would move rows differently.
+    def sgd(w, g, lr):
+        return w - lr * g
+
+    with pytest.raises(ValueError, match=r"declares float32_gradient, but sgd returns other "):
+        row_math("f32_of_the_tests", float32_gradient=True)(sgd)
+    with pytest.raises(ValueError, match="float32_gradient is for element functions"):
+        row_math("f32_of_the_tests", form="scaled", slots=("acc",), float32_gradient=True)(
+            lambda acc, sum_g2, lr, dim: (acc + sum_g2, lr)
+        )
+    # embengine's own: Adam and Adagrad round g first; their kernels' loop without clipping or
+    # weight decay reads the rounded copy, the loop with them the float64 sum as before.
+    for name, call in (("adam", "adam_update("), ("adagrad", "adagrad_update(")):
+        assert ROW_MATH[name].float32_gradient, name
+        text = codegen.render([ROW_MATH[name]])
+        assert "gf[j] = np.float32(g[j])" in text and f"{call}" in text
+        calls = [line for line in text.splitlines() if call in line and "def " not in line]
+        assert any(", gf[j], " in c for c in calls) and any(", gj, " in c for c in calls), name
+    assert not ROW_MATH["sgd"].float32_gradient
+    assert "gf[j]" not in codegen.render([ROW_MATH["sgd"]])

@@ -34,7 +34,11 @@ a prefix of ``slots`` as its float slots (at most ``MAX_SLOTS``, each at most di
 ``fixed_layout``: the kernel also gets a variant for rows of a constant width with slots at
 constant offsets (vectorised in place); ``needs_accumulation``: the kernel needs one accumulated
 gradient per row (counting optimizers); ``every_row``: it can sweep every row of the table
-(non-lazy updates, ``Optimizer.updates_every_row``).
+(non-lazy updates, ``Optimizer.updates_every_row``); ``float32_gradient`` (element form): the
+function reads ``g`` only as float32 (``f(g) == f(float64(float32(g)))``, as when its first step
+rounds g), so the kernel rounds the summed gradient once per row and the math runs in float32
+lanes, twice as many per vector as float64 ones; without clipping or weight decay only (with
+them ``g`` stays the float64 value the function got before).
 
 A spec points at its registration (``Optimizer.row_math(dim)``; the class attribute
 ``ROW_MATH`` by default), so subclasses (the TPU and Monolith ports) inherit it. This module
@@ -93,6 +97,7 @@ class RowMath:
     fixed_layout: bool = True
     needs_accumulation: bool = False
     every_row: bool = True
+    float32_gradient: bool = False
 
     def __post_init__(self):
         where = f"row math {self.name!r}"
@@ -116,6 +121,11 @@ class RowMath:
             raise ValueError(f"{where}: a {self.form} function takes one slot, got {self.slots}")
         if self.form == "row" and self.fixed_layout:
             raise ValueError(f"{where}: a row function has no fixed-layout kernel")
+        if self.float32_gradient and self.form != "element":
+            raise ValueError(
+                f"{where}: float32_gradient is for element functions (g per coordinate); a "
+                f"{self.form} function is given {_GIVEN[self.form]}"
+            )
         named = [*self.params, *self.flags, *self.slots, *self.constants]
         if self.prologue_result:
             named.append(self.prologue_result)
@@ -151,6 +161,36 @@ class RowMath:
             )
 
         self._check_result(where)
+        if self.float32_gradient:
+            self._check_float32_gradient(where)
+
+    def _check_float32_gradient(self, where: str) -> None:
+        """Call the function in Python with gradients that float32 cannot hold and with their
+        float32 roundings (other values as ``_check_result``), and refuse a declaration of
+        ``float32_gradient`` that the results contradict: the kernel would hand it the rounded
+        gradient and so change the optimizer's results. A function that raises is not checked."""
+        values = {n: np.float64(0.5) for n in (*_GIVEN[self.form], *self.params, *self.slots)}
+        values.update({n: False for n in self.flags})
+        values.update(self.constants)
+        if self.prologue is not None:
+            values[self.prologue_result] = np.float64(0.5)
+        for g in (0.1, -3e-5, 1.0 + 2.0**-30):
+            results = []
+            for given in (np.float64(g), np.float64(np.float32(g))):
+                values["g"] = given
+                try:
+                    with warnings.catch_warnings(), np.errstate(all="ignore"):
+                        warnings.simplefilter("ignore")
+                        out = self.function(*(values[a] for a in self.arguments))
+                except Exception:
+                    return
+                results.append(np.asarray(out, dtype=np.float64).tobytes())
+            if results[0] != results[1]:
+                raise ValueError(
+                    f"{where}: declares float32_gradient, but {self.function.__name__} returns "
+                    f"other values for g = {g!r} than for its float32 rounding; round g to "
+                    "float32 first (f32(g)) or leave float32_gradient False"
+                )
 
     def _check_result(self, where: str) -> None:
         """Call the function once in Python on sample values (0.5; flags False; dim 4; a
@@ -263,6 +303,7 @@ def row_math(
     fixed_layout: bool | None = None,
     needs_accumulation: bool = False,
     every_row: bool = True,
+    float32_gradient: bool = False,
 ) -> Callable[[Callable], RowMath]:
     """Register the decorated function as the row math ``name`` (see the module docstring);
     returns its ``RowMath``, which a spec names as ``ROW_MATH`` (or returns from ``row_math``).
@@ -283,6 +324,7 @@ def row_math(
                 form != "row" if fixed_layout is None else fixed_layout,
                 needs_accumulation,
                 every_row,
+                float32_gradient,
             )
         )
 

@@ -17,7 +17,7 @@ f32 = np.float32
 # whose results hinge on powers of tiny values or thresholds, in float64.
 
 
-@row_math("adagrad", slots=("accumulators",))
+@row_math("adagrad", slots=("accumulators",), float32_gradient=True)
 def adagrad_update(w, accumulators, g, lr):
     gf = f32(g)
     acc = f32(accumulators) + gf * gf

@@ -45,6 +45,7 @@ def adam_step_size(data_i, r, cols, step, lr, beta_1, beta_2, bias_correction_pe
     constants={"amsgrad": False},
     prologue=constant_step_size,
     prologue_result="step_size",
+    float32_gradient=True,
 )
 def adam_update(
     w,
