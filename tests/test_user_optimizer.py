@@ -349,3 +349,57 @@ def test_float32_gradient_is_checked_against_the_function_when_registered():
         assert any(", gf[j], " in c for c in calls) and any(", gj, " in c for c in calls), name
     assert not ROW_MATH["sgd"].float32_gradient
     assert "gf[j]" not in codegen.render([ROW_MATH["sgd"]])
+
+
+def _step_rounded(w, g, lr):
+    """float32 weights, the step computed in float64 and then rounded: it reads g in float64."""
+    return np.float32(w) - np.float32(lr * g)
+
+
+def _exact_if_asked(w, g, lr, exact):
+    """Reads g as float32 unless its flag ``exact`` is set."""
+    return w - lr * g if exact else np.float32(w) - np.float32(lr) * np.float32(g)
+
+
+def _raises_at_one_half(w, g, lr):
+    """Reads g in float64, and raises on the learning rate 0.5."""
+    if lr == 0.5:
+        raise ZeroDivisionError("lr 0.5")
+    return w - lr * g
+
+
+@pytest.mark.parametrize(
+    "fn, flags, shown",
+    [
+        # 0.5 * g rounds alike for g and for its rounding: the product hid the float64 read
+        (_step_rounded, (), r"other values 0\.3, flags all False"),
+        (_exact_if_asked, ("exact",), "flags set: exact"),
+        (_raises_at_one_half, (), r"other values 0\.3"),
+    ],
+)
+def test_float32_gradient_check_sees_float64_reads_on_other_values_and_flags(fn, flags, shown):
+    """Each reads g in float64 where the kernel would hand it the rounded gradient; the check
+    tried only 0.5 for every value, flags False, and stopped at a function that raised."""
+    name = f"f32_{fn.__name__.strip('_')}_of_the_tests"
+    with pytest.raises(
+        ValueError, match=rf"declares float32_gradient, but {fn.__name__} .*{shown}"
+    ):
+        row_math(name, flags=flags, float32_gradient=True)(fn)
+    assert row_math(name, flags=flags)(fn).float32_gradient is False  # undeclared: registered
+
+
+def test_float32_gradient_check_accepts_a_function_rounding_g_first_under_every_flag():
+    def nesterov32(w, momenta, g, lr, momentum, use_nesterov):
+        gf = np.float32(g)
+        m = np.float32(momentum) * np.float32(momenta) + gf
+        u = np.float32(momentum) * m + gf if use_nesterov else m
+        return np.float32(w) - np.float32(lr) * u, m
+
+    rm = row_math(
+        "nesterov32_of_the_tests",
+        params=("momentum",),
+        flags=("use_nesterov",),
+        slots=("momenta",),
+        float32_gradient=True,
+    )(nesterov32)
+    assert rm.float32_gradient

@@ -73,6 +73,48 @@ _PROLOGUE_GIVEN = ("data_i", "r", "cols", "step", "lr")
 ROW_MATH: dict[str, RowMath] = {}
 
 
+# Flags up to this many: ``_check_float32_gradient`` tries every combination of their values.
+_FLAG_COMBINATIONS = 4
+
+
+def _near_half_step(x: float) -> float:
+    """A float64 just short of half a float32 step beyond ``float32(x)``: its rounding to
+    float32 moves it about as far as rounding can."""
+    f = np.float32(x)
+    return float(np.float64(f) + np.sign(f) * np.float64(np.spacing(abs(f))) * (0.5 - 2.0**-12))
+
+
+def _rounded(x: float) -> np.float64:
+    """``x`` rounded to float32, as float64 (1e39: inf, without numpy's overflow warning)."""
+    with np.errstate(over="ignore"):
+        return np.float64(np.float32(x))
+
+
+# The gradients ``_check_float32_gradient`` calls a function with, each with its rounding.
+_GRADIENT_SAMPLES = tuple(
+    (np.float64(g), _rounded(g))
+    for g in (
+        *(_near_half_step(x) for x in (0.1, -3e-5, 0.7, -1.3e-3, 290.3, 4.1e-7, -0.37, 5.3)),
+        1.0 + 2.0**-30,
+        1e39,
+    )
+)
+
+
+def _flag_samples(flags: tuple[str, ...]) -> list[dict[str, bool]]:
+    """The flag values ``_check_float32_gradient`` tries: every combination of up to
+    ``_FLAG_COMBINATIONS`` flags; for more, all False, all True and each one alone True."""
+    if len(flags) <= _FLAG_COMBINATIONS:
+        return [
+            {n: bool(bits >> i & 1) for i, n in enumerate(flags)} for bits in range(2 ** len(flags))
+        ]
+    return [
+        {n: False for n in flags},
+        {n: True for n in flags},
+        *({n: n == on for n in flags} for on in flags),
+    ]
+
+
 def _arguments(fn: Callable) -> tuple[str, ...]:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
@@ -166,31 +208,58 @@ class RowMath:
 
     def _check_float32_gradient(self, where: str) -> None:
         """Call the function in Python with gradients that float32 cannot hold and with their
-        float32 roundings (other values as ``_check_result``), and refuse a declaration of
-        ``float32_gradient`` that the results contradict: the kernel would hand it the rounded
-        gradient and so change the optimizer's results. A function that raises is not checked."""
-        values = {n: np.float64(0.5) for n in (*_GIVEN[self.form], *self.params, *self.slots)}
-        values.update({n: False for n in self.flags})
-        values.update(self.constants)
-        if self.prologue is not None:
-            values[self.prologue_result] = np.float64(0.5)
-        for g in (0.1, -3e-5, 1.0 + 2.0**-30):
-            results = []
-            for given in (np.float64(g), np.float64(np.float32(g))):
-                values["g"] = given
+        float32 roundings, and refuse a declaration of ``float32_gradient`` that the results
+        contradict: the kernel would hand it the rounded gradient and so change the optimizer's
+        results. The other values: 0.5 everywhere, then 0.3 (a product with 0.5 is exact, so
+        ``f32(lr * g)`` would round alike), each combination of the flags (each flag alone and
+        all for more than ``_FLAG_COMBINATIONS``). The gradients lie near half a float32 step
+        from their rounding (a float64 read shows in a result rounded to float32 about half the
+        time each), plus ``1 + 2^-30`` (``w - lr * g`` cancels to 0 for its rounding) and 1e39
+        (float32 infinity). A sample: a function that reads g in float64 only on other values
+        passes. Values on which the function raises are skipped."""
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            self._compare_roundings(where)
+
+    def _compare_roundings(self, where: str) -> None:
+        """``_check_float32_gradient``'s calls (warnings and floating-point errors silenced)."""
+        arguments = self.arguments
+        for flags in _flag_samples(self.flags):
+            for value in (0.5, 0.3):
+                values = {n: np.float64(value) for n in (*_GIVEN[self.form], *self.params)}
+                values.update({n: np.float64(value) for n in self.slots})
+                values.update(flags)
+                values.update(self.constants)
+                if self.prologue is not None:
+                    values[self.prologue_result] = np.float64(value)
                 try:
-                    with warnings.catch_warnings(), np.errstate(all="ignore"):
-                        warnings.simplefilter("ignore")
-                        out = self.function(*(values[a] for a in self.arguments))
+                    bad = next(
+                        (
+                            g
+                            for g, rounded in _GRADIENT_SAMPLES
+                            if self._result(values, g, arguments)
+                            != self._result(values, rounded, arguments)
+                        ),
+                        None,
+                    )
                 except Exception:
-                    return
-                results.append(np.asarray(out, dtype=np.float64).tobytes())
-            if results[0] != results[1]:
-                raise ValueError(
-                    f"{where}: declares float32_gradient, but {self.function.__name__} returns "
-                    f"other values for g = {g!r} than for its float32 rounding; round g to "
-                    "float32 first (f32(g)) or leave float32_gradient False"
-                )
+                    continue  # raises on these values: the next ones
+                if bad is not None:
+                    on = [n for n, v in flags.items() if v]
+                    raise ValueError(
+                        f"{where}: declares float32_gradient, but {self.function.__name__} "
+                        f"returns other values for g = {float(bad)!r} than for its float32 "
+                        f"rounding (other values {value}, flags "
+                        f"{'set: ' + ', '.join(on) if on else 'all False'}); round g to float32 "
+                        "first (f32(g)) or leave float32_gradient False"
+                    )
+
+    def _result(self, values: dict, g: np.float64, arguments: tuple[str, ...]) -> bytes:
+        """The function's result on ``values`` with ``g`` (its ``arguments`` in order), as the
+        bytes of float64 values."""
+        values["g"] = g
+        out = self.function(*(values[a] for a in arguments))
+        return np.asarray(out, dtype=np.float64).tobytes()
 
     def _check_result(self, where: str) -> None:
         """Call the function once in Python on sample values (0.5; flags False; dim 4; a
