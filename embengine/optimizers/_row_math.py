@@ -38,7 +38,11 @@ gradient per row (counting optimizers); ``every_row``: it can sweep every row of
 function reads ``g`` only as float32 (``f(g) == f(float64(float32(g)))``, as when its first step
 rounds g), so the kernel rounds the summed gradient once per row and the math runs in float32
 lanes, twice as many per vector as float64 ones; without clipping or weight decay only (with
-them ``g`` stays the float64 value the function got before).
+them ``g`` stays the float64 value the function got before). Registration calls the function on
+samples and refuses a declaration they contradict. The results are the undeclared kernel's up
+to fastmath's ``contract``: LLVM may fuse other multiply-adds in the loop it now vectorises
+otherwise (Adam with bias correction on rows 4 or 8 wide, fixed layout: the last bits of 2-5% of
+its velocities; the same bits with ``contract`` off).
 
 A spec points at its registration (``Optimizer.row_math(dim)``; the class attribute
 ``ROW_MATH`` by default), so subclasses (the TPU and Monolith ports) inherit it. This module
