@@ -315,14 +315,17 @@ class Yogi32(Yogi):
 
 
 @pytest.mark.parametrize("dim", [8, 6])  # the fixed-layout kernel, the any-layout one
-def test_a_float32_gradient_row_math_trains_bit_for_bit_as_undeclared(dim):
+def test_a_float32_gradient_row_math_trains_as_undeclared(dim):
     """Declared, the kernel hands the function its gradient rounded to float32 once per row
-    (its loop then runs in float32 lanes); a function that rounds g first sees no difference."""
+    (its loop then runs in float32 lanes); a function that rounds g first gets the same values.
+    Equal up to a few ulps, not bit for bit: LLVM may contract other multiply-adds of the loop
+    it vectorises otherwise (bit-identical here for this one; Adam with bias correction at dims
+    4 and 8 moved 2-16 ulps on the Intel host)."""
     declared, undeclared = (_train(Yogi32(0.05, declared=d), "numba", dim) for d in (True, False))
     assert not np.array_equal(declared[0], _train(Yogi32(0.05), "numba", dim, steps=0)[0])
-    np.testing.assert_array_equal(declared[0], undeclared[0])
+    np.testing.assert_array_max_ulp(declared[0], undeclared[0], maxulp=32)
     for k in undeclared[1]:
-        np.testing.assert_array_equal(declared[1][k], undeclared[1][k], err_msg=k)
+        np.testing.assert_array_max_ulp(declared[1][k], undeclared[1][k], maxulp=32)
 
 
 def test_float32_gradient_is_checked_against_the_function_when_registered():
