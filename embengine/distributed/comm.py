@@ -79,6 +79,9 @@ STORE_ANSWER = 2.0
 # Seconds of one rank's long work (hashing a checkpoint) between two meetings with the ranks
 # that wait for it (``Pacer``), at most: a quarter of the group's timeout when that is shorter.
 MEET_EVERY = 1.0
+# Said of a peer behind that has posted no call of this Comm (``Comm.behind``): "its last call:
+# none" read as a call named "none".
+_NO_CALL = "it has made no call of this engine yet"
 # Each Comm's keys in the store: per group (its global ranks) and kind, a count of the Comms
 # made on it; the members of a group make their engines on it in the same order (as every
 # collective), and meet before each in the default group alike.
@@ -218,7 +221,8 @@ class Comm:
         for r, posted in sorted(answers.items()):
             calls, _, call = (posted or "0 ").partition(" ")
             if int(calls) < self._calls:
-                late.append(f"rank {r} (its last call: {call or 'none'})")
+                said = f"its last call: {call}" if int(calls) else _NO_CALL
+                late.append(f"rank {r} ({said})")
         if not late:
             return (
                 "every rank had entered it, so one is stuck or failed inside it (see the other "
