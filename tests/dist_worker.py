@@ -61,11 +61,14 @@ Scenarios:
                                 a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
-  save_write_fails:<dense|keyed>
+  save_write_fails:<dense|keyed|interrupt|extra|commit>
                                 a step (a keyed table beside the three); a save in which every
                                 write of the last rank (dense) or its writes into the keyed
-                                table's file (keyed) fail (ENOSPC); what the root then holds;
-                                a step together, then a save that works
+                                table's file (keyed) fail (ENOSPC), or the last rank's first
+                                write raises KeyboardInterrupt (interrupt), or rank 0's write of
+                                the extra tensors raises MemoryError (extra), or its hashing of
+                                the files as it commits raises RuntimeError (commit); what the
+                                root then holds; a step together, then a save that works
   restore_newest:<restore|load> restore(root) (ShardedEngine.load(root)) of a plain engine's
                                 checkpoint of step 2, while another job saves one of step 5
                                 into root after rank 0 read the newest and before the last
@@ -823,6 +826,7 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
     import torch.distributed as dist
 
     import embengine as ee
+    import embengine.distributed.checkpoint as module
     from embengine.distributed import ShardedEngine
 
     features, o = make_features("sgd")
@@ -839,22 +843,37 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
 
     step([0])
     root = os.path.join(out, name.replace(":", "_"))
+    case = name.split(":")[1]
     pwrite = os.pwrite
+    written, hashed = module.write_safetensors, module.sha256_file
 
     def full_disk(fd, data, offset):
-        if name.endswith("dense") or os.readlink(f"/proc/self/fd/{fd}").endswith(keyed_file):
+        if case == "interrupt":
+            raise KeyboardInterrupt("the test's")
+        if case == "dense" or os.readlink(f"/proc/self/fd/{fd}").endswith(keyed_file):
             raise OSError(errno.ENOSPC, "No space left on device")
         return pwrite(fd, data, offset)
 
-    if rank == world - 1:
+    def out_of_memory(*args):
+        raise MemoryError("the test's")
+
+    def broken_hash(*args):
+        raise RuntimeError("the test's")
+
+    if rank == world - 1 and case in ("dense", "keyed", "interrupt"):
         os.pwrite = full_disk
+    if rank == 0 and case == "extra":
+        module.write_safetensors = out_of_memory
+    if rank == 0 and case == "commit":
+        module.sha256_file = broken_hash
     start = time.monotonic()
     try:
-        said = f"saved {eng.save(root)}"
-    except Exception as e:
+        said = f"saved {eng.save(root, extra_tensors={'dense': np.ones(3, np.float32)})}"
+    except BaseException as e:  # KeyboardInterrupt too: the case's point
         said = f"{type(e).__name__}: {e}"
     finally:
         os.pwrite = pwrite
+        module.write_safetensors, module.sha256_file = written, hashed
     seconds = time.monotonic() - start
     dist.barrier()  # rank 0 has left its save (and removed what it made)
     held = sorted(os.listdir(root))

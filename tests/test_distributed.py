@@ -609,6 +609,9 @@ REFUSALS = [
     "save_roots",
     "save_write_fails:dense",
     "save_write_fails:keyed",
+    "save_write_fails:interrupt",
+    "save_write_fails:extra",
+    "save_write_fails:commit",
     "save_args:keep",
     "save_args:keeps",
     "save_args:metadata",
@@ -1205,6 +1208,41 @@ def test_a_write_failing_on_one_rank_fails_every_ranks_save_at_once(refusals):
                 assert text == (
                     "CheckpointError: rank 0: writing the checkpoint failed on ranks [1] (see "
                     "their error); nothing was saved"
+                ), (case, text)
+            assert held == "held=[]", (case, held)
+            assert then == "step=2 ckpt-000001-step000000000002", (case, then)
+
+
+def test_an_unexpected_error_in_one_ranks_save_fails_every_ranks_save_at_once(refusals):
+    """An error a save does not catch on one rank (a KeyboardInterrupt as the last rank writes
+    its rows, a MemoryError as rank 0 writes the extra tensors, a RuntimeError as it hashes the
+    files to commit them) left that rank's save at once and the others in their next
+    collective until the group's timeout (60 s here): a PeerError naming nobody or only a
+    late rank, and the group broken. Every rank now learns it where the save's own errors are
+    shared (the failed rank's status at the end of the writing, rank 0's name of the
+    folder): that rank raises its own error, the others a PeerError naming it and what it
+    was doing, at once; nothing is left in the root and the ranks then step and save
+    together."""
+    tmp_path = refusals
+    cases = {  # case: (the failed rank, its error, what the others say it was doing)
+        "interrupt": (1, "KeyboardInterrupt", "writing its block of table 'big' of the checkpoint"),
+        "extra": (0, "MemoryError", "making the checkpoint's folder (writing its extra tensors)"),
+        "commit": (0, "RuntimeError", "committing the checkpoint (hashing its files)"),
+    }
+    for case, (failed, error, doing) in cases.items():
+        for rank in range(2):
+            said, held, then = (
+                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
+            )
+            seconds, text = said.split(" ", 1)
+            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            if rank == failed:
+                assert text == f"{error}: the test's", (case, text)
+            else:
+                assert text == (
+                    f"PeerError: rank {rank}: rank {failed} failed while {doing}, with an error a "
+                    "save does not expect (see its own); nothing was saved, and every rank left "
+                    "the save together (the engine can go on)"
                 ), (case, text)
             assert held == "held=[]", (case, held)
             assert then == "step=2 ckpt-000001-step000000000002", (case, then)

@@ -15,7 +15,11 @@ contiguous block of rows of every table, ``[V r / W, V (r + 1) / W)``: per chunk
 receives those rows from their owners (one ``all_to_all_single``, at most ``CHUNK_BYTES`` per
 rank and round) and writes each tensor's part with ``pwrite``. Rank 0 then hashes the files,
 writes the manifest and renames the folder into place (numbering and pruning under the root's
-lock, as a single engine's save does).
+lock, as a single engine's save does). A rank whose work fails, with any error (a full disk, a
+MemoryError, a KeyboardInterrupt), goes on with the exchanges without writing (``Writes``;
+rank 0's failure travels in the folder's name instead), and every rank raises together: that
+rank its own error, the others a CheckpointError (an error a save expects) or a PeerError
+naming it and what it was doing; nothing is committed.
 
 Restoring (collective): given a folder of checkpoints, every rank restores the newest that
 rank 0 found there (by its name, in the rank's own folder), so that a save landing meanwhile
@@ -49,7 +53,7 @@ from ..state import WEIGHTS, int_slot_error
 from ..storage.keyed import KeyedTable
 from ..version import __version__
 from . import keyed_checkpoint as kc
-from .comm import Comm
+from .comm import Comm, PeerError
 from .sharding import ShardPlan, ShardTable
 
 __all__ = ["save", "restore"]
@@ -113,19 +117,44 @@ def _owned_in(plan: ShardPlan, t: int, rank: int, lo: int, hi: int) -> np.ndarra
     return np.zeros(0, dtype=np.int64)
 
 
+# The errors a save expects of its work (a full disk, a bad extra tensor): the other ranks
+# raise a CheckpointError. Any other (a MemoryError, a bug's RuntimeError, a
+# KeyboardInterrupt) is shared alike, and the other ranks raise a PeerError naming the rank.
+_SAVE_ERRORS = (OSError, ValueError, TypeError)
+# What rank 0 sends for the name when its work failed with an error not in _SAVE_ERRORS (an
+# expected one: nothing); a name never holds it.
+_UNEXPECTED = b"\0"
+
+
 def _name_from_rank0(
-    comm: Comm, name: str | None, what: str, error: Exception | None = None
+    comm: Comm, name: str | None, what: str, error: BaseException | None = None, doing: str = ""
 ) -> str:
     """Rank 0's string on every rank. None on rank 0 means it failed (``error``, which rank 0
-    raises once the others know): every rank raises."""
-    mine = np.frombuffer((name or "").encode(), dtype=np.uint8) if comm.rank == 0 else None
-    got = comm.all_gather_ragged(mine if mine is not None else np.zeros(0, np.uint8), what)
-    text = got[0].tobytes().decode()
+    raises once the others know): every rank raises, a CheckpointError if the error is one a
+    save expects (``_SAVE_ERRORS``), else a PeerError saying rank 0 failed while ``doing``."""
+    mine = np.zeros(0, np.uint8)
+    if comm.rank == 0:
+        sent = (name or "").encode() if error is None or isinstance(error, _SAVE_ERRORS) else None
+        mine = np.frombuffer(_UNEXPECTED if sent is None else sent, dtype=np.uint8)
+    raw = comm.all_gather_ragged(mine, what)[0].tobytes()
     if error is not None:
         raise error
-    if not text:
+    if raw == _UNEXPECTED:
+        raise _peer_failed(comm, {0: doing})
+    if not raw:
         raise ckpt.CheckpointError(f"rank {comm.rank}: rank 0 could not {what} (see its error)")
-    return text
+    return raw.decode()
+
+
+def _peer_failed(comm: Comm, failed: dict[int, str]) -> PeerError:
+    """What a rank raises when other ranks' save failed with an error a save does not expect
+    (``failed``: rank -> what it was doing), each raising its own: every rank left the save
+    together, so the group is still in step."""
+    said = " and ".join(f"rank {r} failed while {doing}" for r, doing in failed.items())
+    return PeerError(
+        f"rank {comm.rank}: {said}, with an error a save does not expect (see its own); "
+        "nothing was saved, and every rank left the save together (the engine can go on)"
+    )
 
 
 def _agree(comm: Comm, ok: bool | Exception, what: str, then: str = "") -> None:
@@ -170,7 +199,7 @@ def save(
     tmp_name, tmp_fd, error, tmp, committed = None, None, None, None, False
     try:
         # Rank 0 alone works here (an extra tensor may be big): the others wait in meetings.
-        with comm.pacer("making the checkpoint's folder (writing its extra tensors)"):
+        with comm.pacer(_MAKING_FOLDER):
             if rank == 0:
                 try:
                     root.mkdir(parents=True, exist_ok=True)
@@ -196,37 +225,42 @@ def save(
                             f.write(head)
                             f.truncate(end)
                     tmp_name = tmp.name
-                except (OSError, ValueError, TypeError) as e:  # a bad extra tensor too
+                # Any error, a bad extra tensor's or a MemoryError or KeyboardInterrupt: every
+                # rank learns it from the name (raising it here left the others in the next
+                # meeting until the group's timeout).
+                except BaseException as e:
                     error = e
         # Each rank writes into the folder rank 0 made, under its *own* root: a rank whose
         # root is another folder (or does not see rank 0's: another host, no shared file
         # system) must not write into rank 0's, nor be told its checkpoint is there.
-        name = _name_from_rank0(comm, tmp_name, "make the checkpoint's folder", error)
+        name = _name_from_rank0(
+            comm, tmp_name, "make the checkpoint's folder", error, _MAKING_FOLDER
+        )
         tmp = root / name
         _agree(comm, _same_folder(comm, root, tmp), "save (its folder)", _SAVE_AGAIN)
         writes = Writes(rank)
         finite = _write_rows(comm, shards, plan, tmp, files, sizes, writes)
         for t, lay in keyed.items():
+            writes.table = t
             finite[t] = kc.write(comm, lay, tmp / files[t], writes)
-        # per table whether finite, then whether this rank wrote everything
-        flags = comm.all_gather(
-            np.append(finite, writes.error is None).astype(np.int64), "checkpoint"
-        )
-        _agree_flags(comm, flags[:, -1], writes.error, "writing the checkpoint")
+        # per table whether finite, then how this rank's writing ended (Writes.status)
+        flags = comm.all_gather(np.append(finite, writes.status()).astype(np.int64), "checkpoint")
+        names = [t["name"] for t in spec["tables"]]
+        _agree_flags(comm, flags[:, -1], writes.error, "writing the checkpoint", names)
         flags = flags[:, :-1]
         final = None
         # Rank 0 hashes every file (a while, for big tables): the others wait in meetings.
-        with comm.pacer("committing the checkpoint (hashing its files)"):
+        with comm.pacer(_COMMITTING):
             if rank == 0:
                 try:
                     final = _commit(
                         root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
                     )
                     committed = True
-                except (OSError, ValueError, TypeError) as e:  # every rank learns it
+                except BaseException as e:  # every rank learns it (as above)
                     error = e
         name = _name_from_rank0(
-            comm, None if final is None else final.name, "commit the checkpoint", error
+            comm, None if final is None else final.name, "commit the checkpoint", error, _COMMITTING
         )
         return root / name  # in this rank's own spelling of the folder
     finally:
@@ -236,18 +270,32 @@ def save(
             ckpt._unlock(tmp_fd)
 
 
-def _agree_flags(comm: Comm, ok: np.ndarray, error: Exception | None, what: str) -> None:
-    """``_agree`` on flags already gathered (``ok[r]``: whether rank r succeeded): this
-    rank's ``error``, or a CheckpointError naming the ranks that failed."""
+def _agree_flags(
+    comm: Comm, status: np.ndarray, error: BaseException | None, what: str, tables: list[str]
+) -> None:
+    """``_agree`` on statuses already gathered (``status[r]``: rank r's ``Writes.status``):
+    this rank's ``error``; else a PeerError naming the ranks that failed with an error a save
+    does not expect and the table each was writing (``tables``: the names), or a
+    CheckpointError naming the ranks whose writes failed."""
     if error is not None:
         raise error
-    bad = [r for r, f in enumerate(ok) if not f]
+    failed = {
+        r: f"writing its block of table {tables[-1 - int(s)]!r} of the checkpoint"
+        for r, s in enumerate(status)
+        if s < 0
+    }
+    if failed:
+        raise _peer_failed(comm, failed)
+    bad = [r for r, s in enumerate(status) if s == 0]
     if bad:
         raise ckpt.CheckpointError(
             f"rank {comm.rank}: {what} failed on ranks {bad} (see their error); nothing was saved"
         )
 
 
+# What rank 0 does in the save's two stretches of its own work (the others wait in meetings).
+_MAKING_FOLDER = "making the checkpoint's folder (writing its extra tensors)"
+_COMMITTING = "committing the checkpoint (hashing its files)"
 # Said by the ranks whose save is refused because another rank's failed.
 _SAVE_AGAIN = "nothing was saved; every rank must save to one folder that every rank sees"
 
@@ -265,32 +313,61 @@ def _same_folder(comm: Comm, root: Path, tmp: Path) -> bool | Exception:
 
 
 class Writes:
-    """This rank's writes into a checkpoint's files. The first that fails (an OSError: a full
-    disk, an I/O error, a file it cannot open) is kept in ``error`` and every later one is
-    skipped, while the rank goes on with the save's collectives: the ranks learn it together
-    at the end (``save``), where they once waited in the next exchange for the failed rank
-    until the timeout, a PeerError naming nobody, and the group broken."""
+    """This rank's work between the exchanges of a save's writing: its writes into the
+    checkpoint's files and what it computes for them (the rows it sends, the rows it
+    writes). The first step that fails is kept in ``error`` and every later one is skipped,
+    while the rank goes on with the save's collectives (sending zeros): the ranks learn it
+    together at the end (``save``), where they once waited in the next exchange for the
+    failed rank until the timeout, a PeerError naming nobody, and the group broken. Any
+    error is kept so: a write's OSError (a full disk, an I/O error, a file it cannot open),
+    which the others report as a CheckpointError, and any other (a MemoryError, a bug's
+    RuntimeError, a KeyboardInterrupt: held until the writing ends, a while shorter than the
+    writes it skips), which they report as a PeerError naming this rank and ``table``."""
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
+        self.table = 0  # the table whose block this rank writes (the others' error names it)
+        self._expected = False  # whether ``error`` is a write's OSError
+        self._failed_in = 0  # the table it wrote when it failed
 
     def __call__(self, file: Path, fn: Callable, *args):
-        """``fn(*args)`` (os.open, os.pwrite, os.fsync on ``file``), unless a write failed
+        """``fn(*args)`` (os.open, os.pwrite, os.fsync on ``file``), unless a step failed
         already; its result, or None."""
+        return self.run(fn, *args, file=file)
+
+    def run(self, fn: Callable, *args, file: Path | None = None):
+        """``fn(*args)`` unless a step failed already; its result, or None (``file``: the
+        file it writes, named by a failed write's OSError)."""
         if self.error is not None:
             return None
+        self._failed_in = self.table
         try:
             return fn(*args)
         except OSError as e:
-            self.error = OSError(
-                e.errno,
-                f"rank {self.rank}: writing the checkpoint's {file} failed "
-                f"({e.strerror or e}); nothing was saved (every rank raises): save again once "
-                "it can be written",
+            if file is None:  # not a write: kept as it is (below)
+                self.error = e
+                return None
+            self.error, self._expected = (
+                OSError(
+                    e.errno,
+                    f"rank {self.rank}: writing the checkpoint's {file} failed "
+                    f"({e.strerror or e}); nothing was saved (every rank raises): save again "
+                    "once it can be written",
+                ),
+                True,
             )
             self.error.__cause__ = e
-            return None
+        except BaseException as e:  # raised by this rank once the others know (``save``)
+            self.error = e
+        return None
+
+    def status(self) -> int:
+        """How this rank's writing ended, for the others: 1 done, 0 a write failed (an
+        OSError), ``-1 - table`` another error while it wrote that table's block."""
+        if self.error is None:
+            return 1
+        return 0 if self._expected else -1 - self._failed_in
 
 
 def _write_rows(
@@ -316,6 +393,7 @@ def _write_rows(
         blocks = [_block(v, world, r) for r in range(world)]
         rounds = max((hi - lo + chunk - 1) // chunk for lo, hi in blocks)
         _, starts = _header(shard, v)
+        writes.table = t
         fd = writes(tmp / file, os.open, tmp / file, os.O_WRONLY)
         try:
             for k in range(rounds):
@@ -324,32 +402,58 @@ def _write_rows(
                     (min(lo + k * chunk, hi), min(lo + (k + 1) * chunk, hi)) for lo, hi in blocks
                 ]
                 mine = [_owned_in(plan, t, rank, a, b) for a, b in spans]
-                send = np.concatenate([raw[shard.rows_for(0, ids)].reshape(-1) for ids in mine])
+                counts = [len(i) * width for i in mine]
+                send = writes.run(_rows_to_send, shard, raw, mine)
+                if send is None:  # this rank failed: it sends zeros, writing nothing
+                    send = np.zeros(sum(counts), dtype=np.uint8)
                 theirs = [_owned_in(plan, t, s, *spans[rank]) for s in range(world)]
-                got = comm.all_to_all(
-                    send,
-                    [len(i) * width for i in mine],
-                    [len(i) * width for i in theirs],
-                    "checkpoint",
-                )
+                got = comm.all_to_all(send, counts, [len(i) * width for i in theirs], "checkpoint")
                 a, b = spans[rank]
-                rows = np.empty((b - a, width), dtype=np.uint8)
-                pos = 0
-                for ids in theirs:
-                    rows[ids - a] = got[pos : pos + len(ids) * width].reshape(len(ids), width)
-                    pos += len(ids) * width
-                for name, _, c, w, dtype in _tensors(shard):
-                    part = np.ascontiguousarray(rows[:, c : c + w * dtype.itemsize])
-                    if dtype.kind == "f" or dtype == ckpt.BFLOAT16:
-                        finite[t] &= _finite(part.view(dtype))
-                    at = starts[name] + a * w * dtype.itemsize
-                    writes(tmp / file, os.pwrite, fd, part.tobytes(), at)
+                ok = writes.run(
+                    _store_rows, shard, got, theirs, a, b, starts, fd, tmp / file, writes
+                )
+                finite[t] &= ok is not False
             # A rank's fsync of its block may take a while (a slow or shared file system).
             with comm.pacer("syncing the checkpoint's files"):
                 writes(tmp / file, os.fsync, fd)
         finally:
             if fd is not None:
                 os.close(fd)
+    return finite
+
+
+def _rows_to_send(shard, raw: np.ndarray, mine: list[np.ndarray]) -> np.ndarray:
+    """The bytes of this rank's rows ``mine[d]`` (global ids) for each destination d, in
+    rank order (``_write_rows``)."""
+    return np.concatenate([raw[shard.rows_for(0, ids)].reshape(-1) for ids in mine])
+
+
+def _store_rows(
+    shard,
+    got: np.ndarray,
+    theirs: list[np.ndarray],
+    a: int,
+    b: int,
+    starts: dict[str, int],
+    fd: int | None,
+    file: Path,
+    writes: Writes,
+) -> bool:
+    """Write the rows ``[a, b)`` of ``shard``'s table received in ``got`` (from each rank s
+    the ids ``theirs[s]``) into ``file`` (``fd``; each tensor from ``starts[name]``) through
+    ``writes``; whether their float columns are all finite."""
+    width = _row_bytes(shard).shape[1]
+    rows = np.empty((b - a, width), dtype=np.uint8)
+    pos = 0
+    for ids in theirs:
+        rows[ids - a] = got[pos : pos + len(ids) * width].reshape(len(ids), width)
+        pos += len(ids) * width
+    finite = True
+    for name, _, c, w, dtype in _tensors(shard):
+        part = np.ascontiguousarray(rows[:, c : c + w * dtype.itemsize])
+        if dtype.kind == "f" or dtype == ckpt.BFLOAT16:
+            finite &= _finite(part.view(dtype))
+        writes(file, os.pwrite, fd, part.tobytes(), starts[name] + a * w * dtype.itemsize)
     return finite
 
 

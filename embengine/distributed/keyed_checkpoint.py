@@ -182,8 +182,9 @@ def _bytes(rows: np.ndarray) -> np.ndarray:
 def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
     """Collective: write this rank's block of the keyed table's file (made at full size with
     its header by rank 0), a window of at most ``CHUNK_BYTES`` of rows a round, through
-    ``writes`` (``checkpoint.Writes``: a failed write stops this rank's writing, not its part
-    in the exchanges); whether its weights and float slots were all finite."""
+    ``writes`` (``checkpoint.Writes``: a failed write, or any error of what this rank computes
+    between the exchanges, stops this rank's writing, not its part in the exchanges: it then
+    sends zeros); whether its weights and float slots were all finite."""
     shard, st = lay.shard, lay.state
     _, starts = lay.header()
     world, n, p = comm.world_size, len(lay.keys), len(lay.pending)
@@ -204,10 +205,7 @@ def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
     try:
 
         def put(entry: str, block: np.ndarray, first: int) -> None:
-            block = np.ascontiguousarray(block)
-            row = block.nbytes // max(len(block), 1)
-            data = block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes()
-            writes(path, os.pwrite, fd, data, starts[entry] + first * row)
+            writes.run(_put, fd, block, starts[entry], first, writes, path)
 
         put("keys", lay.keys[lo:hi], lo)
         for i in range(rounds):  # every rank the same number: collectives
@@ -217,8 +215,13 @@ def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
             windows = np.minimum(first, blocks[:, 1:])
             ends = np.searchsorted(lay.place, windows)
             counts = ends[:, 1] - ends[:, 0]
-            rows = np.concatenate([_bytes(_gather(st[e], ends)) for e in row_entries], axis=1)
-            meta = np.stack([_gather(st[k], ends) for k in _ROW_META], axis=1).astype(np.int64)
+            # this rank's rows and their metadata (read from its shard: a lazy state reads
+            # a file-backed one), or zeros once this rank failed
+            sent = writes.run(_round_rows, st, ends, row_entries, _ROW_META)
+            if sent is None:
+                n_sent = int(counts.sum())
+                sent = np.zeros((n_sent, width), np.uint8), np.zeros((n_sent, len(_ROW_META)))
+            rows, meta = sent[0], sent[1].astype(np.int64)
             place = np.concatenate([lay.place[a:b] for a, b in ends])
             wlo, whi = (int(x) for x in windows[comm.rank])
             got_rows = _send_windows(comm, place, counts, rows, wlo, whi, "checkpoint")
@@ -226,13 +229,17 @@ def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
             for e in row_entries:
                 dtype = dtypes[e]
                 part = got_rows[:, at[e] : at[e] + widths[e] * dtype.itemsize]
-                part = np.ascontiguousarray(part).view(dtype)
+                part = writes.run(lambda p, d: np.ascontiguousarray(p).view(d), part, dtype)
+                if part is None:  # this rank failed: it writes nothing more
+                    continue
                 if dtype.kind == "f" or dtype == BFLOAT16:
-                    finite &= bool(np.isfinite(part.astype(np.float32)).all())
+                    finite &= writes.run(_finite, part) is not False
                 put(e, part, wlo)
             for j, k in enumerate(_ROW_META):
                 put(k, got_meta[:, j], wlo)
-        pend = np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64)
+        pend = writes.run(lambda: np.stack([st[k] for k in _PENDING], axis=1).astype(np.int64))
+        if pend is None:
+            pend = np.zeros((len(lay.pending_place), len(_PENDING)), np.int64)
         got_pend, (plo, phi) = _send_to_writers(comm, lay.pending_place, p, pend, "checkpoint")
         put("pending_keys", lay.pending[plo:phi], plo)
         for i, k in enumerate(_PENDING):
@@ -247,6 +254,28 @@ def write(comm: Comm, lay: KeyedLayout, path: Path, writes) -> bool:
         if fd is not None:
             os.close(fd)
     return finite
+
+
+def _round_rows(st, ends: np.ndarray, row_entries, meta_entries) -> tuple[np.ndarray, np.ndarray]:
+    """A round's rows of a keyed table's state ``st`` (``ends``: the ranges of its rows for
+    each writer) as bytes, ``[rows, row bytes]``, and their metadata ``[rows, len(meta)]``
+    (``write``)."""
+    rows = np.concatenate([_bytes(_gather(st[e], ends)) for e in row_entries], axis=1)
+    return rows, np.stack([_gather(st[k], ends) for k in meta_entries], axis=1)
+
+
+def _finite(part: np.ndarray) -> bool:
+    """Whether a float entry's values (float32, float16 or bfloat16) are all finite."""
+    return bool(np.isfinite(part.astype(np.float32)).all())
+
+
+def _put(fd, block: np.ndarray, start: int, first: int, writes, path: Path) -> None:
+    """Write ``block`` (rows of an entry from row ``first``; its file's entry starts at byte
+    ``start``) little-endian into ``path`` (``fd``) through ``writes``."""
+    block = np.ascontiguousarray(block)
+    row = block.nbytes // max(len(block), 1)
+    data = block.astype(block.dtype.newbyteorder("<"), copy=False).tobytes()
+    writes(path, os.pwrite, fd, data, start + first * row)
 
 
 def _read_all(src) -> np.ndarray:
