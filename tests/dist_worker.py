@@ -97,6 +97,11 @@ Scenarios:
                                 the batch of before the restore, the others the new one; then
                                 a step together
   call_mismatch                 the last rank calls table_contents, the others lookup
+  midway                        exchange "rows", a group of 3 s timeout: the last rank's
+                                training lookup fails after the header (routing its ids raises
+                                RuntimeError), the others wait for its ids until the timeout;
+                                then each rank's update, lookup and save: each outcome and
+                                seconds in a .txt
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1317,6 +1322,52 @@ def run_load_pinned(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"step={eng.step}\n")
 
 
+def run_midway(rank: int, world: int, out: str, name: str) -> None:
+    """``midway`` (module docstring)."""
+    import torch.distributed as dist
+
+    import embengine.kernels.shard_route as sr
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    feats, weights, grads = local(0, rank, world)
+    # The engine below waits 3 s for a peer: every kernel of a step loaded first (an engine
+    # of the usual timeout), the ranks lined up, so a loaded host's late rank is not taken for
+    # the failed one.
+    warm = ShardedEngine(features, optimizer=o, seed=3, exchange="rows")
+    warm.lookup(feats, weights)
+    warm.apply_gradients(grads)
+    dist.barrier()
+    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=3)
+    route = sr.route_ids
+
+    def fails(*args):
+        raise RuntimeError("the test's")
+
+    said = []
+    calls = {
+        "lookup": lambda: eng.lookup(feats, weights),
+        "apply_gradients": lambda: eng.apply_gradients(grads),
+        "lookup again": lambda: eng.lookup(feats, weights),
+        "save": lambda: eng.save(os.path.join(out, "midway")),
+    }
+    for call, fn in calls.items():
+        if call == "lookup" and rank == world - 1:
+            sr.route_ids = fails  # between the header's exchange and the ids'
+        start = time.monotonic()
+        try:
+            fn()
+            outcome = "no error"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            sr.route_ids = route
+        said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
+    dist.barrier()  # the ranks leave together (the others waited out the timeout)
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -1596,6 +1647,8 @@ def main() -> None:
                 run_user_optimizer(rank, world, out, name)
             elif name == "nonfinite":
                 run_nonfinite(rank, world, out, name)
+            elif name == "midway":
+                run_midway(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)
     except BaseException:

@@ -605,6 +605,7 @@ REFUSALS = [
     "bad_input",
     "step_mismatch",
     "call_mismatch",
+    "midway",
     "save_fails",
     "save_roots",
     "save_write_fails:dense",
@@ -876,6 +877,40 @@ def test_another_call_than_the_update_after_a_training_lookup_fails_on_every_ran
                 "make the same calls in the same order | then step=1"
             )
             assert text.strip() == said, text
+
+
+def test_after_a_lookup_failed_midway_every_call_is_refused_at_once_naming_it(refusals):
+    """The last rank's training lookup failed between two of its collectives (routing its ids
+    raised), so rank 0 waited for its ids until the timeout (3 s). The pending batch was
+    forgotten, and the failed rank's update then sent its header (its own error, "needs a
+    lookup first") while rank 0 was still in the lookup's exchange: collectives of two calls
+    met, and rank 0's update waited for a peer again. Now a lookup that fails past its header
+    leaves the engine out of step: every later call raises at once on every rank, naming the
+    failure, with no collective and no update of any batch."""
+
+    def outcome(line: str) -> tuple[float, str]:  # "<call>: <seconds> <outcome>"
+        seconds, text = line.split(": ", 1)[1].split(" ", 1)
+        return float(seconds), text
+
+    said = {r: (refusals / f"midway.rank{r}.txt").read_text().splitlines() for r in range(2)}
+    for rank in range(2):
+        (seconds, text), *later = map(outcome, said[rank])
+        if rank == 1:
+            assert text == "RuntimeError: the test's", said
+            failed = "RuntimeError: the test's"
+        else:
+            assert text.startswith("PeerError: rank 0: a collective (lookup ids)"), said
+            assert 2.5 < seconds < 15, said  # the 3 s timeout, and the store's 2 s
+            failed = "PeerError: rank 0: a collective (lookup ids)"
+        for (seconds, text), call in zip(later, ("apply_gradients", "lookup", "save"), strict=True):
+            assert seconds < 1.0, said  # no collective
+            want = (
+                f"DistributedError: rank {rank}: {call} at step 0 refused, nothing changed: this "
+                f"engine's lookup at step 0 failed on this rank after every rank had begun it "
+                f"({failed}"
+            )
+            assert text.startswith(want), (want, said)
+            assert "Make a new ShardedEngine (ShardedEngine.load of the last checkpoint)" in text
 
 
 @pytest.mark.parametrize(

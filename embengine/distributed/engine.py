@@ -547,6 +547,13 @@ class ShardedEngine:
         # Per table, what its last training lookup exchanged ("rows" or "sums"; None before
         # any): what the update of that lookup's batch reuses (``table_stats``).
         self._exchanged: list[str | None] = [None] * len(r.tables)
+        # Why this engine makes no more collectives ("" while it does): a lookup failed on this
+        # rank after every rank had begun it, so its ranks may be at different collectives
+        # (``_lookup``).
+        self._out_of_step = ""
+        # The refusal every rank raises alike in the middle of a call (``_shared_room``): the
+        # ranks are still in step after it.
+        self._refused_alike: BaseException | None = None
         self.lock = threading.RLock()
         self.bytes_sent: dict[str, Counter[str]] = {}
         self.bytes_sent_total: Counter[str] = Counter()
@@ -740,6 +747,12 @@ class ShardedEngine:
         learning rate, in the ``a`` columns. Returns the headers received, int64 ``[W,
         columns]`` (row s: what rank s sent this rank)."""
         w, cols = self.world_size, self._cols
+        if self._out_of_step:  # no collective: it could wait out the timeout or meet another
+            raise DistributedError(
+                f"rank {self.rank}: {_CALLS[call]} at step {self._step} refused, nothing changed: "
+                f"{self._out_of_step}. Make a new ShardedEngine (ShardedEngine.load of the last "
+                "checkpoint)"
+            )
         header = self._header_rows(call, error, blocks, lrs, timestamp)
         spec, self._armed = self._armed, None
         if spec is not None:
@@ -871,9 +884,17 @@ class ShardedEngine:
         is read-only and leaves that batch pending, as ``EmbeddingEngine.lookup``'s (every rank
         passes the same ``training``). A training lookup refused before it exchanged anything
         (an invalid input on any rank: every rank raises) leaves it pending too, as the single
-        engine's failed lookup of the concatenation does. ``timestamp`` (training only): the
-        step's data time for keyed tables (``EmbeddingEngine.lookup``'s), the same on every
-        rank (checked)."""
+        engine's failed lookup of the concatenation does. A lookup that fails after every rank
+        began it (a peer died or timed out, or this rank failed between two of its
+        collectives) forgets the pending batch and leaves this rank's engine out of step: its
+        ranks may be at different collectives, so every later call on this rank (an update,
+        a lookup, a save, a restore) raises a DistributedError at once naming that failure,
+        without a collective (one could wait for a peer until the timeout, or meet another
+        call's collective), and no update applies any batch; make a new engine from the last
+        checkpoint (``ShardedEngine.load``). A keyed table's ``max_rows`` refusal, which
+        every rank raises alike midway from the same sums, forgets it too but leaves the
+        engine in step. ``timestamp`` (training only): the step's data time for keyed tables
+        (``EmbeddingEngine.lookup``'s), the same on every rank (checked)."""
         return self.lookup_with_batch(features, weights, training=training, timestamp=timestamp)[0]
 
     def lookup_with_batch(
@@ -980,10 +1001,32 @@ class ShardedEngine:
                 pending[t] = self._shards[t].pending_keys
                 limits[t] = self._shards[t].max_pending
             blocks[cols.p], blocks[cols.q] = pending, limits
-        got = self._header(_LOOKUP if training else _EVAL, error, blocks, timestamp=when)
+        call = _LOOKUP if training else _EVAL
+        got = self._header(call, error, blocks, timestamp=when)
+        try:
+            return self._lookup_exchange(batch, features, training, when, got, counts, push)
+        except BaseException as e:
+            if e is not self._refused_alike:  # the ranks may now be at different collectives
+                self._out_of_step = (
+                    f"this engine's {_CALLS[call]} at step {self._step} failed on this rank after "
+                    f"every rank had begun it ({type(e).__name__}: {e}), so its ranks may be at "
+                    "different collectives and it makes no more (a collective now could wait "
+                    "for a peer until the timeout, or meet another call's)"
+                )
+            raise
+        finally:
+            self._refused_alike = None
+
+    def _lookup_exchange(
+        self, batch, features, training: bool, when: int | None, got, counts, push
+    ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
+        """``_lookup`` past its header (``got``): the exchanges, the pooling, and a training
+        lookup's bookkeeping for its update."""
+        nt, cols = len(self.table_names), self._cols
         if training:
-            # Past the header every rank looks this batch up, so the last one's update is gone.
-            # A lookup refused at the header (on every rank alike: each raises there) left it
+            # Past the header every rank looks this batch up, so the last one's update is gone,
+            # even if this lookup fails (it leaves the engine out of step: ``_lookup``). A
+            # lookup refused at the header (on every rank alike: each raises there) left it
             # pending, as EmbeddingEngine's failed lookup leaves its own; an evaluation lookup
             # never touches it.
             self._pending = self._last = self._given = None
@@ -1480,14 +1523,18 @@ class ShardedEngine:
             return {}
         needs = np.stack([self._shards[t].room_needs(*asks[t]) for t in ts])
         every = self._comm.all_gather(needs, "max_rows needs")  # [rank, table, 8]
-        decided = {
-            t: shared_room(
-                self.table_names[t], every[:, i, :5], self._shards[t].dynamic.max_rows, update
-            )
-            if self._bounded(t)
-            else (0, True)  # no max_rows: only the pending keys' bound is shared
-            for i, t in enumerate(ts)
-        }
+        try:
+            decided = {
+                t: shared_room(
+                    self.table_names[t], every[:, i, :5], self._shards[t].dynamic.max_rows, update
+                )
+                if self._bounded(t)
+                else (0, True)  # no max_rows: only the pending keys' bound is shared
+                for i, t in enumerate(ts)
+            }
+        except ValueError as e:  # from the same sums on every rank: every rank raises it
+            self._refused_alike = e
+            raise
         pending = {
             t: shared_pending(every[:, i, 5:], self._shards[t].max_pending)
             for i, t in enumerate(ts)
