@@ -17,8 +17,9 @@ refuses it (there is no batch to give its outputs).
 TorchRec's own KeyedJaggedTensor is accepted wherever a KeyedJagged is (duck-typed; torchrec is
 not a dependency: ``keys``, ``values``, ``lengths``, and where present ``weights_or_none``,
 ``variable_stride_per_key``, ``stride_per_key`` and ``inverse_indices_or_none``) and checked
-the same way when it is split. This module needs no torch; ``embengine.torch.KeyedJagged`` is
-the same class.
+the same way when it is split; every redundant field it holds must agree with its lengths,
+its private caches included (``_jt_dict``, ``_index_per_key``, ``_lengths_offset_per_key``).
+This module needs no torch; ``embengine.torch.KeyedJagged`` is the same class.
 
 Lengths are checked so that no sum of them can wrap around int64 (each length in
 ``[0, len(values)]``, every running sum checked, not only the total); errors name the key and
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .inputs import Ragged, _float_array, _int_array, read_only
+from .inputs import Ragged, _float_array, _from_jagged, _int_array, read_only
 
 __all__ = ["KeyedJagged", "is_keyed_jagged", "keyed_jagged_to_features"]
 
@@ -390,6 +391,89 @@ def _check_per_key(kjt, layout: _Layout, offsets: np.ndarray) -> None:
             )
 
 
+def _check_key_caches(kjt, layout: _Layout) -> None:
+    """A TorchRec KJT's ``_index_per_key`` and ``_lengths_offset_per_key`` (given to its
+    constructor, or kept from an earlier ``kjt[key]``), which ``kjt[key]`` picks a key's values
+    and lengths by, must be what its keys and lengths give (TorchRec has no public accessor
+    that returns them unchanged: the attributes are read where present)."""
+    index = getattr(kjt, "_index_per_key", None)
+    if index is not None:
+        expected = {key: i for i, key in enumerate(layout.keys)}
+        got = dict(index)
+        if got != expected:
+            raise ValueError(
+                f"KeyedJagged index_per_key is {got} but its keys give {expected}; they must "
+                "agree: TorchRec's kjt[key] picks a key's values by index_per_key"
+            )
+    starts = getattr(kjt, "_lengths_offset_per_key", None)
+    if starts is not None:
+        got = [int(n) for n in starts]
+        expected = [int(n) for n in layout.starts]
+        if got != expected:
+            raise ValueError(
+                f"KeyedJagged lengths_offset_per_key is {got} but its lengths give {expected} "
+                f"(keys {layout.keys}); they must agree: TorchRec's kjt[key] picks a key's "
+                "lengths by lengths_offset_per_key"
+            )
+
+
+def _jt_dict(kjt, keys: list[str]) -> dict | None:
+    """A TorchRec KJT's ``_jt_dict`` (``to_dict()``'s result, given to its constructor or kept
+    from an earlier call; TorchRec's EmbeddingBagCollection reads it, not the values), checked
+    to hold exactly the KJT's keys; None if it has none."""
+    cached = getattr(kjt, "_jt_dict", None)
+    if cached is None:
+        return None
+    if sorted(cached) != sorted(keys):
+        raise ValueError(
+            f"KeyedJagged jt_dict (its cached to_dict()) has keys {list(cached)} but the KJT "
+            f"has keys {keys}; they must agree: TorchRec's EmbeddingBagCollection reads "
+            "to_dict()"
+        )
+    return cached
+
+
+def _check_cached_key(jt, key: str, ids, offsets, weights) -> None:
+    """Key ``key``'s JaggedTensor in a KJT's cached ``to_dict()`` must hold the ids, lengths
+    and weights the KJT's values, lengths and weights give it (``offsets`` from 0); the first
+    difference is named."""
+    try:
+        cached = _from_jagged(jt)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"KeyedJagged jt_dict[{key!r}] (its cached to_dict()): {e}") from None
+    at = f"KeyedJagged key {key!r}: its cached to_dict()[{key!r}] (jt_dict)"
+    agree = "; a KJT's jt_dict must agree with its values and lengths (TorchRec reads it)"
+    if cached.num_samples != len(offsets) - 1:
+        raise ValueError(
+            f"{at} has {cached.num_samples} samples but its lengths give {len(offsets) - 1}" + agree
+        )
+    differ = cached.offsets != offsets
+    if differ.any():
+        b = int(np.argmax(differ)) - 1
+        raise ValueError(
+            f"{at} has length {int(cached.lengths[b])} at sample {b} but its lengths give "
+            f"{int(offsets[b + 1] - offsets[b])}" + agree
+        )
+    differ = cached.ids != ids
+    if differ.any():
+        k = int(np.argmax(differ))
+        raise ValueError(
+            f"{at} has id {int(cached.ids[k])} at {cached.where(k)} but its values give "
+            f"{int(ids[k])}" + agree
+        )
+    if (cached.weights is None) != (weights is None):
+        has, has_not = ("the cache", "the KJT") if weights is None else ("the KJT", "the cache")
+        raise ValueError(f"{at}: {has} has weights and {has_not} has none" + agree)
+    if weights is not None:
+        differ = cached.weights.view(np.uint32) != weights.view(np.uint32)  # bits: NaN, -0.0
+        if differ.any():
+            k = int(np.argmax(differ))
+            raise ValueError(
+                f"{at} has weight {float(cached.weights[k])!r} at {cached.where(k)} but its "
+                f"weights give {float(weights[k])!r}" + agree
+            )
+
+
 def _check_stride(kjt, layout: _Layout) -> None:
     """A KJT's own ``stride()`` (its batch size; TorchRec's may be given, not computed) must
     be its number of samples a key: TorchRec's EmbeddingBagCollection fails on one that is
@@ -423,6 +507,8 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     if given is not None:
         _check_agree(layout, given, offsets)
     _check_per_key(kjt, layout, offsets)
+    _check_key_caches(kjt, layout)
+    cached = _jt_dict(kjt, keys)
     weights = _weights(_optional(kjt, "weights_or_none"), len(values))
     inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
     if inverse is None:
@@ -434,6 +520,8 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
         start, stop = int(offsets[lo]), int(offsets[hi])
         ids, offs = values[start:stop], offsets[lo : hi + 1] - start
         w = None if weights is None else weights[start:stop]
+        if cached is not None:
+            _check_cached_key(cached[key], key, ids, offs, w)
         if inverse is not None:
             ids, offs, w = _expand(ids, offs, w, inverse[i])
         try:

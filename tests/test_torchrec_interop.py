@@ -1138,3 +1138,87 @@ def test_a_kjt_s_length_and_offset_per_key_must_agree_with_its_lengths(trj):
         got = layer(same)
         for key in ("a", "b"):
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+def test_a_kjt_s_cached_jt_dict_and_index_per_key_must_agree_with_it(trj):
+    """TorchRec's EmbeddingBagCollection reads a KJT's ``to_dict()``, which returns its
+    ``_jt_dict`` when it holds one (given to the constructor, or kept from an earlier call),
+    and ``kjt[key]`` picks a key by its ``_index_per_key`` and ``_lengths_offset_per_key``.
+    None was checked: ``jt_dict=`` another batch's dict gave TorchRec key 'a' ids [7, 8, 9]
+    and us [1, 2, 3], ``index_per_key={"a": 1, "b": 0}`` gave ``kjt["a"]`` key 'b''s ids,
+    silently. They are refused, naming the key and the first difference."""
+    kjt, jt = trj.KeyedJaggedTensor, trj.JaggedTensor
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5))).eval()
+    v, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 1, 1])
+    w = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0, 5.0])
+    other = kjt(["a", "b"], torch.tensor([1, 2, 9, 4, 5, 6]), lengths=lengths).to_dict()
+    assert kjt(["a", "b"], v, lengths=lengths, jt_dict=other).to_dict()["a"].values()[2] == 9
+    shifted = kjt(["a", "b"], v, lengths=torch.tensor([1, 1, 1, 1, 1, 1])).to_dict()
+    weighted = kjt(["a", "b"], v, weights=w, lengths=lengths)
+    w2 = w.clone()
+    w2[4] = -4.0
+    two, b = torch.tensor([2, 0]), other["b"]
+    cases = [
+        (
+            kjt(["a", "b"], v, lengths=lengths, jt_dict=other),
+            r"key 'a': its cached to_dict\(\)\['a'\] \(jt_dict\) has id 9 at sample 2, position 0 "
+            r"but its values give 3",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, jt_dict=shifted),
+            r"key 'a': .* has length 1 at sample 0 but its lengths give 2",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, jt_dict={"a": other["a"]}),
+            r"jt_dict \(its cached to_dict\(\)\) has keys \['a'\] but the KJT has keys",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, jt_dict=weighted.to_dict()),
+            r"key 'a': .*: the cache has weights and the KJT has none",
+        ),
+        (
+            kjt(["a", "b"], v, weights=w2, lengths=lengths, jt_dict=weighted.to_dict()),
+            r"key 'b': .* has weight 4.0 at sample 1, position 0 but its weights give -4.0",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, jt_dict={"a": jt(v[:2], lengths=two), "b": b}),
+            r"key 'a': .* has 2 samples but its lengths give 3",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, index_per_key={"a": 1, "b": 0}),
+            r"index_per_key is \{'a': 1, 'b': 0\} but its keys give \{'a': 0, 'b': 1\}",
+        ),
+        (
+            kjt(["a", "b"], v, lengths=lengths, lengths_offset_per_key=[0, 2, 6]),
+            r"lengths_offset_per_key is \[0, 2, 6\] but its lengths give \[0, 3, 6\]",
+        ),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            layer(bad)
+    want = layer(kjt(["a", "b"], v, lengths=lengths))
+    used = kjt(["a", "b"], v, lengths=lengths)
+    used.to_dict(), used["a"]  # TorchRec keeps its jt_dict, index_per_key, lengths_offset_per_key
+    assert used._jt_dict is not None and used._index_per_key is not None
+    given = kjt(
+        ["a", "b"],
+        v,
+        lengths=lengths,
+        jt_dict=kjt(["a", "b"], v, lengths=lengths).to_dict(),
+        index_per_key={"b": 1, "a": 0},
+        lengths_offset_per_key=[0, 3, 6],
+    )
+    for same in (used, given):
+        got = layer(same)
+        for key in ("a", "b"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    # a weighted VBE KJT's cache holds each key's own samples (compared before the expansion)
+    want = layer(_vbe("torchrec", True, trj))
+    vbe = _vbe("torchrec", True, trj)
+    vbe.to_dict()
+    got = layer(vbe)
+    for key in ("a", "b"):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    vbe._jt_dict["b"] = jt(vbe._jt_dict["b"].values(), lengths=vbe._jt_dict["b"].lengths())
+    with pytest.raises(ValueError, match=r"key 'b': .*: the KJT has weights and the cache has"):
+        layer(vbe)
