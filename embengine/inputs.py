@@ -19,7 +19,8 @@ Accepted per feature:
   ids could take as a ``Ragged``'s (one flat weight per id).
 
 Weights (float) follow the same layout as the ids: 1-D of the same length, 2-D of the same shape
-(padding entries ignored) or a list of lists.
+(padding entries ignored) or a list of lists. They are float32: a value past its range, and an
+integer it cannot hold exactly (past 2**24 in magnitude), is refused, named where it stands.
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ def _int_array(x, what: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _check_python_numbers(values, what: str) -> None:
+def _check_python_numbers(values, what: str, name: Callable[[int], str] | None = None) -> None:
     """Weights given as (nested) lists: every entry an int or float (Python or NumPy, or an
-    array of numbers), never a bool, which NumPy would read as 1.0 or 0.0, nor a string."""
+    array of numbers), never a bool, which NumPy would read as 1.0 or 0.0, nor a string; an
+    int one float32 holds exactly (``_check_int_weight``: a list mixing ints and floats
+    becomes a float64 array, whose check could not tell the int). ``name(k)``: how to name
+    the k-th entry of a flat list in that error (default: its index)."""
     stack = [(values, what)]
     while stack:
         seq, where = stack.pop()
@@ -132,9 +136,78 @@ def _check_python_numbers(values, what: str) -> None:
                 continue
             elif not _is_number(v):
                 raise TypeError(f"{what} must be numbers, got {v!r} at {where}[{k}]")
+            else:
+                at = name(k) if name is not None and seq is values else f"{where}[{k}]"
+                _check_int_weight(v, what, at)
 
 
-def _float_array(x, what: str) -> np.ndarray:
+_F32_EXACT = 2**24  # float32 holds every integer up to this in magnitude, exactly
+
+
+def _int_inexact(n: int) -> bool:
+    """Whether float32 cannot hold the integer ``n`` exactly: it has more than 24 significant
+    bits (``2**24 + 1`` rounds to ``2**24``; ``2**25`` is exact). Past float32's range
+    (``2**128``) it is not this check's: the range check names it."""
+    m = abs(n)
+    if m <= _F32_EXACT or m >= 2**128:
+        return False
+    return m >> ((m & -m).bit_length() - 1) >= _F32_EXACT  # its odd part
+
+
+def _inexact_message(what: str, value: int, at: str) -> str:
+    return (
+        f"{what}: integer {value} at {at} would round to {int(np.float32(value))}: per-id "
+        "weights are float32, exact for integers up to 2**24 in magnitude; pass weights "
+        "float32 holds, or floats to accept the rounding"
+    )
+
+
+def _inexact_int_weight(v) -> int | None:
+    """``v`` as an int if it is an int weight (Python or NumPy, or a 0-d int array) float32
+    cannot hold exactly, else None."""
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind not in "iu":
+            return None
+        v = v.item()
+    if isinstance(v, int | np.integer) and not isinstance(v, bool) and _int_inexact(int(v)):
+        return int(v)
+    return None
+
+
+def _check_int_weight(v, what: str, at: str) -> None:
+    """Refuse an int weight float32 cannot hold exactly (``_inexact_int_weight``)."""
+    n = _inexact_int_weight(v)
+    if n is not None:
+        raise ValueError(_inexact_message(what, n, at))
+
+
+def _first_int_inexact(a: np.ndarray) -> int | None:
+    """The flat index of the first entry of integer array ``a`` float32 cannot hold exactly,
+    or None. One max and one min in the common case; the rest only for the entries past
+    ``2**24`` in magnitude: an integer is exact when its odd part is below ``2**24`` (its
+    magnitude as uint64, so that int64's minimum has one)."""
+    if a.dtype.itemsize <= 2 or not a.size:
+        return None
+    if not (int(a.max()) > _F32_EXACT or int(a.min()) < -_F32_EXACT):
+        return None
+    flat = a.reshape(-1)
+    big = np.flatnonzero((flat > _F32_EXACT) | (flat < -_F32_EXACT))
+    v = flat[big]
+    if a.dtype.kind == "u":
+        m = v.astype(np.uint64)
+    else:
+        v = v.astype(np.int64)
+        neg = v < 0
+        m = v.astype(np.uint64)  # two's complement: -v is 2**64 + v
+        m[neg] = ~m[neg] + np.uint64(1)
+    odd = m // (m & (~m + np.uint64(1)))  # m >> its trailing zeros
+    bad = odd >= _F32_EXACT
+    return int(big[np.argmax(bad)]) if bad.any() else None
+
+
+def _float_array(x, what: str, where: Callable[[int], str] | None = None) -> np.ndarray:
+    """``x`` (per-id weights: numbers in any array form) as float32, checked by
+    ``_as_float32`` (``where``: how to name an entry of a 1-D ``x``)."""
     if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
         if getattr(x, "requires_grad", False):
             # torchrec's weighted modules pass a gradient to the weights; the engine pools
@@ -146,28 +219,38 @@ def _float_array(x, what: str) -> np.ndarray:
         if x.is_floating_point() and x.element_size() < 2 or str(x.dtype) == "torch.bfloat16":
             x = x.float()  # NumPy has no bfloat16 nor float8: their float32 values (exact)
     if isinstance(x, list | tuple):
-        _check_python_numbers(x, what)
+        _check_python_numbers(x, what, where)
     a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")
-    return _as_float32(a, what)
+    return _as_float32(a, what, where if a.ndim == 1 else None)
 
 
 def _as_float32(a: np.ndarray, what: str, where: Callable[[int], str] | None = None) -> np.ndarray:
     """``a`` (numbers) as float32; a finite value past float32's range (it would become inf)
     is refused, named as given, not as the "weight inf ... is not finite" the check of the
-    float32 weights would say. ``where(k)``: how to name the k-th entry of a 1-D ``a``
-    (default: its index)."""
+    float32 weights would say; so is an integer float32 cannot hold exactly (past ``2**24``
+    in magnitude, with more than 24 significant bits), which would round silently (TorchRec
+    refuses integer weights outright). ``where(k)``: how to name the k-th entry of a 1-D
+    ``a`` (default: its index)."""
+
+    def at_str(at: tuple[int, ...]) -> str:
+        return where(at[0]) if where is not None else f"{what}[{', '.join(map(str, at))}]"
+
+    if a.dtype.kind in "iu":
+        k = _first_int_inexact(a)
+        if k is not None:
+            at = tuple(int(i) for i in np.unravel_index(k, a.shape))
+            raise ValueError(_inexact_message(what, int(a[at]), at_str(at)))
     with np.errstate(over="ignore"):
         out = a.astype(np.float32, copy=False)
     if a.dtype.kind == "f" and a.dtype.itemsize > 4 and out.size and np.isinf(out).any():
         over = np.isinf(out) & np.isfinite(a)
         if over.any():
             at = tuple(int(i) for i in np.argwhere(over)[0])
-            at_str = where(at[0]) if where is not None else f"{what}[{', '.join(map(str, at))}]"
             raise ValueError(
-                f"{what}: {float(a[at])!r} at {at_str} is past float32's range (about 3.4e38): "
-                "per-id weights are float32"
+                f"{what}: {float(a[at])!r} at {at_str(at)} is past float32's range (about "
+                "3.4e38): per-id weights are float32"
             )
     return out
 
@@ -519,6 +602,11 @@ def _from_lists(value, weights) -> Ragged:
 
         def sample(k: int) -> str:
             return f"sample {int(np.searchsorted(np.cumsum(lengths), k, side='right'))}"
+
+        # before float64, which cannot tell 2**53 + 1 from 2**53 either
+        bad = next((k for k, x in enumerate(flat_w) if _inexact_int_weight(x) is not None), None)
+        if bad is not None:
+            _check_int_weight(flat_w[bad], "weights", sample(bad))
 
         try:
             w64 = np.asarray(flat_w, dtype=np.float64)

@@ -154,10 +154,19 @@ def _lengths(lengths) -> np.ndarray:
     return a
 
 
-def _weights(weights, num_values: int) -> np.ndarray | None:
+def _weights(weights, num_values: int, layout: _Layout, offsets: np.ndarray) -> np.ndarray | None:
+    """A KJT's weights as float32 (one per value), an entry refused by ``_float_array`` named
+    by its key, sample and position (``offsets``: of the KJT's lengths)."""
     if weights is None:
         return None
-    w = _float_array(weights, "KeyedJagged weights")
+
+    def where(k: int) -> str:
+        if not 0 <= k < int(offsets[-1]):
+            return f"weights[{k}]"
+        b = int(np.searchsorted(offsets, k, side="right")) - 1
+        return f"{layout.where(b)}, position {k - int(offsets[b])} (weights[{k}])"
+
+    w = _float_array(weights, "KeyedJagged weights", where)
     if w.shape != (num_values,):
         raise ValueError(
             f"KeyedJagged weights must have one entry per value: shape {w.shape}, "
@@ -262,12 +271,12 @@ class KeyedJagged:
             _check_offsets(layout, offsets, len(values))
             lengths = np.diff(offsets)  # non-decreasing from 0: no difference wraps
         else:
-            _offsets_from_lengths(layout, lengths, len(values))
+            offsets = _offsets_from_lengths(layout, lengths, len(values))
         inverse = _inverse_rows(layout, inverse_indices)
         if inverse is None:
             _refuse_unexpanded(layout)
         lengths.flags.writeable = False
-        w = _weights(weights, len(values))
+        w = _weights(weights, len(values), layout, offsets)
         self._keys = keys
         self._values = read_only(values)
         self._lengths = lengths
@@ -509,7 +518,7 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     _check_per_key(kjt, layout, offsets)
     _check_key_caches(kjt, layout)
     cached = _jt_dict(kjt, keys)
-    weights = _weights(_optional(kjt, "weights_or_none"), len(values))
+    weights = _weights(_optional(kjt, "weights_or_none"), len(values), layout, offsets)
     inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
     if inverse is None:
         _refuse_unexpanded(layout)

@@ -372,3 +372,41 @@ def test_float64_weights_past_float32_s_range_are_named_as_given(ids, weights, w
     an OverflowError. Each is named as given, where it stands."""
     with pytest.raises(ValueError, match=f"weights: .*{where} is past float32's range"):
         to_ragged(ids, weights)
+
+
+_ROUNDS = 2**24 + 1  # the smallest positive integer float32 cannot hold: it rounds to 2**24
+
+
+@pytest.mark.parametrize(
+    "ids, weights, where",
+    [
+        ([1, 2], np.array([1, _ROUNDS]), r"weights\[1\]"),
+        ([1, 2], torch.tensor([-_ROUNDS, 3], dtype=torch.int32), r"weights\[0\]"),
+        ([1, 2], np.array([7, 2**64 - 1], dtype=np.uint64), r"weights\[1\]"),
+        ([1, 2], [0.5, _ROUNDS], r"weights\[1\]"),  # a float64 array after np.asarray
+        ([[1], [2]], [[1.0], [2**53 + 1]], "sample 1"),  # 2**53 in float64
+        ([[1], [2]], [np.array([1]), np.array([_ROUNDS])], "sample 1"),
+        (np.array([[1, -1], [2, 3]]), np.array([[1, 0], [2, _ROUNDS]]), r"weights\[1, 1\]"),
+        (np.array([[1, -1], [2, 3]]), [[1, 0], [2, _ROUNDS]], r"weights\[1\]\[1\]"),
+    ],
+)
+def test_integer_weights_float32_cannot_hold_are_refused_by_position(ids, weights, where):
+    """Weights are float32, which holds integers exactly only up to 2**24 in magnitude (then
+    those with at most 24 significant bits): integer weights past it rounded silently
+    (16777217 became 16777216, as a Python int in a list of lists via float64 too); TorchRec
+    refuses integer weights outright. Refused as the float64 weights past float32's range are:
+    the value and where it stands; those float32 holds are read exactly."""
+    with pytest.raises(ValueError, match=f"weights: integer .* at {where} would round to"):
+        to_ragged(ids, weights)
+    exact = [2**24, -(2**24), 2**25, 3 * 2**40, -(2**63)]
+    for w in (np.array(exact), exact, torch.tensor(exact)):
+        _same(to_ragged([1, 2, 3, 4, 5], w), [1, 2, 3, 4, 5], range(6), exact)
+
+
+def test_integer_weights_are_named_by_feature():
+    t = ee.TableConfig(10, 2, name="t", combiner="sum")
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t), "g": ee.FeatureConfig(t)}, optimizer=ee.optimizers.SGD(0.1)
+    )
+    with pytest.raises(ValueError, match=r"feature 'g': weights: integer 16777217 at weights\[1"):
+        eng.lookup({"f": [1, 2], "g": [1, 2]}, weights={"g": np.array([1, _ROUNDS])})

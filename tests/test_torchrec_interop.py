@@ -1222,3 +1222,24 @@ def test_a_kjt_s_cached_jt_dict_and_index_per_key_must_agree_with_it(trj):
     vbe._jt_dict["b"] = jt(vbe._jt_dict["b"].values(), lengths=vbe._jt_dict["b"].lengths())
     with pytest.raises(ValueError, match=r"key 'b': .*: the KJT has weights and the cache has"):
         layer(vbe)
+
+
+def test_a_kjt_s_integer_weights_float32_cannot_hold_are_refused_naming_key_and_sample(trj):
+    """Integer weights past 2**24 rounded silently in the cast to float32 (TorchRec's EBC
+    refuses integer weights outright); refused, named by key, sample and position, as a
+    float64 weight past float32's range now is too (it was named "KeyedJagged weights[3]")."""
+    rounds = 2**24 + 1
+    v, lengths = torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 2, 0])
+    at = r"integer -16777217 at key 'b', sample 0, position 1 \(weights\[3\]\) would round"
+    for w in ([1, 1, 1, -rounds], torch.tensor([1, 1, 1, -rounds])):
+        with pytest.raises(ValueError, match=at):
+            KeyedJagged(["a", "b"], v, lengths=lengths, weights=w)
+    w = torch.tensor([1, 1, 1, -rounds])
+    with pytest.raises(ValueError, match=at):
+        keyed_jagged_to_features(trj.KeyedJaggedTensor(["a", "b"], v, w, lengths=lengths))
+    w = torch.tensor([1.0, 1e39, 1.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"1e\+39 at key 'a', sample 1, position 0 \(weights"):
+        keyed_jagged_to_features(trj.KeyedJaggedTensor(["a", "b"], v, w, lengths=lengths))
+    exact = torch.tensor([2**24, -(2**25), 3 * 2**40, 7])
+    got = keyed_jagged_to_features(trj.KeyedJaggedTensor(["a", "b"], v, exact, lengths=lengths))
+    assert got["b"].weights.tolist() == [3 * 2**40, 7]
