@@ -26,7 +26,7 @@ integer it cannot hold exactly (past 2**24 in magnitude), is refused, named wher
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 
 import numpy as np
 
@@ -82,6 +82,50 @@ def _check_tensor_readable(x, what: str) -> None:
         )
 
 
+_ARRAY_FORMS = "a list, a NumPy array or a torch tensor"
+
+
+def _refuse_non_sequence(x, what: str, forms: str = _ARRAY_FORMS) -> None:
+    """Refuse, naming what ``x`` is and what to pass (``forms``), an iterable that is neither
+    a sequence nor an array: a set, a generator or other iterator, a dict or a dict view.
+    NumPy reads one as a single object (a 0-d array of dtype object), which was refused as
+    "must be integers, got dtype object"; a set has no order to read its entries in."""
+    if isinstance(x, Sequence | np.ndarray | str | bytes) or not isinstance(x, Iterable):
+        return
+    if any(hasattr(x, a) for a in ("__array__", "__array_interface__", "__array_struct__")):
+        return  # an array of another library: NumPy reads it
+    if _is_torch_tensor(x):
+        return
+    try:
+        memoryview(x)  # the buffer protocol: NumPy reads it
+        return
+    except TypeError:
+        pass
+    name = type(x).__name__
+    if isinstance(x, Set):
+        raise TypeError(
+            f"{what}: got a {name}, which has no order (its entries would come in hash "
+            f"order); pass {forms} (sorted(s) for ascending order)"
+        )
+    if isinstance(x, Iterator):
+        raise TypeError(
+            f"{what}: got a {name}, an iterator (NumPy reads it as one object); pass {forms} "
+            "(list(it) reads it)"
+        )
+    raise TypeError(
+        f"{what}: got a {name}, an iterable but not a sequence (NumPy reads it as one "
+        f"object); pass {forms} (list(x) of it, if its order is the one meant)"
+    )
+
+
+def _refuse_object(a: np.ndarray, x, what: str, must: str) -> None:
+    """Refuse an object NumPy read as one (a 0-d array of dtype object), naming its type."""
+    if a.dtype.kind == "O" and a.ndim == 0:
+        raise TypeError(
+            f"{what} must be {must}, got a {type(x).__name__} {x!r:.40}; pass {_ARRAY_FORMS}"
+        )
+
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -96,6 +140,7 @@ def _check_python_ints(values, what: str) -> None:
 
 
 def _int_array(x, what: str) -> np.ndarray:
+    _refuse_non_sequence(x, what)
     if isinstance(x, list | tuple):
         _check_python_ints(x, what)
     if (
@@ -110,6 +155,7 @@ def _int_array(x, what: str) -> np.ndarray:
         raise TypeError(f"{what} must be integers, got dtype {str(x.dtype)[len('torch.') :]}")
     a = as_numpy(x, what)
     if a.dtype.kind not in "iu":
+        _refuse_object(a, x, what, "integers")
         if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64
             return np.zeros(a.shape, dtype=np.int64)
         raise TypeError(f"{what} must be integers, got dtype {a.dtype}")
@@ -218,10 +264,12 @@ def _float_array(x, what: str, where: Callable[[int], str] | None = None) -> np.
             )
         if x.is_floating_point() and x.element_size() < 2 or str(x.dtype) == "torch.bfloat16":
             x = x.float()  # NumPy has no bfloat16 nor float8: their float32 values (exact)
+    _refuse_non_sequence(x, what)
     if isinstance(x, list | tuple):
         _check_python_numbers(x, what, where)
     a = as_numpy(x, what)
     if a.dtype.kind not in "iuf":
+        _refuse_object(a, x, what, "numbers")
         raise TypeError(f"{what} must be numbers, got dtype {a.dtype}")
     return _as_float32(a, what, where if a.ndim == 1 else None)
 
@@ -680,6 +728,8 @@ def to_ragged(value, weights=None, keyed: bool = False) -> Ragged:
         return value
     if isinstance(value, list | tuple) and _is_nested(value):
         return _from_lists(value, weights)
+    forms = "a list, a NumPy array, a torch tensor, a Ragged or a list of lists per sample"
+    _refuse_non_sequence(value, "ids", forms)
     try:
         ids = _int_array(value, "ids")
     except ValueError as e:  # e.g. np.asarray of ragged lists

@@ -410,3 +410,43 @@ def test_integer_weights_are_named_by_feature():
     )
     with pytest.raises(ValueError, match=r"feature 'g': weights: integer 16777217 at weights\[1"):
         eng.lookup({"f": [1, 2], "g": [1, 2]}, weights={"g": np.array([1, _ROUNDS])})
+
+
+class _Iterable:
+    def __iter__(self):
+        return iter([1, 2])
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({3, 1}, "got a set, which has no order"),
+        (frozenset([3]), "got a frozenset, which has no order"),
+        ({3: 0}.keys(), "got a dict_keys, which has no order"),
+        ((i for i in [1, 2]), "got a generator, an iterator"),
+        (map(int, "12"), "got a map, an iterator"),
+        ({3: 0}.values(), "got a dict_values, an iterable but not a sequence"),
+        (_Iterable(), "got a _Iterable, an iterable but not a sequence"),
+        (object(), "must be integers, got a object <object object"),
+    ],
+)
+def test_ids_that_are_not_a_sequence_are_named_saying_what_to_pass(value, words):
+    """A set, a generator, a dict view (any iterable neither a sequence nor an array) was
+    read by NumPy as one object and refused as "ids must be integers, got dtype object",
+    which says neither what came nor what to pass (nor that a set has no order)."""
+    t = ee.TableConfig(10, 2, name="t")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=ee.optimizers.SGD(0.1))
+    pass_ = "pass a list, a NumPy array, a torch tensor, a Ragged or a list of lists per sample"
+    if type(value) is object:  # not iterable: as NumPy read it
+        pass_ = "pass a list, a NumPy array or a torch tensor"
+    with pytest.raises(TypeError, match=f"feature 'f': ids.*{words}.*{pass_}"):
+        eng.lookup({"f": value})
+    with pytest.raises(TypeError, match="weights: got a set, which has no order"):
+        eng.lookup({"f": [1, 2]}, weights={"f": {0.5, 2.0}})
+    with pytest.raises(TypeError, match="weights: got a generator"):
+        to_ragged([1, 2], (w for w in [0.5, 2.0]))
+    with pytest.raises(TypeError, match="ids: got a set"):
+        Ragged({1, 2}, lengths=[1, 1])
+    # sequences and arrays NumPy reads are read as before
+    for same in (range(1, 3), np.array([1, 2]), torch.tensor([1, 2]), memoryview(np.array([1, 2]))):
+        _same(to_ragged(same), [1, 2], [0, 1, 2])
