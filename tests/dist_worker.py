@@ -57,8 +57,8 @@ Scenarios:
   load_pinned                   ShardedEngine.load(root) while a newer checkpoint lands in
                                 root between its reading the spec and its restore
   layer_refused                 EmbeddingLayer's forward refuses the last rank's input before
-                                its lookup (learning rates; weights with a PreparedBatch);
-                                a step together after each
+                                its lookup (learning rates; weights with a PreparedBatch; a
+                                meta timestamp); a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
   save_write_fails:<dense|keyed|interrupt|extra|commit>
@@ -769,6 +769,8 @@ def run_layer(rank: int, world: int, out: str, name: str) -> None:
 
 def run_layer_refused(rank: int, world: int, out: str, name: str) -> None:
     """Each rank's error (or "no error") and seconds per case, then the step, in a .txt."""
+    import torch
+
     from embengine.distributed import ShardedEngine
     from embengine.torch import EmbeddingLayer
 
@@ -777,9 +779,11 @@ def run_layer_refused(rank: int, world: int, out: str, name: str) -> None:
     layer = EmbeddingLayer(eng)
     feats, weights, grads = local(0, rank, world)
     last = rank == world - 1
+    meta = torch.tensor(5, device="meta")
     cases = {
         "rates": lambda: layer(feats, weights, learning_rates=[0.1] if last else None),
         "weights": lambda: layer(eng.preprocess(feats, weights), weights if last else None),
+        "timestamp": lambda: layer(feats, weights, timestamp=meta if last else None),
     }
     said = []
     for case, forward in cases.items():

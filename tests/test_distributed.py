@@ -1303,17 +1303,18 @@ def test_ranks_restoring_a_folder_of_checkpoints_restore_the_one_rank_0_found(re
 
 def test_a_layer_input_refused_on_one_rank_fails_every_ranks_lookup_at_once(refusals):
     """EmbeddingLayer's forward refuses some inputs before its lookup (learning rates, weights
-    beside a PreparedBatch); on a ShardedEngine the other ranks were left in the lookup's
-    collective until the timeout, then a PeerError (a review). Now every rank raises at once,
-    the refusing one its own error; then the ranks step together."""
+    beside a PreparedBatch, a meta timestamp); on a ShardedEngine the other ranks were left in
+    the lookup's collective until the timeout, then a PeerError (a review). Now every rank
+    raises at once, the refusing one its own error; then the ranks step together."""
     tmp_path = refusals
     errors = {
         "rates": "ValueError: learning_rates has 1 values but the engine has 0 dynamic",
         "weights": "ValueError: weights must be given to preprocess(), not with a PreparedBatch",
+        "timestamp": "TypeError: timestamp is a meta tensor (device 'meta', shape [], dtype",
     }
     for rank in range(2):
         *said, step = (tmp_path / f"layer_refused.rank{rank}.txt").read_text().splitlines()
-        assert step == "step=2", (rank, said, step)
+        assert step == "step=3", (rank, said, step)
         for at, (line, (case, error)) in enumerate(zip(said, errors.items(), strict=True)):
             name, seconds, text = line.split(" ", 2)
             assert name == f"{case}:", line

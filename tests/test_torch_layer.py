@@ -638,6 +638,22 @@ def test_a_timestamp_tensor_is_read_as_its_int():
     assert a.engine.step == 3 and a.engine.table_stats()["k"]["data_time"] == 1101
 
 
+def test_a_meta_timestamp_tensor_is_refused_by_name():
+    """A 0-d meta tensor as the timestamp gave torch's own "Tensor.item() cannot be called
+    on meta tensors" (a RuntimeError), where meta ids are refused as a TypeError naming what
+    came; other meta tensors went to the engine as "timestamp must be an int". Refused here
+    by name, nothing changed."""
+    from conftest import keyed_engine
+
+    a = EmbeddingLayer(keyed_engine("numba", expire_seconds=100))
+    a({"f": [[1]]}, timestamp=torch.tensor(1000))["f"].sum().backward()
+    for bad in (torch.tensor(1200, device="meta"), torch.empty(2, device="meta")):
+        with pytest.raises(TypeError, match=r"timestamp is a meta tensor \(device 'meta', shape"):
+            a({"f": [[3]]}, timestamp=bad)
+    assert a.engine.step == 1 and a.engine.table_contents("k")["keys"].tolist() == [1]
+    a.eval()({"f": [[3]]}, timestamp=torch.tensor(1200, device="meta"))  # evaluation: unused
+
+
 def test_the_layer_s_repr_names_a_keyed_table_so():
     """A keyed table has no vocabulary size: the repr showed "k: Nonex3"."""
     k = ee.TableConfig(None, DIM, name="k", dynamic=ee.DynamicVocabulary())

@@ -54,7 +54,15 @@ def _timestamp(t) -> dict:
 def _timestamp_value(t):
     """A 0-d integer tensor (a DataLoader's collated time, ``batch["time"].max()``) as its
     int, as NumPy's integer scalars are read; anything else as it is, for the engine to check
-    (and refuse by name: a float, a bool, more than one value)."""
+    (and refuse by name: a float, a bool, more than one value). A meta tensor is refused
+    here (a TypeError, as for meta ids): it holds no value, and ``item()`` raised torch's own
+    "Tensor.item() cannot be called on meta tensors"."""
+    if isinstance(t, torch.Tensor) and t.device.type == "meta":
+        raise TypeError(
+            f"timestamp is a meta tensor (device 'meta', shape {list(t.shape)}, dtype "
+            f"{str(t.dtype)[len('torch.') :]}): it holds no value; pass an int (seconds of "
+            "data time) or a tensor holding one"
+        )
     if isinstance(t, torch.Tensor) and t.dim() == 0:
         if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
             return int(t.item())
@@ -285,10 +293,10 @@ class EmbeddingLayer(torch.nn.Module):
         timestamp: int | torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor] | KeyedTensor:
         training = self.training and self.trainable and torch.is_grad_enabled()
-        # evaluation sees the tables as they are
-        timestamp = _timestamp_value(timestamp) if training else None
         extra = {}
         try:
+            # evaluation sees the tables as they are
+            timestamp = _timestamp_value(timestamp) if training else None
             features, learning_rates = self._checked_inputs(
                 features, weights, learning_rates, training
             )
