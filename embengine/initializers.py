@@ -234,7 +234,10 @@ class FromFunction(Initializer):
                 f"initializer {self.fn!r} returned shape {values.shape}, expected "
                 f"{(len(rows), dim)}"
             )
-        values = values.astype(np.float32)
+        # A value past float32's range becomes inf here, refused just below by name: the
+        # cast's "overflow encountered in cast" RuntimeWarning would only precede that error.
+        with np.errstate(over="ignore"):
+            values = values.astype(np.float32)
         if not np.isfinite(values).all():
             raise ValueError(
                 f"initializer {self.fn!r} returned non-finite values (or values beyond float32 "

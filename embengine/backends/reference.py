@@ -209,9 +209,14 @@ class ReferenceBackend:
             gathered[present] = quantization.quantize(gathered[present])
         sums = np.zeros((tb.num_outputs, dim), dtype=np.float64)
         np.add.at(sums, tb.segments, tb.gains[:, None].astype(np.float64) * gathered[tb.inverse])
-        if out is None:
-            return sums.astype(np.float32)
-        out_rows(out, tb.num_outputs, dim, rows)[:] = sums
+        target = out_rows(out, tb.num_outputs, dim, rows) if out is not None else None
+        # A pooled sum past float32's range is an inf activation, as the numba backend's
+        # (docs/reliability.md: the caller's model sees it; the update is guarded), not a
+        # NumPy "overflow encountered in cast" warning the numba backend never gives.
+        with np.errstate(over="ignore"):
+            if target is None:
+                return sums.astype(np.float32)
+            target[:] = sums
         return out
 
     def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
