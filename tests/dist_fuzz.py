@@ -6,17 +6,18 @@ each passing their share of a batch train as one engine fed the concatenation).
     python tests/dist_fuzz.py --rank R --world W --port P --out DIR --seed S --first I --cases N
 
 Case ``i`` of seed ``s`` draws (``make_case``) a configuration (1-3 tables, dense or keyed with
-admission and expiry, dims 1-16, combiners, one optimizer per table or one for all, gradient
-accumulation on or off, sequence features, per-id weights, a sharding and an exchange per
-table) and a script of 2-5 steps (global batches with duplicates, empty bags and ranks left
-without samples; evaluation lookups before some updates; a checkpoint saved and restored
-between some steps). Every rank runs the script on a ShardedEngine; rank 0 runs it on one
-EmbeddingEngine too and compares, per case, its own activations (rank 0's samples: equal up to
-float32 rounding of the bag sums), a configuration both refuse (the same error type), and at
-the end every table's keys, weights and slots, gathered (bit for bit), and whether a plain
-engine restoring the sharded checkpoint holds the same. It writes one line per case to
-OUT/report.txt: ``<case> ok`` or ``<case> DIFF <what>``. tests/test_distributed_fuzz.py runs a
-few cases; a campaign prints the differences it found.
+admission and expiry, dims 1-16, combiners, 16-bit weights or slots, simulated quantization, one
+optimizer per table or one for all, gradient accumulation on or off, sequence features, per-id
+weights, a sharding and an exchange per table or "auto") and a script of 2-5 steps (global
+batches with duplicates and empty bags, split at random so that ranks go without samples;
+evaluation lookups before some updates; ``lookup_with_batch`` and ``batch=`` on some steps;
+``table_contents`` after one step; a checkpoint saved and restored after some step). Every rank
+runs the script on a ShardedEngine; rank 0 runs it on one EmbeddingEngine too and compares its
+own activations (rank 0's samples: equal up to float32 rounding of the bag sums), a
+configuration both refuse (the same error type), every table's keys, weights and slots (bit for
+bit), and a plain engine restoring the ranks' checkpoint against the one engine's tables at
+that step. It writes one line per case to OUT/report.txt: ``<case> ok ...`` or ``<case> DIFF
+<what>``. tests/test_distributed_fuzz.py runs a few cases; a campaign prints the differences.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ OPTIMIZERS = (
     "momentum",
     "sgd_schedule",
 )
+DTYPES = ("float32", "float32", "bfloat16", "float16")  # stored; float32 math
 KEY_POOL = 24  # keyed ids come from a pool this big: repeats across steps and ranks
 
 
@@ -86,6 +88,9 @@ def make_case(seed: int, case: int) -> dict:
                 if keyed
                 else None,
                 "sharding": str(rng.choice(["row", "table"])),
+                "weights_dtype": str(rng.choice(DTYPES)),
+                "slots_dtype": str(rng.choice(DTYPES)),
+                "quantized": bool(rng.random() < 0.15),
                 # a keyed table's owner resolves its keys first: it exchanges rows
                 "exchange": str(
                     rng.choice(["auto", "rows"] if keyed else ["auto", "rows", "sums"])
@@ -136,6 +141,13 @@ def build(case: dict):
                 combiner=t["combiner"],
                 optimizer=own,
                 initializer=ee.initializers.RandomUniform(-0.3, 0.3),
+                weights_dtype=t["weights_dtype"],
+                slots_dtype=t["slots_dtype"],
+                quantization_config=(
+                    ee.QuantizationConfig(num_buckets=64, lower=-0.25, upper=0.25)
+                    if t["quantized"]
+                    else None
+                ),
                 dynamic=dynamic,
             )
         )

@@ -37,6 +37,16 @@ def test_the_cases_cover_what_the_fuzz_says_it_draws():
     assert {t["exchange"] for t in tables if t["vocab"] is None} == {"auto", "rows"}
     assert {t["exchange"] for t in tables if t["vocab"]} == {"auto", "rows", "sums"}
     assert {t["accumulate"] for t in tables} == {True, False}
+    assert (
+        {t["weights_dtype"] for t in tables}
+        == {t["slots_dtype"] for t in tables}
+        == {
+            "float32",
+            "bfloat16",
+            "float16",
+        }
+    )
+    assert {t["quantized"] for t in tables} == {True, False}
     assert any(f["sequence"] for f in features) and any(f["weighted"] for f in features)
     assert any(c["one_optimizer"] for c in drawn) and any(c["sharding_auto"] for c in drawn)
     # the same case on every rank: drawn from (seed, case) alone
