@@ -104,25 +104,30 @@ def _refuse_non_sequence(x, what: str, forms: str = _ARRAY_FORMS) -> None:
     name = type(x).__name__
     if isinstance(x, Set):
         raise TypeError(
-            f"{what}: got a {name}, which has no order (its entries would come in hash "
+            f"{what}: got {_a(name)}, which has no order (its entries would come in hash "
             f"order); pass {forms} (sorted(s) for ascending order)"
         )
     if isinstance(x, Iterator):
         raise TypeError(
-            f"{what}: got a {name}, an iterator (NumPy reads it as one object); pass {forms} "
+            f"{what}: got {_a(name)}, an iterator (NumPy reads it as one object); pass {forms} "
             "(list(it) reads it)"
         )
     raise TypeError(
-        f"{what}: got a {name}, an iterable but not a sequence (NumPy reads it as one "
+        f"{what}: got {_a(name)}, an iterable but not a sequence (NumPy reads it as one "
         f"object); pass {forms} (list(x) of it, if its order is the one meant)"
     )
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article ("an object", "a set")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _refuse_object(a: np.ndarray, x, what: str, must: str) -> None:
     """Refuse an object NumPy read as one (a 0-d array of dtype object), naming its type."""
     if a.dtype.kind == "O" and a.ndim == 0:
         raise TypeError(
-            f"{what} must be {must}, got a {type(x).__name__} {x!r:.40}; pass {_ARRAY_FORMS}"
+            f"{what} must be {must}, got {_a(type(x).__name__)} {x!r:.40}; pass {_ARRAY_FORMS}"
         )
 
 

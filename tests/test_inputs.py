@@ -427,7 +427,7 @@ class _Iterable:
         (map(int, "12"), "got a map, an iterator"),
         ({3: 0}.values(), "got a dict_values, an iterable but not a sequence"),
         (_Iterable(), "got a _Iterable, an iterable but not a sequence"),
-        (object(), "must be integers, got a object <object object"),
+        (object(), "must be integers, got an object <object object"),
     ],
 )
 def test_ids_that_are_not_a_sequence_are_named_saying_what_to_pass(value, words):

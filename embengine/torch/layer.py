@@ -47,7 +47,8 @@ class _Pending:
 
 
 def _timestamp(t) -> dict:
-    """``timestamp=t`` for the engine, if given (a ShardedEngine takes none)."""
+    """``timestamp=t`` for the engine's lookup or update (EmbeddingEngine's and ShardedEngine's
+    alike), or no argument at all for None, so the engine's own default applies."""
     return {} if t is None else {"timestamp": t}
 
 
