@@ -17,8 +17,9 @@ refuses it (there is no batch to give its outputs).
 TorchRec's own KeyedJaggedTensor is accepted wherever a KeyedJagged is (duck-typed; torchrec is
 not a dependency: ``keys``, ``values``, ``lengths``, and where present ``weights_or_none``,
 ``variable_stride_per_key``, ``stride_per_key`` and ``inverse_indices_or_none``) and checked
-the same way when it is split; every redundant field it holds must agree with its lengths,
-its private caches included (``_jt_dict``, ``_index_per_key``, ``_lengths_offset_per_key``).
+the same way when it is split; every redundant field it holds must agree with its lengths
+(``stride()``, ``stride_per_key()`` and ``stride_per_key_per_rank()`` included), its private
+caches too (``_jt_dict``, ``_index_per_key``, ``_lengths_offset_per_key``).
 This module needs no torch; ``embengine.torch.KeyedJagged`` is the same class.
 
 Lengths are checked so that no sum of them can wrap around int64 (each length in
@@ -498,6 +499,55 @@ def _check_stride(kjt, layout: _Layout) -> None:
         )
 
 
+def _check_stride_per_key(kjt, layout: _Layout, variable: bool) -> None:
+    """A TorchRec KJT's numbers of samples per key must be what its layout gives. Without a
+    variable batch per key, ``stride_per_key()`` (a constructor argument TorchRec returns as
+    given) must be ``stride()`` for every key: TorchRec's own modules ignore it there, but its
+    sharded EmbeddingBagCollection sends each rank its keys' lengths by it (one that disagrees
+    failed there, or crashed the process). With one, the rows of
+    ``stride_per_key_per_rank()`` must add up to ``stride_per_key()``: TorchRec's
+    ``to_dict()`` splits the lengths by the one (given) and its ``split()`` by the other."""
+    if not layout.keys:
+        return
+    if not variable:
+        given = _optional(kjt, "stride_per_key")
+        if given is None:
+            return
+        got = [int(n) for n in given]
+        if got != layout.strides:
+            raise ValueError(
+                f"KeyedJagged stride_per_key() is {got} but its {int(layout.starts[-1])} "
+                f"lengths for {len(layout.keys)} keys give {layout.strides} (keys "
+                f"{layout.keys}; it has no variable batch per key: variable_stride_per_key() "
+                "is False); they must agree: TorchRec's sharded EmbeddingBagCollection sends "
+                "each rank the lengths by stride_per_key()"
+            )
+        return
+    per_rank = _optional(kjt, "stride_per_key_per_rank")
+    if per_rank is None or len(per_rank) == 0:
+        return
+    try:
+        rows = [[int(n) for n in row] for row in per_rank]  # TorchRec's: a list of int lists
+    except TypeError:
+        raise TypeError(
+            f"KeyedJagged stride_per_key_per_rank() must be one list of numbers of samples per "
+            f"key (one per rank), got {per_rank!r}"
+        ) from None
+    if len(rows) != len(layout.keys):
+        raise ValueError(
+            f"KeyedJagged stride_per_key_per_rank has {len(rows)} rows for "
+            f"{len(layout.keys)} keys; it needs one row per key"
+        )
+    sums = [sum(row) for row in rows]  # Python ints: no wrap
+    if sums != layout.strides:
+        raise ValueError(
+            f"KeyedJagged stride_per_key() is {layout.strides} but its stride_per_key_per_rank "
+            f"{rows} adds up to {sums} (keys {layout.keys}); they must agree: "
+            "TorchRec's to_dict() splits the lengths by stride_per_key() and its split() by "
+            "stride_per_key_per_rank"
+        )
+
+
 def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     """Split a KeyedJagged (or TorchRec KJT) into one Ragged per key, checking it first (a
     TorchRec KJT was never checked by us); errors name the key and sample. A variable batch
@@ -507,7 +557,8 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     # asked before lengths(): TorchRec's computes the lengths of an offsets-only KJT and keeps them
     holds_lengths = _optional(kjt, "lengths_or_none") is not None
     lengths = _lengths(kjt.lengths())
-    if _optional(kjt, "variable_stride_per_key"):
+    variable = bool(_optional(kjt, "variable_stride_per_key"))
+    if variable:
         layout = _variable(keys, kjt.stride_per_key(), len(lengths))
     else:
         layout = _uniform(keys, len(lengths))
@@ -522,7 +573,9 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     inverse = _inverse_rows(layout, _optional(kjt, "inverse_indices_or_none"))
     if inverse is None:
         _refuse_unexpanded(layout)
+    if inverse is None or not variable:  # TorchRec views a uniform KJT's lengths by stride()
         _check_stride(kjt, layout)
+    _check_stride_per_key(kjt, layout, variable)
     out = {}
     for i, key in enumerate(keys):
         lo, hi = int(layout.starts[i]), int(layout.starts[i + 1])

@@ -1243,3 +1243,77 @@ def test_a_kjt_s_integer_weights_float32_cannot_hold_are_refused_naming_key_and_
     exact = torch.tensor([2**24, -(2**25), 3 * 2**40, 7])
     got = keyed_jagged_to_features(trj.KeyedJaggedTensor(["a", "b"], v, exact, lengths=lengths))
     assert got["b"].weights.tolist() == [3 * 2**40, 7]
+
+
+def test_a_kjt_s_stride_per_key_must_agree_with_its_lengths(trj):
+    """A KJT without a variable batch per key returns the ``stride_per_key`` it was built
+    with, unchecked. TorchRec's unsharded modules do not read it there, but its sharded
+    EmbeddingBagCollection's input dist sends each rank the lengths by it (``dist_splits``):
+    ``[2, 4]`` for 3 samples a key failed there ("shape '[-1, 3]' is invalid"), or crashed the
+    process. It was not compared here; a VBE KJT's ``stride_per_key`` (which ``to_dict()``
+    splits by) against its ``stride_per_key_per_rank`` (which ``split()`` splits by) neither;
+    a uniform KJT's ``stride()`` was not compared when it carried inverse indices, where
+    TorchRec's to_dict() still views the lengths by it. All refused, naming both."""
+    kjt = trj.KeyedJaggedTensor
+    layer = EmbeddingLayer(_engine(opt.SGD(0.5))).eval()
+    v, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 1, 1])
+    want = layer(kjt(["a", "b"], v, lengths=lengths))
+    bad = kjt(["a", "b"], v, lengths=lengths, stride_per_key=[2, 4])
+    assert not bad.variable_stride_per_key() and bad.stride_per_key() == [2, 4]
+    assert bad.dist_splits([1, 1])[0] == [2, 4]  # the lengths the sharded input dist sends
+    with pytest.raises(
+        ValueError,
+        match=r"stride_per_key\(\) is \[2, 4\] but its 6 lengths for 2 keys give \[3, 3\] .*"
+        r"variable_stride_per_key\(\) is False",
+    ):
+        layer(bad)
+    with pytest.raises(ValueError, match=r"stride_per_key\(\) is \[1, 5\] but"):
+        layer(kjt(["a", "b"], v, lengths=lengths, stride_per_key=[1, 5]))
+    # stride_per_key_per_rank of a KJT told it has no variable batch: read as its stride
+    told = kjt(["a", "b"], v, lengths=lengths, stride_per_key_per_rank=[[1], [5]])
+    told._variable_stride_per_key = False  # TorchRec's legacy switch
+    with pytest.raises(ValueError, match=r"stride\(\) is 5 but its 6 lengths"):
+        layer(told)
+    identity = (["a", "b"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    with pytest.raises(ValueError, match=r"stride\(\) is 4 but its 6 lengths"):
+        layer(kjt(["a", "b"], v, lengths=lengths, stride=4, inverse_indices=identity))
+    # a VBE KJT: stride_per_key [3, 2] given, its stride_per_key_per_rank adds up to [2, 3]
+    vbe = VBE
+    inv = (["a", "b"], torch.tensor([[0, 1, 1, 0], [1, 1, 0, 1]]))
+
+    def mixed():
+        return kjt(
+            ["a", "b"],
+            torch.tensor(vbe["values"]),
+            lengths=torch.tensor(vbe["lengths"]),
+            stride_per_key_per_rank=[[2], [3]],
+            stride_per_key=[3, 2],
+            inverse_indices=inv,
+        )
+
+    assert mixed().to_dict()["a"].lengths().tolist() == [1, 2, 1]
+    with pytest.raises(RuntimeError, match="split_with_sizes"):
+        [part.to_dict() for part in mixed().split([1, 1])]
+    with pytest.raises(
+        ValueError,
+        match=r"stride_per_key\(\) is \[3, 2\] but its stride_per_key_per_rank "
+        r"\[\[2\], \[3\]\] adds up to \[2, 3\]",
+    ):
+        layer(mixed())
+    # agreeing numbers read as before
+    for same in (
+        kjt(["a", "b"], v, lengths=lengths, stride_per_key=[3, 3]),
+        kjt(["a", "b"], v, lengths=lengths, stride=3, inverse_indices=identity),
+    ):
+        got = layer(same)
+        for key in ("a", "b"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    two_ranks = kjt(
+        ["a", "b"],
+        torch.tensor(vbe["values"]),
+        lengths=torch.tensor(vbe["lengths"]),
+        stride_per_key_per_rank=[[1, 1], [2, 1]],
+        stride_per_key=[2, 3],
+        inverse_indices=inv,
+    )
+    assert layer(two_ranks)["a"].shape == (4, 3)
