@@ -12,7 +12,9 @@ samples, then expanded to the batch by the inverse indices. Here the ids are exp
 the lookup instead (``keyed_jagged_to_features``): every key then has ``batch_size`` samples,
 the pooled rows are the same bits, and each row's gradient is the same sum. A VBE batch
 without inverse indices is refused, naming the keys and their numbers of samples, as TorchRec
-refuses it (there is no batch to give its outputs).
+refuses it (there is no batch to give its outputs). Inverse indices on a KJT without a
+variable batch per key are refused unless they are the identity: TorchRec's
+EmbeddingBagCollection expands such a KJT by them and its sharded one does not.
 
 TorchRec's own KeyedJaggedTensor is accepted wherever a KeyedJagged is (duck-typed; torchrec is
 not a dependency: ``keys``, ``values``, ``lengths``, and where present ``weights_or_none``,
@@ -222,6 +224,30 @@ def _inverse_rows(layout: _Layout, inverse_indices) -> np.ndarray | None:
     return rows
 
 
+def _refuse_uniform_inverse(layout: _Layout, inverse: np.ndarray | None) -> None:
+    """A KJT without a variable batch per key may carry inverse indices only if they are the
+    identity: TorchRec's EmbeddingBagCollection expands such a KJT's outputs by them, its
+    sharded EmbeddingBagCollection (which expands only a variable batch per key) and its
+    EmbeddingCollection (which expands none) serve the KJT's own samples, so any other
+    indices give two batches."""
+    if inverse is None or not layout.keys:
+        return
+    n = layout.strides[0]
+    if inverse.shape[1] == n and (inverse == np.arange(n)).all():
+        return
+    width = inverse.shape[1]
+    k = len(layout.keys)
+    raise ValueError(
+        f"KeyedJagged has inverse_indices (a batch of {width} samples) but no variable batch "
+        f"per key (each of its {k} keys has {n} samples, variable_stride_per_key() is "
+        f"False): TorchRec's EmbeddingBagCollection expands its outputs to the {width} "
+        f"samples by them, its sharded EmbeddingBagCollection and its EmbeddingCollection "
+        f"serve the {n} samples. Give it a variable batch per key (TorchRec's "
+        f"stride_per_key_per_rank={[[n]] * k}, KeyedJagged's stride_per_key={[n] * k}), which "
+        "both its EmbeddingBagCollections expand, or drop the inverse indices"
+    )
+
+
 def _refuse_unexpanded(layout: _Layout) -> None:
     if len(set(layout.strides)) > 1:
         counts = dict(zip(layout.keys, layout.strides, strict=True))
@@ -276,6 +302,8 @@ class KeyedJagged:
         inverse = _inverse_rows(layout, inverse_indices)
         if inverse is None:
             _refuse_unexpanded(layout)
+        elif stride_per_key is None:
+            _refuse_uniform_inverse(layout, inverse)
         lengths.flags.writeable = False
         w = _weights(weights, len(values), layout, offsets)
         self._keys = keys
@@ -576,6 +604,8 @@ def keyed_jagged_to_features(kjt) -> dict[str, Ragged]:
     if inverse is None or not variable:  # TorchRec views a uniform KJT's lengths by stride()
         _check_stride(kjt, layout)
     _check_stride_per_key(kjt, layout, variable)
+    if not variable:
+        _refuse_uniform_inverse(layout, inverse)
     out = {}
     for i, key in enumerate(keys):
         lo, hi = int(layout.starts[i]), int(layout.starts[i + 1])

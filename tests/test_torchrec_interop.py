@@ -1317,3 +1317,54 @@ def test_a_kjt_s_stride_per_key_must_agree_with_its_lengths(trj):
         inverse_indices=inv,
     )
     assert layer(two_ranks)["a"].shape == (4, 3)
+
+
+@pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("mean", False), ("sum", True)])
+def test_inverse_indices_on_a_kjt_without_a_variable_batch_are_refused(trj, pooling, weighted):
+    """TorchRec's EmbeddingBagCollection expands its outputs by a KJT's inverse indices
+    whether or not the KJT has a variable batch per key; its sharded EmbeddingBagCollection
+    expands only a variable batch (the EmbeddingCollection none): the same KJT gave the EBC 4
+    samples and the sharded EBC (DistributedModelParallel, one rank) 3. We expanded it,
+    silently picking one. Refused unless the indices are the identity (every module serves
+    the same batch); the same batch as a VBE KJT is what both EBCs expand, and gives the
+    EBC's outputs."""
+    eng = _engine(opt.SGD(0.5), combiner=pooling)
+    ebc = _ebc(trj, eng, pooling, weighted)
+    layer = EmbeddingLayer(eng, output="keyed").eval()
+    v, lengths = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([2, 0, 1, 1, 1, 1])
+    w = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0, 5.0]) if weighted else None
+    inv = (["b", "a"], torch.tensor([[2, 2, 0, 1], [0, 1, 1, 2]]))
+
+    def kjt(**kw):
+        return trj.KeyedJaggedTensor(["a", "b"], v, weights=w, lengths=lengths, **kw)
+
+    assert not kjt(inverse_indices=inv).variable_stride_per_key()
+    expanded = ebc(kjt(inverse_indices=inv))  # the EBC expands it: 4 samples
+    assert expanded.values().shape == (4, 5)
+    message = (
+        r"KeyedJagged has inverse_indices \(a batch of 4 samples\) but no variable batch per "
+        r"key \(each of its 2 keys has 3 samples.*stride_per_key_per_rank=\[\[3\], \[3\]\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        layer(kjt(inverse_indices=inv))
+    with pytest.raises(ValueError, match=message):
+        KeyedJagged(["a", "b"], v, lengths=lengths, weights=w, inverse_indices=inv)
+    identity = (["a", "b"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    for same, theirs in (
+        (kjt(stride_per_key_per_rank=[[3], [3]], inverse_indices=inv), expanded),  # VBE form
+        (
+            KeyedJagged(
+                ["a", "b"],
+                v,
+                lengths=lengths,
+                weights=w,
+                stride_per_key=[3, 3],
+                inverse_indices=inv,
+            ),
+            expanded,
+        ),
+        (kjt(inverse_indices=identity), ebc(kjt())),
+    ):
+        ours = layer(same)
+        assert ours.keys() == theirs.keys()
+        torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-6, atol=1e-7)
