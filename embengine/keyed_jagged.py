@@ -17,11 +17,11 @@ variable batch per key are refused unless they are the identity: TorchRec's
 EmbeddingBagCollection expands such a KJT by them and its sharded one does not.
 
 TorchRec's own KeyedJaggedTensor is accepted wherever a KeyedJagged is (duck-typed; torchrec is
-not a dependency: ``keys``, ``values``, ``lengths``, and where present ``weights_or_none``,
-``variable_stride_per_key``, ``stride_per_key`` and ``inverse_indices_or_none``) and checked
-the same way when it is split; every redundant field it holds must agree with its lengths
-(``stride()``, ``stride_per_key()`` and ``stride_per_key_per_rank()`` included), its private
-caches too (``_jt_dict``, ``_index_per_key``, ``_lengths_offset_per_key``).
+not a dependency: ``keys``, ``values``, ``lengths``, and where present the methods and
+attributes ``TORCHREC_KJT_READS`` names) and checked the same way when it is split; every
+redundant field it holds must agree with its lengths (``stride()``, ``stride_per_key()`` and
+``stride_per_key_per_rank()`` included), its private caches too (``_jt_dict``,
+``_index_per_key``, ``_lengths_offset_per_key``).
 This module needs no torch; ``embengine.torch.KeyedJagged`` is the same class.
 
 Lengths are checked so that no sum of them can wrap around int64 (each length in
@@ -38,6 +38,25 @@ import numpy as np
 from .inputs import Ragged, _float_array, _from_jagged, _int_array, read_only
 
 __all__ = ["KeyedJagged", "is_keyed_jagged", "keyed_jagged_to_features"]
+
+# What keyed_jagged_to_features reads of a TorchRec KJT beyond keys/values/lengths, where
+# present (a missing one is read as not held, so a rename in torchrec would silently skip its
+# check: tests/test_torchrec_interop.py asserts each on a real KJT).
+TORCHREC_KJT_READS = (
+    "lengths_or_none",
+    "offsets_or_none",
+    "weights_or_none",
+    "variable_stride_per_key",
+    "stride_per_key",
+    "stride_per_key_per_rank",
+    "inverse_indices_or_none",
+    "stride",
+    "length_per_key_or_none",
+    "offset_per_key_or_none",
+    "_index_per_key",
+    "_lengths_offset_per_key",
+    "_jt_dict",
+)
 
 
 class _Layout:
@@ -414,11 +433,11 @@ def _check_per_key(kjt, layout: _Layout, offsets: np.ndarray) -> None:
     than TorchRec's split does."""
     bounds = offsets[layout.starts]  # each key's first value, and the end
     want = {
-        "length_per_key": [int(n) for n in np.diff(bounds)],
-        "offset_per_key": [int(n) for n in bounds],
+        "length_per_key": (_optional(kjt, "length_per_key_or_none"), np.diff(bounds)),
+        "offset_per_key": (_optional(kjt, "offset_per_key_or_none"), bounds),
     }
-    for name, expected in want.items():
-        got = _optional(kjt, f"{name}_or_none")
+    for name, (got, expected) in want.items():
+        expected = [int(n) for n in expected]
         if got is None:
             continue
         got = [int(n) for n in got]

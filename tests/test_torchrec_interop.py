@@ -1368,3 +1368,132 @@ def test_inverse_indices_on_a_kjt_without_a_variable_batch_are_refused(trj, pool
         ours = layer(same)
         assert ours.keys() == theirs.keys()
         torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-6, atol=1e-7)
+
+
+def test_what_we_read_of_a_torchrec_kjt_exists_and_means_what_we_assume(trj):
+    """keyed_jagged_to_features reads a KJT's optional methods and private caches where present
+    (``TORCHREC_KJT_READS``): one torchrec renamed would read as not held and its check would
+    be skipped, silently. Each is asserted here on a real KJT: that it exists, and that it is
+    what the check takes it for (a cache given to the constructor is that object, and is what
+    TorchRec's to_dict() / kjt[key] then read); and every name keyed_jagged.py reads of a KJT
+    is in the list."""
+    import inspect
+    import re
+
+    from embengine import keyed_jagged
+
+    KJT, JT = trj.KeyedJaggedTensor, trj.JaggedTensor
+    keys, v = ["a", "b"], torch.tensor([1, 2, 3, 4, 5, 6])
+    lengths, offsets = torch.tensor([2, 0, 1, 1, 1, 1]), torch.tensor([0, 2, 2, 3, 4, 5, 6])
+    w = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0, 5.0])
+
+    def fresh(**kw):
+        return KJT(keys, v, lengths=lengths, **kw)
+
+    def lengths_or_none():
+        assert fresh().lengths_or_none() is lengths
+        assert KJT(keys, v, offsets=offsets).lengths_or_none() is None
+
+    def offsets_or_none():
+        assert KJT(keys, v, offsets=offsets).offsets_or_none() is offsets
+        assert fresh().offsets_or_none() is None
+
+    def weights_or_none():
+        assert fresh(weights=w).weights_or_none() is w and fresh().weights_or_none() is None
+
+    def variable_stride_per_key():
+        assert fresh().variable_stride_per_key() is False
+        assert fresh(stride_per_key_per_rank=[[2], [4]]).variable_stride_per_key() is True
+
+    def stride_per_key():  # returned as given, even where it disagrees
+        assert fresh(stride_per_key=[2, 4]).stride_per_key() == [2, 4]
+        assert fresh().stride_per_key() == [3, 3]
+        assert fresh(stride_per_key_per_rank=[[1, 1], [4, 0]]).stride_per_key() == [2, 4]
+
+    def stride_per_key_per_rank():
+        assert fresh().stride_per_key_per_rank() == []
+        assert fresh(stride_per_key_per_rank=[[1, 1], [4, 0]]).stride_per_key_per_rank() == [
+            [1, 1],
+            [4, 0],
+        ]
+
+    def inverse_indices_or_none():
+        inv = (keys, torch.tensor([[0, 1], [1, 0]]))
+        assert fresh(inverse_indices=inv).inverse_indices_or_none() is inv
+        assert fresh().inverse_indices_or_none() is None
+
+    def stride():  # returned as given
+        assert fresh(stride=4).stride() == 4 and fresh().stride() == 3
+
+    def length_per_key_or_none():
+        assert fresh().length_per_key_or_none() is None
+        assert fresh(length_per_key=[2, 4]).length_per_key_or_none() == [2, 4]
+        used = fresh()
+        used.to_dict()
+        assert used.length_per_key_or_none() == [3, 3]
+
+    def offset_per_key_or_none():
+        assert fresh().offset_per_key_or_none() is None
+        assert fresh(offset_per_key=[0, 2, 6]).offset_per_key_or_none() == [0, 2, 6]
+
+    def _jt_dict():
+        assert "_jt_dict" in vars(fresh()) and fresh()._jt_dict is None
+        other = KJT(keys, torch.tensor([9, 8, 7, 6, 5, 4]), lengths=lengths).to_dict()
+        given = fresh(jt_dict=other)
+        assert given._jt_dict is other and given.to_dict() is other  # what the EBC reads
+        used = fresh()
+        assert used.to_dict() is used._jt_dict
+
+    def _index_per_key():
+        assert "_index_per_key" in vars(fresh()) and fresh()._index_per_key is None
+        swapped = {"a": 1, "b": 0}
+        given = fresh(index_per_key=swapped)
+        assert given._index_per_key is swapped
+        assert given["a"].values().tolist() == [4, 5, 6]  # kjt[key] picks by it
+        used = fresh()
+        used["a"]
+        assert used._index_per_key == {"a": 0, "b": 1}
+
+    def _lengths_offset_per_key():
+        assert "_lengths_offset_per_key" in vars(fresh())
+        assert fresh()._lengths_offset_per_key is None
+        given = fresh(lengths_offset_per_key=[0, 2, 6])
+        assert given._lengths_offset_per_key == [0, 2, 6]
+        assert given["b"].lengths().tolist() == [1, 1, 1, 1]  # kjt[key] picks by it
+        used = fresh()
+        used["a"]
+        assert used._lengths_offset_per_key == [0, 3, 6]
+
+    checks = {
+        f.__name__: f
+        for f in (
+            lengths_or_none,
+            offsets_or_none,
+            weights_or_none,
+            variable_stride_per_key,
+            stride_per_key,
+            stride_per_key_per_rank,
+            inverse_indices_or_none,
+            stride,
+            length_per_key_or_none,
+            offset_per_key_or_none,
+            _jt_dict,
+            _index_per_key,
+            _lengths_offset_per_key,
+        )
+    }
+    assert sorted(checks) == sorted(keyed_jagged.TORCHREC_KJT_READS)
+    for name, check in checks.items():
+        assert hasattr(KJT, name) or name in vars(fresh()), name
+        check()
+    # every name keyed_jagged.py reads of a KJT (kjt.x(), _optional(kjt, "x"),
+    # getattr(kjt, "x")) is listed, or one added later would go unasserted
+    src = inspect.getsource(keyed_jagged)
+    read = set(re.findall(r"\bkjt\.(\w+)", src))
+    read |= set(re.findall(r"(?:_optional|getattr)\(kjt, \"(\w+)\"", src))
+    assert read - {"keys", "values", "lengths"} == set(keyed_jagged.TORCHREC_KJT_READS)
+    # a JaggedTensor's (inputs._from_jagged): the same *_or_none methods
+    jt = JT(values=v[:3], lengths=lengths[:3])
+    assert jt.lengths_or_none() is not None and jt.offsets_or_none() is None
+    assert JT(values=v[:3], offsets=offsets[:4]).offsets_or_none() is not None
+    assert JT(values=v[:3], lengths=lengths[:3], weights=w[:3]).weights_or_none() is not None
