@@ -1497,3 +1497,49 @@ def test_what_we_read_of_a_torchrec_kjt_exists_and_means_what_we_assume(trj):
     assert jt.lengths_or_none() is not None and jt.offsets_or_none() is None
     assert JT(values=v[:3], offsets=offsets[:4]).offsets_or_none() is not None
     assert JT(values=v[:3], lengths=lengths[:3], weights=w[:3]).weights_or_none() is not None
+
+
+def test_torchrec_config_fields_without_a_mapping_are_refused_by_name(trj):
+    """A field of TorchRec's EmbeddingBagConfig embengine does not read, set away from its
+    default, was dropped silently: the table trained as if it were not set. Every field of the
+    real dataclass is either read, without effect (need_pos), or refused when set; a field a
+    later torchrec adds is refused until mapped (it fails this test's first assertion)."""
+    import dataclasses
+
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from embengine.torch import porting
+
+    fields = {f.name for f in dataclasses.fields(EmbeddingBagConfig)}
+    unmapped = fields - porting._READ - porting._NO_EFFECT
+    assert unmapped == {
+        "num_embeddings_post_pruning",
+        "input_dim",
+        "total_num_buckets",
+        "enable_embedding_update",
+        "stash_weights",
+    }
+
+    def config(**extra):
+        return EmbeddingBagConfig(
+            num_embeddings=10, embedding_dim=4, name="t", feature_names=["a"], **extra
+        )
+
+    set_to = {
+        "num_embeddings_post_pruning": 5,
+        "input_dim": 1000,
+        "total_num_buckets": 4,
+        "enable_embedding_update": True,
+        "stash_weights": True,
+    }
+    for name, value in set_to.items():
+        with pytest.raises(
+            ValueError,
+            match=rf"table 't': EmbeddingBagConfig\.{name} = {value!r} has no embengine mapping",
+        ):
+            feature_configs_from_torchrec([config(**{name: value})], opt.SGD(0.1))
+    # at their defaults, and need_pos set, the table is built as before
+    features = feature_configs_from_torchrec([config(need_pos=True)], opt.SGD(0.1))
+    assert features["a"].table.vocabulary_size == 10
+    # an object with the fields but no dataclass (a duck type) is read as before
+    assert feature_configs_from_torchrec([_BagConfig("d", 10, 2, ["d"])], opt.SGD(0.1))

@@ -18,11 +18,17 @@ space like 2^50, a row made when its id trains) becomes a keyed table (``TableCo
 ...)`` with ``DynamicVocabulary()``: any int64 id, rows made as ids are looked up in training);
 its ``virtual_table_eviction_policy``, if set, has no mapping and is refused by name (give the
 feature a keyed table with ``DynamicVocabulary(expire_steps=..., max_rows=...)`` yourself).
-Duck-typed: torchrec is not imported.
+``need_pos`` is accepted as it changes nothing here (a position-weighted feature's weights come
+in the KJT, as TorchRec's feature processors make them). Any other field of the config's
+dataclass set away from its default (``num_embeddings_post_pruning``, ``input_dim``,
+``total_num_buckets``, ``enable_embedding_update``, ``stash_weights``, or a field a later
+torchrec adds) has no mapping and is refused by name rather than dropped. Duck-typed: torchrec
+is not imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -38,10 +44,57 @@ _POOLING = {"SUM": "sum", "MEAN": "mean"}
 
 _DATA_TYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 
+# The fields of TorchRec's EmbeddingBagConfig read below, and the one whose value changes
+# nothing here; any other set away from its default is refused (``_refuse_unmapped``).
+_READ = frozenset(
+    {
+        "num_embeddings",
+        "embedding_dim",
+        "name",
+        "data_type",
+        "feature_names",
+        "weight_init_max",
+        "weight_init_min",
+        "init_fn",
+        "use_virtual_table",
+        "virtual_table_eviction_policy",
+        "pooling",
+    }
+)
+_NO_EFFECT = frozenset({"need_pos"})  # position weights come in the KJT's weights
+
 
 def _name(value) -> str:
     """An enum member's (or a string's) name, upper case."""
     return str(getattr(value, "name", getattr(value, "value", value))).upper()
+
+
+def _refuse_unmapped(cfg) -> None:
+    """Refuse, naming it, a field of ``cfg`` (a dataclass: TorchRec's configs are) that is
+    neither read here nor without effect and holds other than its default: dropping it would
+    train another table than TorchRec's (``num_embeddings_post_pruning`` changes how TorchRec's
+    row-wise sharding splits the rows, ``input_dim`` / ``total_num_buckets`` belong to its
+    managed-collision and bucketed tables)."""
+    if not dataclasses.is_dataclass(cfg):
+        return
+    for f in dataclasses.fields(cfg):
+        if f.name in _READ or f.name in _NO_EFFECT:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        value = getattr(cfg, f.name, default)
+        if default is dataclasses.MISSING or value != default:
+            raise ValueError(
+                f"table {getattr(cfg, 'name', None)!r}: {type(cfg).__name__}.{f.name} = "
+                f"{value!r} has no embengine mapping (left at its default "
+                f"{'none' if default is dataclasses.MISSING else repr(default)}, it is "
+                "accepted); build that table's TableConfig yourself if embengine has what it "
+                "asks for"
+            )
 
 
 def _weights_dtype(cfg) -> str:
@@ -149,6 +202,8 @@ def feature_configs_from_torchrec(
     for cfg in tables:
         if not getattr(cfg, "feature_names", None):
             raise ValueError(f"table {cfg.name!r} has no feature_names; TorchRec needs them too")
+        _pooling(cfg)  # an EmbeddingConfig is refused as such first
+        _refuse_unmapped(cfg)
         vocabulary_size, dynamic = _vocabulary(cfg)
         table = TableConfig(
             vocabulary_size=vocabulary_size,
