@@ -50,6 +50,10 @@ Scenarios:
   restore_max_rows            a plain engine's checkpoint of 10 keys restored where max_rows
                               is 7 (each rank's share of the keys fits, the table does not):
                               each rank's error, its rows and step, in a .txt
+  refused_keeps               REFUSED_KEEPS' evict: scenario (table "d" exchanging "sums"),
+                              but step EVICT_REFUSED's lookup (refused: max_rows) comes between
+                              the training lookup of the step before and its update; the
+                              shard's state and table_stats() around it, then every step on
 """
 
 from __future__ import annotations
@@ -288,6 +292,45 @@ def run_keyed(rank: int, world: int, out: str, name: str) -> None:
         with ShardedEngine(features, optimizer=o, seed=3, timeout=60, **kwargs) as again:
             saved["again"] = again.lookup(feats, weights, training=False)["a"]
     np.savez(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), **saved)
+
+
+# refused_keeps: an evict: scenario admitting at once (so step EVICT_REFUSED is refused)
+REFUSED_KEEPS = "evict:adagrad:lru:lookup:0:none"
+
+
+def run_refused_keeps(rank: int, world: int, out: str, name: str) -> None:
+    """``refused_keeps`` (module docstring): the tables after every step, the refusal's text,
+    the keyed shard's state entries (and "table_stats") the refusal changed."""
+    from embengine.distributed import ShardedEngine
+
+    features, o = evict_features(REFUSED_KEEPS)
+    eng = ShardedEngine(features, optimizer=o, seed=3, timeout=60, exchange={"d": "sums"})
+    saved = {}
+    for step in [s for s in range(EVICT_STEPS) if s != EVICT_REFUSED]:
+        feats, weights, grads = local(step, rank, world, evict_batch)
+        for k, v in eng.lookup(feats, weights, timestamp=timestamp(step)).items():
+            saved[f"act{step}/{k}"] = v
+        if step == EVICT_REFUSED - 1:
+            # (bytes_sent counts the refused lookup's)
+            state, stats = eng.shard("k").state(), eng.table_stats()["tables"]
+            refused, refused_weights, _ = local(EVICT_REFUSED, rank, world, evict_batch)
+            try:
+                eng.lookup(refused, refused_weights, timestamp=timestamp(EVICT_REFUSED))
+                saved["refused"] = np.array("no error")
+            except ValueError as e:
+                saved["refused"] = np.array(str(e))
+            after = eng.shard("k").state()
+            changed = [k for k in state if np.asarray(after[k]).tobytes() != state[k].tobytes()]
+            if eng.table_stats()["tables"] != stats:
+                changed.append("table_stats")
+            saved["changed"] = np.array(changed, dtype=str)
+        try:
+            eng.apply_gradients(grads)
+        except ValueError as e:
+            saved[f"error{step}"] = np.array(str(e))
+            continue  # nothing to compare: the test fails on it
+        contents(eng, f"step{step}", saved)
+    np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **saved)
 
 
 def run_evict(rank: int, world: int, out: str, name: str) -> None:
@@ -636,6 +679,8 @@ def main() -> None:
                 run_restore_cut(rank, world, out, name)
             elif name == "restore_max_rows":
                 run_restore_max_rows(rank, world, out, name)
+            elif name == "refused_keeps":
+                run_refused_keeps(rank, world, out, name)
             elif name == "pending_edges":
                 run_pending_edges(rank, world, out, name)
             else:

@@ -392,6 +392,7 @@ TWO_RANKS = [
     "save_halfway",
     "restore_cut",
     "restore_max_rows",
+    "refused_keeps",
     "ckpt_memory",
 ]
 
@@ -493,6 +494,44 @@ def test_a_sharded_restore_refuses_more_keys_than_the_tables_max_rows(two_ranks)
         want = "table 'k'['keys'] holds 10 rows, more than the table's max_rows=7; raise"
         assert said.startswith("CheckpointError: ") and want in said, (r, said)
         assert state == "rows=0 step=0", (r, state)
+
+
+def test_a_max_rows_refusal_between_a_lookup_and_its_update_keeps_the_pending_batch(two_ranks):
+    """A training lookup refused by a keyed table's max_rows, which every rank raises alike
+    midway (from the same sums), between the step's lookup and its update: as
+    EmbeddingEngine's refused lookup, it changes no table (the keyed shard's state, its
+    counters, table_stats' tables) and keeps the pending batch, whose update then runs (the
+    dense table's "sums" occurrences kept by the owners too): every step's tables are the
+    single engine's on the same calls. The batch was forgotten: the update raised "needs a
+    lookup first" on every rank."""
+    name = worker.REFUSED_KEEPS
+    features, o = worker.evict_features(name)
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    steps = [s for s in range(worker.EVICT_STEPS) if s != worker.EVICT_REFUSED]
+    ranks = [dict(np.load(two_ranks / f"refused_keeps.rank{r}.npz")) for r in range(2)]
+    for step in steps:
+        feats, weights, grads = worker.evict_batch(step)
+        acts = single.lookup(feats, weights, timestamp=worker.timestamp(step))
+        if step == worker.EVICT_REFUSED - 1:
+            refused, refused_weights, _ = worker.evict_batch(worker.EVICT_REFUSED)
+            with pytest.raises(ValueError) as e:
+                single.lookup(refused, refused_weights, timestamp=worker.timestamp(step + 1))
+            assert "max_rows" in str(e.value), e.value
+            for got in ranks:
+                assert str(got["refused"]) == str(e.value)
+                assert got["changed"].tolist() == [], got["changed"]
+        single.apply_gradients(grads)
+        for k in ("a", "s", "c"):
+            cat = np.concatenate([got[f"act{step}/{k}"] for got in ranks])
+            assert np.array_equal(cat, acts[k]), (step, k)
+        for got in ranks:
+            assert f"error{step}" not in got, str(got[f"error{step}"])
+            for table in ("k", "d"):
+                for key, a in single.table_contents(table).items():
+                    if table == "d" and key == "keys":
+                        continue  # the dense table gathers by id
+                    g = got[f"step{step}/{table}/{key}"]
+                    assert a.dtype == g.dtype and np.array_equal(a, g), (step, table, key)
 
 
 def _ckpt_single(steps) -> ee.EmbeddingEngine:

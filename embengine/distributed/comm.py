@@ -168,8 +168,20 @@ class Comm:
         self._prefix = f"embengine/group{members}/{kind}{number}/rank"
         self._calls = 0
         self._call = ""
+        # The error this rank raises alike with every other rank, from what the call's
+        # collectives told them all (``alike``): the ranks are still in step after it.
+        self.raised_alike: BaseException | None = None
         if connect:
             self.connect()
+
+    def alike(self, error: BaseException) -> BaseException:
+        """``error``, kept as ``raised_alike``: ``raise comm.alike(e)`` where every rank raises
+        at the same point of a call from what its collectives told them all (a keyed table's
+        ``max_rows`` refusal from the same sums; a save whose failure every rank learned), so
+        that no collective of the call is left for any rank. ``ShardedEngine`` leaves its
+        engine out of step after any other error past a call's header."""
+        self.raised_alike = error
+        return error
 
     def connect(self) -> None:
         """Make this Comm's own client of its store (``__init__`` does, unless told not to:

@@ -547,13 +547,10 @@ class ShardedEngine:
         # Per table, what its last training lookup exchanged ("rows" or "sums"; None before
         # any): what the update of that lookup's batch reuses (``table_stats``).
         self._exchanged: list[str | None] = [None] * len(r.tables)
-        # Why this engine makes no more collectives ("" while it does): a lookup failed on this
+        # Why this engine makes no more collectives ("" while it does): a call failed on this
         # rank after every rank had begun it, so its ranks may be at different collectives
-        # (``_lookup``).
+        # (``_past_header``).
         self._out_of_step = ""
-        # The refusal every rank raises alike in the middle of a call (``_shared_room``): the
-        # ranks are still in step after it.
-        self._refused_alike: BaseException | None = None
         self.lock = threading.RLock()
         self.bytes_sent: dict[str, Counter[str]] = {}
         self.bytes_sent_total: Counter[str] = Counter()
@@ -892,9 +889,10 @@ class ShardedEngine:
         without a collective (one could wait for a peer until the timeout, or meet another
         call's collective), and no update applies any batch; make a new engine from the last
         checkpoint (``ShardedEngine.load``). A keyed table's ``max_rows`` refusal, which
-        every rank raises alike midway from the same sums, forgets it too but leaves the
-        engine in step. ``timestamp`` (training only): the step's data time for keyed tables
-        (``EmbeddingEngine.lookup``'s), the same on every rank (checked)."""
+        every rank raises alike midway from the same sums before any table changes, leaves
+        the engine in step and as it was, the pending batch too (``EmbeddingEngine``'s
+        refused lookup keeps its own). ``timestamp`` (training only): the step's data time
+        for keyed tables (``EmbeddingEngine.lookup``'s), the same on every rank (checked)."""
         return self.lookup_with_batch(features, weights, training=training, timestamp=timestamp)[0]
 
     def lookup_with_batch(
@@ -1003,19 +1001,39 @@ class ShardedEngine:
             blocks[cols.p], blocks[cols.q] = pending, limits
         call = _LOOKUP if training else _EVAL
         got = self._header(call, error, blocks, timestamp=when)
+        # What a training lookup replaces, kept for a refusal every rank raises alike midway
+        # (a keyed table's max_rows: ``_shared_room``), which changed no table
+        before = self._pending, self._last, self._given, list(self._exchanged)
+        with self._past_header(call):
+            try:
+                return self._lookup_exchange(batch, features, training, when, got, counts, push)
+            except BaseException as e:
+                if training and e is self._comm.raised_alike:  # as EmbeddingEngine's refusal
+                    self._pending, self._last, self._given, self._exchanged = before
+                raise
+
+    @contextlib.contextmanager
+    def _past_header(self, call: int):
+        """A call past its header, where its ranks are at collectives only they know: an error
+        raised in it that every rank does not raise alike (``Comm.alike``: a peer that timed
+        out or died, this rank failing between two of its collectives) leaves this engine out
+        of step, so that every later call raises at once (``_header``) instead of making a
+        collective that could wait for a peer until the timeout, or meet another call's (gloo
+        then aborts the process)."""
         try:
-            return self._lookup_exchange(batch, features, training, when, got, counts, push)
+            yield
         except BaseException as e:
-            if e is not self._refused_alike:  # the ranks may now be at different collectives
+            if e is not self._comm.raised_alike:
+                half = "; its tables may be half updated" if call in (_APPLY, _RESTORE) else ""
                 self._out_of_step = (
                     f"this engine's {_CALLS[call]} at step {self._step} failed on this rank after "
                     f"every rank had begun it ({type(e).__name__}: {e}), so its ranks may be at "
                     "different collectives and it makes no more (a collective now could wait "
-                    "for a peer until the timeout, or meet another call's)"
+                    f"for a peer until the timeout, or meet another call's){half}"
                 )
             raise
         finally:
-            self._refused_alike = None
+            self._comm.raised_alike = None
 
     def _lookup_exchange(
         self, batch, features, training: bool, when: int | None, got, counts, push
@@ -1025,10 +1043,11 @@ class ShardedEngine:
         nt, cols = len(self.table_names), self._cols
         if training:
             # Past the header every rank looks this batch up, so the last one's update is gone,
-            # even if this lookup fails (it leaves the engine out of step: ``_lookup``). A
-            # lookup refused at the header (on every rank alike: each raises there) left it
-            # pending, as EmbeddingEngine's failed lookup leaves its own; an evaluation lookup
-            # never touches it.
+            # even if this lookup fails (it leaves the engine out of step: ``_past_header``),
+            # unless every rank refuses it alike (``_lookup`` puts it back). A lookup refused
+            # at the header (on every rank alike: each raises there) left it pending, as
+            # EmbeddingEngine's failed lookup leaves its own; an evaluation lookup never
+            # touches it.
             self._pending = self._last = self._given = None
         # Every rank got every rank's savings, so every rank picks the same exchange.
         sums = np.array(
@@ -1533,7 +1552,7 @@ class ShardedEngine:
                 for i, t in enumerate(ts)
             }
         except ValueError as e:  # from the same sums on every rank: every rank raises it
-            self._refused_alike = e
+            self._comm.alike(e)
             raise
         pending = {
             t: shared_pending(every[:, i, 5:], self._shards[t].max_pending)
