@@ -102,6 +102,12 @@ Scenarios:
                                 RuntimeError), the others wait for its ids until the timeout;
                                 then each rank's update, lookup and save: each outcome and
                                 seconds in a .txt
+  midway:<apply|contents>       as midway, but a lookup that works, then the last rank's
+                                update fails after the header (its backend's update of a table
+                                raises), the others waiting in the update's last collective
+                                (apply); or the last rank's table_contents() fails between
+                                two tables' gathers (contents); then each rank's lookup,
+                                update (contents) or table_contents (apply), and save
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1327,9 +1333,10 @@ def run_load_pinned(rank: int, world: int, out: str, name: str) -> None:
 
 
 def run_midway(rank: int, world: int, out: str, name: str) -> None:
-    """``midway`` (module docstring)."""
+    """``midway`` and ``midway:<apply|contents>`` (module docstring)."""
     import torch.distributed as dist
 
+    import embengine.distributed.engine as module
     import embengine.kernels.shard_route as sr
     from embengine.distributed import ShardedEngine
 
@@ -1343,21 +1350,33 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
     warm.apply_gradients(grads)
     dist.barrier()
     eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=3)
-    route = sr.route_ids
+    route, update, view = sr.route_ids, eng._backend.apply, module.column_view
 
-    def fails(*args):
+    def fails(*args, **kwargs):
         raise RuntimeError("the test's")
 
+    lookup = ("lookup", lambda: eng.lookup(feats, weights))
+    apply = ("apply_gradients", lambda: eng.apply_gradients(grads))
+    contents = ("table_contents", lambda: eng.table_contents())
+    save = ("save", lambda: eng.save(os.path.join(out, name.replace(":", "_"))))
+    case = name.partition(":")[2] or "lookup"
+    calls = {  # the first fails on the last rank
+        "lookup": [lookup, apply, ("lookup again", lookup[1]), save],
+        "apply": [apply, lookup, contents, save],
+        "contents": [contents, lookup, apply, save],
+    }[case]
+    if case == "apply":  # a lookup that works first
+        calls.insert(0, ("lookup first", lookup[1]))
+    failing = {"lookup": "lookup", "apply": "apply_gradients", "contents": "table_contents"}
     said = []
-    calls = {
-        "lookup": lambda: eng.lookup(feats, weights),
-        "apply_gradients": lambda: eng.apply_gradients(grads),
-        "lookup again": lambda: eng.lookup(feats, weights),
-        "save": lambda: eng.save(os.path.join(out, "midway")),
-    }
-    for call, fn in calls.items():
-        if call == "lookup" and rank == world - 1:
-            sr.route_ids = fails  # between the header's exchange and the ids'
+    for call, fn in calls:
+        if call == failing[case] and rank == world - 1:
+            if case == "lookup":
+                sr.route_ids = fails  # between the header's exchange and the ids'
+            elif case == "apply":
+                eng._backend.apply = fails  # after the message, before the last collective
+            else:
+                module.column_view = fails  # between the first table's gathers and the next's
         start = time.monotonic()
         try:
             fn()
@@ -1365,10 +1384,10 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
         except Exception as e:
             outcome = f"{type(e).__name__}: {e}"
         finally:
-            sr.route_ids = route
+            sr.route_ids, eng._backend.apply, module.column_view = route, update, view
         said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
     dist.barrier()  # the ranks leave together (the others waited out the timeout)
-    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+    with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:
         f.write("\n".join(said) + "\n")
 
 
@@ -1651,7 +1670,7 @@ def main() -> None:
                 run_user_optimizer(rank, world, out, name)
             elif name == "nonfinite":
                 run_nonfinite(rank, world, out, name)
-            elif name == "midway":
+            elif name.partition(":")[0] == "midway":
                 run_midway(rank, world, out, name)
             else:
                 run_error(rank, world, out, name)

@@ -606,6 +606,8 @@ REFUSALS = [
     "step_mismatch",
     "call_mismatch",
     "midway",
+    "midway:apply",
+    "midway:contents",
     "save_fails",
     "save_roots",
     "save_write_fails:dense",
@@ -911,6 +913,46 @@ def test_after_a_lookup_failed_midway_every_call_is_refused_at_once_naming_it(re
             )
             assert text.startswith(want), (want, said)
             assert "Make a new ShardedEngine (ShardedEngine.load of the last checkpoint)" in text
+
+
+def test_after_an_update_or_contents_call_failed_midway_every_call_is_refused_at_once(refusals):
+    """The last rank's update failed after its message (its backend's update of a table
+    raised), or its table_contents() between two tables' gathers, while rank 0 waited in the
+    call's next collective until the timeout (3 s). The failed rank's next call then sent its
+    header into rank 0's pending collective (the update: gloo aborted both processes; the
+    contents: rank 0's lookup waited for a peer again). As after a lookup failed midway, the
+    call leaves the engine out of step: every later call raises at once on every rank,
+    naming the failure, with no collective; an update says its tables may be half
+    updated."""
+    cases = {  # case: (the failed call, rank 0's collective, the calls after it)
+        "apply": ("apply_gradients", "nonfinite count", ("lookup", "table_contents", "save")),
+        "contents": ("table_contents", "contents", ("lookup", "apply_gradients", "save")),
+    }
+    for case, (failed_call, collective, later_calls) in cases.items():
+        for rank in range(2):
+            lines = (refusals / f"midway_{case}.rank{rank}.txt").read_text().splitlines()
+            said = dict(line.split(": ", 1) for line in lines)
+            seconds, text = said[failed_call].split(" ", 1)
+            if rank == 1:
+                assert text == "RuntimeError: the test's", (case, lines)
+                failed = text
+            else:
+                failed = f"PeerError: rank 0: a collective ({collective}) with ranks [1] failed"
+                assert text.startswith(failed), (case, lines)
+                assert 2.5 < float(seconds) < 15, (case, lines)  # the 3 s timeout
+            half = "; its tables may be half updated. " if case == "apply" else ". "
+            for call in later_calls:
+                seconds, text = said[call].split(" ", 1)
+                assert float(seconds) < 1.0, (case, lines)  # no collective
+                want = (
+                    f"DistributedError: rank {rank}: {call} at step 0 refused, nothing changed: "
+                    f"this engine's {failed_call} at step 0 failed on this rank after every rank "
+                    f"had begun it ({failed}"
+                )
+                assert text.startswith(want), (case, want, lines)
+                assert text.endswith(
+                    f"{half}Make a new ShardedEngine (ShardedEngine.load of the last checkpoint)"
+                ), (case, lines)
 
 
 @pytest.mark.parametrize(

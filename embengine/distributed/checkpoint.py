@@ -138,11 +138,13 @@ def _name_from_rank0(
         mine = np.frombuffer(_UNEXPECTED if sent is None else sent, dtype=np.uint8)
     raw = comm.all_gather_ragged(mine, what)[0].tobytes()
     if error is not None:
-        raise error
+        raise comm.alike(error)
     if raw == _UNEXPECTED:
-        raise _peer_failed(comm, {0: doing})
+        raise comm.alike(_peer_failed(comm, {0: doing}))
     if not raw:
-        raise ckpt.CheckpointError(f"rank {comm.rank}: rank 0 could not {what} (see its error)")
+        raise comm.alike(
+            ckpt.CheckpointError(f"rank {comm.rank}: rank 0 could not {what} (see its error)")
+        )
     return raw.decode()
 
 
@@ -160,14 +162,17 @@ def _peer_failed(comm: Comm, failed: dict[int, str]) -> PeerError:
 def _agree(comm: Comm, ok: bool | Exception, what: str, then: str = "") -> None:
     """A barrier that also says whether every rank succeeded so far: a CheckpointError on the
     ranks that did, naming those that did not (which raise their own error: ``ok``, if it is
-    one). ``then``: what the message adds (what happened, what to do)."""
+    one). ``then``: what the message adds (what happened, what to do). Every rank raises
+    alike (``Comm.alike``)."""
     flags = comm.all_gather(np.array([int(ok is True)], dtype=np.int64), what)[:, 0]
     bad = [r for r, f in enumerate(flags) if not f]
     if bad and ok is True:
         more = f" (see their error); {then}" if then else ""
-        raise ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}{more}")
+        raise comm.alike(
+            ckpt.CheckpointError(f"rank {comm.rank}: {what} failed on ranks {bad}{more}")
+        )
     if isinstance(ok, Exception):
-        raise ok
+        raise comm.alike(ok)
 
 
 def save(
@@ -278,18 +283,21 @@ def _agree_flags(
     does not expect and the table each was writing (``tables``: the names), or a
     CheckpointError naming the ranks whose writes failed."""
     if error is not None:
-        raise error
+        raise comm.alike(error)
     failed = {
         r: f"writing its block of table {tables[-1 - int(s)]!r} of the checkpoint"
         for r, s in enumerate(status)
         if s < 0
     }
     if failed:
-        raise _peer_failed(comm, failed)
+        raise comm.alike(_peer_failed(comm, failed))
     bad = [r for r, s in enumerate(status) if s == 0]
     if bad:
-        raise ckpt.CheckpointError(
-            f"rank {comm.rank}: {what} failed on ranks {bad} (see their error); nothing was saved"
+        raise comm.alike(
+            ckpt.CheckpointError(
+                f"rank {comm.rank}: {what} failed on ranks {bad} (see their error); nothing was "
+                "saved"
+            )
         )
 
 
@@ -606,7 +614,7 @@ def _restore(
     comm.enter("restore, after checking the checkpoint")
     if error is not None:
         _agree(comm, False, "restore")  # the others learn it, then this rank raises its own
-        raise error
+        raise comm.alike(error)
     _agree(comm, True, "restore")
     # The manifest lists every file's SHA-256: equal manifests, one checkpoint (copies of it
     # in node-local folders too); ranks reading different ones would mix their rows.
@@ -615,16 +623,20 @@ def _restore(
     got = comm.all_gather(np.array([reader.step, digest], dtype=np.int64), "restore")
     steps, digests = got[:, 0], got[:, 1]
     if (steps != steps[0]).any():
-        raise ckpt.CheckpointError(
-            f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
-            "every rank must restore the same checkpoint"
+        raise comm.alike(
+            ckpt.CheckpointError(
+                f"rank {comm.rank}: the ranks restored checkpoints of steps {steps.tolist()}; "
+                "every rank must restore the same checkpoint"
+            )
         )
     other = [r for r, d in enumerate(digests) if d != digests[0]]
     if other:
-        raise ckpt.CheckpointError(
-            f"rank {comm.rank}: ranks {other} restored another checkpoint (of the same step "
-            f"{reader.step}) than rank 0 ({reader.path} here); every rank must restore the same "
-            "checkpoint; nothing was changed"
+        raise comm.alike(
+            ckpt.CheckpointError(
+                f"rank {comm.rank}: ranks {other} restored another checkpoint (of the same step "
+                f"{reader.step}) than rank 0 ({reader.path} here); every rank must restore the "
+                "same checkpoint; nothing was changed"
+            )
         )
     # Keyed tables: this rank's keys, read and checked before any table changes.
     installs, error = [], None
@@ -637,7 +649,7 @@ def _restore(
         error = e
     _agree(comm, error is None, "restore")
     if error is not None:
-        raise error
+        raise comm.alike(error)
     # A read failing on one rank (a file cut or unreadable after the checks) leaves its tables
     # part new: every rank learns it and raises, so none goes on as if restored.
     error = None
@@ -648,12 +660,14 @@ def _restore(
     try:
         _agree(comm, error is None, "restore")
     except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(
-            f"{e} while copying rows, after every check: the engine's tables are part new; "
-            "restore again before using it"
+        raise comm.alike(
+            ckpt.CheckpointError(
+                f"{e} while copying rows, after every check: the engine's tables are part new; "
+                "restore again before using it"
+            )
         ) from None
     if error is not None:
-        raise error
+        raise comm.alike(error)
     return ckpt.CheckpointInfo(reader.path, reader.step, extra, reader.extra_metadata)
 
 

@@ -1610,7 +1610,14 @@ class ShardedEngine:
         its owner, from the sum of every rank's contributions in the single engine's order.
         ``timestamp``: as ``EmbeddingEngine.apply_gradients`` (default: the step's lookup's),
         the same on every rank. With keyed tables ``batch`` must be this rank's last training
-        lookup's (its owners resolved the keys' rows then). Collective."""
+        lookup's (its owners resolved the keys' rows then). Collective. An update refused at
+        its header (an invalid input on any rank) changes nothing on any rank. One that fails
+        after every rank began it (a peer died or timed out, or this rank failed between two
+        of its collectives) may leave the tables half updated, some rows of the step written
+        and others not, on this rank and the others, and leaves this rank's engine out of step
+        as a lookup failing midway does (``lookup``): every later call raises a
+        DistributedError at once; make a new engine from the last checkpoint
+        (``ShardedEngine.load``)."""
         with self.lock:
             self._comm.reset()
             try:
@@ -1684,6 +1691,23 @@ class ShardedEngine:
             got, received = self._apply_speculating(spec, error, blocks, lrs, when, grads, last)
         else:
             got = self._header(_APPLY, error, blocks, lrs, timestamp=when)
+        # Past the header a failure not every rank raises alike leaves the engine out of step
+        # (``_past_header``): its tables may be half updated.
+        with self._past_header(_APPLY):
+            unchanged, everyone = self._update(got, received, push, last, grads, lrs, when, given)
+            if everyone.any():
+                unchanged = self._gather_unchanged(unchanged)
+        if everyone.any():  # every rank alike, in step: from what every rank gathered
+            self._report_unchanged(unchanged, everyone)
+
+    def _update(
+        self, got, received, push: _Push, last, grads, lrs, when, given
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``_apply`` past its header (``got``; ``received``: what a speculating update's
+        message brought, else None): the update's exchanges and each table's update on this
+        rank. Returns this rank's rows left unchanged (table -> ids or keys) and how many
+        every rank left."""
+        nt, cols = len(self.table_names), self._cols
         # Everything is validated on every rank; from here on tables change.
         self._begin_keyed(when)
         if received is None:  # the sizes from this call's headers
@@ -1768,8 +1792,7 @@ class ShardedEngine:
         self._step += 1
         if given is None or given is self._pending:  # one update per lookup
             self._pending = self._last = self._given = None
-        if everyone.any():
-            self._report_unchanged(self._gather_unchanged(unchanged), everyone)
+        return unchanged, everyone
 
     def _fill_apply(
         self,
@@ -1929,9 +1952,11 @@ class ShardedEngine:
             self._fill_apply(spec.push, spec, grads, pushed, words, out.int_at, floats, out.row_at)
 
         def meanwhile():  # the kept batches (unused if a rank falls back)
-            layouts = self._layouts(into.row_at, got_m)
-            batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m, layouts)
-            return layouts, batches
+            # the others go on past the header: a failure here leaves them (``_past_header``)
+            with self._past_header(_APPLY):
+                layouts = self._layouts(into.row_at, got_m)
+                batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m, layouts)
+                return layouts, batches
 
         got, recv, extra = self._message_exchange(
             _APPLY,
@@ -2212,7 +2237,9 @@ class ShardedEngine:
         ``EmbeddingEngine.table_contents(table_name)`` gives it (a dense table's ``keys`` are
         ``0 .. vocabulary_size - 1``); every rank must ask for the same table (checked). A
         name of no table is a KeyError on that rank and a DistributedError on the others.
-        Collective."""
+        Collective. A failure after every rank began it (a peer died or timed out, or this
+        rank failed between two of its gathers) changes no table but leaves this rank's engine
+        out of step, as a lookup failing midway does (``lookup``)."""
         with self.lock:
             self._comm.reset()
             try:
@@ -2238,39 +2265,45 @@ class ShardedEngine:
                         f"rank {self.rank}: table_contents at step {self._step} asked for "
                         f"other tables on other ranks ({said}); every rank must ask for the same"
                     )
-                tables = {}
-                for t, (shard, name, cfg) in enumerate(
-                    zip(self._shards, self.table_names, self._resolved.tables, strict=True)
-                ):
-                    if which >= 0 and t != which:
-                        continue
-                    if cfg.keyed:
-                        tables[name] = self._keyed_contents(shard)
-                        continue
-                    ids = self._comm.all_gather_ragged(shard.global_ids, "contents")
-                    # rows as bytes: 16-bit rows keep their stored dtypes (no upcast)
-                    raw = shard.data.view(np.uint8)  # [rows, row bytes]
-                    rows = self._comm.all_gather_ragged(raw.reshape(-1), "contents")
-                    full = np.empty((cfg.vocabulary_size, raw.shape[1]), dtype=np.uint8)
-                    for i, v in zip(ids, rows, strict=True):
-                        full[i] = v.reshape(len(i), raw.shape[1])
-                    full = full.view(shard.data.dtype)
-                    tables[name] = {
-                        WEIGHTS: column_view(full, shard.columns[WEIGHTS]).copy(),
-                        **{
-                            s.name: column_view(full, shard.columns[s.name]).copy()
-                            for s in shard.slot_specs
-                        },
-                    }
-                if which >= 0:
-                    cfg = self._resolved.tables[which]
-                    one = tables[table_name]
-                    if cfg.keyed:
-                        return one
-                    return {"keys": np.arange(cfg.vocabulary_size, dtype=np.int64), **one}
-                return {"step": self._step, "tables": tables}
+                # past the header: a failure here may leave the ranks out of step
+                with self._past_header(_CONTENTS):
+                    return self._contents(which, table_name)
             finally:
                 self._count("table_contents")
+
+    def _contents(self, which: int, table_name: str | None) -> dict[str, Any]:
+        """``table_contents`` past its header: table ``which`` (every table: -1), gathered."""
+        tables = {}
+        for t, (shard, name, cfg) in enumerate(
+            zip(self._shards, self.table_names, self._resolved.tables, strict=True)
+        ):
+            if which >= 0 and t != which:
+                continue
+            if cfg.keyed:
+                tables[name] = self._keyed_contents(shard)
+                continue
+            ids = self._comm.all_gather_ragged(shard.global_ids, "contents")
+            # rows as bytes: 16-bit rows keep their stored dtypes (no upcast)
+            raw = shard.data.view(np.uint8)  # [rows, row bytes]
+            rows = self._comm.all_gather_ragged(raw.reshape(-1), "contents")
+            full = np.empty((cfg.vocabulary_size, raw.shape[1]), dtype=np.uint8)
+            for i, v in zip(ids, rows, strict=True):
+                full[i] = v.reshape(len(i), raw.shape[1])
+            full = full.view(shard.data.dtype)
+            tables[name] = {
+                WEIGHTS: column_view(full, shard.columns[WEIGHTS]).copy(),
+                **{
+                    s.name: column_view(full, shard.columns[s.name]).copy()
+                    for s in shard.slot_specs
+                },
+            }
+        if which >= 0:
+            cfg = self._resolved.tables[which]
+            one = tables[table_name]
+            if cfg.keyed:
+                return one
+            return {"keys": np.arange(cfg.vocabulary_size, dtype=np.int64), **one}
+        return {"step": self._step, "tables": tables}
 
     def _keyed_contents(self, shard: KeyedTable) -> dict[str, np.ndarray]:
         """A keyed table's ``contents()`` of every rank, gathered: ``keys`` sorted, and
@@ -2334,7 +2367,10 @@ class ShardedEngine:
         must see ``path`` (one host, or a shared file system). Returns the checkpoint's
         folder. See embengine.distributed.checkpoint. Refused on every rank, nothing written,
         between a training lookup and its update when a keyed table took that lookup (as
-        ``EmbeddingEngine.save``)."""
+        ``EmbeddingEngine.save``). A failure every rank learns (a write, a bad folder, any
+        rank's error in its work) is raised on every rank together and leaves the engine in
+        step; a peer that died or timed out leaves it out of step, as a lookup failing midway
+        does (``lookup``)."""
         from .. import checkpoint as single
         from . import checkpoint
 
@@ -2366,17 +2402,20 @@ class ShardedEngine:
                         f"{said} (ranks 0..{self.world_size - 1}); every rank must pass the same "
                         "keep= (the checkpoints under the root to keep); nothing was written"
                     )
-                return checkpoint.save(
-                    self._comm,
-                    self._shards,
-                    self._plan,
-                    self.spec(),
-                    self._step,
-                    path,
-                    keep,
-                    extra_metadata,
-                    extra_tensors,
-                )
+                # A failure every rank learns leaves them in step (``checkpoint.save`` raises it
+                # through ``Comm.alike``); any other past the header leaves them out of step.
+                with self._past_header(_SAVE):
+                    return checkpoint.save(
+                        self._comm,
+                        self._shards,
+                        self._plan,
+                        self.spec(),
+                        self._step,
+                        path,
+                        keep,
+                        extra_metadata,
+                        extra_tensors,
+                    )
             finally:
                 self._count("save")
 
@@ -2389,7 +2428,11 @@ class ShardedEngine:
         """Load a checkpoint (``path``: a checkpoint folder, or a folder of them: the newest)
         written at any world size, or by a plain engine, of the same configuration: each rank
         reads its own rows, in chunks. Collective; returns a CheckpointInfo (step, extra data),
-        as ``EmbeddingEngine.restore``."""
+        as ``EmbeddingEngine.restore``. A failure every rank learns is raised on every rank
+        together; any other after every rank began it (a peer died or timed out, an error this
+        rank did not share) leaves the tables part restored and this rank's engine out of
+        step, as a lookup failing midway does (``lookup``): make a new engine
+        (``ShardedEngine.load``)."""
         return self._restore(path, verify)
 
     def _restore(self, path, verify: bool, newest: str | None = None, verify_other: bool = True):
@@ -2402,16 +2445,17 @@ class ShardedEngine:
             self._comm.reset()
             try:
                 self._header(_RESTORE, self._files_error())
-                info = checkpoint.restore(
-                    self._comm,
-                    self._shards,
-                    self.spec(),
-                    path,
-                    verify,
-                    lambda step: int_slot_ranges(self._resolved, self._optimizers, step),
-                    newest,
-                    verify_other,
-                )
+                with self._past_header(_RESTORE):  # as the save's
+                    info = checkpoint.restore(
+                        self._comm,
+                        self._shards,
+                        self.spec(),
+                        path,
+                        verify,
+                        lambda step: int_slot_ranges(self._resolved, self._optimizers, step),
+                        newest,
+                        verify_other,
+                    )
                 self._step = info.step
                 self._step_time = (-1, None)
                 self._state_id = next(_STATES)  # batches looked up before are refused
