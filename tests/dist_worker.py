@@ -61,14 +61,18 @@ Scenarios:
                                 meta timestamp); a step together after each
   save_fails                    save under a path rank 0 cannot create (OUTDIR/not-a-folder
                                 must be a file)
-  save_write_fails:<dense|keyed|interrupt|extra|commit>
+  save_write_fails:<dense|keyed|interrupt|extra|commit|layout|spec|renamed>
                                 a step (a keyed table beside the three); a save in which every
                                 write of the last rank (dense) or its writes into the keyed
                                 table's file (keyed) fail (ENOSPC), or the last rank's first
                                 write raises KeyboardInterrupt (interrupt), or rank 0's write of
                                 the extra tensors raises MemoryError (extra), or its hashing of
-                                the files as it commits raises RuntimeError (commit); what the
-                                root then holds; a step together, then a save that works
+                                the files as it commits raises RuntimeError (commit), or the
+                                last rank's reading of its keyed shard's state raises
+                                MemoryError (layout), or its spec() raises RuntimeError (spec),
+                                or rank 0's sync of the root after the commit's rename fails
+                                (EIO: renamed); what the root then holds; a step together, then
+                                a save that works
   restore_newest:<restore|load> restore(root) (ShardedEngine.load(root)) of a plain engine's
                                 checkpoint of step 2, while another job saves one of step 5
                                 into root after rank 0 read the newest and before the last
@@ -875,12 +879,27 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
     def broken_hash(*args):
         raise RuntimeError("the test's")
 
+    synced = module.ckpt._fsync_dir
+
+    def broken_sync(path):
+        if os.path.samefile(path, root):
+            raise OSError(errno.EIO, "Input/output error")
+        synced(path)
+
+    shard = eng.shard("k")
+
     if rank == world - 1 and case in ("dense", "keyed", "interrupt"):
         os.pwrite = full_disk
     if rank == 0 and case == "extra":
         module.write_safetensors = out_of_memory
     if rank == 0 and case == "commit":
         module.sha256_file = broken_hash
+    if rank == world - 1 and case == "layout":
+        shard.state = out_of_memory
+    if rank == world - 1 and case == "spec":
+        eng.spec = broken_hash
+    if rank == 0 and case == "renamed":
+        module.ckpt._fsync_dir = broken_sync
     start = time.monotonic()
     try:
         said = f"saved {eng.save(root, extra_tensors={'dense': np.ones(3, np.float32)})}"
@@ -889,9 +908,12 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
     finally:
         os.pwrite = pwrite
         module.write_safetensors, module.sha256_file = written, hashed
+        module.ckpt._fsync_dir = synced
+        vars(shard).pop("state", None)
+        vars(eng).pop("spec", None)
     seconds = time.monotonic() - start
     dist.barrier()  # rank 0 has left its save (and removed what it made)
-    held = sorted(os.listdir(root))
+    held = sorted(os.listdir(root)) if os.path.isdir(root) else "no root"
     step([1])
     saved = os.path.basename(eng.save(root))
     with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:

@@ -615,6 +615,9 @@ REFUSALS = [
     "save_write_fails:interrupt",
     "save_write_fails:extra",
     "save_write_fails:commit",
+    "save_write_fails:layout",
+    "save_write_fails:spec",
+    "save_write_fails:renamed",
     "save_args:keep",
     "save_args:keeps",
     "save_args:metadata",
@@ -1323,6 +1326,66 @@ def test_an_unexpected_error_in_one_ranks_save_fails_every_ranks_save_at_once(re
                 ), (case, text)
             assert held == "held=[]", (case, held)
             assert then == "step=2 ckpt-000001-step000000000002", (case, then)
+
+
+def test_an_error_before_the_saves_folder_is_made_fails_every_ranks_save_at_once(refusals):
+    """The last rank's work in a save before its first collectives, after the header: its
+    spec (the manifest's configuration), or reading its keyed shard's state to gather every
+    rank's keys (``keyed_checkpoint.layout``). Its error left its save at once, rank 0 waited
+    in the save's next collective until the group's timeout (60 s), and the ranks' next
+    collectives met nothing: both processes failed. Now the spec is made before the header
+    (every rank raises there: a DistributedError naming the rank) and the keys' gathering
+    goes on without this rank's keys, every rank learning the error right after it (a
+    PeerError naming the rank and the table); nothing is made and the ranks go on."""
+    tmp_path = refusals
+    cases = {  # case: (the failed rank's error, what the other rank says)
+        "spec": (
+            "RuntimeError: the test's",
+            "DistributedError: rank 0: save at step 1 failed on ranks [1] (their input was "
+            "invalid: see their error); nothing was changed on any rank",
+        ),
+        "layout": (
+            "MemoryError: the test's",
+            "PeerError: rank 0: rank 1 failed while gathering its keys of table 'k' for the "
+            "checkpoint, with an error a save does not expect (see its own); nothing was "
+            "saved, and every rank left the save together (the engine can go on)",
+        ),
+    }
+    for case, (own, other) in cases.items():
+        for rank in range(2):
+            said, held, then = (
+                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
+            )
+            seconds, text = said.split(" ", 1)
+            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            assert text == (own if rank == 1 else other), (case, rank, text)
+            assert held == "held=no root", (case, held)  # rank 0 made nothing
+            assert then == "step=2 ckpt-000001-step000000000002", (case, then)
+
+
+def test_a_failure_after_the_commit_tells_every_rank_the_checkpoint_is_there(refusals):
+    """Rank 0's sync of the root folder after the commit's rename fails (EIO): the checkpoint
+    is complete under its name. Rank 0 raised the bare OSError and the other rank was told
+    "rank 0 could not commit the checkpoint", as if nothing had been saved. Every rank now
+    raises a CheckpointError naming the checkpoint, saying it was committed and what failed
+    then; the ranks go on together."""
+    tmp_path = refusals
+    name = "ckpt-000001-step000000000001"
+    for rank in range(2):
+        said, held, then = (
+            (tmp_path / f"save_write_fails_renamed.rank{rank}.txt").read_text().splitlines()
+        )
+        seconds, text = said.split(" ", 1)
+        assert float(seconds) < 30, said
+        root = tmp_path / "save_write_fails_renamed"
+        assert text == (
+            f"CheckpointError: rank {rank}: the checkpoint {root / name} was committed "
+            "(complete: it restores), but rank 0 then failed while syncing the root folder "
+            "after the rename (a crash may still lose the name) (OSError: [Errno 5] "
+            "Input/output error); every rank left the save together (the engine can go on)"
+        ), text
+        assert held == f"held=[{name!r}]", held
+        assert then == "step=2 ckpt-000002-step000000000002", then
 
 
 @pytest.mark.parametrize("how", ["restore", "load"])

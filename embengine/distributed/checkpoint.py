@@ -194,12 +194,19 @@ def save(
     rank = comm.rank
     root = Path(root)
     sizes = [t["vocabulary_size"] for t in spec["tables"]]
-    # Keyed tables: every rank's keys first (they fix each key's place in the file).
-    keyed = {
-        t: kc.layout(comm, shard) for t, shard in enumerate(shards) if isinstance(shard, KeyedTable)
-    }
-    for t, lay in keyed.items():
-        spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
+    names = [t["name"] for t in spec["tables"]]
+    # Keyed tables: every rank's keys first (they fix each key's place in the file). This
+    # rank's work between their collectives (reading its state, sorting the keys) may fail:
+    # it goes on with the collectives (``Writes``) and every rank learns it next.
+    keyed, writes = {}, Writes(rank)
+    for t, shard in enumerate(shards):
+        if isinstance(shard, KeyedTable):
+            writes.table = t
+            keyed[t] = kc.layout(comm, shard, writes.run)
+            writes.run(_keyed_entry, spec, t, keyed[t])
+    if keyed:
+        status = comm.all_gather(np.array([writes.status()], np.int64), "checkpoint keys")
+        _agree_flags(comm, status[:, 0], writes.error, _GATHERING, names, _GATHERING_KEYS)
     files = [f"table-{i:03d}.safetensors" for i in range(len(sizes))]
     tmp_name, tmp_fd, error, tmp, committed = None, None, None, None, False
     try:
@@ -250,10 +257,9 @@ def save(
             finite[t] = kc.write(comm, lay, tmp / files[t], writes)
         # per table whether finite, then how this rank's writing ended (Writes.status)
         flags = comm.all_gather(np.append(finite, writes.status()).astype(np.int64), "checkpoint")
-        names = [t["name"] for t in spec["tables"]]
         _agree_flags(comm, flags[:, -1], writes.error, "writing the checkpoint", names)
         flags = flags[:, :-1]
-        final = None
+        final, late = None, None
         # Rank 0 hashes every file (a while, for big tables): the others wait in meetings.
         with comm.pacer(_COMMITTING):
             if rank == 0:
@@ -262,11 +268,17 @@ def save(
                         root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
                     )
                     committed = True
+                except _Committed as e:  # in place, then syncing or pruning failed
+                    final, late, committed = e.final, e, True
                 except BaseException as e:  # every rank learns it (as above)
                     error = e
-        name = _name_from_rank0(
-            comm, None if final is None else final.name, "commit the checkpoint", error, _COMMITTING
-        )
+        sent = None if final is None else final.name
+        if late is not None:  # after a NUL, which no name holds: what failed then
+            sent += f"\0{late.doing} ({type(late.error).__name__}: {late.error})"
+        said = _name_from_rank0(comm, sent, "commit the checkpoint", error, _COMMITTING)
+        name, _, then = said.partition("\0")
+        if then:
+            _committed_then_failed(comm, root / name, then, late)
         return root / name  # in this rank's own spelling of the folder
     finally:
         if rank == 0 and tmp is not None and not committed and tmp_fd is not None:
@@ -276,19 +288,20 @@ def save(
 
 
 def _agree_flags(
-    comm: Comm, status: np.ndarray, error: BaseException | None, what: str, tables: list[str]
+    comm: Comm,
+    status: np.ndarray,
+    error: BaseException | None,
+    what: str,
+    tables: list[str],
+    doing: str = "writing its block of table {table!r} of the checkpoint",
 ) -> None:
     """``_agree`` on statuses already gathered (``status[r]``: rank r's ``Writes.status``):
     this rank's ``error``; else a PeerError naming the ranks that failed with an error a save
-    does not expect and the table each was writing (``tables``: the names), or a
+    does not expect and what each was ``doing`` with its table (``tables``: the names), or a
     CheckpointError naming the ranks whose writes failed."""
     if error is not None:
         raise comm.alike(error)
-    failed = {
-        r: f"writing its block of table {tables[-1 - int(s)]!r} of the checkpoint"
-        for r, s in enumerate(status)
-        if s < 0
-    }
+    failed = {r: doing.format(table=tables[-1 - int(s)]) for r, s in enumerate(status) if s < 0}
     if failed:
         raise comm.alike(_peer_failed(comm, failed))
     bad = [r for r, s in enumerate(status) if s == 0]
@@ -301,11 +314,44 @@ def _agree_flags(
         )
 
 
+# What each rank does as it gathers every rank's keys of its keyed tables (``kc.layout``).
+_GATHERING = "gathering the keyed tables' keys"
+_GATHERING_KEYS = "gathering its keys of table {table!r} for the checkpoint"
 # What rank 0 does in the save's two stretches of its own work (the others wait in meetings).
 _MAKING_FOLDER = "making the checkpoint's folder (writing its extra tensors)"
 _COMMITTING = "committing the checkpoint (hashing its files)"
 # Said by the ranks whose save is refused because another rank's failed.
 _SAVE_AGAIN = "nothing was saved; every rank must save to one folder that every rank sees"
+
+
+def _keyed_entry(spec: dict, t: int, lay: kc.KeyedLayout) -> None:
+    """The manifest's ``keyed`` entry of keyed table ``t`` in ``spec`` (``kc.manifest_entry``)."""
+    spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
+
+
+class _Committed(Exception):
+    """Rank 0's commit renamed the checkpoint into place (``final``: complete, it restores),
+    then failed with ``error`` while ``doing`` (``_commit``)."""
+
+    def __init__(self, final: Path, doing: str, error: BaseException):
+        super().__init__(f"{final}: {doing}: {error}")
+        self.final, self.doing, self.error = final, doing, error
+
+
+def _committed_then_failed(comm: Comm, path: Path, then: str, late: _Committed | None) -> None:
+    """Every rank: rank 0 committed the checkpoint ``path`` and then failed (``then``: what it
+    was doing, and its error; ``late``: rank 0's own). A CheckpointError saying so on every
+    rank (rank 0's chained to its error; a KeyboardInterrupt of rank 0's is raised as it is,
+    with that text as a note), raised alike: the ranks are in step."""
+    text = (
+        f"rank {comm.rank}: the checkpoint {path} was committed (complete: it restores), but "
+        f"rank 0 then failed while {then}; every rank left the save together (the engine can "
+        "go on)"
+    )
+    if late is not None and not isinstance(late.error, Exception):
+        late.error.add_note(text)
+        raise comm.alike(late.error)
+    raise comm.alike(ckpt.CheckpointError(text)) from (late.error if late is not None else None)
 
 
 def _same_folder(comm: Comm, root: Path, tmp: Path) -> bool | Exception:
@@ -475,7 +521,8 @@ def _commit(
     keep: int | None,
     extra_metadata,
 ) -> Path:
-    """Rank 0: hash the files, write the manifest, rename the folder into place."""
+    """Rank 0: hash the files, write the manifest, rename the folder into place. A failure
+    after the rename (syncing the root, pruning) is a ``_Committed`` naming the checkpoint."""
     listed = {}
     for entry, file, ok in zip(spec["tables"], files, finite, strict=True):
         entry["file"] = file
@@ -512,10 +559,15 @@ def _commit(
     with ckpt._locked(root):
         seqs = [int(m[1]) for p in root.iterdir() if (m := ckpt._NAME.match(p.name))]
         final = root / ckpt.checkpoint_name(max(seqs, default=0) + 1, step)
-        os.rename(tmp, final)
-        ckpt._fsync_dir(root)
-        if keep is not None:
-            ckpt._prune(root, keep)
+        os.rename(tmp, final)  # the commit point: what fails now fails a saved checkpoint
+        doing = "syncing the root folder after the rename (a crash may still lose the name)"
+        try:
+            ckpt._fsync_dir(root)
+            if keep is not None:
+                doing = f"pruning the checkpoints past keep={keep} (older ones may remain)"
+                ckpt._prune(root, keep)
+        except BaseException as e:
+            raise _Committed(final, doing, e) from e
     return final
 
 

@@ -2370,11 +2370,13 @@ class ShardedEngine:
         ``EmbeddingEngine.save``). A failure every rank learns (a write, a bad folder, any
         rank's error in its work) is raised on every rank together and leaves the engine in
         step; a peer that died or timed out leaves it out of step, as a lookup failing midway
-        does (``lookup``)."""
+        does (``lookup``). A failure of rank 0's after the commit (syncing the root folder,
+        pruning past ``keep``) is a CheckpointError on every rank naming the checkpoint, which
+        is complete and restores."""
         from .. import checkpoint as single
         from . import checkpoint
 
-        error, kept = None, 0
+        error, kept, spec = None, 0, None
         try:  # a bad argument on any rank: every rank raises at the header, nothing written
             single.check_save_arguments(keep, extra_metadata, path, extra_tensors)
             # keep in the header (0: None; a keep past int64 keeps every checkpoint alike)
@@ -2388,6 +2390,8 @@ class ShardedEngine:
                     "checkpoint now holds half a step that no restore can finish; nothing was "
                     "written. Save after apply_gradients"
                 )
+            # this rank's work before the save's collectives: its error is every rank's
+            spec = self.spec()
         except Exception as e:  # any, the user's too: every rank raises at the header
             error = e
         with self.lock:
@@ -2409,7 +2413,7 @@ class ShardedEngine:
                         self._comm,
                         self._shards,
                         self._plan,
-                        self.spec(),
+                        spec,
                         self._step,
                         path,
                         keep,

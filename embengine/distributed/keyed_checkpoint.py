@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +48,35 @@ _ROW_META = ("last_touched", "touch_counts", "last_time")
 _PENDING = ("pending_earlier", "pending_step", "pending_current")
 
 
+def _call(fn: Callable, *args):
+    """``fn(*args)``: a ``run`` that keeps no error (``KeyedLayout``)."""
+    return fn(*args)
+
+
 class KeyedLayout:
     """One keyed table's checkpoint file as this rank sees it while saving: its state
     (``state()``), the sorted keys of every rank (``keys``, ``pending``), where each of this
-    rank's keys and pending keys lands in them, and the tensors (name, entry, shape, dtype)."""
+    rank's keys and pending keys lands in them, and the tensors (name, entry, shape, dtype).
+    This rank's work between the collectives runs through ``run`` (``checkpoint.Writes.run``:
+    after a failure it returns None and runs nothing more, and this rank sends no keys and
+    zero counters), so that a rank failing here still makes every collective."""
 
-    def __init__(self, comm: Comm, shard: KeyedTable):
+    def __init__(self, comm: Comm, shard: KeyedTable, run: Callable = _call):
         self.shard = shard
-        self.state = shard.state(lazy=True)  # rows gathered by write, a window at a time
-        self.keys, self.place = _places(comm, self.state["keys"])
-        self.pending, self.pending_place = _places(comm, self.state["pending_keys"])
-        counters = comm.all_gather(self.state["counters"], "checkpoint")
+        # rows gathered by write, a window at a time
+        self.state = run(shard.state, True) or {}
+        none = np.zeros(0, np.int64)
+        self.keys, self.place = _places(comm, self.state.get("keys", none), run)
+        self.pending, self.pending_place = _places(comm, self.state.get("pending_keys", none), run)
+        mine = self.state.get("counters")
+        if mine is None:
+            mine = np.zeros((2, len(KEYED_COUNTERS)), np.int64)
+        counters = comm.all_gather(mine, "checkpoint")
+        run(self._describe, counters)
+
+    def _describe(self, counters: np.ndarray) -> None:
+        """The summed ``counters`` of every rank and the file's tensors (``__init__``)."""
+        shard = self.shard
         # summed exactly (Python ints) and saturated as one table's (storage.keyed.MAX_COUNT)
         total = np.minimum(counters.astype(object).sum(axis=0), MAX_COUNT)
         self.counters = total.astype(np.int64)
@@ -102,20 +121,28 @@ class KeyedLayout:
         )
 
 
-def _places(comm: Comm, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's sorted keys ``mine`` merged (sorted), and where each of ``mine`` is in it."""
-    every = comm.all_gather_ragged(mine, "checkpoint keys")
+def _places(comm: Comm, mine: np.ndarray, run: Callable = _call) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's sorted keys ``mine`` merged (sorted), and where each of ``mine`` is in it
+    (the merge through ``run``: empty arrays once it failed)."""
+    every = comm.all_gather_ragged(np.asarray(mine, dtype=np.int64), "checkpoint keys")
+    got = run(_merge, every, comm.rank, len(mine))
+    return got if got is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def _merge(every: list[np.ndarray], rank: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_places``: every rank's keys ``every`` sorted, and where rank ``rank``'s ``n`` are."""
     allk = np.concatenate(every) if every else np.zeros(0, np.int64)
     order = np.argsort(allk, kind="stable")
     where = np.empty(len(allk), dtype=np.int64)
     where[order] = np.arange(len(allk), dtype=np.int64)
-    first = sum(len(e) for e in every[: comm.rank])
-    return allk[order], where[first : first + len(mine)]
+    first = sum(len(e) for e in every[:rank])
+    return allk[order], where[first : first + n]
 
 
-def layout(comm: Comm, shard: KeyedTable) -> KeyedLayout:
-    """Collective: the layout of ``shard``'s table in a checkpoint (see ``KeyedLayout``)."""
-    return KeyedLayout(comm, shard)
+def layout(comm: Comm, shard: KeyedTable, run: Callable = _call) -> KeyedLayout:
+    """Collective: the layout of ``shard``'s table in a checkpoint (see ``KeyedLayout``;
+    ``run``: how this rank's work between the collectives runs)."""
+    return KeyedLayout(comm, shard, run)
 
 
 def manifest_entry(lay: KeyedLayout) -> dict:
