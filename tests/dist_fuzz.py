@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -342,44 +341,14 @@ def rank_main(args) -> None:
 
 def spawn(world: int, out: Path, seed: int, first: int, cases: int, limit: float) -> list:
     """Run ``world`` ranks on cases ``first ..``; their exit codes (None: killed at ``limit``)."""
+    from _ranks import run_ranks
+
     from embengine.training.ranks import free_port
 
-    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "NUMBA_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(HERE.parent),
-    }
-    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
     argv = ["--world", str(world), "--port", str(port), "--out", str(out), "--seed", str(seed)]
     argv += ["--first", str(first), "--cases", str(cases)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--rank", str(r), *argv],
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + limit
-    codes = []
-    try:
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+    codes = run_ranks(lambda r: [__file__, "--rank", str(r), *argv], world, out, limit)
     return codes
 
 

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("torch")
+
+from _ranks import run_ranks  # noqa: E402
 
 import embengine as ee  # noqa: E402
 from embengine.distributed import ShardPlan, plan_shards  # noqa: E402
@@ -77,42 +78,14 @@ def spawn(
     """Run ``world`` ranks of ``worker`` (dist_worker; keyed_dist_worker for
     test_distributed_keyed.py) on ``scenarios``; their exit codes. Children alive after
     ``limit`` seconds are killed (and the test fails)."""
-    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "NUMBA_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(HERE.parent),
-        **(env or {}),
-    }
-    logs = [open(out / f"log.rank{r}", "w") for r in range(world)]  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(r), str(world), str(port), str(out), *scenarios],
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + limit
-    codes = []
-    try:
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+    codes = run_ranks(
+        lambda r: [str(worker), str(r), str(world), str(port), str(out), *scenarios],
+        world,
+        out,
+        limit,
+        env,
+    )
     if None in codes:
         pytest.fail(
             f"ranks still running after {limit} s were killed: {codes}\n{rank_logs(out, world)}"
