@@ -1236,6 +1236,16 @@ def test_ranks_saving_to_different_folders_fail_on_every_rank(refusals):
         assert step == "step=2", step
 
 
+def _save_outcome(out: Path, case: str, rank: int) -> tuple[str, str, str]:
+    """What rank ``rank`` recorded of the ``save_write_fails:<case>`` scenario: the save's
+    error, what the root then held, the step and save after it; the save must have raised
+    well within the group's timeout (60 s)."""
+    said, held, then = (out / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
+    seconds, text = said.split(" ", 1)
+    assert float(seconds) < 30, (case, rank, said)
+    return text, held, then
+
+
 def test_a_write_failing_on_one_rank_fails_every_ranks_save_at_once(refusals):
     """A write into a checkpoint's file failing on one rank (a full disk) made that rank
     raise its OSError and leave the save, while the others waited for it in the next exchange
@@ -1247,11 +1257,7 @@ def test_a_write_failing_on_one_rank_fails_every_ranks_save_at_once(refusals):
     tmp_path = refusals
     for case in ("dense", "keyed"):
         for rank in range(2):
-            said, held, then = (
-                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
-            )
-            seconds, text = said.split(" ", 1)
-            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            text, held, then = _save_outcome(tmp_path, case, rank)
             if rank == 1:
                 want = "OSError: [Errno 28] rank 1: writing the checkpoint's "
                 assert text.startswith(want), (case, text)
@@ -1284,11 +1290,7 @@ def test_an_unexpected_error_in_one_ranks_save_fails_every_ranks_save_at_once(re
     }
     for case, (failed, error, doing) in cases.items():
         for rank in range(2):
-            said, held, then = (
-                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
-            )
-            seconds, text = said.split(" ", 1)
-            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            text, held, then = _save_outcome(tmp_path, case, rank)
             if rank == failed:
                 assert text == f"{error}: the test's", (case, text)
             else:
@@ -1326,11 +1328,7 @@ def test_an_error_before_the_saves_folder_is_made_fails_every_ranks_save_at_once
     }
     for case, (own, other) in cases.items():
         for rank in range(2):
-            said, held, then = (
-                (tmp_path / f"save_write_fails_{case}.rank{rank}.txt").read_text().splitlines()
-            )
-            seconds, text = said.split(" ", 1)
-            assert float(seconds) < 30, (case, said)  # the group's timeout is 60 s
+            text, held, then = _save_outcome(tmp_path, case, rank)
             assert text == (own if rank == 1 else other), (case, rank, text)
             assert held == "held=no root", (case, held)  # rank 0 made nothing
             assert then == "step=2 ckpt-000001-step000000000002", (case, then)
@@ -1345,11 +1343,7 @@ def test_a_failure_after_the_commit_tells_every_rank_the_checkpoint_is_there(ref
     tmp_path = refusals
     name = "ckpt-000001-step000000000001"
     for rank in range(2):
-        said, held, then = (
-            (tmp_path / f"save_write_fails_renamed.rank{rank}.txt").read_text().splitlines()
-        )
-        seconds, text = said.split(" ", 1)
-        assert float(seconds) < 30, said
+        text, held, then = _save_outcome(tmp_path, "renamed", rank)
         root = tmp_path / "save_write_fails_renamed"
         assert text == (
             f"CheckpointError: rank {rank}: the checkpoint {root / name} was committed "
