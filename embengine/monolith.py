@@ -8,6 +8,7 @@ Monolith's optimizer.proto) and returns the embengine optimizer with Monolith's 
   each id's own update count) with epsilon outside the square root;
 - Momentum keeps the learning rate inside the velocity; RMSProp is ``n = rho n + (1-rho) g^2,
   w -= lr g / (sqrt(n) + 1)`` with Monolith's ``momentum`` as rho and its static learning rate;
+  RMSPropV2 drops the ``1-rho`` (``n = rho n + g^2``) and is RMSProp on ``(1-rho) n``;
 - ``warmup_steps = W > 0`` ramps the learning rate linearly from 0: ``lr * min(step, W) / W``
   (what Monolith's Python layer does when no learning-rate function is given);
 - BatchSoftmax keeps, per id, the estimated number of steps between two sightings.
@@ -72,6 +73,7 @@ __all__ = [
     "AmsgradOptimizer",
     "MomentumOptimizer",
     "RmspropOptimizer",
+    "RmspropV2Optimizer",
     "AdadeltaOptimizer",
     "FtrlOptimizer",
     "BatchSoftmaxOptimizer",
@@ -339,6 +341,47 @@ def RmspropOptimizer(
         rho=momentum,
         momentum=0.0,
         epsilon=1.0,
+        sum_inside_sqrt=False,
+        initial_ms_value=0.0,
+        **_decay(weight_decay_factor),
+    )
+
+
+@_proto_defaults
+def RmspropV2Optimizer(  # noqa: N802
+    learning_rate: float | None = None,
+    weight_decay_factor: float = 0.0,
+    momentum: float = 0.9,
+) -> _opt.RMSProp:
+    """Monolith's RMSPropV2: its accumulator sums the squares without the ``1 - m`` factor::
+
+        g' = g + f w;   n <- m n + g'^2;   w <- w - lr g' / (sqrt(n) + 1)
+
+    with ``m = momentum`` (default 0.9), ``f = weight_decay_factor``, lr default 0.01, ``n``
+    starting at 0 (Monolith's rmsprop_optimizer.cc, ``RmspropV2Optimizer::OptimizeNormal``).
+    It is embengine's RMSProp on the rescaled accumulator ``ms = (1 - m) n``, which follows
+    RMSProp's ``ms <- m ms + (1 - m) g'^2``; then ``sqrt(n) = sqrt(ms) / c`` with
+    ``c = sqrt(1 - m)``, and the step is ``(c lr) g' / (sqrt(ms) + c)``: RMSProp with
+    ``rho = m``, learning rate ``c lr`` and epsilon ``c`` outside the square root. The same
+    update, but the stored slot "ms" is ``(1 - m)`` times Monolith's ``n``.
+
+    ``momentum`` must be in [0, 1): at 1 the rescaling has ``c = 0`` (Monolith's update is then
+    Adagrad's sum with 1 added outside its root). The learning rate is a number (its scaled
+    value is what the optimizer holds): Monolith's ``learning_rate`` is a float of the proto."""
+    lr = _lr(learning_rate, 0.01)
+    if not _checks.is_number(lr):
+        raise ValueError(
+            f"RmspropV2Optimizer: learning_rate must be a number, got {lr!r}: the port scales "
+            "it by sqrt(1 - momentum), which a learning-rate function would not be"
+        )
+    _checks.non_negative("RmspropV2Optimizer", "learning_rate", lr)
+    _checks.unit_interval("RmspropV2Optimizer", "momentum", momentum)
+    c = math.sqrt(1.0 - float(momentum))
+    return _opt.RMSProp(
+        float(lr) * c,
+        rho=momentum,
+        momentum=0.0,
+        epsilon=c,
         sum_inside_sqrt=False,
         initial_ms_value=0.0,
         **_decay(weight_decay_factor),

@@ -332,6 +332,7 @@ def test_none_arguments_take_monolith_defaults_and_ftrl_has_no_warmup():
         mono.AmsgradOptimizer,
         mono.MomentumOptimizer,
         mono.RmspropOptimizer,
+        mono.RmspropV2Optimizer,
         mono.AdadeltaOptimizer,
         mono.FtrlOptimizer,
         mono.BatchSoftmaxOptimizer,
@@ -566,3 +567,41 @@ def test_compressors_take_monolith_s_arguments(tmp_path):
     eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=mono.SgdOptimizer())
     loaded = ee.EmbeddingEngine.load(eng.save(tmp_path / "ckpt"))
     assert loaded.table_configs["t"].compressor == ee.Compressor("fixed_r8", 0.5)
+
+
+def test_rmspropv2_as_monolith_s_code_steps(backend):
+    """RmspropV2Optimizer against Monolith's ``RmspropV2Optimizer::OptimizeNormal``, written
+    out: ``dx = g + f w; n = m n + dx^2`` (no ``1 - m``); ``w -= lr dx / (sqrt(n) + 1)``; two
+    dims with different gradients. It had no factory (only RMSProp V1's)."""
+    lr, wd, m = 0.3, 0.1, 0.8
+    eng = _engine(
+        mono.RmspropV2Optimizer(learning_rate=lr, weight_decay_factor=wd, momentum=m),
+        mono.ConstantsInitializer(0.5),
+        dim=2,
+        backend=backend,
+    )
+    w, n = [0.5, 0.5], [0.0, 0.0]
+    for g in ([1.0, 0.2], [-2.0, 0.0], [0.5, 3.0]):
+        _step(eng, [4], [g])
+        for i in range(2):
+            dx = g[i] + wd * w[i]
+            n[i] = m * n[i] + dx * dx
+            w[i] -= lr / (math.sqrt(n[i]) + 1) * dx
+        np.testing.assert_allclose(eng.embedding_tables["t"][4], w, rtol=1e-5)
+        # the stored slot is the rescaled accumulator (1 - m) n
+        np.testing.assert_allclose(eng.slots("t")["ms"][4], np.multiply(n, 1 - m), rtol=1e-5)
+
+
+def test_rmspropv2_defaults_and_bad_arguments():
+    v2 = mono.RmspropV2Optimizer()
+    c = math.sqrt(1 - 0.9)  # proto defaults: learning_rate 0.01, momentum 0.9
+    assert (v2.rho, v2.momentum, v2.sum_inside_sqrt, v2.initial_ms_value) == (0.9, 0.0, False, 0.0)
+    assert math.isclose(v2.learning_rate, 0.01 * c) and math.isclose(v2.epsilon, c)
+    assert v2.weight_decay_factor is None
+    for bad in (1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"^RmspropV2Optimizer: momentum must be in \[0, 1\)"):
+            mono.RmspropV2Optimizer(momentum=bad)
+    with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a number"):
+        mono.RmspropV2Optimizer(learning_rate=lambda: 0.1)
+    with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a finite"):
+        mono.RmspropV2Optimizer(learning_rate=-1.0)
