@@ -27,6 +27,19 @@ Where Monolith's C++ has a known defect we implement the intended math:
   it by default (one accumulator per k dims, fed the mean of g^2 over the group), and
   ``AdagradOptimizer(..., hessian_compression="monolith")`` ignores it as Monolith does.
 
+Not ported, of what Monolith's entry.py and optimizer.proto offer:
+
+- ``MovingAverageOptimizer`` (``w = m w + (1 - m) g``: the "gradient" is the value averaged
+  in) and ``AdaGradWithGroupLassoOptimizer`` (one accumulator per row fed ``max_i g_i^2``,
+  then a group-lasso step that zeroes the row): each needs its own row math.
+- ``FTRLWithGroupSparsityOptimizer`` and ``DynamicWdAdagradOptimizer``: Monolith's C++ throws
+  "optimizer is not implemented yet" for both.
+- ``DcOptimizer`` (delay compensation, ``g + lambda g^2 (w - w_latest)``): not in entry.py,
+  and it corrects asynchronous staleness, which the engine's synchronous updates lack.
+- ``StochasticRoundingFloat16OptimizerWrapper``: the nearest equivalent is
+  ``TableConfig(weights_dtype="float16")`` (updates stored with stochastic rounding).
+- ``OneBitCompressor`` (HashNet): no 1-bit export format.
+
 Compressors (``embengine.Compressor`` subclasses) attach to a table as in Monolith,
 ``TableConfig(..., compressor=Fp16Compressor())``, and say how ``embengine export`` stores it
 (the export's per-table argument still wins, its default applies to tables without one);
@@ -38,13 +51,21 @@ keyed table's rules with ``dynamic_vocabulary`` (``TableConfig(None, dim, dynami
 Monolith's zero lookup before a key's first update (``insert_on="apply"``). Where we differ:
 
 - Admission counts are exact (earlier steps' occurrences, ``DynamicVocabulary``); Monolith
-  counts in a 4-bit sliding sketch whose counts cap at 15 and collide between keys.
+  counts in a 4-bit sliding sketch whose counts cap at 15 and collide between keys, so there
+  a threshold above 15 admits no key at all (a key passes when its earlier count, at most
+  15, reaches the threshold; runtime/hash_filter/hash_filter.h, ``ShouldBeFiltered``).
+- We count every occurrence. Monolith's distributed tables deduplicate a batch's ids before
+  the update (distributed_ps.py, ``tf.unique`` then ``enable_dedup=False``), so there a key
+  counts once per step it appears in: a key seen T times in each step is admitted at step 1
+  here, at step T there. (A single local Monolith table counts every occurrence, one at a
+  time, and admits a key within the step its count reaches T, from that occurrence on.)
 - A row expires when the data time is *more* than ``expire_time`` days past its last touch;
   Monolith evicts at ``>=``. The data time is the newest timestamp a table has trained on
   (Monolith's ``max_update_time``); a row's time is the newest timestamp that touched it,
   where Monolith sets it to each update's time, so an out-of-order (older) batch makes a
   Monolith row older, never ours. Expiry runs before every training lookup, where Monolith
-  evicts in a periodic pass (at checkpoints), so its stale rows serve until then.
+  evicts in a periodic pass (``feature_evict_every_n_hours``, when enabled) and leaves stale
+  rows out of its checkpoints, so its stale rows serve until then.
 - Timestamps come per training call (``lookup(..., timestamp=)``, ``apply_gradients(...,
   timestamp=)``: Monolith's ``req_time``), in seconds; without them, ``steps_per_day`` maps
   days to steps. The default ``expire_time`` (Monolith's 36500 days) sets no expiry: no
@@ -447,7 +468,8 @@ def FtrlOptimizer(
         l2_regularization_strength=l2 / 2.0,
         beta=0.0 if beta is None else beta,
         initial_accumulator_value=a0,
-        # Monolith's FTRL takes a zero start (its GroupFtrl's default); only then is it set,
+        # Monolith's FTRL takes a zero start (the default of its GroupFtrl proto, whose C++
+        # the open-source Monolith leaves unimplemented); only then is it set,
         # so that every other configuration stays the spec it was.
         allow_zero_accumulator=bool(_checks.is_number(a0) and a0 == 0),
     )
