@@ -390,7 +390,7 @@ def RmspropV2Optimizer(  # noqa: N802
     Adagrad's sum with 1 added outside its root). The learning rate is a number (its scaled
     value is what the optimizer holds): Monolith's ``learning_rate`` is a float of the proto."""
     lr = _lr(learning_rate, 0.01)
-    if not _checks.is_number(lr):
+    if callable(lr) or isinstance(lr, _opt.DynamicLearningRate):
         raise ValueError(
             f"RmspropV2Optimizer: learning_rate must be a number, got {lr!r}: the port scales "
             "it by sqrt(1 - momentum), which a learning-rate function would not be"

@@ -601,7 +601,9 @@ def test_rmspropv2_defaults_and_bad_arguments():
     for bad in (1.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=r"^RmspropV2Optimizer: momentum must be in \[0, 1\)"):
             mono.RmspropV2Optimizer(momentum=bad)
-    with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a number"):
-        mono.RmspropV2Optimizer(learning_rate=lambda: 0.1)
-    with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a finite"):
-        mono.RmspropV2Optimizer(learning_rate=-1.0)
+    for fn in (lambda: 0.1, ee.DynamicLearningRate(0)):
+        with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a numb"):
+            mono.RmspropV2Optimizer(learning_rate=fn)
+    for bad in (-1.0, True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a fini"):
+            mono.RmspropV2Optimizer(learning_rate=bad)
