@@ -11,13 +11,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .optimizers import DynamicLearningRate, Optimizer
 from .optimizers._base import learning_rate_arity
 
-__all__ = ["LearningRates", "check_learning_rates", "check_rate"]
+__all__ = ["LearningRates", "Warmup", "check_learning_rates", "check_rate"]
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """Monolith's warm-up of a constant rate (``embengine.monolith``'s ``warmup_steps``): the
+    learning rate at 0-based step s is ``learning_rate * min(s, W) / W``, ``W =
+    warmup_steps``. A callable learning rate, but data: a spec and a checkpoint store it, so
+    ``load`` rebuilds it where any other callable must be passed again (``callables=``)."""
+
+    learning_rate: float
+    warmup_steps: int
+
+    def __call__(self, step: int) -> float:
+        return self.learning_rate * min(step, self.warmup_steps) / self.warmup_steps
 
 
 class LearningRates:

@@ -85,9 +85,11 @@ from dataclasses import dataclass
 from . import initializers as _init
 from . import optimizers as _opt
 from .config import INT64_MAX, Compressor, DynamicVocabulary, QuantizationConfig
+from .learning_rates import Warmup
 from .optimizers import _checks
 
 __all__ = [
+    "Warmup",
     "SgdOptimizer",
     "AdagradOptimizer",
     "AdamOptimizer",
@@ -163,17 +165,6 @@ def dynamic_vocabulary(
         insert_on="apply",
         **timing,
     )
-
-
-@dataclass(frozen=True)
-class Warmup:
-    """Monolith's warm-up: the learning rate at 0-based step s is ``lr * min(s, W) / W``."""
-
-    learning_rate: float
-    warmup_steps: int
-
-    def __call__(self, step: int) -> float:
-        return self.learning_rate * min(step, self.warmup_steps) / self.warmup_steps
 
 
 def _proto_defaults(factory):

@@ -16,17 +16,21 @@ A spec is a dict of JSON values::
 
 Classes are named by their embengine class (``embengine.tpu.Adam`` is ``Adam``) and hold their
 dataclass fields. A learning rate is ``{"constant": x}``, ``{"tag": t}`` (a
-``DynamicLearningRate``) or ``{"tag": t, "callable": name}``. What JSON cannot hold is recorded
-by name only, and rebuilding needs it passed in: a learning-rate callable
-(``callables={tag: fn}``) and a ``FromFunction`` initializer's function
-(``initializers={table name: Initializer}``). ``storage`` says where the engine kept the table
-("ram" or "mmap"); it is a property of the machine the engine ran on, so ``from_spec`` builds
-RAM tables unless told otherwise (``storage=`` / ``storage_dir=``).
+``DynamicLearningRate``) or ``{"tag": t, "callable": name}``, with ``"warmup":
+{"learning_rate", "warmup_steps"}`` for a ``learning_rates.Warmup`` (rebuilt from it, one per
+tag, unless ``callables`` gives the tag). What JSON cannot hold is recorded by name only, and
+rebuilding needs it passed in: any other learning-rate callable (``callables={tag: fn}``) and
+a ``FromFunction`` initializer's function (``initializers={table name: Initializer}``).
+``storage`` says where the engine kept the table ("ram" or "mmap"); it is a property of the
+machine the engine ran on, so ``from_spec`` builds RAM tables unless told otherwise
+(``storage=`` / ``storage_dir=``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +39,7 @@ import numpy as np
 from . import initializers as _init
 from . import optimizers as _opt
 from .config import Compressor, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig
-from .learning_rates import LearningRates
+from .learning_rates import LearningRates, Warmup
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -94,6 +98,15 @@ def optimizer_to_json(opt: _opt.Optimizer, tag: int | None) -> dict:
         if f.name == "learning_rate":
             if isinstance(value, _opt.DynamicLearningRate):
                 value = {"tag": value.tag}
+            elif isinstance(value, Warmup):
+                value = {
+                    "tag": tag,
+                    "callable": _name_of(value),
+                    "warmup": {
+                        "learning_rate": float(value.learning_rate),
+                        "warmup_steps": int(value.warmup_steps),
+                    },
+                }
             elif callable(value):
                 value = {"tag": tag, "callable": _name_of(value)}
             else:
@@ -134,17 +147,65 @@ def optimizer_from_json(data: Mapping, callables: Mapping[int, Callable]) -> _op
         params["learning_rate"] = lr["constant"]
     elif "callable" in lr:
         tag = lr["tag"]
-        if tag not in callables:
+        if tag not in callables and "warmup" in lr:
+            params["learning_rate"] = _warmup_from_json(lr["warmup"], tag)
+        elif tag not in callables:
             raise SpecError(
                 f"the learning rate of tag {tag} was the callable {lr['callable']!r}, which is "
                 f"not stored; pass callables={{{tag}: <function>}}"
             )
-        params["learning_rate"] = callables[tag]
+        else:
+            params["learning_rate"] = callables[tag]
     else:
         params["learning_rate"] = _opt.DynamicLearningRate(lr["tag"])
     if isinstance(params.get("clipvalue"), list):
         params["clipvalue"] = tuple(params["clipvalue"])
     return cls(**params)
+
+
+def _warmup_from_json(entry: Any, tag: Any) -> Warmup:
+    """The ``Warmup`` a learning rate's ``"warmup"`` entry describes (SpecError if it is not one
+    a Monolith optimizer could have made: a finite rate >= 0, an int of steps >= 1)."""
+    if not isinstance(entry, Mapping) or set(entry) != {"learning_rate", "warmup_steps"}:
+        raise SpecError(
+            f"the warm-up of learning-rate tag {tag} must be {{'learning_rate', "
+            f"'warmup_steps'}}, got {entry!r:.80}"
+        )
+    lr, steps = entry["learning_rate"], entry["warmup_steps"]
+    good_lr = isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)
+    if not good_lr or lr < 0:
+        raise SpecError(
+            f"the warm-up of learning-rate tag {tag}: learning_rate {lr!r} is not a "
+            "finite number >= 0"
+        )
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise SpecError(
+            f"the warm-up of learning-rate tag {tag}: warmup_steps {steps!r} is not an int >= 1"
+        )
+    return Warmup(float(lr), steps)
+
+
+def _stored_warmups(tables: Any) -> dict[Any, Warmup]:
+    """Tag -> the one ``Warmup`` every table of that tag shares (as the engine that wrote the
+    spec shared it: a tag is one callable), from the tables' optimizer entries."""
+    out: dict[Any, Warmup] = {}
+    for t in tables if isinstance(tables, list) else ():
+        try:
+            lr = t["optimizer"]["params"]["learning_rate"]
+            tag, entry = lr["tag"], lr["warmup"]
+        except (KeyError, TypeError):
+            continue  # not a warm-up; _table_config names what is missing, if anything
+        try:
+            hash(tag)
+        except TypeError:
+            continue
+        warmup = _warmup_from_json(entry, tag)
+        if out.setdefault(tag, warmup) != warmup:
+            raise SpecError(
+                f"learning-rate tag {tag} is two warm-ups, {out[tag]} and {warmup}: a tag is "
+                "one learning rate"
+            )
+    return out
 
 
 def initializer_to_json(init: _init.Initializer) -> dict:
@@ -281,6 +342,8 @@ def feature_configs_from_spec(
     for key in ("tables", "features"):
         if not isinstance(spec.get(key), list):
             raise SpecError(f"spec[{key!r}] must be a list, got {spec.get(key)!r:.60}")
+    # a stored warm-up, one per tag, where the caller passed no callable for it
+    callables = ChainMap(callables, _stored_warmups(spec["tables"]))
     tables: dict[str, TableConfig] = {}
     for i, t in enumerate(spec["tables"]):
         name = t.get("name") if isinstance(t, Mapping) else None

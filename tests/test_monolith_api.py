@@ -607,3 +607,67 @@ def test_rmspropv2_defaults_and_bad_arguments():
     for bad in (-1.0, True, "0.1", float("nan")):
         with pytest.raises(ValueError, match="^RmspropV2Optimizer: learning_rate must be a fini"):
             mono.RmspropV2Optimizer(learning_rate=bad)
+
+
+def test_a_warm_up_is_stored_and_load_rebuilds_it_one_per_tag(tmp_path):
+    """A Monolith optimizer's warmup_steps is a learning-rate callable, but data: a checkpoint
+    stores it and load rebuilds it (one Warmup per tag, shared as before), where it asked for
+    ``callables=`` and a Monolith user had nothing to pass. The loaded engine trains on as the
+    one that wrote the checkpoint."""
+    shared = mono.AdagradOptimizer(learning_rate=0.3, warmup_steps=3)
+    other = mono.MomentumOptimizer(learning_rate=0.2, warmup_steps=5)
+    tables = {
+        name: ee.TableConfig(8, 2, optimizer=opt, combiner="sum", name=name)
+        for name, opt in (("a", shared), ("b", shared), ("c", other))
+    }
+    eng = ee.EmbeddingEngine({f"f{n}": ee.FeatureConfig(t) for n, t in tables.items()})
+    assert eng.num_learning_rate_tags == 2
+    rng = np.random.default_rng(0)
+
+    def step(e, i):
+        feats = {f"f{n}": rng.integers(0, 8, (4, 2)) for n in tables}
+        acts = e.lookup(feats)
+        e.apply_gradients({k: np.full_like(a, 0.1 * (i + 1)) for k, a in acts.items()})
+
+    for i in range(2):
+        step(eng, i)
+    path = eng.save(tmp_path / "ck")
+    loaded = ee.EmbeddingEngine.load(path)
+    assert loaded.num_learning_rate_tags == 2
+    state = rng.bit_generator.state
+    for e in (eng, loaded):
+        rng.bit_generator.state = state
+        for i in range(2, 6):  # through the end of both ramps
+            step(e, i)
+    for n in tables:
+        np.testing.assert_array_equal(loaded.embedding_tables[n], eng.embedding_tables[n])
+    # a callable given for a tag wins over its stored warm-up (tag 0: tables a and b, whose
+    # Adagrad at rate 0 leaves them as they are); tag 1 keeps its stored one
+    again = ee.EmbeddingEngine.load(path, callables={0: lambda step: 0.0})
+    before = {n: again.embedding_tables[n].copy() for n in tables}
+    rng.bit_generator.state = state
+    step(again, 2)
+    for n in ("a", "b"):
+        np.testing.assert_array_equal(again.embedding_tables[n], before[n])
+    assert not np.array_equal(again.embedding_tables["c"], before["c"])
+
+
+@pytest.mark.parametrize(
+    "warmup, match",
+    [
+        ({"learning_rate": 0.1}, r"must be \{'learning_rate', 'warmup_steps'\}"),
+        ({"learning_rate": "x", "warmup_steps": 2}, "learning_rate 'x' is not a finite number"),
+        ({"learning_rate": -1.0, "warmup_steps": 2}, "learning_rate -1.0 is not a finite"),
+        ({"learning_rate": 0.1, "warmup_steps": 0}, "warmup_steps 0 is not an int >= 1"),
+        ({"learning_rate": 0.1, "warmup_steps": 2.5}, "warmup_steps 2.5 is not an int"),
+    ],
+)
+def test_a_bad_stored_warm_up_is_a_spec_error_naming_it(warmup, match):
+    t = ee.TableConfig(8, 2, optimizer=mono.AdagradOptimizer(warmup_steps=2), name="t")
+    spec = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}).spec()
+    lr = spec["tables"][0]["optimizer"]["params"]["learning_rate"]
+    assert lr["warmup"] == {"learning_rate": 0.001, "warmup_steps": 2}
+    assert ee.EmbeddingEngine.from_spec(spec).num_learning_rate_tags == 1
+    lr["warmup"] = warmup
+    with pytest.raises(ee.SpecError if hasattr(ee, "SpecError") else ValueError, match=match):
+        ee.EmbeddingEngine.from_spec(spec)
