@@ -1106,6 +1106,8 @@ class ServingEngine:
             self._files[t["name"]] = mapped
             arrays = mapped.arrays()
             self._tables[t["name"]] = (arrays, t["compression"], t["params"], t["dim"])
+        self._layout = _storage_layout(self._resolved)
+        self._fingerprint = batch_fingerprint(self._resolved, self._layout)
         from .backends.numba_backend import NumbaBackend  # numba loads with a served engine
 
         self._backend = NumbaBackend()
@@ -1122,7 +1124,14 @@ class ServingEngine:
     def preprocess(self, features, weights=None) -> PreparedBatch:
         """Validate features into a lookup-only batch (no deduplication: serving updates
         nothing); errors name the feature, the position and the value."""
-        return prepare(self._resolved, features, weights, deduplicate=False)
+        return prepare(
+            self._resolved,
+            features,
+            weights,
+            storage_layout=self._layout,
+            deduplicate=False,
+            fingerprint=self._fingerprint,
+        )
 
     def lookup(self, features, weights=None) -> dict[str, np.ndarray]:
         """Activations per feature, exactly as EmbeddingEngine.lookup computes them from the
@@ -1132,7 +1141,7 @@ class ServingEngine:
             if weights is not None:
                 raise ValueError("weights must be given to preprocess(), not with a PreparedBatch")
             # A batch prepared for other tables would read rows past the end of these.
-            check_prepared_for(features, batch_fingerprint(self._resolved), self._resolved)
+            check_prepared_for(features, self._fingerprint, self._resolved)
             batch = features
         else:
             batch = self.preprocess(features, weights)
@@ -1147,6 +1156,19 @@ class ServingEngine:
             name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
             for name, lay in batch.features.items()
         }
+
+
+def _storage_layout(resolved: ResolvedFeatures) -> list[list[tuple[str, int]]]:
+    """The storage layout (``batch.plan_tables``) of a served engine: one storage table per
+    table, at row 0, and a keyed table's features at -1 (its rows are not its ids), as the
+    training engine lays out an unpacked table (``StoragePlan.storage_layout``). So a batch the
+    training engine prepared is served, and the engine looks up a served engine's batches
+    (with -1 as 0, every batch of a keyed table was refused by the other as "prepared for
+    another engine")."""
+    return [
+        [(f, -1 if resolved.tables[i].vocabulary_size is None else 0) for f in names]
+        for i, names in enumerate(resolved.table_features)
+    ]
 
 
 def _decode_ids(

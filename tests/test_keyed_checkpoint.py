@@ -550,6 +550,31 @@ def test_served_keyed_lookups_equal_the_training_engines_evaluation(tmp_path, ru
         assert not served.lookup(probes[0])["f"][1].any()
 
 
+def test_batches_prepared_by_the_training_engine_and_by_serving_are_interchangeable(tmp_path):
+    """A PreparedBatch of a keyed table is served, and a served one looked up by the engine, as
+    with dense tables: serving laid a keyed table out at row 0 where the engine has -1 (rows
+    that are not ids), so each refused the other's batch as "prepared for another engine",
+    naming storage offsets the caller never chose."""
+    eng = _engine("numba", occurrence_threshold=1)
+    for batch in _stream(5):
+        _step(eng, batch)
+    assert eng.table_stats()["k"]["pending_keys"] > 0  # some probed keys have no row yet
+    export(eng.save(tmp_path / "ckpt"), tmp_path / "out")
+    served = ServingEngine.load(tmp_path / "out")
+    for probe in _stream(3, seed=21):
+        probe["f"][2, 0] = 2**40  # never seen
+        want = eng.lookup(probe, training=False)
+        for batch in (
+            eng.preprocess(probe),
+            eng.preprocess(probe, training=False),
+            served.preprocess(probe),
+        ):
+            for got in (served.lookup(batch), eng.lookup(batch, training=False)):
+                assert sorted(got) == sorted(want)
+                for name in want:
+                    assert got[name].tobytes() == want[name].tobytes(), name
+
+
 def test_a_crafted_export_with_unsorted_keys_is_refused(tmp_path):
     eng = _engine("numba")
     for batch in _stream(3):
