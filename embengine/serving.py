@@ -987,7 +987,17 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
     check_verify(verify)
     path = Path(path)
     file = path / "manifest.json"
+    export_first = (
+        "; export it first (`embengine export CKPT OUT`, embengine.serving.export) and load "
+        "OUT, the export"
+    )
     if not os.path.lexists(file):
+        if not os.path.lexists(path):
+            raise CheckpointError(f"{path} does not exist (not an embengine export)")
+        if path.is_dir() and any(p.name.startswith("ckpt-") for p in path.iterdir()):
+            raise CheckpointError(
+                f"{path} is a folder of checkpoints, not an embengine export{export_first}"
+            )
         raise CheckpointError(f"{path}: no manifest.json (not an embengine export)")
     raw = read_own_file(file)
     try:
@@ -995,6 +1005,8 @@ def read_serving_manifest(path: str | Path, verify: bool = True) -> dict:
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{file} is not valid JSON ({e})") from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if fmt == CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is a checkpoint, not an embengine export{export_first}")
     if fmt != SERVING_FORMAT:
         raise CheckpointError(f"{path}: not an embengine export (format {fmt!r:.80})")
     version = manifest.get("format_version")

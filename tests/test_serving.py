@@ -449,6 +449,23 @@ def test_serving_engine_refuses_a_folder_without_export(tmp_path, trained):
         ServingEngine.load(path)  # a training checkpoint is not an export
 
 
+def test_serving_a_checkpoint_says_to_export_it_first(tmp_path, trained_ref):
+    """What a training job leaves, a checkpoint or the folder of them, loaded as an export:
+    "no manifest.json" (the root holds ckpt-* folders) or "not an embengine export (format
+    'embengine-checkpoint')" named no way out; a missing path was "no manifest.json" too."""
+    _, path = trained_ref
+    with pytest.raises(CheckpointError) as e:
+        ServingEngine.load(path)
+    assert str(e.value).startswith(f"{path} is a checkpoint, not an embengine export; export")
+    assert "`embengine export CKPT OUT`" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        ServingEngine.load(path.parent)
+    assert str(e.value).startswith(f"{path.parent} is a folder of checkpoints, not an embengine")
+    assert "`embengine export CKPT OUT`" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"missing does not exist \(not an embengine"):
+        ServingEngine.load(tmp_path / "missing")
+
+
 @pytest.mark.parametrize(
     "name, verify",
     [
