@@ -139,6 +139,7 @@ def make_case(seed: int, case_index: int) -> dict:
         # the sharding and exchange of the ranks that restore at another world size
         t["sharding2"] = str(more.choice(["row", "table"]))
         t["exchange2"] = str(more.choice(["auto", "rows"] if keyed else ["auto", "rows", "sums"]))
+        t["insert_on"] = str(more.choice(["lookup", "lookup", "apply"]))
     case["sharding2_auto"] = bool(more.random() < 0.2)
     timed = any(t["expire_seconds"] for t in tables) or more.random() < 0.3
     case["times"] = _timestamps(more, case["steps"]) if timed else None
@@ -174,6 +175,7 @@ def build(case: dict, second: bool = False):
                 max_rows=t["max_rows"],
                 eviction=t["eviction"],
                 expire_seconds=t["expire_seconds"],
+                insert_on=t["insert_on"],
             )
         configs.append(
             ee.TableConfig(
@@ -298,14 +300,16 @@ class _Run:
     """A case's script on a ShardedEngine ``eng`` (every rank; None: the one engine alone)
     and, on rank 0, the one engine ``single`` fed the whole batches; ``verdict`` is the first
     difference (rank 0), after which the one engine is left alone. A training lookup that
-    both refuse (a keyed table's ``max_rows``: a ValueError) has no update."""
+    both refuse (a keyed table's ``max_rows``: a ValueError) has no update; an update both
+    refuse is skipped too."""
 
     def __init__(self, case: dict, plan: dict, rank: int, world: int, eng, single) -> None:
         self.case, self.plan, self.rank, self.world = case, plan, rank, world
         self.eng, self.single = eng, single
         self.verdict: str | None = None
-        self.refused = 0  # training lookups refused (by both)
+        self.refused = {"lookups": 0, "updates": 0}  # refused by both
         self.applied = 0  # updates: the engines' step
+        self.halfway = False  # the last step was looked up, its update refused
 
     def live(self) -> bool:
         """Whether rank 0 still compares (no difference yet)."""
@@ -315,34 +319,48 @@ class _Run:
         if self.verdict is None:
             self.verdict = verdict
 
+    def _both(self, where: str, sharded, alone) -> tuple[bool, object, object]:
+        """``sharded()`` on the ranks' engine and, on rank 0 while it compares, ``alone()`` on
+        the one engine: (refused, what each returned). A refusal is a ValueError (the ranks
+        raise it alike); one engine refusing alone is a difference. Without a ShardedEngine,
+        the one engine's refusal."""
+        got = want = refusal = error = None
+        if self.eng is not None:
+            try:
+                got = sharded()
+            except ValueError as e:
+                refusal = e
+        if self.live():
+            try:
+                want = alone()
+            except ValueError as e:
+                error = e
+            if self.eng is None:
+                refusal = error
+            elif (refusal is None) != (error is None):
+                self.differ(f"DIFF {where}: one engine {error!r}, sharded {refusal!r}"[:400])
+        return refusal is not None, got, want
+
     def step(self, step: int) -> None:
         """Step ``step`` of the script: a training lookup, an evaluation lookup of other
-        samples on odd steps, and the update, on both engines; rank 0 compares."""
+        samples on odd steps, and the update, on both engines; rank 0 compares. ``halfway``:
+        the step was looked up but its update refused (no checkpoint then)."""
         eng, single, case = self.eng, self.single, self.case
         feats, weights, grads, spans = global_step(case, step, self.world)
         lo, hi = spans[self.rank]
         mine = _cut(feats, weights, grads, lo, hi)
         look, apply = _stamps(case, step)
-        acts = batch = refusal = alone = want = None
-        if eng is not None:
-            try:
-                if self.plan["by_batch"][step]:
-                    acts, batch = eng.lookup_with_batch(mine[0], mine[1], **look)
-                else:
-                    acts = eng.lookup(mine[0], mine[1], **look)
-            except ValueError as e:  # every rank raises it alike
-                refusal = e
-        if self.live():
-            try:
-                want = single.lookup(feats, weights, **look)
-            except ValueError as e:
-                alone = e
-            if eng is not None and (refusal is None) != (alone is None):
-                self.differ(
-                    f"DIFF step {step} lookup: one engine {alone!r}, sharded {refusal!r}"[:400]
-                )
-        if eng is None:
-            refusal = alone
+        self.halfway = False
+
+        def lookup():
+            if self.plan["by_batch"][step]:
+                return eng.lookup_with_batch(mine[0], mine[1], **look)
+            return eng.lookup(mine[0], mine[1], **look), None
+
+        refused, got, want = self._both(
+            f"step {step} lookup", lookup, lambda: single.lookup(feats, weights, **look)
+        )
+        acts, batch = (None, None) if got is None else got
         if step % 2 == 1:  # an evaluation lookup of other samples before the update
             efeats, eweights, _, espans = global_step(case, step, self.world, salt=1)
             elo, ehi = espans[self.rank]
@@ -353,15 +371,20 @@ class _Run:
                 ewant = single.lookup(efeats, eweights, training=False)
                 if eng is not None:
                     self.differ(_compare_acts(eacts, ewant, elo, ehi, f"step {step} evaluation"))
-        if refusal is not None:
-            self.refused += 1
+        if refused:
+            self.refused["lookups"] += 1
             return
         if self.live() and eng is not None:
             self.differ(_compare_acts(acts, want, lo, hi, f"step {step} lookup"))
-        if eng is not None:
-            eng.apply_gradients(mine[2], batch=batch, **apply)
-        if self.live():
-            single.apply_gradients(grads, **apply)
+        refused = self._both(
+            f"step {step} update",
+            lambda: eng.apply_gradients(mine[2], batch=batch, **apply),
+            lambda: single.apply_gradients(grads, **apply),
+        )[0]
+        if refused:  # e.g. max_rows when keys get their rows at the update (insert_on="apply")
+            self.refused["updates"] += 1
+            self.halfway = True
+            return
         self.applied += 1
 
 
@@ -399,7 +422,7 @@ def run_case(rank: int, world: int, seed: int, case_index: int, folder: str) -> 
     snapshot, saved_step, tags = None, None, []
     for step in range(case["steps"]):
         run.step(step)
-        if step == plan["save_at"]:
+        if step == plan["save_at"] and not run.halfway:  # a save then is refused (half a step)
             path = eng.save(root)
             if plan["plain_save"]:  # W = 1 -> W: the ranks restore the one engine's save
                 if rank == 0:
@@ -441,8 +464,7 @@ def run_case(rank: int, world: int, seed: int, case_index: int, folder: str) -> 
             end = _contents(single, names)
             run.differ(_compare_contents(_contents(plain, names), end, "a plain engine's resume"))
         tags.append("saved")
-    if run.refused:
-        tags.append(f"{run.refused} lookups refused")
+    tags += [f"{n} {what} refused" for what, n in run.refused.items() if n]
     return run.verdict or ("ok" + (f" [{', '.join(tags)}]" if tags else ""))
 
 

@@ -63,6 +63,7 @@ def test_the_cases_cover_what_the_fuzz_says_it_draws():
     assert {t["max_rows"] is None for t in keyed} == {True, False}
     assert {t["eviction"] for t in keyed if t["max_rows"]} == set(dist_fuzz.EVICTIONS)
     assert {t["expire_seconds"] is None for t in keyed} == {True, False}
+    assert {t["insert_on"] for t in keyed} == {"lookup", "apply"}
     assert {t["sharding2"] for t in tables} == {"row", "table"}
     assert any(c["sharding2_auto"] for c in drawn)
     times = [c["times"] for c in drawn if c["times"] is not None]
