@@ -276,7 +276,9 @@ def _remove_leftovers(root: Path) -> None:
     """Under the root's lock: remove the temporary folders of killed saves (nobody holds their
     lock; a running save, in this process or another, does), half-deleted checkpoints and
     trash of killed prunes (pruning happens under the root's lock, so any trash seen here is
-    stale)."""
+    stale). Only the names saves and prunes write: ``.tmp-ckpt-*`` and ``.trash-ckpt-*``
+    (``_discard`` renames ``ckpt-*`` folders); an export's temporary folder beside its OUT is
+    ``.export-*`` (embengine.serving), never one of these."""
     for tmp in root.glob(".tmp-ckpt-*"):
         try:
             fd = os.open(tmp, os.O_RDONLY)
@@ -292,7 +294,7 @@ def _remove_leftovers(root: Path) -> None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         _unlock(fd)
-    for trash in root.glob(".trash-*"):
+    for trash in root.glob(".trash-ckpt-*"):
         shutil.rmtree(trash, ignore_errors=True)
     for p in root.iterdir():
         if _NAME.match(p.name) and not (p / "manifest.json").is_file():

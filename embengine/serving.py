@@ -30,12 +30,16 @@ Where an export is written (``export(..., replace=False)``, ``embengine export .
   checkpoints (``ckpt-*``), the checkpoint being exported (or OUT inside it), or any other file
   is never replaced, even with ``replace``. These checks run before any work, and again just
   before the new export is moved in.
-- The export is written to ``.tmp-<OUT name>-<pid>-<random>`` beside OUT, fsynced and renamed into
-  place; a replaced export is renamed aside (``.old-...``) first and deleted after. A failed
+- The export is written to ``.export-<OUT name>-<pid>-<random>`` beside OUT, fsynced and renamed
+  into place; a replaced export is renamed aside (``.old-...``) first and deleted after. A failed
   export removes its own temporary folder. Leftovers of killed exports (a pid that is no longer
-  running, or a folder older than the process that now has its pid; unnamed ``.tmp-<OUT
-  name>-<random>`` leftovers of older embengines: older than this process) are removed by the
-  next export to the same OUT; a running export's folder is left alone.
+  running, or a folder older than the process that now has its pid) are removed by the next
+  export to the same OUT; a running export's folder is left alone. Older embengines wrote
+  ``.tmp-<OUT name>-<pid>-<random>`` (or ``-<random>`` alone: removed if older than this
+  process), the names checkpoint saves write into (``.tmp-ckpt-*``) when OUT was named
+  ``ckpt-*``: a save in that folder removed an export in progress. The two never share a name
+  now, and an export never removes a ``.tmp-ckpt-*`` folder (a save's; a killed one's is
+  removed by the next save there).
 
 Loading (``ServingEngine.load(path, verify=True)``, ``read_serving_manifest``) checks, before it
 builds or maps anything: the format and version; with ``verify``, manifest.sha256 against
@@ -386,9 +390,12 @@ def _read_json_dict(file: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _temporary(out: Path, kind: str = "tmp") -> Path:
-    """The folder beside ``out`` that an export writes (``kind`` "tmp") or that a replaced
-    export is renamed to (``kind`` "old") before the new one moves in."""
+def _temporary(out: Path, kind: str = "export") -> Path:
+    """The folder beside ``out`` that an export writes (``kind`` "export") or that a replaced
+    export is renamed to (``kind`` "old") before the new one moves in. Never ``.tmp-ckpt-*``
+    or ``.trash-ckpt-*``, the names a checkpoint save writes and removes (an export named
+    ``ckpt-*`` in a folder of checkpoints wrote ``.tmp-ckpt-...``, which a save there removed
+    midway, the export's folder being no save's and unlocked)."""
     return out.parent / f".{kind}-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -410,12 +417,12 @@ def _check_place(out: Path) -> None:
     except (OSError, ValueError):  # no limit to ask for (a file system that says none)
         return
     size = len(os.fsencode(out.name))
-    longest = len(os.fsencode(_temporary(out).name))  # a replaced export's ".old-" is as long
+    longest = len(os.fsencode(_temporary(out).name))  # a replaced export's ".old-" is shorter
     if longest > limit:
         beside = (
             ""
             if size > limit
-            else f", and export writes it beside as '.tmp-{out.name[:8]}...' ({longest} bytes)"
+            else f", and export writes it beside as '.export-{out.name[:8]}...' ({longest} bytes)"
         )
         raise ValueError(
             f"export folder name '{out.name[:40]}...' is {size} bytes{beside}; a name in "
@@ -538,7 +545,11 @@ def _older_than_process(folder: Path, pid: int) -> bool:
 def _remove_leftovers(parent: Path, name: str, kind: str) -> None:
     """Delete ``.{kind}-{name}-*`` folders that no running export owns (see the module
     docstring): the pid in the name is not running, or runs a process younger than the folder;
-    unnamed ones (older embengines) must be older than this process."""
+    unnamed ones (older embengines) must be older than this process. Never a ``.tmp-ckpt-*``
+    folder: with ``kind`` "tmp" (older embengines' exports) and OUT named ``ckpt-*``, that is
+    also the name of a checkpoint save's folder, which only saves remove (unlocked: killed)."""
+    if f".{kind}-{name}".startswith(".tmp-ckpt-"):
+        return
     with_pid = re.compile(rf"^\.{kind}-{re.escape(name)}-(\d+)-[0-9a-f]{{8}}$")
     unnamed = re.compile(rf"^\.{kind}-{re.escape(name)}-[0-9a-f]{{8}}$")
     for p in parent.glob(f".{kind}-*"):
@@ -632,7 +643,8 @@ def _export(
         raise ValueError(f"per-table compression for unknown tables {unknown}; tables are {names}")
     _check_out(out, [Path(checkpoint), ckpt], replace)  # ckpt: the newest one of a root
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(out.parent, out.name, "tmp")
+    _remove_leftovers(out.parent, out.name, "export")
+    _remove_leftovers(out.parent, out.name, "tmp")  # older embengines' (not ckpt-*: a save's)
     tmp = _temporary(out)
     tmp.mkdir()
     # The manifest's flag per table: its weights and float slots were finite when saved.

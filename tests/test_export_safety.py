@@ -89,7 +89,9 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 
 def _leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith((".tmp-", ".old-")))
+    return sorted(
+        p.name for p in parent.iterdir() if p.name.startswith((".export-", ".tmp-", ".old-"))
+    )
 
 
 # -- item 7: what export may write over -----------------------------------------------------------
@@ -249,7 +251,7 @@ def test_export_refuses_a_folder_it_cannot_make_before_reading_the_checkpoint(
 
     (tmp_path / "afile").write_text("a file")
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
-    beside = len(f".tmp--{os.getpid()}-12345678")  # what the temporary folder adds
+    beside = len(f".export--{os.getpid()}-12345678")  # what the temporary folder adds
     parent = r"cannot be made: \S*afile is a file, not a folder"
     out, words = {
         "parent": (tmp_path / "afile" / "out", parent),
@@ -257,7 +259,7 @@ def test_export_refuses_a_folder_it_cannot_make_before_reading_the_checkpoint(
         "name": (tmp_path / ("x" * (limit + 1)), rf"is {limit + 1} bytes; a name in "),
         "beside": (
             tmp_path / ("y" * (limit - beside + 1)),
-            rf"is {limit - beside + 1} bytes, and export writes it beside as '\.tmp-yyyyyyyy"
+            rf"is {limit - beside + 1} bytes, and export writes it beside as '\.export-yyyyyyyy"
             rf"\.\.\.' \({limit + 1} bytes\); a name in \S+ takes at most {limit}",
         ),
     }[where]
@@ -273,7 +275,7 @@ def test_export_refuses_a_folder_it_cannot_make_before_reading_the_checkpoint(
 
 def test_export_takes_the_longest_name_its_temporary_folder_allows(ckpt, tmp_path):
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
-    out = tmp_path / ("z" * (limit - len(f".tmp--{os.getpid()}-12345678")))
+    out = tmp_path / ("z" * (limit - len(f".export--{os.getpid()}-12345678")))
     _export(ckpt, out)
     ServingEngine.load(out)
 
@@ -349,13 +351,14 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
     assert killed.returncode == -signal.SIGXFSZ, (killed.stdout, killed.stderr)
     dead_pid = int(killed.stdout.split()[0])
     left = _leftovers(tmp_path)
-    assert len(left) == 1 and left[0].startswith(f".tmp-out-{dead_pid}-"), left
+    assert len(left) == 1 and left[0].startswith(f".export-out-{dead_pid}-"), left
     # A running export of another process (a live pid, a folder younger than it) is left alone,
     # so is one of this process (another thread may be exporting) and any other OUT's.
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.1)
         keep = [
+            tmp_path / f".export-out-{live.pid}-0000abcc",
             tmp_path / f".tmp-out-{live.pid}-0000abcd",
             tmp_path / f".tmp-out-{os.getpid()}-0000abce",
             tmp_path / f".tmp-other-{dead_pid}-0000abcf",
@@ -364,6 +367,7 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
         # Older than the process that has its pid now (pid reused), or unnamed and older than
         # this process (written by an embengine before pids were in the names): stale.
         stale = [
+            tmp_path / f".export-out-{os.getpid()}-0000abcf",
             tmp_path / f".tmp-out-{os.getpid()}-0000abd0",
             tmp_path / ".tmp-out-0000abd1",
             tmp_path / f".old-out-{dead_pid}-0000abd2",
@@ -371,7 +375,7 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
         for p in keep + stale:
             p.mkdir()
             (p / "table-000.safetensors").write_bytes(b"partial")
-        for p in stale[:2]:
+        for p in stale[:3]:
             os.utime(p, (1e9, 1e9))  # 2001
         _export(ckpt, out)
         assert sorted(_leftovers(tmp_path)) == sorted(p.name for p in keep)
@@ -379,6 +383,76 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
         live.kill()
         live.wait(timeout=10)
     ServingEngine.load(out)
+
+
+def test_a_save_beside_an_export_named_ckpt_leaves_the_export_in_progress(tmp_path, monkeypatch):
+    """An export whose OUT is named ``ckpt-*`` inside a folder of checkpoints wrote its tables
+    to ``.tmp-ckpt-<...>``, the name of a save's temporary folder; a save there meanwhile took
+    it for a killed save's (unlocked) and removed it, and the export failed midway
+    (FileNotFoundError). A real save runs between the export's table writes here."""
+    from embengine import serving
+
+    eng = _engine()
+    root = tmp_path / "root"
+    ckpt = eng.save(root)
+    out = root / "ckpt-export"
+    write, saves = serving.write_safetensors, []
+
+    def save_then_write(*args, **kwargs):
+        saves.append(eng.save(root))  # cleans up the leftovers of killed saves in root
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "write_safetensors", save_then_write)
+    _export(ckpt, out)
+    assert len(saves) == 3
+    ServingEngine.load(out)
+    assert _leftovers(root) == []
+
+
+def test_an_export_never_removes_a_running_save_s_folder(tmp_path):
+    """An older embengine's export leftovers, ``.tmp-<OUT>-<pid>-<random>`` or
+    ``.tmp-<OUT>-<random>``, are removed by the next export; with OUT named
+    ``ckpt-step000000000001-<pid>`` that was also a running save's folder, of a trainer with
+    that pid started before the exporting process: removed under the save. A save's folder is
+    the saves' to remove (a killed one's: unlocked), and they still do."""
+    import fcntl
+
+    eng = _engine()
+    root = tmp_path / "root"
+    ckpt = eng.save(root)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        saving = root / f".tmp-ckpt-step000000000001-{trainer.pid}-0000abcd"
+        saving.mkdir()
+        (saving / "table-000.safetensors").write_bytes(b"partial")
+        os.utime(saving, (1e9, 1e9))  # the save began before this process
+        fd = os.open(saving, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # as the running save holds it
+            _export(ckpt, root / f"ckpt-step000000000001-{trainer.pid}")
+            assert (saving / "table-000.safetensors").read_bytes() == b"partial"
+            eng.save(root)
+            assert saving.is_dir()
+        finally:
+            os.close(fd)  # the save was killed
+        eng.save(root)
+        assert not saving.exists()
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=10)
+
+
+def test_a_save_removes_only_the_trash_of_its_own_prunes(tmp_path):
+    """A save removes ``.trash-ckpt-*`` (a killed prune's), not every ``.trash-*`` folder."""
+    eng = _engine()
+    root = tmp_path / "root"
+    root.mkdir()
+    mine, other = root / ".trash-ckpt-000001-step000000000000-0000abcd", root / ".trash-notes"
+    for d in (mine, other):
+        d.mkdir()
+        (d / "a.txt").write_text("a")
+    eng.save(root)
+    assert not mine.exists() and (other / "a.txt").read_text() == "a"
 
 
 # -- the command line -----------------------------------------------------------------------------

@@ -329,7 +329,7 @@ def test_export_argument_errors(trained, tmp_path, kwargs, words):
     with pytest.raises(ValueError, match=words):
         export(path, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".export-*")) and not list(tmp_path.glob(".tmp-*"))
 
 
 def test_export_replaces_an_existing_export(trained, tmp_path):
