@@ -977,11 +977,18 @@ def check_verify(verify) -> None:
         raise TypeError(f"verify must be True or False, got {verify!r}")
 
 
-def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers, _ReadLock]:
+ManifestCheck = Callable[[Path, dict], None]
+
+
+def _read(
+    path: str | Path, verify: bool, check: ManifestCheck | None = None
+) -> tuple[Path, dict, Headers, _ReadLock]:
     """(checkpoint directory, manifest, every file's checked safetensors header by name, the
     folder's read lock, held) after every check of the module docstring; ``verify=False``
     skips only the hashing. A folder of checkpoints whose newest is pruned before it is
-    locked (two saves meanwhile) is resolved again."""
+    locked (two saves meanwhile) is resolved again. ``check(ckpt, manifest)``, if given, runs
+    on the schema-checked (and, with ``verify``, checksummed) manifest before any table file
+    is read or hashed: a caller's refusal comes before the minutes of hashing."""
     check_verify(verify)
     for attempt in range(3):
         ckpt = _resolve(path)
@@ -992,13 +999,15 @@ def _read(path: str | Path, verify: bool) -> tuple[Path, dict, Headers, _ReadLoc
             if ckpt == Path(path) or attempt == 2:
                 raise
     try:
-        return (*_read_locked(ckpt, verify), lock)
+        return (*_read_locked(ckpt, verify, check), lock)
     except BaseException:
         lock.release()
         raise
 
 
-def _read_locked(ckpt: Path, verify: bool) -> tuple[Path, dict, Headers]:
+def _read_locked(
+    ckpt: Path, verify: bool, check: ManifestCheck | None = None
+) -> tuple[Path, dict, Headers]:
     raw = read_own_file(ckpt / "manifest.json")
     try:
         manifest = json.loads(raw)
@@ -1026,6 +1035,8 @@ def _read_locked(ckpt: Path, verify: bool) -> tuple[Path, dict, Headers]:
             f"checksum mismatch in {ckpt / 'manifest.json'}: the manifest was modified (or "
             "manifest.sha256 is missing)"
         )
+    if check is not None:
+        check(ckpt, manifest)
     files = manifest["files"]
     seen: dict[tuple[int, int], str] = {}
     for name, info in files.items():
@@ -1457,12 +1468,18 @@ def _spec_of(manifest: dict) -> dict[str, Any]:
     return spec
 
 
-def read_checkpoint(path: str | Path, verify: bool = True) -> tuple[dict, CheckpointReader]:
+def read_checkpoint(
+    path: str | Path, verify: bool = True, *, check: ManifestCheck | None = None
+) -> tuple[dict, CheckpointReader]:
     """(the engine spec, a CheckpointReader) of the checkpoint at ``path`` (a checkpoint
     directory, or a folder of them: the newest), after every check of the module docstring, so
     an engine built from the spec is never larger than the files that fill it.
-    ``EmbeddingEngine.load`` is ``from_spec(spec)`` then ``reader.restore(engine)``."""
-    ckpt, manifest, headers, lock = _read(path, verify)
+    ``EmbeddingEngine.load`` is ``from_spec(spec)`` then ``reader.restore(engine)``.
+
+    ``check(checkpoint folder, manifest)``, if given, runs on the manifest (schema-checked,
+    and with ``verify`` checksummed) before any table file is read or hashed; what it raises
+    propagates, the checkpoint's lock released (export's unknown ``--table`` names)."""
+    ckpt, manifest, headers, lock = _read(path, verify, check)
     try:
         _check_name(ckpt, manifest)
     except BaseException:

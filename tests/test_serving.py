@@ -738,6 +738,30 @@ def test_cli_export_table_names_with_an_equals_sign_and_given_twice(tmp_path, ca
     assert "--table gives table 'user=id' twice" in capsys.readouterr().err
 
 
+def test_cli_export_names_an_unknown_table_before_hashing_the_checkpoint(tmp_path, capsys):
+    """`--table NAME` of a table the checkpoint does not hold is refused from its manifest,
+    before any table file is read or hashed: it was found after the whole checkpoint had been
+    hashed (minutes for a large one). A table file damaged at the same size shows which came
+    first: its checksum mismatch was the error."""
+    from embengine import cli
+
+    t = ee.TableConfig(10, 4, name="user")
+    item = ee.TableConfig(12, 4, name="item")
+    feats = {"u": ee.FeatureConfig(t), "i": ee.FeatureConfig(item)}
+    path = ee.EmbeddingEngine(feats, optimizer=O.SGD(0.1)).save(tmp_path / "c")
+    table = path / json.loads((path / "manifest.json").read_text())["tables"][0]["file"]
+    data = bytearray(table.read_bytes())
+    data[-1] ^= 0xFF
+    table.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert cli.main(["export", str(path), str(out), "--table", "usr=fp32"]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown tables ['usr']: checkpoint {path} holds tables ['user', 'item']" in err
+    assert "checksum" not in err and not out.exists()
+    assert cli.main(["export", str(path), str(out), "--table", "user=fp32"]) == 2
+    assert f"checksum mismatch in {table}" in capsys.readouterr().err  # hashed: still verified
+
+
 def test_cli_handlers_for_exports_and_errors(trained_ref, tmp_path, capsys):
     _, path = trained_ref
     out = tmp_path / "out"
