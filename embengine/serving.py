@@ -1,14 +1,23 @@
 """Serving: export a checkpoint's weights (no slots), compressed, and look up from the export.
 
-Compressions and their error bounds on ``|served - trained|`` for a value ``x``:
+Compressions and their error bounds on ``|served - trained|`` for a (float32) value ``x``
+(``error_bound`` computes them; decoding is float32 arithmetic, whose rounding they include):
 
 - ``fp32``: float32, unchanged; 0.
 - ``fp16``: IEEE half, round to nearest even; ``|x| * 2**-11`` (``2**-25`` near 0; |x| <= 65504).
-- ``bf16``: bfloat16, the top 16 bits rounded to even; ``|x| * 2**-8``.
+- ``bf16``: bfloat16, the top 16 bits rounded to even; ``|x| * 2**-8``, and ``2**-134`` for
+  float32's subnormals (``|x| < 2**-126``, where bfloat16's step is ``2**-133``, not relative).
 - ``fixed_r8``: int8 codes ``k``, value ``k * r / 128`` (Monolith's FixedR8Compressor,
-  ``r = fixed_range``); ``r / 256`` for ``x`` in ``[-r, 127 r / 128]``, values outside clipped.
+  ``r = fixed_range``), decoded as ``k * float32(r / 128)`` in float32; ``r / 256 + r * 2**-22``
+  for ``x`` in ``[-r, 127 r / 128]`` (half a step, plus the float32 step's and product's
+  rounding), plus the distance to that range for values outside it (clipped).
 - ``int8_rowwise``: int8 codes with a float32 scale and bias per row,
-  ``x = bias + scale * (k + 128)``; ``(max - min) / 255 / 2`` of the row.
+  ``x = bias + scale * (k + 128)`` in float32; ``(max - min) / 510 + (max - min + max |x|) *
+  2**-23 + 2**-140`` of the row: half a step, plus float32's rounding of the scale, the product
+  and the sum. The last terms count for a row far from 0 with a small spread (near ``-1e5``,
+  where float32's step is ``2**-7``, a row spread over 6 decoded up to 1.3 times
+  ``(max - min) / 510`` away); ``2**-140`` for spreads below ``2**-118``, where the scale is
+  subnormal.
 
 A finite value a compression would make Inf (fp16 past 65504, bf16 next to float32's largest)
 is refused: export raises a ValueError naming the table and the row, and writes nothing.
@@ -185,20 +194,26 @@ def decode(
 
 
 def error_bound(compression: str, x: np.ndarray, params: Mapping) -> np.ndarray:
-    """The per-value bound on |decode(encode(x)) - x| stated in the module docstring."""
+    """The per-value bound on |decode(encode(x)) - x| stated in the module docstring, for the
+    float32 values ``x`` (rows of a table: int8_rowwise's bound is per row), in float64."""
     x = np.asarray(x, dtype=np.float64)
     if compression == "fp32":
         return np.zeros_like(x)
     if compression == "fp16":
         return np.maximum(np.abs(x) * 2.0**-11, 2.0**-25)
     if compression == "bf16":
-        return np.abs(x) * 2.0**-8
+        return np.maximum(np.abs(x) * 2.0**-8, 2.0**-134)
     if compression == "fixed_r8":
         r = params["fixed_range"]
-        return np.full_like(x, r / 256.0) + np.maximum(np.abs(np.clip(x, -r, r * 127 / 128) - x), 0)
+        outside = np.abs(np.clip(x, -r, r * 127 / 128) - x)
+        return np.full_like(x, r / 256.0 + r * 2.0**-22) + outside
     if compression == "int8_rowwise":
+        if x.shape[-1] == 0:
+            return np.zeros_like(x)
         span = x.max(axis=1, keepdims=True) - x.min(axis=1, keepdims=True)
-        return np.broadcast_to(span / 255.0 / 2.0 * 1.0001 + 1e-7, x.shape)
+        largest = np.abs(x).max(axis=1, keepdims=True)
+        bound = span / 510.0 + (span + largest) * 2.0**-23 + 2.0**-140
+        return np.broadcast_to(bound, x.shape)
     raise ValueError(f"unknown compression {compression!r}")
 
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import embengine as ee
 from embengine import checkpoint as ckpt_mod
@@ -228,6 +231,80 @@ def test_codec_round_trip_respects_error_bound(compression):
     assert worst == pytest.approx(err.max())
     if compression == "fp32":
         assert worst == 0.0
+
+
+def _round_trip_excess(compression: str, x: np.ndarray, params: dict) -> float | None:
+    """The largest ``|decode(encode(x)) - x| - error_bound`` over ``x`` (> 0: the stated bound
+    fails), or None if the compression refuses ``x`` (values it cannot represent)."""
+    from embengine.serving import _encode_table, decode
+
+    x = np.asarray(x, np.float32)
+    try:
+        arrays, worst = _encode_table(x, compression, params)
+    except ValueError:  # would be Inf: refused, naming the row
+        return None
+    back = decode(arrays, compression, np.arange(len(x)), params).astype(np.float64)
+    err = np.abs(back - x)
+    assert worst == (err.max() if x.size else 0.0)
+    return float((err - error_bound(compression, x, params)).max()) if x.size else 0.0
+
+
+# Rows the previous bounds did not hold for, rounded in float32 as decoding is.
+_ADVERSARIAL = {
+    # near -1e5 float32's step is 2**-7: spread over ~6, the decoded sum rounds past
+    # (max - min) / 510 (up to 1.3 times it)
+    "int8_rowwise": (
+        -1e5 + np.random.default_rng(1).uniform(0, 10, (2000, 16)),
+        {},
+    ),
+    # float32 subnormals: bfloat16's step there is 2**-133, whatever |x|
+    "bf16": (np.arange(1, 4001, dtype=np.uint32).view(np.float32).reshape(250, 16), {}),
+    # half steps of r / 128 (not a float32: its rounding, times the code, adds to the half step)
+    "fixed_r8": ((np.arange(-128, 127).reshape(-1, 5) + 0.5) * (0.1 / 128), {"fixed_range": 0.1}),
+}
+
+
+@pytest.mark.parametrize("compression", sorted(_ADVERSARIAL))
+def test_the_stated_bound_holds_for_rows_it_used_to_miss(compression):
+    """The bounds stated in embengine.serving's docstring (``error_bound``) hold for the rows
+    that broke the old ones: int8_rowwise's ``(max - min) / 510`` for a row far from 0 with a
+    small spread (decoding rounds to float32), bf16's ``|x| * 2**-8`` for subnormals,
+    fixed_r8's ``r / 256`` with ``r / 128`` not a float32."""
+    x, params = _ADVERSARIAL[compression]
+    assert _round_trip_excess(compression, x, params) <= 0
+
+
+_F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def _rows(draw) -> np.ndarray:
+    """float32 rows: any float32 values, or an offset plus a spread (large offsets, small
+    spreads), subnormals included."""
+    shape = (draw(st.integers(1, 4)), draw(st.integers(1, 8)))
+    if draw(st.booleans()):
+        return draw(hnp.arrays(np.float32, shape, elements=_F32))
+    offset = np.float32(draw(_F32))
+    spread = np.float32(2.0 ** draw(st.integers(-149, 20)))
+    u = draw(hnp.arrays(np.float32, shape, elements=st.floats(0, 1, width=32)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = (offset + spread * u).astype(np.float32)
+    assume(np.isfinite(x).all())
+    return x
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    compression=st.sampled_from(COMPRESSIONS),
+    x=_rows(),
+    fixed_range=st.sampled_from([1.0, 0.1, 0.3, 3.7, 1e-3, 2.0**-100]),
+)
+def test_the_stated_bound_holds_for_any_float32_rows(compression, x, fixed_range):
+    """``|decode(encode(x)) - x| <= error_bound(x)`` for every compression (values a compression
+    refuses aside), over float32 rows of any magnitude, offset and spread."""
+    params = {"fixed_range": fixed_range} if compression == "fixed_r8" else {}
+    excess = _round_trip_excess(compression, x, params)
+    assert excess is None or excess <= 0, excess
 
 
 def test_export_report_sizes(trained, tmp_path):
