@@ -440,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write a checkpoint's weights for serving, compressed",
         description="Write the weights of a checkpoint (no optimizer slots) for "
-        "embengine.serving.ServingEngine; prints sizes and the max abs error per table.",
+        "embengine.serving.ServingEngine; prints sizes (fp32 MiB: the rows as float32; export "
+        "MiB: as written; a keyed table's int64 keys count in both) and the max abs error per "
+        "table.",
     )
     from .serving import COMPRESSIONS
 

@@ -352,6 +352,29 @@ def test_export_report_totals_keep_a_tables_nan_error(tmp_path):
     assert lines[-1].split()[:2] == ["all", "tables"] and lines[-1].split()[-1] == "nan"
 
 
+def test_export_report_counts_a_keyed_tables_keys_in_both_sizes(tmp_path, capsys):
+    """A keyed table's export holds its int64 keys beside its rows: the "fp32 MiB" column left
+    them out and "export MiB" counted them, so an fp32 export (nothing compressed) showed a
+    ratio of 0.50 at dim 2. Both count them now, and the report says so."""
+    from embengine import cli
+
+    t = ee.TableConfig(None, 2, name="k", combiner="sum")
+    eng = ee.EmbeddingEngine({"f": ee.FeatureConfig(t)}, optimizer=O.SGD(0.1))
+    acts = eng.lookup({"f": np.arange(40)})
+    eng.apply_gradients({"f": np.ones_like(acts["f"])})
+    path = eng.save(tmp_path / "ck")
+    for comp, ratio in (("fp32", 1.0), ("fp16", 16 / 12)):
+        out = tmp_path / comp
+        assert cli.main(["export", str(path), str(out), "--compress", comp]) == 0
+        report = export(path, tmp_path / f"{comp}-api", compress=comp)
+        (row,) = report.rows
+        assert row["bytes_before"] == 40 * (2 * 4 + 8)  # rows as float32, and the keys
+        assert row["bytes_after"] == 40 * (2 * {"fp32": 4, "fp16": 2}[comp] + 8)
+        text = capsys.readouterr().out
+        assert f"{ratio:6.2f}" in text.splitlines()[1]
+        assert "(keyed tables: both sizes count their int64 keys)" in text
+
+
 def test_per_table_overrides_apply(trained, tmp_path):
     eng, path = trained
     per_table = {"bag": "int8_rowwise", "seq": "fp32"}
