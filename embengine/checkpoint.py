@@ -42,12 +42,13 @@ remove) the checkpoints older than the newest N, except the newest one whose tab
 and float slots) were all finite when written: the manifest records that (``"finite"``,
 checked chunk by chunk while writing), so NaN reaching the tables never costs the last good
 checkpoint. Manifests written before the flag existed count as finite. Nor does it delete a
-checkpoint being read: ``read_checkpoint`` (restore, load, export, inspect) holds a shared flock
-of the checkpoint's folder from before it reads the manifest until the restore or export ends
-(a CheckpointReader until ``close()``), and pruning skips a folder it cannot lock exclusively
-(a later save prunes it). A restore thus never loses its files midway to a save, in this
-process or another; a checkpoint deleted before the reader locked it (or by anything else) is a
-CheckpointError naming it, nothing read.
+checkpoint being read: ``read_checkpoint`` (restore, load, export) and ``manifest_held``
+(inspect) hold a shared flock of the checkpoint's folder from before they read the manifest
+until the restore, export or description ends (a CheckpointReader until ``close()``), and
+pruning skips a folder it cannot lock exclusively (a later save prunes it). A restore thus
+never loses its files midway to a save, in this process or another; a checkpoint deleted
+before the reader locked it (or by anything else) is a CheckpointError naming it, nothing
+read.
 
 Loading. ``read_checkpoint`` (``restore``, ``EmbeddingEngine.load``, export) and
 ``read_manifest`` (inspect) check, in this order and before any engine is built or any table
@@ -1073,10 +1074,22 @@ def _unreadable(file: Path, e: OSError) -> str:
 def read_manifest(path: str | Path, verify: bool = True) -> tuple[Path, dict]:
     """(checkpoint directory, manifest) after every check of the module docstring: format,
     version, schema, file names and sizes, safetensors headers against the manifest and, with
-    ``verify``, every SHA-256."""
+    ``verify``, every SHA-256. The checkpoint's read lock is released on return: a save's
+    keep=N may prune it then (to read its files afterwards, use ``manifest_held``)."""
+    with manifest_held(path, verify) as (ckpt, manifest):
+        return ckpt, manifest
+
+
+@contextlib.contextmanager
+def manifest_held(path: str | Path, verify: bool = True) -> Iterator[tuple[Path, dict]]:
+    """``read_manifest`` whose checkpoint stays locked (shared: ``_ReadLock``) for the block,
+    so a save's keep=N does not prune it while the block reads its files (``embengine
+    inspect`` reads the table headers again)."""
     ckpt, manifest, _, lock = _read(path, verify)
-    lock.release()
-    return ckpt, manifest
+    try:
+        yield ckpt, manifest
+    finally:
+        lock.release()
 
 
 def _check_tensors(ckpt: Path, manifest: dict) -> Headers:

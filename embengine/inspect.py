@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .checkpoint import FORMAT, read_manifest, read_own_file
+from .checkpoint import FORMAT, manifest_held, read_own_file
 from .safetensors_io import read_header
 from .serving import SERVING_FORMAT, read_serving_manifest
 
@@ -48,25 +48,32 @@ def _keyed_stats(keyed: dict) -> str:
 
 
 def describe(path: str | Path, verify: bool = True) -> str:
+    """What the checkpoint (or folder of checkpoints: the newest) or export at ``path`` holds,
+    after every check of its loader (``verify``: with the hashes). A checkpoint stays locked
+    (shared) until its table headers are read again: a save's keep=N pruned it in between,
+    and the header read was a bare FileNotFoundError."""
     path = Path(path)
-    fmt = _format_of(path)
-    lines = []
-    if fmt == SERVING_FORMAT:
+    if _format_of(path) == SERVING_FORMAT:
         manifest = read_serving_manifest(path, verify)
-        lines.append(f"export {path} (from step {manifest['source_step']})")
-        root = path
-    else:
-        root, manifest = read_manifest(path, verify)
-        lines.append(
+        head = [f"export {path} (from step {manifest['source_step']})"]
+        return _describe(path, manifest, head, verify)
+    with manifest_held(path, verify) as (root, manifest):
+        lines = [
             f"checkpoint {root}: step {manifest['step']}, seed {manifest['seed']}, "
             f"written by embengine {manifest['embengine_version']}"
-        )
+        ]
         bad = [t["name"] for t in manifest["tables"] if t.get("finite") is False]
         if bad:
             lines.append(
                 f"NaN or Inf in tables {bad} when written (keep=N keeps the newest "
                 "finite checkpoint besides this one)"
             )
+        return _describe(root, manifest, lines, verify)
+
+
+def _describe(root: Path, manifest: dict, lines: list[str], verify: bool) -> str:
+    """``describe``'s text: ``lines`` (what the folder is), then files, tables with their
+    tensors (headers read from ``root``) and features."""
     total = sum(f["bytes"] for f in manifest["files"].values())
     lines.append(
         f"{len(manifest['files'])} files, {total / 2**20:.2f} MiB, checksums "

@@ -1297,6 +1297,34 @@ def test_an_open_reader_keeps_its_checkpoint_until_closed(tmp_path):
         _engine(seed=11).restore(old)
 
 
+@pytest.mark.parametrize("given", ["root", "checkpoint"])
+def test_inspect_keeps_its_checkpoint_until_the_headers_are_read(tmp_path, monkeypatch, given):
+    """``describe`` (embengine inspect) read the manifest under the checkpoint's lock, released
+    it, then read every table file's header again: a save with keep=1 in between pruned the
+    checkpoint, and the header read was a bare FileNotFoundError. A real save runs just before
+    the first header read here (``inspect.read_header``, delegating); the checkpoint is kept
+    while described, and pruned by the next save after."""
+    from embengine import inspect
+
+    eng = _engine()
+    _train(eng, 1)
+    old = eng.save(tmp_path)
+    header, saves = inspect.read_header, []
+
+    def save_then_read(*args, **kwargs):
+        if not saves:
+            _train(eng, 1)
+            saves.append(eng.save(tmp_path, keep=1))
+        return header(*args, **kwargs)
+
+    monkeypatch.setattr(inspect, "read_header", save_then_read)
+    text = describe(tmp_path if given == "root" else old)
+    assert text.startswith(f"checkpoint {old}: step 1") and "table 't'" in text
+    assert list_checkpoints(tmp_path) == [old, saves[0]]
+    newest = eng.save(tmp_path, keep=1)
+    assert list_checkpoints(tmp_path) == [newest]
+
+
 def test_a_link_to_a_checkpoint_folder_is_read_through_its_lock(tmp_path):
     """The read lock compares the folder it locked with the path's target (a link such as
     ``latest -> ckpt-...`` is not a folder renamed away)."""
