@@ -244,8 +244,11 @@ ELEMENT_GENERAL = """    for j in range(dim):
 
 # Without clipping or weight decay (the usual case) a loop without their per-coordinate tests
 # (what they cost Adam on W1: docs/performance.md, "Figures behind the code"). The 16-bit
-# kernels keep ELEMENT_GENERAL alone: there the tests cost nothing measurable, and a second
-# inlined copy of the row math a fifth of the compile time (same place).
+# any-layout kernels keep ELEMENT_GENERAL alone: there the tests cost nothing measurable, and a
+# second inlined copy of the row math a fifth of the compile time (same place). The 16-bit
+# fixed-layout ones (in place, HALF_FIXED_UPDATE) take this loop too: with a float32 gradient
+# it runs 8 coordinates a vector, Adam's bfloat16 update 13% less CPU time for ~0.5 s more
+# compile (docs/performance.md, "16-bit fixed-layout kernels take the float32 loop").
 ELEMENT_BODY = """{prologue}if gclip or wclip or mode != WD_NONE:
 {general}
 else:
@@ -825,7 +828,7 @@ def _half_fixed_update(rm: RowMath, wkind: str, skind: str) -> str:
     return HALF_FIXED_UPDATE.format(
         random_words=words,
         save_ints=SAVE_INTS if ints else "",
-        body=_body(rm, access, one_path=True),
+        body=_body(rm, access),
         restore_w=access.restore(wkind, "0"),
         restore_slots=restore_slots,
         restore_ints=RESTORE_INTS if ints else "",
