@@ -112,6 +112,12 @@ Scenarios:
                                 (apply); or the last rank's table_contents() fails between
                                 two tables' gathers (contents); then each rank's lookup,
                                 update (contents) or table_contents (apply), and save
+  fill_fails                    exchange "rows", a group of 10 s timeout: a step, a training
+                                lookup, then the last rank's update, right after it (so it
+                                speculates), fails as it packs its message (its fill_push
+                                raises), after every check of its input: each rank's outcome
+                                and seconds, whether the tables stayed as they were, then the
+                                update again together (header first)
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1413,6 +1419,50 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join(said) + "\n")
 
 
+def run_fill_fails(rank: int, world: int, out: str, name: str) -> None:
+    """``fill_fails`` (module docstring): each call's outcome and seconds, whether the
+    tables stayed as they were, then a step together, in a .txt."""
+    import torch.distributed as dist
+
+    import embengine.kernels.shard_route as sr
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    feats, weights, grads = local(0, rank, world)
+    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=10)
+    eng.lookup(feats, weights)  # a step first: every kernel loaded, the ranks lined up
+    eng.apply_gradients(grads)
+    before = eng.table_contents()
+    eng.lookup(feats, weights)  # armed: the update right after it speculates
+    dist.barrier()
+    fill = sr.fill_push
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the test's")
+
+    if rank == world - 1:
+        sr.fill_push = fails  # packing the update's message, after every check of its input
+    start = time.monotonic()
+    try:
+        eng.apply_gradients(grads)
+        said = "no error"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    finally:
+        sr.fill_push = fill
+    seconds = time.monotonic() - start
+    dist.barrier()  # the ranks go on together (without the fix rank 0 waited out the timeout)
+    after = eng.table_contents()
+    unchanged = after["step"] == before["step"] and all(
+        np.array_equal(a, after["tables"][t][k])
+        for t, arrays in before["tables"].items()
+        for k, a in arrays.items()
+    )
+    eng.apply_gradients(grads)  # the pending batch, header first now
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write(f"{seconds:.3f} {said}\nunchanged={unchanged}\nstep={eng.step}\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -1692,6 +1742,8 @@ def main() -> None:
                 run_user_optimizer(rank, world, out, name)
             elif name == "nonfinite":
                 run_nonfinite(rank, world, out, name)
+            elif name == "fill_fails":
+                run_fill_fails(rank, world, out, name)
             elif name.partition(":")[0] == "midway":
                 run_midway(rank, world, out, name)
             else:

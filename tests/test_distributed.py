@@ -581,6 +581,7 @@ REFUSALS = [
     "midway",
     "midway:apply",
     "midway:contents",
+    "fill_fails",
     "save_fails",
     "save_roots",
     "save_write_fails:dense",
@@ -929,6 +930,29 @@ def test_after_an_update_or_contents_call_failed_midway_every_call_is_refused_at
                 assert text.endswith(
                     f"{half}Make a new ShardedEngine (ShardedEngine.load of the last checkpoint)"
                 ), (case, lines)
+
+
+def test_an_update_whose_message_fails_to_pack_on_one_rank_fails_every_rank_at_once(refusals):
+    """The last rank's update right after its lookup (so it speculates: its header travels
+    in its message) failed as it packed the message (its fill_push raised), after every check
+    of its input. It raised at once without sending anything, and rank 0 waited for its
+    message until the timeout (10 s). Now it sends its header, marked as failed, in a message
+    of zeros: rank 0 raises at once naming it and what failed, nothing changed on either
+    rank, and the ranks update the pending batch together afterwards."""
+    for rank in range(2):
+        first, unchanged, step = (refusals / f"fill_fails.rank{rank}.txt").read_text().splitlines()
+        seconds, said = first.split(" ", 1)
+        if rank == 1:
+            assert said == "RuntimeError: the test's", said
+        else:
+            assert said == (
+                "DistributedError: rank 0: apply_gradients at step 1 failed on ranks [1] "
+                "(packing the update's message failed there, after every check of its input: "
+                "see their error); nothing was changed on any rank"
+            ), said
+            assert float(seconds) < 5.0, said  # the group's timeout is 10 s
+        assert unchanged == "unchanged=True", (rank, unchanged)
+        assert step == "step=2", (rank, step)
 
 
 @pytest.mark.parametrize(

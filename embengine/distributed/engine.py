@@ -124,6 +124,15 @@ _CALLS = {
 }
 # Header columns: call, step, valid, the call's data time (NO_TIME: none); then ``_Columns``.
 _FIXED = 4
+# The header's "valid" column: 1 when the rank's call may go on, else why it may not: its
+# input failed its checks (0), or a speculating update's message failed to pack after every
+# check (``_PACKING``: the rank sends its header in a message of zeros, so the others raise
+# at once, naming it, instead of waiting for its message until the timeout).
+_VALID, _INVALID, _PACKING = 1, 0, 3
+_FAILURES = {
+    _INVALID: "their input was invalid",
+    _PACKING: "packing the update's message failed there, after every check of its input",
+}
 # Groups of "sums" tables whose partial sums travel apart, each while the next is pooled.
 _SUMS_GROUPS = 2
 
@@ -758,7 +767,7 @@ class ShardedEngine:
             # a rank making another call fails with the others (gloo aborts the process on
             # sizes that differ).
             out, into = self._speculated(spec)[3:]
-            got = self._message_exchange(call, header, "header", out, into)[0]
+            got = self._message_exchange(call, header, "header", out, into)[0]  # no fill
         else:
             self._comm.enter(f"{_CALLS[call]} at step {self._step}")
             got = self._comm.all_to_all(
@@ -781,7 +790,7 @@ class ShardedEngine:
         header = np.zeros((w, cols.width), dtype=np.int64)
         header[:, 0] = call
         header[:, 1] = self._step
-        header[:, 2] = error is None
+        header[:, 2] = _VALID if error is None else _INVALID
         header[:, 3] = NO_TIME if timestamp is None else timestamp
         # The a columns carry a lookup's counts or an update's learning rates, never both.
         assert lrs is None or cols.a not in (blocks or {}), "learning rates go in the a columns"
@@ -809,11 +818,19 @@ class ShardedEngine:
                 f"rank {self.rank} called {name} while the ranks called: {theirs}; every rank "
                 "must make the same calls in the same order"
             )
-        bad = [s for s in range(w) if not got[s, 2]]
+        bad = [s for s in range(w) if got[s, 2] != _VALID]
         if bad:
+            kinds = {int(got[s, 2]) for s in bad}
+            if len(kinds) == 1:
+                why = _FAILURES.get(kinds.pop(), "an unknown failure code")
+            else:
+                why = "; ".join(
+                    f"rank {s}: {_FAILURES.get(int(got[s, 2]), 'an unknown failure code')}"
+                    for s in bad
+                )
             raise DistributedError(
-                f"rank {self.rank}: {name} at step {self._step} failed on ranks {bad} (their "
-                "input was invalid: see their error); nothing was changed on any rank"
+                f"rank {self.rank}: {name} at step {self._step} failed on ranks {bad} ({why}: "
+                "see their error); nothing was changed on any rank"
             )
         steps = got[:, 1]
         if (steps != self._step).any():
@@ -1912,15 +1929,25 @@ class ShardedEngine:
         and ``into`` (what it receives; ``_speculated``), carrying this rank's ``header`` rows
         and what ``fill(words, floats)`` writes (else zeros). ``meanwhile()`` runs while it
         travels. Returns ``(the headers received, the buffer received, what meanwhile
-        returned)``."""
+        returned, the error fill raised or None)``: a fill that raises (any error, a
+        KeyboardInterrupt too) still sends the message, zeros with its header marked
+        ``_PACKING``, and skips ``meanwhile``, so that every rank raises at the header
+        (raising at once left the others waiting for this rank's message until the timeout)."""
         w, cols = self.world_size, self._cols
         # Zeros: the padding and an unfilled message must not carry leftover memory.
         send = np.zeros(int(out.sizes.sum()), dtype=np.float32)
         words = send.view(np.int64)
+        failed: BaseException | None = None
+        if fill is not None:
+            try:
+                fill(words, send)
+            except BaseException as e:  # sent as the header's failure code below
+                failed, meanwhile = e, None
+                send[:] = 0
+                header = header.copy()
+                header[:, 2] = _PACKING
         for d in range(w):
             words[out.block_at[d] // 2 : out.block_at[d] // 2 + cols.width] = header[d]
-        if fill is not None:
-            fill(words, send)
         self._comm.enter(f"{_CALLS[call]} at step {self._step}")
         arrived = self._comm.all_to_all_start(send, out.sizes, into.sizes, purpose)
         extra = None
@@ -1931,7 +1958,7 @@ class ShardedEngine:
             recv = arrived()
         taken = recv.view(np.int64)
         got = np.stack([taken[a // 2 : a // 2 + cols.width] for a in into.block_at.tolist()])
-        return got, recv, extra
+        return got, recv, extra, failed
 
     def _apply_speculating(self, spec: _Lookup, error, blocks, lrs, when, grads, last):
         """The update right after the training lookup ``spec``, in one all-to-all: each rank
@@ -1958,7 +1985,7 @@ class ShardedEngine:
                 batches = self._kept_batches(np.flatnonzero(kept_tables), spec, got_m, layouts)
                 return layouts, batches
 
-        got, recv, extra = self._message_exchange(
+        got, recv, extra, failed = self._message_exchange(
             _APPLY,
             header,
             "gradients",
@@ -1967,7 +1994,7 @@ class ShardedEngine:
             fill if real else None,
             meanwhile if real else None,
         )
-        self._check_header(_APPLY, error, got, lrs)
+        self._check_header(_APPLY, error if failed is None else failed, got, lrs)
         if not (got[:, cols.b : cols.b + nt] > 0).all():
             return got, None
         layouts, batches = extra
