@@ -947,7 +947,7 @@ def test_an_update_whose_message_fails_to_pack_on_one_rank_fails_every_rank_at_o
         else:
             assert said == (
                 "DistributedError: rank 0: apply_gradients at step 1 failed on ranks [1] "
-                "(packing the update's message failed there, after every check of its input: "
+                "(packing their update's message failed, after every check of their input: "
                 "see their error); nothing was changed on any rank"
             ), said
             assert float(seconds) < 5.0, said  # the group's timeout is 10 s
@@ -1333,15 +1333,17 @@ def test_an_error_before_the_saves_folder_is_made_fails_every_ranks_save_at_once
     rank's keys (``keyed_checkpoint.layout``). Its error left its save at once, rank 0 waited
     in the save's next collective until the group's timeout (60 s), and the ranks' next
     collectives met nothing: both processes failed. Now the spec is made before the header
-    (every rank raises there: a DistributedError naming the rank) and the keys' gathering
+    (every rank raises there: a DistributedError naming the rank, and saying its error was not
+    about its input: it read "their input was invalid" before) and the keys' gathering
     goes on without this rank's keys, every rank learning the error right after it (a
     PeerError naming the rank and the table); nothing is made and the ranks go on."""
     tmp_path = refusals
     cases = {  # case: (the failed rank's error, what the other rank says)
         "spec": (
             "RuntimeError: the test's",
-            "DistributedError: rank 0: save at step 1 failed on ranks [1] (their input was "
-            "invalid: see their error); nothing was changed on any rank",
+            "DistributedError: rank 0: save at step 1 failed on ranks [1] (an error of theirs "
+            "that is not about their input, not a ValueError, TypeError or LookupError: see "
+            "their error); nothing was changed on any rank",
         ),
         "layout": (
             "MemoryError: the test's",

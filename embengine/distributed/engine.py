@@ -124,15 +124,32 @@ _CALLS = {
 }
 # Header columns: call, step, valid, the call's data time (NO_TIME: none); then ``_Columns``.
 _FIXED = 4
-# The header's "valid" column: 1 when the rank's call may go on, else why it may not: its
-# input failed its checks (0), or a speculating update's message failed to pack after every
+# The header's "valid" column: 1 when the rank's call may go on, else why it may not
+# (``_failure_code``), so that the others say what kind of failure it was: its input failed
+# its checks (0: a ValueError, TypeError or LookupError), its tables' storage could not be
+# used (a StorageError), any other error before the header (a bug's RuntimeError, a
+# MemoryError: not its input), or a speculating update's message failed to pack after every
 # check (``_PACKING``: the rank sends its header in a message of zeros, so the others raise
 # at once, naming it, instead of waiting for its message until the timeout).
-_VALID, _INVALID, _PACKING = 1, 0, 3
+_VALID, _INVALID, _OTHER, _PACKING, _STORAGE = 1, 0, 2, 3, 4
 _FAILURES = {
     _INVALID: "their input was invalid",
-    _PACKING: "packing the update's message failed there, after every check of its input",
+    _OTHER: "an error of theirs that is not about their input, not a ValueError, TypeError or "
+    "LookupError",
+    _PACKING: "packing their update's message failed, after every check of their input",
+    _STORAGE: "their tables' storage could not be used: a StorageError",
 }
+
+
+def _failure_code(error: BaseException) -> int:
+    """The header's code (``_FAILURES``) for ``error``, this rank's before its header."""
+    if isinstance(error, StorageError):  # a ValueError, but of the rank's files, not its input
+        return _STORAGE
+    if isinstance(error, ValueError | TypeError | LookupError):
+        return _INVALID
+    return _OTHER
+
+
 # Groups of "sums" tables whose partial sums travel apart, each while the next is pooled.
 _SUMS_GROUPS = 2
 
@@ -268,8 +285,9 @@ class _Kept:
 
 
 class DistributedError(RuntimeError):
-    """Ranks disagree (another call, step or learning rate), or another rank's input was
-    invalid: raised on every rank, naming the ranks; nothing was updated."""
+    """Ranks disagree (another call, step or learning rate), or another rank's call failed
+    before it began (its input was invalid, or another error: the message says which kind):
+    raised on every rank, naming the ranks; nothing was updated."""
 
 
 class ShardedEngine:
@@ -790,7 +808,7 @@ class ShardedEngine:
         header = np.zeros((w, cols.width), dtype=np.int64)
         header[:, 0] = call
         header[:, 1] = self._step
-        header[:, 2] = _VALID if error is None else _INVALID
+        header[:, 2] = _VALID if error is None else _failure_code(error)
         header[:, 3] = NO_TIME if timestamp is None else timestamp
         # The a columns carry a lookup's counts or an update's learning rates, never both.
         assert lrs is None or cols.a not in (blocks or {}), "learning rates go in the a columns"
