@@ -188,7 +188,14 @@ def _sequence(path: Path) -> int:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, foreign or incompatible."""
+    """A checkpoint that cannot be used: missing, corrupt, foreign or incompatible; or a save
+    that failed after it committed its checkpoint (a ShardedEngine's: its root's sync or
+    pruning failed on rank 0). ``path``: that committed checkpoint's folder (complete: it
+    restores), so a caller need not parse the message for it; None on any other."""
+
+    def __init__(self, *args: object, path: Path | None = None):
+        super().__init__(*args)
+        self.path = path
 
 
 @dataclass

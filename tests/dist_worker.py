@@ -911,6 +911,8 @@ def run_save_write_fails(rank: int, world: int, out: str, name: str) -> None:
         said = f"saved {eng.save(root, extra_tensors={'dense': np.ones(3, np.float32)})}"
     except BaseException as e:  # KeyboardInterrupt too: the case's point
         said = f"{type(e).__name__}: {e}"
+        if getattr(e, "path", None) is not None:  # a committed checkpoint's CheckpointError
+            said += f" | path={e.path}"
     finally:
         os.pwrite = pwrite
         module.write_safetensors, module.sha256_file = written, hashed

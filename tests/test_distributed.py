@@ -1365,7 +1365,8 @@ def test_a_failure_after_the_commit_tells_every_rank_the_checkpoint_is_there(ref
     is complete under its name. Rank 0 raised the bare OSError and the other rank was told
     "rank 0 could not commit the checkpoint", as if nothing had been saved. Every rank now
     raises a CheckpointError naming the checkpoint, saying it was committed and what failed
-    then; the ranks go on together."""
+    then, and its ``path`` is that checkpoint (the message alone named it); the ranks go on
+    together."""
     tmp_path = refusals
     name = "ckpt-000001-step000000000001"
     for rank in range(2):
@@ -1375,7 +1376,8 @@ def test_a_failure_after_the_commit_tells_every_rank_the_checkpoint_is_there(ref
             f"CheckpointError: rank {rank}: the checkpoint {root / name} was committed "
             "(complete: it restores), but rank 0 then failed while syncing the root folder "
             "after the rename (a crash may still lose the name) (OSError: [Errno 5] "
-            "Input/output error); every rank left the save together (the engine can go on)"
+            "Input/output error); every rank left the save together (the engine can go on) "
+            f"| path={root / name}"
         ), text
         assert held == f"held=[{name!r}]", held
         assert then == "step=2 ckpt-000002-step000000000002", then

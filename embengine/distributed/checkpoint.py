@@ -341,8 +341,9 @@ class _Committed(Exception):
 def _committed_then_failed(comm: Comm, path: Path, then: str, late: _Committed | None) -> None:
     """Every rank: rank 0 committed the checkpoint ``path`` and then failed (``then``: what it
     was doing, and its error; ``late``: rank 0's own). A CheckpointError saying so on every
-    rank (rank 0's chained to its error; a KeyboardInterrupt of rank 0's is raised as it is,
-    with that text as a note), raised alike: the ranks are in step."""
+    rank, its ``path`` the checkpoint (rank 0's chained to its error; a KeyboardInterrupt of
+    rank 0's is raised as it is, with that text as a note), raised alike: the ranks are in
+    step."""
     text = (
         f"rank {comm.rank}: the checkpoint {path} was committed (complete: it restores), but "
         f"rank 0 then failed while {then}; every rank left the save together (the engine can "
@@ -351,7 +352,8 @@ def _committed_then_failed(comm: Comm, path: Path, then: str, late: _Committed |
     if late is not None and not isinstance(late.error, Exception):
         late.error.add_note(text)
         raise comm.alike(late.error)
-    raise comm.alike(ckpt.CheckpointError(text)) from (late.error if late is not None else None)
+    error = ckpt.CheckpointError(text, path=path)
+    raise comm.alike(error) from (late.error if late is not None else None)
 
 
 def _same_folder(comm: Comm, root: Path, tmp: Path) -> bool | Exception:
