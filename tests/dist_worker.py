@@ -106,12 +106,18 @@ Scenarios:
                                 RuntimeError), the others wait for its ids until the timeout;
                                 then each rank's update, lookup and save: each outcome and
                                 seconds in a .txt
-  midway:<apply|contents>       as midway, but a lookup that works, then the last rank's
+  midway:<apply|contents|save|restore>
+                                as midway, but a lookup that works, then the last rank's
                                 update fails after the header (its backend's update of a table
                                 raises), the others waiting in the update's last collective
                                 (apply); or the last rank's table_contents() fails between
                                 two tables' gathers (contents); then each rank's lookup,
-                                update (contents) or table_contents (apply), and save
+                                update (contents) or table_contents (apply), and save; or the
+                                last rank's save (a save together first, then its restore)
+                                fails past its header, before its first collective
+                                (checkpoint.save / checkpoint.restore raise), the others
+                                waiting in it; then each rank's lookup, table_contents and
+                                restore (save) or save (restore)
   fill_fails                    exchange "rows", a group of 10 s timeout: a step, a training
                                 lookup, then the last rank's update, right after it (so it
                                 speculates), fails as it packs its message (its fill_push
@@ -1366,6 +1372,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
     """``midway`` and ``midway:<apply|contents>`` (module docstring)."""
     import torch.distributed as dist
 
+    import embengine.distributed.checkpoint as checkpoint
     import embengine.distributed.engine as module
     import embengine.kernels.shard_route as sr
     from embengine.distributed import ShardedEngine
@@ -1381,6 +1388,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
     dist.barrier()
     eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=3)
     route, update, view = sr.route_ids, eng._backend.apply, module.column_view
+    saving, restoring = checkpoint.save, checkpoint.restore
 
     def fails(*args, **kwargs):
         raise RuntimeError("the test's")
@@ -1388,16 +1396,28 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
     lookup = ("lookup", lambda: eng.lookup(feats, weights))
     apply = ("apply_gradients", lambda: eng.apply_gradients(grads))
     contents = ("table_contents", lambda: eng.table_contents())
-    save = ("save", lambda: eng.save(os.path.join(out, name.replace(":", "_"))))
+    root = os.path.join(out, name.replace(":", "_"))
+    save = ("save", lambda: eng.save(root))
+    restore = ("restore", lambda: eng.restore(root))
     case = name.partition(":")[2] or "lookup"
     calls = {  # the first fails on the last rank
         "lookup": [lookup, apply, ("lookup again", lookup[1]), save],
         "apply": [apply, lookup, contents, save],
         "contents": [contents, lookup, apply, save],
+        "save": [save, lookup, contents, restore],
+        "restore": [restore, lookup, contents, save],
     }[case]
     if case == "apply":  # a lookup that works first
         calls.insert(0, ("lookup first", lookup[1]))
-    failing = {"lookup": "lookup", "apply": "apply_gradients", "contents": "table_contents"}
+    if case == "restore":  # a checkpoint to restore first
+        calls.insert(0, ("save first", save[1]))
+    failing = {
+        "lookup": "lookup",
+        "apply": "apply_gradients",
+        "contents": "table_contents",
+        "save": "save",
+        "restore": "restore",
+    }
     said = []
     for call, fn in calls:
         if call == failing[case] and rank == world - 1:
@@ -1405,8 +1425,12 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
                 sr.route_ids = fails  # between the header's exchange and the ids'
             elif case == "apply":
                 eng._backend.apply = fails  # after the message, before the last collective
-            else:
+            elif case == "contents":
                 module.column_view = fails  # between the first table's gathers and the next's
+            elif case == "save":
+                checkpoint.save = fails  # past the header, before the save's first collective
+            else:
+                checkpoint.restore = fails  # past the header, before the restore's first
         start = time.monotonic()
         try:
             fn()
@@ -1415,6 +1439,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
             outcome = f"{type(e).__name__}: {e}"
         finally:
             sr.route_ids, eng._backend.apply, module.column_view = route, update, view
+            checkpoint.save, checkpoint.restore = saving, restoring
         said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
     dist.barrier()  # the ranks leave together (the others waited out the timeout)
     with open(os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.txt"), "w") as f:

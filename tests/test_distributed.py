@@ -581,6 +581,8 @@ REFUSALS = [
     "midway",
     "midway:apply",
     "midway:contents",
+    "midway:save",
+    "midway:restore",
     "fill_fails",
     "save_fails",
     "save_roots",
@@ -900,10 +902,22 @@ def test_after_an_update_or_contents_call_failed_midway_every_call_is_refused_at
     contents: rank 0's lookup waited for a peer again). As after a lookup failed midway, the
     call leaves the engine out of step: every later call raises at once on every rank,
     naming the failure, with no collective; an update says its tables may be half
-    updated."""
+    updated. A save or a restore failing on the last rank past its header (before its first
+    collective: the others wait in it until the timeout) shares the mechanism and leaves the
+    engine out of step alike (a restore's tables may be half restored: half updated)."""
     cases = {  # case: (the failed call, rank 0's collective, the calls after it)
         "apply": ("apply_gradients", "nonfinite count", ("lookup", "table_contents", "save")),
         "contents": ("table_contents", "contents", ("lookup", "apply_gradients", "save")),
+        "save": (
+            "save",
+            "making the checkpoint's folder (writing its extra tensors)",
+            ("lookup", "table_contents", "restore"),
+        ),
+        "restore": (
+            "restore",
+            "find the newest checkpoint",
+            ("lookup", "table_contents", "save"),
+        ),
     }
     for case, (failed_call, collective, later_calls) in cases.items():
         for rank in range(2):
@@ -917,7 +931,7 @@ def test_after_an_update_or_contents_call_failed_midway_every_call_is_refused_at
                 failed = f"PeerError: rank 0: a collective ({collective}) with ranks [1] failed"
                 assert text.startswith(failed), (case, lines)
                 assert 2.5 < float(seconds) < 15, (case, lines)  # the 3 s timeout
-            half = "; its tables may be half updated. " if case == "apply" else ". "
+            half = "; its tables may be half updated. " if case in ("apply", "restore") else ". "
             for call in later_calls:
                 seconds, text = said[call].split(" ", 1)
                 assert float(seconds) < 1.0, (case, lines)  # no collective
