@@ -218,21 +218,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, in the order they were written (a folder renamed
-    into place is complete; one without manifest was being deleted)."""
+    """Complete checkpoints under ``root``, in the order they were written: folders named
+    like checkpoints (``ckpt-<sequence>-step<step>``) holding a manifest.json. A save renames
+    its folder into place complete and a prune renames a checkpoint away before deleting it, so
+    a folder of that name without manifest.json is no save's: it is never listed (nor
+    deleted)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "manifest.json").is_file()]
     return sorted(found, key=lambda p: (_sequence(p), p.name))
-
-
-def _discard(path: Path) -> None:
-    """Delete a folder so that a kill midway never leaves a half-deleted checkpoint behind
-    under a checkpoint's name: rename it away first."""
-    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -282,11 +277,17 @@ def _locked(path: Path):
 
 def _remove_leftovers(root: Path) -> None:
     """Under the root's lock: remove the temporary folders of killed saves (nobody holds their
-    lock; a running save, in this process or another, does), half-deleted checkpoints and
-    trash of killed prunes (pruning happens under the root's lock, so any trash seen here is
-    stale). Only the names saves and prunes write: ``.tmp-ckpt-*`` and ``.trash-ckpt-*``
-    (``_discard`` renames ``ckpt-*`` folders); an export's temporary folder beside its OUT is
-    ``.export-*`` (embengine.serving), never one of these."""
+    lock; a running save, in this process or another, does) and the trash of killed prunes
+    (pruning happens under the root's lock, so any trash seen here is stale). Only the names
+    saves and prunes write: ``.tmp-ckpt-*`` and ``.trash-ckpt-*`` (``_discard_unless_read``
+    renames a ``ckpt-*`` folder to one before deleting it); an export's temporary folder beside
+    its OUT is ``.export-*`` (embengine.serving), never one of these.
+
+    Never a ``ckpt-*`` folder, even one without manifest.json: a save renames its folder into
+    place with its manifest already inside, and a prune renames the whole folder away first,
+    so no save or prune, killed at any moment, leaves such a folder (embengines before
+    70ffd8c pruned with an in-place rmtree, which could). It is someone else's: a user's
+    folder, or an empty export folder made ahead of an export, which saves deleted."""
     for tmp in root.glob(".tmp-ckpt-*"):
         try:
             fd = os.open(tmp, os.O_RDONLY)
@@ -304,9 +305,6 @@ def _remove_leftovers(root: Path) -> None:
         _unlock(fd)
     for trash in root.glob(".trash-ckpt-*"):
         shutil.rmtree(trash, ignore_errors=True)
-    for p in root.iterdir():
-        if _NAME.match(p.name) and not (p / "manifest.json").is_file():
-            _discard(p)
 
 
 def _written_finite(ckpt: Path) -> bool:

@@ -490,6 +490,9 @@ def test_sigkill_during_repeated_saves_never_leaves_a_bad_latest_checkpoint(tmp_
     # The kills did land inside saves (a stale .tmp-* was left behind) at least sometimes.
     assert mid_save_kills >= 1, "no kill landed during a save; the test proved nothing"
     print(f"{trials} kills, {mid_save_kills} left a .tmp-* folder; leaked dirs: {sorted(leaked)}")
+    # No kill leaves a checkpoint's name without its manifest (saves rename their folder in
+    # whole, prunes rename it away first): a save need never delete such a folder.
+    assert not leaked, f"killed saves or prunes left {sorted(leaked)} without manifest.json"
     # Stale .tmp-* folders (from killed saves, plus a fake one with a bogus manifest) must not
     # break loading or the next save; the next save removes them.
     fake = root / ".tmp-ckpt-999999999999-001-1-deadbeef"
@@ -533,21 +536,35 @@ def test_stale_tmp_folder_does_not_break_save_or_load(tmp_path):
     assert latest_checkpoint(tmp_path) == second
 
 
-def test_checkpoint_half_deleted_by_a_killed_prune_is_cleaned_up_by_the_next_save(tmp_path):
-    """keep=N deletes old checkpoints with rmtree after the commit; a kill during that rmtree can
-    leave ckpt-* without its manifest.json (seen in the SIGKILL test). Such a folder is never a
-    checkpoint again, and later saves with keep must not leave it behind forever."""
+def test_a_folder_named_like_a_checkpoint_without_manifest_is_never_deleted(tmp_path):
+    """A save removed every ``ckpt-*`` folder without manifest.json as a half-deleted
+    checkpoint, but no save or prune leaves one (a save renames its folder in complete, a
+    prune renames a checkpoint away before deleting it: the SIGKILL test finds none): it is a
+    user's folder, or an empty folder made for an export, and saves deleted it, contents and
+    all. It is left alone, never listed, and new checkpoints are numbered past it."""
     eng = _small_engine()
     _run_steps(eng, 1)
-    old = eng.save(tmp_path)
-    (old / "manifest.json").unlink()  # what a prune killed after its first unlink leaves
-    assert latest_checkpoint(tmp_path) is None
+    first = eng.save(tmp_path)
+    mine = tmp_path / "ckpt-000007-step000000000005"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "run.txt").write_text("precious")
+    empty = tmp_path / "ckpt-000008-step000000000006"
+    empty.mkdir()
+    half = eng.save(tmp_path)
+    (half / "manifest.json").unlink()  # what an embengine before 70ffd8c's prune could leave
+    assert latest_checkpoint(tmp_path) == first
+    saved = []
     for _ in range(3):
         _run_steps(eng, 1)
-        eng.save(tmp_path, keep=2)
-    left = sorted(p.name for p in tmp_path.iterdir())
-    # the manifest-less folder is removed, so numbering restarts from the remaining ones
-    assert left == ["ckpt-000002-step000000000003", "ckpt-000003-step000000000004"], left
+        saved.append(eng.save(tmp_path, keep=2))
+    assert (mine / "notes" / "run.txt").read_text() == "precious"
+    assert empty.is_dir() and half.is_dir()
+    assert [p.name for p in saved] == [
+        "ckpt-000010-step000000000002",
+        "ckpt-000011-step000000000003",
+        "ckpt-000012-step000000000004",
+    ]
+    assert ckpt_mod.list_checkpoints(tmp_path) == saved[1:]
 
 
 # -- 4. tampering ----------------------------------------------------------------------------------
