@@ -222,7 +222,16 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     like checkpoints (``ckpt-<sequence>-step<step>``) holding a manifest.json. A save renames
     its folder into place complete and a prune renames a checkpoint away before deleting it, so
     a folder of that name without manifest.json is no save's: it is never listed (nor
-    deleted)."""
+    deleted). Nor is one whose manifest.json is of another format (an export named like a
+    checkpoint: restore(root) took it for the newest checkpoint and failed, and ``keep=N``
+    kept it as the newest finite checkpoint, deleting the real one, or pruned it). Each
+    manifest is read (``_foreign_format``): ``latest_checkpoint`` reads only the newest."""
+    return [p for p in _named(root) if _foreign_format(p) is None]
+
+
+def _named(root: str | Path) -> list[Path]:
+    """The folders under ``root`` named like checkpoints and holding a manifest.json, in
+    commit order (their numbers), whatever the manifest says."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -230,10 +239,24 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: (_sequence(p), p.name))
 
 
+def _foreign_format(folder: Path) -> str | None:
+    """The ``format`` of ``folder``'s manifest.json when it names another format than a
+    checkpoint's (an export's "embengine-serving": an older embengine exported under a
+    checkpoint's name, or one was copied there), else None. A manifest that cannot be read or
+    has no string ``format`` is None too: a damaged checkpoint stays listed, and loading it
+    says what is wrong (skipped, a restore would silently take an older one)."""
+    try:
+        manifest = json.loads(read_own_file(folder / "manifest.json"))
+    except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError
+        return None
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    return fmt if isinstance(fmt, str) and fmt != FORMAT else None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``list_checkpoints``' last), or None."""
-    done = list_checkpoints(root)
-    return done[-1] if done else None
+    """The newest complete checkpoint under ``root`` (``list_checkpoints``' last), or None.
+    Reads manifests from the newest down only until one is a checkpoint's."""
+    return next((p for p in reversed(_named(root)) if _foreign_format(p) is None), None)
 
 
 def _lock(fd: int, path: Path, flags: int) -> None:

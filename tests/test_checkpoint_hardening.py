@@ -981,6 +981,49 @@ def test_checkpoints_without_the_finite_flag_count_as_finite(tmp_path):
     assert ee.EmbeddingEngine.load(old).step == 0
 
 
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_an_export_named_like_a_checkpoint_is_never_taken_for_one(tmp_path):
+    """An export in a folder of checkpoints under a checkpoint's name (an older embengine
+    wrote it there, or it was copied in) was listed as the newest checkpoint: restore(root)
+    failed "not an embengine checkpoint", and keep=N kept it as the newest finite checkpoint,
+    deleting the real one (or deleted the export). Listing reads the manifest's format."""
+    root = tmp_path / "root"
+    eng = _engine()
+    _train(eng, 1)
+    good = eng.save(root)
+    export(good, tmp_path / "served")
+    served = root / ckpt_mod.checkpoint_name(9, 123)
+    (tmp_path / "served").rename(served)
+    files = _snapshot(served)
+    assert ckpt_mod.latest_checkpoint(root) == good
+    assert list_checkpoints(root) == [good]
+    assert ee.EmbeddingEngine.load(root).step == 1
+    with pytest.raises(CheckpointError, match=r"not an embengine checkpoint.*embengine-serving"):
+        ee.EmbeddingEngine.load(served)  # named directly: the format's error, as before
+    # keep=1 with NaN in the tables: the last finite checkpoint is the real one, kept.
+    eng.embedding_tables["t"][15, 1] = np.nan
+    _train(eng, 1)
+    bad = [eng.save(root, keep=1) for _ in range(2)]
+    assert list_checkpoints(root) == [good, bad[1]]
+    assert _snapshot(served) == files
+    assert ServingEngine.load(served).table_names == ("t", "u")
+    # A damaged manifest is still listed: restoring it says so, never an older one silently.
+    (bad[1] / "manifest.json").write_text("{not json")
+    assert ckpt_mod.latest_checkpoint(root) == bad[1]
+    with pytest.raises(CheckpointError, match=r"manifest.json is not valid JSON"):
+        ee.EmbeddingEngine.load(root)
+    # A folder holding only the export holds no checkpoint.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    served.rename(alone / served.name)
+    assert ckpt_mod.latest_checkpoint(alone) is None and list_checkpoints(alone) == []
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint at"):
+        ee.EmbeddingEngine.load(alone)
+
+
 # -- the step's bound: int64, as the kernels and checkpoints hold it -----------------------------
 
 LAST_STEP = 2**63 - 1
