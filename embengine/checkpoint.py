@@ -182,6 +182,13 @@ def checkpoint_name(seq: int, step: int) -> str:
     return f"ckpt-{seq:06d}-step{step:012d}"
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint folder's name (``ckpt-<sequence>-step<step>``, as
+    ``checkpoint_name`` makes): in a folder of checkpoints, a folder of that name is numbered
+    with them and, with a checkpoint's manifest, listed as one."""
+    return _NAME.match(name) is not None
+
+
 def _sequence(path: Path) -> int:
     """The commit sequence number of a checkpoint folder (its name matches _NAME)."""
     return int(_NAME.match(path.name)[1])

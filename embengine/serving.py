@@ -37,7 +37,10 @@ Where an export is written (``export(..., replace=False)``, ``embengine export .
   OUT is a previous export: its manifest.json has the serving format and it holds nothing but
   manifest.json, manifest.sha256 and the files that manifest lists. A folder holding a checkpoint,
   checkpoints (``ckpt-*``), the checkpoint being exported (or OUT inside it), or any other file
-  is never replaced, even with ``replace``. These checks run before any work, and again just
+  is never replaced, even with ``replace``. OUT named like a checkpoint
+  (``ckpt-<sequence>-step<step>``) is refused wherever it is: in a folder of checkpoints it
+  would be numbered with them and, by older embengines, restored as the newest one (which
+  failed) or deleted by a save while empty. These checks run before any work, and again just
   before the new export is moved in.
 - The export is written to ``.export-<OUT name>-<pid>-<random>`` beside OUT, fsynced and renamed
   into place; a replaced export is renamed aside (``.old-...``) first and deleted after. A failed
@@ -112,6 +115,7 @@ from .checkpoint import (
     CheckpointReader,
     _is_int,
     check_verify,
+    is_checkpoint_name,
     own_file,
     read_checkpoint,
     read_own_file,
@@ -413,6 +417,12 @@ def _read_json_dict(file: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a manifest.json of a checkpoint's format."""
+    manifest = _read_json_dict(folder / "manifest.json")
+    return manifest is not None and manifest.get("format") == CHECKPOINT_FORMAT
+
+
 def _temporary(out: Path, kind: str = "export") -> Path:
     """The folder beside ``out`` that an export writes (``kind`` "export") or that a replaced
     export is renamed to (``kind`` "old") before the new one moves in. Never ``.tmp-ckpt-*``
@@ -480,6 +490,15 @@ def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
                 f"export folder {out} is inside the checkpoint being exported ({src}); choose a "
                 "folder outside it"
             )
+    # After those and unless OUT is a checkpoint (below): their errors say more.
+    if is_checkpoint_name(out.name) and not _is_checkpoint(out):
+        raise ValueError(
+            f"export folder {out} is named like a checkpoint ({out.name!r}: "
+            "ckpt-<sequence>-step<step>); inside a folder of checkpoints it would be taken for "
+            "one (older embengines restored it as the newest checkpoint and failed, and their "
+            "saves deleted it while it was empty): choose another name, e.g. "
+            f"'served-{out.name}'"
+        )
     if not out.exists():
         return
     if not out.is_dir():

@@ -23,7 +23,12 @@ import pytest
 import embengine as ee
 from embengine import cli
 from embengine import optimizers as O
-from embengine.checkpoint import CheckpointError, read_manifest
+from embengine.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    latest_checkpoint,
+    read_manifest,
+)
 from embengine.serving import SERVING_FORMAT, ServingEngine, export, read_serving_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -385,6 +390,33 @@ def test_leftovers_of_killed_exports_are_removed_by_the_next_export(ckpt, tmp_pa
     ServingEngine.load(out)
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_export_refuses_a_folder_named_like_a_checkpoint(ckpt_root, ckpt, tmp_path, replace):
+    """``export CKPT root/ckpt-000009-step000000000123`` wrote an export that the folder of
+    checkpoints listed as its newest checkpoint (restore(root) then failed "not an embengine
+    checkpoint"), and a save there deleted that OUT while it was empty. Refused wherever it
+    is, before the checkpoint is read, and nothing written; an earlier export of that name is
+    not replaced either."""
+    before = _snapshot(ckpt_root)
+    name = checkpoint_name(9, 123)
+    words = rf"export folder .*/{name} is named like a checkpoint \('{name}'.*choose another name"
+    for out in (ckpt_root / name, tmp_path / name):
+        with pytest.raises(ValueError, match=words):
+            _export(ckpt, out, replace=replace)
+        assert not out.exists()
+        with pytest.raises(ValueError, match=words):  # before the checkpoint is read
+            _export(tmp_path / "no-checkpoint-here", out, replace=replace)
+    earlier = tmp_path / name
+    _export(ckpt, tmp_path / "served")
+    (tmp_path / "served").rename(earlier)  # an older embengine's export of that name
+    served = _snapshot(earlier)
+    with pytest.raises(ValueError, match=words):
+        _export(ckpt, earlier, replace=replace)
+    assert _snapshot(earlier) == served and _snapshot(ckpt_root) == before
+    assert _leftovers(tmp_path) == [] and _leftovers(ckpt_root) == []
+    assert latest_checkpoint(ckpt_root) == ckpt
+
+
 def test_a_save_beside_an_export_named_ckpt_leaves_the_export_in_progress(tmp_path, monkeypatch):
     """An export whose OUT is named ``ckpt-*`` inside a folder of checkpoints wrote its tables
     to ``.tmp-ckpt-<...>``, the name of a save's temporary folder; a save there meanwhile took
@@ -466,6 +498,10 @@ def test_cli_export_refusals_and_replace(ckpt_root, ckpt, tmp_path, capsys, monk
     assert f"embengine export: error: export folder {ckpt} is the checkpoint" in err
     assert cli.main(["export", str(ckpt), str(ckpt_root)]) == 2
     assert "holds the checkpoint being exported" in capsys.readouterr().err
+    named = ckpt_root / checkpoint_name(9, 123)
+    assert cli.main(["export", str(ckpt), str(named)]) == 2
+    err = capsys.readouterr().err
+    assert f"embengine export: error: export folder {named} is named like a checkpoint" in err
     assert _snapshot(ckpt_root) == before
 
     out = tmp_path / "out"
