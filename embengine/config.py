@@ -41,6 +41,11 @@ EVICTION_POLICIES = ("lru", "lfu")
 MAX_KEYED_ROWS = 2**31 - 1
 # A keyed table's expiry (steps or data seconds): the kernels take int64s.
 INT64_MAX = 2**63 - 1
+# A keyed table's longest expire_steps: rows keep their last-touched step as int32 from a base
+# the step is at most 2^30 past after a rebase (storage/keyed.py, ``_rebase``), so ages are
+# exact up to 2^30 + 2^31 = 3 * 2^30 steps; an older row's step is clamped (reported newer),
+# and with a longer expiry such a row never expired.
+MAX_EXPIRE_STEPS = 3 * 2**30 - 1
 # A table's widest row, in values: 2^16 (256 KiB of float32), four times the widest embeddings
 # in use (language models' ~16k; recommendation tables use 8-512). A file cannot bound dim on
 # its own (a keyed table without rows holds no bytes of any width), so loads check this.
@@ -128,12 +133,13 @@ class DynamicVocabulary:
       admission are bounded (``KeyedTable.max_pending``, by default ``4 * max_rows`` or 2^22
       keys): past the bound the keys seen longest ago are forgotten first (ties: smaller key
       first), and start counting from zero if seen again. An admitted key's count is dropped.
-    - **expire_steps** ``S``: a row not touched for more than ``S`` steps (touched last at step
-      ``t``, now step ``s > t + S``) is removed before the training lookup of step ``s``
-      or later that first has keys of its table (a step whose batch has none for the table
-      runs none of its rules, so ``table_stats`` and checkpoints may still count the row);
-      an evaluation or serving lookup at step ``s`` already sees it as
-      absent (zeros).
+    - **expire_steps** ``S`` (at most ``MAX_EXPIRE_STEPS``, 3 * 2^30 - 1: rows keep their
+      last-touched step in int32 from a moving base): a row not touched for more than ``S``
+      steps (touched last at step ``t``, now step ``s > t + S``) is removed before the
+      training lookup of step ``s`` or later that first has keys of its table (a step whose
+      batch has none for the table runs none of its rules, so ``table_stats`` and
+      checkpoints may still count the row); an evaluation or serving lookup at step ``s``
+      already sees it as absent (zeros).
     - **expire_seconds** ``D`` (data time, Monolith's ``expire_time`` in days times 86400):
       a training call may carry the time of its examples (``lookup(..., timestamp=t)``,
       ``apply_gradients(..., timestamp=t)``, an int of seconds, e.g. Unix time; an update
@@ -176,13 +182,19 @@ class DynamicVocabulary:
                 raise ValueError(
                     f"{where}: {field_name} must be None (no limit) or an int >= 1, got {v!r}"
                 )
-        for field_name in ("expire_steps", "expire_seconds"):
-            v = getattr(self, field_name)
-            if v is not None and v > INT64_MAX:  # past it the kernels' int64 arguments failed
-                raise ValueError(
-                    f"{where}: {field_name} must be at most {INT64_MAX:,} (2^63 - 1: steps and "
-                    f"data times are int64), got {v!r}; None means no limit"
-                )
+        s = self.expire_steps
+        if s is not None and s > MAX_EXPIRE_STEPS:  # older rows' steps are clamped: kept
+            raise ValueError(
+                f"{where}: expire_steps must be at most {MAX_EXPIRE_STEPS:,} (3 * 2^30 - 1: rows "
+                f"keep their last-touched step as int32 from a moving base, exact that far "
+                f"back), got {s!r}; None means no limit"
+            )
+        d = self.expire_seconds
+        if d is not None and d > INT64_MAX:  # past it the kernels' int64 arguments failed
+            raise ValueError(
+                f"{where}: expire_seconds must be at most {INT64_MAX:,} (2^63 - 1: data times "
+                f"are int64), got {d!r}; None means no limit"
+            )
         if self.max_rows is not None and self.max_rows > MAX_KEYED_ROWS:
             raise ValueError(
                 f"{where}: max_rows must be at most {MAX_KEYED_ROWS:,} (2^31 - 1, the rows one "

@@ -84,7 +84,7 @@ from dataclasses import dataclass
 
 from . import initializers as _init
 from . import optimizers as _opt
-from .config import INT64_MAX, Compressor, DynamicVocabulary, QuantizationConfig
+from .config import MAX_EXPIRE_STEPS, Compressor, DynamicVocabulary, QuantizationConfig
 from .learning_rates import Warmup
 from .optimizers import _checks
 
@@ -149,11 +149,11 @@ def dynamic_vocabulary(
         timing = {}
     elif steps_per_day is not None:
         steps = int(expire_time) * int(steps_per_day)
-        if steps > INT64_MAX:
+        if steps > MAX_EXPIRE_STEPS:
             raise ValueError(
                 f"dynamic_vocabulary: expire_time * steps_per_day = {expire_time} * "
-                f"{steps_per_day} = {steps} steps does not fit int64 (at most {INT64_MAX}); give "
-                "a smaller steps_per_day"
+                f"{steps_per_day} = {steps} steps, more than expire_steps allows (at most "
+                f"{MAX_EXPIRE_STEPS}, 3 * 2^30 - 1); give a smaller steps_per_day"
             )
         timing = dict(expire_steps=steps)
     else:

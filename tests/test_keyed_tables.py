@@ -181,7 +181,9 @@ def test_dynamic_vocabulary_defaults_and_validation():
         (dict(max_rows=-2), "max_rows must be None .* got -2"),
         (dict(max_rows=2**31), "max_rows must be at most 2,147,483,647 .* got 2147483648"),
         # past int64: the first training lookup died inside numba, naming nothing
-        (dict(expire_steps=2**63), r"expire_steps must be at most 9,223,372,036,854,775,807 "),
+        # past 3 * 2^30 - 1 the int32 last-touched steps clamp: older rows never expired
+        (dict(expire_steps=3 * 2**30), r"expire_steps must be at most 3,221,225,471 .*got 3221"),
+        (dict(expire_steps=2**63), r"expire_steps must be at most 3,221,225,471 "),
         (dict(expire_seconds=10**20), r"expire_seconds must be at most .* got 10{20}"),
         (dict(eviction="fifo"), "eviction must be one of \\('lru', 'lfu'\\), got 'fifo'"),
         (dict(insert_on="update"), "insert_on must be one of .* got 'update'"),
@@ -199,7 +201,8 @@ def test_dynamic_vocabulary_defaults_and_validation():
 
 @pytest.mark.parametrize("rule", ["expire_steps", "expire_seconds"])
 def test_the_longest_expiry_trains_and_expires_nothing(rule):
-    dyn = ee.DynamicVocabulary(**{rule: 2**63 - 1})
+    longest = {"expire_steps": 3 * 2**30 - 1, "expire_seconds": 2**63 - 1}[rule]
+    dyn = ee.DynamicVocabulary(**{rule: longest})
     t = ee.TableConfig(None, 4, name="k", dynamic=dyn, optimizer=opt.SGD(0.1))
     engine = ee.EmbeddingEngine({"a": ee.FeatureConfig(t)})
     times = [0, 2**62 - 1] if rule == "expire_seconds" else [None, None]
@@ -1160,6 +1163,30 @@ def test_last_touched_steps_survive_a_step_past_int32():
     t.begin_step(2**31 + 12)  # key 10 is 2^31 + 11 steps old now: past expire_steps
     t.rows_for(0, np.array([12]), insert=True)
     assert t.state()["keys"].tolist() == [11, 12]
+
+
+@pytest.mark.parametrize("expire_steps", [2**31 + 10, 3 * 2**30 - 1])
+def test_a_row_older_than_int32_steps_reach_expires_exactly(expire_steps):
+    """A row untouched for more steps than the int32 last-touched steps reach from their base
+    (3 * 2^30 after a rebase) has its step clamped; with expire_steps up to the longest allowed
+    (3 * 2^30 - 1) it still expires at exactly ``expire_steps + 1`` steps of age (a longer
+    expiry, refused now, kept it: at 3 * 2^30 and 2^40 the row stayed)."""
+    from embengine.storage.keyed import KeyedTable
+
+    dyn = ee.DynamicVocabulary(expire_steps=expire_steps)
+    t = KeyedTable("k", 2, (), ee.initializers.Zeros(), 0, dyn)
+    t.begin_step(1)
+    t.rows_for(0, np.array([10]), insert=True)
+    t.begin_step(1 + 3 * 2**30 + 5)  # a rebase: key 10's step is clamped
+    t.rows_for(0, np.array([11]), insert=True)
+    t.begin_step(1 + expire_steps)  # key 10 is expire_steps old: kept, if still there
+    t.rows_for(0, np.array([11]), insert=True)
+    kept = t.state()["keys"].tolist()
+    t.begin_step(2 + expire_steps)  # now more than expire_steps
+    t.rows_for(0, np.array([11]), insert=True)
+    assert t.state()["keys"].tolist() == [11]
+    if expire_steps < 3 * 2**30 + 5:  # the step of the rebase was already past it
+        assert kept == [11]
 
 
 def test_rows_past_the_int32_limit_are_refused_before_anything_changes(monkeypatch):

@@ -296,7 +296,11 @@ def test_an_embedding_layer_carries_the_timestamp_to_its_update():
         (dict(expire_time=10**20), r"expire_time must be at most 4294967295 days"),
         (
             dict(expire_time=2**32 - 1, steps_per_day=2**32),
-            r"expire_time \* steps_per_day = .* steps does not fit int64",
+            r"expire_time \* steps_per_day = .* steps, more than expire_steps allows",
+        ),
+        (  # fits int64, but past the int32 last-touched steps' reach
+            dict(expire_time=4000, steps_per_day=10**6),
+            r"= 4000000000 steps, more than expire_steps allows \(at most 3221225471",
         ),
     ],
 )

@@ -95,7 +95,8 @@ _MIN_ROW_BITS, _ENTRY_BITS = 20, 31
 _RECORD_COLS, _LAST, _TOUCHES = 4, 2, 3
 # ``keyed_index.expired_rows``' times when no rule reads them.
 _NO_TIMES = np.zeros(0, np.int64)
-# int32 row metadata (last-touched steps, counts): a rebase leaves the step this far past _base.
+# int32 row metadata (last-touched steps, counts): a rebase leaves the step this far past _base,
+# so ages up to _STEP_SPAN - _INT32.min = 3 * 2^30 stay exact (config.MAX_EXPIRE_STEPS).
 _INT32 = np.iinfo(np.int32)
 _STEP_SPAN = 1 << 30
 # Keys waiting for admission, without max_rows (with it: 4 * max_rows).
@@ -842,8 +843,9 @@ class KeyedTable(MappedRows):
         """Move ``_base`` so the step is ``_STEP_SPAN`` (2^30) past it, shifting every row's
         last-touched step; a step further back than int32 reaches (more than 3 * 2^30 steps
         before this one) is clamped to its minimum, so ``state()`` reports it newer than it
-        was, expiry stays exact for ``expire_steps`` below 3 * 2^30 (a clamped row expires
-        later above that), and LRU orders clamped rows by key."""
+        was, expiry stays exact for ``expire_steps`` below 3 * 2^30 (``DynamicVocabulary``
+        refuses longer ones: a clamped row expired later, or never), and LRU orders clamped
+        rows by key."""
         delta = self._step - self._base - _STEP_SPAN
         high = self._high
         last = self._last[:high].astype(np.int64) - delta
