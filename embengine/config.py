@@ -133,6 +133,9 @@ class DynamicVocabulary:
       admission are bounded (``KeyedTable.max_pending``, by default ``4 * max_rows`` or 2^22
       keys): past the bound the keys seen longest ago are forgotten first (ties: smaller key
       first), and start counting from zero if seen again. An admitted key's count is dropped.
+      Counts are int64, so ``T`` is at most 2^63 - 1; a ``T`` no key reaches (Monolith's
+      threshold above its 4-bit counts, or 2^62) admits no key, silently: every key looks up
+      as zeros and its gradient is dropped.
     - **expire_steps** ``S`` (at most ``MAX_EXPIRE_STEPS``, 3 * 2^30 - 1: rows keep their
       last-touched step in int32 from a moving base): a row not touched for more than ``S``
       steps (touched last at step ``t``, now step ``s > t + S``) is removed before the
@@ -176,6 +179,11 @@ class DynamicVocabulary:
         t = self.occurrence_threshold
         if not _is_int(t) or t < 0:
             raise ValueError(f"{where}: occurrence_threshold must be an int >= 0, got {t!r}")
+        if t > INT64_MAX:  # the pending counts are int64: no count reaches it
+            raise ValueError(
+                f"{where}: occurrence_threshold must be at most {INT64_MAX:,} (2^63 - 1: "
+                f"occurrences are counted in int64), got {t!r}"
+            )
         for field_name in ("expire_steps", "max_rows", "expire_seconds"):
             v = getattr(self, field_name)
             if v is not None and (not _is_int(v) or v < 1):

@@ -177,6 +177,8 @@ def test_dynamic_vocabulary_defaults_and_validation():
         (dict(occurrence_threshold=-1), "occurrence_threshold must be an int >= 0, got -1"),
         (dict(occurrence_threshold=1.5), "occurrence_threshold must be an int >= 0, got 1.5"),
         (dict(occurrence_threshold=True), "got True"),
+        # the pending counts are int64: no count reaches 2^63
+        (dict(occurrence_threshold=2**63), r"occurrence_threshold must be at most 9,223,.* got 92"),
         (dict(expire_steps=0), "expire_steps must be None .* got 0"),
         (dict(max_rows=-2), "max_rows must be None .* got -2"),
         (dict(max_rows=2**31), "max_rows must be at most 2,147,483,647 .* got 2147483648"),
@@ -210,6 +212,21 @@ def test_the_longest_expiry_trains_and_expires_nothing(rule):
         engine.lookup({"a": np.array(keys)}, timestamp=when)
         engine.apply_gradients({"a": np.ones((len(keys), 4), np.float32)})
     assert engine.table_contents("k")["keys"].tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("insert_on", ["lookup", "apply"])
+def test_the_largest_threshold_counts_keys_and_admits_none(backend, insert_on):
+    """occurrence_threshold=2^63 - 1, the largest the int64 counts hold: keys are counted
+    (pending), never admitted, look up as zeros and their gradients are dropped."""
+    eng = keyed_engine(backend, insert_on=insert_on, occurrence_threshold=2**63 - 1)
+    for _ in range(3):
+        acts = train_bags(eng, [[A, B], [A]])
+        assert not acts.any()
+    assert keyed_keys(eng) == []
+    pending = eng.state_dict()["tables"]["k"]
+    assert pending["pending_keys"].tolist() == [B, A]
+    assert eng.table_stats()["k"]["total"]["filtered"] == 6
 
 
 def test_keyed_spec_and_plan_round_trip_through_json(tmp_path):
