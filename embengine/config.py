@@ -160,7 +160,12 @@ class DynamicVocabulary:
       key first) or the least often touched (``"lfu"``: fewest occurrences in training lookups
       since the row was created; ties: least recently touched, then smaller key). A batch
       whose own keys need more than ``N`` rows is a ValueError naming the table, and nothing
-      changes.
+      changes. Inserting on apply, the rows are made (and evicted for) at the update, but the
+      training lookup already refuses a batch whose update would need more than ``N`` rows.
+      The update itself refuses only when another update came between the two (two lookups
+      before their updates): it runs at a later step, admitting the keys counted since, and
+      an earlier update may have evicted its rows. Nothing changes then either; that batch
+      cannot be applied (look it up again), and training goes on.
     - An evicted or expired key seen again is a new key: it must be admitted again (its count
       starts from zero) and gets a fresh row (initial weights, fresh slots).
     - Evaluation lookups (``training=False``) never insert, admit, count or refresh: a key

@@ -1726,6 +1726,84 @@ def test_an_update_inserting_on_apply_keeps_its_keys_an_earlier_update_inserted(
     assert eng.table_stats()["k"]["this_step"]["evicted"] == 1
 
 
+@pytest.mark.parametrize("threshold", [0, 1])
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_insert_on_apply_under_max_rows_refuses_at_the_lookup(backend, eviction, threshold):
+    """insert_on="apply", max_rows=2, one lookup then its update each step: a batch that fits
+    is inserted by its update; one whose new keys need room evicts at the update (the lookup
+    changes no row); one needing 3 rows is refused by its training lookup, nothing changed
+    (no key counted, no batch pending), and the table trains on. With T=1 each key is counted
+    in a step of its own first."""
+    eng = keyed_engine(
+        backend, max_rows=2, eviction=eviction, insert_on="apply", occurrence_threshold=threshold
+    )
+
+    def count_first(bags):
+        if threshold:
+            assert not train_bags(eng, bags).any()
+
+    count_first([[1, 2], [1]])
+    assert keyed_keys(eng) == []
+    assert not train_bags(eng, [[1, 2], [1]]).any()  # fits: the update inserts both
+    assert keyed_keys(eng) == [1, 2]  # touches: key 1 twice, key 2 once
+    count_first([[3]])
+    assert not eng.lookup({"f": [[3]]})["f"].any()
+    assert keyed_keys(eng) == [1, 2]  # the lookup evicts nothing
+    eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
+    # LRU: 1 and 2 were touched at the same step, the smaller key goes; LFU: 2 has fewer.
+    assert keyed_keys(eng) == {"lru": [2, 3], "lfu": [1, 3]}[eviction]
+    assert eng.table_stats()["k"]["this_step"]["evicted"] == 1
+    count_first([[4, 5, 6]])
+    text = _unchanged_by(eng, lambda: eng.lookup({"f": [[4, 5, 6]]}))
+    assert text.startswith(
+        "table 'k': this batch needs 3 rows (0 of its keys have rows, 3 are "
+        "admitted now), more than max_rows=2; nothing was changed"
+    ), text
+    with pytest.raises(ValueError, match="apply_gradients needs a lookup"):
+        eng.apply_gradients({"f": np.ones((1, 2), np.float32)})
+    train_bags(eng, [[4]])  # LRU: 2 is the least recent; LFU: 3 (1 touch) < 1 (2 touches)
+    assert keyed_keys(eng) == {"lru": [3, 4], "lfu": [1, 4]}[eviction]
+    assert eng.table_stats()["k"]["total"]["evicted"] == 2
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_insert_on_apply_refuses_at_the_update_only_after_another_update(backend, eviction):
+    """The two refusals an update inserting on apply can raise that its lookup could not: two
+    lookups before their updates, the second update runs at the next step. With T=1 it admits
+    the keys counted at the lookups' step (3 rows > max_rows=2); without, the first update
+    evicted a row of its batch. Either is a ValueError naming the table, nothing changed, and
+    the table trains on."""
+    eng = keyed_engine(
+        backend, max_rows=2, eviction=eviction, insert_on="apply", occurrence_threshold=1
+    )
+    ax, bx = eng.lookup_with_batch({"f": [[1]]})
+    ay, by = eng.lookup_with_batch({"f": [[2, 3, 4]]})  # no key admitted at step 0: it fits
+    eng.apply_gradients({"f": np.ones_like(ax["f"])}, batch=bx)  # step 0: key 1 not admitted
+    grads = {"f": np.ones_like(ay["f"])}
+    text = _unchanged_by(eng, lambda: eng.apply_gradients(grads, batch=by))
+    assert text.startswith(
+        "table 'k': this batch needs 3 rows (0 of its keys have rows, 3 are "
+        "admitted now), more than max_rows=2"
+    ), text
+    train_bags(eng, [[1, 2]])  # both counted at step 0: admitted at step 1
+    assert keyed_keys(eng) == [1, 2] and eng.step == 2
+
+    eng = keyed_engine(backend, max_rows=2, eviction=eviction, insert_on="apply")
+    train_bags(eng, [[1, 2]])
+    ax, bx = eng.lookup_with_batch({"f": [[3, 4]]})  # 2 new rows: fits
+    ay, by = eng.lookup_with_batch({"f": [[1]]})
+    eng.apply_gradients({"f": np.ones_like(ax["f"])}, batch=bx)  # evicts 1 and 2
+    assert keyed_keys(eng) == [3, 4]
+    grads = {"f": np.ones_like(ay["f"])}
+    text = _unchanged_by(eng, lambda: eng.apply_gradients(grads, batch=by))
+    assert (
+        "(e.g. 1) lost their rows after its lookup: a later training lookup, or an update "
+        "inserting on apply, evicted" in text
+    ), text
+    train_bags(eng, [[1]])  # 3 and 4: touched once, at the same step; the smaller key goes
+    assert keyed_keys(eng) == [1, 4]
+
+
 # -- an address-space limit (ulimit -v) --------------------------------------------------------
 
 RLIMIT_CHILD = """

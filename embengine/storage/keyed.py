@@ -1135,8 +1135,12 @@ class KeyedTable(MappedRows):
         update of a batch never looked up), so a table inserting on apply counts the keys it
         admits then as new too. A table inserting on apply always counts them so: its training
         lookup refuses the batch its update would refuse, before the lookup changes any table
-        (counts, recency, other tables' rows). Nothing to check for a table that cannot refuse
-        it. A 16-bit table whose initializer has no bound also refuses an admitted key's
+        (counts, recency, other tables' rows), when no other update comes between them. With
+        two lookups before their updates, the second update runs at a later step: it admits
+        the keys counted since (``occurrence_threshold``) and may keep rows an earlier update
+        evicted, so ``check_update_rows`` may refuse it then, nothing changed
+        (``DynamicVocabulary``'s max_rows rule). Nothing to check for a table that cannot
+        refuse it. A 16-bit table whose initializer has no bound also refuses an admitted key's
         initial value past its range (``_checked_values``)."""
         del counts  # admission reads the earlier steps' counts only
         checked = self._checked_values()
@@ -1277,10 +1281,10 @@ class KeyedTable(MappedRows):
         if lost.any():
             raise ValueError(
                 f"table {self.name!r}: {int(lost.sum()):,} of this batch's keys (e.g. "
-                f"{int(ids[lost][0])}) lost their rows after its lookup: a "
-                "later training lookup evicted or expired them, and their rows may hold other "
-                "keys now; nothing was changed. Apply a batch's gradients before the next "
-                "training lookup (or raise max_rows / expire_steps)"
+                f"{int(ids[lost][0])}) lost their rows after its lookup: a later training "
+                "lookup, or an update inserting on apply, evicted or expired them, and their "
+                "rows may hold other keys now; nothing was changed. Apply a batch's gradients "
+                "before the next training lookup (or raise max_rows / expire_steps)"
             )
 
     def _kept_on_update(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
