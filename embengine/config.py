@@ -132,7 +132,14 @@ class DynamicVocabulary:
       gradient is dropped (never added to another row). The counts of keys waiting for
       admission are bounded (``KeyedTable.max_pending``, by default ``4 * max_rows`` or 2^22
       keys): past the bound the keys seen longest ago are forgotten first (ties: smaller key
-      first), and start counting from zero if seen again. An admitted key's count is dropped.
+      first), and start counting from zero if seen again; a lookup never forgets its own
+      keys (past that, the largest of its new keys are not counted). An admitted key's count
+      is dropped when it gets its row. Inserting on apply, a key a training lookup admitted
+      keeps its count until its update makes the row (two lookups before their updates: the
+      second forgets every other pending key first), so its gradient is not dropped there
+      while ``max_pending`` holds the admitted keys of the batches awaiting their updates and
+      the lookup's own waiting keys; past that it is forgotten too (the bound holds), and
+      that update drops its gradient.
       Counts are int64, so ``T`` is at most 2^63 - 1; a ``T`` no key reaches (Monolith's
       threshold above its 4-bit counts, or 2^62) admits no key, silently: every key looks up
       as zeros and its gradient is dropped.

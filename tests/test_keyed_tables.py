@@ -404,6 +404,33 @@ def test_pending_counts_are_bounded_oldest_first(backend):
         bounded._physical[0].max_pending = -1
 
 
+@pytest.mark.parametrize("bound", [3, 2])
+def test_pending_bound_keeps_keys_a_lookup_admitted_until_their_update(backend, bound):
+    """insert_on="apply", T=1, two lookups before their updates: the first admits A (seen at
+    step 0) and counts C; the second brings two new keys B and D past ``max_pending``. With
+    room (bound 3) it forgets C, though A is smaller and was seen at the same step: A was
+    admitted by a lookup whose update has not come, so A's row is made and trained at that
+    update (the bound forgot A before, and A's gradient was dropped). With bound 2 the bound
+    forgets C, then A after all (it holds; A's gradient is dropped, as documented)."""
+    eng = keyed_engine(backend, occurrence_threshold=1, insert_on="apply")
+    eng._physical[0].max_pending = bound
+    train_bags(eng, [[A]])  # step 0: A counted
+    ax, bx = eng.lookup_with_batch({"f": [[A], [C]]})  # step 1: A admitted, C counted
+    assert eng.table_stats()["k"]["this_step"]["filtered"] == 1  # C only
+    ay, by = eng.lookup_with_batch({"f": [[B], [D]]})  # step 1: B, D new: room is made
+    s = eng.table_stats()["k"]
+    assert s["this_step"]["forgotten"] == 4 - bound and s["pending_keys"] == bound
+    eng.apply_gradients({"f": np.ones_like(ax["f"])}, batch=bx)  # step 1
+    eng.apply_gradients({"f": np.ones_like(ay["f"])}, batch=by)  # step 2: B, D counted at 1
+    c = eng.table_contents("k")
+    if bound == 3:
+        assert c["keys"].tolist() == [B, D, A]
+        np.testing.assert_array_equal(c["weights"][:, 0], np.float32([B - 1, D - 1, A - 1]))
+    else:
+        assert c["keys"].tolist() == [B, D]
+    assert eng.table_stats()["k"]["pending_keys"] == 0
+
+
 def test_expiry_and_readmission_with_fresh_row(backend):
     eng = keyed_engine(backend, optimizer=opt.Adagrad(0.5), expire_steps=2)
     for step in range(3):  # A at step 0 only; B every step

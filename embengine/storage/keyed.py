@@ -349,7 +349,10 @@ def _first_in_order(
 class _Pending:
     """Keys waiting for admission and their exact occurrence counts: ``earlier`` counts the
     steps before ``step``, ``current`` the step ``step`` (the last step the key was seen), so
-    "occurrences in earlier steps" is exact however many lookups a step has."""
+    "occurrences in earlier steps" is exact however many lookups a step has. ``held`` (1 or
+    0) marks the keys a training lookup admitted whose row comes at an update (``insert_on=
+    "apply"``, ``hold``): the bound forgets them only after every other pending key, so a
+    second lookup before that update does not drop their gradient there."""
 
     def __init__(self, limit: int):
         self.limit = int(limit)
@@ -359,6 +362,7 @@ class _Pending:
         self.earlier = np.zeros(n, np.int64)
         self.step = np.zeros(n, np.int64)
         self.current = np.zeros(n, np.int64)
+        self.held = np.zeros(n, np.int64)
         self.free = np.zeros(0, np.int64)
         self.high = 0
 
@@ -372,7 +376,7 @@ class _Pending:
 
     @property
     def nbytes(self) -> int:
-        return self.index.nbytes + self.index.keys.nbytes + 3 * self.earlier.nbytes
+        return self.index.nbytes + self.index.keys.nbytes + 4 * self.earlier.nbytes
 
     def counts_before(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Each key's occurrences in steps before ``step`` (0 if not pending)."""
@@ -391,7 +395,9 @@ class _Pending:
         given: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> int:
         """Count ``keys`` (distinct) ``counts`` times at ``step``; returns how many pending keys
-        were forgotten to stay within the limit (the ones seen longest ago, then smaller keys).
+        were forgotten to stay within the limit (keys not ``held`` first, then the ones seen
+        longest ago, then smaller keys; ``keys`` themselves are not forgotten: past that, the
+        largest of the new ones are not counted).
         ``given``: what to forget, decided over every shard of a table (``shared_pending``):
         (pending keys to forget, new keys of ``keys`` not to count), the limit then not
         checked here."""
@@ -418,7 +424,7 @@ class _Pending:
         if excess > 0:
             live = self._live_slots()
             live = live[~np.isin(live, s)]  # this batch's keys are the newest
-            order = np.lexsort((self.key[live], self.step[live]))
+            order = np.lexsort((self.key[live], self.step[live], self.held[live]))
             drop = live[order[:excess]]
             self.remove_slots(drop)
             forgotten += len(drop)
@@ -430,7 +436,7 @@ class _Pending:
         slots, self.free, self.high = _take_smallest(self.free, len(new_keys), self.high)
         if self.high > len(self.earlier):
             n = max(self.high, 2 * len(self.earlier))
-            for name in ("earlier", "step", "current"):
+            for name in ("earlier", "step", "current", "held"):
                 a = getattr(self, name)
                 b = np.zeros(n, np.int64)
                 b[: len(a)] = a
@@ -438,8 +444,16 @@ class _Pending:
         self.earlier[slots] = 0
         self.step[slots] = step
         self.current[slots] = new_counts
+        self.held[slots] = 0
         self.index.insert(new_keys, slots)
         return forgotten
+
+    def hold(self, keys: np.ndarray) -> None:
+        """Mark ``keys`` (pending) as admitted by a training lookup, their rows due at an
+        update: they leave the pending counts when a row is made for them (``forget``), or are
+        forgotten by the bound after every key not held."""
+        slots = self.index.find(keys)
+        self.held[slots[slots >= 0]] = 1
 
     def forget(self, keys: np.ndarray) -> None:
         """Drop ``keys`` (admitted ones); absent keys are skipped."""
@@ -625,7 +639,8 @@ class KeyedTable(MappedRows):
     @property
     def max_pending(self) -> int:
         """At most this many keys wait for admission with their counts (``DynamicVocabulary``:
-        the ones seen longest ago are forgotten first); 4 * max_rows (at most 2^31 - 1), or
+        the ones seen longest ago are forgotten first, keys a lookup admitted whose rows
+        come at an update last); 4 * max_rows (at most 2^31 - 1), or
         2^22 without it. The engine's rule: a restore or ``load_state_dict`` keeps it (the
         state's ``meta[1]`` is checked, not taken), forgetting the pending keys past it by
         the same rule. A ShardedEngine bounds the pending keys of a table over all its shards
@@ -978,6 +993,8 @@ class KeyedTable(MappedRows):
             self._this["forgotten"] += self._pending.add(
                 ids[waiting], counts[waiting], self._step, forget
             )
+            if not now and admit.any():  # their rows come at the update: keep their counts
+                self._pending.hold(ids[missing][admit])
         return rows
 
     def _admits_all_at_once(self, n: int, expiring: int) -> bool:
@@ -1500,9 +1517,10 @@ class KeyedTable(MappedRows):
         self, ids: np.ndarray, k: int, found: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(order, keys): the first ``k`` pending keys of this shard that a training lookup of
-        ``ids`` may forget (not waiting in it, not admitted by it), seen longest ago first,
-        then smaller keys (``_Pending.add``'s rule), and their order columns (int64 ``[m,
-        2]``: step last seen, key): the table forgets the first of every shard's together
+        ``ids`` may forget (not waiting in it, not admitted by it), keys not held first, then
+        seen longest ago, then smaller keys (``_Pending.add``'s rule), and their order columns
+        (int64 ``[m, 3]``: held, step last seen, key): the table forgets the first of every
+        shard's together
         (``shared_victims``). ``found``: as ``room_needs``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         rows, admit, _ = self._plan(ids, found)
@@ -1511,7 +1529,7 @@ class KeyedTable(MappedRows):
         live = p._live_slots()
         busy = p.index.find(np.concatenate([waiting, leaving]))
         live = live[~np.isin(live, busy[busy >= 0])]
-        return _first_in_order([p.step[live], p.key[live]], k, p.key[live])
+        return _first_in_order([p.held[live], p.step[live], p.key[live]], k, p.key[live])
 
     def pending_surplus(
         self, ids: np.ndarray, k: int, found: np.ndarray | None = None
@@ -1888,7 +1906,7 @@ class KeyedTable(MappedRows):
         p = int(keep.sum())
         pending.high = p
         if p > len(pending.earlier):
-            for name in ("earlier", "step", "current"):
+            for name in ("earlier", "step", "current", "held"):
                 setattr(pending, name, np.zeros(p, np.int64))
         pending.earlier[:p] = a["pending_earlier"][keep]
         pending.step[:p] = a["pending_step"][keep]
