@@ -107,6 +107,24 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     return g
 
 
+def _with_nonfinite_gradient_rows(tb, g: np.ndarray, rows: np.ndarray | None) -> np.ndarray | None:
+    """``rows`` (a backend's rows left unchanged for a non-finite result; None: none) and the
+    rows of ``tb`` that "skip_row" left unchanged for a non-finite gradient, once each: a row
+    (>= 0) with a contribution ``gain * gradient`` that is not finite in float64, the rule of
+    both backends (``kernels.pipeline.nonfinite_rows``: a float64 sum of finite float32
+    products never overflows, so with accumulation too a row is skipped exactly then)."""
+    if (np.isfinite(g).all() and np.isfinite(tb.gains).all()) or tb.unique_rows is None:
+        return rows
+    contrib = tb.gains[:, None].astype(np.float64) * g[tb.segments].astype(np.float64)
+    bad = np.zeros(len(tb.unique_rows), dtype=bool)
+    bad[tb.inverse[~np.isfinite(contrib).all(axis=1)]] = True
+    found = tb.unique_rows[bad]
+    found = found[found >= 0]
+    if not len(found):
+        return rows
+    return found if rows is None else np.union1d(np.asarray(rows, dtype=np.int64), found)
+
+
 class _TableWeights(dict):
     """``EmbeddingEngine.embedding_tables``: the weights of the tables with rows by id; a keyed
     table's name raises its TypeError (``__missing__``), any other name a KeyError."""
@@ -235,7 +253,8 @@ class EmbeddingEngine:
       backend: "numba" (default: parallel compiled kernels) or "reference" (NumPy, the oracle
         every faster backend is tested against).
       nonfinite_gradients: "error" (default) raises on a NaN/Inf gradient before any change;
-        "skip_row" leaves every row that would receive a non-finite gradient untouched this step.
+        "skip_row" leaves every row that would receive a non-finite gradient untouched this step
+        (warned about and counted as below).
         The same policy governs non-finite *results* (an overflow from finite inputs: a huge
         learning rate, weight decay or per-id weight): a row whose new weights or slots would
         hold a NaN or Inf is left exactly as it was (weights and slots; a row is updated whole
@@ -243,7 +262,9 @@ class EmbeddingEngine:
         updated and the step counts; then "error" raises a ``NonFiniteUpdateError`` (a
         FloatingPointError) naming the table, the count and the first ids of the rows left
         alone, and "skip_row" warns (RuntimeWarning) and adds them to
-        ``nonfinite_rows_skipped[table]``. Across rows a step is thus not atomic for results.
+        ``nonfinite_rows_skipped[table]``: every row a step left untouched because of a
+        non-finite value, its gradient or its result, counted once (a key without a row, whose
+        gradient is dropped anyway, is not). Across rows a step is thus not atomic for results.
       storage: "ram" (default) or "mmap" for every table, or a dict of table name -> either
         (tables not named stay in RAM). "mmap" keeps a table and its slots in a file under
         ``storage_dir`` (``{table}.f32``), so tables bigger than RAM train through the page cache;
@@ -1127,7 +1148,8 @@ class EmbeddingEngine:
 
     def _update(self, batch: PreparedBatch, grads: dict, lrs: Sequence[float]) -> dict:
         """Update every physical table; logical table name -> ids of rows left unchanged
-        because their result was not finite (tables without such rows are absent)."""
+        because their result, or under "skip_row" their gradient, was not finite (tables
+        without such rows are absent)."""
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
         # Last table first: the rows the lookup touched last are the likeliest still in cache.
@@ -1147,6 +1169,8 @@ class EmbeddingEngine:
             sweep = table.sequential_access() if opt.updates_every_row else contextlib.nullcontext()
             with sweep:
                 rows = self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
+            if skip:  # the backend left them alone too, but reports only results
+                rows = _with_nonfinite_gradient_rows(tb, g, rows)
             if rows is not None and len(rows):
                 self._unchanged_ids(p, tb, rows, unchanged)
         return unchanged
@@ -1201,7 +1225,8 @@ class EmbeddingEngine:
             if name in self.nonfinite_rows_skipped:
                 self.nonfinite_rows_skipped[name] += len(rows)
         warnings.warn(
-            f"step {step}: rows left unchanged because their update was not finite: {what} "
+            f"step {step}: rows left unchanged because their gradient or update was not "
+            f"finite: {what} "
             "(nonfinite_gradients='skip_row'; counted in engine.nonfinite_rows_skipped)",
             RuntimeWarning,
             stacklevel=3,

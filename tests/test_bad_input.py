@@ -243,7 +243,9 @@ def test_skip_row_leaves_rows_with_nonfinite_gradients_untouched(backend):
     before_acc = eng.slots("user")["accumulators"].copy()
     grads = {k: np.ones_like(v) for k, v in acts.items()}
     grads["u"][0, 1] = np.nan  # sample 0 holds rows 1 and 2
-    eng.apply_gradients(grads)
+    with pytest.warns(RuntimeWarning, match="table 'user': 2 rows \\(ids 1, 2\\)"):
+        eng.apply_gradients(grads)
+    assert eng.nonfinite_rows_skipped["user"] == 2
     after = eng.embedding_tables["user"]
     np.testing.assert_array_equal(after[[1, 2]], before_user[[1, 2]])
     np.testing.assert_array_equal(eng.slots("user")["accumulators"][[1, 2]], before_acc[[1, 2]])

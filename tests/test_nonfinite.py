@@ -431,3 +431,29 @@ def test_rowwise_adagrad_near_float32_max_takes_the_guarded_path(dim):
         states.append(after)
     for k in states[0]["t"]:
         np.testing.assert_array_equal(states[0]["t"][k], states[1]["t"][k], err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "sgd_no_accumulation"])
+def test_skip_row_counts_rows_skipped_for_a_non_finite_gradient_too(backend, name):
+    """Under "skip_row", rows 1 and 5 overflow (their result is not finite), row 2's gradient
+    is NaN and one of row 3's two occurrences has an Inf gradient. All four are left exactly
+    as they were, and each is counted once in ``nonfinite_rows_skipped`` and named in the
+    warning (rows skipped for their gradient were neither counted nor named before); row 7
+    trains."""
+    eng = _guard_engine(name, backend, "skip_row", 4)
+    g = _guard_step(eng)
+    g[1] = np.nan  # row 2
+    g[4, 0] = np.inf  # row 3's second occurrence
+    before = _state(eng)
+    err, caught = _apply(eng, g, "skip_row")
+    after = _state(eng)
+    assert err is None and after["step"] == 1 and _all_finite(eng)
+    assert _same(before, after, "t", [1, 2, 3, 5]) and not _same(before, after, "t", [7])
+    assert eng.nonfinite_rows_skipped == {"t": 4}
+    named = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(named) == 1 and "table 't': 4 rows (ids 1, 2, 3, 5)" in named[0], named
+    # A step whose only non-finite values are gradients is counted and warned about too.
+    eng.lookup({"f": ee.Ragged(np.array([2, 7]), lengths=[1, 1])})
+    with pytest.warns(RuntimeWarning, match="table 't': 1 rows \\(ids 2\\)"):
+        eng.apply_gradients({"f": np.float32([[np.nan] * 4, [0.25] * 4])})
+    assert eng.nonfinite_rows_skipped == {"t": 5}
