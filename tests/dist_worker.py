@@ -124,6 +124,13 @@ Scenarios:
                                 raises), after every check of its input: each rank's outcome
                                 and seconds, whether the tables stayed as they were, then the
                                 update again together (header first)
+  interrupted                   exchange "rows", a group of 10 s timeout: a step, then the last
+                                rank's checks before the header raise KeyboardInterrupt (its
+                                engine's _check_files replaced) in a training lookup, then,
+                                after a lookup together, in its update right after it (so it
+                                speculates) and in its update again (header first): each
+                                call's outcome and seconds, whether the tables stayed as they
+                                were, then the update together and the step it reached
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1490,6 +1497,61 @@ def run_fill_fails(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{seconds:.3f} {said}\nunchanged={unchanged}\nstep={eng.step}\n")
 
 
+def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
+    """``interrupted`` (module docstring): each call's outcome and seconds, whether the
+    tables stayed as they were, then the step an update together reached, in a .txt."""
+    import torch.distributed as dist
+
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    feats, weights, grads = local(0, rank, world)
+    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=10)
+    eng.lookup(feats, weights)  # a step first: every kernel loaded, the ranks lined up
+    eng.apply_gradients(grads)
+    before = eng.table_contents()
+    check = eng._check_files
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt("the test's")
+
+    said = []
+    calls = [
+        ("lookup", lambda: eng.lookup(feats, weights), True),
+        ("lookup together", lambda: eng.lookup(feats, weights), False),
+        ("apply_gradients", lambda: eng.apply_gradients(grads), True),  # speculating
+        ("apply_gradients again", lambda: eng.apply_gradients(grads), True),  # header first
+    ]
+    for call, fn, fails in calls:
+        if fails and rank == world - 1:
+            eng._check_files = interrupted  # one of the checks before the header
+        dist.barrier()
+        start = time.monotonic()
+        try:
+            fn()
+            outcome = "no error"
+        except BaseException as e:  # KeyboardInterrupt too: the scenario's point
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            eng._check_files = check
+        said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
+        dist.barrier()  # the ranks go on together (without the fix rank 0 waited out the timeout)
+    try:  # an error written down (without the fix the group broke): the next scenarios run
+        after = eng.table_contents()
+        unchanged = after["step"] == before["step"] and all(
+            np.array_equal(a, after["tables"][t][k])
+            for t, arrays in before["tables"].items()
+            for k, a in arrays.items()
+        )
+        eng.apply_gradients(grads)  # the pending batch, together
+        said += [f"unchanged: {unchanged}", f"step: {eng.step}"]
+    except Exception as e:
+        said.append(f"after: {type(e).__name__}: {e}")
+    dist.barrier()
+    with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
+        f.write("\n".join(said) + "\n")
+
+
 def torch_tensor(a: np.ndarray):
     import torch
 
@@ -1771,6 +1833,8 @@ def main() -> None:
                 run_nonfinite(rank, world, out, name)
             elif name == "fill_fails":
                 run_fill_fails(rank, world, out, name)
+            elif name == "interrupted":
+                run_interrupted(rank, world, out, name)
             elif name.partition(":")[0] == "midway":
                 run_midway(rank, world, out, name)
             else:

@@ -584,6 +584,7 @@ REFUSALS = [
     "midway:save",
     "midway:restore",
     "fill_fails",
+    "interrupted",
     "save_fails",
     "save_roots",
     "save_write_fails:dense",
@@ -967,6 +968,37 @@ def test_an_update_whose_message_fails_to_pack_on_one_rank_fails_every_rank_at_o
             assert float(seconds) < 5.0, said  # the group's timeout is 10 s
         assert unchanged == "unchanged=True", (rank, unchanged)
         assert step == "step=2", (rank, step)
+
+
+def test_a_rank_interrupted_before_its_header_fails_every_rank_at_once(refusals):
+    """The last rank's checks before the header of a training lookup, then of its update
+    right after a lookup (speculating: its header travels in its message), then of that
+    update again (header first), raised KeyboardInterrupt. The checks caught Exception only:
+    the rank left without sending its header, and rank 0 waited at the header until the
+    timeout (10 s). Now it sends its header marked as interrupted and raises its
+    KeyboardInterrupt: rank 0 raises at once naming it, nothing changed on either rank, and
+    the ranks update the pending batch together afterwards."""
+    interrupted = (
+        "they were interrupted before their header: a KeyboardInterrupt or another "
+        "BaseException that is not an Exception: see their error"
+    )
+    for rank in range(2):
+        lines = (refusals / f"interrupted.rank{rank}.txt").read_text().splitlines()
+        said = dict(line.split(": ", 1) for line in lines)
+        for call in ("lookup", "apply_gradients", "apply_gradients again"):
+            seconds, text = said[call].split(" ", 1)
+            if rank == 1:
+                assert text == "KeyboardInterrupt: the test's", (call, lines)
+            else:
+                name = call.split()[0]
+                assert text == (
+                    f"DistributedError: rank 0: {name} at step 1 failed on ranks [1] "
+                    f"({interrupted}); nothing was changed on any rank"
+                ), (call, lines)
+            assert float(seconds) < 5.0, (call, lines)  # the group's timeout is 10 s
+        assert said["lookup together"].endswith(" no error"), lines
+        assert said["unchanged"] == "True", lines
+        assert said["step"] == "2", lines
 
 
 @pytest.mark.parametrize(

@@ -130,19 +130,27 @@ _FIXED = 4
 # used (a StorageError), any other error before the header (a bug's RuntimeError, a
 # MemoryError: not its input), or a speculating update's message failed to pack after every
 # check (``_PACKING``: the rank sends its header in a message of zeros, so the others raise
-# at once, naming it, instead of waiting for its message until the timeout).
-_VALID, _INVALID, _OTHER, _PACKING, _STORAGE = 1, 0, 2, 3, 4
+# at once, naming it, instead of waiting for its message until the timeout), or the rank was
+# interrupted before its header (``_INTERRUPTED``: a KeyboardInterrupt, or another
+# BaseException that is not an Exception, during a lookup's or an update's checks: the rank
+# still sends its header, then raises its interruption, so that the others raise at once
+# instead of waiting at the header until the timeout).
+_VALID, _INVALID, _OTHER, _PACKING, _STORAGE, _INTERRUPTED = 1, 0, 2, 3, 4, 5
 _FAILURES = {
     _INVALID: "their input was invalid",
     _OTHER: "an error of theirs that is not about their input, not a ValueError, TypeError or "
     "LookupError",
     _PACKING: "packing their update's message failed, after every check of their input",
     _STORAGE: "their tables' storage could not be used: a StorageError",
+    _INTERRUPTED: "they were interrupted before their header: a KeyboardInterrupt or another "
+    "BaseException that is not an Exception",
 }
 
 
 def _failure_code(error: BaseException) -> int:
     """The header's code (``_FAILURES``) for ``error``, this rank's before its header."""
+    if not isinstance(error, Exception):  # a KeyboardInterrupt, a SystemExit
+        return _INTERRUPTED
     if isinstance(error, StorageError):  # a ValueError, but of the rank's files, not its input
         return _STORAGE
     if isinstance(error, ValueError | TypeError | LookupError):
@@ -286,7 +294,8 @@ class _Kept:
 
 class DistributedError(RuntimeError):
     """Ranks disagree (another call, step or learning rate), or another rank's call failed
-    before it began (its input was invalid, or another error: the message says which kind):
+    before it began (its input was invalid, another error, or it was interrupted: the message
+    says which kind):
     raised on every rank, naming the ranks; nothing was updated."""
 
 
@@ -759,7 +768,7 @@ class ShardedEngine:
     def _header(
         self,
         call: int,
-        error: Exception | None,
+        error: BaseException | None,
         blocks: Mapping[int, np.ndarray] | None = None,
         lrs: Sequence[float] | None = None,
         timestamp: int | None = None,
@@ -797,7 +806,7 @@ class ShardedEngine:
     def _header_rows(
         self,
         call: int,
-        error: Exception | None,
+        error: BaseException | None,
         blocks: Mapping[int, np.ndarray] | None,
         lrs: Sequence[float] | None,
         timestamp: int | None,
@@ -821,7 +830,7 @@ class ShardedEngine:
         return header
 
     def _check_header(
-        self, call: int, error: Exception | None, got: np.ndarray, lrs: Sequence[float] | None
+        self, call: int, error: BaseException | None, got: np.ndarray, lrs: Sequence[float] | None
     ) -> None:
         """Raise this rank's ``error``, or a DistributedError if the headers ``got`` from the
         ranks disagree with this rank's call (``_header``)."""
@@ -1024,7 +1033,7 @@ class ShardedEngine:
                 sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
                 if self._exchange[t] == "auto":
                     saving[t] = self._sums_saving(t, counts[t], push)
-        except Exception as e:  # any, the user's too: every rank raises at the header
+        except BaseException as e:  # any, a KeyboardInterrupt too: every rank raises at the header
             error = e
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
         if self._keyed:
@@ -1718,7 +1727,7 @@ class ShardedEngine:
                 from_lookup[:] = 1 + last.exchanged_sums  # 2: its owners kept them
             else:
                 push = self._push_counts(batch)
-        except Exception as e:  # any, the user's too: every rank raises at the header
+        except BaseException as e:  # any, a KeyboardInterrupt too: every rank raises at the header
             error = e
         blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.b: from_lookup}
         received = None
