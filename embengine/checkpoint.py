@@ -50,6 +50,14 @@ never loses its files midway to a save, in this process or another; a checkpoint
 before the reader locked it (or by anything else) is a CheckpointError naming it, nothing
 read.
 
+A save's errors say whether it committed. Before the rename, any error (an OSError of a full
+disk, ...) is raised as it is and nothing was committed (the temporary folder is removed): save
+again. After it (syncing the root folder, pruning), the checkpoint is complete and restores,
+so the error is a CheckpointError saying so, its ``path`` the checkpoint, chained to the
+failure (``__cause__``), as a ShardedEngine's save says on every rank; a KeyboardInterrupt is
+raised as it is, with that text as a note. Not an OSError: nothing here promised one, and a
+caller catching OSError to save again would save the checkpoint twice.
+
 Loading. ``read_checkpoint`` (``restore``, ``EmbeddingEngine.load``, export) and
 ``read_manifest`` (inspect) check, in this order and before any engine is built or any table
 byte changes:
@@ -196,9 +204,10 @@ def _sequence(path: Path) -> int:
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, foreign or incompatible; or a save
-    that failed after it committed its checkpoint (a ShardedEngine's: its root's sync or
-    pruning failed on rank 0). ``path``: that committed checkpoint's folder (complete: it
-    restores), so a caller need not parse the message for it; None on any other."""
+    that failed after it committed its checkpoint (syncing the root folder or pruning failed:
+    an EmbeddingEngine's, or rank 0's of a ShardedEngine). ``path``: that committed
+    checkpoint's folder (complete: it restores), so a caller need not parse the message for
+    it; None on any other."""
 
     def __init__(self, *args: object, path: Path | None = None):
         super().__init__(*args)
@@ -515,11 +524,32 @@ def _write(
         # the highest number is the last committed.
         seqs = [int(m[1]) for p in root.iterdir() if (m := _NAME.match(p.name))]
         final = root / checkpoint_name(max(seqs, default=0) + 1, step)
-        os.rename(tmp, final)  # the commit point
-        _fsync_dir(root)
-        if keep is not None:
-            _prune(root, keep)
+        os.rename(tmp, final)  # the commit point: what fails now fails a saved checkpoint
+        doing = "syncing the root folder after the rename (a crash may still lose the name)"
+        try:
+            _fsync_dir(root)
+            if keep is not None:
+                doing = f"pruning the checkpoints past keep={keep} (older ones may remain)"
+                _prune(root, keep)
+        except BaseException as e:
+            _committed_then_failed(final, doing, e)
     return final
+
+
+def _committed_then_failed(final: Path, doing: str, error: BaseException) -> None:
+    """A save committed ``final`` (renamed into place: complete, it restores), then failed
+    with ``error`` while ``doing``: raise a CheckpointError saying so, its ``path`` ``final``,
+    chained to ``error``, so that a caller does not save again believing nothing was saved
+    (the sharded save's error, ``distributed.checkpoint._committed_then_failed``). An error
+    that is not an Exception (a KeyboardInterrupt) is raised as it is, that text as a note."""
+    text = (
+        f"the checkpoint {final} was committed (complete: it restores), but the save then "
+        f"failed while {doing}: {type(error).__name__}: {error}"
+    )
+    if not isinstance(error, Exception):
+        error.add_note(text)
+        raise error
+    raise CheckpointError(text, path=final) from error
 
 
 def check_path(path, what: str) -> None:

@@ -4,6 +4,7 @@ under SIGKILL, tampering, compatibility checks, keep=N, safetensors interop and 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -951,6 +952,59 @@ def test_keep_keeps_only_the_newest(tmp_path):
         _run_steps(eng, 1)
         eng.save(tmp_path)
     assert len(list(tmp_path.iterdir())) == 4
+
+
+def test_a_save_failing_after_its_commit_says_the_checkpoint_is_there(tmp_path):
+    """A save whose pruning failed after its rename into place raised the bare OSError, as if
+    nothing was saved (a caller saving again saves the checkpoint twice), where a
+    ShardedEngine's save raises a CheckpointError naming the committed checkpoint. The single
+    engine's does so too now: ``path`` the checkpoint, chained to the OSError. The failure is
+    a real one: the older checkpoint's folder, renamed to a name of 250 characters (zeros
+    padding its number: still a checkpoint's name), cannot be renamed away to its trash name
+    (``.trash-<name>-<8 hex>``, past the 255 bytes a name may have: ENAMETOOLONG). Permissions
+    could not make it fail: the tests may run as root."""
+    eng = _small_engine()
+    _run_steps(eng, 1)
+    first = eng.save(tmp_path)
+    padded = tmp_path / f"ckpt-{1:0{250 - len('ckpt--step000000000001')}d}-step000000000001"
+    assert len(padded.name) == 250 and ckpt_mod.is_checkpoint_name(padded.name)
+    first.rename(padded)
+    _run_steps(eng, 1)
+    with pytest.raises(CheckpointError) as info:
+        eng.save(tmp_path, keep=1)
+    new = tmp_path / "ckpt-000002-step000000000002"
+    assert info.value.path == new
+    cause = info.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG, repr(cause)
+    assert str(info.value).startswith(
+        f"the checkpoint {new} was committed (complete: it restores), but the save then failed "
+        "while pruning the checkpoints past keep=1 (older ones may remain): OSError: "
+    ), str(info.value)
+    assert ckpt_mod.list_checkpoints(tmp_path) == [padded, new]  # no temporary folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([padded.name, new.name])
+    _assert_same_state(eng, ee.EmbeddingEngine.load(tmp_path))  # the new one, complete
+
+
+def test_a_save_interrupted_after_its_commit_notes_the_checkpoint(tmp_path, monkeypatch):
+    """A KeyboardInterrupt after a save's commit is raised as it is (not wrapped), with a note
+    naming the committed checkpoint. Pruning is replaced (one helper) to raise it: no real
+    file operation raises a KeyboardInterrupt."""
+    eng = _small_engine()
+    _run_steps(eng, 1)
+
+    def interrupted(root, keep):
+        raise KeyboardInterrupt("the test's")
+
+    monkeypatch.setattr(ckpt_mod, "_prune", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        eng.save(tmp_path, keep=1)
+    new = tmp_path / "ckpt-000001-step000000000001"
+    assert info.value.__notes__ == [
+        f"the checkpoint {new} was committed (complete: it restores), but the save then failed "
+        "while pruning the checkpoints past keep=1 (older ones may remain): KeyboardInterrupt: "
+        "the test's"
+    ]
+    assert ckpt_mod.list_checkpoints(tmp_path) == [new]
 
 
 @pytest.mark.parametrize("keep", [0, -1, 1.5, "2"])
