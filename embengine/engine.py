@@ -125,6 +125,17 @@ def _with_nonfinite_gradient_rows(tb, g: np.ndarray, rows: np.ndarray | None) ->
     return found if rows is None else np.union1d(np.asarray(rows, dtype=np.int64), found)
 
 
+def _describe_unchanged(unchanged: Mapping[str, np.ndarray]) -> str:
+    """``unchanged`` (table -> ids of the rows a step left alone) as the non-finite policy's
+    error and warning name them: per table the count and the first ids."""
+    parts = []
+    for name, rows in unchanged.items():
+        ids = ", ".join(str(int(i)) for i in rows[:_ROWS_NAMED])
+        more = ", ..." if len(rows) > _ROWS_NAMED else ""
+        parts.append(f"table {name!r}: {len(rows)} rows (ids {ids}{more})")
+    return "; ".join(parts)
+
+
 class _TableWeights(dict):
     """``EmbeddingEngine.embedding_tables``: the weights of the tables with rows by id; a keyed
     table's name raises its TypeError (``__missing__``), any other name a KeyError."""
@@ -1206,12 +1217,7 @@ class EmbeddingEngine:
 
     def _report_unchanged(self, unchanged: dict[str, np.ndarray]) -> None:
         """The non-finite-result policy, once the step is done (see the class docstring)."""
-        parts = []
-        for name, rows in unchanged.items():
-            ids = ", ".join(str(int(i)) for i in rows[:_ROWS_NAMED])
-            more = ", ..." if len(rows) > _ROWS_NAMED else ""
-            parts.append(f"table {name!r}: {len(rows)} rows (ids {ids}{more})")
-        what = "; ".join(parts)
+        what = _describe_unchanged(unchanged)
         step = self._step - 1
         if self.nonfinite_gradients == "error":
             raise NonFiniteUpdateError(

@@ -11,8 +11,9 @@ Scenarios:
   equal:<optimizer>:<sharding>:<exchange>[:nan]
                                 three training steps; each rank's activations and what each
                                 table's lookup exchanged, and on every rank the gathered
-                                tables, the bytes sent and the plan; with ":nan", a NaN
-                                gradient and nonfinite_gradients="skip_row"
+                                tables, the bytes sent, the plan, each step's warnings
+                                and nonfinite_rows_skipped; with ":nan", a NaN gradient
+                                and nonfinite_gradients="skip_row"
   sweep:<optimizer>:<sharding>:<exchange>
                                 an optimizer that updates every row (adam_dense, lion_dense)
                                 over steps in which some owner gets no id of a table, one
@@ -158,6 +159,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -370,7 +372,10 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
             saved[f"act{step}/{k}"] = v
         tables = eng.table_stats()["tables"]
         saved[f"exchanged{step}"] = np.array([tables[t]["exchange"] for t in TABLES])
-        eng.apply_gradients(grads)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            eng.apply_gradients(grads)
+        saved[f"warned{step}"] = np.array([str(w.message) for w in caught] or [""])
         saved[f"bytes{step}"] = np.array(
             [
                 sum(eng.bytes_sent["lookup"].values()),
@@ -381,6 +386,7 @@ def run_equal(rank: int, world: int, out: str, name: str) -> None:
     stats = eng.table_stats()
     saved["plan"] = np.array([eng.plan[t] for t in TABLES])
     saved["rows"] = np.array([stats["tables"][t]["rows"] for t in TABLES])
+    saved["skipped"] = np.array([eng.nonfinite_rows_skipped[t] for t in TABLES])
     last = stats["bytes_sent"]
     saved["stats_bytes"] = np.array(
         [sum(last["lookup"].values()), sum(last["apply_gradients"].values())]

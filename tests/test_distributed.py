@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -414,13 +415,26 @@ def test_the_exchanges_differ_where_the_test_says_they_do(runs):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_nan_gradient_skips_the_same_rows_as_one_engine(runs, world):
     # skip_row: every row that a NaN gradient reaches, from any rank, is left alone that step.
-    _, single = single_engine_run("adam", world, nan=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        _, single = single_engine_run("adam", world, nan=True)
     _, clean = single_engine_run("adam", world)
     want = single.state_dict()
     hot = worker.HOT
     assert (want["tables"]["big"]["weights"][hot] != clean.embedding_tables["big"][hot]).any()
+    # Counted and warned about alike: the rows left alone for the NaN gradient (each owner's
+    # of its shard, gathered), in the single engine's words and count.
+    skipped = [single.nonfinite_rows_skipped[t] for t in worker.TABLES]
+    assert sum(skipped) > 0 and len(caught) == 1
+    said = str(caught[0].message).split(" (nonfinite_gradients=")[0]
     for rank in range(world):
-        _assert_state(runs(world) / f"equal_adam_row_auto_nan.rank{rank}.npz", want)
+        path = runs(world) / f"equal_adam_row_auto_nan.rank{rank}.npz"
+        _assert_state(path, want)
+        got = np.load(path)
+        assert got["skipped"].tolist() == skipped, rank
+        warned = [str(got[f"warned{s}"][0]) for s in range(worker.STEPS)]
+        assert warned[0].split("; left alone per rank: rank ")[0] == said, (rank, warned)
+        assert warned[1:] == [""] * (worker.STEPS - 1), rank
 
 
 def test_table_stats_rows_add_up_to_every_table(runs):

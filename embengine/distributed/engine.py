@@ -65,6 +65,8 @@ from ..engine import (
     _STATES,
     NonFiniteUpdateError,
     _check_timestamp,
+    _describe_unchanged,
+    _with_nonfinite_gradient_rows,
     check_step_room,
     checked_gradient,
     close_tables,
@@ -1814,6 +1816,8 @@ class ShardedEngine:
             left = self._backend.apply(
                 shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip
             )
+            if skip:  # left alone for a gradient not finite too: the backend reports results
+                left = _with_nonfinite_gradient_rows(tb, grad, left)
             if left is not None and len(left):
                 ids = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
                 unchanged[self.table_names[t]] = np.sort(ids)
@@ -2241,12 +2245,12 @@ class ShardedEngine:
         return out
 
     def _report_unchanged(self, unchanged: dict[str, np.ndarray], everyone: np.ndarray) -> None:
-        """The non-finite-result policy (EmbeddingEngine's), on every rank alike: ``unchanged``
-        holds every rank's rows (``_gather_unchanged``), so the error's ``rows`` and
+        """The non-finite policy (EmbeddingEngine's), on every rank alike: ``unchanged`` holds
+        every rank's rows (``_gather_unchanged``: each owner's rows left alone for a result or,
+        under "skip_row", a gradient contribution not finite), so the error's ``rows`` and
         ``nonfinite_rows_skipped`` are the single engine's on every rank."""
         ranks = ", ".join(f"rank {s}: {int(n)}" for s, n in enumerate(everyone) if n)
-        ids = "; ".join(f"table {t!r}: ids {v[:5].tolist()}" for t, v in unchanged.items())
-        what = f"rows left unchanged per rank ({ranks}); {ids}"
+        what = f"{_describe_unchanged(unchanged)}; left alone per rank: {ranks}"
         step = self._step - 1
         if self.nonfinite_gradients == "error":
             raise NonFiniteUpdateError(
@@ -2257,7 +2261,11 @@ class ShardedEngine:
         for name, ids in unchanged.items():
             self.nonfinite_rows_skipped[name] += len(ids)
         warnings.warn(
-            f"step {step}: {what} (nonfinite_gradients='skip_row')", RuntimeWarning, stacklevel=3
+            f"step {step}: rows left unchanged because their gradient or update was not "
+            f"finite: {what} "
+            "(nonfinite_gradients='skip_row'; counted in engine.nonfinite_rows_skipped)",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
     def _check_gradients(self, gradients: Mapping, batch: PreparedBatch) -> dict[str, np.ndarray]:
