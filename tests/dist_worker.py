@@ -131,7 +131,11 @@ Scenarios:
                                 after a lookup together, in its update right after it (so it
                                 speculates) and in its update again (header first): each
                                 call's outcome and seconds, whether the tables stayed as they
-                                were, then the update together and the step it reached
+                                were, then the update together and the step it reached; then,
+                                after a save together, the checks before the header of
+                                table_contents, save and restore, and before the
+                                configuration's exchange of ShardedEngine() (its _build) and
+                                ShardedEngine.load (its read_checkpoint), interrupted alike
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1554,6 +1558,40 @@ def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
     except Exception as e:
         said.append(f"after: {type(e).__name__}: {e}")
     dist.barrier()
+    # The other calls' checks before their header (before the configuration's exchange for
+    # ShardedEngine() and load), interrupted on the last rank alike, after a save together.
+    import embengine.checkpoint as single
+
+    ckpt = eng.save(os.path.join(out, f"{name}_ckpt"))
+    build = ShardedEngine._build
+    again = [
+        ("table_contents", lambda: eng.table_contents(), eng, "_check_files"),
+        ("save", lambda: eng.save(os.path.join(out, f"{name}_other")), eng, "_check_files"),
+        ("restore", lambda: eng.restore(ckpt), eng, "_check_files"),
+        (
+            "ShardedEngine()",
+            lambda: ShardedEngine(features, optimizer=o, exchange="rows", timeout=10),
+            ShardedEngine,
+            "_build",
+        ),
+        ("load", lambda: ShardedEngine.load(ckpt, timeout=10), single, "read_checkpoint"),
+    ]
+    for call, fn, where, what in again:
+        kept = getattr(where, what)
+        if rank == world - 1:
+            setattr(where, what, lambda *a, **k: interrupted())
+        dist.barrier()
+        start = time.monotonic()
+        try:
+            fn()
+            outcome = "no error"
+        except BaseException as e:  # KeyboardInterrupt too: the scenario's point
+            outcome = f"{type(e).__name__}: {e}"
+        finally:
+            setattr(where, what, kept)
+        said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
+        dist.barrier()
+    assert ShardedEngine._build is build
     with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
         f.write("\n".join(said) + "\n")
 

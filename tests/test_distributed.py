@@ -991,7 +991,9 @@ def test_a_rank_interrupted_before_its_header_fails_every_rank_at_once(refusals)
     the rank left without sending its header, and rank 0 waited at the header until the
     timeout (10 s). Now it sends its header marked as interrupted and raises its
     KeyboardInterrupt: rank 0 raises at once naming it, nothing changed on either rank, and
-    the ranks update the pending batch together afterwards."""
+    the ranks update the pending batch together afterwards. Then the same in table_contents,
+    save and restore, and while building a ShardedEngine (its shards, or load's reading of
+    the checkpoint): before, rank 0 waited for the timeout there too."""
     interrupted = (
         "they were interrupted before their header: a KeyboardInterrupt or another "
         "BaseException that is not an Exception: see their error"
@@ -1013,6 +1015,25 @@ def test_a_rank_interrupted_before_its_header_fails_every_rank_at_once(refusals)
         assert said["lookup together"].endswith(" no error"), lines
         assert said["unchanged"] == "True", lines
         assert said["step"] == "2", lines
+        # table_contents, save and restore (at their header), ShardedEngine() and load (at
+        # the configuration's exchange) alike: they caught Exception only before.
+        building = (
+            "DistributedError: rank 0: ranks [1] were interrupted while building their "
+            "ShardedEngine (a KeyboardInterrupt or another BaseException that is not an "
+            "Exception: see their error)"
+        )
+        for call in ("table_contents", "save", "restore", "ShardedEngine()", "load"):
+            seconds, text = said[call].split(" ", 1)
+            if rank == 1:
+                assert text == "KeyboardInterrupt: the test's", (call, lines)
+            elif call in ("ShardedEngine()", "load"):
+                assert text == building, (call, lines)
+            else:
+                assert text == (
+                    f"DistributedError: rank 0: {call} at step 2 failed on ranks [1] "
+                    f"({interrupted}); nothing was changed on any rank"
+                ), (call, lines)
+            assert float(seconds) < 5.0, (call, lines)  # the group's timeout is 10 s
 
 
 @pytest.mark.parametrize(

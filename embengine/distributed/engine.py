@@ -339,10 +339,12 @@ class ShardedEngine:
         choose its own (where a shard lives is the machine's business); ``close()`` releases
         the files.
       refused: an error the caller found on this rank (``load``: a checkpoint it cannot
-        read), raised here and as a DistributedError on every other rank.
+        read, or a KeyboardInterrupt while reading it), raised here and as a DistributedError
+        on every other rank.
 
     A rank whose arguments are invalid raises its error, and every other rank a
-    DistributedError naming it, at once (they meet at the configuration's exchange).
+    DistributedError naming it, at once (they meet at the configuration's exchange); so
+    does a rank interrupted (a KeyboardInterrupt) while it builds its shards.
 
     Every rank must make the same calls in the same order (lookup, apply_gradients,
     table_contents), each with its own samples (an empty batch is fine). ``bytes_sent`` is what
@@ -361,7 +363,7 @@ class ShardedEngine:
         backend: str = "numba",
         nonfinite_gradients: str = "error",
         exchange: str | Mapping[str, str] = "auto",
-        refused: Exception | None = None,
+        refused: BaseException | None = None,
         storage: str | Mapping[str, str] = "ram",
         storage_dir: str | os.PathLike | None = None,
     ):
@@ -419,8 +421,8 @@ class ShardedEngine:
                     exchange,
                     (storage, storage_dir),
                 )
-            except Exception as e:  # any, the user's too: every rank raises at the exchange
-                error = e
+            except BaseException as e:  # any, a KeyboardInterrupt too: every rank raises at
+                error = e  # the exchange (an interrupted rank still meets the others there)
         self._check_same_configuration(error)
 
     def _build(
@@ -708,14 +710,15 @@ class ShardedEngine:
         """This rank's share of a table (its ``global_ids``; rows ``[weights | slots]``)."""
         return self._shards[self.table_names.index(table_name)]
 
-    def _check_same_configuration(self, error: Exception | None) -> None:
+    def _check_same_configuration(self, error: BaseException | None) -> None:
         """Every rank must have built the same engine: a digest of the configuration, gathered
         (different tables would pair the wrong rows; different optimizers diverge silently).
-        ``error``: this rank's own (its arguments), raised once every rank knows of it (they
-        raise a DistributedError naming it)."""
+        ``error``: this rank's own (its arguments, or a KeyboardInterrupt while it built),
+        raised once every rank knows of it (they raise a DistributedError naming it)."""
         if error is not None:
             self._comm.enter("ShardedEngine()")
-            self._comm.all_gather(np.zeros(2, dtype=np.int64), "setup")
+            said = np.array([0, _failure_code(error)], dtype=np.int64)  # 0: failed; why
+            self._comm.all_gather(said, "setup")
             raise error
         r = self._resolved
         config = {
@@ -750,6 +753,14 @@ class ShardedEngine:
         got = self._comm.all_gather(np.array([1, digest], dtype=np.int64), "setup")
         bad = [rank for rank, ok in enumerate(got[:, 0]) if not ok]
         if bad:
+            stopped = [rank for rank in bad if got[rank, 1] == _INTERRUPTED]
+            if stopped:
+                raise DistributedError(
+                    f"rank {self.rank}: ranks {stopped} were interrupted while building their "
+                    "ShardedEngine (a KeyboardInterrupt or another BaseException that is not "
+                    "an Exception: see their error)"
+                    + (f"; ranks {bad} could not build theirs" if stopped != bad else "")
+                )
             raise DistributedError(
                 f"rank {self.rank}: ranks {bad} could not build their ShardedEngine (see their "
                 "error: invalid arguments, or a checkpoint they could not read); every rank "
@@ -2305,14 +2316,19 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                error, which = self._files_error(), -1
-                if table_name is not None and error is None:
-                    try:
-                        which = self.table_names.index(table_name)
-                    except ValueError:
-                        error = KeyError(
-                            f"no table named {table_name!r}; tables are {list(self.table_names)}"
-                        )
+                error, which = None, -1
+                try:  # any failure, a KeyboardInterrupt too: every rank raises at the header
+                    error = self._files_error()
+                    if table_name is not None and error is None:
+                        try:
+                            which = self.table_names.index(table_name)
+                        except ValueError:
+                            error = KeyError(
+                                f"no table named {table_name!r}; tables are "
+                                f"{list(self.table_names)}"
+                            )
+                except BaseException as e:
+                    error = e
                 # Which table each rank asks for (0: every table), so that none gathers
                 # another table than the others.
                 got = self._header(_CONTENTS, error, {self._cols.a: np.array([which + 1])})
@@ -2454,7 +2470,7 @@ class ShardedEngine:
                 )
             # this rank's work before the save's collectives: its error is every rank's
             spec = self.spec()
-        except Exception as e:  # any, the user's too: every rank raises at the header
+        except BaseException as e:  # any, a KeyboardInterrupt too: every rank raises at the header
             error = e
         with self.lock:
             self._comm.reset()
@@ -2510,7 +2526,11 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                self._header(_RESTORE, self._files_error())
+                try:  # a KeyboardInterrupt too: every rank raises at the header
+                    error = self._files_error()
+                except BaseException as e:
+                    error = e
+                self._header(_RESTORE, error)
                 with self._past_header(_RESTORE):  # as the save's
                     info = checkpoint.restore(
                         self._comm,
@@ -2555,8 +2575,8 @@ class ShardedEngine:
             features = feature_configs_from_spec(spec, callables)
             options = engine_options(spec)
             options = {k: options[k] for k in ("seed", "nonfinite_gradients")}
-        except Exception as e:  # a folder this rank alone cannot read: every rank raises
-            refused = e
+        except BaseException as e:  # a folder this rank alone cannot read, an interruption:
+            refused = e  # every rank raises at the configuration's exchange
         # the class's own instance (adapters never reach an engine's private methods)
         made = cls(features, **{**options, **kwargs}, refused=refused)
         made._restore(path, False, newest, verify)  # checked just now (rank 0's)
