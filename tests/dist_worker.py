@@ -1463,20 +1463,28 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
         f.write("\n".join(said) + "\n")
 
 
+def _stepped_engine(rank: int, world: int):
+    """(an SGD ShardedEngine on exchange "rows" with a 10 s timeout after one step together,
+    this rank's features, weights, gradients, the tables after that step): every kernel
+    loaded and the ranks lined up before a scenario's failing calls."""
+    from embengine.distributed import ShardedEngine
+
+    features, o = make_features("sgd")
+    feats, weights, grads = local(0, rank, world)
+    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=10)
+    eng.lookup(feats, weights)
+    eng.apply_gradients(grads)
+    return eng, feats, weights, grads, eng.table_contents()
+
+
 def run_fill_fails(rank: int, world: int, out: str, name: str) -> None:
     """``fill_fails`` (module docstring): each call's outcome and seconds, whether the
     tables stayed as they were, then a step together, in a .txt."""
     import torch.distributed as dist
 
     import embengine.kernels.shard_route as sr
-    from embengine.distributed import ShardedEngine
 
-    features, o = make_features("sgd")
-    feats, weights, grads = local(0, rank, world)
-    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=10)
-    eng.lookup(feats, weights)  # a step first: every kernel loaded, the ranks lined up
-    eng.apply_gradients(grads)
-    before = eng.table_contents()
+    eng, feats, weights, grads, before = _stepped_engine(rank, world)
     eng.lookup(feats, weights)  # armed: the update right after it speculates
     dist.barrier()
     fill = sr.fill_push
@@ -1515,26 +1523,20 @@ def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
     from embengine.distributed import ShardedEngine
 
     features, o = make_features("sgd")
-    feats, weights, grads = local(0, rank, world)
-    eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=10)
-    eng.lookup(feats, weights)  # a step first: every kernel loaded, the ranks lined up
-    eng.apply_gradients(grads)
-    before = eng.table_contents()
-    check = eng._check_files
+    eng, feats, weights, grads, before = _stepped_engine(rank, world)
 
     def interrupted() -> None:
         raise KeyboardInterrupt("the test's")
 
     said = []
-    calls = [
-        ("lookup", lambda: eng.lookup(feats, weights), True),
-        ("lookup together", lambda: eng.lookup(feats, weights), False),
-        ("apply_gradients", lambda: eng.apply_gradients(grads), True),  # speculating
-        ("apply_gradients again", lambda: eng.apply_gradients(grads), True),  # header first
-    ]
-    for call, fn, fails in calls:
-        if fails and rank == world - 1:
-            eng._check_files = interrupted  # one of the checks before the header
+
+    def timed(call, fn, where=None, what=None) -> None:
+        """``fn()`` on every rank, ``where.what`` (a check before the header) interrupting it
+        on the last rank; its time and outcome written down. The ranks go on together (without
+        the fix rank 0 waited out the timeout)."""
+        kept = None if where is None else getattr(where, what)
+        if where is not None and rank == world - 1:
+            setattr(where, what, lambda *a, **k: interrupted())
         dist.barrier()
         start = time.monotonic()
         try:
@@ -1543,9 +1545,15 @@ def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
         except BaseException as e:  # KeyboardInterrupt too: the scenario's point
             outcome = f"{type(e).__name__}: {e}"
         finally:
-            eng._check_files = check
+            if where is not None:
+                setattr(where, what, kept)
         said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
-        dist.barrier()  # the ranks go on together (without the fix rank 0 waited out the timeout)
+        dist.barrier()
+
+    timed("lookup", lambda: eng.lookup(feats, weights), eng, "_check_files")
+    timed("lookup together", lambda: eng.lookup(feats, weights))
+    timed("apply_gradients", lambda: eng.apply_gradients(grads), eng, "_check_files")  # speculating
+    timed("apply_gradients again", lambda: eng.apply_gradients(grads), eng, "_check_files")
     try:  # an error written down (without the fix the group broke): the next scenarios run
         after = eng.table_contents()
         unchanged = after["step"] == before["step"] and all(
@@ -1577,20 +1585,7 @@ def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
         ("load", lambda: ShardedEngine.load(ckpt, timeout=10), single, "read_checkpoint"),
     ]
     for call, fn, where, what in again:
-        kept = getattr(where, what)
-        if rank == world - 1:
-            setattr(where, what, lambda *a, **k: interrupted())
-        dist.barrier()
-        start = time.monotonic()
-        try:
-            fn()
-            outcome = "no error"
-        except BaseException as e:  # KeyboardInterrupt too: the scenario's point
-            outcome = f"{type(e).__name__}: {e}"
-        finally:
-            setattr(where, what, kept)
-        said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
-        dist.barrier()
+        timed(call, fn, where, what)
     assert ShardedEngine._build is build
     with open(os.path.join(out, f"{name}.rank{rank}.txt"), "w") as f:
         f.write("\n".join(said) + "\n")
