@@ -509,6 +509,29 @@ def _write(
         "extra": extra,
         "files": files,
     }
+    try:
+        return commit(root, tmp, manifest, step, keep)
+    except Committed as late:
+        _committed_then_failed(late)
+
+
+class Committed(Exception):
+    """``commit`` renamed the checkpoint into place (``final``: complete, it restores), then
+    failed with ``error`` while ``doing`` (syncing the root folder or pruning)."""
+
+    def __init__(self, final: Path, doing: str, error: BaseException):
+        super().__init__(f"{final}: {doing}: {error}")
+        self.final, self.doing, self.error = final, doing, error
+
+
+def commit(root: Path, tmp: Path, manifest: dict, step: int, keep: int | None) -> Path:
+    """Write ``manifest`` (and its SHA-256) into the filled folder ``tmp``, sync it, and rename
+    it into ``root`` as the next checkpoint of ``step`` (the commit point), then sync the root
+    and prune past ``keep``: the checkpoint's folder. Numbered at the commit, under the root's
+    lock: concurrent saves get distinct numbers, and the highest number is the last
+    committed. A failure after the rename is a ``Committed`` (the save's error must say the
+    checkpoint is there: ``_committed_then_failed``, the sharded save's own); before it,
+    the error as it is, nothing committed. Both engines' saves end here."""
     text = json.dumps(manifest, indent=1, default=_json_default).encode()
     for name, data in (
         ("manifest.json", text),
@@ -520,8 +543,6 @@ def _write(
             os.fsync(f.fileno())
     _fsync_dir(tmp)
     with _locked(root):
-        # Numbered at the commit, under the lock: concurrent saves get distinct numbers, and
-        # the highest number is the last committed.
         seqs = [int(m[1]) for p in root.iterdir() if (m := _NAME.match(p.name))]
         final = root / checkpoint_name(max(seqs, default=0) + 1, step)
         os.rename(tmp, final)  # the commit point: what fails now fails a saved checkpoint
@@ -532,24 +553,25 @@ def _write(
                 doing = f"pruning the checkpoints past keep={keep} (older ones may remain)"
                 _prune(root, keep)
         except BaseException as e:
-            _committed_then_failed(final, doing, e)
+            raise Committed(final, doing, e) from e
     return final
 
 
-def _committed_then_failed(final: Path, doing: str, error: BaseException) -> None:
-    """A save committed ``final`` (renamed into place: complete, it restores), then failed
-    with ``error`` while ``doing``: raise a CheckpointError saying so, its ``path`` ``final``,
-    chained to ``error``, so that a caller does not save again believing nothing was saved
-    (the sharded save's error, ``distributed.checkpoint._committed_then_failed``). An error
-    that is not an Exception (a KeyboardInterrupt) is raised as it is, that text as a note."""
+def _committed_then_failed(late: Committed) -> None:
+    """A save committed ``late.final``, then failed (``commit``): raise a CheckpointError
+    saying so, its ``path`` the checkpoint, chained to the failure, so that a caller does not
+    save again believing nothing was saved (the sharded save's error,
+    ``distributed.checkpoint._committed_then_failed``). An error that is not an Exception (a
+    KeyboardInterrupt) is raised as it is, that text as a note."""
+    error = late.error
     text = (
-        f"the checkpoint {final} was committed (complete: it restores), but the save then "
-        f"failed while {doing}: {type(error).__name__}: {error}"
+        f"the checkpoint {late.final} was committed (complete: it restores), but the save then "
+        f"failed while {late.doing}: {type(error).__name__}: {error}"
     )
     if not isinstance(error, Exception):
         error.add_note(text)
         raise error
-    raise CheckpointError(text, path=final) from error
+    raise CheckpointError(text, path=late.final) from error
 
 
 def check_path(path, what: str) -> None:

@@ -268,7 +268,7 @@ def save(
                         root, tmp, spec, files, flags.all(axis=0), step, keep, extra_metadata
                     )
                     committed = True
-                except _Committed as e:  # in place, then syncing or pruning failed
+                except ckpt.Committed as e:  # in place, then syncing or pruning failed
                     final, late, committed = e.final, e, True
                 except BaseException as e:  # every rank learns it (as above)
                     error = e
@@ -329,16 +329,7 @@ def _keyed_entry(spec: dict, t: int, lay: kc.KeyedLayout) -> None:
     spec["tables"][t]["keyed"] = kc.manifest_entry(lay)
 
 
-class _Committed(Exception):
-    """Rank 0's commit renamed the checkpoint into place (``final``: complete, it restores),
-    then failed with ``error`` while ``doing`` (``_commit``)."""
-
-    def __init__(self, final: Path, doing: str, error: BaseException):
-        super().__init__(f"{final}: {doing}: {error}")
-        self.final, self.doing, self.error = final, doing, error
-
-
-def _committed_then_failed(comm: Comm, path: Path, then: str, late: _Committed | None) -> None:
+def _committed_then_failed(comm: Comm, path: Path, then: str, late: ckpt.Committed | None) -> None:
     """Every rank: rank 0 committed the checkpoint ``path`` and then failed (``then``: what it
     was doing, and its error; ``late``: rank 0's own). A CheckpointError saying so on every
     rank, its ``path`` the checkpoint (rank 0's chained to its error; a KeyboardInterrupt of
@@ -524,7 +515,7 @@ def _commit(
     extra_metadata,
 ) -> Path:
     """Rank 0: hash the files, write the manifest, rename the folder into place. A failure
-    after the rename (syncing the root, pruning) is a ``_Committed`` naming the checkpoint."""
+    after the rename (syncing the root, pruning) is a ``ckpt.Committed`` naming the checkpoint."""
     listed = {}
     for entry, file, ok in zip(spec["tables"], files, finite, strict=True):
         entry["file"] = file
@@ -548,29 +539,7 @@ def _commit(
         "extra": extra,
         "files": listed,
     }
-    text = json.dumps(manifest, indent=1, default=ckpt._json_default).encode()
-    for name, data in (
-        ("manifest.json", text),
-        ("manifest.sha256", hashlib.sha256(text).hexdigest().encode()),
-    ):
-        with open(tmp / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    ckpt._fsync_dir(tmp)
-    with ckpt._locked(root):
-        seqs = [int(m[1]) for p in root.iterdir() if (m := ckpt._NAME.match(p.name))]
-        final = root / ckpt.checkpoint_name(max(seqs, default=0) + 1, step)
-        os.rename(tmp, final)  # the commit point: what fails now fails a saved checkpoint
-        doing = "syncing the root folder after the rename (a crash may still lose the name)"
-        try:
-            ckpt._fsync_dir(root)
-            if keep is not None:
-                doing = f"pruning the checkpoints past keep={keep} (older ones may remain)"
-                ckpt._prune(root, keep)
-        except BaseException as e:
-            raise _Committed(final, doing, e) from e
-    return final
+    return ckpt.commit(root, tmp, manifest, step, keep)
 
 
 def restore(
