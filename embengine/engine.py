@@ -107,24 +107,6 @@ def checked_gradient(name: str, value, lay, nonfinite_gradients: str) -> np.ndar
     return g
 
 
-def _with_nonfinite_gradient_rows(tb, g: np.ndarray, rows: np.ndarray | None) -> np.ndarray | None:
-    """``rows`` (a backend's rows left unchanged for a non-finite result; None: none) and the
-    rows of ``tb`` that "skip_row" left unchanged for a non-finite gradient, once each: a row
-    (>= 0) with a contribution ``gain * gradient`` that is not finite in float64, the rule of
-    both backends (``kernels.pipeline.nonfinite_rows``: a float64 sum of finite float32
-    products never overflows, so with accumulation too a row is skipped exactly then)."""
-    if (np.isfinite(g).all() and np.isfinite(tb.gains).all()) or tb.unique_rows is None:
-        return rows
-    contrib = tb.gains[:, None].astype(np.float64) * g[tb.segments].astype(np.float64)
-    bad = np.zeros(len(tb.unique_rows), dtype=bool)
-    bad[tb.inverse[~np.isfinite(contrib).all(axis=1)]] = True
-    found = tb.unique_rows[bad]
-    found = found[found >= 0]
-    if not len(found):
-        return rows
-    return found if rows is None else np.union1d(np.asarray(rows, dtype=np.int64), found)
-
-
 def _describe_unchanged(unchanged: Mapping[str, np.ndarray]) -> str:
     """``unchanged`` (table -> ids of the rows a step left alone) as the non-finite policy's
     error and warning name them: per table the count and the first ids."""
@@ -1180,8 +1162,6 @@ class EmbeddingEngine:
             sweep = table.sequential_access() if opt.updates_every_row else contextlib.nullcontext()
             with sweep:
                 rows = self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
-            if skip:  # the backend left them alone too, but reports only results
-                rows = _with_nonfinite_gradient_rows(tb, g, rows)
             if rows is not None and len(rows):
                 self._unchanged_ids(p, tb, rows, unchanged)
         return unchanged

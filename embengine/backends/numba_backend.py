@@ -935,8 +935,9 @@ class NumbaBackend:
         return out
 
     def apply(self, table, tb, grad, opt, lr, step, skip_nonfinite) -> np.ndarray:
-        """The fused update (Backend protocol); returns the rows (of ``table.data``) the kernel left
-        unchanged because their result was not finite."""
+        """The fused update (Backend protocol); returns the rows (of ``table.data``) left
+        unchanged because their result was not finite (the kernel's flags) or, with
+        ``skip_nonfinite``, their gradient (``pipeline.nonfinite_rows``' flags)."""
         start_pool()
         consts = self._constants.get(id(table))
         if consts is None or consts[0] is not opt:
@@ -989,6 +990,12 @@ class NumbaBackend:
             )
         else:
             pipeline.run_balanced(fused, tb.unique_offsets, *args, *extra)
+        if skip_nonfinite and skipped.any():  # rows the kernel skipped: theirs too (no row: none)
+            by_gradient = tb.unique_rows[skipped.astype(bool) & (tb.unique_rows >= 0)]
+            if opt.updates_every_row:
+                unchanged[by_gradient] = 1
+            else:
+                unchanged |= skipped & (tb.unique_rows >= 0)
         if not unchanged.any():
             return _NO_ROWS
         at = np.flatnonzero(unchanged)

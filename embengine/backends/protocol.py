@@ -115,7 +115,8 @@ class Backend(Protocol):
         """One optimizer step on the rows of ``tb`` from the gradient ``grad`` of the table's
         activation matrix; ``skip_nonfinite`` leaves rows with a non-finite gradient alone.
         A row whose new weights or float slots would not all be finite (as float32) keeps its
-        old values, slots included; returns the ids (rows of ``table``) of those rows."""
+        old values, slots included; returns the ids (rows of ``table``) of those rows and of the
+        rows left alone for a non-finite gradient, each once (``nonfinite_rows_skipped``)."""
         ...
 
 

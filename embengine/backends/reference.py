@@ -235,7 +235,7 @@ class ReferenceBackend:
         """Update the rows of ``tb`` from the gradient of the table's activation matrix. Unique
         ids without a row (-1) get no update; an every-row optimizer sweeps ``live_rows()``.
         Returns the rows (of ``table.data``) left unchanged because their result was not
-        finite."""
+        finite or, with ``skip_nonfinite``, their gradient."""
         tb = _rows(table, tb, insert=True)
         rows = tb.unique_rows
         occ = tb.gains[:, None].astype(np.float64) * grad[tb.segments].astype(np.float64)
@@ -245,6 +245,7 @@ class ReferenceBackend:
             summed = np.zeros((n_unique, table.dim), dtype=np.float64)
             np.add.at(summed, tb.inverse, occ)
             keep = np.isfinite(summed).all(axis=1) if skip_nonfinite else np.ones(n_unique, bool)
+            by_gradient = rows[has_row & ~keep]
             keep &= has_row
             if opt.updates_every_row:
                 live = np.concatenate(
@@ -259,15 +260,18 @@ class ReferenceBackend:
                 every[rows[has_row & ~keep]] = False
                 swept = np.flatnonzero(every)
                 refused = update_rows(table, swept, full[swept], opt, lr, step)
-                return swept[refused]
+                return np.union1d(swept[refused], by_gradient)
             kept = rows[keep]
-            return kept[update_rows(table, kept, summed[keep], opt, lr, step)]
+            return np.union1d(
+                kept[update_rows(table, kept, summed[keep], opt, lr, step)], by_gradient
+            )
         # No accumulation: each occurrence is its own update, in order of appearance. Round r
         # applies every row's r-th occurrence (distinct rows, so one vectorised update each).
         keep_row = has_row.copy()
         if skip_nonfinite:
             bad = ~np.isfinite(occ).all(axis=1)
             keep_row[tb.inverse[bad]] = False
+        by_gradient = rows[has_row & ~keep_row]
         # A refused occurrence leaves its row as it was; the row's later occurrences still apply.
         rounds = occurrence_rounds(tb.inverse)
         refused_rows = []
@@ -275,4 +279,4 @@ class ReferenceBackend:
             sel = np.flatnonzero((rounds == r) & keep_row[tb.inverse])
             at = rows[tb.inverse[sel]]
             refused_rows.append(at[update_rows(table, at, occ[sel], opt, lr, step, r)])
-        return np.unique(np.concatenate(refused_rows)) if refused_rows else np.zeros(0, np.int64)
+        return np.unique(np.concatenate([*refused_rows, by_gradient]))

@@ -66,7 +66,6 @@ from ..engine import (
     NonFiniteUpdateError,
     _check_timestamp,
     _describe_unchanged,
-    _with_nonfinite_gradient_rows,
     check_step_room,
     checked_gradient,
     close_tables,
@@ -1827,8 +1826,6 @@ class ShardedEngine:
             left = self._backend.apply(
                 shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip
             )
-            if skip:  # left alone for a gradient not finite too: the backend reports results
-                left = _with_nonfinite_gradient_rows(tb, grad, left)
             if left is not None and len(left):
                 ids = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
                 unchanged[self.table_names[t]] = np.sort(ids)
