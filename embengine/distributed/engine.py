@@ -296,8 +296,7 @@ class _Kept:
 class DistributedError(RuntimeError):
     """Ranks disagree (another call, step or learning rate), or another rank's call failed
     before it began (its input was invalid, another error, or it was interrupted: the message
-    says which kind):
-    raised on every rank, naming the ranks; nothing was updated."""
+    says which kind): raised on every rank, naming the ranks; nothing was updated."""
 
 
 class ShardedEngine:
