@@ -261,12 +261,18 @@ def _foreign_format(folder: Path) -> str | None:
     checkpoint's name, or one was copied there), else None. A manifest that cannot be read or
     has no string ``format`` is None too: a damaged checkpoint stays listed, and loading it
     says what is wrong (skipped, a restore would silently take an older one)."""
+    fmt = (read_json_dict(folder / "manifest.json") or {}).get("format")
+    return fmt if isinstance(fmt, str) and fmt != FORMAT else None
+
+
+def read_json_dict(file: Path) -> dict | None:
+    """The JSON object in ``file``, or None if it is missing, unreadable or not a JSON object
+    (``read_own_file``: a link is no checkpoint's or export's manifest)."""
     try:
-        manifest = json.loads(read_own_file(folder / "manifest.json"))
+        data = json.loads(read_own_file(file))
     except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError
         return None
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    return fmt if isinstance(fmt, str) and fmt != FORMAT else None
+    return data if isinstance(data, dict) else None
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

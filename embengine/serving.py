@@ -118,6 +118,7 @@ from .checkpoint import (
     is_checkpoint_name,
     own_file,
     read_checkpoint,
+    read_json_dict,
     read_own_file,
     wrong_size,
 )
@@ -408,18 +409,9 @@ def _some(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _read_json_dict(file: Path) -> dict | None:
-    """The JSON object in ``file``, or None if it is missing or not a JSON object."""
-    try:
-        data = json.loads(read_own_file(file))  # a link is not an export's manifest
-    except (OSError, ValueError, RecursionError):  # CheckpointError is a ValueError
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _is_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a manifest.json of a checkpoint's format."""
-    manifest = _read_json_dict(folder / "manifest.json")
+    manifest = read_json_dict(folder / "manifest.json")
     return manifest is not None and manifest.get("format") == CHECKPOINT_FORMAT
 
 
@@ -506,7 +498,7 @@ def _check_out(out: Path, sources: Sequence[Path], replace: bool) -> None:
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return
-    manifest = _read_json_dict(out / "manifest.json")
+    manifest = read_json_dict(out / "manifest.json")
     fmt = None if manifest is None else manifest.get("format")
     if fmt == CHECKPOINT_FORMAT:
         raise ValueError(
