@@ -82,6 +82,14 @@ MEET_EVERY = 1.0
 # Said of a peer behind that has posted no call of this Comm (``Comm.behind``): "its last call:
 # none" read as a call named "none".
 _NO_CALL = "it has made no call of this engine yet"
+# The client of a store this process posts and asks through (``_client``): one for every Comm
+# and meeting on that store, made on first use. A new client is a new connection, and the
+# store's host (TCPStore) looks each connection's peer up by name (a reverse DNS query); where
+# the resolver loses a query, the connection waits out its 5 s retry. With a client per Comm,
+# that was about one ShardedEngine in twelve on the test host (docs/design.md, "One store
+# client a process").
+_CLIENT_LOCK = threading.Lock()
+_CLIENT: list = []  # [(store, its client)] for the last store asked, or empty
 # Each Comm's keys in the store: per group (its global ranks) and kind, a count of the Comms
 # made on it; the members of a group make their engines on it in the same order (as every
 # collective), and meet before each in the default group alike.
@@ -91,6 +99,28 @@ _COMMS: dict[str, itertools.count] = {}
 _WIRE_DTYPES = frozenset(
     np.dtype(t) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8)
 ) | {np.dtype(np.uint8), np.dtype(np.bool_)}
+
+
+def _client(store):
+    """This process's client of ``store`` with a short timeout (``STORE_ANSWER``): a hung rank
+    0, the store's host under torchrun, must not hold a post or a question for the store's 30
+    minutes. Made once for the store (``store.clone()`` connects, waiting for a store whose
+    host is gone until the store's timeout); a client of an earlier store is dropped."""
+    with _CLIENT_LOCK:
+        if _CLIENT and _CLIENT[0][0] is store:
+            return _CLIENT[0][1]
+        client = store.clone()
+        client.set_timeout(timedelta(seconds=STORE_ANSWER))
+        _CLIENT[:] = [(store, client)]
+        return client
+
+
+def _forget_client(client) -> None:
+    """Make the next ``_client`` connect anew: ``client`` failed (a timed-out answer may
+    still be on its way, and would be read as the next question's)."""
+    with _CLIENT_LOCK:
+        if _CLIENT and _CLIENT[0][1] is client:
+            _CLIENT.clear()
 
 
 def _global_ranks(group, world_size: int) -> list[int]:
@@ -184,16 +214,12 @@ class Comm:
         return error
 
     def connect(self) -> None:
-        """Make this Comm's own client of its store (``__init__`` does, unless told not to:
-        the client connects anew, which waits for a store whose host is gone until the store's
-        timeout)."""
+        """Take this process's client of the store (``_client``; ``__init__`` does, unless
+        told not to: the first client of a store connects, which waits for a store whose host
+        is gone until the store's timeout)."""
         store, self._unconnected = self._unconnected, None
         if store is not None:
-            # Our own client, with a short timeout: a hung rank 0 (the store's host under
-            # torchrun) must not hold a post or a question for the store's 30 minutes.
-            client = store.clone()
-            client.set_timeout(timedelta(seconds=STORE_ANSWER))
-            self._store = client
+            self._store = _client(store)
 
     def enter(self, call: str) -> None:
         """Post that this rank enters its next call (``call`` says which, e.g. "lookup at step
@@ -204,6 +230,7 @@ class Comm:
             try:
                 self._store.set(f"{self._prefix}{self.rank}", f"{self._calls} {call}")
             except RuntimeError as e:  # the collective that follows fails and says so
+                _forget_client(self._store)
                 self._store, self._store_failed = None, f"{call}: {e}"
 
     def behind(self) -> str:
@@ -219,10 +246,13 @@ class Comm:
 
         def ask() -> None:
             store = self._store
-            for r in range(self.world_size):
-                key = f"{self._prefix}{r}"
-                if r != self.rank:
-                    answers[r] = store.get(key).decode() if store.check([key]) else None
+            try:
+                for r in range(self.world_size):
+                    key = f"{self._prefix}{r}"
+                    if r != self.rank:
+                        answers[r] = store.get(key).decode() if store.check([key]) else None
+            except RuntimeError:  # unanswered: said below
+                _forget_client(store)
 
         asking = threading.Thread(target=ask, daemon=True)
         asking.start()

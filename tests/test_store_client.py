@@ -1,0 +1,71 @@
+"""One client of the store a process: every Comm and meeting posts through it
+(embengine.distributed.comm._client), against a real TCPStore served in this process."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from embengine.distributed import comm  # noqa: E402
+from embengine.training.ranks import free_port  # noqa: E402
+
+
+def _serve(port: int):
+    return dist.TCPStore(
+        "127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
+
+
+def _client_of(port: int):
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def test_comms_of_one_store_share_one_client_and_post_through_it():
+    """A client per Comm was a connection per Comm, each looked up by name by the store's
+    host: a lost reverse DNS query held the connection 5 s (every ~12th engine on the test
+    host)."""
+    server = _serve(free_port())
+    store = _client_of(server.port)
+    a = comm.Comm(None, 0, 2, store=store)
+    b = comm.Comm(None, 1, 2, store=store, kind="meeting")
+    assert a._store is b._store is comm._CLIENT[0][1]
+    assert a._store is not store  # a clone, with the short timeout
+    a.enter("lookup at step 1")
+    b.enter("the meeting before x")
+    assert server.get(f"{a._prefix}0") == b"1 lookup at step 1"
+    assert server.get(f"{b._prefix}1") == b"1 the meeting before x"
+    # Another store (a new default group): its own client, the old one dropped.
+    other = _serve(free_port())
+    c = comm.Comm(None, 0, 2, store=_client_of(other.port))
+    assert c._store is not a._store and comm._CLIENT[0][1] is c._store
+
+
+def test_a_client_that_failed_is_not_handed_to_the_next_comm():
+    """After a post failed (the store's host gone), the next Comm connects anew: the old
+    client's next answer could be the lost question's."""
+    port = free_port()
+    server = _serve(port)
+    store = _client_of(port)
+    first = comm.Comm(None, 0, 2, store=store)
+    del server  # the host stops serving
+    first.enter("lookup at step 1")  # into the socket's buffer
+    first.enter("lookup at step 2")  # a broken pipe
+    assert "lookup at step 2" in first._store_failed and first._store is None
+    deadline = time.monotonic() + 10
+    while True:  # the port is free again once the old server's socket is closed
+        try:
+            server = _serve(port)
+            break
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    second = comm.Comm(None, 0, 2, store=store)
+    second.enter("lookup at step 2")
+    assert not second._store_failed
+    assert server.get(f"{second._prefix}0") == b"1 lookup at step 2"
