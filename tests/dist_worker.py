@@ -136,6 +136,11 @@ Scenarios:
                                 table_contents, save and restore, and before the
                                 configuration's exchange of ShardedEngine() (its _build) and
                                 ShardedEngine.load (its read_checkpoint), interrupted alike
+  connect_first                 a ShardedEngine whose making finds no client of the store
+                                yet (as in a new process), the last rank's first taking 1.5 s
+                                (as a store's host answering it after a lost reverse DNS
+                                query): when each rank's client was connected and when it
+                                called new_group
   kill                          the last rank exits at once; the others time their error
   kill_at_build                 the last rank exits before its ShardedEngine; the others time
                                 their error
@@ -1515,6 +1520,36 @@ def run_fill_fails(rank: int, world: int, out: str, name: str) -> None:
         f.write(f"{seconds:.3f} {said}\nunchanged={unchanged}\nstep={eng.step}\n")
 
 
+def run_connect_first(rank: int, world: int, out: str, name: str) -> None:
+    """``connect_first`` (module docstring): the times, in a .npz."""
+    import torch.distributed as dist
+
+    from embengine.distributed import ShardedEngine, comm
+
+    features, o = make_features("sgd")
+    real_client, real_new_group = comm._client, dist.new_group
+    times: dict[str, float] = {}
+
+    def slow_client(store):
+        if rank == world - 1 and not comm._CLIENT:
+            time.sleep(1.5)
+        client = real_client(store)
+        times.setdefault("connected", time.time())
+        return client
+
+    def spying_new_group(*args, **kwargs):
+        times.setdefault("new_group", time.time())
+        return real_new_group(*args, **kwargs)
+
+    comm._CLIENT.clear()
+    comm._client, dist.new_group = slow_client, spying_new_group
+    try:
+        ShardedEngine(features, optimizer=o, seed=3, timeout=60)
+    finally:
+        comm._client, dist.new_group = real_client, real_new_group
+    np.savez(Path(out) / f"{name}.rank{rank}.npz", **times)
+
+
 def run_interrupted(rank: int, world: int, out: str, name: str) -> None:
     """``interrupted`` (module docstring): each call's outcome and seconds, whether the
     tables stayed as they were, then the step an update together reached, in a .txt."""
@@ -1874,6 +1909,8 @@ def main() -> None:
                 run_fill_fails(rank, world, out, name)
             elif name == "interrupted":
                 run_interrupted(rank, world, out, name)
+            elif name == "connect_first":
+                run_connect_first(rank, world, out, name)
             elif name.partition(":")[0] == "midway":
                 run_midway(rank, world, out, name)
             else:

@@ -599,6 +599,7 @@ REFUSALS = [
     "midway:restore",
     "fill_fails",
     "interrupted",
+    "connect_first",
     "save_fails",
     "save_roots",
     "save_write_fails:dense",
@@ -982,6 +983,17 @@ def test_an_update_whose_message_fails_to_pack_on_one_rank_fails_every_rank_at_o
             assert float(seconds) < 5.0, said  # the group's timeout is 10 s
         assert unchanged == "unchanged=True", (rank, unchanged)
         assert step == "step=2", (rank, step)
+
+
+def test_a_new_engines_group_is_made_once_every_rank_is_connected_to_the_store(refusals):
+    """A rank's first post connects its client of the store, and the store's host serves
+    nothing else while it looks the connection's peer up by name (5 s where the resolver
+    loses the query): a new_group made meanwhile at a 3 s timeout failed on both ranks. Rank
+    1's first connection took 1.5 s here; rank 0 called new_group only after it (before:
+    at once after the meeting)."""
+    got = [np.load(refusals / f"connect_first.rank{r}.npz") for r in range(2)]
+    assert float(got[0]["new_group"]) >= float(got[1]["connected"])
+    assert float(got[1]["new_group"]) >= float(got[1]["connected"])
 
 
 def test_a_rank_interrupted_before_its_header_fails_every_rank_at_once(refusals):

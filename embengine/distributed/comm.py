@@ -29,7 +29,7 @@ class PeerError(RuntimeError):
     ranks that had not reached this rank's call (see ``Comm.enter``)."""
 
 
-def meet_in_the_default_group(purpose: str) -> None:
+def meet_in_the_default_group(purpose: str, connect_within: float = 60.0) -> None:
     """Every rank of the default process group meets in a one-integer ``all_reduce`` on it,
     before ``purpose``: its gloo connections are open since ``init_process_group``, so a rank
     that died is a PeerError at once. ``new_group``, which meets the ranks through the store
@@ -37,7 +37,13 @@ def meet_in_the_default_group(purpose: str) -> None:
     only late is waited for, as ``new_group`` would, until the default group's timeout; then
     the PeerError names the ranks that had not come (each rank posts its arrival in the
     default group's store, as ``Comm.enter`` posts a call, and the ranks that timed out ask
-    it with a 2 s limit: ``Comm.behind``). Nothing on a default group of another backend."""
+    it with a 2 s limit: ``Comm.behind``). Nothing on a default group of another backend.
+
+    Then each rank waits for its post, at most ``connect_within`` seconds, and the ranks meet
+    again: a rank's first post connects its client of the store (``_client``), and the
+    store's host serves nothing else while it looks the new connection's peer up by name, 5 s
+    where the resolver loses the query; a ``new_group`` with a shorter timeout made meanwhile
+    failed ("wait timeout after 3000ms")."""
     if dist.get_backend() != "gloo":
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,6 +64,14 @@ def meet_in_the_default_group(purpose: str) -> None:
     posting = threading.Thread(target=arrive, daemon=True)
     if world > 1:
         posting.start()
+    _meet(rank, purpose, posting, meeting)
+    if world > 1:
+        posting.join(connect_within)
+        _meet(rank, purpose, posting, meeting)
+
+
+def _meet(rank: int, purpose: str, posting: threading.Thread, meeting: Comm) -> None:
+    """One meeting of ``meet_in_the_default_group``: a PeerError if a rank failed it."""
     try:
         dist.all_reduce(torch.zeros(1, dtype=torch.int32))
     except RuntimeError as e:

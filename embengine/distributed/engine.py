@@ -387,7 +387,7 @@ class ShardedEngine:
         # others waited for it in new_group or the exchange until the timeout).
         if group is None:
             seconds = float(timeout) if good_timeout else DEFAULT_TIMEOUT
-            meet_in_the_default_group("the ShardedEngine's process group is made")
+            meet_in_the_default_group("the ShardedEngine's process group is made", seconds)
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
