@@ -74,3 +74,39 @@ def test_a_client_that_failed_is_not_handed_to_the_next_comm():
     second.enter("lookup at step 200")
     assert not second._store_failed
     assert server.get(f"{second._prefix}0") == b"1 lookup at step 200"
+
+
+def _bound(port: int):
+    """A server on ``port`` once it is free (an old server's socket closed), 5 s at most."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return _serve(port)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_destroyed_default_groups_store_is_not_kept_serving():
+    """destroy_process_group then init_process_group again, on the same port: rank 0's
+    default store hosts the TCPStore server, and the client kept for it must not keep it
+    listening. Held, two ranks' second init failed ("Gloo connectFullMesh failed": rank 1's
+    rendezvous reached the old server, still listening beside the new one)."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=url, rank=0, world_size=1)
+    try:
+        first = comm.Comm(None, 0, 2, store=comm._default_store())
+        first.enter("lookup at step 1")
+    finally:
+        dist.destroy_process_group()
+    server = _bound(port)  # EADDRINUSE while the old server lives
+    del server
+    time.sleep(0.2)
+    dist.init_process_group("gloo", init_method=url, rank=0, world_size=1)
+    try:
+        second = comm.Comm(None, 0, 2, store=comm._default_store())
+        assert second._store is comm._CLIENT[0][1] and second._store is not first._store
+    finally:
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -102,8 +103,11 @@ _NO_CALL = "it has made no call of this engine yet"
 # the resolver loses a query, the connection waits out its 5 s retry. With a client per Comm,
 # that was about one ShardedEngine in twelve on the test host (docs/design.md, "One store
 # client a process").
+# The store itself is held weakly: on rank 0 the default group's store hosts the TCPStore
+# server, which must go with destroy_process_group (held, it kept listening on its port beside
+# the next init_process_group's, and the other ranks' rendezvous reached the old one).
 _CLIENT_LOCK = threading.Lock()
-_CLIENT: list = []  # [(store, its client)] for the last store asked, or empty
+_CLIENT: list = []  # [(a weak reference to the store, its client)] for the last store, or empty
 # Each Comm's keys in the store: per group (its global ranks) and kind, a count of the Comms
 # made on it; the members of a group make their engines on it in the same order (as every
 # collective), and meet before each in the default group alike.
@@ -119,13 +123,14 @@ def _client(store):
     """This process's client of ``store`` with a short timeout (``STORE_ANSWER``): a hung rank
     0, the store's host under torchrun, must not hold a post or a question for the store's 30
     minutes. Made once for the store (``store.clone()`` connects, waiting for a store whose
-    host is gone until the store's timeout); a client of an earlier store is dropped."""
+    host is gone until the store's timeout); a client of an earlier store is dropped. The
+    store is not kept alive by it (a weak reference: see ``_CLIENT``)."""
     with _CLIENT_LOCK:
-        if _CLIENT and _CLIENT[0][0] is store:
+        if _CLIENT and _CLIENT[0][0]() is store:
             return _CLIENT[0][1]
         client = store.clone()
         client.set_timeout(timedelta(seconds=STORE_ANSWER))
-        _CLIENT[:] = [(store, client)]
+        _CLIENT[:] = [(weakref.ref(store), client)]
         return client
 
 
