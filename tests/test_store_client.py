@@ -110,3 +110,52 @@ def test_a_destroyed_default_groups_store_is_not_kept_serving():
         assert second._store is comm._CLIENT[0][1] and second._store is not first._store
     finally:
         dist.destroy_process_group()
+
+
+_SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, is_master=True,
+                      timeout=timedelta(seconds=30), wait_for_workers=False)
+print("serving", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_question_left_unanswered_by_a_stopped_store_host_blocks_no_later_post():
+    """The store's host stopped (SIGSTOP; rank 0 under init_process_group): a Comm's question
+    after a timeout (``behind``) waits in the process's one client, holding it, as long as the
+    host is stopped. Another Comm's post then waited behind it (more than 10 s, until the host
+    resumed; with a client per Comm it returned at once): now the client is abandoned, and the
+    post says why instead of waiting."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout.readline().strip() == "serving"
+        store = _client_of(port)
+        a = comm.Comm(None, 0, 2, store=store)
+        b = comm.Comm(None, 0, 2, store=store, kind="meeting")
+        a.enter("lookup at step 1")
+        server.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        said = a.behind()
+        assert time.monotonic() - t0 < comm.STORE_ANSWER + 3
+        assert "did not answer" in said, said
+        posting = threading.Thread(target=b.enter, args=("lookup at step 2",), daemon=True)
+        posting.start()
+        posting.join(5)
+        assert not posting.is_alive(), "a post waited for the unanswered question"
+        assert "unanswered" in b._store_failed and b._store is None
+        assert not comm._CLIENT  # the next Comm connects anew
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()

@@ -106,8 +106,12 @@ _NO_CALL = "it has made no call of this engine yet"
 # The store itself is held weakly: on rank 0 the default group's store hosts the TCPStore
 # server, which must go with destroy_process_group (held, it kept listening on its port beside
 # the next init_process_group's, and the other ranks' rendezvous reached the old one).
-_CLIENT_LOCK = threading.Lock()
+_CLIENT_LOCK = threading.Lock()  # held only to read or change _CLIENT and _STUCK, never to wait
 _CLIENT: list = []  # [(a weak reference to the store, its client)] for the last store, or empty
+# Clients a question went unanswered on (``Comm.behind``: a stopped store host). The thread that
+# asked may still wait in it, holding it (TCPStore's client takes one request at a time), so no
+# Comm posts through it again: a post would wait for that thread as long as the host is stopped.
+_STUCK: list = []
 # Each Comm's keys in the store: per group (its global ranks) and kind, a count of the Comms
 # made on it; the members of a group make their engines on it in the same order (as every
 # collective), and meet before each in the default group alike.
@@ -128,8 +132,12 @@ def _client(store):
     with _CLIENT_LOCK:
         if _CLIENT and _CLIENT[0][0]() is store:
             return _CLIENT[0][1]
-        client = store.clone()
-        client.set_timeout(timedelta(seconds=STORE_ANSWER))
+    # Outside the lock: a post of another thread must not wait for this connection.
+    client = store.clone()
+    client.set_timeout(timedelta(seconds=STORE_ANSWER))
+    with _CLIENT_LOCK:
+        if _CLIENT and _CLIENT[0][0]() is store:  # another thread connected meanwhile
+            return _CLIENT[0][1]
         _CLIENT[:] = [(weakref.ref(store), client)]
         return client
 
@@ -140,6 +148,21 @@ def _forget_client(client) -> None:
     with _CLIENT_LOCK:
         if _CLIENT and _CLIENT[0][1] is client:
             _CLIENT.clear()
+
+
+def _abandon_client(client) -> None:
+    """``client`` left a question unanswered: no Comm posts or asks through it again
+    (``_STUCK``), and the next ``_client`` connects anew."""
+    with _CLIENT_LOCK:
+        if _CLIENT and _CLIENT[0][1] is client:
+            _CLIENT.clear()
+        if not any(c is client for c in _STUCK):
+            _STUCK.append(client)
+
+
+def _is_stuck(client) -> bool:
+    with _CLIENT_LOCK:
+        return any(c is client for c in _STUCK)
 
 
 def _global_ranks(group, world_size: int) -> list[int]:
@@ -245,6 +268,11 @@ class Comm:
         4"): the n-th call of every rank must be the same one."""
         self._calls += 1
         self._call = call
+        if self._store is not None and _is_stuck(self._store):
+            self._store, self._store_failed = (
+                None,
+                (f"{call}: the store left an earlier question of this process unanswered"),
+            )
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}{self.rank}", f"{self._calls} {call}")
@@ -261,10 +289,12 @@ class Comm:
             )
         if self._store is None:
             return "torch.distributed keeps no store to ask which rank it is"
+        if _is_stuck(self._store):
+            return _silent_store()
         answers: dict[int, str | None] = {}
+        store = self._store
 
         def ask() -> None:
-            store = self._store
             try:
                 for r in range(self.world_size):
                     key = f"{self._prefix}{r}"
@@ -276,6 +306,8 @@ class Comm:
         asking = threading.Thread(target=ask, daemon=True)
         asking.start()
         asking.join(STORE_ANSWER + 1.0)
+        if asking.is_alive():
+            _abandon_client(store)
         if asking.is_alive() or len(answers) < self.world_size - 1:
             return _silent_store()
         late = []
