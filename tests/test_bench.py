@@ -317,19 +317,25 @@ def test_host_reads_model_avx512_and_memory_from_proc_texts():
     ("name", "dtype"),
     [("W1-dist", "float32"), ("W1-keyed-dist", "float32"), ("W1-dist", "bfloat16")],
 )
-def test_the_distributed_bench_times_four_configurations_and_counts_the_model(
-    tmp_path, name, dtype
-):
-    """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split, batch
-    per rank), one round; rank 0's counted bytes are the cost model's, and its sockets carried
-    at least as much. W1-keyed-dist: the same with keyed tables (owners by mix64); bfloat16:
-    16-bit tables, their pulled rows at 2 bytes a value."""
+def test_the_distributed_bench_times_its_configurations_and_counts_the_model(tmp_path, name, dtype):
+    """W1-dist's machinery on a small workload: 1 process and 2 gloo ranks (batch split by row
+    and by "auto", batch per rank), one round; rank 0's counted bytes are the cost model's
+    (under "auto" with the engine's plan's owners), and its sockets carried at least as much.
+    W1-keyed-dist: the same with keyed tables (owners by mix64; no "auto" configuration);
+    bfloat16: 16-bit tables, their pulled rows at 2 bytes a value."""
     from embengine.bench.distributed import binds, format_distributed, run_distributed
     from embengine.bench.workloads import Workload
     from embengine.distributed.cores import core_share
 
+    # Five tables, none more than about a quarter of the bytes or the expected traffic:
+    # "auto" puts some whole, so its bytes differ from row sharding's (the model then takes
+    # the engine's plan: without it, 12,232 modelled bytes against 12,224 counted).
     small = Workload(
-        "small", "2 tables x 500 rows x dim 8, batch 64, 4 ids/bag", ((500, 8), (300, 4)), 64, 4
+        "small",
+        "5 tables, dims 8 and 4, batch 64, 4 ids/bag",
+        ((500, 8), (300, 4), (400, 8), (200, 4), (100, 4)),
+        64,
+        4,
     )
     results = run_distributed(
         name,
@@ -343,9 +349,11 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(
     )
     label = "SGD" if dtype == "float32" else f"SGD [{dtype}]"
     assert {r.optimizer for r in results} == {label}
+    keyed = name == "W1-keyed-dist"
     assert [r.config for r in results] == [
         "1 process",
         "2 ranks, batch split",
+        *([] if keyed else ["2 ranks, batch split, auto"]),
         "1 process, 1 thread",
         "2 ranks, batch per rank",
     ]
@@ -360,6 +368,7 @@ def test_the_distributed_bench_times_four_configurations_and_counts_the_model(
     assert ("each bound to its own cores" in table) == binds(2)
     assert table.splitlines()[0].startswith("host: ")
     assert "2 ranks / 1 process (batch split): " in table and "weak-scaling efficiency" in table
+    assert ("2 ranks / 1 process (batch split, sharding auto): " in table) == (not keyed)
 
 
 def test_the_floor_kernel_writes_each_touched_row_once_and_changes_nothing():

@@ -1,8 +1,9 @@
 """``embengine bench --workloads W1-dist``: W1 on one process and on W ranks of this machine
 (``W1-keyed-dist``: the same with W1's tables keyed, fed W1's ids as keys).
 
-Four configurations per optimizer, each a fresh set of processes (the ranks on 127.0.0.1, gloo),
-taking turns over ``rounds`` rounds so that the machine's drift falls on all of them:
+Five configurations per optimizer (four with keyed tables), each a fresh set of processes (the
+ranks on 127.0.0.1, gloo), taking turns over ``rounds`` rounds so that the machine's drift
+falls on all of them:
 
 - ``1 process``: an EmbeddingEngine on the global batch, every core's thread;
 - ``W ranks, batch split``: a ShardedEngine (row sharding), the cores shared out (cores / W
@@ -10,6 +11,8 @@ taking turns over ``rounds`` rounds so that the machine's drift falls on all of 
   ``embengine.distributed.bind_cores``; one each on a 2-core host), each rank on its slice of
   the same global batch: the same work as ``1 process``, split (the issue's target: at most
   1.5x);
+- ``W ranks, batch split, auto``: the same with ``sharding="auto"`` (W1: its tables whole,
+  spread over the ranks; not run with keyed tables, which shard by key whatever is asked);
 - ``1 process, 1 thread`` and ``W ranks, per-rank batch``: each rank on a whole W1 batch of its
   own (global batch W times larger), one thread each: weak scaling, efficiency = the first's
   step time / the second's (1.0: perfect).
@@ -93,9 +96,11 @@ def modelled_bytes(
     keyed: bool = False,
     exchanged: list[str] | None = None,
     value_bytes: list[int] | None = None,
+    plan=None,
 ) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
-    every table keyed, key k on rank ``mix64(k) mod W``), by the cost model of docs/design.md,
+    every table keyed, key k on rank ``mix64(k) mod W``; ``plan``: the engine's ``ShardPlan``,
+    whose owners then count), by the cost model of docs/design.md,
     from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
     width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
     ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
@@ -108,7 +113,9 @@ def modelled_bytes(
     exchanged = exchanged or ["rows"] * tables
     value_bytes = value_bytes or [4] * tables
 
-    def owner(ids):
+    def owner(t, ids):
+        if plan is not None:
+            return plan.owner_of(t, ids)
         return (mix64(ids) % np.uint64(world)).astype(np.int64) if keyed else ids % world
 
     def ids_and_bags(r, t):  # rank r's ids of table t and the bag of each
@@ -123,7 +130,7 @@ def modelled_bytes(
     n = np.zeros((tables, world), dtype=np.int64)  # occurrences pushed to each owner
     for t in range(tables):
         ids, bag_of = ids_and_bags(rank, t)
-        owners = owner(ids)
+        owners = owner(t, ids)
         remote = owners != rank
         # (bag, owner) pairs: a gradient row to that owner
         pairs = np.unique(bag_of[remote] * world + owners[remote])
@@ -133,14 +140,14 @@ def modelled_bytes(
             for s in range(world):
                 if s != rank:
                     other, other_bag = ids_and_bags(s, t)
-                    answered += len(np.unique(other_bag[owner(other) == rank]))
+                    answered += len(np.unique(other_bag[owner(t, other) == rank]))
             lookup += 16 * int(np.count_nonzero(remote)) + 4 * dims[t] * answered
             continue
         np.add.at(n[t], owners[remote], 1)
         unique = [np.unique(np.asarray(loc[f"f{t}"].ids)) for loc in locals_]
-        lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(unique[rank]) != rank))
+        lookup += (16 if keyed else 8) * int(np.count_nonzero(owner(t, unique[rank]) != rank))
         lookup += (value_bytes[t] * dims[t] + keyed) * sum(
-            int(np.count_nonzero(owner(unique[s]) == rank)) for s in range(world) if s != rank
+            int(np.count_nonzero(owner(t, unique[s]) == rank)) for s in range(world) if s != rank
         )
     # The update follows its lookup, so it speculates: one message to each owner, its header,
     # gradient rows and pushed occurrences on the grid (sharding.update_message).
@@ -230,7 +237,13 @@ def child(spec: dict) -> dict:
                 modelled.append(
                     sum(
                         modelled_bytes(
-                            locals_, dims, rank, spec.get("keyed", False), exchanged, value_bytes
+                            locals_,
+                            dims,
+                            rank,
+                            spec.get("keyed", False),
+                            exchanged,
+                            value_bytes,
+                            engine.shard_plan,
                         )
                     )
                 )
@@ -312,7 +325,7 @@ def run_distributed(
     log=print,
     dtypes: tuple[str, ...] = ("float32",),
 ) -> list[DistResult]:
-    """Time ``name``'s four configurations per optimizer and table dtype (module docstring;
+    """Time ``name``'s configurations per optimizer and table dtype (module docstring;
     ``dtypes``: the tables' weights and float slots, each a set of configurations of its own,
     "Adam [bfloat16]"), ``rounds`` times each in turn, every configuration in fresh processes
     (``workload``: another workload than ``name``'s, e.g. a small one for a test)."""
@@ -321,18 +334,21 @@ def run_distributed(
     cores = host().cores
     per_rank = max(1, cores // world)
     configs = [
-        ("1 process", 1, cores, True),
-        (f"{world} ranks, batch split", world, per_rank, True),
-        ("1 process, 1 thread", 1, 1, True),
-        (f"{world} ranks, batch per rank", world, 1, False),
+        ("1 process", 1, cores, True, "row"),
+        (f"{world} ranks, batch split", world, per_rank, True, "row"),
+        (f"{world} ranks, batch split, auto", world, per_rank, True, "auto"),
+        ("1 process, 1 thread", 1, 1, True, "row"),
+        (f"{world} ranks, batch per rank", world, 1, False, "row"),
     ]
+    if name in KEYED_DIST:  # keyed tables shard by key whatever is asked
+        del configs[2]
     results = []
     for opt, dtype in ((o, d) for o in engine_optimizers for d in dtypes):
         label_opt = opt if dtype == "float32" else f"{opt} [{dtype}]"
-        mine = [DistResult(label_opt, label, n) for label, n, _, _ in configs]
+        mine = [DistResult(label_opt, label, n) for label, n, _, _, _ in configs]
         for r in range(rounds):
             order = configs if r % 2 == 0 else configs[::-1]
-            for label, n, threads, split in order:
+            for label, n, threads, split, sharding in order:
                 spec = {
                     "workload": dataclasses.asdict(w),
                     "optimizer": opt,
@@ -345,6 +361,7 @@ def run_distributed(
                     "keyed": name in KEYED_DIST,
                     "bind": n > 1 and binds(n),
                     "dtype": dtype,
+                    "sharding": sharding,
                 }
                 got = _launch(spec, timeout)
                 res = next(m for m in mine if m.config == label)
@@ -385,12 +402,17 @@ def format_distributed(
                 f"{opt:24s} {r.config:28s} {r.ms_per_step:8.1f} {rounds:>24s} "
                 f"{mb[0]:>10s} {mb[1]:>10s} {mb[2]:>9s}"
             )
-        one, split, one_thread, per_rank = mine
+        one, split, *auto, one_thread, per_rank = mine
         lines.append(
             f"{opt:24s} {world} ranks / 1 process (batch split): "
             f"{split.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x); weak-scaling "
             f"efficiency {one_thread.ms_per_step / per_rank.ms_per_step:.2f}"
         )
+        for a in auto:
+            lines.append(
+                f"{opt:24s} {world} ranks / 1 process (batch split, sharding auto): "
+                f"{a.ms_per_step / one.ms_per_step:.2f}x"
+            )
     return "\n".join(lines)
 
 
