@@ -269,10 +269,8 @@ class Comm:
         self._calls += 1
         self._call = call
         if self._store is not None and _is_stuck(self._store):
-            self._store, self._store_failed = (
-                None,
-                (f"{call}: the store left an earlier question of this process unanswered"),
-            )
+            self._store = None
+            self._store_failed = f"{call}: the store left a question of this process unanswered"
         if self._store is not None:
             try:
                 self._store.set(f"{self._prefix}{self.rank}", f"{self._calls} {call}")
