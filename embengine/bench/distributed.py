@@ -36,11 +36,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .host import host
 from .workloads import WORKLOADS, Workload, make_batches
+
+if TYPE_CHECKING:
+    from ..distributed import ShardPlan
 
 __all__ = [
     "DIST_WORKLOADS",
@@ -96,7 +100,7 @@ def modelled_bytes(
     keyed: bool = False,
     exchanged: list[str] | None = None,
     value_bytes: list[int] | None = None,
-    plan=None,
+    plan: ShardPlan | None = None,
 ) -> tuple[int, int]:
     """Bytes rank ``rank`` sends in a lookup and in an update under row sharding (``keyed``:
     every table keyed, key k on rank ``mix64(k) mod W``; ``plan``: the engine's ``ShardPlan``,

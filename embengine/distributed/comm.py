@@ -153,9 +153,8 @@ def _forget_client(client) -> None:
 def _abandon_client(client) -> None:
     """``client`` left a question unanswered: no Comm posts or asks through it again
     (``_STUCK``), and the next ``_client`` connects anew."""
+    _forget_client(client)
     with _CLIENT_LOCK:
-        if _CLIENT and _CLIENT[0][1] is client:
-            _CLIENT.clear()
         if not any(c is client for c in _STUCK):
             _STUCK.append(client)
 
