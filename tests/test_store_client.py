@@ -129,6 +129,7 @@ def test_a_question_left_unanswered_by_a_stopped_store_host_blocks_no_later_post
     host is stopped. Another Comm's post then waited behind it (more than 10 s, until the host
     resumed; with a client per Comm it returned at once): now the client is abandoned, and the
     post says why instead of waiting."""
+    import select
     import signal
     import subprocess
     import sys
@@ -139,6 +140,8 @@ def test_a_question_left_unanswered_by_a_stopped_store_host_blocks_no_later_post
         [sys.executable, "-c", _SERVER, str(port)], stdout=subprocess.PIPE, text=True
     )
     try:
+        # A hard limit: a host that never says it serves fails the test, never hangs it.
+        assert select.select([server.stdout], [], [], 60)[0], "the store's host did not start"
         assert server.stdout.readline().strip() == "serving"
         store = _client_of(port)
         a = comm.Comm(None, 0, 2, store=store)
