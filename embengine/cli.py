@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "float16", "bfloat16"],
         help="time the engine with its tables' weights and float slots stored in each of these "
         "dtypes (16-bit: stochastic rounding), each against the same peers (W1, W2 and the "
-        "other one-process workloads; W1-dist: each dtype's four configurations)",
+        "other one-process workloads; W1-dist: each dtype's five configurations, four for "
+        "W1-keyed-dist)",
     )
     bench.set_defaults(func=_bench)
 
