@@ -123,6 +123,12 @@ time.sleep(120)
 """
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
 def test_a_question_left_unanswered_by_a_stopped_store_host_blocks_no_later_post():
     """The store's host stopped (SIGSTOP; rank 0 under init_process_group): a Comm's question
     after a timeout (``behind``) waits in the process's one client, holding it, as long as the
@@ -148,6 +154,12 @@ def test_a_question_left_unanswered_by_a_stopped_store_host_blocks_no_later_post
         b = comm.Comm(None, 0, 2, store=store, kind="meeting")
         a.enter("lookup at step 1")
         server.send_signal(signal.SIGSTOP)
+        # The signal takes effect asynchronously: a host still serving for a moment answered
+        # the question below (a fresh clone's suite under load). Wait until it is stopped.
+        deadline = time.monotonic() + 30
+        while _state(server.pid) != "T":
+            assert time.monotonic() < deadline, "the store's host did not stop"
+            time.sleep(0.01)
         t0 = time.monotonic()
         said = a.behind()
         assert time.monotonic() - t0 < comm.STORE_ANSWER + 3
