@@ -362,6 +362,8 @@ def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def combiner_gains(r: Ragged, combiner: str) -> np.ndarray:
     """Each id's factor in its sample's combined vector (see module docstring), float32."""
     n = len(r.ids)
+    if r.weights is None and combiner == "sum":
+        return np.ones(n, dtype=np.float32)
     w = np.ones(n, dtype=np.float64) if r.weights is None else r.weights.astype(np.float64)
     if combiner == "sum":
         return w.astype(np.float32)
@@ -475,7 +477,9 @@ def _table_occurrences(parts):
     gains_all = (
         np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
     )
-    output_offsets, _ = csr(segments, num_outputs)
+    # csr's offsets, counted: its stable sort of the positions is not needed here
+    output_offsets = np.zeros(num_outputs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(segments, minlength=num_outputs), out=output_offsets[1:])
     return all_ids, gains_all, segments, output_offsets, num_outputs, [len(i) for i in ids]
 
 

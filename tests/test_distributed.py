@@ -149,11 +149,17 @@ def single_engine_run(optimizer_name: str, world: int, nan: bool = False):
 
 def owner_function(plan: str, world: int):
     """The owner of an id of a table whose ``engine.plan`` entry is ``plan`` ("row", "table on
-    rank k", or an "auto" reason: "row: ..." / "table: ..., on rank k (...)")."""
+    rank k", or an "auto" reason: "row: ..." / "table: ..., on rank k (...)"); a whole table's
+    has ``whole`` set."""
     if plan.startswith("row"):
         return lambda i: i % world
     rank = int(plan.split("on rank ")[1].split()[0])
-    return lambda i: rank
+
+    def owner(i):
+        return rank
+
+    owner.whole = True
+    return owner
 
 
 def occurrences(step: int, rank: int, world: int):
@@ -186,15 +192,19 @@ def exchange_counts(step: int, rank: int, world: int, owners: dict) -> dict:
 
 
 def chosen_exchange(step: int, world: int, owners: dict) -> dict:
-    """Per table, what "auto" must pick in ``step``: "sums" when the ranks' savings
-    (``sharding.sums_saving``, from ``exchange_counts``) add up to zero or more."""
+    """Per table, what "auto" must pick in ``step``: "sums" for a whole table, else "sums"
+    when the ranks' savings (``sharding.sums_saving``, from ``exchange_counts``) add up to zero
+    or more."""
     dims = {t: d for t, d in FEATURES.values()}
     saving = {t: 0 for t in dims}
     for r in range(world):
         for t, (remote_ids, remote_occ, rows) in exchange_counts(step, r, world, owners).items():
             rows_bytes = (8 + 4 * dims[t]) * remote_ids + 16 * remote_occ + 4 * dims[t] * rows
             saving[t] += rows_bytes - (16 * remote_occ + 8 * dims[t] * rows)
-    return {t: "sums" if v >= 0 else "rows" for t, v in saving.items()}
+    return {
+        t: "sums" if v >= 0 or getattr(owners[t], "whole", False) else "rows"
+        for t, v in saving.items()
+    }
 
 
 def one_owner_rows(step: int, rank: int, world: int, feature: str, owners: dict) -> np.ndarray:
@@ -1758,6 +1768,11 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     engine = ShardedEngine(features, optimizer=sgd)
     assert engine.world_size == 1 and engine.plan == {"t": "row"}
     assert engine.exchange == {"t": "auto"}
+    # A whole table exchanges sums under "auto" (its ranks send occurrences undeduplicated);
+    # asked for by name, "rows" stays.
+    assert ShardedEngine(features, optimizer=sgd, sharding="table").exchange == {"t": "sums"}
+    whole_rows = ShardedEngine(features, optimizer=sgd, sharding="table", exchange="rows")
+    assert whole_rows.exchange == {"t": "rows"}
     assert engine.table_stats()["tables"]["t"]["exchange"] is None  # no lookup yet
     single = ee.EmbeddingEngine(features, optimizer=ee.optimizers.SGD(0.1)).spec()
     assert {k: engine.spec()[k] for k in ("tables", "features")} == {

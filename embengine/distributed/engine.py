@@ -58,7 +58,14 @@ import torch.distributed as dist
 
 from ..backends.block_pool import BlockPool, Carver
 from ..backends.registry import make_backend
-from ..batch import PreparedBatch, TableBatch, batch_fingerprint, check_prepared_for
+from ..batch import (
+    LookupOnlyTableBatch,
+    PreparedBatch,
+    TableBatch,
+    batch_fingerprint,
+    check_prepared_for,
+    plan_tables,
+)
 from ..batch import prepare as prepare_batch
 from ..config import FeatureConfig, TableConfig
 from ..engine import (
@@ -317,10 +324,11 @@ class ShardedEngine:
         the owners keep the occurrences, so an update from that lookup's batch on every rank
         sends only gradient rows; any other batch is pushed as under "rows"), "auto"
         (per step and table, whichever sends fewer bytes by the cost model of
-        docs/design.md, from every rank's counts: ``sharding.sums_saving``), or a dict table
-        name -> one of them (others "auto"). Tables and slots are bit-identical either way.
-        Keyed tables exchange rows. ``table_stats()`` says what each table's last training
-        lookup used.
+        docs/design.md, from every rank's counts: ``sharding.sums_saving``; a whole table:
+        "sums", whose ranks then send their occurrences without deduplicating them), or a
+        dict table name -> one of them (others "auto"). Tables and slots are bit-identical
+        either way. Keyed tables exchange rows. ``exchange`` says what each table got;
+        ``table_stats()`` what each table's last training lookup used.
       group: the process group to shard over; None makes a new gloo group of every rank of the
         default group (``torch.distributed.init_process_group`` must have run), so the engine's
         collectives never interleave with DDP's.
@@ -495,7 +503,12 @@ class ShardedEngine:
         self._plan = plan_shards(
             sharding, r.table_names, table_bytes, self.world_size, loads, keyed
         )
-        self._exchange = plan_exchange(exchange, r.table_names, keyed)
+        self._exchange = plan_exchange(
+            exchange, r.table_names, keyed, whole=[k == "table" for k in self._plan.kinds]
+        )
+        # Tables that exchange sums whatever the step: a lookup sends their occurrences as
+        # they come, not deduplicated (``_lookup_batch``).
+        self._sums_only = np.array([x == "sums" for x in self._exchange], dtype=bool)
         # A keyed table's share is a KeyedTable of the keys this rank owns (its own rows,
         # admission counts and data time); any other table's a ShardTable of its ids.
         self._shards = tuple(
@@ -922,6 +935,29 @@ class ShardedEngine:
             fingerprint=self._fingerprint,
         )
 
+    def _lookup_batch(self, features: Mapping, weights: Mapping | None) -> PreparedBatch:
+        """This rank's features validated for its lookup, deduplicated per table as
+        ``preprocess`` does, except each table that exchanges "sums" whatever the step
+        (``_sums_only``): its batch lists the occurrences as they come, each its own "unique"
+        id (``LookupOnlyTableBatch.occurrences``). Its occurrences go to their owners one by
+        one anyway, whose update deduplicates them; the rank's own deduplication would only
+        count them (docs/design.md, "A whole table exchanges sums")."""
+        if not self._sums_only.any():
+            return self.preprocess(features, weights)
+        parts, layouts = plan_tables(self._resolved, features, weights, self._layout)
+        built = iter(
+            self._backend.build_tables(
+                [p for p, skip in zip(parts, self._sums_only, strict=True) if not skip]
+            )
+        )
+        tables = tuple(
+            LookupOnlyTableBatch(tuple(p), sum(x.num_outputs for x in p)).occurrences
+            if skip
+            else next(built)
+            for p, skip in zip(parts, self._sums_only, strict=True)
+        )
+        return PreparedBatch(tables, layouts, fingerprint=self._fingerprint)
+
     def lookup(
         self,
         features: Mapping | PreparedBatch,
@@ -1034,7 +1070,7 @@ class ShardedEngine:
                     )
                 batch = features
             else:
-                batch = self.preprocess(features, weights)
+                batch = self._lookup_batch(features, weights)
             # The occurrences per owner: a "sums" lookup sends them, "auto" weighs them, and a
             # training batch's update pushes them (it reuses these counts).
             if training or any(x != "rows" for x in self._exchange):

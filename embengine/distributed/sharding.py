@@ -22,7 +22,8 @@ bit-identical to the single engine's), ``"sums"`` (each rank sends the owners it
 each owner pools its rows' part of every bag and sends these partial sums back, and keeps the
 occurrences for the update, which then sends only gradient rows), or ``"auto"`` (per step,
 whichever sends fewer bytes by ``sums_saving``, from every rank's counts). Keyed tables
-exchange rows.
+exchange rows; a whole table (``"table"``) under ``"auto"`` exchanges sums, whose ranks send
+their occurrences undeduplicated (docs/design.md, "A whole table exchanges sums").
 
 A rank's share is a ``ShardTable``: a DenseTable over the ids it owns, whose ``rows_for`` maps
 global ids to local rows (``NO_ROW``, -1, for another rank's id) and whose rows start with the
@@ -106,14 +107,22 @@ def per_table(
 
 
 def plan_exchange(
-    exchange: str | Mapping[str, str], table_names: Sequence[str], keyed: Sequence[bool]
+    exchange: str | Mapping[str, str],
+    table_names: Sequence[str],
+    keyed: Sequence[bool],
+    whole: Sequence[bool] | None = None,
 ) -> tuple[str, ...]:
     """Per table, ``"rows"``, ``"sums"`` or ``"auto"``, from ``exchange`` (one of them, or a
     dict table name -> one of them; tables not named are "auto"). A keyed table exchanges
     rows (its owner resolves keys to rows once per step, before anyone pools): "auto" gives it
-    "rows", and "sums" asked for it by name is a ValueError."""
+    "rows", and "sums" asked for it by name is a ValueError. A whole table (``whole[t]``: the
+    plan puts it on one rank) exchanges "sums" under "auto": a rank then sends its
+    occurrences as they come, without deduplicating them, where weighing the exchanges each
+    step needs every rank's unique ids, a deduplication the owner repeats anyway."""
     kinds = per_table(exchange, "exchange", EXCHANGE_CHOICES, "auto", table_names)
     for t, name in enumerate(table_names):
+        if whole is not None and whole[t] and not keyed[t] and kinds[t] == "auto":
+            kinds[t] = "sums"
         if keyed[t] and kinds[t] == "sums" and isinstance(exchange, Mapping):
             raise ValueError(
                 f'exchange[{name!r}] = "sums": table {name!r} is keyed, and a keyed table '
