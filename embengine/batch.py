@@ -466,20 +466,29 @@ def _table_occurrences(parts):
     """(ids, gains, segments, output_offsets, num_outputs, occurrences per part) of one table's
     features, NumPy; ids are their logical tables' own."""
     ids, gains, segs = [], [], []
+    # The output rows' occurrence counts, part by part (their rows are consecutive): csr's
+    # offsets without its stable sort of the positions, which nothing here needs.
+    per_row = []
     for part in parts:
-        f_ids, f_gains, f_segs, _ = _feature_occurrences(part.ragged, part.seq_len, part.combiner)
+        f_ids, f_gains, f_segs, n_out = _feature_occurrences(
+            part.ragged, part.seq_len, part.combiner
+        )
+        per_row.append(
+            np.bincount(f_segs, minlength=n_out) if part.seq_len else part.ragged.lengths
+        )
+        f_segs += part.out_start  # a new array of _feature_occurrences'
         ids.append(f_ids)
         gains.append(f_gains)
-        segs.append(f_segs + part.out_start)
+        segs.append(f_segs)
     num_outputs = sum(p.num_outputs for p in parts)
     all_ids = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, np.int64)
     segments = np.concatenate(segs).astype(np.int64, copy=False) if segs else all_ids
     gains_all = (
         np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
     )
-    # csr's offsets, counted: its stable sort of the positions is not needed here
     output_offsets = np.zeros(num_outputs + 1, dtype=np.int64)
-    np.cumsum(np.bincount(segments, minlength=num_outputs), out=output_offsets[1:])
+    if per_row:
+        np.cumsum(np.concatenate(per_row), out=output_offsets[1:])
     return all_ids, gains_all, segments, output_offsets, num_outputs, [len(i) for i in ids]
 
 
