@@ -1191,11 +1191,20 @@ class ShardedEngine:
             tb = batch.tables[t]
             # The feature's occurrences: those of its activation rows.
             lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
+            kind, whole = self._route[t]
             if t not in push.owners:
-                push.owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
-                sr.owners_of(frozen(tb.unique_ids), *self._route[t], w, push.owners[t])
+                if kind == sr.KIND_TABLE:
+                    push.owners[t] = np.full(len(tb.unique_ids), whole, dtype=np.int64)
+                else:
+                    push.owners[t] = np.empty(len(tb.unique_ids), dtype=np.int64)
+                    sr.owners_of(frozen(tb.unique_ids), kind, whole, w, push.owners[t])
             owners = push.owners[t]
-            sr.count_push(owners, tb.inverse, tb.segments, lo, hi, w, push.n[f], push.m[f])
+            if kind == sr.KIND_TABLE:  # one owner: count_push's figures without its pass
+                push.n[f, whole] += hi - lo
+                rows = np.diff(tb.output_offsets[lay.start : lay.stop + 1])
+                push.m[f, whole] += np.count_nonzero(rows)
+            else:
+                sr.count_push(owners, tb.inverse, tb.segments, lo, hi, w, push.n[f], push.m[f])
             push.spans.append((tb, owners, lo, hi, lay.start))
         return push
 
@@ -1477,7 +1486,9 @@ class ShardedEngine:
                 part_at = _starts(m.T * dims * in_group[i][None, :])  # [owner, feature]
                 for t in group.tolist():
                     tb, dim = batch.tables[t], int(self._dims[t])
-                    out = np.zeros((tb.num_outputs, dim), dtype=np.float32)  # empty bags: 0
+                    # Every row a partial sum reaches is stored first (``seen``): only the
+                    # others (empty bags) are zeroed after, not the whole matrix before.
+                    out = np.empty((tb.num_outputs, dim), dtype=np.float32)
                     seen = np.zeros(tb.num_outputs, dtype=np.uint8)
                     for f in self._table_feature_index[t]:
                         sr.add_partials(
@@ -1490,6 +1501,7 @@ class ShardedEngine:
                             dim,
                             seen,
                         )
+                    out[seen == 0] = 0  # empty bags: 0
                     per_table[t] = out
         finally:  # on an error, the collectives started are still waited for: gloo uses
             for wait in sent[waited:]:  # their buffers until they end
