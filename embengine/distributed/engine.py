@@ -1413,7 +1413,13 @@ class ShardedEngine:
         got_m = got[:, cols.m : cols.m + nf] * mine[None, :]
         dims = self._feature_dims
         # Occurrences to their owners: destination-major, each destination's feature by feature.
-        pack_at, target_at = _starts(2 * n.T), _starts(m.T)  # [owner, feature]
+        # This rank's own block last: the all-to-all sends the others' (in rank order, from
+        # the buffer's start), and this rank reads its own where it packed it.
+        me = self.rank
+        order = np.array([d for d in range(w) if d != me] + [me], dtype=np.int64)
+        pack_at = np.empty_like(n.T)
+        pack_at[order] = _starts(2 * n.T[order])  # [owner, feature]
+        target_at = _starts(m.T)
         packed = np.empty(int(2 * n.sum()), dtype=np.int64)
         targets = np.empty(int(m.sum()), dtype=np.int64)
         for f in np.flatnonzero(mine):
@@ -1433,10 +1439,14 @@ class ShardedEngine:
                 target_at[:, f].copy(),
             )
         # The other ranks' occurrences travel while this rank pools the blocks it sent itself.
+        to_others, from_others = 2 * n.sum(axis=0), 2 * got_n.sum(axis=1)
+        to_others[me] = from_others[me] = 0
         arrived = self._comm.all_to_all_start(
-            packed, 2 * n.sum(axis=0), 2 * got_n.sum(axis=1), "lookup occurrences"
+            packed[: int(to_others.sum())], to_others, from_others, "lookup occurrences"
         )
-        in_at = _starts(2 * got_n)  # [sender, feature]
+        others_n = got_n.copy()
+        others_n[me] = 0
+        in_at = _starts(2 * others_n)  # [sender, feature]
         # The answers go in groups of tables, each sent while the next is pooled (every rank
         # forms the same groups from ``sums``, which the header made the same everywhere).
         groups = [g for g in np.array_split(np.flatnonzero(sums), _SUMS_GROUPS) if len(g)]
