@@ -415,7 +415,7 @@ def format_distributed(
         for a in auto:
             lines.append(
                 f"{opt:24s} {world} ranks / 1 process (batch split, sharding auto): "
-                f"{a.ms_per_step / one.ms_per_step:.2f}x"
+                f"{a.ms_per_step / one.ms_per_step:.2f}x (target <= 1.5x)"
             )
     return "\n".join(lines)
 
