@@ -52,6 +52,7 @@ __all__ = [
     "batch_fingerprint",
     "check_prepared_for",
     "check_lookup_only_ids",
+    "check_trainable",
     "prepare",
     "plan_tables",
     "dedup",
@@ -606,6 +607,23 @@ def check_prepared_for(
         )
     if not batch.deduplicated:
         check_lookup_only_ids(batch, resolved)
+
+
+def check_trainable(batch: PreparedBatch) -> None:
+    """ValueError unless every table of ``batch`` has its update views (``unique_offsets`` of
+    ``len(unique_ids) + 1``): a ShardedEngine's lookup batch lists the occurrences of a table
+    that exchanges "sums" whatever the step as they came (``LookupOnlyTableBatch.
+    occurrences``: ids repeated, no update views), which an EmbeddingEngine's update would
+    read as unique rows. O(tables); a lookup may pool such a batch."""
+    for t, tb in enumerate(batch.tables):
+        if isinstance(tb, TableBatch) and len(tb.unique_offsets) != len(tb.unique_ids) + 1:
+            names = [name for name, lay in batch.features.items() if lay.table == t]
+            raise ValueError(
+                f"this PreparedBatch lists the occurrences of feature {names[0]!r} "
+                "undeduplicated (a ShardedEngine's lookup batch of a table that exchanges "
+                '"sums"): only that ShardedEngine updates from it; look it up with '
+                "training=False, or build a batch with preprocess(features) to train on it"
+            )
 
 
 def check_lookup_only_ids(batch: PreparedBatch, resolved: ResolvedFeatures) -> None:

@@ -32,6 +32,7 @@ from .batch import (
     PreparedBatch,
     batch_fingerprint,
     check_prepared_for,
+    check_trainable,
     plan_tables,
     prepare,
 )
@@ -866,6 +867,8 @@ class EmbeddingEngine:
                     "up with lookup(batch, training=False), or build it with preprocess(features) "
                     "to train on it"
                 )
+            if training:
+                check_trainable(batch)
             resolve = batch.deduplicated
         elif training:
             # Deduplication and pooling in one call (numba: one parallel region, in
@@ -1097,6 +1100,7 @@ class EmbeddingEngine:
                     "this PreparedBatch was built with training=False (no deduplication) and can "
                     "only be looked up; build it with preprocess(features) to apply gradients"
                 )
+            check_trainable(batch)
             stale = batch.looked_up_in not in (None, self._state_id)
             # (A keyed batch's rows from another state: _resolve's error says more.)
             if stale and batch.resolved_in in (None, self._state_id):

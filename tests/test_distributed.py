@@ -1780,6 +1780,50 @@ def test_sharded_engine_checks_its_arguments_as_the_engine_does(one_rank_group):
     }
 
 
+def test_an_engine_refuses_to_train_on_a_whole_tables_lookup_batch(one_rank_group):
+    """The batch a ShardedEngine's lookup gives back (``lookup_with_batch``) lists a whole
+    table's occurrences as they came, each its own "unique" id without update views: its ranks
+    send them undeduplicated. An EmbeddingEngine of the same features took it as a
+    deduplicated batch (the fingerprints agree) and trained on it: its update read those
+    views, and the table's rows the batch had (Adagrad, lazy) stayed as they were; the
+    kernels index them unchecked. It may look the batch up for evaluation, not train on it; a
+    batch from ``preprocess`` is deduplicated, and the ShardedEngine updates from its own."""
+    from embengine.distributed import ShardedEngine
+
+    def features():
+        init = ee.initializers.RandomUniform(-0.3, 0.3)
+        t = ee.TableConfig(10, 4, name="t", combiner="sum", initializer=init)
+        u = ee.TableConfig(6, 2, name="u", combiner="mean", initializer=init)
+        return {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}
+
+    def adagrad():
+        return ee.optimizers.Adagrad(0.2)
+
+    ids = {"a": [[1, 1, 2], [1, 3]], "b": [[4], [4, 5]]}
+    grads = {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 2), np.float32)}
+    sharded = ShardedEngine(
+        features(), optimizer=adagrad(), seed=3, sharding="table", exchange={"u": "rows"}
+    )
+    assert sharded.exchange == {"t": "sums", "u": "rows"}
+    acts, batch = sharded.lookup_with_batch(ids)
+    single = ee.EmbeddingEngine(features(), optimizer=adagrad(), seed=3)
+    looked = single.lookup(batch, training=False)  # evaluation: served
+    assert all(looked[k].tobytes() == acts[k].tobytes() for k in ids)
+    said = r"feature 'a' undeduplicated \(a ShardedEngine's lookup batch"
+    with pytest.raises(ValueError, match=said):
+        single.lookup(batch)
+    with pytest.raises(ValueError, match=said):
+        single.apply_gradients(grads, batch=batch)
+    # Nothing changed; its own batch trains it as the ShardedEngine trains from its own.
+    single.lookup(sharded.preprocess(ids))
+    single.apply_gradients(grads)
+    sharded.apply_gradients(grads, batch=batch)
+    tables = sharded.table_contents()["tables"]
+    for name in ("t", "u"):
+        have = tables[name]["weights"]
+        assert have.tobytes() == single.embedding_tables[name].tobytes(), name
+
+
 def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
     """A "sums" update builds each table's batch from the occurrences its owner kept, in
     arrays from the engine's block pool: the same blocks every step (fresh arrays faulted their

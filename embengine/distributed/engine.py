@@ -996,10 +996,13 @@ class ShardedEngine:
         refused: Exception | None = None,
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``lookup``, and the PreparedBatch it looked up (``apply_gradients(batch=)``; what
-        EmbeddingLayer's backward uses). Collective. ``refused``: an error the caller found in
-        this rank's inputs (EmbeddingLayer's own checks): raised here, and a DistributedError
-        naming this rank on every other, nothing looked up (raising it before the call would
-        leave the others waiting for this rank in the lookup until the timeout)."""
+        EmbeddingLayer's backward uses). Its tables that exchange "sums" whatever the step list
+        their occurrences undeduplicated (``_lookup_batch``): a ShardedEngine updates from it,
+        an EmbeddingEngine only looks it up (``batch.check_trainable``). Collective.
+        ``refused``: an error the caller found in this rank's inputs (EmbeddingLayer's own
+        checks): raised here, and a DistributedError naming this rank on every other, nothing
+        looked up (raising it before the call would leave the others waiting for this rank in
+        the lookup until the timeout)."""
         with self.lock:
             self._comm.reset()
             try:
