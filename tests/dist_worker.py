@@ -35,6 +35,13 @@ Scenarios:
                                 table_stats said each table exchanged after the training
                                 lookup and before the update, each update's error if it
                                 raised, the tables
+  whole:<optimizer>             whole tables under exchange "auto" (so "sums", sent
+                                undeduplicated): one shared by a weighted sqrtn bag feature,
+                                a sequence feature and a plain bag feature; four steps: plain;
+                                two training lookups, the older updated first (batch=); the
+                                last rank updating from its own equal batch (preprocess); ids
+                                in arrays the caller zeroes between lookup and update. Each
+                                lookup's activations and the gathered tables
   mixed:<sharding>:<exchange>   three tables of odd widths, each its own 16-bit / float32
                                 dtypes, one quantized, Adam with per-row steps; evaluation
                                 and training lookups each step, then the gathered tables
@@ -435,6 +442,115 @@ def run_between(rank: int, world: int, out: str, name: str) -> None:
             eng.apply_gradients(grads, batch=batch)
         except Exception as e:  # every rank raises alike (at the header)
             saved[f"error{step}"] = np.array(f"{type(e).__name__}: {e}")
+    _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
+
+
+WHOLE_STEPS = 4
+WHOLE_BATCH = 8
+
+
+def whole_features(optimizer_name: str):
+    """``whole:`` (module docstring): table "m" shared by a weighted sqrtn bag feature "x", a
+    sequence feature "y" and a bag feature "z"; table "n" (mean) of weighted "w"."""
+    import embengine as ee
+
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    # (the widths of make_features' tables: their kernels are compiled already)
+    m = ee.TableConfig(13, 8, name="m", combiner="sqrtn", initializer=init, **dtypes())
+    n = ee.TableConfig(7, 4, name="n", combiner="mean", initializer=init, **dtypes())
+    features = {
+        "x": ee.FeatureConfig(m),
+        "y": ee.FeatureConfig(m, max_sequence_length=2),
+        "z": ee.FeatureConfig(m),
+        "w": ee.FeatureConfig(n),
+    }
+    return features, optimizers()[optimizer_name]
+
+
+def whole_batch(step: int):
+    """(features, weights, gradients) of a whole ``whole:`` step: bags of 0-4 ids."""
+    rng = np.random.default_rng(700 + step)
+    vocab = {"x": 13, "y": 13, "z": 13, "w": 7}
+    feats = {
+        k: [list(map(int, rng.integers(0, v, rng.integers(0, 5)))) for _ in range(WHOLE_BATCH)]
+        for k, v in vocab.items()
+    }
+    weights = {
+        k: [list(rng.uniform(0.1, 2.0, len(b)).astype(np.float32)) for b in feats[k]]
+        for k in ("x", "w")
+    }
+    shapes = {"x": (8,), "y": (2, 8), "z": (8,), "w": (4,)}
+    grads = {
+        k: rng.normal(size=(WHOLE_BATCH, *shape)).astype(np.float32) for k, shape in shapes.items()
+    }
+    return feats, weights, grads
+
+
+def whole_split(step: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's samples [lo, hi) of ``whole_batch(step)``: at odd steps the last rank has
+    none (its share goes to rank 0)."""
+    sizes = [WHOLE_BATCH // world] * world
+    sizes[0] += WHOLE_BATCH - sum(sizes)
+    if step % 2 and world > 1:
+        sizes[0] += sizes[-1]
+        sizes[-1] = 0
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [(int(bounds[r]), int(bounds[r + 1])) for r in range(world)]
+
+
+def whole_local(step: int, rank: int, world: int):
+    """This rank's share of ``whole_batch(step)``."""
+    feats, weights, grads = whole_batch(step)
+    lo, hi = whole_split(step, world)[rank]
+    return (
+        {k: v[lo:hi] for k, v in feats.items()},
+        {k: v[lo:hi] for k, v in weights.items()},
+        {k: v[lo:hi] for k, v in grads.items()},
+    )
+
+
+def run_whole(rank: int, world: int, out: str, name: str) -> None:
+    """whole:<optimizer> (module docstring)."""
+    import embengine as ee
+    from embengine.distributed import ShardedEngine
+
+    features, o = whole_features(name.split(":")[1])
+    eng = ShardedEngine(features, optimizer=o, seed=3, sharding="table", timeout=60)
+    saved = {"exchange": np.array([eng.exchange[t] for t in ("m", "n")])}
+    for step in range(WHOLE_STEPS):
+        feats, weights, grads = whole_local(step, rank, world)
+        if step == 1:  # two training lookups; the older one's update first
+            acts, batch = eng.lookup_with_batch(feats, weights)
+            f2, w2, g2 = whole_local(WHOLE_STEPS + step, rank, world)
+            later = eng.lookup(f2, w2)
+            eng.apply_gradients(grads, batch=batch)
+            eng.apply_gradients(g2)
+            saved.update({f"act{step}b/{k}": v for k, v in later.items()})
+        elif step == 3:  # ids in the caller's arrays, zeroed before the update
+            arrays = {
+                k: np.array([i for b in v for i in b], dtype=np.int64) for k, v in feats.items()
+            }
+            ragged = {
+                k: ee.Ragged(
+                    arrays[k],
+                    lengths=[len(b) for b in v],
+                    weights=np.array([x for b in weights[k] for x in b], np.float32)
+                    if k in weights
+                    else None,
+                )
+                for k, v in feats.items()
+            }
+            acts = eng.lookup(ragged)
+            for a in arrays.values():
+                a[:] = 0
+            eng.apply_gradients(grads)
+        else:
+            acts = eng.lookup(feats, weights)
+            if step == 2 and rank == world - 1:  # its own equal batch: every rank falls back
+                eng.apply_gradients(grads, batch=eng.preprocess(feats, weights))
+            else:
+                eng.apply_gradients(grads)
+        saved.update({f"act{step}/{k}": v for k, v in acts.items()})
     _dump(eng, os.path.join(out, f"{name.replace(':', '_')}.rank{rank}.npz"), saved)
 
 
@@ -1865,6 +1981,8 @@ def main() -> None:
                 run_failed(rank, world, out, name)
             elif name.startswith("mixed:"):
                 run_mixed(rank, world, out, name)
+            elif name.startswith("whole:"):
+                run_whole(rank, world, out, name)
             elif name.startswith("sweep:"):
                 run_sweep(rank, world, out, name)
             elif name.startswith("speculate:"):

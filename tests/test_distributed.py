@@ -63,6 +63,10 @@ BETWEEN = ["between:adagrad:row:sums", "between:adam:table:rows", "between:ftrl:
 # A training lookup refused on every rank (one rank's invalid input) between each training
 # lookup and its update: "auto" (both exchanges at 2 and 3 ranks) and "sums" of whole tables.
 FAILED = ["failed:adagrad:row:auto", "failed:sgd:table:sums"]
+# Whole tables under "auto" (so "sums", their occurrences sent undeduplicated) where the
+# equality scenarios have none: one shared by bag and sequence features, an update of the
+# older of two lookups, one rank's own batch, ids changed between lookup and update.
+WHOLE = ["whole:adagrad_no_accumulation", "whole:adam_dense"]
 # Per feature: its table, the table's width, the positions a sample keeps (sequences cut).
 FEATURES = {"a": ("big", 8), "b": ("big", 8), "c": ("small", 4), "s": ("seq", 6)}
 SEQUENCE = {"s": 3}
@@ -118,7 +122,7 @@ def runs(tmp_path_factory):
                 single_engine_run(o, 1)
         if world not in done:
             out = tmp_path_factory.mktemp(f"w{world}")
-            codes = spawn(world, out, [*SCENARIOS, *BETWEEN, *FAILED])
+            codes = spawn(world, out, [*SCENARIOS, *BETWEEN, *FAILED, *WHOLE])
             assert codes == [0] * world, _logs(out, world)
             done[world] = out
         return done[world]
@@ -297,6 +301,45 @@ def test_an_evaluation_lookup_between_a_sharded_lookup_and_its_update_changes_no
         errors = {k: str(got[k]) for k in got.files if k.startswith("error")}
         assert not errors, (rank, errors)
         assert all(bool(got[f"same{s}"]) for s in range(worker.STEPS)), rank
+        _assert_state(path, state)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", WHOLE)
+def test_whole_tables_sent_undeduplicated_train_as_one_engine(runs, world, name):
+    """Whole tables under "auto" exchange sums, their ranks' lookup batches listing each
+    occurrence as its own id (``ShardedEngine._lookup_batch``): a table shared by a weighted
+    sqrtn bag feature, a sequence feature and another bag feature; an update of the older of
+    two training lookups (its batch pushed, not kept), then of the newer; one rank updating
+    from its own equal batch; the caller's id arrays zeroed between a lookup and its update.
+    Every lookup is the single engine's bit for bit (each bag's ids on one rank), and the
+    tables end as the single engine's making the same calls."""
+    features, o = worker.whole_features(name.split(":")[1])
+    single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
+    acts = []
+    for step in range(worker.WHOLE_STEPS):
+        feats, weights, grads = worker.whole_batch(step)
+        if step == 1:
+            a, batch = single.lookup_with_batch(feats, weights)
+            f2, w2, g2 = worker.whole_batch(worker.WHOLE_STEPS + step)
+            later = single.lookup(f2, w2)
+            single.apply_gradients(grads, batch=batch)
+            single.apply_gradients(g2)
+            acts.append((a, later))
+            continue
+        acts.append((single.lookup(feats, weights), None))
+        single.apply_gradients(grads)
+    state = single.state_dict()
+    for rank in range(world):
+        path = runs(world) / f"{name.replace(':', '_')}.rank{rank}.npz"
+        got = np.load(path)
+        assert got["exchange"].tolist() == ["sums", "sums"]
+        for step, (a, later) in enumerate(acts):
+            lo, hi = worker.whole_split(step, world)[rank]
+            for suffix, want in (("", a), ("b", later)):
+                for k, v in (want or {}).items():
+                    have = got[f"act{step}{suffix}/{k}"]
+                    assert have.tobytes() == v[lo:hi].tobytes(), (rank, step, suffix, k)
         _assert_state(path, state)
 
 
