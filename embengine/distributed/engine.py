@@ -635,8 +635,9 @@ class ShardedEngine:
 
     @property
     def exchange(self) -> dict[str, str]:
-        """Table name -> its exchange setting: "rows", "sums" or "auto" (what each table's last
-        training lookup used: ``table_stats()``)."""
+        """Table name -> its exchange setting: "rows", "sums" or "auto", with "auto" resolved
+        where it does not change from step to step (a keyed table "rows", a whole table
+        "sums"); what each table's last training lookup used: ``table_stats()``."""
         return dict(zip(self.table_names, self._exchange, strict=True))
 
     def optimizer(self, table_name: str) -> Optimizer:
