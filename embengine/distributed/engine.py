@@ -1443,13 +1443,16 @@ class ShardedEngine:
                 target_at[:, f].copy(),
             )
         # The other ranks' occurrences travel while this rank pools the blocks it sent itself.
-        to_others, from_others = 2 * n.sum(axis=0), 2 * got_n.sum(axis=1)
-        to_others[me] = from_others[me] = 0
-        arrived = self._comm.all_to_all_start(
-            packed[: int(to_others.sum())], to_others, from_others, "lookup occurrences"
-        )
-        others_n = got_n.copy()
+        others_n = got_n.copy()  # [sender, feature], this rank's own blocks left in ``packed``
         others_n[me] = 0
+        to_others = 2 * n.sum(axis=0)
+        to_others[me] = 0
+        arrived = self._comm.all_to_all_start(
+            packed[: int(to_others.sum())],
+            to_others,
+            2 * others_n.sum(axis=1),
+            "lookup occurrences",
+        )
         in_at = _starts(2 * others_n)  # [sender, feature]
         # The answers go in groups of tables, each sent while the next is pooled (every rank
         # forms the same groups from ``sums``, which the header made the same everywhere).
