@@ -107,7 +107,8 @@ def modelled_bytes(
     whose owners then count), by the cost model of docs/design.md,
     from every rank's features (``locals_[r]``: feature "f{t}" -> Ragged of bags, table t of
     width ``dims[t]``, one feature per table, sum pooling), each table exchanging what
-    ``exchanged[t]`` says ("rows", the default, or "sums"). Keyed, a lookup also sends each
+    ``exchanged[t]`` says ("rows", the default, or "sums"; a whole table's "sums" sends its
+    bags as they are: ``ShardedEngine._pool_whole``). Keyed, a lookup also sends each
     asked key's occurrences (8 bytes) and a "has a row" byte per id answered. ``value_bytes[t]``:
     the bytes of a weight of table t as stored (4, the default; 2 for 16 bits), which a pulled
     row's values take on the wire."""
@@ -134,6 +135,17 @@ def modelled_bytes(
     n = np.zeros((tables, world), dtype=np.int64)  # occurrences pushed to each owner
     for t in range(tables):
         ids, bag_of = ids_and_bags(rank, t)
+        if exchanged[t] == "sums" and plan is not None and plan.kinds[t] == "table":
+            # A whole table: its bags as they are to the owner (offsets and ids, 8 bytes
+            # each; unit gains stay home), every bag's row back and its gradient row pushed.
+            owner_t, bags = plan.owners[t], len(locals_[rank][f"f{t}"].offsets) - 1
+            if owner_t != rank:
+                lookup += 8 * (bags + 1 + len(ids))
+                m[t, owner_t] = bags
+            else:
+                asked = [len(locals_[s][f"f{t}"].offsets) - 1 for s in range(world) if s != rank]
+                lookup += 4 * dims[t] * sum(asked)
+            continue
         owners = owner(t, ids)
         remote = owners != rank
         # (bag, owner) pairs: a gradient row to that owner

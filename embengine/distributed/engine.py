@@ -19,7 +19,10 @@ it multiplies to the owner (each gradient row once per owner, the occurrences po
 part of every bag and sends these partial sums back, which the rank adds in rank order (a bag
 whose ids all live on one rank is bit-identical; any other equal up to float32 rounding). The
 owner keeps the occurrences, so an update from that lookup's batch on every rank sends only
-the gradient rows (any other batch is pushed as under "rows").
+the gradient rows (any other batch is pushed as under "rows"). A whole table (on one rank)
+goes leaner: each rank sends its owner the table's bags as they are (offsets and ids), the
+owner prepares and pools the step's batch of the table in one kernel, exactly as the single
+engine does (bit-identical activations), answers each bag's row, and updates from that batch.
 
 Either way the owner puts the occurrences of its rows in the single engine's occurrence order
 (a table's features in order, then ranks in order, then each rank's samples and positions),
@@ -59,6 +62,7 @@ import torch.distributed as dist
 from ..backends.block_pool import BlockPool, Carver
 from ..backends.registry import make_backend
 from ..batch import (
+    FeaturePart,
     LookupOnlyTableBatch,
     PreparedBatch,
     TableBatch,
@@ -80,7 +84,7 @@ from ..engine import (
     int_slot_ranges,
     step_bound,
 )
-from ..inputs import frozen
+from ..inputs import Ragged, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
@@ -175,8 +179,10 @@ class _Columns:
     """Where a header's counts lie (int64 columns after the ``_FIXED`` ones), per destination.
 
     lookup: ``n`` / ``m``, per feature, its occurrences and distinct activation rows among them
-    owned by the destination (the "sums" exchange's counts; the update's push reuses them);
-    ``a``, per table, the unique ids owned by the destination ("rows" exchange); ``b``, per
+    owned by the destination (the "sums" exchange's counts; the update's push reuses them;
+    a whole table's, ``_pool_whole``: every activation row of the feature); ``a``, per
+    table, the unique ids owned by the destination ("rows" exchange; a whole table's "sums":
+    1 when its gains follow its ids, else 0); ``b``, per
     table, this rank's ``sums_saving`` (the same to every destination, so that every rank
     sums the same figures and picks the same exchange); ``k`` (engines with keyed tables),
     per table, this rank's unique ids of it (whether any rank brought keys); ``p`` (keyed
@@ -238,6 +244,9 @@ class _Lookup:
     target_at: np.ndarray | None
     kept: dict[int, _Kept]
     got: np.ndarray  # the lookup's headers (``_header``)
+    # Per whole table this rank owns (``_pool_whole``): the step's batch it prepared and the
+    # activation rows of each of its blocks (the table's features, then ranks).
+    whole: dict[int, tuple[TableBatch, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -577,6 +586,17 @@ class ShardedEngine:
                 np.tile(np.arange(self.world_size, dtype=np.int64), len(fs)),
             )
             for fs in self._table_feature_index
+        )
+        # Whole tables (each on one rank) that exchange "sums": a rank sends their owners its
+        # bags as they are, and each owner prepares and pools its table's batch of the step
+        # as the single engine does (``_pool_whole``); per feature its table and that owner.
+        self._whole = self._sums_only & np.array([k == "table" for k in self._plan.kinds])
+        self._whole_features = self._features_of(self._whole)
+        self._feature_tables = np.array(
+            [r.feature_table[f] for f in self._features], dtype=np.int64
+        )
+        self._feature_owners = np.array(
+            [self._plan.owners[t] for t in self._feature_tables], dtype=np.int64
         )
         self._cols = _Columns.of(len(self._features), len(r.tables), bool(self._keyed))
         self._step = 0
@@ -940,9 +960,10 @@ class ShardedEngine:
         """This rank's features validated for its lookup, deduplicated per table as
         ``preprocess`` does, except each table that exchanges "sums" whatever the step
         (``_sums_only``): its batch lists the occurrences as they come, each its own "unique"
-        id (``LookupOnlyTableBatch.occurrences``). Its occurrences go to their owners one by
-        one anyway, whose update deduplicates them; the rank's own deduplication would only
-        count them (docs/design.md, "A whole table exchanges sums")."""
+        id (``LookupOnlyTableBatch.occurrences``). Its occurrences go to their owners as they
+        are anyway, who deduplicate them (a whole table's owner prepares the step's batch:
+        ``_pool_whole``); the rank's own deduplication would only count them
+        (docs/design.md, "A whole table exchanges sums")."""
         if not self._sums_only.any():
             return self.preprocess(features, weights)
         parts, layouts = plan_tables(self._resolved, features, weights, self._layout)
@@ -1056,6 +1077,8 @@ class ShardedEngine:
         counts = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: unique ids to ask
         saving = np.zeros(nt, dtype=np.int64)  # per table: this rank's bytes saved by "sums"
         push = _Push.empty(nf, w)
+        gains = np.zeros((nt, w), dtype=np.int64)  # [table, owner]: a whole table's gains go
+        sources = None
         try:
             if refused is not None:
                 raise refused
@@ -1079,14 +1102,20 @@ class ShardedEngine:
             # training batch's update pushes them (it reuses these counts).
             if training or any(x != "rows" for x in self._exchange):
                 push = self._push_counts(batch)
+            if self._whole.any():
+                sources, flags = self._whole_sources(batch, push)
+                for t in np.flatnonzero(self._whole).tolist():
+                    gains[t, self._route[t][1]] = flags[t]
             for t, tb in enumerate(batch.tables):
+                if self._whole[t]:
+                    continue
                 row, owner = self._route[t]
                 sr.count_owners(tb.unique_ids, row, owner, w, counts[t])
                 if self._exchange[t] == "auto":
                     saving[t] = self._sums_saving(t, counts[t], push)
         except BaseException as e:  # any, a KeyboardInterrupt too: every rank raises at the header
             error = e
-        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: counts.T, cols.b: saving}
+        blocks = {cols.n: push.n.T, cols.m: push.m.T, cols.a: (counts + gains).T, cols.b: saving}
         if self._keyed:
             blocks[cols.k] = counts.sum(axis=1)
             pending, limits = np.zeros(nt, dtype=np.int64), np.zeros(nt, dtype=np.int64)
@@ -1101,7 +1130,9 @@ class ShardedEngine:
         before = self._pending, self._last, self._given, list(self._exchanged)
         with self._past_header(call):
             try:
-                return self._lookup_exchange(batch, features, training, when, got, counts, push)
+                return self._lookup_exchange(
+                    batch, features, training, when, got, counts, push, sources
+                )
             except BaseException as e:
                 if training and e is self._comm.raised_alike:  # as EmbeddingEngine's refusal
                     self._pending, self._last, self._given, self._exchanged = before
@@ -1131,7 +1162,7 @@ class ShardedEngine:
             self._comm.raised_alike = None
 
     def _lookup_exchange(
-        self, batch, features, training: bool, when: int | None, got, counts, push
+        self, batch, features, training: bool, when: int | None, got, counts, push, sources
     ) -> tuple[dict[str, np.ndarray], PreparedBatch]:
         """``_lookup`` past its header (``got``): the exchanges, the pooling, and a training
         lookup's bookkeeping for its update."""
@@ -1158,21 +1189,29 @@ class ShardedEngine:
         if not sums.all():
             self._pull_rows(batch, counts * ~sums[:, None], got, sums, training, when, per_table)
         pooled = None
-        if sums.any():
-            pooled = self._pool_sums(batch, push, got, sums, training, per_table)
+        if (sums & ~self._whole).any():
+            pooled = self._pool_sums(batch, push, got, sums & ~self._whole, training, per_table)
+        direct: dict[str, np.ndarray] = {}  # the whole tables' features' activations
+        whole = {}
+        if self._whole.any():
+            whole = self._pool_whole(batch, got, sources, training, direct)
         if training:
             # Its gradients will be of the tables as they are now: marked, so that an update
             # after a restore refuses it (EmbeddingLayer's backward passes it as batch=).
             batch = dataclasses.replace(batch, looked_up_in=self._state_id)
             self._pending = batch
             self._given = features if isinstance(features, PreparedBatch) else None
-            self._last = _Lookup(batch, push, sums, *(pooled or (None, None, {})), got=got)
+            self._last = _Lookup(
+                batch, push, sums, *(pooled or (None, None, {})), got=got, whole=whole
+            )
             self._armed = self._last  # its update may speculate (``_apply_speculating``)
             if when is not None:
                 prev = self._step_time[1] if self._step_time[0] == self._step else None
                 self._step_time = (self._step, when if prev is None else max(prev, when))
         acts = {
-            name: per_table[lay.table][lay.start : lay.stop].reshape(lay.shape)
+            name: (
+                direct[name] if name in direct else per_table[lay.table][lay.start : lay.stop]
+            ).reshape(lay.shape)
             for name, lay in batch.features.items()
         }
         return acts, batch
@@ -1196,6 +1235,11 @@ class ShardedEngine:
             # The feature's occurrences: those of its activation rows.
             lo, hi = int(tb.output_offsets[lay.start]), int(tb.output_offsets[lay.stop])
             kind, whole = self._route[t]
+            if self._whole[t]:  # every activation row goes to the owner (``_pool_whole``)
+                push.n[f, whole] += hi - lo
+                push.m[f, whole] += lay.stop - lay.start
+                push.spans.append((tb, None, lo, hi, lay.start))
+                continue
             if t not in push.owners:
                 if kind == sr.KIND_TABLE:
                     push.owners[t] = np.full(len(tb.unique_ids), whole, dtype=np.int64)
@@ -1223,6 +1267,182 @@ class ShardedEngine:
             int(push.m[fs].sum() - push.m[fs, me].sum()),
             int(self._value_bytes[t]),
         )
+
+    def _whole_sources(self, batch: PreparedBatch, push: _Push) -> tuple[list, np.ndarray]:
+        """What a "sums" lookup sends the owner of each whole table (``_pool_whole``), per
+        feature (None for the others' features): ``(offsets, ids, gains)``, its activation
+        rows' offsets into its ids (from 0), the ids in occurrence order (truncated sequences
+        as the batch truncated them) and their gains (its combiner's and weights' factors),
+        or None for gains where every gain of the table's features on this rank is 1 (an
+        unweighted sum: what the owner assumes); and per table, 1 when its gains go, else 0."""
+        flags = np.zeros(len(self.table_names), dtype=np.int64)
+        sources: list = [None] * len(self._features)
+        for f in np.flatnonzero(self._whole_features).tolist():
+            tb, _, lo, hi, _ = push.spans[f]
+            lay = batch.features[self._features[f]]
+            offsets = tb.output_offsets[lay.start : lay.stop + 1] - lo
+            # A batch of occurrences as they came lists each as its own "unique" id.
+            as_they_came = len(tb.unique_offsets) != len(tb.unique_ids) + 1
+            ids = tb.unique_ids[lo:hi] if as_they_came else tb.unique_ids[tb.inverse[lo:hi]]
+            gains = tb.gains[lo:hi]
+            t = int(self._feature_tables[f])
+            if not flags[t] and (gains != 1).any():
+                flags[t] = 1
+            sources[f] = (offsets, ids, gains)
+        for f in np.flatnonzero(self._whole_features).tolist():
+            if not flags[self._feature_tables[f]]:
+                sources[f] = (*sources[f][:2], None)
+        return sources, flags
+
+    def _pool_whole(
+        self, batch: PreparedBatch, got: np.ndarray, sources: list, training: bool, direct: dict
+    ) -> dict[int, tuple[TableBatch, np.ndarray]]:
+        """The "sums" exchange of the whole tables (``_whole``): each rank sends each table's
+        owner its features' bags as they are (``_whole_sources``: per feature its rows'
+        offsets, its ids and, when the header says so, their gains); the owner prepares and
+        pools the table's batch of the step from every rank's blocks in the single engine's
+        order (the table's features, then ranks: ``_whole_parts``) in one call of the
+        backend's ``build_tables_and_lookup``, as the single engine prepares and pools that
+        batch, and answers each rank with its bags' rows, which are its activations: the
+        same bits as the single engine's. Tables go in ``_SUMS_GROUPS`` groups, each group's
+        answers sent while the next is pooled. Fills ``direct`` (feature name -> its rows on
+        this rank); returns, per table this rank owns (a training lookup), its batch and
+        each block's activation rows, which the update reuses (``_kept_batches``)."""
+        nf, nt, w, me, cols = (
+            len(self._features),
+            len(self.table_names),
+            self.world_size,
+            self.rank,
+            self._cols,
+        )
+        dims, owners, whole_f = self._feature_dims, self._feature_owners, self._whole_features
+        got_n = got[:, cols.n : cols.n + nf]  # [sender, feature]
+        got_m = got[:, cols.m : cols.m + nf]
+        gains_in = got[:, cols.a + self._feature_tables]  # [sender, feature]: gains follow
+        mine_n = np.array([0 if s is None else len(s[1]) for s in sources], dtype=np.int64)
+        mine_m = np.array([0 if s is None else len(s[0]) - 1 for s in sources], dtype=np.int64)
+        mine_g = np.array([s is not None and s[2] is not None for s in sources], dtype=np.int64)
+        # A block from each rank to its whole features' owners, none to itself: its rows'
+        # offsets (m + 1 int64), its ids (n), its gains (float32, two a word) if they go.
+        to = whole_f[None, :] & (owners[None, :] == np.arange(w)[:, None])  # [dest, feature]
+        to[me] = False
+        out_words = np.where(to, (mine_m + 1 + mine_n + mine_g * ((mine_n + 1) // 2))[None], 0)
+        sent_by = whole_f[None, :] & (owners == me)[None, :] & (np.arange(w) != me)[:, None]
+        in_words = np.where(sent_by, got_m + 1 + got_n + gains_in * ((got_n + 1) // 2), 0)
+        pack_at = _starts(out_words)  # [dest, feature]
+        send = np.empty(int(out_words.sum()), dtype=np.int64)
+        for f in np.flatnonzero(to.any(axis=0)).tolist():
+            offsets, ids, gains = sources[f]
+            a = int(pack_at[owners[f], f])
+            send[a : a + len(offsets)] = offsets
+            a += len(offsets)
+            send[a : a + len(ids)] = ids
+            if gains is not None:
+                a += len(ids)
+                floats = send[a : a + (len(ids) + 1) // 2].view(np.float32)
+                floats[: len(ids)] = gains
+                floats[len(ids) :] = 0
+        recv = self._comm.all_to_all(
+            send, out_words.sum(axis=1), in_words.sum(axis=1), "lookup bags"
+        )
+        in_at = _starts(in_words)  # [sender, feature]
+        groups = [g for g in np.array_split(np.flatnonzero(self._whole), _SUMS_GROUPS) if len(g)]
+        kept: dict[int, tuple[TableBatch, np.ndarray]] = {}
+        sent, waited = [], 0
+        try:
+            for group in groups:
+                in_group = self._features_of(np.isin(np.arange(nt), group))
+                # Each rank's bags' rows of this group's tables that this rank owns, per
+                # [sender, feature]; and those this rank asks of each owner, per [owner, feature].
+                answer_sizes = np.where(sent_by & in_group[None, :], got_m * dims[None, :], 0)
+                asked = np.where(to & in_group[None, :], (mine_m * dims)[None, :], 0)
+                answer_at = _starts(answer_sizes)
+                answer = np.empty(int(answer_sizes.sum()), dtype=np.float32)
+                tables = [int(t) for t in group if self._route[t][1] == me]
+                if tables:
+                    parts = [
+                        self._whole_parts(t, got_n, got_m, gains_in, recv, in_at, sources)
+                        for t in tables
+                    ]
+                    batches, outs = self._backend.build_tables_and_lookup(
+                        parts,
+                        [self._shards[t] for t in tables],
+                        [self._resolved.tables[t].quantization_config for t in tables],
+                    )
+                    for t, tb, out, ps in zip(tables, batches, outs, parts, strict=True):
+                        fs, ss = self._table_blocks[t]
+                        for f, s, part in zip(fs.tolist(), ss.tolist(), ps, strict=True):
+                            rows = out[part.out_start : part.out_start + part.num_outputs]
+                            if s == me:
+                                direct[self._features[f]] = rows
+                            elif part.num_outputs:
+                                a = int(answer_at[s, f])
+                                answer[a : a + rows.size] = rows.reshape(-1)
+                        if training:
+                            kept[t] = (tb, got_m[ss, fs].copy())
+                sent.append(
+                    (
+                        self._comm.all_to_all_start(
+                            answer, answer_sizes.sum(axis=1), asked.sum(axis=1), "lookup sums"
+                        ),
+                        asked,
+                    )
+                )
+            for wait, asked in sent:
+                rows = wait()
+                waited += 1
+                at = _starts(asked)
+                for f in np.flatnonzero(asked.any(axis=0)).tolist():
+                    a = int(at[owners[f], f])
+                    direct[self._features[f]] = rows[a : a + int(asked[owners[f], f])]
+        finally:  # on an error, the collectives started are still waited for: gloo uses
+            for wait, _ in sent[waited:]:  # their buffers until they end
+                with contextlib.suppress(Exception):
+                    wait()
+        for f in np.flatnonzero(whole_f).tolist():  # a feature without rows here
+            direct.setdefault(self._features[f], np.zeros((0, int(dims[f])), dtype=np.float32))
+        return kept
+
+    def _whole_parts(
+        self, t: int, got_n, got_m, gains_in, recv: np.ndarray, in_at, sources: list
+    ) -> list[FeaturePart]:
+        """Whole table ``t``'s batch of the step as the single engine's feature parts: a part
+        per block (the table's features in order, then ranks in order), that rank's bags
+        (this rank's ``sources``, another's as they arrived in ``recv`` from ``in_at[sender,
+        feature]``) as a bag feature of its activation rows that sums its ids by their gains:
+        the single engine's occurrences, gains and rows, so its batch and sums."""
+        fs, ss = self._table_blocks[t]
+        vocabulary = self._resolved.tables[t].vocabulary_size
+        parts, start = [], 0
+        for f, s in zip(fs.tolist(), ss.tolist(), strict=True):
+            name = self._features[f]
+            if s == self.rank:
+                offsets, ids, gains = sources[f]
+            else:
+                n, m, a = int(got_n[s, f]), int(got_m[s, f]), int(in_at[s, f])
+                offsets, ids = recv[a : a + m + 1], recv[a + m + 1 : a + m + 1 + n]
+                gains = None
+                if gains_in[s, f]:
+                    a += m + 1 + n
+                    gains = recv[a : a + (n + 1) // 2].view(np.float32)[:n]
+                if n and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
+                    bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                    raise DistributedError(
+                        f"rank {self.rank}: table {self.table_names[t]!r}: rank {s} sent id "
+                        f"{bad} of feature {name!r}, outside [0, {vocabulary}) (ranks disagree "
+                        "on the batch)"
+                    )
+            try:
+                bags = Ragged(ids, offsets=offsets, weights=gains)
+            except ValueError as e:
+                raise DistributedError(
+                    f"rank {self.rank}: table {self.table_names[t]!r}: rank {s}'s bags of "
+                    f"feature {name!r} arrived malformed ({e}; ranks disagree on the batch)"
+                ) from None
+            rows = bags.num_samples
+            parts.append(FeaturePart(bags, 0, "sum", start, rows, 0, name, 0, vocabulary))
+            start += rows
+        return parts
 
     def _pull_rows(
         self,
@@ -1401,15 +1621,15 @@ class ShardedEngine:
         training: bool,
         per_table: list,
     ) -> tuple[np.ndarray, np.ndarray, dict[int, _Kept]]:
-        """The "sums" exchange of the tables in ``sums``: each rank sends every occurrence to
-        the owner of its id (``fill_pull``); each owner unpacks its rows' occurrences in the
-        single engine's order (the table's features, then ranks: ``decode_pull``), pools its
-        rows' part of every bag from its shard and answers each rank with its partial sums
-        (in ``_SUMS_GROUPS`` groups of tables, each sent while the next is pooled), which the
-        rank adds into ``per_table[t]`` in rank order (``add_partials``). Returns
-        what the update reuses: the activation row of each partial sum received
-        (``targets``, blocks at ``target_at[owner, feature]``) and, per table, the
-        occurrences this rank owns (a training lookup's)."""
+        """The "sums" exchange of the tables in ``sums`` (not whole ones: ``_pool_whole``):
+        each rank sends every occurrence to the owner of its id (``fill_pull``); each owner
+        unpacks its rows' occurrences in the single engine's order (the table's features,
+        then ranks: ``decode_pull``), pools its rows' part of every bag from its shard and
+        answers each rank with its partial sums (in ``_SUMS_GROUPS`` groups of tables, each
+        sent while the next is pooled), which the rank adds into ``per_table[t]`` in rank
+        order (``add_partials``). Returns what the update reuses: the activation row of each
+        partial sum received (``targets``, blocks at ``target_at[owner, feature]``) and, per
+        table, the occurrences this rank owns (a training lookup's)."""
         nf, w, cols = len(self._features), self.world_size, self._cols
         mine = self._features_of(sums)
         n, m = push.n * mine[:, None], push.m * mine[:, None]  # [feature, owner]
@@ -1932,6 +2152,13 @@ class ShardedEngine:
         n, m, w = push.n * pushed[:, None], push.m, self.world_size
         for f, (tb, owner, lo, hi, start) in enumerate(push.spans):
             g = grads[self._features[f]]
+            if self._whole_features[f]:  # every activation row, to the table's one owner
+                d = int(self._feature_owners[f])
+                if pushed[f]:
+                    _fill_whole_push(tb, lo, hi, start, ints, int(int_at[d, f]))
+                at = int(row_at[d, f])
+                rows_g[at : at + g.size] = g.reshape(-1)
+                continue
             if not pushed[f]:
                 _take_rows(g, last.targets, last.target_at[:, f], m[f], start, rows_g, row_at[:, f])
                 continue
@@ -1999,7 +2226,8 @@ class ShardedEngine:
             if self._shards[t].data.shape[0]:
                 fs, ss = self._table_blocks[t]
                 dim = int(self._shards[t].dim)
-                layouts[t] = _RowsLayout(row_at[ss, fs], got_m[ss, fs], dim)
+                # A whole table's batch numbers its gradient rows in its blocks' order.
+                layouts[t] = _RowsLayout(row_at[ss, fs], got_m[ss, fs], dim, self._whole[t])
         return layouts
 
     def _speculated(self, spec: _Lookup):
@@ -2112,11 +2340,21 @@ class ShardedEngine:
         feature]`` of them, laid out as ``layouts[t]``), which must be as many as it pooled,
         block by block. A shard that got no occurrence gets an empty batch: its optimizer may
         update every row each step (non-lazy Adam), as the single engine's does."""
-        batches = {}
+        batches, whole = {}, {}
         for t in tables.tolist():
             if t not in layouts:
                 continue  # none of this table's rows lives here
             fs, ss = self._table_blocks[t]
+            if self._whole[t]:  # the batch this rank prepared for the lookup (``_pool_whole``)
+                tb, block_rows = last.whole[t]
+                if (got_m[ss, fs] != block_rows).any():
+                    raise DistributedError(
+                        f"rank {self.rank}: table {self.table_names[t]!r}: gradient rows "
+                        f"{got_m[ss, fs].tolist()} are coming for the {block_rows.tolist()} "
+                        "activation rows this rank pooled (ranks disagree on the batch)"
+                    )
+                whole[t] = tb
+                continue
             kept = last.kept.get(t)
             if kept is None:  # no rank had ids of it here
                 none = np.zeros(len(fs), dtype=np.int64)
@@ -2135,7 +2373,7 @@ class ShardedEngine:
         for (t, (kept, layout)), spec in zip(list(batches.items()), sizes, strict=True):
             arrays = [carve.empty(n, dt) for n, dt in spec]
             batches[t] = self._kept_batch(t, kept, layout.row_base, layout.rows, arrays)
-        return batches
+        return batches | whole
 
     def _pool_blocks(
         self,
@@ -2703,21 +2941,40 @@ def _take_rows(
             np.take(grad, rows, axis=0, out=out[at : at + c * dim].reshape(c, dim))
 
 
+def _fill_whole_push(
+    tb: TableBatch, lo: int, hi: int, start: int, ints: np.ndarray, at: int
+) -> None:
+    """A whole table's feature pushed by an update (its owner did not keep the lookup's
+    batch): occurrences ``lo:hi`` of ``tb`` into ``ints[at:]`` as ``fill_push`` packs them (the
+    ids, then each one's gradient row in the high 32 bits over its gain's bits), every
+    activation row of the feature sent (from ``start``), so a row's index is its row's."""
+    n = hi - lo
+    as_they_came = len(tb.unique_offsets) != len(tb.unique_ids) + 1
+    ints[at : at + n] = tb.unique_ids[lo:hi] if as_they_came else tb.unique_ids[tb.inverse[lo:hi]]
+    bits = tb.gains[lo:hi].view(np.int32).astype(np.int64) & 0xFFFFFFFF
+    ints[at + n : at + 2 * n] = ((tb.segments[lo:hi] - start) << 32) | bits
+
+
 class _RowsLayout:
     """Blocks of rows of ``dim`` floats in a received buffer (block b: ``count[b]`` rows from
-    float ``at[b]``) as one row matrix: ``row_base[b]``, block b's first row in ``matrix``.
+    float ``at[b]``) as one row matrix: ``row_base[b]``, block b's first row in ``matrix``
+    (``in_order``: the blocks' rows one after another in block order, as a whole table's
+    batch numbers them).
 
     When every non-empty block starts on one grid of ``dim`` floats (always, when every
     table's rows are as wide), the matrix is a view of the buffer from the first block to the
     end of the last (rows of other blocks in between are never read); otherwise the blocks are
     copied together, in block order."""
 
-    def __init__(self, at: np.ndarray, count: np.ndarray, dim: int):
+    def __init__(self, at: np.ndarray, count: np.ndarray, dim: int, in_order: bool = False):
         at, count = np.asarray(at, dtype=np.int64), np.asarray(count, dtype=np.int64)
         self.at, self.count, self.dim = at, count, dim
         live = count > 0
         self.lo = int(at[live].min()) if live.any() else 0
         self.view = bool(((at[live] - self.lo) % dim == 0).all())
+        if in_order:  # row_base the blocks' starts in block order: a view only if they abut
+            ends = (at + count * dim)[live]
+            self.view = bool((at[live][1:] == ends[:-1]).all())
         if self.view:
             self.row_base = np.where(live, (at - self.lo) // dim, 0)
             self.hi = int((at + count * dim)[live].max()) if live.any() else 0
