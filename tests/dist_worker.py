@@ -518,6 +518,14 @@ def run_whole(rank: int, world: int, out: str, name: str) -> None:
     eng = ShardedEngine(features, optimizer=o, seed=3, sharding="table", timeout=60)
     saved = {"exchange": np.array([eng.exchange[t] for t in ("m", "n")])}
     for step in range(WHOLE_STEPS):
+        # held-out samples, looked up for evaluation before the step's training lookup
+        held, held_weights, _ = whole_local(2 * WHOLE_STEPS + step, rank, world)
+        saved.update(
+            {
+                f"eval{step}/{k}": v
+                for k, v in eng.lookup(held, held_weights, training=False).items()
+            }
+        )
         feats, weights, grads = whole_local(step, rank, world)
         if step == 1:  # two training lookups; the older one's update first
             acts, batch = eng.lookup_with_batch(feats, weights)

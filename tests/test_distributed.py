@@ -311,13 +311,16 @@ def test_whole_tables_sent_undeduplicated_train_as_one_engine(runs, world, name)
     occurrence as its own id (``ShardedEngine._lookup_batch``): a table shared by a weighted
     sqrtn bag feature, a sequence feature and another bag feature; an update of the older of
     two training lookups (its batch pushed, not kept), then of the newer; one rank updating
-    from its own equal batch; the caller's id arrays zeroed between a lookup and its update.
-    Every lookup is the single engine's bit for bit (each bag's ids on one rank), and the
-    tables end as the single engine's making the same calls."""
+    from its own equal batch; the caller's id arrays zeroed between a lookup and its update;
+    an evaluation lookup of held-out samples each step (its owners pool the bags as they
+    came). Every lookup is the single engine's bit for bit (each bag's ids on one rank), and
+    the tables end as the single engine's making the same calls."""
     features, o = worker.whole_features(name.split(":")[1])
     single = ee.EmbeddingEngine(features, optimizer=o, seed=3)
-    acts = []
+    acts, evals = [], []
     for step in range(worker.WHOLE_STEPS):
+        held, held_weights, _ = worker.whole_batch(2 * worker.WHOLE_STEPS + step)
+        evals.append(single.lookup(held, held_weights, training=False))
         feats, weights, grads = worker.whole_batch(step)
         if step == 1:
             a, batch = single.lookup_with_batch(feats, weights)
@@ -340,6 +343,10 @@ def test_whole_tables_sent_undeduplicated_train_as_one_engine(runs, world, name)
                 for k, v in (want or {}).items():
                     have = got[f"act{step}{suffix}/{k}"]
                     assert have.tobytes() == v[lo:hi].tobytes(), (rank, step, suffix, k)
+            lo, hi = worker.whole_split(2 * worker.WHOLE_STEPS + step, world)[rank]
+            for k, v in evals[step].items():
+                have = got[f"eval{step}/{k}"]
+                assert have.tobytes() == v[lo:hi].tobytes(), (rank, step, "eval", k)
         _assert_state(path, state)
 
 

@@ -1303,7 +1303,8 @@ class ShardedEngine:
         pools the table's batch of the step from every rank's blocks in the single engine's
         order (the table's features, then ranks: ``_whole_parts``) in one call of the
         backend's ``build_tables_and_lookup``, as the single engine prepares and pools that
-        batch, and answers each rank with its bags' rows, which are its activations: the
+        batch (an evaluation lookup's pools them as they came, as the single engine's
+        does), and answers each rank with its bags' rows, which are its activations: the
         same bits as the single engine's. Tables go in ``_SUMS_GROUPS`` groups, each group's
         answers sent while the next is pooled. Fills ``direct`` (feature name -> its rows on
         this rank); returns, per table this rank owns (a training lookup), its batch and
@@ -1364,11 +1365,16 @@ class ShardedEngine:
                         self._whole_parts(t, got_n, got_m, gains_in, recv, in_at, sources)
                         for t in tables
                     ]
-                    batches, outs = self._backend.build_tables_and_lookup(
-                        parts,
-                        [self._shards[t] for t in tables],
-                        [self._resolved.tables[t].quantization_config for t in tables],
-                    )
+                    shards = [self._shards[t] for t in tables]
+                    qs = [self._resolved.tables[t].quantization_config for t in tables]
+                    if training:
+                        batches, outs = self._backend.build_tables_and_lookup(parts, shards, qs)
+                    else:  # nothing kept: pooled as they came, as an evaluation lookup pools
+                        batches = [
+                            LookupOnlyTableBatch(tuple(ps), sum(p.num_outputs for p in ps))
+                            for ps in parts
+                        ]
+                        outs = self._backend.lookup_tables(shards, batches, qs)
                     for t, tb, out, ps in zip(tables, batches, outs, parts, strict=True):
                         fs, ss = self._table_blocks[t]
                         for f, s, part in zip(fs.tolist(), ss.tolist(), ps, strict=True):
