@@ -94,6 +94,7 @@ def _train(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node,
         max_restarts=args.max_restarts,
         bind_cores=args.bind_cores,
+        sharding=args.sharding,
         vocabulary=args.vocabulary,
         weights_dtype=args.weights_dtype,
         slots_dtype=args.slots_dtype,
@@ -131,6 +132,8 @@ def _train(args: argparse.Namespace) -> int:
                 "leave --embeddings at engine"
             )
         world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+        if cfg.sharding != "row" and cfg.nproc_per_node == 1 and world == 1:
+            cfg.check_distributed(world)  # --sharding in one process: refused
         if args.baseline and (cfg.nproc_per_node > 1 or world > 1):
             raise ValueError(
                 "--baseline runs in one process; leave out --nproc-per-node (and torchrun)"
@@ -391,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --nproc-per-node: bind each rank to its own share of the cores "
         "(default; a W1 step at 2 ranks on 2 cores 3-7%% faster); --no-bind-cores "
         "when other jobs share the machine's cores",
+    )
+    train.add_argument(
+        "--sharding",
+        default="row",
+        choices=["row", "table", "auto"],
+        help="with --nproc-per-node: how the tables are sharded over the ranks: row r on "
+        "rank r mod N (default), each table whole on one rank, or auto (the engine picks "
+        "per table by size and traffic, and the log says why); W1 at 2 ranks on 2 cores: "
+        "2.2x the one process's step by row, 1.3x by table (docs/performance.md)",
     )
     train.add_argument(
         "--vocabulary",

@@ -137,6 +137,11 @@ def test_cli_vocabulary_above_10_to_the_8_is_an_error(capsys):
         ),
         (["--nproc-per-node", "2", "--baseline"], "--baseline runs in one process"),
         (["--nproc-per-node", "300"], "--batch-size 256 is smaller than the 300 ranks"),
+        (["--sharding", "table"], "--sharding table shards the tables over ranks; this run"),
+        (
+            ["--nproc-per-node", "2", "--sharding", "auto", "--vocabulary", "dynamic"],
+            "--sharding auto: --vocabulary dynamic makes keyed tables",
+        ),
     ],
 )
 def test_cli_checks_every_option_before_any_work(capsys, monkeypatch, tmp_path, args, message):
@@ -856,11 +861,24 @@ def test_two_ranks_take_keyed_and_16_bit_tables(tmp_path):
     assert result.stats_lines() == ["table u: 8 rows, 9 admitted, 1 evicted, 2.0 MiB on this rank"]
 
 
-def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
+def test_a_sharding_in_one_process_is_refused():
+    """``train`` of a config asking for a sharding in one process (no torchrun): a
+    ValueError naming it, not a run that ignores it."""
+    from embengine.training.loop import train
+
+    with pytest.raises(ValueError, match="--sharding auto shards the tables over ranks"):
+        train(_cfg(steps=1, sharding="auto"), log=lambda s: None)
+    with pytest.raises(ValueError, match="--sharding must be one of row, table, auto"):
+        _cfg(sharding="rows").check()
+
+
+@pytest.mark.parametrize("sharding", ["row", "table"])
+def test_training_on_two_ranks_reports_the_single_process_run(tmp_path, sharding):
     """``--nproc-per-node 2`` (torchrun; a ShardedEngine; DDP summing the dense gradients; each
     rank on its slice of every batch) trains the single-process run: every epoch's validation
-    and test figures and its running train loss agree up to float rounding. The run leaves
-    no torchrun log folders in the temp folder (by default torchrun leaves one a run)."""
+    and test figures and its running train loss agree up to float rounding, tables sharded
+    by row (the default) or whole (``--sharding table``, whose plan the log gives). The run
+    leaves no torchrun log folders in the temp folder (by default torchrun leaves one a run)."""
     args = ["train", *SYN_ARGS, "--steps", "30", "--optimizer", "adagrad"]
     figures = re.compile(r"(train loss|valid AUC|test AUC|test logloss) (\d\.\d+)")
     one = [ln for ln in _run_cli(args).splitlines() if ln.startswith("epoch ")]
@@ -870,11 +888,16 @@ def test_training_on_two_ranks_reports_the_single_process_run(tmp_path):
     # Without OMP_NUM_THREADS of its own, torchrun set 1 for every rank and printed a banner
     # saying so; the launch now gives each rank its share of the cores.
     env = {"TMPDIR": str(temp), "OMP_NUM_THREADS": None}
-    two = [
-        ln
-        for ln in _run_cli([*args, "--nproc-per-node", "2"], env=env, stderr=said).splitlines()
-        if ln.startswith("epoch ")
-    ]
+    ranked = [*args, "--nproc-per-node", "2"]
+    if sharding != "row":
+        ranked += ["--sharding", sharding]
+    lines = _run_cli(ranked, env=env, stderr=said).splitlines()
+    two = [ln for ln in lines if ln.startswith("epoch ")]
+    plans = [ln for ln in lines if ln.startswith("sharding: ")]
+    assert len(plans) == (sharding != "row"), lines
+    if plans:  # every table whole, on rank 0 or 1 ("C1 table on rank 0; C2 table on ...")
+        entries = plans[0].removeprefix("sharding: ").split("; ")
+        assert all(re.fullmatch(r"C\d+ table on rank [01]", e) for e in entries), plans
     assert "Setting OMP_NUM_THREADS" not in said[0], said[0]
     runs = ("torchelastic_", "embengine-torchrun-")  # torchrun's own folder, ours for it
     assert [p.name for p in temp.iterdir() if p.name.startswith(runs)] == []

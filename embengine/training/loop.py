@@ -87,7 +87,7 @@ def build_engine(
 ):
     """The run's engine: one table per feature, the optimizer and learning rate of ``cfg``
     (``max_rows`` caps every table, for a miniature that compiles the same kernels); with
-    ``sharded``, a ShardedEngine over the ranks (row sharding), else an EmbeddingEngine."""
+    ``sharded``, a ShardedEngine over the ranks (``cfg.sharding``), else an EmbeddingEngine."""
     width = embedding_dim(cfg.model, cfg.dim)
     optimizer = ENGINE_OPTIMIZERS[cfg.optimizer](cfg.learning_rate, width)
     features = {}
@@ -107,7 +107,13 @@ def build_engine(
     if sharded:
         from ..distributed import ShardedEngine
 
-        return ShardedEngine(features, optimizer=optimizer, seed=cfg.seed, backend=cfg.backend)
+        return ShardedEngine(
+            features,
+            optimizer=optimizer,
+            seed=cfg.seed,
+            backend=cfg.backend,
+            sharding=cfg.sharding,
+        )
     return EmbeddingEngine(features, optimizer=optimizer, seed=cfg.seed, backend=cfg.backend)
 
 
@@ -179,7 +185,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
     others return it silently."""
     cfg.check()
     ranks = Ranks.join(cfg.bind_cores, log)
-    if ranks.distributed:
+    if ranks.distributed or cfg.sharding != "row":
         cfg.check_distributed(ranks.world)
     with _run_lock(cfg, ranks):
         result = _train(cfg, log if ranks.rank == 0 else _silent, ranks)
@@ -251,6 +257,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None], ranks: Ranks) -> TrainR
             cfg.progress and ranks.rank == 0,
         )
         engine = build_engine(source, cfg, sharded=ranks.distributed)
+        if ranks.distributed and cfg.sharding != "row":
+            log("sharding: " + "; ".join(f"{t} {how}" for t, how in engine.plan.items()))
         embed = EmbeddingLayer(engine)
     else:
         from .baseline import TORCH_OPTIMIZERS, TorchEmbeddings

@@ -59,6 +59,7 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 TORCH_OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
 EMBEDDINGS = ("engine", "torch", "plain")
 VOCABULARIES = ("fixed", "dynamic")
+SHARDINGS = ("row", "table", "auto")  # ShardedEngine's sharding= (one for every table)
 
 
 @dataclass
@@ -94,6 +95,9 @@ class TrainConfig:
     max_restarts: int = 0
     # Each rank bound to its share of this machine's cores (embengine.distributed.bind_cores).
     bind_cores: bool = True
+    # How a run of several ranks shards its tables (ShardedEngine's sharding=): "row" (row r
+    # on rank r mod W), "table" (each table whole on one rank) or "auto" (the engine's pick).
+    sharding: str = "row"
     # How the engine's tables store weights and optimizer slots (TableConfig): "float32",
     # "float16" or "bfloat16" (16-bit: stochastic rounding, embengine.precision).
     weights_dtype: str = "float32"
@@ -167,6 +171,15 @@ class TrainConfig:
                 "--vocabulary dynamic makes the engine's keyed tables; leave --embeddings at engine"
             )
         self._check_dtypes()
+        if self.sharding not in SHARDINGS:
+            raise ValueError(
+                f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}"
+            )
+        if self.sharding != "row" and self.vocabulary == "dynamic":
+            raise ValueError(
+                f"--sharding {self.sharding}: --vocabulary dynamic makes keyed tables, which "
+                "a sharded run spreads by key whatever the sharding; leave --sharding at row"
+            )
         if self.nproc_per_node > 1:
             self.check_distributed(self.nproc_per_node)
         _int_at_least("--max-restarts", self.max_restarts, 0)
@@ -227,6 +240,12 @@ class TrainConfig:
 
     def check_distributed(self, world: int) -> None:
         """What a run of ``world`` ranks cannot do yet: ValueError saying so."""
+        if world == 1 and self.sharding != "row":
+            raise ValueError(
+                f"--sharding {self.sharding} shards the tables over ranks; this run has one "
+                "process: give --nproc-per-node N (or launch it with torchrun), or leave "
+                "--sharding out"
+            )
         if self.embeddings != "engine":
             raise ValueError(
                 f"{world} ranks train the engine's tables sharded; "
