@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --nproc-per-node: how the tables are sharded over the ranks: row r on "
         "rank r mod N (default), each table whole on one rank, or auto (the engine picks "
         "per table by size and traffic, and the log says why); W1 at 2 ranks on 2 cores: "
-        "2.2x the one process's step by row, 1.3x by table (docs/performance.md)",
+        "2.2x the one process's step by row, 1.3x with its tables whole, which auto picks "
+        "for it (docs/performance.md)",
     )
     train.add_argument(
         "--vocabulary",
