@@ -169,6 +169,20 @@ class TableBatch:
     def num_occurrences(self) -> int:
         return len(self.inverse)
 
+    @property
+    def lists_occurrences(self) -> bool:
+        """Whether this batch lists every occurrence as its own "unique" id, without update
+        views (``LookupOnlyTableBatch.occurrences``: ``unique_offsets`` not of
+        ``len(unique_ids) + 1``)."""
+        return len(self.unique_offsets) != len(self.unique_ids) + 1
+
+    def occurrence_ids(self, lo: int, hi: int) -> np.ndarray:
+        """The ids of occurrences ``lo:hi``, in occurrence order (a batch that lists its
+        occurrences gives a view, with no gather through ``inverse``)."""
+        if self.lists_occurrences:
+            return self.unique_ids[lo:hi]
+        return self.unique_ids[self.inverse[lo:hi]]
+
 
 _TABLE_BATCH_ARRAYS = (
     "unique_ids",
@@ -616,7 +630,7 @@ def check_trainable(batch: PreparedBatch) -> None:
     occurrences``: ids repeated, no update views), which an EmbeddingEngine's update would
     read as unique rows. O(tables); a lookup may pool such a batch."""
     for t, tb in enumerate(batch.tables):
-        if isinstance(tb, TableBatch) and len(tb.unique_offsets) != len(tb.unique_ids) + 1:
+        if isinstance(tb, TableBatch) and tb.lists_occurrences:
             names = [name for name, lay in batch.features.items() if lay.table == t]
             raise ValueError(
                 f"this PreparedBatch lists the occurrences of feature {names[0]!r} "

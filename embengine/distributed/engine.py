@@ -84,7 +84,7 @@ from ..engine import (
     int_slot_ranges,
     step_bound,
 )
-from ..inputs import Ragged, frozen
+from ..inputs import Ragged, check_values, frozen
 from ..kernels import shard_route as sr
 from ..learning_rates import LearningRates
 from ..optimizers import Optimizer
@@ -1281,9 +1281,7 @@ class ShardedEngine:
             tb, _, lo, hi, _ = push.spans[f]
             lay = batch.features[self._features[f]]
             offsets = tb.output_offsets[lay.start : lay.stop + 1] - lo
-            # A batch of occurrences as they came lists each as its own "unique" id.
-            as_they_came = len(tb.unique_offsets) != len(tb.unique_ids) + 1
-            ids = tb.unique_ids[lo:hi] if as_they_came else tb.unique_ids[tb.inverse[lo:hi]]
+            ids = tb.occurrence_ids(lo, hi)
             gains = tb.gains[lo:hi]
             t = int(self._feature_tables[f])
             if not flags[t] and (gains != 1).any():
@@ -1431,15 +1429,10 @@ class ShardedEngine:
                 if gains_in[s, f]:
                     a += m + 1 + n
                     gains = recv[a : a + (n + 1) // 2].view(np.float32)[:n]
-                if n and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
-                    bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                    raise DistributedError(
-                        f"rank {self.rank}: table {self.table_names[t]!r}: rank {s} sent id "
-                        f"{bad} of feature {name!r}, outside [0, {vocabulary}) (ranks disagree "
-                        "on the batch)"
-                    )
             try:
                 bags = Ragged(ids, offsets=offsets, weights=gains)
+                if s != self.rank:  # this rank's own were checked when its batch was made
+                    check_values(bags, vocabulary, check_weights=False)
             except ValueError as e:
                 raise DistributedError(
                     f"rank {self.rank}: table {self.table_names[t]!r}: rank {s}'s bags of "
@@ -2955,8 +2948,7 @@ def _fill_whole_push(
     ids, then each one's gradient row in the high 32 bits over its gain's bits), every
     activation row of the feature sent (from ``start``), so a row's index is its row's."""
     n = hi - lo
-    as_they_came = len(tb.unique_offsets) != len(tb.unique_ids) + 1
-    ints[at : at + n] = tb.unique_ids[lo:hi] if as_they_came else tb.unique_ids[tb.inverse[lo:hi]]
+    ints[at : at + n] = tb.occurrence_ids(lo, hi)
     bits = tb.gains[lo:hi].view(np.int32).astype(np.int64) & 0xFFFFFFFF
     ints[at + n : at + 2 * n] = ((tb.segments[lo:hi] - start) << 32) | bits
 
