@@ -287,9 +287,11 @@ def test_a_finished_group_hands_its_freed_memory_back():
 def test_every_table_starts_with_the_host(tiny):
     """Figures mean nothing without their host (FBGEMM's speed differs 3-4x between hosts)."""
     from embengine.bench.host import host
+    from embengine.kernels import VECTORS
 
     line = host().describe()
     assert line.startswith("host: ") and " cores, " in line and "AVX-512" in line
+    assert line.endswith(f"; kernels: {VECTORS}")
     results = runner.run_workload(
         tiny, steps=1, warmup=0, engine_optimizers=("SGD",), peers=(), log=lambda s: None
     )
@@ -311,6 +313,10 @@ def test_host_reads_model_avx512_and_memory_from_proc_texts():
     assert h._memory_gib("MemTotal:       25165824 kB\n") == 24.0
     assert h._memory_gib("") is None
     assert h.Host("X", 2, False, None).describe() == "host: X, 2 cores, no AVX-512"
+    assert (
+        h.Host("X", 2, True, 24.0, "512-bit").describe()
+        == "host: X, 2 cores, AVX-512, 24 GiB; kernels: 512-bit"
+    )
 
 
 @pytest.mark.parametrize(

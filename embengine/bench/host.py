@@ -18,12 +18,15 @@ class Host:
     cores: int  # cores this process may run on
     avx512: bool  # AVX-512 foundation instructions (avx512f)
     memory_gib: float | None  # physical memory; None where the OS does not say
+    # The vectors the kernels compile for (``kernels.vector_width.VECTORS``); None: not said
+    vectors: str | None = None
 
     def describe(self) -> str:
-        """One line, e.g. ``host: AMD EPYC, 2 cores, AVX-512, 24 GiB``."""
+        """One line, e.g. ``host: AMD EPYC, 2 cores, AVX-512, 24 GiB; kernels: 512-bit``."""
         mem = f", {self.memory_gib:.0f} GiB" if self.memory_gib is not None else ""
         avx = "AVX-512" if self.avx512 else "no AVX-512"
-        return f"host: {self.cpu}, {self.cores} cores, {avx}{mem}"
+        kernels = f"; kernels: {self.vectors}" if self.vectors is not None else ""
+        return f"host: {self.cpu}, {self.cores} cores, {avx}{mem}{kernels}"
 
 
 def _cpuinfo(text: str) -> tuple[str | None, bool]:
@@ -57,7 +60,9 @@ def _read(path: str) -> str:
 
 def host() -> Host:
     """This machine (Linux reads /proc; elsewhere the CPU is platform's name and AVX-512 is
-    reported as absent, since it cannot be checked)."""
+    reported as absent, since it cannot be checked), and the vectors the kernels compile for."""
+    from ..kernels.vector_width import VECTORS
+
     model, avx512 = _cpuinfo(_read("/proc/cpuinfo"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return Host(
@@ -65,4 +70,5 @@ def host() -> Host:
         cores=int(cores or 1),
         avx512=avx512,
         memory_gib=_memory_gib(_read("/proc/meminfo")),
+        vectors=VECTORS,
     )

@@ -18,6 +18,10 @@ FIXED_DIMS = (1, 2, 4, 8, 16, 32, 64, 128)
 # row is long enough to pay for it (docs/performance.md, "16-bit update kernels").
 HALF_FIXED_DIMS = (32, 64, 128)
 
+# The vectors every kernel compiles for (512-bit on the AVX-512 hosts where they pay), chosen
+# now, before any kernel of the package compiles: numba fixes them at its first compile.
+from .vector_width import VECTORS  # noqa: E402, F401
+
 # error_model="numpy": division by zero gives inf/nan like NumPy instead of a checked branch.
 # fastmath: only the flags that let LLVM vectorise sums and fuse multiply-adds; none that assumes
 # finite values ("nnan", "ninf"), since the skip_row policy looks for NaN / Inf.

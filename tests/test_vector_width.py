@@ -1,0 +1,117 @@
+"""The vectors numba compiles the kernels for (kernels/vector_width.py): 512-bit on AVX-512 hosts
+with VBMI2 unless told otherwise, chosen before any kernel compiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from embengine.kernels.vector_width import ENV, decide
+
+WIDE = "+sse2,+avx2,+avx512f,+avx512vbmi2"  # Ice Lake, Sapphire Rapids, Zen 4
+SKYLAKE = "+sse2,+avx2,+avx512f,-avx512vbmi2"
+AVX2 = "+sse2,+avx2,-avx512f"
+
+
+def test_wide_vectors_on_avx512_hosts_with_vbmi2_only():
+    features, words = decide({}, WIDE, compiled_before=False)
+    assert features == WIDE + ",-prefer-256-bit" and words == "512-bit"
+    assert decide({}, SKYLAKE, False)[0] is None  # LLVM's tuning for these hosts stands
+    assert decide({}, AVX2, False) == (None, "LLVM's default (no AVX-512)")
+    assert decide({}, None, False)[0] is None  # features unknown: nothing to add to
+
+
+def test_the_environment_chooses_or_keeps_numbas_own():
+    assert decide({ENV: "256"}, WIDE, False) == (None, f"LLVM's default ({ENV}=256)")
+    assert decide({ENV: "512"}, SKYLAKE, False)[0] == SKYLAKE + ",-prefer-256-bit"
+    assert decide({"NUMBA_CPU_FEATURES": "+avx2"}, WIDE, False)[0] is None
+    assert decide({"NUMBA_CPU_NAME": "generic"}, WIDE, False)[0] is None
+    # numba fixed its features at its first compile: changing them now would do nothing
+    assert decide({}, WIDE, compiled_before=True) == (
+        None,
+        "LLVM's default (numba compiled before embengine was imported)",
+    )
+
+
+@pytest.mark.parametrize("value", ["1024", "wide", " 512"])
+def test_a_bad_setting_is_an_error_naming_it(value):
+    with pytest.raises(ValueError, match=f"{ENV}='{value}': expected 256 or 512"):
+        decide({ENV: value}, WIDE, False)
+
+
+def test_512_on_a_host_without_avx512_is_an_error():
+    with pytest.raises(ValueError, match="no AVX-512"):
+        decide({ENV: "512"}, AVX2, False)
+
+
+# A fresh process: what it chose, numba's features, and whether a loop over rows of 64 floats,
+# compiled with the kernels' options, uses 512-bit registers.
+PROBE = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[1] == "numba-first":
+        import numba
+        numba.njit(lambda x: x + 1)(1)
+    import numba
+    import numpy as np
+    from embengine.kernels import NUMBA_OPTIONS, VECTORS
+
+    @numba.njit(**dict(NUMBA_OPTIONS, cache=False))  # as kernel() compiles, without the disk
+    def axpy(a, b, n):
+        for r in range(n):
+            for j in range(64):
+                a[r, j] += np.float32(2.0) * b[r, j]
+
+    a = np.ones((4, 64), dtype=np.float32)
+    axpy(a, a, 4)
+    asm = "".join(axpy.inspect_asm().values())
+    print(VECTORS)
+    print(numba.config.CPU_FEATURES is not None and
+          numba.config.CPU_FEATURES.endswith(",-prefer-256-bit"))
+    print("zmm" in asm)
+    """
+)
+
+
+def _probe(mode: str, **env) -> list[str]:
+    environ = {k: v for k, v in os.environ.items() if k not in (ENV, "NUMBA_CPU_FEATURES")}
+    environ.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\n")[:3]
+
+
+def _host_wide() -> bool:
+    import llvmlite.binding as ll
+
+    features = set(ll.get_host_cpu_features().flatten().split(","))
+    return {"+avx512f", "+avx512vbmi2"} <= features
+
+
+def test_a_process_compiles_its_kernels_as_chosen():
+    """On this host: 512-bit registers in the kernel's loop iff chosen (this test was written
+    on an AVX-512 VBMI2 host, where it checks both ways)."""
+    words, set_, zmm = _probe("plain")
+    if _host_wide():
+        assert (words, set_, zmm) == ("512-bit", "True", "True")
+        assert _probe("plain", **{ENV: "256"}) == [f"LLVM's default ({ENV}=256)", "False", "False"]
+    else:
+        assert (set_, zmm) == ("False", "False") and words.startswith("LLVM's default")
+
+
+def test_numba_compiling_first_keeps_its_features():
+    words, set_, _ = _probe("numba-first")
+    assert words == "LLVM's default (numba compiled before embengine was imported)" or (
+        not _host_wide() and words.startswith("LLVM's default")
+    )
+    assert set_ == "False"
