@@ -52,6 +52,7 @@ __all__ = [
     "batch_fingerprint",
     "check_prepared_for",
     "check_lookup_only_ids",
+    "check_for_training",
     "check_trainable",
     "prepare",
     "plan_tables",
@@ -363,6 +364,12 @@ class PreparedBatch:
     # they were then, so an engine refuses to apply them after a load. None: not looked up
     # for training (a batch from ``preprocess`` may be applied without a lookup).
     looked_up_in: int | None = None
+    # False: built for evaluation (``preprocess(..., training=False)``, or the batch an
+    # evaluation lookup of features gives back): it may be looked up, never trained on. An
+    # EmbeddingEngine's is lookup-only (``deduplicated=False``); a ShardedEngine's is
+    # deduplicated (its lookup asks each owner for a unique id once) and refused all the same,
+    # so that code runs alike on either engine (``check_for_training``).
+    training: bool = True
 
 
 def dedup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -623,12 +630,25 @@ def check_prepared_for(
         check_lookup_only_ids(batch, resolved)
 
 
+def check_for_training(batch: PreparedBatch) -> None:
+    """ValueError if ``batch`` was built for evaluation (``PreparedBatch.training``): a
+    training lookup or an update of it, on either engine."""
+    if not batch.training:
+        raise ValueError(
+            "this PreparedBatch was built for evaluation (training=False): look it up with "
+            "lookup(batch, training=False), or build it with preprocess(features) (or look "
+            "the features up with training=True) to train on it"
+        )
+
+
 def check_trainable(batch: PreparedBatch) -> None:
-    """ValueError unless every table of ``batch`` has its update views (``unique_offsets`` of
-    ``len(unique_ids) + 1``): a ShardedEngine's lookup batch lists the occurrences of a table
-    that exchanges "sums" whatever the step as they came (``LookupOnlyTableBatch.
-    occurrences``: ids repeated, no update views), which an EmbeddingEngine's update would
-    read as unique rows. O(tables); a lookup may pool such a batch."""
+    """ValueError unless ``batch`` was built for training (``check_for_training``) and every
+    table of it has its update views (``unique_offsets`` of ``len(unique_ids) + 1``): a
+    ShardedEngine's lookup batch lists the occurrences of a table that exchanges "sums"
+    whatever the step as they came (``LookupOnlyTableBatch.occurrences``: ids repeated, no
+    update views), which an EmbeddingEngine's update would read as unique rows. O(tables); a
+    lookup may pool such a batch."""
+    check_for_training(batch)
     for t, tb in enumerate(batch.tables):
         if isinstance(tb, TableBatch) and tb.lists_occurrences:
             names = [name for name, lay in batch.features.items() if lay.table == t]
@@ -749,4 +769,10 @@ def prepare(
         ]
     if fingerprint is None:
         fingerprint = batch_fingerprint(resolved, storage_layout)
-    return PreparedBatch(tuple(tables), layouts, deduplicated=deduplicate, fingerprint=fingerprint)
+    return PreparedBatch(
+        tuple(tables),
+        layouts,
+        deduplicated=deduplicate,
+        fingerprint=fingerprint,
+        training=deduplicate,
+    )

@@ -1874,6 +1874,59 @@ def test_an_engine_refuses_to_train_on_a_whole_tables_lookup_batch(one_rank_grou
         assert have.tobytes() == single.embedding_tables[name].tobytes(), name
 
 
+@pytest.mark.parametrize("sharding", ["row", "table"])
+def test_an_evaluation_batch_is_looked_up_and_never_trained_on(one_rank_group, sharding):
+    """The batch of an evaluation lookup of features (``lookup_with_batch(..., training=False)``)
+    and ``preprocess(..., training=False)``'s: an EmbeddingEngine's is lookup-only, and neither
+    its training lookup nor its update takes it. A ShardedEngine's is deduplicated (its lookup
+    asks each owner for a unique id once), and its update trained on it (it was a table's
+    rows of an evaluation); now both engines look it up, with the same bits, and refuse to
+    train on it, nothing changed, so code runs alike on either."""
+    from embengine.distributed import ShardedEngine
+
+    def make(cls):
+        init = ee.initializers.RandomUniform(-0.3, 0.3)
+        t = ee.TableConfig(10, 4, name="t", combiner="sum", initializer=init)
+        u = ee.TableConfig(6, 2, name="u", combiner="mean", initializer=init)
+        features = {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u)}
+        extra = {"sharding": sharding} if cls is ShardedEngine else {}
+        return cls(features, optimizer=ee.optimizers.Adagrad(0.2), seed=3, **extra)
+
+    ids = {"a": [[1, 1, 2], [1, 3]], "b": [[4], [4, 5]]}
+    grads = {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 2), np.float32)}
+    sharded, single = make(ShardedEngine), make(ee.EmbeddingEngine)
+    before = single.embedding_tables["t"].copy(), single.embedding_tables["u"].copy()
+    acts, looked = sharded.lookup_with_batch(ids, training=False)
+    batches = {
+        "sharded lookup": looked,
+        "sharded preprocess": sharded.preprocess(ids, training=False),
+        "single lookup": single.lookup_with_batch(ids, training=False)[1],
+        "single preprocess": single.preprocess(ids, training=False),
+    }
+    said = r"built for evaluation \(training=False\)|built with training=False"
+    for name, batch in batches.items():
+        assert not batch.training, name
+        engines = (single,) if name.startswith("single") else (sharded, single)
+        for engine in engines:
+            got = engine.lookup(batch, training=False)
+            assert all(got[k].tobytes() == acts[k].tobytes() for k in ids), (name, engine)
+            with pytest.raises(ValueError, match=said):
+                engine.lookup(batch)
+            with pytest.raises(ValueError, match=said):
+                engine.apply_gradients(grads, batch=batch)
+    # A batch built for training still trains both, and they stay equal.
+    assert sharded.preprocess(ids).training and single.preprocess(ids).training
+    tables = sharded.table_contents()["tables"]
+    for name, was in zip(("t", "u"), before, strict=True):
+        assert tables[name]["weights"].tobytes() == was.tobytes(), name
+    sharded.apply_gradients(grads, batch=sharded.lookup_with_batch(ids)[1])
+    single.apply_gradients(grads, batch=single.lookup_with_batch(ids)[1])
+    tables = sharded.table_contents()["tables"]
+    for name in ("t", "u"):
+        assert tables[name]["weights"].tobytes() == single.embedding_tables[name].tobytes()
+        assert tables[name]["weights"].tobytes() != before[name == "u"].tobytes()
+
+
 def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
     """A "sums" update builds each table's batch from the occurrences its owner kept, in
     arrays from the engine's block pool: the same blocks every step (fresh arrays faulted their

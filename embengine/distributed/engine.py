@@ -67,6 +67,7 @@ from ..batch import (
     PreparedBatch,
     TableBatch,
     batch_fingerprint,
+    check_for_training,
     check_prepared_for,
     plan_tables,
 )
@@ -946,8 +947,10 @@ class ShardedEngine:
     ) -> PreparedBatch:
         """This rank's features validated and deduplicated per table, as ``EmbeddingEngine.
         preprocess`` does (pure, no communication; a DataLoader worker may call it). Always
-        deduplicated, ``training`` or not: a lookup pulls each unique id's row once."""
-        return prepare_batch(
+        deduplicated, ``training`` or not: a lookup pulls each unique id's row once. A batch
+        built with ``training=False`` is for evaluation, as the single engine's: looked up with
+        ``training=False``, never trained on (``PreparedBatch.training``)."""
+        batch = prepare_batch(
             self._resolved,
             features,
             weights,
@@ -955,6 +958,7 @@ class ShardedEngine:
             self._layout,
             fingerprint=self._fingerprint,
         )
+        return batch if training else dataclasses.replace(batch, training=False)
 
     def _lookup_batch(self, features: Mapping, weights: Mapping | None) -> PreparedBatch:
         """This rank's features validated for its lookup, deduplicated per table as
@@ -1024,13 +1028,18 @@ class ShardedEngine:
         ``refused``: an error the caller found in this rank's inputs (EmbeddingLayer's own
         checks): raised here, and a DistributedError naming this rank on every other, nothing
         looked up (raising it before the call would leave the others waiting for this rank in
-        the lookup until the timeout)."""
+        the lookup until the timeout). An evaluation lookup of features (``training=False``)
+        gives back a batch for evaluation, as the single engine's lookup-only one: looked up
+        again, never trained on (``PreparedBatch.training``)."""
         with self.lock:
             self._comm.reset()
             try:
-                return self._lookup(features, weights, training, timestamp, refused)
+                acts, batch = self._lookup(features, weights, training, timestamp, refused)
             finally:
                 self._count("lookup")
+        if not training and not isinstance(features, PreparedBatch):
+            batch = dataclasses.replace(batch, training=False)
+        return acts, batch
 
     def _count(self, call: str) -> None:
         sent = self._comm.reset()
@@ -1095,6 +1104,8 @@ class ShardedEngine:
                         "this PreparedBatch was not deduplicated: build it with "
                         "ShardedEngine.preprocess"
                     )
+                if training:
+                    check_for_training(features)
                 batch = features
             else:
                 batch = self._lookup_batch(features, weights)
@@ -1988,6 +1999,7 @@ class ShardedEngine:
                         "this PreparedBatch was not deduplicated: build it with "
                         "ShardedEngine.preprocess"
                     )
+                check_for_training(given)
             if batch is None:
                 raise ValueError(
                     "apply_gradients needs a lookup(..., training=True) first: there is no "
