@@ -18,34 +18,38 @@ AVX2 = "+sse2,+avx2,-avx512f"
 
 
 def test_wide_vectors_on_avx512_hosts_with_vbmi2_only():
-    features, words = decide({}, WIDE, compiled_before=False)
+    features, words = decide("", False, WIDE, target_made=False)
     assert features == WIDE + ",-prefer-256-bit" and words == "512-bit"
-    assert decide({}, SKYLAKE, False)[0] is None  # LLVM's tuning for these hosts stands
-    assert decide({}, AVX2, False) == (None, "LLVM's default (no AVX-512)")
-    assert decide({}, None, False)[0] is None  # features unknown: nothing to add to
-
-
-def test_the_environment_chooses_or_keeps_numbas_own():
-    assert decide({ENV: "256"}, WIDE, False) == (None, f"LLVM's default ({ENV}=256)")
-    assert decide({ENV: "512"}, SKYLAKE, False)[0] == SKYLAKE + ",-prefer-256-bit"
-    assert decide({"NUMBA_CPU_FEATURES": "+avx2"}, WIDE, False)[0] is None
-    assert decide({"NUMBA_CPU_NAME": "generic"}, WIDE, False)[0] is None
-    # numba fixed its features at its first compile: changing them now would do nothing
-    assert decide({}, WIDE, compiled_before=True) == (
+    assert decide("", False, SKYLAKE, False)[0] is None  # LLVM's tuning for these hosts stands
+    assert decide("", False, AVX2, False) == (
         None,
-        "LLVM's default (numba compiled before embengine was imported)",
+        "LLVM's default (no AVX-512, or NUMBA_ENABLE_AVX=0)",
+    )
+    assert decide("", False, "", False)[0] is None  # features unknown: nothing to add to
+
+
+def test_the_setting_chooses_or_keeps_numbas_own():
+    assert decide("256", False, WIDE, False) == (None, f"LLVM's default ({ENV}=256)")
+    assert decide("512", False, SKYLAKE, False)[0] == SKYLAKE + ",-prefer-256-bit"
+    # numba's CPU name or features set by the user (environment or numba's config file)
+    assert decide("", True, WIDE, False)[0] is None
+    assert decide("512", True, WIDE, False)[0] is None
+    # numba made its CPU target (and fixed its features) with its first function
+    assert decide("", False, WIDE, target_made=True) == (
+        None,
+        "LLVM's default (a numba function was made before embengine's kernels)",
     )
 
 
 @pytest.mark.parametrize("value", ["1024", "wide", " 512"])
 def test_a_bad_setting_is_an_error_naming_it(value):
     with pytest.raises(ValueError, match=f"{ENV}='{value}': expected 256 or 512"):
-        decide({ENV: value}, WIDE, False)
+        decide(value, False, WIDE, False)
 
 
 def test_512_on_a_host_without_avx512_is_an_error():
     with pytest.raises(ValueError, match="no AVX-512"):
-        decide({ENV: "512"}, AVX2, False)
+        decide("512", False, AVX2, False)
 
 
 # A fresh process: what it chose, numba's features, and whether a loop over rows of 64 floats,
@@ -53,9 +57,9 @@ def test_512_on_a_host_without_avx512_is_an_error():
 PROBE = textwrap.dedent(
     """
     import sys
-    if sys.argv[1] == "numba-first":
+    if sys.argv[1] == "numba-first":  # a function of the user's, defined (not called) first
         import numba
-        numba.njit(lambda x: x + 1)(1)
+        numba.njit(lambda x: x + 1)
     import numba
     import numpy as np
     from embengine.kernels import NUMBA_OPTIONS, VECTORS
@@ -78,7 +82,8 @@ PROBE = textwrap.dedent(
 
 
 def _probe(mode: str, **env) -> list[str]:
-    environ = {k: v for k, v in os.environ.items() if k not in (ENV, "NUMBA_CPU_FEATURES")}
+    unset = (ENV, "NUMBA_CPU_FEATURES", "NUMBA_CPU_NAME", "NUMBA_ENABLE_AVX")
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
     environ.update(env)
     done = subprocess.run(
         [sys.executable, "-c", PROBE, mode],
@@ -105,13 +110,16 @@ def test_a_process_compiles_its_kernels_as_chosen():
     if _host_wide():
         assert (words, set_, zmm) == ("512-bit", "True", "True")
         assert _probe("plain", **{ENV: "256"}) == [f"LLVM's default ({ENV}=256)", "False", "False"]
+        # AVX turned off for numba stays off (its host features have none)
+        off = _probe("plain", NUMBA_ENABLE_AVX="0")
+        assert off == ["LLVM's default (no AVX-512, or NUMBA_ENABLE_AVX=0)", "False", "False"]
     else:
         assert (set_, zmm) == ("False", "False") and words.startswith("LLVM's default")
 
 
 def test_numba_compiling_first_keeps_its_features():
     words, set_, _ = _probe("numba-first")
-    assert words == "LLVM's default (numba compiled before embengine was imported)" or (
+    assert words == "LLVM's default (a numba function was made before embengine's kernels)" or (
         not _host_wide() and words.startswith("LLVM's default")
     )
     assert set_ == "False"

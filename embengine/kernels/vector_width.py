@@ -13,9 +13,12 @@ compiles for 512-bit vectors. AVX-512 VBMI2 tells those hosts apart (Ice Lake, S
 Zen 4 and later have it; Skylake-SP and Cascade Lake do not).
 
 ``EMBENGINE_VECTOR_BITS``: unset (the rule above), ``256`` (leave numba's choice), or ``512``
-(wide vectors on any AVX-512 host). A process that sets ``NUMBA_CPU_NAME`` or
-``NUMBA_CPU_FEATURES`` itself keeps them, and a process whose numba compiled something before
-embengine was imported keeps what it compiled with (``VECTORS`` says which applies).
+(wide vectors on any AVX-512 host). Left to numba: a process that sets numba's CPU name or
+features itself (``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``, or numba's config file), one
+that turned AVX off (``NUMBA_ENABLE_AVX=0``: numba's host features, which this reads, then
+have none), and one whose numba made a function before this package was first imported
+(numba builds its CPU target, features and all, with the first function defined, called or
+not). ``VECTORS`` says which applies.
 """
 
 from __future__ import annotations
@@ -28,48 +31,52 @@ ENV = "EMBENGINE_VECTOR_BITS"
 _PREFER_256 = "-prefer-256-bit"
 
 
-def decide(environ, host_features: str | None, compiled_before: bool) -> tuple[str | None, str]:
+def decide(
+    asked: str, numba_cpu_set: bool, host_features: str, target_made: bool
+) -> tuple[str | None, str]:
     """(numba's CPU features to set, or None to leave them, and the kernels' vectors in words)
-    for a process with these environment variables, LLVM host features (``"+avx512f,
-    +avx512vbmi2,..."``; None: unknown) and whether numba compiled before (module docstring).
-    A bad ``EMBENGINE_VECTOR_BITS`` is a ValueError naming it."""
-    asked = environ.get(ENV, "")
+    for ``EMBENGINE_VECTOR_BITS`` = ``asked`` ("" when unset), numba's CPU name or features set
+    by the user or not, numba's host features (``"+avx512f,+avx512vbmi2,..."``; "" when
+    unknown) and whether numba's CPU target was made already (module docstring). A bad
+    ``asked`` is a ValueError naming it."""
     if asked not in ("", "256", "512"):
         raise ValueError(
             f"{ENV}={asked!r}: expected 256 or 512 (the width of the vectors embengine's "
             "kernels are compiled for), or unset for the host's best"
         )
-    if environ.get("NUMBA_CPU_FEATURES") is not None or environ.get("NUMBA_CPU_NAME") is not None:
-        return None, "numba's (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set)"
+    if numba_cpu_set:
+        return None, "numba's own (its CPU name or features set: NUMBA_CPU_NAME / _FEATURES)"
     if asked == "256":
         return None, f"LLVM's default ({ENV}=256)"
-    if host_features is None:
+    if not host_features:
         return None, "LLVM's default (the CPU's features are unknown)"
     features = set(host_features.split(","))
     if "+avx512f" not in features:
         if asked == "512":
-            raise ValueError(f"{ENV}=512, but this CPU has no AVX-512 (no 512-bit vectors)")
-        return None, "LLVM's default (no AVX-512)"
+            raise ValueError(
+                f"{ENV}=512, but this CPU has no AVX-512 (or NUMBA_ENABLE_AVX=0 turned it off)"
+            )
+        return None, "LLVM's default (no AVX-512, or NUMBA_ENABLE_AVX=0)"
     if asked != "512" and "+avx512vbmi2" not in features:
         return None, f"LLVM's default (256-bit on AVX-512 before Ice Lake; {ENV}=512 for 512)"
-    if compiled_before:
-        return None, "LLVM's default (numba compiled before embengine was imported)"
+    if target_made:
+        return None, "LLVM's default (a numba function was made before embengine's kernels)"
     return f"{host_features},{_PREFER_256}", "512-bit"
 
 
 def choose() -> str:
     """``decide`` for this process, applied: numba's CPU features set where it says so.
     Returns the words (``VECTORS``, printed by ``embengine bench``)."""
-    import llvmlite.binding as ll
     import numba
+    from numba.core.codegen import get_host_cpu_features
     from numba.core.registry import cpu_target
 
-    try:
-        host_features = ll.get_host_cpu_features().flatten()
-    except RuntimeError:  # as numba's own: no features known to add to
-        host_features = None
-    compiled_before = "_toplevel_target_context" in vars(cpu_target)
-    features, words = decide(os.environ, host_features, compiled_before)
+    features, words = decide(
+        os.environ.get(ENV, ""),
+        numba.config.CPU_NAME is not None or numba.config.CPU_FEATURES is not None,
+        get_host_cpu_features(),  # numba's: "" if unknown, AVX off under NUMBA_ENABLE_AVX=0
+        "_toplevel_target_context" in vars(cpu_target),
+    )
     if features is not None:
         numba.config.CPU_FEATURES = features
     return words
