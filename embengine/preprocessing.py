@@ -80,13 +80,20 @@ class Preprocessor:
         resolved: ResolvedFeatures,
         storage_layout: list[list[tuple[str, int]]],
         backend: str,
+        *,
+        deduplicate_evaluation: bool = False,
     ):
+        """``deduplicate_evaluation``: a ShardedEngine's (``ShardedEngine.preprocessor``):
+        its evaluation batches are deduplicated too, as its ``preprocess`` builds them (its
+        lookup asks each owner for a unique id once), and marked for evaluation
+        (``PreparedBatch.training``)."""
         self._resolved = _preparation_configs(resolved)
         # Per storage table, its features and the row at which their table starts in it.
         self._storage_layout = [
             [(str(n), int(o)) for n, o in members] for members in storage_layout
         ]
         self._backend_name = backend
+        self._deduplicate_evaluation = bool(deduplicate_evaluation)
         # The backend's own construction, as engine.preprocess calls it.
         self._build_tables = make_backend(backend).build_tables
 
@@ -114,17 +121,19 @@ class Preprocessor:
     ) -> PreparedBatch:
         """Validate features and deduplicate ids per table, as ``engine.preprocess`` does
         (errors name the feature, the position and the value); ``training=False`` builds a
-        lookup-only batch."""
+        batch for evaluation (an EmbeddingEngine's: lookup-only; a ShardedEngine's:
+        deduplicated, marked ``training=False``)."""
         if not isinstance(features, Mapping) and is_keyed_jagged(features):
             features = keyed_jagged_to_features(features)
-        return prepare(
+        batch = prepare(
             self._resolved,
             features,
             weights,
             self._build_tables,
             self._storage_layout,
-            deduplicate=training,
+            deduplicate=training or self._deduplicate_evaluation,
         )
+        return batch if training else dataclasses.replace(batch, training=False)
 
     # Pickled (spawned workers): the configs and the backend's name; the backend's batch
     # memory is a cache and starts empty in the copy.
@@ -133,12 +142,14 @@ class Preprocessor:
             "resolved": self._resolved,
             "storage_layout": self._storage_layout,
             "backend": self._backend_name,
+            "deduplicate_evaluation": self._deduplicate_evaluation,
         }
 
     def __setstate__(self, state: dict) -> None:
         self._resolved = state["resolved"]
         self._storage_layout = state["storage_layout"]
         self._backend_name = state["backend"]
+        self._deduplicate_evaluation = state["deduplicate_evaluation"]
         self._build_tables = make_backend(self._backend_name).build_tables
 
     def __repr__(self) -> str:

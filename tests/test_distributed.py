@@ -1927,6 +1927,51 @@ def test_an_evaluation_batch_is_looked_up_and_never_trained_on(one_rank_group, s
         assert tables[name]["weights"].tobytes() != before[name == "u"].tobytes()
 
 
+@pytest.mark.parametrize("sharding", ["row", "table"])
+def test_a_sharded_engines_preprocessor_builds_its_batches_without_it(one_rank_group, sharding):
+    """``ShardedEngine.preprocessor()`` (and an EmbeddingLayer's of a ShardedEngine, which
+    raised AttributeError): a Preprocessor that pickles without tables or process group, as
+    for a spawned DataLoader worker, and builds the engine's own batches: a training batch
+    equal to ``preprocess``'s array for array, looked up to the same bits as the features;
+    an evaluation batch deduplicated and marked, looked up, not trained on."""
+    import pickle
+
+    import torch  # noqa: F401 (EmbeddingLayer)
+
+    from embengine.distributed import ShardedEngine
+    from embengine.preprocessing import Preprocessor
+    from embengine.torch import EmbeddingLayer
+
+    init = ee.initializers.RandomUniform(-0.3, 0.3)
+    t = ee.TableConfig(10, 4, name="t", combiner="sum", initializer=init)
+    u = ee.TableConfig(6, 2, name="u", combiner="mean", initializer=init)
+    features = {"a": ee.FeatureConfig(t), "b": ee.FeatureConfig(u, max_sequence_length=2)}
+    sharded = ShardedEngine(
+        features, optimizer=ee.optimizers.Adagrad(0.2), seed=3, sharding=sharding
+    )
+    ids = {"a": [[1, 1, 2], [1, 3]], "b": [[4], [4, 5, 5]]}
+    sent = pickle.dumps(sharded.preprocessor())
+    assert len(sent) < 4096  # configs only
+    pre = pickle.loads(sent)
+    assert isinstance(EmbeddingLayer(sharded).preprocessor(), Preprocessor)
+    mine, theirs = pre(ids), sharded.preprocess(ids)
+    assert mine.training and mine.fingerprint == theirs.fingerprint
+    for a, b in zip(mine.tables, theirs.tables, strict=True):
+        for name in ("unique_ids", "unique_offsets", "unique_segments", "unique_gains"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    want = sharded.lookup(ids, training=False)
+    got = sharded.lookup(mine)
+    assert all(got[k].tobytes() == want[k].tobytes() for k in ids)
+    sharded.apply_gradients({k: np.ones_like(v) for k, v in got.items()})
+    evaluation = pre(ids, training=False)
+    assert evaluation.deduplicated and not evaluation.training
+    want = sharded.lookup(ids, training=False)
+    got = sharded.lookup(evaluation, training=False)
+    assert all(got[k].tobytes() == want[k].tobytes() for k in ids)
+    with pytest.raises(ValueError, match=r"built for evaluation \(training=False\)"):
+        sharded.lookup(evaluation)
+
+
 def test_the_updates_batch_arrays_are_reused_from_step_to_step(one_rank_group):
     """A "sums" update builds each table's batch from the occurrences its owner kept, in
     arrays from the engine's block pool: the same blocks every step (fresh arrays faulted their

@@ -960,6 +960,16 @@ class ShardedEngine:
         )
         return batch if training else dataclasses.replace(batch, training=False)
 
+    def preprocessor(self):
+        """A ``Preprocessor``: this engine's ``preprocess`` without the engine, for DataLoader
+        workers (``EmbeddingEngine.preprocessor``'s: the feature configs, the storage layout
+        and the backend's name, no tables and no process group, so it pickles into spawned
+        workers; fork-safe). Its batches equal ``preprocess``'s bit for bit, evaluation
+        batches deduplicated and marked as this engine's are."""
+        from ..preprocessing import Preprocessor
+
+        return Preprocessor(self._resolved, self._layout, self.backend, deduplicate_evaluation=True)
+
     def _lookup_batch(self, features: Mapping, weights: Mapping | None) -> PreparedBatch:
         """This rank's features validated for its lookup, deduplicated per table as
         ``preprocess`` does, except each table that exchanges "sums" whatever the step
