@@ -18,17 +18,20 @@ features itself (``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``, or numba's config f
 that turned AVX off (``NUMBA_ENABLE_AVX=0``: numba's host features, which this reads, then
 have none), and one whose numba made a function before this package was first imported
 (numba builds its CPU target, features and all, with the first function defined, called or
-not). ``VECTORS`` says which applies.
+not; it warns then, since only the order of the caller's code kept the wider vectors).
+``VECTORS`` says which applies.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 __all__ = ["ENV", "VECTORS", "decide", "choose"]
 
 ENV = "EMBENGINE_VECTOR_BITS"
 _PREFER_256 = "-prefer-256-bit"
+_MADE_BEFORE = "LLVM's default (a numba function was made before embengine's kernels)"
 
 
 def decide(
@@ -60,7 +63,7 @@ def decide(
     if asked != "512" and "+avx512vbmi2" not in features:
         return None, f"LLVM's default (256-bit on AVX-512 before Ice Lake; {ENV}=512 for 512)"
     if target_made:
-        return None, "LLVM's default (a numba function was made before embengine's kernels)"
+        return None, _MADE_BEFORE
     return f"{host_features},{_PREFER_256}", "512-bit"
 
 
@@ -71,14 +74,25 @@ def choose() -> str:
     from numba.core.codegen import get_host_cpu_features
     from numba.core.registry import cpu_target
 
+    asked = os.environ.get(ENV, "")
+    host = get_host_cpu_features()  # numba's: "" if unknown, AVX off under NUMBA_ENABLE_AVX=0
     features, words = decide(
-        os.environ.get(ENV, ""),
+        asked,
         numba.config.CPU_NAME is not None or numba.config.CPU_FEATURES is not None,
-        get_host_cpu_features(),  # numba's: "" if unknown, AVX off under NUMBA_ENABLE_AVX=0
+        host,
         "_toplevel_target_context" in vars(cpu_target),
     )
     if features is not None:
         numba.config.CPU_FEATURES = features
+    elif words == _MADE_BEFORE:  # 512-bit vectors were due here
+        warnings.warn(
+            "a numba function was made before embengine's kernels were first imported, and "
+            "numba fixes its CPU features with its first function: the kernels compile for "
+            "256-bit vectors on this host, where 512-bit ones run them faster (W1's Adam "
+            "step ~15%). Create the engine (or import embengine.kernels) before defining "
+            f"numba functions, or set {ENV}=256 to keep 256 bits without this warning",
+            stacklevel=2,
+        )
     return words
 
 
