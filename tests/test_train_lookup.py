@@ -452,13 +452,14 @@ def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_p
     real = train_lookup.prepare_and_pool
     compared = []
 
-    def twice(prep_order, *args, keyed=False):
+    def twice(prep_order, *args, keyed=False, half=False):
         tmeta, ready = args[-5], args[-6]  # ..., found, ready, tmeta, fdata, quant, prefetch, chunk
         assert keyed
-        real(prep_order[:0], *args, keyed=keyed)  # no table prepared: every keyed task probes
+        # no table prepared: every keyed task probes
+        real(prep_order[:0], *args, keyed=keyed, half=half)
         assert not ready.any()
         probed = _out_matrices(tmeta)
-        real(prep_order, *args, keyed=keyed)
+        real(prep_order, *args, keyed=keyed, half=half)
         found = _out_matrices(tmeta)
         for t in range(tmeta.shape[0]):
             if tmeta[t, train_lookup.T_INDEX] and ready[t] == train_lookup.PROBED_ALL_FOUND:
@@ -506,6 +507,49 @@ def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypa
     pooled_after.clear()
     _assert_fused_equals_apart(eng, values)  # two new keys in table kb: it alone after
     assert pooled_after == [1]
+
+
+@pytest.mark.parametrize(
+    ("weights_dtype", "slots_dtype"),
+    [("bfloat16", "bfloat16"), ("float16", "float32"), ("float32", "bfloat16")],
+)
+@pytest.mark.parametrize("packing", [False, True])
+def test_16_bit_tables_are_pooled_in_the_region(monkeypatch, weights_dtype, slots_dtype, packing):
+    """A training lookup pools dense tables with 16-bit rows in its parallel region too, from
+    their uint16 rows by id (or the float32 view of float32 weights beside 16-bit slots): no
+    ``pool_tables`` call after it (there was one for them all: with one big table a thread
+    idled while the other deduplicated). Every width, combiner, weights, a sequence, packed
+    and quantized tables: the activations and batches are those of preprocess() then
+    lookup(batch), bit for bit, at one thread and at all."""
+    import dataclasses
+
+    half = {}
+    for name, fc in _features(packing, quantized=True).items():
+        t = fc.table
+        if t.name not in half:
+            half[t.name] = dataclasses.replace(
+                t, weights_dtype=weights_dtype, slots_dtype=slots_dtype
+            )
+        half[name] = dataclasses.replace(fc, table=half[t.name])
+    feats = {name: fc for name, fc in half.items() if isinstance(fc, ee.FeatureConfig)}
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
+    pooled_after = []
+    real = train_lookup.pool_tables
+
+    def counting(n_workers, pmeta, *args):
+        pooled_after.append(len(pmeta))
+        return real(n_workers, pmeta, *args)
+
+    monkeypatch.setattr(train_lookup, "pool_tables", counting)
+    rng = np.random.default_rng(11)
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        try:
+            for _ in range(2):
+                _assert_fused_equals_apart(eng, _batch(feats, rng, 70))
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert pooled_after == []
 
 
 def test_one_big_keyed_table_on_every_thread_count_equals_preprocess_then_lookup():

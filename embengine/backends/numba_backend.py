@@ -250,6 +250,7 @@ def build_tables_and_pool_numba(
     outs = []
     held = []  # the keyed tables' indexes, which the kernel reaches by address
     held_keys = []  # and their batches' occurrences
+    half = False  # features of 16-bit weights pooled in the region
     f = 0
     for t, (table, q, parts) in enumerate(zip(tables, quantizations, parts_per_table, strict=True)):
         data = table.data
@@ -258,7 +259,7 @@ def build_tables_and_pool_numba(
                 f"table {table.name!r}: storage must be C-contiguous float32 "
                 "(uint16: a 16-bit table)"
             )
-        if _half(table):  # pooled after the region, through its widened rows
+        if _half(table):  # its float32 view: the row's width in float32 columns (tmeta)
             data = data.view(np.float32)
         n_out = int(plan.out_base[t + 1] - plan.out_base[t])
         out = np.empty((n_out, table.dim), dtype=np.float32)
@@ -279,7 +280,12 @@ def build_tables_and_pool_numba(
                 fdata[f, train_lookup.FD_INDEX : train_lookup.FD_DEAD_ROWS + 1] = tmeta[
                     t, train_lookup.T_INDEX : train_lookup.T_DEAD_ROWS + 1
                 ]
-            elif bases is not None and not _half(table):  # its logical table's rows, by id
+            elif bases is not None and _half(table) and table.weights_dtype != "float32":
+                # 16-bit weights: pooled from its uint16 rows, by id, widened as read
+                fdata[f, :2] = _rows_from(table.data, bases[p.member])
+                fdata[f, train_lookup.FD_KIND] = KIND[table.weights_dtype]
+                half = True
+            elif bases is not None:  # its logical table's float32 rows (weights), by id
                 fdata[f, :2] = _rows_from(data, bases[p.member])
             f += 1
     # The kernel reaches tables and outputs by address: ``tables`` and ``outs`` hold them.
@@ -307,6 +313,7 @@ def build_tables_and_pool_numba(
         prefetch,
         train_lookup.PROBE_CHUNK,
         keyed=bool(held),
+        half=half,
     )
     del held
     batches = plan.table_batches()
@@ -330,11 +337,7 @@ def build_tables_and_pool_numba(
     # a keyed table whose every key had a row was pooled in the region (prepare_and_pool).
     pooled = tmeta[:, train_lookup.T_INDEX] != 0
     pooled &= ready == train_lookup.PROBED_ALL_FOUND
-    later = [
-        t
-        for t, table in enumerate(tables)
-        if (table.row_bases is None or _half(table)) and not pooled[t]
-    ]
+    later = [t for t, table in enumerate(tables) if table.row_bases is None and not pooled[t]]
     if later:
         pmeta = np.empty((len(later), train_lookup.P_COLS), dtype=np.int64)
         sources, row_lists, row_base = [], [], 0

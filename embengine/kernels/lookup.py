@@ -208,10 +208,12 @@ def _pool_bag_range(
                 out[o, j] = acc[j]
 
 
-def _make_pool_range(fixed_dim: int):
+def _make_pool_range(fixed_dim: int, kind: int = F32):
     """Samples ``first:stop`` of one feature (see ``pool_bags``), with the row width the
     constant ``fixed_dim`` (the sum then stays in registers in a stack row), or, for
-    ``fixed_dim == 0``, any width."""
+    ``fixed_dim == 0``, any width. ``kind``, a constant too: the rows' values
+    (``_pool_rows``'s): F32 float32 rows, BF16 / F16 a 16-bit table's uint16 rows, widened
+    as they are read (``pool_range_16``)."""
     if fixed_dim:
 
         @kernel()
@@ -245,7 +247,7 @@ def _make_pool_range(fixed_dim: int):
                 first,
                 stop,
                 stack_row(fixed_dim),
-                F32,
+                kind,
             )
 
     else:
@@ -281,7 +283,7 @@ def _make_pool_range(fixed_dim: int):
                 first,
                 stop,
                 np.empty(dim, dtype=np.float32),
-                F32,
+                kind,
             )
 
     return pool_range
@@ -298,6 +300,28 @@ _pool_range_64 = _make_pool_range(64)
 _pool_range_128 = _make_pool_range(128)
 _pool_range_any = _make_pool_range(0)
 assert FIXED_DIMS == (1, 2, 4, 8, 16, 32, 64, 128)  # pool_range has a branch for each
+
+# The same for 16-bit rows, per kind: pool_range_16 chooses among them (the training
+# lookup's region, train_lookup._pool_task_half); a width and kind each, constants, so their
+# sums are the bits of pool_tables' and of the 16-bit lookup-only pooling (_make_pool_bags_16).
+_pool_range_1_bf16 = _make_pool_range(1, BF16)
+_pool_range_2_bf16 = _make_pool_range(2, BF16)
+_pool_range_4_bf16 = _make_pool_range(4, BF16)
+_pool_range_8_bf16 = _make_pool_range(8, BF16)
+_pool_range_16_bf16 = _make_pool_range(16, BF16)
+_pool_range_32_bf16 = _make_pool_range(32, BF16)
+_pool_range_64_bf16 = _make_pool_range(64, BF16)
+_pool_range_128_bf16 = _make_pool_range(128, BF16)
+_pool_range_any_bf16 = _make_pool_range(0, BF16)
+_pool_range_1_f16 = _make_pool_range(1, F16)
+_pool_range_2_f16 = _make_pool_range(2, F16)
+_pool_range_4_f16 = _make_pool_range(4, F16)
+_pool_range_8_f16 = _make_pool_range(8, F16)
+_pool_range_16_f16 = _make_pool_range(16, F16)
+_pool_range_32_f16 = _make_pool_range(32, F16)
+_pool_range_64_f16 = _make_pool_range(64, F16)
+_pool_range_128_f16 = _make_pool_range(128, F16)
+_pool_range_any_f16 = _make_pool_range(0, F16)
 
 
 @kernel()
@@ -356,6 +380,80 @@ def pool_range(
         _pool_range_1(*args)
     else:
         _pool_range_any(*args)
+
+
+@kernel()
+def pool_range_16(
+    data,
+    dim,
+    rows,
+    offsets,
+    weights,
+    combiner,
+    seq_len,
+    out,
+    out_start,
+    quant,
+    prefetch,
+    first,
+    stop,
+    kind,
+):
+    """``pool_range`` of uint16 rows of 16-bit weights of ``kind`` (BF16 or F16), each value
+    widened as it is read, by the function for the width and kind (both constants there)."""
+    args = (
+        data,
+        dim,
+        rows,
+        offsets,
+        weights,
+        combiner,
+        seq_len,
+        out,
+        out_start,
+        quant,
+        prefetch,
+        first,
+        stop,
+    )
+    if kind == BF16:
+        if dim == 64:
+            _pool_range_64_bf16(*args)
+        elif dim == 32:
+            _pool_range_32_bf16(*args)
+        elif dim == 128:
+            _pool_range_128_bf16(*args)
+        elif dim == 16:
+            _pool_range_16_bf16(*args)
+        elif dim == 8:
+            _pool_range_8_bf16(*args)
+        elif dim == 4:
+            _pool_range_4_bf16(*args)
+        elif dim == 2:
+            _pool_range_2_bf16(*args)
+        elif dim == 1:
+            _pool_range_1_bf16(*args)
+        else:
+            _pool_range_any_bf16(*args)
+    else:
+        if dim == 64:
+            _pool_range_64_f16(*args)
+        elif dim == 32:
+            _pool_range_32_f16(*args)
+        elif dim == 128:
+            _pool_range_128_f16(*args)
+        elif dim == 16:
+            _pool_range_16_f16(*args)
+        elif dim == 8:
+            _pool_range_8_f16(*args)
+        elif dim == 4:
+            _pool_range_4_f16(*args)
+        elif dim == 2:
+            _pool_range_2_f16(*args)
+        elif dim == 1:
+            _pool_range_1_f16(*args)
+        else:
+            _pool_range_any_f16(*args)
 
 
 @kernel(parallel=True)

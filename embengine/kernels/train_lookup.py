@@ -40,7 +40,7 @@ from ._intrinsics import (
     uint16_rows_at,
 )
 from .keyed_index import RECORD_COLS, find_range, touch
-from .lookup import ROWS_PER_TASK, _pool_rows, pool_range
+from .lookup import ROWS_PER_TASK, _pool_rows, pool_range, pool_range_16
 from .prepare import (
     F_COMBINER,
     F_ID_BASE,
@@ -85,7 +85,10 @@ FD_DEAD, FD_DEAD_ROWS = 6, 7
 # concatenated ``ids``, from its F_ID_BASE), and its logical table's vocabulary size, against
 # which the kernel range-checks its ids (0: no check, e.g. keys).
 FD_IDS, FD_VOCAB = 8, 9
-FD_COLS = 10
+# A training lookup's feature of a table of 16-bit weights, pooled in the region from its
+# uint16 rows (``_pool_task_half``): their kind (precision.BF16 / F16; F32, 0: float32 rows).
+FD_KIND = 10
+FD_COLS = 11
 # Columns of the per-table array ``pmeta`` of ``pool_tables``: the rows pooled from (address,
 # rows, row width in elements, dim), the activation matrix (address, rows), where the table's
 # rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, its CSR in
@@ -174,6 +177,41 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
         prefetch,
         first,
         stop,
+    )
+
+
+@kernel()
+def _pool_task_half(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """``_pool_task`` for a feature of a table of 16-bit weights (``fdata[f, FD_KIND]``, BF16
+    or F16): its uint16 rows, each value widened as it is read, as ``pool_tables`` pools them
+    after the region (the same bits). A function of its own, compiled only by the region
+    kernel of an engine with such tables (``_make_prepare_and_pool``'s ``half``)."""
+    t = fmeta[f, F_TABLE]
+    dim = tmeta[t, T_DIM]
+    # T_WIDTH counts the row's float32 columns (its float32 view): two uint16 units each.
+    data = uint16_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], 2 * tmeta[t, T_WIDTH])
+    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
+    n = fmeta[f, F_SAMPLES]
+    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
+    n_ids = f_offsets[n]
+    f_ids = _feature_ids(f, fmeta, ids, n_ids, fdata)
+    w_base = fmeta[f, F_W_BASE]
+    f_weights = weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0]
+    pool_range_16(
+        data,
+        dim,
+        f_ids,
+        f_offsets,
+        f_weights,
+        fmeta[f, F_COMBINER],
+        fmeta[f, F_SEQ],
+        out,
+        fmeta[f, F_OUT_START],
+        quant[t],
+        prefetch,
+        first,
+        stop,
+        fdata[f, FD_KIND],
     )
 
 
@@ -380,12 +418,15 @@ def _probe_chunks(
         return
 
 
-def _make_prepare_and_pool(keyed: bool):
+def _make_prepare_and_pool(keyed: bool, half: bool):
     """``prepare_and_pool`` for batches without keyed tables probed in the region, or with
     (``keyed``, a constant of the closure: numba prunes the branches on it before typing, so
     an engine without keyed tables never compiles their probing and pooling). A keyed task
     pools through ``lookup.pool_range`` with the types the dense features' tasks give it (its
-    rows read-only, ``_keyed_task_args``), so it compiles no width's pooling again."""
+    rows read-only, ``_keyed_task_args``), so it compiles no width's pooling again. ``half``
+    (a constant the same way): the batch has features of 16-bit tables pooled here
+    (``fdata[f, FD_KIND]``, ``_pool_task_half``), so an engine without them never compiles
+    the pooling of uint16 rows."""
 
     @kernel(parallel=True)
     def prepare_and_pool(
@@ -524,6 +565,11 @@ def _make_prepare_and_pool(keyed: bool):
                     )
                     pool_range(*a)
                     continue
+                if half and fdata[f, FD_KIND] != F32:
+                    _pool_task_half(
+                        f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
+                    )
+                    continue
                 _pool_task(
                     f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
                 )
@@ -531,10 +577,14 @@ def _make_prepare_and_pool(keyed: bool):
     return prepare_and_pool
 
 
-_PREPARE_AND_POOL = {keyed: _make_prepare_and_pool(keyed) for keyed in (False, True)}
+_PREPARE_AND_POOL = {
+    (keyed, half): _make_prepare_and_pool(keyed, half)
+    for keyed in (False, True)
+    for half in (False, True)
+}
 
 
-def prepare_and_pool(*args, keyed: bool = False) -> None:
+def prepare_and_pool(*args, keyed: bool = False, half: bool = False) -> None:
     """``prepare.prepare_tables`` (tables in ``prep_order``, largest first) and the pooling of
     every feature with an address in ``fdata`` into its table's activation matrix (``tmeta``;
     ``quant[t]`` as in ``lookup.pool``), by ``n_workers`` workers claiming tasks from one
@@ -556,8 +606,13 @@ def prepare_and_pool(*args, keyed: bool = False) -> None:
     through the resolved rows when the probe found a live row for every key
     (PROBED_ALL_FOUND); a table for which it did not is pooled after the region, once its
     storage resolved its rows. No thread waits for another: waiting threads spun on cores an
-    oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md)."""
-    _PREPARE_AND_POOL[bool(keyed)](*args)
+    oversubscribed host needed (up to 3x slower at 8 threads on 2 cores, docs/design.md).
+
+    ``half``: the batch has features of tables of 16-bit weights pooled here from their
+    uint16 rows (``fdata[f, FD_KIND]``: ``_pool_task_half``); pooled after the region, one big
+    such table was deduplicated by one thread while the other had nothing to pool
+    (docs/performance.md, "What is still slow")."""
+    _PREPARE_AND_POOL[bool(keyed), bool(half)](*args)
 
 
 @kernel()
