@@ -475,14 +475,9 @@ def test_keyed_tasks_probing_before_their_preparation_pool_what_the_found_rows_p
     assert sorted(set(compared)) == [0, 1, 2]  # every keyed table, pooled both ways
 
 
-@pytest.mark.parametrize("width", [64, 3])
-def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypatch, width):
-    """A training lookup pools a keyed table whose unique keys all had a live row in its
-    parallel region: no ``pool_tables`` call for it after. A table with a new key is pooled
-    after its storage inserted it. Either way the activations are those of preprocess() then
-    lookup(batch), bit for bit, at one thread and at all."""
-    feats = _keyed_features(width)
-    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
+def _tables_pooled_after_the_region(monkeypatch) -> list[int]:
+    """A list that each ``train_lookup.pool_tables`` call (the tables a training lookup pools
+    after its region) appends its number of tables to; the real call runs."""
     pooled_after = []
     real = train_lookup.pool_tables
 
@@ -491,6 +486,18 @@ def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypa
         return real(n_workers, pmeta, *args)
 
     monkeypatch.setattr(train_lookup, "pool_tables", counting)
+    return pooled_after
+
+
+@pytest.mark.parametrize("width", [64, 3])
+def test_keyed_tables_whose_keys_all_have_rows_are_pooled_in_the_region(monkeypatch, width):
+    """A training lookup pools a keyed table whose unique keys all had a live row in its
+    parallel region: no ``pool_tables`` call for it after. A table with a new key is pooled
+    after its storage inserted it. Either way the activations are those of preprocess() then
+    lookup(batch), bit for bit, at one thread and at all."""
+    feats = _keyed_features(width)
+    eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
+    pooled_after = _tables_pooled_after_the_region(monkeypatch)
     rng = np.random.default_rng(5)
     values = _keyed_batch(feats, rng, 150)
     _assert_fused_equals_apart(eng, values)  # every key new: the keyed tables after
@@ -533,14 +540,7 @@ def test_16_bit_tables_are_pooled_in_the_region(monkeypatch, weights_dtype, slot
         half[name] = dataclasses.replace(fc, table=half[t.name])
     feats = {name: fc for name, fc in half.items() if isinstance(fc, ee.FeatureConfig)}
     eng = ee.EmbeddingEngine(feats, optimizer=opt.SGD(0.1), seed=3)
-    pooled_after = []
-    real = train_lookup.pool_tables
-
-    def counting(n_workers, pmeta, *args):
-        pooled_after.append(len(pmeta))
-        return real(n_workers, pmeta, *args)
-
-    monkeypatch.setattr(train_lookup, "pool_tables", counting)
+    pooled_after = _tables_pooled_after_the_region(monkeypatch)
     rng = np.random.default_rng(11)
     for threads in (1, numba.config.NUMBA_NUM_THREADS):
         numba.set_num_threads(threads)

@@ -383,77 +383,48 @@ def pool_range(
 
 
 @kernel()
-def pool_range_16(
-    data,
-    dim,
-    rows,
-    offsets,
-    weights,
-    combiner,
-    seq_len,
-    out,
-    out_start,
-    quant,
-    prefetch,
-    first,
-    stop,
-    kind,
-):
-    """``pool_range`` of uint16 rows of 16-bit weights of ``kind`` (BF16 or F16), each value
-    widened as it is read, by the function for the width and kind (both constants there)."""
-    args = (
-        data,
-        dim,
-        rows,
-        offsets,
-        weights,
-        combiner,
-        seq_len,
-        out,
-        out_start,
-        quant,
-        prefetch,
-        first,
-        stop,
-    )
+def pool_range_16(data, dim, args, kind):
+    """``pool_range(data, dim, *args)`` of uint16 rows of 16-bit weights of ``kind`` (BF16 or
+    F16), each value widened as it is read, by the function for the width and kind (both
+    constants there)."""
     if kind == BF16:
         if dim == 64:
-            _pool_range_64_bf16(*args)
+            _pool_range_64_bf16(data, dim, *args)
         elif dim == 32:
-            _pool_range_32_bf16(*args)
+            _pool_range_32_bf16(data, dim, *args)
         elif dim == 128:
-            _pool_range_128_bf16(*args)
+            _pool_range_128_bf16(data, dim, *args)
         elif dim == 16:
-            _pool_range_16_bf16(*args)
+            _pool_range_16_bf16(data, dim, *args)
         elif dim == 8:
-            _pool_range_8_bf16(*args)
+            _pool_range_8_bf16(data, dim, *args)
         elif dim == 4:
-            _pool_range_4_bf16(*args)
+            _pool_range_4_bf16(data, dim, *args)
         elif dim == 2:
-            _pool_range_2_bf16(*args)
+            _pool_range_2_bf16(data, dim, *args)
         elif dim == 1:
-            _pool_range_1_bf16(*args)
+            _pool_range_1_bf16(data, dim, *args)
         else:
-            _pool_range_any_bf16(*args)
+            _pool_range_any_bf16(data, dim, *args)
     else:
         if dim == 64:
-            _pool_range_64_f16(*args)
+            _pool_range_64_f16(data, dim, *args)
         elif dim == 32:
-            _pool_range_32_f16(*args)
+            _pool_range_32_f16(data, dim, *args)
         elif dim == 128:
-            _pool_range_128_f16(*args)
+            _pool_range_128_f16(data, dim, *args)
         elif dim == 16:
-            _pool_range_16_f16(*args)
+            _pool_range_16_f16(data, dim, *args)
         elif dim == 8:
-            _pool_range_8_f16(*args)
+            _pool_range_8_f16(data, dim, *args)
         elif dim == 4:
-            _pool_range_4_f16(*args)
+            _pool_range_4_f16(data, dim, *args)
         elif dim == 2:
-            _pool_range_2_f16(*args)
+            _pool_range_2_f16(data, dim, *args)
         elif dim == 1:
-            _pool_range_1_f16(*args)
+            _pool_range_1_f16(data, dim, *args)
         else:
-            _pool_range_any_f16(*args)
+            _pool_range_any_f16(data, dim, *args)
 
 
 @kernel(parallel=True)

@@ -149,29 +149,21 @@ def _ids_in_range(f, first, stop, fmeta, ids, offsets, fdata):
 
 
 @kernel()
-def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
-    """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
-    the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
-    logical table from its base address on."""
+def _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata):
+    """``lookup.pool_range``'s arguments after the rows and the width, for samples
+    ``first:stop`` of feature ``f`` straight from its ids (as ``lookup.pool_bags`` pools)."""
     t = fmeta[f, F_TABLE]
-    dim = tmeta[t, T_DIM]
-    data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
-    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
     n = fmeta[f, F_SAMPLES]
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
     n_ids = f_offsets[n]
-    f_ids = _feature_ids(f, fmeta, ids, n_ids, fdata)
     w_base = fmeta[f, F_W_BASE]
-    f_weights = weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0]
-    pool_range(
-        data,
-        dim,
-        f_ids,
+    return (
+        _feature_ids(f, fmeta, ids, n_ids, fdata),
         f_offsets,
-        f_weights,
+        weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0],
         fmeta[f, F_COMBINER],
         fmeta[f, F_SEQ],
-        out,
+        float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], tmeta[t, T_DIM]),
         fmeta[f, F_OUT_START],
         quant[t],
         prefetch,
@@ -181,38 +173,27 @@ def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant
 
 
 @kernel()
+def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+    """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
+    the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
+    logical table from its base address on."""
+    t = fmeta[f, F_TABLE]
+    data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
+    args = _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata)
+    pool_range(data, tmeta[t, T_DIM], *args)
+
+
+@kernel()
 def _pool_task_half(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
     """``_pool_task`` for a feature of a table of 16-bit weights (``fdata[f, FD_KIND]``, BF16
     or F16): its uint16 rows, each value widened as it is read, as ``pool_tables`` pools them
     after the region (the same bits). A function of its own, compiled only by the region
     kernel of an engine with such tables (``_make_prepare_and_pool``'s ``half``)."""
     t = fmeta[f, F_TABLE]
-    dim = tmeta[t, T_DIM]
     # T_WIDTH counts the row's float32 columns (its float32 view): two uint16 units each.
     data = uint16_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], 2 * tmeta[t, T_WIDTH])
-    out = float32_rows_at(tmeta[t, T_OUT], tmeta[t, T_N_OUT], dim)
-    n = fmeta[f, F_SAMPLES]
-    f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
-    n_ids = f_offsets[n]
-    f_ids = _feature_ids(f, fmeta, ids, n_ids, fdata)
-    w_base = fmeta[f, F_W_BASE]
-    f_weights = weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0]
-    pool_range_16(
-        data,
-        dim,
-        f_ids,
-        f_offsets,
-        f_weights,
-        fmeta[f, F_COMBINER],
-        fmeta[f, F_SEQ],
-        out,
-        fmeta[f, F_OUT_START],
-        quant[t],
-        prefetch,
-        first,
-        stop,
-        fdata[f, FD_KIND],
-    )
+    args = _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata)
+    pool_range_16(data, tmeta[t, T_DIM], args, fdata[f, FD_KIND])
 
 
 @kernel()
