@@ -744,8 +744,13 @@ def prepare(
     deduplicate: bool = True,
     fingerprint: BatchFingerprint | None = None,
     check_ids: bool = True,
+    training: bool | None = None,
 ) -> PreparedBatch:
     """Validate features and build the per-table deduplication data (pure).
+
+    ``training``: whether the batch may be trained on (``PreparedBatch.training``); default
+    ``deduplicate``. False with ``deduplicate=True`` is a ShardedEngine's evaluation batch,
+    deduplicated because its lookup asks each owner for a unique id once.
 
     ``deduplicate=False`` builds a lookup-only batch (``LookupOnlyTableBatch`` per table: the
     validated features, no deduplication, no update views): cheaper when nothing will be
@@ -774,5 +779,5 @@ def prepare(
         layouts,
         deduplicated=deduplicate,
         fingerprint=fingerprint,
-        training=deduplicate,
+        training=deduplicate if training is None else training and deduplicate,
     )

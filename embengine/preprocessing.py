@@ -125,15 +125,15 @@ class Preprocessor:
         deduplicated, marked ``training=False``)."""
         if not isinstance(features, Mapping) and is_keyed_jagged(features):
             features = keyed_jagged_to_features(features)
-        batch = prepare(
+        return prepare(
             self._resolved,
             features,
             weights,
             self._build_tables,
             self._storage_layout,
             deduplicate=training or self._deduplicate_evaluation,
+            training=training,
         )
-        return batch if training else dataclasses.replace(batch, training=False)
 
     # Pickled (spawned workers): the configs and the backend's name; the backend's batch
     # memory is a cache and starts empty in the copy.

@@ -950,15 +950,15 @@ class ShardedEngine:
         deduplicated, ``training`` or not: a lookup pulls each unique id's row once. A batch
         built with ``training=False`` is for evaluation, as the single engine's: looked up with
         ``training=False``, never trained on (``PreparedBatch.training``)."""
-        batch = prepare_batch(
+        return prepare_batch(
             self._resolved,
             features,
             weights,
             self._backend.build_tables,
             self._layout,
             fingerprint=self._fingerprint,
+            training=training,
         )
-        return batch if training else dataclasses.replace(batch, training=False)
 
     def preprocessor(self):
         """A ``Preprocessor``: this engine's ``preprocess`` without the engine, for DataLoader
@@ -970,16 +970,19 @@ class ShardedEngine:
 
         return Preprocessor(self._resolved, self._layout, self.backend, deduplicate_evaluation=True)
 
-    def _lookup_batch(self, features: Mapping, weights: Mapping | None) -> PreparedBatch:
+    def _lookup_batch(
+        self, features: Mapping, weights: Mapping | None, training: bool
+    ) -> PreparedBatch:
         """This rank's features validated for its lookup, deduplicated per table as
         ``preprocess`` does, except each table that exchanges "sums" whatever the step
         (``_sums_only``): its batch lists the occurrences as they come, each its own "unique"
         id (``LookupOnlyTableBatch.occurrences``). Its occurrences go to their owners as they
         are anyway, who deduplicate them (a whole table's owner prepares the step's batch:
         ``_pool_whole``); the rank's own deduplication would only count them
-        (docs/design.md, "A whole table exchanges sums")."""
+        (docs/design.md, "A whole table exchanges sums"). ``training=False``: a batch for
+        evaluation (``PreparedBatch.training``), as the single engine's lookup gives back."""
         if not self._sums_only.any():
-            return self.preprocess(features, weights)
+            return self.preprocess(features, weights, training=training)
         parts, layouts = plan_tables(self._resolved, features, weights, self._layout)
         built = iter(
             self._backend.build_tables(
@@ -992,7 +995,7 @@ class ShardedEngine:
             else next(built)
             for p, skip in zip(parts, self._sums_only, strict=True)
         )
-        return PreparedBatch(tables, layouts, fingerprint=self._fingerprint)
+        return PreparedBatch(tables, layouts, fingerprint=self._fingerprint, training=training)
 
     def lookup(
         self,
@@ -1044,12 +1047,9 @@ class ShardedEngine:
         with self.lock:
             self._comm.reset()
             try:
-                acts, batch = self._lookup(features, weights, training, timestamp, refused)
+                return self._lookup(features, weights, training, timestamp, refused)
             finally:
                 self._count("lookup")
-        if not training and not isinstance(features, PreparedBatch):
-            batch = dataclasses.replace(batch, training=False)
-        return acts, batch
 
     def _count(self, call: str) -> None:
         sent = self._comm.reset()
@@ -1118,7 +1118,7 @@ class ShardedEngine:
                     check_for_training(features)
                 batch = features
             else:
-                batch = self._lookup_batch(features, weights)
+                batch = self._lookup_batch(features, weights, training)
             # The occurrences per owner: a "sums" lookup sends them, "auto" weighs them, and a
             # training batch's update pushes them (it reuses these counts).
             if training or any(x != "rows" for x in self._exchange):
