@@ -1150,24 +1150,30 @@ class EmbeddingEngine:
         skip = self.nonfinite_gradients == "skip_row"
         unchanged: dict[str, np.ndarray] = {}
         # Last table first: the rows the lookup touched last are the likeliest still in cache.
-        for p in reversed(range(len(self._physical))):
-            table, tb = self._physical[p], batch.tables[p]
-            first = self._physical_members[p][0]  # members share optimizer and learning rate
-            names = [f for f, _ in self._storage_layout[p]]
-            if len(names) == 1:
-                g = grads[names[0]]
-            elif names:
-                g = np.concatenate([grads[n] for n in names], axis=0)
-            else:
-                g = np.zeros((0, table.dim), dtype=np.float32)
-            opt = self._optimizers[first]
-            # An optimizer that updates every row sweeps the table in order: let a memory-mapped
-            # table read ahead for it (training's random accesses otherwise read only their pages).
-            sweep = table.sequential_access() if opt.updates_every_row else contextlib.nullcontext()
-            with sweep:
-                rows = self._backend.apply(table, tb, g, opt, lrs[first], self._step, skip)
+        order = list(reversed(range(len(self._physical))))
+        updates = []
+        with contextlib.ExitStack() as sweeps:
+            for p in order:
+                table, tb = self._physical[p], batch.tables[p]
+                first = self._physical_members[p][0]  # members share optimizer and learning rate
+                names = [f for f, _ in self._storage_layout[p]]
+                if len(names) == 1:
+                    g = grads[names[0]]
+                elif names:
+                    g = np.concatenate([grads[n] for n in names], axis=0)
+                else:
+                    g = np.zeros((0, table.dim), dtype=np.float32)
+                opt = self._optimizers[first]
+                if opt.updates_every_row:
+                    # It sweeps the table in order: let a memory-mapped table read ahead for it
+                    # (training's random accesses otherwise read only their pages).
+                    sweeps.enter_context(table.sequential_access())
+                updates.append((table, tb, g, opt, lrs[first], self._step, skip))
+            # Every table's update in one call: the backend may run them on the same threads.
+            left = self._backend.apply_tables(updates)
+        for p, rows in zip(order, left, strict=True):
             if rows is not None and len(rows):
-                self._unchanged_ids(p, tb, rows, unchanged)
+                self._unchanged_ids(p, batch.tables[p], rows, unchanged)
         return unchanged
 
     def _unchanged_ids(self, p: int, tb, rows: np.ndarray, out: dict) -> None:

@@ -1533,7 +1533,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
     warm.apply_gradients(grads)
     dist.barrier()
     eng = ShardedEngine(features, optimizer=o, seed=3, exchange="rows", timeout=3)
-    route, update, view = sr.route_ids, eng._backend.apply, module.column_view
+    route, update, view = sr.route_ids, eng._backend.apply_tables, module.column_view
     saving, restoring = checkpoint.save, checkpoint.restore
 
     def fails(*args, **kwargs):
@@ -1570,7 +1570,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
             if case == "lookup":
                 sr.route_ids = fails  # between the header's exchange and the ids'
             elif case == "apply":
-                eng._backend.apply = fails  # after the message, before the last collective
+                eng._backend.apply_tables = fails  # after the message, before the last collective
             elif case == "contents":
                 module.column_view = fails  # between the first table's gathers and the next's
             elif case == "save":
@@ -1584,7 +1584,7 @@ def run_midway(rank: int, world: int, out: str, name: str) -> None:
         except Exception as e:
             outcome = f"{type(e).__name__}: {e}"
         finally:
-            sr.route_ids, eng._backend.apply, module.column_view = route, update, view
+            sr.route_ids, eng._backend.apply_tables, module.column_view = route, update, view
             checkpoint.save, checkpoint.restore = saving, restoring
         said.append(f"{call}: {time.monotonic() - start:.3f} {outcome}")
     dist.barrier()  # the ranks leave together (the others waited out the timeout)

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import pytest
 
-from embengine.kernels import kernel, tasks
+from embengine.kernels import kernel, pipeline, tasks
 from embengine.kernels._intrinsics import fetch_add
 
 
@@ -248,3 +248,103 @@ def test_spinning_openmp_threads_are_named_once(policy):
     layer, seen = out.stdout.splitlines()[-1].split(" ", 1)
     want = ["SpinningThreadsWarning"] if layer == "omp" and policy != "PASSIVE" else []
     assert seen == str(want), out.stdout
+
+
+@kernel()
+def _hold_first_until(claims, n_tasks, seen, flag, waited):
+    """Task 0 waits (bounded) until ``flag[0]`` is set by another call's tasks; the others are
+    quick. ``waited[0]``: 1 if the wait ran out."""
+    while True:
+        t = fetch_add(claims, 0, 1)
+        if t >= n_tasks:
+            break
+        if t == 0:
+            spins = 0
+            while fetch_add(flag, 0, 0) == 0 and spins < 2_000_000_000:
+                spins += 1
+            if spins >= 2_000_000_000:
+                waited[0] = 1
+        seen[t] += 1
+
+
+@kernel()
+def _mark_and_flag(claims, n_tasks, seen, flag):
+    """``_mark``, and ``flag[0]`` set once every task is done."""
+    while True:
+        t = fetch_add(claims, 0, 1)
+        if t >= n_tasks:
+            break
+        seen[t] += 1
+        if fetch_add(flag, 1, 1) + 1 == n_tasks:
+            fetch_add(flag, 0, 1)
+
+
+def test_run_many_makes_each_call_s_tasks_once_on_the_same_threads(two_threads):
+    """A thread with no task left in one call goes on to the next call while another still
+    runs the first: call 1's first task waits until call 2's tasks are all done, which only
+    the other thread can do meanwhile (one ``run`` a call would wait for call 1 to end before
+    starting call 2: the wait then runs out)."""
+    first, second = np.zeros(4, np.int64), np.zeros(50, np.int64)
+    flag, waited = np.zeros(2, np.int64), np.zeros(1, np.int64)
+    tasks.run_many(
+        [
+            (_hold_first_until, 4, (first, flag, waited)),
+            (_mark_and_flag, 50, (second, flag)),
+            (_mark, 0, (first,)),  # no task: no call
+        ]
+    )
+    np.testing.assert_array_equal(first, 1)
+    np.testing.assert_array_equal(second, 1)
+    assert waited[0] == 0, "call 2 did not run while call 1 was still running"
+
+
+def test_run_many_refuses_a_negative_task_count_before_any_call():
+    seen = np.zeros(3, np.int64)
+    with pytest.raises(ValueError, match="n_tasks >= 0, got -2"):
+        tasks.run_many([(_mark, 3, (seen,)), (_mark, -2, (seen,))])
+    np.testing.assert_array_equal(seen, 0)
+
+
+def test_run_many_s_other_threads_take_the_tasks_of_a_thread_that_raised(two_threads):
+    """The calling thread's first call raises before claiming a task: it makes no more calls,
+    the worker makes every call and does every task, and the error comes after."""
+    seen = [np.zeros(20, np.int64), np.zeros(30, np.int64)]
+    caller = threading.get_ident()
+
+    def first(claims, n_tasks, seen):
+        if threading.get_ident() == caller:
+            raise KeyError("the calling thread's first call")
+        _mark(claims, n_tasks, seen)
+
+    with pytest.raises(KeyError, match="first call"):
+        tasks.run_many([(first, 20, (seen[0],)), (_mark, 30, (seen[1],))])
+    np.testing.assert_array_equal(seen[0], 1)
+    np.testing.assert_array_equal(seen[1], 1)
+
+
+def test_an_engine_step_updates_every_table_in_one_run(monkeypatch):
+    """The numba backend's update of a step's tables is one ``run_many`` (one start of the
+    threads a step, not one a table), in the engine's order: last table first."""
+    import embengine as ee
+    from embengine import optimizers as O
+
+    made = []
+    real = tasks.run_many
+
+    def spy(calls):
+        calls = list(calls)
+        made.append([n for _, n, _ in calls])
+        real(calls)
+
+    monkeypatch.setattr(tasks, "run_many", spy)
+    tables = {
+        f"f{t}": ee.FeatureConfig(ee.TableConfig(1000, 8, name=f"t{t}", optimizer=opt))
+        for t, opt in enumerate([O.SGD(0.1), O.Adagrad(0.1), O.Adam(0.01)])
+    }
+    engine = ee.EmbeddingEngine(tables)
+    ids = {"f0": np.arange(100), "f1": np.arange(3), "f2": np.arange(300)}
+    acts = engine.lookup({f: ee.Ragged(i, offsets=np.arange(len(i) + 1)) for f, i in ids.items()})
+    engine.apply_gradients({f: np.ones_like(a) for f, a in acts.items()})
+    assert len(made) == 1
+    tasks_of = {f: len(pipeline.balanced_tasks(np.arange(len(i) + 1))) - 1 for f, i in ids.items()}
+    assert made[0] == [tasks_of["f2"], tasks_of["f1"], tasks_of["f0"]]

@@ -941,7 +941,26 @@ class NumbaBackend:
         """The fused update (Backend protocol); returns the rows (of ``table.data``) left
         unchanged because their result was not finite (the kernel's flags) or, with
         ``skip_nonfinite``, their gradient (``pipeline.nonfinite_rows``' flags)."""
+        return self.apply_tables([(table, tb, grad, opt, lr, step, skip_nonfinite)])[0]
+
+    def apply_tables(self, updates) -> list[np.ndarray]:
+        """``apply`` for each update (Backend protocol): every table's kernel call first set
+        up, then all made by ``tasks.run_many`` on the same threads, so a thread with no task
+        left in one table's update goes on to the next table's while the others finish (one
+        start and one wait of the threads a step, not one a table: docs/performance.md, "One
+        start of the update's threads a step"); then each table's unchanged rows."""
         start_pool()
+        calls, finishes = [], []
+        for update in updates:
+            call, finish = self._update_call(*update)
+            calls.append(call)
+            finishes.append(finish)
+        tasks.run_many(calls)
+        return [finish() for finish in finishes]
+
+    def _update_call(self, table, tb, grad, opt, lr, step, skip_nonfinite):
+        """``apply``'s kernel call as ``(kernel, n_tasks, args)`` (``tasks.run_many``), and a
+        function giving its unchanged rows once the call has been made."""
         consts = self._constants.get(id(table))
         if consts is None or consts[0] is not opt:
             consts = (opt, kernels_for(opt, table), *_table_constants(opt, table))
@@ -988,18 +1007,24 @@ class NumbaBackend:
         if opt.updates_every_row:  # the storage's live rows, untouched ones with g = 0
             live = frozen(np.ascontiguousarray(table.live_rows(), dtype=np.int64))
             task_start, where = pipeline.every_row_tasks(tb.unique_rows, live, data.shape[0])
-            tasks.run(
-                every_row, task_start[-1], frozen(task_start), frozen(where), *args, live, *extra
+            call = (
+                every_row,
+                task_start[-1],
+                (frozen(task_start), frozen(where), *args, live, *extra),
             )
         else:
-            pipeline.run_balanced(fused, tb.unique_offsets, *args, *extra)
-        if skip_nonfinite and skipped.any():  # rows the kernel skipped: theirs too (no row: none)
-            by_gradient = tb.unique_rows[skipped.astype(bool) & (tb.unique_rows >= 0)]
-            if opt.updates_every_row:
-                unchanged[by_gradient] = 1
-            else:
-                unchanged |= skipped & (tb.unique_rows >= 0)
-        if not unchanged.any():
-            return _NO_ROWS
-        at = np.flatnonzero(unchanged)
-        return at if opt.updates_every_row else tb.unique_rows[at]
+            call = pipeline.balanced_call(fused, tb.unique_offsets, *args, *extra)
+
+        def finish() -> np.ndarray:
+            if skip_nonfinite and skipped.any():  # rows the kernel skipped: theirs too
+                by_gradient = tb.unique_rows[skipped.astype(bool) & (tb.unique_rows >= 0)]
+                if opt.updates_every_row:
+                    unchanged[by_gradient] = 1
+                else:
+                    unchanged[:] |= skipped & (tb.unique_rows >= 0)
+            if not unchanged.any():
+                return _NO_ROWS
+            at = np.flatnonzero(unchanged)
+            return at if opt.updates_every_row else tb.unique_rows[at]
+
+        return call, finish

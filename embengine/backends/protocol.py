@@ -119,6 +119,14 @@ class Backend(Protocol):
         rows left alone for a non-finite gradient, each once (``nonfinite_rows_skipped``)."""
         ...
 
+    def apply_tables(
+        self,
+        updates: Sequence[tuple[TableStorage, TableBatch, np.ndarray, Optimizer, float, int, bool]],
+    ) -> list[np.ndarray]:
+        """``apply(*update)`` for each of ``updates`` (each a different table), in any order or
+        at once; the rows each left unchanged, in the order of ``updates``."""
+        ...
+
 
 def lookup_rows_source(rows, dim: int, weights_dtype: str = "float32", contiguous: bool = True):
     """``rows`` checked as ``Backend.lookup_rows`` takes them (a ValueError naming what they

@@ -222,6 +222,10 @@ class ReferenceBackend:
     def check_optimizer(self, table_name: str, optimizer: Optimizer, dim: int) -> None:
         """Every spec runs here: its ``reference_update`` is the oracle."""
 
+    def apply_tables(self, updates) -> list[np.ndarray]:
+        """``apply`` for each update, one after the other."""
+        return [self.apply(*update) for update in updates]
+
     def apply(
         self,
         table: TableStorage,

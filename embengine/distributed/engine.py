@@ -2106,6 +2106,8 @@ class ShardedEngine:
             asks[t] = (keys, shard.rows_of(keys), None)
         room = self._shared_room(asks, update=True)
         # Last table first, as EmbeddingEngine: the rows pooled last are the likeliest in cache.
+        # Every table's update in one call, as EmbeddingEngine's.
+        updates, updated = [], []
         for t in reversed(range(nt)):
             if t not in layouts:
                 continue  # none of this table's rows lives here, so no rank sent any
@@ -2128,10 +2130,11 @@ class ShardedEngine:
                     expire_for_room=first,
                 )
                 tb = dataclasses.replace(tb, unique_rows=np.asarray(found, dtype=np.int64))
-            left = self._backend.apply(
-                shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip
-            )
+            updates.append((shard, tb, grad, self._optimizers[t], lrs[t], self._step, skip))
+            updated.append(t)
+        for t, left in zip(updated, self._backend.apply_tables(updates), strict=True):
             if left is not None and len(left):
+                shard = self._shards[t]
                 ids = shard.keys_at(left) if t in self._keyed else shard.global_ids[left]
                 unchanged[self.table_names[t]] = np.sort(ids)
         if last is not None:

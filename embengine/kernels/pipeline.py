@@ -60,9 +60,14 @@ def run_balanced(kernel, unique_offsets: np.ndarray, *args) -> None:
     """``kernel(claims, n_tasks, bounds, *args)`` over the tasks ``bounds`` of
     ``balanced_tasks(unique_offsets)``, claimed by ``tasks.run``'s threads as they go: how the
     fused updates and the update's floor (kernels/floor.py) walk the touched rows."""
+    tasks.run_many([balanced_call(kernel, unique_offsets, *args)])
+
+
+def balanced_call(kernel, unique_offsets: np.ndarray, *args) -> tuple:
+    """``run_balanced``'s call as ``(kernel, n_tasks, args)``, for ``tasks.run_many``."""
     bounds = balanced_tasks(unique_offsets)
     bounds.setflags(write=False)  # read-only like the other inputs: one kernel type (inputs.frozen)
-    tasks.run(kernel, len(bounds) - 1, bounds, *args)
+    return kernel, len(bounds) - 1, (bounds, *args)
 
 
 def every_row_tasks(unique: np.ndarray, live: np.ndarray, n_rows: int):

@@ -39,12 +39,12 @@ import queue
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numba as nb
 import numpy as np
 
-__all__ = ["SpinningThreadsWarning", "run"]
+__all__ = ["SpinningThreadsWarning", "run", "run_many"]
 
 
 class SpinningThreadsWarning(RuntimeWarning):
@@ -125,23 +125,39 @@ def run(kernel: Callable, n_tasks: int, *args) -> None:
     (not more than ``n_tasks``), the first in this thread, ``claims`` a fresh counter they share
     (module docstring). Returns or raises once every thread's call has ended; raises this
     thread's error first, else a worker's, else an interruption that came while waiting."""
-    n_tasks = int(n_tasks)
-    if n_tasks < 0:
-        raise ValueError(f"need n_tasks >= 0, got {n_tasks}")
-    claims = np.zeros(1, dtype=np.int64)
-    n_threads = min(n_tasks, nb.get_num_threads())
+    run_many([(kernel, n_tasks, args)])
+
+
+def run_many(calls: Sequence[tuple[Callable, int, tuple]]) -> None:
+    """``run(kernel, n_tasks, *args)`` for each ``(kernel, n_tasks, args)`` of ``calls``, on
+    the same threads: each thread makes the calls in order, so one that has no task left in a
+    call goes on to the next while the others finish theirs (one start and one wait for all
+    the calls instead of one each: an update's tables, whose rows are apart, so neither the
+    results nor the order of their writes within a table depend on this). A thread whose
+    call raised makes no more calls; the others make theirs, and take its tasks not yet
+    claimed. Returns or raises as ``run``, once every thread has ended."""
+    work = []
+    for kernel, n_tasks, args in calls:
+        n_tasks = int(n_tasks)
+        if n_tasks < 0:
+            raise ValueError(f"need n_tasks >= 0, got {n_tasks}")
+        if n_tasks:
+            work.append((kernel, n_tasks, args, np.zeros(1, dtype=np.int64)))
+    if not work:
+        return
+    n_threads = min(max(n for _, n, _, _ in work), nb.get_num_threads())
     if n_threads <= 1:
-        if n_threads:
+        for kernel, n_tasks, args, claims in work:
             kernel(claims, n_tasks, *args)
         return
     _check_wait_policy()
     _ensure_workers(n_threads - 1)
-    jobs = [_Job(kernel, (claims, n_tasks, *args)) for _ in range(n_threads - 1)]
+    jobs = [_Job(_in_order, (work,)) for _ in range(n_threads - 1)]
     for job in jobs:
         _jobs.put(job)
     error: BaseException | None = None
     try:
-        kernel(claims, n_tasks, *args)
+        _in_order(work)
     except BaseException as e:
         error = e
     interrupted: BaseException | None = None
@@ -155,3 +171,9 @@ def run(kernel: Callable, n_tasks: int, *args) -> None:
         error = error or job.error
     if error is not None or interrupted is not None:
         raise error or interrupted
+
+
+def _in_order(work: list) -> None:
+    """One thread's share of ``run_many``: each call, in order, on the counters all share."""
+    for kernel, n_tasks, args, claims in work:
+        kernel(claims, n_tasks, *args)
