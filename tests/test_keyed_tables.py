@@ -974,6 +974,78 @@ def test_same_stream_at_one_and_two_threads_is_bit_identical():
         assert c1[k].tobytes() == c2[k].tobytes(), k
 
 
+def _four_tables_stream(threads: int, spy=None):
+    """Four keyed tables with admission, capacity and expiry, 10 steps of new and known keys;
+    their contents and stats. ``spy``: put in place of KeyedTable.rows_for meanwhile."""
+    from embengine.storage.keyed import KeyedTable
+
+    numba.set_num_threads(threads)
+    real = KeyedTable.rows_for
+    if spy is not None:
+        KeyedTable.rows_for = lambda self, *a, **k: spy(real, self, *a, **k)
+    try:
+        dyn = ee.DynamicVocabulary(occurrence_threshold=1, max_rows=60, expire_steps=5)
+        tables = [
+            ee.TableConfig(
+                None,
+                8,
+                name=f"k{t}",
+                optimizer=opt.Adam(0.1),
+                initializer=RandomUniform(-1, 1),
+                dynamic=dyn,
+            )
+            for t in range(4)
+        ]
+        eng = ee.EmbeddingEngine({f"f{t}": ee.FeatureConfig(tab) for t, tab in enumerate(tables)})
+        rng = np.random.default_rng(9)
+        for _ in range(10):
+            feats = {
+                f"f{t}": ee.Ragged(
+                    rng.zipf(1.3, 120) * np.int64(0x9E3779B97F4A7C15 % 2**61) + t,
+                    offsets=np.arange(0, 121, 4),
+                )
+                for t in range(4)
+            }
+            acts = eng.lookup(feats)
+            eng.apply_gradients({f: np.full_like(a, 0.1) for f, a in acts.items()})
+        return {t: eng.table_contents(f"k{t}") for t in range(4)}, eng.table_stats()
+    finally:
+        KeyedTable.rows_for = real
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_a_step_s_keyed_tables_are_resolved_on_both_threads_alike():
+    """A training lookup resolves its keyed tables (rules, new rows, evictions) on the update's
+    threads, tables claimed as they go: the first table's resolution waits until another
+    thread resolves a table meanwhile (one thread resolving them in turn never does: the wait
+    runs out), and the tables and stats equal a one-thread run's, bit for bit."""
+    import threading
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 numba threads")
+    threads, other, waits = set(), threading.Event(), []
+
+    def spy(real, self, *a, **k):
+        me = threading.get_ident()
+        if threads and me not in threads:
+            other.set()
+        if not threads and not k.get("touched"):  # the first resolution with rules to run
+            threads.add(me)
+            waits.append(other.wait(10))
+        threads.add(me)
+        return real(self, *a, **k)
+
+    (c2, s2), (c1, s1) = _four_tables_stream(2, spy), _four_tables_stream(1)
+    assert waits == [True] and len(threads) == 2
+    totals = [s1[f"k{t}"]["total"] for t in range(4)]
+    rules = ("admitted", "filtered", "evicted", "expired", "forgotten")
+    assert s1 == s2 and all(sum(t[r] for t in totals) > 0 for r in rules)
+    for t in range(4):
+        assert set(c1[t]) == set(c2[t])
+        for k in c1[t]:
+            assert c1[t][k].tobytes() == c2[t][k].tobytes(), (t, k)
+
+
 @pytest.mark.parametrize(
     "dynamic", [{}, {"occurrence_threshold": 1}, {"expire_steps": 3}], ids=["plain", "T1", "S3"]
 )

@@ -348,3 +348,21 @@ def test_an_engine_step_updates_every_table_in_one_run(monkeypatch):
     assert len(made) == 1
     tasks_of = {f: len(pipeline.balanced_tasks(np.arange(len(i) + 1))) - 1 for f, i in ids.items()}
     assert made[0] == [tasks_of["f2"], tasks_of["f1"], tasks_of["f0"]]
+
+
+def test_run_each_gives_each_item_to_one_thread(two_threads):
+    """Every item once, on both threads: the first item waits (bounded) until another thread
+    has taken one."""
+    seen, other, waits = [], threading.Event(), []
+    caller = threading.get_ident()
+
+    def fn(item):
+        if threading.get_ident() != caller:
+            other.set()
+        elif item == 0:
+            waits.append(other.wait(10))
+        seen.append((item, threading.get_ident()))
+
+    tasks.run_each(fn, range(6))
+    assert sorted(i for i, _ in seen) == list(range(6))
+    assert waits in ([True], []) and len({ident for _, ident in seen}) == 2

@@ -325,14 +325,19 @@ def build_tables_and_pool_numba(
         elif not tmeta[t, train_lookup.T_TOUCH] or ready[t] != train_lookup.PROBED_ALL_FOUND:
             lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
             batches[t].check_resolvable(table, found=found[lo : lo + u])
+
     # A keyed table's rows: its rules run on the rows the region found (rows_for(found=)),
-    # which it touched if every key had one and it could.
-    for t in np.flatnonzero(ready):
+    # which it touched if every key had one and it could. The tables on the update's threads,
+    # claimed as they go: each table is its own single writer (so no row depends on which
+    # thread resolved it), and its index passes, new rows and evictions release the GIL.
+    def resolve(t: int) -> None:
         lo, u = int(plan.occ_base[t]), len(batches[t].unique_ids)
         touched = bool(ready[t] == train_lookup.PROBED_ALL_FOUND and tmeta[t, train_lookup.T_TOUCH])
         batches[t] = batches[t].resolved(
             tables[t], insert=True, found=found[lo : lo + u], touched=touched
         )
+
+    tasks.run_each(resolve, np.flatnonzero(ready).tolist())
     # The other tables: rows_for once each, then all pooled through their rows in one region;
     # a keyed table whose every key had a row was pooled in the region (prepare_and_pool).
     pooled = tmeta[:, train_lookup.T_INDEX] != 0

@@ -34,6 +34,7 @@ more than one thread.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import sys
@@ -44,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numba as nb
 import numpy as np
 
-__all__ = ["SpinningThreadsWarning", "run", "run_many"]
+__all__ = ["SpinningThreadsWarning", "run", "run_each", "run_many"]
 
 
 class SpinningThreadsWarning(RuntimeWarning):
@@ -171,6 +172,23 @@ def run_many(calls: Sequence[tuple[Callable, int, tuple]]) -> None:
         error = error or job.error
     if error is not None or interrupted is not None:
         raise error or interrupted
+
+
+def run_each(fn: Callable[[int], None], items: Sequence[int]) -> None:
+    """``fn(item)`` for each of ``items`` on ``run``'s threads, each item claimed by one
+    thread as they go (``next`` of one ``itertools.count``: atomic under the GIL): for Python
+    work whose heavy parts release the GIL (numba kernels, NumPy), such as a step's keyed
+    tables, each its own single writer. Returns or raises as ``run``."""
+    items = list(items)
+    if not items:
+        return
+    claimed = itertools.count()
+
+    def claim(claims, n_tasks):
+        while (i := next(claimed)) < n_tasks:
+            fn(items[i])
+
+    run(claim, len(items))
 
 
 def _in_order(work: list) -> None:
