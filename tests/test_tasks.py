@@ -366,3 +366,63 @@ def test_run_each_gives_each_item_to_one_thread(two_threads):
     tasks.run_each(fn, range(6))
     assert sorted(i for i, _ in seen) == list(range(6))
     assert waits in ([True], []) and len({ident for _, ident in seen}) == 2
+
+
+def test_every_row_updates_do_not_hold_every_table_s_row_arrays_at_once():
+    """An every-row update (non-lazy Adam) sweeps its table with two arrays of one entry a
+    table row (the touched row of each row, int64, and the unchanged flags, uint8: 9 bytes a
+    row). Made one table after the other they take one table's worth at a time; set up
+    together for one ``run_many`` they took every table's at once (4 tables: 4 times the
+    memory, and for memory-mapped tables larger than RAM that is the RAM the step needs)."""
+    import tracemalloc
+
+    import embengine as ee
+    from embengine import optimizers as O
+
+    rows, n_tables = 500_000, 4
+    feats = {
+        f"f{t}": ee.FeatureConfig(
+            ee.TableConfig(rows, 4, name=f"t{t}", optimizer=O.Adam(0.01, lazy_adam=False))
+        )
+        for t in range(n_tables)
+    }
+    engine = ee.EmbeddingEngine(feats)
+    rng = np.random.default_rng(0)
+
+    def peak_of_a_step() -> int:
+        ids = {f: rng.integers(0, rows, 1000) for f in feats}
+        acts = engine.lookup(
+            {f: ee.Ragged(i, offsets=np.arange(0, 1001, 10)) for f, i in ids.items()}
+        )
+        grads = {f: np.ones_like(a) for f, a in acts.items()}
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            engine.apply_gradients(grads)
+            return tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+
+    peak_of_a_step()  # compiles
+    one_table = 9 * rows
+    assert peak_of_a_step() < 2 * one_table
+
+
+@kernel()
+def _mark_bounds(claims, n_tasks, bounds, seen):
+    """``_mark`` of every occurrence of each task of ``bounds`` (``pipeline.balanced_tasks``)."""
+    while True:
+        t = fetch_add(claims, 0, 1)
+        if t >= n_tasks:
+            break
+        for u in range(bounds[t], bounds[t + 1]):
+            seen[u] += 1
+
+
+def test_run_balanced_gives_the_kernel_its_bounds_then_the_arguments():
+    """``pipeline.run_balanced`` (the update's floor, kernels/floor.py): ``kernel(claims,
+    n_tasks, bounds, *args)``, not the arguments packed in one tuple."""
+    offsets = np.arange(0, 301, 3, dtype=np.int64)  # 100 unique rows of 3 occurrences
+    seen = np.zeros(100, np.int64)
+    pipeline.run_balanced(_mark_bounds, offsets, seen)
+    np.testing.assert_array_equal(seen, 1)

@@ -953,15 +953,32 @@ class NumbaBackend:
         up, then all made by ``tasks.run_many`` on the same threads, so a thread with no task
         left in one table's update goes on to the next table's while the others finish (one
         start and one wait of the threads a step, not one a table: docs/performance.md, "One
-        start of the update's threads a step"); then each table's unchanged rows."""
+        start of the update's threads a step"); then each table's unchanged rows. Every-row
+        updates (``updates_every_row``) come after, one table at a time (below)."""
         start_pool()
-        calls, finishes = [], []
-        for update in updates:
+        left: list = [None] * len(updates)
+        calls, finishes, sweeps = [], [], []
+        for i, update in enumerate(updates):
+            if update[3].updates_every_row:  # its opt
+                sweeps.append(i)
+                continue
             call, finish = self._update_call(*update)
             calls.append(call)
-            finishes.append(finish)
+            finishes.append((i, finish))
         tasks.run_many(calls)
-        return [finish() for finish in finishes]
+        for i, finish in finishes:
+            left[i] = finish()
+        del calls, finishes
+        # An every-row update (a sweep of the whole table) holds 9 bytes a table row while it
+        # runs (``pipeline.every_row_tasks``' rows, the unchanged flags): set up and made one
+        # table after the other, so that a step needs one table's worth, not every table's.
+        # Its sweep takes far longer than a start of the threads.
+        for i in sweeps:
+            call, finish = self._update_call(*updates[i])
+            tasks.run_many([call])
+            left[i] = finish()
+            del call, finish  # before the next table's are made
+        return left
 
     def _update_call(self, table, tb, grad, opt, lr, step, skip_nonfinite):
         """``apply``'s kernel call as ``(kernel, n_tasks, args)`` (``tasks.run_many``), and a
