@@ -12,6 +12,12 @@ third longer than the other on W1's updates, whatever the tasks' estimated costs
 (docs/performance.md, "Update tasks claimed as they go"). A task's rows are its own, so the
 result depends neither on the thread count nor on which thread ran which task.
 
+``run_many`` makes several such calls on the same threads, each thread making them in order
+(a step's table updates: a thread with no task left in one table's update goes on to the next
+instead of waiting; docs/performance.md, "One start of the update's threads a step").
+``run_each`` gives Python work items (a step's keyed tables to resolve, whose kernels release
+the GIL) to the same threads, each item claimed by one thread as they go.
+
 Why not ``prange`` inside the kernel: numba's parallel compile (parfor lowering) of an update
 kernel took about four times its serial compile, and embengine compiles one kernel per row math,
 row layout and 16-bit dtype pair (docs/design.md, "Update kernels are serial numba functions").
