@@ -341,6 +341,68 @@ def test_16_bit_row_layout_kernels_equal_the_any_layout_ones(monkeypatch, optimi
         assert skipped_fixed["t"] > 0  # the guard did leave rows unchanged
 
 
+@opt.row_math("keep_old_weight_of_the_tests", slots=("kept",))
+def _keep_old_weight(w, kept, g, lr):
+    return -lr * g, w
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepOldWeight(opt.Optimizer):
+    """w <- -lr * g; slot "kept" <- the weight before the step (whatever it was)."""
+
+    learning_rate: opt.LearningRate = 0.1
+    ROW_MATH = _keep_old_weight
+
+    def slot_specs(self, dim):
+        return (opt.SlotSpec("kept", dim, 0.0),)
+
+    def reference_update(self, w, slots, g, lr, ctx):
+        slots["kept"][...] = w
+        w[...] = -lr * g
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("slots_dtype", ["bfloat16", "float16"])
+def test_a_nan_whose_rounding_carries_into_its_sign_leaves_its_row_unchanged(
+    monkeypatch, backend, slots_dtype
+):
+    """A float32 weight NaN with every payload bit set (0x7FFFFFFF), copied into a 16-bit slot:
+    its bits plus the random bits carry into the sign, so rounded without a NaN case (the
+    in-place kernels' ``round_*_finite``) it would be -0.0, which the check after rounding
+    passes. The kernel checks each value before rounding too: the row is left unchanged and
+    reported, as by the reference; the other row is updated."""
+    from embengine.backends import numba_backend as nbk
+    from embengine.kernels import row_math
+
+    dim = 32
+    monkeypatch.setattr(nbk, "HALF_FIXED_DIMS", (dim,))
+    t = ee.TableConfig(
+        4,
+        dim,
+        name="t",
+        combiner="sum",
+        initializer=init.Constant(0.5),
+        weights_dtype="float32",
+        slots_dtype=slots_dtype,
+    )
+    optimizer = _KeepOldWeight(0.1)
+    eng = ee.EmbeddingEngine(
+        {"f": ee.FeatureConfig(t)}, optimizer=optimizer, seed=1, backend=backend
+    )
+    if backend == "numba":  # the in-place row layout kernel, not the any-layout one
+        any_layout = {f for f, _ in row_math.half_kernels(_keep_old_weight).values()}
+        assert nbk.kernels_for(optimizer, eng._physical[0])[0] not in any_layout
+    eng.embedding_tables["t"].view(np.uint32)[1, 3] = 0x7FFFFFFF
+    eng.lookup({"f": ee.Ragged([0, 1], lengths=[1, 1])})
+    with pytest.raises(ee.NonFiniteUpdateError, match=r"table 't': 1 rows \(ids 1\)"):
+        eng.apply_gradients({"f": np.ones((2, dim), np.float32)})
+    w, kept = eng.embedding_tables["t"], eng.slots("t")["kept"].astype(np.float32)
+    np.testing.assert_array_equal(kept[1], np.zeros(dim, np.float32))  # not written
+    assert w.view(np.uint32)[1, 3] == 0x7FFFFFFF and w[1, 0] == np.float32(0.5)
+    np.testing.assert_array_equal(kept[0], np.full(dim, 0.5, np.float32))
+    np.testing.assert_array_equal(w[0], np.full(dim, -0.1, np.float32))
+
+
 def test_16_bit_row_layout_kernels_only_where_they_pay():
     """Short rows, SGD's float16 weights and row-wise Adagrad (a scalar slot) keep the
     any-layout 16-bit kernel: a kernel per layout measured slower for the latter two; SGD's

@@ -121,7 +121,9 @@ from embengine.kernels.pipeline import compiled
 from embengine.kernels.rounding import (
     random_words,
     round_bf16,
+    round_bf16_finite,
     round_f16,
+    round_f16_finite,
     row_stream,
     widen_bf16,
     widen_f16,
@@ -181,8 +183,8 @@ for j in range(dim):
 # HALF_UPDATE in place, for FIXED_HALF_KERNEL's element-wise row math with slots: one loop
 # over the row's coordinates widens each column's value, computes, rounds and stores it
 # (HalfFixedAccess), saving the value it overwrites to ``old_h`` (16-bit columns, by unit) or
-# ``old_f`` (float32 ones, by float32 column) as FIXED_UPDATE does; a row whose rounded
-# values are not all finite gets its saved values back. The same values as HALF_UPDATE, in
+# ``old_f`` (float32 ones, by float32 column) as FIXED_UPDATE does; a row with a value that
+# is not finite, before its rounding or after, gets its saved values back. The same values as HALF_UPDATE, in
 # one pass over the row instead of a copy-in, a compute and a round pass over scratch rows
 # (docs/performance.md, "16-bit update kernels in place").
 HALF_FIXED_UPDATE = """{random_words}fin = np.float32(0.0)
@@ -193,9 +195,12 @@ if fin != 0.0:
 {restore_slots}{restore_ints}    unchanged[{at}] = 1"""
 
 # A guarded in-place store to a 16-bit unit column ``{c}``: the old bits saved, ``{x}``
-# rounded with the column's random bits, its widened value checked.
+# checked, rounded with the column's random bits, its widened value checked. The first check
+# (NaN or an infinity) puts the row back, so the rounding needs no NaN case of its own
+# (``round_bf16_finite``); the second catches a finite value rounded up to infinity.
 _HALF_GUARDED = (
-    "old_h[{c}] = data_h[r, {c}]\n{ind}h = {round}(np.float32({x}), rbits[{c}])\n"
+    "old_h[{c}] = data_h[r, {c}]\n{ind}x32 = np.float32({x})\n{ind}fin += x32 - x32\n"
+    "{ind}h = {round}_finite(x32, rbits[{c}])\n"
     "{ind}data_h[r, {c}] = h\n{ind}v = {widen}(h)\n{ind}fin += v - v"
 )
 # The same for a float32 column of a 16-bit table's row (float32 column ``{c}`` of ``data``).
@@ -612,7 +617,8 @@ def reserved_names() -> frozenset[str]:
         _HALF_GUARDED,
         _HALF_F32_GUARDED,
         _HALF_SETUP,
-        "rbits words v random_words widen_bf16 widen_f16 round_bf16 round_f16 data_h key",
+        "rbits words v x32 random_words widen_bf16 widen_f16 round_bf16 round_f16 "
+        "round_bf16_finite round_f16_finite data_h key",
     )
     names = set()
     for text in texts:

@@ -6,8 +6,10 @@ The update kernels of a 16-bit table (rendered per stored dtype pair, codegen's 
 call ``widen_bf16`` / ``widen_f16`` on copy-in and ``round_bf16`` / ``round_f16`` on
 write-back. These are called, not inlined into numba's IR: LLVM inlines them where it pays, and
 inlined into every site they made the kernels compile a fifth slower for no measurable speed
-(docs/performance.md, "Figures behind the code"). Random bits: ``row_hash`` once per row,
-then ``random_words`` (one splitmix64 round per four unit columns, 16 bits each).
+(docs/performance.md, "Figures behind the code"). The in-place kernels, whose guard checks
+each value before it is rounded, call ``round_bf16_finite`` / ``round_f16_finite``: the same
+bits without the NaN case (a compare and a select per vector). Random bits: ``row_hash`` once
+per row, then ``random_words`` (one splitmix64 round per four unit columns, 16 bits each).
 ``widen_rows`` gathers rows widened to float32 for deduplicated evaluation lookups.
 """
 
@@ -35,7 +37,9 @@ __all__ = [
     "widen_bf16",
     "widen_f16",
     "round_bf16",
+    "round_bf16_finite",
     "round_f16",
+    "round_f16_finite",
     "round_bits",
     "widen_bits",
     "widen_rows",
@@ -153,24 +157,40 @@ def widen_f16(h):
 
 
 @kernel()
+def round_bf16_finite(x, bits):
+    """``round_bf16`` of a float32 ``x`` that is not NaN (a NaN's bits may carry into its sign:
+    garbage). For kernels whose guard puts back any row with a NaN before rounding."""
+    u = bits_from_f32(np.float32(x))
+    return np.uint16((u + (np.uint32(bits) & np.uint32(0xFFFF))) >> np.uint32(16))
+
+
+@kernel()
 def round_bf16(x, bits):
     """float32 ``x`` stochastically rounded to bfloat16 with the 16 random ``bits``: its bits.
     Only a NaN's bits could carry past 32 bits, and NaN is set apart."""
     u = bits_from_f32(np.float32(x))
-    rounded = np.uint16((u + (np.uint32(bits) & np.uint32(0xFFFF))) >> np.uint32(16))
     nan = np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-    return nan if x != x else rounded
+    return nan if x != x else round_bf16_finite(x, bits)
 
 
 @kernel()
 def round_f16(x, bits):
     """float32 ``x`` stochastically rounded to float16 with the 16 random ``bits``: its bits."""
     x = np.float32(x)
+    if x != x:
+        sign = np.uint16((bits_from_f32(x) >> np.uint32(16)) & np.uint32(0x8000))
+        return np.uint16(0x7E00) | sign
+    return round_f16_finite(x, bits)
+
+
+@kernel()
+def round_f16_finite(x, bits):
+    """``round_f16`` of a float32 ``x`` that is not NaN (a NaN gives garbage), as
+    ``round_bf16_finite``."""
+    x = np.float32(x)
     u = bits_from_f32(x)
     b16 = np.uint32(bits) & np.uint32(0xFFFF)
     sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
-    if x != x:
-        return np.uint16(0x7E00) | sign
     a = abs(x)
     if a < np.float32(2.0**-14):
         m = a * np.float32(16777216.0)
