@@ -91,12 +91,12 @@ def test_training_and_lookup_only_pool_with_the_same_index_types(monkeypatch):
     eng.lookup(feats)
     eng.lookup(feats, training=False)
     assert train and bags
-    # prepare_and_pool(order, threads, fmeta, ids, offsets, weights, ..., tmeta, fdata, quant,
-    # prefetch, probe_chunk); pool_features(threads, fmeta, ids, offsets, weights, tmeta, fdata,
-    # quant, prefetch, bad): the arrays the pooling tasks read.
-    assert train[0][2:6] == bags[0][1:5], (train[0][2:6], bags[0][1:5])
+    # prepare_and_pool(order, threads, fmeta, offsets, weights, ..., tmeta, fdata, quant,
+    # prefetch, probe_chunk); pool_features(threads, fmeta, offsets, weights, tmeta, fdata,
+    # quant, prefetch, bad): the arrays the pooling tasks read (ids: at fmeta's addresses).
+    assert train[0][2:5] == bags[0][1:4], (train[0][2:5], bags[0][1:4])
     assert train[0][-5:-1] == bags[0][-5:-1], (train[0][-5:-1], bags[0][-5:-1])
-    assert all(not t.mutable for t in train[0][3:6])
+    assert all(not t.mutable for t in train[0][3:5])
 
 
 @pytest.mark.parametrize("policy", ["error", "skip_row"])

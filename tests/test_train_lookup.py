@@ -183,6 +183,39 @@ def _wide_engine(**kwargs):
     return ee.EmbeddingEngine(feats, optimizer=opt.Adagrad(0.1), **kwargs), feats
 
 
+def test_a_training_lookup_reads_each_feature_s_ids_where_they_are(monkeypatch):
+    """The region reads each feature's int64 ids at their own address (``prepare.F_IDS``): no
+    copy of them all into one array. Ids of another dtype or layout are read from a converted
+    copy, with the same results as preprocess() then lookup(batch)."""
+    from embengine.kernels import prepare
+
+    seen = []
+    real = train_lookup.prepare_and_pool
+
+    def spy(*args, **kwargs):
+        seen.append(args[2][:, prepare.F_IDS].copy())  # fmeta
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_lookup, "prepare_and_pool", spy)
+    eng, feats = _wide_engine()
+    rng = np.random.default_rng(3)
+    lengths = {name: rng.integers(0, 4, 100) for name in feats}
+    ids = {
+        name: rng.integers(0, fc.table.vocabulary_size, int(lengths[name].sum()))
+        for name, fc in feats.items()
+    }
+    values = {name: ee.Ragged(ids[name], lengths=lengths[name]) for name in feats}
+    eng.lookup(values)
+    assert list(seen[0]) == [ids[name].ctypes.data for name in feats]
+    monkeypatch.setattr(train_lookup, "prepare_and_pool", real)
+    odd = dict(values)
+    odd["d64"] = ee.Ragged(ids["d64"].astype(np.int32), lengths=lengths["d64"])
+    wide = np.repeat(ids["d16"], 2)[::2]  # a strided view of the same ids
+    assert not wide.flags.c_contiguous
+    odd["d16"] = ee.Ragged(wide, lengths=lengths["d16"])
+    _assert_fused_equals_apart(eng, odd)
+
+
 @pytest.mark.parametrize("case", ["no samples", "a table without ids", "mmap", "big batch"])
 def test_training_lookup_edge_cases_equal_preprocess_then_lookup(case, tmp_path):
     kwargs = dict(storage="mmap", storage_dir=tmp_path) if case == "mmap" else {}

@@ -48,14 +48,15 @@ POOLED_BATCH_BYTES = 16 << 20
 
 def _feature_inputs(parts_per_table: list[list[FeaturePart]]):
     """The kernels' view of a batch's features: (fmeta [features, prepare.F_COLS], occ_base
-    [tables + 1], out_base [tables + 1], (ids, offsets, weights) as lists of the features'
+    [tables + 1], out_base [tables + 1], the features' ids (int64, contiguous: the arrays at
+    the addresses in fmeta, to hold for the call), (offsets, weights) as lists of the features'
     arrays and their total lengths)."""
     parts = [p for ps in parts_per_table for p in ps]
     n_tables = len(parts_per_table)
     fmeta = np.empty((len(parts), kp.F_COLS), dtype=np.int64)
     occ_base = np.zeros(n_tables + 1, dtype=np.int64)
     out_base = np.zeros(n_tables + 1, dtype=np.int64)
-    id_base = off_base = w_base = 0
+    off_base = w_base = 0
     ids, offsets, weights = [], [], []
     f = 0
     for t, ps in enumerate(parts_per_table):
@@ -63,9 +64,10 @@ def _feature_inputs(parts_per_table: list[list[FeaturePart]]):
         for p in ps:
             r = p.ragged
             has_w = r.weights is not None and not p.seq_len
+            ids.append(np.ascontiguousarray(r.ids, dtype=np.int64))
             fmeta[f] = (
                 t,
-                id_base,
+                ids[-1].ctypes.data,
                 off_base,
                 r.num_samples,
                 w_base if has_w else -1,
@@ -74,9 +76,7 @@ def _feature_inputs(parts_per_table: list[list[FeaturePart]]):
                 p.out_start,
                 p.member,
             )
-            ids.append(r.ids)
             offsets.append(r.offsets)
-            id_base += len(r.ids)
             off_base += len(r.offsets)
             if has_w:
                 weights.append(r.weights)
@@ -85,7 +85,7 @@ def _feature_inputs(parts_per_table: list[list[FeaturePart]]):
             f += 1
         occ_base[t + 1] = occ_base[t] + n_occ
         out_base[t + 1] = out_base[t] + sum(p.num_outputs for p in ps)
-    return fmeta, occ_base, out_base, (ids, offsets, weights), (id_base, off_base, w_base)
+    return fmeta, occ_base, out_base, ids, (offsets, weights), (off_base, w_base)
 
 
 class _BatchPlan:
@@ -94,15 +94,16 @@ class _BatchPlan:
 
     def __init__(self, parts_per_table: list[list[FeaturePart]], memory: BlockPool | None):
         n_tables = len(parts_per_table)
-        fmeta, occ_base, out_base, (ids, offsets, weights), (id_base, off_base, w_base) = (
-            _feature_inputs(parts_per_table)
+        fmeta, occ_base, out_base, ids, (offsets, weights), (off_base, w_base) = _feature_inputs(
+            parts_per_table
         )
         n_features = fmeta.shape[0]
         n = int(occ_base[-1])
         n_out = int(out_base[-1])
         i64, f32 = np.int64, np.float32
         # The inputs, concatenated, live for the kernel call; the outputs as long as the batch.
-        inputs = ((id_base, i64), (off_base, i64), (w_base, f32))
+        # The ids stay where they are (fmeta's F_IDS): ``feature_ids`` holds them.
+        inputs = ((off_base, i64), (w_base, f32))
         outputs = (
             (n, i64),
             (n, f32),
@@ -127,10 +128,11 @@ class _BatchPlan:
             inp = [carve.empty(k, dt) for k, dt in inputs]
             carve = Carver(memory.take(out_bytes))
             out = [carve.empty(k, dt) for k, dt in outputs]
-        for parts_list, dest in zip((ids, offsets, weights), inp, strict=True):
+        for parts_list, dest in zip((offsets, weights), inp, strict=True):
             if parts_list:
                 np.concatenate(parts_list, out=dest)
         self.n_tables = n_tables
+        self.feature_ids = ids
         self.fmeta, self.occ_base, self.out_base = fmeta, occ_base, out_base
         # Per table: where its logical tables' unique-id bounds start (its first feature + t)
         # and each logical table's row offset in the storage plan (identity_rows).
@@ -762,14 +764,10 @@ class NumbaBackend:
     def _pool_together(self, tables, batches, quantizations, together, outs) -> None:
         """``lookup_tables``' one region: the lookup-only batches of ``together``'s tables."""
         parts_per_table = [list(batches[t].parts) for t, _ in together]
-        fmeta, _, _, inputs, _ = _feature_inputs(parts_per_table)
-        # The ids stay where they are (the kernel reads each feature's at its address, FD_IDS):
-        # concatenating W1's 655,360 cost ~0.7 ms a lookup. Offsets and weights are small.
-        feature_ids = [np.ascontiguousarray(i, dtype=np.int64) for i in inputs[0]]
-        ids = frozen(np.zeros(0, np.int64))
+        fmeta, _, _, feature_ids, inputs, _ = _feature_inputs(parts_per_table)
         offsets, weights = (
             frozen(np.concatenate(a).astype(dt, copy=False) if a else np.zeros(0, dt))
-            for a, dt in zip(inputs[1:], (np.int64, np.float32), strict=True)
+            for a, dt in zip(inputs, (np.int64, np.float32), strict=True)
         )
         tmeta = np.zeros((len(together), train_lookup.T_COLS), dtype=np.int64)
         fdata = np.zeros((fmeta.shape[0], train_lookup.FD_COLS), dtype=np.int64)
@@ -783,7 +781,6 @@ class NumbaBackend:
             tmeta[i, :6] = _table_columns(data, table.dim, out)
             quant[i] = _quantization_row(quantizations[t])
             for p in batches[t].parts:
-                fdata[f, train_lookup.FD_IDS] = feature_ids[f].ctypes.data
                 fdata[f, train_lookup.FD_VOCAB] = p.vocabulary_size or 0
                 if index is None:  # rows are ids from the logical table's base row
                     fdata[f, :2] = _rows_from(data, table.row_bases[p.member])
@@ -811,7 +808,6 @@ class NumbaBackend:
         kernel(
             nb.get_num_threads(),
             fmeta,
-            ids,
             offsets,
             weights,
             tmeta,

@@ -15,13 +15,15 @@ import numba as nb
 import numpy as np
 
 from . import kernel
-from ._intrinsics import prefetch_line
+from ._intrinsics import prefetch_line, readonly_int64_at
 
 COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}
 SUM, MEAN, SQRTN = COMBINER_CODES["sum"], COMBINER_CODES["mean"], COMBINER_CODES["sqrtn"]
 
-# Columns of the per-feature metadata array.
-F_TABLE, F_ID_BASE, F_OFF_BASE, F_SAMPLES, F_W_BASE, F_COMBINER, F_SEQ, F_OUT_START = range(8)
+# Columns of the per-feature metadata array. F_IDS: the address of the feature's ids (int64,
+# contiguous; the caller holds them for the call), read where they are: concatenated, every
+# step copied every id once more (docs/performance.md). Offsets and weights are concatenated.
+F_TABLE, F_IDS, F_OFF_BASE, F_SAMPLES, F_W_BASE, F_COMBINER, F_SEQ, F_OUT_START = range(8)
 F_MEMBER = 8  # the feature's logical table within its physical table (its dedup region)
 F_COLS = 9
 
@@ -56,20 +58,26 @@ def bag_gain(w, combiner, denom):
 
 
 @kernel()
-def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments, cursor):
+def feature_ids(f, fmeta, n_ids):
+    """Feature ``f``'s ``n_ids`` ids, read-only, at their address (``fmeta[f, F_IDS]``)."""
+    return readonly_int64_at(fmeta[f, F_IDS], n_ids)
+
+
+@kernel()
+def _fill_occurrences(fmeta, f, offsets, weights, occ_ids, gains, segments, cursor):
     """Append feature f's occurrences at ``cursor``; return the new cursor."""
-    id_base = fmeta[f, F_ID_BASE]
     off_base = fmeta[f, F_OFF_BASE]
     w_base = fmeta[f, F_W_BASE]
     combiner = fmeta[f, F_COMBINER]
     seq = fmeta[f, F_SEQ]
     out_start = fmeta[f, F_OUT_START]
+    ids = feature_ids(f, fmeta, offsets[off_base + fmeta[f, F_SAMPLES]])
     for b in range(fmeta[f, F_SAMPLES]):
         start = offsets[off_base + b]
         stop = offsets[off_base + b + 1]
         if seq > 0:
             for k in range(start, min(stop, start + seq)):
-                occ_ids[cursor] = ids[id_base + k]
+                occ_ids[cursor] = ids[k]
                 gains[cursor] = 1.0
                 segments[cursor] = out_start + b * seq + (k - start)
                 cursor += 1
@@ -77,7 +85,7 @@ def _fill_occurrences(fmeta, f, ids, offsets, weights, occ_ids, gains, segments,
         denom = bag_denominator(weights, w_base, start, stop, combiner)
         for k in range(start, stop):
             w = 1.0 if w_base < 0 else np.float64(weights[w_base + k])
-            occ_ids[cursor] = ids[id_base + k]
+            occ_ids[cursor] = ids[k]
             gains[cursor] = bag_gain(w, combiner, denom)
             segments[cursor] = out_start + b
             cursor += 1
@@ -208,7 +216,6 @@ def prepare_tables(
     order,
     bounds,
     fmeta,
-    ids,
     offsets,
     weights,
     occ_base,
@@ -234,7 +241,6 @@ def prepare_tables(
             _prepare_table(
                 order[i_table],
                 fmeta,
-                ids,
                 offsets,
                 weights,
                 occ_base,
@@ -256,7 +262,6 @@ def prepare_tables(
 @kernel()
 def prepare_tables_serial(
     fmeta,
-    ids,
     offsets,
     weights,
     occ_base,
@@ -281,7 +286,6 @@ def prepare_tables_serial(
         _prepare_table(
             t,
             fmeta,
-            ids,
             offsets,
             weights,
             occ_base,
@@ -304,7 +308,6 @@ def prepare_tables_serial(
 def _prepare_table(
     t,
     fmeta,
-    ids,
     offsets,
     weights,
     occ_base,
@@ -339,9 +342,7 @@ def _prepare_table(
     n_regions = 0
     for f in range(fmeta.shape[0]):
         if fmeta[f, F_TABLE] == t:
-            cursor = _fill_occurrences(
-                fmeta, f, ids, offsets, weights, occ_ids, gains, segments, cursor
-            )
+            cursor = _fill_occurrences(fmeta, f, offsets, weights, occ_ids, gains, segments, cursor)
             run_bounds[i + 1] = cursor - lo
             # A logical table's features are consecutive (batch.plan_tables): one region each.
             run_regions[i] = fmeta[f, F_MEMBER]

@@ -34,7 +34,6 @@ from ._intrinsics import (
     float32_rows_at,
     int32_rows_at,
     int64_rows_at,
-    readonly_int64_at,
     stack_row,
     uint8_rows_at,
     uint16_rows_at,
@@ -43,7 +42,6 @@ from .keyed_index import RECORD_COLS, find_range, touch
 from .lookup import ROWS_PER_TASK, _pool_rows, pool_range, pool_range_16
 from .prepare import (
     F_COMBINER,
-    F_ID_BASE,
     F_OFF_BASE,
     F_OUT_START,
     F_SAMPLES,
@@ -51,6 +49,7 @@ from .prepare import (
     F_TABLE,
     F_W_BASE,
     _prepare_table,
+    feature_ids,
 )
 
 # Columns of the per-table array ``tmeta``: the table's memory (address, rows, row width in
@@ -81,14 +80,13 @@ PR_COLS = 4
 # address of a byte per row, 1 for a row that pools as absent (0: none) and their number.
 FD_DATA, FD_ROWS, FD_INDEX, FD_INDEX_SLOTS, FD_ROW_BITS, FD_RECORDS = range(6)
 FD_DEAD, FD_DEAD_ROWS = 6, 7
-# A lookup-only batch's feature (``pool_features``): the address of its ids (0: they are in the
-# concatenated ``ids``, from its F_ID_BASE), and its logical table's vocabulary size, against
-# which the kernel range-checks its ids (0: no check, e.g. keys).
-FD_IDS, FD_VOCAB = 8, 9
+# A lookup-only batch's feature (``pool_features``): its logical table's vocabulary size,
+# against which the kernel range-checks its ids (0: no check, e.g. keys).
+FD_VOCAB = 8
 # A training lookup's feature of a table of 16-bit weights, pooled in the region from its
 # uint16 rows (``_pool_task_half``): their kind (precision.BF16 / F16; F32, 0: float32 rows).
-FD_KIND = 10
-FD_COLS = 11
+FD_KIND = 9
+FD_COLS = 10
 # Columns of the per-table array ``pmeta`` of ``pool_tables``: the rows pooled from (address,
 # rows, row width in elements, dim), the activation matrix (address, rows), where the table's
 # rows start in ``rows``, its occurrences start in ``inverse`` and ``gains``, its CSR in
@@ -124,15 +122,7 @@ def pool_tasks(fmeta, fdata):
 
 
 @kernel()
-def _feature_ids(f, fmeta, ids, n_ids, fdata):
-    """Feature ``f``'s ``n_ids`` ids: at their own address (``FD_IDS``), or in ``ids``."""
-    if fdata[f, FD_IDS] != 0:
-        return readonly_int64_at(fdata[f, FD_IDS], n_ids)
-    return ids[fmeta[f, F_ID_BASE] : fmeta[f, F_ID_BASE] + n_ids]
-
-
-@kernel()
-def _ids_in_range(f, first, stop, fmeta, ids, offsets, fdata):
+def _ids_in_range(f, first, stop, fmeta, offsets, fdata):
     """Whether the ids of samples ``first:stop`` of feature ``f`` lie in ``[0, FD_VOCAB)``
     (the vocabulary of its logical table; 0: no check). Read just before they are pooled, so
     the pass costs no extra trip to memory."""
@@ -141,7 +131,7 @@ def _ids_in_range(f, first, stop, fmeta, ids, offsets, fdata):
         return True
     n = fmeta[f, F_SAMPLES]
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
-    f_ids = _feature_ids(f, fmeta, ids, f_offsets[n], fdata)
+    f_ids = feature_ids(f, fmeta, f_offsets[n])
     bad = False
     for k in range(f_offsets[first], f_offsets[stop]):
         bad |= np.uint64(f_ids[k]) >= np.uint64(vocab)  # a negative id is huge as uint64
@@ -149,7 +139,7 @@ def _ids_in_range(f, first, stop, fmeta, ids, offsets, fdata):
 
 
 @kernel()
-def _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata):
+def _task_args(f, first, stop, fmeta, offsets, weights, tmeta, quant, prefetch, fdata):
     """``lookup.pool_range``'s arguments after the rows and the width, for samples
     ``first:stop`` of feature ``f`` straight from its ids (as ``lookup.pool_bags`` pools)."""
     t = fmeta[f, F_TABLE]
@@ -158,7 +148,7 @@ def _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefe
     n_ids = f_offsets[n]
     w_base = fmeta[f, F_W_BASE]
     return (
-        _feature_ids(f, fmeta, ids, n_ids, fdata),
+        feature_ids(f, fmeta, n_ids),
         f_offsets,
         weights[w_base : w_base + n_ids] if w_base >= 0 else weights[:0],
         fmeta[f, F_COMBINER],
@@ -173,18 +163,18 @@ def _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefe
 
 
 @kernel()
-def _pool_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+def _pool_task(f, first, stop, fmeta, offsets, weights, tmeta, fdata, quant, prefetch):
     """Samples ``first:stop`` of feature ``f`` into its table's activation matrix, straight from
     the ids (``lookup.pool_range``, as ``lookup.pool_bags`` does), which index the rows of its
     logical table from its base address on."""
     t = fmeta[f, F_TABLE]
     data = float32_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], tmeta[t, T_WIDTH])
-    args = _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata)
+    args = _task_args(f, first, stop, fmeta, offsets, weights, tmeta, quant, prefetch, fdata)
     pool_range(data, tmeta[t, T_DIM], *args)
 
 
 @kernel()
-def _pool_task_half(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+def _pool_task_half(f, first, stop, fmeta, offsets, weights, tmeta, fdata, quant, prefetch):
     """``_pool_task`` for a feature of a table of 16-bit weights (``fdata[f, FD_KIND]``, BF16
     or F16): its uint16 rows, each value widened as it is read, as ``pool_tables`` pools them
     after the region (the same bits). A function of its own, compiled only by the region
@@ -192,12 +182,12 @@ def _pool_task_half(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, 
     t = fmeta[f, F_TABLE]
     # T_WIDTH counts the row's float32 columns (its float32 view): two uint16 units each.
     data = uint16_rows_at(fdata[f, FD_DATA], fdata[f, FD_ROWS], 2 * tmeta[t, T_WIDTH])
-    args = _task_args(f, first, stop, fmeta, ids, offsets, weights, tmeta, quant, prefetch, fdata)
+    args = _task_args(f, first, stop, fmeta, offsets, weights, tmeta, quant, prefetch, fdata)
     pool_range_16(data, tmeta[t, T_DIM], args, fdata[f, FD_KIND])
 
 
 @kernel()
-def _probed_rows(f, first, stop, fmeta, ids, offsets, fdata):
+def _probed_rows(f, first, stop, fmeta, offsets, fdata):
     """The rows of the keys of samples ``first:stop`` of keyed feature ``f``, one per id (-1:
     none), probed into a row array of the task's own (``keyed_index.find_range``: misses
     overlapped by prefetching), rows flagged in ``FD_DEAD`` dropped."""
@@ -207,7 +197,7 @@ def _probed_rows(f, first, stop, fmeta, ids, offsets, fdata):
     f_offsets = offsets[fmeta[f, F_OFF_BASE] : fmeta[f, F_OFF_BASE] + n + 1]
     lo = f_offsets[first]
     hi = f_offsets[stop]
-    f_ids = _feature_ids(f, fmeta, ids, f_offsets[n], fdata)
+    f_ids = feature_ids(f, fmeta, f_offsets[n])
     rows = np.empty(hi - lo, dtype=np.int64)
     find_range(slots, keys, fdata[f, FD_ROW_BITS], f_ids[lo:hi], rows, 0, hi - lo)
     if fdata[f, FD_DEAD] != 0:
@@ -281,12 +271,12 @@ def _keyed_task_args(f, first, stop, rows, fmeta, offsets, weights, tmeta, fdata
 
 
 @kernel()
-def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch):
+def _pool_keyed_task(f, first, stop, fmeta, offsets, weights, tmeta, fdata, quant, prefetch):
     """``_pool_task`` for a feature whose ids are keys: the task's keys probed first
     (``_probed_rows``), then pooled from their rows. An evaluation lookup has no
     deduplication pass that could have probed them, and a task's probes keep both threads
     busy where a probe of the whole batch ran on one."""
-    rows = _probed_rows(f, first, stop, fmeta, ids, offsets, fdata)
+    rows = _probed_rows(f, first, stop, fmeta, offsets, fdata)
     pool_range(
         *_keyed_task_args(
             f, first, stop, rows, fmeta, offsets, weights, tmeta, fdata, quant, prefetch
@@ -295,7 +285,7 @@ def _pool_keyed_task(f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata,
 
 
 @kernel(parallel=True)
-def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch, bad):
+def pool_features(n_workers, fmeta, offsets, weights, tmeta, fdata, quant, prefetch, bad):
     """A lookup-only batch of every table with an address in ``fdata`` (their ids are rows):
     ``prepare_and_pool``'s pooling tasks alone, claimed from one counter by ``n_workers``
     workers. A task whose ids are not all in their feature's vocabulary (``FD_VOCAB``) pools
@@ -308,7 +298,7 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
             if i >= tasks.shape[0]:
                 break
             f = tasks[i, 0]
-            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, ids, offsets, fdata):
+            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, offsets, fdata):
                 bad[f] = 1
                 continue
             _pool_task(
@@ -316,7 +306,6 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
                 tasks[i, 1],
                 tasks[i, 2],
                 fmeta,
-                ids,
                 offsets,
                 weights,
                 tmeta,
@@ -327,9 +316,7 @@ def pool_features(n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, 
 
 
 @kernel(parallel=True)
-def pool_keyed_features(
-    n_workers, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch, bad
-):
+def pool_keyed_features(n_workers, fmeta, offsets, weights, tmeta, fdata, quant, prefetch, bad):
     """``pool_features`` for a batch with keyed features too (``fdata[f, FD_INDEX]``), whose
     tasks probe their keys first (``_pool_keyed_task``). A kernel of its own, so that an engine
     without keyed tables never compiles the keyed pooling (its row arrays are writable, so
@@ -341,9 +328,9 @@ def pool_keyed_features(
             i = fetch_add(counter, 0, 1)
             if i >= tasks.shape[0]:
                 break
-            args = (fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch)
+            args = (fmeta, offsets, weights, tmeta, fdata, quant, prefetch)
             f = tasks[i, 0]
-            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, ids, offsets, fdata):
+            if not _ids_in_range(f, tasks[i, 1], tasks[i, 2], fmeta, offsets, fdata):
                 bad[f] = 1
                 continue
             if fdata[tasks[i, 0], FD_INDEX] != 0:
@@ -414,7 +401,6 @@ def _make_prepare_and_pool(keyed: bool, half: bool):
         prep_order,
         n_workers,
         fmeta,
-        ids,
         offsets,
         weights,
         occ_base,
@@ -453,7 +439,6 @@ def _make_prepare_and_pool(keyed: bool, half: bool):
                     _prepare_table(
                         t,
                         fmeta,
-                        ids,
                         offsets,
                         weights,
                         occ_base,
@@ -530,7 +515,7 @@ def _make_prepare_and_pool(keyed: bool, half: bool):
                             output_offsets,
                         )
                     else:
-                        rows = _probed_rows(f, first, stop, fmeta, ids, offsets, fdata)
+                        rows = _probed_rows(f, first, stop, fmeta, offsets, fdata)
                     a = _keyed_task_args(
                         f,
                         first,
@@ -548,12 +533,10 @@ def _make_prepare_and_pool(keyed: bool, half: bool):
                     continue
                 if half and fdata[f, FD_KIND] != F32:
                     _pool_task_half(
-                        f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
+                        f, first, stop, fmeta, offsets, weights, tmeta, fdata, quant, prefetch
                     )
                     continue
-                _pool_task(
-                    f, first, stop, fmeta, ids, offsets, weights, tmeta, fdata, quant, prefetch
-                )
+                _pool_task(f, first, stop, fmeta, offsets, weights, tmeta, fdata, quant, prefetch)
 
     return prepare_and_pool
 
